@@ -1,0 +1,157 @@
+//! The `meta` backend: no data, no compute.
+//!
+//! Its buffers are `()`. The engine runs exactly the same code on it as on cpu,
+//! so the tracker sees exactly the same allocations; op costs (FLOPs, bytes) are
+//! counted by the engine's device layer, not here.
+
+use super::{AdamHyper, AttnShape, Backend, DType};
+
+#[derive(Clone, Debug, Default)]
+pub struct MetaBackend {
+    /// The backend whose declared workspace meta reproduces.
+    workspace: usize,
+}
+
+impl MetaBackend {
+    /// A meta backend that predicts the cpu backend (same declared workspace).
+    pub fn emulating_cpu() -> Self {
+        MetaBackend {
+            workspace: super::cpu::CPU_WORKSPACE_BYTES,
+        }
+    }
+}
+
+impl Backend for MetaBackend {
+    type Buf = ();
+
+    fn name(&self) -> &'static str {
+        "meta"
+    }
+    fn holds_data(&self) -> bool {
+        false
+    }
+    fn alloc(&mut self, _len: usize, _dtype: DType) {}
+    fn free(&mut self, _buf: ()) {}
+    fn workspace_bytes(&self) -> usize {
+        self.workspace
+    }
+    fn upload_f32(&mut self, _dst: &mut (), _src: &[f32]) {}
+    fn upload_u32(&mut self, _dst: &mut (), _src: &[u32]) {}
+    fn download_f32(&self, _src: &()) -> Option<Vec<f32>> {
+        None
+    }
+    fn fill(&mut self, _buf: &mut (), _value: f32) {}
+    fn embed_forward(
+        &mut self,
+        _: &mut (),
+        _: &(),
+        _: &(),
+        _: Option<&()>,
+        _: usize,
+        _: usize,
+        _: usize,
+    ) {
+    }
+    fn embed_backward(
+        &mut self,
+        _: &mut (),
+        _: Option<&mut ()>,
+        _: &(),
+        _: &(),
+        _: usize,
+        _: usize,
+        _: usize,
+    ) {
+    }
+    fn layernorm_forward(
+        &mut self,
+        _: &mut (),
+        _: &mut (),
+        _: &mut (),
+        _: &(),
+        _: &(),
+        _: Option<&()>,
+        _: usize,
+        _: usize,
+        _: f32,
+    ) {
+    }
+    fn layernorm_backward(
+        &mut self,
+        _: &mut (),
+        _: &mut (),
+        _: Option<&mut ()>,
+        _: &(),
+        _: &(),
+        _: &(),
+        _: &(),
+        _: &(),
+        _: usize,
+        _: usize,
+    ) {
+    }
+    fn rmsnorm_forward(
+        &mut self,
+        _: &mut (),
+        _: &mut (),
+        _: &(),
+        _: &(),
+        _: usize,
+        _: usize,
+        _: f32,
+    ) {
+    }
+    fn rmsnorm_backward(
+        &mut self,
+        _: &mut (),
+        _: &mut (),
+        _: &(),
+        _: &(),
+        _: &(),
+        _: &(),
+        _: usize,
+        _: usize,
+    ) {
+    }
+    fn matmul_forward(
+        &mut self,
+        _: &mut (),
+        _: &(),
+        _: &(),
+        _: Option<&()>,
+        _: usize,
+        _: usize,
+        _: usize,
+    ) {
+    }
+    fn matmul_backward(
+        &mut self,
+        _: &mut (),
+        _: &mut (),
+        _: Option<&mut ()>,
+        _: &(),
+        _: &(),
+        _: &(),
+        _: usize,
+        _: usize,
+        _: usize,
+    ) {
+    }
+    fn gelu_forward(&mut self, _: &mut (), _: &(), _: usize) {}
+    fn gelu_backward(&mut self, _: &mut (), _: &(), _: usize) {}
+    fn swiglu_forward(&mut self, _: &mut (), _: &(), _: usize, _: usize) {}
+    fn swiglu_backward(&mut self, _: &mut (), _: &(), _: &(), _: usize, _: usize) {}
+    fn add(&mut self, _: &mut (), _: &(), _: &(), _: usize) {}
+    fn rope_forward(&mut self, _: &mut (), _: AttnShape, _: f32) {}
+    fn rope_backward(&mut self, _: &mut (), _: AttnShape, _: f32) {}
+    fn attention_forward(&mut self, _: &mut (), _: &mut (), _: &(), _: AttnShape) {}
+    fn attention_backward(&mut self, _: &mut (), _: &mut (), _: &(), _: &(), _: &(), _: AttnShape) {
+    }
+    fn crossentropy_forward(&mut self, _: &mut (), _: &(), _: &(), _: usize, _: usize, _: usize) {}
+    fn crossentropy_backward(&mut self, _: &mut (), _: &(), _: f32, _: usize, _: usize, _: usize) {}
+    fn sum_squares(&mut self, _: &(), _: usize) -> Option<f64> {
+        None
+    }
+    fn adamw_update(&mut self, _: &mut (), _: &(), _: &mut (), _: &mut (), _: usize, _: AdamHyper) {
+    }
+}

@@ -1,0 +1,382 @@
+//! The compute backends behind one trait.
+//!
+//! The engine owns the schedule: it decides what to allocate, in which category,
+//! and which op runs when. A backend only stores buffers and runs ops on them.
+//! That is why the engine's memory accounting is identical on every backend.
+//!
+//! * [`cpu::CpuBackend`] computes for real, multithreaded, GEMMs through the `gemm` crate.
+//! * [`meta::MetaBackend`] stores nothing and computes nothing; its buffers are `()`.
+//!
+//! Ops follow the llm.c convention: flat buffers, shapes passed explicitly, and
+//! the shape of every argument in the doc comment. Linear weights use PyTorch's
+//! `(out_features, in_features)` layout. A CUDA backend fits the same trait:
+//! `Buf` becomes a device slice, ops launch kernels on the backend's stream,
+//! `gemm`-shaped ops map onto cuBLAS, and `download_*` is the only host sync.
+
+pub mod cpu;
+pub mod meta;
+
+use std::fmt;
+
+use serde::Serialize;
+
+/// Element type of a device buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F32,
+    /// Token ids.
+    U32,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 | DType::U32 => 4,
+        }
+    }
+}
+
+/// Shape of one attention call: `B` sequences of `T` tokens, `n_head` query heads,
+/// `n_kv_head` key/value heads (grouped-query attention when fewer), `head_dim` each.
+/// The packed `qkv` layout per token is `[q: n_head*hd | k: n_kv_head*hd | v: n_kv_head*hd]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnShape {
+    pub b: usize,
+    pub t: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub head_dim: usize,
+}
+
+impl AttnShape {
+    /// Width of one token's packed q|k|v row.
+    pub fn qkv_width(&self) -> usize {
+        (self.n_head + 2 * self.n_kv_head) * self.head_dim
+    }
+    /// Width of the attention output row (all query heads).
+    pub fn out_width(&self) -> usize {
+        self.n_head * self.head_dim
+    }
+}
+
+/// One backend. `Buf` is its device buffer; ops take buffers and explicit shapes.
+///
+/// Conventions: `n` is the number of rows (tokens, `B*T`); arguments named `d*`
+/// are gradients. Unless an op says "accumulates", it overwrites its outputs.
+pub trait Backend {
+    type Buf;
+
+    fn name(&self) -> &'static str;
+
+    /// Whether buffers hold data. `false` on meta, where the engine skips
+    /// producing host data (initial weights, tokens) that would go nowhere.
+    fn holds_data(&self) -> bool {
+        true
+    }
+
+    /// A zero-filled buffer of `len` elements.
+    fn alloc(&mut self, len: usize, dtype: DType) -> Self::Buf;
+    fn free(&mut self, buf: Self::Buf);
+
+    /// Bytes of backend-internal scratch this backend needs; the engine allocates
+    /// them once as `workspace`.
+    fn workspace_bytes(&self) -> usize;
+
+    fn upload_f32(&mut self, dst: &mut Self::Buf, src: &[f32]);
+    fn upload_u32(&mut self, dst: &mut Self::Buf, src: &[u32]);
+    /// The buffer's contents, or `None` on a backend that holds no data.
+    fn download_f32(&self, src: &Self::Buf) -> Option<Vec<f32>>;
+
+    fn fill(&mut self, buf: &mut Self::Buf, value: f32);
+
+    /// `out (N,C) = wte[tokens] (+ wpe[pos])`, tokens `(B,T)` flattened to N, wte `(V,C)`, wpe `(maxT,C)`.
+    fn embed_forward(
+        &mut self,
+        out: &mut Self::Buf,
+        tokens: &Self::Buf,
+        wte: &Self::Buf,
+        wpe: Option<&Self::Buf>,
+        n: usize,
+        t: usize,
+        c: usize,
+    );
+    /// Accumulates `dwte[tokens] += dout` and `dwpe[pos] += dout`.
+    #[allow(clippy::too_many_arguments)]
+    fn embed_backward(
+        &mut self,
+        dwte: &mut Self::Buf,
+        dwpe: Option<&mut Self::Buf>,
+        dout: &Self::Buf,
+        tokens: &Self::Buf,
+        n: usize,
+        t: usize,
+        c: usize,
+    );
+
+    /// LayerNorm over the last dim: `out (N,C)`, saves `mean (N)`, `rstd (N)`; `b` is optional.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_forward(
+        &mut self,
+        out: &mut Self::Buf,
+        mean: &mut Self::Buf,
+        rstd: &mut Self::Buf,
+        inp: &Self::Buf,
+        w: &Self::Buf,
+        b: Option<&Self::Buf>,
+        n: usize,
+        c: usize,
+        eps: f32,
+    );
+    /// Accumulates `dinp += ...`, `dw += ...`, `db += ...`.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_backward(
+        &mut self,
+        dinp: &mut Self::Buf,
+        dw: &mut Self::Buf,
+        db: Option<&mut Self::Buf>,
+        dout: &Self::Buf,
+        inp: &Self::Buf,
+        w: &Self::Buf,
+        mean: &Self::Buf,
+        rstd: &Self::Buf,
+        n: usize,
+        c: usize,
+    );
+
+    /// RMSNorm: `out (N,C) = inp * rstd * w`, saves `rstd (N)`.
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_forward(
+        &mut self,
+        out: &mut Self::Buf,
+        rstd: &mut Self::Buf,
+        inp: &Self::Buf,
+        w: &Self::Buf,
+        n: usize,
+        c: usize,
+        eps: f32,
+    );
+    /// Accumulates `dinp += ...`, `dw += ...`.
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_backward(
+        &mut self,
+        dinp: &mut Self::Buf,
+        dw: &mut Self::Buf,
+        dout: &Self::Buf,
+        inp: &Self::Buf,
+        w: &Self::Buf,
+        rstd: &Self::Buf,
+        n: usize,
+        c: usize,
+    );
+
+    /// `out (N,OC) = inp (N,C) @ w (OC,C)^T + bias (OC)`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_forward(
+        &mut self,
+        out: &mut Self::Buf,
+        inp: &Self::Buf,
+        w: &Self::Buf,
+        bias: Option<&Self::Buf>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    );
+    /// `dinp (N,C) = dout @ w` (overwrites), `dw (OC,C) += dout^T @ inp`, `dbias (OC) += sum_rows dout`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_backward(
+        &mut self,
+        dinp: &mut Self::Buf,
+        dw: &mut Self::Buf,
+        dbias: Option<&mut Self::Buf>,
+        dout: &Self::Buf,
+        inp: &Self::Buf,
+        w: &Self::Buf,
+        n: usize,
+        c: usize,
+        oc: usize,
+    );
+
+    /// tanh-approximated GELU, `out (N) = gelu(inp)`.
+    fn gelu_forward(&mut self, out: &mut Self::Buf, inp: &Self::Buf, n: usize);
+    /// In place: `dout := dout * gelu'(inp)`.
+    fn gelu_backward(&mut self, dout: &mut Self::Buf, inp: &Self::Buf, n: usize);
+
+    /// SwiGLU: `out (N,I) = silu(gu[:, :I]) * gu[:, I:]`, `gu (N,2I)`.
+    fn swiglu_forward(&mut self, out: &mut Self::Buf, gu: &Self::Buf, n: usize, i: usize);
+    /// `dgu (N,2I)` from `dout (N,I)` (overwrites).
+    fn swiglu_backward(
+        &mut self,
+        dgu: &mut Self::Buf,
+        dout: &Self::Buf,
+        gu: &Self::Buf,
+        n: usize,
+        i: usize,
+    );
+
+    /// `out (N) = a + b`.
+    fn add(&mut self, out: &mut Self::Buf, a: &Self::Buf, b: &Self::Buf, n: usize);
+
+    /// Rotary embedding in place on the q and k parts of `qkv (B,T,qkv_width)`,
+    /// HF "rotate_half" pairing (i, i + hd/2), frequencies `theta^(-2i/hd)`.
+    fn rope_forward(&mut self, qkv: &mut Self::Buf, s: AttnShape, theta: f32);
+    /// In place: rotates the q and k gradients back (the inverse rotation).
+    fn rope_backward(&mut self, dqkv: &mut Self::Buf, s: AttnShape, theta: f32);
+
+    /// Eager causal attention: saves the probabilities `att (B,H,T,T)`,
+    /// writes `out (B,T,H*hd)` from `qkv (B,T,qkv_width)`.
+    fn attention_forward(
+        &mut self,
+        out: &mut Self::Buf,
+        att: &mut Self::Buf,
+        qkv: &Self::Buf,
+        s: AttnShape,
+    );
+    /// `dqkv (B,T,qkv_width)` (overwrites) from `dout (B,T,H*hd)`; `datt (B,H,T,T)` is scratch.
+    fn attention_backward(
+        &mut self,
+        dqkv: &mut Self::Buf,
+        datt: &mut Self::Buf,
+        dout: &Self::Buf,
+        qkv: &Self::Buf,
+        att: &Self::Buf,
+        s: AttnShape,
+    );
+
+    /// Cross-entropy over the first `v` of `vp` columns of `logits (N,Vp)`:
+    /// `losses (N) = logsumexp(logits) - logits[target]`.
+    fn crossentropy_forward(
+        &mut self,
+        losses: &mut Self::Buf,
+        logits: &Self::Buf,
+        targets: &Self::Buf,
+        n: usize,
+        v: usize,
+        vp: usize,
+    );
+    /// In place: `logits := dloss * (softmax(logits) - onehot(target))`, padded columns 0.
+    fn crossentropy_backward(
+        &mut self,
+        logits: &mut Self::Buf,
+        targets: &Self::Buf,
+        dloss: f32,
+        n: usize,
+        v: usize,
+        vp: usize,
+    );
+
+    /// Sum of squares of `buf`, or `None` on a backend that holds no data.
+    fn sum_squares(&mut self, buf: &Self::Buf, n: usize) -> Option<f64>;
+
+    /// One AdamW step on `n` elements (Loshchilov & Hutter, decoupled weight decay):
+    /// `g = grad*grad_scale; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2;
+    /// param -= lr * (m*m_corr / (sqrt(v*v_corr) + eps) + weight_decay*param)`.
+    fn adamw_update(
+        &mut self,
+        param: &mut Self::Buf,
+        grad: &Self::Buf,
+        m: &mut Self::Buf,
+        v: &mut Self::Buf,
+        n: usize,
+        h: AdamHyper,
+    );
+}
+
+/// Per-step AdamW hyper-parameters, already resolved for this step.
+#[derive(Clone, Copy, Debug)]
+pub struct AdamHyper {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// Decoupled weight decay for this tensor (0 for 1-D tensors).
+    pub weight_decay: f32,
+    /// `1 / (1 - beta1^t)`.
+    pub m_corr: f32,
+    /// `1 / (1 - beta2^t)`.
+    pub v_corr: f32,
+    /// Multiplies the gradient first (global-norm clipping).
+    pub grad_scale: f32,
+}
+
+/// Which device to run on, parsed from `--device`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DeviceSpec {
+    pub kind: DeviceKind,
+    /// Emulated capacity in bytes (`cpu:limit=512MiB`).
+    pub limit: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    Cpu,
+    Meta,
+    Cuda,
+}
+
+impl fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DeviceKind::Cpu => "cpu",
+            DeviceKind::Meta => "meta",
+            DeviceKind::Cuda => "cuda",
+        })
+    }
+}
+
+impl std::str::FromStr for DeviceSpec {
+    type Err = String;
+
+    /// `cpu`, `meta`, `cuda`, each optionally `:limit=SIZE`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (kind, opts) = s.split_once(':').unwrap_or((s, ""));
+        let kind = match kind.trim() {
+            "cpu" => DeviceKind::Cpu,
+            "meta" => DeviceKind::Meta,
+            "cuda" => DeviceKind::Cuda,
+            other => {
+                return Err(format!(
+                    "unknown device `{other}`: expected cpu, meta or cuda, optionally with :limit=SIZE (e.g. cpu:limit=512MiB)"
+                ));
+            }
+        };
+        let mut limit = None;
+        for opt in opts.split(',').filter(|o| !o.trim().is_empty()) {
+            match opt.split_once('=') {
+                Some(("limit", v)) => limit = Some(crate::units::parse_bytes(v)?),
+                _ => {
+                    return Err(format!(
+                        "unknown device option `{opt}` in `{s}`: the only option is limit=SIZE (e.g. {kind}:limit=512MiB)"
+                    ));
+                }
+            }
+        }
+        Ok(DeviceSpec { kind, limit })
+    }
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.kind)?;
+        if let Some(l) = self.limit {
+            write!(f, ":limit={}", crate::units::fmt_bytes(l).replace(' ', ""))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_device_specs() {
+        let d: DeviceSpec = "cpu:limit=512MiB".parse().unwrap();
+        assert_eq!(d.kind, DeviceKind::Cpu);
+        assert_eq!(d.limit, Some(512 << 20));
+        assert_eq!("meta".parse::<DeviceSpec>().unwrap().limit, None);
+        assert!("tpu".parse::<DeviceSpec>().is_err());
+        assert!("cpu:size=1GiB".parse::<DeviceSpec>().is_err());
+    }
+}

@@ -1,0 +1,6 @@
+//! Configuration: model profiles (and later hardware profiles and recipes).
+
+pub mod model;
+pub mod profile;
+
+pub use model::{Family, ModelConfig};

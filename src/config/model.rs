@@ -1,0 +1,290 @@
+//! Model configuration: one struct for both families, and the parameter layout
+//! computed from it in one place (llm.c's `fill_in_parameter_sizes`).
+
+use serde::{Deserialize, Serialize};
+
+/// The two architectures the engine implements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    /// LayerNorm with bias, tanh-GELU MLP (4x), learned positions, biases, tied head.
+    Gpt2,
+    /// RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, no biases.
+    Llama,
+}
+
+/// A model profile (profiles/models/*.yaml).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub name: String,
+    pub family: Family,
+    /// Vocabulary size as published (before padding).
+    pub vocab_size: usize,
+    /// The embedding and head are padded to a multiple of this (gpt2: 64, as llm.c does).
+    #[serde(default = "one")]
+    pub pad_vocab_to: usize,
+    /// Maximum sequence length (gpt2: learned position table size).
+    pub max_seq_len: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    /// Key/value heads; fewer than `n_head` means grouped-query attention.
+    #[serde(default)]
+    pub n_kv_head: Option<usize>,
+    /// Hidden size C.
+    pub d_model: usize,
+    /// MLP inner size (gpt2: 4C; llama: its own intermediate_size).
+    #[serde(default)]
+    pub d_ff: Option<usize>,
+    /// RoPE base (llama only).
+    #[serde(default)]
+    pub rope_theta: Option<f32>,
+    /// Norm epsilon.
+    #[serde(default)]
+    pub norm_eps: Option<f32>,
+    /// Output head shares the token embedding (gpt2: always; llama-3.2-1b: yes).
+    #[serde(default)]
+    pub tie_embeddings: Option<bool>,
+}
+
+fn one() -> usize {
+    1
+}
+
+/// How one parameter tensor is initialised.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    /// Normal with this standard deviation.
+    Normal(f32),
+    Zeros,
+    Ones,
+}
+
+/// One parameter tensor: its name (HF-like), shape, and initialisation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub init: Init,
+}
+
+impl ParamSpec {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// Indices into the flat parameter list for one transformer block.
+/// `None` marks a tensor this family does not have (biases on llama).
+#[derive(Clone, Debug, Default)]
+pub struct BlockIndex {
+    pub ln1_w: usize,
+    pub ln1_b: Option<usize>,
+    /// Fused q|k|v projection, `(qkv_width, C)`.
+    pub qkv_w: usize,
+    pub qkv_b: Option<usize>,
+    pub o_w: usize,
+    pub o_b: Option<usize>,
+    pub ln2_w: usize,
+    pub ln2_b: Option<usize>,
+    /// gpt2: fc `(4C, C)`; llama: fused gate|up `(2I, C)`.
+    pub up_w: usize,
+    pub up_b: Option<usize>,
+    pub down_w: usize,
+    pub down_b: Option<usize>,
+}
+
+/// Where each parameter lives in the flat list.
+#[derive(Clone, Debug, Default)]
+pub struct ParamIndex {
+    pub wte: usize,
+    pub wpe: Option<usize>,
+    pub blocks: Vec<BlockIndex>,
+    pub lnf_w: usize,
+    pub lnf_b: Option<usize>,
+    /// `None` when the head is tied to `wte`.
+    pub lm_head: Option<usize>,
+}
+
+impl ModelConfig {
+    pub fn n_kv_head(&self) -> usize {
+        self.n_kv_head.unwrap_or(self.n_head)
+    }
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_head
+    }
+    pub fn d_ff(&self) -> usize {
+        self.d_ff.unwrap_or(4 * self.d_model)
+    }
+    pub fn padded_vocab(&self) -> usize {
+        self.vocab_size.div_ceil(self.pad_vocab_to) * self.pad_vocab_to
+    }
+    pub fn tied(&self) -> bool {
+        self.tie_embeddings.unwrap_or(self.family == Family::Gpt2)
+    }
+    pub fn norm_eps(&self) -> f32 {
+        self.norm_eps.unwrap_or(match self.family {
+            Family::Gpt2 => 1e-5,
+            Family::Llama => 1e-5,
+        })
+    }
+    pub fn rope_theta(&self) -> f32 {
+        self.rope_theta.unwrap_or(10_000.0)
+    }
+    /// Width of the fused q|k|v projection output.
+    pub fn qkv_width(&self) -> usize {
+        (self.n_head + 2 * self.n_kv_head()) * self.head_dim()
+    }
+    /// Width of the first MLP projection output (gpt2: 4C; llama: gate|up = 2I).
+    pub fn up_width(&self) -> usize {
+        match self.family {
+            Family::Gpt2 => self.d_ff(),
+            Family::Llama => 2 * self.d_ff(),
+        }
+    }
+
+    /// Checks the dimensions fit together; the message names the offending field.
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("pad_vocab_to", self.pad_vocab_to),
+            ("max_seq_len", self.max_seq_len),
+            ("n_layer", self.n_layer),
+            ("n_head", self.n_head),
+            ("n_kv_head", self.n_kv_head()),
+            ("d_model", self.d_model),
+            ("d_ff", self.d_ff()),
+        ];
+        for (field, v) in positive {
+            if v == 0 {
+                return Err(format!("`{field}` must be positive"));
+            }
+        }
+        if !self.d_model.is_multiple_of(self.n_head) {
+            return Err(format!(
+                "`d_model` ({}) must be divisible by `n_head` ({})",
+                self.d_model, self.n_head
+            ));
+        }
+        if !self.n_head.is_multiple_of(self.n_kv_head()) {
+            return Err(format!(
+                "`n_head` ({}) must be a multiple of `n_kv_head` ({})",
+                self.n_head,
+                self.n_kv_head()
+            ));
+        }
+        match self.family {
+            Family::Gpt2 => {
+                if self.n_kv_head() != self.n_head {
+                    return Err("gpt2 has no grouped-query attention: drop `n_kv_head`".into());
+                }
+                if self.rope_theta.is_some() {
+                    return Err("gpt2 uses learned positions: drop `rope_theta`".into());
+                }
+                if self.tie_embeddings == Some(false) {
+                    return Err("gpt2 always ties its head to the token embedding".into());
+                }
+            }
+            Family::Llama => {
+                if !self.head_dim().is_multiple_of(2) {
+                    return Err(format!(
+                        "RoPE needs an even head dimension, got {}",
+                        self.head_dim()
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every parameter tensor, in order, with the index of each named one.
+    ///
+    /// Init follows GPT-2 (std 0.02; residual output projections scaled by
+    /// 1/sqrt(2*n_layer), as in the GPT-2 paper, section 2.3).
+    pub fn param_layout(&self) -> (Vec<ParamSpec>, ParamIndex) {
+        let c = self.d_model;
+        let gpt2 = self.family == Family::Gpt2;
+        let std = 0.02f32;
+        let resid_std = std / (2.0 * self.n_layer as f32).sqrt();
+        let mut specs = Vec::new();
+        let mut push = |name: String, shape: Vec<usize>, init: Init| {
+            specs.push(ParamSpec { name, shape, init });
+            specs.len() - 1
+        };
+        let mut idx = ParamIndex {
+            wte: push(
+                "wte".into(),
+                vec![self.padded_vocab(), c],
+                Init::Normal(std),
+            ),
+            ..Default::default()
+        };
+        if gpt2 {
+            idx.wpe = Some(push(
+                "wpe".into(),
+                vec![self.max_seq_len, c],
+                Init::Normal(std),
+            ));
+        }
+        for l in 0..self.n_layer {
+            let p = |s: &str| format!("h.{l}.{s}");
+            let ln1_w = push(p("ln_1.weight"), vec![c], Init::Ones);
+            let ln1_b = gpt2.then(|| push(p("ln_1.bias"), vec![c], Init::Zeros));
+            let qkv_w = push(
+                p("attn.qkv.weight"),
+                vec![self.qkv_width(), c],
+                Init::Normal(std),
+            );
+            let qkv_b = gpt2.then(|| push(p("attn.qkv.bias"), vec![self.qkv_width()], Init::Zeros));
+            let o_w = push(p("attn.o.weight"), vec![c, c], Init::Normal(resid_std));
+            let o_b = gpt2.then(|| push(p("attn.o.bias"), vec![c], Init::Zeros));
+            let ln2_w = push(p("ln_2.weight"), vec![c], Init::Ones);
+            let ln2_b = gpt2.then(|| push(p("ln_2.bias"), vec![c], Init::Zeros));
+            let up_w = push(
+                p("mlp.up.weight"),
+                vec![self.up_width(), c],
+                Init::Normal(std),
+            );
+            let up_b = gpt2.then(|| push(p("mlp.up.bias"), vec![self.up_width()], Init::Zeros));
+            let down_w = push(
+                p("mlp.down.weight"),
+                vec![c, self.d_ff()],
+                Init::Normal(resid_std),
+            );
+            let down_b = gpt2.then(|| push(p("mlp.down.bias"), vec![c], Init::Zeros));
+            idx.blocks.push(BlockIndex {
+                ln1_w,
+                ln1_b,
+                qkv_w,
+                qkv_b,
+                o_w,
+                o_b,
+                ln2_w,
+                ln2_b,
+                up_w,
+                up_b,
+                down_w,
+                down_b,
+            });
+        }
+        idx.lnf_w = push("ln_f.weight".into(), vec![c], Init::Ones);
+        idx.lnf_b = gpt2.then(|| push("ln_f.bias".into(), vec![c], Init::Zeros));
+        if !self.tied() {
+            idx.lm_head = Some(push(
+                "lm_head".into(),
+                vec![self.padded_vocab(), c],
+                Init::Normal(std),
+            ));
+        }
+        (specs, idx)
+    }
+
+    /// Parameters as published: the vocabulary is counted unpadded.
+    pub fn num_parameters(&self) -> u64 {
+        let (specs, idx) = self.param_layout();
+        let padded: u64 = specs.iter().map(|s| s.numel() as u64).sum();
+        let pad_rows = (self.padded_vocab() - self.vocab_size) as u64;
+        let vocab_tensors = 1 + idx.lm_head.is_some() as u64;
+        padded - pad_rows * self.d_model as u64 * vocab_tensors
+    }
+}

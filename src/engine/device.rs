@@ -1,0 +1,509 @@
+//! A backend plus its memory tracker and op-cost counter.
+//!
+//! Every allocation the engine makes goes through [`Device::alloc`], and every op
+//! through a [`Device`] method that first counts the op's FLOPs and bytes moved,
+//! then calls the backend. Because this layer is shared by all backends, the
+//! tracked bytes and counted costs cannot differ between cpu and meta.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::backend::{AdamHyper, AttnShape, Backend, DType};
+use crate::memory::{Category, OomError, Tracker};
+
+/// A device buffer with its size, element type and memory category.
+#[derive(Debug)]
+pub struct Tensor<Buf> {
+    pub buf: Buf,
+    pub len: usize,
+    pub dtype: DType,
+    pub category: Category,
+}
+
+impl<Buf> Tensor<Buf> {
+    pub fn bytes(&self) -> u64 {
+        (self.len * self.dtype.size()) as u64
+    }
+}
+
+/// FLOPs and bytes moved by one kind of op, summed over its calls.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct OpCost {
+    pub calls: u64,
+    pub flops: u64,
+    pub bytes: u64,
+    /// Wall time spent in the backend (near zero on meta).
+    pub ns: u64,
+}
+
+/// Costs by op name.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct CostCounter {
+    pub ops: BTreeMap<&'static str, OpCost>,
+}
+
+impl CostCounter {
+    pub fn flops(&self) -> u64 {
+        self.ops.values().map(|c| c.flops).sum()
+    }
+    pub fn bytes(&self) -> u64 {
+        self.ops.values().map(|c| c.bytes).sum()
+    }
+    fn add(&mut self, op: &'static str, flops: u64, bytes: u64, ns: u64) {
+        let c = self.ops.entry(op).or_default();
+        c.calls += 1;
+        c.flops += flops;
+        c.bytes += bytes;
+        c.ns += ns;
+    }
+}
+
+pub struct Device<B: Backend> {
+    pub be: B,
+    pub tracker: Tracker,
+    pub cost: CostCounter,
+}
+
+type T<B> = Tensor<<B as Backend>::Buf>;
+
+fn b<Buf>(t: &Tensor<Buf>) -> u64 {
+    t.bytes()
+}
+
+fn ob<Buf>(t: Option<&Tensor<Buf>>) -> u64 {
+    t.map_or(0, |t| t.bytes())
+}
+
+impl<B: Backend> Device<B> {
+    pub fn new(be: B, capacity: Option<u64>) -> Self {
+        Device {
+            be,
+            tracker: Tracker::new(capacity),
+            cost: CostCounter::default(),
+        }
+    }
+
+    /// Runs one backend op, counting its cost and timing it.
+    fn timed<R>(
+        &mut self,
+        op: &'static str,
+        flops: impl TryInto<u64>,
+        bytes: u64,
+        f: impl FnOnce(&mut B) -> R,
+    ) -> R {
+        let start = Instant::now();
+        let r = f(&mut self.be);
+        let flops = flops.try_into().unwrap_or(u64::MAX);
+        self.cost
+            .add(op, flops, bytes, start.elapsed().as_nanos() as u64);
+        r
+    }
+
+    /// A zero-filled tensor, tracked under `category`; refused past the capacity.
+    pub fn alloc(
+        &mut self,
+        len: usize,
+        dtype: DType,
+        category: Category,
+    ) -> Result<T<B>, OomError> {
+        self.tracker.alloc(category, (len * dtype.size()) as u64)?;
+        Ok(Tensor {
+            buf: self.be.alloc(len, dtype),
+            len,
+            dtype,
+            category,
+        })
+    }
+
+    pub fn alloc_f32(&mut self, len: usize, category: Category) -> Result<T<B>, OomError> {
+        self.alloc(len, DType::F32, category)
+    }
+
+    pub fn free(&mut self, t: T<B>) {
+        self.tracker.free(t.category, t.bytes());
+        self.be.free(t.buf);
+    }
+
+    pub fn free_opt(&mut self, t: Option<T<B>>) {
+        if let Some(t) = t {
+            self.free(t);
+        }
+    }
+
+    pub fn fill(&mut self, t: &mut T<B>, value: f32) {
+        self.timed("fill", 0, b(t), |be| be.fill(&mut t.buf, value));
+    }
+
+    pub fn embed_forward(
+        &mut self,
+        out: &mut T<B>,
+        tokens: &T<B>,
+        wte: &T<B>,
+        wpe: Option<&T<B>>,
+        n: usize,
+        t: usize,
+        c: usize,
+    ) {
+        let rows = (n * c * 4) as u64;
+        self.timed(
+            "embed",
+            (n * c) as u64 * wpe.is_some() as u64,
+            b(out) + b(tokens) + rows * (1 + wpe.is_some() as u64),
+            |be| {
+                be.embed_forward(
+                    &mut out.buf,
+                    &tokens.buf,
+                    &wte.buf,
+                    wpe.map(|w| &w.buf),
+                    n,
+                    t,
+                    c,
+                )
+            },
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn embed_backward(
+        &mut self,
+        dwte: &mut T<B>,
+        dwpe: Option<&mut T<B>>,
+        dout: &T<B>,
+        tokens: &T<B>,
+        n: usize,
+        t: usize,
+        c: usize,
+    ) {
+        let k = 1 + dwpe.is_some() as u64;
+        self.timed(
+            "embed_backward",
+            (n * c) as u64 * k,
+            b(dout) + b(tokens) + 2 * k * (n * c * 4) as u64,
+            |be| {
+                be.embed_backward(
+                    &mut dwte.buf,
+                    dwpe.map(|w| &mut w.buf),
+                    &dout.buf,
+                    &tokens.buf,
+                    n,
+                    t,
+                    c,
+                )
+            },
+        );
+    }
+
+    /// LayerNorm when `mean` is given (gpt2), RMSNorm otherwise (llama).
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_forward(
+        &mut self,
+        out: &mut T<B>,
+        mean: Option<&mut T<B>>,
+        rstd: &mut T<B>,
+        inp: &T<B>,
+        w: &T<B>,
+        bias: Option<&T<B>>,
+        n: usize,
+        c: usize,
+        eps: f32,
+    ) {
+        let bytes = b(out) + b(rstd) + ob(mean.as_deref()) + b(inp) + b(w) + ob(bias);
+        match mean {
+            Some(mean) => {
+                self.timed("layernorm", (8 * n * c) as u64, bytes, |be| {
+                    be.layernorm_forward(
+                        &mut out.buf,
+                        &mut mean.buf,
+                        &mut rstd.buf,
+                        &inp.buf,
+                        &w.buf,
+                        bias.map(|x| &x.buf),
+                        n,
+                        c,
+                        eps,
+                    )
+                });
+            }
+            None => {
+                self.timed("rmsnorm", (4 * n * c) as u64, bytes, |be| {
+                    be.rmsnorm_forward(&mut out.buf, &mut rstd.buf, &inp.buf, &w.buf, n, c, eps)
+                });
+            }
+        }
+    }
+
+    /// Accumulates into `dinp`, `dw`, `db`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_backward(
+        &mut self,
+        dinp: &mut T<B>,
+        dw: &mut T<B>,
+        db: Option<&mut T<B>>,
+        dout: &T<B>,
+        inp: &T<B>,
+        w: &T<B>,
+        mean: Option<&T<B>>,
+        rstd: &T<B>,
+        n: usize,
+        c: usize,
+    ) {
+        let bytes = 2 * b(dinp)
+            + 2 * b(dw)
+            + 2 * ob(db.as_deref())
+            + b(dout)
+            + b(inp)
+            + b(w)
+            + ob(mean)
+            + b(rstd);
+        match mean {
+            Some(mean) => {
+                self.timed("layernorm_backward", (16 * n * c) as u64, bytes, |be| {
+                    be.layernorm_backward(
+                        &mut dinp.buf,
+                        &mut dw.buf,
+                        db.map(|x| &mut x.buf),
+                        &dout.buf,
+                        &inp.buf,
+                        &w.buf,
+                        &mean.buf,
+                        &rstd.buf,
+                        n,
+                        c,
+                    )
+                });
+            }
+            None => {
+                self.timed("rmsnorm_backward", (10 * n * c) as u64, bytes, |be| {
+                    be.rmsnorm_backward(
+                        &mut dinp.buf,
+                        &mut dw.buf,
+                        &dout.buf,
+                        &inp.buf,
+                        &w.buf,
+                        &rstd.buf,
+                        n,
+                        c,
+                    )
+                });
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_forward(
+        &mut self,
+        out: &mut T<B>,
+        inp: &T<B>,
+        w: &T<B>,
+        bias: Option<&T<B>>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) {
+        self.timed(
+            "matmul",
+            (2 * n * c * oc) as u64,
+            b(out) + b(inp) + b(w) + ob(bias),
+            |be| {
+                be.matmul_forward(
+                    &mut out.buf,
+                    &inp.buf,
+                    &w.buf,
+                    bias.map(|x| &x.buf),
+                    n,
+                    c,
+                    oc,
+                )
+            },
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_backward(
+        &mut self,
+        dinp: &mut T<B>,
+        dw: &mut T<B>,
+        dbias: Option<&mut T<B>>,
+        dout: &T<B>,
+        inp: &T<B>,
+        w: &T<B>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) {
+        let bytes = b(dinp) + 2 * b(dw) + 2 * ob(dbias.as_deref()) + 2 * b(dout) + b(inp) + b(w);
+        let flops = 4 * n * c * oc + dbias.is_some() as usize * n * oc;
+        self.timed("matmul_backward", flops as u64, bytes, |be| {
+            be.matmul_backward(
+                &mut dinp.buf,
+                &mut dw.buf,
+                dbias.map(|x| &mut x.buf),
+                &dout.buf,
+                &inp.buf,
+                &w.buf,
+                n,
+                c,
+                oc,
+            )
+        });
+    }
+
+    pub fn gelu_forward(&mut self, out: &mut T<B>, inp: &T<B>, n: usize) {
+        self.timed("gelu", (8 * n) as u64, b(out) + b(inp), |be| {
+            be.gelu_forward(&mut out.buf, &inp.buf, n)
+        });
+    }
+
+    pub fn gelu_backward(&mut self, dout: &mut T<B>, inp: &T<B>, n: usize) {
+        self.timed(
+            "gelu_backward",
+            (16 * n) as u64,
+            2 * b(dout) + b(inp),
+            |be| be.gelu_backward(&mut dout.buf, &inp.buf, n),
+        );
+    }
+
+    pub fn swiglu_forward(&mut self, out: &mut T<B>, gu: &T<B>, n: usize, i: usize) {
+        self.timed("swiglu", (6 * n * i) as u64, b(out) + b(gu), |be| {
+            be.swiglu_forward(&mut out.buf, &gu.buf, n, i)
+        });
+    }
+
+    pub fn swiglu_backward(&mut self, dgu: &mut T<B>, dout: &T<B>, gu: &T<B>, n: usize, i: usize) {
+        self.timed(
+            "swiglu_backward",
+            (12 * n * i) as u64,
+            b(dgu) + b(dout) + b(gu),
+            |be| be.swiglu_backward(&mut dgu.buf, &dout.buf, &gu.buf, n, i),
+        );
+    }
+
+    pub fn add(&mut self, out: &mut T<B>, a: &T<B>, x: &T<B>, n: usize) {
+        self.timed("add", n as u64, b(out) + b(a) + b(x), |be| {
+            be.add(&mut out.buf, &a.buf, &x.buf, n)
+        });
+    }
+
+    fn rope_cost(s: AttnShape) -> u64 {
+        // 6 FLOPs per rotated pair (4 mul, 2 add) plus the sin/cos, per q and k head.
+        (s.b * s.t * (s.n_head + s.n_kv_head) * s.head_dim / 2 * 6) as u64
+    }
+
+    pub fn rope_forward(&mut self, qkv: &mut T<B>, s: AttnShape, theta: f32) {
+        self.timed("rope", Self::rope_cost(s), 2 * b(qkv), |be| {
+            be.rope_forward(&mut qkv.buf, s, theta)
+        });
+    }
+
+    pub fn rope_backward(&mut self, dqkv: &mut T<B>, s: AttnShape, theta: f32) {
+        self.timed("rope_backward", Self::rope_cost(s), 2 * b(dqkv), |be| {
+            be.rope_backward(&mut dqkv.buf, s, theta)
+        });
+    }
+
+    /// Causal pairs (t2 <= t) times heads times batch: what the kernels compute.
+    fn causal_pairs(s: AttnShape) -> u64 {
+        (s.b * s.n_head * s.t * (s.t + 1) / 2) as u64
+    }
+
+    pub fn attention_forward(&mut self, out: &mut T<B>, att: &mut T<B>, qkv: &T<B>, s: AttnShape) {
+        // scores q.k, softmax (~5 per entry), att @ v
+        let pairs = Self::causal_pairs(s);
+        let flops = pairs * (4 * s.head_dim as u64 + 5);
+        self.timed("attention", flops, b(out) + 2 * b(att) + b(qkv), |be| {
+            be.attention_forward(&mut out.buf, &mut att.buf, &qkv.buf, s)
+        });
+    }
+
+    pub fn attention_backward(
+        &mut self,
+        dqkv: &mut T<B>,
+        datt: &mut T<B>,
+        dout: &T<B>,
+        qkv: &T<B>,
+        att: &T<B>,
+        s: AttnShape,
+    ) {
+        // datt = dout.v, dv += att*dout, softmax backward, dq and dk
+        let pairs = Self::causal_pairs(s);
+        let flops = pairs * (8 * s.head_dim as u64 + 4);
+        self.timed(
+            "attention_backward",
+            flops,
+            b(dqkv) + 2 * b(datt) + b(dout) + b(qkv) + b(att),
+            |be| {
+                be.attention_backward(
+                    &mut dqkv.buf,
+                    &mut datt.buf,
+                    &dout.buf,
+                    &qkv.buf,
+                    &att.buf,
+                    s,
+                )
+            },
+        );
+    }
+
+    pub fn crossentropy_forward(
+        &mut self,
+        losses: &mut T<B>,
+        logits: &T<B>,
+        targets: &T<B>,
+        n: usize,
+        v: usize,
+        vp: usize,
+    ) {
+        self.timed(
+            "crossentropy",
+            (4 * n * v) as u64,
+            b(losses) + b(logits) + b(targets),
+            |be| be.crossentropy_forward(&mut losses.buf, &logits.buf, &targets.buf, n, v, vp),
+        );
+    }
+
+    pub fn crossentropy_backward(
+        &mut self,
+        logits: &mut T<B>,
+        targets: &T<B>,
+        dloss: f32,
+        n: usize,
+        v: usize,
+        vp: usize,
+    ) {
+        self.timed(
+            "crossentropy_backward",
+            (5 * n * v) as u64,
+            2 * b(logits) + b(targets),
+            |be| be.crossentropy_backward(&mut logits.buf, &targets.buf, dloss, n, v, vp),
+        );
+    }
+
+    pub fn sum_squares(&mut self, t: &T<B>) -> Option<f64> {
+        self.timed("sum_squares", (2 * t.len) as u64, b(t), |be| {
+            be.sum_squares(&t.buf, t.len)
+        })
+    }
+
+    pub fn adamw_update(
+        &mut self,
+        param: &mut T<B>,
+        grad: &T<B>,
+        m: &mut T<B>,
+        v: &mut T<B>,
+        h: AdamHyper,
+    ) {
+        let bytes = 2 * b(param) + b(grad) + 2 * b(m) + 2 * b(v);
+        self.timed("adamw", (12 * param.len) as u64, bytes, |be| {
+            be.adamw_update(
+                &mut param.buf,
+                &grad.buf,
+                &mut m.buf,
+                &mut v.buf,
+                param.len,
+                h,
+            )
+        });
+    }
+}

@@ -1,0 +1,704 @@
+//! The training engine: GPT-2 and Llama forward and backward, written by hand
+//! per layer (llm.c-style), and AdamW. Generic over the backend, so the same
+//! code (and therefore the same allocation schedule) runs on cpu and meta.
+//!
+//! Allocation schedule, which is what the tracker measures:
+//! * init: parameters, gradients (always resident, zeroed each step, as with
+//!   `zero_grad(set_to_none=False)`), AdamW `m` and `v` (fp32), workspace;
+//! * forward: each block's saved tensors are `activations`; a projection output
+//!   that is immediately added to the residual stream is a `temporaries`;
+//! * backward: activation gradients are `temporaries`, freed as soon as the
+//!   layer that needs them is done; each block's saved tensors are freed right
+//!   after its backward, as PyTorch frees saved tensors when a node has run;
+//!   the logits buffer is turned into its own gradient in place.
+
+pub mod device;
+
+use crate::backend::{AdamHyper, AttnShape, Backend, DType};
+use crate::config::model::{Init, ParamIndex, ParamSpec};
+use crate::config::{Family, ModelConfig};
+use crate::data::Batch;
+use crate::memory::{Category, OomError, Phase};
+use crate::rng::Rng;
+
+pub use device::{CostCounter, Device, OpCost, Tensor};
+
+type T<B> = Tensor<<B as Backend>::Buf>;
+
+/// The training knobs the engine implements.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct TrainConfig {
+    pub seq_len: usize,
+    pub micro_batch: usize,
+    /// Micro-batches per optimizer step.
+    pub grad_accum: usize,
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// Decoupled, applied to tensors with two or more dims only.
+    pub weight_decay: f32,
+    /// Global-norm clipping threshold; 0 disables.
+    pub grad_clip: f32,
+    pub seed: u64,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            seq_len: 64,
+            micro_batch: 4,
+            grad_accum: 1,
+            lr: 3e-4,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            grad_clip: 1.0,
+            seed: 1337,
+        }
+    }
+}
+
+/// What one optimizer step reports. Values are `None` on a backend without data.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepReport {
+    /// Mean loss over the step's micro-batches.
+    pub loss: Option<f32>,
+    /// Global gradient norm before clipping.
+    pub grad_norm: Option<f32>,
+}
+
+/// Tensors one block saves for its backward.
+struct BlockActs<X> {
+    ln1: X,
+    /// LayerNorm only (gpt2).
+    ln1_mean: Option<X>,
+    ln1_rstd: X,
+    /// Packed q|k|v, after RoPE on llama.
+    qkv: X,
+    /// Attention probabilities (B,H,T,T).
+    att: X,
+    /// Attention output before the output projection (N,C).
+    atty: X,
+    /// Residual stream after attention (N,C).
+    res2: X,
+    ln2: X,
+    ln2_mean: Option<X>,
+    ln2_rstd: X,
+    /// gpt2: fc output before GELU (N,4C); llama: gate|up (N,2I).
+    up: X,
+    /// gpt2: GELU output (N,4C); llama: SwiGLU output (N,I).
+    act: X,
+    /// Residual stream out of the block (N,C).
+    out: X,
+}
+
+/// Everything a forward pass leaves for the backward pass.
+struct Acts<X> {
+    tokens: X,
+    targets: X,
+    /// Embedding output, the residual stream into block 0 (N,C).
+    emb: X,
+    blocks: Vec<BlockActs<X>>,
+    lnf: X,
+    lnf_mean: Option<X>,
+    lnf_rstd: X,
+    /// (N,Vp); becomes its own gradient in the backward pass.
+    logits: X,
+    losses: X,
+}
+
+pub struct Engine<B: Backend> {
+    pub model: ModelConfig,
+    pub train: TrainConfig,
+    pub dev: Device<B>,
+    specs: Vec<ParamSpec>,
+    idx: ParamIndex,
+    params: Vec<T<B>>,
+    grads: Vec<T<B>>,
+    m: Vec<T<B>>,
+    v: Vec<T<B>>,
+    workspace: Option<T<B>>,
+    /// Optimizer steps taken.
+    step: u64,
+}
+
+/// `&mut v[i]` and, when given, `&mut v[j]` (i != j).
+fn pair_mut<X>(v: &mut [X], i: usize, j: Option<usize>) -> (&mut X, Option<&mut X>) {
+    match j {
+        None => (&mut v[i], None),
+        Some(j) => {
+            assert_ne!(i, j);
+            if i < j {
+                let (a, b) = v.split_at_mut(j);
+                (&mut a[i], Some(&mut b[0]))
+            } else {
+                let (a, b) = v.split_at_mut(i);
+                (&mut b[0], Some(&mut a[j]))
+            }
+        }
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// Allocates and initialises the model on `be`. Weights depend only on
+    /// `train.seed` (one seeded stream per tensor), never on the backend or threads.
+    pub fn new(
+        model: ModelConfig,
+        train: TrainConfig,
+        be: B,
+        capacity: Option<u64>,
+    ) -> Result<Self, OomError> {
+        let (specs, idx) = model.param_layout();
+        let mut dev = Device::new(be, capacity);
+        dev.tracker.set_phase(Phase::Init);
+        let alloc_all = |dev: &mut Device<B>, cat| -> Result<Vec<T<B>>, OomError> {
+            specs
+                .iter()
+                .map(|s| dev.alloc_f32(s.numel(), cat))
+                .collect()
+        };
+        let mut params = alloc_all(&mut dev, Category::Parameters)?;
+        let grads = alloc_all(&mut dev, Category::Gradients)?;
+        let m = alloc_all(&mut dev, Category::Optimizer)?;
+        let v = alloc_all(&mut dev, Category::Optimizer)?;
+        let ws_bytes = dev.be.workspace_bytes();
+        let workspace = match ws_bytes {
+            0 => None,
+            n => Some(dev.alloc(n.div_ceil(4), DType::F32, Category::Workspace)?),
+        };
+        if dev.be.holds_data() {
+            let host = init_weights(&specs, train.seed);
+            for (t, h) in params.iter_mut().zip(&host) {
+                dev.be.upload_f32(&mut t.buf, h);
+            }
+        }
+        Ok(Engine {
+            model,
+            train,
+            dev,
+            specs,
+            idx,
+            params,
+            grads,
+            m,
+            v,
+            workspace,
+            step: 0,
+        })
+    }
+
+    pub fn param_specs(&self) -> &[ParamSpec] {
+        &self.specs
+    }
+
+    pub fn tokens_per_step(&self) -> usize {
+        self.train.micro_batch * self.train.seq_len * self.train.grad_accum
+    }
+
+    /// The parameters on the host, one vector per tensor (`None` on meta).
+    pub fn params_host(&self) -> Option<Vec<Vec<f32>>> {
+        self.params
+            .iter()
+            .map(|t| self.dev.be.download_f32(&t.buf))
+            .collect()
+    }
+
+    pub fn grads_host(&self) -> Option<Vec<Vec<f32>>> {
+        self.grads
+            .iter()
+            .map(|t| self.dev.be.download_f32(&t.buf))
+            .collect()
+    }
+
+    /// Replaces the parameters (tests and checkpoints); shapes must match.
+    pub fn set_params_host(&mut self, host: &[Vec<f32>]) {
+        assert_eq!(host.len(), self.params.len());
+        for (t, h) in self.params.iter_mut().zip(host) {
+            assert_eq!(t.len, h.len());
+            self.dev.be.upload_f32(&mut t.buf, h);
+        }
+    }
+
+    fn zero_grads(&mut self) {
+        for g in &mut self.grads {
+            self.dev.fill(g, 0.0);
+        }
+    }
+
+    fn attn_shape(&self) -> AttnShape {
+        AttnShape {
+            b: self.train.micro_batch,
+            t: self.train.seq_len,
+            n_head: self.model.n_head,
+            n_kv_head: self.model.n_kv_head(),
+            head_dim: self.model.head_dim(),
+        }
+    }
+
+    /// One optimizer step over `batches.len()` micro-batches (gradient accumulation).
+    pub fn step(&mut self, batches: &[Batch]) -> Result<StepReport, OomError> {
+        let k = batches.len();
+        self.zero_grads();
+        let mut loss_sum = Some(0.0f64);
+        for batch in batches {
+            let acts = self.forward(batch)?;
+            let loss = self.read_loss(&acts);
+            loss_sum = loss_sum.zip(loss).map(|(s, l)| s + l as f64);
+            // d(mean over k micro-batches of the mean over n tokens) / d(token loss)
+            let dloss = 1.0 / (self.train.micro_batch * self.train.seq_len * k) as f32;
+            self.backward(acts, dloss)?;
+        }
+        let grad_norm = self.optimizer_step();
+        Ok(StepReport {
+            loss: loss_sum.map(|s| (s / k as f64) as f32),
+            grad_norm,
+        })
+    }
+
+    /// Forward and backward without an optimizer step: fills the gradients and
+    /// returns the loss (gradient checks).
+    pub fn compute_grads(&mut self, batch: &Batch) -> Result<Option<f32>, OomError> {
+        self.zero_grads();
+        let acts = self.forward(batch)?;
+        let loss = self.read_loss(&acts);
+        let dloss = 1.0 / (self.train.micro_batch * self.train.seq_len) as f32;
+        self.backward(acts, dloss)?;
+        Ok(loss)
+    }
+
+    /// Forward only: the mean loss over the batch.
+    pub fn eval_loss(&mut self, batch: &Batch) -> Result<Option<f32>, OomError> {
+        let acts = self.forward(batch)?;
+        let loss = self.read_loss(&acts);
+        self.free_acts(acts);
+        Ok(loss)
+    }
+
+    fn read_loss(&self, acts: &Acts<T<B>>) -> Option<f32> {
+        let losses = self.dev.be.download_f32(&acts.losses.buf)?;
+        let sum: f64 = losses.iter().map(|&l| l as f64).sum();
+        Some((sum / losses.len() as f64) as f32)
+    }
+
+    fn free_acts(&mut self, acts: Acts<T<B>>) {
+        let dev = &mut self.dev;
+        for a in acts.blocks.into_iter().rev() {
+            free_block(dev, a);
+        }
+        for t in [
+            acts.tokens,
+            acts.targets,
+            acts.emb,
+            acts.lnf,
+            acts.lnf_rstd,
+            acts.logits,
+            acts.losses,
+        ] {
+            dev.free(t);
+        }
+        dev.free_opt(acts.lnf_mean);
+    }
+
+    fn forward(&mut self, batch: &Batch) -> Result<Acts<T<B>>, OomError> {
+        let s = self.attn_shape();
+        let Engine {
+            model,
+            dev,
+            params: p,
+            idx,
+            train,
+            ..
+        } = self;
+        let (t, n, c) = (
+            train.seq_len,
+            train.micro_batch * train.seq_len,
+            model.d_model,
+        );
+        let (v, vp, eps) = (model.vocab_size, model.padded_vocab(), model.norm_eps());
+        let (qkvw, upw, dff) = (model.qkv_width(), model.up_width(), model.d_ff());
+        let gpt2 = model.family == Family::Gpt2;
+        let opt = |i: Option<usize>| i.map(|i| &p[i]);
+        let act = Category::Activations;
+
+        dev.tracker.set_phase(Phase::ForwardEmbed);
+        let mut tokens = dev.alloc(n, DType::U32, act)?;
+        let mut targets = dev.alloc(n, DType::U32, act)?;
+        if dev.be.holds_data() {
+            dev.be.upload_u32(&mut tokens.buf, &batch.inputs);
+            dev.be.upload_u32(&mut targets.buf, &batch.targets);
+        }
+        let mut emb = dev.alloc_f32(n * c, act)?;
+        dev.embed_forward(&mut emb, &tokens, &p[idx.wte], opt(idx.wpe), n, t, c);
+
+        let mut blocks: Vec<BlockActs<T<B>>> = Vec::with_capacity(model.n_layer);
+        for (l, bi) in idx.blocks.iter().enumerate() {
+            dev.tracker.set_phase(Phase::Forward(l));
+            let x = blocks.last().map_or(&emb, |b| &b.out);
+            // attention: ln1 -> qkv (-> rope) -> attention -> o-proj, + residual
+            let mut ln1 = dev.alloc_f32(n * c, act)?;
+            let mut ln1_mean = if gpt2 {
+                Some(dev.alloc_f32(n, act)?)
+            } else {
+                None
+            };
+            let mut ln1_rstd = dev.alloc_f32(n, act)?;
+            dev.norm_forward(
+                &mut ln1,
+                ln1_mean.as_mut(),
+                &mut ln1_rstd,
+                x,
+                &p[bi.ln1_w],
+                opt(bi.ln1_b),
+                n,
+                c,
+                eps,
+            );
+            let mut qkv = dev.alloc_f32(n * qkvw, act)?;
+            dev.matmul_forward(&mut qkv, &ln1, &p[bi.qkv_w], opt(bi.qkv_b), n, c, qkvw);
+            if !gpt2 {
+                dev.rope_forward(&mut qkv, s, model.rope_theta());
+            }
+            let mut att = dev.alloc_f32(s.b * s.n_head * t * t, act)?;
+            let mut atty = dev.alloc_f32(n * c, act)?;
+            dev.attention_forward(&mut atty, &mut att, &qkv, s);
+            let mut proj = dev.alloc_f32(n * c, Category::Temporaries)?;
+            dev.matmul_forward(&mut proj, &atty, &p[bi.o_w], opt(bi.o_b), n, c, c);
+            let mut res2 = dev.alloc_f32(n * c, act)?;
+            dev.add(&mut res2, x, &proj, n * c);
+            dev.free(proj);
+            // MLP: ln2 -> up -> gelu | swiglu -> down, + residual
+            let mut ln2 = dev.alloc_f32(n * c, act)?;
+            let mut ln2_mean = if gpt2 {
+                Some(dev.alloc_f32(n, act)?)
+            } else {
+                None
+            };
+            let mut ln2_rstd = dev.alloc_f32(n, act)?;
+            dev.norm_forward(
+                &mut ln2,
+                ln2_mean.as_mut(),
+                &mut ln2_rstd,
+                &res2,
+                &p[bi.ln2_w],
+                opt(bi.ln2_b),
+                n,
+                c,
+                eps,
+            );
+            let mut up = dev.alloc_f32(n * upw, act)?;
+            dev.matmul_forward(&mut up, &ln2, &p[bi.up_w], opt(bi.up_b), n, c, upw);
+            let mut a = dev.alloc_f32(n * dff, act)?;
+            if gpt2 {
+                dev.gelu_forward(&mut a, &up, n * dff);
+            } else {
+                dev.swiglu_forward(&mut a, &up, n, dff);
+            }
+            let mut mlp = dev.alloc_f32(n * c, Category::Temporaries)?;
+            dev.matmul_forward(&mut mlp, &a, &p[bi.down_w], opt(bi.down_b), n, dff, c);
+            let mut out = dev.alloc_f32(n * c, act)?;
+            dev.add(&mut out, &res2, &mlp, n * c);
+            dev.free(mlp);
+            blocks.push(BlockActs {
+                ln1,
+                ln1_mean,
+                ln1_rstd,
+                qkv,
+                att,
+                atty,
+                res2,
+                ln2,
+                ln2_mean,
+                ln2_rstd,
+                up,
+                act: a,
+                out,
+            });
+        }
+
+        dev.tracker.set_phase(Phase::ForwardHead);
+        let x = blocks.last().map_or(&emb, |b| &b.out);
+        let mut lnf = dev.alloc_f32(n * c, act)?;
+        let mut lnf_mean = if gpt2 {
+            Some(dev.alloc_f32(n, act)?)
+        } else {
+            None
+        };
+        let mut lnf_rstd = dev.alloc_f32(n, act)?;
+        dev.norm_forward(
+            &mut lnf,
+            lnf_mean.as_mut(),
+            &mut lnf_rstd,
+            x,
+            &p[idx.lnf_w],
+            opt(idx.lnf_b),
+            n,
+            c,
+            eps,
+        );
+        let head = idx.lm_head.unwrap_or(idx.wte);
+        let mut logits = dev.alloc_f32(n * vp, act)?;
+        dev.matmul_forward(&mut logits, &lnf, &p[head], None, n, c, vp);
+        let mut losses = dev.alloc_f32(n, act)?;
+        dev.crossentropy_forward(&mut losses, &logits, &targets, n, v, vp);
+        Ok(Acts {
+            tokens,
+            targets,
+            emb,
+            blocks,
+            lnf,
+            lnf_mean,
+            lnf_rstd,
+            logits,
+            losses,
+        })
+    }
+
+    /// Backward pass; gradients accumulate into `self.grads`. Frees `acts` as it goes.
+    fn backward(&mut self, acts: Acts<T<B>>, dloss: f32) -> Result<(), OomError> {
+        let s = self.attn_shape();
+        let Engine {
+            model,
+            dev,
+            params: p,
+            grads: g,
+            idx,
+            train,
+            ..
+        } = self;
+        let (t, n, c) = (
+            train.seq_len,
+            train.micro_batch * train.seq_len,
+            model.d_model,
+        );
+        let (v, vp) = (model.vocab_size, model.padded_vocab());
+        let (qkvw, upw, dff) = (model.qkv_width(), model.up_width(), model.d_ff());
+        let gpt2 = model.family == Family::Gpt2;
+        let tmp = Category::Temporaries;
+        let Acts {
+            tokens,
+            targets,
+            emb,
+            mut blocks,
+            lnf,
+            lnf_mean,
+            lnf_rstd,
+            mut logits,
+            losses,
+        } = acts;
+
+        dev.tracker.set_phase(Phase::BackwardHead);
+        dev.free(losses);
+        dev.crossentropy_backward(&mut logits, &targets, dloss, n, v, vp);
+        dev.free(targets);
+        let head = idx.lm_head.unwrap_or(idx.wte);
+        let mut dlnf = dev.alloc_f32(n * c, tmp)?;
+        dev.matmul_backward(
+            &mut dlnf,
+            &mut g[head],
+            None,
+            &logits,
+            &lnf,
+            &p[head],
+            n,
+            c,
+            vp,
+        );
+        dev.free(logits);
+        // dres: gradient of the residual stream, carried down through the blocks.
+        let mut dres = dev.alloc_f32(n * c, tmp)?;
+        {
+            let x = blocks.last().map_or(&emb, |b| &b.out);
+            let (dw, db) = pair_mut(g, idx.lnf_w, idx.lnf_b);
+            dev.norm_backward(
+                &mut dres,
+                dw,
+                db,
+                &dlnf,
+                x,
+                &p[idx.lnf_w],
+                lnf_mean.as_ref(),
+                &lnf_rstd,
+                n,
+                c,
+            );
+        }
+        for x in [dlnf, lnf, lnf_rstd] {
+            dev.free(x);
+        }
+        dev.free_opt(lnf_mean);
+
+        for (l, bi) in idx.blocks.iter().enumerate().rev() {
+            dev.tracker.set_phase(Phase::Backward(l));
+            let a = blocks.pop().expect("one saved block per layer");
+            let x = blocks.last().map_or(&emb, |b| &b.out);
+            // MLP: dres is d(out) = d(mlp output)
+            let mut dact = dev.alloc_f32(n * dff, tmp)?;
+            let (dw, db) = pair_mut(g, bi.down_w, bi.down_b);
+            dev.matmul_backward(&mut dact, dw, db, &dres, &a.act, &p[bi.down_w], n, dff, c);
+            let dup = if gpt2 {
+                dev.gelu_backward(&mut dact, &a.up, n * dff);
+                dact
+            } else {
+                let mut dgu = dev.alloc_f32(n * upw, tmp)?;
+                dev.swiglu_backward(&mut dgu, &dact, &a.up, n, dff);
+                dev.free(dact);
+                dgu
+            };
+            let mut dln2 = dev.alloc_f32(n * c, tmp)?;
+            let (dw, db) = pair_mut(g, bi.up_w, bi.up_b);
+            dev.matmul_backward(&mut dln2, dw, db, &dup, &a.ln2, &p[bi.up_w], n, c, upw);
+            dev.free(dup);
+            let (dw, db) = pair_mut(g, bi.ln2_w, bi.ln2_b);
+            dev.norm_backward(
+                &mut dres,
+                dw,
+                db,
+                &dln2,
+                &a.res2,
+                &p[bi.ln2_w],
+                a.ln2_mean.as_ref(),
+                &a.ln2_rstd,
+                n,
+                c,
+            );
+            dev.free(dln2);
+            // attention: dres is now d(res2) = d(o-proj output)
+            let mut datty = dev.alloc_f32(n * c, tmp)?;
+            let (dw, db) = pair_mut(g, bi.o_w, bi.o_b);
+            dev.matmul_backward(&mut datty, dw, db, &dres, &a.atty, &p[bi.o_w], n, c, c);
+            let mut dqkv = dev.alloc_f32(n * qkvw, tmp)?;
+            let mut datt = dev.alloc_f32(s.b * s.n_head * t * t, tmp)?;
+            dev.attention_backward(&mut dqkv, &mut datt, &datty, &a.qkv, &a.att, s);
+            dev.free(datt);
+            dev.free(datty);
+            if !gpt2 {
+                dev.rope_backward(&mut dqkv, s, model.rope_theta());
+            }
+            let mut dln1 = dev.alloc_f32(n * c, tmp)?;
+            let (dw, db) = pair_mut(g, bi.qkv_w, bi.qkv_b);
+            dev.matmul_backward(&mut dln1, dw, db, &dqkv, &a.ln1, &p[bi.qkv_w], n, c, qkvw);
+            dev.free(dqkv);
+            let (dw, db) = pair_mut(g, bi.ln1_w, bi.ln1_b);
+            dev.norm_backward(
+                &mut dres,
+                dw,
+                db,
+                &dln1,
+                x,
+                &p[bi.ln1_w],
+                a.ln1_mean.as_ref(),
+                &a.ln1_rstd,
+                n,
+                c,
+            );
+            dev.free(dln1);
+            free_block(dev, a);
+        }
+
+        dev.tracker.set_phase(Phase::BackwardEmbed);
+        let (dwte, dwpe) = pair_mut(g, idx.wte, idx.wpe);
+        dev.embed_backward(dwte, dwpe, &dres, &tokens, n, t, c);
+        for x in [dres, emb, tokens] {
+            dev.free(x);
+        }
+        Ok(())
+    }
+
+    /// Clips by global norm, then one AdamW step. Returns the norm before clipping.
+    fn optimizer_step(&mut self) -> Option<f32> {
+        let Engine {
+            dev,
+            params,
+            grads,
+            m,
+            v,
+            specs,
+            train,
+            ..
+        } = self;
+        dev.tracker.set_phase(Phase::Optimizer);
+        let mut norm_sq = Some(0.0f64);
+        for g in grads.iter() {
+            norm_sq = norm_sq.zip(dev.sum_squares(g)).map(|(a, b)| a + b);
+        }
+        let norm = norm_sq.map(f64::sqrt);
+        // Same rule as torch.nn.utils.clip_grad_norm_: scale by clip / (norm + 1e-6) when norm > clip.
+        let grad_scale = match norm {
+            Some(norm) if train.grad_clip > 0.0 && norm > train.grad_clip as f64 => {
+                (train.grad_clip as f64 / (norm + 1e-6)) as f32
+            }
+            _ => 1.0,
+        };
+        self.step += 1;
+        let step = self.step as i32;
+        for (i, spec) in specs.iter().enumerate() {
+            let h = AdamHyper {
+                lr: train.lr,
+                beta1: train.beta1,
+                beta2: train.beta2,
+                eps: train.eps,
+                weight_decay: if spec.shape.len() >= 2 {
+                    train.weight_decay
+                } else {
+                    0.0
+                },
+                m_corr: 1.0 / (1.0 - train.beta1.powi(step)),
+                v_corr: 1.0 / (1.0 - train.beta2.powi(step)),
+                grad_scale,
+            };
+            dev.adamw_update(&mut params[i], &grads[i], &mut m[i], &mut v[i], h);
+        }
+        norm.map(|n| n as f32)
+    }
+
+    /// Frees everything the engine holds; the tracker then shows zero live bytes.
+    pub fn release(mut self) -> Device<B> {
+        let mut dev = self.dev;
+        for t in self
+            .params
+            .drain(..)
+            .chain(self.grads.drain(..))
+            .chain(self.m.drain(..))
+            .chain(self.v.drain(..))
+        {
+            dev.free(t);
+        }
+        dev.free_opt(self.workspace.take());
+        dev
+    }
+}
+
+fn free_block<B: Backend>(dev: &mut Device<B>, a: BlockActs<T<B>>) {
+    for x in [
+        a.ln1, a.ln1_rstd, a.qkv, a.att, a.atty, a.res2, a.ln2, a.ln2_rstd, a.up, a.act, a.out,
+    ] {
+        dev.free(x);
+    }
+    dev.free_opt(a.ln1_mean);
+    dev.free_opt(a.ln2_mean);
+}
+
+/// Initial weights on the host: one seeded stream per tensor, so the result does
+/// not depend on thread scheduling, and a later sharded run can initialise any
+/// tensor on its own.
+pub fn init_weights(specs: &[ParamSpec], seed: u64) -> Vec<Vec<f32>> {
+    use rayon::prelude::*;
+    specs
+        .par_iter()
+        .enumerate()
+        .map(|(i, spec)| {
+            let n = spec.numel();
+            match spec.init {
+                Init::Zeros => vec![0.0; n],
+                Init::Ones => vec![1.0; n],
+                Init::Normal(std) => {
+                    let mut rng =
+                        Rng::new(seed ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                    (0..n).map(|_| (rng.normal() * std as f64) as f32).collect()
+                }
+            }
+        })
+        .collect()
+}

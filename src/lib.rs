@@ -1,0 +1,20 @@
+//! memfit: a memory-footprint profiler and advisor for training transformers.
+//!
+//! See ARCHITECTURE.md for the map of the code.
+
+// Kernels take flat buffers and explicit shapes (llm.c style), so long argument
+// lists are the norm rather than a smell here.
+#![allow(clippy::too_many_arguments)]
+
+pub mod backend;
+pub mod cli;
+pub mod config;
+pub mod data;
+pub mod engine;
+pub mod error;
+pub mod memory;
+pub mod rng;
+pub mod run;
+pub mod units;
+
+pub use error::{Error, Result};

@@ -1,0 +1,381 @@
+//! `memfit run`: train a model for a few steps (or plan one step on meta) and
+//! report losses, throughput, FLOPs and peak memory per category.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::meta::MetaBackend;
+use crate::backend::{Backend, DeviceKind, DeviceSpec};
+use crate::config::ModelConfig;
+use crate::config::profile::load_model;
+use crate::data::DataSource;
+use crate::engine::{CostCounter, Engine, TrainConfig};
+use crate::error::{Error, Result};
+use crate::memory::{ByCategory, Category, OomError, PeakBytes, Tracker};
+use crate::units::fmt_bytes;
+
+/// Everything `memfit run` needs; the CLI fills it from flags.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    pub model: String,
+    pub train: TrainConfig,
+    pub steps: usize,
+    pub device: DeviceSpec,
+    pub data: Option<PathBuf>,
+    /// cpu worker threads; `None` uses every core.
+    pub threads: Option<usize>,
+    /// Write the memory timeline (CSV) here.
+    pub timeline: Option<PathBuf>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct StepRecord {
+    pub step: usize,
+    pub loss: f32,
+    pub grad_norm: f32,
+    pub ms: f64,
+}
+
+/// The knobs of a run, as the JSON `config` object shows them.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunConfigRecord {
+    #[serde(flatten)]
+    pub train: TrainConfig,
+    pub steps: usize,
+    pub data: String,
+    pub threads: Option<usize>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ErrorRecord {
+    pub kind: &'static str,
+    pub message: String,
+    pub phase: String,
+    pub category: Category,
+    pub requested: u64,
+    pub capacity: u64,
+    pub live: ByCategory,
+}
+
+impl From<&OomError> for ErrorRecord {
+    fn from(e: &OomError) -> Self {
+        ErrorRecord {
+            kind: "oom",
+            message: e.to_string(),
+            phase: e.phase.to_string(),
+            category: e.category,
+            requested: e.requested,
+            capacity: e.capacity,
+            live: e.live,
+        }
+    }
+}
+
+/// The document `memfit run --format json` prints.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunReport {
+    pub model: String,
+    pub family: crate::config::Family,
+    /// Unpadded, comparable with published counts.
+    pub num_parameters: u64,
+    pub config: RunConfigRecord,
+    pub device: String,
+    pub capacity_bytes: Option<u64>,
+    pub steps: Vec<StepRecord>,
+    /// Mean over steps after the first (which warms caches); `None` on meta.
+    pub tokens_per_s: Option<f64>,
+    pub tokens_per_step: usize,
+    pub flops_per_step: u64,
+    pub bytes_moved_per_step: u64,
+    /// Each category's own highest live bytes; `total` is the highest sum at any moment.
+    pub peak_bytes: PeakBytes,
+    /// The per-category split at the moment of the total peak.
+    pub peak_breakdown: ByCategory,
+    pub error: Option<ErrorRecord>,
+}
+
+/// Checks the options against the model, with errors naming the flag.
+pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
+    let t = &opts.train;
+    if t.seq_len == 0 || t.seq_len > model.max_seq_len {
+        return Err(Error::invalid_arg(
+            "--seq-len",
+            format!(
+                "{} is outside 1..={}, the maximum sequence length of {}",
+                t.seq_len, model.max_seq_len, model.name
+            ),
+        ));
+    }
+    for (flag, v) in [
+        ("--micro-batch", t.micro_batch),
+        ("--grad-accum", t.grad_accum),
+    ] {
+        if v == 0 {
+            return Err(Error::invalid_arg(flag, "must be at least 1"));
+        }
+    }
+    if opts.steps == 0 && opts.device.kind != DeviceKind::Meta {
+        return Err(Error::invalid_arg("--steps", "must be at least 1"));
+    }
+    if !(t.lr.is_finite() && t.lr >= 0.0) {
+        return Err(Error::invalid_arg(
+            "--lr",
+            format!("{} is not a usable learning rate", t.lr),
+        ));
+    }
+    if !(t.grad_clip.is_finite() && t.grad_clip >= 0.0) {
+        return Err(Error::invalid_arg(
+            "--grad-clip",
+            "must be 0 (off) or positive",
+        ));
+    }
+    if opts.threads == Some(0) {
+        return Err(Error::invalid_arg("--threads", "must be at least 1"));
+    }
+    Ok(())
+}
+
+/// Runs `memfit run`. An out-of-memory run still returns its report (with
+/// `error` set) alongside the error, so the caller can print both.
+pub fn run(opts: &RunOptions) -> Result<(RunReport, Option<Error>)> {
+    let model = load_model(&opts.model)?;
+    validate(opts, &model)?;
+    match opts.device.kind {
+        DeviceKind::Meta => {
+            let be = MetaBackend::emulating_cpu();
+            run_on(opts, model, be, None)
+        }
+        DeviceKind::Cpu => {
+            let threads = opts
+                .threads
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+            let mut data = match &opts.data {
+                Some(path) => DataSource::text(path, opts.train.seed)?,
+                None => DataSource::synthetic(model.vocab_size, opts.train.seed),
+            };
+            if data.min_vocab() > model.vocab_size {
+                return Err(Error::invalid_arg(
+                    "--data",
+                    format!(
+                        "byte-level text needs a vocabulary of at least {}, but {} has {}; use a byte-vocab profile such as gpt2-tiny or llama-tiny",
+                        data.min_vocab(),
+                        model.name,
+                        model.vocab_size
+                    ),
+                ));
+            }
+            data.check_seq_len(opts.train.seq_len)?;
+            let be = CpuBackend::new(threads).map_err(Error::Unavailable)?;
+            run_on(opts, model, be, Some(&mut data))
+        }
+        DeviceKind::Cuda => Err(Error::Unavailable(
+            "the cuda backend is not part of this build yet; use --device cpu, or --device meta to predict memory".into(),
+        )),
+    }
+}
+
+fn run_on<B: Backend>(
+    opts: &RunOptions,
+    model: ModelConfig,
+    be: B,
+    data: Option<&mut DataSource>,
+) -> Result<(RunReport, Option<Error>)> {
+    let meta = !be.holds_data();
+    let mut report = RunReport {
+        model: model.name.clone(),
+        family: model.family,
+        num_parameters: model.num_parameters(),
+        config: RunConfigRecord {
+            train: opts.train.clone(),
+            steps: if meta { 0 } else { opts.steps },
+            data: data.as_ref().map_or("none".into(), |d| d.describe()),
+            threads: if meta {
+                None
+            } else {
+                opts.threads
+                    .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
+            },
+        },
+        device: opts.device.kind.to_string(),
+        capacity_bytes: opts.device.limit,
+        steps: Vec::new(),
+        tokens_per_s: None,
+        tokens_per_step: opts.train.micro_batch * opts.train.seq_len * opts.train.grad_accum,
+        flops_per_step: 0,
+        bytes_moved_per_step: 0,
+        peak_bytes: PeakBytes::default(),
+        peak_breakdown: ByCategory::default(),
+        error: None,
+    };
+    let mut engine = match Engine::new(model, opts.train.clone(), be, opts.device.limit) {
+        Ok(e) => e,
+        Err(oom) => {
+            // Nothing beyond the refused allocation was recorded; rebuild the tracker's view.
+            report.error = Some(ErrorRecord::from(&oom));
+            let mut t = Tracker::new(None);
+            for (c, b) in oom.live.iter() {
+                if b > 0 {
+                    t.alloc(c, b).expect("no capacity");
+                }
+            }
+            fill_peaks(&mut report, &t);
+            return Ok((report, Some(Error::Oom(oom))));
+        }
+    };
+    let steps = if meta { 1 } else { opts.steps };
+    let mut data = data;
+    let mut times = Vec::new();
+    let mut failure = None;
+    for step in 0..steps {
+        let batches: Vec<_> = (0..opts.train.grad_accum)
+            .map(|_| match data.as_deref_mut() {
+                Some(d) => d.next_batch(opts.train.micro_batch, opts.train.seq_len),
+                None => crate::data::Batch {
+                    inputs: Vec::new(),
+                    targets: Vec::new(),
+                },
+            })
+            .collect();
+        engine.dev.cost = CostCounter::default();
+        let start = Instant::now();
+        match engine.step(&batches) {
+            Ok(r) => {
+                let secs = start.elapsed().as_secs_f64();
+                times.push(secs);
+                if let (Some(loss), Some(grad_norm)) = (r.loss, r.grad_norm) {
+                    report.steps.push(StepRecord {
+                        step,
+                        loss,
+                        grad_norm,
+                        ms: secs * 1e3,
+                    });
+                }
+            }
+            Err(oom) => {
+                report.error = Some(ErrorRecord::from(&oom));
+                failure = Some(Error::Oom(oom));
+                break;
+            }
+        }
+        report.flops_per_step = engine.dev.cost.flops();
+        report.bytes_moved_per_step = engine.dev.cost.bytes();
+    }
+    if !meta && !times.is_empty() {
+        let timed = if times.len() > 1 {
+            &times[1..]
+        } else {
+            &times[..]
+        };
+        let mean = timed.iter().sum::<f64>() / timed.len() as f64;
+        report.tokens_per_s = Some(report.tokens_per_step as f64 / mean);
+    }
+    fill_peaks(&mut report, &engine.dev.tracker);
+    if let Some(path) = &opts.timeline {
+        write_timeline(path, &engine.dev.tracker)?;
+    }
+    Ok((report, failure))
+}
+
+fn fill_peaks(report: &mut RunReport, t: &Tracker) {
+    report.peak_bytes = t.peak_bytes();
+    report.peak_breakdown = t.at_peak();
+}
+
+/// The timeline as CSV: one line per allocation or free.
+pub fn write_timeline(path: &std::path::Path, t: &Tracker) -> Result<()> {
+    let io = |source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut w = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
+    writeln!(w, "t_ns,phase,category,bytes,live_total").map_err(io)?;
+    for e in t.timeline() {
+        writeln!(
+            w,
+            "{},{},{},{},{}",
+            e.t_ns,
+            e.phase,
+            e.category.name(),
+            e.bytes,
+            e.live_total
+        )
+        .map_err(io)?;
+    }
+    w.flush().map_err(io)
+}
+
+/// The human-readable report.
+pub fn render_table(r: &RunReport) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::new();
+    let c = &r.config;
+    let _ = writeln!(
+        s,
+        "{} ({} parameters) on {}: micro-batch {} x seq-len {} x grad-accum {}{}",
+        r.model,
+        r.num_parameters,
+        r.device,
+        c.train.micro_batch,
+        c.train.seq_len,
+        c.train.grad_accum,
+        c.threads
+            .map_or(String::new(), |t| format!(", {t} threads")),
+    );
+    if !r.steps.is_empty() {
+        let _ = writeln!(
+            s,
+            "\n{:>5} {:>9} {:>9} {:>10} {:>10}",
+            "step", "loss", "gnorm", "ms", "tokens/s"
+        );
+        for st in &r.steps {
+            let tps = r.tokens_per_step as f64 / (st.ms / 1e3);
+            let _ = writeln!(
+                s,
+                "{:>5} {:>9.4} {:>9.4} {:>10.1} {:>10.0}",
+                st.step, st.loss, st.grad_norm, st.ms, tps
+            );
+        }
+    }
+    if let Some(tps) = r.tokens_per_s {
+        let _ = writeln!(
+            s,
+            "\nthroughput: {tps:.0} tokens/s (mean after the first step)"
+        );
+    }
+    let _ = writeln!(
+        s,
+        "work per step: {:.3} GFLOP, {} moved",
+        r.flops_per_step as f64 / 1e9,
+        fmt_bytes(r.bytes_moved_per_step)
+    );
+    let _ = writeln!(
+        s,
+        "\npeak memory{}:",
+        r.capacity_bytes
+            .map_or(String::new(), |c| format!(" (capacity {})", fmt_bytes(c)))
+    );
+    let _ = writeln!(
+        s,
+        "  {:<12} {:>12} {:>14}",
+        "category", "peak", "at total peak"
+    );
+    for cat in Category::ALL {
+        let (own, at) = (r.peak_bytes.get(cat), r.peak_breakdown.get(cat));
+        let _ = writeln!(
+            s,
+            "  {:<12} {:>12} {:>14}",
+            cat.name(),
+            fmt_bytes(own),
+            fmt_bytes(at)
+        );
+    }
+    let _ = writeln!(s, "  {:<12} {:>12}", "total", fmt_bytes(r.peak_bytes.total));
+    if let Some(e) = &r.error {
+        let _ = writeln!(s, "\nerror: {}", e.message);
+    }
+    s
+}

@@ -1,0 +1,236 @@
+//! `memfit run` as a user runs it: output documents, exit codes, error messages.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn memfit(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args(args)
+        .output()
+        .expect("memfit runs")
+}
+
+fn json(out: &Output) -> Value {
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is not JSON ({e}): {}\nstderr: {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn run_json_carries_the_documented_fields() {
+    let out = memfit(&[
+        "run",
+        "--model",
+        "gpt2-tiny",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "2",
+        "--steps",
+        "3",
+        "--format",
+        "json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let doc = json(&out);
+    assert_eq!(doc["model"], "gpt2-tiny");
+    assert_eq!(doc["device"], "cpu");
+    assert!(doc["num_parameters"].as_u64().unwrap() > 0);
+    for knob in [
+        "seq_len",
+        "micro_batch",
+        "grad_accum",
+        "lr",
+        "weight_decay",
+        "grad_clip",
+        "seed",
+        "steps",
+    ] {
+        assert!(!doc["config"][knob].is_null(), "config.{knob} missing");
+    }
+    let steps = doc["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 3);
+    for s in steps {
+        assert!(s["loss"].as_f64().unwrap().is_finite() && s["ms"].as_f64().unwrap() > 0.0);
+    }
+    assert!(doc["tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert!(doc["flops_per_step"].as_u64().unwrap() > 0);
+    for cat in [
+        "total",
+        "parameters",
+        "gradients",
+        "optimizer",
+        "activations",
+        "temporaries",
+        "workspace",
+    ] {
+        assert!(doc["peak_bytes"][cat].is_u64(), "peak_bytes.{cat} missing");
+    }
+    assert!(doc["error"].is_null());
+}
+
+#[test]
+fn meta_prints_the_same_peaks_as_cpu() {
+    let args = [
+        "run",
+        "--model",
+        "llama-tiny",
+        "--seq-len",
+        "48",
+        "--micro-batch",
+        "3",
+        "--steps",
+        "2",
+        "--format",
+        "json",
+    ];
+    let cpu = json(&memfit(&args));
+    let mut meta_args = args.to_vec();
+    meta_args.extend(["--device", "meta"]);
+    let meta = json(&memfit(&meta_args));
+    assert_eq!(meta["steps"].as_array().unwrap().len(), 0);
+    assert!(meta["tokens_per_s"].is_null());
+    assert_eq!(cpu["peak_bytes"], meta["peak_bytes"]);
+    assert_eq!(cpu["peak_breakdown"], meta["peak_breakdown"]);
+    assert_eq!(cpu["flops_per_step"], meta["flops_per_step"]);
+}
+
+#[test]
+fn meta_plans_llama_70b() {
+    let out = memfit(&[
+        "run",
+        "--model",
+        "llama-3.1-70b",
+        "--seq-len",
+        "4096",
+        "--micro-batch",
+        "1",
+        "--device",
+        "meta",
+        "--format",
+        "json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let doc = json(&out);
+    assert_eq!(doc["num_parameters"], 70_553_706_496u64);
+    // fp32 weights, gradients and two AdamW moments: 16 bytes per (padded) parameter.
+    let params = doc["peak_bytes"]["parameters"].as_u64().unwrap();
+    assert_eq!(doc["peak_bytes"]["optimizer"].as_u64().unwrap(), 2 * params);
+    assert_eq!(doc["peak_bytes"]["gradients"].as_u64().unwrap(), params);
+    assert!(doc["peak_bytes"]["total"].as_u64().unwrap() > 16 * 70_000_000_000);
+}
+
+#[test]
+fn out_of_memory_exits_3_with_an_error_object() {
+    let out = memfit(&[
+        "run",
+        "--model",
+        "gpt2-tiny",
+        "--device",
+        "cpu:limit=2MiB",
+        "--steps",
+        "2",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    let doc = json(&out);
+    assert_eq!(doc["error"]["kind"], "oom");
+    assert!(doc["error"]["requested"].as_u64().unwrap() > 0);
+    assert!(doc["error"]["category"].is_string());
+    assert!(doc["error"]["live"]["parameters"].as_u64().unwrap() > 0);
+    assert!(stderr(&out).contains("out of memory"));
+    // The same on meta.
+    let out = memfit(&[
+        "run",
+        "--model",
+        "gpt2-tiny",
+        "--device",
+        "meta:limit=2MiB",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(out.status.code(), Some(3));
+}
+
+#[test]
+fn bad_input_exits_2_with_a_clear_message() {
+    let out = memfit(&["run", "--model", "gpt2-tinyy"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("did you mean `gpt2-tiny`"),
+        "{}",
+        stderr(&out)
+    );
+
+    let out = memfit(&["run", "--model", "gpt2-tiny", "--seq-len", "4096"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("--seq-len"), "{}", stderr(&out));
+
+    let short = std::env::temp_dir().join(format!("memfit-short-{}.txt", std::process::id()));
+    std::fs::write(&short, b"too short").unwrap();
+    let out = memfit(&["run", "--data", short.to_str().unwrap(), "--seq-len", "64"]);
+    std::fs::remove_file(&short).unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("--data") && stderr(&out).contains("9 bytes"),
+        "{}",
+        stderr(&out)
+    );
+
+    let out = memfit(&["run", "--device", "tpu"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("unknown device"), "{}", stderr(&out));
+
+    let out = memfit(&["run", "--data", "/nonexistent/corpus"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("/nonexistent/corpus"),
+        "{}",
+        stderr(&out)
+    );
+
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/invalid/models");
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let out = memfit(&["run", "--model", path.to_str().unwrap(), "--device", "meta"]);
+        assert_eq!(out.status.code(), Some(2), "{}", path.display());
+        let msg = stderr(&out);
+        let file = path.file_name().unwrap().to_str().unwrap();
+        assert!(msg.contains(file), "{msg}");
+        assert!(!msg.contains("panicked"), "{msg}");
+    }
+}
+
+#[test]
+fn table_output_and_timeline() {
+    let timeline = std::env::temp_dir().join(format!("memfit-timeline-{}.csv", std::process::id()));
+    let out = memfit(&[
+        "run",
+        "--model",
+        "llama-tiny",
+        "--steps",
+        "2",
+        "--timeline",
+        timeline.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    for needle in ["tokens/s", "activations", "KiB", "loss"] {
+        assert!(text.contains(needle), "{needle} missing from:\n{text}");
+    }
+    let csv = std::fs::read_to_string(&timeline).unwrap();
+    assert!(csv.starts_with("t_ns,phase,category,bytes,live_total"));
+    assert!(csv.contains(",backward:1,activations,-"));
+    std::fs::remove_file(timeline).unwrap();
+}
