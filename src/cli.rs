@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::backend::DeviceSpec;
-use crate::engine::TrainConfig;
+use crate::engine::{Checkpointing, TrainConfig};
 use crate::run::RunOptions;
 
 #[derive(Debug, Parser)]
@@ -50,6 +50,10 @@ pub struct RunArgs {
     /// Optimizer steps (meta always plans exactly one).
     #[arg(long, default_value_t = 20)]
     pub steps: usize,
+    /// Activation checkpointing: `full` keeps only each block's input and
+    /// recomputes the block in the backward pass.
+    #[arg(long, value_enum, default_value_t = Checkpointing::None)]
+    pub checkpointing: Checkpointing,
     /// cpu or meta, optionally with an emulated capacity: cpu:limit=512MiB.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceSpec,
@@ -91,6 +95,7 @@ impl RunArgs {
                 weight_decay: self.weight_decay,
                 grad_clip: self.grad_clip,
                 seed: self.seed,
+                checkpointing: self.checkpointing,
                 ..TrainConfig::default()
             },
             steps: self.steps,

@@ -66,6 +66,8 @@ pub enum Phase {
     /// Final norm, output head and loss.
     ForwardHead,
     BackwardHead,
+    /// Block `i`'s forward again, under activation checkpointing.
+    Recompute(usize),
     Backward(usize),
     BackwardEmbed,
     Optimizer,
@@ -79,6 +81,7 @@ impl fmt::Display for Phase {
             Phase::Forward(i) => write!(f, "forward:{i}"),
             Phase::ForwardHead => write!(f, "forward:head"),
             Phase::BackwardHead => write!(f, "backward:head"),
+            Phase::Recompute(i) => write!(f, "recompute:{i}"),
             Phase::Backward(i) => write!(f, "backward:{i}"),
             Phase::BackwardEmbed => write!(f, "backward:embed"),
             Phase::Optimizer => write!(f, "optimizer"),

@@ -6,7 +6,7 @@ use memfit::backend::meta::MetaBackend;
 use memfit::config::ModelConfig;
 use memfit::config::profile::load_model;
 use memfit::data::DataSource;
-use memfit::engine::{Engine, TrainConfig};
+use memfit::engine::{Checkpointing, Engine, TrainConfig};
 use memfit::memory::{Category, Tracker};
 
 fn train(seq_len: usize, micro_batch: usize) -> TrainConfig {
@@ -47,6 +47,9 @@ fn meta_peaks_equal_cpu_peaks_byte_for_byte() {
         for (seq_len, micro_batch) in [(8, 1), (16, 2), (32, 3), (64, 4), (128, 2)] {
             let mut tc = train(seq_len, micro_batch);
             tc.grad_accum = 1 + (seq_len == 16) as usize;
+            if micro_batch >= 3 {
+                tc.checkpointing = Checkpointing::Full;
+            }
             let (cpu, meta, cf, mf) = both(&model, &tc);
             let what = format!("{name} T={seq_len} B={micro_batch}");
             assert_eq!(cpu.peak_bytes(), meta.peak_bytes(), "{what}");
@@ -185,4 +188,55 @@ fn gpt2_tiny_learns_byte_level_text() {
         "loss fell only from {first:.3} to {last10:.3} in 100 steps"
     );
     eprintln!("gpt2-tiny byte-level: loss {first:.3} -> {last10:.3} (mean of steps 90-99)");
+}
+
+#[test]
+fn full_checkpointing_keeps_gradients_bit_identical_and_saves_activations() {
+    for name in ["gpt2-tiny", "llama-tiny"] {
+        let model = load_model(name).unwrap();
+        let batch = DataSource::synthetic(model.vocab_size, 9).next_batch(4, 64);
+        let run = |checkpointing| {
+            let tc = TrainConfig {
+                checkpointing,
+                ..train(64, 4)
+            };
+            let mut e = Engine::new(model.clone(), tc, CpuBackend::new(2).unwrap(), None).unwrap();
+            let loss = e.compute_grads(&batch).unwrap();
+            (
+                loss,
+                e.grads_host().unwrap(),
+                e.dev.tracker.peak_bytes(),
+                e.dev.cost.flops(),
+            )
+        };
+        let (loss0, grads0, peak0, flops0) = run(Checkpointing::None);
+        let (loss1, grads1, peak1, flops1) = run(Checkpointing::Full);
+        assert_eq!(loss0, loss1);
+        assert!(
+            grads0 == grads1,
+            "{name}: gradients differ under checkpointing"
+        );
+        // Saved per block without checkpointing vs. one (N,C) block input with it.
+        let (b, t, c, l) = (4u64, 64u64, model.d_model as u64, model.n_layer as u64);
+        let kept = l * b * t * c * 4;
+        assert!(
+            peak1.activations < peak0.activations,
+            "{name}: {peak1:?} vs {peak0:?}"
+        );
+        // The difference is what the other (L-1) blocks would have saved beyond their input.
+        let per_block = (peak0.activations - peak1.activations) / (l - 1);
+        assert!(
+            per_block > 5 * b * t * c * 4,
+            "{name}: saved only {per_block} bytes per block"
+        );
+        assert!(kept < peak1.activations);
+        // The recomputation costs extra FLOPs: the blocks' forward again, minus the down-projection.
+        assert!(flops1 > flops0);
+        eprintln!(
+            "{name}: activations {} -> {} bytes, FLOPs x{:.3}",
+            peak0.activations,
+            peak1.activations,
+            flops1 as f64 / flops0 as f64
+        );
+    }
 }

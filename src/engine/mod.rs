@@ -15,7 +15,7 @@
 pub mod device;
 
 use crate::backend::{AdamHyper, AttnShape, Backend, DType};
-use crate::config::model::{Init, ParamIndex, ParamSpec};
+use crate::config::model::{BlockIndex, Init, ParamIndex, ParamSpec};
 use crate::config::{Family, ModelConfig};
 use crate::data::Batch;
 use crate::memory::{Category, OomError, Phase};
@@ -41,6 +41,19 @@ pub struct TrainConfig {
     /// Global-norm clipping threshold; 0 disables.
     pub grad_clip: f32,
     pub seed: u64,
+    pub checkpointing: Checkpointing,
+}
+
+/// Activation checkpointing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Checkpointing {
+    /// Every block keeps what its backward needs.
+    #[default]
+    None,
+    /// Each block keeps only its input; backward recomputes the block's forward
+    /// first (one extra forward per block, about +33% compute).
+    Full,
 }
 
 impl Default for TrainConfig {
@@ -56,6 +69,7 @@ impl Default for TrainConfig {
             weight_decay: 0.1,
             grad_clip: 1.0,
             seed: 1337,
+            checkpointing: Checkpointing::None,
         }
     }
 }
@@ -90,17 +104,17 @@ struct BlockActs<X> {
     up: X,
     /// gpt2: GELU output (N,4C); llama: SwiGLU output (N,I).
     act: X,
-    /// Residual stream out of the block (N,C).
-    out: X,
 }
 
 /// Everything a forward pass leaves for the backward pass.
 struct Acts<X> {
     tokens: X,
     targets: X,
-    /// Embedding output, the residual stream into block 0 (N,C).
-    emb: X,
-    blocks: Vec<BlockActs<X>>,
+    /// The residual stream (N,C) into each block: `resid[0]` is the embedding
+    /// output, `resid[l + 1]` block l's output (the last one feeds the head).
+    resid: Vec<X>,
+    /// Each block's saved tensors; `None` when checkpointed (recomputed in backward).
+    blocks: Vec<Option<BlockActs<X>>>,
     lnf: X,
     lnf_mean: Option<X>,
     lnf_rstd: X,
@@ -284,13 +298,15 @@ impl<B: Backend> Engine<B> {
 
     fn free_acts(&mut self, acts: Acts<T<B>>) {
         let dev = &mut self.dev;
-        for a in acts.blocks.into_iter().rev() {
+        for a in acts.blocks.into_iter().rev().flatten() {
             free_block(dev, a);
+        }
+        for x in acts.resid.into_iter().rev() {
+            dev.free(x);
         }
         for t in [
             acts.tokens,
             acts.targets,
-            acts.emb,
             acts.lnf,
             acts.lnf_rstd,
             acts.logits,
@@ -317,7 +333,6 @@ impl<B: Backend> Engine<B> {
             model.d_model,
         );
         let (v, vp, eps) = (model.vocab_size, model.padded_vocab(), model.norm_eps());
-        let (qkvw, upw, dff) = (model.qkv_width(), model.up_width(), model.d_ff());
         let gpt2 = model.family == Family::Gpt2;
         let opt = |i: Option<usize>| i.map(|i| &p[i]);
         let act = Category::Activations;
@@ -332,93 +347,25 @@ impl<B: Backend> Engine<B> {
         let mut emb = dev.alloc_f32(n * c, act)?;
         dev.embed_forward(&mut emb, &tokens, &p[idx.wte], opt(idx.wpe), n, t, c);
 
-        let mut blocks: Vec<BlockActs<T<B>>> = Vec::with_capacity(model.n_layer);
+        let mut resid = vec![emb];
+        let mut blocks = Vec::with_capacity(model.n_layer);
         for (l, bi) in idx.blocks.iter().enumerate() {
             dev.tracker.set_phase(Phase::Forward(l));
-            let x = blocks.last().map_or(&emb, |b| &b.out);
-            // attention: ln1 -> qkv (-> rope) -> attention -> o-proj, + residual
-            let mut ln1 = dev.alloc_f32(n * c, act)?;
-            let mut ln1_mean = if gpt2 {
-                Some(dev.alloc_f32(n, act)?)
-            } else {
-                None
-            };
-            let mut ln1_rstd = dev.alloc_f32(n, act)?;
-            dev.norm_forward(
-                &mut ln1,
-                ln1_mean.as_mut(),
-                &mut ln1_rstd,
-                x,
-                &p[bi.ln1_w],
-                opt(bi.ln1_b),
-                n,
-                c,
-                eps,
-            );
-            let mut qkv = dev.alloc_f32(n * qkvw, act)?;
-            dev.matmul_forward(&mut qkv, &ln1, &p[bi.qkv_w], opt(bi.qkv_b), n, c, qkvw);
-            if !gpt2 {
-                dev.rope_forward(&mut qkv, s, model.rope_theta());
-            }
-            let mut att = dev.alloc_f32(s.b * s.n_head * t * t, act)?;
-            let mut atty = dev.alloc_f32(n * c, act)?;
-            dev.attention_forward(&mut atty, &mut att, &qkv, s);
-            let mut proj = dev.alloc_f32(n * c, Category::Temporaries)?;
-            dev.matmul_forward(&mut proj, &atty, &p[bi.o_w], opt(bi.o_b), n, c, c);
-            let mut res2 = dev.alloc_f32(n * c, act)?;
-            dev.add(&mut res2, x, &proj, n * c);
-            dev.free(proj);
-            // MLP: ln2 -> up -> gelu | swiglu -> down, + residual
-            let mut ln2 = dev.alloc_f32(n * c, act)?;
-            let mut ln2_mean = if gpt2 {
-                Some(dev.alloc_f32(n, act)?)
-            } else {
-                None
-            };
-            let mut ln2_rstd = dev.alloc_f32(n, act)?;
-            dev.norm_forward(
-                &mut ln2,
-                ln2_mean.as_mut(),
-                &mut ln2_rstd,
-                &res2,
-                &p[bi.ln2_w],
-                opt(bi.ln2_b),
-                n,
-                c,
-                eps,
-            );
-            let mut up = dev.alloc_f32(n * upw, act)?;
-            dev.matmul_forward(&mut up, &ln2, &p[bi.up_w], opt(bi.up_b), n, c, upw);
-            let mut a = dev.alloc_f32(n * dff, act)?;
-            if gpt2 {
-                dev.gelu_forward(&mut a, &up, n * dff);
-            } else {
-                dev.swiglu_forward(&mut a, &up, n, dff);
-            }
-            let mut mlp = dev.alloc_f32(n * c, Category::Temporaries)?;
-            dev.matmul_forward(&mut mlp, &a, &p[bi.down_w], opt(bi.down_b), n, dff, c);
-            let mut out = dev.alloc_f32(n * c, act)?;
-            dev.add(&mut out, &res2, &mlp, n * c);
-            dev.free(mlp);
-            blocks.push(BlockActs {
-                ln1,
-                ln1_mean,
-                ln1_rstd,
-                qkv,
-                att,
-                atty,
-                res2,
-                ln2,
-                ln2_mean,
-                ln2_rstd,
-                up,
-                act: a,
-                out,
+            let (a, out) = block_forward(dev, model, p, bi, &resid[l], s, true)?;
+            resid.push(out.expect("asked for the block output"));
+            blocks.push(match train.checkpointing {
+                Checkpointing::None => Some(a),
+                // Keep only the block input (the residual stream, already in
+                // `resid`); the backward pass recomputes the rest.
+                Checkpointing::Full => {
+                    free_block(dev, a);
+                    None
+                }
             });
         }
 
         dev.tracker.set_phase(Phase::ForwardHead);
-        let x = blocks.last().map_or(&emb, |b| &b.out);
+        let x = resid.last().expect("embedding output");
         let mut lnf = dev.alloc_f32(n * c, act)?;
         let mut lnf_mean = if gpt2 {
             Some(dev.alloc_f32(n, act)?)
@@ -445,7 +392,7 @@ impl<B: Backend> Engine<B> {
         Ok(Acts {
             tokens,
             targets,
-            emb,
+            resid,
             blocks,
             lnf,
             lnf_mean,
@@ -479,7 +426,7 @@ impl<B: Backend> Engine<B> {
         let Acts {
             tokens,
             targets,
-            emb,
+            mut resid,
             mut blocks,
             lnf,
             lnf_mean,
@@ -509,7 +456,7 @@ impl<B: Backend> Engine<B> {
         // dres: gradient of the residual stream, carried down through the blocks.
         let mut dres = dev.alloc_f32(n * c, tmp)?;
         {
-            let x = blocks.last().map_or(&emb, |b| &b.out);
+            let x = resid.last().expect("embedding output");
             let (dw, db) = pair_mut(g, idx.lnf_w, idx.lnf_b);
             dev.norm_backward(
                 &mut dres,
@@ -531,8 +478,16 @@ impl<B: Backend> Engine<B> {
 
         for (l, bi) in idx.blocks.iter().enumerate().rev() {
             dev.tracker.set_phase(Phase::Backward(l));
-            let a = blocks.pop().expect("one saved block per layer");
-            let x = blocks.last().map_or(&emb, |b| &b.out);
+            let x = &resid[l];
+            let a = match blocks.pop().expect("one entry per block") {
+                Some(a) => a,
+                None => {
+                    dev.tracker.set_phase(Phase::Recompute(l));
+                    let (a, _) = block_forward(dev, model, p, bi, x, s, false)?;
+                    dev.tracker.set_phase(Phase::Backward(l));
+                    a
+                }
+            };
             // MLP: dres is d(out) = d(mlp output)
             let mut dact = dev.alloc_f32(n * dff, tmp)?;
             let (dw, db) = pair_mut(g, bi.down_w, bi.down_b);
@@ -595,11 +550,15 @@ impl<B: Backend> Engine<B> {
             );
             dev.free(dln1);
             free_block(dev, a);
+            // Block l's output: its consumers (block l+1 or the head) are done.
+            let out = resid.pop().expect("block output");
+            dev.free(out);
         }
 
         dev.tracker.set_phase(Phase::BackwardEmbed);
         let (dwte, dwpe) = pair_mut(g, idx.wte, idx.wpe);
         dev.embed_backward(dwte, dwpe, &dres, &tokens, n, t, c);
+        let emb = resid.pop().expect("embedding output");
         for x in [dres, emb, tokens] {
             dev.free(x);
         }
@@ -670,9 +629,114 @@ impl<B: Backend> Engine<B> {
     }
 }
 
+/// One transformer block's forward pass from its input `x` (N,C): the saved
+/// tensors, and the block output unless `with_out` is false (a recomputation
+/// under checkpointing, where the output was kept).
+fn block_forward<B: Backend>(
+    dev: &mut Device<B>,
+    model: &ModelConfig,
+    p: &[T<B>],
+    bi: &BlockIndex,
+    x: &T<B>,
+    s: AttnShape,
+    with_out: bool,
+) -> Result<(BlockActs<T<B>>, Option<T<B>>), OomError> {
+    let (t, n, c) = (s.t, s.b * s.t, model.d_model);
+    let eps = model.norm_eps();
+    let (qkvw, upw, dff) = (model.qkv_width(), model.up_width(), model.d_ff());
+    let gpt2 = model.family == Family::Gpt2;
+    let opt = |i: Option<usize>| i.map(|i| &p[i]);
+    let act = Category::Activations;
+    // attention: ln1 -> qkv (-> rope) -> attention -> o-proj, + residual
+    let mut ln1 = dev.alloc_f32(n * c, act)?;
+    let mut ln1_mean = if gpt2 {
+        Some(dev.alloc_f32(n, act)?)
+    } else {
+        None
+    };
+    let mut ln1_rstd = dev.alloc_f32(n, act)?;
+    dev.norm_forward(
+        &mut ln1,
+        ln1_mean.as_mut(),
+        &mut ln1_rstd,
+        x,
+        &p[bi.ln1_w],
+        opt(bi.ln1_b),
+        n,
+        c,
+        eps,
+    );
+    let mut qkv = dev.alloc_f32(n * qkvw, act)?;
+    dev.matmul_forward(&mut qkv, &ln1, &p[bi.qkv_w], opt(bi.qkv_b), n, c, qkvw);
+    if !gpt2 {
+        dev.rope_forward(&mut qkv, s, model.rope_theta());
+    }
+    let mut att = dev.alloc_f32(s.b * s.n_head * t * t, act)?;
+    let mut atty = dev.alloc_f32(n * c, act)?;
+    dev.attention_forward(&mut atty, &mut att, &qkv, s);
+    let mut proj = dev.alloc_f32(n * c, Category::Temporaries)?;
+    dev.matmul_forward(&mut proj, &atty, &p[bi.o_w], opt(bi.o_b), n, c, c);
+    let mut res2 = dev.alloc_f32(n * c, act)?;
+    dev.add(&mut res2, x, &proj, n * c);
+    dev.free(proj);
+    // MLP: ln2 -> up -> gelu | swiglu -> down, + residual
+    let mut ln2 = dev.alloc_f32(n * c, act)?;
+    let mut ln2_mean = if gpt2 {
+        Some(dev.alloc_f32(n, act)?)
+    } else {
+        None
+    };
+    let mut ln2_rstd = dev.alloc_f32(n, act)?;
+    dev.norm_forward(
+        &mut ln2,
+        ln2_mean.as_mut(),
+        &mut ln2_rstd,
+        &res2,
+        &p[bi.ln2_w],
+        opt(bi.ln2_b),
+        n,
+        c,
+        eps,
+    );
+    let mut up = dev.alloc_f32(n * upw, act)?;
+    dev.matmul_forward(&mut up, &ln2, &p[bi.up_w], opt(bi.up_b), n, c, upw);
+    let mut a = dev.alloc_f32(n * dff, act)?;
+    if gpt2 {
+        dev.gelu_forward(&mut a, &up, n * dff);
+    } else {
+        dev.swiglu_forward(&mut a, &up, n, dff);
+    }
+    // The block output; a recomputation skips it, it was checkpointed.
+    let out = if with_out {
+        let mut mlp = dev.alloc_f32(n * c, Category::Temporaries)?;
+        dev.matmul_forward(&mut mlp, &a, &p[bi.down_w], opt(bi.down_b), n, dff, c);
+        let mut out = dev.alloc_f32(n * c, act)?;
+        dev.add(&mut out, &res2, &mlp, n * c);
+        dev.free(mlp);
+        Some(out)
+    } else {
+        None
+    };
+    let a = BlockActs {
+        ln1,
+        ln1_mean,
+        ln1_rstd,
+        qkv,
+        att,
+        atty,
+        res2,
+        ln2,
+        ln2_mean,
+        ln2_rstd,
+        up,
+        act: a,
+    };
+    Ok((a, out))
+}
+
 fn free_block<B: Backend>(dev: &mut Device<B>, a: BlockActs<T<B>>) {
     for x in [
-        a.ln1, a.ln1_rstd, a.qkv, a.att, a.atty, a.res2, a.ln2, a.ln2_rstd, a.up, a.act, a.out,
+        a.ln1, a.ln1_rstd, a.qkv, a.att, a.atty, a.res2, a.ln2, a.ln2_rstd, a.up, a.act,
     ] {
         dev.free(x);
     }
