@@ -21,7 +21,7 @@ use std::fmt;
 use serde::Serialize;
 
 /// Element type of a device buffer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {
     F32,

@@ -24,6 +24,8 @@ use crate::rng::Rng;
 pub use device::{CostCounter, Device, OpCost, Tensor};
 
 type T<B> = Tensor<<B as Backend>::Buf>;
+/// A block's saved tensors and, unless recomputing, its output.
+type BlockOut<B> = (BlockActs<T<B>>, Option<T<B>>);
 
 /// The training knobs the engine implements.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -640,7 +642,7 @@ fn block_forward<B: Backend>(
     x: &T<B>,
     s: AttnShape,
     with_out: bool,
-) -> Result<(BlockActs<T<B>>, Option<T<B>>), OomError> {
+) -> Result<BlockOut<B>, OomError> {
     let (t, n, c) = (s.t, s.b * s.t, model.d_model);
     let eps = model.norm_eps();
     let (qkvw, upw, dff) = (model.qkv_width(), model.up_width(), model.d_ff());
