@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::backend::DeviceSpec;
-use crate::engine::{Checkpointing, TrainConfig};
+use crate::config::recipe::{RunRecipe, load_run_recipe};
+use crate::engine::{Attention, Checkpointing, Optimizer, TrainConfig};
+use crate::error::Result;
 use crate::run::RunOptions;
 
 #[derive(Debug, Parser)]
@@ -22,7 +24,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Train a model for a few steps and report loss, throughput and peak memory by category.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// List the built-in model profiles.
     Models,
 }
@@ -33,47 +35,65 @@ pub enum Format {
     Json,
 }
 
+/// Knob flags have no clap default so that a recipe's key applies unless the
+/// flag is given; the defaults are stated in each help line.
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
-    /// A built-in profile name (see `memfit models`) or a path to a profile YAML.
-    #[arg(long, default_value = "gpt2-tiny")]
-    pub model: String,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = 64)]
-    pub seq_len: usize,
-    /// Sequences per micro-batch.
-    #[arg(long, default_value_t = 4)]
-    pub micro_batch: usize,
-    /// Micro-batches per optimizer step.
-    #[arg(long, default_value_t = 1)]
-    pub grad_accum: usize,
-    /// Optimizer steps (meta always plans exactly one).
-    #[arg(long, default_value_t = 20)]
-    pub steps: usize,
-    /// Activation checkpointing: `full` keeps only each block's input and
-    /// recomputes the block in the backward pass.
-    #[arg(long, value_enum, default_value_t = Checkpointing::None)]
-    pub checkpointing: Checkpointing,
-    /// cpu or meta, optionally with an emulated capacity: cpu:limit=512MiB.
-    #[arg(long, default_value = "cpu")]
-    pub device: DeviceSpec,
+    /// A run recipe (YAML, keys as the flags below with `_` for `-`); flags override it.
+    #[arg(long)]
+    pub recipe: Option<PathBuf>,
+    /// A built-in profile name (see `memfit models`) or a path to a profile YAML [default: gpt2-tiny].
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Tokens per sequence [default: 64].
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// Sequences per micro-batch [default: 4].
+    #[arg(long)]
+    pub micro_batch: Option<usize>,
+    /// Micro-batches per optimizer step [default: 1].
+    #[arg(long)]
+    pub grad_accum: Option<usize>,
+    /// Optimizer steps; meta always plans exactly one [default: 20].
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// cpu or meta, optionally with an emulated capacity, e.g. cpu:limit=512MiB
+    /// [default: cpu, whose capacity is the host's available memory].
+    #[arg(long)]
+    pub device: Option<DeviceSpec>,
     /// Byte-level text to train on: a file, or a directory read recursively.
     /// Without it, a seeded synthetic token stream.
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Seed for weights and data.
-    #[arg(long, default_value_t = 1337)]
-    pub seed: u64,
-    /// AdamW learning rate.
-    #[arg(long, default_value_t = 3e-4)]
-    pub lr: f32,
-    /// Decoupled weight decay, applied to 2-D weights only.
-    #[arg(long, default_value_t = 0.1)]
-    pub weight_decay: f32,
-    /// Clip gradients to this global norm; 0 turns clipping off.
-    #[arg(long, default_value_t = 1.0)]
-    pub grad_clip: f32,
-    /// cpu worker threads (default: all cores).
+    /// Seed for weights and data [default: 1337].
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// adamw, adamw8bit, adafactor or sgd [default: adamw].
+    #[arg(long, value_enum)]
+    pub optimizer: Option<Optimizer>,
+    /// Learning rate [default: 3e-4 for AdamW, 1e-2 for SGD, Adafactor's relative step].
+    #[arg(long)]
+    pub lr: Option<f32>,
+    /// AdamW's beta1 [default: 0.9]; for Adafactor, turns on the first moment [default: off].
+    #[arg(long)]
+    pub beta1: Option<f32>,
+    /// Weight decay on matrices only: decoupled for AdamW and Adafactor, L2 for SGD [default: 0.1].
+    #[arg(long)]
+    pub weight_decay: Option<f32>,
+    /// SGD momentum, in (0, 1) [default: 0.9].
+    #[arg(long)]
+    pub momentum: Option<f32>,
+    /// Clip gradients to this global norm; 0 turns clipping off [default: 1.0].
+    #[arg(long)]
+    pub grad_clip: Option<f32>,
+    /// none, or full: keep only each block's input and recompute the block in the
+    /// backward pass [default: none].
+    #[arg(long, value_enum)]
+    pub checkpointing: Option<Checkpointing>,
+    /// eager (materialises B*H*T*T probabilities) or fused (flash-style) [default: eager].
+    #[arg(long, value_enum)]
+    pub attention: Option<Attention>,
+    /// cpu worker threads [default: all cores].
     #[arg(long)]
     pub threads: Option<usize>,
     /// Write the memory timeline (one CSV line per allocation and free) to this file.
@@ -84,25 +104,46 @@ pub struct RunArgs {
 }
 
 impl RunArgs {
-    pub fn options(&self) -> RunOptions {
-        RunOptions {
-            model: self.model.clone(),
+    /// The run's options: each knob from its flag, else the recipe, else the default.
+    pub fn options(&self) -> Result<RunOptions> {
+        let r = match &self.recipe {
+            Some(path) => load_run_recipe(path)?,
+            None => RunRecipe::default(),
+        };
+        let d = TrainConfig::default();
+        let or = |flag: Option<f32>, key: Option<f32>| flag.or(key);
+        Ok(RunOptions {
+            model: self
+                .model
+                .clone()
+                .or(r.model)
+                .unwrap_or_else(|| "gpt2-tiny".into()),
             train: TrainConfig {
-                seq_len: self.seq_len,
-                micro_batch: self.micro_batch,
-                grad_accum: self.grad_accum,
-                lr: self.lr,
-                weight_decay: self.weight_decay,
-                grad_clip: self.grad_clip,
-                seed: self.seed,
-                checkpointing: self.checkpointing,
-                ..TrainConfig::default()
+                seq_len: self.seq_len.or(r.seq_len).unwrap_or(d.seq_len),
+                micro_batch: self.micro_batch.or(r.micro_batch).unwrap_or(d.micro_batch),
+                grad_accum: self.grad_accum.or(r.grad_accum).unwrap_or(d.grad_accum),
+                optimizer: self.optimizer.or(r.optimizer).unwrap_or(d.optimizer),
+                lr: or(self.lr, r.lr),
+                beta1: or(self.beta1, r.beta1),
+                weight_decay: or(self.weight_decay, r.weight_decay).unwrap_or(d.weight_decay),
+                momentum: or(self.momentum, r.momentum).unwrap_or(d.momentum),
+                grad_clip: or(self.grad_clip, r.grad_clip).unwrap_or(d.grad_clip),
+                seed: self.seed.or(r.seed).unwrap_or(d.seed),
+                checkpointing: self
+                    .checkpointing
+                    .or(r.checkpointing)
+                    .unwrap_or(d.checkpointing),
+                attention: self.attention.or(r.attention).unwrap_or(d.attention),
+                ..d
             },
-            steps: self.steps,
-            device: self.device.clone(),
-            data: self.data.clone(),
-            threads: self.threads,
+            steps: self.steps.or(r.steps).unwrap_or(20),
+            device: self.device.clone().or(r.device).unwrap_or(DeviceSpec {
+                kind: crate::backend::DeviceKind::Cpu,
+                limit: None,
+            }),
+            data: self.data.clone().or(r.data),
+            threads: self.threads.or(r.threads),
             timeline: self.timeline.clone(),
-        }
+        })
     }
 }

@@ -9,7 +9,7 @@ use memfit::run::{render_table, run};
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let code = match cli.command {
-        Command::Run(args) => match run(&args.options()) {
+        Command::Run(args) => match args.options().and_then(|o| run(&o)) {
             Ok((report, failure)) => {
                 match args.format {
                     Format::Json => println!(

@@ -13,7 +13,7 @@ use crate::backend::{Backend, DeviceKind, DeviceSpec};
 use crate::config::ModelConfig;
 use crate::config::profile::load_model;
 use crate::data::DataSource;
-use crate::engine::{CostCounter, Engine, TrainConfig};
+use crate::engine::{CostCounter, Engine, Optimizer, TrainConfig};
 use crate::error::{Error, Result};
 use crate::memory::{ByCategory, Category, OomError, PeakBytes, Tracker};
 use crate::units::fmt_bytes;
@@ -38,6 +38,8 @@ pub struct StepRecord {
     pub loss: f32,
     pub grad_norm: f32,
     pub ms: f64,
+    /// The update was skipped because the gradient was not finite.
+    pub skipped: bool,
 }
 
 /// The knobs of a run, as the JSON `config` object shows them.
@@ -95,6 +97,8 @@ pub struct RunReport {
     pub peak_bytes: PeakBytes,
     /// The per-category split at the moment of the total peak.
     pub peak_breakdown: ByCategory,
+    /// Optimizer steps skipped because the gradient was not finite.
+    pub skipped_steps: u64,
     pub error: Option<ErrorRecord>,
 }
 
@@ -121,10 +125,35 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
     if opts.steps == 0 && opts.device.kind != DeviceKind::Meta {
         return Err(Error::invalid_arg("--steps", "must be at least 1"));
     }
-    if !(t.lr.is_finite() && t.lr >= 0.0) {
+    if let Some(lr) = t.lr
+        && !(lr.is_finite() && lr >= 0.0)
+    {
         return Err(Error::invalid_arg(
             "--lr",
-            format!("{} is not a usable learning rate", t.lr),
+            format!("{lr} is not a usable learning rate"),
+        ));
+    }
+    if let Some(b1) = t.beta1
+        && !(0.0..1.0).contains(&b1)
+    {
+        return Err(Error::invalid_arg(
+            "--beta1",
+            format!("{b1} is outside [0, 1)"),
+        ));
+    }
+    if t.optimizer == Optimizer::Sgd && !(t.momentum > 0.0 && t.momentum < 1.0) {
+        return Err(Error::invalid_arg(
+            "--momentum",
+            format!(
+                "{} is outside (0, 1); memfit's sgd is SGD with momentum",
+                t.momentum
+            ),
+        ));
+    }
+    if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
+        return Err(Error::invalid_arg(
+            "--weight-decay",
+            "must be 0 or positive",
         ));
     }
     if !(t.grad_clip.is_finite() && t.grad_clip >= 0.0) {
@@ -170,7 +199,11 @@ pub fn run(opts: &RunOptions) -> Result<(RunReport, Option<Error>)> {
             }
             data.check_seq_len(opts.train.seq_len)?;
             let be = CpuBackend::new(threads).map_err(Error::Unavailable)?;
-            run_on(opts, model, be, Some(&mut data))
+            // Without a limit, the host's available memory is the capacity, so a
+            // model too big for this machine is a typed out-of-memory, not an abort.
+            let mut opts = opts.clone();
+            opts.device.limit = opts.device.limit.or_else(host_available_memory);
+            run_on(&opts, model, be, Some(&mut data))
         }
         DeviceKind::Cuda => Err(Error::Unavailable(
             "the cuda backend is not part of this build yet; use --device cpu, or --device meta to predict memory".into(),
@@ -190,7 +223,13 @@ fn run_on<B: Backend>(
         family: model.family,
         num_parameters: model.num_parameters(),
         config: RunConfigRecord {
-            train: opts.train.clone(),
+            // Resolved, so the document says which lr and beta1 were used
+            // (lr null: Adafactor's relative step).
+            train: TrainConfig {
+                lr: opts.train.opt().lr,
+                beta1: opts.train.opt().beta1,
+                ..opts.train.clone()
+            },
             steps: if meta { 0 } else { opts.steps },
             data: data.as_ref().map_or("none".into(), |d| d.describe()),
             threads: if meta {
@@ -209,9 +248,11 @@ fn run_on<B: Backend>(
         bytes_moved_per_step: 0,
         peak_bytes: PeakBytes::default(),
         peak_breakdown: ByCategory::default(),
+        skipped_steps: 0,
         error: None,
     };
-    let mut engine = match Engine::new(model, opts.train.clone(), be, opts.device.limit) {
+    let capacity = report.capacity_bytes;
+    let mut engine = match Engine::new(model, opts.train.clone(), be, capacity) {
         Ok(e) => e,
         Err(oom) => {
             // Nothing beyond the refused allocation was recorded; rebuild the tracker's view.
@@ -252,6 +293,7 @@ fn run_on<B: Backend>(
                         loss,
                         grad_norm,
                         ms: secs * 1e3,
+                        skipped: r.skipped,
                     });
                 }
             }
@@ -273,11 +315,20 @@ fn run_on<B: Backend>(
         let mean = timed.iter().sum::<f64>() / timed.len() as f64;
         report.tokens_per_s = Some(report.tokens_per_step as f64 / mean);
     }
+    report.skipped_steps = engine.skipped_steps();
     fill_peaks(&mut report, &engine.dev.tracker);
     if let Some(path) = &opts.timeline {
         write_timeline(path, &engine.dev.tracker)?;
     }
     Ok((report, failure))
+}
+
+/// `MemAvailable` from /proc/meminfo, where there is one.
+fn host_available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 fn fill_peaks(report: &mut RunReport, t: &Tracker) {

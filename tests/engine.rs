@@ -170,7 +170,7 @@ fn gpt2_tiny_learns_byte_level_text() {
     let tc = TrainConfig {
         seq_len: 64,
         micro_batch: 8,
-        lr: 1e-3,
+        lr: Some(1e-3),
         ..TrainConfig::default()
     };
     let mut e = Engine::new(model, tc, CpuBackend::new(2).unwrap(), None).unwrap();

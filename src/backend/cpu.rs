@@ -24,7 +24,7 @@ use std::collections::HashMap;
 
 use rayon::prelude::*;
 
-use super::{AdamHyper, AttnShape, Backend, DType};
+use super::{AdafactorHyper, AdafactorState, AdamHyper, AttnShape, Backend, DType, SgdHyper};
 
 /// Backend-internal scratch the cpu backend asks the engine for: none.
 ///
@@ -37,6 +37,17 @@ use super::{AdamHyper, AttnShape, Backend, DType};
 /// blocking, a few MiB at most, independent of the model's size, so they are
 /// not tracked.
 pub const CPU_WORKSPACE_BYTES: usize = 0;
+
+/// The workspace the cpu backend declares for attention of shape `s`: none for
+/// eager attention ([`CPU_WORKSPACE_BYTES`]); the fused kernels' tile scratch
+/// otherwise. A pure function of the shape, so meta declares the same.
+pub fn workspace_bytes(s: AttnShape, fused: bool) -> usize {
+    if fused {
+        super::cpu_attention::workspace_bytes(s)
+    } else {
+        CPU_WORKSPACE_BYTES
+    }
+}
 
 /// Elements per rayon task for elementwise kernels: large enough that task
 /// overhead is noise, small enough that two threads stay balanced.
@@ -58,6 +69,7 @@ const LANES: usize = 16;
 pub enum CpuBuf {
     F32(Vec<f32>),
     U32(Vec<u32>),
+    U8(Vec<u8>),
 }
 
 impl CpuBuf {
@@ -65,6 +77,7 @@ impl CpuBuf {
         match self {
             CpuBuf::F32(_) => DType::F32,
             CpuBuf::U32(_) => DType::U32,
+            CpuBuf::U8(_) => DType::U8,
         }
     }
 
@@ -72,6 +85,7 @@ impl CpuBuf {
         match self {
             CpuBuf::F32(v) => v.len(),
             CpuBuf::U32(v) => v.len(),
+            CpuBuf::U8(v) => v.len(),
         }
     }
 
@@ -79,35 +93,43 @@ impl CpuBuf {
         self.len() == 0
     }
 
-    /// The `f32` contents. Panics on a `u32` buffer: the engine passed the wrong buffer.
+    /// The `f32` contents. Panics on another dtype: the engine passed the wrong buffer.
     pub fn as_f32(&self) -> &[f32] {
         match self {
             CpuBuf::F32(v) => v,
-            CpuBuf::U32(_) => dtype_mismatch(DType::F32, DType::U32),
+            other => dtype_mismatch(DType::F32, other.dtype()),
         }
     }
 
-    /// The `f32` contents, mutable. Panics on a `u32` buffer.
+    /// The `f32` contents, mutable. Panics on another dtype.
     pub fn as_f32_mut(&mut self) -> &mut [f32] {
         match self {
             CpuBuf::F32(v) => v,
-            CpuBuf::U32(_) => dtype_mismatch(DType::F32, DType::U32),
+            other => dtype_mismatch(DType::F32, other.dtype()),
         }
     }
 
-    /// The `u32` contents. Panics on an `f32` buffer.
+    /// The `u32` contents. Panics on another dtype.
     pub fn as_u32(&self) -> &[u32] {
         match self {
             CpuBuf::U32(v) => v,
-            CpuBuf::F32(_) => dtype_mismatch(DType::U32, DType::F32),
+            other => dtype_mismatch(DType::U32, other.dtype()),
         }
     }
 
-    /// The `u32` contents, mutable. Panics on an `f32` buffer.
+    /// The `u32` contents, mutable. Panics on another dtype.
     pub fn as_u32_mut(&mut self) -> &mut [u32] {
         match self {
             CpuBuf::U32(v) => v,
-            CpuBuf::F32(_) => dtype_mismatch(DType::U32, DType::F32),
+            other => dtype_mismatch(DType::U32, other.dtype()),
+        }
+    }
+
+    /// The `u8` contents, mutable. Panics on another dtype.
+    pub fn as_u8_mut(&mut self) -> &mut [u8] {
+        match self {
+            CpuBuf::U8(v) => v,
+            other => dtype_mismatch(DType::U8, other.dtype()),
         }
     }
 }
@@ -130,7 +152,7 @@ fn dtype_mismatch(want: DType, got: DType) -> ! {
 /// backend's reserve on top (`memory_reserved`), never more than the largest
 /// set of buffers of each size that was live at once.
 pub struct CpuBackend {
-    pool: rayon::ThreadPool,
+    pub(super) pool: rayon::ThreadPool,
     threads: usize,
     cache: HashMap<(DType, usize), Vec<CpuBuf>>,
 }
@@ -657,25 +679,24 @@ impl Backend for CpuBackend {
                     .pool
                     .install(|| v.par_chunks_mut(ELEMS_PER_TASK).for_each(|c| c.fill(0.0))),
                 CpuBuf::U32(v) => v.fill(0),
+                CpuBuf::U8(v) => v.fill(0),
             }
             return buf;
         }
         match dtype {
             DType::F32 => CpuBuf::F32(vec![0.0; len]),
             DType::U32 => CpuBuf::U32(vec![0; len]),
+            DType::U8 => CpuBuf::U8(vec![0; len]),
         }
     }
 
     fn free(&mut self, buf: CpuBuf) {
-        let key = match &buf {
-            CpuBuf::F32(v) => (DType::F32, v.len()),
-            CpuBuf::U32(v) => (DType::U32, v.len()),
-        };
+        let key = (buf.dtype(), buf.len());
         self.cache.entry(key).or_default().push(buf);
     }
 
-    fn workspace_bytes(&self) -> usize {
-        CPU_WORKSPACE_BYTES
+    fn workspace_bytes(&self, s: AttnShape, fused: bool) -> usize {
+        workspace_bytes(s, fused)
     }
 
     /// Copies `src` into the start of `dst` (which must be at least as long).
@@ -1684,6 +1705,65 @@ impl Backend for CpuBackend {
                 })
         });
     }
+
+    fn flash_attention_forward(
+        &mut self,
+        out: &mut CpuBuf,
+        lse: &mut CpuBuf,
+        qkv: &CpuBuf,
+        ws: &mut CpuBuf,
+        s: AttnShape,
+    ) {
+        super::cpu_attention::forward(self, out, lse, qkv, ws, s)
+    }
+
+    fn flash_attention_backward(
+        &mut self,
+        dqkv: &mut CpuBuf,
+        dout: &CpuBuf,
+        out: &CpuBuf,
+        lse: &CpuBuf,
+        qkv: &CpuBuf,
+        ws: &mut CpuBuf,
+        s: AttnShape,
+    ) {
+        super::cpu_attention::backward(self, dqkv, dout, out, lse, qkv, ws, s)
+    }
+
+    fn adamw8bit_update(
+        &mut self,
+        param: &mut CpuBuf,
+        grad: &CpuBuf,
+        m: &mut CpuBuf,
+        v: &mut CpuBuf,
+        m_absmax: &mut CpuBuf,
+        v_absmax: &mut CpuBuf,
+        n: usize,
+        h: AdamHyper,
+    ) {
+        super::cpu_optim::adamw8bit(self, param, grad, m, v, m_absmax, v_absmax, n, h)
+    }
+
+    fn sgd_update(
+        &mut self,
+        param: &mut CpuBuf,
+        grad: &CpuBuf,
+        momentum_buf: &mut CpuBuf,
+        n: usize,
+        h: SgdHyper,
+    ) {
+        super::cpu_optim::sgd(self, param, grad, momentum_buf, n, h)
+    }
+
+    fn adafactor_update(
+        &mut self,
+        param: &mut CpuBuf,
+        grad: &CpuBuf,
+        st: AdafactorState<'_, CpuBuf>,
+        h: AdafactorHyper,
+    ) {
+        super::cpu_optim::adafactor(self, param, grad, st, h)
+    }
 }
 
 #[cfg(test)]
@@ -1905,7 +1985,14 @@ mod tests {
     #[test]
     fn buffers_alloc_fill_upload_download() {
         let mut be = be(2);
-        assert_eq!(be.workspace_bytes(), 0);
+        let s = AttnShape {
+            b: 2,
+            t: 8,
+            n_head: 4,
+            n_kv_head: 2,
+            head_dim: 4,
+        };
+        assert_eq!(be.workspace_bytes(s, false), 0);
         let mut a = be.alloc(5, DType::F32);
         assert_eq!(be.download_f32(&a).unwrap(), vec![0.0; 5]);
         be.fill(&mut a, 1.5);

@@ -4,20 +4,16 @@
 //! so the tracker sees exactly the same allocations; op costs (FLOPs, bytes) are
 //! counted by the engine's device layer, not here.
 
-use super::{AdamHyper, AttnShape, Backend, DType};
+use super::{AdafactorHyper, AdafactorState, AdamHyper, AttnShape, Backend, DType, SgdHyper};
 
 #[derive(Clone, Debug, Default)]
-pub struct MetaBackend {
-    /// The backend whose declared workspace meta reproduces.
-    workspace: usize,
-}
+pub struct MetaBackend {}
 
 impl MetaBackend {
-    /// A meta backend that predicts the cpu backend (same declared workspace).
+    /// A meta backend that predicts the cpu backend: it declares the same
+    /// workspace (computed by the same function).
     pub fn emulating_cpu() -> Self {
-        MetaBackend {
-            workspace: super::cpu::CPU_WORKSPACE_BYTES,
-        }
+        MetaBackend {}
     }
 }
 
@@ -32,8 +28,8 @@ impl Backend for MetaBackend {
     }
     fn alloc(&mut self, _len: usize, _dtype: DType) {}
     fn free(&mut self, _buf: ()) {}
-    fn workspace_bytes(&self) -> usize {
-        self.workspace
+    fn workspace_bytes(&self, s: AttnShape, fused: bool) -> usize {
+        super::cpu::workspace_bytes(s, fused)
     }
     fn upload_f32(&mut self, _dst: &mut (), _src: &[f32]) {}
     fn upload_u32(&mut self, _dst: &mut (), _src: &[u32]) {}
@@ -153,5 +149,46 @@ impl Backend for MetaBackend {
         None
     }
     fn adamw_update(&mut self, _: &mut (), _: &(), _: &mut (), _: &mut (), _: usize, _: AdamHyper) {
+    }
+    fn flash_attention_forward(
+        &mut self,
+        _: &mut (),
+        _: &mut (),
+        _: &(),
+        _: &mut (),
+        _: AttnShape,
+    ) {
+    }
+    fn flash_attention_backward(
+        &mut self,
+        _: &mut (),
+        _: &(),
+        _: &(),
+        _: &(),
+        _: &(),
+        _: &mut (),
+        _: AttnShape,
+    ) {
+    }
+    fn adamw8bit_update(
+        &mut self,
+        _: &mut (),
+        _: &(),
+        _: &mut (),
+        _: &mut (),
+        _: &mut (),
+        _: &mut (),
+        _: usize,
+        _: AdamHyper,
+    ) {
+    }
+    fn sgd_update(&mut self, _: &mut (), _: &(), _: &mut (), _: usize, _: SgdHyper) {}
+    fn adafactor_update(
+        &mut self,
+        _: &mut (),
+        _: &(),
+        _: AdafactorState<'_, ()>,
+        _: AdafactorHyper,
+    ) {
     }
 }

@@ -14,6 +14,8 @@
 //! `gemm`-shaped ops map onto cuBLAS, and `download_*` is the only host sync.
 
 pub mod cpu;
+mod cpu_attention;
+mod cpu_optim;
 pub mod meta;
 
 use std::fmt;
@@ -27,12 +29,15 @@ pub enum DType {
     F32,
     /// Token ids.
     U32,
+    /// Quantised optimizer state (8-bit AdamW).
+    U8,
 }
 
 impl DType {
     pub fn size(self) -> usize {
         match self {
             DType::F32 | DType::U32 => 4,
+            DType::U8 => 1,
         }
     }
 }
@@ -79,9 +84,10 @@ pub trait Backend {
     fn alloc(&mut self, len: usize, dtype: DType) -> Self::Buf;
     fn free(&mut self, buf: Self::Buf);
 
-    /// Bytes of backend-internal scratch this backend needs; the engine allocates
-    /// them once as `workspace`.
-    fn workspace_bytes(&self) -> usize;
+    /// Bytes of backend-internal scratch this backend needs for attention of
+    /// shape `s` (`fused` or eager); the engine allocates them once as
+    /// `workspace` and passes the buffer to the ops that use it.
+    fn workspace_bytes(&self, s: AttnShape, fused: bool) -> usize;
 
     fn upload_f32(&mut self, dst: &mut Self::Buf, src: &[f32]);
     fn upload_u32(&mut self, dst: &mut Self::Buf, src: &[u32]);
@@ -243,6 +249,31 @@ pub trait Backend {
         s: AttnShape,
     );
 
+    /// Flash-style causal attention (Dao et al., FlashAttention, 2022): keys and
+    /// values in tiles with an online softmax, so nothing T x T is stored. Writes
+    /// `out (B,T,H*hd)` and saves only the per-row log-sum-exp of the scaled
+    /// scores, `lse (B,H,T)`. `ws` is the declared workspace (scratch for tiles).
+    fn flash_attention_forward(
+        &mut self,
+        out: &mut Self::Buf,
+        lse: &mut Self::Buf,
+        qkv: &Self::Buf,
+        ws: &mut Self::Buf,
+        s: AttnShape,
+    );
+    /// Backward of [`Backend::flash_attention_forward`]: recomputes the
+    /// probabilities tile by tile from `lse`; writes `dqkv` (overwrites).
+    fn flash_attention_backward(
+        &mut self,
+        dqkv: &mut Self::Buf,
+        dout: &Self::Buf,
+        out: &Self::Buf,
+        lse: &Self::Buf,
+        qkv: &Self::Buf,
+        ws: &mut Self::Buf,
+        s: AttnShape,
+    );
+
     /// Cross-entropy over the first `v` of `vp` columns of `logits (N,Vp)`:
     /// `losses (N) = logsumexp(logits) - logits[target]`.
     fn crossentropy_forward(
@@ -280,6 +311,126 @@ pub trait Backend {
         n: usize,
         h: AdamHyper,
     );
+
+    /// 8-bit AdamW (Dettmers et al., 8-bit Optimizers via Block-wise
+    /// Quantization, 2022): `m` and `v` are `U8` codes into the signed and
+    /// unsigned dynamic maps, one fp32 absmax per 256-element block in
+    /// `m_absmax`, `v_absmax` (`ceil(n/256)` each). Dequantise, the AdamW update
+    /// of [`Backend::adamw_update`], requantise.
+    fn adamw8bit_update(
+        &mut self,
+        param: &mut Self::Buf,
+        grad: &Self::Buf,
+        m: &mut Self::Buf,
+        v: &mut Self::Buf,
+        m_absmax: &mut Self::Buf,
+        v_absmax: &mut Self::Buf,
+        n: usize,
+        h: AdamHyper,
+    );
+
+    /// SGD with momentum, PyTorch semantics (L2 weight decay added to the
+    /// gradient, no dampening): `g = grad*grad_scale + wd*param;
+    /// buf = momentum*buf + g; param -= lr*buf`.
+    fn sgd_update(
+        &mut self,
+        param: &mut Self::Buf,
+        grad: &Self::Buf,
+        momentum_buf: &mut Self::Buf,
+        n: usize,
+        h: SgdHyper,
+    );
+
+    /// Adafactor (Shazeer & Stern, 2018) as Hugging Face implements it; see
+    /// [`AdafactorHyper`]. `st` holds the factored (or, for 1-D tensors, full)
+    /// second moment and the optional first moment.
+    fn adafactor_update(
+        &mut self,
+        param: &mut Self::Buf,
+        grad: &Self::Buf,
+        st: AdafactorState<'_, Self::Buf>,
+        h: AdafactorHyper,
+    );
+}
+
+/// SGD hyper-parameters for one step.
+#[derive(Clone, Copy, Debug)]
+pub struct SgdHyper {
+    pub lr: f32,
+    pub momentum: f32,
+    pub weight_decay: f32,
+    pub grad_scale: f32,
+}
+
+/// Adafactor's state for one tensor.
+pub struct AdafactorState<'a, Buf> {
+    pub second: AdafactorSecond<'a, Buf>,
+    /// First moment, only when `beta1` is set.
+    pub m: Option<&'a mut Buf>,
+}
+
+/// The second-moment estimate: factored for tensors with two or more dims
+/// (viewed as `rows x cols`, the last dim being `cols`), full for 1-D ones.
+pub enum AdafactorSecond<'a, Buf> {
+    Factored {
+        /// Running mean over columns, one per row: `(rows)`.
+        row: &'a mut Buf,
+        /// Running mean over rows, one per column: `(cols)`.
+        col: &'a mut Buf,
+        rows: usize,
+        cols: usize,
+    },
+    Full {
+        v: &'a mut Buf,
+        n: usize,
+    },
+}
+
+/// Adafactor hyper-parameters with the Hugging Face defaults
+/// (`transformers.optimization.Adafactor`): `eps = (1e-30, 1e-3)`,
+/// `clip_threshold = 1.0`, `decay_rate = -0.8`, `beta1 = None`,
+/// `scale_parameter = True`, `relative_step = True` (when `lr` is `None`).
+///
+/// Per step t (1-based): `lr_t = lr` or `min(1e-2, 1/sqrt(t))`; with
+/// `scale_parameter`, `lr_t *= max(eps2, RMS(param))`;
+/// `beta2_t = 1 - t^decay_rate`; `u = g^2 + eps1`;
+/// factored: `row = beta2_t*row + (1-beta2_t)*mean_cols(u)`,
+/// `col = beta2_t*col + (1-beta2_t)*mean_rows(u)`,
+/// `update = g / sqrt(row/mean(row) (x) col)`; full: `v = beta2_t*v + (1-beta2_t)*u`,
+/// `update = g / sqrt(v)`; then `update /= max(1, RMS(update)/clip_threshold)`;
+/// with beta1: `m = beta1*m + (1-beta1)*update; update = m`;
+/// `param -= lr_t*weight_decay*param` (when non-zero); `param -= lr_t*update`.
+#[derive(Clone, Copy, Debug)]
+pub struct AdafactorHyper {
+    /// `None`: relative step.
+    pub lr: Option<f32>,
+    /// 1-based step.
+    pub step: u64,
+    pub beta1: Option<f32>,
+    pub decay_rate: f32,
+    pub eps1: f32,
+    pub eps2: f32,
+    pub clip_threshold: f32,
+    pub weight_decay: f32,
+    pub scale_parameter: bool,
+    pub grad_scale: f32,
+}
+
+impl Default for AdafactorHyper {
+    fn default() -> Self {
+        AdafactorHyper {
+            lr: None,
+            step: 1,
+            beta1: None,
+            decay_rate: -0.8,
+            eps1: 1e-30,
+            eps2: 1e-3,
+            clip_threshold: 1.0,
+            weight_decay: 0.0,
+            scale_parameter: true,
+            grad_scale: 1.0,
+        }
+    }
 }
 
 /// Per-step AdamW hyper-parameters, already resolved for this step.

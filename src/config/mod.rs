@@ -2,5 +2,6 @@
 
 pub mod model;
 pub mod profile;
+pub mod recipe;
 
 pub use model::{Family, ModelConfig};

@@ -62,9 +62,10 @@ pub fn load_model(spec: &str) -> Result<ModelConfig> {
     })
 }
 
-/// Parses and validates one model profile. `location` names the file in errors.
-pub fn parse_model_yaml(text: &str, location: &str) -> Result<ModelConfig> {
-    let config: ModelConfig = serde_yaml_ng::from_str(text).map_err(|e| {
+/// Deserialises any YAML document; errors carry `location:line:column` and a
+/// did-you-mean suggestion for a misspelled key or value.
+pub fn parse_yaml<T: serde::de::DeserializeOwned>(text: &str, location: &str) -> Result<T> {
+    serde_yaml_ng::from_str(text).map_err(|e| {
         let at = match e.location() {
             Some(loc) => format!("{location}:{}:{}", loc.line(), loc.column()),
             None => location.to_string(),
@@ -73,7 +74,20 @@ pub fn parse_model_yaml(text: &str, location: &str) -> Result<ModelConfig> {
             location: at,
             message: explain_yaml_error(&e.to_string()),
         }
-    })?;
+    })
+}
+
+/// `location:line` of a top-level `key:` in `text`, or just `location`.
+pub fn key_location(text: &str, location: &str, key: &str) -> String {
+    match key_line(text, key) {
+        Some(line) => format!("{location}:{line}"),
+        None => location.to_string(),
+    }
+}
+
+/// Parses and validates one model profile. `location` names the file in errors.
+pub fn parse_model_yaml(text: &str, location: &str) -> Result<ModelConfig> {
+    let config: ModelConfig = parse_yaml(text, location)?;
     let invalid = |message: String| {
         let line = message
             .split('`')

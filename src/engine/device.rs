@@ -10,7 +10,9 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::backend::{AdamHyper, AttnShape, Backend, DType};
+use crate::backend::{
+    AdafactorHyper, AdafactorSecond, AdafactorState, AdamHyper, AttnShape, Backend, DType, SgdHyper,
+};
 use crate::memory::{Category, OomError, Tracker};
 
 /// A device buffer with its size, element type and memory category.
@@ -504,6 +506,126 @@ impl<B: Backend> Device<B> {
                 param.len,
                 h,
             )
+        });
+    }
+
+    pub fn flash_attention_forward(
+        &mut self,
+        out: &mut T<B>,
+        lse: &mut T<B>,
+        qkv: &T<B>,
+        ws: &mut T<B>,
+        s: AttnShape,
+    ) {
+        // The same arithmetic as eager attention, plus the online-softmax rescaling.
+        let flops = Self::causal_pairs(s) * (4 * s.head_dim as u64 + 7);
+        let bytes = b(out) + b(lse) + b(qkv);
+        self.timed("flash_attention", flops, bytes, |be| {
+            be.flash_attention_forward(&mut out.buf, &mut lse.buf, &qkv.buf, &mut ws.buf, s)
+        });
+    }
+
+    pub fn flash_attention_backward(
+        &mut self,
+        dqkv: &mut T<B>,
+        dout: &T<B>,
+        out: &T<B>,
+        lse: &T<B>,
+        qkv: &T<B>,
+        ws: &mut T<B>,
+        s: AttnShape,
+    ) {
+        // Recomputes the scores (2*hd per pair) on top of the eager backward's work.
+        let flops = Self::causal_pairs(s) * (10 * s.head_dim as u64 + 6);
+        let bytes = b(dqkv) + b(dout) + b(out) + b(lse) + b(qkv);
+        self.timed("flash_attention_backward", flops, bytes, |be| {
+            be.flash_attention_backward(
+                &mut dqkv.buf,
+                &dout.buf,
+                &out.buf,
+                &lse.buf,
+                &qkv.buf,
+                &mut ws.buf,
+                s,
+            )
+        });
+    }
+
+    pub fn adamw8bit_update(
+        &mut self,
+        param: &mut T<B>,
+        grad: &T<B>,
+        m: &mut T<B>,
+        v: &mut T<B>,
+        m_absmax: &mut T<B>,
+        v_absmax: &mut T<B>,
+        h: AdamHyper,
+    ) {
+        let bytes = 2 * (b(param) + b(m) + b(v) + b(m_absmax) + b(v_absmax)) + b(grad);
+        let n = param.len;
+        // AdamW's 12 plus de- and requantisation (a map lookup and a binary search each).
+        self.timed("adamw8bit", (28 * n) as u64, bytes, |be| {
+            be.adamw8bit_update(
+                &mut param.buf,
+                &grad.buf,
+                &mut m.buf,
+                &mut v.buf,
+                &mut m_absmax.buf,
+                &mut v_absmax.buf,
+                n,
+                h,
+            )
+        });
+    }
+
+    pub fn sgd_update(
+        &mut self,
+        param: &mut T<B>,
+        grad: &T<B>,
+        momentum_buf: &mut T<B>,
+        h: SgdHyper,
+    ) {
+        let n = param.len;
+        let bytes = 2 * b(param) + b(grad) + 2 * b(momentum_buf);
+        self.timed("sgd", (6 * n) as u64, bytes, |be| {
+            be.sgd_update(&mut param.buf, &grad.buf, &mut momentum_buf.buf, n, h)
+        });
+    }
+
+    pub fn adafactor_update(
+        &mut self,
+        param: &mut T<B>,
+        grad: &T<B>,
+        second: AdafactorSecond<'_, T<B>>,
+        m: Option<&mut T<B>>,
+        h: AdafactorHyper,
+    ) {
+        let n = param.len;
+        let state_bytes = match &second {
+            AdafactorSecond::Factored { row, col, .. } => b(row) + b(col),
+            AdafactorSecond::Full { v, .. } => b(v),
+        } + ob(m.as_deref());
+        let bytes = 2 * b(param) + 2 * b(grad) + 2 * state_bytes;
+        let second = match second {
+            AdafactorSecond::Factored {
+                row,
+                col,
+                rows,
+                cols,
+            } => AdafactorSecond::Factored {
+                row: &mut row.buf,
+                col: &mut col.buf,
+                rows,
+                cols,
+            },
+            AdafactorSecond::Full { v, n } => AdafactorSecond::Full { v: &mut v.buf, n },
+        };
+        let st = AdafactorState {
+            second,
+            m: m.map(|m| &mut m.buf),
+        };
+        self.timed("adafactor", (20 * n) as u64, bytes, |be| {
+            be.adafactor_update(&mut param.buf, &grad.buf, st, h)
         });
     }
 }

@@ -13,8 +13,9 @@
 //!   the logits buffer is turned into its own gradient in place.
 
 pub mod device;
+pub mod optim;
 
-use crate::backend::{AdamHyper, AttnShape, Backend, DType};
+use crate::backend::{AttnShape, Backend, DType};
 use crate::config::model::{BlockIndex, Init, ParamIndex, ParamSpec};
 use crate::config::{Family, ModelConfig};
 use crate::data::Batch;
@@ -22,6 +23,8 @@ use crate::memory::{Category, OomError, Phase};
 use crate::rng::Rng;
 
 pub use device::{CostCounter, Device, OpCost, Tensor};
+use optim::OptState;
+pub use optim::{OptConfig, Optimizer};
 
 type T<B> = Tensor<<B as Backend>::Buf>;
 /// A block's saved tensors and, unless recomputing, its output.
@@ -34,20 +37,57 @@ pub struct TrainConfig {
     pub micro_batch: usize,
     /// Micro-batches per optimizer step.
     pub grad_accum: usize,
-    pub lr: f32,
-    pub beta1: f32,
+    pub optimizer: Optimizer,
+    /// `None`: the optimizer's default (Adafactor: relative step).
+    pub lr: Option<f32>,
+    /// `None`: 0.9 for AdamW; no first moment for Adafactor.
+    pub beta1: Option<f32>,
     pub beta2: f32,
     pub eps: f32,
-    /// Decoupled, applied to tensors with two or more dims only.
+    /// Decoupled (AdamW, Adafactor) or L2 (SGD); matrices only.
     pub weight_decay: f32,
+    /// SGD momentum.
+    pub momentum: f32,
     /// Global-norm clipping threshold; 0 disables.
     pub grad_clip: f32,
     pub seed: u64,
     pub checkpointing: Checkpointing,
+    pub attention: Attention,
+}
+
+/// How attention is computed.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Attention {
+    /// Materialises the B*H*T*T probabilities, as PyTorch eager does.
+    #[default]
+    Eager,
+    /// Flash-style tiles with an online softmax; saves only B*H*T row statistics.
+    Fused,
 }
 
 /// Activation checkpointing.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Checkpointing {
     /// Every block keeps what its backward needs.
@@ -64,14 +104,41 @@ impl Default for TrainConfig {
             seq_len: 64,
             micro_batch: 4,
             grad_accum: 1,
-            lr: 3e-4,
-            beta1: 0.9,
+            optimizer: Optimizer::Adamw,
+            lr: None,
+            beta1: None,
             beta2: 0.999,
             eps: 1e-8,
             weight_decay: 0.1,
+            momentum: 0.9,
             grad_clip: 1.0,
             seed: 1337,
             checkpointing: Checkpointing::None,
+            attention: Attention::Eager,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// The optimizer settings with defaults resolved: lr 3e-4 for the AdamW
+    /// variants, 1e-2 for SGD, Hugging Face's relative step for Adafactor.
+    pub fn opt(&self) -> OptConfig {
+        let (lr, beta1) = match self.optimizer {
+            Optimizer::Adamw | Optimizer::Adamw8bit => (
+                Some(self.lr.unwrap_or(3e-4)),
+                Some(self.beta1.unwrap_or(0.9)),
+            ),
+            Optimizer::Sgd => (Some(self.lr.unwrap_or(1e-2)), None),
+            Optimizer::Adafactor => (self.lr, self.beta1),
+        };
+        OptConfig {
+            kind: self.optimizer,
+            lr,
+            beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+            momentum: self.momentum,
         }
     }
 }
@@ -83,6 +150,8 @@ pub struct StepReport {
     pub loss: Option<f32>,
     /// Global gradient norm before clipping.
     pub grad_norm: Option<f32>,
+    /// The update was skipped: the gradient was not finite.
+    pub skipped: bool,
 }
 
 /// Tensors one block saves for its backward.
@@ -93,7 +162,8 @@ struct BlockActs<X> {
     ln1_rstd: X,
     /// Packed q|k|v, after RoPE on llama.
     qkv: X,
-    /// Attention probabilities (B,H,T,T).
+    /// Eager: the attention probabilities (B,H,T,T). Fused: the per-row
+    /// log-sum-exp (B,H,T), all the backward pass needs to recompute them.
     att: X,
     /// Attention output before the output projection (N,C).
     atty: X,
@@ -133,11 +203,12 @@ pub struct Engine<B: Backend> {
     idx: ParamIndex,
     params: Vec<T<B>>,
     grads: Vec<T<B>>,
-    m: Vec<T<B>>,
-    v: Vec<T<B>>,
-    workspace: Option<T<B>>,
+    opt: Vec<OptState<T<B>>>,
+    workspace: T<B>,
     /// Optimizer steps taken.
     step: u64,
+    /// Steps skipped because the gradient was not finite.
+    skipped_steps: u64,
 }
 
 /// `&mut v[i]` and, when given, `&mut v[j]` (i != j).
@@ -177,13 +248,12 @@ impl<B: Backend> Engine<B> {
         };
         let mut params = alloc_all(&mut dev, Category::Parameters)?;
         let grads = alloc_all(&mut dev, Category::Gradients)?;
-        let m = alloc_all(&mut dev, Category::Optimizer)?;
-        let v = alloc_all(&mut dev, Category::Optimizer)?;
-        let ws_bytes = dev.be.workspace_bytes();
-        let workspace = match ws_bytes {
-            0 => None,
-            n => Some(dev.alloc(n.div_ceil(4), DType::F32, Category::Workspace)?),
-        };
+        let opt = optim::alloc_state(&mut dev, &specs, &train.opt())?;
+        let shape = attn_shape(&model, &train);
+        let ws_bytes = dev
+            .be
+            .workspace_bytes(shape, train.attention == Attention::Fused);
+        let workspace = dev.alloc_f32(ws_bytes.div_ceil(4), Category::Workspace)?;
         if dev.be.holds_data() {
             let host = init_weights(&specs, train.seed);
             for (t, h) in params.iter_mut().zip(&host) {
@@ -198,10 +268,10 @@ impl<B: Backend> Engine<B> {
             idx,
             params,
             grads,
-            m,
-            v,
+            opt,
             workspace,
             step: 0,
+            skipped_steps: 0,
         })
     }
 
@@ -244,13 +314,12 @@ impl<B: Backend> Engine<B> {
     }
 
     fn attn_shape(&self) -> AttnShape {
-        AttnShape {
-            b: self.train.micro_batch,
-            t: self.train.seq_len,
-            n_head: self.model.n_head,
-            n_kv_head: self.model.n_kv_head(),
-            head_dim: self.model.head_dim(),
-        }
+        attn_shape(&self.model, &self.train)
+    }
+
+    /// Optimizer steps skipped so far because the gradient was not finite.
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped_steps
     }
 
     /// One optimizer step over `batches.len()` micro-batches (gradient accumulation).
@@ -266,10 +335,11 @@ impl<B: Backend> Engine<B> {
             let dloss = 1.0 / (self.train.micro_batch * self.train.seq_len * k) as f32;
             self.backward(acts, dloss)?;
         }
-        let grad_norm = self.optimizer_step();
+        let (grad_norm, skipped) = self.optimizer_step();
         Ok(StepReport {
             loss: loss_sum.map(|s| (s / k as f64) as f32),
             grad_norm,
+            skipped,
         })
     }
 
@@ -327,6 +397,7 @@ impl<B: Backend> Engine<B> {
             params: p,
             idx,
             train,
+            workspace,
             ..
         } = self;
         let (t, n, c) = (
@@ -353,7 +424,17 @@ impl<B: Backend> Engine<B> {
         let mut blocks = Vec::with_capacity(model.n_layer);
         for (l, bi) in idx.blocks.iter().enumerate() {
             dev.tracker.set_phase(Phase::Forward(l));
-            let (a, out) = block_forward(dev, model, p, bi, &resid[l], s, true)?;
+            let (a, out) = block_forward(
+                dev,
+                model,
+                p,
+                bi,
+                &resid[l],
+                s,
+                train.attention,
+                workspace,
+                true,
+            )?;
             resid.push(out.expect("asked for the block output"));
             blocks.push(match train.checkpointing {
                 Checkpointing::None => Some(a),
@@ -414,6 +495,7 @@ impl<B: Backend> Engine<B> {
             grads: g,
             idx,
             train,
+            workspace,
             ..
         } = self;
         let (t, n, c) = (
@@ -485,7 +567,8 @@ impl<B: Backend> Engine<B> {
                 Some(a) => a,
                 None => {
                     dev.tracker.set_phase(Phase::Recompute(l));
-                    let (a, _) = block_forward(dev, model, p, bi, x, s, false)?;
+                    let (a, _) =
+                        block_forward(dev, model, p, bi, x, s, train.attention, workspace, false)?;
                     dev.tracker.set_phase(Phase::Backward(l));
                     a
                 }
@@ -526,9 +609,17 @@ impl<B: Backend> Engine<B> {
             let (dw, db) = pair_mut(g, bi.o_w, bi.o_b);
             dev.matmul_backward(&mut datty, dw, db, &dres, &a.atty, &p[bi.o_w], n, c, c);
             let mut dqkv = dev.alloc_f32(n * qkvw, tmp)?;
-            let mut datt = dev.alloc_f32(s.b * s.n_head * t * t, tmp)?;
-            dev.attention_backward(&mut dqkv, &mut datt, &datty, &a.qkv, &a.att, s);
-            dev.free(datt);
+            match train.attention {
+                Attention::Eager => {
+                    let mut datt = dev.alloc_f32(s.b * s.n_head * t * t, tmp)?;
+                    dev.attention_backward(&mut dqkv, &mut datt, &datty, &a.qkv, &a.att, s);
+                    dev.free(datt);
+                }
+                Attention::Fused => {
+                    let (out, lse) = (&a.atty, &a.att);
+                    dev.flash_attention_backward(&mut dqkv, &datty, out, lse, &a.qkv, workspace, s);
+                }
+            }
             dev.free(datty);
             if !gpt2 {
                 dev.rope_backward(&mut dqkv, s, model.rope_theta());
@@ -567,14 +658,15 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// Clips by global norm, then one AdamW step. Returns the norm before clipping.
-    fn optimizer_step(&mut self) -> Option<f32> {
+    /// Clips by global norm, then one optimizer update. Returns the norm before
+    /// clipping, and whether the update was skipped (a non-finite gradient: the
+    /// parameters and optimizer state stay as they were).
+    fn optimizer_step(&mut self) -> (Option<f32>, bool) {
         let Engine {
             dev,
             params,
             grads,
-            m,
-            v,
+            opt,
             specs,
             train,
             ..
@@ -585,6 +677,10 @@ impl<B: Backend> Engine<B> {
             norm_sq = norm_sq.zip(dev.sum_squares(g)).map(|(a, b)| a + b);
         }
         let norm = norm_sq.map(f64::sqrt);
+        if norm.is_some_and(|n| !n.is_finite()) {
+            self.skipped_steps += 1;
+            return (norm.map(|n| n as f32), true);
+        }
         // Same rule as torch.nn.utils.clip_grad_norm_: scale by clip / (norm + 1e-6) when norm > clip.
         let grad_scale = match norm {
             Some(norm) if train.grad_clip > 0.0 && norm > train.grad_clip as f64 => {
@@ -593,40 +689,27 @@ impl<B: Backend> Engine<B> {
             _ => 1.0,
         };
         self.step += 1;
-        let step = self.step as i32;
-        for (i, spec) in specs.iter().enumerate() {
-            let h = AdamHyper {
-                lr: train.lr,
-                beta1: train.beta1,
-                beta2: train.beta2,
-                eps: train.eps,
-                weight_decay: if spec.shape.len() >= 2 {
-                    train.weight_decay
-                } else {
-                    0.0
-                },
-                m_corr: 1.0 / (1.0 - train.beta1.powi(step)),
-                v_corr: 1.0 / (1.0 - train.beta2.powi(step)),
-                grad_scale,
-            };
-            dev.adamw_update(&mut params[i], &grads[i], &mut m[i], &mut v[i], h);
-        }
-        norm.map(|n| n as f32)
+        optim::update(
+            dev,
+            params,
+            grads,
+            opt,
+            specs,
+            &train.opt(),
+            self.step,
+            grad_scale,
+        );
+        (norm.map(|n| n as f32), false)
     }
 
     /// Frees everything the engine holds; the tracker then shows zero live bytes.
     pub fn release(mut self) -> Device<B> {
         let mut dev = self.dev;
-        for t in self
-            .params
-            .drain(..)
-            .chain(self.grads.drain(..))
-            .chain(self.m.drain(..))
-            .chain(self.v.drain(..))
-        {
+        for t in self.params.drain(..).chain(self.grads.drain(..)) {
             dev.free(t);
         }
-        dev.free_opt(self.workspace.take());
+        optim::free_state(&mut dev, std::mem::take(&mut self.opt));
+        dev.free(self.workspace);
         dev
     }
 }
@@ -641,6 +724,8 @@ fn block_forward<B: Backend>(
     bi: &BlockIndex,
     x: &T<B>,
     s: AttnShape,
+    attention: Attention,
+    ws: &mut T<B>,
     with_out: bool,
 ) -> Result<BlockOut<B>, OomError> {
     let (t, n, c) = (s.t, s.b * s.t, model.d_model);
@@ -673,9 +758,19 @@ fn block_forward<B: Backend>(
     if !gpt2 {
         dev.rope_forward(&mut qkv, s, model.rope_theta());
     }
-    let mut att = dev.alloc_f32(s.b * s.n_head * t * t, act)?;
     let mut atty = dev.alloc_f32(n * c, act)?;
-    dev.attention_forward(&mut atty, &mut att, &qkv, s);
+    let att = match attention {
+        Attention::Eager => {
+            let mut att = dev.alloc_f32(s.b * s.n_head * t * t, act)?;
+            dev.attention_forward(&mut atty, &mut att, &qkv, s);
+            att
+        }
+        Attention::Fused => {
+            let mut lse = dev.alloc_f32(s.b * s.n_head * t, act)?;
+            dev.flash_attention_forward(&mut atty, &mut lse, &qkv, ws, s);
+            lse
+        }
+    };
     let mut proj = dev.alloc_f32(n * c, Category::Temporaries)?;
     dev.matmul_forward(&mut proj, &atty, &p[bi.o_w], opt(bi.o_b), n, c, c);
     let mut res2 = dev.alloc_f32(n * c, act)?;
@@ -734,6 +829,16 @@ fn block_forward<B: Backend>(
         act: a,
     };
     Ok((a, out))
+}
+
+fn attn_shape(model: &ModelConfig, train: &TrainConfig) -> AttnShape {
+    AttnShape {
+        b: train.micro_batch,
+        t: train.seq_len,
+        n_head: model.n_head,
+        n_kv_head: model.n_kv_head(),
+        head_dim: model.head_dim(),
+    }
 }
 
 fn free_block<B: Backend>(dev: &mut Device<B>, a: BlockActs<T<B>>) {

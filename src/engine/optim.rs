@@ -1,0 +1,254 @@
+//! Optimizers: the state each one keeps per parameter tensor (allocated through
+//! the tracker as `optimizer`), and one step over all tensors.
+
+use serde::Serialize;
+
+use super::device::{Device, Tensor};
+use crate::backend::{AdafactorHyper, AdafactorSecond, AdamHyper, Backend, DType, SgdHyper};
+use crate::config::model::ParamSpec;
+use crate::memory::{Category, OomError};
+
+/// Which optimizer, and its knobs.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Optimizer {
+    /// fp32 m and v: 8 bytes of state per parameter.
+    #[default]
+    Adamw,
+    /// Block-wise 8-bit m and v (Dettmers et al. 2022): about 2.03 bytes per parameter.
+    Adamw8bit,
+    /// Factored second moment (Shazeer & Stern 2018): O(rows + cols) per matrix.
+    Adafactor,
+    /// SGD with momentum: 4 bytes per parameter.
+    Sgd,
+}
+
+impl Optimizer {
+    /// Whether it changes the numerics compared with fp32 AdamW (marked in reports).
+    pub fn changes_numerics(self) -> bool {
+        self != Optimizer::Adamw
+    }
+}
+
+/// bitsandbytes keeps tensors smaller than this in 32-bit state (`min_8bit_size`).
+pub const MIN_8BIT_SIZE: usize = 4096;
+/// Elements per quantisation block (one fp32 absmax each).
+pub const QBLOCK: usize = 256;
+
+/// One tensor's optimizer state.
+pub enum OptState<X> {
+    Adam {
+        m: X,
+        v: X,
+    },
+    Adam8 {
+        m: X,
+        v: X,
+        m_absmax: X,
+        v_absmax: X,
+    },
+    Adafactor {
+        second: FactorState<X>,
+        m: Option<X>,
+    },
+    Sgd {
+        momentum: X,
+    },
+}
+
+pub enum FactorState<X> {
+    Factored {
+        row: X,
+        col: X,
+        rows: usize,
+        cols: usize,
+    },
+    Full {
+        v: X,
+    },
+}
+
+/// Resolved optimizer hyper-parameters for a run.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct OptConfig {
+    pub kind: Optimizer,
+    /// `None` only for Adafactor's relative step.
+    pub lr: Option<f32>,
+    /// AdamW's beta1, or Adafactor's optional first moment.
+    pub beta1: Option<f32>,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    pub momentum: f32,
+}
+
+type T<B> = Tensor<<B as Backend>::Buf>;
+
+impl<X> OptState<X> {
+    fn into_tensors(self) -> Vec<X> {
+        match self {
+            OptState::Adam { m, v } => vec![m, v],
+            OptState::Adam8 {
+                m,
+                v,
+                m_absmax,
+                v_absmax,
+            } => vec![m, v, m_absmax, v_absmax],
+            OptState::Adafactor { second, m } => {
+                let mut out = match second {
+                    FactorState::Factored { row, col, .. } => vec![row, col],
+                    FactorState::Full { v } => vec![v],
+                };
+                out.extend(m);
+                out
+            }
+            OptState::Sgd { momentum } => vec![momentum],
+        }
+    }
+}
+
+/// Allocates the state of every tensor, zero-filled (as PyTorch initialises it).
+pub fn alloc_state<B: Backend>(
+    dev: &mut Device<B>,
+    specs: &[ParamSpec],
+    cfg: &OptConfig,
+) -> Result<Vec<OptState<T<B>>>, OomError> {
+    let cat = Category::Optimizer;
+    specs
+        .iter()
+        .map(|spec| {
+            let n = spec.numel();
+            Ok(match cfg.kind {
+                Optimizer::Adamw => OptState::Adam {
+                    m: dev.alloc_f32(n, cat)?,
+                    v: dev.alloc_f32(n, cat)?,
+                },
+                Optimizer::Adamw8bit if n >= MIN_8BIT_SIZE => {
+                    let blocks = n.div_ceil(QBLOCK);
+                    OptState::Adam8 {
+                        m: dev.alloc(n, DType::U8, cat)?,
+                        v: dev.alloc(n, DType::U8, cat)?,
+                        m_absmax: dev.alloc_f32(blocks, cat)?,
+                        v_absmax: dev.alloc_f32(blocks, cat)?,
+                    }
+                }
+                Optimizer::Adamw8bit => OptState::Adam {
+                    m: dev.alloc_f32(n, cat)?,
+                    v: dev.alloc_f32(n, cat)?,
+                },
+                Optimizer::Adafactor => {
+                    let second = if spec.shape.len() >= 2 {
+                        let cols = *spec.shape.last().expect("2-D");
+                        let rows = n / cols;
+                        FactorState::Factored {
+                            row: dev.alloc_f32(rows, cat)?,
+                            col: dev.alloc_f32(cols, cat)?,
+                            rows,
+                            cols,
+                        }
+                    } else {
+                        FactorState::Full {
+                            v: dev.alloc_f32(n, cat)?,
+                        }
+                    };
+                    let m = match cfg.beta1 {
+                        Some(_) => Some(dev.alloc_f32(n, cat)?),
+                        None => None,
+                    };
+                    OptState::Adafactor { second, m }
+                }
+                // Momentum is required to be positive (validated with the flags), so
+                // the buffer always exists, as in PyTorch with momentum != 0.
+                Optimizer::Sgd => OptState::Sgd {
+                    momentum: dev.alloc_f32(n, cat)?,
+                },
+            })
+        })
+        .collect()
+}
+
+pub fn free_state<B: Backend>(dev: &mut Device<B>, state: Vec<OptState<T<B>>>) {
+    for s in state {
+        for t in s.into_tensors() {
+            dev.free(t);
+        }
+    }
+}
+
+/// One update of every tensor; `step` is 1-based; `grad_scale` applies clipping.
+pub fn update<B: Backend>(
+    dev: &mut Device<B>,
+    params: &mut [T<B>],
+    grads: &[T<B>],
+    state: &mut [OptState<T<B>>],
+    specs: &[ParamSpec],
+    cfg: &OptConfig,
+    step: u64,
+    grad_scale: f32,
+) {
+    for (i, spec) in specs.iter().enumerate() {
+        // Decoupled weight decay on matrices only (biases, norms and other 1-D tensors are exempt).
+        let weight_decay = if spec.shape.len() >= 2 {
+            cfg.weight_decay
+        } else {
+            0.0
+        };
+        let (p, g) = (&mut params[i], &grads[i]);
+        let beta1 = cfg.beta1.unwrap_or(0.9);
+        let adam = AdamHyper {
+            lr: cfg.lr.unwrap_or(0.0),
+            beta1,
+            beta2: cfg.beta2,
+            eps: cfg.eps,
+            weight_decay,
+            m_corr: 1.0 / (1.0 - beta1.powi(step as i32)),
+            v_corr: 1.0 / (1.0 - cfg.beta2.powi(step as i32)),
+            grad_scale,
+        };
+        match &mut state[i] {
+            OptState::Adam { m, v } => dev.adamw_update(p, g, m, v, adam),
+            OptState::Adam8 {
+                m,
+                v,
+                m_absmax,
+                v_absmax,
+            } => dev.adamw8bit_update(p, g, m, v, m_absmax, v_absmax, adam),
+            OptState::Sgd { momentum } => {
+                let h = SgdHyper {
+                    lr: cfg.lr.unwrap_or(0.0),
+                    momentum: cfg.momentum,
+                    weight_decay,
+                    grad_scale,
+                };
+                dev.sgd_update(p, g, momentum, h);
+            }
+            OptState::Adafactor { second, m } => {
+                let h = AdafactorHyper {
+                    lr: cfg.lr,
+                    step,
+                    beta1: cfg.beta1,
+                    weight_decay,
+                    grad_scale,
+                    ..AdafactorHyper::default()
+                };
+                let second = match second {
+                    FactorState::Factored {
+                        row,
+                        col,
+                        rows,
+                        cols,
+                    } => AdafactorSecond::Factored {
+                        row,
+                        col,
+                        rows: *rows,
+                        cols: *cols,
+                    },
+                    FactorState::Full { v } => AdafactorSecond::Full { v, n: p.len },
+                };
+                dev.adafactor_update(p, g, second, m.as_mut(), h);
+            }
+        }
+    }
+}
