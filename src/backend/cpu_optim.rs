@@ -890,6 +890,7 @@ mod tests {
         let cases: Vec<Case> = serde_json::from_value(root["cases"].clone()).unwrap();
         assert_eq!(cases.len(), 10);
         let mut covered = [false; 4]; // factored/full x beta1/none
+        let mut worst = 0.0f64; // largest relative error outside m, for the log
         for c in &cases {
             let n: usize = c.shape.iter().product();
             let mut b = be(2);
@@ -933,12 +934,15 @@ mod tests {
                     h,
                 );
                 let want = &c.expected[t];
-                let check = |what: &str, got: &[f32], floor: bool| {
+                let mut check = |what: &str, got: &[f32], floor: bool| {
                     let w = &want[what];
                     assert_eq!(got.len(), w.len());
                     let wmax = w.iter().fold(0.0f64, |a, x| a.max(x.abs()));
                     for (i, (&g, &w)) in got.iter().zip(w).enumerate() {
                         let tol = 1e-5 * w.abs() + if floor { 1e-6 * wmax } else { 0.0 };
+                        if !floor && w != 0.0 {
+                            worst = worst.max((g as f64 - w).abs() / w.abs());
+                        }
                         assert!(
                             (g as f64 - w).abs() <= tol,
                             "{} step {}: {what}[{i}] got {g} want {w}",
@@ -960,6 +964,7 @@ mod tests {
             }
         }
         assert!(covered.iter().all(|&x| x));
+        eprintln!("adafactor vs reference: largest relative error (param, row, col, v) {worst:e}");
     }
 
     // (f) 1 thread vs 2 threads, bit for bit, on sizes that split into several tasks.

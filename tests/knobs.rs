@@ -1,0 +1,260 @@
+//! The memory-saving knobs: each trains, each changes memory as the tracker
+//! shows, and meta predicts it byte for byte.
+
+use memfit::backend::cpu::CpuBackend;
+use memfit::backend::meta::MetaBackend;
+use memfit::config::ModelConfig;
+use memfit::config::profile::load_model;
+use memfit::data::DataSource;
+use memfit::engine::{Attention, Checkpointing, Engine, Optimizer, TrainConfig};
+use memfit::memory::{PeakBytes, Tracker};
+
+fn meta_peaks(model: &ModelConfig, tc: &TrainConfig) -> PeakBytes {
+    let mut e = Engine::new(
+        model.clone(),
+        tc.clone(),
+        MetaBackend::emulating_cpu(),
+        None,
+    )
+    .unwrap();
+    let batches = vec![
+        memfit::data::Batch {
+            inputs: vec![],
+            targets: vec![]
+        };
+        tc.grad_accum
+    ];
+    e.step(&batches).unwrap();
+    e.dev.tracker.peak_bytes()
+}
+
+fn timeline(t: &Tracker) -> Vec<(String, &'static str, i64)> {
+    t.timeline()
+        .iter()
+        .map(|e| (e.phase.to_string(), e.category.name(), e.bytes))
+        .collect()
+}
+
+/// Every value of every knob, in a sample of the product that pairs each value
+/// with several values of the others; each one trains gpt2-tiny for 25 steps.
+#[test]
+fn every_knob_combination_trains_and_meta_matches_cpu() {
+    let model = load_model("gpt2-tiny").unwrap();
+    let optimizers = [
+        Optimizer::Adamw,
+        Optimizer::Adamw8bit,
+        Optimizer::Adafactor,
+        Optimizer::Sgd,
+    ];
+    let mut i = 0;
+    for optimizer in optimizers {
+        for checkpointing in [Checkpointing::None, Checkpointing::Full] {
+            for attention in [Attention::Eager, Attention::Fused] {
+                i += 1;
+                let tc = TrainConfig {
+                    seq_len: 32,
+                    micro_batch: 4,
+                    grad_accum: 1 + i % 2,
+                    optimizer,
+                    lr: match optimizer {
+                        Optimizer::Adafactor => None,
+                        Optimizer::Sgd => Some(0.3),
+                        _ => Some(2e-3),
+                    },
+                    checkpointing,
+                    attention,
+                    ..TrainConfig::default()
+                };
+                let what = format!(
+                    "{optimizer:?}/{checkpointing:?}/{attention:?}/accum {}",
+                    tc.grad_accum
+                );
+                let mut e =
+                    Engine::new(model.clone(), tc.clone(), CpuBackend::new(2).unwrap(), None)
+                        .unwrap();
+                let mut data = DataSource::synthetic(model.vocab_size, 7);
+                let losses: Vec<f32> = (0..25)
+                    .map(|_| {
+                        let b: Vec<_> =
+                            (0..tc.grad_accum).map(|_| data.next_batch(4, 32)).collect();
+                        let r = e.step(&b).unwrap();
+                        assert!(!r.skipped, "{what}");
+                        r.loss.unwrap()
+                    })
+                    .collect();
+                let (first, last) = (
+                    losses[..3].iter().sum::<f32>() / 3.0,
+                    losses[22..].iter().sum::<f32>() / 3.0,
+                );
+                assert!(last < first - 0.1, "{what}: loss {first:.3} -> {last:.3}");
+
+                let mut meta = Engine::new(
+                    model.clone(),
+                    tc.clone(),
+                    MetaBackend::emulating_cpu(),
+                    None,
+                )
+                .unwrap();
+                let batches = vec![
+                    memfit::data::Batch {
+                        inputs: vec![],
+                        targets: vec![]
+                    };
+                    tc.grad_accum
+                ];
+                for _ in 0..25 {
+                    meta.step(&batches).unwrap();
+                }
+                assert_eq!(
+                    e.dev.tracker.peak_bytes(),
+                    meta.dev.tracker.peak_bytes(),
+                    "{what}"
+                );
+                assert_eq!(
+                    timeline(&e.dev.tracker),
+                    timeline(&meta.dev.tracker),
+                    "{what}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_attention_matches_eager_and_grows_linearly() {
+    for name in ["gpt2-tiny", "llama-tiny"] {
+        let model = load_model(name).unwrap();
+        let batch = DataSource::synthetic(model.vocab_size, 4).next_batch(2, 96);
+        let run = |attention| {
+            let tc = TrainConfig {
+                seq_len: 96,
+                micro_batch: 2,
+                attention,
+                ..TrainConfig::default()
+            };
+            let mut e = Engine::new(model.clone(), tc, CpuBackend::new(2).unwrap(), None).unwrap();
+            let loss = e.compute_grads(&batch).unwrap().unwrap();
+            (loss, e.grads_host().unwrap())
+        };
+        let (l0, g0) = run(Attention::Eager);
+        let (l1, g1) = run(Attention::Fused);
+        assert!((l0 - l1).abs() < 1e-5, "{name}: loss {l0} vs {l1}");
+        for (a, b) in g0.iter().zip(&g1) {
+            for (x, y) in a.iter().zip(b) {
+                assert!(
+                    (x - y).abs() <= 1e-5 + 1e-3 * x.abs(),
+                    "{name}: gradient {x} vs {y}"
+                );
+            }
+        }
+    }
+    // At seq-len 512 the eager probabilities dominate; fused keeps B*H*T statistics.
+    let gpt2 = load_model("gpt2").unwrap();
+    let at = |t, attention| {
+        meta_peaks(
+            &gpt2,
+            &TrainConfig {
+                seq_len: t,
+                micro_batch: 1,
+                attention,
+                ..TrainConfig::default()
+            },
+        )
+        .activations
+    };
+    let (eager, fused) = (at(512, Attention::Eager), at(512, Attention::Fused));
+    eprintln!("gpt2, T=512, B=1: activations eager {eager} B, fused {fused} B");
+    // 12 layers x 12 heads x 512^2 x 4 bytes of probabilities = 144 MiB.
+    assert!(
+        eager - fused >= 12 * 12 * 512 * 512 * 4 - 12 * 12 * 512 * 4,
+        "{eager} vs {fused}"
+    );
+    // Linear in T: doubling T doubles fused activations (within the T-independent part).
+    let (f512, f1024) = (
+        at(512, Attention::Fused) as f64,
+        at(1024, Attention::Fused) as f64,
+    );
+    assert!(
+        (f1024 / f512 - 2.0).abs() < 0.01,
+        "fused activations x{:.3} for 2x T",
+        f1024 / f512
+    );
+    let (e512, e1024) = (
+        at(512, Attention::Eager) as f64,
+        at(1024, Attention::Eager) as f64,
+    );
+    assert!(
+        e1024 / e512 > 2.5,
+        "eager activations x{:.3} for 2x T",
+        e1024 / e512
+    );
+}
+
+#[test]
+fn optimizer_state_bytes_follow_the_published_figures() {
+    let model = load_model("gpt2").unwrap();
+    let params = model
+        .param_layout()
+        .0
+        .iter()
+        .map(|s| s.numel() as f64)
+        .sum::<f64>();
+    let bytes = |optimizer| {
+        meta_peaks(
+            &model,
+            &TrainConfig {
+                seq_len: 64,
+                micro_batch: 1,
+                optimizer,
+                ..TrainConfig::default()
+            },
+        )
+        .optimizer as f64
+            / params
+    };
+    let (adamw, adamw8, adafactor, sgd) = (
+        bytes(Optimizer::Adamw),
+        bytes(Optimizer::Adamw8bit),
+        bytes(Optimizer::Adafactor),
+        bytes(Optimizer::Sgd),
+    );
+    eprintln!(
+        "gpt2 optimizer state per parameter: adamw {adamw:.4}, adamw8bit {adamw8:.4}, adafactor {adafactor:.4}, sgd {sgd:.4}"
+    );
+    assert_eq!(adamw, 8.0);
+    assert_eq!(sgd, 4.0);
+    // 2 one-byte codes plus 2 fp32 absmax per 256 = 2.03125; small 1-D tensors stay 32-bit.
+    assert!((2.03..2.06).contains(&adamw8), "{adamw8}");
+    assert!(adafactor < 0.05, "{adafactor}");
+}
+
+#[test]
+fn full_checkpointing_saves_about_the_expected_factor() {
+    // llama-3.2-1b at T=2048: without checkpointing a block saves about
+    // 10 C + 2*I*... per token; with it, one (B,T,C) input per block plus one block's worth.
+    let model = load_model("llama-3.2-1b").unwrap();
+    let at = |checkpointing| {
+        meta_peaks(
+            &model,
+            &TrainConfig {
+                seq_len: 2048,
+                micro_batch: 1,
+                checkpointing,
+                attention: Attention::Fused,
+                ..TrainConfig::default()
+            },
+        )
+        .activations
+    };
+    let (none, full) = (at(Checkpointing::None), at(Checkpointing::Full));
+    let (l, t, c) = (model.n_layer as u64, 2048u64, model.d_model as u64);
+    let kept = (l + 1) * t * c * 4;
+    let head = t * model.padded_vocab() as u64 * 4;
+    eprintln!(
+        "llama-3.2-1b T=2048: activations none {none}, full {full}; inputs {kept}, logits {head}"
+    );
+    // What is left under `full`: block inputs, one block's saved tensors, the head.
+    let one_block = (none - head - t * 8) / l;
+    assert!(full <= kept + one_block + head + t * c * 16, "{full}");
+    assert!(none > 3 * full, "{none} vs {full}");
+}
