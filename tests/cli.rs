@@ -238,26 +238,65 @@ fn table_output_and_timeline() {
 #[test]
 fn recipe_keys_apply_and_flags_override_them() {
     let recipe = concat!(env!("CARGO_MANIFEST_DIR"), "/recipes/gpt2-tiny-text.yaml");
-    let out = memfit(&["run", "--recipe", recipe, "--steps", "2", "--optimizer", "sgd", "--format", "json"]);
+    let out = memfit(&[
+        "run",
+        "--recipe",
+        recipe,
+        "--steps",
+        "2",
+        "--optimizer",
+        "sgd",
+        "--format",
+        "json",
+    ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let doc = json(&out);
     assert_eq!(doc["config"]["micro_batch"], 8, "from the recipe");
     assert_eq!(doc["config"]["steps"], 2, "the flag wins");
     assert_eq!(doc["config"]["optimizer"], "sgd");
-    assert!(doc["config"]["data"].as_str().unwrap().contains("assets/text"), "{}", doc["config"]["data"]);
+    assert!(
+        doc["config"]["data"]
+            .as_str()
+            .unwrap()
+            .contains("assets/text"),
+        "{}",
+        doc["config"]["data"]
+    );
     assert_eq!(doc["config"]["lr"].as_f64().unwrap() as f32, 1e-3);
 
-    let bad = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/invalid/recipes/misspelled-key.yaml");
+    let bad = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/invalid/recipes/misspelled-key.yaml"
+    );
     let out = memfit(&["run", "--recipe", bad]);
     assert_eq!(out.status.code(), Some(2));
-    assert!(stderr(&out).contains("misspelled-key.yaml:3:1"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("misspelled-key.yaml:3:1"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 #[test]
 fn every_knob_is_in_the_json_config() {
     let out = memfit(&[
-        "run", "--model", "llama-tiny", "--steps", "2", "--seq-len", "32", "--optimizer", "adafactor",
-        "--checkpointing", "full", "--attention", "fused", "--grad-accum", "2", "--format", "json",
+        "run",
+        "--model",
+        "llama-tiny",
+        "--steps",
+        "2",
+        "--seq-len",
+        "32",
+        "--optimizer",
+        "adafactor",
+        "--checkpointing",
+        "full",
+        "--attention",
+        "fused",
+        "--grad-accum",
+        "2",
+        "--format",
+        "json",
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let doc = json(&out);
@@ -267,7 +306,10 @@ fn every_knob_is_in_the_json_config() {
     assert_eq!(c["attention"], "fused");
     assert_eq!(c["grad_accum"], 2);
     assert!(c["lr"].is_null(), "adafactor's relative step");
-    assert!(doc["peak_bytes"]["workspace"].as_u64().unwrap() > 0, "fused attention declares its tile scratch");
+    assert!(
+        doc["peak_bytes"]["workspace"].as_u64().unwrap() > 0,
+        "fused attention declares its tile scratch"
+    );
     assert_eq!(doc["skipped_steps"], 0);
 
     let out = memfit(&["run", "--optimizer", "sgd", "--momentum", "0"]);

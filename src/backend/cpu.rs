@@ -371,7 +371,7 @@ impl SyncPtr {
 /// float: results below `exp(-87) ~ 1.6e-38` come out as that, not 0, which is
 /// harmless for softmax weights and sigmoids. NaN propagates.
 #[inline(always)]
-fn exp_f32(x: f32) -> f32 {
+pub(super) fn exp_f32(x: f32) -> f32 {
     // ln2 split in two so n*LN2_HI is exact (LN2_HI has 16 significant bits).
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
@@ -404,7 +404,7 @@ fn exp_f32(x: f32) -> f32 {
 /// path: Rust never contracts `a*b + c` into an FMA, and every reduction's lane
 /// layout is explicit, so the same IEEE operations run in the same order.
 #[inline(always)]
-fn vectorized<R>(f: impl FnOnce() -> R) -> R {
+pub(super) fn vectorized<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     {
         #[target_feature(enable = "avx512f")]

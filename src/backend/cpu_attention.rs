@@ -30,7 +30,7 @@
 use rayon::prelude::*;
 
 use super::AttnShape;
-use super::cpu::{CpuBackend, CpuBuf};
+use super::cpu::{CpuBackend, CpuBuf, exp_f32, vectorized};
 
 /// Query rows per block (FlashAttention's `Br`).
 const BR: usize = 64;
@@ -161,67 +161,6 @@ impl SyncPtr {
     unsafe fn at(self, off: usize) -> SyncPtr {
         SyncPtr(unsafe { self.0.add(off) })
     }
-}
-
-/// Runs `f` compiled for AVX-512 or AVX2 when the CPU has it (checked at run
-/// time), else as is: the crate targets baseline x86-64, and the tile loops
-/// (exp included) otherwise stay 4 lanes wide. Results do not change: Rust
-/// never contracts `a*b + c` into an FMA, and the reductions' lane layout is
-/// explicit.
-#[inline(always)]
-fn simd<R>(f: impl FnOnce() -> R) -> R {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f")]
-        fn avx512<R>(f: impl FnOnce() -> R) -> R {
-            f()
-        }
-        #[target_feature(enable = "avx2")]
-        fn avx2<R>(f: impl FnOnce() -> R) -> R {
-            f()
-        }
-        if std::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F, checked just above.
-            return unsafe { avx512(f) };
-        }
-        if std::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2, checked just above.
-            return unsafe { avx2(f) };
-        }
-    }
-    f()
-}
-
-/// `exp(x)` for f32, vectorisable; the same polynomial as the eager kernels'
-/// (private) `exp_f32` in cpu.rs, so both paths evaluate the same exponentials:
-/// `x = n*ln2 + r`, `|r| <= ln2/2`, degree-7 Taylor polynomial for `exp(r)`
-/// (error below half an ulp), times `2^n` built in the exponent bits. Inputs are
-/// clamped to [-87, 88] so `2^n` stays normal; NaN propagates.
-#[inline(always)]
-fn exp_f32(x: f32) -> f32 {
-    // ln2 in two parts so n*LN2_HI is exact.
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    // 1.5*2^23: adding it rounds to an integer held in the low mantissa bits.
-    const SHIFTER: f32 = 12_582_912.0;
-    let x = x.clamp(-87.0, 88.0);
-    let t = x * std::f32::consts::LOG2_E + SHIFTER;
-    let n = t.to_bits() as i32 - SHIFTER.to_bits() as i32;
-    let nf = t - SHIFTER;
-    let r = (x - nf * LN2_HI) - nf * LN2_LO;
-    let mut p = 1.0 / 5040.0;
-    for c in [
-        1.0 / 720.0,
-        1.0 / 120.0,
-        1.0 / 24.0,
-        1.0 / 6.0,
-        0.5,
-        1.0,
-        1.0,
-    ] {
-        p = p * r + c;
-    }
-    p * f32::from_bits(((n + 127) as u32) << 23)
 }
 
 /// `y += a * x`.
@@ -363,7 +302,7 @@ pub fn forward(
                     let seq = &qkv[bi * t * w..][..t * w];
                     let r0 = qb * tl.br;
                     let r1 = (r0 + tl.br).min(t);
-                    simd(
+                    vectorized(
                         #[inline(always)]
                         || forward_block(&mut sl, seq, s, tl, (h, h / rep), (r0, r1), scale),
                     );
@@ -519,7 +458,7 @@ pub fn backward(
                         for qb in 0..tl.nqb {
                             let r0 = qb * tl.br;
                             let r1 = (r0 + tl.br).min(t);
-                            simd(
+                            vectorized(
                                 #[inline(always)]
                                 || {
                                     backward_block(

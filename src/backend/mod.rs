@@ -398,8 +398,9 @@ pub enum AdafactorSecond<'a, Buf> {
 /// `col = beta2_t*col + (1-beta2_t)*mean_rows(u)`,
 /// `update = g / sqrt(row/mean(row) (x) col)`; full: `v = beta2_t*v + (1-beta2_t)*u`,
 /// `update = g / sqrt(v)`; then `update /= max(1, RMS(update)/clip_threshold)`;
+/// `update *= lr_t` (before the first moment, as Hugging Face does);
 /// with beta1: `m = beta1*m + (1-beta1)*update; update = m`;
-/// `param -= lr_t*weight_decay*param` (when non-zero); `param -= lr_t*update`.
+/// `param -= lr_t*weight_decay*param` (when non-zero); `param -= update`.
 #[derive(Clone, Copy, Debug)]
 pub struct AdafactorHyper {
     /// `None`: relative step.
