@@ -162,8 +162,9 @@ fn training_is_deterministic_across_thread_counts() {
     assert_eq!(run(1), run(2));
 }
 
-/// gpt2-tiny on the shipped byte-level text. Measured (seed 1337, 100 steps,
-/// micro-batch 8, seq-len 64, lr 1e-3): see the assertion message.
+/// gpt2-tiny on the shipped byte-level text (seed 1337, 100 steps, micro-batch
+/// 8, seq-len 64, lr 1e-3). Measured 2026-11-29: loss 5.533 at step 0, 2.510
+/// as the mean of steps 90-99 (run with --nocapture to see it).
 #[test]
 fn gpt2_tiny_learns_byte_level_text() {
     let model = load_model("gpt2-tiny").unwrap();
