@@ -33,6 +33,12 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    #[error("cannot write {}: {source}", path.display())]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+
     #[error("{0}")]
     Unavailable(String),
 

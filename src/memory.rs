@@ -210,6 +210,7 @@ pub struct Tracker {
     phase: Phase,
     start: Instant,
     timeline: Vec<Event>,
+    recording: bool,
 }
 
 impl Tracker {
@@ -223,7 +224,13 @@ impl Tracker {
             phase: Phase::Init,
             start: Instant::now(),
             timeline: Vec::new(),
+            recording: true,
         }
+    }
+
+    /// Whether to keep the timeline (on by default). Peaks are kept either way.
+    pub fn set_recording(&mut self, on: bool) {
+        self.recording = on;
     }
 
     pub fn set_phase(&mut self, phase: Phase) {
@@ -272,6 +279,9 @@ impl Tracker {
     }
 
     fn record(&mut self, category: Category, bytes: i64) {
+        if !self.recording {
+            return;
+        }
         self.timeline.push(Event {
             t_ns: self.start.elapsed().as_nanos() as u64,
             phase: self.phase,

@@ -91,8 +91,8 @@ pub struct RunReport {
     /// Mean over steps after the first (which warms caches); `None` on meta.
     pub tokens_per_s: Option<f64>,
     pub tokens_per_step: usize,
-    pub flops_per_step: u64,
-    pub bytes_moved_per_step: u64,
+    pub flops_per_step: u128,
+    pub bytes_moved_per_step: u128,
     /// Each category's own highest live bytes; `total` is the highest sum at any moment.
     pub peak_bytes: PeakBytes,
     /// The per-category split at the moment of the total peak.
@@ -162,6 +162,42 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
             "must be 0 (off) or positive",
         ));
     }
+    if t.grad_accum > 1 << 20 {
+        return Err(Error::invalid_arg(
+            "--grad-accum",
+            "more than 2^20 micro-batches per step: accumulation changes no memory, use a smaller value",
+        ));
+    }
+    // Activation sizes in u128: a shape whose buffers cannot be addressed is bad input.
+    let (b, tt) = (t.micro_batch as u128, t.seq_len as u128);
+    let widest = [
+        model.padded_vocab(),
+        model.qkv_width(),
+        model.up_width(),
+        model.d_model,
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0) as u128;
+    let biggest = (b * tt * widest).max(b * model.n_head as u128 * tt * tt) * 4;
+    if biggest > 1 << 60 || b * tt * t.grad_accum as u128 > 1 << 50 {
+        return Err(Error::invalid_arg(
+            "--micro-batch",
+            format!(
+                "{} sequences of {} tokens need buffers beyond 2^60 bytes; nothing can hold that",
+                t.micro_batch, t.seq_len
+            ),
+        ));
+    }
+    if t.optimizer != Optimizer::Sgd && t.momentum != TrainConfig::default().momentum {
+        return Err(Error::invalid_arg("--momentum", "only sgd uses momentum"));
+    }
+    if t.optimizer == Optimizer::Sgd && t.beta1.is_some() {
+        return Err(Error::invalid_arg(
+            "--beta1",
+            "sgd has no beta1; use --momentum",
+        ));
+    }
     if opts.threads == Some(0) {
         return Err(Error::invalid_arg("--threads", "must be at least 1"));
     }
@@ -202,7 +238,11 @@ pub fn run(opts: &RunOptions) -> Result<(RunReport, Option<Error>)> {
             // Without a limit, the host's available memory is the capacity, so a
             // model too big for this machine is a typed out-of-memory, not an abort.
             let mut opts = opts.clone();
-            opts.device.limit = opts.device.limit.or_else(host_available_memory);
+            // A limit above the host's memory cannot be emulated: cap it there.
+            opts.device.limit = match (opts.device.limit, host_available_memory()) {
+                (Some(l), Some(h)) => Some(l.min(h)),
+                (l, h) => l.or(h),
+            };
             run_on(&opts, model, be, Some(&mut data))
         }
         DeviceKind::Cuda => Err(Error::Unavailable(
@@ -251,6 +291,14 @@ fn run_on<B: Backend>(
         skipped_steps: 0,
         error: None,
     };
+    // Open the timeline file first, so a bad path fails before any training.
+    let mut timeline_file = match &opts.timeline {
+        Some(path) => Some(std::fs::File::create(path).map_err(|source| Error::Write {
+            path: path.clone(),
+            source,
+        })?),
+        None => None,
+    };
     let capacity = report.capacity_bytes;
     let mut engine = match Engine::new(model, opts.train.clone(), be, capacity) {
         Ok(e) => e,
@@ -267,23 +315,29 @@ fn run_on<B: Backend>(
             return Ok((report, Some(Error::Oom(oom))));
         }
     };
+    // The timeline grows with every step: keep it only when asked for.
+    engine.dev.tracker.set_recording(opts.timeline.is_some());
     let steps = if meta { 1 } else { opts.steps };
     let mut data = data;
     let mut times = Vec::new();
     let mut failure = None;
+    let (b, t) = (opts.train.micro_batch, opts.train.seq_len);
     for step in 0..steps {
-        let batches: Vec<_> = (0..opts.train.grad_accum)
-            .map(|_| match data.as_deref_mut() {
-                Some(d) => d.next_batch(opts.train.micro_batch, opts.train.seq_len),
-                None => crate::data::Batch {
-                    inputs: Vec::new(),
-                    targets: Vec::new(),
-                },
-            })
-            .collect();
         engine.dev.cost = CostCounter::default();
         let start = Instant::now();
-        match engine.step(&batches) {
+        // Batches are made one micro-batch at a time, after their device buffers
+        // were granted, and never on meta.
+        let next = || match data.as_deref_mut() {
+            Some(d) => d.next_batch(b, t),
+            None => crate::data::Batch {
+                inputs: Vec::new(),
+                targets: Vec::new(),
+            },
+        };
+        let result = engine.step_from(opts.train.grad_accum, next);
+        report.flops_per_step = engine.dev.cost.flops();
+        report.bytes_moved_per_step = engine.dev.cost.bytes();
+        match result {
             Ok(r) => {
                 let secs = start.elapsed().as_secs_f64();
                 times.push(secs);
@@ -303,8 +357,6 @@ fn run_on<B: Backend>(
                 break;
             }
         }
-        report.flops_per_step = engine.dev.cost.flops();
-        report.bytes_moved_per_step = engine.dev.cost.bytes();
     }
     if !meta && !times.is_empty() {
         let timed = if times.len() > 1 {
@@ -318,7 +370,11 @@ fn run_on<B: Backend>(
     report.skipped_steps = engine.skipped_steps();
     fill_peaks(&mut report, &engine.dev.tracker);
     if let Some(path) = &opts.timeline {
-        write_timeline(path, &engine.dev.tracker)?;
+        write_timeline(
+            path,
+            timeline_file.take().expect("opened"),
+            &engine.dev.tracker,
+        )?;
     }
     Ok((report, failure))
 }
@@ -337,12 +393,12 @@ fn fill_peaks(report: &mut RunReport, t: &Tracker) {
 }
 
 /// The timeline as CSV: one line per allocation or free.
-pub fn write_timeline(path: &std::path::Path, t: &Tracker) -> Result<()> {
-    let io = |source| Error::Io {
+pub fn write_timeline(path: &std::path::Path, file: std::fs::File, t: &Tracker) -> Result<()> {
+    let io = |source| Error::Write {
         path: path.to_path_buf(),
         source,
     };
-    let mut w = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
+    let mut w = std::io::BufWriter::new(file);
     writeln!(w, "t_ns,phase,category,bytes,live_total").map_err(io)?;
     for e in t.timeline() {
         writeln!(
@@ -401,7 +457,7 @@ pub fn render_table(r: &RunReport) -> String {
         s,
         "work per step: {:.3} GFLOP, {} moved",
         r.flops_per_step as f64 / 1e9,
-        fmt_bytes(r.bytes_moved_per_step)
+        fmt_bytes(u64::try_from(r.bytes_moved_per_step).unwrap_or(u64::MAX))
     );
     let _ = writeln!(
         s,

@@ -316,3 +316,46 @@ fn every_knob_is_in_the_json_config() {
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("--momentum"), "{}", stderr(&out));
 }
+
+/// Regression: absurd sizes once wrapped around in usize arithmetic and gave
+/// tiny meta plans with exit 0, or aborted on cpu.
+#[test]
+fn oversized_inputs_are_errors_not_wraparounds_or_aborts() {
+    for (args, code) in [
+        (
+            vec![
+                "run",
+                "--micro-batch",
+                "4611686018427387904",
+                "--device",
+                "meta",
+            ],
+            2,
+        ),
+        (
+            vec!["run", "--grad-accum", "1000000000", "--device", "meta"],
+            2,
+        ),
+        (
+            vec![
+                "run",
+                "--micro-batch",
+                "100000000000",
+                "--device",
+                "cpu:limit=1GiB",
+                "--steps",
+                "1",
+            ],
+            3,
+        ),
+        (
+            vec!["run", "--optimizer", "adafactor", "--momentum", "7"],
+            2,
+        ),
+        (vec!["run", "--timeline", "/nonexistent/dir/t.csv"], 2),
+    ] {
+        let out = memfit(&args);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {}", stderr(&out));
+        assert!(!stderr(&out).contains("panicked"), "{args:?}");
+    }
+}

@@ -18,7 +18,7 @@ fn train(seq_len: usize, micro_batch: usize) -> TrainConfig {
 }
 
 /// Runs one optimizer step on cpu and on meta and returns both trackers.
-fn both(model: &ModelConfig, tc: &TrainConfig) -> (Tracker, Tracker, u64, u64) {
+fn both(model: &ModelConfig, tc: &TrainConfig) -> (Tracker, Tracker, u128, u128) {
     let mut cpu =
         Engine::new(model.clone(), tc.clone(), CpuBackend::new(2).unwrap(), None).unwrap();
     let mut data = DataSource::synthetic(model.vocab_size, tc.seed);
@@ -261,10 +261,17 @@ fn gradient_accumulation_matches_one_larger_micro_batch() {
         };
         let mut e = Engine::new(model.clone(), tc, CpuBackend::new(2).unwrap(), None).unwrap();
         let r = e.step(batches).unwrap();
-        (r, e.params_host().unwrap())
+        // The optimizer step leaves the accumulated gradients in place.
+        (r, e.params_host().unwrap(), e.grads_host().unwrap())
     };
-    let (r1, p1) = run(4, 1, std::slice::from_ref(&big));
-    let (r4, p4) = run(1, 4, &split);
+    let (r1, p1, g1) = run(4, 1, std::slice::from_ref(&big));
+    let (r4, p4, g4) = run(1, 4, &split);
+    for (a, b) in g1.iter().flatten().zip(g4.iter().flatten()) {
+        assert!(
+            (a - b).abs() <= 1e-6 + 1e-4 * a.abs(),
+            "accumulated gradient {b} vs {a}"
+        );
+    }
     assert!(
         (r1.loss.unwrap() - r4.loss.unwrap()).abs() < 1e-5,
         "{r1:?} vs {r4:?}"

@@ -72,6 +72,7 @@ fn every_knob_combination_trains_and_meta_matches_cpu() {
                 let mut e =
                     Engine::new(model.clone(), tc.clone(), CpuBackend::new(2).unwrap(), None)
                         .unwrap();
+                let resident = e.dev.tracker.live();
                 let mut data = DataSource::synthetic(model.vocab_size, 7);
                 let losses: Vec<f32> = (0..25)
                     .map(|_| {
@@ -79,6 +80,7 @@ fn every_knob_combination_trains_and_meta_matches_cpu() {
                             (0..tc.grad_accum).map(|_| data.next_batch(4, 32)).collect();
                         let r = e.step(&b).unwrap();
                         assert!(!r.skipped, "{what}");
+                        assert_eq!(e.dev.tracker.live(), resident, "{what}: a step leaked");
                         r.loss.unwrap()
                     })
                     .collect();

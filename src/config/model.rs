@@ -173,6 +173,36 @@ impl ModelConfig {
                 self.n_kv_head()
             ));
         }
+        if self.vocab_size > u32::MAX as usize {
+            return Err(format!(
+                "`vocab_size` {} does not fit 32-bit token ids",
+                self.vocab_size
+            ));
+        }
+        if self.n_layer > 1_000_000 {
+            return Err(format!(
+                "`n_layer` {} is beyond any model memfit can plan",
+                self.n_layer
+            ));
+        }
+        for (field, v) in [("norm_eps", self.norm_eps), ("rope_theta", self.rope_theta)] {
+            if let Some(v) = v
+                && !(v.is_finite() && v > 0.0)
+            {
+                return Err(format!("`{field}` must be a positive number, got {v}"));
+            }
+        }
+        // Sizes in u128 so that absurd dimensions are an error here, not an
+        // overflow later: every tensor's bytes must fit comfortably in u64.
+        let (c, l) = (self.d_model as u128, self.n_layer as u128);
+        let per_block =
+            (self.qkv_width() as u128 + c + self.up_width() as u128 + self.d_ff() as u128) * c;
+        let total = 2 * self.padded_vocab() as u128 * c + l * per_block;
+        if total > 1 << 50 {
+            return Err(format!(
+                "the model has about {total} parameters, beyond any model memfit can plan (2^50)"
+            ));
+        }
         match self.family {
             Family::Gpt2 => {
                 if self.n_kv_head() != self.n_head {

@@ -54,6 +54,16 @@ pub fn load_run_recipe(path: &Path) -> Result<RunRecipe> {
         let base = path.parent().unwrap_or(Path::new("."));
         recipe.data = Some(base.join(data));
     }
+    // A profile path in a recipe is relative to the recipe, like `data`.
+    if let Some(model) = &recipe.model
+        && !super::profile::builtin_models()
+            .iter()
+            .any(|(name, _)| name == model)
+        && Path::new(model).is_relative()
+    {
+        let base = path.parent().unwrap_or(Path::new("."));
+        recipe.model = Some(base.join(model).display().to_string());
+    }
     if recipe.model.as_deref().is_some_and(|m| m.trim().is_empty()) {
         return Err(Error::Config {
             location: key_location(&text, &location, "model"),

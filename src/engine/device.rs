@@ -34,8 +34,9 @@ impl<Buf> Tensor<Buf> {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct OpCost {
     pub calls: u64,
-    pub flops: u64,
-    pub bytes: u64,
+    /// u128: a 70B model at long context passes 2^64 FLOPs per step.
+    pub flops: u128,
+    pub bytes: u128,
     /// Wall time spent in the backend (near zero on meta).
     pub ns: u64,
 }
@@ -47,17 +48,17 @@ pub struct CostCounter {
 }
 
 impl CostCounter {
-    pub fn flops(&self) -> u64 {
+    pub fn flops(&self) -> u128 {
         self.ops.values().map(|c| c.flops).sum()
     }
-    pub fn bytes(&self) -> u64 {
+    pub fn bytes(&self) -> u128 {
         self.ops.values().map(|c| c.bytes).sum()
     }
     fn add(&mut self, op: &'static str, flops: u64, bytes: u64, ns: u64) {
         let c = self.ops.entry(op).or_default();
         c.calls += 1;
-        c.flops += flops;
-        c.bytes += bytes;
+        c.flops += flops as u128;
+        c.bytes += bytes as u128;
         c.ns += ns;
     }
 }

@@ -324,11 +324,24 @@ impl<B: Backend> Engine<B> {
 
     /// One optimizer step over `batches.len()` micro-batches (gradient accumulation).
     pub fn step(&mut self, batches: &[Batch]) -> Result<StepReport, OomError> {
-        let k = batches.len();
+        let mut it = batches.iter();
+        self.step_from(batches.len(), || {
+            it.next().expect("one batch per micro-batch").clone()
+        })
+    }
+
+    /// One optimizer step over `k` micro-batches, each fetched from `next` only
+    /// once its token buffers are allocated (so an oversized batch is a tracked
+    /// OOM, not a host allocation failure) and never on a backend without data.
+    pub fn step_from(
+        &mut self,
+        k: usize,
+        mut next: impl FnMut() -> Batch,
+    ) -> Result<StepReport, OomError> {
         self.zero_grads();
         let mut loss_sum = Some(0.0f64);
-        for batch in batches {
-            let acts = self.forward(batch)?;
+        for _ in 0..k {
+            let acts = self.forward(&mut next)?;
             let loss = self.read_loss(&acts);
             loss_sum = loss_sum.zip(loss).map(|(s, l)| s + l as f64);
             // d(mean over k micro-batches of the mean over n tokens) / d(token loss)
@@ -347,7 +360,7 @@ impl<B: Backend> Engine<B> {
     /// returns the loss (gradient checks).
     pub fn compute_grads(&mut self, batch: &Batch) -> Result<Option<f32>, OomError> {
         self.zero_grads();
-        let acts = self.forward(batch)?;
+        let acts = self.forward(&mut || batch.clone())?;
         let loss = self.read_loss(&acts);
         let dloss = 1.0 / (self.train.micro_batch * self.train.seq_len) as f32;
         self.backward(acts, dloss)?;
@@ -356,7 +369,7 @@ impl<B: Backend> Engine<B> {
 
     /// Forward only: the mean loss over the batch.
     pub fn eval_loss(&mut self, batch: &Batch) -> Result<Option<f32>, OomError> {
-        let acts = self.forward(batch)?;
+        let acts = self.forward(&mut || batch.clone())?;
         let loss = self.read_loss(&acts);
         self.free_acts(acts);
         Ok(loss)
@@ -389,7 +402,7 @@ impl<B: Backend> Engine<B> {
         dev.free_opt(acts.lnf_mean);
     }
 
-    fn forward(&mut self, batch: &Batch) -> Result<Acts<T<B>>, OomError> {
+    fn forward(&mut self, next: &mut dyn FnMut() -> Batch) -> Result<Acts<T<B>>, OomError> {
         let s = self.attn_shape();
         let Engine {
             model,
@@ -414,6 +427,7 @@ impl<B: Backend> Engine<B> {
         let mut tokens = dev.alloc(n, DType::U32, act)?;
         let mut targets = dev.alloc(n, DType::U32, act)?;
         if dev.be.holds_data() {
+            let batch = next();
             dev.be.upload_u32(&mut tokens.buf, &batch.inputs);
             dev.be.upload_u32(&mut targets.buf, &batch.targets);
         }
