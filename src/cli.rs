@@ -72,13 +72,13 @@ pub struct RunArgs {
     #[arg(long, value_enum)]
     pub optimizer: Option<Optimizer>,
     /// Learning rate [default: 3e-4 for AdamW, 1e-2 for SGD, Adafactor's relative step].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub lr: Option<f32>,
     /// AdamW's beta1 [default: 0.9]; for Adafactor, turns on the first moment [default: off].
     #[arg(long)]
     pub beta1: Option<f32>,
     /// Weight decay on matrices only: decoupled for AdamW and Adafactor, L2 for SGD [default: 0.1].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub weight_decay: Option<f32>,
     /// SGD momentum, in (0, 1) [default: 0.9].
     #[arg(long)]

@@ -144,7 +144,8 @@ impl DataSource {
 fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
-        let ty = entry.file_type()?;
+        // metadata() follows symlinks, so a linked file or folder is read too.
+        let ty = std::fs::metadata(entry.path())?.file_type();
         if ty.is_dir() {
             collect_files(&entry.path(), out)?;
         } else if ty.is_file() {
