@@ -62,7 +62,7 @@ const SUMSQ_CHUNK: usize = 1 << 16;
 /// Accumulator lanes in the f32 reductions. Independent lanes let the compiler
 /// vectorise a sum that strict IEEE ordering would otherwise keep scalar; the
 /// lane layout is fixed, so the result is still deterministic.
-const LANES: usize = 16;
+pub(super) const LANES: usize = 16;
 
 /// A host buffer: `f32` data or `u32` token ids.
 #[derive(Clone, Debug, PartialEq)]
@@ -434,7 +434,7 @@ fn sigmoid(z: f32) -> f32 {
 }
 
 #[inline(always)]
-fn sum(x: &[f32]) -> f32 {
+pub(super) fn sum(x: &[f32]) -> f32 {
     let mut acc = [0.0f32; LANES];
     let chunks = x.chunks_exact(LANES);
     let rest = chunks.remainder();
@@ -447,7 +447,7 @@ fn sum(x: &[f32]) -> f32 {
 }
 
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0.0f32; LANES];
     let ca = a.chunks_exact(LANES);

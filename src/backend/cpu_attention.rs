@@ -30,7 +30,7 @@
 use rayon::prelude::*;
 
 use super::AttnShape;
-use super::cpu::{CpuBackend, CpuBuf, exp_f32, vectorized};
+use super::cpu::{CpuBackend, CpuBuf, dot, exp_f32, sum, vectorized};
 
 /// Query rows per block (FlashAttention's `Br`).
 const BR: usize = 64;
@@ -39,9 +39,6 @@ const BR: usize = 64;
 const BC: usize = 64;
 /// Scratch slots: the most groups of work that run at once.
 const SLOTS: usize = 8;
-/// Accumulator lanes of the f32 reductions: independent lanes let a sum
-/// vectorise, and the fixed layout keeps it deterministic.
-const LANES: usize = 16;
 
 // ----------------------------------------------------------------------------
 // Tiling and workspace
@@ -169,39 +166,6 @@ fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (y, &x) in y.iter_mut().zip(x) {
         *y += a * x;
     }
-}
-
-/// `sum(a * b)` in [`LANES`] fixed lanes.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; LANES];
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let rest: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for j in 0..LANES {
-            acc[j] += x[j] * y[j];
-        }
-    }
-    acc.iter().sum::<f32>() + rest
-}
-
-/// `sum(x)` in [`LANES`] fixed lanes.
-#[inline(always)]
-fn sum(x: &[f32]) -> f32 {
-    let mut acc = [0.0f32; LANES];
-    let chunks = x.chunks_exact(LANES);
-    let rest: f32 = chunks.remainder().iter().sum();
-    for c in chunks {
-        for j in 0..LANES {
-            acc[j] += c[j];
-        }
-    }
-    acc.iter().sum::<f32>() + rest
 }
 
 /// `max(x)`, `-inf` for an empty slice.
