@@ -27,6 +27,8 @@ use optim::OptState;
 pub use optim::{OptConfig, Optimizer};
 
 type T<B> = Tensor<<B as Backend>::Buf>;
+/// A norm's output, LayerNorm mean (gpt2 only) and reciprocal std.
+type NormOut<B> = (T<B>, Option<T<B>>, T<B>);
 /// A block's saved tensors and, unless recomputing, its output.
 type BlockOut<B> = (BlockActs<T<B>>, Option<T<B>>);
 
@@ -463,24 +465,8 @@ impl<B: Backend> Engine<B> {
 
         dev.tracker.set_phase(Phase::ForwardHead);
         let x = resid.last().expect("embedding output");
-        let mut lnf = dev.alloc_f32(n * c, act)?;
-        let mut lnf_mean = if gpt2 {
-            Some(dev.alloc_f32(n, act)?)
-        } else {
-            None
-        };
-        let mut lnf_rstd = dev.alloc_f32(n, act)?;
-        dev.norm_forward(
-            &mut lnf,
-            lnf_mean.as_mut(),
-            &mut lnf_rstd,
-            x,
-            &p[idx.lnf_w],
-            opt(idx.lnf_b),
-            n,
-            c,
-            eps,
-        );
+        let (lnf, lnf_mean, lnf_rstd) =
+            norm_layer(dev, x, &p[idx.lnf_w], opt(idx.lnf_b), gpt2, n, c, eps)?;
         let head = idx.lm_head.unwrap_or(idx.wte);
         let mut logits = dev.alloc_f32(n * vp, act)?;
         dev.matmul_forward(&mut logits, &lnf, &p[head], None, n, c, vp);
@@ -749,24 +735,8 @@ fn block_forward<B: Backend>(
     let opt = |i: Option<usize>| i.map(|i| &p[i]);
     let act = Category::Activations;
     // attention: ln1 -> qkv (-> rope) -> attention -> o-proj, + residual
-    let mut ln1 = dev.alloc_f32(n * c, act)?;
-    let mut ln1_mean = if gpt2 {
-        Some(dev.alloc_f32(n, act)?)
-    } else {
-        None
-    };
-    let mut ln1_rstd = dev.alloc_f32(n, act)?;
-    dev.norm_forward(
-        &mut ln1,
-        ln1_mean.as_mut(),
-        &mut ln1_rstd,
-        x,
-        &p[bi.ln1_w],
-        opt(bi.ln1_b),
-        n,
-        c,
-        eps,
-    );
+    let (ln1, ln1_mean, ln1_rstd) =
+        norm_layer(dev, x, &p[bi.ln1_w], opt(bi.ln1_b), gpt2, n, c, eps)?;
     let mut qkv = dev.alloc_f32(n * qkvw, act)?;
     dev.matmul_forward(&mut qkv, &ln1, &p[bi.qkv_w], opt(bi.qkv_b), n, c, qkvw);
     if !gpt2 {
@@ -791,24 +761,8 @@ fn block_forward<B: Backend>(
     dev.add(&mut res2, x, &proj, n * c);
     dev.free(proj);
     // MLP: ln2 -> up -> gelu | swiglu -> down, + residual
-    let mut ln2 = dev.alloc_f32(n * c, act)?;
-    let mut ln2_mean = if gpt2 {
-        Some(dev.alloc_f32(n, act)?)
-    } else {
-        None
-    };
-    let mut ln2_rstd = dev.alloc_f32(n, act)?;
-    dev.norm_forward(
-        &mut ln2,
-        ln2_mean.as_mut(),
-        &mut ln2_rstd,
-        &res2,
-        &p[bi.ln2_w],
-        opt(bi.ln2_b),
-        n,
-        c,
-        eps,
-    );
+    let (ln2, ln2_mean, ln2_rstd) =
+        norm_layer(dev, &res2, &p[bi.ln2_w], opt(bi.ln2_b), gpt2, n, c, eps)?;
     let mut up = dev.alloc_f32(n * upw, act)?;
     dev.matmul_forward(&mut up, &ln2, &p[bi.up_w], opt(bi.up_b), n, c, upw);
     let mut a = dev.alloc_f32(n * dff, act)?;
@@ -843,6 +797,30 @@ fn block_forward<B: Backend>(
         act: a,
     };
     Ok((a, out))
+}
+
+/// A norm's output and what its backward needs (`mean` for LayerNorm only),
+/// saved as activations in that order.
+fn norm_layer<B: Backend>(
+    dev: &mut Device<B>,
+    x: &T<B>,
+    w: &T<B>,
+    b: Option<&T<B>>,
+    layernorm: bool,
+    n: usize,
+    c: usize,
+    eps: f32,
+) -> Result<NormOut<B>, OomError> {
+    let act = Category::Activations;
+    let mut out = dev.alloc_f32(n * c, act)?;
+    let mut mean = if layernorm {
+        Some(dev.alloc_f32(n, act)?)
+    } else {
+        None
+    };
+    let mut rstd = dev.alloc_f32(n, act)?;
+    dev.norm_forward(&mut out, mean.as_mut(), &mut rstd, x, w, b, n, c, eps);
+    Ok((out, mean, rstd))
 }
 
 fn attn_shape(model: &ModelConfig, train: &TrainConfig) -> AttnShape {
