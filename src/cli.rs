@@ -6,7 +6,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::backend::DeviceSpec;
 use crate::config::recipe::{RunRecipe, load_run_recipe};
-use crate::engine::{Attention, Checkpointing, Optimizer, TrainConfig};
+use crate::engine::{Attention, Checkpointing, Optimizer, Precision, TrainConfig};
 use crate::error::Result;
 use crate::run::RunOptions;
 
@@ -93,6 +93,10 @@ pub struct RunArgs {
     /// eager (materialises B*H*T*T probabilities) or fused (flash-style) [default: eager].
     #[arg(long, value_enum)]
     pub attention: Option<Attention>,
+    /// fp32, or mixed precision: bf16, or fp16 with dynamic loss scaling;
+    /// 16-bit weights, activations and gradients, fp32 master weights [default: fp32].
+    #[arg(long, value_enum)]
+    pub precision: Option<Precision>,
     /// cpu worker threads [default: all cores].
     #[arg(long)]
     pub threads: Option<usize>,
@@ -134,6 +138,7 @@ impl RunArgs {
                     .or(r.checkpointing)
                     .unwrap_or(d.checkpointing),
                 attention: self.attention.or(r.attention).unwrap_or(d.attention),
+                precision: self.precision.or(r.precision).unwrap_or(d.precision),
                 ..d
             },
             steps: self.steps.or(r.steps).unwrap_or(20),

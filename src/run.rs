@@ -40,6 +40,9 @@ pub struct StepRecord {
     pub ms: f64,
     /// The update was skipped because the gradient was not finite.
     pub skipped: bool,
+    /// fp16: the loss scale after this step (halved on a skip).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f32>,
 }
 
 /// The knobs of a run, as the JSON `config` object shows them.
@@ -99,6 +102,8 @@ pub struct RunReport {
     pub peak_breakdown: ByCategory,
     /// Optimizer steps skipped because the gradient was not finite.
     pub skipped_steps: u64,
+    /// fp16: the final dynamic loss scale; `null` for fp32 and bf16.
+    pub loss_scale: Option<f32>,
     pub error: Option<ErrorRecord>,
 }
 
@@ -289,6 +294,7 @@ fn run_on<B: Backend>(
         peak_bytes: PeakBytes::default(),
         peak_breakdown: ByCategory::default(),
         skipped_steps: 0,
+        loss_scale: None,
         error: None,
     };
     // Open the timeline file first, so a bad path fails before any training.
@@ -348,6 +354,7 @@ fn run_on<B: Backend>(
                         grad_norm,
                         ms: secs * 1e3,
                         skipped: r.skipped,
+                        loss_scale: engine.loss_scale(),
                     });
                 }
             }
@@ -368,6 +375,7 @@ fn run_on<B: Backend>(
         report.tokens_per_s = Some(report.tokens_per_step as f64 / mean);
     }
     report.skipped_steps = engine.skipped_steps();
+    report.loss_scale = engine.loss_scale();
     fill_peaks(&mut report, &engine.dev.tracker);
     if let Some(path) = &opts.timeline {
         write_timeline(
@@ -415,6 +423,12 @@ pub fn write_timeline(path: &std::path::Path, file: std::fs::File, t: &Tracker) 
     w.flush().map_err(io)
 }
 
+/// A knob's value as its flag spells it.
+fn knob(v: impl clap::ValueEnum) -> String {
+    v.to_possible_value()
+        .map_or_else(String::new, |p| p.get_name().to_string())
+}
+
 /// The human-readable report.
 pub fn render_table(r: &RunReport) -> String {
     use std::fmt::Write as _;
@@ -422,13 +436,17 @@ pub fn render_table(r: &RunReport) -> String {
     let c = &r.config;
     let _ = writeln!(
         s,
-        "{} ({} parameters) on {}: micro-batch {} x seq-len {} x grad-accum {}{}",
+        "{} ({} parameters) on {}: micro-batch {} x seq-len {} x grad-accum {}, {}, {}, checkpointing {}, {} attention{}",
         r.model,
         r.num_parameters,
         r.device,
         c.train.micro_batch,
         c.train.seq_len,
         c.train.grad_accum,
+        knob(c.train.precision),
+        knob(c.train.optimizer),
+        knob(c.train.checkpointing),
+        knob(c.train.attention),
         c.threads
             .map_or(String::new(), |t| format!(", {t} threads")),
     );
@@ -442,10 +460,24 @@ pub fn render_table(r: &RunReport) -> String {
             let tps = r.tokens_per_step as f64 / (st.ms / 1e3);
             let _ = writeln!(
                 s,
-                "{:>5} {:>9.4} {:>9.4} {:>10.1} {:>10.0}",
-                st.step, st.loss, st.grad_norm, st.ms, tps
+                "{:>5} {:>9.4} {:>9.4} {:>10.1} {:>10.0}{}",
+                st.step,
+                st.loss,
+                st.grad_norm,
+                st.ms,
+                tps,
+                if st.skipped { "  skipped" } else { "" }
             );
         }
+    }
+    if r.skipped_steps > 0 || r.loss_scale.is_some() {
+        let _ = writeln!(
+            s,
+            "\nskipped steps (non-finite gradient): {}{}",
+            r.skipped_steps,
+            r.loss_scale
+                .map_or(String::new(), |l| format!(", final loss scale {l}"))
+        );
     }
     if let Some(tps) = r.tokens_per_s {
         let _ = writeln!(

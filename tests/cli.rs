@@ -254,6 +254,8 @@ fn recipe_keys_apply_and_flags_override_them() {
     assert_eq!(doc["config"]["micro_batch"], 8, "from the recipe");
     assert_eq!(doc["config"]["steps"], 2, "the flag wins");
     assert_eq!(doc["config"]["optimizer"], "sgd");
+    assert_eq!(doc["config"]["precision"], "bf16", "from the recipe");
+    assert!(doc["loss_scale"].is_null(), "bf16 needs no loss scale");
     assert!(
         doc["config"]["data"]
             .as_str()
@@ -295,12 +297,17 @@ fn every_knob_is_in_the_json_config() {
         "fused",
         "--grad-accum",
         "2",
+        "--precision",
+        "fp16",
         "--format",
         "json",
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let doc = json(&out);
     let c = &doc["config"];
+    assert_eq!(c["precision"], "fp16");
+    assert_eq!(doc["loss_scale"], 65536.0, "fp16 reports its loss scale");
+    assert_eq!(doc["steps"][1]["loss_scale"], 65536.0);
     assert_eq!(c["optimizer"], "adafactor");
     assert_eq!(c["checkpointing"], "full");
     assert_eq!(c["attention"], "fused");

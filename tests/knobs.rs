@@ -6,7 +6,7 @@ use memfit::backend::meta::MetaBackend;
 use memfit::config::ModelConfig;
 use memfit::config::profile::load_model;
 use memfit::data::DataSource;
-use memfit::engine::{Attention, Checkpointing, Engine, Optimizer, TrainConfig};
+use memfit::engine::{Attention, Checkpointing, Engine, Optimizer, Precision, TrainConfig};
 use memfit::memory::{PeakBytes, Tracker};
 
 /// meta never asks for data.
@@ -49,6 +49,8 @@ fn every_knob_combination_trains_and_meta_matches_cpu() {
         for checkpointing in [Checkpointing::None, Checkpointing::Full] {
             for attention in [Attention::Eager, Attention::Fused] {
                 i += 1;
+                // Each precision meets several values of every other knob.
+                let precision = [Precision::Fp32, Precision::Bf16, Precision::Fp16][i % 3];
                 let tc = TrainConfig {
                     seq_len: 32,
                     micro_batch: 4,
@@ -61,10 +63,11 @@ fn every_knob_combination_trains_and_meta_matches_cpu() {
                     },
                     checkpointing,
                     attention,
+                    precision,
                     ..TrainConfig::default()
                 };
                 let what = format!(
-                    "{optimizer:?}/{checkpointing:?}/{attention:?}/accum {}",
+                    "{optimizer:?}/{checkpointing:?}/{attention:?}/{precision:?}/accum {}",
                     tc.grad_accum
                 );
                 let mut e =
@@ -250,4 +253,147 @@ fn full_checkpointing_saves_about_the_expected_factor() {
     let one_block = (none - head - t * 8) / l;
     assert!(full <= kept + one_block + head + t * c * 16, "{full}");
     assert!(none > 3 * full, "{none} vs {full}");
+}
+
+fn params_of(model: &ModelConfig) -> u64 {
+    model
+        .param_layout()
+        .0
+        .iter()
+        .map(|s| s.numel() as u64)
+        .sum()
+}
+
+#[test]
+fn mixed_precision_halves_activations_and_keeps_fp32_master_state() {
+    let model = load_model("gpt2").unwrap();
+    let n = params_of(&model);
+    let peaks = |precision| {
+        meta_peaks(
+            &model,
+            &TrainConfig {
+                seq_len: 512,
+                micro_batch: 1,
+                precision,
+                ..TrainConfig::default()
+            },
+        )
+    };
+    let (fp32, bf16, fp16) = (
+        peaks(Precision::Fp32),
+        peaks(Precision::Bf16),
+        peaks(Precision::Fp16),
+    );
+    eprintln!(
+        "gpt2 B=1 T=512 activations: fp32 {} B, bf16 {} B ({:.4}x); per parameter fp32 {}+{}+{}, bf16 {}+{}+{}",
+        fp32.activations,
+        bf16.activations,
+        bf16.activations as f64 / fp32.activations as f64,
+        fp32.parameters / n,
+        fp32.gradients / n,
+        fp32.optimizer / n,
+        bf16.parameters / n,
+        bf16.gradients / n,
+        bf16.optimizer / n,
+    );
+    // 2 + 2 + 12 bytes per parameter (the ZeRO paper's mixed-precision Adam),
+    // against fp32's 4 + 4 + 8.
+    assert_eq!(
+        (fp32.parameters, fp32.gradients, fp32.optimizer),
+        (4 * n, 4 * n, 8 * n)
+    );
+    assert_eq!(
+        (bf16.parameters, bf16.gradients, bf16.optimizer),
+        (2 * n, 2 * n, 12 * n)
+    );
+    assert_eq!(bf16, fp16);
+    // Half, but for what stays 32-bit: token ids, norm statistics and losses,
+    // a few bytes per token against the kilobytes of 16-bit tensors.
+    let ratio = bf16.activations as f64 / fp32.activations as f64;
+    assert!(
+        (0.5..0.505).contains(&ratio),
+        "bf16/fp32 activations {ratio}"
+    );
+}
+
+#[test]
+fn bf16_trains_like_fp32_and_stores_16_bit_weights() {
+    let model = load_model("gpt2-tiny").unwrap();
+    let run = |precision| {
+        let tc = TrainConfig {
+            seq_len: 32,
+            micro_batch: 4,
+            lr: Some(2e-3),
+            precision,
+            ..TrainConfig::default()
+        };
+        let mut e = Engine::new(model.clone(), tc, CpuBackend::new(2).unwrap(), None).unwrap();
+        let mut data = DataSource::synthetic(model.vocab_size, 3);
+        let mut loss = 0.0;
+        for _ in 0..30 {
+            loss = e.step(&[data.next_batch(4, 32)]).unwrap().loss.unwrap();
+        }
+        (loss, e.params_host().unwrap(), e.master_host())
+    };
+    let (l32, _, no_master) = run(Precision::Fp32);
+    let (l16, working, master) = run(Precision::Bf16);
+    let master = master.expect("bf16 keeps fp32 master weights");
+    assert!(no_master.is_none());
+    eprintln!("gpt2-tiny after 30 steps: fp32 loss {l32:.4}, bf16 loss {l16:.4}");
+    assert!((l32 - l16).abs() < 0.05, "fp32 {l32} vs bf16 {l16}");
+    // The working weights are the master weights rounded to bf16, and the
+    // master weights carry bits bf16 cannot hold.
+    let mut finer = 0;
+    for (w, m) in working.iter().flatten().zip(master.iter().flatten()) {
+        assert_eq!(*w, half::bf16::from_f32(*m).to_f32());
+        finer += (w != m) as usize;
+    }
+    assert!(finer > working.iter().flatten().count() / 2, "{finer}");
+}
+
+#[test]
+fn fp16_overflow_skips_the_step_and_halves_the_scale() {
+    let model = load_model("gpt2-tiny").unwrap();
+    let tc = TrainConfig {
+        seq_len: 32,
+        micro_batch: 4,
+        precision: Precision::Fp16,
+        loss_scale_window: 3,
+        ..TrainConfig::default()
+    };
+    let mut e = Engine::new(model.clone(), tc, CpuBackend::new(2).unwrap(), None).unwrap();
+    let mut data = DataSource::synthetic(model.vocab_size, 5);
+    assert_eq!(e.loss_scale(), Some(65536.0));
+    // Planted overflow: at 2^40 the scaled logit gradients (2^40 / 128 tokens)
+    // pass fp16's 65504 and become inf.
+    e.set_loss_scale(2f32.powi(40));
+    let before = (e.params_host().unwrap(), e.master_host().unwrap());
+    let r = e.step(&[data.next_batch(4, 32)]).unwrap();
+    assert!(r.skipped, "{r:?}");
+    assert!(!r.grad_norm.unwrap().is_finite());
+    assert_eq!(e.loss_scale(), Some(2f32.powi(39)));
+    assert_eq!(e.skipped_steps(), 1);
+    assert_eq!(
+        (e.params_host().unwrap(), e.master_host().unwrap()),
+        before,
+        "a skipped step changed the weights"
+    );
+    // Back at a sane scale the steps go through, and after `loss_scale_window`
+    // (here 3) clean steps the scale doubles.
+    e.set_loss_scale(65536.0);
+    for i in 1..=3 {
+        let r = e.step(&[data.next_batch(4, 32)]).unwrap();
+        assert!(!r.skipped, "step {i}");
+        assert!(r.grad_norm.unwrap().is_finite());
+    }
+    assert_eq!(e.loss_scale(), Some(131072.0));
+    assert_eq!(e.skipped_steps(), 1);
+    assert_ne!(e.params_host().unwrap(), before.0);
+    // bf16 and fp32 have no loss scale.
+    let bf = TrainConfig {
+        precision: Precision::Bf16,
+        ..TrainConfig::default()
+    };
+    let e = Engine::new(model, bf, MetaBackend::emulating_cpu(), None).unwrap();
+    assert_eq!(e.loss_scale(), None);
 }

@@ -20,7 +20,11 @@
 //! AVX-512 or AVX2 code at run time without changing a single result bit.
 
 use gemm::{Parallelism, gemm};
+use std::borrow::Cow;
 use std::collections::HashMap;
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
 
 use rayon::prelude::*;
 
@@ -64,18 +68,64 @@ const SUMSQ_CHUNK: usize = 1 << 16;
 /// lane layout is fixed, so the result is still deterministic.
 pub(super) const LANES: usize = 16;
 
-/// A host buffer: `f32` data or `u32` token ids.
+/// A host buffer: `f32` or 16-bit float data, `u32` token ids, `u8` codes.
 #[derive(Clone, Debug, PartialEq)]
 pub enum CpuBuf {
     F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    F16(Vec<f16>),
     U32(Vec<u32>),
     U8(Vec<u8>),
+}
+
+/// A float buffer seen as `f32` for the length of one kernel. An `f32` buffer
+/// is borrowed as it is; a 16-bit one is widened into a scratch copy, and the
+/// scratch is rounded back (to nearest even) into the 16-bit storage when the
+/// view drops, at the end of the kernel. That is where a GPU kernel rounds: it
+/// loads 16-bit values, computes in fp32 registers, and stores 16-bit results
+/// (cuBLAS with fp32 compute type, including `C = AB + C` accumulation).
+pub enum WideMut<'a> {
+    Direct(&'a mut [f32]),
+    Staged { buf: &'a mut CpuBuf, tmp: Vec<f32> },
+}
+
+impl std::ops::Deref for WideMut<'_> {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match self {
+            WideMut::Direct(s) => s,
+            WideMut::Staged { tmp, .. } => tmp,
+        }
+    }
+}
+
+impl std::ops::DerefMut for WideMut<'_> {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        match self {
+            WideMut::Direct(s) => s,
+            WideMut::Staged { tmp, .. } => tmp,
+        }
+    }
+}
+
+impl Drop for WideMut<'_> {
+    fn drop(&mut self) {
+        if let WideMut::Staged { buf, tmp } = self {
+            match buf {
+                CpuBuf::Bf16(v) => v.convert_from_f32_slice(tmp),
+                CpuBuf::F16(v) => v.convert_from_f32_slice(tmp),
+                _ => unreachable!("only 16-bit buffers are staged"),
+            }
+        }
+    }
 }
 
 impl CpuBuf {
     pub fn dtype(&self) -> DType {
         match self {
             CpuBuf::F32(_) => DType::F32,
+            CpuBuf::Bf16(_) => DType::Bf16,
+            CpuBuf::F16(_) => DType::F16,
             CpuBuf::U32(_) => DType::U32,
             CpuBuf::U8(_) => DType::U8,
         }
@@ -84,6 +134,8 @@ impl CpuBuf {
     pub fn len(&self) -> usize {
         match self {
             CpuBuf::F32(v) => v.len(),
+            CpuBuf::Bf16(v) => v.len(),
+            CpuBuf::F16(v) => v.len(),
             CpuBuf::U32(v) => v.len(),
             CpuBuf::U8(v) => v.len(),
         }
@@ -105,6 +157,34 @@ impl CpuBuf {
     pub fn as_f32_mut(&mut self) -> &mut [f32] {
         match self {
             CpuBuf::F32(v) => v,
+            other => dtype_mismatch(DType::F32, other.dtype()),
+        }
+    }
+
+    /// A float buffer's values as `f32`: borrowed for `f32`, widened (exactly)
+    /// for 16-bit. Panics on an integer buffer.
+    pub fn wide(&self) -> Cow<'_, [f32]> {
+        match self {
+            CpuBuf::F32(v) => Cow::Borrowed(v),
+            CpuBuf::Bf16(v) => Cow::Owned(v.to_f32_vec()),
+            CpuBuf::F16(v) => Cow::Owned(v.to_f32_vec()),
+            other => dtype_mismatch(DType::F32, other.dtype()),
+        }
+    }
+
+    /// A float buffer as mutable `f32`; 16-bit results are rounded back when
+    /// the view drops (see [`WideMut`]). Panics on an integer buffer.
+    pub fn wide_mut(&mut self) -> WideMut<'_> {
+        match self {
+            CpuBuf::F32(v) => WideMut::Direct(v),
+            CpuBuf::Bf16(v) => {
+                let tmp = v.to_f32_vec();
+                WideMut::Staged { buf: self, tmp }
+            }
+            CpuBuf::F16(v) => {
+                let tmp = v.to_f32_vec();
+                WideMut::Staged { buf: self, tmp }
+            }
             other => dtype_mismatch(DType::F32, other.dtype()),
         }
     }
@@ -678,6 +758,8 @@ impl Backend for CpuBackend {
                 CpuBuf::F32(v) => self
                     .pool
                     .install(|| v.par_chunks_mut(ELEMS_PER_TASK).for_each(|c| c.fill(0.0))),
+                CpuBuf::Bf16(v) => v.fill(bf16::ZERO),
+                CpuBuf::F16(v) => v.fill(f16::ZERO),
                 CpuBuf::U32(v) => v.fill(0),
                 CpuBuf::U8(v) => v.fill(0),
             }
@@ -685,6 +767,8 @@ impl Backend for CpuBackend {
         }
         match dtype {
             DType::F32 => CpuBuf::F32(vec![0.0; len]),
+            DType::Bf16 => CpuBuf::Bf16(vec![bf16::ZERO; len]),
+            DType::F16 => CpuBuf::F16(vec![f16::ZERO; len]),
             DType::U32 => CpuBuf::U32(vec![0; len]),
             DType::U8 => CpuBuf::U8(vec![0; len]),
         }
@@ -699,16 +783,21 @@ impl Backend for CpuBackend {
         workspace_bytes(s, fused)
     }
 
-    /// Copies `src` into the start of `dst` (which must be at least as long).
+    /// Copies `src` into the start of `dst` (which must be at least as long),
+    /// rounding to nearest even when `dst` is 16-bit.
     fn upload_f32(&mut self, dst: &mut CpuBuf, src: &[f32]) {
-        let dst = dst.as_f32_mut();
         assert!(
             src.len() <= dst.len(),
             "upload of {} f32 into a buffer of {}",
             src.len(),
             dst.len()
         );
-        dst[..src.len()].copy_from_slice(src);
+        match dst {
+            CpuBuf::F32(d) => d[..src.len()].copy_from_slice(src),
+            CpuBuf::Bf16(d) => d[..src.len()].convert_from_f32_slice(src),
+            CpuBuf::F16(d) => d[..src.len()].convert_from_f32_slice(src),
+            other => dtype_mismatch(DType::F32, other.dtype()),
+        }
     }
 
     fn upload_u32(&mut self, dst: &mut CpuBuf, src: &[u32]) {
@@ -723,11 +812,27 @@ impl Backend for CpuBackend {
     }
 
     fn download_f32(&self, src: &CpuBuf) -> Option<Vec<f32>> {
-        Some(src.as_f32().to_vec())
+        Some(src.wide().into_owned())
+    }
+
+    fn convert(&mut self, dst: &mut CpuBuf, src: &CpuBuf, n: usize) {
+        let src = &src.wide()[..n];
+        self.pool.install(|| match dst {
+            CpuBuf::F32(d) => d[..n].copy_from_slice(src),
+            CpuBuf::Bf16(d) => d[..n]
+                .par_chunks_mut(ELEMS_PER_TASK)
+                .zip(src.par_chunks(ELEMS_PER_TASK))
+                .for_each(|(d, s)| d.convert_from_f32_slice(s)),
+            CpuBuf::F16(d) => d[..n]
+                .par_chunks_mut(ELEMS_PER_TASK)
+                .zip(src.par_chunks(ELEMS_PER_TASK))
+                .for_each(|(d, s)| d.convert_from_f32_slice(s)),
+            other => dtype_mismatch(DType::F32, other.dtype()),
+        });
     }
 
     fn fill(&mut self, buf: &mut CpuBuf, value: f32) {
-        let buf = buf.as_f32_mut();
+        let mut buf = buf.wide_mut();
         self.pool.install(|| {
             buf.par_chunks_mut(ELEMS_PER_TASK)
                 .for_each(|c| c.fill(value))
@@ -748,11 +853,12 @@ impl Backend for CpuBackend {
         if n == 0 || c == 0 {
             return;
         }
-        let out = &mut out.as_f32_mut()[..n * c];
+        let out = &mut out.wide_mut()[..n * c];
         let tokens = &tokens.as_u32()[..n];
-        let wte = wte.as_f32();
+        let wte = wte.wide();
         let vocab = wte.len() / c;
-        let wpe = wpe.map(|p| &p.as_f32()[..t * c]);
+        let wpe = wpe.map(|p| p.wide());
+        let wpe = wpe.as_deref().map(|p| &p[..t * c]);
         let rows = rows_per_task(c);
         self.pool.install(|| {
             out.par_chunks_mut(c * rows)
@@ -791,10 +897,10 @@ impl Backend for CpuBackend {
         if n == 0 || c == 0 {
             return;
         }
-        let dwte = dwte.as_f32_mut();
+        let mut dwte = dwte.wide_mut();
         let vocab = dwte.len() / c;
         let dwte = &mut dwte[..vocab * c];
-        let dout = &dout.as_f32()[..n * c];
+        let dout = &dout.wide()[..n * c];
         let tokens = &tokens.as_u32()[..n];
         if let Some(&bad) = tokens.iter().find(|&&tok| tok as usize >= vocab) {
             panic!("token id {bad} >= embedding rows {vocab}");
@@ -822,7 +928,7 @@ impl Backend for CpuBackend {
                     "n = {n} rows is not a multiple of t = {t}"
                 );
                 // Each task owns a range of positions and sums the B sequences in order.
-                let dwpe = &mut dwpe.as_f32_mut()[..t * c];
+                let dwpe = &mut dwpe.wide_mut()[..t * c];
                 let rows = rows_per_task(c);
                 dwpe.par_chunks_mut(c * rows)
                     .enumerate()
@@ -854,12 +960,13 @@ impl Backend for CpuBackend {
         if n == 0 || c == 0 {
             return;
         }
-        let out = &mut out.as_f32_mut()[..n * c];
-        let mean = &mut mean.as_f32_mut()[..n];
-        let rstd = &mut rstd.as_f32_mut()[..n];
-        let inp = &inp.as_f32()[..n * c];
-        let w = &w.as_f32()[..c];
-        let b = b.map(|b| &b.as_f32()[..c]);
+        let out = &mut out.wide_mut()[..n * c];
+        let mean = &mut mean.wide_mut()[..n];
+        let rstd = &mut rstd.wide_mut()[..n];
+        let inp = &inp.wide()[..n * c];
+        let w = &w.wide()[..c];
+        let b = b.map(|b| b.wide());
+        let b = b.as_deref().map(|b| &b[..c]);
         let rows = rows_per_task(c);
         self.pool.install(|| {
             out.par_chunks_mut(c * rows)
@@ -919,13 +1026,13 @@ impl Backend for CpuBackend {
         if n == 0 || c == 0 {
             return;
         }
-        let dinp = &mut dinp.as_f32_mut()[..n * c];
-        let dw = &mut dw.as_f32_mut()[..c];
-        let dout = &dout.as_f32()[..n * c];
-        let inp = &inp.as_f32()[..n * c];
-        let w = &w.as_f32()[..c];
-        let mean = &mean.as_f32()[..n];
-        let rstd = &rstd.as_f32()[..n];
+        let dinp = &mut dinp.wide_mut()[..n * c];
+        let dw = &mut dw.wide_mut()[..c];
+        let dout = &dout.wide()[..n * c];
+        let inp = &inp.wide()[..n * c];
+        let w = &w.wide()[..c];
+        let mean = &mean.wide()[..n];
+        let rstd = &rstd.wide()[..n];
         let rows = rows_per_task(c);
         self.pool.install(|| {
             // dinp, row-parallel. With norm = (x - mean)*rstd and dnorm = dout*w:
@@ -976,7 +1083,7 @@ impl Backend for CpuBackend {
                     )
                 });
             if let Some(db) = db {
-                col_sum_accumulate(db.as_f32_mut(), dout, n, c);
+                col_sum_accumulate(&mut db.wide_mut(), dout, n, c);
             }
         });
     }
@@ -995,10 +1102,10 @@ impl Backend for CpuBackend {
         if n == 0 || c == 0 {
             return;
         }
-        let out = &mut out.as_f32_mut()[..n * c];
-        let rstd = &mut rstd.as_f32_mut()[..n];
-        let inp = &inp.as_f32()[..n * c];
-        let w = &w.as_f32()[..c];
+        let out = &mut out.wide_mut()[..n * c];
+        let rstd = &mut rstd.wide_mut()[..n];
+        let inp = &inp.wide()[..n * c];
+        let w = &w.wide()[..c];
         let rows = rows_per_task(c);
         self.pool.install(|| {
             out.par_chunks_mut(c * rows)
@@ -1040,12 +1147,12 @@ impl Backend for CpuBackend {
         if n == 0 || c == 0 {
             return;
         }
-        let dinp = &mut dinp.as_f32_mut()[..n * c];
-        let dw = &mut dw.as_f32_mut()[..c];
-        let dout = &dout.as_f32()[..n * c];
-        let inp = &inp.as_f32()[..n * c];
-        let w = &w.as_f32()[..c];
-        let rstd = &rstd.as_f32()[..n];
+        let dinp = &mut dinp.wide_mut()[..n * c];
+        let dw = &mut dw.wide_mut()[..c];
+        let dout = &dout.wide()[..n * c];
+        let inp = &inp.wide()[..n * c];
+        let w = &w.wide()[..c];
+        let rstd = &rstd.wide()[..n];
         let rows = rows_per_task(c);
         self.pool.install(|| {
             // y_i = x_i r w_i with r = (mean(x^2) + eps)^(-1/2), dr/dx_j = -r^3 x_j / C:
@@ -1105,10 +1212,11 @@ impl Backend for CpuBackend {
         if n == 0 || oc == 0 {
             return;
         }
-        let out = &mut out.as_f32_mut()[..n * oc];
-        let inp = &inp.as_f32()[..n * c];
-        let w = &w.as_f32()[..oc * c];
-        let bias = bias.map(|b| &b.as_f32()[..oc]);
+        let out = &mut out.wide_mut()[..n * oc];
+        let inp = &inp.wide()[..n * c];
+        let w = &w.wide()[..oc * c];
+        let bias = bias.map(|b| b.wide());
+        let bias = bias.as_deref().map(|b| &b[..oc]);
         self.pool.install(|| {
             // With a bias, seed every output row with it and let the GEMM accumulate.
             if let Some(bias) = bias {
@@ -1149,11 +1257,11 @@ impl Backend for CpuBackend {
         c: usize,
         oc: usize,
     ) {
-        let dinp = &mut dinp.as_f32_mut()[..n * c];
-        let dw = &mut dw.as_f32_mut()[..oc * c];
-        let dout = &dout.as_f32()[..n * oc];
-        let inp = &inp.as_f32()[..n * c];
-        let w = &w.as_f32()[..oc * c];
+        let dinp = &mut dinp.wide_mut()[..n * c];
+        let dw = &mut dw.wide_mut()[..oc * c];
+        let dout = &dout.wide()[..n * oc];
+        let inp = &inp.wide()[..n * c];
+        let w = &w.wide()[..oc * c];
         self.pool.install(|| {
             // SAFETY (both calls): row-major buffers of exactly the stated shapes,
             // transposes as strides over the same memory, dst overlaps nothing.
@@ -1184,15 +1292,15 @@ impl Backend for CpuBackend {
                 );
             }
             if let Some(dbias) = dbias {
-                col_sum_accumulate(dbias.as_f32_mut(), dout, n, oc);
+                col_sum_accumulate(&mut dbias.wide_mut(), dout, n, oc);
             }
         });
     }
 
     // out (N) = gelu(inp (N)).
     fn gelu_forward(&mut self, out: &mut CpuBuf, inp: &CpuBuf, n: usize) {
-        let out = &mut out.as_f32_mut()[..n];
-        let inp = &inp.as_f32()[..n];
+        let out = &mut out.wide_mut()[..n];
+        let inp = &inp.wide()[..n];
         self.pool.install(|| {
             out.par_chunks_mut(ELEMS_PER_TASK)
                 .zip(inp.par_chunks(ELEMS_PER_TASK))
@@ -1212,8 +1320,8 @@ impl Backend for CpuBackend {
 
     // dout (N) *= gelu'(inp (N)).
     fn gelu_backward(&mut self, dout: &mut CpuBuf, inp: &CpuBuf, n: usize) {
-        let dout = &mut dout.as_f32_mut()[..n];
-        let inp = &inp.as_f32()[..n];
+        let dout = &mut dout.wide_mut()[..n];
+        let inp = &inp.wide()[..n];
         self.pool.install(|| {
             dout.par_chunks_mut(ELEMS_PER_TASK)
                 .zip(inp.par_chunks(ELEMS_PER_TASK))
@@ -1240,8 +1348,8 @@ impl Backend for CpuBackend {
         if n == 0 || i == 0 {
             return;
         }
-        let out = &mut out.as_f32_mut()[..n * i];
-        let gu = &gu.as_f32()[..n * 2 * i];
+        let out = &mut out.wide_mut()[..n * i];
+        let gu = &gu.wide()[..n * 2 * i];
         let rows = rows_per_task(2 * i);
         self.pool.install(|| {
             out.par_chunks_mut(i * rows)
@@ -1274,9 +1382,9 @@ impl Backend for CpuBackend {
         if n == 0 || i == 0 {
             return;
         }
-        let dgu = &mut dgu.as_f32_mut()[..n * 2 * i];
-        let dout = &dout.as_f32()[..n * i];
-        let gu = &gu.as_f32()[..n * 2 * i];
+        let dgu = &mut dgu.wide_mut()[..n * 2 * i];
+        let dout = &dout.wide()[..n * i];
+        let gu = &gu.wide()[..n * 2 * i];
         let rows = rows_per_task(2 * i);
         self.pool.install(|| {
             dgu.par_chunks_mut(2 * i * rows)
@@ -1310,9 +1418,9 @@ impl Backend for CpuBackend {
 
     // out (N) = a + b.
     fn add(&mut self, out: &mut CpuBuf, a: &CpuBuf, b: &CpuBuf, n: usize) {
-        let out = &mut out.as_f32_mut()[..n];
-        let a = &a.as_f32()[..n];
-        let b = &b.as_f32()[..n];
+        let out = &mut out.wide_mut()[..n];
+        let a = &a.wide()[..n];
+        let b = &b.wide()[..n];
         self.pool.install(|| {
             out.par_chunks_mut(ELEMS_PER_TASK)
                 .zip(a.par_chunks(ELEMS_PER_TASK))
@@ -1327,14 +1435,14 @@ impl Backend for CpuBackend {
 
     // qkv (B,T,qkv_width), in place on q and k.
     fn rope_forward(&mut self, qkv: &mut CpuBuf, s: AttnShape, theta: f32) {
-        let qkv = qkv.as_f32_mut();
-        self.pool.install(|| rope_apply(qkv, s, theta, 1.0));
+        let mut qkv = qkv.wide_mut();
+        self.pool.install(|| rope_apply(&mut qkv, s, theta, 1.0));
     }
 
     // dqkv (B,T,qkv_width): the transpose of a rotation is the rotation by -angle.
     fn rope_backward(&mut self, dqkv: &mut CpuBuf, s: AttnShape, theta: f32) {
-        let dqkv = dqkv.as_f32_mut();
-        self.pool.install(|| rope_apply(dqkv, s, theta, -1.0));
+        let mut dqkv = dqkv.wide_mut();
+        self.pool.install(|| rope_apply(&mut dqkv, s, theta, -1.0));
     }
 
     // out (B,T,H*hd), att (B,H,T,T), qkv (B,T,qkv_width).
@@ -1363,9 +1471,9 @@ impl Backend for CpuBackend {
         );
         let rep = nh / nkv;
         let (w, ow) = (s.qkv_width(), s.out_width());
-        let qkv = &qkv.as_f32()[..b * t * w];
-        let out = &mut out.as_f32_mut()[..b * t * ow];
-        let att = &mut att.as_f32_mut()[..b * nh * t * t];
+        let qkv = &qkv.wide()[..b * t * w];
+        let out = &mut out.wide_mut()[..b * t * ow];
+        let att = &mut att.wide_mut()[..b * nh * t * t];
         let scale = 1.0 / (hd as f32).sqrt();
         let out_ptr = SyncPtr(out.as_mut_ptr());
         self.pool.install(|| {
@@ -1450,11 +1558,11 @@ impl Backend for CpuBackend {
         );
         let rep = nh / nkv;
         let (w, ow) = (s.qkv_width(), s.out_width());
-        let dqkv = &mut dqkv.as_f32_mut()[..b * t * w];
-        let datt = &mut datt.as_f32_mut()[..b * nh * t * t];
-        let dout = &dout.as_f32()[..b * t * ow];
-        let qkv = &qkv.as_f32()[..b * t * w];
-        let att = &att.as_f32()[..b * nh * t * t];
+        let dqkv = &mut dqkv.wide_mut()[..b * t * w];
+        let datt = &mut datt.wide_mut()[..b * nh * t * t];
+        let dout = &dout.wide()[..b * t * ow];
+        let qkv = &qkv.wide()[..b * t * w];
+        let att = &att.wide()[..b * nh * t * t];
         let scale = 1.0 / (hd as f32).sqrt();
         let dqkv_ptr = SyncPtr(dqkv.as_mut_ptr());
         self.pool.install(|| {
@@ -1570,8 +1678,8 @@ impl Backend for CpuBackend {
             v > 0 && v <= vp,
             "cross-entropy needs 0 < v <= vp, got v={v} vp={vp}"
         );
-        let losses = &mut losses.as_f32_mut()[..n];
-        let logits = &logits.as_f32()[..n * vp];
+        let losses = &mut losses.wide_mut()[..n];
+        let logits = &logits.wide()[..n * vp];
         let targets = &targets.as_u32()[..n];
         self.pool.install(|| {
             losses.par_iter_mut().enumerate().for_each(|(r, loss)| {
@@ -1608,7 +1716,7 @@ impl Backend for CpuBackend {
             v > 0 && v <= vp,
             "cross-entropy needs 0 < v <= vp, got v={v} vp={vp}"
         );
-        let logits = &mut logits.as_f32_mut()[..n * vp];
+        let logits = &mut logits.wide_mut()[..n * vp];
         let targets = &targets.as_u32()[..n];
         self.pool.install(|| {
             logits
@@ -1638,7 +1746,7 @@ impl Backend for CpuBackend {
 
     // sum of buf[..n]^2 in f64: fixed chunks summed in order.
     fn sum_squares(&mut self, buf: &CpuBuf, n: usize) -> Option<f64> {
-        let x = &buf.as_f32()[..n];
+        let x = &buf.wide()[..n];
         let partial: Vec<f64> = self.pool.install(|| {
             x.par_chunks(SUMSQ_CHUNK)
                 .map(|c| {
@@ -1676,10 +1784,10 @@ impl Backend for CpuBackend {
         n: usize,
         h: AdamHyper,
     ) {
-        let param = &mut param.as_f32_mut()[..n];
-        let grad = &grad.as_f32()[..n];
-        let m = &mut m.as_f32_mut()[..n];
-        let v = &mut v.as_f32_mut()[..n];
+        let param = &mut param.wide_mut()[..n];
+        let grad = &grad.wide()[..n];
+        let m = &mut m.wide_mut()[..n];
+        let v = &mut v.wide_mut()[..n];
         self.pool.install(|| {
             param
                 .par_chunks_mut(ELEMS_PER_TASK)
@@ -2551,5 +2659,77 @@ mod tests {
         for (i, (a, b)) in one.iter().zip(&two).enumerate() {
             assert!(a == b, "output {i} differs between 1 and 2 threads");
         }
+    }
+
+    /// 16-bit storage: a kernel reads 16-bit values, computes in f32 and rounds
+    /// each stored result once (to nearest even), including when it accumulates.
+    #[test]
+    fn sixteen_bit_buffers_round_once_on_store() {
+        let mut be = be(2);
+        let mut r = Rng(0x5eed_1234);
+        let (n, c, oc) = (5, 24, 7);
+        let (x, w, dy) = (r.vec(n * c), r.vec(oc * c), r.vec(n * oc));
+        for dt in [DType::Bf16, DType::F16] {
+            let round = |v: &[f32]| -> Vec<f32> {
+                let mut one = CpuBackend::new(1).unwrap();
+                let mut b = one.alloc(v.len(), dt);
+                one.upload_f32(&mut b, v);
+                b.wide().into_owned()
+            };
+            // inputs as the 16-bit buffers hold them
+            let (xr, wr, dyr) = (round(&x), round(&w), round(&dy));
+            let mut x16 = be.alloc(n * c, dt);
+            let mut w16 = be.alloc(oc * c, dt);
+            let mut dy16 = be.alloc(n * oc, dt);
+            be.upload_f32(&mut x16, &x);
+            be.upload_f32(&mut w16, &w);
+            be.upload_f32(&mut dy16, &dy);
+            assert_eq!(x16.dtype(), dt);
+            assert_eq!(x16.wide().as_ref(), xr.as_slice());
+
+            // forward: the f32 result on the widened inputs, rounded once
+            let mut out16 = be.alloc(n * oc, dt);
+            be.matmul_forward(&mut out16, &x16, &w16, None, n, c, oc);
+            let mut out32 = zeros(n * oc);
+            be.matmul_forward(&mut out32, &f(&xr), &f(&wr), None, n, c, oc);
+            assert_eq!(out16.wide().as_ref(), round(out32.as_f32()).as_slice());
+
+            // backward accumulates dw twice: each add in f32 from the stored
+            // 16-bit value, rounded when stored
+            let mut dw16 = be.alloc(oc * c, dt);
+            let mut dx16 = be.alloc(n * c, dt);
+            let mut dw32 = zeros(oc * c);
+            let mut dx32 = zeros(n * c);
+            for _ in 0..2 {
+                be.matmul_backward(&mut dx16, &mut dw16, None, &dy16, &x16, &w16, n, c, oc);
+                be.matmul_backward(
+                    &mut dx32,
+                    &mut dw32,
+                    None,
+                    &f(&dyr),
+                    &f(&xr),
+                    &f(&wr),
+                    n,
+                    c,
+                    oc,
+                );
+                let rounded = round(dw32.as_f32());
+                assert_eq!(dw16.wide().as_ref(), rounded.as_slice());
+                dw32 = f(&rounded);
+            }
+            assert_eq!(dx16.wide().as_ref(), round(dx32.as_f32()).as_slice());
+
+            // master -> working weights
+            let mut back = be.alloc(oc * c, dt);
+            be.convert(&mut back, &f(&w), oc * c);
+            assert_eq!(back, w16);
+        }
+        // fp16 overflows to inf past 65504; bf16 keeps fp32's range
+        let mut h = be.alloc(2, DType::F16);
+        be.upload_f32(&mut h, &[65504.0, 70000.0]);
+        assert_eq!(h.wide().as_ref(), &[65504.0, f32::INFINITY]);
+        let mut b = be.alloc(1, DType::Bf16);
+        be.upload_f32(&mut b, &[1e30]);
+        assert!(b.wide()[0].is_finite());
     }
 }

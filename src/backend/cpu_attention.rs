@@ -248,10 +248,10 @@ pub fn forward(
     let rep = check_shape(s);
     let tl = Tiling::new(s);
     let (w, ow) = (s.qkv_width(), s.out_width());
-    let qkv = &qkv.as_f32()[..b * t * w];
-    let out = &mut out.as_f32_mut()[..b * t * ow];
-    let lse = &mut lse.as_f32_mut()[..b * nh * t];
-    let ws = &mut ws.as_f32_mut()[..tl.slots * tl.slot_len];
+    let qkv = &qkv.wide()[..b * t * w];
+    let out = &mut out.wide_mut()[..b * t * ow];
+    let lse = &mut lse.wide_mut()[..b * nh * t];
+    let ws = &mut ws.wide_mut()[..tl.slots * tl.slot_len];
     let (out, lse) = (SyncPtr(out.as_mut_ptr()), SyncPtr(lse.as_mut_ptr()));
     let ntasks = b * nh * tl.nqb;
     let scale = 1.0 / (hd as f32).sqrt();
@@ -386,14 +386,14 @@ pub fn backward(
     let rep = check_shape(s);
     let tl = Tiling::new(s);
     let (w, ow) = (s.qkv_width(), s.out_width());
-    let dqkv = &mut dqkv.as_f32_mut()[..b * t * w];
-    let dout = &dout.as_f32()[..b * t * ow];
-    let out = &out.as_f32()[..b * t * ow];
-    let lse = &lse.as_f32()[..b * nh * t];
-    let qkv = &qkv.as_f32()[..b * t * w];
+    let dqkv = &mut dqkv.wide_mut()[..b * t * w];
+    let dout = &dout.wide()[..b * t * ow];
+    let out = &out.wide()[..b * t * ow];
+    let lse = &lse.wide()[..b * nh * t];
+    let qkv = &qkv.wide()[..b * t * w];
     let ntasks = b * nkv;
     let groups = tl.slots.min(ntasks);
-    let ws = &mut ws.as_f32_mut()[..groups * tl.slot_len];
+    let ws = &mut ws.wide_mut()[..groups * tl.slot_len];
     let dqkv = SyncPtr(dqkv.as_mut_ptr());
     let scale = 1.0 / (hd as f32).sqrt();
     be.pool.install(|| {

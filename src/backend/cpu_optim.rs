@@ -196,12 +196,12 @@ pub fn adamw8bit(
     h: AdamHyper,
 ) {
     let nb = n.div_ceil(QBLOCK);
-    let param = &mut param.as_f32_mut()[..n];
-    let grad = &grad.as_f32()[..n];
+    let param = &mut param.wide_mut()[..n];
+    let grad = &grad.wide()[..n];
     let m = &mut m.as_u8_mut()[..n];
     let v = &mut v.as_u8_mut()[..n];
-    let ma = &mut m_absmax.as_f32_mut()[..nb];
-    let va = &mut v_absmax.as_f32_mut()[..nb];
+    let ma = &mut m_absmax.wide_mut()[..nb];
+    let va = &mut v_absmax.wide_mut()[..nb];
     be.pool.install(|| {
         param
             .par_chunks_mut(ELEMS_PER_TASK)
@@ -242,8 +242,8 @@ pub fn sgd(
     n: usize,
     h: SgdHyper,
 ) {
-    let param = &mut param.as_f32_mut()[..n];
-    let grad = &grad.as_f32()[..n];
+    let param = &mut param.wide_mut()[..n];
+    let grad = &grad.wide()[..n];
     if h.momentum == 0.0 {
         be.pool.install(|| {
             param
@@ -258,7 +258,7 @@ pub fn sgd(
         });
         return;
     }
-    let buf = &mut momentum_buf.as_f32_mut()[..n];
+    let buf = &mut momentum_buf.wide_mut()[..n];
     be.pool.install(|| {
         param
             .par_chunks_mut(ELEMS_PER_TASK)
@@ -360,13 +360,14 @@ pub fn adafactor(
     if n == 0 {
         return;
     }
-    let param = &mut param.as_f32_mut()[..n];
-    let grad = &grad.as_f32()[..n];
+    let param = &mut param.wide_mut()[..n];
+    let grad = &grad.wide()[..n];
     // the first moment only exists with beta1
-    let m = match h.beta1 {
-        Some(_) => st.m.map(|m| &mut m.as_f32_mut()[..n]),
+    let mut m = match h.beta1 {
+        Some(_) => st.m.map(|m| m.wide_mut()),
         None => None,
     };
+    let m = m.as_deref_mut().map(|m| &mut m[..n]);
 
     // HF `_get_lr`: relative step min(1e-2, 1/sqrt(t)) unless lr is given, times
     // max(eps2, RMS(param)) with scale_parameter, RMS of the param before this step.
@@ -414,8 +415,8 @@ pub fn adafactor(
             rows,
             cols,
         } => {
-            let row = &mut row.as_f32_mut()[..rows];
-            let col = &mut col.as_f32_mut()[..cols];
+            let row = &mut row.wide_mut()[..rows];
+            let col = &mut col.wide_mut()[..cols];
             // whole rows per task, so every row's sum stays in one task
             let rpt = (ELEMS_PER_TASK / cols).max(1);
             be.pool.install(|| {
@@ -514,7 +515,7 @@ pub fn adafactor(
             });
         }
         AdafactorSecond::Full { v, .. } => {
-            let v = &mut v.as_f32_mut()[..n];
+            let v = &mut v.wide_mut()[..n];
             // pass 1: v (n) = beta2t*v + (1-beta2t)*u, and RMS(update) with
             // update = rsqrt(v)*g, partial sums per fixed chunk added in order
             let partial: Vec<f64> = be.pool.install(|| {

@@ -27,6 +27,10 @@ use serde::Serialize;
 #[serde(rename_all = "lowercase")]
 pub enum DType {
     F32,
+    /// bfloat16: fp32's exponent range, 8 bits of mantissa (mixed precision).
+    Bf16,
+    /// IEEE half: 5-bit exponent, max 65504 (mixed precision with loss scaling).
+    F16,
     /// Token ids.
     U32,
     /// Quantised optimizer state (8-bit AdamW).
@@ -37,6 +41,7 @@ impl DType {
     pub fn size(self) -> usize {
         match self {
             DType::F32 | DType::U32 => 4,
+            DType::Bf16 | DType::F16 => 2,
             DType::U8 => 1,
         }
     }
@@ -91,6 +96,9 @@ pub trait Backend {
 
     fn upload_f32(&mut self, dst: &mut Self::Buf, src: &[f32]);
     fn upload_u32(&mut self, dst: &mut Self::Buf, src: &[u32]);
+    /// `dst (N) = src (N)` converted to `dst`'s element type (round to nearest
+    /// even when narrowing): fp32 master weights to 16-bit working weights.
+    fn convert(&mut self, dst: &mut Self::Buf, src: &Self::Buf, n: usize);
     /// The buffer's contents, or `None` on a backend that holds no data.
     fn download_f32(&self, src: &Self::Buf) -> Option<Vec<f32>>;
 

@@ -7,7 +7,7 @@ use serde::Deserialize;
 
 use super::profile::{key_location, parse_yaml};
 use crate::backend::DeviceSpec;
-use crate::engine::{Attention, Checkpointing, Optimizer};
+use crate::engine::{Attention, Checkpointing, Optimizer, Precision};
 use crate::error::{Error, Result};
 
 /// Every key is optional; keys mirror the long flags with `-` as `_`.
@@ -31,6 +31,7 @@ pub struct RunRecipe {
     pub grad_clip: Option<f32>,
     pub checkpointing: Option<Checkpointing>,
     pub attention: Option<Attention>,
+    pub precision: Option<Precision>,
     pub threads: Option<usize>,
 }
 

@@ -483,6 +483,17 @@ impl<B: Backend> Device<B> {
         );
     }
 
+    /// `dst = src` in `dst`'s dtype (fp32 master weights into 16-bit working weights).
+    pub fn convert(&mut self, dst: &mut T<B>, src: &T<B>) {
+        assert_eq!(
+            dst.len, src.len,
+            "convert between tensors of different lengths"
+        );
+        self.timed("convert", 0, b(dst) + b(src), |be| {
+            be.convert(&mut dst.buf, &src.buf, src.len)
+        });
+    }
+
     pub fn sum_squares(&mut self, t: &T<B>) -> Option<f64> {
         self.timed("sum_squares", (2 * t.len) as u64, b(t), |be| {
             be.sum_squares(&t.buf, t.len)

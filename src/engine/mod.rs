@@ -4,7 +4,8 @@
 //!
 //! Allocation schedule, which is what the tracker measures:
 //! * init: parameters, gradients (always resident, zeroed each step, as with
-//!   `zero_grad(set_to_none=False)`), AdamW `m` and `v` (fp32), workspace;
+//!   `zero_grad(set_to_none=False)`), fp32 master weights under mixed
+//!   precision, optimizer state (fp32), workspace;
 //! * forward: each block's saved tensors are `activations`; a projection output
 //!   that is immediately added to the residual stream is a `temporaries`;
 //! * backward: activation gradients are `temporaries`, freed as soon as the
@@ -55,6 +56,70 @@ pub struct TrainConfig {
     pub seed: u64,
     pub checkpointing: Checkpointing,
     pub attention: Attention,
+    pub precision: Precision,
+    /// fp16 only: the first loss scale (PyTorch `GradScaler` and DeepSpeed
+    /// start at 2^16).
+    pub initial_loss_scale: f32,
+    /// fp16 only: steps without an overflow before the scale doubles
+    /// (`GradScaler`'s growth_interval, 2000).
+    pub loss_scale_window: u32,
+}
+
+/// Storage precision of the working weights, activations and gradients.
+///
+/// Mixed precision (Micikevicius et al., Mixed Precision Training, 2018, and
+/// DeepSpeed/Megatron's bf16 and fp16 modes): the parameters the forward and
+/// backward read are 16-bit; so are activations, activation gradients and
+/// parameter gradients. Normalisation statistics, the attention log-sum-exp
+/// and the per-token losses stay fp32. The optimizer keeps an fp32 master copy
+/// of every weight, updates it from the 16-bit gradients (widened, unscaled
+/// and clipped inside the update kernel), then rounds it into the working copy.
+/// Gradients accumulate over micro-batches in their 16-bit buffers, each add
+/// computed in fp32 and rounded once when stored, as a cuBLAS `beta = 1` GEMM
+/// does. Per parameter with AdamW: 2 (weights) + 2 (gradients) + 12 (fp32
+/// master, m, v) = 16 bytes, the ZeRO paper's `2 + 2 + K` with K = 12;
+/// fp32 is 4 + 4 + 8 = 16 with no master copy.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    Fp32,
+    /// bfloat16: fp32's range, so no loss scaling.
+    Bf16,
+    /// IEEE half with dynamic loss scaling.
+    Fp16,
+}
+
+impl Precision {
+    /// Element type of the working weights, activations and gradients.
+    pub fn dtype(self) -> DType {
+        match self {
+            Precision::Fp32 => DType::F32,
+            Precision::Bf16 => DType::Bf16,
+            Precision::Fp16 => DType::F16,
+        }
+    }
+
+    /// Whether the optimizer keeps fp32 master weights.
+    pub fn has_master(self) -> bool {
+        self != Precision::Fp32
+    }
+
+    /// Whether results may differ from fp32 beyond rounding noise (fp16's
+    /// narrow range needs loss scaling and can skip steps).
+    pub fn changes_numerics(self) -> bool {
+        self == Precision::Fp16
+    }
 }
 
 /// How attention is computed.
@@ -117,6 +182,9 @@ impl Default for TrainConfig {
             seed: 1337,
             checkpointing: Checkpointing::None,
             attention: Attention::Eager,
+            precision: Precision::Fp32,
+            initial_loss_scale: 65536.0,
+            loss_scale_window: 2000,
         }
     }
 }
@@ -203,14 +271,22 @@ pub struct Engine<B: Backend> {
     pub dev: Device<B>,
     specs: Vec<ParamSpec>,
     idx: ParamIndex,
+    /// Working weights, in the precision's dtype.
     params: Vec<T<B>>,
+    /// Same dtype as the weights.
     grads: Vec<T<B>>,
+    /// fp32 master weights under mixed precision (tracked as optimizer state,
+    /// as the ZeRO paper counts them); empty for fp32.
+    master: Vec<T<B>>,
     opt: Vec<OptState<T<B>>>,
     workspace: T<B>,
     /// Optimizer steps taken.
     step: u64,
     /// Steps skipped because the gradient was not finite.
     skipped_steps: u64,
+    /// fp16: the current loss scale and the overflow-free steps since it last changed.
+    loss_scale: f32,
+    good_steps: u32,
 }
 
 /// `&mut v[i]` and, when given, `&mut v[j]` (i != j).
@@ -242,14 +318,20 @@ impl<B: Backend> Engine<B> {
         let (specs, idx) = model.param_layout();
         let mut dev = Device::new(be, capacity);
         dev.tracker.set_phase(Phase::Init);
-        let alloc_all = |dev: &mut Device<B>, cat| -> Result<Vec<T<B>>, OomError> {
+        let alloc_all = |dev: &mut Device<B>, dtype, cat| -> Result<Vec<T<B>>, OomError> {
             specs
                 .iter()
-                .map(|s| dev.alloc_f32(s.numel(), cat))
+                .map(|s| dev.alloc(s.numel(), dtype, cat))
                 .collect()
         };
-        let mut params = alloc_all(&mut dev, Category::Parameters)?;
-        let grads = alloc_all(&mut dev, Category::Gradients)?;
+        let wdt = train.precision.dtype();
+        let mut params = alloc_all(&mut dev, wdt, Category::Parameters)?;
+        let grads = alloc_all(&mut dev, wdt, Category::Gradients)?;
+        let mut master = if train.precision.has_master() {
+            alloc_all(&mut dev, DType::F32, Category::Optimizer)?
+        } else {
+            Vec::new()
+        };
         let opt = optim::alloc_state(&mut dev, &specs, &train.opt())?;
         let shape = attn_shape(&model, &train);
         let ws_bytes = dev
@@ -261,7 +343,14 @@ impl<B: Backend> Engine<B> {
             for (t, h) in params.iter_mut().zip(&host) {
                 dev.be.upload_f32(&mut t.buf, h);
             }
+            for (t, h) in master.iter_mut().zip(&host) {
+                dev.be.upload_f32(&mut t.buf, h);
+            }
         }
+        let loss_scale = match train.precision {
+            Precision::Fp16 => train.initial_loss_scale,
+            _ => 1.0,
+        };
         Ok(Engine {
             model,
             train,
@@ -270,10 +359,13 @@ impl<B: Backend> Engine<B> {
             idx,
             params,
             grads,
+            master,
             opt,
             workspace,
             step: 0,
             skipped_steps: 0,
+            loss_scale,
+            good_steps: 0,
         })
     }
 
@@ -300,13 +392,40 @@ impl<B: Backend> Engine<B> {
             .collect()
     }
 
+    /// The fp32 master weights under mixed precision (`None` on meta or for fp32).
+    pub fn master_host(&self) -> Option<Vec<Vec<f32>>> {
+        if self.master.is_empty() {
+            return None;
+        }
+        self.master
+            .iter()
+            .map(|t| self.dev.be.download_f32(&t.buf))
+            .collect()
+    }
+
     /// Replaces the parameters (tests and checkpoints); shapes must match.
+    /// Under mixed precision the master copy gets `host` exactly and the
+    /// working copy its rounding.
     pub fn set_params_host(&mut self, host: &[Vec<f32>]) {
         assert_eq!(host.len(), self.params.len());
         for (t, h) in self.params.iter_mut().zip(host) {
             assert_eq!(t.len, h.len());
             self.dev.be.upload_f32(&mut t.buf, h);
         }
+        for (t, h) in self.master.iter_mut().zip(host) {
+            self.dev.be.upload_f32(&mut t.buf, h);
+        }
+    }
+
+    /// fp16's current loss scale (`None` for fp32 and bf16, which need none).
+    pub fn loss_scale(&self) -> Option<f32> {
+        (self.train.precision == Precision::Fp16).then_some(self.loss_scale)
+    }
+
+    /// Sets fp16's loss scale (tests plant an overflow with a huge one).
+    pub fn set_loss_scale(&mut self, scale: f32) {
+        self.loss_scale = scale;
+        self.good_steps = 0;
     }
 
     fn zero_grads(&mut self) {
@@ -346,8 +465,9 @@ impl<B: Backend> Engine<B> {
             let acts = self.forward(&mut next)?;
             let loss = self.read_loss(&acts);
             loss_sum = loss_sum.zip(loss).map(|(s, l)| s + l as f64);
-            // d(mean over k micro-batches of the mean over n tokens) / d(token loss)
-            let dloss = 1.0 / (self.train.micro_batch * self.train.seq_len * k) as f32;
+            // d(mean over k micro-batches of the mean over n tokens) / d(token
+            // loss), times fp16's loss scale (1 otherwise)
+            let dloss = self.loss_scale / (self.train.micro_batch * self.train.seq_len * k) as f32;
             self.backward(acts, dloss)?;
         }
         let (grad_norm, skipped) = self.optimizer_step();
@@ -424,6 +544,7 @@ impl<B: Backend> Engine<B> {
         let gpt2 = model.family == Family::Gpt2;
         let opt = |i: Option<usize>| i.map(|i| &p[i]);
         let act = Category::Activations;
+        let dt = train.precision.dtype();
 
         dev.tracker.set_phase(Phase::ForwardEmbed);
         let mut tokens = dev.alloc(n, DType::U32, act)?;
@@ -433,7 +554,7 @@ impl<B: Backend> Engine<B> {
             dev.be.upload_u32(&mut tokens.buf, &batch.inputs);
             dev.be.upload_u32(&mut targets.buf, &batch.targets);
         }
-        let mut emb = dev.alloc_f32(n * c, act)?;
+        let mut emb = dev.alloc(n * c, dt, act)?;
         dev.embed_forward(&mut emb, &tokens, &p[idx.wte], opt(idx.wpe), n, t, c);
 
         let mut resid = vec![emb];
@@ -468,7 +589,7 @@ impl<B: Backend> Engine<B> {
         let (lnf, lnf_mean, lnf_rstd) =
             norm_layer(dev, x, &p[idx.lnf_w], opt(idx.lnf_b), gpt2, n, c, eps)?;
         let head = idx.lm_head.unwrap_or(idx.wte);
-        let mut logits = dev.alloc_f32(n * vp, act)?;
+        let mut logits = dev.alloc(n * vp, dt, act)?;
         dev.matmul_forward(&mut logits, &lnf, &p[head], None, n, c, vp);
         let mut losses = dev.alloc_f32(n, act)?;
         dev.crossentropy_forward(&mut losses, &logits, &targets, n, v, vp);
@@ -507,6 +628,7 @@ impl<B: Backend> Engine<B> {
         let (qkvw, upw, dff) = (model.qkv_width(), model.up_width(), model.d_ff());
         let gpt2 = model.family == Family::Gpt2;
         let tmp = Category::Temporaries;
+        let dt = train.precision.dtype();
         let Acts {
             tokens,
             targets,
@@ -524,7 +646,7 @@ impl<B: Backend> Engine<B> {
         dev.crossentropy_backward(&mut logits, &targets, dloss, n, v, vp);
         dev.free(targets);
         let head = idx.lm_head.unwrap_or(idx.wte);
-        let mut dlnf = dev.alloc_f32(n * c, tmp)?;
+        let mut dlnf = dev.alloc(n * c, dt, tmp)?;
         dev.matmul_backward(
             &mut dlnf,
             &mut g[head],
@@ -538,7 +660,7 @@ impl<B: Backend> Engine<B> {
         );
         dev.free(logits);
         // dres: gradient of the residual stream, carried down through the blocks.
-        let mut dres = dev.alloc_f32(n * c, tmp)?;
+        let mut dres = dev.alloc(n * c, dt, tmp)?;
         {
             let x = resid.last().expect("embedding output");
             let (dw, db) = pair_mut(g, idx.lnf_w, idx.lnf_b);
@@ -574,19 +696,19 @@ impl<B: Backend> Engine<B> {
                 }
             };
             // MLP: dres is d(out) = d(mlp output)
-            let mut dact = dev.alloc_f32(n * dff, tmp)?;
+            let mut dact = dev.alloc(n * dff, dt, tmp)?;
             let (dw, db) = pair_mut(g, bi.down_w, bi.down_b);
             dev.matmul_backward(&mut dact, dw, db, &dres, &a.act, &p[bi.down_w], n, dff, c);
             let dup = if gpt2 {
                 dev.gelu_backward(&mut dact, &a.up, n * dff);
                 dact
             } else {
-                let mut dgu = dev.alloc_f32(n * upw, tmp)?;
+                let mut dgu = dev.alloc(n * upw, dt, tmp)?;
                 dev.swiglu_backward(&mut dgu, &dact, &a.up, n, dff);
                 dev.free(dact);
                 dgu
             };
-            let mut dln2 = dev.alloc_f32(n * c, tmp)?;
+            let mut dln2 = dev.alloc(n * c, dt, tmp)?;
             let (dw, db) = pair_mut(g, bi.up_w, bi.up_b);
             dev.matmul_backward(&mut dln2, dw, db, &dup, &a.ln2, &p[bi.up_w], n, c, upw);
             dev.free(dup);
@@ -605,13 +727,13 @@ impl<B: Backend> Engine<B> {
             );
             dev.free(dln2);
             // attention: dres is now d(res2) = d(o-proj output)
-            let mut datty = dev.alloc_f32(n * c, tmp)?;
+            let mut datty = dev.alloc(n * c, dt, tmp)?;
             let (dw, db) = pair_mut(g, bi.o_w, bi.o_b);
             dev.matmul_backward(&mut datty, dw, db, &dres, &a.atty, &p[bi.o_w], n, c, c);
-            let mut dqkv = dev.alloc_f32(n * qkvw, tmp)?;
+            let mut dqkv = dev.alloc(n * qkvw, dt, tmp)?;
             match train.attention {
                 Attention::Eager => {
-                    let mut datt = dev.alloc_f32(s.b * s.n_head * t * t, tmp)?;
+                    let mut datt = dev.alloc(s.b * s.n_head * t * t, dt, tmp)?;
                     dev.attention_backward(&mut dqkv, &mut datt, &datty, &a.qkv, &a.att, s);
                     dev.free(datt);
                 }
@@ -624,7 +746,7 @@ impl<B: Backend> Engine<B> {
             if !gpt2 {
                 dev.rope_backward(&mut dqkv, s, model.rope_theta());
             }
-            let mut dln1 = dev.alloc_f32(n * c, tmp)?;
+            let mut dln1 = dev.alloc(n * c, dt, tmp)?;
             let (dw, db) = pair_mut(g, bi.qkv_w, bi.qkv_b);
             dev.matmul_backward(&mut dln1, dw, db, &dqkv, &a.ln1, &p[bi.qkv_w], n, c, qkvw);
             dev.free(dqkv);
@@ -658,40 +780,58 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// Clips by global norm, then one optimizer update. Returns the norm before
-    /// clipping, and whether the update was skipped (a non-finite gradient: the
-    /// parameters and optimizer state stay as they were).
+    /// Unscales (fp16), clips by global norm, then one optimizer update.
+    /// Returns the norm before clipping, and whether the update was skipped (a
+    /// non-finite gradient: the parameters and optimizer state stay as they
+    /// were, and under fp16 the loss scale halves, as PyTorch's `GradScaler`
+    /// and DeepSpeed's dynamic loss scaler do).
     fn optimizer_step(&mut self) -> (Option<f32>, bool) {
         let Engine {
             dev,
             params,
             grads,
+            master,
             opt,
             specs,
             train,
             ..
         } = self;
         dev.tracker.set_phase(Phase::Optimizer);
+        let fp16 = train.precision == Precision::Fp16;
         let mut norm_sq = Some(0.0f64);
         for g in grads.iter() {
             norm_sq = norm_sq.zip(dev.sum_squares(g)).map(|(a, b)| a + b);
         }
-        let norm = norm_sq.map(f64::sqrt);
+        // The gradients carry the loss scale (1 except under fp16).
+        let norm = norm_sq.map(|s| s.sqrt() / self.loss_scale as f64);
         if norm.is_some_and(|n| !n.is_finite()) {
             self.skipped_steps += 1;
+            if fp16 {
+                self.loss_scale *= 0.5;
+                self.good_steps = 0;
+            }
             return (norm.map(|n| n as f32), true);
         }
         // Same rule as torch.nn.utils.clip_grad_norm_: scale by clip / (norm + 1e-6) when norm > clip.
-        let grad_scale = match norm {
+        let clip = match norm {
             Some(norm) if train.grad_clip > 0.0 && norm > train.grad_clip as f64 => {
-                (train.grad_clip as f64 / (norm + 1e-6)) as f32
+                train.grad_clip as f64 / (norm + 1e-6)
             }
             _ => 1.0,
         };
+        // Unscaling and clipping fold into one multiplier the update applies.
+        let grad_scale = (clip / self.loss_scale as f64) as f32;
         self.step += 1;
+        // Mixed precision updates the fp32 master copy, then rounds it into
+        // the 16-bit weights the next forward reads.
+        let updated = if master.is_empty() {
+            &mut params[..]
+        } else {
+            &mut master[..]
+        };
         optim::update(
             dev,
-            params,
+            updated,
             grads,
             opt,
             specs,
@@ -699,13 +839,28 @@ impl<B: Backend> Engine<B> {
             self.step,
             grad_scale,
         );
+        for (p, m) in params.iter_mut().zip(master.iter()) {
+            dev.convert(p, m);
+        }
+        if fp16 {
+            self.good_steps += 1;
+            if self.good_steps >= train.loss_scale_window {
+                self.loss_scale *= 2.0;
+                self.good_steps = 0;
+            }
+        }
         (norm.map(|n| n as f32), false)
     }
 
     /// Frees everything the engine holds; the tracker then shows zero live bytes.
     pub fn release(mut self) -> Device<B> {
         let mut dev = self.dev;
-        for t in self.params.drain(..).chain(self.grads.drain(..)) {
+        for t in self
+            .params
+            .drain(..)
+            .chain(self.grads.drain(..))
+            .chain(self.master.drain(..))
+        {
             dev.free(t);
         }
         optim::free_state(&mut dev, std::mem::take(&mut self.opt));
@@ -734,18 +889,20 @@ fn block_forward<B: Backend>(
     let gpt2 = model.family == Family::Gpt2;
     let opt = |i: Option<usize>| i.map(|i| &p[i]);
     let act = Category::Activations;
+    // Activations take the block input's dtype (16-bit under mixed precision).
+    let dt = x.dtype;
     // attention: ln1 -> qkv (-> rope) -> attention -> o-proj, + residual
     let (ln1, ln1_mean, ln1_rstd) =
         norm_layer(dev, x, &p[bi.ln1_w], opt(bi.ln1_b), gpt2, n, c, eps)?;
-    let mut qkv = dev.alloc_f32(n * qkvw, act)?;
+    let mut qkv = dev.alloc(n * qkvw, dt, act)?;
     dev.matmul_forward(&mut qkv, &ln1, &p[bi.qkv_w], opt(bi.qkv_b), n, c, qkvw);
     if !gpt2 {
         dev.rope_forward(&mut qkv, s, model.rope_theta());
     }
-    let mut atty = dev.alloc_f32(n * c, act)?;
+    let mut atty = dev.alloc(n * c, dt, act)?;
     let att = match attention {
         Attention::Eager => {
-            let mut att = dev.alloc_f32(s.b * s.n_head * t * t, act)?;
+            let mut att = dev.alloc(s.b * s.n_head * t * t, dt, act)?;
             dev.attention_forward(&mut atty, &mut att, &qkv, s);
             att
         }
@@ -755,17 +912,17 @@ fn block_forward<B: Backend>(
             lse
         }
     };
-    let mut proj = dev.alloc_f32(n * c, Category::Temporaries)?;
+    let mut proj = dev.alloc(n * c, dt, Category::Temporaries)?;
     dev.matmul_forward(&mut proj, &atty, &p[bi.o_w], opt(bi.o_b), n, c, c);
-    let mut res2 = dev.alloc_f32(n * c, act)?;
+    let mut res2 = dev.alloc(n * c, dt, act)?;
     dev.add(&mut res2, x, &proj, n * c);
     dev.free(proj);
     // MLP: ln2 -> up -> gelu | swiglu -> down, + residual
     let (ln2, ln2_mean, ln2_rstd) =
         norm_layer(dev, &res2, &p[bi.ln2_w], opt(bi.ln2_b), gpt2, n, c, eps)?;
-    let mut up = dev.alloc_f32(n * upw, act)?;
+    let mut up = dev.alloc(n * upw, dt, act)?;
     dev.matmul_forward(&mut up, &ln2, &p[bi.up_w], opt(bi.up_b), n, c, upw);
-    let mut a = dev.alloc_f32(n * dff, act)?;
+    let mut a = dev.alloc(n * dff, dt, act)?;
     if gpt2 {
         dev.gelu_forward(&mut a, &up, n * dff);
     } else {
@@ -773,9 +930,9 @@ fn block_forward<B: Backend>(
     }
     // The block output; a recomputation skips it, it was checkpointed.
     let out = if with_out {
-        let mut mlp = dev.alloc_f32(n * c, Category::Temporaries)?;
+        let mut mlp = dev.alloc(n * c, dt, Category::Temporaries)?;
         dev.matmul_forward(&mut mlp, &a, &p[bi.down_w], opt(bi.down_b), n, dff, c);
-        let mut out = dev.alloc_f32(n * c, act)?;
+        let mut out = dev.alloc(n * c, dt, act)?;
         dev.add(&mut out, &res2, &mlp, n * c);
         dev.free(mlp);
         Some(out)
@@ -812,7 +969,9 @@ fn norm_layer<B: Backend>(
     eps: f32,
 ) -> Result<NormOut<B>, OomError> {
     let act = Category::Activations;
-    let mut out = dev.alloc_f32(n * c, act)?;
+    // The output takes the input's dtype; the statistics stay fp32.
+    let dt = x.dtype;
+    let mut out = dev.alloc(n * c, dt, act)?;
     let mut mean = if layernorm {
         Some(dev.alloc_f32(n, act)?)
     } else {
