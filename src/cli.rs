@@ -6,7 +6,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::backend::DeviceSpec;
 use crate::config::recipe::{RunRecipe, load_run_recipe};
-use crate::engine::{Attention, Checkpointing, Optimizer, Precision, TrainConfig};
+use crate::engine::{Attention, Checkpointing, Optimizer, Precision, Sharding, TrainConfig};
 use crate::error::Result;
 use crate::run::RunOptions;
 
@@ -97,6 +97,18 @@ pub struct RunArgs {
     /// 16-bit weights, activations and gradients, fp32 master weights [default: fp32].
     #[arg(long, value_enum)]
     pub precision: Option<Precision>,
+    /// Data-parallel ranks (simulated GPUs), each with its own device and
+    /// memory; the global batch is micro-batch x grad-accum x ranks [default: 1].
+    #[arg(long)]
+    pub ranks: Option<usize>,
+    /// How state is spread over the ranks: none (one rank), ddp, zero1
+    /// (optimizer state), zero2 (+ gradients), zero3 (+ parameters, FSDP) [default: none].
+    #[arg(long, value_enum)]
+    pub sharding: Option<Sharding>,
+    /// ddp: gradients are views into the all-reduce buckets (PyTorch's
+    /// gradient_as_bucket_view), so the buckets cost no extra memory.
+    #[arg(long)]
+    pub bucket_view: bool,
     /// cpu worker threads [default: all cores].
     #[arg(long)]
     pub threads: Option<usize>,
@@ -139,6 +151,9 @@ impl RunArgs {
                     .unwrap_or(d.checkpointing),
                 attention: self.attention.or(r.attention).unwrap_or(d.attention),
                 precision: self.precision.or(r.precision).unwrap_or(d.precision),
+                ranks: self.ranks.or(r.ranks).unwrap_or(d.ranks),
+                sharding: self.sharding.or(r.sharding).unwrap_or(d.sharding),
+                bucket_view: self.bucket_view || r.bucket_view.unwrap_or(d.bucket_view),
                 ..d
             },
             steps: self.steps.or(r.steps).unwrap_or(20),

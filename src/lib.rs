@@ -8,6 +8,7 @@
 
 pub mod backend;
 pub mod cli;
+pub mod comm;
 pub mod config;
 pub mod data;
 pub mod engine;

@@ -25,17 +25,21 @@ pub enum Category {
     Activations,
     /// Scratch made and freed by the engine within a layer or a phase.
     Temporaries,
+    /// Buffers collectives read or write: DDP gradient buckets, the flat
+    /// inputs and outputs of all-gathers and reduce-scatters.
+    Communication,
     /// Backend-internal scratch the backend declares.
     Workspace,
 }
 
 impl Category {
-    pub const ALL: [Category; 6] = [
+    pub const ALL: [Category; 7] = [
         Category::Parameters,
         Category::Gradients,
         Category::Optimizer,
         Category::Activations,
         Category::Temporaries,
+        Category::Communication,
         Category::Workspace,
     ];
 
@@ -46,6 +50,7 @@ impl Category {
             Category::Optimizer => "optimizer",
             Category::Activations => "activations",
             Category::Temporaries => "temporaries",
+            Category::Communication => "communication",
             Category::Workspace => "workspace",
         }
     }
@@ -97,7 +102,7 @@ impl Serialize for Phase {
 
 /// Bytes per category, plus the total.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ByCategory([u64; 6]);
+pub struct ByCategory([u64; 7]);
 
 impl ByCategory {
     pub fn get(&self, c: Category) -> u64 {
@@ -114,7 +119,7 @@ impl ByCategory {
 impl Serialize for ByCategory {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeMap;
-        let mut m = s.serialize_map(Some(7))?;
+        let mut m = s.serialize_map(Some(Category::ALL.len() + 1))?;
         m.serialize_entry("total", &self.total())?;
         for (c, b) in self.iter() {
             m.serialize_entry(c.name(), &b)?;
@@ -133,10 +138,23 @@ pub struct PeakBytes {
     pub optimizer: u64,
     pub activations: u64,
     pub temporaries: u64,
+    pub communication: u64,
     pub workspace: u64,
 }
 
 impl PeakBytes {
+    pub fn set(&mut self, c: Category, v: u64) {
+        *match c {
+            Category::Parameters => &mut self.parameters,
+            Category::Gradients => &mut self.gradients,
+            Category::Optimizer => &mut self.optimizer,
+            Category::Activations => &mut self.activations,
+            Category::Temporaries => &mut self.temporaries,
+            Category::Communication => &mut self.communication,
+            Category::Workspace => &mut self.workspace,
+        } = v;
+    }
+
     pub fn get(&self, c: Category) -> u64 {
         match c {
             Category::Parameters => self.parameters,
@@ -144,6 +162,7 @@ impl PeakBytes {
             Category::Optimizer => self.optimizer,
             Category::Activations => self.activations,
             Category::Temporaries => self.temporaries,
+            Category::Communication => self.communication,
             Category::Workspace => self.workspace,
         }
     }
@@ -315,6 +334,7 @@ impl Tracker {
             optimizer: p.get(Category::Optimizer),
             activations: p.get(Category::Activations),
             temporaries: p.get(Category::Temporaries),
+            communication: p.get(Category::Communication),
             workspace: p.get(Category::Workspace),
         }
     }

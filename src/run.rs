@@ -8,12 +8,15 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::backend::cpu::CpuBackend;
+use crate::backend::cpu_comm::cpu_group;
 use crate::backend::meta::MetaBackend;
 use crate::backend::{Backend, DeviceKind, DeviceSpec};
+use crate::comm::MetaComm;
 use crate::config::ModelConfig;
 use crate::config::profile::load_model;
 use crate::data::DataSource;
-use crate::engine::{CostCounter, Engine, Optimizer, TrainConfig};
+use crate::engine::cluster::Cluster;
+use crate::engine::{Comm, CostCounter, Optimizer, Sharding, TrainConfig};
 use crate::error::{Error, Result};
 use crate::memory::{ByCategory, Category, OomError, PeakBytes, Tracker};
 use crate::units::fmt_bytes;
@@ -55,9 +58,23 @@ pub struct RunConfigRecord {
     pub threads: Option<usize>,
 }
 
+/// One rank's memory and traffic.
+#[derive(Clone, Debug, Serialize)]
+pub struct RankRecord {
+    pub rank: usize,
+    pub peak_bytes: PeakBytes,
+    pub peak_breakdown: ByCategory,
+    /// Bytes this rank sent and received in collectives during the last step
+    /// (ring algorithms; see `comm::wire_bytes`).
+    pub sent_bytes_per_step: u64,
+    pub received_bytes_per_step: u64,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct ErrorRecord {
     pub kind: &'static str,
+    /// The rank that ran out of memory (`null` for a single rank).
+    pub rank: Option<usize>,
     pub message: String,
     pub phase: String,
     pub category: Category,
@@ -66,11 +83,16 @@ pub struct ErrorRecord {
     pub live: ByCategory,
 }
 
-impl From<&OomError> for ErrorRecord {
-    fn from(e: &OomError) -> Self {
+impl ErrorRecord {
+    fn new(e: &OomError, world: usize, rank: usize) -> Self {
         ErrorRecord {
             kind: "oom",
-            message: e.to_string(),
+            rank: (world > 1).then_some(rank),
+            message: if world > 1 {
+                format!("rank {rank}: {e}")
+            } else {
+                e.to_string()
+            },
             phase: e.phase.to_string(),
             category: e.category,
             requested: e.requested,
@@ -100,6 +122,8 @@ pub struct RunReport {
     pub peak_bytes: PeakBytes,
     /// The per-category split at the moment of the total peak.
     pub peak_breakdown: ByCategory,
+    /// One entry per data-parallel rank; the top-level peaks are the maximum over them.
+    pub ranks: Vec<RankRecord>,
     /// Optimizer steps skipped because the gradient was not finite.
     pub skipped_steps: u64,
     /// fp16: the final dynamic loss scale; `null` for fp32 and bf16.
@@ -206,18 +230,71 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
     if opts.threads == Some(0) {
         return Err(Error::invalid_arg("--threads", "must be at least 1"));
     }
+    validate_sharding(t)
+}
+
+/// Checks `--ranks`, `--sharding` and `--bucket-view` together.
+pub fn validate_sharding(t: &TrainConfig) -> Result<()> {
+    if !(1..=MAX_RANKS).contains(&t.ranks) {
+        return Err(Error::invalid_arg(
+            "--ranks",
+            format!("{} is outside 1..={MAX_RANKS}", t.ranks),
+        ));
+    }
+    if t.ranks > 1 && t.sharding == Sharding::None {
+        return Err(Error::invalid_arg(
+            "--sharding",
+            format!(
+                "{} ranks need a data-parallel scheme: ddp, zero1, zero2 or zero3",
+                t.ranks
+            ),
+        ));
+    }
+    if t.sharding.shards_optimizer() && t.ranks < 2 {
+        return Err(Error::invalid_arg(
+            "--sharding",
+            format!(
+                "{} shards state over ranks, so it needs --ranks 2 or more",
+                knob(t.sharding)
+            ),
+        ));
+    }
+    if t.bucket_view && t.sharding != Sharding::Ddp {
+        return Err(Error::invalid_arg(
+            "--bucket-view",
+            "gradient buckets belong to ddp; use it with --sharding ddp",
+        ));
+    }
+    if t.sharding.shards_optimizer() && t.optimizer == Optimizer::Adafactor {
+        return Err(Error::invalid_arg(
+            "--optimizer",
+            format!(
+                "adafactor factors each matrix's second moment over whole rows and columns, which {}'s flat shards split; use ddp, or an elementwise optimizer (adamw, adamw8bit, sgd)",
+                knob(t.sharding)
+            ),
+        ));
+    }
     Ok(())
 }
+
+/// Ranks one run may simulate (threads on cpu).
+pub const MAX_RANKS: usize = 256;
 
 /// Runs `memfit run`. An out-of-memory run still returns its report (with
 /// `error` set) alongside the error, so the caller can print both.
 pub fn run(opts: &RunOptions) -> Result<(RunReport, Option<Error>)> {
     let model = load_model(&opts.model)?;
     validate(opts, &model)?;
+    let n = opts.train.ranks;
+    // A single rank without sharding needs no communicator.
+    let distributed = n > 1 || opts.train.sharding != Sharding::None;
     match opts.device.kind {
         DeviceKind::Meta => {
-            let be = MetaBackend::emulating_cpu();
-            run_on(opts, model, be, None)
+            let backends = (0..n).map(|_| MetaBackend::emulating_cpu()).collect();
+            let comms = (0..n)
+                .map(|r| distributed.then(|| Box::new(MetaComm::new(r, n)) as Comm<MetaBackend>))
+                .collect();
+            run_on(opts, model, backends, comms, None)
         }
         DeviceKind::Cpu => {
             let threads = opts
@@ -239,16 +316,25 @@ pub fn run(opts: &RunOptions) -> Result<(RunReport, Option<Error>)> {
                 ));
             }
             data.check_seq_len(opts.train.seq_len)?;
-            let be = CpuBackend::new(threads).map_err(Error::Unavailable)?;
-            // Without a limit, the host's available memory is the capacity, so a
-            // model too big for this machine is a typed out-of-memory, not an abort.
+            // Ranks are threads sharing the cores.
+            let per_rank = (threads / n).max(1);
+            let backends = (0..n)
+                .map(|_| CpuBackend::new(per_rank).map_err(Error::Unavailable))
+                .collect::<Result<Vec<_>>>()?;
+            let comms = cpu_group(n)
+                .into_iter()
+                .map(|c| distributed.then(|| Box::new(c) as Comm<CpuBackend>))
+                .collect();
             let mut opts = opts.clone();
-            // A limit above the host's memory cannot be emulated: cap it there.
-            opts.device.limit = match (opts.device.limit, host_available_memory()) {
+            // Without a limit, each rank's capacity is its share of the host's
+            // available memory, so a model too big for this machine is a typed
+            // out-of-memory, not an abort; a larger limit is capped there too.
+            let host = host_available_memory().map(|h| h / n as u64);
+            opts.device.limit = match (opts.device.limit, host) {
                 (Some(l), Some(h)) => Some(l.min(h)),
                 (l, h) => l.or(h),
             };
-            run_on(&opts, model, be, Some(&mut data))
+            run_on(&opts, model, backends, comms, Some(&mut data))
         }
         DeviceKind::Cuda => Err(Error::Unavailable(
             "the cuda backend is not part of this build yet; use --device cpu, or --device meta to predict memory".into(),
@@ -256,13 +342,19 @@ pub fn run(opts: &RunOptions) -> Result<(RunReport, Option<Error>)> {
     }
 }
 
-fn run_on<B: Backend>(
+fn run_on<B>(
     opts: &RunOptions,
     model: ModelConfig,
-    be: B,
+    backends: Vec<B>,
+    comms: Vec<Option<Comm<B>>>,
     data: Option<&mut DataSource>,
-) -> Result<(RunReport, Option<Error>)> {
-    let meta = !be.holds_data();
+) -> Result<(RunReport, Option<Error>)>
+where
+    B: Backend + Send,
+    B::Buf: Send,
+{
+    let meta = !backends[0].holds_data();
+    let n = backends.len();
     let mut report = RunReport {
         model: model.name.clone(),
         family: model.family,
@@ -288,11 +380,12 @@ fn run_on<B: Backend>(
         capacity_bytes: opts.device.limit,
         steps: Vec::new(),
         tokens_per_s: None,
-        tokens_per_step: opts.train.micro_batch * opts.train.seq_len * opts.train.grad_accum,
+        tokens_per_step: opts.train.micro_batch * opts.train.seq_len * opts.train.grad_accum * n,
         flops_per_step: 0,
         bytes_moved_per_step: 0,
         peak_bytes: PeakBytes::default(),
         peak_breakdown: ByCategory::default(),
+        ranks: Vec::new(),
         skipped_steps: 0,
         loss_scale: None,
         error: None,
@@ -306,30 +399,40 @@ fn run_on<B: Backend>(
         None => None,
     };
     let capacity = report.capacity_bytes;
-    let mut engine = match Engine::new(model, opts.train.clone(), be, capacity) {
-        Ok(e) => e,
-        Err(oom) => {
+    let mut cluster = match Cluster::new(&model, &opts.train, backends, comms, capacity) {
+        Ok(c) => c,
+        Err((rank, oom)) => {
             // Nothing beyond the refused allocation was recorded; rebuild the tracker's view.
-            report.error = Some(ErrorRecord::from(&oom));
+            report.error = Some(ErrorRecord::new(&oom, n, rank));
             let mut t = Tracker::new(None);
             for (c, b) in oom.live.iter() {
                 if b > 0 {
                     t.alloc(c, b).expect("no capacity");
                 }
             }
-            fill_peaks(&mut report, &t);
+            fill_peaks(&mut report, std::slice::from_ref(&t), &[(0, 0)]);
             return Ok((report, Some(Error::Oom(oom))));
         }
     };
-    // The timeline grows with every step: keep it only when asked for.
-    engine.dev.tracker.set_recording(opts.timeline.is_some());
+    for e in &mut cluster.ranks {
+        // The timeline grows with every step: keep it only when asked for.
+        e.dev.tracker.set_recording(opts.timeline.is_some());
+    }
     let steps = if meta { 1 } else { opts.steps };
     let mut data = data;
     let mut times = Vec::new();
     let mut failure = None;
+    let mut wire = vec![(0, 0); n];
     let (b, t) = (opts.train.micro_batch, opts.train.seq_len);
     for step in 0..steps {
-        engine.dev.cost = CostCounter::default();
+        let before: Vec<(u64, u64)> = cluster
+            .ranks
+            .iter_mut()
+            .map(|e| {
+                e.dev.cost = CostCounter::default();
+                (e.dev.sent, e.dev.received)
+            })
+            .collect();
         let start = Instant::now();
         // Batches are made one micro-batch at a time, after their device buffers
         // were granted, and never on meta.
@@ -340,9 +443,13 @@ fn run_on<B: Backend>(
                 targets: Vec::new(),
             },
         };
-        let result = engine.step_from(opts.train.grad_accum, next);
-        report.flops_per_step = engine.dev.cost.flops();
-        report.bytes_moved_per_step = engine.dev.cost.bytes();
+        let result = cluster.step_from(opts.train.grad_accum, next);
+        let e0 = &cluster.ranks[0];
+        report.flops_per_step = e0.dev.cost.flops();
+        report.bytes_moved_per_step = e0.dev.cost.bytes();
+        for ((w, e), (s0, r0)) in wire.iter_mut().zip(&cluster.ranks).zip(before) {
+            *w = (e.dev.sent - s0, e.dev.received - r0);
+        }
         match result {
             Ok(r) => {
                 let secs = start.elapsed().as_secs_f64();
@@ -354,12 +461,12 @@ fn run_on<B: Backend>(
                         grad_norm,
                         ms: secs * 1e3,
                         skipped: r.skipped,
-                        loss_scale: engine.loss_scale(),
+                        loss_scale: e0.loss_scale(),
                     });
                 }
             }
-            Err(oom) => {
-                report.error = Some(ErrorRecord::from(&oom));
+            Err((rank, oom)) => {
+                report.error = Some(ErrorRecord::new(&oom, n, rank));
                 failure = Some(Error::Oom(oom));
                 break;
             }
@@ -374,15 +481,17 @@ fn run_on<B: Backend>(
         let mean = timed.iter().sum::<f64>() / timed.len() as f64;
         report.tokens_per_s = Some(report.tokens_per_step as f64 / mean);
     }
-    report.skipped_steps = engine.skipped_steps();
-    report.loss_scale = engine.loss_scale();
-    fill_peaks(&mut report, &engine.dev.tracker);
+    let e0 = &cluster.ranks[0];
+    report.skipped_steps = e0.skipped_steps();
+    report.loss_scale = e0.loss_scale();
+    let trackers: Vec<Tracker> = cluster
+        .ranks
+        .iter()
+        .map(|e| e.dev.tracker.clone())
+        .collect();
+    fill_peaks(&mut report, &trackers, &wire);
     if let Some(path) = &opts.timeline {
-        write_timeline(
-            path,
-            timeline_file.take().expect("opened"),
-            &engine.dev.tracker,
-        )?;
+        write_timeline(path, timeline_file.take().expect("opened"), &trackers)?;
     }
     Ok((report, failure))
 }
@@ -395,30 +504,59 @@ fn host_available_memory() -> Option<u64> {
     Some(kib * 1024)
 }
 
-fn fill_peaks(report: &mut RunReport, t: &Tracker) {
-    report.peak_bytes = t.peak_bytes();
-    report.peak_breakdown = t.at_peak();
+/// Per-rank peaks and traffic; the top level is the maximum over ranks (the
+/// breakdown is the fullest rank's).
+fn fill_peaks(report: &mut RunReport, trackers: &[Tracker], wire: &[(u64, u64)]) {
+    report.ranks = trackers
+        .iter()
+        .zip(wire)
+        .enumerate()
+        .map(|(rank, (t, &(sent, received)))| RankRecord {
+            rank,
+            peak_bytes: t.peak_bytes(),
+            peak_breakdown: t.at_peak(),
+            sent_bytes_per_step: sent,
+            received_bytes_per_step: received,
+        })
+        .collect();
+    let mut top = PeakBytes::default();
+    for r in &report.ranks {
+        for c in Category::ALL {
+            top.set(c, top.get(c).max(r.peak_bytes.get(c)));
+        }
+        top.total = top.total.max(r.peak_bytes.total);
+    }
+    report.peak_bytes = top;
+    if let Some(fullest) = report.ranks.iter().max_by_key(|r| r.peak_bytes.total) {
+        report.peak_breakdown = fullest.peak_breakdown;
+    }
 }
 
-/// The timeline as CSV: one line per allocation or free.
-pub fn write_timeline(path: &std::path::Path, file: std::fs::File, t: &Tracker) -> Result<()> {
+/// The timeline as CSV: one line per allocation or free, every rank's.
+pub fn write_timeline(
+    path: &std::path::Path,
+    file: std::fs::File,
+    trackers: &[Tracker],
+) -> Result<()> {
     let io = |source| Error::Write {
         path: path.to_path_buf(),
         source,
     };
     let mut w = std::io::BufWriter::new(file);
-    writeln!(w, "t_ns,phase,category,bytes,live_total").map_err(io)?;
-    for e in t.timeline() {
-        writeln!(
-            w,
-            "{},{},{},{},{}",
-            e.t_ns,
-            e.phase,
-            e.category.name(),
-            e.bytes,
-            e.live_total
-        )
-        .map_err(io)?;
+    writeln!(w, "rank,t_ns,phase,category,bytes,live_total").map_err(io)?;
+    for (rank, t) in trackers.iter().enumerate() {
+        for e in t.timeline() {
+            writeln!(
+                w,
+                "{rank},{},{},{},{},{}",
+                e.t_ns,
+                e.phase,
+                e.category.name(),
+                e.bytes,
+                e.live_total
+            )
+            .map_err(io)?;
+        }
     }
     w.flush().map_err(io)
 }
@@ -491,11 +629,22 @@ pub fn render_table(r: &RunReport) -> String {
         r.flops_per_step as f64 / 1e9,
         fmt_bytes(u64::try_from(r.bytes_moved_per_step).unwrap_or(u64::MAX))
     );
+    let n = r.ranks.len();
     let _ = writeln!(
         s,
-        "\npeak memory{}:",
-        r.capacity_bytes
-            .map_or(String::new(), |c| format!(" (capacity {})", fmt_bytes(c)))
+        "\npeak memory{}{}:",
+        if n > 1 {
+            format!(
+                " per rank, highest of {n} ranks ({})",
+                knob(c.train.sharding)
+            )
+        } else {
+            String::new()
+        },
+        r.capacity_bytes.map_or(String::new(), |c| format!(
+            " (capacity {} each)",
+            fmt_bytes(c)
+        ))
     );
     let _ = writeln!(
         s,
@@ -513,6 +662,23 @@ pub fn render_table(r: &RunReport) -> String {
         );
     }
     let _ = writeln!(s, "  {:<12} {:>12}", "total", fmt_bytes(r.peak_bytes.total));
+    if n > 1 {
+        let _ = writeln!(
+            s,
+            "\n  {:<6} {:>12} {:>14} {:>14}",
+            "rank", "peak", "sent/step", "received/step"
+        );
+        for rr in &r.ranks {
+            let _ = writeln!(
+                s,
+                "  {:<6} {:>12} {:>14} {:>14}",
+                rr.rank,
+                fmt_bytes(rr.peak_bytes.total),
+                fmt_bytes(rr.sent_bytes_per_step),
+                fmt_bytes(rr.received_bytes_per_step)
+            );
+        }
+    }
     if let Some(e) = &r.error {
         let _ = writeln!(s, "\nerror: {}", e.message);
     }

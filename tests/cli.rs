@@ -230,7 +230,7 @@ fn table_output_and_timeline() {
         assert!(text.contains(needle), "{needle} missing from:\n{text}");
     }
     let csv = std::fs::read_to_string(&timeline).unwrap();
-    assert!(csv.starts_with("t_ns,phase,category,bytes,live_total"));
+    assert!(csv.starts_with("rank,t_ns,phase,category,bytes,live_total"));
     assert!(csv.contains(",backward:1,activations,-"));
     std::fs::remove_file(timeline).unwrap();
 }
@@ -365,4 +365,106 @@ fn oversized_inputs_are_errors_not_wraparounds_or_aborts() {
         assert_eq!(out.status.code(), Some(code), "{args:?}: {}", stderr(&out));
         assert!(!stderr(&out).contains("panicked"), "{args:?}");
     }
+}
+
+#[test]
+fn ranks_and_sharding_report_every_rank() {
+    let out = memfit(&[
+        "run",
+        "--model",
+        "gpt2-tiny",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "2",
+        "--steps",
+        "2",
+        "--ranks",
+        "2",
+        "--sharding",
+        "zero3",
+        "--format",
+        "json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let doc = json(&out);
+    assert_eq!(doc["config"]["ranks"], 2);
+    assert_eq!(doc["config"]["sharding"], "zero3");
+    assert_eq!(doc["tokens_per_step"], 2 * 32 * 2, "global batch");
+    let ranks = doc["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 2);
+    for r in ranks {
+        assert!(r["peak_bytes"]["communication"].as_u64().unwrap() > 0);
+        assert!(r["sent_bytes_per_step"].as_u64().unwrap() > 0);
+        assert!(r["received_bytes_per_step"].as_u64().unwrap() > 0);
+        assert!(r["peak_bytes"]["total"].as_u64() <= doc["peak_bytes"]["total"].as_u64());
+    }
+    assert_eq!(doc["steps"].as_array().unwrap().len(), 2);
+
+    // A table shows the ranks too; meta plans the same job.
+    let out = memfit(&[
+        "run",
+        "--model",
+        "llama-3.1-8b",
+        "--seq-len",
+        "1024",
+        "--micro-batch",
+        "1",
+        "--ranks",
+        "8",
+        "--sharding",
+        "zero3",
+        "--precision",
+        "bf16",
+        "--device",
+        "meta",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("communication"), "{text}");
+    assert!(text.contains("8 ranks"), "{text}");
+
+    for (args, flag) in [
+        (vec!["--ranks", "2"], "--sharding"),
+        (vec!["--sharding", "zero3"], "--sharding"),
+        (vec!["--ranks", "0", "--sharding", "ddp"], "--ranks"),
+        (
+            vec!["--ranks", "2", "--sharding", "zero2", "--bucket-view"],
+            "--bucket-view",
+        ),
+        (
+            vec![
+                "--ranks",
+                "2",
+                "--sharding",
+                "zero1",
+                "--optimizer",
+                "adafactor",
+            ],
+            "--optimizer",
+        ),
+    ] {
+        let mut all = vec!["run", "--steps", "1"];
+        all.extend(args.iter());
+        let out = memfit(&all);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(stderr(&out).contains(flag), "{args:?}: {}", stderr(&out));
+    }
+
+    // Out of memory on a rank: exit 3, the error names the rank, nobody hangs.
+    let out = memfit(&[
+        "run",
+        "--ranks",
+        "2",
+        "--sharding",
+        "ddp",
+        "--device",
+        "cpu:limit=1MiB",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    let doc = json(&out);
+    assert_eq!(doc["error"]["kind"], "oom");
+    assert!(doc["error"]["rank"].is_u64());
 }

@@ -189,6 +189,29 @@ impl CpuBuf {
         }
     }
 
+    /// Elements `off..off + n` of a float buffer as `f32` (only that range is widened).
+    pub fn read_range(&self, off: usize, n: usize) -> Cow<'_, [f32]> {
+        match self {
+            CpuBuf::F32(v) => Cow::Borrowed(&v[off..off + n]),
+            CpuBuf::Bf16(v) => Cow::Owned(v[off..off + n].to_f32_vec()),
+            CpuBuf::F16(v) => Cow::Owned(v[off..off + n].to_f32_vec()),
+            other => dtype_mismatch(DType::F32, other.dtype()),
+        }
+    }
+
+    /// Stores `vals` at `off..` (rounded to nearest even into a 16-bit buffer),
+    /// or adds them in f32 and stores the rounded sums when `accumulate`.
+    pub fn write_range(&mut self, off: usize, vals: &[f32], accumulate: bool) {
+        let n = vals.len();
+        match self {
+            CpuBuf::F32(v) if accumulate => add_assign(&mut v[off..off + n], vals),
+            CpuBuf::F32(v) => v[off..off + n].copy_from_slice(vals),
+            CpuBuf::Bf16(v) => store_rounded(&mut v[off..off + n], vals, accumulate),
+            CpuBuf::F16(v) => store_rounded(&mut v[off..off + n], vals, accumulate),
+            other => dtype_mismatch(DType::F32, other.dtype()),
+        }
+    }
+
     /// The `u32` contents. Panics on another dtype.
     pub fn as_u32(&self) -> &[u32] {
         match self {
@@ -211,6 +234,20 @@ impl CpuBuf {
             CpuBuf::U8(v) => v,
             other => dtype_mismatch(DType::U8, other.dtype()),
         }
+    }
+}
+
+/// `dst = round(vals)` or `dst = round(dst + vals)`, the sum taken in f32.
+fn store_rounded<H>(dst: &mut [H], vals: &[f32], accumulate: bool)
+where
+    [H]: HalfFloatSliceExt,
+{
+    if accumulate {
+        let mut sum = dst.to_f32_vec();
+        add_assign(&mut sum, vals);
+        dst.convert_from_f32_slice(&sum);
+    } else {
+        dst.convert_from_f32_slice(vals);
     }
 }
 
@@ -813,6 +850,20 @@ impl Backend for CpuBackend {
 
     fn download_f32(&self, src: &CpuBuf) -> Option<Vec<f32>> {
         Some(src.wide().into_owned())
+    }
+
+    fn copy_slice(
+        &mut self,
+        dst: &mut CpuBuf,
+        dst_off: usize,
+        src: &CpuBuf,
+        src_off: usize,
+        n: usize,
+        accumulate: bool,
+    ) {
+        if n > 0 {
+            dst.write_range(dst_off, &src.read_range(src_off, n), accumulate);
+        }
     }
 
     fn convert(&mut self, dst: &mut CpuBuf, src: &CpuBuf, n: usize) {

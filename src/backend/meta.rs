@@ -34,6 +34,7 @@ impl Backend for MetaBackend {
     fn upload_f32(&mut self, _dst: &mut (), _src: &[f32]) {}
     fn upload_u32(&mut self, _dst: &mut (), _src: &[u32]) {}
     fn convert(&mut self, _dst: &mut (), _src: &(), _n: usize) {}
+    fn copy_slice(&mut self, _: &mut (), _: usize, _: &(), _: usize, _: usize, _: bool) {}
     fn download_f32(&self, _src: &()) -> Option<Vec<f32>> {
         None
     }

@@ -15,6 +15,7 @@
 
 pub mod cpu;
 mod cpu_attention;
+pub mod cpu_comm;
 mod cpu_optim;
 pub mod meta;
 
@@ -99,6 +100,18 @@ pub trait Backend {
     /// `dst (N) = src (N)` converted to `dst`'s element type (round to nearest
     /// even when narrowing): fp32 master weights to 16-bit working weights.
     fn convert(&mut self, dst: &mut Self::Buf, src: &Self::Buf, n: usize);
+    /// `dst[dst_off..dst_off + n] = src[src_off..src_off + n]` (or `+=` when
+    /// `accumulate`), converted to `dst`'s element type and rounded once:
+    /// shard extraction, and the copy-in and copy-out around collectives.
+    fn copy_slice(
+        &mut self,
+        dst: &mut Self::Buf,
+        dst_off: usize,
+        src: &Self::Buf,
+        src_off: usize,
+        n: usize,
+        accumulate: bool,
+    );
     /// The buffer's contents, or `None` on a backend that holds no data.
     fn download_f32(&self, src: &Self::Buf) -> Option<Vec<f32>>;
 

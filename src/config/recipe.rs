@@ -7,7 +7,7 @@ use serde::Deserialize;
 
 use super::profile::{key_location, parse_yaml};
 use crate::backend::DeviceSpec;
-use crate::engine::{Attention, Checkpointing, Optimizer, Precision};
+use crate::engine::{Attention, Checkpointing, Optimizer, Precision, Sharding};
 use crate::error::{Error, Result};
 
 /// Every key is optional; keys mirror the long flags with `-` as `_`.
@@ -32,6 +32,9 @@ pub struct RunRecipe {
     pub checkpointing: Option<Checkpointing>,
     pub attention: Option<Attention>,
     pub precision: Option<Precision>,
+    pub ranks: Option<usize>,
+    pub sharding: Option<Sharding>,
+    pub bucket_view: Option<bool>,
     pub threads: Option<usize>,
 }
 

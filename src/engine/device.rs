@@ -13,6 +13,7 @@ use serde::Serialize;
 use crate::backend::{
     AdafactorHyper, AdafactorSecond, AdafactorState, AdamHyper, AttnShape, Backend, DType, SgdHyper,
 };
+use crate::comm::{Collective, Op, wire_bytes};
 use crate::memory::{Category, OomError, Tracker};
 
 /// A device buffer with its size, element type and memory category.
@@ -67,7 +68,13 @@ pub struct Device<B: Backend> {
     pub be: B,
     pub tracker: Tracker,
     pub cost: CostCounter,
+    /// Bytes this rank sent and received in collectives (ring algorithms).
+    pub sent: u64,
+    pub received: u64,
 }
+
+/// A rank's collectives, as the engine holds them.
+pub type Comm<B> = Box<dyn Collective<<B as Backend>::Buf>>;
 
 type T<B> = Tensor<<B as Backend>::Buf>;
 
@@ -85,6 +92,8 @@ impl<B: Backend> Device<B> {
             be,
             tracker: Tracker::new(capacity),
             cost: CostCounter::default(),
+            sent: 0,
+            received: 0,
         }
     }
 
@@ -481,6 +490,89 @@ impl<B: Backend> Device<B> {
             2 * b(logits) + b(targets),
             |be| be.crossentropy_backward(&mut logits.buf, &targets.buf, dloss, n, v, vp),
         );
+    }
+
+    /// A zero-length stand-in for a tensor that is not resident (a zero3
+    /// parameter between its all-gathers, a zero2 gradient between backward
+    /// passes). Not tracked: it holds nothing.
+    pub fn placeholder(&mut self, dtype: DType, category: Category) -> T<B> {
+        Tensor {
+            buf: self.be.alloc(0, dtype),
+            len: 0,
+            dtype,
+            category,
+        }
+    }
+
+    /// Drops a placeholder made by [`Device::placeholder`].
+    pub fn drop_placeholder(&mut self, t: T<B>) {
+        debug_assert_eq!(t.len, 0, "only placeholders are dropped untracked");
+        self.be.free(t.buf);
+    }
+
+    /// `dst[dst_off..][..n] = src[src_off..][..n]` (or `+=`), in `dst`'s dtype.
+    pub fn copy_slice(
+        &mut self,
+        dst: &mut T<B>,
+        dst_off: usize,
+        src: &T<B>,
+        src_off: usize,
+        n: usize,
+        accumulate: bool,
+    ) {
+        assert!(
+            dst_off + n <= dst.len && src_off + n <= src.len,
+            "copy_slice out of range"
+        );
+        let bytes = (n * (dst.dtype.size() * (1 + accumulate as usize) + src.dtype.size())) as u64;
+        self.timed("copy", n * accumulate as usize, bytes, |be| {
+            be.copy_slice(&mut dst.buf, dst_off, &src.buf, src_off, n, accumulate)
+        });
+    }
+
+    fn count_wire(&mut self, comm: &dyn Collective<B::Buf>, op: Op, bytes: u64, root: usize) {
+        let (s, r) = wire_bytes(op, bytes, comm.world(), comm.rank(), root);
+        self.sent += s;
+        self.received += r;
+    }
+
+    /// In place: `t = sum over ranks of t`.
+    pub fn all_reduce(&mut self, comm: &mut dyn Collective<B::Buf>, t: &mut T<B>) {
+        self.count_wire(comm, Op::AllReduce, t.bytes(), 0);
+        self.timed("all_reduce", t.len, b(t), |_| {
+            comm.all_reduce_sum(&mut t.buf, t.len)
+        });
+    }
+
+    /// `out` (one shard) = this rank's shard of the sum of every rank's `inp`.
+    pub fn reduce_scatter(
+        &mut self,
+        comm: &mut dyn Collective<B::Buf>,
+        out: &mut T<B>,
+        inp: &T<B>,
+    ) {
+        assert_eq!(inp.len, out.len * comm.world(), "reduce-scatter sizes");
+        self.count_wire(comm, Op::ReduceScatter, inp.bytes(), 0);
+        self.timed("reduce_scatter", inp.len, b(inp) + b(out), |_| {
+            comm.reduce_scatter_sum(&mut out.buf, &inp.buf, out.len)
+        });
+    }
+
+    /// `out` = every rank's `inp` (one shard each), in rank order.
+    pub fn all_gather(&mut self, comm: &mut dyn Collective<B::Buf>, out: &mut T<B>, inp: &T<B>) {
+        assert_eq!(out.len, inp.len * comm.world(), "all-gather sizes");
+        self.count_wire(comm, Op::AllGather, out.bytes(), 0);
+        self.timed("all_gather", 0, b(inp) + b(out), |_| {
+            comm.all_gather(&mut out.buf, &inp.buf, inp.len)
+        });
+    }
+
+    /// In place: `t = root's t`.
+    pub fn broadcast(&mut self, comm: &mut dyn Collective<B::Buf>, t: &mut T<B>, root: usize) {
+        self.count_wire(comm, Op::Broadcast, t.bytes(), root);
+        self.timed("broadcast", 0, b(t), |_| {
+            comm.broadcast(&mut t.buf, t.len, root)
+        });
     }
 
     /// `dst = src` in `dst`'s dtype (fp32 master weights into 16-bit working weights).

@@ -13,8 +13,10 @@
 //!   after its backward, as PyTorch frees saved tensors when a node has run;
 //!   the logits buffer is turned into its own gradient in place.
 
+pub mod cluster;
 pub mod device;
 pub mod optim;
+pub mod shard;
 
 use crate::backend::{AttnShape, Backend, DType};
 use crate::config::model::{BlockIndex, Init, ParamIndex, ParamSpec};
@@ -23,9 +25,11 @@ use crate::data::Batch;
 use crate::memory::{Category, OomError, Phase};
 use crate::rng::Rng;
 
-pub use device::{CostCounter, Device, OpCost, Tensor};
+pub use device::{Comm, CostCounter, Device, OpCost, Tensor};
 use optim::OptState;
 pub use optim::{OptConfig, Optimizer};
+pub use shard::Sharding;
+use shard::{Dist, Stage};
 
 type T<B> = Tensor<<B as Backend>::Buf>;
 /// A norm's output, LayerNorm mean (gpt2 only) and reciprocal std.
@@ -63,6 +67,12 @@ pub struct TrainConfig {
     /// fp16 only: steps without an overflow before the scale doubles
     /// (`GradScaler`'s growth_interval, 2000).
     pub loss_scale_window: u32,
+    /// Data-parallel ranks; the global batch is micro_batch x grad_accum x ranks.
+    pub ranks: usize,
+    pub sharding: Sharding,
+    /// ddp: gradients are views into the all-reduce buckets
+    /// (`gradient_as_bucket_view`), so the buckets cost no memory of their own.
+    pub bucket_view: bool,
 }
 
 /// Storage precision of the working weights, activations and gradients.
@@ -185,6 +195,9 @@ impl Default for TrainConfig {
             precision: Precision::Fp32,
             initial_loss_scale: 65536.0,
             loss_scale_window: 2000,
+            ranks: 1,
+            sharding: Sharding::None,
+            bucket_view: false,
         }
     }
 }
@@ -280,6 +293,8 @@ pub struct Engine<B: Backend> {
     master: Vec<T<B>>,
     opt: Vec<OptState<T<B>>>,
     workspace: T<B>,
+    /// This rank's part in a data-parallel job; `None` for a single rank.
+    dist: Option<Dist<B>>,
     /// Optimizer steps taken.
     step: u64,
     /// Steps skipped because the gradient was not finite.
@@ -307,32 +322,85 @@ fn pair_mut<X>(v: &mut [X], i: usize, j: Option<usize>) -> (&mut X, Option<&mut 
 }
 
 impl<B: Backend> Engine<B> {
-    /// Allocates and initialises the model on `be`. Weights depend only on
-    /// `train.seed` (one seeded stream per tensor), never on the backend or threads.
+    /// Allocates and initialises the model on `be`, for one rank. Weights
+    /// depend only on `train.seed` (one seeded stream per tensor), never on
+    /// the backend or threads.
     pub fn new(
         model: ModelConfig,
         train: TrainConfig,
         be: B,
         capacity: Option<u64>,
     ) -> Result<Self, OomError> {
+        Self::new_rank(model, train, be, capacity, None)
+    }
+
+    /// One rank of a data-parallel job of `train.ranks` ranks talking through
+    /// `comm` (`None` for a single rank without sharding). Every rank starts
+    /// from the weights a single-rank run starts from: each initialises them
+    /// from the seed and keeps its shards; under ddp rank 0's weights are then
+    /// broadcast, as PyTorch DDP does at construction.
+    pub fn new_rank(
+        model: ModelConfig,
+        train: TrainConfig,
+        be: B,
+        capacity: Option<u64>,
+        comm: Option<Comm<B>>,
+    ) -> Result<Self, OomError> {
         let (specs, idx) = model.param_layout();
         let mut dev = Device::new(be, capacity);
         dev.tracker.set_phase(Phase::Init);
-        let alloc_all = |dev: &mut Device<B>, dtype, cat| -> Result<Vec<T<B>>, OomError> {
-            specs
-                .iter()
-                .map(|s| dev.alloc(s.numel(), dtype, cat))
-                .collect()
+        let numel: Vec<usize> = specs.iter().map(ParamSpec::numel).collect();
+        let mut dist = comm.map(|c| {
+            assert_eq!(c.world(), train.ranks, "one communicator rank per engine");
+            Dist::new(c, train.sharding, numel.clone(), &idx)
+        });
+        assert!(
+            dist.is_some() || (train.ranks == 1 && train.sharding == Sharding::None),
+            "ranks > 1 or sharding need a communicator"
+        );
+        let sharding = train.sharding;
+        // Elements of each tensor this rank keeps a copy of, per kind of state.
+        let shard_lens = dist.as_ref().map_or(numel.clone(), |d| d.shard.clone());
+        let alloc_all = |dev: &mut Device<B>, lens: &[usize], dtype, cat| {
+            lens.iter()
+                .map(|&n| dev.alloc(n, dtype, cat))
+                .collect::<Result<Vec<T<B>>, OomError>>()
+        };
+        let placeholders = |dev: &mut Device<B>, dtype, cat| {
+            (0..numel.len())
+                .map(|_| dev.placeholder(dtype, cat))
+                .collect::<Vec<_>>()
         };
         let wdt = train.precision.dtype();
-        let mut params = alloc_all(&mut dev, wdt, Category::Parameters)?;
-        let grads = alloc_all(&mut dev, wdt, Category::Gradients)?;
+        let mut params = if sharding.shards_parameters() {
+            let d = dist.as_mut().expect("sharded");
+            d.param_shards = alloc_all(&mut dev, &shard_lens, wdt, Category::Parameters)?;
+            placeholders(&mut dev, wdt, Category::Parameters)
+        } else {
+            alloc_all(&mut dev, &numel, wdt, Category::Parameters)?
+        };
+        let grads = if sharding.shards_gradients() {
+            let d = dist.as_mut().expect("sharded");
+            d.grad_shards = alloc_all(&mut dev, &shard_lens, wdt, Category::Gradients)?;
+            placeholders(&mut dev, wdt, Category::Gradients)
+        } else {
+            alloc_all(&mut dev, &numel, wdt, Category::Gradients)?
+        };
+        let opt_lens = if sharding.shards_optimizer() {
+            &shard_lens
+        } else {
+            &numel
+        };
         let mut master = if train.precision.has_master() {
-            alloc_all(&mut dev, DType::F32, Category::Optimizer)?
+            alloc_all(&mut dev, opt_lens, DType::F32, Category::Optimizer)?
         } else {
             Vec::new()
         };
-        let opt = optim::alloc_state(&mut dev, &specs, &train.opt())?;
+        let opt = optim::alloc_state(&mut dev, &specs, opt_lens, &train.opt())?;
+        if sharding == Sharding::Ddp {
+            let d = dist.as_mut().expect("ddp");
+            d.alloc_buckets(&mut dev, wdt, train.bucket_view)?;
+        }
         let shape = attn_shape(&model, &train);
         let ws_bytes = dev
             .be
@@ -340,11 +408,40 @@ impl<B: Backend> Engine<B> {
         let workspace = dev.alloc_f32(ws_bytes.div_ceil(4), Category::Workspace)?;
         if dev.be.holds_data() {
             let host = init_weights(&specs, train.seed);
-            for (t, h) in params.iter_mut().zip(&host) {
-                dev.be.upload_f32(&mut t.buf, h);
+            // The elements of each tensor this rank owns under sharding.
+            let owned: Vec<(usize, usize)> = match &dist {
+                Some(d) => (0..numel.len())
+                    .map(|i| (d.offset(i), d.valid(i, d.rank)))
+                    .collect(),
+                None => numel.iter().map(|&n| (0, n)).collect(),
+            };
+            let part = |i: usize, sharded: bool| -> &[f32] {
+                if sharded {
+                    &host[i][owned[i].0..][..owned[i].1]
+                } else {
+                    &host[i]
+                }
+            };
+            for (i, t) in params.iter_mut().enumerate() {
+                if !sharding.shards_parameters() {
+                    dev.be.upload_f32(&mut t.buf, part(i, false));
+                }
             }
-            for (t, h) in master.iter_mut().zip(&host) {
-                dev.be.upload_f32(&mut t.buf, h);
+            if let Some(d) = &mut dist {
+                for (i, t) in d.param_shards.iter_mut().enumerate() {
+                    dev.be.upload_f32(&mut t.buf, part(i, true));
+                }
+            }
+            for (i, t) in master.iter_mut().enumerate() {
+                dev.be
+                    .upload_f32(&mut t.buf, part(i, sharding.shards_optimizer()));
+            }
+        }
+        if let Some(d) = &mut dist
+            && sharding == Sharding::Ddp
+        {
+            for t in params.iter_mut() {
+                dev.broadcast(&mut *d.comm, t, 0);
             }
         }
         let loss_scale = match train.precision {
@@ -362,6 +459,7 @@ impl<B: Backend> Engine<B> {
             master,
             opt,
             workspace,
+            dist,
             step: 0,
             skipped_steps: 0,
             loss_scale,
@@ -429,9 +527,43 @@ impl<B: Backend> Engine<B> {
     }
 
     fn zero_grads(&mut self) {
-        for g in &mut self.grads {
+        let grads = match &mut self.dist {
+            // The full gradients are allocated zeroed, unit by unit.
+            Some(d) if d.sharding.shards_gradients() => &mut d.grad_shards,
+            _ => &mut self.grads,
+        };
+        for g in grads {
             self.dev.fill(g, 0.0);
         }
+    }
+
+    /// Ranks in the job (1 without data parallelism).
+    pub fn world(&self) -> usize {
+        self.dist.as_ref().map_or(1, |d| d.world)
+    }
+
+    /// This rank's shard of every weight under zero3 (`None` otherwise or on meta).
+    pub fn param_shards_host(&self) -> Option<Vec<Vec<f32>>> {
+        let d = self
+            .dist
+            .as_ref()
+            .filter(|d| d.sharding.shards_parameters())?;
+        d.param_shards
+            .iter()
+            .map(|t| self.dev.be.download_f32(&t.buf))
+            .collect()
+    }
+
+    /// Elements of tensor `i` rank `r` owns under sharding, from offset `r * shard`:
+    /// `(shard, owned)`.
+    pub fn shard_extent(&self, i: usize, r: usize) -> Option<(usize, usize)> {
+        self.dist.as_ref().map(|d| (d.shard[i], d.valid(i, r)))
+    }
+
+    /// Aborts this rank's collective group, so the other ranks never wait
+    /// for a rank that failed (`None` for a single rank).
+    pub fn abort_handle(&self) -> Option<crate::comm::AbortHandle> {
+        self.dist.as_ref().map(|d| d.comm.abort_handle())
     }
 
     fn attn_shape(&self) -> AttnShape {
@@ -467,10 +599,13 @@ impl<B: Backend> Engine<B> {
             loss_sum = loss_sum.zip(loss).map(|(s, l)| s + l as f64);
             // d(mean over k micro-batches of the mean over n tokens) / d(token
             // loss), times fp16's loss scale (1 otherwise)
-            let dloss = self.loss_scale / (self.train.micro_batch * self.train.seq_len * k) as f32;
+            // and summed over ranks: every rank scales by 1/ranks, the
+            // collectives add
+            let tokens = self.train.micro_batch * self.train.seq_len * k * self.world();
+            let dloss = self.loss_scale / tokens as f32;
             self.backward(acts, dloss)?;
         }
-        let (grad_norm, skipped) = self.optimizer_step();
+        let (grad_norm, skipped) = self.optimizer_step()?;
         Ok(StepReport {
             loss: loss_sum.map(|s| (s / k as f64) as f32),
             grad_norm,
@@ -530,9 +665,11 @@ impl<B: Backend> Engine<B> {
             model,
             dev,
             params: p,
+            grads: g,
             idx,
             train,
             workspace,
+            dist,
             ..
         } = self;
         let (t, n, c) = (
@@ -542,11 +679,17 @@ impl<B: Backend> Engine<B> {
         );
         let (v, vp, eps) = (model.vocab_size, model.padded_vocab(), model.norm_eps());
         let gpt2 = model.family == Family::Gpt2;
-        let opt = |i: Option<usize>| i.map(|i| &p[i]);
         let act = Category::Activations;
         let dt = train.precision.dtype();
+        // zero3 gathers a unit's weights before it runs and frees them after.
+        let mut hook = |dev: &mut Device<B>, p: &mut Vec<T<B>>, st: Stage, after: bool| match dist {
+            Some(d) if after => d.after(dev, p, g, st, false),
+            Some(d) => d.before(dev, p, g, st, false),
+            None => Ok(()),
+        };
 
         dev.tracker.set_phase(Phase::ForwardEmbed);
+        hook(dev, p, Stage::Embed, false)?;
         let mut tokens = dev.alloc(n, DType::U32, act)?;
         let mut targets = dev.alloc(n, DType::U32, act)?;
         if dev.be.holds_data() {
@@ -555,12 +698,15 @@ impl<B: Backend> Engine<B> {
             dev.be.upload_u32(&mut targets.buf, &batch.targets);
         }
         let mut emb = dev.alloc(n * c, dt, act)?;
-        dev.embed_forward(&mut emb, &tokens, &p[idx.wte], opt(idx.wpe), n, t, c);
+        let wpe = idx.wpe.map(|i| &p[i]);
+        dev.embed_forward(&mut emb, &tokens, &p[idx.wte], wpe, n, t, c);
+        hook(dev, p, Stage::Embed, true)?;
 
         let mut resid = vec![emb];
         let mut blocks = Vec::with_capacity(model.n_layer);
         for (l, bi) in idx.blocks.iter().enumerate() {
             dev.tracker.set_phase(Phase::Forward(l));
+            hook(dev, p, Stage::Block(l), false)?;
             let (a, out) = block_forward(
                 dev,
                 model,
@@ -572,6 +718,7 @@ impl<B: Backend> Engine<B> {
                 workspace,
                 true,
             )?;
+            hook(dev, p, Stage::Block(l), true)?;
             resid.push(out.expect("asked for the block output"));
             blocks.push(match train.checkpointing {
                 Checkpointing::None => Some(a),
@@ -585,14 +732,16 @@ impl<B: Backend> Engine<B> {
         }
 
         dev.tracker.set_phase(Phase::ForwardHead);
+        hook(dev, p, Stage::Head, false)?;
         let x = resid.last().expect("embedding output");
-        let (lnf, lnf_mean, lnf_rstd) =
-            norm_layer(dev, x, &p[idx.lnf_w], opt(idx.lnf_b), gpt2, n, c, eps)?;
+        let lnf_b = idx.lnf_b.map(|i| &p[i]);
+        let (lnf, lnf_mean, lnf_rstd) = norm_layer(dev, x, &p[idx.lnf_w], lnf_b, gpt2, n, c, eps)?;
         let head = idx.lm_head.unwrap_or(idx.wte);
         let mut logits = dev.alloc(n * vp, dt, act)?;
         dev.matmul_forward(&mut logits, &lnf, &p[head], None, n, c, vp);
         let mut losses = dev.alloc_f32(n, act)?;
         dev.crossentropy_forward(&mut losses, &logits, &targets, n, v, vp);
+        hook(dev, p, Stage::Head, true)?;
         Ok(Acts {
             tokens,
             targets,
@@ -617,8 +766,19 @@ impl<B: Backend> Engine<B> {
             idx,
             train,
             workspace,
+            dist,
             ..
         } = self;
+        // zero3 gathers a unit's weights for its backward; zero2/3 give it
+        // full gradients, reduce-scattered into the shards when it is done.
+        let mut hook =
+            |dev: &mut Device<B>, p: &mut Vec<T<B>>, g: &mut Vec<T<B>>, st: Stage, after: bool| {
+                match dist {
+                    Some(d) if after => d.after(dev, p, g, st, true),
+                    Some(d) => d.before(dev, p, g, st, true),
+                    None => Ok(()),
+                }
+            };
         let (t, n, c) = (
             train.seq_len,
             train.micro_batch * train.seq_len,
@@ -642,6 +802,7 @@ impl<B: Backend> Engine<B> {
         } = acts;
 
         dev.tracker.set_phase(Phase::BackwardHead);
+        hook(dev, p, g, Stage::Head, false)?;
         dev.free(losses);
         dev.crossentropy_backward(&mut logits, &targets, dloss, n, v, vp);
         dev.free(targets);
@@ -681,9 +842,11 @@ impl<B: Backend> Engine<B> {
             dev.free(x);
         }
         dev.free_opt(lnf_mean);
+        hook(dev, p, g, Stage::Head, true)?;
 
         for (l, bi) in idx.blocks.iter().enumerate().rev() {
             dev.tracker.set_phase(Phase::Backward(l));
+            hook(dev, p, g, Stage::Block(l), false)?;
             let x = &resid[l];
             let a = match blocks.pop().expect("one entry per block") {
                 Some(a) => a,
@@ -768,15 +931,18 @@ impl<B: Backend> Engine<B> {
             // Block l's output: its consumers (block l+1 or the head) are done.
             let out = resid.pop().expect("block output");
             dev.free(out);
+            hook(dev, p, g, Stage::Block(l), true)?;
         }
 
         dev.tracker.set_phase(Phase::BackwardEmbed);
+        hook(dev, p, g, Stage::Embed, false)?;
         let (dwte, dwpe) = pair_mut(g, idx.wte, idx.wpe);
         dev.embed_backward(dwte, dwpe, &dres, &tokens, n, t, c);
         let emb = resid.pop().expect("embedding output");
         for x in [dres, emb, tokens] {
             dev.free(x);
         }
+        hook(dev, p, g, Stage::Embed, true)?;
         Ok(())
     }
 
@@ -784,8 +950,9 @@ impl<B: Backend> Engine<B> {
     /// Returns the norm before clipping, and whether the update was skipped (a
     /// non-finite gradient: the parameters and optimizer state stay as they
     /// were, and under fp16 the loss scale halves, as PyTorch's `GradScaler`
-    /// and DeepSpeed's dynamic loss scaler do).
-    fn optimizer_step(&mut self) -> (Option<f32>, bool) {
+    /// and DeepSpeed's dynamic loss scaler do). Data parallelism first sums
+    /// the gradients over ranks (ddp, zero1; zero2/3 did it during backward).
+    fn optimizer_step(&mut self) -> Result<(Option<f32>, bool), OomError> {
         let Engine {
             dev,
             params,
@@ -794,13 +961,30 @@ impl<B: Backend> Engine<B> {
             opt,
             specs,
             train,
+            dist,
             ..
         } = self;
         dev.tracker.set_phase(Phase::Optimizer);
         let fp16 = train.precision == Precision::Fp16;
+        match dist.as_mut() {
+            Some(d) if d.sharding == Sharding::Ddp => d.all_reduce_grads(dev, grads),
+            Some(d) if d.sharding == Sharding::Zero1 => d.scatter_full_grads(dev, grads)?,
+            _ => {}
+        }
+        let sharded = dist.as_ref().is_some_and(|d| d.sharding.shards_optimizer());
         let mut norm_sq = Some(0.0f64);
-        for g in grads.iter() {
+        let local = match dist.as_ref() {
+            Some(d) if sharded => &d.grad_shards,
+            _ => &*grads,
+        };
+        for g in local {
             norm_sq = norm_sq.zip(dev.sum_squares(g)).map(|(a, b)| a + b);
+        }
+        if let Some(d) = dist.as_mut()
+            && sharded
+        {
+            // Each rank holds a disjoint shard: the global norm needs them all.
+            norm_sq = norm_sq.map(|s| d.comm.all_reduce_scalar(s));
         }
         // The gradients carry the loss scale (1 except under fp16).
         let norm = norm_sq.map(|s| s.sqrt() / self.loss_scale as f64);
@@ -810,7 +994,12 @@ impl<B: Backend> Engine<B> {
                 self.loss_scale *= 0.5;
                 self.good_steps = 0;
             }
-            return (norm.map(|n| n as f32), true);
+            if let Some(d) = dist.as_mut()
+                && d.sharding == Sharding::Zero1
+            {
+                d.drop_grad_shards(dev);
+            }
+            return Ok((norm.map(|n| n as f32), true));
         }
         // Same rule as torch.nn.utils.clip_grad_norm_: scale by clip / (norm + 1e-6) when norm > clip.
         let clip = match norm {
@@ -822,25 +1011,29 @@ impl<B: Backend> Engine<B> {
         // Unscaling and clipping fold into one multiplier the update applies.
         let grad_scale = (clip / self.loss_scale as f64) as f32;
         self.step += 1;
-        // Mixed precision updates the fp32 master copy, then rounds it into
-        // the 16-bit weights the next forward reads.
-        let updated = if master.is_empty() {
-            &mut params[..]
-        } else {
-            &mut master[..]
-        };
-        optim::update(
-            dev,
-            updated,
-            grads,
-            opt,
-            specs,
-            &train.opt(),
-            self.step,
-            grad_scale,
-        );
-        for (p, m) in params.iter_mut().zip(master.iter()) {
-            dev.convert(p, m);
+        let cfg = train.opt();
+        match dist.as_mut() {
+            Some(d) if sharded => {
+                sharded_update(
+                    dev, d, params, master, opt, specs, &cfg, self.step, grad_scale,
+                )?;
+                if d.sharding == Sharding::Zero1 {
+                    d.drop_grad_shards(dev);
+                }
+            }
+            _ => {
+                // Mixed precision updates the fp32 master copy, then rounds it
+                // into the 16-bit weights the next forward reads.
+                let updated = if master.is_empty() {
+                    &mut params[..]
+                } else {
+                    &mut master[..]
+                };
+                optim::update(dev, updated, grads, opt, specs, &cfg, self.step, grad_scale);
+                for (p, m) in params.iter_mut().zip(master.iter()) {
+                    dev.convert(p, m);
+                }
+            }
         }
         if fp16 {
             self.good_steps += 1;
@@ -849,7 +1042,7 @@ impl<B: Backend> Engine<B> {
                 self.good_steps = 0;
             }
         }
-        (norm.map(|n| n as f32), false)
+        Ok((norm.map(|n| n as f32), false))
     }
 
     /// Frees everything the engine holds; the tracker then shows zero live bytes.
@@ -865,8 +1058,77 @@ impl<B: Backend> Engine<B> {
         }
         optim::free_state(&mut dev, std::mem::take(&mut self.opt));
         dev.free(self.workspace);
+        if let Some(d) = self.dist.take() {
+            d.release_all(&mut dev);
+        }
         dev
     }
+}
+
+/// The optimizer step when the state is sharded (zero1/2/3): each rank
+/// updates its shard of every tensor, then zero1/2 all-gather the new weights
+/// (the full weights stay resident), and zero3 keeps only its shard.
+fn sharded_update<B: Backend>(
+    dev: &mut Device<B>,
+    d: &mut Dist<B>,
+    params: &mut [T<B>],
+    master: &mut [T<B>],
+    opt: &mut [OptState<T<B>>],
+    specs: &[ParamSpec],
+    cfg: &optim::OptConfig,
+    step: u64,
+    grad_scale: f32,
+) -> Result<(), OomError> {
+    let tmp = Category::Temporaries;
+    for (i, spec) in specs.iter().enumerate() {
+        let (s, own, off) = (d.shard[i], d.valid(i, d.rank), d.offset(i));
+        let wdt = if d.sharding.shards_parameters() {
+            d.param_shards[i].dtype
+        } else {
+            params[i].dtype
+        };
+        // What the update writes: the fp32 master shard, zero3's own weight
+        // shard, or (fp32 zero1/2) the owned slice of the full weight.
+        let mut slice = None;
+        if master.is_empty() && !d.sharding.shards_parameters() {
+            let mut t = dev.alloc(s, wdt, tmp)?;
+            dev.copy_slice(&mut t, 0, &params[i], off, own, false);
+            slice = Some(t);
+        }
+        {
+            let g = &d.grad_shards[i];
+            let target = match slice.as_mut() {
+                Some(t) => t,
+                None if !master.is_empty() => &mut master[i],
+                None => &mut d.param_shards[i],
+            };
+            optim::update_one(dev, target, g, &mut opt[i], spec, cfg, step, grad_scale);
+        }
+        if d.sharding.shards_parameters() {
+            if !master.is_empty() {
+                dev.convert(&mut d.param_shards[i], &master[i]);
+            }
+            continue;
+        }
+        // zero1/2: every rank needs every weight back.
+        let send = match slice {
+            Some(t) => t,
+            None => {
+                let mut t = dev.alloc(s, wdt, tmp)?;
+                dev.convert(&mut t, &master[i]);
+                t
+            }
+        };
+        let mut recv = dev.alloc(s * d.world, wdt, Category::Communication)?;
+        dev.all_gather(&mut *d.comm, &mut recv, &send);
+        dev.free(send);
+        for r in 0..d.world {
+            let v = d.valid(i, r);
+            dev.copy_slice(&mut params[i], r * s, &recv, r * s, v, false);
+        }
+        dev.free(recv);
+    }
+    Ok(())
 }
 
 /// One transformer block's forward pass from its input `x` (N,C): the saved

@@ -109,17 +109,21 @@ impl<X> OptState<X> {
     }
 }
 
-/// Allocates the state of every tensor, zero-filled (as PyTorch initialises it).
+/// Allocates the state of every tensor, zero-filled (as PyTorch initialises
+/// it). `lens[i]` is how many elements of tensor `i` this rank updates: the
+/// whole tensor, or its shard under ZeRO (8-bit AdamW then quantises the
+/// shard in its own blocks, as bitsandbytes does under FSDP).
 pub fn alloc_state<B: Backend>(
     dev: &mut Device<B>,
     specs: &[ParamSpec],
+    lens: &[usize],
     cfg: &OptConfig,
 ) -> Result<Vec<OptState<T<B>>>, OomError> {
     let cat = Category::Optimizer;
     specs
         .iter()
-        .map(|spec| {
-            let n = spec.numel();
+        .zip(lens)
+        .map(|(spec, &n)| {
             Ok(match cfg.kind {
                 Optimizer::Adamw => OptState::Adam {
                     m: dev.alloc_f32(n, cat)?,
@@ -139,6 +143,11 @@ pub fn alloc_state<B: Backend>(
                     v: dev.alloc_f32(n, cat)?,
                 },
                 Optimizer::Adafactor => {
+                    assert_eq!(
+                        n,
+                        spec.numel(),
+                        "Adafactor's factored state needs whole tensors"
+                    );
                     let second = if spec.shape.len() >= 2 {
                         let cols = *spec.shape.last().expect("2-D");
                         let rows = n / cols;
@@ -189,13 +198,38 @@ pub fn update<B: Backend>(
     grad_scale: f32,
 ) {
     for (i, spec) in specs.iter().enumerate() {
+        update_one(
+            dev,
+            &mut params[i],
+            &grads[i],
+            &mut state[i],
+            spec,
+            cfg,
+            step,
+            grad_scale,
+        );
+    }
+}
+
+/// One update of one tensor (or of this rank's shard of it: `p`, `g` and the
+/// state all hold the shard's elements).
+pub fn update_one<B: Backend>(
+    dev: &mut Device<B>,
+    p: &mut T<B>,
+    g: &T<B>,
+    state: &mut OptState<T<B>>,
+    spec: &ParamSpec,
+    cfg: &OptConfig,
+    step: u64,
+    grad_scale: f32,
+) {
+    {
         // Decoupled weight decay on matrices only (biases, norms and other 1-D tensors are exempt).
         let weight_decay = if spec.shape.len() >= 2 {
             cfg.weight_decay
         } else {
             0.0
         };
-        let (p, g) = (&mut params[i], &grads[i]);
         let beta1 = cfg.beta1.unwrap_or(0.9);
         let adam = AdamHyper {
             lr: cfg.lr.unwrap_or(0.0),
@@ -207,7 +241,7 @@ pub fn update<B: Backend>(
             v_corr: 1.0 / (1.0 - cfg.beta2.powi(step as i32)),
             grad_scale,
         };
-        match &mut state[i] {
+        match state {
             OptState::Adam { m, v } => dev.adamw_update(p, g, m, v, adam),
             OptState::Adam8 {
                 m,

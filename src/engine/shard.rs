@@ -1,0 +1,548 @@
+//! Data parallelism and ZeRO sharding: what each rank holds, and the
+//! collectives that move gradients and parameters between ranks.
+//!
+//! Levels follow the ZeRO paper (Rajbhandari et al., ZeRO: Memory Optimizations
+//! Toward Training Trillion Parameter Models, 2020) and PyTorch FSDP:
+//!
+//! | level | parameters | gradients | master + optimizer state |
+//! |---|---|---|---|
+//! | ddp   | full | full, all-reduced at the end of backward | full |
+//! | zero1 | full | full, accumulated locally, reduce-scattered into 1/N shards for the step | 1/N shard |
+//! | zero2 | full | unit by unit: full while the unit's backward runs, then reduce-scattered into a 1/N shard | 1/N shard |
+//! | zero3 | 1/N shard, all-gathered per unit just before its forward and its backward, freed after | as zero2 | 1/N shard |
+//!
+//! Shards are per tensor, as DeepSpeed ZeRO-3 partitions each parameter: a
+//! tensor of `n` elements has shards of `ceil(n/N)` elements on every rank;
+//! rank `r` owns elements `r*s ..` and the last ranks carry zero padding, which
+//! is allocated and counted. Padding stays zero through every update (zero
+//! gradient, zero state, zero weight).
+//!
+//! zero3's units are FSDP units: the embedding, each transformer block, and
+//! the head (final norm and output projection). A tied head reads the
+//! embedding's weight, so the head's forward and backward also gather the
+//! embedding unit, and the embedding's gradient lives from the head's backward
+//! to the embedding's. A unit's all-gather is FSDP2's: the rank's shards are
+//! copied into one flat send buffer, all-gathered into a flat `N x` buffer,
+//! then copied out into the unit's full tensors (both flat buffers count as
+//! `communication`). The next unit's all-gather is issued before the current
+//! unit runs (prefetch), so two units are resident at the peak.
+
+use super::T;
+use super::device::{Comm, Device};
+use crate::backend::{Backend, DType};
+use crate::config::model::ParamIndex;
+use crate::memory::{Category, OomError};
+
+/// How the training state is spread over the ranks.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Sharding {
+    /// One rank, nothing to share.
+    #[default]
+    None,
+    /// Replicated everything; gradients all-reduced in buckets.
+    Ddp,
+    /// ZeRO stage 1: optimizer state and master weights sharded.
+    Zero1,
+    /// ZeRO stage 2: and gradients.
+    Zero2,
+    /// ZeRO stage 3 / FSDP full sharding: and parameters.
+    Zero3,
+}
+
+impl Sharding {
+    pub fn shards_optimizer(self) -> bool {
+        matches!(self, Sharding::Zero1 | Sharding::Zero2 | Sharding::Zero3)
+    }
+    pub fn shards_gradients(self) -> bool {
+        matches!(self, Sharding::Zero2 | Sharding::Zero3)
+    }
+    pub fn shards_parameters(self) -> bool {
+        self == Sharding::Zero3
+    }
+}
+
+/// PyTorch DDP's bucket sizes: the first bucket is capped at 1 MiB
+/// (`dist._DEFAULT_FIRST_BUCKET_BYTES`) so that communication starts early,
+/// the others at `bucket_cap_mb = 25`.
+pub const FIRST_BUCKET_BYTES: usize = 1 << 20;
+pub const BUCKET_BYTES: usize = 25 << 20;
+
+/// DDP's gradient buckets: parameter indices in reverse order (the order
+/// backward produces gradients), greedily packed up to the caps; a tensor
+/// larger than a cap gets a bucket of its own.
+pub fn buckets(bytes: &[usize]) -> Vec<Vec<usize>> {
+    let mut out = Vec::new();
+    let (mut cur, mut fill) = (Vec::new(), 0);
+    for i in (0..bytes.len()).rev() {
+        let cap = if out.is_empty() {
+            FIRST_BUCKET_BYTES
+        } else {
+            BUCKET_BYTES
+        };
+        if !cur.is_empty() && fill + bytes[i] > cap {
+            out.push(std::mem::take(&mut cur));
+            fill = 0;
+        }
+        cur.push(i);
+        fill += bytes[i];
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// One DDP bucket: its tensors and, unless gradients are views into it
+/// (`--bucket-view`), its own flat buffer.
+pub struct Bucket<X> {
+    pub params: Vec<usize>,
+    pub buf: Option<X>,
+}
+
+/// The FSDP units of a model: `[embedding, block 0, ..., block L-1, head]`.
+pub fn units(idx: &ParamIndex) -> Vec<Vec<usize>> {
+    let mut out = vec![std::iter::once(idx.wte).chain(idx.wpe).collect()];
+    for b in &idx.blocks {
+        out.push(
+            [
+                Some(b.ln1_w),
+                b.ln1_b,
+                Some(b.qkv_w),
+                b.qkv_b,
+                Some(b.o_w),
+                b.o_b,
+                Some(b.ln2_w),
+                b.ln2_b,
+                Some(b.up_w),
+                b.up_b,
+                Some(b.down_w),
+                b.down_b,
+            ]
+            .into_iter()
+            .flatten()
+            .collect(),
+        );
+    }
+    out.push(
+        std::iter::once(idx.lnf_w)
+            .chain(idx.lnf_b)
+            .chain(idx.lm_head)
+            .collect(),
+    );
+    out
+}
+
+/// One rank's view of a data-parallel job.
+pub struct Dist<B: Backend> {
+    pub comm: Comm<B>,
+    pub sharding: Sharding,
+    pub rank: usize,
+    pub world: usize,
+    /// Elements of each tensor, and of each tensor's shard (`ceil(n / N)`).
+    pub numel: Vec<usize>,
+    pub shard: Vec<usize>,
+    pub units: Vec<Vec<usize>>,
+    /// Where tensor `i`'s shard starts in its unit's flat shard, and each
+    /// unit's flat shard length.
+    unit_off: Vec<usize>,
+    unit_len: Vec<usize>,
+    tied: bool,
+    /// zero3: this rank's shard of every weight (the working dtype).
+    pub param_shards: Vec<T<B>>,
+    /// zero2/3: this rank's shard of every gradient.
+    pub grad_shards: Vec<T<B>>,
+    /// ddp: gradient buckets.
+    pub buckets: Vec<Bucket<T<B>>>,
+    gathered: Vec<bool>,
+    grads_live: Vec<bool>,
+}
+
+/// A step of the forward or backward schedule, for the unit hooks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    Embed,
+    Block(usize),
+    Head,
+}
+
+impl<B: Backend> Dist<B> {
+    pub fn new(comm: Comm<B>, sharding: Sharding, numel: Vec<usize>, idx: &ParamIndex) -> Self {
+        let (rank, world) = (comm.rank(), comm.world());
+        let shard: Vec<usize> = numel.iter().map(|n| n.div_ceil(world)).collect();
+        let units = units(idx);
+        let mut unit_off = vec![0; numel.len()];
+        let mut unit_len = Vec::with_capacity(units.len());
+        for u in &units {
+            let mut off = 0;
+            for &i in u {
+                unit_off[i] = off;
+                off += shard[i];
+            }
+            unit_len.push(off);
+        }
+        let n_units = units.len();
+        Dist {
+            comm,
+            sharding,
+            rank,
+            world,
+            numel,
+            shard,
+            units,
+            unit_off,
+            unit_len,
+            tied: idx.lm_head.is_none(),
+            param_shards: Vec::new(),
+            grad_shards: Vec::new(),
+            buckets: Vec::new(),
+            gathered: vec![false; n_units],
+            grads_live: vec![false; n_units],
+        }
+    }
+
+    /// Elements of tensor `i` that rank `r` owns (the rest of its shard is padding).
+    pub fn valid(&self, i: usize, r: usize) -> usize {
+        self.numel[i]
+            .saturating_sub(r * self.shard[i])
+            .min(self.shard[i])
+    }
+
+    /// The first element of tensor `i` this rank owns.
+    pub fn offset(&self, i: usize) -> usize {
+        self.rank * self.shard[i]
+    }
+
+    fn embed(&self) -> usize {
+        0
+    }
+    fn head(&self) -> usize {
+        self.units.len() - 1
+    }
+
+    /// Units whose weights a stage's forward (and backward) reads.
+    fn param_units(&self, s: Stage, backward: bool) -> Vec<usize> {
+        match s {
+            // The embedding's backward is a scatter-add: it reads no weights.
+            Stage::Embed if backward => vec![],
+            Stage::Embed => vec![self.embed()],
+            Stage::Block(l) => vec![1 + l],
+            Stage::Head if self.tied => vec![self.head(), self.embed()],
+            Stage::Head => vec![self.head()],
+        }
+    }
+
+    fn next(&self, s: Stage, backward: bool) -> Option<Stage> {
+        let blocks = self.units.len() - 2;
+        match (s, backward) {
+            (Stage::Embed, false) if blocks > 0 => Some(Stage::Block(0)),
+            (Stage::Embed, false) => Some(Stage::Head),
+            (Stage::Block(l), false) if l + 1 < blocks => Some(Stage::Block(l + 1)),
+            (Stage::Block(_), false) => Some(Stage::Head),
+            (Stage::Head, false) => None,
+            (Stage::Head, true) if blocks > 0 => Some(Stage::Block(blocks - 1)),
+            (Stage::Head, true) => Some(Stage::Embed),
+            (Stage::Block(0), true) => Some(Stage::Embed),
+            (Stage::Block(l), true) => Some(Stage::Block(l - 1)),
+            (Stage::Embed, true) => None,
+        }
+    }
+
+    /// Before a stage runs: its units' weights gathered (zero3), the next
+    /// stage's prefetched, and in backward its gradients allocated (zero2/3).
+    pub fn before(
+        &mut self,
+        dev: &mut Device<B>,
+        p: &mut [T<B>],
+        g: &mut [T<B>],
+        s: Stage,
+        backward: bool,
+    ) -> Result<(), OomError> {
+        for u in self.param_units(s, backward) {
+            self.gather(dev, p, u)?;
+        }
+        if let Some(n) = self.next(s, backward) {
+            for u in self.param_units(n, backward) {
+                self.gather(dev, p, u)?;
+            }
+        }
+        if backward {
+            let mut us = self.param_units(s, false);
+            if s == Stage::Embed {
+                us = vec![self.embed()];
+            }
+            for u in us {
+                self.ensure_grads(dev, g, u)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// After a stage: in backward its own unit's gradients are reduce-scattered
+    /// (zero2/3); weights the next stage does not read are freed (zero3),
+    /// except after the head's forward, which the backward pass needs next.
+    pub fn after(
+        &mut self,
+        dev: &mut Device<B>,
+        p: &mut [T<B>],
+        g: &mut [T<B>],
+        s: Stage,
+        backward: bool,
+    ) -> Result<(), OomError> {
+        if backward {
+            let own = match s {
+                Stage::Embed => self.embed(),
+                Stage::Block(l) => 1 + l,
+                Stage::Head => self.head(),
+            };
+            self.reduce_grads(dev, g, own)?;
+        } else if s == Stage::Head {
+            return Ok(());
+        }
+        let keep = self
+            .next(s, backward)
+            .map(|n| self.param_units(n, backward))
+            .unwrap_or_default();
+        for u in self.param_units(s, backward) {
+            if !keep.contains(&u) {
+                self.release(dev, p, u);
+            }
+        }
+        Ok(())
+    }
+
+    /// zero3: all-gathers unit `u`'s weights into full tensors.
+    fn gather(&mut self, dev: &mut Device<B>, p: &mut [T<B>], u: usize) -> Result<(), OomError> {
+        if !self.sharding.shards_parameters() || self.gathered[u] {
+            return Ok(());
+        }
+        let (su, world) = (self.unit_len[u], self.world);
+        let dt = self.param_shards[self.units[u][0]].dtype;
+        let comm = Category::Communication;
+        let mut send = dev.alloc(su, dt, comm)?;
+        for &i in &self.units[u] {
+            dev.copy_slice(
+                &mut send,
+                self.unit_off[i],
+                &self.param_shards[i],
+                0,
+                self.shard[i],
+                false,
+            );
+        }
+        let mut recv = dev.alloc(world * su, dt, comm)?;
+        dev.all_gather(&mut *self.comm, &mut recv, &send);
+        dev.free(send);
+        for &i in &self.units[u] {
+            let mut full = dev.alloc(self.numel[i], dt, Category::Parameters)?;
+            for r in 0..world {
+                let v = self.valid(i, r);
+                let src = r * su + self.unit_off[i];
+                dev.copy_slice(&mut full, r * self.shard[i], &recv, src, v, false);
+            }
+            let old = std::mem::replace(&mut p[i], full);
+            dev.drop_placeholder(old);
+        }
+        dev.free(recv);
+        self.gathered[u] = true;
+        Ok(())
+    }
+
+    /// zero3: frees unit `u`'s full weights.
+    fn release(&mut self, dev: &mut Device<B>, p: &mut [T<B>], u: usize) {
+        if !self.sharding.shards_parameters() || !self.gathered[u] {
+            return;
+        }
+        for &i in &self.units[u] {
+            let ph = dev.placeholder(p[i].dtype, Category::Parameters);
+            dev.free(std::mem::replace(&mut p[i], ph));
+        }
+        self.gathered[u] = false;
+    }
+
+    /// zero2/3: allocates unit `u`'s full gradients (zero-filled) for its backward.
+    fn ensure_grads(
+        &mut self,
+        dev: &mut Device<B>,
+        g: &mut [T<B>],
+        u: usize,
+    ) -> Result<(), OomError> {
+        if !self.sharding.shards_gradients() || self.grads_live[u] {
+            return Ok(());
+        }
+        for &i in &self.units[u] {
+            let full = dev.alloc(self.numel[i], g[i].dtype, Category::Gradients)?;
+            let old = std::mem::replace(&mut g[i], full);
+            dev.drop_placeholder(old);
+        }
+        self.grads_live[u] = true;
+        Ok(())
+    }
+
+    /// zero2/3: reduce-scatters unit `u`'s full gradients and adds this
+    /// rank's part to its gradient shards, then frees the full gradients.
+    fn reduce_grads(
+        &mut self,
+        dev: &mut Device<B>,
+        g: &mut [T<B>],
+        u: usize,
+    ) -> Result<(), OomError> {
+        if !self.sharding.shards_gradients() || !self.grads_live[u] {
+            return Ok(());
+        }
+        self.reduce_scatter_unit(dev, g, u, true)?;
+        self.grads_live[u] = false;
+        Ok(())
+    }
+
+    /// zero1: the gradients stay whole and accumulate locally over the
+    /// micro-batches; at the step they are reduce-scattered, unit by unit,
+    /// into gradient shards that live for the optimizer step (the ZeRO
+    /// paper's `P_os`: a reduce-scatter and an all-gather, as much traffic as
+    /// DDP's all-reduce).
+    pub fn scatter_full_grads(
+        &mut self,
+        dev: &mut Device<B>,
+        g: &mut [T<B>],
+    ) -> Result<(), OomError> {
+        self.grad_shards = Vec::with_capacity(self.numel.len());
+        for (i, s) in self.shard.iter().enumerate() {
+            self.grad_shards
+                .push(dev.alloc(*s, g[i].dtype, Category::Gradients)?);
+        }
+        for u in 0..self.units.len() {
+            self.reduce_scatter_unit(dev, g, u, false)?;
+        }
+        Ok(())
+    }
+
+    /// zero1: frees the step's gradient shards.
+    pub fn drop_grad_shards(&mut self, dev: &mut Device<B>) {
+        for t in self.grad_shards.drain(..) {
+            dev.free(t);
+        }
+    }
+
+    /// Copies unit `u`'s full gradients into one flat buffer laid out rank by
+    /// rank (each tensor's shard padded), reduce-scatters it, and adds this
+    /// rank's part to the gradient shards. `free_full` frees the full
+    /// gradients as soon as they are copied (zero2/3).
+    fn reduce_scatter_unit(
+        &mut self,
+        dev: &mut Device<B>,
+        g: &mut [T<B>],
+        u: usize,
+        free_full: bool,
+    ) -> Result<(), OomError> {
+        let (su, world) = (self.unit_len[u], self.world);
+        let dt = g[self.units[u][0]].dtype;
+        let comm = Category::Communication;
+        let mut send = dev.alloc(world * su, dt, comm)?;
+        for &i in &self.units[u] {
+            for r in 0..world {
+                let v = self.valid(i, r);
+                let dst = r * su + self.unit_off[i];
+                dev.copy_slice(&mut send, dst, &g[i], r * self.shard[i], v, false);
+            }
+            if free_full {
+                let ph = dev.placeholder(dt, Category::Gradients);
+                dev.free(std::mem::replace(&mut g[i], ph));
+            }
+        }
+        let mut recv = dev.alloc(su, dt, comm)?;
+        dev.reduce_scatter(&mut *self.comm, &mut recv, &send);
+        dev.free(send);
+        for &i in &self.units[u] {
+            let (off, s) = (self.unit_off[i], self.shard[i]);
+            dev.copy_slice(&mut self.grad_shards[i], 0, &recv, off, s, true);
+        }
+        dev.free(recv);
+        Ok(())
+    }
+
+    /// ddp: sums the full gradients over ranks, bucket by bucket (through
+    /// each bucket's own buffer unless gradients are its views).
+    pub fn all_reduce_grads(&mut self, dev: &mut Device<B>, g: &mut [T<B>]) {
+        for b in &mut self.buckets {
+            match &mut b.buf {
+                None => {
+                    for &i in &b.params {
+                        dev.all_reduce(&mut *self.comm, &mut g[i]);
+                    }
+                }
+                Some(buf) => {
+                    let mut off = 0;
+                    for &i in &b.params {
+                        dev.copy_slice(buf, off, &g[i], 0, g[i].len, false);
+                        off += g[i].len;
+                    }
+                    dev.all_reduce(&mut *self.comm, buf);
+                    let mut off = 0;
+                    for &i in &b.params {
+                        let n = g[i].len;
+                        dev.copy_slice(&mut g[i], 0, buf, off, n, false);
+                        off += n;
+                    }
+                }
+            }
+        }
+    }
+
+    /// ddp: allocates the bucket buffers (none with `bucket_view`).
+    pub fn alloc_buckets(
+        &mut self,
+        dev: &mut Device<B>,
+        dt: DType,
+        bucket_view: bool,
+    ) -> Result<(), OomError> {
+        let bytes: Vec<usize> = self.numel.iter().map(|n| n * dt.size()).collect();
+        for params in buckets(&bytes) {
+            let buf = if bucket_view {
+                None
+            } else {
+                let n = params.iter().map(|&i| self.numel[i]).sum();
+                Some(dev.alloc(n, dt, Category::Communication)?)
+            };
+            self.buckets.push(Bucket { params, buf });
+        }
+        Ok(())
+    }
+
+    /// Frees everything this rank's sharding holds.
+    pub fn release_all(self, dev: &mut Device<B>) {
+        for t in self.param_shards.into_iter().chain(self.grad_shards) {
+            dev.free(t);
+        }
+        for b in self.buckets {
+            dev.free_opt(b.buf);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ddp_buckets_follow_pytorch_caps() {
+        // 3 MiB, 0.5, 0.5, 20, 20 MiB tensors, packed from the last one.
+        let mib = 1 << 20;
+        let b = buckets(&[3 * mib, mib / 2, mib / 2, 20 * mib, 20 * mib]);
+        assert_eq!(b, vec![vec![4], vec![3, 2, 1, 0]]);
+        // The first bucket closes at 1 MiB, the next ones at 25 MiB.
+        let b = buckets(&[mib / 2; 4]);
+        assert_eq!(b, vec![vec![3, 2], vec![1, 0]]);
+        let small = buckets(&[100, 200, 300]);
+        assert_eq!(small, vec![vec![2, 1, 0]]);
+    }
+}
