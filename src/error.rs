@@ -15,7 +15,7 @@ pub enum Error {
     Config { location: String, message: String },
 
     #[error(
-        "unknown model `{name}`{suggestion}; known models: {known}. `--model` also takes a path to a profile YAML"
+        "unknown model `{name}`{suggestion}; known models: {known}. `--model` also takes a path to a profile YAML or a Hugging Face config.json"
     )]
     UnknownModel {
         name: String,

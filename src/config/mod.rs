@@ -1,5 +1,7 @@
 //! Configuration: model profiles (and later hardware profiles and recipes).
 
+pub mod hardware;
+pub mod hf;
 pub mod model;
 pub mod profile;
 pub mod recipe;

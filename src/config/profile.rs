@@ -31,11 +31,15 @@ pub fn builtin_models() -> &'static [(&'static str, &'static str)] {
     BUILTIN_MODELS
 }
 
-/// Loads a model by built-in name, or from a profile YAML file.
+/// Loads a model by built-in name, from a profile YAML file, or from a Hugging
+/// Face `config.json`.
 ///
 /// `spec` is a built-in name if one matches; otherwise a path when it contains
-/// `/`, ends in `.yaml`/`.yml`, or names an existing file; otherwise an
-/// unknown model, with the closest built-in name suggested.
+/// `/`, ends in `.yaml`/`.yml`/`.json`, or names an existing file; otherwise an
+/// unknown model, with the closest built-in name suggested. A path ending in
+/// `.json`, or one not ending in `.yaml`/`.yml` whose content starts with `{`,
+/// is imported as a Hugging Face `config.json` ([`super::hf`]); any other is a
+/// profile YAML.
 pub fn load_model(spec: &str) -> Result<ModelConfig> {
     if let Some((name, text)) = BUILTIN_MODELS.iter().find(|(name, _)| *name == spec) {
         return parse_model_yaml(text, &format!("profiles/models/{name}.yaml"));
@@ -43,12 +47,23 @@ pub fn load_model(spec: &str) -> Result<ModelConfig> {
     let looks_like_path = spec.contains('/')
         || spec.contains(std::path::MAIN_SEPARATOR)
         || spec.ends_with(".yaml")
-        || spec.ends_with(".yml");
+        || spec.ends_with(".yml")
+        || spec.ends_with(".json");
     if looks_like_path || Path::new(spec).is_file() {
         let text = std::fs::read_to_string(spec).map_err(|source| Error::Io {
             path: spec.into(),
             source,
         })?;
+        let yaml = spec.ends_with(".yaml") || spec.ends_with(".yml");
+        let json = spec.ends_with(".json")
+            || (!yaml
+                && text
+                    .trim_start_matches('\u{feff}')
+                    .trim_start()
+                    .starts_with('{'));
+        if json {
+            return super::hf::import_hf_config(&text, spec);
+        }
         return parse_model_yaml(&text, spec);
     }
     let names: Vec<&str> = BUILTIN_MODELS.iter().map(|(name, _)| *name).collect();
@@ -137,7 +152,7 @@ fn explain_yaml_error(raw: &str) -> String {
 }
 
 /// Removes every " at line N column M" and " at position N" from a message.
-fn strip_marks(raw: &str) -> String {
+pub(crate) fn strip_marks(raw: &str) -> String {
     let mut out = String::with_capacity(raw.len());
     let mut rest = raw;
     while let Some(i) = rest.find(" at ") {
@@ -182,7 +197,10 @@ fn key_line(text: &str, field: &str) -> Option<usize> {
 
 /// The candidate closest to `word` by edit distance, if close enough to be a
 /// plausible typo.
-fn closest<'a>(word: &str, candidates: impl Iterator<Item = &'a str>) -> Option<&'a str> {
+pub(crate) fn closest<'a>(
+    word: &str,
+    candidates: impl Iterator<Item = &'a str>,
+) -> Option<&'a str> {
     let limit = (word.chars().count() / 3).max(2);
     candidates
         .map(|c| (levenshtein(word, c), c))
