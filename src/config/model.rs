@@ -9,7 +9,8 @@ use serde::{Deserialize, Serialize};
 pub enum Family {
     /// LayerNorm with bias, tanh-GELU MLP (4x), learned positions, biases, tied head.
     Gpt2,
-    /// RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, no biases.
+    /// RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, no biases
+    /// (Qwen2: biases on q, k and v, see `ModelConfig::qkv_bias`).
     Llama,
 }
 
@@ -45,6 +46,10 @@ pub struct ModelConfig {
     /// Output head shares the token embedding (gpt2: always; llama-3.2-1b: yes).
     #[serde(default)]
     pub tie_embeddings: Option<bool>,
+    /// Biases on the q, k and v projections (llama only; Qwen2 has them).
+    /// Absent means none; gpt2 always has all its biases.
+    #[serde(default)]
+    pub qkv_bias: Option<bool>,
 }
 
 fn one() -> usize {
@@ -127,6 +132,10 @@ impl ModelConfig {
             Family::Gpt2 => 1e-5,
             Family::Llama => 1e-5,
         })
+    }
+    /// Whether the fused q|k|v projection has a bias (gpt2: always).
+    pub fn has_qkv_bias(&self) -> bool {
+        self.family == Family::Gpt2 || self.qkv_bias == Some(true)
     }
     pub fn rope_theta(&self) -> f32 {
         self.rope_theta.unwrap_or(10_000.0)
@@ -214,6 +223,11 @@ impl ModelConfig {
                 if self.tie_embeddings == Some(false) {
                     return Err("gpt2 always ties its head to the token embedding".into());
                 }
+                if self.qkv_bias.is_some() {
+                    return Err(
+                        "gpt2 always has biases on q, k and v: drop `qkv_bias` (llama only)".into(),
+                    );
+                }
             }
             Family::Llama => {
                 if !self.head_dim().is_multiple_of(2) {
@@ -265,7 +279,9 @@ impl ModelConfig {
                 vec![self.qkv_width(), c],
                 Init::Normal(std),
             );
-            let qkv_b = gpt2.then(|| push(p("attn.qkv.bias"), vec![self.qkv_width()], Init::Zeros));
+            let qkv_b = self
+                .has_qkv_bias()
+                .then(|| push(p("attn.qkv.bias"), vec![self.qkv_width()], Init::Zeros));
             let o_w = push(p("attn.o.weight"), vec![c, c], Init::Normal(resid_std));
             let o_b = gpt2.then(|| push(p("attn.o.bias"), vec![c], Init::Zeros));
             let ln2_w = push(p("ln_2.weight"), vec![c], Init::Ones);
@@ -316,5 +332,65 @@ impl ModelConfig {
         let pad_rows = (self.padded_vocab() - self.vocab_size) as u64;
         let vocab_tensors = 1 + idx.lm_head.is_some() as u64;
         padded - pad_rows * self.d_model as u64 * vocab_tensors
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::profile::load_model;
+
+    #[test]
+    fn qkv_bias_adds_a_fused_bias_per_block() {
+        let plain = load_model("llama-tiny").unwrap();
+        assert_eq!(plain.qkv_bias, None);
+        let (specs, idx) = plain.param_layout();
+        assert!(idx.blocks.iter().all(|b| b.qkv_b.is_none()));
+        assert!(!specs.iter().any(|s| s.name.ends_with("attn.qkv.bias")));
+
+        let biased = ModelConfig {
+            qkv_bias: Some(true),
+            ..plain.clone()
+        };
+        biased.validate().unwrap();
+        let (specs, idx) = biased.param_layout();
+        assert_eq!(idx.blocks.len(), biased.n_layer);
+        for (l, b) in idx.blocks.iter().enumerate() {
+            let i = b.qkv_b.expect("qkv bias index");
+            let spec = &specs[i];
+            assert_eq!(spec.name, format!("h.{l}.attn.qkv.bias"));
+            assert_eq!(spec.shape, vec![biased.qkv_width()]);
+            assert_eq!(spec.init, Init::Zeros);
+            // Right after the weight, as gpt2 lays it out.
+            assert_eq!(i, b.qkv_w + 1);
+            assert_eq!(b.o_w, i + 1);
+            // Still no other biases on llama.
+            assert!(b.ln1_b.is_none() && b.o_b.is_none() && b.up_b.is_none());
+        }
+        assert_eq!(
+            biased.num_parameters(),
+            plain.num_parameters() + (biased.n_layer * biased.qkv_width()) as u64
+        );
+
+        // `Some(false)` is the same as absent.
+        let off = ModelConfig {
+            qkv_bias: Some(false),
+            ..plain.clone()
+        };
+        assert_eq!(off.num_parameters(), plain.num_parameters());
+    }
+
+    #[test]
+    fn qkv_bias_is_rejected_on_gpt2() {
+        let g = load_model("gpt2-tiny").unwrap();
+        assert!(g.has_qkv_bias());
+        for v in [true, false] {
+            let bad = ModelConfig {
+                qkv_bias: Some(v),
+                ..g.clone()
+            };
+            let msg = bad.validate().unwrap_err();
+            assert!(msg.contains("`qkv_bias`"), "{msg}");
+        }
     }
 }
