@@ -27,6 +27,29 @@ pub enum Command {
     Run(Box<RunArgs>),
     /// List the built-in model profiles.
     Models,
+    /// List the built-in model and hardware profiles.
+    Profiles,
+    /// Predict memory, step time and cost for every point of a recipe's grid
+    /// (the engine on the meta backend), and recommend the cheapest that fits.
+    Plan(PlanArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PlanArgs {
+    /// A plan recipe (YAML): model, hardware, seq_len, global_batch, grid, headroom, cost.
+    pub recipe: PathBuf,
+    #[arg(long, value_enum, default_value_t = PlanFormat::Table)]
+    pub format: PlanFormat,
+    /// Rows the table shows (fitting points cheapest first) [default: 40].
+    #[arg(long, default_value_t = 40)]
+    pub top: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PlanFormat {
+    Table,
+    Json,
+    Md,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

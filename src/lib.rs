@@ -14,6 +14,7 @@ pub mod data;
 pub mod engine;
 pub mod error;
 pub mod memory;
+pub mod plan;
 pub mod rng;
 pub mod run;
 pub mod units;

@@ -2,7 +2,8 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use memfit::cli::{Cli, Command, Format};
+use memfit::cli::{Cli, Command, Format, PlanFormat};
+use memfit::config::hardware::{builtin_hardware, load_hardware};
 use memfit::config::profile::{builtin_models, load_model};
 use memfit::run::{render_table, run};
 
@@ -31,21 +32,66 @@ fn main() -> ExitCode {
                 e.exit_code()
             }
         },
-        Command::Models => {
-            println!("{:<16} {:<6} {:>16}", "name", "family", "parameters");
-            for (name, _) in builtin_models() {
-                match load_model(name) {
-                    Ok(m) => println!(
-                        "{:<16} {:<6} {:>16}",
+        Command::Plan(args) => match memfit::plan::plan_file(&args.recipe) {
+            Ok(plan) => {
+                match args.format {
+                    PlanFormat::Json => println!(
+                        "{}",
+                        serde_json::to_string_pretty(&plan).expect("plan serialises")
+                    ),
+                    PlanFormat::Table => print!("{}", memfit::plan::render::table(&plan, args.top)),
+                    PlanFormat::Md => print!("{}", memfit::plan::render::markdown(&plan)),
+                }
+                0
+            }
+            Err(e) => {
+                eprintln!("memfit: {e}");
+                e.exit_code()
+            }
+        },
+        Command::Profiles => {
+            print_models();
+            println!(
+                "\n{:<16} {:<28} {:>10} {:>10} {:>10} {:>8}",
+                "hardware", "", "memory", "bf16 TF/s", "HBM GB/s", "$/hour"
+            );
+            for (name, _) in builtin_hardware() {
+                match load_hardware(name) {
+                    Ok(h) => println!(
+                        "{:<16} {:<28} {:>10} {:>10.1} {:>10.0} {:>8.2}",
                         name,
-                        format!("{:?}", m.family).to_lowercase(),
-                        m.num_parameters()
+                        h.display_name,
+                        memfit::units::fmt_bytes(h.memory),
+                        h.bf16_tflops,
+                        h.memory_bandwidth_gbps,
+                        h.usd_per_hour
                     ),
                     Err(e) => eprintln!("memfit: {e}"),
                 }
             }
             0
         }
+        Command::Models => {
+            print_models();
+            0
+        }
     };
     ExitCode::from(code as u8)
+}
+
+fn print_models() {
+    {
+        println!("{:<16} {:<6} {:>16}", "name", "family", "parameters");
+        for (name, _) in builtin_models() {
+            match load_model(name) {
+                Ok(m) => println!(
+                    "{:<16} {:<6} {:>16}",
+                    name,
+                    format!("{:?}", m.family).to_lowercase(),
+                    m.num_parameters()
+                ),
+                Err(e) => eprintln!("memfit: {e}"),
+            }
+        }
+    }
 }

@@ -171,7 +171,7 @@ impl PeakBytes {
 /// One allocation or free.
 #[derive(Clone, Debug, Serialize)]
 pub struct Event {
-    /// Nanoseconds since the tracker was created.
+    /// Nanoseconds since the tracker was created (0 on meta, where nothing runs).
     pub t_ns: u64,
     pub phase: Phase,
     pub category: Category,
@@ -230,6 +230,9 @@ pub struct Tracker {
     start: Instant,
     timeline: Vec<Event>,
     recording: bool,
+    /// Whether events carry wall-clock times (off on meta, where nothing
+    /// runs and reading the clock would dominate a plan's cost).
+    clock: bool,
 }
 
 impl Tracker {
@@ -244,7 +247,14 @@ impl Tracker {
             start: Instant::now(),
             timeline: Vec::new(),
             recording: true,
+            clock: true,
         }
+    }
+
+    /// Stamps events with 0 instead of the time since creation.
+    pub fn without_clock(mut self) -> Self {
+        self.clock = false;
+        self
     }
 
     /// Whether to keep the timeline (on by default). Peaks are kept either way.
@@ -302,7 +312,11 @@ impl Tracker {
             return;
         }
         self.timeline.push(Event {
-            t_ns: self.start.elapsed().as_nanos() as u64,
+            t_ns: if self.clock {
+                self.start.elapsed().as_nanos() as u64
+            } else {
+                0
+            },
             phase: self.phase,
             category,
             bytes,

@@ -92,6 +92,11 @@ mod tests {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("recipes");
         for entry in std::fs::read_dir(dir).unwrap() {
             let path = entry.unwrap().path();
+            // Plan recipes (they name a `hardware:`) are checked by tests/plan.rs.
+            let text = std::fs::read_to_string(&path).unwrap();
+            if text.lines().any(|l| l.starts_with("hardware:")) {
+                continue;
+            }
             let r = load_run_recipe(&path).unwrap_or_else(|e| panic!("{e}"));
             assert!(r.model.is_some(), "{}", path.display());
         }

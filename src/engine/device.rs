@@ -14,7 +14,7 @@ use crate::backend::{
     AdafactorHyper, AdafactorSecond, AdafactorState, AdamHyper, AttnShape, Backend, DType, SgdHyper,
 };
 use crate::comm::{Collective, Op, wire_bytes};
-use crate::memory::{Category, OomError, Tracker};
+use crate::memory::{Category, OomError, Phase, Tracker};
 
 /// A device buffer with its size, element type and memory category.
 #[derive(Debug)]
@@ -43,9 +43,22 @@ pub struct OpCost {
 }
 
 /// Costs by op name.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct CostCounter {
     pub ops: BTreeMap<&'static str, OpCost>,
+    /// Seconds the ops take by the roofline model, when the device has one.
+    pub roofline_s: f64,
+}
+
+/// A per-op roofline: each op takes `max(flops / flops_per_s, bytes /
+/// bytes_per_s)` (Williams, Waterman and Patterson, Roofline, CACM 2009),
+/// plus a fixed `op_overhead_s` (a kernel launch), which is what bounds
+/// tiny models.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Roofline {
+    pub flops_per_s: f64,
+    pub bytes_per_s: f64,
+    pub op_overhead_s: f64,
 }
 
 impl CostCounter {
@@ -55,7 +68,8 @@ impl CostCounter {
     pub fn bytes(&self) -> u128 {
         self.ops.values().map(|c| c.bytes).sum()
     }
-    fn add(&mut self, op: &'static str, flops: u64, bytes: u64, ns: u64) {
+    fn add(&mut self, op: &'static str, flops: u64, bytes: u64, ns: u64, roofline_s: f64) {
+        self.roofline_s += roofline_s;
         let c = self.ops.entry(op).or_default();
         c.calls += 1;
         c.flops += flops as u128;
@@ -68,6 +82,12 @@ pub struct Device<B: Backend> {
     pub be: B,
     pub tracker: Tracker,
     pub cost: CostCounter,
+    /// The part of `cost` spent in the optimizer phase (once per step, where
+    /// the rest repeats per micro-batch), and the bytes sent there.
+    pub optimizer_cost: CostCounter,
+    pub optimizer_sent: u64,
+    /// Prices each op on a modelled device (the planner sets it).
+    pub roofline: Option<Roofline>,
     /// Bytes this rank sent and received in collectives (ring algorithms).
     pub sent: u64,
     pub received: u64,
@@ -88,10 +108,18 @@ fn ob<Buf>(t: Option<&Tensor<Buf>>) -> u64 {
 
 impl<B: Backend> Device<B> {
     pub fn new(be: B, capacity: Option<u64>) -> Self {
+        let tracker = if be.holds_data() {
+            Tracker::new(capacity)
+        } else {
+            Tracker::new(capacity).without_clock()
+        };
         Device {
             be,
-            tracker: Tracker::new(capacity),
+            tracker,
             cost: CostCounter::default(),
+            optimizer_cost: CostCounter::default(),
+            optimizer_sent: 0,
+            roofline: None,
             sent: 0,
             received: 0,
         }
@@ -105,11 +133,19 @@ impl<B: Backend> Device<B> {
         bytes: u64,
         f: impl FnOnce(&mut B) -> R,
     ) -> R {
-        let start = Instant::now();
+        // Meta runs nothing: skip the clock, whose reads would cost more
+        // than the op itself.
+        let start = self.be.holds_data().then(Instant::now);
         let r = f(&mut self.be);
         let flops = flops.try_into().unwrap_or(u64::MAX);
-        self.cost
-            .add(op, flops, bytes, start.elapsed().as_nanos() as u64);
+        let ns = start.map_or(0, |s| s.elapsed().as_nanos() as u64);
+        let secs = self.roofline.map_or(0.0, |rl| {
+            (flops as f64 / rl.flops_per_s).max(bytes as f64 / rl.bytes_per_s) + rl.op_overhead_s
+        });
+        self.cost.add(op, flops, bytes, ns, secs);
+        if self.tracker.phase() == Phase::Optimizer {
+            self.optimizer_cost.add(op, flops, bytes, ns, secs);
+        }
         r
     }
 
@@ -532,6 +568,9 @@ impl<B: Backend> Device<B> {
 
     fn count_wire(&mut self, comm: &dyn Collective<B::Buf>, op: Op, bytes: u64, root: usize) {
         let (s, r) = wire_bytes(op, bytes, comm.world(), comm.rank(), root);
+        if self.tracker.phase() == Phase::Optimizer {
+            self.optimizer_sent += s;
+        }
         self.sent += s;
         self.received += r;
     }

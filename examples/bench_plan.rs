@@ -1,0 +1,84 @@
+//! Planner speed: one llama-3.1-70b configuration, and a grid of more than a
+//! thousand points, on the meta backend. Prints the figures the README records.
+//!
+//! `cargo run --release --example bench_plan`
+
+use std::time::Instant;
+
+use memfit::config::hardware::load_hardware;
+use memfit::config::profile::load_model;
+use memfit::engine::{Attention, Checkpointing, Optimizer, Precision, Sharding};
+use memfit::plan::{Grid, PlanRecipe, Verdict, expand, plan, predict};
+
+fn main() {
+    let model = load_model("llama-3.1-70b").unwrap();
+    let hw = load_hardware("h100-sxm-80gb").unwrap();
+    let single = PlanRecipe {
+        model: model.name.clone(),
+        hardware: hw.name.clone(),
+        seq_len: 4096,
+        global_batch: 64,
+        grid: Grid {
+            micro_batch: vec![1],
+            precision: vec![Precision::Bf16],
+            checkpointing: vec![Checkpointing::Full],
+            attention: vec![Attention::Fused],
+            optimizer: vec![Optimizer::Adamw],
+            sharding: vec![Sharding::Zero3],
+            gpus: vec![8],
+        },
+        headroom: 0.05,
+        cost: None,
+        allow_numerics_change: true,
+    };
+    let point = expand(&single)[0];
+    // Warm up, then the median of 21 single-point plans.
+    predict(&single, &model, &hw, hw.usd_per_hour, &point);
+    let mut ms: Vec<f64> = (0..21)
+        .map(|_| {
+            let t = Instant::now();
+            let p = predict(&single, &model, &hw, hw.usd_per_hour, &point);
+            std::hint::black_box(p);
+            t.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    ms.sort_by(f64::total_cmp);
+    println!(
+        "llama-3.1-70b, one config (zero3 x8, bf16, full checkpointing, T=4096): median {:.2} ms, min {:.2} ms",
+        ms[10], ms[0]
+    );
+
+    let grid = PlanRecipe {
+        grid: Grid {
+            micro_batch: vec![1, 2, 4, 8],
+            precision: vec![Precision::Fp32, Precision::Bf16, Precision::Fp16],
+            checkpointing: vec![Checkpointing::None, Checkpointing::Full],
+            attention: vec![Attention::Eager, Attention::Fused],
+            optimizer: vec![Optimizer::Adamw, Optimizer::Adamw8bit, Optimizer::Sgd],
+            sharding: vec![
+                Sharding::Ddp,
+                Sharding::Zero1,
+                Sharding::Zero2,
+                Sharding::Zero3,
+            ],
+            gpus: vec![8, 16],
+        },
+        ..single
+    };
+    let t = Instant::now();
+    let p = plan(&grid, &model, &hw);
+    let secs = t.elapsed().as_secs_f64();
+    let fits = p
+        .points
+        .iter()
+        .filter(|x| x.verdict == Verdict::Fits)
+        .count();
+    println!(
+        "llama-3.1-70b grid: {} points in {:.2} s on {} threads ({:.2} ms per point), {} fit",
+        p.points.len(),
+        secs,
+        rayon::current_num_threads(),
+        secs * 1e3 / p.points.len() as f64,
+        fits
+    );
+}

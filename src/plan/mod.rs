@@ -1,0 +1,774 @@
+//! `memfit plan`: predicts memory, step time and cost for every point of a
+//! recipe's grid by running the engine on the meta backend, and recommends
+//! the cheapest configuration that fits.
+//!
+//! Memory is exact (the meta == cpu invariant): each point runs one optimizer
+//! step of the real engine on rank 0 of its job; every rank allocates the same
+//! sizes (tests/sharding.rs), so rank 0 speaks for all. The hardware's
+//! runtime overhead (CUDA context, library workspaces) is added on top.
+//!
+//! Time is a model, not a measurement: a per-op roofline of the engine's own
+//! FLOP and byte counts against the GPU's peaks, derated by the efficiency
+//! factors below, plus communication time from the bytes each rank sends over
+//! the interconnect. Compute and communication are not overlapped (an upper
+//! bound: DDP and FSDP overlap much of it in practice).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::backend::meta::MetaBackend;
+use crate::comm::MetaComm;
+use crate::config::ModelConfig;
+use crate::config::hardware::{HardwareProfile, load_hardware};
+use crate::config::profile::{load_model, parse_yaml};
+use crate::engine::device::Roofline;
+use crate::engine::{
+    Attention, Checkpointing, Comm, Engine, Optimizer, Precision, Sharding, TrainConfig,
+};
+use crate::error::{Error, Result};
+use crate::memory::{Category, PeakBytes};
+
+/// Fraction of the dense peak FLOP/s that large training GEMMs sustain
+/// (cuBLAS on A100/H100 reaches 70-80% on big shapes; we take the low end).
+pub const COMPUTE_EFFICIENCY: f64 = 0.7;
+/// Fraction of the memory bandwidth that streaming kernels reach (STREAM-like
+/// copies reach 80-90% of HBM peak).
+pub const MEMORY_EFFICIENCY: f64 = 0.8;
+/// Fixed cost of one op: a CUDA kernel launch and its tail, about 5 us on
+/// recent GPUs and drivers (one memfit op is one or a few kernels).
+pub const OP_OVERHEAD_S: f64 = 5e-6;
+/// Fraction of the per-direction link bandwidth that NCCL's ring collectives
+/// reach as bus bandwidth (nccl-tests on NVLink report about 80%).
+pub const COMM_EFFICIENCY: f64 = 0.8;
+
+/// A planning recipe (recipes/*.yaml).
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlanRecipe {
+    /// A profile name, a profile YAML path, or a Hugging Face config.json path.
+    pub model: String,
+    /// A hardware profile name or YAML path.
+    pub hardware: String,
+    pub seq_len: usize,
+    /// Sequences per optimizer step, over all GPUs.
+    pub global_batch: usize,
+    #[serde(default)]
+    pub grid: Grid,
+    /// Fraction of the capacity to keep free.
+    #[serde(default = "default_headroom")]
+    pub headroom: f64,
+    /// Overrides the hardware's $/GPU-hour.
+    #[serde(default)]
+    pub cost: Option<f64>,
+    /// Whether fp16, adamw8bit and adafactor may be recommended.
+    #[serde(default = "yes")]
+    pub allow_numerics_change: bool,
+}
+
+fn default_headroom() -> f64 {
+    0.05
+}
+fn yes() -> bool {
+    true
+}
+
+/// The knobs to sweep; each key is a list, missing keys take one default value.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Grid {
+    #[serde(default = "one_usize")]
+    pub micro_batch: Vec<usize>,
+    #[serde(default = "default_precision")]
+    pub precision: Vec<Precision>,
+    #[serde(default = "default_checkpointing")]
+    pub checkpointing: Vec<Checkpointing>,
+    #[serde(default = "default_attention")]
+    pub attention: Vec<Attention>,
+    #[serde(default = "default_optimizer")]
+    pub optimizer: Vec<Optimizer>,
+    #[serde(default = "default_sharding")]
+    pub sharding: Vec<Sharding>,
+    #[serde(default = "one_usize")]
+    pub gpus: Vec<usize>,
+}
+
+impl Default for Grid {
+    fn default() -> Self {
+        Grid {
+            micro_batch: one_usize(),
+            precision: default_precision(),
+            checkpointing: default_checkpointing(),
+            attention: default_attention(),
+            optimizer: default_optimizer(),
+            sharding: default_sharding(),
+            gpus: one_usize(),
+        }
+    }
+}
+
+fn one_usize() -> Vec<usize> {
+    vec![1]
+}
+fn default_precision() -> Vec<Precision> {
+    vec![Precision::Bf16]
+}
+fn default_checkpointing() -> Vec<Checkpointing> {
+    vec![Checkpointing::None]
+}
+fn default_attention() -> Vec<Attention> {
+    vec![Attention::Fused]
+}
+fn default_optimizer() -> Vec<Optimizer> {
+    vec![Optimizer::Adamw]
+}
+fn default_sharding() -> Vec<Sharding> {
+    vec![Sharding::None]
+}
+
+/// One grid point's knobs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Point {
+    pub micro_batch: usize,
+    pub precision: Precision,
+    pub checkpointing: Checkpointing,
+    pub attention: Attention,
+    pub optimizer: Optimizer,
+    pub sharding: Sharding,
+    pub gpus: usize,
+    /// global_batch / (micro_batch x gpus); 0 when that is not a whole number.
+    pub grad_accum: usize,
+}
+
+impl Point {
+    /// The knobs of this point that change numerics against fp32/bf16 AdamW.
+    pub fn numerics_changes(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        if self.precision.changes_numerics() {
+            v.push("fp16");
+        }
+        match self.optimizer {
+            Optimizer::Adamw8bit => v.push("adamw8bit"),
+            Optimizer::Adafactor => v.push("adafactor"),
+            _ => {}
+        }
+        v
+    }
+
+    pub fn label(&self) -> String {
+        format!(
+            "mb{} x{} {} {} {} ckpt:{} {} {}",
+            self.micro_batch,
+            self.gpus,
+            name(self.sharding),
+            name(self.precision),
+            name(self.optimizer),
+            name(self.checkpointing),
+            name(self.attention),
+            format_args!("accum {}", self.grad_accum),
+        )
+    }
+}
+
+/// A knob value as the recipe spells it.
+pub fn name(v: impl clap::ValueEnum) -> String {
+    v.to_possible_value()
+        .map_or_else(String::new, |p| p.get_name().to_string())
+}
+
+/// Whether a point can run at all.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum Verdict {
+    Fits,
+    DoesNotFit,
+    Invalid { reason: String },
+}
+
+/// The closed-form bytes per parameter of the model states (weights,
+/// gradients, optimizer state with master weights), as the ZeRO paper and
+/// Megatron write them.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ClosedForm {
+    pub formula: String,
+    pub bytes_per_param: f64,
+}
+
+/// What the planner predicts for one point.
+#[derive(Clone, Debug, Serialize)]
+pub struct Prediction {
+    pub point: Point,
+    #[serde(flatten)]
+    pub verdict: Verdict,
+    /// Per rank, from the engine (absent for invalid points).
+    pub peak_bytes: Option<PeakBytes>,
+    pub runtime_overhead_bytes: u64,
+    /// Engine peak plus runtime overhead.
+    pub total_bytes: u64,
+    /// Capacity x (1 - headroom).
+    pub usable_bytes: u64,
+    /// usable - total; negative when it does not fit.
+    pub margin_bytes: i64,
+    pub compute_s: f64,
+    pub comm_s: f64,
+    pub step_s: f64,
+    pub tokens_per_s: f64,
+    pub usd_per_mtok: f64,
+    /// The engine's (parameters + gradients + optimizer) peaks per parameter.
+    pub engine_bytes_per_param: f64,
+    pub closed_form: ClosedForm,
+    pub numerics_changes: Vec<&'static str>,
+    /// Excluded from the recommendation by `allow_numerics_change: false`.
+    pub excluded: bool,
+}
+
+/// The whole plan.
+#[derive(Clone, Debug, Serialize)]
+pub struct Plan {
+    pub schema_version: u32,
+    pub recipe: PathBuf,
+    pub model: String,
+    pub num_parameters: u64,
+    pub hardware: HardwareProfile,
+    pub usd_per_gpu_hour: f64,
+    pub seq_len: usize,
+    pub global_batch: usize,
+    pub headroom: f64,
+    pub allow_numerics_change: bool,
+    pub efficiency: BTreeMap<&'static str, f64>,
+    pub points: Vec<Prediction>,
+    /// Indices into `points` of the fitting, allowed points, cheapest first.
+    pub ranking: Vec<usize>,
+    pub recommendation: Option<Recommendation>,
+    /// Milliseconds the planning took.
+    pub elapsed_ms: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Recommendation {
+    pub index: usize,
+    pub reasons: Vec<String>,
+}
+
+/// Loads, validates and plans a recipe file.
+pub fn plan_file(path: &Path) -> Result<Plan> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let location = path.display().to_string();
+    let mut recipe: PlanRecipe = parse_yaml(&text, &location)?;
+    // Paths in a recipe are relative to the recipe, as run recipes' are.
+    let base = path.parent().unwrap_or(Path::new("."));
+    for spec in [&mut recipe.model, &mut recipe.hardware] {
+        if looks_like_path(spec) && Path::new(spec.as_str()).is_relative() {
+            *spec = base.join(&*spec).display().to_string();
+        }
+    }
+    let at = |key: &str, value: Option<&str>| value_location(&text, &location, key, value);
+    let model = load_model(&recipe.model).map_err(|e| relocate(e, at("model", None)))?;
+    let hw = load_hardware(&recipe.hardware).map_err(|e| relocate(e, at("hardware", None)))?;
+    check_recipe(&recipe, &model, &at)?;
+    let mut plan = plan(&recipe, &model, &hw);
+    plan.recipe = path.to_path_buf();
+    Ok(plan)
+}
+
+fn looks_like_path(spec: &str) -> bool {
+    spec.contains('/') || [".yaml", ".yml", ".json"].iter().any(|x| spec.ends_with(x))
+}
+
+/// Prefixes an unknown-model or unknown-hardware error with the recipe line.
+fn relocate(e: Error, at: String) -> Error {
+    match e {
+        Error::Config { .. } | Error::Io { .. } => e,
+        other => Error::Config {
+            location: at,
+            message: other.to_string(),
+        },
+    }
+}
+
+/// Semantic checks the YAML types cannot express, located at the offending key.
+fn check_recipe(
+    r: &PlanRecipe,
+    model: &ModelConfig,
+    at: &dyn Fn(&str, Option<&str>) -> String,
+) -> Result<()> {
+    let err = |key: &str, value: Option<&str>, message: String| Error::Config {
+        location: at(key, value),
+        message,
+    };
+    if r.seq_len == 0 || r.seq_len > model.max_seq_len {
+        return Err(err(
+            "seq_len",
+            None,
+            format!(
+                "`seq_len` {} is outside 1..={}, the maximum sequence length of {}",
+                r.seq_len, model.max_seq_len, model.name
+            ),
+        ));
+    }
+    if r.global_batch == 0 {
+        return Err(err(
+            "global_batch",
+            None,
+            "`global_batch` must be at least 1".into(),
+        ));
+    }
+    if !(0.0..1.0).contains(&r.headroom) {
+        return Err(err(
+            "headroom",
+            None,
+            format!("`headroom` {} is outside [0, 1)", r.headroom),
+        ));
+    }
+    if let Some(c) = r.cost
+        && !(c.is_finite() && c > 0.0)
+    {
+        return Err(err(
+            "cost",
+            None,
+            format!("`cost` {c} must be a positive $/GPU-hour"),
+        ));
+    }
+    let g = &r.grid;
+    for (key, empty) in [
+        ("micro_batch", g.micro_batch.is_empty()),
+        ("precision", g.precision.is_empty()),
+        ("checkpointing", g.checkpointing.is_empty()),
+        ("attention", g.attention.is_empty()),
+        ("optimizer", g.optimizer.is_empty()),
+        ("sharding", g.sharding.is_empty()),
+        ("gpus", g.gpus.is_empty()),
+    ] {
+        if empty {
+            return Err(err(key, None, format!("`grid.{key}` is an empty list")));
+        }
+    }
+    for (key, values) in [("micro_batch", &g.micro_batch), ("gpus", &g.gpus)] {
+        if let Some(&v) = values.iter().find(|&&v| v == 0 || v > 1 << 20) {
+            return Err(err(
+                key,
+                Some(&v.to_string()),
+                format!("`grid.{key}` value {v} is outside 1..=2^20"),
+            ));
+        }
+    }
+    if let Some(&v) = g.gpus.iter().find(|&&v| v > crate::run::MAX_RANKS) {
+        return Err(err(
+            "gpus",
+            Some(&v.to_string()),
+            format!(
+                "`grid.gpus` value {v} is more than {} ranks",
+                crate::run::MAX_RANKS
+            ),
+        ));
+    }
+    let most = *g.gpus.iter().max().expect("non-empty");
+    for &s in &g.sharding {
+        if s.shards_optimizer() && most < 2 {
+            return Err(err(
+                "sharding",
+                Some(&name(s)),
+                format!(
+                    "{} shards state over GPUs, but `grid.gpus` never exceeds 1; add a gpus value of 2 or more",
+                    name(s)
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `location:line:column` of `key:` (or of `value` in its list), else the file.
+fn value_location(text: &str, location: &str, key: &str, value: Option<&str>) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    let Some(k) = lines.iter().position(|l| {
+        let t = l.trim_start();
+        t.starts_with(&format!("{key}:")) && !t.starts_with('#')
+    }) else {
+        return location.to_string();
+    };
+    let key_col = lines[k].len() - lines[k].trim_start().len() + 1;
+    let Some(value) = value else {
+        return format!("{location}:{}:{key_col}", k + 1);
+    };
+    // A flow list on the key's line, or a block list below it.
+    let is_token = |line: &str, at: usize| {
+        let before = line[..at].chars().last();
+        let after = line[at + value.len()..].chars().next();
+        let sep = |c: Option<char>| c.is_none_or(|c| !c.is_alphanumeric() && c != '_');
+        sep(before) && sep(after)
+    };
+    for (i, line) in lines.iter().enumerate().skip(k) {
+        if i > k && !line.trim_start().starts_with('-') {
+            break;
+        }
+        let start = if i == k {
+            line.find(':').unwrap_or(0)
+        } else {
+            0
+        };
+        let mut from = start;
+        while let Some(off) = line[from..].find(value) {
+            let at_ = from + off;
+            if is_token(line, at_) {
+                return format!("{location}:{}:{}", i + 1, at_ + 1);
+            }
+            from = at_ + value.len();
+        }
+    }
+    format!("{location}:{}:{key_col}", k + 1)
+}
+
+/// Every grid point in a stable order (the recipe's list orders, gpus
+/// outermost, micro-batch innermost).
+pub fn expand(r: &PlanRecipe) -> Vec<Point> {
+    let g = &r.grid;
+    let mut out = Vec::new();
+    for &gpus in &g.gpus {
+        for &sharding in &g.sharding {
+            for &optimizer in &g.optimizer {
+                for &precision in &g.precision {
+                    for &checkpointing in &g.checkpointing {
+                        for &attention in &g.attention {
+                            for &micro_batch in &g.micro_batch {
+                                let per_step = micro_batch * gpus;
+                                let grad_accum = if r.global_batch.is_multiple_of(per_step) {
+                                    r.global_batch / per_step
+                                } else {
+                                    0
+                                };
+                                out.push(Point {
+                                    micro_batch,
+                                    precision,
+                                    checkpointing,
+                                    attention,
+                                    optimizer,
+                                    sharding,
+                                    gpus,
+                                    grad_accum,
+                                });
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Why a point cannot run, if it cannot.
+fn invalid_reason(r: &PlanRecipe, p: &Point) -> Option<String> {
+    if p.grad_accum == 0 {
+        return Some(format!(
+            "global_batch {} is not a whole multiple of micro_batch {} x {} GPUs",
+            r.global_batch, p.micro_batch, p.gpus
+        ));
+    }
+    if p.sharding == Sharding::None && p.gpus > 1 {
+        return Some(format!(
+            "{} GPUs need a data-parallel scheme (ddp or zero1-3), not none",
+            p.gpus
+        ));
+    }
+    let tc = train_config(r, p);
+    crate::run::validate_sharding(&tc).err().map(|e| match e {
+        Error::InvalidArg { message, .. } => message,
+        other => other.to_string(),
+    })
+}
+
+fn train_config(r: &PlanRecipe, p: &Point) -> TrainConfig {
+    TrainConfig {
+        seq_len: r.seq_len,
+        micro_batch: p.micro_batch,
+        grad_accum: p.grad_accum.max(1),
+        optimizer: p.optimizer,
+        precision: p.precision,
+        checkpointing: p.checkpointing,
+        attention: p.attention,
+        ranks: p.gpus,
+        sharding: p.sharding,
+        ..TrainConfig::default()
+    }
+}
+
+/// The closed form for a point: `w + g + k` bytes per parameter, divided
+/// over the GPUs as the ZeRO stage shards them (ZeRO paper, Figure 1:
+/// `(2 + 2 + K)Ψ`, `2Ψ + 2Ψ + KΨ/N`, `2Ψ + (2 + K)Ψ/N`, `(2 + 2 + K)Ψ/N`).
+pub fn closed_form(p: &Point) -> ClosedForm {
+    let mixed = p.precision != Precision::Fp32;
+    let w = if mixed { 2.0 } else { 4.0 };
+    let master = if mixed { 4.0 } else { 0.0 };
+    let (state, state_name): (f64, &str) = match p.optimizer {
+        Optimizer::Adamw => (8.0, "AdamW"),
+        // Two 1-byte codes plus two fp32 absmax per 256-element block.
+        Optimizer::Adamw8bit => (2.0 + 8.0 / 256.0, "8-bit AdamW"),
+        // Factored: (rows + cols) / (rows * cols) per matrix, about 0.
+        Optimizer::Adafactor => (0.0, "Adafactor"),
+        Optimizer::Sgd => (4.0, "SGD+momentum"),
+    };
+    let k = master + state;
+    let n = p.gpus as f64;
+    let fmt = |x: f64| {
+        if x.fract() == 0.0 {
+            format!("{x:.0}")
+        } else {
+            format!("{x:.2}")
+        }
+    };
+    let head = format!(
+        "{state_name} {}: {}+{}+{} B/param",
+        if mixed { "mixed precision" } else { "fp32" },
+        fmt(w),
+        fmt(w),
+        fmt(k)
+    );
+    let (value, shard) = match p.sharding {
+        Sharding::None | Sharding::Ddp => (w + w + k, String::new()),
+        Sharding::Zero1 => (
+            w + w + k / n,
+            format!(
+                "; ZeRO-1 over {}: {} + {}/{}",
+                p.gpus,
+                fmt(2.0 * w),
+                fmt(k),
+                p.gpus
+            ),
+        ),
+        Sharding::Zero2 => (
+            w + (w + k) / n,
+            format!(
+                "; ZeRO-2 over {}: {} + {}/{}",
+                p.gpus,
+                fmt(w),
+                fmt(w + k),
+                p.gpus
+            ),
+        ),
+        Sharding::Zero3 => (
+            (2.0 * w + k) / n,
+            format!("; ZeRO-3 over {}: {}/{}", p.gpus, fmt(2.0 * w + k), p.gpus),
+        ),
+    };
+    ClosedForm {
+        formula: format!("{head}{shard} = {} B/param", fmt(value)),
+        bytes_per_param: value,
+    }
+}
+
+/// Plans every point of a validated recipe.
+pub fn plan(r: &PlanRecipe, model: &ModelConfig, hw: &HardwareProfile) -> Plan {
+    let start = std::time::Instant::now();
+    let usd = r.cost.unwrap_or(hw.usd_per_hour);
+    let points = expand(r);
+    let predictions: Vec<Prediction> = points
+        .par_iter()
+        .map(|p| predict(r, model, hw, usd, p))
+        .collect();
+    let mut ranking: Vec<usize> = (0..predictions.len())
+        .filter(|&i| predictions[i].verdict == Verdict::Fits && !predictions[i].excluded)
+        .collect();
+    ranking.sort_by(|&a, &b| {
+        let (x, y) = (&predictions[a], &predictions[b]);
+        x.usd_per_mtok
+            .total_cmp(&y.usd_per_mtok)
+            .then(x.point.gpus.cmp(&y.point.gpus))
+            .then(y.margin_bytes.cmp(&x.margin_bytes))
+    });
+    let recommendation = ranking.first().map(|&i| Recommendation {
+        index: i,
+        reasons: reasons(&predictions, &ranking, r),
+    });
+    Plan {
+        schema_version: 1,
+        recipe: PathBuf::new(),
+        model: model.name.clone(),
+        num_parameters: model.num_parameters(),
+        hardware: hw.clone(),
+        usd_per_gpu_hour: usd,
+        seq_len: r.seq_len,
+        global_batch: r.global_batch,
+        headroom: r.headroom,
+        allow_numerics_change: r.allow_numerics_change,
+        efficiency: BTreeMap::from([
+            ("compute", COMPUTE_EFFICIENCY),
+            ("memory", MEMORY_EFFICIENCY),
+            ("communication", COMM_EFFICIENCY),
+            ("op_overhead_s", OP_OVERHEAD_S),
+        ]),
+        points: predictions,
+        ranking,
+        recommendation,
+        elapsed_ms: start.elapsed().as_secs_f64() * 1e3,
+    }
+}
+
+/// One point: the meta engine's step on rank 0, then the roofline and the price.
+pub fn predict(
+    r: &PlanRecipe,
+    model: &ModelConfig,
+    hw: &HardwareProfile,
+    usd_per_hour: f64,
+    p: &Point,
+) -> Prediction {
+    let usable = (hw.memory as f64 * (1.0 - r.headroom)) as u64;
+    let numerics_changes = p.numerics_changes();
+    let excluded = !r.allow_numerics_change && !numerics_changes.is_empty();
+    let mut out = Prediction {
+        point: *p,
+        verdict: Verdict::Fits,
+        peak_bytes: None,
+        runtime_overhead_bytes: hw.runtime_overhead,
+        total_bytes: 0,
+        usable_bytes: usable,
+        margin_bytes: 0,
+        compute_s: 0.0,
+        comm_s: 0.0,
+        step_s: 0.0,
+        tokens_per_s: 0.0,
+        usd_per_mtok: 0.0,
+        engine_bytes_per_param: 0.0,
+        closed_form: closed_form(p),
+        numerics_changes,
+        excluded,
+    };
+    if let Some(reason) = invalid_reason(r, p) {
+        out.verdict = Verdict::Invalid { reason };
+        return out;
+    }
+    let tc = train_config(r, p);
+    // Memory and the per-micro-batch costs do not depend on grad_accum: run
+    // one micro-batch and scale (the optimizer phase runs once per step).
+    let one = TrainConfig {
+        grad_accum: 1,
+        ..tc.clone()
+    };
+    let distributed = p.gpus > 1 || p.sharding != Sharding::None;
+    let comm = distributed.then(|| Box::new(MetaComm::new(0, p.gpus)) as Comm<MetaBackend>);
+    let mut e = match Engine::new_rank(model.clone(), one, MetaBackend::emulating_cpu(), None, comm)
+    {
+        Ok(e) => e,
+        Err(oom) => unreachable!("meta without capacity cannot run out of memory: {oom}"),
+    };
+    let peak = hw.peak_flops(p.precision) * COMPUTE_EFFICIENCY;
+    let bw = hw.memory_bandwidth_gbps * 1e9 * MEMORY_EFFICIENCY;
+    e.dev.roofline = Some(Roofline {
+        flops_per_s: peak,
+        bytes_per_s: bw,
+        op_overhead_s: OP_OVERHEAD_S,
+    });
+    e.dev.cost = Default::default();
+    e.dev.optimizer_cost = Default::default();
+    let (sent0, opt_sent0) = (e.dev.sent, e.dev.optimizer_sent);
+    if let Err(oom) = e.step_from(1, || unreachable!("meta reads no data")) {
+        unreachable!("meta without capacity cannot run out of memory: {oom}");
+    }
+    let k = tc.grad_accum as f64;
+    let (all, opt) = (e.dev.cost.roofline_s, e.dev.optimizer_cost.roofline_s);
+    let sent = (e.dev.sent - sent0) as f64;
+    let opt_sent = (e.dev.optimizer_sent - opt_sent0) as f64;
+    out.compute_s = k * (all - opt) + opt;
+    let link = hw.interconnect_gbps * 1e9 * COMM_EFFICIENCY;
+    out.comm_s = (k * (sent - opt_sent) + opt_sent) / link;
+    out.step_s = out.compute_s + out.comm_s;
+    let tokens = (r.global_batch * r.seq_len) as f64;
+    out.tokens_per_s = tokens / out.step_s;
+    out.usd_per_mtok = p.gpus as f64 * usd_per_hour / 3600.0 / out.tokens_per_s * 1e6;
+    let pk = e.dev.tracker.peak_bytes();
+    let psi: u64 = e.param_specs().iter().map(|s| s.numel() as u64).sum();
+    out.engine_bytes_per_param = (pk.get(Category::Parameters)
+        + pk.get(Category::Gradients)
+        + pk.get(Category::Optimizer)) as f64
+        / psi as f64;
+    out.total_bytes = pk.total + hw.runtime_overhead;
+    out.margin_bytes = usable as i64 - out.total_bytes as i64;
+    out.verdict = if out.total_bytes <= usable {
+        Verdict::Fits
+    } else {
+        Verdict::DoesNotFit
+    };
+    out.peak_bytes = Some(pk);
+    out
+}
+
+/// Dollars with three significant digits (tiny models cost fractions of a cent).
+pub fn usd(x: f64) -> String {
+    if x >= 0.1 || x == 0.0 {
+        format!("{x:.3}")
+    } else {
+        let digits = (2 - x.log10().floor() as i32).max(0) as usize;
+        format!("{x:.digits$}")
+    }
+}
+
+fn reasons(preds: &[Prediction], ranking: &[usize], r: &PlanRecipe) -> Vec<String> {
+    let best = &preds[ranking[0]];
+    let gib = |b: i64| b as f64 / (1u64 << 30) as f64;
+    let mut v = vec![format!(
+        "cheapest fitting point: ${} per million tokens at {:.0} tokens/s on {} GPU(s), {:.1} GiB of {:.1} GiB usable per GPU ({:.1} GiB to spare)",
+        usd(best.usd_per_mtok),
+        best.tokens_per_s,
+        best.point.gpus,
+        gib(best.total_bytes as i64),
+        gib(best.usable_bytes as i64),
+        gib(best.margin_bytes)
+    )];
+    if let Some(&j) = ranking.get(1) {
+        let ru = &preds[j];
+        v.push(format!(
+            "beats the runner-up ({}) by {:.1}%: ${} per million tokens",
+            ru.point.label(),
+            (ru.usd_per_mtok / best.usd_per_mtok - 1.0) * 100.0,
+            usd(ru.usd_per_mtok)
+        ));
+    }
+    // The cheapest point that was not allowed, and why.
+    let cheaper_misfit = preds
+        .iter()
+        .filter(|p| p.verdict == Verdict::DoesNotFit && p.usd_per_mtok < best.usd_per_mtok)
+        .min_by(|a, b| a.usd_per_mtok.total_cmp(&b.usd_per_mtok));
+    if let Some(m) = cheaper_misfit {
+        v.push(format!(
+            "cheaper but out of memory: {} would cost ${} per million tokens but needs {:.1} GiB per GPU, {:.1} GiB over",
+            m.point.label(),
+            usd(m.usd_per_mtok),
+            gib(m.total_bytes as i64),
+            gib(-m.margin_bytes)
+        ));
+    }
+    if let Some(x) = preds
+        .iter()
+        .filter(|p| p.excluded && p.verdict == Verdict::Fits && p.usd_per_mtok < best.usd_per_mtok)
+        .min_by(|a, b| a.usd_per_mtok.total_cmp(&b.usd_per_mtok))
+    {
+        v.push(format!(
+            "not considered because allow_numerics_change is false: {} (${}/Mtok, changes numerics: {})",
+            x.point.label(),
+            usd(x.usd_per_mtok),
+            x.numerics_changes.join(", ")
+        ));
+    }
+    if best.numerics_changes.is_empty() {
+        v.push("changes no numerics against bf16/fp32 AdamW".into());
+    } else {
+        v.push(format!(
+            "changes numerics: {} (set allow_numerics_change: false to rule these out)",
+            best.numerics_changes.join(", ")
+        ));
+    }
+    if !r.allow_numerics_change {
+        v.push(
+            "fp16, adamw8bit and adafactor were not considered (allow_numerics_change: false)"
+                .into(),
+        );
+    }
+    v
+}
+
+pub mod render;

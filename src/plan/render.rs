@@ -1,0 +1,228 @@
+//! The plan as a terminal table and as Markdown (JSON is the `Plan` itself).
+
+use std::fmt::Write as _;
+
+use super::{Plan, Prediction, Verdict, name};
+use crate::units::fmt_bytes;
+
+fn gib(b: u64) -> String {
+    format!("{:.1}", b as f64 / (1u64 << 30) as f64)
+}
+
+fn status(p: &Prediction) -> String {
+    match &p.verdict {
+        Verdict::Fits if p.excluded => "fits (numerics)".into(),
+        Verdict::Fits => "fits".into(),
+        Verdict::DoesNotFit => "OOM".into(),
+        Verdict::Invalid { .. } => "invalid".into(),
+    }
+}
+
+/// Rows in display order: the ranking first, then the rest as expanded.
+fn order(plan: &Plan) -> Vec<usize> {
+    let mut rows = plan.ranking.clone();
+    rows.extend((0..plan.points.len()).filter(|i| !plan.ranking.contains(i)));
+    rows
+}
+
+fn header(plan: &Plan, s: &mut String) {
+    let hw = &plan.hardware;
+    let _ = writeln!(
+        s,
+        "{} ({} parameters), seq-len {}, global batch {} sequences, on {} ({} each, ${:.2}/GPU-hour, headroom {:.0}%)",
+        plan.model,
+        plan.num_parameters,
+        plan.seq_len,
+        plan.global_batch,
+        hw.display_name,
+        fmt_bytes(hw.memory),
+        plan.usd_per_gpu_hour,
+        plan.headroom * 100.0
+    );
+    let fits = plan
+        .points
+        .iter()
+        .filter(|p| p.verdict == Verdict::Fits)
+        .count();
+    let _ = writeln!(
+        s,
+        "{} points planned in {:.1} ms: {} fit, {} out of memory, {} invalid",
+        plan.points.len(),
+        plan.elapsed_ms,
+        fits,
+        plan.points
+            .iter()
+            .filter(|p| p.verdict == Verdict::DoesNotFit)
+            .count(),
+        plan.points
+            .iter()
+            .filter(|p| matches!(p.verdict, Verdict::Invalid { .. }))
+            .count()
+    );
+}
+
+const COLS: [&str; 14] = [
+    "#",
+    "gpus",
+    "sharding",
+    "prec",
+    "optimizer",
+    "ckpt",
+    "attn",
+    "mb",
+    "accum",
+    "peak GiB",
+    "margin GiB",
+    "tokens/s",
+    "$/Mtok",
+    "status",
+];
+
+fn row(i: usize, p: &Prediction) -> [String; 14] {
+    let pt = &p.point;
+    let valid = !matches!(p.verdict, Verdict::Invalid { .. });
+    let num = |x: f64, prec: usize| {
+        if valid {
+            format!("{x:.prec$}")
+        } else {
+            "-".into()
+        }
+    };
+    [
+        i.to_string(),
+        pt.gpus.to_string(),
+        name(pt.sharding),
+        name(pt.precision),
+        name(pt.optimizer),
+        name(pt.checkpointing),
+        name(pt.attention),
+        pt.micro_batch.to_string(),
+        if pt.grad_accum > 0 {
+            pt.grad_accum.to_string()
+        } else {
+            "-".into()
+        },
+        if valid {
+            gib(p.total_bytes)
+        } else {
+            "-".into()
+        },
+        if valid {
+            format!("{:.1}", p.margin_bytes as f64 / (1u64 << 30) as f64)
+        } else {
+            "-".into()
+        },
+        num(p.tokens_per_s, 0),
+        if valid {
+            super::usd(p.usd_per_mtok)
+        } else {
+            "-".into()
+        },
+        status(p),
+    ]
+}
+
+/// The terminal table: every point, the fitting ones cheapest first, then the
+/// recommendation and the bytes-per-parameter comparison.
+pub fn table(plan: &Plan, limit: usize) -> String {
+    let mut s = String::new();
+    header(plan, &mut s);
+    let rows: Vec<[String; 14]> = order(plan)
+        .into_iter()
+        .take(limit)
+        .map(|i| row(i, &plan.points[i]))
+        .collect();
+    let mut w = COLS.map(str::len);
+    for r in &rows {
+        for (w, c) in w.iter_mut().zip(r) {
+            *w = (*w).max(c.len());
+        }
+    }
+    let line = |cells: &[String]| {
+        cells
+            .iter()
+            .zip(&w)
+            .map(|(c, w)| format!("{c:>w$}"))
+            .collect::<Vec<_>>()
+            .join("  ")
+    };
+    let _ = writeln!(s, "\n{}", line(&COLS.map(String::from)));
+    for r in &rows {
+        let _ = writeln!(s, "{}", line(r));
+    }
+    if plan.points.len() > limit {
+        let _ = writeln!(
+            s,
+            "... {} more points (--format json lists them all)",
+            plan.points.len() - limit
+        );
+    }
+    recommendation(plan, &mut s, "");
+    s
+}
+
+fn recommendation(plan: &Plan, s: &mut String, bullet: &str) {
+    match &plan.recommendation {
+        None => {
+            let _ = writeln!(
+                s,
+                "\nno point fits: raise gpus, shard more (zero2/zero3), checkpoint, or lower micro_batch"
+            );
+        }
+        Some(rec) => {
+            let p = &plan.points[rec.index];
+            let _ = writeln!(s, "\nrecommended: #{} {}", rec.index, p.point.label());
+            for r in &rec.reasons {
+                let _ = writeln!(s, "  {bullet}{r}");
+            }
+            let pk = p.peak_bytes.expect("a fitting point has peaks");
+            let _ = writeln!(
+                s,
+                "  {bullet}per GPU: parameters {}, gradients {}, optimizer {}, activations {}, temporaries {}, communication {}, workspace {}, runtime overhead {}",
+                fmt_bytes(pk.parameters),
+                fmt_bytes(pk.gradients),
+                fmt_bytes(pk.optimizer),
+                fmt_bytes(pk.activations),
+                fmt_bytes(pk.temporaries),
+                fmt_bytes(pk.communication),
+                fmt_bytes(pk.workspace),
+                fmt_bytes(p.runtime_overhead_bytes)
+            );
+            let _ = writeln!(
+                s,
+                "  {bullet}model states: closed form {}; engine {:.2} B/param (its peaks include the transient full gradients and gathered units)",
+                p.closed_form.formula, p.engine_bytes_per_param
+            );
+            let _ = writeln!(
+                s,
+                "  {bullet}step {:.3} s = compute {:.3} s (roofline at {:.0}% of peak FLOP/s, {:.0}% of memory bandwidth) + communication {:.3} s ({:.0}% of {} GB/s, not overlapped)",
+                p.step_s,
+                p.compute_s,
+                plan.efficiency["compute"] * 100.0,
+                plan.efficiency["memory"] * 100.0,
+                p.comm_s,
+                plan.efficiency["communication"] * 100.0,
+                plan.hardware.interconnect_gbps
+            );
+        }
+    }
+}
+
+/// Markdown: a table of every point and the recommendation.
+pub fn markdown(plan: &Plan) -> String {
+    let mut s = String::from("# memfit plan\n\n");
+    header(plan, &mut s);
+    let _ = writeln!(s, "\n| {} |", COLS.join(" | "));
+    let _ = writeln!(s, "|{}|", COLS.map(|_| "---").join("|"));
+    for i in order(plan) {
+        let _ = writeln!(s, "| {} |", row(i, &plan.points[i]).join(" | "));
+    }
+    for (i, p) in plan.points.iter().enumerate() {
+        if let Verdict::Invalid { reason } = &p.verdict {
+            let _ = writeln!(s, "\n- #{i} invalid: {reason}");
+        }
+    }
+    let _ = writeln!(s, "\n## Recommendation");
+    recommendation(plan, &mut s, "- ");
+    s
+}

@@ -1,0 +1,320 @@
+//! `memfit plan`: predictions are the engine's own peaks (meta == cpu seen
+//! through the planner), the published bytes-per-parameter figures come out,
+//! and bad recipes get located messages.
+
+use std::process::{Command, Output};
+
+use memfit::backend::cpu::CpuBackend;
+use memfit::backend::cpu_comm::cpu_group;
+use memfit::config::hardware::load_hardware;
+use memfit::config::profile::load_model;
+use memfit::data::DataSource;
+use memfit::engine::cluster::Cluster;
+use memfit::engine::{Comm, Optimizer, Precision, Sharding, TrainConfig};
+use memfit::plan::{Grid, PlanRecipe, Point, Verdict, closed_form, plan};
+
+fn memfit(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args(args)
+        .output()
+        .expect("memfit runs")
+}
+
+fn fixture(name: &str) -> String {
+    format!(
+        "{}/tests/fixtures/invalid/plans/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+#[test]
+fn predictions_equal_cpu_measured_peaks() {
+    for name in ["gpt2-tiny", "llama-tiny"] {
+        let model = load_model(name).unwrap();
+        let hw = load_hardware("t4").unwrap();
+        let recipe = PlanRecipe {
+            model: name.into(),
+            hardware: "t4".into(),
+            seq_len: 32,
+            global_batch: 8,
+            grid: Grid {
+                micro_batch: vec![2, 4],
+                precision: vec![Precision::Fp32, Precision::Bf16],
+                checkpointing: vec![
+                    memfit::engine::Checkpointing::None,
+                    memfit::engine::Checkpointing::Full,
+                ],
+                attention: vec![memfit::engine::Attention::Fused],
+                optimizer: vec![Optimizer::Adamw, Optimizer::Adamw8bit],
+                sharding: vec![Sharding::None, Sharding::Zero2, Sharding::Zero3],
+                gpus: vec![1, 2],
+            },
+            headroom: 0.05,
+            cost: None,
+            allow_numerics_change: true,
+        };
+        let p = plan(&recipe, &model, &hw);
+        let mut checked = 0;
+        for pred in &p.points {
+            if matches!(pred.verdict, Verdict::Invalid { .. }) {
+                continue;
+            }
+            let pt = pred.point;
+            let tc = TrainConfig {
+                seq_len: 32,
+                micro_batch: pt.micro_batch,
+                grad_accum: pt.grad_accum,
+                precision: pt.precision,
+                checkpointing: pt.checkpointing,
+                attention: pt.attention,
+                optimizer: pt.optimizer,
+                ranks: pt.gpus,
+                sharding: pt.sharding,
+                ..TrainConfig::default()
+            };
+            let distributed = pt.gpus > 1 || pt.sharding != Sharding::None;
+            let backends = (0..pt.gpus).map(|_| CpuBackend::new(1).unwrap()).collect();
+            let comms = cpu_group(pt.gpus)
+                .into_iter()
+                .map(|c| distributed.then(|| Box::new(c) as Comm<CpuBackend>))
+                .collect();
+            let mut c = Cluster::new(&model, &tc, backends, comms, None).unwrap();
+            let mut data = DataSource::synthetic(model.vocab_size, 1);
+            c.step_from(pt.grad_accum, || data.next_batch(pt.micro_batch, 32))
+                .unwrap();
+            for e in &c.ranks {
+                assert_eq!(
+                    Some(e.dev.tracker.peak_bytes()),
+                    pred.peak_bytes,
+                    "{name} {}",
+                    pt.label()
+                );
+            }
+            checked += 1;
+        }
+        eprintln!("{name}: {checked} planned points equal their cpu runs");
+        assert!(checked >= 30, "{checked}");
+    }
+}
+
+fn point(sharding: Sharding, gpus: usize) -> Point {
+    Point {
+        micro_batch: 1,
+        precision: Precision::Bf16,
+        checkpointing: memfit::engine::Checkpointing::None,
+        attention: memfit::engine::Attention::Fused,
+        optimizer: Optimizer::Adamw,
+        sharding,
+        gpus,
+        grad_accum: 1,
+    }
+}
+
+#[test]
+fn published_bytes_per_parameter_are_reproduced() {
+    // ZeRO paper, Figure 1: Psi = 7.5B, N = 64, K = 12 (mixed-precision Adam):
+    // baseline 120 GB, P_os 31.4 GB, P_os+g 16.6 GB, P_os+g+p 1.9 GB per device.
+    let psi = 7.5e9;
+    let gb = |s, n| closed_form(&point(s, n)).bytes_per_param * psi / 1e9;
+    assert_eq!(gb(Sharding::Ddp, 64), 120.0);
+    assert!((gb(Sharding::Zero1, 64) - 31.4).abs() < 0.05);
+    assert!((gb(Sharding::Zero2, 64) - 16.6).abs() < 0.05);
+    assert!((gb(Sharding::Zero3, 64) - 1.9).abs() < 0.05);
+    let z2 = closed_form(&point(Sharding::Zero2, 8));
+    assert!(
+        z2.formula.contains("2+2+12 B/param") && z2.formula.contains("ZeRO-2 over 8: 2 + 14/8"),
+        "{}",
+        z2.formula
+    );
+    assert_eq!(z2.bytes_per_param, 3.75);
+    let fp32 = closed_form(&Point {
+        precision: Precision::Fp32,
+        ..point(Sharding::None, 1)
+    });
+    assert_eq!(fp32.bytes_per_param, 16.0);
+    assert!(fp32.formula.contains("4+4+8"), "{}", fp32.formula);
+
+    // The engine's steady state agrees: over 8 GPUs, gpt2's optimizer state
+    // (fp32 master + m + v) is 12/8 bytes per parameter, padding aside.
+    let model = load_model("gpt2").unwrap();
+    let hw = load_hardware("h100-sxm-80gb").unwrap();
+    let recipe = PlanRecipe {
+        model: "gpt2".into(),
+        hardware: "h100-sxm-80gb".into(),
+        seq_len: 256,
+        global_batch: 8,
+        grid: Grid {
+            sharding: vec![
+                Sharding::Ddp,
+                Sharding::Zero1,
+                Sharding::Zero2,
+                Sharding::Zero3,
+            ],
+            gpus: vec![8],
+            ..Grid::default()
+        },
+        headroom: 0.05,
+        cost: None,
+        allow_numerics_change: true,
+    };
+    let p = plan(&recipe, &model, &hw);
+    let psi = model
+        .param_layout()
+        .0
+        .iter()
+        .map(|s| s.numel() as f64)
+        .sum::<f64>();
+    for pred in &p.points {
+        let pk = pred.peak_bytes.unwrap();
+        let per = |b: u64| b as f64 / psi;
+        let (w, g, k) = (per(pk.parameters), per(pk.gradients), per(pk.optimizer));
+        eprintln!(
+            "gpt2 bf16 AdamW {:?} x8: engine {w:.3}+{g:.3}+{k:.3} B/param; closed form {}",
+            pred.point.sharding, pred.closed_form.formula
+        );
+        let want_k = if pred.point.sharding == Sharding::Ddp {
+            12.0
+        } else {
+            1.5
+        };
+        assert!((k - want_k).abs() < 1e-3, "{k}");
+        assert!(pred.engine_bytes_per_param >= pred.closed_form.bytes_per_param - 1e-3);
+    }
+}
+
+#[test]
+fn invalid_recipes_get_located_messages() {
+    for (file, want) in [
+        (
+            "misspelled-key.yaml",
+            vec!["misspelled-key.yaml:4:1", "globl_batch", "global_batch"],
+        ),
+        (
+            "seq-len-too-long.yaml",
+            vec!["seq-len-too-long.yaml:3:1", "seq_len", "128"],
+        ),
+        (
+            "zero3-one-gpu.yaml",
+            vec!["zero3-one-gpu.yaml:7:19", "zero3", "gpus"],
+        ),
+        (
+            "unknown-hardware.yaml",
+            vec!["unknown-hardware.yaml:2:1", "h100-sxm-80gb"],
+        ),
+        (
+            "bad-precision.yaml",
+            vec!["bad-precision.yaml:6", "fp61", "fp16"],
+        ),
+        (
+            "negative-headroom.yaml",
+            vec!["negative-headroom.yaml:5:1", "headroom"],
+        ),
+    ] {
+        let out = memfit(&["plan", &fixture(file)]);
+        assert_eq!(out.status.code(), Some(2), "{file}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        for w in want {
+            assert!(err.contains(w), "{file}: `{w}` missing from: {err}");
+        }
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    let out = memfit(&["plan", "/nonexistent/recipe.yaml"]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn plan_command_prints_table_json_and_markdown() {
+    let recipe = concat!(env!("CARGO_MANIFEST_DIR"), "/recipes/tiny.yaml");
+    let out = memfit(&["plan", recipe]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    for needle in ["recommended:", "B/param", "tokens/s", "$/Mtok", "fits"] {
+        assert!(text.contains(needle), "{needle} missing:\n{text}");
+    }
+    let out = memfit(&["plan", recipe, "--format", "json"]);
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["schema_version"], 1);
+    let points = doc["points"].as_array().unwrap();
+    assert_eq!(points.len(), 5 * 2 * 2 * 2 * 2);
+    let rec = doc["recommendation"]["index"].as_u64().unwrap() as usize;
+    assert_eq!(points[rec]["status"], "fits");
+    assert_eq!(doc["ranking"][0].as_u64().unwrap() as usize, rec);
+    // Cheapest first.
+    let cost = |i: &serde_json::Value| {
+        points[i.as_u64().unwrap() as usize]["usd_per_mtok"]
+            .as_f64()
+            .unwrap()
+    };
+    let ranking = doc["ranking"].as_array().unwrap();
+    assert!(ranking.windows(2).all(|w| cost(&w[0]) <= cost(&w[1])));
+    let out = memfit(&["plan", recipe, "--format", "md"]);
+    let md = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        md.starts_with("# memfit plan") && md.contains("| --- |") || md.contains("|---|"),
+        "{md}"
+    );
+
+    let out = memfit(&["profiles"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    for needle in ["llama-3.1-70b", "h100-sxm-80gb", "rtx-4090", "t4"] {
+        assert!(text.contains(needle), "{needle} missing:\n{text}");
+    }
+}
+
+#[test]
+fn allow_numerics_change_false_rules_out_fp16_and_8bit() {
+    let model = load_model("gpt2").unwrap();
+    let hw = load_hardware("rtx-4090").unwrap();
+    let mut recipe = PlanRecipe {
+        model: "gpt2".into(),
+        hardware: "rtx-4090".into(),
+        seq_len: 1024,
+        global_batch: 16,
+        grid: Grid {
+            micro_batch: vec![4, 8, 16],
+            precision: vec![Precision::Bf16, Precision::Fp16],
+            optimizer: vec![Optimizer::Adamw, Optimizer::Adamw8bit],
+            ..Grid::default()
+        },
+        headroom: 0.05,
+        cost: None,
+        allow_numerics_change: false,
+    };
+    let p = plan(&recipe, &model, &hw);
+    let best = &p.points[p.recommendation.as_ref().unwrap().index];
+    assert!(best.numerics_changes.is_empty(), "{:?}", best.point);
+    assert!(p.points.iter().any(|x| x.excluded));
+    recipe.allow_numerics_change = true;
+    let p = plan(&recipe, &model, &hw);
+    assert!(p.points.iter().all(|x| !x.excluded));
+}
+
+#[test]
+fn shipped_plan_recipes_plan_and_recommend() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/recipes");
+    let mut n = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        if !text.lines().any(|l| l.starts_with("hardware:")) {
+            continue;
+        }
+        let p = memfit::plan::plan_file(&path).unwrap_or_else(|e| panic!("{e}"));
+        let rec = p
+            .recommendation
+            .as_ref()
+            .unwrap_or_else(|| panic!("{}: nothing fits", path.display()));
+        eprintln!(
+            "{}: {} points, recommends {}",
+            path.file_name().unwrap().to_string_lossy(),
+            p.points.len(),
+            p.points[rec.index].point.label()
+        );
+        n += 1;
+    }
+    assert!(n >= 4, "{n} plan recipes");
+}
