@@ -30,6 +30,7 @@ fn main() {
         headroom: 0.05,
         cost: None,
         allow_numerics_change: true,
+        device: None,
     };
     let point = expand(&single)[0];
     // Warm up, then the median of 21 single-point plans.

@@ -32,6 +32,66 @@ pub enum Command {
     /// Predict memory, step time and cost for every point of a recipe's grid
     /// (the engine on the meta backend), and recommend the cheapest that fits.
     Plan(PlanArgs),
+    /// Measure the recipe's grid for real, each trial in its own process:
+    /// fit or OOM, peaks, tokens/s; recommend the cheapest that fits and
+    /// write reports (json, md, html, plots, exports) into --out.
+    Sweep(SweepArgs),
+    /// CI gate: compare a sweep's tracked peaks with a baseline's.
+    Check(crate::check::CheckArgs),
+    /// Runs one sweep trial (memfit re-executes itself; not for direct use).
+    #[command(hide = true)]
+    Trial {
+        /// The trial as JSON.
+        #[arg(long)]
+        spec: String,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct SweepArgs {
+    /// A plan recipe (YAML); see `memfit plan`.
+    pub recipe: PathBuf,
+    /// Where trials run: cpu (optionally cpu:limit=SIZE, the capacity that
+    /// decides fit) or meta [default: the recipe's `device`, else cpu].
+    #[arg(long)]
+    pub device: Option<DeviceSpec>,
+    /// Directory for trials.jsonl and the reports.
+    #[arg(long, default_value = "memfit-sweep")]
+    pub out: PathBuf,
+    /// Continue a sweep whose journal is in --out, skipping finished trials.
+    #[arg(long)]
+    pub resume: bool,
+    /// Run every valid grid point instead of bisecting each fit boundary.
+    #[arg(long)]
+    pub exhaustive: bool,
+    /// Optimizer steps per trial; the first is warm-up and not timed.
+    #[arg(long, default_value_t = 3)]
+    pub steps: usize,
+    /// Seconds before a trial is killed and recorded as a timeout.
+    #[arg(long, default_value_t = 300.0)]
+    pub trial_timeout: f64,
+    /// cpu threads per trial [default: all cores].
+    #[arg(long)]
+    pub threads: Option<usize>,
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+    /// Test hook: make the N-th trial run fail (abort, sigkill or hang).
+    #[arg(long, hide = true, value_parser = parse_fault)]
+    pub test_fault: Option<(usize, crate::sweep::trial::Fault)>,
+}
+
+/// `N:abort`, `N:sigkill` or `N:hang`.
+fn parse_fault(s: &str) -> std::result::Result<(usize, crate::sweep::trial::Fault), String> {
+    use crate::sweep::trial::Fault;
+    let (n, kind) = s.split_once(':').ok_or("expected N:abort|sigkill|hang")?;
+    let n = n.parse().map_err(|e| format!("{e}"))?;
+    let f = match kind {
+        "abort" => Fault::Abort,
+        "sigkill" => Fault::Sigkill,
+        "hang" => Fault::Hang,
+        other => return Err(format!("unknown fault `{other}`")),
+    };
+    Ok((n, f))
 }
 
 #[derive(Debug, clap::Args)]

@@ -7,6 +7,7 @@
 #![allow(clippy::too_many_arguments)]
 
 pub mod backend;
+pub mod check;
 pub mod cli;
 pub mod comm;
 pub mod config;
@@ -17,6 +18,7 @@ pub mod memory;
 pub mod plan;
 pub mod rng;
 pub mod run;
+pub mod sweep;
 pub mod units;
 
 pub use error::{Error, Result};

@@ -49,6 +49,9 @@ fn main() -> ExitCode {
                 e.exit_code()
             }
         },
+        Command::Sweep(args) => sweep_main(&args),
+        Command::Check(args) => memfit::check::run_check(&args),
+        Command::Trial { spec } => trial_main(&spec),
         Command::Profiles => {
             print_models();
             println!(
@@ -92,6 +95,70 @@ fn print_models() {
                 ),
                 Err(e) => eprintln!("memfit: {e}"),
             }
+        }
+    }
+}
+
+fn sweep_main(args: &memfit::cli::SweepArgs) -> i32 {
+    use std::io::IsTerminal;
+    if args.steps == 0 || args.trial_timeout.is_nan() || args.trial_timeout <= 0.0 {
+        eprintln!("memfit: --steps and --trial-timeout must be positive");
+        return 2;
+    }
+    let opts = memfit::sweep::driver::SweepOptions {
+        recipe: args.recipe.clone(),
+        device: args.device.clone(),
+        out: args.out.clone(),
+        resume: args.resume,
+        exhaustive: args.exhaustive,
+        steps: args.steps,
+        timeout: std::time::Duration::from_secs_f64(args.trial_timeout),
+        threads: args.threads,
+        fault: args.test_fault,
+        progress: std::io::stderr().is_terminal(),
+    };
+    match memfit::sweep::driver::sweep(&opts) {
+        Ok(report) => {
+            match args.format {
+                Format::Json => println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).expect("report serialises")
+                ),
+                Format::Table => {
+                    print!("{}", memfit::sweep::markdown::table(&report));
+                    println!("reports in {}", args.out.display());
+                }
+            }
+            if report.interrupted { 130 } else { 0 }
+        }
+        Err(e) => {
+            eprintln!("memfit: {e}");
+            e.exit_code()
+        }
+    }
+}
+
+/// The child side of a sweep trial: one JSON line on stdout; exit 0 ran,
+/// 3 out of memory, 2 bad input.
+fn trial_main(spec: &str) -> i32 {
+    let spec: memfit::sweep::trial::TrialSpec = match serde_json::from_str(spec) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("memfit trial: bad --spec: {e}");
+            return 2;
+        }
+    };
+    match memfit::sweep::trial::run_trial(&spec) {
+        Ok(out) => {
+            println!(
+                "{}",
+                serde_json::to_string(&out).expect("output serialises")
+            );
+            if out.oom.is_some() { 3 } else { 0 }
+        }
+        Err(e) => {
+            eprintln!("memfit trial: {e}");
+            e.exit_code()
         }
     }
 }

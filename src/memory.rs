@@ -130,7 +130,7 @@ impl Serialize for ByCategory {
 
 /// Peak bytes as reports show them: `total` is the highest sum live at any one
 /// moment; each category is that category's own highest.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct PeakBytes {
     pub total: u64,
     pub parameters: u64,

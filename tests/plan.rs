@@ -52,6 +52,7 @@ fn predictions_equal_cpu_measured_peaks() {
             headroom: 0.05,
             cost: None,
             allow_numerics_change: true,
+            device: None,
         };
         let p = plan(&recipe, &model, &hw);
         let mut checked = 0;
@@ -156,6 +157,7 @@ fn published_bytes_per_parameter_are_reproduced() {
         headroom: 0.05,
         cost: None,
         allow_numerics_change: true,
+        device: None,
     };
     let p = plan(&recipe, &model, &hw);
     let psi = model
@@ -283,6 +285,7 @@ fn allow_numerics_change_false_rules_out_fp16_and_8bit() {
         headroom: 0.05,
         cost: None,
         allow_numerics_change: false,
+        device: None,
     };
     let p = plan(&recipe, &model, &hw);
     let best = &p.points[p.recommendation.as_ref().unwrap().index];

@@ -66,6 +66,23 @@ pub struct PlanRecipe {
     /// Whether fp16, adamw8bit and adafactor may be recommended.
     #[serde(default = "yes")]
     pub allow_numerics_change: bool,
+    /// Where `memfit sweep` runs its trials (`cpu`, `cpu:limit=64MiB`, `meta`).
+    /// A limit is the capacity that decides what fits, in place of the
+    /// hardware's memory and runtime overhead.
+    #[serde(default)]
+    pub device: Option<crate::backend::DeviceSpec>,
+}
+
+impl PlanRecipe {
+    /// The capacity that decides what fits, and the runtime overhead on top
+    /// of the engine's peak: the device limit and 0 when the recipe (or the
+    /// sweep's `--device`) sets one, else the GPU's memory and overhead.
+    pub fn capacity(&self, hw: &HardwareProfile) -> (u64, u64) {
+        match self.device.as_ref().and_then(|d| d.limit) {
+            Some(limit) => (limit, 0),
+            None => (hw.memory, hw.runtime_overhead),
+        }
+    }
 }
 
 fn default_headroom() -> f64 {
@@ -129,7 +146,7 @@ fn default_sharding() -> Vec<Sharding> {
 }
 
 /// One grid point's knobs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Point {
     pub micro_batch: usize,
     pub precision: Precision,
@@ -233,6 +250,8 @@ pub struct Plan {
     pub num_parameters: u64,
     pub hardware: HardwareProfile,
     pub usd_per_gpu_hour: f64,
+    /// Per GPU: the hardware's memory, or the recipe's device limit.
+    pub capacity_bytes: u64,
     pub seq_len: usize,
     pub global_batch: usize,
     pub headroom: f64,
@@ -254,6 +273,14 @@ pub struct Recommendation {
 
 /// Loads, validates and plans a recipe file.
 pub fn plan_file(path: &Path) -> Result<Plan> {
+    let (recipe, model, hw) = load_recipe(path)?;
+    let mut plan = plan(&recipe, &model, &hw);
+    plan.recipe = path.to_path_buf();
+    Ok(plan)
+}
+
+/// Loads and validates a recipe file, with its model and hardware.
+pub fn load_recipe(path: &Path) -> Result<(PlanRecipe, ModelConfig, HardwareProfile)> {
     let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
         path: path.to_path_buf(),
         source,
@@ -271,9 +298,7 @@ pub fn plan_file(path: &Path) -> Result<Plan> {
     let model = load_model(&recipe.model).map_err(|e| relocate(e, at("model", None)))?;
     let hw = load_hardware(&recipe.hardware).map_err(|e| relocate(e, at("hardware", None)))?;
     check_recipe(&recipe, &model, &at)?;
-    let mut plan = plan(&recipe, &model, &hw);
-    plan.recipe = path.to_path_buf();
-    Ok(plan)
+    Ok((recipe, model, hw))
 }
 
 fn looks_like_path(spec: &str) -> bool {
@@ -592,6 +617,7 @@ pub fn plan(r: &PlanRecipe, model: &ModelConfig, hw: &HardwareProfile) -> Plan {
         num_parameters: model.num_parameters(),
         hardware: hw.clone(),
         usd_per_gpu_hour: usd,
+        capacity_bytes: r.capacity(hw).0,
         seq_len: r.seq_len,
         global_batch: r.global_batch,
         headroom: r.headroom,
@@ -617,14 +643,15 @@ pub fn predict(
     usd_per_hour: f64,
     p: &Point,
 ) -> Prediction {
-    let usable = (hw.memory as f64 * (1.0 - r.headroom)) as u64;
+    let (capacity, overhead) = r.capacity(hw);
+    let usable = (capacity as f64 * (1.0 - r.headroom)) as u64;
     let numerics_changes = p.numerics_changes();
     let excluded = !r.allow_numerics_change && !numerics_changes.is_empty();
     let mut out = Prediction {
         point: *p,
         verdict: Verdict::Fits,
         peak_bytes: None,
-        runtime_overhead_bytes: hw.runtime_overhead,
+        runtime_overhead_bytes: overhead,
         total_bytes: 0,
         usable_bytes: usable,
         margin_bytes: 0,
@@ -686,7 +713,7 @@ pub fn predict(
         + pk.get(Category::Gradients)
         + pk.get(Category::Optimizer)) as f64
         / psi as f64;
-    out.total_bytes = pk.total + hw.runtime_overhead;
+    out.total_bytes = pk.total + overhead;
     out.margin_bytes = usable as i64 - out.total_bytes as i64;
     out.verdict = if out.total_bytes <= usable {
         Verdict::Fits

@@ -5,10 +5,6 @@ use std::fmt::Write as _;
 use super::{Plan, Prediction, Verdict, name};
 use crate::units::fmt_bytes;
 
-fn gib(b: u64) -> String {
-    format!("{:.1}", b as f64 / (1u64 << 30) as f64)
-}
-
 fn status(p: &Prediction) -> String {
     match &p.verdict {
         Verdict::Fits if p.excluded => "fits (numerics)".into(),
@@ -35,7 +31,7 @@ fn header(plan: &Plan, s: &mut String) {
         plan.seq_len,
         plan.global_batch,
         hw.display_name,
-        fmt_bytes(hw.memory),
+        fmt_bytes(plan.capacity_bytes),
         plan.usd_per_gpu_hour,
         plan.headroom * 100.0
     );
@@ -103,7 +99,7 @@ fn row(i: usize, p: &Prediction) -> [String; 14] {
             "-".into()
         },
         if valid {
-            gib(p.total_bytes)
+            fmt_bytes(p.total_bytes)
         } else {
             "-".into()
         },

@@ -1,0 +1,722 @@
+//! The sweep loop: which grid points to measure, running each as a child
+//! process with a timeout, the journal, resume and Ctrl-C, and the
+//! recommendation over what was measured.
+
+use std::collections::HashMap;
+use std::io::{BufRead, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use super::report::{
+    ExitInfo, Measured, Outcome, Predicted, Recommendation, SCHEMA_VERSION, SweepReport,
+    TrialRecord,
+};
+use super::trial::{Fault, TrialOutput, TrialSpec};
+use crate::backend::{DeviceKind, DeviceSpec};
+use crate::error::{Error, Result};
+use crate::plan::{Point, Prediction, Verdict, load_recipe, name, plan};
+
+/// What `memfit sweep` was asked to do.
+#[derive(Clone, Debug)]
+pub struct SweepOptions {
+    pub recipe: PathBuf,
+    /// Overrides the recipe's `device`.
+    pub device: Option<DeviceSpec>,
+    pub out: PathBuf,
+    pub resume: bool,
+    /// Run every valid point instead of bisecting the fit boundary.
+    pub exhaustive: bool,
+    /// Optimizer steps per trial; the first is warm-up.
+    pub steps: usize,
+    pub timeout: Duration,
+    pub threads: Option<usize>,
+    /// Test hook: make the trial at this position in run order fail.
+    pub fault: Option<(usize, Fault)>,
+    /// Draw a progress bar on stderr (it hides itself when stderr is not a terminal).
+    pub progress: bool,
+}
+
+/// A stable key for a configuration: what the journal, `--resume` and
+/// `memfit check` match on.
+pub fn trial_id(p: &Point) -> String {
+    format!(
+        "gpus{}-{}-{}-{}-ckpt_{}-{}-mb{}-accum{}",
+        p.gpus,
+        name(p.sharding),
+        name(p.precision),
+        name(p.optimizer),
+        name(p.checkpointing),
+        name(p.attention),
+        p.micro_batch,
+        p.grad_accum
+    )
+}
+
+/// Points that differ only in micro-batch (and so in accumulation).
+fn group_key(p: &Point) -> Point {
+    Point {
+        micro_batch: 0,
+        grad_accum: 0,
+        ..*p
+    }
+}
+
+struct Ctx<'a> {
+    opts: &'a SweepOptions,
+    report: SweepReport,
+    journal: std::fs::File,
+    done: HashMap<String, TrialRecord>,
+    model: String,
+    device: DeviceSpec,
+    /// Engine share of the capacity (the trial's device limit), and the overhead on top.
+    overhead: u64,
+    runs: usize,
+    stop: Arc<AtomicBool>,
+    bar: indicatif::ProgressBar,
+}
+
+/// Runs the sweep and writes the reports into `opts.out`.
+pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
+    let (mut recipe, model, hw) = load_recipe(&opts.recipe)?;
+    if let Some(d) = &opts.device {
+        recipe.device = Some(d.clone());
+    }
+    let device = recipe.device.clone().unwrap_or(DeviceSpec {
+        kind: DeviceKind::Cpu,
+        limit: None,
+    });
+    if device.kind == DeviceKind::Cuda {
+        return Err(Error::Unavailable(
+            "the cuda backend is not part of this build yet; sweep on cpu (optionally cpu:limit=SIZE) or meta".into(),
+        ));
+    }
+    let (capacity, overhead) = recipe.capacity(&hw);
+    let trial_device = DeviceSpec {
+        kind: device.kind,
+        limit: Some(capacity - overhead.min(capacity)),
+    };
+    std::fs::create_dir_all(&opts.out).map_err(|source| Error::Write {
+        path: opts.out.clone(),
+        source,
+    })?;
+    let journal_path = opts.out.join("trials.jsonl");
+    let done = read_journal(&journal_path, opts.resume)?;
+    let journal = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&journal_path)
+        .map_err(|source| Error::Write {
+            path: journal_path.clone(),
+            source,
+        })?;
+    let planned = plan(&recipe, &model, &hw);
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let stop = stop.clone();
+        // A second handler cannot be installed (a second sweep in one
+        // process); the first one already sets the flag we share.
+        let _ = ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst));
+    }
+    let bar = if opts.progress {
+        indicatif::ProgressBar::new(planned.points.len() as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
+            .expect("static template")
+            .progress_chars("=> "),
+    );
+    let mut ctx = Ctx {
+        opts,
+        report: SweepReport {
+            schema_version: SCHEMA_VERSION,
+            memfit_version: env!("CARGO_PKG_VERSION").into(),
+            recipe: opts.recipe.display().to_string(),
+            model: model.name.clone(),
+            hardware: hw.name.clone(),
+            device: trial_device.to_string(),
+            capacity_bytes: capacity,
+            headroom: recipe.headroom,
+            usd_per_gpu_hour: planned.usd_per_gpu_hour,
+            allow_numerics_change: recipe.allow_numerics_change,
+            seq_len: recipe.seq_len,
+            global_batch: recipe.global_batch,
+            grid_size: planned.points.len(),
+            trials_run: 0,
+            trials: Vec::new(),
+            recommendation: None,
+            pareto: Vec::new(),
+            interrupted: false,
+        },
+        journal,
+        done,
+        model: recipe.model.clone(),
+        device: trial_device,
+        overhead,
+        runs: 0,
+        stop,
+        bar,
+    };
+    let preds = &planned.points;
+    // Groups in the order their first point appears.
+    let mut groups: Vec<(Point, Vec<usize>)> = Vec::new();
+    for (i, p) in preds.iter().enumerate() {
+        let key = group_key(&p.point);
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, v)) => v.push(i),
+            None => groups.push((key, vec![i])),
+        }
+    }
+    let mut records: Vec<Option<TrialRecord>> = vec![None; preds.len()];
+    'groups: for (_, mut idx) in groups {
+        idx.sort_by_key(|&i| preds[i].point.micro_batch);
+        let (valid, invalid): (Vec<usize>, Vec<usize>) = idx
+            .into_iter()
+            .partition(|&i| !matches!(preds[i].verdict, Verdict::Invalid { .. }));
+        for i in invalid {
+            let reason = match &preds[i].verdict {
+                Verdict::Invalid { reason } => reason.clone(),
+                _ => unreachable!(),
+            };
+            records[i] = Some(ctx.unrun(&preds[i], Outcome::Invalid, reason));
+        }
+        let fits = |r: &TrialRecord| r.fits;
+        if opts.exhaustive {
+            for &i in &valid {
+                let Some(r) = ctx.trial(&preds[i])? else {
+                    break 'groups;
+                };
+                records[i] = Some(r);
+            }
+            continue;
+        }
+        // The largest micro-batch predicted to fit is measured first.
+        let Some(cand) = valid
+            .iter()
+            .rposition(|&i| preds[i].verdict == Verdict::Fits)
+        else {
+            continue;
+        };
+        let Some(first) = ctx.trial(&preds[valid[cand]])? else {
+            break 'groups;
+        };
+        let first_fits = fits(&first);
+        records[valid[cand]] = Some(first);
+        if !first_fits {
+            // Bisect below it for the first micro-batch that does not fit:
+            // `hi` is known not to fit; everything below `lo` fits.
+            let (mut lo, mut hi) = (0usize, cand);
+            while lo < hi {
+                let mid = (lo + hi) / 2;
+                let Some(r) = ctx.trial(&preds[valid[mid]])? else {
+                    break 'groups;
+                };
+                let ok = fits(&r);
+                records[valid[mid]] = Some(r);
+                if ok {
+                    lo = mid + 1;
+                } else {
+                    hi = mid;
+                }
+            }
+        }
+    }
+    // What was not run, and why.
+    let largest_fit: HashMap<String, usize> = {
+        let mut m = HashMap::new();
+        for r in records.iter().flatten().filter(|r| r.fits) {
+            let e = m.entry(trial_id(&group_key(&r.point))).or_insert(0);
+            *e = (*e).max(r.point.micro_batch);
+        }
+        m
+    };
+    let smallest_misfit: HashMap<String, usize> = {
+        let mut m = HashMap::new();
+        for r in records
+            .iter()
+            .flatten()
+            .filter(|r| !r.fits && r.measured.is_some() || r.outcome == Outcome::Oom)
+        {
+            let e = m
+                .entry(trial_id(&group_key(&r.point)))
+                .or_insert(usize::MAX);
+            *e = (*e).min(r.point.micro_batch);
+        }
+        m
+    };
+    let interrupted = ctx.stop.load(Ordering::SeqCst);
+    for (i, slot) in records.iter_mut().enumerate() {
+        if slot.is_some() || interrupted {
+            continue;
+        }
+        let p = &preds[i];
+        let key = trial_id(&group_key(&p.point));
+        let mb = p.point.micro_batch;
+        *slot = Some(if p.verdict == Verdict::DoesNotFit {
+            ctx.unrun(
+                p,
+                Outcome::SkippedPredictedOom,
+                format!(
+                    "predicted {} per GPU against {} usable",
+                    crate::units::fmt_bytes(p.total_bytes),
+                    crate::units::fmt_bytes(p.usable_bytes)
+                ),
+            )
+        } else if largest_fit.get(&key).is_some_and(|&m| mb < m) {
+            ctx.unrun(
+                p,
+                Outcome::SkippedByMonotonicity,
+                format!(
+                    "micro-batch {} fits, so a smaller one does",
+                    largest_fit[&key]
+                ),
+            )
+        } else {
+            let m = smallest_misfit.get(&key).copied().unwrap_or(0);
+            ctx.unrun(
+                p,
+                Outcome::SkippedByMonotonicity,
+                format!("micro-batch {m} does not fit, so a larger one does not"),
+            )
+        });
+    }
+    ctx.bar.finish_and_clear();
+    let mut report = ctx.report;
+    report.interrupted = interrupted;
+    report.trials = records.into_iter().flatten().collect();
+    report.trials_run = report
+        .trials
+        .iter()
+        .filter(|r| {
+            matches!(
+                r.outcome,
+                Outcome::Ran | Outcome::Oom | Outcome::Timeout | Outcome::Crash
+            )
+        })
+        .count();
+    recommend(&mut report);
+    write_reports(&report, &opts.out)?;
+    Ok(report)
+}
+
+/// Reads the journal for `--resume`; without it, an existing journal is an
+/// error rather than something to mix with or overwrite.
+fn read_journal(path: &Path, resume: bool) -> Result<HashMap<String, TrialRecord>> {
+    let mut done = HashMap::new();
+    let file = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(_) => return Ok(done),
+    };
+    if !resume {
+        if file.metadata().map(|m| m.len() > 0).unwrap_or(false) {
+            return Err(Error::invalid_arg(
+                "--out",
+                format!(
+                    "{} already holds a sweep's trials; pass --resume to finish it, or choose another --out",
+                    path.display()
+                ),
+            ));
+        }
+        return Ok(done);
+    }
+    for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        // A sweep killed mid-write leaves a partial last line: that trial reruns.
+        match serde_json::from_str::<TrialRecord>(&line) {
+            Ok(r) => {
+                done.insert(r.id.clone(), r);
+            }
+            Err(e) if e.is_eof() => {}
+            Err(e) => {
+                return Err(Error::Config {
+                    location: format!("{}:{}:{}", path.display(), n + 1, e.column()),
+                    message: format!("not a trial record: {e}"),
+                });
+            }
+        }
+    }
+    Ok(done)
+}
+
+impl Ctx<'_> {
+    fn usable(&self) -> u64 {
+        self.report.usable_bytes()
+    }
+
+    fn base_record(&self, p: &Prediction, outcome: Outcome) -> TrialRecord {
+        TrialRecord {
+            id: trial_id(&p.point),
+            point: p.point,
+            outcome,
+            fits: false,
+            predicted: p.peak_bytes.map(|pk| Predicted {
+                peak_total_bytes: pk.total + self.overhead,
+                peak_bytes: Some(pk),
+                step_s: p.step_s,
+                tokens_per_s: p.tokens_per_s,
+            }),
+            measured: None,
+            memory_error_pct: None,
+            time_error_pct: None,
+            exit: None,
+            numerics_changes: p.numerics_changes.iter().map(|s| s.to_string()).collect(),
+            note: None,
+            elapsed_s: 0.0,
+        }
+    }
+
+    fn unrun(&mut self, p: &Prediction, outcome: Outcome, note: String) -> TrialRecord {
+        self.bar.inc(1);
+        TrialRecord {
+            note: Some(note),
+            ..self.base_record(p, outcome)
+        }
+    }
+
+    /// The trial's record: from the journal under `--resume`, else measured
+    /// now (and journaled). `None` when the sweep was interrupted.
+    fn trial(&mut self, p: &Prediction) -> Result<Option<TrialRecord>> {
+        let id = trial_id(&p.point);
+        if let Some(r) = self.done.get(&id) {
+            self.bar.inc(1);
+            return Ok(Some(r.clone()));
+        }
+        if self.stop.load(Ordering::SeqCst) {
+            return Ok(None);
+        }
+        self.bar.set_message(p.point.label());
+        let fault = self
+            .opts
+            .fault
+            .and_then(|(at, f)| (at == self.runs).then_some(f));
+        self.runs += 1;
+        let spec = TrialSpec {
+            model: self.model.clone(),
+            seq_len: self.report.seq_len,
+            point: p.point,
+            steps: self.opts.steps,
+            device: self.device.to_string(),
+            threads: self.opts.threads,
+            seed: 1337,
+            fault,
+        };
+        let start = Instant::now();
+        let ended = run_child(&spec, self.opts.timeout, &self.stop)?;
+        if self.stop.load(Ordering::SeqCst) {
+            // Killed by Ctrl-C (ours, or the terminal's SIGINT to the child):
+            // not a result; `--resume` runs it again.
+            return Ok(None);
+        }
+        let mut r = self.base_record(p, Outcome::Crash);
+        r.elapsed_s = start.elapsed().as_secs_f64();
+        match ended {
+            Ended::Exited { code, out, err } => match (code, out) {
+                (Some(0), Some(o)) => {
+                    r.outcome = Outcome::Ran;
+                    self.measure(&mut r, p, &o);
+                }
+                (Some(3), Some(o)) => {
+                    r.outcome = Outcome::Oom;
+                    r.note = o.oom.clone();
+                }
+                (code, _) => {
+                    r.exit = Some(ExitInfo {
+                        code,
+                        signal: None,
+                        stderr_tail: tail(&err),
+                    });
+                }
+            },
+            Ended::Signalled { signal, err } => {
+                r.exit = Some(ExitInfo {
+                    code: None,
+                    signal: Some(signal),
+                    stderr_tail: tail(&err),
+                });
+            }
+            Ended::TimedOut { err } => {
+                r.outcome = Outcome::Timeout;
+                r.note = Some(format!(
+                    "killed after {:.0} s",
+                    self.opts.timeout.as_secs_f64()
+                ));
+                r.exit = Some(ExitInfo {
+                    code: None,
+                    signal: Some(9),
+                    stderr_tail: tail(&err),
+                });
+            }
+        }
+        // Journaled (and flushed to disk) before it is shown.
+        let line = serde_json::to_string(&r).expect("records serialise");
+        let io = |source| Error::Write {
+            path: self.opts.out.join("trials.jsonl"),
+            source,
+        };
+        writeln!(self.journal, "{line}").map_err(io)?;
+        self.journal.sync_data().map_err(io)?;
+        self.bar.inc(1);
+        self.bar.println(format!(
+            "{:>9} {}",
+            match r.outcome {
+                Outcome::Ran if r.fits => "fit",
+                Outcome::Ran => "over",
+                Outcome::Oom => "oom",
+                Outcome::Timeout => "timeout",
+                _ => "crash",
+            },
+            p.point.label()
+        ));
+        Ok(Some(r))
+    }
+
+    fn measure(&self, r: &mut TrialRecord, p: &Prediction, o: &TrialOutput) {
+        let warm = if o.step_ms.len() > 1 {
+            &o.step_ms[1..]
+        } else {
+            &o.step_ms[..]
+        };
+        let step_s = warm.iter().sum::<f64>() / warm.len().max(1) as f64 / 1e3;
+        // Meta measures no time: its throughput is the prediction's.
+        let tokens_per_s = o.tokens_per_s.unwrap_or(p.tokens_per_s);
+        let usd = p.point.gpus as f64 * self.report.usd_per_gpu_hour / 3600.0 / tokens_per_s * 1e6;
+        let total = o.peak_bytes.total + self.overhead;
+        r.fits = total <= self.usable();
+        if let Some(pr) = &r.predicted {
+            r.memory_error_pct =
+                Some((total as f64 - pr.peak_total_bytes as f64) / total as f64 * 100.0);
+            if o.tokens_per_s.is_some() {
+                r.time_error_pct = Some((step_s - pr.step_s) / step_s * 100.0);
+            }
+        }
+        r.measured = Some(Measured {
+            peak_bytes: o.peak_bytes,
+            device_peak_bytes: o.device_peak_bytes,
+            step_ms: o.step_ms.clone(),
+            step_s: if o.tokens_per_s.is_some() {
+                step_s
+            } else {
+                p.step_s
+            },
+            tokens_per_s,
+            usd_per_mtok: usd,
+            losses: o.losses.clone(),
+        });
+    }
+}
+
+fn tail(s: &str) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    let t = lines[lines.len().saturating_sub(20)..].join("\n");
+    if t.len() > 4000 {
+        t[t.len() - 4000..].to_string()
+    } else {
+        t
+    }
+}
+
+enum Ended {
+    Exited {
+        code: Option<i32>,
+        out: Option<TrialOutput>,
+        err: String,
+    },
+    Signalled {
+        signal: i32,
+        err: String,
+    },
+    TimedOut {
+        err: String,
+    },
+}
+
+/// Runs `memfit trial` in a child process; kills it at the timeout or on Ctrl-C.
+fn run_child(spec: &TrialSpec, timeout: Duration, stop: &AtomicBool) -> Result<Ended> {
+    let exe = std::env::current_exe().map_err(|e| {
+        Error::Unavailable(format!(
+            "cannot find the memfit executable to run trials: {e}"
+        ))
+    })?;
+    let json = serde_json::to_string(spec).expect("spec serialises");
+    let mut child = Command::new(exe)
+        .args(["trial", "--spec", &json])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| Error::Unavailable(format!("cannot start a trial process: {e}")))?;
+    // Drain both pipes on threads, so a chatty child never blocks on a full pipe.
+    let drain = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = r.read_to_string(&mut s);
+            s
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().expect("piped")));
+    let err = drain(Box::new(child.stderr.take().expect("piped")));
+    let start = Instant::now();
+    let mut timed_out = false;
+    let status = loop {
+        if let Some(status) = child
+            .try_wait()
+            .map_err(|e| Error::Unavailable(format!("cannot wait for a trial process: {e}")))?
+        {
+            break status;
+        }
+        if start.elapsed() > timeout || stop.load(Ordering::SeqCst) {
+            timed_out = !stop.load(Ordering::SeqCst);
+            let _ = child.kill();
+            break child.wait().map_err(|e| {
+                Error::Unavailable(format!("cannot wait for a trial process: {e}"))
+            })?;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = out.join().unwrap_or_default();
+    let err = err.join().unwrap_or_default();
+    if timed_out {
+        return Ok(Ended::TimedOut { err });
+    }
+    use std::os::unix::process::ExitStatusExt;
+    if let Some(signal) = status.signal() {
+        return Ok(Ended::Signalled { signal, err });
+    }
+    let parsed = out
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().starts_with('{'))
+        .and_then(|l| serde_json::from_str::<TrialOutput>(l).ok());
+    Ok(Ended::Exited {
+        code: status.code(),
+        out: parsed,
+        err,
+    })
+}
+
+/// Picks the cheapest fitting trial (GPUs x $/GPU-hour / measured tokens/s),
+/// fewer GPUs then more margin breaking ties, and the Pareto frontier.
+pub fn recommend(report: &mut SweepReport) {
+    let usable = report.usable_bytes() as i64;
+    let margin = |r: &TrialRecord| {
+        usable
+            - r.measured
+                .as_ref()
+                .map_or(i64::MAX / 2, |m| m.peak_bytes.total as i64)
+    };
+    let allowed = |r: &TrialRecord| report.allow_numerics_change || r.numerics_changes.is_empty();
+    let cost = |r: &TrialRecord| {
+        r.measured
+            .as_ref()
+            .map_or(f64::INFINITY, |m| m.usd_per_mtok)
+    };
+    let mut fit: Vec<usize> = (0..report.trials.len())
+        .filter(|&i| report.trials[i].fits && allowed(&report.trials[i]))
+        .collect();
+    fit.sort_by(|&a, &b| {
+        let (x, y) = (&report.trials[a], &report.trials[b]);
+        cost(x)
+            .total_cmp(&cost(y))
+            .then(x.point.gpus.cmp(&y.point.gpus))
+            .then(margin(y).cmp(&margin(x)))
+    });
+    // Pareto: by increasing peak, keep each trial faster than every smaller one.
+    let mut by_peak: Vec<usize> = (0..report.trials.len())
+        .filter(|&i| report.trials[i].fits)
+        .collect();
+    by_peak.sort_by_key(|&i| {
+        report.trials[i]
+            .measured
+            .as_ref()
+            .map_or(0, |m| m.peak_bytes.total)
+    });
+    let mut best = f64::NEG_INFINITY;
+    report.pareto = by_peak
+        .into_iter()
+        .filter(|&i| {
+            let t = report.trials[i]
+                .measured
+                .as_ref()
+                .map_or(0.0, |m| m.tokens_per_s);
+            let keep = t > best;
+            best = best.max(t);
+            keep
+        })
+        .collect();
+    report.recommendation = fit.first().map(|&i| {
+        let r = &report.trials[i];
+        let m = r.measured.as_ref().expect("fitting trials ran");
+        let mut reasons = vec![format!(
+            "lowest cost among {} fitting trials: ${} per million tokens at {:.0} tokens/s measured on {} GPU(s)",
+            fit.len(),
+            crate::plan::usd(m.usd_per_mtok),
+            m.tokens_per_s,
+            r.point.gpus
+        )];
+        reasons.push(format!(
+            "peak {} of {} usable ({} to spare; {} capacity, {:.0}% headroom)",
+            crate::units::fmt_bytes(m.peak_bytes.total),
+            crate::units::fmt_bytes(report.usable_bytes()),
+            crate::units::fmt_bytes(margin(r).max(0) as u64),
+            crate::units::fmt_bytes(report.capacity_bytes),
+            report.headroom * 100.0
+        ));
+        if let Some(&j) = fit.get(1) {
+            let ru = &report.trials[j];
+            reasons.push(format!(
+                "runner-up {} costs {:.1}% more",
+                ru.point.label(),
+                (cost(ru) / m.usd_per_mtok - 1.0) * 100.0
+            ));
+        }
+        if r.numerics_changes.is_empty() {
+            reasons.push("changes no numerics".into());
+        } else {
+            reasons.push(format!("changes numerics: {}", r.numerics_changes.join(", ")));
+        }
+        if !report.allow_numerics_change {
+            reasons.push(
+                "fp16, adamw8bit and adafactor were ruled out (allow_numerics_change: false)"
+                    .into(),
+            );
+        }
+        Recommendation {
+            trial: i,
+            reasons,
+            runners_up: fit[1..].iter().take(3).copied().collect(),
+        }
+    });
+}
+
+/// report.json, report.md, report.html, the plots and the exports.
+pub fn write_reports(report: &SweepReport, dir: &Path) -> Result<Vec<PathBuf>> {
+    let write = |name: &str, text: &str| -> Result<PathBuf> {
+        let path = dir.join(name);
+        std::fs::write(&path, text).map_err(|source| Error::Write {
+            path: path.clone(),
+            source,
+        })?;
+        Ok(path)
+    };
+    let mut files = vec![
+        write(
+            "report.json",
+            &serde_json::to_string_pretty(report).expect("report serialises"),
+        )?,
+        write("report.md", &super::markdown::render(report))?,
+        write("report.html", &super::html::render_html(report))?,
+    ];
+    files.extend(super::plots::write_plots(report, dir)?);
+    files.extend(super::export::write_exports(report, dir)?);
+    Ok(files)
+}

@@ -1,0 +1,663 @@
+//! Exports of a sweep's recommendation, to paste into a training stack:
+//! a DeepSpeed config (`ds_config.json`), Hugging Face `TrainingArguments`
+//! (`training_args.py`), and the recipe pinned to the one chosen point
+//! (`recommended.yaml`, which `memfit plan` loads).
+//!
+//! The three agree with one another and with what memfit measured: the same
+//! micro-batch, accumulation, precision, ZeRO stage, clipping and optimizer
+//! hyper-parameters (memfit's defaults, [`TrainConfig::opt`]). The Hugging Face
+//! Trainer refuses a DeepSpeed config whose concrete values disagree with its
+//! `TrainingArguments`, so both carry the same numbers.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Value, json};
+
+use crate::engine::{Attention, Checkpointing, Optimizer, Precision, Sharding, TrainConfig};
+use crate::error::{Error, Result};
+use crate::plan::{Point, name};
+use crate::sweep::report::{SweepReport, TrialRecord};
+use crate::units::fmt_bytes;
+
+/// An f32 hyper-parameter as the f64 its decimal spelling means (3e-4, not
+/// 0.0003000000142492354).
+fn clean(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
+}
+
+/// memfit's training settings for a point (what the trial ran with).
+fn train_config(p: &Point) -> TrainConfig {
+    TrainConfig {
+        micro_batch: p.micro_batch,
+        grad_accum: p.grad_accum.max(1),
+        optimizer: p.optimizer,
+        precision: p.precision,
+        checkpointing: p.checkpointing,
+        attention: p.attention,
+        ranks: p.gpus,
+        sharding: p.sharding,
+        ..TrainConfig::default()
+    }
+}
+
+fn global_batch(p: &Point) -> usize {
+    p.micro_batch * p.grad_accum.max(1) * p.gpus
+}
+
+/// The ZeRO stage of a sharding: none and ddp are stage 0 (plain data
+/// parallelism), zero1..3 are stages 1..3.
+pub fn zero_stage(s: Sharding) -> u8 {
+    match s {
+        Sharding::None | Sharding::Ddp => 0,
+        Sharding::Zero1 => 1,
+        Sharding::Zero2 => 2,
+        Sharding::Zero3 => 3,
+    }
+}
+
+/// A DeepSpeed config for `trial` (JSON, no comments: DeepSpeed's parser
+/// takes none).
+///
+/// - `train_batch_size` = micro_batch x gradient_accumulation_steps x GPUs,
+///   `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps`.
+/// - `zero_optimization.stage`: 0 for none and ddp, 1-3 for zero1-3; nothing
+///   else in that section, so DeepSpeed's defaults (buckets, overlap) apply.
+/// - `bf16.enabled` / `fp16.enabled`, both present. fp16 uses DeepSpeed's
+///   dynamic scaler set up like memfit's: `loss_scale: 0` (dynamic),
+///   `initial_scale_power: 16` (2^16), `loss_scale_window: 2000` (doubles
+///   after 2000 clean steps), `hysteresis: 1` (halves at the first overflow,
+///   as `torch.cuda.amp.GradScaler` and memfit do), `min_loss_scale: 1`.
+/// - `gradient_clipping`: memfit's global-norm clip, 1.0.
+/// - `activation_checkpointing` only when the point checkpoints, with
+///   partitioning, contiguous buffers and CPU offload off (memfit measured
+///   none of those). That section only configures DeepSpeed's
+///   `deepspeed.checkpointing` API; with Hugging Face models what actually
+///   recomputes is `gradient_checkpointing=True` in `TrainingArguments`
+///   (or `model.gradient_checkpointing_enable()`).
+/// - `optimizer`: for adamw, DeepSpeed's `AdamW` with memfit's lr, betas, eps
+///   and weight decay. DeepSpeed has no 8-bit AdamW, no Adafactor and no SGD
+///   of its own, so for adamw8bit, adafactor and sgd the section is left out
+///   and `zero_allow_untested_optimizer: true` is set: the client builds the
+///   optimizer (the Hugging Face Trainer does, from `optim=`, when the
+///   config has no optimizer section) and DeepSpeed wraps it. No `scheduler`
+///   section either: the schedule is the client's choice.
+pub fn deepspeed_config(_report: &SweepReport, trial: &TrialRecord) -> Value {
+    let p = &trial.point;
+    let tc = train_config(p);
+    let opt = tc.opt();
+    let mut cfg = json!({
+        "train_batch_size": global_batch(p),
+        "train_micro_batch_size_per_gpu": p.micro_batch,
+        "gradient_accumulation_steps": p.grad_accum.max(1),
+        "gradient_clipping": clean(tc.grad_clip),
+        "zero_optimization": { "stage": zero_stage(p.sharding) },
+        "bf16": { "enabled": p.precision == Precision::Bf16 },
+    });
+    cfg["fp16"] = if p.precision == Precision::Fp16 {
+        json!({
+            "enabled": true,
+            "loss_scale": 0,
+            "initial_scale_power": tc.initial_loss_scale.log2().round() as u32,
+            "loss_scale_window": tc.loss_scale_window,
+            "hysteresis": 1,
+            "min_loss_scale": 1,
+        })
+    } else {
+        json!({ "enabled": false })
+    };
+    if p.checkpointing == Checkpointing::Full {
+        cfg["activation_checkpointing"] = json!({
+            "partition_activations": false,
+            "contiguous_memory_optimization": false,
+            "cpu_checkpointing": false,
+        });
+    }
+    match p.optimizer {
+        Optimizer::Adamw => {
+            cfg["optimizer"] = json!({
+                "type": "AdamW",
+                "params": {
+                    "lr": clean(opt.lr.unwrap_or(3e-4)),
+                    "betas": [clean(opt.beta1.unwrap_or(0.9)), clean(opt.beta2)],
+                    "eps": clean(opt.eps),
+                    "weight_decay": clean(opt.weight_decay),
+                },
+            });
+        }
+        Optimizer::Adamw8bit | Optimizer::Adafactor | Optimizer::Sgd => {
+            cfg["zero_allow_untested_optimizer"] = json!(true);
+        }
+    }
+    cfg
+}
+
+fn py_bool(b: bool) -> &'static str {
+    if b { "True" } else { "False" }
+}
+
+/// A float as Python spells it (always with a point or an exponent).
+fn py_float(x: f64) -> String {
+    let s = format!("{x:?}");
+    if s.contains(['.', 'e', 'E']) {
+        s
+    } else {
+        format!("{s}.0")
+    }
+}
+
+/// A Python string literal.
+fn py_str(s: &str) -> String {
+    serde_json::to_string(s).expect("a string serializes")
+}
+
+fn optim_name(o: Optimizer) -> &'static str {
+    match o {
+        Optimizer::Adamw => "adamw_torch",
+        Optimizer::Adamw8bit => "adamw_bnb_8bit",
+        Optimizer::Adafactor => "adafactor",
+        Optimizer::Sgd => "sgd",
+    }
+}
+
+/// One header line describing the trial and what it measured.
+fn provenance(report: &SweepReport, trial: &TrialRecord) -> Vec<String> {
+    let mut v = vec![format!(
+        "memfit recommendation `{}`: {}",
+        trial.id,
+        trial.point.label()
+    )];
+    v.push(format!(
+        "model {}, global batch {} x seq_len {}, hardware {}, measured on {}",
+        report.model, report.global_batch, report.seq_len, report.hardware, report.device
+    ));
+    if let Some(m) = &trial.measured {
+        v.push(format!(
+            "tracked peak {} per GPU of {} usable ({:.0} tokens/s measured)",
+            fmt_bytes(m.peak_bytes.total),
+            fmt_bytes(report.usable_bytes()),
+            m.tokens_per_s
+        ));
+    }
+    v.into_iter()
+        .map(|l| l.replace(['\n', '\r'], " "))
+        .collect()
+}
+
+/// A Hugging Face snippet: `TrainingArguments(...)` for `trial`, with the
+/// model-loading line and the launch command as comments where they matter.
+/// For zero1-3 it points at `ds_config.json` ([`deepspeed_config`]); the
+/// optimizer hyper-parameters equal that config's, as the Trainer requires.
+pub fn hf_training_args(report: &SweepReport, trial: &TrialRecord) -> String {
+    let p = &trial.point;
+    let tc = train_config(p);
+    let opt = tc.opt();
+    let stage = zero_stage(p.sharding);
+    let mut s = String::new();
+    for line in provenance(report, trial) {
+        s.push_str(&format!("# {line}\n"));
+    }
+    s.push_str(&format!(
+        "# Global batch {} = {} per device x {} accumulation steps x {} GPU(s).\n",
+        global_batch(p),
+        p.micro_batch,
+        p.grad_accum.max(1),
+        p.gpus
+    ));
+    match p.sharding {
+        Sharding::Ddp => s.push_str(&format!(
+            "# Launch on {n} GPUs with DDP: torchrun --nproc_per_node={n} train.py\n",
+            n = p.gpus
+        )),
+        Sharding::Zero1 | Sharding::Zero2 | Sharding::Zero3 => s.push_str(&format!(
+            "# Launch on {n} GPUs with DeepSpeed ZeRO-{stage}: deepspeed --num_gpus={n} train.py\n\
+             # (or torchrun --nproc_per_node={n} train.py); ds_config.json sits next to this file.\n",
+            n = p.gpus
+        )),
+        Sharding::None => {}
+    }
+    s.push_str("from transformers import AutoModelForCausalLM, TrainingArguments\n\n");
+    s.push_str(&format!(
+        "CHECKPOINT = \"path/or/hub-id\"  # a checkpoint of memfit's model {}\n",
+        report.model.replace(['\n', '\r'], " ")
+    ));
+    let attn = match p.attention {
+        Attention::Fused => {
+            "attn_implementation=\"sdpa\" (or \"flash_attention_2\"): memfit measured fused attention"
+        }
+        Attention::Eager => {
+            "attn_implementation=\"eager\": memfit measured eager attention (B x H x T x T probabilities)"
+        }
+    };
+    s.push_str(&format!(
+        "model = AutoModelForCausalLM.from_pretrained(CHECKPOINT)  # {attn}\n\n"
+    ));
+    s.push_str("training_args = TrainingArguments(\n");
+    let mut arg = |k: &str, v: String| s.push_str(&format!("    {k}={v},\n"));
+    arg("output_dir", py_str("out"));
+    arg("per_device_train_batch_size", p.micro_batch.to_string());
+    arg(
+        "gradient_accumulation_steps",
+        p.grad_accum.max(1).to_string(),
+    );
+    let ckpt = p.checkpointing == Checkpointing::Full;
+    arg("gradient_checkpointing", py_bool(ckpt).into());
+    if ckpt {
+        arg(
+            "gradient_checkpointing_kwargs",
+            "{\"use_reentrant\": False}".into(),
+        );
+    }
+    arg("bf16", py_bool(p.precision == Precision::Bf16).into());
+    arg("fp16", py_bool(p.precision == Precision::Fp16).into());
+    arg("optim", py_str(optim_name(p.optimizer)));
+    match p.optimizer {
+        Optimizer::Adamw | Optimizer::Adamw8bit => {
+            arg("learning_rate", py_float(clean(opt.lr.unwrap_or(3e-4))));
+            arg("adam_beta1", py_float(clean(opt.beta1.unwrap_or(0.9))));
+            arg("adam_beta2", py_float(clean(opt.beta2)));
+            arg("adam_epsilon", py_float(clean(opt.eps)));
+            arg("weight_decay", py_float(clean(opt.weight_decay)));
+        }
+        Optimizer::Sgd => {
+            arg("learning_rate", py_float(clean(opt.lr.unwrap_or(1e-2))));
+            arg("weight_decay", py_float(clean(opt.weight_decay)));
+        }
+        Optimizer::Adafactor => {}
+    }
+    arg("max_grad_norm", py_float(clean(tc.grad_clip)));
+    if stage > 0 {
+        arg("deepspeed", py_str("ds_config.json"));
+    }
+    s.push_str(")\n");
+    match p.optimizer {
+        Optimizer::Adamw8bit => s.push_str(
+            "# adamw_bnb_8bit needs bitsandbytes (pip install bitsandbytes).\n",
+        ),
+        Optimizer::Adafactor => s.push_str(
+            "# The Trainer's adafactor runs a fixed learning_rate (relative_step=False); memfit measured\n\
+             # Hugging Face's relative step. The state, and so the memory, is the same.\n",
+        ),
+        Optimizer::Sgd => s.push_str(&format!(
+            "# optim=\"sgd\" is torch.optim.SGD without momentum; memfit's SGD keeps a momentum buffer\n\
+             # (4 bytes/param). To match it, pass to the Trainer:\n\
+             #   optimizers=(torch.optim.SGD(model.parameters(), lr={}, momentum={}, weight_decay={}), None)\n",
+            py_float(clean(opt.lr.unwrap_or(1e-2))),
+            py_float(clean(opt.momentum)),
+            py_float(clean(opt.weight_decay))
+        )),
+        Optimizer::Adamw => {}
+    }
+    s
+}
+
+/// A YAML scalar, quoted when plain would not round-trip.
+fn yaml_str(s: &str) -> String {
+    serde_yaml_ng::to_string(s)
+        .map(|t| t.trim_end().to_string())
+        .unwrap_or_else(|_| py_str(s))
+}
+
+/// The recipe pinned to `trial`'s point: the report's model, hardware,
+/// seq_len, global_batch, headroom, price and numerics policy, and a grid of
+/// one-value lists. `memfit plan recommended.yaml` replans exactly that point.
+pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord) -> String {
+    let p = &trial.point;
+    let mut s = String::new();
+    for line in provenance(report, trial) {
+        s.push_str(&format!("# {line}\n"));
+    }
+    if !report.recipe.is_empty() {
+        s.push_str(&format!(
+            "# Pinned from {}; a relative model or hardware path resolves against this file's folder.\n",
+            report.recipe.replace(['\n', '\r'], " ")
+        ));
+    }
+    s.push_str(&format!("model: {}\n", yaml_str(&report.model)));
+    s.push_str(&format!("hardware: {}\n", yaml_str(&report.hardware)));
+    s.push_str(&format!("seq_len: {}\n", report.seq_len));
+    s.push_str(&format!("global_batch: {}\n", report.global_batch));
+    s.push_str("grid:\n");
+    for (k, v) in [
+        ("micro_batch", p.micro_batch.to_string()),
+        ("precision", name(p.precision)),
+        ("checkpointing", name(p.checkpointing)),
+        ("attention", name(p.attention)),
+        ("optimizer", name(p.optimizer)),
+        ("sharding", name(p.sharding)),
+        ("gpus", p.gpus.to_string()),
+    ] {
+        s.push_str(&format!("  {k}: [{v}]\n"));
+    }
+    s.push_str(&format!("headroom: {:?}\n", report.headroom));
+    if report.usd_per_gpu_hour.is_finite() && report.usd_per_gpu_hour > 0.0 {
+        s.push_str(&format!("cost: {:?}\n", report.usd_per_gpu_hour));
+    }
+    s.push_str(&format!(
+        "allow_numerics_change: {}\n",
+        report.allow_numerics_change
+    ));
+    s
+}
+
+/// Writes `ds_config.json`, `training_args.py` and `recommended.yaml` for the
+/// report's recommendation into `dir`; writes nothing (and returns no paths)
+/// when there is none.
+pub fn write_exports(report: &SweepReport, dir: &Path) -> Result<Vec<PathBuf>> {
+    let Some(trial) = report
+        .recommendation
+        .as_ref()
+        .and_then(|r| report.trials.get(r.trial))
+    else {
+        return Ok(Vec::new());
+    };
+    let mut ds = serde_json::to_string_pretty(&deepspeed_config(report, trial))
+        .expect("a JSON value serializes");
+    ds.push('\n');
+    let files = [
+        ("ds_config.json", ds),
+        ("training_args.py", hf_training_args(report, trial)),
+        ("recommended.yaml", pinned_recipe(report, trial)),
+    ];
+    std::fs::create_dir_all(dir).map_err(|source| Error::Write {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let mut written = Vec::new();
+    for (file, text) in files {
+        let path = dir.join(file);
+        std::fs::write(&path, text).map_err(|source| Error::Write {
+            path: path.clone(),
+            source,
+        })?;
+        written.push(path);
+    }
+    Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::PeakBytes;
+    use crate::plan::PlanRecipe;
+    use crate::sweep::report::{Measured, Outcome, Recommendation, SCHEMA_VERSION};
+
+    fn point(
+        micro_batch: usize,
+        precision: Precision,
+        optimizer: Optimizer,
+        sharding: Sharding,
+        gpus: usize,
+        grad_accum: usize,
+    ) -> Point {
+        Point {
+            micro_batch,
+            precision,
+            checkpointing: Checkpointing::Full,
+            attention: Attention::Fused,
+            optimizer,
+            sharding,
+            gpus,
+            grad_accum,
+        }
+    }
+
+    fn trial(p: Point) -> TrialRecord {
+        TrialRecord {
+            id: "mb2-x4-zero2-bf16-adamw-full-fused".into(),
+            point: p,
+            outcome: Outcome::Ran,
+            fits: true,
+            predicted: None,
+            measured: Some(Measured {
+                peak_bytes: PeakBytes {
+                    total: 30 << 20,
+                    ..Default::default()
+                },
+                device_peak_bytes: None,
+                step_ms: vec![10.0, 5.0],
+                step_s: 0.005,
+                tokens_per_s: 1000.0,
+                usd_per_mtok: 0.1,
+                losses: vec![5.0],
+            }),
+            memory_error_pct: Some(0.0),
+            time_error_pct: None,
+            exit: None,
+            numerics_changes: vec![],
+            note: None,
+            elapsed_s: 1.0,
+        }
+    }
+
+    fn report(trials: Vec<TrialRecord>) -> SweepReport {
+        SweepReport {
+            schema_version: SCHEMA_VERSION,
+            memfit_version: "0.1.0".into(),
+            recipe: "recipes/tiny.yaml".into(),
+            model: "gpt2-tiny".into(),
+            hardware: "t4".into(),
+            device: "cpu:limit=64MiB".into(),
+            capacity_bytes: 64 << 20,
+            headroom: 0.05,
+            usd_per_gpu_hour: 0.35,
+            allow_numerics_change: false,
+            seq_len: 128,
+            global_batch: 16,
+            grid_size: trials.len(),
+            trials_run: trials.len(),
+            recommendation: Some(Recommendation {
+                trial: 0,
+                reasons: vec![],
+                runners_up: vec![],
+            }),
+            trials,
+            pareto: vec![0],
+            interrupted: false,
+        }
+    }
+
+    fn zero2_bf16() -> (SweepReport, TrialRecord) {
+        let t = trial(point(
+            2,
+            Precision::Bf16,
+            Optimizer::Adamw,
+            Sharding::Zero2,
+            4,
+            2,
+        ));
+        (report(vec![t.clone()]), t)
+    }
+
+    #[test]
+    fn deepspeed_zero2_bf16() {
+        let (r, t) = zero2_bf16();
+        let ds = deepspeed_config(&r, &t);
+        assert_eq!(ds["train_batch_size"], json!(16));
+        assert_eq!(ds["train_micro_batch_size_per_gpu"], json!(2));
+        assert_eq!(ds["gradient_accumulation_steps"], json!(2));
+        assert_eq!(ds["zero_optimization"], json!({ "stage": 2 }));
+        assert_eq!(ds["bf16"], json!({ "enabled": true }));
+        assert_eq!(ds["fp16"], json!({ "enabled": false }));
+        assert_eq!(ds["gradient_clipping"], json!(1.0));
+        assert_eq!(
+            ds["activation_checkpointing"],
+            json!({
+                "partition_activations": false,
+                "contiguous_memory_optimization": false,
+                "cpu_checkpointing": false,
+            })
+        );
+        assert_eq!(
+            ds["optimizer"],
+            json!({
+                "type": "AdamW",
+                "params": { "lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1 },
+            })
+        );
+        assert!(ds.get("zero_allow_untested_optimizer").is_none());
+    }
+
+    #[test]
+    fn deepspeed_fp16_scaler_and_client_optimizers() {
+        let mut p = point(
+            4,
+            Precision::Fp16,
+            Optimizer::Adamw8bit,
+            Sharding::Ddp,
+            2,
+            2,
+        );
+        p.checkpointing = Checkpointing::None;
+        let t = trial(p);
+        let ds = deepspeed_config(&report(vec![t.clone()]), &t);
+        assert_eq!(ds["zero_optimization"]["stage"], json!(0));
+        assert_eq!(ds["bf16"]["enabled"], json!(false));
+        assert_eq!(
+            ds["fp16"],
+            json!({
+                "enabled": true,
+                "loss_scale": 0,
+                "initial_scale_power": 16,
+                "loss_scale_window": 2000,
+                "hysteresis": 1,
+                "min_loss_scale": 1,
+            })
+        );
+        assert!(ds.get("activation_checkpointing").is_none());
+        assert!(ds.get("optimizer").is_none());
+        assert_eq!(ds["zero_allow_untested_optimizer"], json!(true));
+        let stages: Vec<u8> = [
+            Sharding::None,
+            Sharding::Ddp,
+            Sharding::Zero1,
+            Sharding::Zero2,
+            Sharding::Zero3,
+        ]
+        .map(zero_stage)
+        .to_vec();
+        assert_eq!(stages, [0, 0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn hf_snippet_zero2_bf16() {
+        let (r, t) = zero2_bf16();
+        let py = hf_training_args(&r, &t);
+        for want in [
+            "TrainingArguments(\n",
+            "    per_device_train_batch_size=2,\n",
+            "    gradient_accumulation_steps=2,\n",
+            "    gradient_checkpointing=True,\n",
+            "    bf16=True,\n",
+            "    fp16=False,\n",
+            "    optim=\"adamw_torch\",\n",
+            "    learning_rate=0.0003,\n",
+            "    weight_decay=0.1,\n",
+            "    max_grad_norm=1.0,\n",
+            "    deepspeed=\"ds_config.json\",\n",
+            "deepspeed --num_gpus=4 train.py",
+            "# attn_implementation=\"sdpa\"",
+        ] {
+            assert!(py.contains(want), "missing {want:?} in\n{py}");
+        }
+        // The model line carries the attention hint as a comment only.
+        let model_line = py.lines().find(|l| l.starts_with("model = ")).unwrap();
+        let (code, comment) = model_line.split_once('#').unwrap();
+        assert!(!code.contains("attn_implementation"), "{model_line}");
+        assert!(comment.contains("sdpa"), "{model_line}");
+    }
+
+    #[test]
+    fn hf_snippet_ddp_and_single_gpu() {
+        let mut p = point(4, Precision::Fp32, Optimizer::Sgd, Sharding::Ddp, 2, 2);
+        p.checkpointing = Checkpointing::None;
+        p.attention = Attention::Eager;
+        let t = trial(p);
+        let py = hf_training_args(&report(vec![t.clone()]), &t);
+        assert!(py.contains("torchrun --nproc_per_node=2"), "{py}");
+        assert!(!py.contains("deepspeed="), "{py}");
+        assert!(py.contains("    gradient_checkpointing=False,\n"), "{py}");
+        assert!(py.contains("    bf16=False,\n    fp16=False,\n"), "{py}");
+        assert!(py.contains("    optim=\"sgd\",\n"), "{py}");
+        assert!(py.contains("momentum=0.9"), "{py}");
+
+        let mut p = point(
+            16,
+            Precision::Bf16,
+            Optimizer::Adafactor,
+            Sharding::None,
+            1,
+            1,
+        );
+        p.checkpointing = Checkpointing::None;
+        let t = trial(p);
+        let py = hf_training_args(&report(vec![t.clone()]), &t);
+        assert!(py.contains("    optim=\"adafactor\",\n"), "{py}");
+        assert!(
+            !py.contains("torchrun") && !py.contains("deepspeed"),
+            "{py}"
+        );
+        let p = point(
+            8,
+            Precision::Bf16,
+            Optimizer::Adamw8bit,
+            Sharding::Zero3,
+            2,
+            1,
+        );
+        let t = trial(p);
+        let py = hf_training_args(&report(vec![t.clone()]), &t);
+        assert!(py.contains("    optim=\"adamw_bnb_8bit\",\n"), "{py}");
+        assert!(py.contains("ZeRO-3"), "{py}");
+    }
+
+    #[test]
+    fn pinned_recipe_round_trips() {
+        let (r, t) = zero2_bf16();
+        let yaml = pinned_recipe(&r, &t);
+        let back: PlanRecipe = serde_yaml_ng::from_str(&yaml).expect(&yaml);
+        assert_eq!(back.model, "gpt2-tiny");
+        assert_eq!(back.hardware, "t4");
+        assert_eq!(back.seq_len, 128);
+        assert_eq!(back.global_batch, 16);
+        assert_eq!(back.headroom, 0.05);
+        assert_eq!(back.cost, Some(0.35));
+        assert!(!back.allow_numerics_change);
+        let points = crate::plan::expand(&back);
+        assert_eq!(points, vec![t.point]);
+    }
+
+    #[test]
+    fn pinned_recipe_quotes_odd_names() {
+        let (mut r, mut t) = zero2_bf16();
+        r.model = "models/my: model.yaml".into();
+        r.hardware = "yes".into();
+        t.point.optimizer = Optimizer::Adamw8bit;
+        let yaml = pinned_recipe(&r, &t);
+        let back: PlanRecipe = serde_yaml_ng::from_str(&yaml).expect(&yaml);
+        assert_eq!(back.model, "models/my: model.yaml");
+        assert_eq!(back.hardware, "yes");
+        assert_eq!(back.grid.optimizer, vec![Optimizer::Adamw8bit]);
+    }
+
+    #[test]
+    fn writes_exports_only_with_a_recommendation() {
+        let dir = std::env::temp_dir().join(format!("memfit-export-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (mut r, _) = zero2_bf16();
+        let paths = write_exports(&r, &dir).unwrap();
+        let names: Vec<_> = paths
+            .iter()
+            .map(|p| p.file_name().unwrap().to_str().unwrap().to_string())
+            .collect();
+        assert_eq!(
+            names,
+            ["ds_config.json", "training_args.py", "recommended.yaml"]
+        );
+        let ds: Value = serde_json::from_str(&std::fs::read_to_string(&paths[0]).unwrap()).unwrap();
+        assert_eq!(ds["zero_optimization"]["stage"], json!(2));
+        let _ = std::fs::remove_dir_all(&dir);
+        r.recommendation = None;
+        assert!(write_exports(&r, &dir).unwrap().is_empty());
+        assert!(!dir.exists());
+    }
+}

@@ -1,0 +1,9 @@
+//! `memfit sweep`: measured trials over a recipe's grid, a recommendation, reports.
+
+pub mod driver;
+pub mod export;
+pub mod html;
+pub mod markdown;
+pub mod plots;
+pub mod report;
+pub mod trial;

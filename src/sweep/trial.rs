@@ -1,0 +1,116 @@
+//! `memfit trial`: one sweep trial in its own process. The sweep re-executes
+//! memfit with a [`TrialSpec`]; the child trains the point for a few steps and
+//! prints one JSON [`TrialOutput`] line. A crash, an abort or a kill then takes
+//! down only the child, and the sweep records it and goes on.
+
+use serde::{Deserialize, Serialize};
+
+use crate::backend::DeviceSpec;
+use crate::engine::TrainConfig;
+use crate::error::{Error, Result};
+use crate::memory::PeakBytes;
+use crate::plan::Point;
+use crate::run::{RunOptions, run};
+
+/// Test hooks: make a trial fail the ways real ones do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fault {
+    /// `std::process::abort()` (SIGABRT), as a failed assertion in native code would.
+    Abort,
+    /// The child SIGKILLs itself, as the kernel's OOM killer would.
+    Sigkill,
+    /// Sleeps forever, to be killed by the timeout.
+    Hang,
+}
+
+/// Everything one trial needs; passed to the child as JSON.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TrialSpec {
+    pub model: String,
+    pub seq_len: usize,
+    pub point: Point,
+    /// Optimizer steps; the first is warm-up.
+    pub steps: usize,
+    /// `cpu:limit=...` or `meta:limit=...`.
+    pub device: String,
+    pub threads: Option<usize>,
+    pub seed: u64,
+    #[serde(default)]
+    pub fault: Option<Fault>,
+}
+
+/// What the child prints: its measurements, or its out-of-memory error.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TrialOutput {
+    pub oom: Option<String>,
+    pub peak_bytes: PeakBytes,
+    /// VmHWM of this process: the device-level peak on cpu.
+    pub device_peak_bytes: Option<u64>,
+    pub step_ms: Vec<f64>,
+    pub losses: Vec<f32>,
+    pub tokens_per_s: Option<f64>,
+    pub tokens_per_step: usize,
+}
+
+/// Runs the trial in this process and returns what to print, or the error
+/// that makes it exit 2.
+pub fn run_trial(spec: &TrialSpec) -> Result<TrialOutput> {
+    match spec.fault {
+        Some(Fault::Abort) => std::process::abort(),
+        Some(Fault::Sigkill) => {
+            let _ = std::process::Command::new("kill")
+                .args(["-9", &std::process::id().to_string()])
+                .status();
+            std::thread::sleep(std::time::Duration::from_secs(60));
+        }
+        Some(Fault::Hang) => loop {
+            std::thread::sleep(std::time::Duration::from_secs(60));
+        },
+        None => {}
+    }
+    let device: DeviceSpec = spec
+        .device
+        .parse()
+        .map_err(|m: String| Error::invalid_arg("--device", m))?;
+    let p = &spec.point;
+    let opts = RunOptions {
+        model: spec.model.clone(),
+        train: TrainConfig {
+            seq_len: spec.seq_len,
+            micro_batch: p.micro_batch,
+            grad_accum: p.grad_accum,
+            optimizer: p.optimizer,
+            precision: p.precision,
+            checkpointing: p.checkpointing,
+            attention: p.attention,
+            ranks: p.gpus,
+            sharding: p.sharding,
+            seed: spec.seed,
+            ..TrainConfig::default()
+        },
+        steps: spec.steps,
+        device,
+        data: None,
+        threads: spec.threads,
+        timeline: None,
+    };
+    let (report, failure) = run(&opts)?;
+    Ok(TrialOutput {
+        oom: failure.map(|e| e.to_string()),
+        peak_bytes: report.peak_bytes,
+        device_peak_bytes: rss_high_water_mark(),
+        step_ms: report.steps.iter().map(|s| s.ms).collect(),
+        losses: report.steps.iter().map(|s| s.loss).collect(),
+        tokens_per_s: report.tokens_per_s,
+        tokens_per_step: report.tokens_per_step,
+    })
+}
+
+/// The process's resident-set high-water mark (`VmHWM` in /proc/self/status).
+pub fn rss_high_water_mark() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}

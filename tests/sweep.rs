@@ -1,0 +1,244 @@
+//! `memfit sweep` end to end: trials in child processes, the bisection against
+//! an exhaustive sweep, crashes and kills, resume, and the report files.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use memfit::sweep::report::{Outcome, SweepReport};
+
+fn memfit(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args(args)
+        .output()
+        .expect("memfit runs")
+}
+
+fn recipe() -> &'static str {
+    concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/sweep/one-group.yaml"
+    )
+}
+
+fn out_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("memfit-sweep-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// Sweeps time their trials: one at a time, so that they do not measure each other.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn sweep(out: &Path, extra: &[&str]) -> (Output, SweepReport) {
+    let mut args = vec![
+        "sweep",
+        recipe(),
+        "--out",
+        out.to_str().unwrap(),
+        "--threads",
+        "1",
+    ];
+    args.extend(extra);
+    let o = memfit(&args);
+    let text = std::fs::read_to_string(out.join("report.json"))
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&o.stderr)));
+    (o, serde_json::from_str(&text).unwrap())
+}
+
+fn ids_in_journal(out: &Path) -> Vec<String> {
+    std::fs::read_to_string(out.join("trials.jsonl"))
+        .unwrap()
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["id"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn bisection_recommends_what_the_exhaustive_sweep_does() {
+    let _one = serial();
+    let smart_dir = out_dir("smart");
+    let (o, smart) = sweep(&smart_dir, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let full_dir = out_dir("full");
+    let (o, full) = sweep(&full_dir, &["--exhaustive"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+
+    let count = |r: &SweepReport, o: Outcome| r.trials.iter().filter(|t| t.outcome == o).count();
+    eprintln!(
+        "smart: {} trials of {} (fits {}, skipped-oom {}); exhaustive: {} trials (fits {}, oom {})",
+        smart.trials_run,
+        smart.grid_size,
+        smart.trials.iter().filter(|t| t.fits).count(),
+        count(&smart, Outcome::SkippedPredictedOom),
+        full.trials_run,
+        full.trials.iter().filter(|t| t.fits).count(),
+        count(&full, Outcome::Oom)
+    );
+    assert_eq!(full.trials_run, 20);
+    assert_eq!(count(&full, Outcome::Oom), 12);
+    assert_eq!(full.trials.iter().filter(|t| t.fits).count(), 8);
+    assert!(smart.trials_run < full.trials_run);
+    assert_eq!(count(&smart, Outcome::SkippedPredictedOom), 12);
+    // meta == cpu: every measured peak is the prediction, to the byte.
+    for t in full.trials.iter().filter(|t| t.outcome == Outcome::Ran) {
+        assert_eq!(t.memory_error_pct, Some(0.0), "{}", t.id);
+        let m = t.measured.as_ref().unwrap();
+        assert!(
+            m.device_peak_bytes.unwrap() > m.peak_bytes.total,
+            "RSS includes the tracked bytes"
+        );
+    }
+    let pick = |r: &SweepReport| {
+        r.trials[r.recommendation.as_ref().unwrap().trial]
+            .id
+            .clone()
+    };
+    assert_eq!(pick(&smart), pick(&full));
+
+    // The report files: JSON, Markdown, self-contained HTML with its charts, plots, exports.
+    let html = std::fs::read_to_string(smart_dir.join("report.html")).unwrap();
+    assert!(html.starts_with("<!DOCTYPE html>"));
+    assert_eq!(html.matches("<svg").count(), 3, "three inline charts");
+    assert!(!html.contains("<script"));
+    for png in [
+        "memory_vs_micro_batch.png",
+        "throughput_vs_memory.png",
+        "recommendation_breakdown.png",
+    ] {
+        let bytes = std::fs::read(smart_dir.join(png)).unwrap();
+        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "{png}");
+        let (w, h) = (
+            u32::from_be_bytes(bytes[16..20].try_into().unwrap()),
+            u32::from_be_bytes(bytes[20..24].try_into().unwrap()),
+        );
+        assert!(w >= 640 && h >= 400, "{png}: {w}x{h}");
+        assert!(
+            (5_000..5_000_000).contains(&bytes.len()),
+            "{png}: {} bytes",
+            bytes.len()
+        );
+    }
+    for f in [
+        "report.md",
+        "ds_config.json",
+        "training_args.py",
+        "recommended.yaml",
+    ] {
+        assert!(smart_dir.join(f).is_file(), "{f}");
+    }
+    // The pinned recipe plans, with one point: the recommendation.
+    let o = memfit(&[
+        "plan",
+        smart_dir.join("recommended.yaml").to_str().unwrap(),
+        "--format",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+
+    // memfit check: the two sweeps agree on every tracked peak they share.
+    let o = memfit(&[
+        "check",
+        smart_dir.to_str().unwrap(),
+        "--baseline",
+        full_dir.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+}
+
+#[test]
+fn crashes_kills_and_timeouts_are_recorded_and_the_sweep_goes_on() {
+    let _one = serial();
+    for (fault, want_signal, outcome) in [
+        ("0:abort", 6, Outcome::Crash),
+        ("0:sigkill", 9, Outcome::Crash),
+        ("0:hang", 9, Outcome::Timeout),
+    ] {
+        let dir = out_dir(&fault.replace(':', "-"));
+        let (o, r) = sweep(&dir, &["--test-fault", fault, "--trial-timeout", "3"]);
+        assert!(
+            o.status.success(),
+            "{fault}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let failed: Vec<_> = r.trials.iter().filter(|t| t.outcome == outcome).collect();
+        assert_eq!(failed.len(), 1, "{fault}");
+        let exit = failed[0].exit.as_ref().unwrap();
+        assert_eq!(exit.signal, Some(want_signal), "{fault}: {exit:?}");
+        // The first trial (micro-batch 8) failed; bisection below it still
+        // finds fitting micro-batches and recommends one.
+        assert!(r.recommendation.is_some(), "{fault}");
+        assert!(r.trials.iter().any(|t| t.fits));
+    }
+}
+
+#[test]
+fn resume_finishes_a_killed_sweep_without_rerunning_trials() {
+    let _one = serial();
+    let dir = out_dir("resume");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args([
+            "sweep",
+            recipe(),
+            "--out",
+            dir.to_str().unwrap(),
+            "--exhaustive",
+            "--threads",
+            "1",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Kill it (SIGKILL: no chance to clean up) once two trials are journaled.
+    let journal = dir.join("trials.jsonl");
+    let start = std::time::Instant::now();
+    loop {
+        let n = std::fs::read_to_string(&journal).map_or(0, |s| s.lines().count());
+        if n >= 2 || start.elapsed().as_secs() > 60 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let before = ids_in_journal(&dir);
+    assert!((2..20).contains(&before.len()), "{before:?}");
+
+    // Without --resume the journal is protected.
+    let o = memfit(&[
+        "sweep",
+        recipe(),
+        "--out",
+        dir.to_str().unwrap(),
+        "--exhaustive",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--resume"));
+
+    let (o, r) = sweep(&dir, &["--exhaustive", "--resume"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let after = ids_in_journal(&dir);
+    assert_eq!(&after[..before.len()], &before[..], "finished trials kept");
+    let mut unique = after.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), after.len(), "no trial ran twice: {after:?}");
+    assert_eq!(after.len(), 20);
+    assert_eq!(r.trials_run, 20);
+}
