@@ -38,6 +38,9 @@ pub enum Command {
     Sweep(SweepArgs),
     /// CI gate: compare a sweep's tracked peaks with a baseline's.
     Check(crate::check::CheckArgs),
+    /// The interactive profiler: the sweep live, grid, memory chart,
+    /// breakdown and recommendation (without a recipe: the quickstart grid).
+    Tui(TuiArgs),
     /// Runs one sweep trial (memfit re-executes itself; not for direct use).
     #[command(hide = true)]
     Trial {
@@ -78,6 +81,30 @@ pub struct SweepArgs {
     /// Test hook: make the N-th trial run fail (abort, sigkill or hang).
     #[arg(long, hide = true, value_parser = parse_fault)]
     pub test_fault: Option<(usize, crate::sweep::trial::Fault)>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct TuiArgs {
+    /// A plan recipe (YAML) [default: recipes/quickstart.yaml, built in].
+    pub recipe: Option<PathBuf>,
+    /// Where trials run: cpu, cpu:limit=SIZE or meta [default: the recipe's device, else cpu].
+    #[arg(long)]
+    pub device: Option<DeviceSpec>,
+    /// Directory for the journal (shared with `memfit sweep`) and exports.
+    #[arg(long, default_value = "memfit-tui")]
+    pub out: PathBuf,
+    /// Milliseconds between live memory samples of the running trial.
+    #[arg(long, default_value_t = 100)]
+    pub sample_ms: u64,
+    /// Optimizer steps per trial; the first is warm-up.
+    #[arg(long, default_value_t = 3)]
+    pub steps: usize,
+    /// Seconds before a trial is killed and recorded as a timeout.
+    #[arg(long, default_value_t = 300.0)]
+    pub trial_timeout: f64,
+    /// cpu threads per trial [default: all cores].
+    #[arg(long)]
+    pub threads: Option<usize>,
 }
 
 /// `N:abort`, `N:sigkill` or `N:hang`.

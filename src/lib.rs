@@ -19,6 +19,7 @@ pub mod plan;
 pub mod rng;
 pub mod run;
 pub mod sweep;
+pub mod tui;
 pub mod units;
 
 pub use error::{Error, Result};

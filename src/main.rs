@@ -51,6 +51,7 @@ fn main() -> ExitCode {
         },
         Command::Sweep(args) => sweep_main(&args),
         Command::Check(args) => memfit::check::run_check(&args),
+        Command::Tui(args) => tui_main(&args),
         Command::Trial { spec } => trial_main(&spec),
         Command::Profiles => {
             print_models();
@@ -116,6 +117,8 @@ fn sweep_main(args: &memfit::cli::SweepArgs) -> i32 {
         threads: args.threads,
         fault: args.test_fault,
         progress: std::io::stderr().is_terminal(),
+        hooks: None,
+        rerun: Vec::new(),
     };
     match memfit::sweep::driver::sweep(&opts) {
         Ok(report) => {
@@ -158,6 +161,36 @@ fn trial_main(spec: &str) -> i32 {
         }
         Err(e) => {
             eprintln!("memfit trial: {e}");
+            e.exit_code()
+        }
+    }
+}
+
+fn tui_main(args: &memfit::cli::TuiArgs) -> i32 {
+    if args.steps == 0
+        || args.trial_timeout.is_nan()
+        || args.trial_timeout <= 0.0
+        || args.sample_ms == 0
+    {
+        eprintln!("memfit: --steps, --trial-timeout and --sample-ms must be positive");
+        return 2;
+    }
+    let opts = memfit::tui::term::TuiOptions {
+        recipe: args.recipe.clone(),
+        device: args.device.clone(),
+        out: args.out.clone(),
+        sample_ms: args.sample_ms,
+        steps: args.steps,
+        timeout: std::time::Duration::from_secs_f64(args.trial_timeout),
+        threads: args.threads,
+    };
+    match memfit::tui::term::run_tui(&opts) {
+        Ok(code) => {
+            println!("memfit tui: journal and exports in {}", args.out.display());
+            code
+        }
+        Err(e) => {
+            eprintln!("memfit: {e}");
             e.exit_code()
         }
     }

@@ -168,6 +168,15 @@ impl PeakBytes {
     }
 }
 
+/// Tracked bytes live in this process, over every tracker (every rank): what
+/// a sweep trial reports while it runs, for the TUI's live chart.
+static PROCESS_LIVE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The tracked bytes live in this process right now, summed over trackers.
+pub fn process_live_bytes() -> u64 {
+    PROCESS_LIVE.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// One allocation or free.
 #[derive(Clone, Debug, Serialize)]
 pub struct Event {
@@ -287,6 +296,7 @@ impl Tracker {
         }
         let i = category.index();
         self.live.0[i] += bytes;
+        PROCESS_LIVE.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
         self.peak.0[i] = self.peak.0[i].max(self.live.0[i]);
         let total = self.live.total();
         if total > self.peak_total {
@@ -304,6 +314,7 @@ impl Tracker {
             "freeing more {category:?} than is live"
         );
         self.live.0[i] -= bytes;
+        PROCESS_LIVE.fetch_sub(bytes, std::sync::atomic::Ordering::Relaxed);
         self.record(category, -(bytes as i64));
     }
 

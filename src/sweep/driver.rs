@@ -37,6 +37,52 @@ pub struct SweepOptions {
     pub fault: Option<(usize, Fault)>,
     /// Draw a progress bar on stderr (it hides itself when stderr is not a terminal).
     pub progress: bool,
+    /// Live control and events for an interactive front end (the TUI).
+    pub hooks: Option<Hooks>,
+    /// Grid indices to measure again even when the journal has them (the
+    /// TUI's re-run); their new records replace the old ones.
+    pub rerun: Vec<usize>,
+}
+
+/// What the sweep tells a front end as it goes.
+#[derive(Clone, Debug)]
+pub enum SweepEvent {
+    /// The grid as planned, before any trial runs.
+    Planned(Vec<Prediction>),
+    TrialStarted {
+        index: usize,
+    },
+    /// The running trial's tracked live bytes and its process's RSS.
+    Sample {
+        t_s: f64,
+        tracked: u64,
+        rss: Option<u64>,
+    },
+    TrialFinished {
+        index: usize,
+        record: Box<TrialRecord>,
+    },
+    Finished(Box<SweepReport>),
+}
+
+/// A front end's handle on a running sweep.
+#[derive(Clone)]
+pub struct Hooks {
+    pub on_event: Arc<dyn Fn(SweepEvent) + Send + Sync>,
+    /// Set: stop after killing the running trial (like Ctrl-C).
+    pub stop: Arc<AtomicBool>,
+    /// Set: start no new trial until cleared.
+    pub pause: Arc<AtomicBool>,
+    /// How often a trial reports its live memory.
+    pub sample_ms: u64,
+}
+
+impl std::fmt::Debug for Hooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hooks")
+            .field("sample_ms", &self.sample_ms)
+            .finish()
+    }
 }
 
 /// A stable key for a configuration: what the journal, `--resume` and
@@ -74,6 +120,8 @@ struct Ctx<'a> {
     /// Engine share of the capacity (the trial's device limit), and the overhead on top.
     overhead: u64,
     runs: usize,
+    /// Grid indices measured in this invocation (not from the journal).
+    ran_now: std::collections::HashSet<usize>,
     stop: Arc<AtomicBool>,
     bar: indicatif::ProgressBar,
 }
@@ -113,12 +161,19 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
             source,
         })?;
     let planned = plan(&recipe, &model, &hw);
-    let stop = Arc::new(AtomicBool::new(false));
-    {
-        let stop = stop.clone();
-        // A second handler cannot be installed (a second sweep in one
-        // process); the first one already sets the flag we share.
-        let _ = ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst));
+    let stop = match &opts.hooks {
+        Some(h) => h.stop.clone(),
+        None => {
+            let stop = Arc::new(AtomicBool::new(false));
+            let flag = stop.clone();
+            // A second handler cannot be installed (a second sweep in one
+            // process); the first one already sets the flag we share.
+            let _ = ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst));
+            stop
+        }
+    };
+    if let Some(h) = &opts.hooks {
+        (h.on_event)(SweepEvent::Planned(planned.points.clone()));
     }
     let bar = if opts.progress {
         indicatif::ProgressBar::new(planned.points.len() as u64)
@@ -158,6 +213,7 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         device: trial_device,
         overhead,
         runs: 0,
+        ran_now: Default::default(),
         stop,
         bar,
     };
@@ -182,12 +238,12 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
                 Verdict::Invalid { reason } => reason.clone(),
                 _ => unreachable!(),
             };
-            records[i] = Some(ctx.unrun(&preds[i], Outcome::Invalid, reason));
+            records[i] = Some(ctx.unrun(i, &preds[i], Outcome::Invalid, reason));
         }
         let fits = |r: &TrialRecord| r.fits;
         if opts.exhaustive {
             for &i in &valid {
-                let Some(r) = ctx.trial(&preds[i])? else {
+                let Some(r) = ctx.trial(i, &preds[i])? else {
                     break 'groups;
                 };
                 records[i] = Some(r);
@@ -201,7 +257,7 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         else {
             continue;
         };
-        let Some(first) = ctx.trial(&preds[valid[cand]])? else {
+        let Some(first) = ctx.trial(valid[cand], &preds[valid[cand]])? else {
             break 'groups;
         };
         let first_fits = fits(&first);
@@ -212,7 +268,7 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
             let (mut lo, mut hi) = (0usize, cand);
             while lo < hi {
                 let mid = (lo + hi) / 2;
-                let Some(r) = ctx.trial(&preds[valid[mid]])? else {
+                let Some(r) = ctx.trial(valid[mid], &preds[valid[mid]])? else {
                     break 'groups;
                 };
                 let ok = fits(&r);
@@ -223,6 +279,16 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
                     hi = mid;
                 }
             }
+        }
+    }
+    // Re-runs asked for points the selection did not visit this time.
+    for &i in &opts.rerun {
+        if i < preds.len()
+            && !ctx.ran_now.contains(&i)
+            && !matches!(preds[i].verdict, Verdict::Invalid { .. })
+            && let Some(r) = ctx.trial(i, &preds[i])?
+        {
+            records[i] = Some(r);
         }
     }
     // What was not run, and why.
@@ -258,6 +324,7 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         let mb = p.point.micro_batch;
         *slot = Some(if p.verdict == Verdict::DoesNotFit {
             ctx.unrun(
+                i,
                 p,
                 Outcome::SkippedPredictedOom,
                 format!(
@@ -268,6 +335,7 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
             )
         } else if largest_fit.get(&key).is_some_and(|&m| mb < m) {
             ctx.unrun(
+                i,
                 p,
                 Outcome::SkippedByMonotonicity,
                 format!(
@@ -278,6 +346,7 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         } else {
             let m = smallest_misfit.get(&key).copied().unwrap_or(0);
             ctx.unrun(
+                i,
                 p,
                 Outcome::SkippedByMonotonicity,
                 format!("micro-batch {m} does not fit, so a larger one does not"),
@@ -300,6 +369,9 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         .count();
     recommend(&mut report);
     write_reports(&report, &opts.out)?;
+    if let Some(h) = &opts.hooks {
+        (h.on_event)(SweepEvent::Finished(Box::new(report.clone())));
+    }
     Ok(report)
 }
 
@@ -349,6 +421,12 @@ fn read_journal(path: &Path, resume: bool) -> Result<HashMap<String, TrialRecord
 }
 
 impl Ctx<'_> {
+    fn emit(&self, e: SweepEvent) {
+        if let Some(h) = &self.opts.hooks {
+            (h.on_event)(e);
+        }
+    }
+
     fn usable(&self) -> u64 {
         self.report.usable_bytes()
     }
@@ -375,25 +453,51 @@ impl Ctx<'_> {
         }
     }
 
-    fn unrun(&mut self, p: &Prediction, outcome: Outcome, note: String) -> TrialRecord {
+    fn unrun(
+        &mut self,
+        index: usize,
+        p: &Prediction,
+        outcome: Outcome,
+        note: String,
+    ) -> TrialRecord {
         self.bar.inc(1);
-        TrialRecord {
+        let r = TrialRecord {
             note: Some(note),
             ..self.base_record(p, outcome)
-        }
+        };
+        self.emit(SweepEvent::TrialFinished {
+            index,
+            record: Box::new(r.clone()),
+        });
+        r
     }
 
     /// The trial's record: from the journal under `--resume`, else measured
     /// now (and journaled). `None` when the sweep was interrupted.
-    fn trial(&mut self, p: &Prediction) -> Result<Option<TrialRecord>> {
+    fn trial(&mut self, index: usize, p: &Prediction) -> Result<Option<TrialRecord>> {
         let id = trial_id(&p.point);
-        if let Some(r) = self.done.get(&id) {
+        if let Some(r) = self
+            .done
+            .get(&id)
+            .filter(|_| !self.opts.rerun.contains(&index))
+        {
             self.bar.inc(1);
+            self.emit(SweepEvent::TrialFinished {
+                index,
+                record: Box::new(r.clone()),
+            });
             return Ok(Some(r.clone()));
+        }
+        if let Some(h) = &self.opts.hooks {
+            while h.pause.load(Ordering::SeqCst) && !self.stop.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
         }
         if self.stop.load(Ordering::SeqCst) {
             return Ok(None);
         }
+        self.emit(SweepEvent::TrialStarted { index });
+        self.ran_now.insert(index);
         self.bar.set_message(p.point.label());
         let fault = self
             .opts
@@ -409,9 +513,16 @@ impl Ctx<'_> {
             threads: self.opts.threads,
             seed: 1337,
             fault,
+            sample_ms: self.opts.hooks.as_ref().map(|h| h.sample_ms),
         };
         let start = Instant::now();
-        let ended = run_child(&spec, self.opts.timeout, &self.stop)?;
+        let hooks = self.opts.hooks.clone();
+        let on_sample = move |t_s, tracked, rss| {
+            if let Some(h) = &hooks {
+                (h.on_event)(SweepEvent::Sample { t_s, tracked, rss });
+            }
+        };
+        let ended = run_child(&spec, self.opts.timeout, &self.stop, &on_sample)?;
         if self.stop.load(Ordering::SeqCst) {
             // Killed by Ctrl-C (ours, or the terminal's SIGINT to the child):
             // not a result; `--resume` runs it again.
@@ -466,6 +577,10 @@ impl Ctx<'_> {
         writeln!(self.journal, "{line}").map_err(io)?;
         self.journal.sync_data().map_err(io)?;
         self.bar.inc(1);
+        self.emit(SweepEvent::TrialFinished {
+            index,
+            record: Box::new(r.clone()),
+        });
         self.bar.println(format!(
             "{:>9} {}",
             match r.outcome {
@@ -515,6 +630,14 @@ impl Ctx<'_> {
     }
 }
 
+/// A process's current resident set (`VmRSS`), if it is still there.
+fn process_rss(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 fn tail(s: &str) -> String {
     let lines: Vec<&str> = s.lines().collect();
     let t = lines[lines.len().saturating_sub(20)..].join("\n");
@@ -541,7 +664,12 @@ enum Ended {
 }
 
 /// Runs `memfit trial` in a child process; kills it at the timeout or on Ctrl-C.
-fn run_child(spec: &TrialSpec, timeout: Duration, stop: &AtomicBool) -> Result<Ended> {
+fn run_child(
+    spec: &TrialSpec,
+    timeout: Duration,
+    stop: &AtomicBool,
+    on_sample: &(dyn Fn(f64, u64, Option<u64>) + Sync),
+) -> Result<Ended> {
     let exe = std::env::current_exe().map_err(|e| {
         Error::Unavailable(format!(
             "cannot find the memfit executable to run trials: {e}"
@@ -564,7 +692,32 @@ fn run_child(spec: &TrialSpec, timeout: Duration, stop: &AtomicBool) -> Result<E
         })
     };
     let out = drain(Box::new(child.stdout.take().expect("piped")));
-    let err = drain(Box::new(child.stderr.take().expect("piped")));
+    // stderr line by line: live-memory samples go to the front end (with the
+    // child's RSS read now), the rest is kept for a crash's tail.
+    let (tx, rx) = std::sync::mpsc::channel::<(f64, u64)>();
+    let err_pipe = child.stderr.take().expect("piped");
+    let err = std::thread::spawn(move || {
+        let mut kept = String::new();
+        for line in std::io::BufReader::new(err_pipe).lines() {
+            let Ok(line) = line else { break };
+            match line
+                .strip_prefix(super::trial::SAMPLE_PREFIX)
+                .and_then(|rest| {
+                    let (t, b) = rest.split_once(' ')?;
+                    Some((t.parse().ok()?, b.parse().ok()?))
+                }) {
+                Some(sample) => {
+                    let _ = tx.send(sample);
+                }
+                None => {
+                    kept.push_str(&line);
+                    kept.push('\n');
+                }
+            }
+        }
+        kept
+    });
+    let pid = child.id();
     let start = Instant::now();
     let mut timed_out = false;
     let status = loop {
@@ -573,6 +726,9 @@ fn run_child(spec: &TrialSpec, timeout: Duration, stop: &AtomicBool) -> Result<E
             .map_err(|e| Error::Unavailable(format!("cannot wait for a trial process: {e}")))?
         {
             break status;
+        }
+        for (t, tracked) in rx.try_iter() {
+            on_sample(t, tracked, process_rss(pid));
         }
         if start.elapsed() > timeout || stop.load(Ordering::SeqCst) {
             timed_out = !stop.load(Ordering::SeqCst);

@@ -38,7 +38,13 @@ pub struct TrialSpec {
     pub seed: u64,
     #[serde(default)]
     pub fault: Option<Fault>,
+    /// Report the tracked live bytes on stderr this often (the TUI's live chart).
+    #[serde(default)]
+    pub sample_ms: Option<u64>,
 }
+
+/// Prefix of a live-memory sample line on a trial's stderr.
+pub const SAMPLE_PREFIX: &str = "memfit-sample ";
 
 /// What the child prints: its measurements, or its out-of-memory error.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -68,6 +74,19 @@ pub fn run_trial(spec: &TrialSpec) -> Result<TrialOutput> {
             std::thread::sleep(std::time::Duration::from_secs(60));
         },
         None => {}
+    }
+    if let Some(ms) = spec.sample_ms.filter(|&ms| ms > 0) {
+        let start = std::time::Instant::now();
+        std::thread::spawn(move || {
+            loop {
+                eprintln!(
+                    "{SAMPLE_PREFIX}{:.3} {}",
+                    start.elapsed().as_secs_f64(),
+                    crate::memory::process_live_bytes()
+                );
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+            }
+        });
     }
     let device: DeviceSpec = spec
         .device

@@ -1,0 +1,1263 @@
+//! The state of `memfit tui` and its pure update function.
+//!
+//! Nothing here reads a clock, the environment or the terminal: the front end
+//! turns terminal input and sweep progress into [`Event`]s, feeds them to
+//! [`update`], carries out the [`Action`]s it returns, and draws with
+//! [`crate::tui::render::render`]. Same events in, same state out.
+
+use std::cmp::Ordering;
+use std::path::PathBuf;
+
+use crate::memory::PeakBytes;
+use crate::plan::{Point, Prediction, Verdict};
+use crate::sweep::report::{Outcome, SCHEMA_VERSION, SweepReport, TrialRecord};
+
+/// Samples of the running trial kept for the chart (the oldest are dropped).
+pub const MAX_SAMPLES: usize = 2000;
+/// Rows moved (or detail lines scrolled) by PageUp / PageDown.
+pub const PAGE: usize = 10;
+/// How far the detail view scrolls.
+const MAX_SCROLL: u16 = 1000;
+
+/// Where a grid point stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Status {
+    Queued,
+    Running,
+    /// Ran, and its peak is within the usable capacity.
+    Fit,
+    /// Ran, but its peak is above the usable capacity (capacity less headroom).
+    Over,
+    Oom,
+    Timeout,
+    Crash,
+    SkippedPredicted,
+    SkippedMonotonic,
+    Invalid,
+}
+
+impl Status {
+    /// How the status reads in the grid.
+    pub fn label(self) -> &'static str {
+        match self {
+            Status::Queued => "queued",
+            Status::Running => "running",
+            Status::Fit => "fit",
+            Status::Over => "over",
+            Status::Oom => "OOM",
+            Status::Timeout => "timeout",
+            Status::Crash => "crash",
+            Status::SkippedPredicted => "skipped:pred",
+            Status::SkippedMonotonic => "skipped:mono",
+            Status::Invalid => "invalid",
+        }
+    }
+
+    /// The status a finished trial's record stands for.
+    pub fn from_record(r: &TrialRecord) -> Status {
+        match r.outcome {
+            Outcome::Ran if r.fits => Status::Fit,
+            Outcome::Ran => Status::Over,
+            Outcome::Oom => Status::Oom,
+            Outcome::Timeout => Status::Timeout,
+            Outcome::Crash => Status::Crash,
+            Outcome::SkippedPredictedOom => Status::SkippedPredicted,
+            Outcome::SkippedByMonotonicity => Status::SkippedMonotonic,
+            Outcome::Invalid => Status::Invalid,
+        }
+    }
+
+    /// Settled: neither waiting nor running.
+    pub fn is_done(self) -> bool {
+        !matches!(self, Status::Queued | Status::Running)
+    }
+
+    /// Order of the status sort column: the interesting first.
+    fn rank(self) -> u8 {
+        match self {
+            Status::Running => 0,
+            Status::Fit => 1,
+            Status::Over => 2,
+            Status::Oom => 3,
+            Status::Timeout => 4,
+            Status::Crash => 5,
+            Status::Queued => 6,
+            Status::SkippedPredicted => 7,
+            Status::SkippedMonotonic => 8,
+            Status::Invalid => 9,
+        }
+    }
+}
+
+/// One grid point.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    /// The point's index in the planned grid (what the sweep's events name).
+    pub index: usize,
+    pub point: Point,
+    /// The planner's peak per GPU, runtime overhead included.
+    pub predicted_total_bytes: Option<u64>,
+    pub predicted_tokens_per_s: Option<f64>,
+    /// The planner's per-category peaks, for the breakdown before the trial runs.
+    pub predicted_peak_bytes: Option<PeakBytes>,
+    /// The hardware's runtime overhead on top of the engine's peak (0 on cpu).
+    pub overhead_bytes: u64,
+    pub record: Option<TrialRecord>,
+    pub status: Status,
+}
+
+impl Row {
+    /// A row from the grid index, the point, the predicted total peak and
+    /// tokens/s, and the initial status (no per-category prediction, no
+    /// overhead; set the public fields for those).
+    pub fn new(
+        index: usize,
+        point: Point,
+        predicted_total_bytes: Option<u64>,
+        predicted_tokens_per_s: Option<f64>,
+        status: Status,
+    ) -> Row {
+        Row {
+            index,
+            point,
+            predicted_total_bytes,
+            predicted_tokens_per_s,
+            predicted_peak_bytes: None,
+            overhead_bytes: 0,
+            record: None,
+            status,
+        }
+    }
+
+    /// A row from the planner's prediction for grid point `index`: queued,
+    /// or invalid when the planner says so.
+    pub fn from_prediction(index: usize, p: &Prediction) -> Row {
+        let invalid = matches!(p.verdict, Verdict::Invalid { .. });
+        Row {
+            index,
+            point: p.point,
+            predicted_total_bytes: p.peak_bytes.map(|_| p.total_bytes),
+            predicted_tokens_per_s: p.peak_bytes.map(|_| p.tokens_per_s),
+            predicted_peak_bytes: p.peak_bytes,
+            overhead_bytes: p.runtime_overhead_bytes,
+            record: None,
+            status: if invalid {
+                Status::Invalid
+            } else {
+                Status::Queued
+            },
+        }
+    }
+
+    /// The label the filter matches: the point's label, its status and `#index`.
+    pub fn search_text(&self) -> String {
+        let extra = if self.status == Status::Fit {
+            " fits"
+        } else {
+            ""
+        };
+        format!(
+            "#{} {} {}{}",
+            self.index,
+            self.point.label(),
+            self.status.label(),
+            extra
+        )
+        .to_lowercase()
+    }
+
+    /// Predicted peak per GPU: the record's, else the plan's.
+    pub fn predicted_total(&self) -> Option<u64> {
+        self.record
+            .as_ref()
+            .and_then(|r| r.predicted.as_ref())
+            .map(|p| p.peak_total_bytes)
+            .or(self.predicted_total_bytes)
+    }
+
+    /// Predicted per-category peaks: the record's, else the plan's.
+    pub fn predicted_peaks(&self) -> Option<PeakBytes> {
+        self.record
+            .as_ref()
+            .and_then(|r| r.predicted.as_ref())
+            .and_then(|p| p.peak_bytes)
+            .or(self.predicted_peak_bytes)
+    }
+
+    /// The runtime overhead on top of the engine peak: what the record's
+    /// prediction added, else the plan's.
+    pub fn overhead(&self) -> u64 {
+        self.record
+            .as_ref()
+            .and_then(|r| r.predicted.as_ref())
+            .and_then(|p| {
+                p.peak_bytes
+                    .map(|b| p.peak_total_bytes.saturating_sub(b.total))
+            })
+            .unwrap_or(self.overhead_bytes)
+    }
+
+    /// The measured engine peak (the tracker's total), if it ran.
+    pub fn measured_engine(&self) -> Option<u64> {
+        self.record
+            .as_ref()
+            .and_then(|r| r.measured.as_ref())
+            .map(|m| m.peak_bytes.total)
+    }
+
+    /// The measured peak per GPU against the capacity: engine peak plus overhead.
+    pub fn measured_total(&self) -> Option<u64> {
+        self.measured_engine().map(|b| b + self.overhead())
+    }
+
+    pub fn tokens_per_s(&self) -> Option<f64> {
+        self.record
+            .as_ref()
+            .and_then(|r| r.measured.as_ref())
+            .map(|m| m.tokens_per_s)
+    }
+
+    pub fn usd_per_mtok(&self) -> Option<f64> {
+        self.record
+            .as_ref()
+            .and_then(|r| r.measured.as_ref())
+            .map(|m| m.usd_per_mtok)
+    }
+
+    /// Capacity less the peak (measured, else predicted), and whether it is
+    /// the predicted one.
+    pub fn margin(&self, capacity: u64) -> Option<(i64, bool)> {
+        match self.measured_total() {
+            Some(m) => Some((capacity as i64 - m as i64, false)),
+            None => self
+                .predicted_total()
+                .map(|p| (capacity as i64 - p as i64, true)),
+        }
+    }
+}
+
+/// One live-memory sample of the running trial.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sample {
+    /// Seconds since the trial started.
+    pub t_s: f64,
+    /// Tracked bytes live.
+    pub tracked: u64,
+    /// The trial process's resident set size.
+    pub rss: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum View {
+    Grid,
+    Detail,
+    Help,
+}
+
+/// The grid's sort column; `s` cycles through them in this order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SortColumn {
+    Index,
+    Knobs,
+    MicroBatch,
+    Status,
+    Predicted,
+    Measured,
+    TokensPerS,
+    UsdPerMtok,
+    Margin,
+}
+
+impl SortColumn {
+    pub const ALL: [SortColumn; 9] = [
+        SortColumn::Index,
+        SortColumn::Knobs,
+        SortColumn::MicroBatch,
+        SortColumn::Status,
+        SortColumn::Predicted,
+        SortColumn::Measured,
+        SortColumn::TokensPerS,
+        SortColumn::UsdPerMtok,
+        SortColumn::Margin,
+    ];
+
+    pub fn next(self) -> SortColumn {
+        let i = Self::ALL.iter().position(|&c| c == self).unwrap_or(0);
+        Self::ALL[(i + 1) % Self::ALL.len()]
+    }
+
+    pub fn prev(self) -> SortColumn {
+        let i = Self::ALL.iter().position(|&c| c == self).unwrap_or(0);
+        Self::ALL[(i + Self::ALL.len() - 1) % Self::ALL.len()]
+    }
+
+    /// The grid header this column sorts.
+    pub fn label(self) -> &'static str {
+        match self {
+            SortColumn::Index => "#",
+            SortColumn::Knobs => "knobs",
+            SortColumn::MicroBatch => "mb",
+            SortColumn::Status => "status",
+            SortColumn::Predicted => "predicted",
+            SortColumn::Measured => "measured",
+            SortColumn::TokensPerS => "tok/s",
+            SortColumn::UsdPerMtok => "$/Mtok",
+            SortColumn::Margin => "margin",
+        }
+    }
+}
+
+/// What the front end knows before the first trial: the sweep's header.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Header {
+    pub model: String,
+    pub hardware: String,
+    pub device: String,
+    pub capacity: u64,
+    pub usable: u64,
+    pub usd_per_gpu_hour: f64,
+    pub headroom: f64,
+    pub allow_numerics_change: bool,
+    pub seq_len: usize,
+    pub global_batch: usize,
+    /// Where `e` exports to.
+    pub export_dir: PathBuf,
+    /// Draw without colours (NO_COLOR; the front end reads the environment).
+    pub no_color: bool,
+    /// How often the running trial is sampled, for display.
+    pub sample_interval_ms: u64,
+}
+
+/// The whole state of the TUI.
+#[derive(Clone, Debug, PartialEq)]
+pub struct App {
+    pub model: String,
+    pub hardware: String,
+    pub device: String,
+    pub capacity: u64,
+    pub usable: u64,
+    pub usd_per_gpu_hour: f64,
+    pub headroom: f64,
+    pub allow_numerics_change: bool,
+    pub seq_len: usize,
+    pub global_batch: usize,
+    /// One per grid point, in grid order.
+    pub rows: Vec<Row>,
+    /// Position in [`visible`] (the sorted, filtered list).
+    pub selected: usize,
+    pub sort: SortColumn,
+    pub reverse: bool,
+    /// Case-insensitive; every whitespace-separated word must be a substring
+    /// of the row's [`Row::search_text`].
+    pub filter: String,
+    pub fits_only: bool,
+    pub editing_filter: bool,
+    pub view: View,
+    /// Lines the detail view is scrolled down (PageUp / PageDown there).
+    pub detail_scroll: u16,
+    pub paused: bool,
+    /// Grid index of the running trial.
+    pub running: Option<usize>,
+    /// Live samples of the trial `samples_of` (the running one, else the last run).
+    pub samples: Vec<Sample>,
+    pub samples_of: Option<usize>,
+    pub elapsed_s: f64,
+    pub finished: bool,
+    pub export_dir: PathBuf,
+    pub message: Option<String>,
+    pub no_color: bool,
+    /// Grid index of the recommended trial, its reasons and the runner-up.
+    pub recommendation: Option<usize>,
+    pub reasons: Vec<String>,
+    pub runner_up: Option<usize>,
+    /// Grid indices on the Pareto frontier (peak lower, tokens/s higher).
+    pub pareto: Vec<usize>,
+    pub sample_interval_ms: u64,
+}
+
+impl App {
+    /// The state before any trial ran: `rows` one per grid point (see
+    /// [`Row::new`], which takes (grid index, point, predicted total,
+    /// predicted tokens/s, initial status), and [`Row::from_prediction`]).
+    /// Rows that already carry records (a resumed sweep) count towards the
+    /// recommendation.
+    pub fn new(header: Header, rows: Vec<Row>) -> App {
+        let Header {
+            model,
+            hardware,
+            device,
+            capacity,
+            usable,
+            usd_per_gpu_hour,
+            headroom,
+            allow_numerics_change,
+            seq_len,
+            global_batch,
+            export_dir,
+            no_color,
+            sample_interval_ms,
+        } = header;
+        let mut app = App {
+            model,
+            hardware,
+            device,
+            capacity,
+            usable,
+            usd_per_gpu_hour,
+            headroom,
+            allow_numerics_change,
+            seq_len,
+            global_batch,
+            rows,
+            selected: 0,
+            sort: SortColumn::Index,
+            reverse: false,
+            filter: String::new(),
+            fits_only: false,
+            editing_filter: false,
+            view: View::Grid,
+            detail_scroll: 0,
+            paused: false,
+            running: None,
+            samples: Vec::new(),
+            samples_of: None,
+            elapsed_s: 0.0,
+            finished: false,
+            export_dir,
+            message: None,
+            no_color,
+            recommendation: None,
+            reasons: Vec::new(),
+            runner_up: None,
+            pareto: Vec::new(),
+            sample_interval_ms,
+        };
+        app.recompute_recommendation();
+        app
+    }
+
+    /// Position in `rows` of grid point `index`.
+    pub fn row_of(&self, index: usize) -> Option<usize> {
+        self.rows.iter().position(|r| r.index == index)
+    }
+
+    /// The selected row, if any row is visible.
+    pub fn selected_row(&self) -> Option<&Row> {
+        visible(self).get(self.selected).map(|&i| &self.rows[i])
+    }
+
+    /// Settled trials (run, skipped or invalid), of all.
+    pub fn progress(&self) -> (usize, usize) {
+        let done = self.rows.iter().filter(|r| r.status.is_done()).count();
+        (done, self.rows.len())
+    }
+
+    /// Rebuilds the recommendation from the rows' records with the sweep's own rule.
+    pub fn recompute_recommendation(&mut self) {
+        let with: Vec<usize> = (0..self.rows.len())
+            .filter(|&i| self.rows[i].record.is_some())
+            .collect();
+        let mut report = SweepReport {
+            schema_version: SCHEMA_VERSION,
+            memfit_version: env!("CARGO_PKG_VERSION").into(),
+            recipe: String::new(),
+            model: self.model.clone(),
+            hardware: self.hardware.clone(),
+            device: self.device.clone(),
+            capacity_bytes: self.capacity,
+            headroom: self.headroom,
+            usd_per_gpu_hour: self.usd_per_gpu_hour,
+            allow_numerics_change: self.allow_numerics_change,
+            seq_len: self.seq_len,
+            global_batch: self.global_batch,
+            grid_size: self.rows.len(),
+            trials_run: 0,
+            trials: with
+                .iter()
+                .filter_map(|&i| self.rows[i].record.clone())
+                .collect(),
+            recommendation: None,
+            pareto: Vec::new(),
+            interrupted: false,
+        };
+        crate::sweep::driver::recommend(&mut report);
+        let grid = |t: usize| self.rows[with[t]].index;
+        self.pareto = report.pareto.iter().map(|&t| grid(t)).collect();
+        match report.recommendation {
+            Some(rec) => {
+                self.recommendation = Some(grid(rec.trial));
+                self.runner_up = rec.runners_up.first().map(|&t| grid(t));
+                self.reasons = rec.reasons;
+            }
+            None => {
+                self.recommendation = None;
+                self.runner_up = None;
+                self.reasons.clear();
+            }
+        }
+    }
+}
+
+/// A key press, as the front end translates it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Key {
+    Char(char),
+    Up,
+    Down,
+    Left,
+    Right,
+    Enter,
+    Esc,
+    Backspace,
+    Tab,
+    PageUp,
+    PageDown,
+    Home,
+    End,
+    CtrlC,
+}
+
+/// Everything that changes the state. (A record travels once per trial, so
+/// it is not boxed.)
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    Key(Key),
+    /// Seconds since the sweep started.
+    Tick {
+        elapsed_s: f64,
+    },
+    TrialStarted {
+        index: usize,
+    },
+    Sample(Sample),
+    TrialFinished {
+        index: usize,
+        record: TrialRecord,
+    },
+    SweepFinished,
+    /// The export started by [`Action::Export`] ended.
+    Exported(Result<PathBuf, String>),
+}
+
+/// What the front end must do after an update.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    Quit,
+    /// `paused` has flipped: stop (or resume) starting new trials.
+    TogglePause,
+    /// Run grid point `usize` again.
+    Rerun(usize),
+    /// Write the reports into this directory; answer with [`Event::Exported`].
+    Export(PathBuf),
+}
+
+/// The keys; the help view is generated from this table.
+pub const KEYMAP: &[(&str, &str)] = &[
+    (
+        "q  Esc  Ctrl-C",
+        "quit (Esc and q close help, detail or the filter first)",
+    ),
+    ("?", "toggle this help"),
+    ("↑ ↓  k j", "move the selection"),
+    ("PgUp PgDn", "move by a page (detail: scroll)"),
+    ("Home End  g G", "first / last row"),
+    (
+        "← →  h l",
+        "previous / next sort column (detail: previous / next row)",
+    ),
+    ("Enter  Tab", "open / close the selected trial's detail"),
+    ("s", "cycle the sort column"),
+    ("S", "reverse the sort"),
+    (
+        "/",
+        "edit the filter: words of the label, e.g. zero2 adamw8bit (Enter/Esc ends)",
+    ),
+    ("f", "show only the trials that fit"),
+    (
+        "Space",
+        "pause / resume the sweep (the running trial finishes)",
+    ),
+    ("r", "re-run the selected trial"),
+    ("e", "export the reports"),
+];
+
+fn cmp_opt<T: PartialOrd>(a: Option<T>, b: Option<T>) -> Ordering {
+    match (a, b) {
+        (Some(x), Some(y)) => x.partial_cmp(&y).unwrap_or(Ordering::Equal),
+        (Some(_), None) => Ordering::Less,
+        (None, Some(_)) => Ordering::Greater,
+        (None, None) => Ordering::Equal,
+    }
+}
+
+fn knobs_key(p: &Point) -> (usize, String, String, String, String, String, usize) {
+    use crate::plan::name;
+    (
+        p.gpus,
+        name(p.sharding),
+        name(p.precision),
+        name(p.optimizer),
+        name(p.checkpointing),
+        name(p.attention),
+        p.micro_batch,
+    )
+}
+
+fn compare(app: &App, a: &Row, b: &Row) -> Ordering {
+    let c = match app.sort {
+        SortColumn::Index => Ordering::Equal,
+        SortColumn::Knobs => knobs_key(&a.point).cmp(&knobs_key(&b.point)),
+        SortColumn::MicroBatch => a.point.micro_batch.cmp(&b.point.micro_batch),
+        SortColumn::Status => a.status.rank().cmp(&b.status.rank()),
+        SortColumn::Predicted => cmp_opt(a.predicted_total(), b.predicted_total()),
+        SortColumn::Measured => cmp_opt(a.measured_total(), b.measured_total()),
+        SortColumn::TokensPerS => cmp_opt(b.tokens_per_s(), a.tokens_per_s()),
+        SortColumn::UsdPerMtok => cmp_opt(a.usd_per_mtok(), b.usd_per_mtok()),
+        SortColumn::Margin => cmp_opt(
+            b.margin(app.capacity).map(|m| m.0),
+            a.margin(app.capacity).map(|m| m.0),
+        ),
+    };
+    c.then(a.index.cmp(&b.index))
+}
+
+/// Positions in `app.rows` in display order: filtered, then sorted (ties by
+/// grid index; `reverse` flips the whole order). Tokens/s and margin sort
+/// the largest first; empty cells sort last.
+pub fn visible(app: &App) -> Vec<usize> {
+    let words: Vec<String> = app
+        .filter
+        .split_whitespace()
+        .map(|w| w.to_lowercase())
+        .collect();
+    let mut v: Vec<usize> = (0..app.rows.len())
+        .filter(|&i| {
+            let r = &app.rows[i];
+            if app.fits_only && r.status != Status::Fit {
+                return false;
+            }
+            if words.is_empty() {
+                return true;
+            }
+            let text = r.search_text();
+            words.iter().all(|w| text.contains(w.as_str()))
+        })
+        .collect();
+    v.sort_by(|&a, &b| compare(app, &app.rows[a], &app.rows[b]));
+    if app.reverse {
+        v.reverse();
+    }
+    v
+}
+
+/// Grid index of the selected row.
+fn selected_index(app: &App) -> Option<usize> {
+    app.selected_row().map(|r| r.index)
+}
+
+/// Puts the selection back on grid point `keep` if it is still visible,
+/// else clamps it to the list.
+fn reselect(app: &mut App, keep: Option<usize>) {
+    let vis = visible(app);
+    if let Some(pos) = keep.and_then(|k| vis.iter().position(|&i| app.rows[i].index == k)) {
+        app.selected = pos;
+    } else {
+        app.selected = app.selected.min(vis.len().saturating_sub(1));
+    }
+}
+
+fn move_by(app: &mut App, delta: isize) {
+    let n = visible(app).len();
+    if n == 0 {
+        app.selected = 0;
+        return;
+    }
+    let cur = app.selected.min(n - 1) as isize;
+    app.selected = (cur + delta).clamp(0, n as isize - 1) as usize;
+}
+
+/// Changes that reorder or refilter: keep the selection on the same row.
+fn keeping_selection(app: &mut App, f: impl FnOnce(&mut App)) {
+    let keep = selected_index(app);
+    f(app);
+    reselect(app, keep);
+}
+
+fn on_key(app: &mut App, key: Key) -> Vec<Action> {
+    if key == Key::CtrlC {
+        return vec![Action::Quit];
+    }
+    if app.editing_filter {
+        match key {
+            Key::Enter | Key::Esc => app.editing_filter = false,
+            Key::Backspace => keeping_selection(app, |a| {
+                a.filter.pop();
+            }),
+            Key::Char(c) => keeping_selection(app, |a| a.filter.push(c)),
+            Key::Up => move_by(app, -1),
+            Key::Down => move_by(app, 1),
+            _ => {}
+        }
+        return Vec::new();
+    }
+    if app.view == View::Help {
+        match key {
+            Key::Char('?') | Key::Char('q') | Key::Esc | Key::Enter => app.view = View::Grid,
+            _ => {}
+        }
+        return Vec::new();
+    }
+    let detail = app.view == View::Detail;
+    let before = app.selected;
+    let actions = on_command(app, key, detail);
+    if app.selected != before || app.view != View::Detail {
+        app.detail_scroll = 0;
+    }
+    actions
+}
+
+fn on_command(app: &mut App, key: Key, detail: bool) -> Vec<Action> {
+    match key {
+        Key::Char('q') | Key::Esc if detail => app.view = View::Grid,
+        Key::Enter | Key::Tab if detail => app.view = View::Grid,
+        Key::Char('q') | Key::Esc => return vec![Action::Quit],
+        Key::Enter | Key::Tab if app.selected_row().is_some() => app.view = View::Detail,
+        Key::Char('?') => app.view = View::Help,
+        Key::Up | Key::Char('k') => move_by(app, -1),
+        Key::Down | Key::Char('j') => move_by(app, 1),
+        Key::PageUp if detail => app.detail_scroll = app.detail_scroll.saturating_sub(PAGE as u16),
+        Key::PageDown if detail => {
+            app.detail_scroll = (app.detail_scroll + PAGE as u16).min(MAX_SCROLL)
+        }
+        Key::PageUp => move_by(app, -(PAGE as isize)),
+        Key::PageDown => move_by(app, PAGE as isize),
+        Key::Home | Key::Char('g') => move_by(app, isize::MIN / 2),
+        Key::End | Key::Char('G') => move_by(app, isize::MAX / 2),
+        Key::Left | Key::Char('h') if detail => move_by(app, -1),
+        Key::Right | Key::Char('l') if detail => move_by(app, 1),
+        Key::Left | Key::Char('h') => keeping_selection(app, |a| a.sort = a.sort.prev()),
+        Key::Right | Key::Char('l') | Key::Char('s') => {
+            keeping_selection(app, |a| a.sort = a.sort.next())
+        }
+        Key::Char('S') => keeping_selection(app, |a| a.reverse = !a.reverse),
+        Key::Char('/') => app.editing_filter = true,
+        Key::Char('f') => keeping_selection(app, |a| a.fits_only = !a.fits_only),
+        Key::Char(' ') => {
+            app.paused = !app.paused;
+            return vec![Action::TogglePause];
+        }
+        Key::Char('r') => {
+            let Some(pos) = visible(app).get(app.selected).copied() else {
+                return Vec::new();
+            };
+            let row = &mut app.rows[pos];
+            if row.status == Status::Running {
+                app.message = Some(format!("#{} is running already", row.index));
+                return Vec::new();
+            }
+            // The old record stays on show (and in the recommendation)
+            // until the new one arrives.
+            row.status = Status::Queued;
+            let index = row.index;
+            app.message = Some(format!("#{index} queued to run again"));
+            return vec![Action::Rerun(index)];
+        }
+        Key::Char('e') => {
+            app.message = Some(format!("exporting to {} ...", app.export_dir.display()));
+            return vec![Action::Export(app.export_dir.clone())];
+        }
+        _ => {}
+    }
+    Vec::new()
+}
+
+/// Applies one event; returns what the front end must do.
+pub fn update(app: &mut App, ev: Event) -> Vec<Action> {
+    match ev {
+        Event::Key(k) => return on_key(app, k),
+        Event::Tick { elapsed_s } => app.elapsed_s = elapsed_s,
+        Event::TrialStarted { index } => keeping_selection(app, |a| {
+            if let Some(i) = a.row_of(index) {
+                a.rows[i].status = Status::Running;
+            }
+            a.running = Some(index);
+            a.samples.clear();
+            a.samples_of = Some(index);
+        }),
+        Event::Sample(s) => {
+            app.samples.push(s);
+            if app.samples.len() > MAX_SAMPLES {
+                let extra = app.samples.len() - MAX_SAMPLES;
+                app.samples.drain(..extra);
+            }
+        }
+        Event::TrialFinished { index, record } => keeping_selection(app, |a| {
+            if let Some(i) = a.row_of(index) {
+                a.rows[i].status = Status::from_record(&record);
+                a.rows[i].record = Some(record);
+            }
+            if a.running == Some(index) {
+                a.running = None;
+            }
+            a.recompute_recommendation();
+        }),
+        Event::SweepFinished => {
+            app.finished = true;
+            app.running = None;
+        }
+        Event::Exported(r) => {
+            app.message = Some(match r {
+                Ok(p) => format!("exported to {}", p.display()),
+                Err(e) => format!("export failed: {e}"),
+            })
+        }
+    }
+    Vec::new()
+}
+
+/// Fixed data for the TUI's tests.
+#[cfg(test)]
+pub(crate) mod testdata {
+    use super::*;
+    use crate::engine::{Attention, Checkpointing, Optimizer, Precision, Sharding};
+    use crate::sweep::report::{ExitInfo, Measured, Predicted};
+
+    pub const MIB: u64 = 1 << 20;
+
+    pub fn point(mb: usize, sharding: Sharding, optimizer: Optimizer) -> Point {
+        Point {
+            micro_batch: mb,
+            precision: Precision::Bf16,
+            checkpointing: Checkpointing::None,
+            attention: Attention::Fused,
+            optimizer,
+            sharding,
+            gpus: 1,
+            grad_accum: 16 / mb,
+        }
+    }
+
+    fn peaks(total: u64) -> PeakBytes {
+        PeakBytes {
+            total,
+            parameters: total / 4,
+            gradients: total / 4,
+            optimizer: total / 4,
+            activations: total / 8,
+            temporaries: total / 16,
+            communication: 0,
+            workspace: total / 32,
+        }
+    }
+
+    /// A record of `outcome`; `measured` is (engine peak, tokens/s) when it ran.
+    pub fn record(
+        p: Point,
+        outcome: Outcome,
+        predicted: u64,
+        measured: Option<(u64, f64)>,
+    ) -> TrialRecord {
+        let usable = (64 * MIB) as f64 * 0.95;
+        TrialRecord {
+            id: crate::sweep::driver::trial_id(&p),
+            point: p,
+            outcome,
+            fits: measured.is_some_and(|(b, _)| (b as f64) <= usable),
+            predicted: Some(Predicted {
+                peak_total_bytes: predicted,
+                peak_bytes: Some(peaks(predicted)),
+                step_s: 0.1,
+                tokens_per_s: 1000.0,
+            }),
+            measured: measured.map(|(b, t)| Measured {
+                peak_bytes: peaks(b),
+                device_peak_bytes: Some(b + 40 * MIB),
+                step_ms: vec![150.0, 101.0, 99.0],
+                step_s: 0.1,
+                tokens_per_s: t,
+                usd_per_mtok: 2.0 / 3600.0 / t * 1e6,
+                losses: vec![10.83, 10.5, 10.2],
+            }),
+            memory_error_pct: measured
+                .map(|(b, _)| (b as f64 - predicted as f64) / b as f64 * 100.0),
+            time_error_pct: measured.map(|_| 1.5),
+            exit: (outcome == Outcome::Crash).then(|| ExitInfo {
+                code: Some(101),
+                signal: None,
+                stderr_tail: "thread 'main' panicked at boom".into(),
+            }),
+            numerics_changes: p.numerics_changes().iter().map(|s| s.to_string()).collect(),
+            note: (outcome == Outcome::Oom).then(|| "out of memory: 80.00 MiB requested".into()),
+            elapsed_s: 3.0,
+        }
+    }
+
+    pub fn header(no_color: bool) -> Header {
+        Header {
+            model: "gpt2-tiny".into(),
+            hardware: "a100-80gb".into(),
+            device: "cpu:limit=64MiB".into(),
+            capacity: 64 * MIB,
+            usable: (64.0 * MIB as f64 * 0.95) as u64,
+            usd_per_gpu_hour: 2.0,
+            headroom: 0.05,
+            allow_numerics_change: true,
+            seq_len: 128,
+            global_batch: 16,
+            export_dir: PathBuf::from("/tmp/sweep-out"),
+            no_color,
+            sample_interval_ms: 100,
+        }
+    }
+
+    /// Six grid points, none run yet.
+    pub fn fresh(no_color: bool) -> App {
+        let pts = [
+            point(1, Sharding::None, Optimizer::Adamw),
+            point(2, Sharding::None, Optimizer::Adamw),
+            point(4, Sharding::None, Optimizer::Adamw),
+            point(2, Sharding::Zero2, Optimizer::Adamw8bit),
+            point(8, Sharding::None, Optimizer::Adamw),
+            point(1, Sharding::Zero2, Optimizer::Sgd),
+        ];
+        let pred = [20, 30, 80, 25, 150, 10];
+        let rows = pts
+            .iter()
+            .zip(pred)
+            .enumerate()
+            .map(|(i, (&p, m))| Row::new(i, p, Some(m * MIB), Some(1000.0), Status::Queued))
+            .collect();
+        App::new(header(no_color), rows)
+    }
+
+    /// The records the events below deliver, by grid index.
+    pub fn finished_records(app: &App) -> Vec<(usize, TrialRecord)> {
+        let p = |i: usize| app.rows[i].point;
+        vec![
+            (
+                0,
+                record(p(0), Outcome::Ran, 20 * MIB, Some((21 * MIB, 1000.0))),
+            ),
+            (
+                1,
+                record(p(1), Outcome::Ran, 30 * MIB, Some((32 * MIB, 1800.0))),
+            ),
+            (2, record(p(2), Outcome::Oom, 80 * MIB, None)),
+            (
+                4,
+                record(p(4), Outcome::SkippedPredictedOom, 150 * MIB, None),
+            ),
+            (5, record(p(5), Outcome::Crash, 10 * MIB, None)),
+        ]
+    }
+
+    /// Five trials settled, #3 running with a few samples.
+    pub fn running(no_color: bool) -> App {
+        let mut app = fresh(no_color);
+        for (index, record) in finished_records(&app) {
+            update(&mut app, Event::TrialStarted { index });
+            update(&mut app, Event::TrialFinished { index, record });
+        }
+        update(&mut app, Event::TrialStarted { index: 3 });
+        for k in 0..40 {
+            let t = k as f64 * 0.1;
+            update(
+                &mut app,
+                Event::Sample(Sample {
+                    t_s: t,
+                    tracked: (k.min(25) as u64) * MIB,
+                    rss: Some((30 + k.min(25) as u64) * MIB),
+                }),
+            );
+        }
+        update(&mut app, Event::Tick { elapsed_s: 83.0 });
+        app
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testdata::*;
+    use super::*;
+
+    fn key(app: &mut App, k: Key) -> Vec<Action> {
+        update(app, Event::Key(k))
+    }
+
+    fn ch(app: &mut App, c: char) -> Vec<Action> {
+        key(app, Key::Char(c))
+    }
+
+    fn sel(app: &App) -> usize {
+        app.selected_row().unwrap().index
+    }
+
+    #[test]
+    fn moves_and_clamps() {
+        let mut app = fresh(false);
+        key(&mut app, Key::Up);
+        assert_eq!(app.selected, 0);
+        ch(&mut app, 'j');
+        key(&mut app, Key::Down);
+        assert_eq!(sel(&app), 2);
+        ch(&mut app, 'k');
+        assert_eq!(sel(&app), 1);
+        key(&mut app, Key::End);
+        assert_eq!(sel(&app), 5);
+        key(&mut app, Key::PageDown);
+        assert_eq!(app.selected, 5);
+        key(&mut app, Key::PageUp);
+        assert_eq!(app.selected, 0);
+        ch(&mut app, 'G');
+        key(&mut app, Key::Home);
+        assert_eq!(app.selected, 0);
+    }
+
+    #[test]
+    fn sort_cycle_and_reverse_keep_the_selection() {
+        let mut app = running(false);
+        key(&mut app, Key::Home);
+        ch(&mut app, 'j'); // #1
+        assert_eq!(sel(&app), 1);
+        let mut seen = vec![];
+        for _ in 0..SortColumn::ALL.len() {
+            ch(&mut app, 's');
+            seen.push(app.sort);
+            assert_eq!(sel(&app), 1, "under {:?}", app.sort);
+        }
+        assert_eq!(app.sort, SortColumn::Index);
+        assert_eq!(seen[0], SortColumn::Knobs);
+        // Measured: #0 (21 MiB) before #1 (32 MiB); unmeasured last.
+        app.sort = SortColumn::Measured;
+        let order: Vec<usize> = visible(&app).iter().map(|&i| app.rows[i].index).collect();
+        assert_eq!(&order[..2], &[0, 1]);
+        ch(&mut app, 'S');
+        assert!(app.reverse);
+        let rev: Vec<usize> = visible(&app).iter().map(|&i| app.rows[i].index).collect();
+        assert_eq!(rev, order.iter().rev().copied().collect::<Vec<_>>());
+        assert_eq!(sel(&app), 1);
+        key(&mut app, Key::Left);
+        assert_eq!(app.sort, SortColumn::Predicted);
+        assert_eq!(sel(&app), 1);
+    }
+
+    #[test]
+    fn filter_editing() {
+        let mut app = fresh(false);
+        ch(&mut app, '/');
+        assert!(app.editing_filter);
+        for c in "zero2 adamw8bit".chars() {
+            assert!(ch(&mut app, c).is_empty(), "typed keys are no commands");
+        }
+        assert_eq!(app.filter, "zero2 adamw8bit");
+        assert_eq!(app.view, View::Grid);
+        let vis: Vec<usize> = visible(&app).iter().map(|&i| app.rows[i].index).collect();
+        assert_eq!(vis, vec![3]);
+        assert_eq!(sel(&app), 3);
+        for _ in 0.."adamw8bit".len() + 1 {
+            key(&mut app, Key::Backspace);
+        }
+        assert_eq!(app.filter, "zero2");
+        assert_eq!(visible(&app).len(), 2);
+        // Esc ends editing (and does not quit); the filter stays.
+        assert!(key(&mut app, Key::Esc).is_empty());
+        assert!(!app.editing_filter);
+        assert_eq!(app.filter, "zero2");
+        // Now keys are commands again.
+        assert_eq!(ch(&mut app, 'q'), vec![Action::Quit]);
+        // A filter matching nothing clamps the selection.
+        ch(&mut app, '/');
+        ch(&mut app, 'x');
+        key(&mut app, Key::Enter);
+        assert!(visible(&app).is_empty());
+        assert_eq!(app.selected, 0);
+        assert!(app.selected_row().is_none());
+        key(&mut app, Key::Enter); // no detail of nothing
+        assert_eq!(app.view, View::Grid);
+    }
+
+    #[test]
+    fn fits_only() {
+        let mut app = running(false);
+        ch(&mut app, 'f');
+        assert!(app.fits_only);
+        let vis: Vec<usize> = visible(&app).iter().map(|&i| app.rows[i].index).collect();
+        assert_eq!(vis, vec![0, 1]);
+        ch(&mut app, 'f');
+        assert_eq!(visible(&app).len(), 6);
+    }
+
+    #[test]
+    fn pause_rerun_export() {
+        let mut app = running(false);
+        assert_eq!(ch(&mut app, ' '), vec![Action::TogglePause]);
+        assert!(app.paused);
+        assert_eq!(ch(&mut app, ' '), vec![Action::TogglePause]);
+        assert!(!app.paused);
+
+        key(&mut app, Key::Home);
+        ch(&mut app, 'j');
+        ch(&mut app, 'j'); // #2, the OOM
+        assert_eq!(ch(&mut app, 'r'), vec![Action::Rerun(2)]);
+        assert_eq!(app.rows[2].status, Status::Queued);
+        // The running one is not queued again.
+        ch(&mut app, 'j');
+        assert_eq!(sel(&app), 3);
+        assert!(ch(&mut app, 'r').is_empty());
+        assert_eq!(app.rows[3].status, Status::Running);
+
+        assert_eq!(
+            ch(&mut app, 'e'),
+            vec![Action::Export(PathBuf::from("/tmp/sweep-out"))]
+        );
+        update(
+            &mut app,
+            Event::Exported(Ok(PathBuf::from("/tmp/sweep-out"))),
+        );
+        assert_eq!(app.message.as_deref(), Some("exported to /tmp/sweep-out"));
+        update(&mut app, Event::Exported(Err("disk full".into())));
+        assert_eq!(app.message.as_deref(), Some("export failed: disk full"));
+    }
+
+    #[test]
+    fn trial_flow_and_recommendation() {
+        let mut app = fresh(false);
+        assert_eq!(app.recommendation, None);
+        update(&mut app, Event::TrialStarted { index: 1 });
+        assert_eq!(app.rows[1].status, Status::Running);
+        assert_eq!(app.running, Some(1));
+        let s = Sample {
+            t_s: 0.5,
+            tracked: 5 * MIB,
+            rss: None,
+        };
+        update(&mut app, Event::Sample(s));
+        assert_eq!(app.samples, vec![s]);
+        for _ in 0..MAX_SAMPLES + 5 {
+            update(&mut app, Event::Sample(s));
+        }
+        assert_eq!(app.samples.len(), MAX_SAMPLES);
+        let recs = finished_records(&app);
+        let (_, r1) = recs[1].clone();
+        update(
+            &mut app,
+            Event::TrialFinished {
+                index: 1,
+                record: r1,
+            },
+        );
+        assert_eq!(app.rows[1].status, Status::Fit);
+        assert_eq!(app.running, None);
+        assert_eq!(app.samples_of, Some(1), "the last run's samples stay");
+        assert_eq!(app.recommendation, Some(1));
+        assert!(app.reasons[0].contains("lowest cost"));
+        assert_eq!(app.runner_up, None);
+
+        update(&mut app, Event::TrialStarted { index: 0 });
+        assert!(app.samples.is_empty());
+        let (_, r0) = recs[0].clone();
+        update(
+            &mut app,
+            Event::TrialFinished {
+                index: 0,
+                record: r0,
+            },
+        );
+        // #1 is faster, so cheaper; #0 is the runner-up.
+        assert_eq!(app.recommendation, Some(1));
+        assert_eq!(app.runner_up, Some(0));
+        for (index, record) in recs[2..].iter().cloned() {
+            update(&mut app, Event::TrialFinished { index, record });
+        }
+        assert_eq!(app.rows[2].status, Status::Oom);
+        assert_eq!(app.rows[4].status, Status::SkippedPredicted);
+        assert_eq!(app.rows[5].status, Status::Crash);
+        assert_eq!(app.progress(), (5, 6));
+        update(&mut app, Event::Tick { elapsed_s: 12.5 });
+        assert_eq!(app.elapsed_s, 12.5);
+        update(&mut app, Event::SweepFinished);
+        assert!(app.finished);
+    }
+
+    #[test]
+    fn over_headroom_is_over() {
+        let mut app = fresh(false);
+        let p = app.rows[2].point;
+        let r = record(p, Outcome::Ran, 60 * MIB, Some((63 * MIB, 900.0)));
+        assert!(!r.fits);
+        update(
+            &mut app,
+            Event::TrialFinished {
+                index: 2,
+                record: r,
+            },
+        );
+        assert_eq!(app.rows[2].status, Status::Over);
+        assert_eq!(app.recommendation, None);
+    }
+
+    #[test]
+    fn quit_keys_and_views() {
+        let mut app = fresh(false);
+        assert_eq!(key(&mut app, Key::CtrlC), vec![Action::Quit]);
+        assert_eq!(ch(&mut app, 'q'), vec![Action::Quit]);
+        assert_eq!(key(&mut app, Key::Esc), vec![Action::Quit]);
+        // Esc closes help first.
+        ch(&mut app, '?');
+        assert_eq!(app.view, View::Help);
+        assert!(key(&mut app, Key::Esc).is_empty());
+        assert_eq!(app.view, View::Grid);
+        ch(&mut app, '?');
+        assert!(ch(&mut app, '?').is_empty());
+        assert_eq!(app.view, View::Grid);
+        ch(&mut app, '?');
+        assert_eq!(key(&mut app, Key::CtrlC), vec![Action::Quit]);
+        key(&mut app, Key::Esc);
+        // Detail: Enter opens, Esc / Enter / q close.
+        for close in [Key::Esc, Key::Enter, Key::Char('q')] {
+            key(&mut app, Key::Enter);
+            assert_eq!(app.view, View::Detail);
+            assert!(key(&mut app, close).is_empty());
+            assert_eq!(app.view, View::Grid);
+        }
+        // In detail, left/right walk the rows.
+        key(&mut app, Key::Enter);
+        key(&mut app, Key::Right);
+        assert_eq!(sel(&app), 1);
+        assert_eq!(app.sort, SortColumn::Index);
+        // Filter editing: Esc ends it, the next Esc quits.
+        key(&mut app, Key::Esc);
+        ch(&mut app, '/');
+        assert!(key(&mut app, Key::Esc).is_empty());
+        assert_eq!(key(&mut app, Key::Esc), vec![Action::Quit]);
+    }
+
+    #[test]
+    fn detail_scrolls_and_resets() {
+        let mut app = running(false);
+        key(&mut app, Key::Enter);
+        key(&mut app, Key::PageDown);
+        assert_eq!(app.detail_scroll, PAGE as u16);
+        assert_eq!(app.selected, 0, "PageDown scrolls the detail, not the grid");
+        key(&mut app, Key::PageUp);
+        key(&mut app, Key::PageUp);
+        assert_eq!(app.detail_scroll, 0);
+        key(&mut app, Key::PageDown);
+        key(&mut app, Key::Down);
+        assert_eq!((app.selected, app.detail_scroll), (1, 0));
+        key(&mut app, Key::PageDown);
+        key(&mut app, Key::Esc);
+        assert_eq!(app.detail_scroll, 0);
+    }
+
+    #[test]
+    fn keymap_lists_every_command() {
+        let keys: String = KEYMAP.iter().map(|(k, _)| *k).collect::<Vec<_>>().join(" ");
+        for k in [
+            "q", "?", "j", "k", "Enter", "s", "S", "/", "f", "Space", "r", "e", "PgUp",
+        ] {
+            assert!(keys.contains(k), "{k} missing from KEYMAP");
+        }
+    }
+}

@@ -1,0 +1,317 @@
+//! The terminal side of `memfit tui`: raw mode and the alternate screen
+//! (restored on exit, on error and on panic), crossterm keys into
+//! [`Event`]s, the sweep on a background thread, and a ~10 fps render loop
+//! that never waits on the sweep.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crossterm::event::{self, KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
+use crossterm::execute;
+use crossterm::terminal::{
+    EnterAlternateScreen, LeaveAlternateScreen, disable_raw_mode, enable_raw_mode,
+};
+use ratatui::Terminal;
+use ratatui::backend::CrosstermBackend;
+
+use super::app::{Action, App, Event, Key, update};
+use super::render::render;
+use crate::backend::DeviceSpec;
+use crate::error::{Error, Result};
+use crate::sweep::driver::{Hooks, SweepEvent, SweepOptions, sweep};
+use crate::sweep::report::SweepReport;
+
+/// The grid `memfit tui` opens on without a recipe: the quickstart.
+pub const DEFAULT_RECIPE: &str = include_str!("../../recipes/quickstart.yaml");
+
+/// What `memfit tui` was asked to do.
+#[derive(Clone, Debug)]
+pub struct TuiOptions {
+    pub recipe: Option<PathBuf>,
+    pub device: Option<DeviceSpec>,
+    pub out: PathBuf,
+    /// How often the running trial reports its memory.
+    pub sample_ms: u64,
+    pub steps: usize,
+    pub timeout: Duration,
+    pub threads: Option<usize>,
+}
+
+/// Leaves raw mode and the alternate screen when dropped: on return, on `?`,
+/// and while unwinding from a panic.
+struct Restore;
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        restore();
+    }
+}
+
+fn restore() {
+    let _ = disable_raw_mode();
+    let _ = execute!(
+        std::io::stdout(),
+        LeaveAlternateScreen,
+        crossterm::cursor::Show
+    );
+}
+
+fn key_of(k: KeyEvent) -> Option<Key> {
+    if k.kind == KeyEventKind::Release {
+        return None;
+    }
+    if k.modifiers.contains(KeyModifiers::CONTROL) && k.code == KeyCode::Char('c') {
+        return Some(Key::CtrlC);
+    }
+    Some(match k.code {
+        KeyCode::Char(c) => Key::Char(c),
+        KeyCode::Up => Key::Up,
+        KeyCode::Down => Key::Down,
+        KeyCode::Left => Key::Left,
+        KeyCode::Right => Key::Right,
+        KeyCode::Enter => Key::Enter,
+        KeyCode::Esc => Key::Esc,
+        KeyCode::Backspace => Key::Backspace,
+        KeyCode::Tab => Key::Tab,
+        KeyCode::PageUp => Key::PageUp,
+        KeyCode::PageDown => Key::PageDown,
+        KeyCode::Home => Key::Home,
+        KeyCode::End => Key::End,
+        _ => return None,
+    })
+}
+
+/// The sweep thread's handle.
+struct Runner {
+    stop: Arc<AtomicBool>,
+    pause: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<Result<SweepReport>>>,
+}
+
+fn start_sweep(base: &SweepOptions, tx: &Sender<Event>, pause: Arc<AtomicBool>) -> Runner {
+    let stop = Arc::new(AtomicBool::new(false));
+    let tx = Mutex::new(tx.clone());
+    let hooks = Hooks {
+        on_event: Arc::new(move |e| {
+            let ev = match e {
+                SweepEvent::Planned(_) => return,
+                SweepEvent::TrialStarted { index } => Event::TrialStarted { index },
+                SweepEvent::Sample { t_s, tracked, rss } => {
+                    Event::Sample(super::app::Sample { t_s, tracked, rss })
+                }
+                SweepEvent::TrialFinished { index, record } => Event::TrialFinished {
+                    index,
+                    record: *record,
+                },
+                SweepEvent::Finished(_) => Event::SweepFinished,
+            };
+            let _ = tx.lock().unwrap_or_else(|e| e.into_inner()).send(ev);
+        }),
+        stop: stop.clone(),
+        pause: pause.clone(),
+        sample_ms: base.hooks.as_ref().map_or(100, |h| h.sample_ms),
+    };
+    let opts = SweepOptions {
+        hooks: Some(hooks),
+        ..base.clone()
+    };
+    let thread = std::thread::spawn(move || sweep(&opts));
+    Runner {
+        stop,
+        pause,
+        thread: Some(thread),
+    }
+}
+
+/// Runs the TUI until the user quits; returns the process exit code.
+pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
+    std::fs::create_dir_all(&opts.out).map_err(|source| Error::Write {
+        path: opts.out.clone(),
+        source,
+    })?;
+    let recipe = match &opts.recipe {
+        Some(r) => r.clone(),
+        None => {
+            let path = opts.out.join("default-recipe.yaml");
+            std::fs::write(&path, DEFAULT_RECIPE).map_err(|source| Error::Write {
+                path: path.clone(),
+                source,
+            })?;
+            path
+        }
+    };
+    let journal = opts.out.join("trials.jsonl");
+    let finished_before = std::fs::read_to_string(&journal)
+        .map(|s| s.lines().filter(|l| !l.trim().is_empty()).count())
+        .unwrap_or(0);
+    let mut base = SweepOptions {
+        recipe: recipe.clone(),
+        device: opts.device.clone(),
+        out: opts.out.clone(),
+        resume: true,
+        exhaustive: false,
+        steps: opts.steps,
+        timeout: opts.timeout,
+        threads: opts.threads,
+        fault: None,
+        progress: false,
+        hooks: None,
+        rerun: Vec::new(),
+    };
+    let mut app = super::new_app(&base, opts.sample_ms)?;
+    app.no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    // A journal from an earlier run: offer to resume before anything runs.
+    let mut asking = finished_before > 0;
+    if asking {
+        app.message = Some(format!(
+            "{} holds {finished_before} finished trials: y resumes them, n starts over",
+            journal.display()
+        ));
+    }
+
+    // From here on the terminal is ours: restore it however we leave.
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        restore();
+        previous(info);
+    }));
+    enable_raw_mode().map_err(|e| Error::Unavailable(format!("cannot use this terminal: {e}")))?;
+    let _restore = Restore;
+    execute!(std::io::stdout(), EnterAlternateScreen)
+        .map_err(|e| Error::Unavailable(format!("cannot use this terminal: {e}")))?;
+    let mut terminal = Terminal::new(CrosstermBackend::new(std::io::stdout()))
+        .map_err(|e| Error::Unavailable(format!("cannot use this terminal: {e}")))?;
+
+    let (tx, rx): (Sender<Event>, Receiver<Event>) = channel();
+    let pause = Arc::new(AtomicBool::new(false));
+    let mut runner: Option<Runner> = None;
+    if !asking {
+        runner = Some(start_sweep(&base, &tx, pause.clone()));
+    }
+    let start = Instant::now();
+    let frame = Duration::from_millis(100);
+    let mut last_report: Option<SweepReport> = None;
+    let mut queued_reruns: Vec<usize> = Vec::new();
+    let result = loop {
+        // Sweep events first, then at most one frame's wait for a key.
+        for ev in rx.try_iter() {
+            update(&mut app, ev);
+        }
+        if runner
+            .as_ref()
+            .is_some_and(|r| r.thread.as_ref().is_some_and(|t| t.is_finished()))
+        {
+            let mut r = runner.take().expect("checked");
+            match r.thread.take().expect("checked").join() {
+                Ok(Ok(report)) => last_report = Some(report),
+                Ok(Err(e)) => app.message = Some(format!("sweep failed: {e}")),
+                Err(_) => app.message = Some("the sweep thread panicked".into()),
+            }
+            if !queued_reruns.is_empty() {
+                base.rerun = std::mem::take(&mut queued_reruns);
+                runner = Some(start_sweep(&base, &tx, pause.clone()));
+            }
+        }
+        update(
+            &mut app,
+            Event::Tick {
+                elapsed_s: start.elapsed().as_secs_f64(),
+            },
+        );
+        if let Err(e) = terminal.draw(|f| render(&app, f)) {
+            break Err(Error::Unavailable(format!("cannot draw: {e}")));
+        }
+        let Ok(ready) = event::poll(frame) else {
+            break Err(Error::Unavailable("cannot read the terminal".into()));
+        };
+        if !ready {
+            continue;
+        }
+        let key = match event::read() {
+            Ok(crossterm::event::Event::Key(k)) => key_of(k),
+            Ok(_) => None,
+            Err(e) => break Err(Error::Unavailable(format!("cannot read the terminal: {e}"))),
+        };
+        let Some(key) = key else { continue };
+        if asking {
+            match key {
+                Key::Char('y') | Key::Char('n') => {
+                    if key == Key::Char('n') {
+                        let aside = opts.out.join(format!(
+                            "trials.{}.jsonl",
+                            std::time::SystemTime::now()
+                                .duration_since(std::time::UNIX_EPOCH)
+                                .map_or(0, |d| d.as_secs())
+                        ));
+                        let _ = std::fs::rename(&journal, &aside);
+                        app = super::new_app(&base, opts.sample_ms)?;
+                        app.no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+                        app.message = Some(format!("earlier trials moved to {}", aside.display()));
+                    } else {
+                        app.message = None;
+                    }
+                    asking = false;
+                    runner = Some(start_sweep(&base, &tx, pause.clone()));
+                    continue;
+                }
+                Key::Char('q') | Key::Esc | Key::CtrlC => break Ok(0),
+                _ => continue,
+            }
+        }
+        let mut quit = false;
+        for action in update(&mut app, Event::Key(key)) {
+            match action {
+                Action::Quit => quit = true,
+                Action::TogglePause => {
+                    pause.store(app.paused, Ordering::SeqCst);
+                }
+                Action::Rerun(index) => {
+                    if runner.is_some() {
+                        queued_reruns.push(index);
+                    } else {
+                        base.rerun = vec![index];
+                        runner = Some(start_sweep(&base, &tx, pause.clone()));
+                    }
+                }
+                Action::Export(dir) => {
+                    let res = export(&app, last_report.as_ref(), &dir);
+                    update(&mut app, Event::Exported(res));
+                }
+            }
+        }
+        if quit {
+            break Ok(0);
+        }
+    };
+    // Stop the sweep (it kills its running trial and keeps the journal).
+    if let Some(mut r) = runner.take() {
+        r.stop.store(true, Ordering::SeqCst);
+        r.pause.store(false, Ordering::SeqCst);
+        if let Some(t) = r.thread.take() {
+            let _ = t.join();
+        }
+    }
+    drop(terminal);
+    drop(_restore);
+    let _ = std::panic::take_hook();
+    result
+}
+
+/// Writes the sweep's reports into `dir`: the finished sweep's, or one built
+/// from what the screen shows so far.
+fn export(
+    app: &App,
+    finished: Option<&SweepReport>,
+    dir: &std::path::Path,
+) -> std::result::Result<PathBuf, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let report = match finished {
+        Some(r) => r.clone(),
+        None => super::report_from_app(app),
+    };
+    crate::sweep::driver::write_reports(&report, dir).map_err(|e| e.to_string())?;
+    Ok(dir.to_path_buf())
+}
