@@ -274,6 +274,7 @@ impl RunArgs {
             data: self.data.clone().or(r.data),
             threads: self.threads.or(r.threads),
             timeline: self.timeline.clone(),
+            phase_peaks: false,
         })
     }
 }

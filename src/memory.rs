@@ -177,6 +177,13 @@ pub fn process_live_bytes() -> u64 {
     PROCESS_LIVE.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// The highest live total within one phase (`forward:3`, `backward:3`, `optimizer`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct PhasePeak {
+    pub phase: String,
+    pub peak_bytes: u64,
+}
+
 /// One allocation or free.
 #[derive(Clone, Debug, Serialize)]
 pub struct Event {
@@ -366,11 +373,51 @@ impl Tracker {
     pub fn timeline(&self) -> &[Event] {
         &self.timeline
     }
+
+    /// The highest total live bytes within each phase, phases in the order
+    /// they first ran (a phase that repeats, over micro-batches or steps,
+    /// keeps its highest). Empty unless the timeline was recorded.
+    pub fn phase_peaks(&self) -> Vec<PhasePeak> {
+        let mut out: Vec<PhasePeak> = Vec::new();
+        for e in &self.timeline {
+            let phase = e.phase.to_string();
+            match out.iter_mut().find(|p| p.phase == phase) {
+                Some(p) => p.peak_bytes = p.peak_bytes.max(e.live_total),
+                None => out.push(PhasePeak {
+                    phase,
+                    peak_bytes: e.live_total,
+                }),
+            }
+        }
+        out
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn phase_peaks_keep_each_phase_highest_in_first_run_order() {
+        let mut t = Tracker::new(None);
+        t.set_phase(Phase::Forward(0));
+        t.alloc(Category::Activations, 100).unwrap();
+        t.set_phase(Phase::Backward(0));
+        t.alloc(Category::Temporaries, 50).unwrap();
+        t.free(Category::Temporaries, 50);
+        t.free(Category::Activations, 100);
+        // a second micro-batch peaks higher in forward:0
+        t.set_phase(Phase::Forward(0));
+        t.alloc(Category::Activations, 300).unwrap();
+        t.free(Category::Activations, 300);
+        let p = t.phase_peaks();
+        let got: Vec<(&str, u64)> = p.iter().map(|p| (p.phase.as_str(), p.peak_bytes)).collect();
+        assert_eq!(got, vec![("forward:0", 300), ("backward:0", 150)]);
+        let mut quiet = Tracker::new(None);
+        quiet.set_recording(false);
+        quiet.alloc(Category::Activations, 1).unwrap();
+        assert!(quiet.phase_peaks().is_empty());
+    }
 
     #[test]
     fn tracks_live_and_peak_per_category() {

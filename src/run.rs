@@ -33,6 +33,8 @@ pub struct RunOptions {
     pub threads: Option<usize>,
     /// Write the memory timeline (CSV) here.
     pub timeline: Option<PathBuf>,
+    /// Record the timeline to report each phase's peak (`phase_peaks`).
+    pub phase_peaks: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -124,6 +126,9 @@ pub struct RunReport {
     pub peak_breakdown: ByCategory,
     /// One entry per data-parallel rank; the top-level peaks are the maximum over them.
     pub ranks: Vec<RankRecord>,
+    /// Rank 0's highest live bytes per phase, when asked for.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub phase_peaks: Vec<crate::memory::PhasePeak>,
     /// Optimizer steps skipped because the gradient was not finite.
     pub skipped_steps: u64,
     /// fp16: the final dynamic loss scale; `null` for fp32 and bf16.
@@ -386,6 +391,7 @@ where
         peak_bytes: PeakBytes::default(),
         peak_breakdown: ByCategory::default(),
         ranks: Vec::new(),
+        phase_peaks: Vec::new(),
         skipped_steps: 0,
         loss_scale: None,
         error: None,
@@ -416,7 +422,9 @@ where
     };
     for e in &mut cluster.ranks {
         // The timeline grows with every step: keep it only when asked for.
-        e.dev.tracker.set_recording(opts.timeline.is_some());
+        e.dev
+            .tracker
+            .set_recording(opts.timeline.is_some() || opts.phase_peaks);
     }
     let steps = if meta { 1 } else { opts.steps };
     let mut data = data;
@@ -490,6 +498,9 @@ where
         .map(|e| e.dev.tracker.clone())
         .collect();
     fill_peaks(&mut report, &trackers, &wire);
+    if opts.phase_peaks {
+        report.phase_peaks = trackers[0].phase_peaks();
+    }
     if let Some(path) = &opts.timeline {
         write_timeline(path, timeline_file.take().expect("opened"), &trackers)?;
     }

@@ -626,6 +626,7 @@ impl Ctx<'_> {
             tokens_per_s,
             usd_per_mtok: usd,
             losses: o.losses.clone(),
+            phase_peaks: o.phase_peaks.clone(),
         });
     }
 }
@@ -651,7 +652,7 @@ fn tail(s: &str) -> String {
 enum Ended {
     Exited {
         code: Option<i32>,
-        out: Option<TrialOutput>,
+        out: Option<Box<TrialOutput>>,
         err: String,
     },
     Signalled {
@@ -752,7 +753,8 @@ fn run_child(
         .lines()
         .rev()
         .find(|l| l.trim_start().starts_with('{'))
-        .and_then(|l| serde_json::from_str::<TrialOutput>(l).ok());
+        .and_then(|l| serde_json::from_str::<TrialOutput>(l).ok())
+        .map(Box::new);
     Ok(Ended::Exited {
         code: status.code(),
         out: parsed,

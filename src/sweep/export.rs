@@ -419,6 +419,7 @@ mod tests {
                 tokens_per_s: 1000.0,
                 usd_per_mtok: 0.1,
                 losses: vec![5.0],
+                phase_peaks: Vec::new(),
             }),
             memory_error_pct: Some(0.0),
             time_error_pct: None,

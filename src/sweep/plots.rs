@@ -853,6 +853,7 @@ pub(crate) mod tests {
             tokens_per_s,
             usd_per_mtok: 2.5 / 3600.0 / tokens_per_s * 1e6,
             losses: vec![10.8, 10.7],
+            phase_peaks: Vec::new(),
         })
     }
 

@@ -57,6 +57,10 @@ pub struct Measured {
     /// GPUs x $/GPU-hour / tokens per second, per million tokens.
     pub usd_per_mtok: f64,
     pub losses: Vec<f32>,
+    /// The highest tracked live bytes in each phase of a step (rank 0):
+    /// `forward:embed`, `forward:i`, `backward:i`, `optimizer`, ...
+    #[serde(default)]
+    pub phase_peaks: Vec<crate::memory::PhasePeak>,
 }
 
 /// How a crashed trial ended.

@@ -57,6 +57,9 @@ pub struct TrialOutput {
     pub losses: Vec<f32>,
     pub tokens_per_s: Option<f64>,
     pub tokens_per_step: usize,
+    /// The highest live bytes in each phase (forward:i, backward:i, optimizer).
+    #[serde(default)]
+    pub phase_peaks: Vec<crate::memory::PhasePeak>,
 }
 
 /// Runs the trial in this process and returns what to print, or the error
@@ -113,6 +116,7 @@ pub fn run_trial(spec: &TrialSpec) -> Result<TrialOutput> {
         data: None,
         threads: spec.threads,
         timeline: None,
+        phase_peaks: true,
     };
     let (report, failure) = run(&opts)?;
     Ok(TrialOutput {
@@ -123,6 +127,7 @@ pub fn run_trial(spec: &TrialSpec) -> Result<TrialOutput> {
         losses: report.steps.iter().map(|s| s.loss).collect(),
         tokens_per_s: report.tokens_per_s,
         tokens_per_step: report.tokens_per_step,
+        phase_peaks: report.phase_peaks,
     })
 }
 

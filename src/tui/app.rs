@@ -878,6 +878,7 @@ pub(crate) mod testdata {
                 tokens_per_s: t,
                 usd_per_mtok: 2.0 / 3600.0 / t * 1e6,
                 losses: vec![10.83, 10.5, 10.2],
+                phase_peaks: Vec::new(),
             }),
             memory_error_pct: measured
                 .map(|(b, _)| (b as f64 - predicted as f64) / b as f64 * 100.0),

@@ -777,10 +777,37 @@ fn detail_lines(app: &App, r: &Row) -> Vec<Line<'static>> {
             ),
         ));
     }
-    v.push(kv(
-        "timeline",
-        "per-phase memory is not in the sweep's records: the by-category peaks are shown; `memfit run --timeline FILE` writes the timeline CSV".into(),
-    ));
+    let phases = rec
+        .and_then(|r| r.measured.as_ref())
+        .map(|m| m.phase_peaks.as_slice())
+        .unwrap_or_default();
+    if phases.is_empty() {
+        v.push(kv(
+            "timeline",
+            "no per-phase peaks (not run); `memfit run --timeline FILE` writes the full timeline CSV".into(),
+        ));
+    } else {
+        v.push(Line::from(Span::styled(
+            "memory by phase (highest live bytes, rank 0)",
+            bold(),
+        )));
+        let top = phases
+            .iter()
+            .map(|p| p.peak_bytes)
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        for ph in phases {
+            let bar = (ph.peak_bytes as f64 / top as f64 * 20.0).round() as usize;
+            v.push(Line::from(format!(
+                "  {:<16} {:>11} {:>5.1}% {}",
+                ph.phase,
+                fmt_bytes(ph.peak_bytes),
+                pct(ph.peak_bytes as f64, app.capacity),
+                "█".repeat(bar)
+            )));
+        }
+    }
     v
 }
 
@@ -1029,7 +1056,6 @@ mod tests {
             "peak 20.00 MiB (31.2% of capacity)",
             "peak 21.00 MiB (32.8% of capacity) · RSS 61.00 MiB",
             "memory +4.8% · time +1.5%",
-            "memfit run --timeline",
             "by category (measured)",
             "150.0    10.8300  warm-up",
             "99.0    10.2000",
