@@ -87,7 +87,9 @@ fn bisection_recommends_what_the_exhaustive_sweep_does() {
     assert_eq!(full.trials_run, 20);
     assert_eq!(count(&full, Outcome::Oom), 12);
     assert_eq!(full.trials.iter().filter(|t| t.fits).count(), 8);
-    assert!(smart.trials_run < full.trials_run);
+    // Every fitting point runs (for its speed), none of the predicted OOMs.
+    assert_eq!(smart.trials_run, 8);
+    assert_eq!(smart.trials.iter().filter(|t| t.fits).count(), 8);
     assert_eq!(count(&smart, Outcome::SkippedPredictedOom), 12);
     // meta == cpu: every measured peak is the prediction, to the byte.
     for t in full.trials.iter().filter(|t| t.outcome == Outcome::Ran) {
@@ -98,12 +100,40 @@ fn bisection_recommends_what_the_exhaustive_sweep_does() {
             "RSS includes the tracked bytes"
         );
     }
+    // Memory is deterministic: both sweeps classify every point they ran alike.
+    for t in smart.trials.iter().filter(|t| t.measured.is_some()) {
+        let f = full.trials.iter().find(|f| f.id == t.id).unwrap();
+        assert_eq!(
+            (t.fits, t.measured.as_ref().unwrap().peak_bytes),
+            (f.fits, f.measured.as_ref().unwrap().peak_bytes),
+            "{}",
+            t.id
+        );
+    }
+    // Speed is measured, so two sweeps can rank near-equal points apart by
+    // timing noise. Given the same measurements (the exhaustive journal,
+    // resumed), the bisecting sweep recommends exactly what the exhaustive
+    // one does: it never drops a point that could be the cheapest.
     let pick = |r: &SweepReport| {
         r.trials[r.recommendation.as_ref().unwrap().trial]
             .id
             .clone()
     };
-    assert_eq!(pick(&smart), pick(&full));
+    let replay_dir = out_dir("replay");
+    std::fs::create_dir_all(&replay_dir).unwrap();
+    std::fs::copy(
+        full_dir.join("trials.jsonl"),
+        replay_dir.join("trials.jsonl"),
+    )
+    .unwrap();
+    let (o, replay) = sweep(&replay_dir, &["--resume"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(pick(&replay), pick(&full));
+    assert_eq!(
+        replay.trials_run, full.trials_run,
+        "every measured trial is kept"
+    );
+    eprintln!("recommended by both: {}", pick(&full));
 
     // The report files: JSON, Markdown, self-contained HTML with its charts, plots, exports.
     let html = std::fs::read_to_string(smart_dir.join("report.html")).unwrap();
@@ -241,4 +271,46 @@ fn resume_finishes_a_killed_sweep_without_rerunning_trials() {
     assert_eq!(unique.len(), after.len(), "no trial ran twice: {after:?}");
     assert_eq!(after.len(), 20);
     assert_eq!(r.trials_run, 20);
+}
+
+#[test]
+fn a_partial_journal_line_is_cut_and_another_sweeps_journal_is_refused() {
+    let _one = serial();
+    let dir = out_dir("partial");
+    let (o, _) = sweep(&dir, &[]);
+    assert!(o.status.success());
+    // Chop the last record in half, as a kill mid-write would.
+    let journal = dir.join("trials.jsonl");
+    let text = std::fs::read_to_string(&journal).unwrap();
+    let keep = text.trim_end().rfind('\n').unwrap() + 1;
+    let half = keep + (text.len() - keep) / 2;
+    std::fs::write(&journal, &text[..half]).unwrap();
+    for _ in 0..2 {
+        let (o, r) = sweep(&dir, &["--resume"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(r.trials_run, 8);
+    }
+    let ids = ids_in_journal(&dir);
+    let mut unique = ids.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), ids.len(), "{ids:?}");
+    assert_eq!(ids.len(), 8);
+
+    // Another capacity is another sweep: its trials are not reused.
+    let o = memfit(&[
+        "sweep",
+        recipe(),
+        "--out",
+        dir.to_str().unwrap(),
+        "--resume",
+        "--device",
+        "cpu:limit=64MiB",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("another sweep"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }

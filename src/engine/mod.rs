@@ -527,6 +527,8 @@ impl<B: Backend> Engine<B> {
     }
 
     fn zero_grads(&mut self) {
+        // optimizer.zero_grad(): once per step, priced with the optimizer phase.
+        self.dev.tracker.set_phase(Phase::Optimizer);
         let grads = match &mut self.dist {
             // The full gradients are allocated zeroed, unit by unit.
             Some(d) if d.sharding.shards_gradients() => &mut d.grad_shards,

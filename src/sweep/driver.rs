@@ -152,6 +152,20 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
     })?;
     let journal_path = opts.out.join("trials.jsonl");
     let done = read_journal(&journal_path, opts.resume)?;
+    check_identity(
+        &opts.out,
+        &SweepIdentity {
+            model: model.name.clone(),
+            hardware: hw.name.clone(),
+            device: trial_device.to_string(),
+            capacity_bytes: capacity,
+            headroom: recipe.headroom,
+            seq_len: recipe.seq_len,
+            global_batch: recipe.global_batch,
+            steps: opts.steps,
+        },
+        opts.resume,
+    )?;
     let journal = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -166,8 +180,8 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         None => {
             let stop = Arc::new(AtomicBool::new(false));
             let flag = stop.clone();
-            // A second handler cannot be installed (a second sweep in one
-            // process); the first one already sets the flag we share.
+            // Only one handler per process can be installed: a second sweep
+            // in the same process (library use) does not get Ctrl-C.
             let _ = ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst));
             stop
         }
@@ -195,6 +209,7 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
             hardware: hw.name.clone(),
             device: trial_device.to_string(),
             capacity_bytes: capacity,
+            runtime_overhead_bytes: overhead,
             headroom: recipe.headroom,
             usd_per_gpu_hour: planned.usd_per_gpu_hour,
             allow_numerics_change: recipe.allow_numerics_change,
@@ -262,6 +277,8 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         };
         let first_fits = fits(&first);
         records[valid[cand]] = Some(first);
+        // The boundary: every position below `boundary` fits.
+        let mut boundary = cand + 1;
         if !first_fits {
             // Bisect below it for the first micro-batch that does not fit:
             // `hi` is known not to fit; everything below `lo` fits.
@@ -278,6 +295,18 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
                 } else {
                     hi = mid;
                 }
+            }
+            boundary = hi;
+        }
+        // Below the boundary everything fits (memory is monotone in the
+        // micro-batch), but speed is not: measure each for its tokens/s, so
+        // the cheapest is found as an exhaustive sweep would find it.
+        for &i in &valid[..boundary] {
+            if records[i].is_none() {
+                let Some(r) = ctx.trial(i, &preds[i])? else {
+                    break 'groups;
+                };
+                records[i] = Some(r);
             }
         }
     }
@@ -302,11 +331,13 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
     };
     let smallest_misfit: HashMap<String, usize> = {
         let mut m = HashMap::new();
-        for r in records
-            .iter()
-            .flatten()
-            .filter(|r| !r.fits && r.measured.is_some() || r.outcome == Outcome::Oom)
-        {
+        for r in records.iter().flatten().filter(|r| {
+            !r.fits
+                && matches!(
+                    r.outcome,
+                    Outcome::Ran | Outcome::Oom | Outcome::Crash | Outcome::Timeout
+                )
+        }) {
             let e = m
                 .entry(trial_id(&group_key(&r.point)))
                 .or_insert(usize::MAX);
@@ -320,6 +351,11 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
             continue;
         }
         let p = &preds[i];
+        // Measured earlier (a re-run of a point the selection skips): keep it.
+        if let Some(r) = ctx.done.get(&trial_id(&p.point)) {
+            *slot = Some(r.clone());
+            continue;
+        }
         let key = trial_id(&group_key(&p.point));
         let mb = p.point.micro_batch;
         *slot = Some(if p.verdict == Verdict::DoesNotFit {
@@ -344,13 +380,13 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
                 ),
             )
         } else {
-            let m = smallest_misfit.get(&key).copied().unwrap_or(0);
-            ctx.unrun(
-                i,
-                p,
-                Outcome::SkippedByMonotonicity,
-                format!("micro-batch {m} does not fit, so a larger one does not"),
-            )
+            let note = match smallest_misfit.get(&key) {
+                Some(m) => {
+                    format!("micro-batch {m} did not fit or failed, so a larger one is not run")
+                }
+                None => "not reached".into(),
+            };
+            ctx.unrun(i, p, Outcome::SkippedByMonotonicity, note)
         });
     }
     ctx.bar.finish_and_clear();
@@ -395,20 +431,30 @@ fn read_journal(path: &Path, resume: bool) -> Result<HashMap<String, TrialRecord
         }
         return Ok(done);
     }
-    for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
-        let line = line.map_err(|source| Error::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+    drop(file);
+    let io = |source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let text = std::fs::read_to_string(path).map_err(io)?;
+    // A sweep killed mid-write leaves a partial last line: cut it off, so the
+    // next record starts on a line of its own (that trial runs again).
+    let complete = text.rfind('\n').map_or(0, |i| i + 1);
+    if complete < text.len() {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map_err(io)?;
+        f.set_len(complete as u64).map_err(io)?;
+    }
+    for (n, line) in text[..complete].lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
-        // A sweep killed mid-write leaves a partial last line: that trial reruns.
-        match serde_json::from_str::<TrialRecord>(&line) {
+        match serde_json::from_str::<TrialRecord>(line) {
             Ok(r) => {
                 done.insert(r.id.clone(), r);
             }
-            Err(e) if e.is_eof() => {}
             Err(e) => {
                 return Err(Error::Config {
                     location: format!("{}:{}:{}", path.display(), n + 1, e.column()),
@@ -418,6 +464,59 @@ fn read_journal(path: &Path, resume: bool) -> Result<HashMap<String, TrialRecord
         }
     }
     Ok(done)
+}
+
+/// What makes journaled trials comparable: a journal is resumed only by the
+/// same sweep (DIR/sweep.json holds this).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+struct SweepIdentity {
+    model: String,
+    hardware: String,
+    device: String,
+    capacity_bytes: u64,
+    headroom: f64,
+    seq_len: usize,
+    global_batch: usize,
+    steps: usize,
+}
+
+/// Writes DIR/sweep.json, or checks that a resumed journal belongs to this sweep.
+fn check_identity(dir: &Path, id: &SweepIdentity, resume: bool) -> Result<()> {
+    let path = dir.join("sweep.json");
+    if resume && let Ok(text) = std::fs::read_to_string(&path) {
+        let old: SweepIdentity = serde_json::from_str(&text).map_err(|e| Error::Config {
+            location: format!("{}:{}:{}", path.display(), e.line(), e.column()),
+            message: format!("not a sweep identity: {e}"),
+        })?;
+        if old != *id {
+            return Err(Error::invalid_arg(
+                "--out",
+                format!(
+                    "{} holds the trials of another sweep ({} seq {} on {}, capacity {}, headroom {}, {} steps); this one is {} seq {} on {}, capacity {}, headroom {}, {} steps: choose another --out",
+                    dir.display(),
+                    old.model,
+                    old.seq_len,
+                    old.device,
+                    old.capacity_bytes,
+                    old.headroom,
+                    old.steps,
+                    id.model,
+                    id.seq_len,
+                    id.device,
+                    id.capacity_bytes,
+                    id.headroom,
+                    id.steps
+                ),
+            ));
+        }
+        return Ok(());
+    }
+    std::fs::write(&path, serde_json::to_string_pretty(id).expect("serialises")).map_err(|source| {
+        Error::Write {
+            path: path.clone(),
+            source,
+        }
+    })
 }
 
 impl Ctx<'_> {
@@ -574,7 +673,9 @@ impl Ctx<'_> {
             path: self.opts.out.join("trials.jsonl"),
             source,
         };
-        writeln!(self.journal, "{line}").map_err(io)?;
+        self.journal
+            .write_all(format!("{line}\n").as_bytes())
+            .map_err(io)?;
         self.journal.sync_data().map_err(io)?;
         self.bar.inc(1);
         self.emit(SweepEvent::TrialFinished {
@@ -642,11 +743,11 @@ fn process_rss(pid: u32) -> Option<u64> {
 fn tail(s: &str) -> String {
     let lines: Vec<&str> = s.lines().collect();
     let t = lines[lines.len().saturating_sub(20)..].join("\n");
-    if t.len() > 4000 {
-        t[t.len() - 4000..].to_string()
-    } else {
-        t
+    let mut cut = t.len().saturating_sub(4000);
+    while !t.is_char_boundary(cut) {
+        cut += 1;
     }
+    t[cut..].to_string()
 }
 
 enum Ended {
@@ -677,8 +778,12 @@ fn run_child(
         ))
     })?;
     let json = serde_json::to_string(spec).expect("spec serialises");
+    use std::os::unix::process::CommandExt;
     let mut child = Command::new(exe)
         .args(["trial", "--spec", &json])
+        // Its own process group: the terminal's Ctrl-C reaches the sweep,
+        // which kills the trial and does not mistake it for a crash.
+        .process_group(0)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -768,9 +873,9 @@ pub fn recommend(report: &mut SweepReport) {
     let usable = report.usable_bytes() as i64;
     let margin = |r: &TrialRecord| {
         usable
-            - r.measured
-                .as_ref()
-                .map_or(i64::MAX / 2, |m| m.peak_bytes.total as i64)
+            - r.measured.as_ref().map_or(i64::MAX / 2, |m| {
+                (m.peak_bytes.total + report.runtime_overhead_bytes) as i64
+            })
     };
     let allowed = |r: &TrialRecord| report.allow_numerics_change || r.numerics_changes.is_empty();
     let cost = |r: &TrialRecord| {
@@ -823,7 +928,7 @@ pub fn recommend(report: &mut SweepReport) {
         )];
         reasons.push(format!(
             "peak {} of {} usable ({} to spare; {} capacity, {:.0}% headroom)",
-            crate::units::fmt_bytes(m.peak_bytes.total),
+            crate::units::fmt_bytes(m.peak_bytes.total + report.runtime_overhead_bytes),
             crate::units::fmt_bytes(report.usable_bytes()),
             crate::units::fmt_bytes(margin(r).max(0) as u64),
             crate::units::fmt_bytes(report.capacity_bytes),

@@ -439,6 +439,7 @@ mod tests {
             hardware: "t4".into(),
             device: "cpu:limit=64MiB".into(),
             capacity_bytes: 64 << 20,
+            runtime_overhead_bytes: 0,
             headroom: 0.05,
             usd_per_gpu_hour: 0.35,
             allow_numerics_change: false,

@@ -957,6 +957,7 @@ pub(crate) mod tests {
             hardware: "cpu-test".into(),
             device: "cpu:limit=64MiB".into(),
             capacity_bytes: 64 * MIB,
+            runtime_overhead_bytes: 0,
             headroom: 0.05,
             usd_per_gpu_hour: 2.5,
             allow_numerics_change: true,

@@ -114,6 +114,10 @@ pub struct SweepReport {
     /// The device the trials ran on, e.g. `cpu:limit=64MiB`.
     pub device: String,
     pub capacity_bytes: u64,
+    /// Added to each trial's tracked peak when judging fit: the GPU's runtime
+    /// overhead when the capacity is the GPU's, 0 under a device limit.
+    #[serde(default)]
+    pub runtime_overhead_bytes: u64,
     pub headroom: f64,
     pub usd_per_gpu_hour: f64,
     pub allow_numerics_change: bool,

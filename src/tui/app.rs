@@ -465,6 +465,7 @@ impl App {
             hardware: self.hardware.clone(),
             device: self.device.clone(),
             capacity_bytes: self.capacity,
+            runtime_overhead_bytes: self.rows.first().map_or(0, |r| r.overhead_bytes),
             headroom: self.headroom,
             usd_per_gpu_hour: self.usd_per_gpu_hour,
             allow_numerics_change: self.allow_numerics_change,

@@ -63,6 +63,7 @@ pub fn report_from_app(app: &App) -> SweepReport {
         hardware: app.hardware.clone(),
         device: app.device.clone(),
         capacity_bytes: app.capacity,
+        runtime_overhead_bytes: app.rows.first().map_or(0, |r| r.overhead_bytes),
         headroom: app.headroom,
         usd_per_gpu_hour: app.usd_per_gpu_hour,
         allow_numerics_change: app.allow_numerics_change,

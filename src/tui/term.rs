@@ -91,7 +91,12 @@ struct Runner {
     thread: Option<std::thread::JoinHandle<Result<SweepReport>>>,
 }
 
-fn start_sweep(base: &SweepOptions, tx: &Sender<Event>, pause: Arc<AtomicBool>) -> Runner {
+fn start_sweep(
+    base: &SweepOptions,
+    tx: &Sender<Event>,
+    pause: Arc<AtomicBool>,
+    sample_ms: u64,
+) -> Runner {
     let stop = Arc::new(AtomicBool::new(false));
     let tx = Mutex::new(tx.clone());
     let hooks = Hooks {
@@ -112,7 +117,7 @@ fn start_sweep(base: &SweepOptions, tx: &Sender<Event>, pause: Arc<AtomicBool>) 
         }),
         stop: stop.clone(),
         pause: pause.clone(),
-        sample_ms: base.hooks.as_ref().map_or(100, |h| h.sample_ms),
+        sample_ms,
     };
     let opts = SweepOptions {
         hooks: Some(hooks),
@@ -174,8 +179,13 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
 
     // From here on the terminal is ours: restore it however we leave.
     let previous = std::panic::take_hook();
+    let main_thread = std::thread::current().id();
     std::panic::set_hook(Box::new(move |info| {
-        restore();
+        // Only the drawing thread owns the terminal; a panic on the sweep
+        // thread is reported on screen by the loop instead.
+        if std::thread::current().id() == main_thread {
+            restore();
+        }
         previous(info);
     }));
     enable_raw_mode().map_err(|e| Error::Unavailable(format!("cannot use this terminal: {e}")))?;
@@ -189,7 +199,7 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
     let pause = Arc::new(AtomicBool::new(false));
     let mut runner: Option<Runner> = None;
     if !asking {
-        runner = Some(start_sweep(&base, &tx, pause.clone()));
+        runner = Some(start_sweep(&base, &tx, pause.clone(), opts.sample_ms));
     }
     let start = Instant::now();
     let frame = Duration::from_millis(100);
@@ -212,7 +222,7 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
             }
             if !queued_reruns.is_empty() {
                 base.rerun = std::mem::take(&mut queued_reruns);
-                runner = Some(start_sweep(&base, &tx, pause.clone()));
+                runner = Some(start_sweep(&base, &tx, pause.clone(), opts.sample_ms));
             }
         }
         update(
@@ -254,7 +264,7 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
                         app.message = None;
                     }
                     asking = false;
-                    runner = Some(start_sweep(&base, &tx, pause.clone()));
+                    runner = Some(start_sweep(&base, &tx, pause.clone(), opts.sample_ms));
                     continue;
                 }
                 Key::Char('q') | Key::Esc | Key::CtrlC => break Ok(0),
@@ -273,7 +283,7 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
                         queued_reruns.push(index);
                     } else {
                         base.rerun = vec![index];
-                        runner = Some(start_sweep(&base, &tx, pause.clone()));
+                        runner = Some(start_sweep(&base, &tx, pause.clone(), opts.sample_ms));
                     }
                 }
                 Action::Export(dir) => {
