@@ -7,6 +7,7 @@
 #![allow(clippy::too_many_arguments)]
 
 pub mod backend;
+pub mod balance;
 pub mod check;
 pub mod cli;
 pub mod comm;
