@@ -1,4 +1,4 @@
-//! Configuration: model profiles (and later hardware profiles and recipes).
+//! Configuration: model profiles, Hugging Face imports, hardware profiles and run recipes.
 
 pub mod hardware;
 pub mod hf;

@@ -1267,7 +1267,7 @@ fn free_block<B: Backend>(dev: &mut Device<B>, a: BlockActs<T<B>>) {
 }
 
 /// Initial weights on the host: one seeded stream per tensor, so the result does
-/// not depend on thread scheduling, and a later sharded run can initialise any
+/// not depend on thread scheduling, and a sharded run can initialise any
 /// tensor on its own.
 pub fn init_weights(specs: &[ParamSpec], seed: u64) -> Vec<Vec<f32>> {
     use rayon::prelude::*;
