@@ -920,10 +920,15 @@ pub fn recommend(report: &mut SweepReport) {
         let r = &report.trials[i];
         let m = r.measured.as_ref().expect("fitting trials ran");
         let mut reasons = vec![format!(
-            "lowest cost among {} fitting trials: ${} per million tokens at {:.0} tokens/s measured on {} GPU(s)",
+            "lowest cost among {} fitting trials: ${} per million tokens at {:.0} tokens/s {} on {} GPU(s)",
             fit.len(),
             crate::plan::usd(m.usd_per_mtok),
             m.tokens_per_s,
+            if report.device.starts_with("meta") {
+                "predicted (meta trials compute nothing)"
+            } else {
+                "measured"
+            },
             r.point.gpus
         )];
         reasons.push(format!(
