@@ -260,7 +260,7 @@ pub fn validate_sharding(t: &TrainConfig) -> Result<()> {
             "--sharding",
             format!(
                 "{} shards state over ranks, so it needs --ranks 2 or more",
-                knob(t.sharding)
+                crate::plan::name(t.sharding)
             ),
         ));
     }
@@ -275,7 +275,7 @@ pub fn validate_sharding(t: &TrainConfig) -> Result<()> {
             "--optimizer",
             format!(
                 "adafactor factors each matrix's second moment over whole rows and columns, which {}'s flat shards split; use ddp, or an elementwise optimizer (adamw, adamw8bit, sgd)",
-                knob(t.sharding)
+                crate::plan::name(t.sharding)
             ),
         ));
     }
@@ -509,10 +509,7 @@ where
 
 /// `MemAvailable` from /proc/meminfo, where there is one.
 fn host_available_memory() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    crate::units::proc_bytes("/proc/meminfo", "MemAvailable")
 }
 
 /// Per-rank peaks and traffic; the top level is the maximum over ranks (the
@@ -572,12 +569,6 @@ pub fn write_timeline(
     w.flush().map_err(io)
 }
 
-/// A knob's value as its flag spells it.
-fn knob(v: impl clap::ValueEnum) -> String {
-    v.to_possible_value()
-        .map_or_else(String::new, |p| p.get_name().to_string())
-}
-
 /// The human-readable report.
 pub fn render_table(r: &RunReport) -> String {
     use std::fmt::Write as _;
@@ -592,10 +583,10 @@ pub fn render_table(r: &RunReport) -> String {
         c.train.micro_batch,
         c.train.seq_len,
         c.train.grad_accum,
-        knob(c.train.precision),
-        knob(c.train.optimizer),
-        knob(c.train.checkpointing),
-        knob(c.train.attention),
+        crate::plan::name(c.train.precision),
+        crate::plan::name(c.train.optimizer),
+        crate::plan::name(c.train.checkpointing),
+        crate::plan::name(c.train.attention),
         c.threads
             .map_or(String::new(), |t| format!(", {t} threads")),
     );
@@ -647,7 +638,7 @@ pub fn render_table(r: &RunReport) -> String {
         if n > 1 {
             format!(
                 " per rank, highest of {n} ranks ({})",
-                knob(c.train.sharding)
+                crate::plan::name(c.train.sharding)
             )
         } else {
             String::new()

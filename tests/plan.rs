@@ -10,7 +10,7 @@ use memfit::config::hardware::load_hardware;
 use memfit::config::profile::load_model;
 use memfit::data::DataSource;
 use memfit::engine::cluster::Cluster;
-use memfit::engine::{Comm, Optimizer, Precision, Sharding, TrainConfig};
+use memfit::engine::{Comm, Optimizer, Precision, Sharding};
 use memfit::plan::{Grid, PlanRecipe, Point, Verdict, closed_form, plan};
 
 fn memfit(args: &[&str]) -> Output {
@@ -61,18 +61,7 @@ fn predictions_equal_cpu_measured_peaks() {
                 continue;
             }
             let pt = pred.point;
-            let tc = TrainConfig {
-                seq_len: 32,
-                micro_batch: pt.micro_batch,
-                grad_accum: pt.grad_accum,
-                precision: pt.precision,
-                checkpointing: pt.checkpointing,
-                attention: pt.attention,
-                optimizer: pt.optimizer,
-                ranks: pt.gpus,
-                sharding: pt.sharding,
-                ..TrainConfig::default()
-            };
+            let tc = pt.train_config(32);
             let distributed = pt.gpus > 1 || pt.sharding != Sharding::None;
             let backends = (0..pt.gpus).map(|_| CpuBackend::new(1).unwrap()).collect();
             let comms = cpu_group(pt.gpus)

@@ -174,6 +174,23 @@ impl Point {
         v
     }
 
+    /// The engine's knobs for this point at `seq_len` (an invalid point's
+    /// accumulation of 0 becomes 1, so that it can still be checked).
+    pub fn train_config(&self, seq_len: usize) -> TrainConfig {
+        TrainConfig {
+            seq_len,
+            micro_batch: self.micro_batch,
+            grad_accum: self.grad_accum.max(1),
+            optimizer: self.optimizer,
+            precision: self.precision,
+            checkpointing: self.checkpointing,
+            attention: self.attention,
+            ranks: self.gpus,
+            sharding: self.sharding,
+            ..TrainConfig::default()
+        }
+    }
+
     pub fn label(&self) -> String {
         format!(
             "mb{} x{} {} {} {} ckpt:{} {} {}",
@@ -501,26 +518,11 @@ fn invalid_reason(r: &PlanRecipe, p: &Point) -> Option<String> {
             p.gpus
         ));
     }
-    let tc = train_config(r, p);
+    let tc = p.train_config(r.seq_len);
     crate::run::validate_sharding(&tc).err().map(|e| match e {
         Error::InvalidArg { message, .. } => message,
         other => other.to_string(),
     })
-}
-
-fn train_config(r: &PlanRecipe, p: &Point) -> TrainConfig {
-    TrainConfig {
-        seq_len: r.seq_len,
-        micro_batch: p.micro_batch,
-        grad_accum: p.grad_accum.max(1),
-        optimizer: p.optimizer,
-        precision: p.precision,
-        checkpointing: p.checkpointing,
-        attention: p.attention,
-        ranks: p.gpus,
-        sharding: p.sharding,
-        ..TrainConfig::default()
-    }
 }
 
 /// The closed form for a point: `w + g + k` bytes per parameter, divided
@@ -669,7 +671,7 @@ pub fn predict(
         out.verdict = Verdict::Invalid { reason };
         return out;
     }
-    let tc = train_config(r, p);
+    let tc = p.train_config(r.seq_len);
     // Memory and the per-micro-batch costs do not depend on grad_accum: run
     // one micro-batch and scale (the optimizer phase runs once per step).
     let one = TrainConfig {

@@ -734,10 +734,7 @@ impl Ctx<'_> {
 
 /// A process's current resident set (`VmRSS`), if it is still there.
 fn process_rss(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    crate::units::proc_bytes(&format!("/proc/{pid}/status"), "VmRSS")
 }
 
 fn tail(s: &str) -> String {

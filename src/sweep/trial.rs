@@ -95,21 +95,11 @@ pub fn run_trial(spec: &TrialSpec) -> Result<TrialOutput> {
         .device
         .parse()
         .map_err(|m: String| Error::invalid_arg("--device", m))?;
-    let p = &spec.point;
     let opts = RunOptions {
         model: spec.model.clone(),
         train: TrainConfig {
-            seq_len: spec.seq_len,
-            micro_batch: p.micro_batch,
-            grad_accum: p.grad_accum,
-            optimizer: p.optimizer,
-            precision: p.precision,
-            checkpointing: p.checkpointing,
-            attention: p.attention,
-            ranks: p.gpus,
-            sharding: p.sharding,
             seed: spec.seed,
-            ..TrainConfig::default()
+            ..spec.point.train_config(spec.seq_len)
         },
         steps: spec.steps,
         device,
@@ -133,8 +123,5 @@ pub fn run_trial(spec: &TrialSpec) -> Result<TrialOutput> {
 
 /// The process's resident-set high-water mark (`VmHWM` in /proc/self/status).
 pub fn rss_high_water_mark() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    crate::units::proc_bytes("/proc/self/status", "VmHWM")
 }
