@@ -452,11 +452,10 @@ impl App {
         (done, self.rows.len())
     }
 
-    /// Rebuilds the recommendation from the rows' records with the sweep's own rule.
-    pub fn recompute_recommendation(&mut self) {
-        let with: Vec<usize> = (0..self.rows.len())
-            .filter(|&i| self.rows[i].record.is_some())
-            .collect();
+    /// A sweep report of what the screen shows so far (for exports and the
+    /// recommendation), recommended with the sweep's own rule.
+    pub fn report(&self) -> SweepReport {
+        let trials: Vec<TrialRecord> = self.rows.iter().filter_map(|r| r.record.clone()).collect();
         let mut report = SweepReport {
             schema_version: SCHEMA_VERSION,
             memfit_version: env!("CARGO_PKG_VERSION").into(),
@@ -472,16 +471,26 @@ impl App {
             seq_len: self.seq_len,
             global_batch: self.global_batch,
             grid_size: self.rows.len(),
-            trials_run: 0,
-            trials: with
+            trials_run: trials
                 .iter()
-                .filter_map(|&i| self.rows[i].record.clone())
-                .collect(),
+                .filter(|t| t.measured.is_some() || t.exit.is_some())
+                .count(),
+            trials,
             recommendation: None,
             pareto: Vec::new(),
-            interrupted: false,
+            interrupted: !self.finished,
         };
         crate::sweep::driver::recommend(&mut report);
+        report
+    }
+
+    /// Rebuilds the recommendation from the rows' records with the sweep's own rule.
+    pub fn recompute_recommendation(&mut self) {
+        // `report` keeps the rows that have records, in row order.
+        let with: Vec<usize> = (0..self.rows.len())
+            .filter(|&i| self.rows[i].record.is_some())
+            .collect();
+        let report = self.report();
         let grid = |t: usize| self.rows[with[t]].index;
         self.pareto = report.pareto.iter().map(|&t| grid(t)).collect();
         match report.recommendation {

@@ -12,7 +12,6 @@ use crate::backend::{DeviceKind, DeviceSpec};
 use crate::error::Result;
 use crate::plan::{load_recipe, plan};
 use crate::sweep::driver::SweepOptions;
-use crate::sweep::report::{SCHEMA_VERSION, SweepReport};
 use app::{App, Header, Row};
 
 /// The screen before the first trial: the recipe planned, every row queued.
@@ -50,35 +49,4 @@ pub fn new_app(opts: &SweepOptions, sample_ms: u64) -> Result<App> {
         sample_interval_ms: sample_ms,
     };
     Ok(App::new(header, rows))
-}
-
-/// A report of what the screen shows so far (an export before the sweep ends).
-pub fn report_from_app(app: &App) -> SweepReport {
-    let trials: Vec<_> = app.rows.iter().filter_map(|r| r.record.clone()).collect();
-    let mut report = SweepReport {
-        schema_version: SCHEMA_VERSION,
-        memfit_version: env!("CARGO_PKG_VERSION").into(),
-        recipe: String::new(),
-        model: app.model.clone(),
-        hardware: app.hardware.clone(),
-        device: app.device.clone(),
-        capacity_bytes: app.capacity,
-        runtime_overhead_bytes: app.rows.first().map_or(0, |r| r.overhead_bytes),
-        headroom: app.headroom,
-        usd_per_gpu_hour: app.usd_per_gpu_hour,
-        allow_numerics_change: app.allow_numerics_change,
-        seq_len: app.seq_len,
-        global_batch: app.global_batch,
-        grid_size: app.rows.len(),
-        trials_run: trials
-            .iter()
-            .filter(|t| t.measured.is_some() || t.exit.is_some())
-            .count(),
-        trials,
-        recommendation: None,
-        pareto: Vec::new(),
-        interrupted: !app.finished,
-    };
-    crate::sweep::driver::recommend(&mut report);
-    report
 }

@@ -320,7 +320,7 @@ fn export(
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let report = match finished {
         Some(r) => r.clone(),
-        None => super::report_from_app(app),
+        None => app.report(),
     };
     crate::sweep::driver::write_reports(&report, dir).map_err(|e| e.to_string())?;
     Ok(dir.to_path_buf())
