@@ -6,8 +6,10 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::backend::DeviceSpec;
 use crate::config::recipe::{RunRecipe, load_run_recipe};
-use crate::engine::{Attention, Checkpointing, Optimizer, Precision, Sharding, TrainConfig};
-use crate::error::Result;
+use crate::engine::{
+    Attention, Checkpointing, Optimizer, Precision, Schedule, Sharding, TrainConfig,
+};
+use crate::error::{Error, Result};
 use crate::run::RunOptions;
 
 #[derive(Debug, Parser)]
@@ -219,6 +221,23 @@ pub struct RunArgs {
     /// gradient_as_bucket_view), so the buckets cost no extra memory.
     #[arg(long)]
     pub bucket_view: bool,
+    /// Pipeline stages: each a rank holding a contiguous run of blocks (the
+    /// embedding with the first, the head with the last); --ranks is then
+    /// stages x data-parallel replicas [default: 1; --ranks defaults to it].
+    #[arg(long)]
+    pub pipeline_stages: Option<usize>,
+    /// Micro-batches each step pushes through the pipeline (the same as
+    /// --grad-accum, which it sets).
+    #[arg(long)]
+    pub microbatches: Option<usize>,
+    /// gpipe (all forwards, then all backwards) or 1f1b (stage s holds at
+    /// most stages - s micro-batches) [default: 1f1b].
+    #[arg(long, value_enum)]
+    pub schedule: Option<Schedule>,
+    /// Blocks per stage as half-open ranges, e.g. 0:6,6:12 (what `memfit
+    /// balance` prints) [default: an even split, the first stages taking the rest].
+    #[arg(long)]
+    pub partition: Option<String>,
     /// cpu worker threads [default: all cores].
     #[arg(long)]
     pub threads: Option<usize>,
@@ -227,6 +246,60 @@ pub struct RunArgs {
     pub timeline: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
+}
+
+/// `--grad-accum` and `--microbatches` name one knob: either, or both when equal.
+fn microbatches(accum: Option<usize>, micro: Option<usize>) -> Result<Option<usize>> {
+    match (accum, micro) {
+        (Some(a), Some(m)) if a != m => Err(Error::invalid_arg(
+            "--microbatches",
+            format!(
+                "{m} differs from --grad-accum {a}; both count the micro-batches of one step, give one"
+            ),
+        )),
+        (a, m) => Ok(a.or(m)),
+    }
+}
+
+/// `--partition 0:6,6:12`: contiguous half-open block ranges from 0, as
+/// blocks per stage (`0:0`: a first stage with the embedding only). Whether
+/// they cover the model is checked against it later.
+pub fn parse_partition(text: &str) -> Result<Vec<usize>> {
+    let bad = |why: String| {
+        Error::invalid_arg(
+            "--partition",
+            format!("`{text}`: {why}; write stage ranges such as 0:6,6:12"),
+        )
+    };
+    let mut out = Vec::new();
+    let mut at = 0usize;
+    for part in text.split(',') {
+        let (a, b) = part
+            .trim()
+            .split_once(':')
+            .ok_or_else(|| bad(format!("`{part}` is not a range lo:hi")))?;
+        let num = |x: &str| {
+            x.trim()
+                .parse::<usize>()
+                .map_err(|_| bad(format!("`{x}` is not a layer index")))
+        };
+        let (a, b) = (num(a)?, num(b)?);
+        if a != at {
+            return Err(bad(format!(
+                "stage {} starts at {a}, but the one before ends at {at}",
+                out.len()
+            )));
+        }
+        if b < a {
+            return Err(bad(format!(
+                "stage {} ({a}:{b}) ends before it starts",
+                out.len()
+            )));
+        }
+        out.push(b - a);
+        at = b;
+    }
+    Ok(out)
 }
 
 impl RunArgs {
@@ -238,6 +311,10 @@ impl RunArgs {
         };
         let d = TrainConfig::default();
         let or = |flag: Option<f32>, key: Option<f32>| flag.or(key);
+        let stages = self
+            .pipeline_stages
+            .or(r.pipeline_stages)
+            .unwrap_or(d.pipeline_stages);
         Ok(RunOptions {
             model: self
                 .model
@@ -247,7 +324,11 @@ impl RunArgs {
             train: TrainConfig {
                 seq_len: self.seq_len.or(r.seq_len).unwrap_or(d.seq_len),
                 micro_batch: self.micro_batch.or(r.micro_batch).unwrap_or(d.micro_batch),
-                grad_accum: self.grad_accum.or(r.grad_accum).unwrap_or(d.grad_accum),
+                grad_accum: microbatches(
+                    self.grad_accum.or(r.grad_accum),
+                    self.microbatches.or(r.microbatches),
+                )?
+                .unwrap_or(d.grad_accum),
                 optimizer: self.optimizer.or(r.optimizer).unwrap_or(d.optimizer),
                 lr: or(self.lr, r.lr),
                 beta1: or(self.beta1, r.beta1),
@@ -261,9 +342,15 @@ impl RunArgs {
                     .unwrap_or(d.checkpointing),
                 attention: self.attention.or(r.attention).unwrap_or(d.attention),
                 precision: self.precision.or(r.precision).unwrap_or(d.precision),
-                ranks: self.ranks.or(r.ranks).unwrap_or(d.ranks),
+                ranks: self.ranks.or(r.ranks).unwrap_or(stages),
                 sharding: self.sharding.or(r.sharding).unwrap_or(d.sharding),
                 bucket_view: self.bucket_view || r.bucket_view.unwrap_or(d.bucket_view),
+                pipeline_stages: stages,
+                schedule: self.schedule.or(r.schedule).unwrap_or(d.schedule),
+                partition: match self.partition.as_ref().or(r.partition.as_ref()) {
+                    Some(text) => Some(parse_partition(text)?),
+                    None => None,
+                },
                 ..d
             },
             steps: self.steps.or(r.steps).unwrap_or(20),

@@ -9,14 +9,16 @@ use serde::Serialize;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu_comm::cpu_group;
+use crate::backend::cpu_comm::cpu_pipeline;
 use crate::backend::meta::MetaBackend;
 use crate::backend::{Backend, DeviceKind, DeviceSpec};
 use crate::comm::MetaComm;
+use crate::comm::MetaP2p;
 use crate::config::ModelConfig;
 use crate::config::profile::load_model;
 use crate::data::DataSource;
-use crate::engine::cluster::Cluster;
-use crate::engine::{Comm, CostCounter, Optimizer, Sharding, TrainConfig};
+use crate::engine::cluster::{Cluster, Links, links};
+use crate::engine::{Comm, CostCounter, Engine, Optimizer, Sharding, TrainConfig};
 use crate::error::{Error, Result};
 use crate::memory::{ByCategory, Category, OomError, PeakBytes, Tracker};
 use crate::units::fmt_bytes;
@@ -64,12 +66,29 @@ pub struct RunConfigRecord {
 #[derive(Clone, Debug, Serialize)]
 pub struct RankRecord {
     pub rank: usize,
+    /// Its pipeline stage, and the blocks `[lo, hi)` it holds (pipelines only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stage: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layers: Option<[usize; 2]>,
     pub peak_bytes: PeakBytes,
     pub peak_breakdown: ByCategory,
     /// Bytes this rank sent and received in collectives during the last step
     /// (ring algorithms; see `comm::wire_bytes`).
     pub sent_bytes_per_step: u64,
     pub received_bytes_per_step: u64,
+}
+
+/// One pipeline stage: its blocks, and its peaks (the highest of its replicas').
+#[derive(Clone, Debug, Serialize)]
+pub struct StageRecord {
+    pub stage: usize,
+    /// Blocks `[lo, hi)`; the first stage also holds the embedding, the last the head.
+    pub layers: [usize; 2],
+    /// Micro-batches whose activations the schedule lets it hold at once.
+    pub in_flight: usize,
+    pub peak_bytes: PeakBytes,
+    pub peak_breakdown: ByCategory,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -124,8 +143,11 @@ pub struct RunReport {
     pub peak_bytes: PeakBytes,
     /// The per-category split at the moment of the total peak.
     pub peak_breakdown: ByCategory,
-    /// One entry per data-parallel rank; the top-level peaks are the maximum over them.
+    /// One entry per rank; the top-level peaks are the maximum over them.
     pub ranks: Vec<RankRecord>,
+    /// Pipelines only: one entry per stage, the highest of its replicas.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<StageRecord>,
     /// Rank 0's highest live bytes per phase, when asked for.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub phase_peaks: Vec<crate::memory::PhasePeak>,
@@ -235,7 +257,54 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
     if opts.threads == Some(0) {
         return Err(Error::invalid_arg("--threads", "must be at least 1"));
     }
+    validate_pipeline(t, model)?;
     validate_sharding(t)
+}
+
+/// Checks `--pipeline-stages` and `--partition` against the model.
+pub fn validate_pipeline(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
+    let (stages, layers) = (t.pipeline_stages, model.n_layer);
+    if stages == 0 || stages > layers + 2 {
+        return Err(Error::invalid_arg(
+            "--pipeline-stages",
+            format!(
+                "{stages} is outside 1..={}: {} has {layers} blocks, an embedding and a head, and every stage holds at least one of them",
+                layers + 2,
+                model.name
+            ),
+        ));
+    }
+    if let Some(p) = &t.partition {
+        if p.len() != stages {
+            return Err(Error::invalid_arg(
+                "--partition",
+                format!("{} ranges for {stages} pipeline stages", p.len()),
+            ));
+        }
+        // Only the first stage (which holds the embedding) and the last
+        // (the head) may hold no block.
+        if let Some(s) =
+            (0..stages).find(|&s| p[s] == 0 && (stages == 1 || (s > 0 && s + 1 < stages)))
+        {
+            return Err(Error::invalid_arg(
+                "--partition",
+                format!(
+                    "stage {s} holds no block; only the first and the last stage, which hold the embedding and the head, may"
+                ),
+            ));
+        }
+        let sum: usize = p.iter().sum();
+        if sum != layers {
+            return Err(Error::invalid_arg(
+                "--partition",
+                format!(
+                    "the ranges end at block {sum}, but {} has {layers} blocks",
+                    model.name
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Checks `--ranks`, `--sharding` and `--bucket-view` together.
@@ -246,20 +315,41 @@ pub fn validate_sharding(t: &TrainConfig) -> Result<()> {
             format!("{} is outside 1..={MAX_RANKS}", t.ranks),
         ));
     }
-    if t.ranks > 1 && t.sharding == Sharding::None {
+    let stages = t.pipeline_stages;
+    if stages == 0 || !t.ranks.is_multiple_of(stages) {
         return Err(Error::invalid_arg(
-            "--sharding",
+            "--ranks",
             format!(
-                "{} ranks need a data-parallel scheme: ddp, zero1, zero2 or zero3",
+                "{} ranks cannot be split into {stages} pipeline stages; --ranks is stages x data-parallel replicas",
                 t.ranks
             ),
         ));
     }
-    if t.sharding.shards_optimizer() && t.ranks < 2 {
+    if t.data_ranks() > 1 && t.sharding == Sharding::None {
         return Err(Error::invalid_arg(
             "--sharding",
             format!(
-                "{} shards state over ranks, so it needs --ranks 2 or more",
+                "{} data-parallel replicas need a data-parallel scheme: ddp, zero1, zero2 or zero3",
+                t.data_ranks()
+            ),
+        ));
+    }
+    if stages > 1 && t.sharding.shards_gradients() {
+        // DeepSpeed's PipelineEngine refuses the same combination: gradient
+        // partitioning reduce-scatters every micro-batch's gradients.
+        return Err(Error::invalid_arg(
+            "--sharding",
+            format!(
+                "{} shards gradients, which pipeline parallelism does not combine with (as in DeepSpeed); use ddp or zero1 with --pipeline-stages",
+                crate::plan::name(t.sharding)
+            ),
+        ));
+    }
+    if t.sharding.shards_optimizer() && t.data_ranks() < 2 {
+        return Err(Error::invalid_arg(
+            "--sharding",
+            format!(
+                "{} shards state over data-parallel replicas, so it needs --ranks of 2 or more per pipeline stage",
                 crate::plan::name(t.sharding)
             ),
         ));
@@ -291,15 +381,20 @@ pub fn run(opts: &RunOptions) -> Result<(RunReport, Option<Error>)> {
     let model = load_model(&opts.model)?;
     validate(opts, &model)?;
     let n = opts.train.ranks;
-    // A single rank without sharding needs no communicator.
-    let distributed = n > 1 || opts.train.sharding != Sharding::None;
     match opts.device.kind {
         DeviceKind::Meta => {
             let backends = (0..n).map(|_| MetaBackend::emulating_cpu()).collect();
-            let comms = (0..n)
-                .map(|r| distributed.then(|| Box::new(MetaComm::new(r, n)) as Comm<MetaBackend>))
-                .collect();
-            run_on(opts, model, backends, comms, None)
+            let links = links(
+                &model,
+                &opts.train,
+                |w| {
+                    (0..w)
+                        .map(|r| Box::new(MetaComm::new(r, w)) as Comm<MetaBackend>)
+                        .collect()
+                },
+                |s| (0..s).map(|_| Box::new(MetaP2p) as _).collect(),
+            );
+            run_on(opts, model, backends, links, None)
         }
         DeviceKind::Cpu => {
             let threads = opts
@@ -326,10 +421,22 @@ pub fn run(opts: &RunOptions) -> Result<(RunReport, Option<Error>)> {
             let backends = (0..n)
                 .map(|_| CpuBackend::new(per_rank).map_err(Error::Unavailable))
                 .collect::<Result<Vec<_>>>()?;
-            let comms = cpu_group(n)
-                .into_iter()
-                .map(|c| distributed.then(|| Box::new(c) as Comm<CpuBackend>))
-                .collect();
+            let links = links(
+                &model,
+                &opts.train,
+                |w| {
+                    cpu_group(w)
+                        .into_iter()
+                        .map(|c| Box::new(c) as Comm<CpuBackend>)
+                        .collect()
+                },
+                |s| {
+                    cpu_pipeline(s)
+                        .into_iter()
+                        .map(|p| Box::new(p) as _)
+                        .collect()
+                },
+            );
             let mut opts = opts.clone();
             // Without a limit, each rank's capacity is its share of the host's
             // available memory, so a model too big for this machine is a typed
@@ -339,7 +446,7 @@ pub fn run(opts: &RunOptions) -> Result<(RunReport, Option<Error>)> {
                 (Some(l), Some(h)) => Some(l.min(h)),
                 (l, h) => l.or(h),
             };
-            run_on(&opts, model, backends, comms, Some(&mut data))
+            run_on(&opts, model, backends, links, Some(&mut data))
         }
         DeviceKind::Cuda => Err(Error::Unavailable(
             "the cuda backend is not part of this build yet; use --device cpu, or --device meta to predict memory".into(),
@@ -351,7 +458,7 @@ fn run_on<B>(
     opts: &RunOptions,
     model: ModelConfig,
     backends: Vec<B>,
-    comms: Vec<Option<Comm<B>>>,
+    links: Vec<Links<B>>,
     data: Option<&mut DataSource>,
 ) -> Result<(RunReport, Option<Error>)>
 where
@@ -385,12 +492,16 @@ where
         capacity_bytes: opts.device.limit,
         steps: Vec::new(),
         tokens_per_s: None,
-        tokens_per_step: opts.train.micro_batch * opts.train.seq_len * opts.train.grad_accum * n,
+        tokens_per_step: opts.train.micro_batch
+            * opts.train.seq_len
+            * opts.train.grad_accum
+            * opts.train.data_ranks(),
         flops_per_step: 0,
         bytes_moved_per_step: 0,
         peak_bytes: PeakBytes::default(),
         peak_breakdown: ByCategory::default(),
         ranks: Vec::new(),
+        stages: Vec::new(),
         phase_peaks: Vec::new(),
         skipped_steps: 0,
         loss_scale: None,
@@ -405,7 +516,7 @@ where
         None => None,
     };
     let capacity = report.capacity_bytes;
-    let mut cluster = match Cluster::new(&model, &opts.train, backends, comms, capacity) {
+    let mut cluster = match Cluster::with_links(&model, &opts.train, backends, links, capacity) {
         Ok(c) => c,
         Err((rank, oom)) => {
             // Nothing beyond the refused allocation was recorded; rebuild the tracker's view.
@@ -416,7 +527,7 @@ where
                     t.alloc(c, b).expect("no capacity");
                 }
             }
-            fill_peaks(&mut report, std::slice::from_ref(&t), &[(0, 0)]);
+            fill_peaks(&mut report, std::slice::from_ref(&t), &[(0, 0)], &[None]);
             return Ok((report, Some(Error::Oom(oom))));
         }
     };
@@ -497,7 +608,8 @@ where
         .iter()
         .map(|e| e.dev.tracker.clone())
         .collect();
-    fill_peaks(&mut report, &trackers, &wire);
+    let stages: Vec<_> = cluster.ranks.iter().map(Engine::stage).collect();
+    fill_peaks(&mut report, &trackers, &wire, &stages);
     if opts.phase_peaks {
         report.phase_peaks = trackers[0].phase_peaks();
     }
@@ -514,13 +626,21 @@ fn host_available_memory() -> Option<u64> {
 
 /// Per-rank peaks and traffic; the top level is the maximum over ranks (the
 /// breakdown is the fullest rank's).
-fn fill_peaks(report: &mut RunReport, trackers: &[Tracker], wire: &[(u64, u64)]) {
+fn fill_peaks(
+    report: &mut RunReport,
+    trackers: &[Tracker],
+    wire: &[(u64, u64)],
+    stages: &[Option<(usize, std::ops::Range<usize>)>],
+) {
     report.ranks = trackers
         .iter()
         .zip(wire)
+        .zip(stages)
         .enumerate()
-        .map(|(rank, (t, &(sent, received)))| RankRecord {
+        .map(|(rank, ((t, &(sent, received)), st))| RankRecord {
             rank,
+            stage: st.as_ref().map(|s| s.0),
+            layers: st.as_ref().map(|s| [s.1.start, s.1.end]),
             peak_bytes: t.peak_bytes(),
             peak_breakdown: t.at_peak(),
             sent_bytes_per_step: sent,
@@ -538,6 +658,26 @@ fn fill_peaks(report: &mut RunReport, trackers: &[Tracker], wire: &[(u64, u64)])
     if let Some(fullest) = report.ranks.iter().max_by_key(|r| r.peak_bytes.total) {
         report.peak_breakdown = fullest.peak_breakdown;
     }
+    let t = &report.config.train;
+    let mut per_stage: Vec<StageRecord> = Vec::new();
+    for r in &report.ranks {
+        let (Some(stage), Some(layers)) = (r.stage, r.layers) else {
+            continue;
+        };
+        if per_stage.len() <= stage {
+            per_stage.push(StageRecord {
+                stage,
+                layers,
+                in_flight: t.schedule.in_flight(stage, t.pipeline_stages, t.grad_accum),
+                peak_bytes: r.peak_bytes,
+                peak_breakdown: r.peak_breakdown,
+            });
+        } else if r.peak_bytes.total > per_stage[stage].peak_bytes.total {
+            per_stage[stage].peak_bytes = r.peak_bytes;
+            per_stage[stage].peak_breakdown = r.peak_breakdown;
+        }
+    }
+    report.stages = per_stage;
 }
 
 /// The timeline as CSV: one line per allocation or free, every rank's.

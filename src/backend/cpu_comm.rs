@@ -21,11 +21,14 @@
 //! [`Collective::abort`], or a rank's panic, waiting ranks wake up and every
 //! later wait returns at once, so the healthy ranks finish instead of hanging.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard};
+use std::time::Duration;
 
 use super::DType;
 use super::cpu::CpuBuf;
-use crate::comm::Collective;
+use crate::comm::{AbortHandle, Collective, Peer, PointToPoint};
 
 /// One rank's deposit for the current call.
 #[derive(Default)]
@@ -316,6 +319,89 @@ impl Drop for CpuComm {
     fn drop(&mut self) {
         if std::thread::panicking() {
             self.ex.poison();
+        }
+    }
+}
+
+/// One pipeline stage's links to its neighbours on cpu: unbounded channels
+/// (a send never waits, like `isend`), one per direction and neighbour, all
+/// stages sharing one abort flag. Values travel as `f32`, which holds every
+/// bf16 and fp16 value exactly, so a 16-bit activation arrives bit for bit.
+pub struct CpuP2p {
+    to_prev: Option<Sender<Vec<f32>>>,
+    to_next: Option<Sender<Vec<f32>>>,
+    from_prev: Option<Receiver<Vec<f32>>>,
+    from_next: Option<Receiver<Vec<f32>>>,
+    aborted: Arc<AtomicBool>,
+}
+
+/// The links of a chain of `stages` stages, stage `s` at index `s`.
+pub fn cpu_pipeline(stages: usize) -> Vec<CpuP2p> {
+    let aborted = Arc::new(AtomicBool::new(false));
+    let mut out: Vec<CpuP2p> = (0..stages)
+        .map(|_| CpuP2p {
+            to_prev: None,
+            to_next: None,
+            from_prev: None,
+            from_next: None,
+            aborted: Arc::clone(&aborted),
+        })
+        .collect();
+    for s in 1..stages {
+        let (fwd_tx, fwd_rx) = channel();
+        let (bwd_tx, bwd_rx) = channel();
+        out[s - 1].to_next = Some(fwd_tx);
+        out[s].from_prev = Some(fwd_rx);
+        out[s].to_prev = Some(bwd_tx);
+        out[s - 1].from_next = Some(bwd_rx);
+    }
+    out
+}
+
+impl PointToPoint<CpuBuf> for CpuP2p {
+    fn send(&mut self, to: Peer, buf: &CpuBuf, n: usize) {
+        let tx = match to {
+            Peer::Prev => &self.to_prev,
+            Peer::Next => &self.to_next,
+        };
+        let tx = tx.as_ref().expect("a send to a stage that exists");
+        // A neighbour that stopped (after an abort) drops nothing we need.
+        let _ = tx.send(buf.read_range(0, n).into_owned());
+    }
+
+    fn recv(&mut self, from: Peer, buf: &mut CpuBuf, n: usize) {
+        let rx = match from {
+            Peer::Prev => &self.from_prev,
+            Peer::Next => &self.from_next,
+        };
+        let rx = rx.as_ref().expect("a receive from a stage that exists");
+        loop {
+            if self.aborted.load(Ordering::Acquire) {
+                return;
+            }
+            match rx.recv_timeout(Duration::from_millis(5)) {
+                Ok(v) => {
+                    assert_eq!(v.len(), n, "point-to-point message size");
+                    buf.write_range(0, &v, false);
+                    return;
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        }
+    }
+
+    fn abort_handle(&self) -> AbortHandle {
+        let a = Arc::clone(&self.aborted);
+        Arc::new(move || a.store(true, Ordering::Release))
+    }
+}
+
+impl Drop for CpuP2p {
+    /// As [`CpuComm`]: a stage that panics releases its neighbours.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.aborted.store(true, Ordering::Release);
         }
     }
 }

@@ -95,6 +95,42 @@ pub fn wire_bytes(op: Op, bytes: u64, world: usize, rank: usize, root: usize) ->
     (sent as u64, recv as u64)
 }
 
+/// A pipeline stage's neighbour.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Peer {
+    /// The stage before (towards the embedding): activation gradients go there.
+    Prev,
+    /// The stage after (towards the head): activations go there.
+    Next,
+}
+
+/// Point-to-point messages between adjacent pipeline stages, shaped like
+/// NCCL's `ncclSend`/`ncclRecv` (or `torch.distributed.isend`/`irecv`): a send
+/// returns once its data is handed over, so a stage never waits for its
+/// neighbour to post the matching receive; a receive waits for the data.
+/// Messages in one direction arrive in the order they were sent.
+pub trait PointToPoint<Buf>: Send {
+    /// Sends `buf[..n]` to `to`.
+    fn send(&mut self, to: Peer, buf: &Buf, n: usize);
+    /// Fills `buf[..n]` with the next message from `from`. After an abort it
+    /// returns at once with unspecified contents, as the collectives do.
+    fn recv(&mut self, from: Peer, buf: &mut Buf, n: usize);
+    /// Makes every pending and later receive of the pipeline return at once.
+    fn abort_handle(&self) -> AbortHandle;
+}
+
+/// The meta backend's point-to-point: no data, nothing to wait for.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MetaP2p;
+
+impl PointToPoint<()> for MetaP2p {
+    fn send(&mut self, _: Peer, _: &(), _: usize) {}
+    fn recv(&mut self, _: Peer, _: &mut (), _: usize) {}
+    fn abort_handle(&self) -> AbortHandle {
+        std::sync::Arc::new(|| {})
+    }
+}
+
 /// The meta backend's collectives: no data moves. Meta ranks run one after
 /// another (nothing to wait for), each with its own `MetaComm`.
 #[derive(Clone, Copy, Debug)]

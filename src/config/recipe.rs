@@ -7,7 +7,7 @@ use serde::Deserialize;
 
 use super::profile::{key_location, parse_yaml};
 use crate::backend::DeviceSpec;
-use crate::engine::{Attention, Checkpointing, Optimizer, Precision, Sharding};
+use crate::engine::{Attention, Checkpointing, Optimizer, Precision, Schedule, Sharding};
 use crate::error::{Error, Result};
 
 /// Every key is optional; keys mirror the long flags with `-` as `_`.
@@ -35,6 +35,11 @@ pub struct RunRecipe {
     pub ranks: Option<usize>,
     pub sharding: Option<Sharding>,
     pub bucket_view: Option<bool>,
+    pub pipeline_stages: Option<usize>,
+    pub microbatches: Option<usize>,
+    pub schedule: Option<Schedule>,
+    /// Stage boundaries, `"0:6,6:12"`, as `--partition` takes them.
+    pub partition: Option<String>,
     pub threads: Option<usize>,
 }
 

@@ -7,9 +7,10 @@ use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::Mutex;
 
-use super::{Comm, Engine, StepReport, TrainConfig};
+use super::pipeline::stage_layers;
+use super::{Comm, Engine, Pipe, StepReport, TrainConfig};
 use crate::backend::Backend;
-use crate::comm::AbortHandle;
+use crate::comm::{AbortHandle, PointToPoint};
 use crate::config::ModelConfig;
 use crate::data::Batch;
 use crate::memory::OomError;
@@ -18,7 +19,65 @@ use crate::memory::OomError;
 pub type RankError = (usize, OomError);
 
 pub struct Cluster<B: Backend> {
+    /// Rank `r` is replica `r % replicas` of pipeline stage `r / replicas`.
     pub ranks: Vec<Engine<B>>,
+    stages: usize,
+}
+
+/// How one rank talks to the others: its data-parallel group (the replicas
+/// of its stage) and its pipeline links.
+pub struct Links<B: Backend> {
+    pub comm: Option<Comm<B>>,
+    pub pipe: Option<Pipe<B>>,
+}
+
+/// Every rank's links for `train`: `group(w)` makes a collective group of
+/// `w` ranks, `chain(s)` the point-to-point links of `s` stages. Stage `s`'s
+/// replicas form one data-parallel group; the stages of replica `d` form one
+/// pipeline (with a two-rank group for a tied embedding's gradient).
+pub fn links<B: Backend>(
+    model: &ModelConfig,
+    train: &TrainConfig,
+    group: impl Fn(usize) -> Vec<Comm<B>>,
+    chain: impl Fn(usize) -> Vec<Box<dyn PointToPoint<B::Buf>>>,
+) -> Vec<Links<B>> {
+    let stages = train.pipeline_stages.max(1);
+    let replicas = train.data_ranks();
+    let distributed = replicas > 1 || train.sharding != super::Sharding::None;
+    let mut comms: Vec<Option<Comm<B>>> = Vec::with_capacity(train.ranks);
+    for _ in 0..stages {
+        match distributed {
+            true => comms.extend(group(replicas).into_iter().map(Some)),
+            false => comms.extend((0..replicas).map(|_| None)),
+        }
+    }
+    let mut pipes: Vec<Option<Pipe<B>>> = (0..stages * replicas).map(|_| None).collect();
+    if stages > 1 {
+        let balance = train.balance(model.n_layer);
+        let tied = model.param_layout().1.lm_head.is_none();
+        for d in 0..replicas {
+            let mut p2p = chain(stages).into_iter();
+            let mut grp = group(stages).into_iter();
+            let mut embed = if tied { group(2) } else { Vec::new() }.into_iter();
+            for s in 0..stages {
+                let is_end = s == 0 || s + 1 == stages;
+                pipes[s * replicas + d] = Some(Pipe {
+                    stage: s,
+                    stages,
+                    layers: stage_layers(&balance, s),
+                    schedule: train.schedule,
+                    p2p: p2p.next().expect("one link per stage"),
+                    group: grp.next().expect("one rank per stage"),
+                    embed: if is_end { embed.next() } else { None },
+                });
+            }
+        }
+    }
+    comms
+        .into_iter()
+        .zip(pipes)
+        .map(|(comm, pipe)| Links { comm, pipe })
+        .collect()
 }
 
 /// Runs `f(rank, item)` for every rank, in parallel when there is more than
@@ -71,12 +130,6 @@ fn on_every_rank<I: Send, R: Send>(
     }
 }
 
-fn abort(handles: &[Option<AbortHandle>], r: usize) {
-    if let Some(a) = &handles[r] {
-        a();
-    }
-}
-
 impl<B> Cluster<B>
 where
     B: Backend + Send,
@@ -92,31 +145,60 @@ where
         comms: Vec<Option<Comm<B>>>,
         capacity: Option<u64>,
     ) -> Result<Self, RankError> {
-        assert_eq!(backends.len(), comms.len());
-        let aborts: Vec<_> = comms
-            .iter()
-            .map(|c| c.as_ref().map(|c| c.abort_handle()))
+        let links = comms
+            .into_iter()
+            .map(|comm| Links { comm, pipe: None })
             .collect();
-        let items: Vec<(B, Option<Comm<B>>)> = backends.into_iter().zip(comms).collect();
+        Self::with_links(model, train, backends, links, capacity)
+    }
+
+    /// One engine per backend, rank `r` linked by `links[r]` (see [`links`]).
+    pub fn with_links(
+        model: &ModelConfig,
+        train: &TrainConfig,
+        backends: Vec<B>,
+        links: Vec<Links<B>>,
+        capacity: Option<u64>,
+    ) -> Result<Self, RankError> {
+        assert_eq!(backends.len(), links.len());
+        // Any rank's failure stops the whole job: every group is aborted.
+        let aborts: Vec<AbortHandle> = links
+            .iter()
+            .flat_map(|l| {
+                let mut v: Vec<AbortHandle> = l.comm.iter().map(|c| c.abort_handle()).collect();
+                v.extend(l.pipe.iter().flat_map(Pipe::abort_handles));
+                v
+            })
+            .collect();
+        let items: Vec<(B, Links<B>)> = backends.into_iter().zip(links).collect();
         let ranks = on_every_rank(
             items,
-            |r, (be, comm)| {
-                Engine::new_rank(model.clone(), train.clone(), be, capacity, comm)
+            |r, (be, l)| {
+                Engine::new_stage(model.clone(), train.clone(), be, capacity, l.comm, l.pipe)
                     .map_err(|e| (r, e))
             },
-            |r| abort(&aborts, r),
+            |_| aborts.iter().for_each(|a| a()),
         )?;
-        Ok(Cluster { ranks })
+        Ok(Cluster {
+            ranks,
+            stages: train.pipeline_stages.max(1),
+        })
+    }
+
+    /// Pipeline stages (1 without a pipeline).
+    pub fn stages(&self) -> usize {
+        self.stages
     }
 
     pub fn world(&self) -> usize {
         self.ranks.len()
     }
 
-    /// One optimizer step on every rank: rank r trains on micro-batches
-    /// `r*k .. (r+1)*k` of the `k * ranks` that `next` yields (the global
+    /// One optimizer step on every rank: replica d trains on micro-batches
+    /// `d*k .. (d+1)*k` of the `k * replicas` that `next` yields (the global
     /// batch, in order), so the job sees what one rank accumulating all of
-    /// them would. The loss is the mean over ranks.
+    /// them would; under a pipeline the first stage reads each micro-batch's
+    /// tokens and the last its targets. The loss is the mean over replicas.
     pub fn step_from(
         &mut self,
         k: usize,
@@ -130,34 +212,47 @@ where
         // Each rank asks for its micro-batches once its token buffers are
         // granted (as one rank does); batch `i` of the step is always the
         // i-th that `next` yields, whichever rank asks first.
+        let stages = self.stages;
+        let replicas = n / stages;
+        // Readers of each batch: the first and the last stage.
+        let readers = if stages > 1 { 2 } else { 1 };
         let feed = Mutex::new((0usize, BTreeMap::new(), next));
         let batch = |i: usize| {
             let mut f = feed.lock().unwrap_or_else(|e| e.into_inner());
             while f.0 <= i {
                 let b = (f.2)();
                 let at = f.0;
-                f.1.insert(at, b);
+                f.1.insert(at, (b, readers));
                 f.0 += 1;
             }
-            f.1.remove(&i).expect("each batch is taken once")
+            let (b, left) =
+                f.1.get_mut(&i)
+                    .expect("each batch is read by its readers only");
+            *left -= 1;
+            match *left {
+                0 => f.1.remove(&i).expect("present").0,
+                _ => b.clone(),
+            }
         };
-        let aborts: Vec<_> = self.ranks.iter().map(Engine::abort_handle).collect();
+        let aborts: Vec<_> = self.ranks.iter().filter_map(Engine::abort_handle).collect();
         let items: Vec<&mut Engine<B>> = self.ranks.iter_mut().collect();
         let reports = on_every_rank(
             items,
             |r, e| {
-                let mut j = 0;
+                let (d, mut j) = (r % replicas, 0);
                 e.step_from(k, || {
                     j += 1;
-                    batch(r * k + j - 1)
+                    batch(d * k + j - 1)
                 })
                 .map_err(|err| (r, err))
             },
-            |r| abort(&aborts, r),
+            |_| aborts.iter().for_each(|a| a()),
         )?;
-        let losses: Option<Vec<f32>> = reports.iter().map(|r| r.loss).collect();
+        // Every stage reports its replica's loss; the last stage's ranks count.
+        let last = &reports[(stages - 1) * replicas..];
+        let losses: Option<Vec<f32>> = last.iter().map(|r| r.loss).collect();
         Ok(StepReport {
-            loss: losses.map(|l| l.iter().map(|&x| x as f64).sum::<f64>() as f32 / n as f32),
+            loss: losses.map(|l| l.iter().map(|&x| x as f64).sum::<f64>() as f32 / replicas as f32),
             ..reports[0]
         })
     }

@@ -13,7 +13,7 @@ use serde::Serialize;
 use crate::backend::{
     AdafactorHyper, AdafactorSecond, AdafactorState, AdamHyper, AttnShape, Backend, DType, SgdHyper,
 };
-use crate::comm::{Collective, Op, wire_bytes};
+use crate::comm::{Collective, Op, Peer, PointToPoint, wire_bytes};
 use crate::memory::{Category, OomError, Phase, Tracker};
 
 /// A device buffer with its size, element type and memory category.
@@ -612,6 +612,18 @@ impl<B: Backend> Device<B> {
         self.timed("broadcast", 0, b(t), |_| {
             comm.broadcast(&mut t.buf, t.len, root)
         });
+    }
+
+    /// Sends `t` to a neighbouring pipeline stage.
+    pub fn send(&mut self, link: &mut dyn PointToPoint<B::Buf>, to: Peer, t: &T<B>) {
+        self.sent += t.bytes();
+        self.timed("send", 0, b(t), |_| link.send(to, &t.buf, t.len));
+    }
+
+    /// Fills `t` from a neighbouring pipeline stage.
+    pub fn recv(&mut self, link: &mut dyn PointToPoint<B::Buf>, from: Peer, t: &mut T<B>) {
+        self.received += t.bytes();
+        self.timed("recv", 0, b(t), |_| link.recv(from, &mut t.buf, t.len));
     }
 
     /// `dst = src` in `dst`'s dtype (fp32 master weights into 16-bit working weights).

@@ -16,9 +16,11 @@
 pub mod cluster;
 pub mod device;
 pub mod optim;
+pub mod pipeline;
 pub mod shard;
 
 use crate::backend::{AttnShape, Backend, DType};
+use crate::comm::Peer;
 use crate::config::model::{BlockIndex, Init, ParamIndex, ParamSpec};
 use crate::config::{Family, ModelConfig};
 use crate::data::Batch;
@@ -28,6 +30,7 @@ use crate::rng::Rng;
 pub use device::{Comm, CostCounter, Device, OpCost, Tensor};
 use optim::OptState;
 pub use optim::{OptConfig, Optimizer};
+pub use pipeline::{Pipe, Schedule};
 pub use shard::Sharding;
 use shard::{Dist, Stage};
 
@@ -67,12 +70,19 @@ pub struct TrainConfig {
     /// fp16 only: steps without an overflow before the scale doubles
     /// (`GradScaler`'s growth_interval, 2000).
     pub loss_scale_window: u32,
-    /// Data-parallel ranks; the global batch is micro_batch x grad_accum x ranks.
+    /// Ranks in all: pipeline stages x data-parallel replicas. The global
+    /// batch is micro_batch x grad_accum x replicas.
     pub ranks: usize,
     pub sharding: Sharding,
     /// ddp: gradients are views into the all-reduce buckets
     /// (`gradient_as_bucket_view`), so the buckets cost no memory of their own.
     pub bucket_view: bool,
+    /// Pipeline stages (1: no pipeline). `grad_accum` is then the number of
+    /// micro-batches each step pushes through the pipeline.
+    pub pipeline_stages: usize,
+    pub schedule: Schedule,
+    /// Blocks per stage; `None` splits them evenly.
+    pub partition: Option<Vec<usize>>,
 }
 
 /// Storage precision of the working weights, activations and gradients.
@@ -198,11 +208,26 @@ impl Default for TrainConfig {
             ranks: 1,
             sharding: Sharding::None,
             bucket_view: false,
+            pipeline_stages: 1,
+            schedule: Schedule::OneFOneB,
+            partition: None,
         }
     }
 }
 
 impl TrainConfig {
+    /// Data-parallel replicas: ranks per pipeline stage.
+    pub fn data_ranks(&self) -> usize {
+        self.ranks / self.pipeline_stages.max(1)
+    }
+
+    /// Blocks per pipeline stage: the partition given, or an even split.
+    pub fn balance(&self, n_layer: usize) -> Vec<usize> {
+        self.partition
+            .clone()
+            .unwrap_or_else(|| pipeline::uniform_balance(n_layer, self.pipeline_stages.max(1)))
+    }
+
     /// The optimizer settings with defaults resolved: lr 3e-4 for the AdamW
     /// variants, 1e-2 for SGD, Hugging Face's relative step for Adafactor.
     pub fn opt(&self) -> OptConfig {
@@ -261,15 +286,27 @@ struct BlockActs<X> {
     act: X,
 }
 
-/// Everything a forward pass leaves for the backward pass.
+/// Everything a forward pass leaves for the backward pass (of this
+/// pipeline stage's part of the model).
 struct Acts<X> {
-    tokens: X,
-    targets: X,
-    /// The residual stream (N,C) into each block: `resid[0]` is the embedding
-    /// output, `resid[l + 1]` block l's output (the last one feeds the head).
+    /// First stage only.
+    tokens: Option<X>,
+    /// Last stage only.
+    targets: Option<X>,
+    /// The residual stream (N,C) into each of this stage's blocks:
+    /// `resid[0]` is the embedding output (or, after the first stage, the
+    /// activation received from the stage before), `resid[j + 1]` the output
+    /// of the stage's block j. The last stage keeps its last block's output
+    /// (it feeds the head); the others send it on and free it.
     resid: Vec<X>,
     /// Each block's saved tensors; `None` when checkpointed (recomputed in backward).
     blocks: Vec<Option<BlockActs<X>>>,
+    /// Last stage only.
+    head: Option<HeadActs<X>>,
+}
+
+/// What the final norm, the head and the loss save.
+struct HeadActs<X> {
     lnf: X,
     lnf_mean: Option<X>,
     lnf_rstd: X,
@@ -295,6 +332,11 @@ pub struct Engine<B: Backend> {
     workspace: T<B>,
     /// This rank's part in a data-parallel job; `None` for a single rank.
     dist: Option<Dist<B>>,
+    /// This rank's pipeline stage; `None` without pipeline parallelism.
+    pipe: Option<Pipe<B>>,
+    /// The tensors this rank holds (all of them without a pipeline; the
+    /// others are zero-length placeholders with no optimizer state).
+    owned: Vec<bool>,
     /// Optimizer steps taken.
     step: u64,
     /// Steps skipped because the gradient was not finite.
@@ -346,16 +388,45 @@ impl<B: Backend> Engine<B> {
         capacity: Option<u64>,
         comm: Option<Comm<B>>,
     ) -> Result<Self, OomError> {
+        Self::new_stage(model, train, be, capacity, comm, None)
+    }
+
+    /// One rank of a job that may also be pipelined: `pipe` says which stage
+    /// (`None` without a pipeline), `comm` links the rank to the other
+    /// replicas of its stage. A stage allocates only the tensors it holds.
+    pub fn new_stage(
+        model: ModelConfig,
+        train: TrainConfig,
+        be: B,
+        capacity: Option<u64>,
+        comm: Option<Comm<B>>,
+        pipe: Option<Pipe<B>>,
+    ) -> Result<Self, OomError> {
         let (specs, idx) = model.param_layout();
         let mut dev = Device::new(be, capacity);
         dev.tracker.set_phase(Phase::Init);
-        let numel: Vec<usize> = specs.iter().map(ParamSpec::numel).collect();
+        let owned = match &pipe {
+            Some(p) => {
+                pipeline::owned_tensors(&idx, specs.len(), p.stage, p.stages, p.layers.clone())
+            }
+            None => vec![true; specs.len()],
+        };
+        // What this rank holds of each tensor before sharding.
+        let numel: Vec<usize> = specs
+            .iter()
+            .zip(&owned)
+            .map(|(s, &o)| if o { s.numel() } else { 0 })
+            .collect();
         let mut dist = comm.map(|c| {
-            assert_eq!(c.world(), train.ranks, "one communicator rank per engine");
+            assert_eq!(
+                c.world(),
+                train.data_ranks(),
+                "one communicator rank per replica"
+            );
             Dist::new(c, train.sharding, numel.clone(), &idx)
         });
         assert!(
-            dist.is_some() || (train.ranks == 1 && train.sharding == Sharding::None),
+            dist.is_some() || (train.data_ranks() == 1 && train.sharding == Sharding::None),
             "ranks > 1 or sharding need a communicator"
         );
         let sharding = train.sharding;
@@ -363,7 +434,11 @@ impl<B: Backend> Engine<B> {
         let shard_lens = dist.as_ref().map_or(numel.clone(), |d| d.shard.clone());
         let alloc_all = |dev: &mut Device<B>, lens: &[usize], dtype, cat| {
             lens.iter()
-                .map(|&n| dev.alloc(n, dtype, cat))
+                .zip(&owned)
+                .map(|(&n, &o)| match o {
+                    true => dev.alloc(n, dtype, cat),
+                    false => Ok(dev.placeholder(dtype, cat)),
+                })
                 .collect::<Result<Vec<T<B>>, OomError>>()
         };
         let placeholders = |dev: &mut Device<B>, dtype, cat| {
@@ -396,7 +471,7 @@ impl<B: Backend> Engine<B> {
         } else {
             Vec::new()
         };
-        let opt = optim::alloc_state(&mut dev, &specs, opt_lens, &train.opt())?;
+        let opt = optim::alloc_state(&mut dev, &specs, opt_lens, &owned, &train.opt())?;
         if sharding == Sharding::Ddp {
             let d = dist.as_mut().expect("ddp");
             d.alloc_buckets(&mut dev, wdt, train.bucket_view)?;
@@ -409,7 +484,7 @@ impl<B: Backend> Engine<B> {
         if dev.be.holds_data() {
             let host = init_weights(&specs, train.seed);
             // The elements of each tensor this rank owns under sharding.
-            let owned: Vec<(usize, usize)> = match &dist {
+            let extent: Vec<(usize, usize)> = match &dist {
                 Some(d) => (0..numel.len())
                     .map(|i| (d.offset(i), d.valid(i, d.rank)))
                     .collect(),
@@ -417,13 +492,13 @@ impl<B: Backend> Engine<B> {
             };
             let part = |i: usize, sharded: bool| -> &[f32] {
                 if sharded {
-                    &host[i][owned[i].0..][..owned[i].1]
+                    &host[i][extent[i].0..][..extent[i].1]
                 } else {
                     &host[i]
                 }
             };
             for (i, t) in params.iter_mut().enumerate() {
-                if !sharding.shards_parameters() {
+                if !sharding.shards_parameters() && owned[i] {
                     dev.be.upload_f32(&mut t.buf, part(i, false));
                 }
             }
@@ -433,14 +508,16 @@ impl<B: Backend> Engine<B> {
                 }
             }
             for (i, t) in master.iter_mut().enumerate() {
-                dev.be
-                    .upload_f32(&mut t.buf, part(i, sharding.shards_optimizer()));
+                if owned[i] {
+                    dev.be
+                        .upload_f32(&mut t.buf, part(i, sharding.shards_optimizer()));
+                }
             }
         }
         if let Some(d) = &mut dist
             && sharding == Sharding::Ddp
         {
-            for t in params.iter_mut() {
+            for (t, _) in params.iter_mut().zip(&owned).filter(|(_, o)| **o) {
                 dev.broadcast(&mut *d.comm, t, 0);
             }
         }
@@ -460,6 +537,8 @@ impl<B: Backend> Engine<B> {
             opt,
             workspace,
             dist,
+            pipe,
+            owned,
             step: 0,
             skipped_steps: 0,
             loss_scale,
@@ -534,14 +613,24 @@ impl<B: Backend> Engine<B> {
             Some(d) if d.sharding.shards_gradients() => &mut d.grad_shards,
             _ => &mut self.grads,
         };
-        for g in grads {
+        for (g, _) in grads.iter_mut().zip(&self.owned).filter(|(_, o)| **o) {
             self.dev.fill(g, 0.0);
         }
     }
 
-    /// Ranks in the job (1 without data parallelism).
+    /// Data-parallel replicas in the job (1 without data parallelism).
     pub fn world(&self) -> usize {
         self.dist.as_ref().map_or(1, |d| d.world)
+    }
+
+    /// This rank's pipeline stage and block range (`None` without a pipeline).
+    pub fn stage(&self) -> Option<(usize, std::ops::Range<usize>)> {
+        self.pipe.as_ref().map(|p| (p.stage, p.layers.clone()))
+    }
+
+    /// Whether this rank holds tensor `i` (pipeline stages hold their own layers').
+    pub fn holds(&self, i: usize) -> bool {
+        self.owned[i]
     }
 
     /// This rank's shard of every weight under zero3 (`None` otherwise or on meta).
@@ -565,7 +654,16 @@ impl<B: Backend> Engine<B> {
     /// Aborts this rank's collective group, so the other ranks never wait
     /// for a rank that failed (`None` for a single rank).
     pub fn abort_handle(&self) -> Option<crate::comm::AbortHandle> {
-        self.dist.as_ref().map(|d| d.comm.abort_handle())
+        let mut all: Vec<crate::comm::AbortHandle> =
+            self.dist.iter().map(|d| d.comm.abort_handle()).collect();
+        if let Some(p) = &self.pipe {
+            all.extend(p.abort_handles());
+        }
+        match all.len() {
+            0 => None,
+            1 => all.pop(),
+            _ => Some(std::sync::Arc::new(move || all.iter().for_each(|a| a()))),
+        }
     }
 
     fn attn_shape(&self) -> AttnShape {
@@ -595,17 +693,36 @@ impl<B: Backend> Engine<B> {
     ) -> Result<StepReport, OomError> {
         self.zero_grads();
         let mut loss_sum = Some(0.0f64);
-        for _ in 0..k {
-            let acts = self.forward(&mut next)?;
-            let loss = self.read_loss(&acts);
-            loss_sum = loss_sum.zip(loss).map(|(s, l)| s + l as f64);
-            // d(mean over k micro-batches of the mean over n tokens) / d(token
-            // loss), times fp16's loss scale (1 otherwise)
-            // and summed over ranks: every rank scales by 1/ranks, the
-            // collectives add
-            let tokens = self.train.micro_batch * self.train.seq_len * k * self.world();
-            let dloss = self.loss_scale / tokens as f32;
-            self.backward(acts, dloss)?;
+        // d(mean over k micro-batches of the mean over n tokens) / d(token
+        // loss), times fp16's loss scale (1 otherwise) and summed over
+        // replicas: every replica scales by 1/replicas, the collectives add
+        let tokens = self.train.micro_batch * self.train.seq_len * k * self.world();
+        let dloss = self.loss_scale / tokens as f32;
+        let ops = match &self.pipe {
+            Some(p) => p.schedule.ops(p.stage, p.stages, k),
+            None => Schedule::OneFOneB.ops(0, 1, k),
+        };
+        // Micro-batches forwarded and not yet backwarded, oldest first.
+        let mut in_flight = std::collections::VecDeque::new();
+        for op in ops {
+            match op {
+                pipeline::Op::Forward(_) => {
+                    let acts = self.forward(&mut next)?;
+                    if self.pipe.as_ref().is_none_or(Pipe::last) {
+                        let loss = self.read_loss(&acts);
+                        loss_sum = loss_sum.zip(loss).map(|(s, l)| s + l as f64);
+                    }
+                    in_flight.push_back(acts);
+                }
+                pipeline::Op::Backward(_) => {
+                    let acts = in_flight.pop_front().expect("forwarded before backwarded");
+                    self.backward(acts, dloss)?;
+                }
+            }
+        }
+        if let Some(p) = &mut self.pipe {
+            // Only the last stage computed the loss; every stage reports it.
+            loss_sum = loss_sum.map(|s| p.group.all_reduce_scalar(s));
         }
         let (grad_norm, skipped) = self.optimizer_step()?;
         Ok(StepReport {
@@ -635,7 +752,7 @@ impl<B: Backend> Engine<B> {
     }
 
     fn read_loss(&self, acts: &Acts<T<B>>) -> Option<f32> {
-        let losses = self.dev.be.download_f32(&acts.losses.buf)?;
+        let losses = self.dev.be.download_f32(&acts.head.as_ref()?.losses.buf)?;
         let sum: f64 = losses.iter().map(|&l| l as f64).sum();
         Some((sum / losses.len() as f64) as f32)
     }
@@ -648,17 +765,14 @@ impl<B: Backend> Engine<B> {
         for x in acts.resid.into_iter().rev() {
             dev.free(x);
         }
-        for t in [
-            acts.tokens,
-            acts.targets,
-            acts.lnf,
-            acts.lnf_rstd,
-            acts.logits,
-            acts.losses,
-        ] {
-            dev.free(t);
+        dev.free_opt(acts.tokens);
+        dev.free_opt(acts.targets);
+        if let Some(h) = acts.head {
+            for t in [h.lnf, h.lnf_rstd, h.logits, h.losses] {
+                dev.free(t);
+            }
+            dev.free_opt(h.lnf_mean);
         }
-        dev.free_opt(acts.lnf_mean);
     }
 
     fn forward(&mut self, next: &mut dyn FnMut() -> Batch) -> Result<Acts<T<B>>, OomError> {
@@ -672,6 +786,7 @@ impl<B: Backend> Engine<B> {
             train,
             workspace,
             dist,
+            pipe,
             ..
         } = self;
         let (t, n, c) = (
@@ -683,6 +798,11 @@ impl<B: Backend> Engine<B> {
         let gpt2 = model.family == Family::Gpt2;
         let act = Category::Activations;
         let dt = train.precision.dtype();
+        let (first, last) = (
+            pipe.as_ref().is_none_or(Pipe::first),
+            pipe.as_ref().is_none_or(Pipe::last),
+        );
+        let layers = pipe.as_ref().map_or(0..model.n_layer, |p| p.layers.clone());
         // zero3 gathers a unit's weights before it runs and frees them after.
         let mut hook = |dev: &mut Device<B>, p: &mut Vec<T<B>>, st: Stage, after: bool| match dist {
             Some(d) if after => d.after(dev, p, g, st, false),
@@ -690,31 +810,56 @@ impl<B: Backend> Engine<B> {
             None => Ok(()),
         };
 
-        dev.tracker.set_phase(Phase::ForwardEmbed);
-        hook(dev, p, Stage::Embed, false)?;
-        let mut tokens = dev.alloc(n, DType::U32, act)?;
-        let mut targets = dev.alloc(n, DType::U32, act)?;
-        if dev.be.holds_data() {
-            let batch = next();
-            dev.be.upload_u32(&mut tokens.buf, &batch.inputs);
-            dev.be.upload_u32(&mut targets.buf, &batch.targets);
+        dev.tracker.set_phase(match first {
+            true => Phase::ForwardEmbed,
+            false if layers.is_empty() => Phase::ForwardHead,
+            false => Phase::Forward(layers.start),
+        });
+        if first {
+            hook(dev, p, Stage::Embed, false)?;
         }
-        let mut emb = dev.alloc(n * c, dt, act)?;
-        let wpe = idx.wpe.map(|i| &p[i]);
-        dev.embed_forward(&mut emb, &tokens, &p[idx.wte], wpe, n, t, c);
-        hook(dev, p, Stage::Embed, true)?;
+        // The first stage embeds the tokens, the last computes the loss
+        // against the targets: both read the micro-batch.
+        let mut tokens = first.then(|| dev.alloc(n, DType::U32, act)).transpose()?;
+        let mut targets = last.then(|| dev.alloc(n, DType::U32, act)).transpose()?;
+        if dev.be.holds_data() && (first || last) {
+            let batch = next();
+            if let Some(x) = &mut tokens {
+                dev.be.upload_u32(&mut x.buf, &batch.inputs);
+            }
+            if let Some(x) = &mut targets {
+                dev.be.upload_u32(&mut x.buf, &batch.targets);
+            }
+        }
+        let input = match (&tokens, pipe.as_mut()) {
+            (Some(tokens), _) => {
+                let mut emb = dev.alloc(n * c, dt, act)?;
+                let wpe = idx.wpe.map(|i| &p[i]);
+                dev.embed_forward(&mut emb, tokens, &p[idx.wte], wpe, n, t, c);
+                hook(dev, p, Stage::Embed, true)?;
+                emb
+            }
+            // The previous stage's output, kept in its receive buffer
+            // until this micro-batch's backward.
+            (None, Some(pp)) => {
+                let mut x = dev.alloc(n * c, dt, Category::Communication)?;
+                dev.recv(&mut *pp.p2p, Peer::Prev, &mut x);
+                x
+            }
+            (None, None) => unreachable!("without a pipeline every rank embeds"),
+        };
 
-        let mut resid = vec![emb];
-        let mut blocks = Vec::with_capacity(model.n_layer);
-        for (l, bi) in idx.blocks.iter().enumerate() {
+        let mut resid = vec![input];
+        let mut blocks = Vec::with_capacity(layers.len());
+        for (j, l) in layers.clone().enumerate() {
             dev.tracker.set_phase(Phase::Forward(l));
             hook(dev, p, Stage::Block(l), false)?;
             let (a, out) = block_forward(
                 dev,
                 model,
                 p,
-                bi,
-                &resid[l],
+                &idx.blocks[l],
+                &resid[j],
                 s,
                 train.attention,
                 workspace,
@@ -733,6 +878,21 @@ impl<B: Backend> Engine<B> {
             });
         }
 
+        if !last {
+            // The stage's output goes to the next stage, which keeps it;
+            // this stage needs it no more (Megatron-LM frees it too).
+            let pp = pipe.as_mut().expect("a stage before the last");
+            let out = resid.pop().expect("the stage output");
+            dev.send(&mut *pp.p2p, Peer::Next, &out);
+            dev.free(out);
+            return Ok(Acts {
+                tokens,
+                targets,
+                resid,
+                blocks,
+                head: None,
+            });
+        }
         dev.tracker.set_phase(Phase::ForwardHead);
         hook(dev, p, Stage::Head, false)?;
         let x = resid.last().expect("embedding output");
@@ -742,18 +902,21 @@ impl<B: Backend> Engine<B> {
         let mut logits = dev.alloc(n * vp, dt, act)?;
         dev.matmul_forward(&mut logits, &lnf, &p[head], None, n, c, vp);
         let mut losses = dev.alloc_f32(n, act)?;
-        dev.crossentropy_forward(&mut losses, &logits, &targets, n, v, vp);
+        let tg = targets.as_ref().expect("the last stage reads the targets");
+        dev.crossentropy_forward(&mut losses, &logits, tg, n, v, vp);
         hook(dev, p, Stage::Head, true)?;
         Ok(Acts {
             tokens,
             targets,
             resid,
             blocks,
-            lnf,
-            lnf_mean,
-            lnf_rstd,
-            logits,
-            losses,
+            head: Some(HeadActs {
+                lnf,
+                lnf_mean,
+                lnf_rstd,
+                logits,
+                losses,
+            }),
         })
     }
 
@@ -769,6 +932,7 @@ impl<B: Backend> Engine<B> {
             train,
             workspace,
             dist,
+            pipe,
             ..
         } = self;
         // zero3 gathers a unit's weights for its backward; zero2/3 give it
@@ -796,60 +960,42 @@ impl<B: Backend> Engine<B> {
             targets,
             mut resid,
             mut blocks,
-            lnf,
-            lnf_mean,
-            lnf_rstd,
-            mut logits,
-            losses,
+            head: head_acts,
         } = acts;
-
-        dev.tracker.set_phase(Phase::BackwardHead);
-        hook(dev, p, g, Stage::Head, false)?;
-        dev.free(losses);
-        dev.crossentropy_backward(&mut logits, &targets, dloss, n, v, vp);
-        dev.free(targets);
-        let head = idx.lm_head.unwrap_or(idx.wte);
-        let mut dlnf = dev.alloc(n * c, dt, tmp)?;
-        dev.matmul_backward(
-            &mut dlnf,
-            &mut g[head],
-            None,
-            &logits,
-            &lnf,
-            &p[head],
-            n,
-            c,
-            vp,
-        );
-        dev.free(logits);
+        let layers = pipe.as_ref().map_or(0..model.n_layer, |p| p.layers.clone());
         // dres: gradient of the residual stream, carried down through the blocks.
-        let mut dres = dev.alloc(n * c, dt, tmp)?;
-        {
-            let x = resid.last().expect("embedding output");
-            let (dw, db) = pair_mut(g, idx.lnf_w, idx.lnf_b);
-            dev.norm_backward(
-                &mut dres,
-                dw,
-                db,
-                &dlnf,
-                x,
-                &p[idx.lnf_w],
-                lnf_mean.as_ref(),
-                &lnf_rstd,
-                n,
-                c,
-            );
-        }
-        for x in [dlnf, lnf, lnf_rstd] {
-            dev.free(x);
-        }
-        dev.free_opt(lnf_mean);
-        hook(dev, p, g, Stage::Head, true)?;
+        let mut dres = match head_acts {
+            Some(h) => head_backward(
+                dev,
+                p,
+                g,
+                idx,
+                h,
+                targets.expect("the last stage reads the targets"),
+                resid.last().expect("embedding output"),
+                dloss,
+                (n, c, v, vp),
+                &mut |dev, p, g, after| hook(dev, p, g, Stage::Head, after),
+            )?,
+            None => {
+                // Received from the next stage, into a buffer that then
+                // carries the gradient down this stage's blocks.
+                dev.tracker.set_phase(match layers.is_empty() {
+                    true => Phase::BackwardEmbed,
+                    false => Phase::Backward(layers.end - 1),
+                });
+                let pp = pipe.as_mut().expect("a stage before the last");
+                let mut d = dev.alloc(n * c, dt, Category::Communication)?;
+                dev.recv(&mut *pp.p2p, Peer::Next, &mut d);
+                d
+            }
+        };
 
-        for (l, bi) in idx.blocks.iter().enumerate().rev() {
+        for l in layers.clone().rev() {
+            let (j, bi) = (l - layers.start, &idx.blocks[l]);
             dev.tracker.set_phase(Phase::Backward(l));
             hook(dev, p, g, Stage::Block(l), false)?;
-            let x = &resid[l];
+            let x = &resid[j];
             let a = match blocks.pop().expect("one entry per block") {
                 Some(a) => a,
                 None => {
@@ -930,21 +1076,36 @@ impl<B: Backend> Engine<B> {
             );
             dev.free(dln1);
             free_block(dev, a);
-            // Block l's output: its consumers (block l+1 or the head) are done.
-            let out = resid.pop().expect("block output");
-            dev.free(out);
+            // Block l's output: its consumers (block l+1 or the head) are
+            // done. (A stage before the last sent its top block's output on.)
+            if resid.len() > j + 1 {
+                let out = resid.pop().expect("block output");
+                dev.free(out);
+            }
             hook(dev, p, g, Stage::Block(l), true)?;
         }
 
-        dev.tracker.set_phase(Phase::BackwardEmbed);
-        hook(dev, p, g, Stage::Embed, false)?;
-        let (dwte, dwpe) = pair_mut(g, idx.wte, idx.wpe);
-        dev.embed_backward(dwte, dwpe, &dres, &tokens, n, t, c);
-        let emb = resid.pop().expect("embedding output");
-        for x in [dres, emb, tokens] {
-            dev.free(x);
+        // A first stage holding only the embedding sent its output on.
+        let input = resid.pop();
+        match (tokens, pipe.as_mut()) {
+            (Some(tokens), _) => {
+                dev.tracker.set_phase(Phase::BackwardEmbed);
+                hook(dev, p, g, Stage::Embed, false)?;
+                let (dwte, dwpe) = pair_mut(g, idx.wte, idx.wpe);
+                dev.embed_backward(dwte, dwpe, &dres, &tokens, n, t, c);
+                dev.free(dres);
+                dev.free_opt(input);
+                dev.free(tokens);
+                hook(dev, p, g, Stage::Embed, true)?;
+            }
+            (None, Some(pp)) => {
+                // The gradient of this stage's input goes back to the stage before.
+                dev.send(&mut *pp.p2p, Peer::Prev, &dres);
+                dev.free(dres);
+                dev.free_opt(input);
+            }
+            (None, None) => unreachable!("without a pipeline every rank embeds"),
         }
-        hook(dev, p, g, Stage::Embed, true)?;
         Ok(())
     }
 
@@ -964,10 +1125,18 @@ impl<B: Backend> Engine<B> {
             specs,
             train,
             dist,
+            pipe,
+            owned,
+            idx,
             ..
         } = self;
         dev.tracker.set_phase(Phase::Optimizer);
         let fp16 = train.precision == Precision::Fp16;
+        // A tied embedding: the first and the last stage each hold part of
+        // its gradient (the embedding's, the head's).
+        if let Some(e) = pipe.as_mut().and_then(|p| p.embed.as_mut()) {
+            dev.all_reduce(&mut **e, &mut grads[idx.wte]);
+        }
         match dist.as_mut() {
             Some(d) if d.sharding == Sharding::Ddp => d.all_reduce_grads(dev, grads),
             Some(d) if d.sharding == Sharding::Zero1 => d.scatter_full_grads(dev, grads)?,
@@ -979,14 +1148,23 @@ impl<B: Backend> Engine<B> {
             Some(d) if sharded => &d.grad_shards,
             _ => &*grads,
         };
-        for g in local {
-            norm_sq = norm_sq.zip(dev.sum_squares(g)).map(|(a, b)| a + b);
+        // The last stage's copy of a tied embedding counts once, on the first.
+        let counted =
+            |i: usize| owned[i] && !(pipe.as_ref().is_some_and(|p| p.stage > 0) && i == idx.wte);
+        for (i, g) in local.iter().enumerate() {
+            if counted(i) {
+                norm_sq = norm_sq.zip(dev.sum_squares(g)).map(|(a, b)| a + b);
+            }
         }
         if let Some(d) = dist.as_mut()
             && sharded
         {
             // Each rank holds a disjoint shard: the global norm needs them all.
             norm_sq = norm_sq.map(|s| d.comm.all_reduce_scalar(s));
+        }
+        if let Some(p) = pipe.as_mut() {
+            // And each stage its own layers.
+            norm_sq = norm_sq.map(|s| p.group.all_reduce_scalar(s));
         }
         // The gradients carry the loss scale (1 except under fp16).
         let norm = norm_sq.map(|s| s.sqrt() / self.loss_scale as f64);
@@ -1017,7 +1195,7 @@ impl<B: Backend> Engine<B> {
         match dist.as_mut() {
             Some(d) if sharded => {
                 sharded_update(
-                    dev, d, params, master, opt, specs, &cfg, self.step, grad_scale,
+                    dev, d, params, master, opt, specs, owned, &cfg, self.step, grad_scale,
                 )?;
                 if d.sharding == Sharding::Zero1 {
                     d.drop_grad_shards(dev);
@@ -1031,8 +1209,16 @@ impl<B: Backend> Engine<B> {
                 } else {
                     &mut master[..]
                 };
-                optim::update(dev, updated, grads, opt, specs, &cfg, self.step, grad_scale);
-                for (p, m) in params.iter_mut().zip(master.iter()) {
+                for (i, spec) in specs.iter().enumerate().filter(|(i, _)| owned[*i]) {
+                    let (u, g, st) = (&mut updated[i], &grads[i], &mut opt[i]);
+                    optim::update_one(dev, u, g, st, spec, &cfg, self.step, grad_scale);
+                }
+                for ((p, m), _) in params
+                    .iter_mut()
+                    .zip(master.iter())
+                    .zip(owned.iter())
+                    .filter(|(_, o)| **o)
+                {
                     dev.convert(p, m);
                 }
             }
@@ -1077,12 +1263,13 @@ fn sharded_update<B: Backend>(
     master: &mut [T<B>],
     opt: &mut [OptState<T<B>>],
     specs: &[ParamSpec],
+    owned: &[bool],
     cfg: &optim::OptConfig,
     step: u64,
     grad_scale: f32,
 ) -> Result<(), OomError> {
     let tmp = Category::Temporaries;
-    for (i, spec) in specs.iter().enumerate() {
+    for (i, spec) in specs.iter().enumerate().filter(|(i, _)| owned[*i]) {
         let (s, own, off) = (d.shard[i], d.valid(i, d.rank), d.offset(i));
         let wdt = if d.sharding.shards_parameters() {
             d.param_shards[i].dtype
@@ -1131,6 +1318,75 @@ fn sharded_update<B: Backend>(
         dev.free(recv);
     }
     Ok(())
+}
+
+/// A unit hook, as the backward pass gives it to [`head_backward`].
+type HeadHook<'a, B> =
+    dyn FnMut(&mut Device<B>, &mut Vec<T<B>>, &mut Vec<T<B>>, bool) -> Result<(), OomError> + 'a;
+
+/// The loss, head and final norm backward, on the last stage: frees what the
+/// head saved and returns the gradient of the residual stream `x` that fed it.
+/// `dims` is `(n, c, vocab, padded vocab)`.
+fn head_backward<B: Backend>(
+    dev: &mut Device<B>,
+    p: &mut Vec<T<B>>,
+    g: &mut Vec<T<B>>,
+    idx: &ParamIndex,
+    h: HeadActs<T<B>>,
+    targets: T<B>,
+    x: &T<B>,
+    dloss: f32,
+    (n, c, v, vp): (usize, usize, usize, usize),
+    hook: &mut HeadHook<'_, B>,
+) -> Result<T<B>, OomError> {
+    let tmp = Category::Temporaries;
+    let dt = x.dtype;
+    let HeadActs {
+        lnf,
+        lnf_mean,
+        lnf_rstd,
+        mut logits,
+        losses,
+    } = h;
+    dev.tracker.set_phase(Phase::BackwardHead);
+    hook(dev, p, g, false)?;
+    dev.free(losses);
+    dev.crossentropy_backward(&mut logits, &targets, dloss, n, v, vp);
+    dev.free(targets);
+    let head = idx.lm_head.unwrap_or(idx.wte);
+    let mut dlnf = dev.alloc(n * c, dt, tmp)?;
+    dev.matmul_backward(
+        &mut dlnf,
+        &mut g[head],
+        None,
+        &logits,
+        &lnf,
+        &p[head],
+        n,
+        c,
+        vp,
+    );
+    dev.free(logits);
+    let mut dres = dev.alloc(n * c, dt, tmp)?;
+    let (dw, db) = pair_mut(g, idx.lnf_w, idx.lnf_b);
+    dev.norm_backward(
+        &mut dres,
+        dw,
+        db,
+        &dlnf,
+        x,
+        &p[idx.lnf_w],
+        lnf_mean.as_ref(),
+        &lnf_rstd,
+        n,
+        c,
+    );
+    for x in [dlnf, lnf, lnf_rstd] {
+        dev.free(x);
+    }
+    dev.free_opt(lnf_mean);
+    hook(dev, p, g, true)?;
+    Ok(dres)
 }
 
 /// One transformer block's forward pass from its input `x` (N,C): the saved

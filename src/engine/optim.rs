@@ -56,6 +56,8 @@ pub enum OptState<X> {
     Sgd {
         momentum: X,
     },
+    /// Not held here: the tensor belongs to another pipeline stage.
+    Absent,
 }
 
 pub enum FactorState<X> {
@@ -105,6 +107,7 @@ impl<X> OptState<X> {
                 out
             }
             OptState::Sgd { momentum } => vec![momentum],
+            OptState::Absent => Vec::new(),
         }
     }
 }
@@ -117,13 +120,18 @@ pub fn alloc_state<B: Backend>(
     dev: &mut Device<B>,
     specs: &[ParamSpec],
     lens: &[usize],
+    owned: &[bool],
     cfg: &OptConfig,
 ) -> Result<Vec<OptState<T<B>>>, OomError> {
     let cat = Category::Optimizer;
     specs
         .iter()
         .zip(lens)
-        .map(|(spec, &n)| {
+        .zip(owned)
+        .map(|((spec, &n), &own)| {
+            if !own {
+                return Ok(OptState::Absent);
+            }
             Ok(match cfg.kind {
                 Optimizer::Adamw => OptState::Adam {
                     m: dev.alloc_f32(n, cat)?,
@@ -186,31 +194,6 @@ pub fn free_state<B: Backend>(dev: &mut Device<B>, state: Vec<OptState<T<B>>>) {
     }
 }
 
-/// One update of every tensor; `step` is 1-based; `grad_scale` applies clipping.
-pub fn update<B: Backend>(
-    dev: &mut Device<B>,
-    params: &mut [T<B>],
-    grads: &[T<B>],
-    state: &mut [OptState<T<B>>],
-    specs: &[ParamSpec],
-    cfg: &OptConfig,
-    step: u64,
-    grad_scale: f32,
-) {
-    for (i, spec) in specs.iter().enumerate() {
-        update_one(
-            dev,
-            &mut params[i],
-            &grads[i],
-            &mut state[i],
-            spec,
-            cfg,
-            step,
-            grad_scale,
-        );
-    }
-}
-
 /// One update of one tensor (or of this rank's shard of it: `p`, `g` and the
 /// state all hold the shard's elements).
 pub fn update_one<B: Backend>(
@@ -258,6 +241,7 @@ pub fn update_one<B: Backend>(
                 };
                 dev.sgd_update(p, g, momentum, h);
             }
+            OptState::Absent => {}
             OptState::Adafactor { second, m } => {
                 let h = AdafactorHyper {
                     lr: cfg.lr,

@@ -80,11 +80,12 @@ pub const BUCKET_BYTES: usize = 25 << 20;
 
 /// DDP's gradient buckets: parameter indices in reverse order (the order
 /// backward produces gradients), greedily packed up to the caps; a tensor
-/// larger than a cap gets a bucket of its own.
+/// larger than a cap gets a bucket of its own. Empty tensors (the ones
+/// another pipeline stage holds) are left out.
 pub fn buckets(bytes: &[usize]) -> Vec<Vec<usize>> {
     let mut out = Vec::new();
     let (mut cur, mut fill) = (Vec::new(), 0);
-    for i in (0..bytes.len()).rev() {
+    for i in (0..bytes.len()).rev().filter(|&i| bytes[i] > 0) {
         let cap = if out.is_empty() {
             FIRST_BUCKET_BYTES
         } else {
@@ -445,6 +446,10 @@ impl<B: Backend> Dist<B> {
         free_full: bool,
     ) -> Result<(), OomError> {
         let (su, world) = (self.unit_len[u], self.world);
+        if su == 0 {
+            // A unit another pipeline stage holds.
+            return Ok(());
+        }
         let dt = g[self.units[u][0]].dtype;
         let comm = Category::Communication;
         let mut send = dev.alloc(world * su, dt, comm)?;
