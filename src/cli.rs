@@ -315,6 +315,21 @@ impl RunArgs {
             .pipeline_stages
             .or(r.pipeline_stages)
             .unwrap_or(d.pipeline_stages);
+        // Without a pipeline both schedules are plain accumulation: a
+        // schedule or a partition given there would do nothing.
+        if stages == 1 {
+            for (flag, given) in [
+                ("--schedule", self.schedule.or(r.schedule).is_some()),
+                ("--partition", self.partition.is_some() || r.partition.is_some()),
+            ] {
+                if given {
+                    return Err(Error::invalid_arg(
+                        flag,
+                        "applies to pipelines only; add --pipeline-stages 2 or more",
+                    ));
+                }
+            }
+        }
         Ok(RunOptions {
             model: self
                 .model
