@@ -43,6 +43,10 @@ pub enum Command {
     /// The interactive profiler: the sweep live, grid, memory chart,
     /// breakdown and recommendation (without a recipe: the quickstart grid).
     Tui(TuiArgs),
+    /// Split a model's layers into pipeline stages: the exact best
+    /// contiguous split by stage peak (or time), with the uniform split and
+    /// fairscale's heuristic beside it; --verify runs it on cpu.
+    Balance(Box<BalanceArgs>),
     /// Runs one sweep trial (memfit re-executes itself; not for direct use).
     #[command(hide = true)]
     Trial {
@@ -50,6 +54,77 @@ pub enum Command {
         #[arg(long)]
         spec: String,
     },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct BalanceArgs {
+    /// A built-in profile name, a profile YAML or a Hugging Face config.json.
+    #[arg(long)]
+    pub model: String,
+    /// Pipeline stages.
+    #[arg(long)]
+    pub stages: usize,
+    /// Micro-batches per step.
+    #[arg(long)]
+    pub microbatches: usize,
+    #[arg(long, value_enum, default_value_t = Schedule::OneFOneB)]
+    pub schedule: Schedule,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 1)]
+    pub micro_batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 64)]
+    pub seq_len: usize,
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    pub precision: Precision,
+    #[arg(long, value_enum, default_value_t = Optimizer::Adamw)]
+    pub optimizer: Optimizer,
+    #[arg(long, value_enum, default_value_t = Checkpointing::None)]
+    pub checkpointing: Checkpointing,
+    #[arg(long, value_enum, default_value_t = Attention::Eager)]
+    pub attention: Attention,
+    /// memory: minimise the largest stage peak; time: minimise the slowest
+    /// stage with every stage within the capacity.
+    #[arg(long, value_enum, default_value_t = crate::balance_cmd::By::Memory)]
+    pub by: crate::balance_cmd::By,
+    /// cpu (layers timed here; cpu:limit=SIZE sets a capacity) or meta:GPU
+    /// (times from the GPU profile's roofline, capacity its memory).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// cpu timing: steps timed per layer, after one warm-up (the median counts).
+    #[arg(long, default_value_t = 5)]
+    pub repeats: usize,
+    /// Run the optimal split on cpu for one step and compare each stage's
+    /// measured peak with the prediction.
+    #[arg(long)]
+    pub verify: bool,
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+}
+
+impl BalanceArgs {
+    pub fn options(&self) -> Result<crate::balance_cmd::BalanceOptions> {
+        Ok(crate::balance_cmd::BalanceOptions {
+            model: self.model.clone(),
+            train: TrainConfig {
+                seq_len: self.seq_len,
+                micro_batch: self.micro_batch,
+                grad_accum: self.microbatches,
+                optimizer: self.optimizer,
+                precision: self.precision,
+                checkpointing: self.checkpointing,
+                attention: self.attention,
+                ranks: self.stages,
+                pipeline_stages: self.stages,
+                schedule: self.schedule,
+                ..TrainConfig::default()
+            },
+            by: self.by,
+            target: crate::balance_cmd::Target::parse(&self.device)?,
+            repeats: self.repeats,
+            verify: self.verify,
+        })
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -320,7 +395,10 @@ impl RunArgs {
         if stages == 1 {
             for (flag, given) in [
                 ("--schedule", self.schedule.or(r.schedule).is_some()),
-                ("--partition", self.partition.is_some() || r.partition.is_some()),
+                (
+                    "--partition",
+                    self.partition.is_some() || r.partition.is_some(),
+                ),
             ] {
                 if given {
                     return Err(Error::invalid_arg(
@@ -339,11 +417,11 @@ impl RunArgs {
             train: TrainConfig {
                 seq_len: self.seq_len.or(r.seq_len).unwrap_or(d.seq_len),
                 micro_batch: self.micro_batch.or(r.micro_batch).unwrap_or(d.micro_batch),
-                grad_accum: microbatches(
-                    self.grad_accum.or(r.grad_accum),
-                    self.microbatches.or(r.microbatches),
-                )?
-                .unwrap_or(d.grad_accum),
+                // A flag (either spelling) overrides the recipe's key (either).
+                grad_accum: match microbatches(self.grad_accum, self.microbatches)? {
+                    Some(k) => k,
+                    None => microbatches(r.grad_accum, r.microbatches)?.unwrap_or(d.grad_accum),
+                },
                 optimizer: self.optimizer.or(r.optimizer).unwrap_or(d.optimizer),
                 lr: or(self.lr, r.lr),
                 beta1: or(self.beta1, r.beta1),

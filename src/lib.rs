@@ -8,6 +8,7 @@
 
 pub mod backend;
 pub mod balance;
+pub mod balance_cmd;
 pub mod check;
 pub mod cli;
 pub mod comm;

@@ -50,6 +50,7 @@ fn main() -> ExitCode {
             }
         },
         Command::Sweep(args) => sweep_main(&args),
+        Command::Balance(args) => balance_main(&args),
         Command::Check(args) => memfit::check::run_check(&args),
         Command::Tui(args) => tui_main(&args),
         Command::Trial { spec } => trial_main(&spec),
@@ -188,6 +189,38 @@ fn tui_main(args: &memfit::cli::TuiArgs) -> i32 {
         Ok(code) => {
             println!("memfit tui: journal and exports in {}", args.out.display());
             code
+        }
+        Err(e) => {
+            eprintln!("memfit: {e}");
+            e.exit_code()
+        }
+    }
+}
+
+/// `memfit balance`: exit 0 with the partitions, 2 on bad input, 3 when
+/// --verify's run runs out of memory or no split fits.
+fn balance_main(args: &memfit::cli::BalanceArgs) -> i32 {
+    let report = args
+        .options()
+        .and_then(|o| memfit::balance_cmd::balance(&o));
+    match report {
+        Ok(report) => {
+            match args.format {
+                Format::Json => println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).expect("report serialises")
+                ),
+                Format::Table => print!("{}", memfit::balance_cmd::render_table(&report)),
+            }
+            if report
+                .verify
+                .iter()
+                .any(|v| v.predicted_bytes != v.measured_bytes)
+            {
+                eprintln!("memfit: a stage's measured peak differs from the prediction");
+                return 1;
+            }
+            0
         }
         Err(e) => {
             eprintln!("memfit: {e}");

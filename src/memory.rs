@@ -61,7 +61,7 @@ impl Category {
 }
 
 /// Where in a training step the engine is; stamped on every timeline event.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Phase {
     Init,
     /// Token (and position) embedding.

@@ -329,8 +329,13 @@ pub fn validate_sharding(t: &TrainConfig) -> Result<()> {
         return Err(Error::invalid_arg(
             "--sharding",
             format!(
-                "{} data-parallel replicas need a data-parallel scheme: ddp, zero1, zero2 or zero3",
-                t.data_ranks()
+                "{} data-parallel replicas need a data-parallel scheme: {}",
+                t.data_ranks(),
+                if stages > 1 {
+                    "ddp or zero1 (with a pipeline)"
+                } else {
+                    "ddp, zero1, zero2 or zero3"
+                }
             ),
         ));
     }

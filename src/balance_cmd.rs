@@ -1,0 +1,648 @@
+//! `memfit balance`: the best contiguous split of a model's layers into
+//! pipeline stages, from what each stage really costs on the engine.
+//!
+//! The model is a list of `blocks + 2` pipeline layers: the embedding, each
+//! block, the head. A stage holding layers `i..j` as stage `s` is priced by
+//! running it: one meta engine for that stage alone, with the schedule's
+//! micro-batches, gives its peak byte for byte (meta equals cpu, and a
+//! stage's allocations do not depend on the other stages). Time is the sum
+//! of the layers' forward + backward times, measured on cpu or priced by the
+//! roofline on meta. Both costs only grow when a stage takes one more layer
+//! or moves earlier (an earlier stage holds at least as many micro-batches),
+//! so a greedy fill under a bound is exact and a binary search on the bound
+//! finds the optimum ([`crate::balance::min_bottleneck`]).
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use serde::Serialize;
+
+use crate::backend::meta::MetaBackend;
+use crate::backend::{DeviceKind, DeviceSpec};
+use crate::balance::{block_partition, min_bottleneck};
+use crate::comm::{MetaComm, MetaP2p};
+use crate::config::ModelConfig;
+use crate::config::hardware::{HardwareProfile, load_hardware};
+use crate::config::profile::load_model;
+use crate::data::DataSource;
+use crate::engine::device::Roofline;
+use crate::engine::pipeline::uniform_balance;
+use crate::engine::{Engine, Pipe, Schedule, TrainConfig};
+use crate::error::{Error, Result};
+use crate::memory::{Category, PeakBytes, Phase};
+use crate::run::{RunOptions, validate};
+use crate::units::fmt_bytes;
+
+/// What the partition minimises.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum By {
+    /// The largest stage peak.
+    #[default]
+    Memory,
+    /// The slowest stage, every stage within the capacity.
+    Time,
+}
+
+/// Where the layers are timed.
+#[derive(Clone, Debug)]
+pub enum Target {
+    /// Timed on this machine's cpu; `limit` is the capacity, if any.
+    Cpu { limit: Option<u64> },
+    /// Priced by the roofline of a GPU profile, whose memory (less the
+    /// runtime overhead) is the capacity.
+    Gpu(HardwareProfile),
+}
+
+impl Target {
+    /// `cpu`, `cpu:limit=SIZE`, or `meta:GPU` (a hardware profile name).
+    pub fn parse(text: &str) -> Result<Self> {
+        if let Some(hw) = text.strip_prefix("meta:") {
+            return load_hardware(hw).map(Target::Gpu);
+        }
+        let spec: DeviceSpec = text
+            .parse()
+            .map_err(|e: String| Error::invalid_arg("--device", e))?;
+        match spec.kind {
+            DeviceKind::Cpu => Ok(Target::Cpu { limit: spec.limit }),
+            _ => Err(Error::invalid_arg(
+                "--device",
+                format!(
+                    "`{text}`: balance runs on cpu, or predicts for a GPU with meta:NAME (see `memfit profiles`)"
+                ),
+            )),
+        }
+    }
+
+    fn capacity(&self) -> Option<u64> {
+        match self {
+            Target::Cpu { limit } => *limit,
+            Target::Gpu(hw) => Some(hw.memory.saturating_sub(hw.runtime_overhead)),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Target::Cpu { .. } => "cpu".into(),
+            Target::Gpu(hw) => format!("meta:{}", hw.name),
+        }
+    }
+}
+
+pub struct BalanceOptions {
+    pub model: String,
+    /// Knobs; `pipeline_stages`, `grad_accum` (the micro-batches) and
+    /// `schedule` describe the pipeline, `ranks` equals the stages.
+    pub train: TrainConfig,
+    pub by: By,
+    pub target: Target,
+    /// cpu timing: steps timed after one warm-up; each layer's median counts.
+    pub repeats: usize,
+    pub verify: bool,
+}
+
+/// One pipeline layer's costs, each measured with the layer alone.
+#[derive(Clone, Debug, Serialize)]
+pub struct LayerRecord {
+    pub name: String,
+    /// Weights, gradients and optimizer state (a tied head includes its
+    /// copy of the embedding).
+    pub weight_bytes: u64,
+    /// Activations and receive buffers at their peak, one micro-batch.
+    pub activation_bytes: u64,
+    /// Forward + backward (+ recomputation) of one micro-batch.
+    pub secs: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct StageRecord {
+    pub stage: usize,
+    /// Blocks `[lo, hi)`: the first stage also holds the embedding, the last the head.
+    pub blocks: [usize; 2],
+    pub peak_bytes: PeakBytes,
+    /// Forward + backward of one micro-batch through the stage.
+    pub secs_per_micro_batch: f64,
+    pub fits: bool,
+}
+
+/// A partition, in the forms a user pastes.
+#[derive(Clone, Debug, Serialize)]
+pub struct PartitionRecord {
+    /// fairscale's `Pipe(balance=[...])` over `nn.Sequential(embedding, *blocks, head)`.
+    pub balance: Vec<usize>,
+    /// Stage boundaries over those layers.
+    pub boundaries: Vec<usize>,
+    /// Blocks per stage, as `memfit run --partition` takes them.
+    pub partition: String,
+    pub stages: Vec<StageRecord>,
+    pub max_peak_bytes: u64,
+    pub max_stage_secs: f64,
+    /// `(K + S - 1) x` the slowest stage: a flushed pipeline's step, bubble included.
+    pub step_secs: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct VerifyRecord {
+    pub stage: usize,
+    pub predicted_bytes: u64,
+    pub measured_bytes: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct BalanceReport {
+    pub model: String,
+    pub stages: usize,
+    pub microbatches: usize,
+    pub schedule: Schedule,
+    pub micro_batch: usize,
+    pub seq_len: usize,
+    pub by: By,
+    pub device: String,
+    pub capacity_bytes: Option<u64>,
+    pub layers: Vec<LayerRecord>,
+    pub optimal: PartitionRecord,
+    pub uniform: PartitionRecord,
+    /// fairscale's balance_by_size / balance_by_time heuristic (Bárány and
+    /// Grinberg's block partition) over the layer sizes or times; `null`
+    /// where the heuristic leaves a stage empty or never settles.
+    pub fairscale: Option<PartitionRecord>,
+    /// How much smaller the optimal bottleneck (peak or time) is, in percent.
+    pub improvement_vs_uniform_pct: f64,
+    pub improvement_vs_fairscale_pct: Option<f64>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub verify: Vec<VerifyRecord>,
+}
+
+/// Blocks a stage holding pipeline layers `i..j` of `n` runs.
+pub fn blocks_of(i: usize, j: usize, n: usize) -> Range<usize> {
+    let blocks = n - 2;
+    i.saturating_sub(1).min(blocks)..j.saturating_sub(1).min(blocks)
+}
+
+/// Stage `s` of `train.pipeline_stages`, holding `blocks`, alone on meta:
+/// its peak over one step of the schedule.
+pub fn stage_peak(
+    model: &ModelConfig,
+    train: &TrainConfig,
+    s: usize,
+    blocks: Range<usize>,
+) -> PeakBytes {
+    let stages = train.pipeline_stages;
+    let pipe = (stages > 1).then(|| {
+        let tied = model.param_layout().1.lm_head.is_none();
+        let end = s == 0 || s + 1 == stages;
+        Pipe {
+            stage: s,
+            stages,
+            layers: blocks,
+            schedule: train.schedule,
+            p2p: Box::new(MetaP2p),
+            group: Box::new(MetaComm::new(s, stages)),
+            embed: (tied && end).then(|| Box::new(MetaComm::new(usize::from(s > 0), 2)) as _),
+        }
+    });
+    let one = TrainConfig {
+        ranks: stages,
+        ..train.clone()
+    };
+    let mut e = Engine::new_stage(
+        model.clone(),
+        one,
+        MetaBackend::emulating_cpu(),
+        None,
+        None,
+        pipe,
+    )
+    .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
+    e.step_from(train.grad_accum, || unreachable!("meta reads no data"))
+        .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
+    e.dev.tracker.peak_bytes()
+}
+
+/// Each pipeline layer's forward + backward time for one micro-batch.
+fn layer_times(
+    model: &ModelConfig,
+    train: &TrainConfig,
+    target: &Target,
+    repeats: usize,
+) -> Result<Vec<f64>> {
+    let one = TrainConfig {
+        grad_accum: 1,
+        ranks: 1,
+        pipeline_stages: 1,
+        partition: None,
+        ..train.clone()
+    };
+    let per_layer = |secs: &HashMap<Phase, f64>| -> Vec<f64> {
+        let at = |p: Phase| secs.get(&p).copied().unwrap_or(0.0);
+        let mut out = vec![at(Phase::ForwardEmbed) + at(Phase::BackwardEmbed)];
+        out.extend(
+            (0..model.n_layer)
+                .map(|l| at(Phase::Forward(l)) + at(Phase::Recompute(l)) + at(Phase::Backward(l))),
+        );
+        out.push(at(Phase::ForwardHead) + at(Phase::BackwardHead));
+        out
+    };
+    match target {
+        Target::Gpu(hw) => {
+            let mut e = Engine::new(model.clone(), one, MetaBackend::emulating_cpu(), None)
+                .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
+            e.dev.roofline = Some(Roofline {
+                flops_per_s: hw.peak_flops(train.precision) * crate::plan::COMPUTE_EFFICIENCY,
+                bytes_per_s: hw.memory_bandwidth_gbps * 1e9 * crate::plan::MEMORY_EFFICIENCY,
+                op_overhead_s: crate::plan::OP_OVERHEAD_S,
+            });
+            e.step_from(1, || unreachable!("meta reads no data"))
+                .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
+            Ok(per_layer(&e.dev.phase_secs))
+        }
+        Target::Cpu { .. } => {
+            let be = crate::backend::cpu::CpuBackend::new(
+                std::thread::available_parallelism().map_or(1, |n| n.get()),
+            )
+            .map_err(Error::Unavailable)?;
+            let mut e = Engine::new(model.clone(), one.clone(), be, None)?;
+            let mut data = DataSource::synthetic(model.vocab_size, one.seed);
+            let mut runs: Vec<Vec<f64>> = Vec::new();
+            // One warm-up step, then `repeats` timed ones.
+            for r in 0..=repeats {
+                e.dev.phase_secs.clear();
+                e.step_from(1, || data.next_batch(one.micro_batch, one.seq_len))?;
+                if r > 0 {
+                    runs.push(per_layer(&e.dev.phase_secs));
+                }
+            }
+            Ok((0..model.n_layer + 2)
+                .map(|k| {
+                    let mut v: Vec<f64> = runs.iter().map(|r| r[k]).collect();
+                    v.sort_by(f64::total_cmp);
+                    v[v.len() / 2]
+                })
+                .collect())
+        }
+    }
+}
+
+/// Runs `memfit balance`.
+pub fn balance(opts: &BalanceOptions) -> Result<BalanceReport> {
+    let model = load_model(&opts.model)?;
+    let t = &opts.train;
+    let (stages, k) = (t.pipeline_stages, t.grad_accum);
+    validate(
+        &RunOptions {
+            model: opts.model.clone(),
+            train: t.clone(),
+            steps: 1,
+            device: DeviceSpec {
+                kind: DeviceKind::Meta,
+                limit: None,
+            },
+            data: None,
+            threads: None,
+            timeline: None,
+            phase_peaks: false,
+        },
+        &model,
+    )
+    .map_err(|e| match e {
+        Error::InvalidArg { flag, message } if flag == "--pipeline-stages" => Error::InvalidArg {
+            flag: "--stages".into(),
+            message,
+        },
+        e => e,
+    })?;
+    if opts.by == By::Time && opts.repeats == 0 {
+        return Err(Error::invalid_arg("--repeats", "must be at least 1"));
+    }
+    let n = model.n_layer + 2;
+    let capacity = opts.target.capacity();
+
+    // Each layer alone (one stage per layer, one micro-batch): what it holds.
+    let alone = TrainConfig {
+        pipeline_stages: n,
+        ranks: n,
+        grad_accum: 1,
+        partition: None,
+        ..t.clone()
+    };
+    let times = layer_times(&model, t, &opts.target, opts.repeats)?;
+    let layers: Vec<LayerRecord> = (0..n)
+        .map(|i| {
+            let p = stage_peak(&model, &alone, i, blocks_of(i, i + 1, n));
+            let weights = [
+                Category::Parameters,
+                Category::Gradients,
+                Category::Optimizer,
+            ];
+            LayerRecord {
+                name: match i {
+                    0 => "embedding".into(),
+                    _ if i == n - 1 => "head".into(),
+                    _ => format!("block {}", i - 1),
+                },
+                weight_bytes: weights.iter().map(|&c| p.get(c)).sum(),
+                activation_bytes: p.get(Category::Activations) + p.get(Category::Communication),
+                secs: times[i],
+            }
+        })
+        .collect();
+
+    // The exact costs of a stage, memoised: the search asks for some many times.
+    let mut memo: HashMap<(usize, usize, usize), PeakBytes> = HashMap::new();
+    let mut peak = |s: usize, i: usize, j: usize| -> PeakBytes {
+        *memo
+            .entry((s, i, j))
+            .or_insert_with(|| stage_peak(&model, t, s, blocks_of(i, j, n)))
+    };
+    // Time in picoseconds, so the search can bisect integers.
+    let prefix: Vec<f64> = std::iter::once(0.0)
+        .chain(times.iter().scan(0.0, |acc, x| {
+            *acc += x;
+            Some(*acc)
+        }))
+        .collect();
+    let secs = |i: usize, j: usize| prefix[j] - prefix[i];
+    let ps = |x: f64| (x * 1e12).round() as u64;
+
+    let record = |bounds: Vec<usize>, peak: &mut dyn FnMut(usize, usize, usize) -> PeakBytes| {
+        let stages_rec: Vec<StageRecord> = (0..stages)
+            .map(|s| {
+                let (i, j) = (bounds[s], bounds[s + 1]);
+                let b = blocks_of(i, j, n);
+                let p = peak(s, i, j);
+                StageRecord {
+                    stage: s,
+                    blocks: [b.start, b.end],
+                    fits: capacity.is_none_or(|c| p.total <= c),
+                    peak_bytes: p,
+                    secs_per_micro_batch: secs(i, j),
+                }
+            })
+            .collect();
+        let max_stage_secs = stages_rec
+            .iter()
+            .map(|s| s.secs_per_micro_batch)
+            .fold(0.0, f64::max);
+        PartitionRecord {
+            balance: bounds.windows(2).map(|w| w[1] - w[0]).collect(),
+            partition: stages_rec
+                .iter()
+                .map(|s| format!("{}:{}", s.blocks[0], s.blocks[1]))
+                .collect::<Vec<_>>()
+                .join(","),
+            boundaries: bounds,
+            max_peak_bytes: stages_rec
+                .iter()
+                .map(|s| s.peak_bytes.total)
+                .max()
+                .unwrap_or(0),
+            max_stage_secs,
+            step_secs: (k + stages - 1) as f64 * max_stage_secs,
+            stages: stages_rec,
+        }
+    };
+    let to_bounds = |blocks: &[usize]| -> Vec<usize> {
+        let mut b = vec![0];
+        for (s, c) in blocks.iter().enumerate() {
+            let extra = usize::from(s == 0) + usize::from(s + 1 == stages);
+            b.push(b[s] + c + extra);
+        }
+        b
+    };
+    let uniform = record(
+        to_bounds(&uniform_balance(model.n_layer, stages)),
+        &mut peak,
+    );
+    let sizes: Vec<f64> = match opts.by {
+        By::Memory => layers
+            .iter()
+            .map(|l| (l.weight_bytes + l.activation_bytes) as f64)
+            .collect(),
+        By::Time => times.clone(),
+    };
+    let fairscale = block_partition(&sizes, stages).map(|b| record(b, &mut peak));
+
+    let best = match opts.by {
+        By::Memory => min_bottleneck(
+            n,
+            stages,
+            uniform.max_peak_bytes,
+            &mut |s, i, j| peak(s, i, j).total,
+            &mut |_, _, _| true,
+        ),
+        By::Time => min_bottleneck(
+            n,
+            stages,
+            ps(prefix[n]),
+            &mut |_, i, j| ps(secs(i, j)),
+            &mut |s, i, j| capacity.is_none_or(|c| peak(s, i, j).total <= c),
+        ),
+    };
+    let Some((_, bounds)) = best else {
+        return Err(Error::invalid_arg(
+            "--stages",
+            format!(
+                "no split of {} into {stages} stages fits {} per stage with {k} micro-batches; add stages, or lower --micro-batch",
+                model.name,
+                fmt_bytes(capacity.unwrap_or(0))
+            ),
+        ));
+    };
+    let optimal = record(bounds, &mut peak);
+
+    let gain = |base: f64, best: f64| {
+        if base > 0.0 {
+            100.0 * (base - best) / base
+        } else {
+            0.0
+        }
+    };
+    let bottleneck = |p: &PartitionRecord| match opts.by {
+        By::Memory => p.max_peak_bytes as f64,
+        By::Time => p.max_stage_secs,
+    };
+    let mut report = BalanceReport {
+        model: model.name.clone(),
+        stages,
+        microbatches: k,
+        schedule: t.schedule,
+        micro_batch: t.micro_batch,
+        seq_len: t.seq_len,
+        by: opts.by,
+        device: opts.target.describe(),
+        capacity_bytes: capacity,
+        improvement_vs_uniform_pct: gain(bottleneck(&uniform), bottleneck(&optimal)),
+        improvement_vs_fairscale_pct: fairscale
+            .as_ref()
+            .map(|f| gain(bottleneck(f), bottleneck(&optimal))),
+        layers,
+        optimal,
+        uniform,
+        fairscale,
+        verify: Vec::new(),
+    };
+    if opts.verify {
+        report.verify = verify(opts, &report)?;
+    }
+    Ok(report)
+}
+
+/// Runs the optimal partition for real on cpu, one step, and pairs each
+/// stage's measured peak with the prediction.
+fn verify(opts: &BalanceOptions, report: &BalanceReport) -> Result<Vec<VerifyRecord>> {
+    let blocks: Vec<usize> = report
+        .optimal
+        .stages
+        .iter()
+        .map(|s| s.blocks[1] - s.blocks[0])
+        .collect();
+    let run_opts = RunOptions {
+        model: opts.model.clone(),
+        train: TrainConfig {
+            partition: Some(blocks),
+            ranks: report.stages,
+            ..opts.train.clone()
+        },
+        steps: 1,
+        device: DeviceSpec {
+            kind: DeviceKind::Cpu,
+            limit: None,
+        },
+        data: None,
+        threads: None,
+        timeline: None,
+        phase_peaks: false,
+    };
+    let (run, failure) = crate::run::run(&run_opts)?;
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    Ok(report
+        .optimal
+        .stages
+        .iter()
+        .zip(&run.stages)
+        .map(|(p, m)| VerifyRecord {
+            stage: p.stage,
+            predicted_bytes: p.peak_bytes.total,
+            measured_bytes: m.peak_bytes.total,
+        })
+        .collect())
+}
+
+fn secs_str(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.2} s")
+    } else if s >= 1e-3 {
+        format!("{:.2} ms", s * 1e3)
+    } else {
+        format!("{:.1} µs", s * 1e6)
+    }
+}
+
+/// The report as a table.
+pub fn render_table(r: &BalanceReport) -> String {
+    use std::fmt::Write;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "{} on {} pipeline stages, {} micro-batches of {} x {} tokens, {} schedule; minimising the largest stage {} on {}{}",
+        r.model,
+        r.stages,
+        r.microbatches,
+        r.micro_batch,
+        r.seq_len,
+        r.schedule.name(),
+        match r.by {
+            By::Memory => "peak",
+            By::Time => "time",
+        },
+        r.device,
+        r.capacity_bytes.map_or(String::new(), |c| format!(
+            " (capacity {} per stage)",
+            fmt_bytes(c)
+        )),
+    );
+    let _ = writeln!(o, "\nlayers (each alone, one micro-batch):");
+    let _ = writeln!(
+        o,
+        "  {:<12} {:>16} {:>14} {:>12}",
+        "layer", "weights+grads+opt", "activations", "fwd+bwd"
+    );
+    for l in &r.layers {
+        let _ = writeln!(
+            o,
+            "  {:<12} {:>16} {:>14} {:>12}",
+            l.name,
+            fmt_bytes(l.weight_bytes),
+            fmt_bytes(l.activation_bytes),
+            secs_str(l.secs)
+        );
+    }
+    for (name, p) in [
+        ("optimal", Some(&r.optimal)),
+        ("uniform", Some(&r.uniform)),
+        ("fairscale", r.fairscale.as_ref()),
+    ] {
+        let Some(p) = p else {
+            let _ = writeln!(
+                o,
+                "\n{name}: the heuristic leaves a stage empty or does not settle on this input"
+            );
+            continue;
+        };
+        let _ = writeln!(
+            o,
+            "\n{name}: balance={:?}  --partition {}",
+            p.balance, p.partition
+        );
+        let _ = writeln!(
+            o,
+            "  {:<6} {:>8} {:>14} {:>14}",
+            "stage", "blocks", "peak", "time/µbatch"
+        );
+        for s in &p.stages {
+            let _ = writeln!(
+                o,
+                "  {:<6} {:>8} {:>14} {:>14}{}",
+                s.stage,
+                format!("{}:{}", s.blocks[0], s.blocks[1]),
+                fmt_bytes(s.peak_bytes.total),
+                secs_str(s.secs_per_micro_batch),
+                if s.fits { "" } else { "  does not fit" }
+            );
+        }
+        let _ = writeln!(
+            o,
+            "  largest peak {}, slowest stage {}, step {}",
+            fmt_bytes(p.max_peak_bytes),
+            secs_str(p.max_stage_secs),
+            secs_str(p.step_secs)
+        );
+    }
+    let _ = writeln!(
+        o,
+        "\nthe optimal split's bottleneck is {:.1}% below the uniform split's{}",
+        r.improvement_vs_uniform_pct,
+        r.improvement_vs_fairscale_pct
+            .map_or(String::new(), |p| format!(" and {p:.1}% below fairscale's"))
+    );
+    if !r.verify.is_empty() {
+        let _ = writeln!(o, "\nverified on cpu (one step of the optimal split):");
+        for v in &r.verify {
+            let _ = writeln!(
+                o,
+                "  stage {}: predicted {} B, measured {} B{}",
+                v.stage,
+                v.predicted_bytes,
+                v.measured_bytes,
+                if v.predicted_bytes == v.measured_bytes {
+                    "  (equal)"
+                } else {
+                    "  DIFFERS"
+                }
+            );
+        }
+    }
+    o
+}
