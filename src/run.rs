@@ -781,10 +781,23 @@ pub fn render_table(r: &RunReport) -> String {
         s,
         "\npeak memory{}{}:",
         if n > 1 {
-            format!(
-                " per rank, highest of {n} ranks ({})",
-                crate::plan::name(c.train.sharding)
-            )
+            let t = &c.train;
+            let layout = match (t.pipeline_stages > 1, t.data_ranks() > 1) {
+                (false, _) => crate::plan::name(t.sharding),
+                (true, false) => format!(
+                    "{} pipeline stages, {}",
+                    t.pipeline_stages,
+                    t.schedule.name()
+                ),
+                (true, true) => format!(
+                    "{} pipeline stages, {}, x {} {} replicas",
+                    t.pipeline_stages,
+                    t.schedule.name(),
+                    t.data_ranks(),
+                    crate::plan::name(t.sharding)
+                ),
+            };
+            format!(" per rank, highest of {n} ranks ({layout})")
         } else {
             String::new()
         },
@@ -823,6 +836,24 @@ pub fn render_table(r: &RunReport) -> String {
                 fmt_bytes(rr.peak_bytes.total),
                 fmt_bytes(rr.sent_bytes_per_step),
                 fmt_bytes(rr.received_bytes_per_step)
+            );
+        }
+    }
+    if !r.stages.is_empty() {
+        let _ = writeln!(
+            s,
+            "\n  {:<6} {:>8} {:>10} {:>12} {:>12}",
+            "stage", "blocks", "in flight", "peak", "activations"
+        );
+        for st in &r.stages {
+            let _ = writeln!(
+                s,
+                "  {:<6} {:>8} {:>10} {:>12} {:>12}",
+                st.stage,
+                format!("{}:{}", st.layers[0], st.layers[1]),
+                st.in_flight,
+                fmt_bytes(st.peak_bytes.total),
+                fmt_bytes(st.peak_bytes.get(Category::Activations))
             );
         }
     }
