@@ -422,32 +422,29 @@ pub fn balance(opts: &BalanceOptions) -> Result<BalanceReport> {
     };
     let fairscale = block_partition(&sizes, stages).map(|b| record(b, &mut peak));
 
-    let best = match opts.by {
-        By::Memory => min_bottleneck(
+    let by_memory = |peak: &mut dyn FnMut(usize, usize, usize) -> PeakBytes| {
+        min_bottleneck(
             n,
             stages,
             uniform.max_peak_bytes,
             &mut |s, i, j| peak(s, i, j).total,
             &mut |_, _, _| true,
-        ),
+        )
+    };
+    let best = match opts.by {
+        By::Memory => by_memory(&mut peak),
+        // Where no split fits, the smallest largest peak is the best
+        // answer there is; its stages are marked as not fitting.
         By::Time => min_bottleneck(
             n,
             stages,
             ps(prefix[n]),
             &mut |_, i, j| ps(secs(i, j)),
             &mut |s, i, j| capacity.is_none_or(|c| peak(s, i, j).total <= c),
-        ),
+        )
+        .or_else(|| by_memory(&mut peak)),
     };
-    let Some((_, bounds)) = best else {
-        return Err(Error::invalid_arg(
-            "--stages",
-            format!(
-                "no split of {} into {stages} stages fits {} per stage with {k} micro-batches; add stages, or lower --micro-batch",
-                model.name,
-                fmt_bytes(capacity.unwrap_or(0))
-            ),
-        ));
-    };
+    let (_, bounds) = best.expect("the uniform split bounds the search, so some split is found");
     let optimal = record(bounds, &mut peak);
 
     let gain = |base: f64, best: f64| {

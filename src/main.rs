@@ -197,8 +197,9 @@ fn tui_main(args: &memfit::cli::TuiArgs) -> i32 {
     }
 }
 
-/// `memfit balance`: exit 0 with the partitions, 2 on bad input, 3 when
-/// --verify's run runs out of memory or no split fits.
+/// `memfit balance`: exit 0 with the partitions, 1 when --verify measures
+/// other peaks than predicted, 2 on bad input, 3 when no split fits the
+/// capacity (the best one is still printed) or --verify's run runs out of memory.
 fn balance_main(args: &memfit::cli::BalanceArgs) -> i32 {
     let report = args
         .options()
@@ -219,6 +220,13 @@ fn balance_main(args: &memfit::cli::BalanceArgs) -> i32 {
             {
                 eprintln!("memfit: a stage's measured peak differs from the prediction");
                 return 1;
+            }
+            if report.optimal.stages.iter().any(|s| !s.fits) {
+                eprintln!(
+                    "memfit: no split into {} stages fits the capacity; add stages or lower --micro-batch",
+                    report.stages
+                );
+                return 3;
             }
             0
         }

@@ -247,3 +247,44 @@ fn bad_balance_input_is_a_clear_error() {
         assert!(!err.contains("panicked"), "{err}");
     }
 }
+
+#[test]
+fn a_capacity_no_split_fits_exits_3_with_the_best_split_printed() {
+    for by in ["memory", "time"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
+            .args([
+                "balance",
+                "--model",
+                "gpt2-tiny",
+                "--stages",
+                "2",
+                "--microbatches",
+                "4",
+                "--device",
+                "cpu:limit=1MiB",
+                "--by",
+                by,
+                "--repeats",
+                "1",
+                "--format",
+                "json",
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(3),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(doc["capacity_bytes"], 1 << 20);
+        assert!(
+            doc["optimal"]["stages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|s| s["fits"] == false)
+        );
+    }
+}
