@@ -118,7 +118,7 @@ pub struct LayerRecord {
 pub struct StageRecord {
     pub stage: usize,
     /// Blocks `[lo, hi)`: the first stage also holds the embedding, the last the head.
-    pub blocks: [usize; 2],
+    pub layers: [usize; 2],
     pub peak_bytes: PeakBytes,
     /// Forward + backward of one micro-batch through the stage.
     pub secs_per_micro_batch: f64,
@@ -159,6 +159,11 @@ pub struct BalanceReport {
     pub by: By,
     pub device: String,
     pub capacity_bytes: Option<u64>,
+    /// The knobs the stages were priced with.
+    pub config: TrainConfig,
+    /// Whether the layer times were measured (on cpu, a model too big for
+    /// the host is not timed; its times are 0).
+    pub timed: bool,
     pub layers: Vec<LayerRecord>,
     pub optimal: PartitionRecord,
     pub uniform: PartitionRecord,
@@ -261,7 +266,11 @@ fn layer_times(
                 std::thread::available_parallelism().map_or(1, |n| n.get()),
             )
             .map_err(Error::Unavailable)?;
-            let mut e = Engine::new(model.clone(), one.clone(), be, None)?;
+            // Within the host's memory, as `memfit run` trains: a model too
+            // big is a typed OOM, not an abort. (`cpu:limit` is a stage's
+            // capacity; the whole model is timed here, so it does not apply.)
+            let limit = crate::run::host_available_memory();
+            let mut e = Engine::new(model.clone(), one.clone(), be, limit)?;
             let mut data = DataSource::synthetic(model.vocab_size, one.seed);
             let mut runs: Vec<Vec<f64>> = Vec::new();
             // One warm-up step, then `repeats` timed ones.
@@ -305,13 +314,24 @@ pub fn balance(opts: &BalanceOptions) -> Result<BalanceReport> {
         &model,
     )
     .map_err(|e| match e {
-        Error::InvalidArg { flag, message } if flag == "--pipeline-stages" => Error::InvalidArg {
-            flag: "--stages".into(),
+        // Name balance's own flags.
+        Error::InvalidArg { flag, message } => Error::InvalidArg {
+            flag: match flag.as_str() {
+                "--pipeline-stages" => "--stages".into(),
+                "--grad-accum" => "--microbatches".into(),
+                _ => flag,
+            },
             message,
         },
         e => e,
     })?;
-    if opts.by == By::Time && opts.repeats == 0 {
+    if stages < 2 {
+        return Err(Error::invalid_arg(
+            "--stages",
+            "a pipeline needs 2 stages or more; one stage holds the whole model (see `memfit run`)",
+        ));
+    }
+    if opts.repeats == 0 {
         return Err(Error::invalid_arg("--repeats", "must be at least 1"));
     }
     let n = model.n_layer + 2;
@@ -325,7 +345,13 @@ pub fn balance(opts: &BalanceOptions) -> Result<BalanceReport> {
         partition: None,
         ..t.clone()
     };
-    let times = layer_times(&model, t, &opts.target, opts.repeats)?;
+    // A model too big to train on this host cannot be timed here: by
+    // memory, the split does not need the times; by time, it does.
+    let (times, timed) = match layer_times(&model, t, &opts.target, opts.repeats) {
+        Ok(times) => (times, true),
+        Err(Error::Oom(_)) if opts.by == By::Memory => (vec![0.0; n], false),
+        Err(e) => return Err(e),
+    };
     let layers: Vec<LayerRecord> = (0..n)
         .map(|i| {
             let p = stage_peak(&model, &alone, i, blocks_of(i, i + 1, n));
@@ -372,7 +398,7 @@ pub fn balance(opts: &BalanceOptions) -> Result<BalanceReport> {
                 let p = peak(s, i, j);
                 StageRecord {
                     stage: s,
-                    blocks: [b.start, b.end],
+                    layers: [b.start, b.end],
                     fits: capacity.is_none_or(|c| p.total <= c),
                     peak_bytes: p,
                     secs_per_micro_batch: secs(i, j),
@@ -387,7 +413,7 @@ pub fn balance(opts: &BalanceOptions) -> Result<BalanceReport> {
             balance: bounds.windows(2).map(|w| w[1] - w[0]).collect(),
             partition: stages_rec
                 .iter()
-                .map(|s| format!("{}:{}", s.blocks[0], s.blocks[1]))
+                .map(|s| format!("{}:{}", s.layers[0], s.layers[1]))
                 .collect::<Vec<_>>()
                 .join(","),
             boundaries: bounds,
@@ -468,6 +494,8 @@ pub fn balance(opts: &BalanceOptions) -> Result<BalanceReport> {
         by: opts.by,
         device: opts.target.describe(),
         capacity_bytes: capacity,
+        config: t.clone(),
+        timed,
         improvement_vs_uniform_pct: gain(bottleneck(&uniform), bottleneck(&optimal)),
         improvement_vs_fairscale_pct: fairscale
             .as_ref()
@@ -491,7 +519,7 @@ fn verify(opts: &BalanceOptions, report: &BalanceReport) -> Result<Vec<VerifyRec
         .optimal
         .stages
         .iter()
-        .map(|s| s.blocks[1] - s.blocks[0])
+        .map(|s| s.layers[1] - s.layers[0])
         .collect();
     let run_opts = RunOptions {
         model: opts.model.clone(),
@@ -603,7 +631,7 @@ pub fn render_table(r: &BalanceReport) -> String {
                 o,
                 "  {:<6} {:>8} {:>14} {:>14}{}",
                 s.stage,
-                format!("{}:{}", s.blocks[0], s.blocks[1]),
+                format!("{}:{}", s.layers[0], s.layers[1]),
                 fmt_bytes(s.peak_bytes.total),
                 secs_str(s.secs_per_micro_batch),
                 if s.fits { "" } else { "  does not fit" }
@@ -617,13 +645,26 @@ pub fn render_table(r: &BalanceReport) -> String {
             secs_str(p.step_secs)
         );
     }
-    let _ = writeln!(
-        o,
-        "\nthe optimal split's bottleneck is {:.1}% below the uniform split's{}",
+    let fits = |p: &PartitionRecord| p.stages.iter().all(|s| s.fits);
+    let versus = |name: &str, pct: f64, p: &PartitionRecord| {
+        let note = if fits(p) { "" } else { " (which does not fit)" };
+        format!("{pct:.1}% below {name}{note}")
+    };
+    let mut line = versus(
+        "the uniform split's",
         r.improvement_vs_uniform_pct,
-        r.improvement_vs_fairscale_pct
-            .map_or(String::new(), |p| format!(" and {p:.1}% below fairscale's"))
+        &r.uniform,
     );
+    if let (Some(pct), Some(f)) = (r.improvement_vs_fairscale_pct, &r.fairscale) {
+        line = format!("{line} and {}", versus("fairscale's", pct, f));
+    }
+    let _ = writeln!(o, "\nthe optimal split's bottleneck is {line}");
+    if !r.timed {
+        let _ = writeln!(
+            o,
+            "(layer times not measured: the model does not fit this host's memory to be timed)"
+        );
+    }
     if !r.verify.is_empty() {
         let _ = writeln!(o, "\nverified on cpu (one step of the optimal split):");
         for v in &r.verify {

@@ -284,8 +284,9 @@ pub struct RunArgs {
     /// 16-bit weights, activations and gradients, fp32 master weights [default: fp32].
     #[arg(long, value_enum)]
     pub precision: Option<Precision>,
-    /// Data-parallel ranks (simulated GPUs), each with its own device and
-    /// memory; the global batch is micro-batch x grad-accum x ranks [default: 1].
+    /// Ranks (simulated GPUs), each with its own device and memory: pipeline
+    /// stages x data-parallel replicas; the global batch is micro-batch x
+    /// grad-accum x replicas [default: 1, or the pipeline stages].
     #[arg(long)]
     pub ranks: Option<usize>,
     /// How state is spread over the ranks: none (one rank), ddp, zero1

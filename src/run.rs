@@ -568,9 +568,13 @@ where
             },
         };
         let result = cluster.step_from(opts.train.grad_accum, next);
+        // One replica's work: every stage of replica 0 (rank 0 alone
+        // without a pipeline; replicas repeat the same work).
+        let replicas = opts.train.data_ranks();
+        let replica0 = cluster.ranks.iter().step_by(replicas);
+        report.flops_per_step = replica0.clone().map(|e| e.dev.cost.flops()).sum();
+        report.bytes_moved_per_step = replica0.map(|e| e.dev.cost.bytes()).sum();
         let e0 = &cluster.ranks[0];
-        report.flops_per_step = e0.dev.cost.flops();
-        report.bytes_moved_per_step = e0.dev.cost.bytes();
         for ((w, e), (s0, r0)) in wire.iter_mut().zip(&cluster.ranks).zip(before) {
             *w = (e.dev.sent - s0, e.dev.received - r0);
         }
@@ -625,7 +629,7 @@ where
 }
 
 /// `MemAvailable` from /proc/meminfo, where there is one.
-fn host_available_memory() -> Option<u64> {
+pub fn host_available_memory() -> Option<u64> {
     crate::units::proc_bytes("/proc/meminfo", "MemAvailable")
 }
 

@@ -219,7 +219,15 @@ fn verify_measures_what_was_predicted_and_json_exports_the_split() {
 fn bad_balance_input_is_a_clear_error() {
     for (args, flag) in [
         (vec!["--stages", "5", "--microbatches", "2"], "--stages"),
-        (vec!["--stages", "2", "--microbatches", "0"], "--grad-accum"),
+        (
+            vec!["--stages", "2", "--microbatches", "0"],
+            "--microbatches",
+        ),
+        (vec!["--stages", "1", "--microbatches", "2"], "--stages"),
+        (
+            vec!["--stages", "2", "--microbatches", "2", "--repeats", "0"],
+            "--repeats",
+        ),
         (
             vec![
                 "--stages",
