@@ -533,6 +533,8 @@ where
                 }
             }
             fill_peaks(&mut report, std::slice::from_ref(&t), &[(0, 0)], &[None]);
+            // The one entry is the rank that failed.
+            report.ranks[0].rank = rank;
             return Ok((report, Some(Error::Oom(oom))));
         }
     };
