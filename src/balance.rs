@@ -1,16 +1,20 @@
-//! Contiguous partitioning of layers into pipeline stages (the core of the
-//! future `memfit balance`, issue 8).
+//! Contiguous partitioning of layers into pipeline stages.
 //!
-//! Each layer has a static cost (weights, gradients, optimizer state: what a
-//! stage holds however many micro-batches are in flight) and a per-micro-batch
-//! cost (the activations it keeps). Stage `s` of `S` holds `in_flight(s)`
-//! micro-batches at once: all `K` under GPipe, `min(S - s, K)` under 1F1B
-//! (Narayanan et al., PipeDream-Flush / Megatron's 1F1B schedule). A stage's
-//! peak is `static + in_flight x per_micro_batch`. [`optimal`] minimises the
-//! largest stage peak exactly, by dynamic programming over (stage, prefix) in
-//! O(S n^2); the brute force in the tests checks it on small instances.
-//! [`uniform`] and [`fairscale_by_size`] (fairscale's `balance_by_size`
-//! heuristic, built on [`block_partition`]) are the baselines it is compared with.
+//! [`min_bottleneck`] is what `memfit balance` (`crate::balance_cmd`) runs:
+//! the exact minimax split for any monotone stage cost, here the engine's
+//! own stage peaks (or summed layer times), by a greedy fill under a bound
+//! and a binary search on the bound. [`block_partition`] is fairscale's
+//! heuristic, the baseline it is compared with.
+//!
+//! The rest is a closed-form reference model the tests check both against:
+//! each layer has a static cost (weights, gradients, optimizer state) and a
+//! per-micro-batch cost (the activations it keeps); stage `s` of `S` holds
+//! `in_flight(s)` micro-batches (all `K` under GPipe, `min(S - s, K)` under
+//! 1F1B: Narayanan et al., PipeDream-Flush / Megatron's 1F1B schedule), so
+//! its peak is `static + in_flight x per_micro_batch`. [`optimal`] minimises
+//! the largest stage peak of that model by dynamic programming over (stage,
+//! prefix) in O(S n^2), checked against brute force; [`uniform`] and
+//! [`fairscale_by_size`] are its baselines.
 
 /// The pipeline schedule, which decides how many micro-batches a stage keeps.
 pub use crate::engine::pipeline::Schedule;
