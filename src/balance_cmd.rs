@@ -20,14 +20,13 @@ use serde::Serialize;
 use crate::backend::meta::MetaBackend;
 use crate::backend::{DeviceKind, DeviceSpec};
 use crate::balance::{block_partition, min_bottleneck};
-use crate::comm::{MetaComm, MetaP2p};
 use crate::config::ModelConfig;
 use crate::config::hardware::{HardwareProfile, load_hardware};
 use crate::config::profile::load_model;
 use crate::data::DataSource;
 use crate::engine::device::Roofline;
 use crate::engine::pipeline::uniform_balance;
-use crate::engine::{Engine, Pipe, Schedule, TrainConfig};
+use crate::engine::{Engine, Schedule, TrainConfig};
 use crate::error::{Error, Result};
 use crate::memory::{Category, PeakBytes, Phase};
 use crate::run::{RunOptions, validate};
@@ -192,31 +191,23 @@ pub fn stage_peak(
     s: usize,
     blocks: Range<usize>,
 ) -> PeakBytes {
-    let stages = train.pipeline_stages;
-    let pipe = (stages > 1).then(|| {
-        let tied = model.param_layout().1.lm_head.is_none();
-        let end = s == 0 || s + 1 == stages;
-        Pipe {
-            stage: s,
-            stages,
-            layers: blocks,
-            schedule: train.schedule,
-            p2p: Box::new(MetaP2p),
-            group: Box::new(MetaComm::new(s, stages)),
-            embed: (tied && end).then(|| Box::new(MetaComm::new(usize::from(s > 0), 2)) as _),
-        }
-    });
     let one = TrainConfig {
-        ranks: stages,
+        ranks: train.pipeline_stages,
+        partition: None,
         ..train.clone()
     };
+    // Stage s as a pipeline run wires it, holding `blocks`.
+    let mut link = crate::run::meta_links(model, &one).swap_remove(s);
+    if let Some(p) = &mut link.pipe {
+        p.layers = blocks;
+    }
     let mut e = Engine::new_stage(
         model.clone(),
         one,
         MetaBackend::emulating_cpu(),
         None,
-        None,
-        pipe,
+        link.comm,
+        link.pipe,
     )
     .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
     e.step_from(train.grad_accum, || unreachable!("meta reads no data"))

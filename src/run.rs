@@ -389,16 +389,7 @@ pub fn run(opts: &RunOptions) -> Result<(RunReport, Option<Error>)> {
     match opts.device.kind {
         DeviceKind::Meta => {
             let backends = (0..n).map(|_| MetaBackend::emulating_cpu()).collect();
-            let links = links(
-                &model,
-                &opts.train,
-                |w| {
-                    (0..w)
-                        .map(|r| Box::new(MetaComm::new(r, w)) as Comm<MetaBackend>)
-                        .collect()
-                },
-                |s| (0..s).map(|_| Box::new(MetaP2p) as _).collect(),
-            );
+            let links = meta_links(&model, &opts.train);
             run_on(opts, model, backends, links, None)
         }
         DeviceKind::Cpu => {
@@ -426,22 +417,7 @@ pub fn run(opts: &RunOptions) -> Result<(RunReport, Option<Error>)> {
             let backends = (0..n)
                 .map(|_| CpuBackend::new(per_rank).map_err(Error::Unavailable))
                 .collect::<Result<Vec<_>>>()?;
-            let links = links(
-                &model,
-                &opts.train,
-                |w| {
-                    cpu_group(w)
-                        .into_iter()
-                        .map(|c| Box::new(c) as Comm<CpuBackend>)
-                        .collect()
-                },
-                |s| {
-                    cpu_pipeline(s)
-                        .into_iter()
-                        .map(|p| Box::new(p) as _)
-                        .collect()
-                },
-            );
+            let links = cpu_links(&model, &opts.train);
             let mut opts = opts.clone();
             // Without a limit, each rank's capacity is its share of the host's
             // available memory, so a model too big for this machine is a typed
@@ -457,6 +433,42 @@ pub fn run(opts: &RunOptions) -> Result<(RunReport, Option<Error>)> {
             "the cuda backend is not part of this build yet; use --device cpu, or --device meta to predict memory".into(),
         )),
     }
+}
+
+/// Every rank's links for `train` on meta: collectives and point-to-point
+/// that move nothing (see [`links`]).
+pub fn meta_links(model: &ModelConfig, train: &TrainConfig) -> Vec<Links<MetaBackend>> {
+    links(
+        model,
+        train,
+        |w| {
+            (0..w)
+                .map(|r| Box::new(MetaComm::new(r, w)) as Comm<MetaBackend>)
+                .collect()
+        },
+        |s| (0..s).map(|_| Box::new(MetaP2p) as _).collect(),
+    )
+}
+
+/// Every rank's links for `train` on cpu: ranks are threads, data moves
+/// through shared memory and channels (see [`links`]).
+pub fn cpu_links(model: &ModelConfig, train: &TrainConfig) -> Vec<Links<CpuBackend>> {
+    links(
+        model,
+        train,
+        |w| {
+            cpu_group(w)
+                .into_iter()
+                .map(|c| Box::new(c) as Comm<CpuBackend>)
+                .collect()
+        },
+        |s| {
+            cpu_pipeline(s)
+                .into_iter()
+                .map(|p| Box::new(p) as _)
+                .collect()
+        },
+    )
 }
 
 fn run_on<B>(
@@ -521,7 +533,7 @@ where
         None => None,
     };
     let capacity = report.capacity_bytes;
-    let mut cluster = match Cluster::with_links(&model, &opts.train, backends, links, capacity) {
+    let mut cluster = match Cluster::new(&model, &opts.train, backends, links, capacity) {
         Ok(c) => c,
         Err((rank, oom)) => {
             // Nothing beyond the refused allocation was recorded; rebuild the tracker's view.

@@ -4,17 +4,16 @@
 
 use memfit::backend::Backend;
 use memfit::backend::cpu::CpuBackend;
-use memfit::backend::cpu_comm::{cpu_group, cpu_pipeline};
 use memfit::backend::meta::MetaBackend;
-use memfit::comm::{MetaComm, MetaP2p};
 use memfit::config::ModelConfig;
 use memfit::config::profile::load_model;
 use memfit::data::DataSource;
-use memfit::engine::cluster::{Cluster, links};
+use memfit::engine::cluster::Cluster;
 use memfit::engine::{
-    Checkpointing, Comm, Engine, Optimizer, Precision, Schedule, Sharding, TrainConfig,
+    Checkpointing, Engine, Optimizer, Precision, Schedule, Sharding, TrainConfig,
 };
 use memfit::memory::{Category, PeakBytes};
+use memfit::run::{cpu_links, meta_links};
 
 fn cpu_cluster(
     model: &ModelConfig,
@@ -22,23 +21,8 @@ fn cpu_cluster(
     capacity: Option<u64>,
 ) -> Cluster<CpuBackend> {
     let backends = (0..tc.ranks).map(|_| CpuBackend::new(1).unwrap()).collect();
-    let l = links(
-        model,
-        tc,
-        |w| {
-            cpu_group(w)
-                .into_iter()
-                .map(|c| Box::new(c) as Comm<CpuBackend>)
-                .collect()
-        },
-        |s| {
-            cpu_pipeline(s)
-                .into_iter()
-                .map(|p| Box::new(p) as _)
-                .collect()
-        },
-    );
-    match Cluster::with_links(model, tc, backends, l, capacity) {
+    let l = cpu_links(model, tc);
+    match Cluster::new(model, tc, backends, l, capacity) {
         Ok(c) => c,
         Err((r, e)) => panic!("rank {r}: {e}"),
     }
@@ -48,17 +32,8 @@ fn meta_cluster(model: &ModelConfig, tc: &TrainConfig) -> Cluster<MetaBackend> {
     let backends = (0..tc.ranks)
         .map(|_| MetaBackend::emulating_cpu())
         .collect();
-    let l = links(
-        model,
-        tc,
-        |w| {
-            (0..w)
-                .map(|r| Box::new(MetaComm::new(r, w)) as Comm<MetaBackend>)
-                .collect()
-        },
-        |s| (0..s).map(|_| Box::new(MetaP2p) as _).collect(),
-    );
-    match Cluster::with_links(model, tc, backends, l, None) {
+    let l = meta_links(model, tc);
+    match Cluster::new(model, tc, backends, l, None) {
         Ok(c) => c,
         Err((r, e)) => panic!("rank {r}: {e}"),
     }

@@ -5,13 +5,13 @@
 use std::process::{Command, Output};
 
 use memfit::backend::cpu::CpuBackend;
-use memfit::backend::cpu_comm::cpu_group;
 use memfit::config::hardware::load_hardware;
 use memfit::config::profile::load_model;
 use memfit::data::DataSource;
 use memfit::engine::cluster::Cluster;
-use memfit::engine::{Comm, Optimizer, Precision, Sharding};
+use memfit::engine::{Optimizer, Precision, Sharding};
 use memfit::plan::{Grid, PlanRecipe, Point, Verdict, closed_form, plan};
+use memfit::run::cpu_links;
 
 fn memfit(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_memfit"))
@@ -62,13 +62,9 @@ fn predictions_equal_cpu_measured_peaks() {
             }
             let pt = pred.point;
             let tc = pt.train_config(32);
-            let distributed = pt.gpus > 1 || pt.sharding != Sharding::None;
             let backends = (0..pt.gpus).map(|_| CpuBackend::new(1).unwrap()).collect();
-            let comms = cpu_group(pt.gpus)
-                .into_iter()
-                .map(|c| distributed.then(|| Box::new(c) as Comm<CpuBackend>))
-                .collect();
-            let mut c = Cluster::new(&model, &tc, backends, comms, None).unwrap();
+            let links = cpu_links(&model, &tc);
+            let mut c = Cluster::new(&model, &tc, backends, links, None).unwrap();
             let mut data = DataSource::synthetic(model.vocab_size, 1);
             c.step_from(pt.grad_accum, || data.next_batch(pt.micro_batch, 32))
                 .unwrap();

@@ -4,15 +4,14 @@
 
 use memfit::backend::Backend;
 use memfit::backend::cpu::CpuBackend;
-use memfit::backend::cpu_comm::cpu_group;
 use memfit::backend::meta::MetaBackend;
-use memfit::comm::MetaComm;
 use memfit::config::ModelConfig;
 use memfit::config::profile::load_model;
 use memfit::data::DataSource;
 use memfit::engine::cluster::Cluster;
-use memfit::engine::{Checkpointing, Comm, Engine, Optimizer, Precision, Sharding, TrainConfig};
+use memfit::engine::{Checkpointing, Engine, Optimizer, Precision, Sharding, TrainConfig};
 use memfit::memory::PeakBytes;
+use memfit::run::{cpu_links, meta_links};
 
 const LEVELS: [Sharding; 4] = [
     Sharding::Ddp,
@@ -24,20 +23,13 @@ const LEVELS: [Sharding; 4] = [
 fn cpu_cluster(model: &ModelConfig, tc: &TrainConfig) -> Cluster<CpuBackend> {
     let n = tc.ranks;
     let backends = (0..n).map(|_| CpuBackend::new(1).unwrap()).collect();
-    let comms = cpu_group(n)
-        .into_iter()
-        .map(|c| Some(Box::new(c) as Comm<CpuBackend>))
-        .collect();
-    Cluster::new(model, tc, backends, comms, None).unwrap()
+    Cluster::new(model, tc, backends, cpu_links(model, tc), None).unwrap()
 }
 
 fn meta_cluster(model: &ModelConfig, tc: &TrainConfig) -> Cluster<MetaBackend> {
     let n = tc.ranks;
     let backends = (0..n).map(|_| MetaBackend::emulating_cpu()).collect();
-    let comms = (0..n)
-        .map(|r| Some(Box::new(MetaComm::new(r, n)) as Comm<MetaBackend>))
-        .collect();
-    Cluster::new(model, tc, backends, comms, None).unwrap()
+    Cluster::new(model, tc, backends, meta_links(model, tc), None).unwrap()
 }
 
 /// The full weights after training, assembled from zero3's shards when the

@@ -135,25 +135,10 @@ where
     B: Backend + Send,
     B::Buf: Send,
 {
-    /// One engine per backend; `comms[r]` is rank r's communicator (`None`
-    /// only for a single rank without sharding). Ranks are built together:
-    /// under ddp the constructor broadcasts rank 0's weights.
-    pub fn new(
-        model: &ModelConfig,
-        train: &TrainConfig,
-        backends: Vec<B>,
-        comms: Vec<Option<Comm<B>>>,
-        capacity: Option<u64>,
-    ) -> Result<Self, RankError> {
-        let links = comms
-            .into_iter()
-            .map(|comm| Links { comm, pipe: None })
-            .collect();
-        Self::with_links(model, train, backends, links, capacity)
-    }
-
     /// One engine per backend, rank `r` linked by `links[r]` (see [`links`]).
-    pub fn with_links(
+    /// Ranks are built together: under ddp the constructor broadcasts rank
+    /// 0's weights.
+    pub fn new(
         model: &ModelConfig,
         train: &TrainConfig,
         backends: Vec<B>,
