@@ -4,7 +4,9 @@
 //! embedding or the head is heavy, and what it predicts is what cpu measures.
 
 use std::collections::HashMap;
-use std::process::Command;
+
+mod common;
+use common::{json, memfit, stderr};
 
 use memfit::balance_cmd::{BalanceOptions, By, Target, balance, blocks_of, stage_peak};
 use memfit::config::hardware::load_hardware;
@@ -174,31 +176,24 @@ fn by_time_balances_the_slowest_stage_within_the_capacity() {
 #[test]
 fn verify_measures_what_was_predicted_and_json_exports_the_split() {
     for stages in ["2", "4"] {
-        let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
-            .args([
-                "balance",
-                "--model",
-                "gpt2-tiny",
-                "--stages",
-                stages,
-                "--microbatches",
-                "6",
-                "--micro-batch",
-                "2",
-                "--seq-len",
-                "32",
-                "--verify",
-                "--format",
-                "json",
-            ])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let out = memfit(&[
+            "balance",
+            "--model",
+            "gpt2-tiny",
+            "--stages",
+            stages,
+            "--microbatches",
+            "6",
+            "--micro-batch",
+            "2",
+            "--seq-len",
+            "32",
+            "--verify",
+            "--format",
+            "json",
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let doc = json(&out);
         let verify = doc["verify"].as_array().unwrap();
         assert_eq!(verify.len(), stages.parse::<usize>().unwrap());
         for v in verify {
@@ -244,12 +239,8 @@ fn bad_balance_input_is_a_clear_error() {
             "--device",
         ),
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
-            .args(["balance", "--model", "gpt2-tiny"])
-            .args(&args)
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
+        let out = memfit(&[&["balance", "--model", "gpt2-tiny"], &args[..]].concat());
+        let err = stderr(&out);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         assert!(err.contains(flag), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{err}");
@@ -259,33 +250,25 @@ fn bad_balance_input_is_a_clear_error() {
 #[test]
 fn a_capacity_no_split_fits_exits_3_with_the_best_split_printed() {
     for by in ["memory", "time"] {
-        let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
-            .args([
-                "balance",
-                "--model",
-                "gpt2-tiny",
-                "--stages",
-                "2",
-                "--microbatches",
-                "4",
-                "--device",
-                "cpu:limit=1MiB",
-                "--by",
-                by,
-                "--repeats",
-                "1",
-                "--format",
-                "json",
-            ])
-            .output()
-            .unwrap();
-        assert_eq!(
-            out.status.code(),
-            Some(3),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let out = memfit(&[
+            "balance",
+            "--model",
+            "gpt2-tiny",
+            "--stages",
+            "2",
+            "--microbatches",
+            "4",
+            "--device",
+            "cpu:limit=1MiB",
+            "--by",
+            by,
+            "--repeats",
+            "1",
+            "--format",
+            "json",
+        ]);
+        assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+        let doc = json(&out);
         assert_eq!(doc["capacity_bytes"], 1 << 20);
         assert!(
             doc["optimal"]["stages"]

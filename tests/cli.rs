@@ -1,29 +1,7 @@
 //! `memfit run` as a user runs it: output documents, exit codes, error messages.
 
-use std::process::{Command, Output};
-
-use serde_json::Value;
-
-fn memfit(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_memfit"))
-        .args(args)
-        .output()
-        .expect("memfit runs")
-}
-
-fn json(out: &Output) -> Value {
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "stdout is not JSON ({e}): {}\nstderr: {}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )
-    })
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
+mod common;
+use common::{json, memfit, stderr};
 
 #[test]
 fn run_json_carries_the_documented_fields() {

@@ -2,31 +2,12 @@
 //! document, meta's plan of every stage, the schedules' memory, partitions
 //! and recipe keys, and the exit-2 errors for bad pipeline flags.
 
+mod common;
+use common::{json, memfit, stderr};
+
 use std::path::PathBuf;
-use std::process::{Command, Output};
 
 use serde_json::Value;
-
-fn memfit(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_memfit"))
-        .args(args)
-        .output()
-        .expect("memfit runs")
-}
-
-fn json(out: &Output) -> Value {
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "stdout is not JSON ({e}): {}\nstderr: {}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )
-    })
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
 
 /// A small, fast gpt2-tiny run (2 blocks) with `extra` flags; it must succeed.
 fn run_json(extra: &[&str]) -> Value {

@@ -2,7 +2,8 @@
 //! through the planner), the published bytes-per-parameter figures come out,
 //! and bad recipes get located messages.
 
-use std::process::{Command, Output};
+mod common;
+use common::memfit;
 
 use memfit::backend::cpu::CpuBackend;
 use memfit::config::hardware::load_hardware;
@@ -12,13 +13,6 @@ use memfit::engine::cluster::Cluster;
 use memfit::engine::{Optimizer, Precision, Sharding};
 use memfit::plan::{Grid, PlanRecipe, Point, Verdict, closed_form, plan};
 use memfit::run::cpu_links;
-
-fn memfit(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_memfit"))
-        .args(args)
-        .output()
-        .expect("memfit runs")
-}
 
 fn fixture(name: &str) -> String {
     format!(

@@ -1,17 +1,13 @@
 //! `memfit sweep` end to end: trials in child processes, the bisection against
 //! an exhaustive sweep, crashes and kills, resume, and the report files.
 
+mod common;
+use common::memfit;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use memfit::sweep::report::{Outcome, SweepReport};
-
-fn memfit(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_memfit"))
-        .args(args)
-        .output()
-        .expect("memfit runs")
-}
 
 fn recipe() -> &'static str {
     concat!(
