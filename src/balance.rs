@@ -378,30 +378,41 @@ mod tests {
         rec(layers, 0, 0, stages, k, sched)
     }
 
-    #[test]
-    fn optimal_agrees_with_brute_force_on_random_instances() {
-        let mut x = 0x2545_f491_4f6c_dd1du64;
+    /// 300 seeded instances: up to `max_n` layers, 1..=n stages, K in 1..=8,
+    /// either schedule, static costs below 1000 and per-micro-batch below 300.
+    fn random_instances(seed: u64, max_n: u64) -> Vec<(Vec<Layer>, usize, usize, Schedule)> {
+        let mut x = seed;
         let mut next = |m: u64| {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
             x % m
         };
-        for _ in 0..300 {
-            let n = 1 + next(9) as usize;
-            let stages = 1 + next(n as u64) as usize;
-            let k = 1 + next(8) as usize;
-            let sched = if next(2) == 0 {
-                Schedule::Gpipe
-            } else {
-                Schedule::OneFOneB
-            };
-            let layers: Vec<Layer> = (0..n)
-                .map(|_| Layer {
-                    static_bytes: next(1000),
-                    per_micro_batch_bytes: next(300),
-                })
-                .collect();
+        (0..300)
+            .map(|_| {
+                let n = 1 + next(max_n) as usize;
+                let stages = 1 + next(n as u64) as usize;
+                let k = 1 + next(8) as usize;
+                let sched = if next(2) == 0 {
+                    Schedule::Gpipe
+                } else {
+                    Schedule::OneFOneB
+                };
+                let layers = (0..n)
+                    .map(|_| Layer {
+                        static_bytes: next(1000),
+                        per_micro_batch_bytes: next(300),
+                    })
+                    .collect();
+                (layers, stages, k, sched)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn optimal_agrees_with_brute_force_on_random_instances() {
+        for (layers, stages, k, sched) in random_instances(0x2545_f491_4f6c_dd1d, 9) {
+            let n = layers.len();
             let p = optimal(&layers, stages, k, sched).unwrap();
             assert_eq!(
                 p.max_peak(),
@@ -573,28 +584,8 @@ mod tests {
 
     #[test]
     fn min_bottleneck_agrees_with_the_dynamic_program() {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = |m: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % m
-        };
-        for _ in 0..300 {
-            let n = 1 + next(10) as usize;
-            let stages = 1 + next(n as u64) as usize;
-            let k = 1 + next(8) as usize;
-            let sched = if next(2) == 0 {
-                Schedule::Gpipe
-            } else {
-                Schedule::OneFOneB
-            };
-            let layers: Vec<Layer> = (0..n)
-                .map(|_| Layer {
-                    static_bytes: next(1000),
-                    per_micro_batch_bytes: next(300),
-                })
-                .collect();
+        for (layers, stages, k, sched) in random_instances(0x9e37_79b9_7f4a_7c15, 10) {
+            let n = layers.len();
             let mut cost =
                 |s: usize, i: usize, j: usize| stage_peak(&layers[i..j], s, stages, k, sched);
             let hi = uniform(&layers, stages, k, sched).unwrap().max_peak();
