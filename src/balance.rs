@@ -118,8 +118,10 @@ pub fn uniform(layers: &[Layer], stages: usize, k: usize, sched: Schedule) -> Op
         return None;
     }
     let mut bounds = vec![0];
-    for s in 0..stages {
-        let size = n / stages + usize::from(s < n % stages);
+    for (s, size) in crate::engine::pipeline::even_split(n, stages)
+        .into_iter()
+        .enumerate()
+    {
         bounds.push(bounds[s] + size);
     }
     Some(evaluate(layers, bounds, k, sched))

@@ -99,13 +99,18 @@ impl Schedule {
 /// head, so either may be 0 (a stage holding only the embedding, or only
 /// the head). Needs `1 <= stages <= blocks + 2`.
 pub fn uniform_balance(blocks: usize, stages: usize) -> Vec<usize> {
-    let layers = blocks + 2;
-    let mut out: Vec<usize> = (0..stages)
-        .map(|s| layers / stages + usize::from(s < layers % stages))
-        .collect();
+    let mut out = even_split(blocks + 2, stages);
     out[0] -= 1;
     out[stages - 1] -= 1;
     out
+}
+
+/// `n` items in `stages` runs as even as can be, the first runs taking the
+/// remainder.
+pub fn even_split(n: usize, stages: usize) -> Vec<usize> {
+    (0..stages)
+        .map(|s| n / stages + usize::from(s < n % stages))
+        .collect()
 }
 
 /// Stage `s`'s block range under `balance` (layers per stage).
