@@ -367,27 +367,30 @@ mod tests {
         assert!(msg.contains("missing field `usd_per_hour`"), "{msg}");
     }
 
-    #[test]
-    fn bad_size_names_the_key_and_line() {
-        let text = h100_text().replace("memory: 80GiB", "memory: 80 gigs");
-        let line = line_of(&text, "memory:");
+    /// The error for the H100 profile with line `from` replaced by `to`,
+    /// checked to name the file, `to`'s line and `key`.
+    fn located_error(from: &str, to: &str, key: &str) -> String {
+        let text = h100_text().replace(from, to);
+        assert_ne!(text, h100_text(), "{from}");
+        let line = line_of(&text, to);
         let msg = parse_hardware_yaml(&text, "x.yaml")
             .unwrap_err()
             .to_string();
         assert!(
-            msg.starts_with(&format!("x.yaml:{line}: `memory`: ")),
+            msg.starts_with(&format!("x.yaml:{line}: `{key}`: ")),
             "{msg}"
         );
-        assert!(msg.contains("`80 gigs`"), "{msg}");
+        msg
+    }
 
-        let text = h100_text().replace("runtime_overhead: 2GiB", "runtime_overhead: lots");
-        let line = line_of(&text, "runtime_overhead:");
-        let msg = parse_hardware_yaml(&text, "x.yaml")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            msg.starts_with(&format!("x.yaml:{line}: `runtime_overhead`: ")),
-            "{msg}"
+    #[test]
+    fn bad_size_names_the_key_and_line() {
+        let msg = located_error("memory: 80GiB", "memory: 80 gigs", "memory");
+        assert!(msg.contains("`80 gigs`"), "{msg}");
+        located_error(
+            "runtime_overhead: 2GiB",
+            "runtime_overhead: lots",
+            "runtime_overhead",
         );
     }
 
@@ -416,26 +419,14 @@ mod tests {
                 "runtime_overhead",
             ),
         ] {
-            let text = h100_text().replace(from, to);
-            assert_ne!(text, h100_text(), "{from}");
-            let line = line_of(&text, to);
-            let msg = parse_hardware_yaml(&text, "x.yaml")
-                .unwrap_err()
-                .to_string();
-            assert!(
-                msg.starts_with(&format!("x.yaml:{line}: `{key}`: ")),
-                "{msg}"
-            );
+            located_error(from, to, key);
         }
     }
 
     #[test]
     fn empty_name_is_rejected() {
-        let text = h100_text().replace("name: h100-sxm-80gb", "name: \"\"");
-        let line = line_of(&text, "name:");
-        let msg = parse_hardware_yaml(&text, "x.yaml")
-            .unwrap_err()
-            .to_string();
+        let msg = located_error("name: h100-sxm-80gb", "name: \"\"", "name");
+        let line = line_of(h100_text(), "name:");
         assert_eq!(msg, format!("x.yaml:{line}: `name`: must not be empty"));
     }
 
