@@ -331,16 +331,8 @@ pub struct Header {
 /// The whole state of the TUI.
 #[derive(Clone, Debug, PartialEq)]
 pub struct App {
-    pub model: String,
-    pub hardware: String,
-    pub device: String,
-    pub capacity: u64,
-    pub usable: u64,
-    pub usd_per_gpu_hour: f64,
-    pub headroom: f64,
-    pub allow_numerics_change: bool,
-    pub seq_len: usize,
-    pub global_batch: usize,
+    /// The sweep's header, as the front end gave it.
+    pub header: Header,
     /// One per grid point, in grid order.
     pub rows: Vec<Row>,
     /// Position in [`visible`] (the sorted, filtered list).
@@ -363,16 +355,13 @@ pub struct App {
     pub samples_of: Option<usize>,
     pub elapsed_s: f64,
     pub finished: bool,
-    pub export_dir: PathBuf,
     pub message: Option<String>,
-    pub no_color: bool,
     /// Grid index of the recommended trial, its reasons and the runner-up.
     pub recommendation: Option<usize>,
     pub reasons: Vec<String>,
     pub runner_up: Option<usize>,
     /// Grid indices on the Pareto frontier (peak lower, tokens/s higher).
     pub pareto: Vec<usize>,
-    pub sample_interval_ms: u64,
 }
 
 impl App {
@@ -382,32 +371,8 @@ impl App {
     /// Rows that already carry records (a resumed sweep) count towards the
     /// recommendation.
     pub fn new(header: Header, rows: Vec<Row>) -> App {
-        let Header {
-            model,
-            hardware,
-            device,
-            capacity,
-            usable,
-            usd_per_gpu_hour,
-            headroom,
-            allow_numerics_change,
-            seq_len,
-            global_batch,
-            export_dir,
-            no_color,
-            sample_interval_ms,
-        } = header;
         let mut app = App {
-            model,
-            hardware,
-            device,
-            capacity,
-            usable,
-            usd_per_gpu_hour,
-            headroom,
-            allow_numerics_change,
-            seq_len,
-            global_batch,
+            header,
             rows,
             selected: 0,
             sort: SortColumn::Index,
@@ -423,14 +388,11 @@ impl App {
             samples_of: None,
             elapsed_s: 0.0,
             finished: false,
-            export_dir,
             message: None,
-            no_color,
             recommendation: None,
             reasons: Vec::new(),
             runner_up: None,
             pareto: Vec::new(),
-            sample_interval_ms,
         };
         app.recompute_recommendation();
         app
@@ -460,16 +422,16 @@ impl App {
             schema_version: SCHEMA_VERSION,
             memfit_version: env!("CARGO_PKG_VERSION").into(),
             recipe: String::new(),
-            model: self.model.clone(),
-            hardware: self.hardware.clone(),
-            device: self.device.clone(),
-            capacity_bytes: self.capacity,
+            model: self.header.model.clone(),
+            hardware: self.header.hardware.clone(),
+            device: self.header.device.clone(),
+            capacity_bytes: self.header.capacity,
             runtime_overhead_bytes: self.rows.first().map_or(0, |r| r.overhead_bytes),
-            headroom: self.headroom,
-            usd_per_gpu_hour: self.usd_per_gpu_hour,
-            allow_numerics_change: self.allow_numerics_change,
-            seq_len: self.seq_len,
-            global_batch: self.global_batch,
+            headroom: self.header.headroom,
+            usd_per_gpu_hour: self.header.usd_per_gpu_hour,
+            allow_numerics_change: self.header.allow_numerics_change,
+            seq_len: self.header.seq_len,
+            global_batch: self.header.global_batch,
             grid_size: self.rows.len(),
             trials_run: trials
                 .iter()
@@ -625,8 +587,8 @@ fn compare(app: &App, a: &Row, b: &Row) -> Ordering {
         SortColumn::TokensPerS => cmp_opt(b.tokens_per_s(), a.tokens_per_s()),
         SortColumn::UsdPerMtok => cmp_opt(a.usd_per_mtok(), b.usd_per_mtok()),
         SortColumn::Margin => cmp_opt(
-            b.margin(app.capacity).map(|m| m.0),
-            a.margin(app.capacity).map(|m| m.0),
+            b.margin(app.header.capacity).map(|m| m.0),
+            a.margin(app.header.capacity).map(|m| m.0),
         ),
     };
     c.then(a.index.cmp(&b.index))
@@ -774,8 +736,11 @@ fn on_command(app: &mut App, key: Key, detail: bool) -> Vec<Action> {
             return vec![Action::Rerun(index)];
         }
         Key::Char('e') => {
-            app.message = Some(format!("exporting to {} ...", app.export_dir.display()));
-            return vec![Action::Export(app.export_dir.clone())];
+            app.message = Some(format!(
+                "exporting to {} ...",
+                app.header.export_dir.display()
+            ));
+            return vec![Action::Export(app.header.export_dir.clone())];
         }
         _ => {}
     }

@@ -84,7 +84,7 @@ fn fmt_signed(b: i64) -> String {
 
 /// A foreground colour, or none under NO_COLOR.
 fn fg(app: &App, c: Color) -> Style {
-    if app.no_color {
+    if app.header.no_color {
         Style::default()
     } else {
         Style::default().fg(c)
@@ -105,7 +105,7 @@ fn status_style(app: &App, s: Status) -> Style {
     match s {
         Status::Fit => fg(app, Color::Green),
         Status::Over | Status::Oom | Status::Timeout | Status::Crash => fg(app, Color::Red)
-            .add_modifier(if app.no_color {
+            .add_modifier(if app.header.no_color {
                 Modifier::BOLD
             } else {
                 Modifier::empty()
@@ -136,22 +136,25 @@ fn header_lines(app: &App) -> Vec<Line<'static>> {
     let sep = || Span::styled(" │ ", dim());
     let l1 = vec![
         Span::styled(
-            format!("{} · {} · {}", app.model, app.hardware, app.device),
+            format!(
+                "{} · {} · {}",
+                app.header.model, app.header.hardware, app.header.device
+            ),
             bold(),
         ),
         sep(),
         Span::raw(format!(
             "capacity {} · usable {} ({:.0}% headroom)",
-            fmt_bytes(app.capacity),
-            fmt_bytes(app.usable),
-            app.headroom * 100.0
+            fmt_bytes(app.header.capacity),
+            fmt_bytes(app.header.usable),
+            app.header.headroom * 100.0
         )),
         sep(),
         Span::raw(format!(
             "seq {} · batch {} · ${}/GPU-h",
-            app.seq_len,
-            app.global_batch,
-            usd(app.usd_per_gpu_hour)
+            app.header.seq_len,
+            app.header.global_batch,
+            usd(app.header.usd_per_gpu_hour)
         )),
     ];
     let (done, total) = app.progress();
@@ -330,12 +333,12 @@ fn cell(app: &App, r: &Row, c: Col) -> String {
         Col::Measured => r.measured_total().map_or_else(dash, fmt_bytes),
         Col::TokS => r.tokens_per_s().map_or_else(dash, |t| format!("{t:.0}")),
         Col::Usd => r.usd_per_mtok().map_or_else(dash, usd),
-        Col::Margin => match r.margin(app.capacity) {
+        Col::Margin => match r.margin(app.header.capacity) {
             Some((m, predicted)) => format!(
                 "{}{} {:.0}%",
                 if predicted { "~" } else { "" },
                 fmt_signed(m),
-                pct(m as f64, app.capacity)
+                pct(m as f64, app.header.capacity)
             ),
             None => dash(),
         },
@@ -432,7 +435,10 @@ fn render_table(app: &App, f: &mut Frame, area: Rect) {
 /// The samples to chart, and whose they are.
 fn chart_title(app: &App) -> String {
     match (app.running, app.samples_of) {
-        (Some(i), _) => format!("memory #{i} (running, every {} ms)", app.sample_interval_ms),
+        (Some(i), _) => format!(
+            "memory #{i} (running, every {} ms)",
+            app.header.sample_interval_ms
+        ),
         (None, Some(i)) => format!("memory #{i} (last run)"),
         _ => "memory".into(),
     }
@@ -465,13 +471,16 @@ fn render_chart(app: &App, f: &mut Frame, area: Rect) {
         .samples_of
         .and_then(|i| app.row_of(i))
         .and_then(|i| app.rows[i].predicted_total());
-    let capacity_line = [(t0, app.capacity as f64), (t1, app.capacity as f64)];
+    let capacity_line = [
+        (t0, app.header.capacity as f64),
+        (t1, app.header.capacity as f64),
+    ];
     let predicted_line = predicted.map(|p| [(t0, p as f64), (t1, p as f64)]);
     let ymax = tracked
         .iter()
         .chain(&rss)
         .map(|p| p.1)
-        .chain([app.capacity as f64, predicted.unwrap_or(0) as f64])
+        .chain([app.header.capacity as f64, predicted.unwrap_or(0) as f64])
         .fold(1.0f64, f64::max)
         * 1.05;
     let mut sets = vec![
@@ -555,7 +564,7 @@ fn breakdown_lines(app: &App, r: &Row, width: u16) -> Vec<Line<'static>> {
     items
         .into_iter()
         .map(|(n, b)| {
-            let p = pct(b as f64, app.capacity);
+            let p = pct(b as f64, app.header.capacity);
             let filled = ((p / 100.0) * bar_w as f64)
                 .round()
                 .clamp(0.0, bar_w as f64) as usize;
@@ -655,7 +664,7 @@ fn detail_lines(app: &App, r: &Row) -> Vec<Line<'static>> {
             "batch",
             format!(
                 "micro-batch {} · grad_accum {} · global batch {} · seq_len {}",
-                p.micro_batch, p.grad_accum, app.global_batch, app.seq_len
+                p.micro_batch, p.grad_accum, app.header.global_batch, app.header.seq_len
             ),
         ),
     ];
@@ -668,7 +677,7 @@ fn detail_lines(app: &App, r: &Row) -> Vec<Line<'static>> {
             format!(
                 "changes: {}{}",
                 changes.join(", "),
-                if app.allow_numerics_change {
+                if app.header.allow_numerics_change {
                     ""
                 } else {
                     " (not recommended: allow_numerics_change false)"
@@ -723,14 +732,14 @@ fn detail_lines(app: &App, r: &Row) -> Vec<Line<'static>> {
             (Some(t), Some(pr)) => format!(
                 "peak {} ({:.1}% of capacity) · {:.0} tok/s · step {:.3} s",
                 fmt_bytes(t),
-                pct(t as f64, app.capacity),
+                pct(t as f64, app.header.capacity),
                 pr.tokens_per_s,
                 pr.step_s
             ),
             (Some(t), None) => format!(
                 "peak {} ({:.1}% of capacity){}",
                 fmt_bytes(t),
-                pct(t as f64, app.capacity),
+                pct(t as f64, app.header.capacity),
                 r.predicted_tokens_per_s
                     .map_or(String::new(), |x| format!(" · {x:.0} tok/s"))
             ),
@@ -744,7 +753,7 @@ fn detail_lines(app: &App, r: &Row) -> Vec<Line<'static>> {
             (Some(t), Some(m)) => format!(
                 "peak {} ({:.1}% of capacity){} · {:.0} tok/s · step {:.3} s · ${}/Mtok",
                 fmt_bytes(t),
-                pct(t as f64, app.capacity),
+                pct(t as f64, app.header.capacity),
                 m.device_peak_bytes
                     .map_or(String::new(), |d| format!(" · RSS {}", fmt_bytes(d))),
                 m.tokens_per_s,
@@ -754,15 +763,15 @@ fn detail_lines(app: &App, r: &Row) -> Vec<Line<'static>> {
             _ => "not run".into(),
         },
     ));
-    if let Some((m, predicted)) = r.margin(app.capacity) {
+    if let Some((m, predicted)) = r.margin(app.header.capacity) {
         v.push(kv(
             "margin",
             format!(
                 "{} ({:.1}% of capacity){}; usable {}",
                 fmt_signed(m),
-                pct(m as f64, app.capacity),
+                pct(m as f64, app.header.capacity),
                 if predicted { ", predicted" } else { "" },
-                fmt_bytes(app.usable)
+                fmt_bytes(app.header.usable)
             ),
         ));
     }
@@ -803,7 +812,7 @@ fn detail_lines(app: &App, r: &Row) -> Vec<Line<'static>> {
                 "  {:<16} {:>11} {:>5.1}% {}",
                 ph.phase,
                 fmt_bytes(ph.peak_bytes),
-                pct(ph.peak_bytes as f64, app.capacity),
+                pct(ph.peak_bytes as f64, app.header.capacity),
                 "█".repeat(bar)
             )));
         }

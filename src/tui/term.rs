@@ -167,7 +167,7 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
         rerun: Vec::new(),
     };
     let mut app = super::new_app(&base, opts.sample_ms)?;
-    app.no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    app.header.no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
     // A journal from an earlier run: offer to resume before anything runs.
     let mut asking = finished_before > 0;
     if asking {
@@ -258,7 +258,8 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
                         ));
                         let _ = std::fs::rename(&journal, &aside);
                         app = super::new_app(&base, opts.sample_ms)?;
-                        app.no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+                        app.header.no_color =
+                            std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
                         app.message = Some(format!("earlier trials moved to {}", aside.display()));
                     } else {
                         app.message = None;
