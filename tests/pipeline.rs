@@ -2,6 +2,9 @@
 //! reaches on the same global batch, meta predicts every stage byte for
 //! byte, and 1F1B holds fewer micro-batches on the first stage than GPipe.
 
+mod common;
+use common::training::{tolerance, train_single};
+
 use memfit::backend::Backend;
 use memfit::backend::cpu::CpuBackend;
 use memfit::backend::meta::MetaBackend;
@@ -9,9 +12,7 @@ use memfit::config::ModelConfig;
 use memfit::config::profile::load_model;
 use memfit::data::DataSource;
 use memfit::engine::cluster::Cluster;
-use memfit::engine::{
-    Checkpointing, Engine, Optimizer, Precision, Schedule, Sharding, TrainConfig,
-};
+use memfit::engine::{Checkpointing, Optimizer, Precision, Schedule, Sharding, TrainConfig};
 use memfit::memory::{Category, PeakBytes};
 use memfit::run::{cpu_links, meta_links};
 
@@ -92,36 +93,6 @@ where
         .collect()
 }
 
-fn train_single(model: &ModelConfig, tc: &TrainConfig, steps: usize) -> (Vec<Vec<f32>>, Vec<f32>) {
-    let single = TrainConfig {
-        grad_accum: tc.grad_accum * tc.data_ranks(),
-        ranks: 1,
-        sharding: Sharding::None,
-        pipeline_stages: 1,
-        partition: None,
-        ..tc.clone()
-    };
-    let mut e = Engine::new(
-        model.clone(),
-        single.clone(),
-        CpuBackend::new(2).unwrap(),
-        None,
-    )
-    .unwrap();
-    let mut data = DataSource::synthetic(256, 11);
-    let losses = (0..steps)
-        .map(|_| {
-            e.step_from(single.grad_accum, || {
-                data.next_batch(tc.micro_batch, tc.seq_len)
-            })
-            .unwrap()
-            .loss
-            .unwrap()
-        })
-        .collect();
-    (e.params_host().unwrap(), losses)
-}
-
 fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
     a.iter()
         .flatten()
@@ -130,17 +101,10 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-/// The pipeline adds the same per-micro-batch gradients as one device; only
-/// the tied embedding's two halves (head, embedding) are summed in another
-/// order, and data-parallel replicas add theirs in rank order. fp32 over
-/// three AdamW steps at lr 1e-3 drifts by rounding only: 1e-5 is 1% of one
-/// step (see tests/sharding.rs for the bf16 reasoning: 2 x lr x 3 steps).
-fn tolerance(p: Precision) -> f32 {
-    match p {
-        Precision::Fp32 => 1e-5,
-        _ => 6e-3,
-    }
-}
+// The tolerance (common::training): the pipeline adds the same
+// per-micro-batch gradients as one device; only the tied embedding's two
+// halves (head, embedding) are summed in another order, and data-parallel
+// replicas add theirs in rank order.
 
 fn check_equivalent(model: &str, tc: TrainConfig) {
     let m = load_model(model).unwrap();

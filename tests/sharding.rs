@@ -2,6 +2,9 @@
 //! reaches on the same global batch, per-rank memory follows the ZeRO
 //! formulas, and meta predicts every rank byte for byte.
 
+mod common;
+use common::training::{tolerance, train_single};
+
 use memfit::backend::Backend;
 use memfit::backend::cpu::CpuBackend;
 use memfit::backend::meta::MetaBackend;
@@ -9,7 +12,7 @@ use memfit::config::ModelConfig;
 use memfit::config::profile::load_model;
 use memfit::data::DataSource;
 use memfit::engine::cluster::Cluster;
-use memfit::engine::{Checkpointing, Engine, Optimizer, Precision, Sharding, TrainConfig};
+use memfit::engine::{Checkpointing, Optimizer, Precision, Sharding, TrainConfig};
 use memfit::memory::PeakBytes;
 use memfit::run::{cpu_links, meta_links};
 
@@ -60,32 +63,6 @@ fn full_params<B: Backend>(c: &Cluster<B>) -> Vec<Vec<f32>> {
     p0
 }
 
-fn train_single(model: &ModelConfig, tc: &TrainConfig, steps: usize) -> Vec<Vec<f32>> {
-    let single = TrainConfig {
-        grad_accum: tc.grad_accum * tc.ranks,
-        ranks: 1,
-        sharding: Sharding::None,
-        ..tc.clone()
-    };
-    let mut e = Engine::new(
-        model.clone(),
-        single.clone(),
-        CpuBackend::new(2).unwrap(),
-        None,
-    )
-    .unwrap();
-    let mut data = DataSource::synthetic(model.vocab_size, 11);
-    for _ in 0..steps {
-        let r = e
-            .step_from(single.grad_accum, || {
-                data.next_batch(tc.micro_batch, tc.seq_len)
-            })
-            .unwrap();
-        assert!(!r.skipped);
-    }
-    e.params_host().unwrap()
-}
-
 fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> (f32, f32) {
     let mut worst = (0.0f32, 0.0f32);
     for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
@@ -95,20 +72,6 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> (f32, f32) {
         }
     }
     worst
-}
-
-/// How far a data-parallel run may drift from the single-rank run over the
-/// three steps of these tests (lr 1e-3). The ranks add the same gradients in
-/// another order, so results differ by rounding. fp32: 1e-5, 1% of one AdamW
-/// step (we see about 2e-6). bf16 rounds every gradient to 8 bits, so a
-/// gradient near zero can change sign, and AdamW's normalised update then
-/// moves that weight by about lr the other way: 2 x lr x 3 steps = 6e-3 (we
-/// see up to 3.9e-3, one bf16 ulp at |w| = 1).
-fn tolerance(p: Precision) -> f32 {
-    match p {
-        Precision::Fp32 => 1e-5,
-        _ => 6e-3,
-    }
 }
 
 #[test]
@@ -126,7 +89,7 @@ fn every_level_matches_single_rank_training() {
                     ranks,
                     ..TrainConfig::default()
                 };
-                let want = train_single(&model, &base, 3);
+                let want = train_single(&model, &base, 3).0;
                 for sharding in LEVELS {
                     let tc = TrainConfig {
                         sharding,
@@ -172,7 +135,7 @@ fn sgd_with_uneven_shards_matches_single_rank_training() {
         ranks: 3,
         ..TrainConfig::default()
     };
-    let want = train_single(&model, &base, 3);
+    let want = train_single(&model, &base, 3).0;
     for sharding in LEVELS {
         let tc = TrainConfig {
             sharding,

@@ -2,6 +2,8 @@
 //! what it printed. Each test crate uses a part of it.
 #![allow(dead_code)]
 
+pub mod training;
+
 use std::process::{Command, Output};
 
 use serde_json::Value;
