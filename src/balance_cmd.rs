@@ -24,7 +24,6 @@ use crate::config::ModelConfig;
 use crate::config::hardware::{HardwareProfile, load_hardware};
 use crate::config::profile::load_model;
 use crate::data::DataSource;
-use crate::engine::device::Roofline;
 use crate::engine::pipeline::uniform_balance;
 use crate::engine::{Engine, Schedule, TrainConfig};
 use crate::error::{Error, Result};
@@ -243,14 +242,11 @@ fn layer_times(
         Target::Gpu(hw) => {
             let mut e = Engine::new(model.clone(), one, MetaBackend::emulating_cpu(), None)
                 .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
-            e.dev.roofline = Some(Roofline {
-                flops_per_s: hw.peak_flops(train.precision) * crate::plan::COMPUTE_EFFICIENCY,
-                bytes_per_s: hw.memory_bandwidth_gbps * 1e9 * crate::plan::MEMORY_EFFICIENCY,
-                op_overhead_s: crate::plan::OP_OVERHEAD_S,
-            });
+            e.dev.roofline = Some(crate::plan::roofline(hw, train.precision));
+            e.dev.phase_secs = Some(HashMap::new());
             e.step_from(1, || unreachable!("meta reads no data"))
                 .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
-            Ok(per_layer(&e.dev.phase_secs))
+            Ok(per_layer(e.dev.phase_secs.as_ref().expect("recorded")))
         }
         Target::Cpu { .. } => {
             let be = crate::backend::cpu::CpuBackend::new(
@@ -266,10 +262,10 @@ fn layer_times(
             let mut runs: Vec<Vec<f64>> = Vec::new();
             // One warm-up step, then `repeats` timed ones.
             for r in 0..=repeats {
-                e.dev.phase_secs.clear();
+                e.dev.phase_secs = Some(HashMap::new());
                 e.step_from(1, || data.next_batch(one.micro_batch, one.seq_len))?;
                 if r > 0 {
-                    runs.push(per_layer(&e.dev.phase_secs));
+                    runs.push(per_layer(e.dev.phase_secs.as_ref().expect("recorded")));
                 }
             }
             Ok((0..model.n_layer + 2)

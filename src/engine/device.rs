@@ -91,9 +91,10 @@ pub struct Device<B: Backend> {
     /// Bytes this rank sent and received in collectives (ring algorithms).
     pub sent: u64,
     pub received: u64,
-    /// Seconds spent per phase: the roofline's price when there is one, else
-    /// the measured time (`memfit balance` times each layer with it).
-    pub phase_secs: HashMap<Phase, f64>,
+    /// When set (`memfit balance` times each layer with it), seconds spent
+    /// per phase: the roofline's price when there is one, else the measured
+    /// time. Off by default: it costs a map update per op.
+    pub phase_secs: Option<HashMap<Phase, f64>>,
 }
 
 /// A rank's collectives, as the engine holds them.
@@ -125,7 +126,7 @@ impl<B: Backend> Device<B> {
             roofline: None,
             sent: 0,
             received: 0,
-            phase_secs: HashMap::new(),
+            phase_secs: None,
         }
     }
 
@@ -147,11 +148,13 @@ impl<B: Backend> Device<B> {
             (flops as f64 / rl.flops_per_s).max(bytes as f64 / rl.bytes_per_s) + rl.op_overhead_s
         });
         self.cost.add(op, flops, bytes, ns, secs);
-        let spent = match self.roofline {
-            Some(_) => secs,
-            None => ns as f64 * 1e-9,
-        };
-        *self.phase_secs.entry(self.tracker.phase()).or_default() += spent;
+        if let Some(per_phase) = &mut self.phase_secs {
+            let spent = match self.roofline {
+                Some(_) => secs,
+                None => ns as f64 * 1e-9,
+            };
+            *per_phase.entry(self.tracker.phase()).or_default() += spent;
+        }
         if self.tracker.phase() == Phase::Optimizer {
             self.optimizer_cost.add(op, flops, bytes, ns, secs);
         }

@@ -637,6 +637,16 @@ pub fn plan(r: &PlanRecipe, model: &ModelConfig, hw: &HardwareProfile) -> Plan {
     }
 }
 
+/// How the planner prices each op on `hw` at `precision`: the efficiency
+/// factors above applied to its dense peak and its memory bandwidth.
+pub fn roofline(hw: &HardwareProfile, precision: Precision) -> Roofline {
+    Roofline {
+        flops_per_s: hw.peak_flops(precision) * COMPUTE_EFFICIENCY,
+        bytes_per_s: hw.memory_bandwidth_gbps * 1e9 * MEMORY_EFFICIENCY,
+        op_overhead_s: OP_OVERHEAD_S,
+    }
+}
+
 /// One point: the meta engine's step on rank 0, then the roofline and the price.
 pub fn predict(
     r: &PlanRecipe,
@@ -685,13 +695,7 @@ pub fn predict(
         Ok(e) => e,
         Err(oom) => unreachable!("meta without capacity cannot run out of memory: {oom}"),
     };
-    let peak = hw.peak_flops(p.precision) * COMPUTE_EFFICIENCY;
-    let bw = hw.memory_bandwidth_gbps * 1e9 * MEMORY_EFFICIENCY;
-    e.dev.roofline = Some(Roofline {
-        flops_per_s: peak,
-        bytes_per_s: bw,
-        op_overhead_s: OP_OVERHEAD_S,
-    });
+    e.dev.roofline = Some(roofline(hw, p.precision));
     e.dev.cost = Default::default();
     e.dev.optimizer_cost = Default::default();
     let (sent0, opt_sent0) = (e.dev.sent, e.dev.optimizer_sent);
