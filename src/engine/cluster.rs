@@ -22,6 +22,8 @@ pub struct Cluster<B: Backend> {
     /// Rank `r` is replica `r % replicas` of pipeline stage `r / replicas`.
     pub ranks: Vec<Engine<B>>,
     stages: usize,
+    /// Every group's abort: any rank's failure stops the whole job.
+    aborts: Vec<AbortHandle>,
 }
 
 /// How one rank talks to the others: its data-parallel group (the replicas
@@ -146,7 +148,6 @@ where
         capacity: Option<u64>,
     ) -> Result<Self, RankError> {
         assert_eq!(backends.len(), links.len());
-        // Any rank's failure stops the whole job: every group is aborted.
         let aborts: Vec<AbortHandle> = links
             .iter()
             .flat_map(|l| {
@@ -167,6 +168,7 @@ where
         Ok(Cluster {
             ranks,
             stages: train.pipeline_stages.max(1),
+            aborts,
         })
     }
 
@@ -219,7 +221,6 @@ where
                 _ => b.clone(),
             }
         };
-        let aborts: Vec<_> = self.ranks.iter().filter_map(Engine::abort_handle).collect();
         let items: Vec<&mut Engine<B>> = self.ranks.iter_mut().collect();
         let reports = on_every_rank(
             items,
@@ -231,7 +232,7 @@ where
                 })
                 .map_err(|err| (r, err))
             },
-            |_| aborts.iter().for_each(|a| a()),
+            |_| self.aborts.iter().for_each(|a| a()),
         )?;
         // Every stage reports its replica's loss; the last stage's ranks count.
         let last = &reports[(stages - 1) * replicas..];

@@ -651,21 +651,6 @@ impl<B: Backend> Engine<B> {
         self.dist.as_ref().map(|d| (d.shard[i], d.valid(i, r)))
     }
 
-    /// Aborts this rank's collective group, so the other ranks never wait
-    /// for a rank that failed (`None` for a single rank).
-    pub fn abort_handle(&self) -> Option<crate::comm::AbortHandle> {
-        let mut all: Vec<crate::comm::AbortHandle> =
-            self.dist.iter().map(|d| d.comm.abort_handle()).collect();
-        if let Some(p) = &self.pipe {
-            all.extend(p.abort_handles());
-        }
-        match all.len() {
-            0 => None,
-            1 => all.pop(),
-            _ => Some(std::sync::Arc::new(move || all.iter().for_each(|a| a()))),
-        }
-    }
-
     fn attn_shape(&self) -> AttnShape {
         attn_shape(&self.model, &self.train)
     }
