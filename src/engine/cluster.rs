@@ -172,11 +172,6 @@ where
         })
     }
 
-    /// Pipeline stages (1 without a pipeline).
-    pub fn stages(&self) -> usize {
-        self.stages
-    }
-
     pub fn world(&self) -> usize {
         self.ranks.len()
     }
