@@ -2,22 +2,32 @@
 //! measured memory.
 //!
 //! Matches the two reports' trials by their stable `id` and compares the
-//! tracker's peak (`measured.peak_bytes.total`), which is deterministic: the
-//! same code on the same grid point allocates the same bytes on every machine.
-//! The process RSS (`device_peak_bytes`) is not compared: it moves with the
-//! allocator, the libc and the machine's load.
+//! tracker's peak (`measured.peak_bytes`), which is deterministic: the same
+//! code on the same grid point allocates the same bytes on every machine.
+//! Nothing else a trial measured (the process RSS, step times, cost) is read:
+//! it moves with the allocator, the libc and the machine's load.
 //!
-//! A config regresses when its current peak exceeds baseline x (1 + tolerance),
-//! or when it fit in the baseline and now does not (out of memory, crashed,
-//! timed out, predicted out of memory and skipped, or over the usable
-//! capacity). Improvements (below baseline x (1 - tolerance), or a config that
-//! now fits) are listed but never fail; so are configs present on one side only.
+//! A config regresses when its current total peak exceeds baseline x
+//! (1 + tolerance), or when it fit in the baseline and now does not (out of
+//! memory, crashed, timed out, predicted out of memory and skipped, or over
+//! the usable capacity). A category (parameters, ..., workspace) that grew
+//! beyond the same tolerance of its own baseline bytes, and by at least
+//! [`CATEGORY_FLOOR_BYTES`], is always reported; it fails the check only
+//! under `--per-category`, since category peaks are each category's own
+//! highest and can move while the total does not. Improvements are listed
+//! and never fail.
+//!
+//! The check refuses to give a verdict (exit 2) rather than pass by accident:
+//! reports of another schema version, reports of different setups (model,
+//! hardware, device, seq_len, global_batch), a report without trials or two
+//! reports with no config in common. An interrupted sweep on either side, or
+//! configs present in one report only, are refused too unless
+//! `--allow-missing` turns them into warnings.
 //!
 //! Exit codes: 0 no regression, 1 at least one regression, 2 the check could
-//! not run (a missing or unreadable report, malformed JSON, another schema
-//! version, a bad `--tolerance`).
+//! not run (and stdout is empty; each problem is a paragraph on stderr).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
@@ -28,6 +38,14 @@ use crate::memory::{Category, PeakBytes};
 use crate::sweep::report::{Outcome, SCHEMA_VERSION, SweepReport, TrialRecord};
 use crate::units::fmt_bytes;
 
+/// A category must grow by at least this much to count as grown: the
+/// tolerance alone would flag a 10 KiB category that gained 1 KiB, which no
+/// one acts on. It also lets a category that was 0 in the baseline count.
+pub const CATEGORY_FLOOR_BYTES: u64 = 64 * 1024;
+
+/// How many config ids a message names before it says "and N more".
+const IDS_SHOWN: usize = 5;
+
 #[derive(clap::Args, Debug)]
 pub struct CheckArgs {
     /// The current sweep: its output directory, or its report.json.
@@ -36,9 +54,20 @@ pub struct CheckArgs {
     #[arg(long)]
     pub baseline: PathBuf,
     /// Allowed growth of a config's peak before it counts as a regression:
-    /// "2%", "0.5%", or a bare number of percent ("2").
+    /// "2%", "0.5%", or a bare number of percent ("2"). Categories get the same
+    /// tolerance, relative to their own baseline bytes.
     #[arg(long, default_value = "2%")]
     pub tolerance: String,
+    /// Also fail (exit 1) when a memory category grew beyond the tolerance and
+    /// by at least 64 KiB while the total did not; without it that is a warning.
+    #[arg(long)]
+    pub per_category: bool,
+    /// Accept configs present in one report only, and an interrupted sweep:
+    /// list them as warnings instead of refusing (exit 2). A report without
+    /// trials, or two reports with no config in common, are refused anyway.
+    #[arg(long)]
+    pub allow_missing: bool,
+    /// Output format.
     #[arg(long, value_enum, default_value_t = CheckFormat::Table)]
     pub format: CheckFormat,
 }
@@ -47,13 +76,44 @@ pub struct CheckArgs {
 pub enum CheckFormat {
     /// Aligned columns for a terminal.
     Table,
-    /// The [`CheckReport`] as JSON.
+    /// Every compared config, its verdict and per-category peaks, and the
+    /// warnings, as one JSON document.
     Json,
     /// A Markdown table and a summary line, for `$GITHUB_STEP_SUMMARY`.
     Md,
 }
 
-/// How one config compares.
+/// What the flags ask of a check.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CheckOptions {
+    /// Allowed growth as a fraction (0.02 is 2%).
+    pub tolerance: f64,
+    /// A category grown beyond the tolerance fails the check.
+    pub per_category: bool,
+    /// Configs on one side only and interrupted sweeps are warnings, not errors.
+    pub allow_missing: bool,
+}
+
+impl CheckOptions {
+    /// Gates on the total only, refuses missing configs.
+    pub fn with_tolerance(tolerance: f64) -> CheckOptions {
+        CheckOptions {
+            tolerance,
+            per_category: false,
+            allow_missing: false,
+        }
+    }
+
+    pub fn from_args(args: &CheckArgs) -> Result<CheckOptions> {
+        Ok(CheckOptions {
+            tolerance: parse_tolerance(&args.tolerance)?,
+            per_category: args.per_category,
+            allow_missing: args.allow_missing,
+        })
+    }
+}
+
+/// How one config's total peak compares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CheckVerdict {
@@ -100,6 +160,9 @@ pub struct CategoryDelta {
     pub delta_bytes: i64,
     /// Percent of the baseline; absent when the baseline is 0.
     pub delta_pct: Option<f64>,
+    /// Grew beyond the tolerance of its baseline bytes and by at least
+    /// `category_floor_bytes`.
+    pub beyond_tolerance: bool,
 }
 
 /// One config present in both reports and comparable.
@@ -118,10 +181,17 @@ pub struct Comparison {
     pub delta_bytes: Option<i64>,
     /// (current - baseline) / baseline, percent.
     pub delta_pct: Option<f64>,
+    /// The total's verdict.
     pub verdict: CheckVerdict,
+    /// The categories beyond the tolerance (see `CategoryDelta`), whatever
+    /// the total did.
+    pub grown_categories: Vec<String>,
+    /// This config fails the check: its verdict is a regression, or a
+    /// category grew under `--per-category`.
+    pub fails: bool,
     /// What happened, in a sentence.
     pub reason: String,
-    /// Per-category peaks, for regressions measured on both sides.
+    /// Per-category peaks, when both sides measured.
     pub categories: Vec<CategoryDelta>,
 }
 
@@ -148,8 +218,14 @@ pub struct NotCompared {
 pub struct CheckReport {
     /// The sweep report schema both reports carry.
     pub schema_version: u32,
-    /// Allowed growth as a fraction (0.02 is 2%).
+    /// Allowed growth as a fraction (0.02 is 2%), of the total and of each category.
     pub tolerance: f64,
+    /// The least growth that counts for a category, bytes.
+    pub category_floor_bytes: u64,
+    /// A grown category fails the check (`--per-category`).
+    pub per_category: bool,
+    /// Configs on one side only were accepted as warnings (`--allow-missing`).
+    pub allow_missing: bool,
     /// Every comparable config, in the baseline's order.
     pub compared: Vec<Comparison>,
     /// The compared configs that fail the check.
@@ -159,8 +235,10 @@ pub struct CheckReport {
     pub only_in_current: Vec<OneSided>,
     pub only_in_baseline: Vec<OneSided>,
     pub not_compared: Vec<NotCompared>,
-    /// Things that make the comparison doubtful (another model, another
-    /// device, an interrupted sweep, nothing compared); they do not fail it.
+    /// What did not fail the check but should be read: categories grown
+    /// while the total did not (without `--per-category`), configs on one
+    /// side only and interrupted sweeps (under `--allow-missing`), another
+    /// capacity or headroom, nothing measured on both sides.
     pub warnings: Vec<String>,
     pub passed: bool,
 }
@@ -173,20 +251,238 @@ pub fn run_check(args: &CheckArgs) -> i32 {
             print!("{text}");
             if passed { 0 } else { 1 }
         }
-        Err(e) => {
-            eprintln!("memfit: {e}");
+        Err(problems) => {
+            for (i, e) in problems.iter().enumerate() {
+                if i > 0 {
+                    eprintln!();
+                }
+                eprintln!("memfit: {e}");
+            }
             2
         }
     }
 }
 
-fn check(args: &CheckArgs) -> Result<(String, bool)> {
-    let tolerance = parse_tolerance(&args.tolerance)?;
-    let baseline = load_report(&args.baseline)?;
-    let current = load_report(&args.current)?;
-    let report = compare(&current, &baseline, tolerance);
+fn check(args: &CheckArgs) -> std::result::Result<(String, bool), Vec<Error>> {
+    let opts = CheckOptions::from_args(args).map_err(|e| vec![e])?;
+    let (current, baseline) = load_pair(&args.current, &args.baseline)?;
+    let report = gate(&current, &baseline, &opts)?;
     let text = render(&report, args.format, &args.current, &args.baseline);
     Ok((text, report.passed))
+}
+
+/// A report and the file it was read from.
+#[derive(Clone, Debug)]
+pub struct LoadedReport {
+    pub file: PathBuf,
+    pub report: SweepReport,
+}
+
+/// Checks that the two reports can be compared, then compares them. `Err`
+/// holds every reason the check cannot give a verdict (exit 2), each naming
+/// both files; configs on one side only and interrupted sweeps are among
+/// them unless `opts.allow_missing`, which lists them as warnings instead.
+pub fn gate(
+    current: &LoadedReport,
+    baseline: &LoadedReport,
+    opts: &CheckOptions,
+) -> std::result::Result<CheckReport, Vec<Error>> {
+    let (cur, base) = (&current.report, &baseline.report);
+    let (cur_file, base_file) = (
+        current.file.display().to_string(),
+        baseline.file.display().to_string(),
+    );
+    let problem = |file: &str, message: String| Error::Config {
+        location: file.to_string(),
+        message,
+    };
+
+    let differs = setup_differences(cur, base);
+    if !differs.is_empty() {
+        return Err(vec![problem(
+            &cur_file,
+            format!(
+                "the current report cannot be compared with baseline report {base_file}: \
+                 they differ in {}, so their peaks differ for reasons other than the code. \
+                 Compare sweeps of the same recipe, or regenerate the baseline for the new setup",
+                join_and(&differs)
+            ),
+        )]);
+    }
+
+    let mut errors = Vec::new();
+    for (side, r, file, other_side, other) in [
+        ("current", cur, &cur_file, "baseline", &base_file),
+        ("baseline", base, &base_file, "current", &cur_file),
+    ] {
+        if r.trials.is_empty() {
+            errors.push(problem(
+                file,
+                format!(
+                    "the {side} report has no trials (0 of {} grid points), so there is \
+                     nothing to compare with {other_side} report {other}{}. Rerun the sweep",
+                    r.grid_size,
+                    if r.interrupted {
+                        "; the sweep was interrupted before its first trial"
+                    } else {
+                        ""
+                    }
+                ),
+            ));
+        }
+    }
+    if !errors.is_empty() {
+        return Err(errors);
+    }
+
+    let base_ids: HashSet<&str> = base.trials.iter().map(|t| t.id.as_str()).collect();
+    if !cur.trials.iter().any(|t| base_ids.contains(t.id.as_str())) {
+        return Err(vec![problem(
+            &cur_file,
+            format!(
+                "the current report and baseline report {base_file} have no config in common \
+                 (no trial id matches, e.g. current `{}`, baseline `{}`), so nothing could be \
+                 checked. Sweep the baseline's grid, or regenerate the baseline with this grid",
+                cur.trials[0].id, base.trials[0].id
+            ),
+        )]);
+    }
+
+    let mut report = compare(cur, base, opts);
+    // (file, what is wrong, how to fix it)
+    let mut incomplete: Vec<(&str, String, String)> = Vec::new();
+    for (side, r, file, other_side, other) in [
+        ("current", cur, &cur_file, "baseline", &base_file),
+        ("baseline", base, &base_file, "current", &cur_file),
+    ] {
+        if r.interrupted {
+            incomplete.push((
+                file,
+                format!(
+                    "the {side} report is an interrupted sweep ({} of {} grid points reached), \
+                     so the configs it did not reach are not checked against {other_side} report {other}",
+                    r.trials.len(),
+                    r.grid_size,
+                ),
+                format!(
+                    "Finish it with `{}`",
+                    sweep_command(Some(&r.recipe), Path::new(file.as_str()), " --resume")
+                ),
+            ));
+        }
+    }
+    if !report.only_in_baseline.is_empty() {
+        incomplete.push((
+            &cur_file,
+            format!(
+                "the current report lacks {} of baseline report {base_file} ({}), so {} not checked",
+                configs(report.only_in_baseline.len()),
+                ids(&report.only_in_baseline),
+                it_is(report.only_in_baseline.len()),
+            ),
+            "Sweep the baseline's grid".into(),
+        ));
+    }
+    if !report.only_in_current.is_empty() {
+        incomplete.push((
+            &cur_file,
+            format!(
+                "the current report has {} that baseline report {base_file} lacks ({}), so {} not checked",
+                configs(report.only_in_current.len()),
+                ids(&report.only_in_current),
+                it_is(report.only_in_current.len()),
+            ),
+            "Regenerate the baseline with this grid".into(),
+        ));
+    }
+    if opts.allow_missing {
+        // First: they qualify everything else the report says.
+        let notes = incomplete
+            .iter()
+            .map(|(file, what, _)| format!("{file}: {what} (accepted: --allow-missing)"));
+        report.warnings.splice(0..0, notes);
+        Ok(report)
+    } else if incomplete.is_empty() {
+        Ok(report)
+    } else {
+        Err(incomplete
+            .into_iter()
+            .map(|(file, what, fix)| {
+                problem(
+                    file,
+                    format!(
+                        "{what}. {fix}, or pass --allow-missing to list such configs as warnings"
+                    ),
+                )
+            })
+            .collect())
+    }
+}
+
+/// The setup fields two comparable reports share, as "what (current, baseline)".
+fn setup_differences(cur: &SweepReport, base: &SweepReport) -> Vec<String> {
+    let mut d = Vec::new();
+    for (what, c, b) in [
+        ("model", &cur.model, &base.model),
+        ("hardware", &cur.hardware, &base.hardware),
+        ("device", &cur.device, &base.device),
+    ] {
+        if c != b {
+            d.push(format!("{what} (current `{c}`, baseline `{b}`)"));
+        }
+    }
+    for (what, c, b) in [
+        ("seq_len", cur.seq_len, base.seq_len),
+        ("global_batch", cur.global_batch, base.global_batch),
+    ] {
+        if c != b {
+            d.push(format!("{what} (current {c}, baseline {b})"));
+        }
+    }
+    d
+}
+
+/// "a", "a and b", "a, b and c".
+fn join_and(items: &[String]) -> String {
+    match items {
+        [] => String::new(),
+        [one] => one.clone(),
+        [init @ .., last] => format!("{} and {last}", init.join(", ")),
+    }
+}
+
+fn configs(n: usize) -> String {
+    format!("{n} config{}", if n == 1 { "" } else { "s" })
+}
+
+fn it_is(n: usize) -> &'static str {
+    if n == 1 { "it is" } else { "they are" }
+}
+
+/// Up to `IDS_SHOWN` ids, then how many more.
+fn ids(list: &[OneSided]) -> String {
+    let mut s: Vec<String> = list
+        .iter()
+        .take(IDS_SHOWN)
+        .map(|o| format!("`{}`", o.id))
+        .collect();
+    if list.len() > IDS_SHOWN {
+        s.push(format!("{} more", list.len() - IDS_SHOWN));
+    }
+    join_and(&s)
+}
+
+/// The sweep command that (re)writes the report in `file`.
+fn sweep_command(recipe: Option<&str>, file: &Path, extra: &str) -> String {
+    let dir = file
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    format!(
+        "memfit sweep {} --out {}{extra}",
+        recipe.unwrap_or("RECIPE"),
+        dir.display()
+    )
 }
 
 /// The text `run_check` prints for `report`; `current` and `baseline` are the
@@ -227,63 +523,147 @@ pub fn parse_tolerance(text: &str) -> Result<f64> {
     Ok(pct / 100.0)
 }
 
-/// Reads a sweep report: a directory holding report.json, or the file itself.
-/// Syntax errors are located as `file:line:column`; a report of another
-/// schema version is refused, naming both versions.
-pub fn load_report(path: &Path) -> Result<SweepReport> {
-    let file = if path.is_dir() {
-        path.join("report.json")
-    } else {
-        path.to_path_buf()
-    };
-    let text = std::fs::read_to_string(&file).map_err(|source| Error::Io {
-        path: file.clone(),
-        source,
-    })?;
-    let shown = file.display().to_string();
-    let located = |e: &serde_json::Error, what: &str| {
-        let message = e.to_string();
-        // serde_json appends " at line L column C"; the location says it already.
-        let message = match message.rfind(" at line ") {
-            Some(i) if e.line() > 0 => message[..i].to_string(),
-            _ => message,
+/// A report file as text, before its schema is known.
+struct RawReport {
+    file: PathBuf,
+    text: String,
+    value: serde_json::Value,
+}
+
+impl RawReport {
+    /// Reads a directory's report.json, or the file itself. Syntax errors
+    /// are located as `file:line:column`.
+    fn read(path: &Path) -> Result<RawReport> {
+        let file = if path.is_dir() {
+            path.join("report.json")
+        } else {
+            path.to_path_buf()
         };
-        Error::Config {
-            location: if e.line() > 0 {
-                format!("{shown}:{}:{}", e.line(), e.column())
-            } else {
-                shown.clone()
-            },
-            message: format!("{what}: {message}"),
+        let text = std::fs::read_to_string(&file).map_err(|source| Error::Io {
+            path: file.clone(),
+            source,
+        })?;
+        let value =
+            serde_json::from_str(&text).map_err(|e| located(&file, &e, "malformed JSON"))?;
+        Ok(RawReport { file, text, value })
+    }
+
+    fn version(&self) -> Option<u64> {
+        self.value.get("schema_version").and_then(|v| v.as_u64())
+    }
+
+    fn version_words(&self) -> String {
+        match self.version() {
+            Some(v) => format!("schema_version {v}"),
+            None => "no numeric schema_version".into(),
         }
+    }
+
+    fn parse(&self) -> Result<SweepReport> {
+        serde_json::from_str(&self.text)
+            .map_err(|e| located(&self.file, &e, "not a valid memfit sweep report"))
+    }
+
+    /// `memfit sweep` as this report was made, to regenerate it.
+    fn regenerate(&self) -> String {
+        let recipe = self.value.get("recipe").and_then(|v| v.as_str());
+        sweep_command(recipe, &self.file, "")
+    }
+}
+
+fn located(file: &Path, e: &serde_json::Error, what: &str) -> Error {
+    let message = e.to_string();
+    // serde_json appends " at line L column C"; the location says it already.
+    let message = match message.rfind(" at line ") {
+        Some(i) if e.line() > 0 => message[..i].to_string(),
+        _ => message,
     };
-    // The version first, so that a report of another schema gets that
-    // message rather than a complaint about some field.
-    let value: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| located(&e, "malformed JSON"))?;
-    let version = value.get("schema_version").and_then(|v| v.as_u64());
-    match version {
-        Some(v) if v == u64::from(SCHEMA_VERSION) => {}
-        Some(v) => {
-            return Err(Error::Config {
-                location: shown,
+    let shown = file.display();
+    Error::Config {
+        location: if e.line() > 0 {
+            format!("{shown}:{}:{}", e.line(), e.column())
+        } else {
+            shown.to_string()
+        },
+        message: format!("{what}: {message}"),
+    }
+}
+
+/// Reads one sweep report: a directory holding report.json, or the file
+/// itself. A report of another schema version is refused, before any of
+/// its fields are read.
+pub fn load_report(path: &Path) -> Result<SweepReport> {
+    let raw = RawReport::read(path)?;
+    if raw.version() != Some(u64::from(SCHEMA_VERSION)) {
+        return Err(Error::Config {
+            location: raw.file.display().to_string(),
+            message: format!(
+                "the report has {}, but this memfit ({}) reads schema_version {SCHEMA_VERSION}; \
+                 regenerate it with this memfit (`{}`)",
+                raw.version_words(),
+                env!("CARGO_PKG_VERSION"),
+                raw.regenerate()
+            ),
+        });
+    }
+    raw.parse()
+}
+
+/// Reads both reports of a check. Every problem is in the `Err`: unreadable
+/// or malformed files, and a schema version other than this memfit's on
+/// either side, named against the other file.
+pub fn load_pair(
+    current: &Path,
+    baseline: &Path,
+) -> std::result::Result<(LoadedReport, LoadedReport), Vec<Error>> {
+    let (cur, base) = match (RawReport::read(current), RawReport::read(baseline)) {
+        (Ok(c), Ok(b)) => (c, b),
+        (c, b) => return Err([c.err(), b.err()].into_iter().flatten().collect()),
+    };
+    let ours = Some(u64::from(SCHEMA_VERSION));
+    let mut errors = Vec::new();
+    for (side, raw, other_side, other, advice) in [
+        ("current", &cur, "baseline", &base, "rerun the sweep"),
+        (
+            "baseline",
+            &base,
+            "current",
+            &cur,
+            "regenerate the baseline",
+        ),
+    ] {
+        if raw.version() != ours {
+            errors.push(Error::Config {
+                location: raw.file.display().to_string(),
                 message: format!(
-                    "report has schema_version {v}, but this memfit ({}) reads schema_version {SCHEMA_VERSION}; \
-                     compare reports written by the same memfit schema (rerun `memfit sweep` for one of them)",
-                    env!("CARGO_PKG_VERSION")
-                ),
-            });
-        }
-        None => {
-            return Err(Error::Config {
-                location: shown,
-                message: format!(
-                    "not a memfit sweep report: no numeric `schema_version` (expected {SCHEMA_VERSION})"
+                    "the {side} report has {} and {other_side} report {} has {}, but this memfit \
+                     ({}) compares schema_version {SCHEMA_VERSION} reports only: {advice} with this \
+                     memfit version (`{}`)",
+                    raw.version_words(),
+                    other.file.display(),
+                    other.version_words(),
+                    env!("CARGO_PKG_VERSION"),
+                    raw.regenerate()
                 ),
             });
         }
     }
-    serde_json::from_str(&text).map_err(|e| located(&e, "not a valid memfit sweep report"))
+    if !errors.is_empty() {
+        return Err(errors);
+    }
+    match (cur.parse(), base.parse()) {
+        (Ok(c), Ok(b)) => Ok((
+            LoadedReport {
+                file: cur.file,
+                report: c,
+            },
+            LoadedReport {
+                file: base.file,
+                report: b,
+            },
+        )),
+        (c, b) => Err([c.err(), b.err()].into_iter().flatten().collect()),
+    }
 }
 
 fn peak_of(t: &TrialRecord) -> Option<&PeakBytes> {
@@ -330,16 +710,16 @@ fn one_sided(t: &TrialRecord) -> OneSided {
     }
 }
 
-/// Compares `current` against `baseline` with `tolerance` as a fraction.
-pub fn compare(current: &SweepReport, baseline: &SweepReport, tolerance: f64) -> CheckReport {
+/// Compares `current` against `baseline` config by config. It does not ask
+/// whether the two may be compared at all: [`gate`] does, then calls this.
+pub fn compare(current: &SweepReport, baseline: &SweepReport, opts: &CheckOptions) -> CheckReport {
     let cur: HashMap<&str, &TrialRecord> =
         current.trials.iter().map(|t| (t.id.as_str(), t)).collect();
-    let base_ids: HashMap<&str, &TrialRecord> =
-        baseline.trials.iter().map(|t| (t.id.as_str(), t)).collect();
+    let base_ids: HashSet<&str> = baseline.trials.iter().map(|t| t.id.as_str()).collect();
     let mut compared = Vec::new();
     let mut not_compared = Vec::new();
     let mut only_in_baseline = Vec::new();
-    let mut seen = std::collections::HashSet::new();
+    let mut seen = HashSet::new();
     for b in &baseline.trials {
         if !seen.insert(b.id.as_str()) {
             continue;
@@ -348,7 +728,7 @@ pub fn compare(current: &SweepReport, baseline: &SweepReport, tolerance: f64) ->
             only_in_baseline.push(one_sided(b));
             continue;
         };
-        match compare_one(b, c, tolerance) {
+        match compare_one(b, c, opts) {
             Some(row) => compared.push(row),
             None => not_compared.push(NotCompared {
                 id: b.id.clone(),
@@ -357,70 +737,71 @@ pub fn compare(current: &SweepReport, baseline: &SweepReport, tolerance: f64) ->
             }),
         }
     }
-    let mut seen_cur = std::collections::HashSet::new();
+    let mut seen_cur = HashSet::new();
     let only_in_current: Vec<OneSided> = current
         .trials
         .iter()
-        .filter(|t| seen_cur.insert(t.id.as_str()) && !base_ids.contains_key(t.id.as_str()))
+        .filter(|t| seen_cur.insert(t.id.as_str()) && !base_ids.contains(t.id.as_str()))
         .map(one_sided)
         .collect();
-    let regressions: Vec<Comparison> = compared
-        .iter()
-        .filter(|r| r.verdict.is_regression())
-        .cloned()
-        .collect();
+    let regressions: Vec<Comparison> = compared.iter().filter(|r| r.fails).cloned().collect();
     let improvements: Vec<Comparison> = compared
         .iter()
         .filter(|r| r.verdict.is_improvement())
         .cloned()
         .collect();
+
     let mut warnings = Vec::new();
-    let differs = [
-        ("model", &baseline.model, &current.model),
-        ("hardware", &baseline.hardware, &current.hardware),
-        ("device", &baseline.device, &current.device),
-    ];
-    for (what, b, c) in differs {
-        if b != c {
-            warnings.push(format!(
-                "the reports differ in {what}: baseline `{b}`, current `{c}`"
-            ));
+    let grown: Vec<&Comparison> = compared
+        .iter()
+        .filter(|r| !r.fails && !r.grown_categories.is_empty())
+        .collect();
+    if !grown.is_empty() {
+        let mut named: Vec<String> = grown
+            .iter()
+            .take(IDS_SHOWN)
+            .map(|r| format!("`{}` with {}", r.id, grown_words(r)))
+            .collect();
+        if grown.len() > IDS_SHOWN {
+            named.push(format!("{} more", grown.len() - IDS_SHOWN));
         }
+        warnings.push(format!(
+            "{} grew beyond the {} tolerance in a category while the total peak did not: {}; \
+             only the total is gated, so pass --per-category to fail on this",
+            configs(grown.len()),
+            fmt_pct(opts.tolerance * 100.0),
+            join_and(&named)
+        ));
     }
-    for (what, b, c) in [
-        ("seq_len", baseline.seq_len as u64, current.seq_len as u64),
-        (
-            "global_batch",
-            baseline.global_batch as u64,
-            current.global_batch as u64,
-        ),
-        (
-            "capacity_bytes",
-            baseline.capacity_bytes,
-            current.capacity_bytes,
-        ),
-    ] {
-        if b != c {
-            warnings.push(format!(
-                "the reports differ in {what}: baseline {b}, current {c}"
-            ));
-        }
+    // Fit is judged against these, so a verdict that changed fit may be
+    // theirs rather than the code's. (An unlimited cpu device's capacity is
+    // the host's available memory, which differs from run to run.)
+    if baseline.capacity_bytes != current.capacity_bytes {
+        warnings.push(format!(
+            "the reports differ in capacity: baseline {}, current {}; fit verdicts depend on it",
+            fmt_bytes(baseline.capacity_bytes),
+            fmt_bytes(current.capacity_bytes)
+        ));
     }
-    for (side, r) in [("baseline", baseline), ("current", current)] {
-        if r.interrupted {
-            warnings.push(format!(
-                "the {side} sweep was interrupted; configs it did not reach are missing"
-            ));
-        }
+    if baseline.headroom != current.headroom {
+        warnings.push(format!(
+            "the reports differ in headroom: baseline {}, current {}; fit verdicts depend on it",
+            baseline.headroom, current.headroom
+        ));
     }
     if compared.is_empty() {
         warnings.push(
-            "no config was compared: the reports share no trial measured on both sides".into(),
+            "no config was compared: no config shared by the reports was measured on both sides \
+             or changed fit"
+                .into(),
         );
     }
     CheckReport {
         schema_version: SCHEMA_VERSION,
-        tolerance,
+        tolerance: opts.tolerance,
+        category_floor_bytes: CATEGORY_FLOOR_BYTES,
+        per_category: opts.per_category,
+        allow_missing: opts.allow_missing,
         passed: regressions.is_empty(),
         compared,
         regressions,
@@ -432,7 +813,44 @@ pub fn compare(current: &SweepReport, baseline: &SweepReport, tolerance: f64) ->
     }
 }
 
-fn compare_one(b: &TrialRecord, c: &TrialRecord, tolerance: f64) -> Option<Comparison> {
+/// Every category's peak on both sides, each flagged when it grew beyond
+/// `tolerance` of its baseline bytes and by at least `CATEGORY_FLOOR_BYTES`.
+fn category_deltas(bp: &PeakBytes, cp: &PeakBytes, tolerance: f64) -> Vec<CategoryDelta> {
+    Category::ALL
+        .iter()
+        .map(|&cat| {
+            let (x, y) = (bp.get(cat), cp.get(cat));
+            let d = y as i64 - x as i64;
+            CategoryDelta {
+                category: cat.name().to_string(),
+                baseline_bytes: x,
+                current_bytes: y,
+                delta_bytes: d,
+                delta_pct: pct(d, x),
+                beyond_tolerance: y as f64 > x as f64 * (1.0 + tolerance)
+                    && y.saturating_sub(x) >= CATEGORY_FLOOR_BYTES,
+            }
+        })
+        .collect()
+}
+
+/// "activations +50.00% (+618.50 KiB), workspace +64.00 KiB" for a row's
+/// grown categories.
+fn grown_words(row: &Comparison) -> String {
+    let words: Vec<String> = row
+        .categories
+        .iter()
+        .filter(|c| c.beyond_tolerance)
+        .map(|c| match c.delta_pct {
+            Some(p) => format!("{} {p:+.2}% ({})", c.category, signed_bytes(c.delta_bytes)),
+            None => format!("{} {} from 0 B", c.category, signed_bytes(c.delta_bytes)),
+        })
+        .collect();
+    join_and(&words)
+}
+
+fn compare_one(b: &TrialRecord, c: &TrialRecord, opts: &CheckOptions) -> Option<Comparison> {
+    let tolerance = opts.tolerance;
     let (bp, cp) = (peak_of(b), peak_of(c));
     let mut row = Comparison {
         id: b.id.clone(),
@@ -446,6 +864,8 @@ fn compare_one(b: &TrialRecord, c: &TrialRecord, tolerance: f64) -> Option<Compa
         delta_bytes: None,
         delta_pct: None,
         verdict: CheckVerdict::Ok,
+        grown_categories: Vec::new(),
+        fails: false,
         reason: String::new(),
         categories: Vec::new(),
     };
@@ -492,26 +912,32 @@ fn compare_one(b: &TrialRecord, c: &TrialRecord, tolerance: f64) -> Option<Compa
                 row.reason
             );
         }
-        if row.verdict.is_regression() {
-            row.categories = Category::ALL
-                .iter()
-                .map(|&cat| {
-                    let (x, y) = (bp.get(cat), cp.get(cat));
-                    let d = y as i64 - x as i64;
-                    CategoryDelta {
-                        category: cat.name().to_string(),
-                        baseline_bytes: x,
-                        current_bytes: y,
-                        delta_bytes: d,
-                        delta_pct: pct(d, x),
-                    }
-                })
-                .collect();
+        row.categories = category_deltas(bp, cp, tolerance);
+        row.grown_categories = row
+            .categories
+            .iter()
+            .filter(|c| c.beyond_tolerance)
+            .map(|c| c.category.clone())
+            .collect();
+        if !row.grown_categories.is_empty() && !row.verdict.is_regression() {
+            let _ = write!(
+                row.reason,
+                "; a category grew beyond it: {}{}",
+                grown_words(&row),
+                if opts.per_category {
+                    ", gated by --per-category"
+                } else {
+                    ", not gated without --per-category"
+                }
+            );
         }
+        row.fails =
+            row.verdict.is_regression() || (opts.per_category && !row.grown_categories.is_empty());
         return Some(row);
     }
     if fit(b) && failed(c) {
         row.verdict = CheckVerdict::NoLongerFits;
+        row.fails = true;
         row.reason = format!("fit in the baseline, {} now", outcome_words(c));
         if let Some(note) = c.note.as_deref().filter(|n| !n.is_empty()) {
             row.reason.push_str(&format!(" ({note})"));
@@ -551,29 +977,60 @@ fn delta_cell(p: Option<f64>) -> String {
     p.map_or_else(|| "-".to_string(), |p| format!("{p:+.2}%"))
 }
 
+/// The verdict column: the total's verdict, and any grown category.
+fn verdict_label(row: &Comparison) -> String {
+    let label = row.verdict.label();
+    if row.grown_categories.is_empty() || row.verdict.is_regression() {
+        label.to_string()
+    } else if row.fails {
+        format!("REGRESSION ({} grew)", row.grown_categories.join(", "))
+    } else {
+        format!("{label}, {} grew", row.grown_categories.join(", "))
+    }
+}
+
+/// Rows that get their reason and categories spelled out.
+fn detailed(row: &Comparison) -> bool {
+    row.fails || !row.grown_categories.is_empty()
+}
+
 fn summary(r: &CheckReport) -> String {
     let tol = fmt_pct(r.tolerance * 100.0);
-    let extra = format!(
-        "{} improved, {} only in current, {} only in baseline",
-        r.improvements.len(),
-        r.only_in_current.len(),
-        r.only_in_baseline.len()
-    );
+    let mut extra = Vec::new();
+    let ungated = r
+        .compared
+        .iter()
+        .filter(|c| !c.fails && !c.grown_categories.is_empty())
+        .count();
+    if ungated > 0 {
+        extra.push(format!(
+            "{ungated} grew in a category, not gated without --per-category"
+        ));
+    }
+    extra.push(format!("{} improved", r.improvements.len()));
+    extra.push(format!("{} only in current", r.only_in_current.len()));
+    extra.push(format!("{} only in baseline", r.only_in_baseline.len()));
+    let extra = extra.join(", ");
+    let what = if r.per_category {
+        "in total or in a category "
+    } else {
+        ""
+    };
     if r.passed {
         format!(
-            "PASS: {} config(s) compared, none regressed beyond {tol} ({extra})",
+            "PASS: {} config(s) compared, none regressed {what}beyond {tol} ({extra})",
             r.compared.len()
         )
     } else {
         format!(
-            "FAIL: {} of {} compared config(s) regressed beyond {tol} ({extra})",
+            "FAIL: {} of {} compared config(s) regressed {what}beyond {tol} ({extra})",
             r.regressions.len(),
             r.compared.len()
         )
     }
 }
 
-/// The changed categories of a regressed row, largest growth first.
+/// The changed categories of a row, largest growth first.
 fn changed_categories(row: &Comparison) -> Vec<&CategoryDelta> {
     let mut v: Vec<&CategoryDelta> = row
         .categories
@@ -601,20 +1058,29 @@ fn render_table(r: &CheckReport, current: &Path, baseline: &Path) -> String {
             side_cell(c.baseline_bytes, c.baseline_outcome, c.baseline_fits),
             side_cell(c.current_bytes, c.current_outcome, c.current_fits),
             delta_cell(c.delta_pct),
-            c.verdict.label().to_string(),
+            verdict_label(c),
         ]);
         let mut d = Vec::new();
-        if c.verdict.is_regression() {
+        if detailed(c) {
             d.push(format!("    {}", c.reason));
             for cat in changed_categories(c) {
-                d.push(format!(
-                    "    {:<14} {:>12} -> {:>12}  {:>12}  {}",
-                    cat.category,
-                    fmt_bytes(cat.baseline_bytes),
-                    fmt_bytes(cat.current_bytes),
-                    signed_bytes(cat.delta_bytes),
-                    delta_cell(cat.delta_pct)
-                ));
+                d.push(
+                    format!(
+                        "    {:<14} {:>12} -> {:>12}  {:>12}  {:>8}  {}",
+                        cat.category,
+                        fmt_bytes(cat.baseline_bytes),
+                        fmt_bytes(cat.current_bytes),
+                        signed_bytes(cat.delta_bytes),
+                        delta_cell(cat.delta_pct),
+                        if cat.beyond_tolerance {
+                            "beyond tolerance"
+                        } else {
+                            ""
+                        }
+                    )
+                    .trim_end()
+                    .to_string(),
+                );
             }
         }
         details.push(d);
@@ -703,10 +1169,10 @@ fn render_md(r: &CheckReport) -> String {
     let _ = writeln!(out, "| config | baseline | current | Δ% | verdict |");
     let _ = writeln!(out, "|:--|--:|--:|--:|:--|");
     for c in &r.compared {
-        let mut verdict = if c.verdict.is_regression() {
-            format!("**{}**", c.verdict.label())
+        let mut verdict = if c.fails {
+            format!("**{}**", verdict_label(c))
         } else {
-            c.verdict.label().to_string()
+            verdict_label(c)
         };
         if c.verdict.is_regression() {
             let cats: Vec<String> = changed_categories(c)
@@ -725,6 +1191,8 @@ fn render_md(r: &CheckReport) -> String {
             } else {
                 verdict.push_str(&format!(": {}", cats.join(", ")));
             }
+        } else if !c.grown_categories.is_empty() {
+            verdict.push_str(&format!(": {}", grown_words(c)));
         }
         let _ = writeln!(
             out,
@@ -773,5 +1241,38 @@ mod tests {
             assert!(e.starts_with("--tolerance: "), "{bad}: {e}");
         }
         assert_eq!(fmt_pct(parse_tolerance("0.5%").unwrap() * 100.0), "0.5%");
+    }
+
+    #[test]
+    fn lists_read_as_prose() {
+        let s = |v: &[&str]| join_and(&v.iter().map(|x| x.to_string()).collect::<Vec<_>>());
+        assert_eq!(s(&[]), "");
+        assert_eq!(s(&["a"]), "a");
+        assert_eq!(s(&["a", "b"]), "a and b");
+        assert_eq!(s(&["a", "b", "c"]), "a, b and c");
+    }
+
+    /// A category that gained less than the floor, however large in percent,
+    /// is not flagged; one that was 0 and gained more than the floor is.
+    #[test]
+    fn the_category_floor_keeps_small_categories_quiet() {
+        let base = PeakBytes {
+            total: 1 << 30,
+            parameters: 1000,
+            communication: 0,
+            ..PeakBytes::default()
+        };
+        let cur = PeakBytes {
+            parameters: 1000 + CATEGORY_FLOOR_BYTES - 1,
+            communication: CATEGORY_FLOOR_BYTES,
+            ..base
+        };
+        let d = category_deltas(&base, &cur, 0.02);
+        let flagged: Vec<&str> = d
+            .iter()
+            .filter(|c| c.beyond_tolerance)
+            .map(|c| c.category.as_str())
+            .collect();
+        assert_eq!(flagged, ["communication"]);
     }
 }
