@@ -29,16 +29,19 @@ fn main() {
         },
         headroom: 0.05,
         cost: None,
+        host_usd_per_hour: None,
         allow_numerics_change: true,
         device: None,
     };
     let point = expand(&single)[0];
+    let (cap, overhead) = single.capacity(&hw);
+    let rates = memfit::plan::Rates::gpu(&hw, hw.usd_per_hour);
     // Warm up, then the median of 21 single-point plans.
-    predict(&single, &model, &hw, hw.usd_per_hour, &point);
+    predict(&single, &model, &rates, cap, overhead, &point);
     let mut ms: Vec<f64> = (0..21)
         .map(|_| {
             let t = Instant::now();
-            let p = predict(&single, &model, &hw, hw.usd_per_hour, &point);
+            let p = predict(&single, &model, &rates, cap, overhead, &point);
             std::hint::black_box(p);
             t.elapsed().as_secs_f64() * 1e3
         })

@@ -297,6 +297,7 @@ pub fn balance(opts: &BalanceOptions) -> Result<BalanceReport> {
             threads: None,
             timeline: None,
             phase_peaks: false,
+            timing: None,
         },
         &model,
     )
@@ -524,6 +525,7 @@ fn verify(opts: &BalanceOptions, report: &BalanceReport) -> Result<Vec<VerifyRec
         threads: None,
         timeline: None,
         phase_peaks: false,
+            timing: None,
     };
     let (run, failure) = crate::run::run(&run_opts)?;
     if let Some(e) = failure {

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::backend::DeviceSpec;
+use crate::config::profile::load_model;
 use crate::config::recipe::{RunRecipe, load_run_recipe};
 use crate::engine::{
     Attention, Checkpointing, Optimizer, Precision, Schedule, Sharding, TrainConfig,
@@ -47,6 +48,9 @@ pub enum Command {
     /// contiguous split by stage peak (or time), with the uniform split and
     /// fairscale's heuristic beside it; --verify runs it on cpu.
     Balance(Box<BalanceArgs>),
+    /// Measure this host's GEMM FLOP/s, memory bandwidth and per-op cost
+    /// (a few seconds; cached), the roofline cpu sweeps predict time with.
+    Calibrate(CalibrateArgs),
     /// Runs one sweep trial (memfit re-executes itself; not for direct use).
     #[command(hide = true)]
     Trial {
@@ -128,6 +132,53 @@ impl BalanceArgs {
 }
 
 #[derive(Debug, clap::Args)]
+pub struct CalibrateArgs {
+    /// cpu threads to calibrate with [default: all cores].
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Measure again even when a cached calibration exists.
+    #[arg(long)]
+    pub force: bool,
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+}
+
+/// How trials time their steps (`memfit sweep` and `memfit tui`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct TimingArgs {
+    /// Timed steps per trial at least, after one warm-up step.
+    #[arg(long, default_value_t = 5)]
+    pub steps: usize,
+    /// Timed steps per trial at most.
+    #[arg(long, default_value_t = 40)]
+    pub max_steps: usize,
+    /// Stop timing once the median step's 95% interval is within this
+    /// fraction of it.
+    #[arg(long, default_value_t = 0.05)]
+    pub target_ci: f64,
+    /// Stop timing once a trial's timed steps took this many seconds.
+    #[arg(long, default_value_t = 1.0)]
+    pub time_budget: f64,
+}
+
+impl TimingArgs {
+    /// The policy, or the flag that makes it unusable.
+    pub fn timing(&self) -> Result<crate::stats::Timing> {
+        let t = crate::stats::Timing {
+            warmup_steps: 1,
+            min_steps: self.steps,
+            max_steps: self.max_steps,
+            target_rel_ci: self.target_ci,
+            budget_s: self.time_budget,
+        };
+        match t.invalid() {
+            Some((flag, why)) => Err(Error::invalid_arg(flag, why)),
+            None => Ok(t),
+        }
+    }
+}
+
+#[derive(Debug, clap::Args)]
 pub struct SweepArgs {
     /// A plan recipe (YAML); see `memfit plan`.
     pub recipe: PathBuf,
@@ -144,14 +195,13 @@ pub struct SweepArgs {
     /// Run every valid grid point instead of bisecting each fit boundary.
     #[arg(long)]
     pub exhaustive: bool,
-    /// Optimizer steps per trial; the first is warm-up and not timed.
-    #[arg(long, default_value_t = 3)]
-    pub steps: usize,
+    #[command(flatten)]
+    pub timing: TimingArgs,
     /// Seconds before a trial is killed and recorded as a timeout.
-    #[arg(long, default_value_t = 300.0)]
+    #[arg(long, default_value_t = 300.0, value_parser = seconds)]
     pub trial_timeout: f64,
     /// cpu threads per trial [default: all cores].
-    #[arg(long)]
+    #[arg(long, value_parser = threads)]
     pub threads: Option<usize>,
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
@@ -171,17 +221,60 @@ pub struct TuiArgs {
     #[arg(long, default_value = "memfit-tui")]
     pub out: PathBuf,
     /// Milliseconds between live memory samples of the running trial.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, value_parser = sample_ms)]
     pub sample_ms: u64,
-    /// Optimizer steps per trial; the first is warm-up.
-    #[arg(long, default_value_t = 3)]
-    pub steps: usize,
+    #[command(flatten)]
+    pub timing: TimingArgs,
     /// Seconds before a trial is killed and recorded as a timeout.
-    #[arg(long, default_value_t = 300.0)]
+    #[arg(long, default_value_t = 300.0, value_parser = seconds)]
     pub trial_timeout: f64,
     /// cpu threads per trial [default: all cores].
-    #[arg(long)]
+    #[arg(long, value_parser = threads)]
     pub threads: Option<usize>,
+}
+
+/// The most cpu threads a trial may ask for: more than the largest hosts
+/// have, and past it a thread pool would be the trial's whole footprint.
+pub const MAX_THREADS: usize = 4096;
+
+/// The longest a trial may be given, in seconds (11.6 days).
+pub const MAX_TRIAL_SECONDS: f64 = 1e6;
+
+/// `--threads` of a sweep's trials: 1..=[`MAX_THREADS`].
+pub fn check_threads(n: usize) -> std::result::Result<usize, String> {
+    match n {
+        0 => Err("must be at least 1".into()),
+        n if n > MAX_THREADS => Err(format!("must be at most {MAX_THREADS}")),
+        n => Ok(n),
+    }
+}
+
+/// `--trial-timeout`: positive seconds, at most [`MAX_TRIAL_SECONDS`].
+pub fn check_seconds(s: f64) -> std::result::Result<f64, String> {
+    if s.is_finite() && s > 0.0 && s <= MAX_TRIAL_SECONDS {
+        Ok(s)
+    } else {
+        Err(format!(
+            "must be a positive number of seconds, at most {MAX_TRIAL_SECONDS:.0}"
+        ))
+    }
+}
+
+// Flag values checked as clap parses them: a bad one stops the command
+// before anything runs, with clap's message naming the flag (exit code 2).
+fn threads(s: &str) -> std::result::Result<usize, String> {
+    check_threads(s.parse().map_err(|e| format!("{e}"))?)
+}
+
+fn seconds(s: &str) -> std::result::Result<f64, String> {
+    check_seconds(s.parse().map_err(|e| format!("{e}"))?)
+}
+
+fn sample_ms(s: &str) -> std::result::Result<u64, String> {
+    match s.parse().map_err(|e| format!("{e}"))? {
+        0 => Err("must be at least 1".into()),
+        n => Ok(n),
+    }
 }
 
 /// `N:abort`, `N:sigkill` or `N:hang`.
@@ -379,12 +472,82 @@ pub fn parse_partition(text: &str) -> Result<Vec<usize>> {
 }
 
 impl RunArgs {
-    /// The run's options: each knob from its flag, else the recipe, else the default.
+    /// The run's options: each knob from its flag, else the recipe, else the
+    /// default. With a recipe they are validated here, so that an error in a
+    /// value the recipe gave names the recipe's file, line and key.
     pub fn options(&self) -> Result<RunOptions> {
-        let r = match &self.recipe {
-            Some(path) => load_run_recipe(path)?,
-            None => RunRecipe::default(),
+        let Some(path) = &self.recipe else {
+            return self.merge(&RunRecipe::default());
         };
+        let r = load_run_recipe(path)?;
+        let blame = |e: Error| match e {
+            Error::InvalidArg { flag, message } => match self.recipe_key(&r, &flag) {
+                Some(key) => r.error(key, message),
+                None => Error::InvalidArg { flag, message },
+            },
+            other => other,
+        };
+        let opts = self.merge(&r).map_err(blame)?;
+        let model = match load_model(&opts.model) {
+            Ok(model) => model,
+            Err(e @ Error::Config { .. }) => return Err(e),
+            // An unknown name or an unreadable file: run() says so for a flag.
+            Err(e) if self.model.is_none() => return Err(r.error("model", e)),
+            Err(_) => return Ok(opts),
+        };
+        crate::run::validate(&opts, &model).map_err(blame)?;
+        Ok(opts)
+    }
+
+    /// The recipe key that gave the value `flag` complains about, when the
+    /// flag itself was not given.
+    fn recipe_key(&self, r: &RunRecipe, flag: &str) -> Option<&'static str> {
+        let flags = self;
+        let accum = flags.grad_accum.is_some() || flags.microbatches.is_some();
+        // (key, its flag was given, the recipe has it)
+        macro_rules! key {
+            ($k:ident) => {
+                (stringify!($k), flags.$k.is_some(), r.$k.is_some())
+            };
+        }
+        let keys = [
+            key!(model),
+            key!(seq_len),
+            key!(micro_batch),
+            ("grad_accum", accum, r.grad_accum.is_some()),
+            ("microbatches", accum, r.microbatches.is_some()),
+            key!(steps),
+            key!(device),
+            key!(data),
+            key!(seed),
+            key!(optimizer),
+            key!(lr),
+            key!(beta1),
+            key!(weight_decay),
+            key!(momentum),
+            key!(grad_clip),
+            key!(checkpointing),
+            key!(attention),
+            key!(precision),
+            key!(ranks),
+            key!(sharding),
+            ("bucket_view", flags.bucket_view, r.bucket_view.is_some()),
+            key!(pipeline_stages),
+            key!(schedule),
+            key!(partition),
+            key!(threads),
+        ];
+        let key = flag.trim_start_matches("--").replace('-', "_");
+        let wanted: &[&str] = match key.as_str() {
+            "grad_accum" | "microbatches" => &["grad_accum", "microbatches"],
+            k => &[k],
+        };
+        keys.iter()
+            .find(|(k, given, in_recipe)| wanted.contains(k) && !given && *in_recipe)
+            .map(|(k, ..)| *k)
+    }
+
+    fn merge(&self, r: &RunRecipe) -> Result<RunOptions> {
         let d = TrainConfig::default();
         let or = |flag: Option<f32>, key: Option<f32>| flag.or(key);
         let stages = self
@@ -413,7 +576,7 @@ impl RunArgs {
             model: self
                 .model
                 .clone()
-                .or(r.model)
+                .or(r.model.clone())
                 .unwrap_or_else(|| "gpt2-tiny".into()),
             train: TrainConfig {
                 seq_len: self.seq_len.or(r.seq_len).unwrap_or(d.seq_len),
@@ -448,14 +611,19 @@ impl RunArgs {
                 ..d
             },
             steps: self.steps.or(r.steps).unwrap_or(20),
-            device: self.device.clone().or(r.device).unwrap_or(DeviceSpec {
-                kind: crate::backend::DeviceKind::Cpu,
-                limit: None,
-            }),
-            data: self.data.clone().or(r.data),
+            device: self
+                .device
+                .clone()
+                .or(r.device.clone())
+                .unwrap_or(DeviceSpec {
+                    kind: crate::backend::DeviceKind::Cpu,
+                    limit: None,
+                }),
+            data: self.data.clone().or(r.data.clone()),
             threads: self.threads.or(r.threads),
             timeline: self.timeline.clone(),
             phase_peaks: false,
+            timing: None,
         })
     }
 }

@@ -9,6 +9,7 @@
 pub mod backend;
 pub mod balance;
 pub mod balance_cmd;
+pub mod calibrate;
 pub mod check;
 pub mod cli;
 pub mod comm;
@@ -20,6 +21,7 @@ pub mod memory;
 pub mod plan;
 pub mod rng;
 pub mod run;
+pub mod stats;
 pub mod sweep;
 pub mod tui;
 pub mod units;

@@ -54,6 +54,7 @@ fn main() -> ExitCode {
         Command::Check(args) => memfit::check::run_check(&args),
         Command::Tui(args) => tui_main(&args),
         Command::Trial { spec } => trial_main(&spec),
+        Command::Calibrate(args) => calibrate_main(&args),
         Command::Profiles => {
             print_models();
             println!(
@@ -103,17 +104,24 @@ fn print_models() {
 
 fn sweep_main(args: &memfit::cli::SweepArgs) -> i32 {
     use std::io::IsTerminal;
-    if args.steps == 0 || args.trial_timeout.is_nan() || args.trial_timeout <= 0.0 {
-        eprintln!("memfit: --steps and --trial-timeout must be positive");
+    if args.trial_timeout.is_nan() || args.trial_timeout <= 0.0 {
+        eprintln!("memfit: --trial-timeout must be positive");
         return 2;
     }
+    let timing = match args.timing.timing() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("memfit: {e}");
+            return e.exit_code();
+        }
+    };
     let opts = memfit::sweep::driver::SweepOptions {
         recipe: args.recipe.clone(),
         device: args.device.clone(),
         out: args.out.clone(),
         resume: args.resume,
         exhaustive: args.exhaustive,
-        steps: args.steps,
+        timing,
         timeout: std::time::Duration::from_secs_f64(args.trial_timeout),
         threads: args.threads,
         fault: args.test_fault,
@@ -167,21 +175,67 @@ fn trial_main(spec: &str) -> i32 {
     }
 }
 
-fn tui_main(args: &memfit::cli::TuiArgs) -> i32 {
-    if args.steps == 0
-        || args.trial_timeout.is_nan()
-        || args.trial_timeout <= 0.0
-        || args.sample_ms == 0
-    {
-        eprintln!("memfit: --steps, --trial-timeout and --sample-ms must be positive");
+/// `memfit calibrate`: the host's roofline, from the cache or measured now.
+fn calibrate_main(args: &memfit::cli::CalibrateArgs) -> i32 {
+    use memfit::calibrate::{Source, load_or_measure};
+    if args.threads == Some(0) {
+        eprintln!("memfit: invalid --threads: must be at least 1");
         return 2;
     }
+    let threads = args
+        .threads
+        .unwrap_or_else(memfit::calibrate::default_threads);
+    match load_or_measure(threads, args.force) {
+        Ok((c, source)) => {
+            match args.format {
+                Format::Json => println!(
+                    "{}",
+                    serde_json::to_string_pretty(&c).expect("calibration serialises")
+                ),
+                Format::Table => {
+                    println!("host           {}", c.host);
+                    println!("threads        {}", c.threads);
+                    println!("GEMM fp32      {:.1} GFLOP/s", c.fp32_flops_per_s / 1e9);
+                    println!("GEMM bf16      {:.1} GFLOP/s", c.bf16_flops_per_s / 1e9);
+                    println!("GEMM fp16      {:.1} GFLOP/s", c.fp16_flops_per_s / 1e9);
+                    println!("memory         {:.1} GB/s", c.bytes_per_s / 1e9);
+                    println!("per op         {:.1} µs", c.op_overhead_s * 1e6);
+                    match source {
+                        Source::Cached(p) => println!(
+                            "cached in {} (memfit calibrate --force measures again)",
+                            p.display()
+                        ),
+                        Source::Measured => println!("measured in {:.1} s", c.elapsed_s),
+                    }
+                }
+            }
+            0
+        }
+        Err(e) => {
+            eprintln!("memfit: {e}");
+            e.exit_code()
+        }
+    }
+}
+
+fn tui_main(args: &memfit::cli::TuiArgs) -> i32 {
+    if args.trial_timeout.is_nan() || args.trial_timeout <= 0.0 || args.sample_ms == 0 {
+        eprintln!("memfit: --trial-timeout and --sample-ms must be positive");
+        return 2;
+    }
+    let timing = match args.timing.timing() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("memfit: {e}");
+            return e.exit_code();
+        }
+    };
     let opts = memfit::tui::term::TuiOptions {
         recipe: args.recipe.clone(),
         device: args.device.clone(),
         out: args.out.clone(),
         sample_ms: args.sample_ms,
-        steps: args.steps,
+        timing,
         timeout: std::time::Duration::from_secs_f64(args.trial_timeout),
         threads: args.threads,
     };

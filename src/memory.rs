@@ -142,6 +142,20 @@ pub struct PeakBytes {
     pub workspace: u64,
 }
 
+/// The split at one moment, in the reports' shape (`total` is its sum).
+impl From<ByCategory> for PeakBytes {
+    fn from(b: ByCategory) -> PeakBytes {
+        let mut p = PeakBytes {
+            total: b.total(),
+            ..PeakBytes::default()
+        };
+        for (c, v) in b.iter() {
+            p.set(c, v);
+        }
+        p
+    }
+}
+
 impl PeakBytes {
     pub fn set(&mut self, c: Category, v: u64) {
         *match c {

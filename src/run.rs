@@ -37,6 +37,9 @@ pub struct RunOptions {
     pub timeline: Option<PathBuf>,
     /// Record the timeline to report each phase's peak (`phase_peaks`).
     pub phase_peaks: bool,
+    /// Repeat timed steps until this rule says stop (then `steps` is
+    /// ignored); `None` runs exactly `steps`.
+    pub timing: Option<crate::stats::Timing>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -134,7 +137,8 @@ pub struct RunReport {
     pub device: String,
     pub capacity_bytes: Option<u64>,
     pub steps: Vec<StepRecord>,
-    /// Mean over steps after the first (which warms caches); `None` on meta.
+    /// Tokens per step over the median step time after the warm-up step;
+    /// `None` on meta.
     pub tokens_per_s: Option<f64>,
     pub tokens_per_step: usize,
     pub flops_per_step: u128,
@@ -556,7 +560,11 @@ where
             .tracker
             .set_recording(opts.timeline.is_some() || opts.phase_peaks);
     }
-    let steps = if meta { 1 } else { opts.steps };
+    let steps = match (meta, opts.timing) {
+        (true, _) => 1,
+        (false, Some(t)) => t.step_cap(),
+        (false, None) => opts.steps,
+    };
     let mut data = data;
     let mut times = Vec::new();
     let mut failure = None;
@@ -596,6 +604,7 @@ where
             Ok(r) => {
                 let secs = start.elapsed().as_secs_f64();
                 times.push(secs);
+                let enough = opts.timing.is_some_and(|t| t.done(&times));
                 if let (Some(loss), Some(grad_norm)) = (r.loss, r.grad_norm) {
                     report.steps.push(StepRecord {
                         step,
@@ -606,6 +615,9 @@ where
                         loss_scale: e0.loss_scale(),
                     });
                 }
+                if enough {
+                    break;
+                }
             }
             Err((rank, oom)) => {
                 report.error = Some(ErrorRecord::new(&oom, n, rank));
@@ -615,13 +627,13 @@ where
         }
     }
     if !meta && !times.is_empty() {
-        let timed = if times.len() > 1 {
-            &times[1..]
-        } else {
-            &times[..]
-        };
-        let mean = timed.iter().sum::<f64>() / timed.len() as f64;
-        report.tokens_per_s = Some(report.tokens_per_step as f64 / mean);
+        let warmup = opts.timing.map_or(1, |t| t.warmup_steps);
+        let timed = times
+            .get(warmup..)
+            .filter(|t| !t.is_empty())
+            .unwrap_or(&times[..]);
+        // The median: one stalled step on a busy machine does not move it.
+        report.tokens_per_s = Some(report.tokens_per_step as f64 / crate::stats::median(timed));
     }
     let e0 = &cluster.ranks[0];
     report.skipped_steps = e0.skipped_steps();

@@ -45,6 +45,7 @@ fn predictions_equal_cpu_measured_peaks() {
             },
             headroom: 0.05,
             cost: None,
+            host_usd_per_hour: None,
             allow_numerics_change: true,
             device: None,
         };
@@ -135,6 +136,7 @@ fn published_bytes_per_parameter_are_reproduced() {
         },
         headroom: 0.05,
         cost: None,
+        host_usd_per_hour: None,
         allow_numerics_change: true,
         device: None,
     };
@@ -263,6 +265,7 @@ fn allow_numerics_change_false_rules_out_fp16_and_8bit() {
         },
         headroom: 0.05,
         cost: None,
+        host_usd_per_hour: None,
         allow_numerics_change: false,
         device: None,
     };

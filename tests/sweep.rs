@@ -92,7 +92,7 @@ fn bisection_recommends_what_the_exhaustive_sweep_does() {
         assert_eq!(t.memory_error_pct, Some(0.0), "{}", t.id);
         let m = t.measured.as_ref().unwrap();
         assert!(
-            m.device_peak_bytes.unwrap() > m.peak_bytes.total,
+            m.rss_peak_bytes.unwrap() > m.peak_bytes.total,
             "RSS includes the tracked bytes"
         );
     }
@@ -117,11 +117,10 @@ fn bisection_recommends_what_the_exhaustive_sweep_does() {
     };
     let replay_dir = out_dir("replay");
     std::fs::create_dir_all(&replay_dir).unwrap();
-    std::fs::copy(
-        full_dir.join("trials.jsonl"),
-        replay_dir.join("trials.jsonl"),
-    )
-    .unwrap();
+    // The journal with its identity: a journal alone is refused.
+    for f in ["trials.jsonl", "sweep.json"] {
+        std::fs::copy(full_dir.join(f), replay_dir.join(f)).unwrap();
+    }
     let (o, replay) = sweep(&replay_dir, &["--resume"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(pick(&replay), pick(&full));
@@ -309,4 +308,237 @@ fn a_partial_journal_line_is_cut_and_another_sweeps_journal_is_refused() {
         "{}",
         String::from_utf8_lossy(&o.stderr)
     );
+}
+
+/// A sweep on meta: every trial runs, each in its own process, in moments.
+fn meta_sweep(out: &Path, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "sweep",
+        recipe(),
+        "--out",
+        out.to_str().unwrap(),
+        "--device",
+        "meta",
+    ];
+    args.extend(extra);
+    memfit(&args)
+}
+
+fn err(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn a_second_sweep_into_a_locked_directory_exits_2_naming_the_holder() {
+    // Two sweeps into one --out both ran, and each ran every trial.
+    let _one = serial();
+    let dir = out_dir("locked");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (lock, note) = memfit::sweep::driver::OutLock::take(&dir, "memfit sweep").unwrap();
+    assert_eq!(note, None);
+    let o = meta_sweep(&dir, &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", err(&o));
+    let want = format!(
+        "is in use by memfit sweep pid {} started ",
+        std::process::id()
+    );
+    assert!(err(&o).contains(&want), "{}", err(&o));
+    assert!(err(&o).contains("--out"), "{}", err(&o));
+    assert!(!dir.join("trials.jsonl").exists(), "it ran nothing");
+    drop(lock);
+    assert!(!dir.join(".memfit.lock").exists(), "released on drop");
+    let o = meta_sweep(&dir, &[]);
+    assert!(o.status.success(), "{}", err(&o));
+    assert!(!dir.join(".memfit.lock").exists(), "released when done");
+}
+
+#[test]
+fn a_stale_lock_from_a_dead_process_is_taken_over_with_a_note() {
+    let _one = serial();
+    let dir = out_dir("stale-lock");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut gone = Command::new("true").spawn().unwrap();
+    let pid = gone.id();
+    gone.wait().unwrap();
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    std::fs::write(
+        dir.join(".memfit.lock"),
+        format!(
+            r#"{{"command":"memfit sweep","pid":{pid},"host":"{}","started_unix_s":1700000000}}"#,
+            host.trim()
+        ),
+    )
+    .unwrap();
+    let o = meta_sweep(&dir, &[]);
+    assert!(o.status.success(), "{}", err(&o));
+    assert!(
+        err(&o).contains(&format!("left by memfit sweep pid {pid} started 2023-11-14 22:13:20 UTC, which is no longer running; taking it over")),
+        "{}",
+        err(&o)
+    );
+    assert!(!dir.join(".memfit.lock").exists());
+}
+
+#[test]
+fn ctrl_c_releases_the_lock() {
+    let _one = serial();
+    let dir = out_dir("ctrl-c");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args(["sweep", recipe(), "--out", dir.to_str().unwrap()])
+        .args([
+            "--device",
+            "meta",
+            "--test-fault",
+            "0:hang",
+            "--trial-timeout",
+            "60",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let lock = dir.join(".memfit.lock");
+    let start = std::time::Instant::now();
+    while !lock.exists() && start.elapsed().as_secs() < 30 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(lock.exists());
+    // Past the set-up: the Ctrl-C handler is in place, the hung trial runs.
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let sent = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130), "interrupted");
+    assert!(!lock.exists(), "released on Ctrl-C");
+}
+
+#[test]
+fn resume_without_sweep_json_does_not_adopt_the_journal() {
+    // It adopted whatever trials.jsonl was there, another sweep's included.
+    let _one = serial();
+    let dir = out_dir("no-identity");
+    let o = meta_sweep(&dir, &[]);
+    assert!(o.status.success(), "{}", err(&o));
+    std::fs::remove_file(dir.join("sweep.json")).unwrap();
+    let journal = std::fs::read_to_string(dir.join("trials.jsonl")).unwrap();
+    let o = meta_sweep(&dir, &["--resume"]);
+    assert_eq!(o.status.code(), Some(2), "{}", err(&o));
+    for want in ["--resume: ", "sweep.json", "is missing", "another --out"] {
+        assert!(err(&o).contains(want), "{want}: {}", err(&o));
+    }
+    assert_eq!(
+        std::fs::read_to_string(dir.join("trials.jsonl")).unwrap(),
+        journal
+    );
+}
+
+#[test]
+fn threads_0_and_other_bad_trial_flags_stop_the_sweep_before_any_trial() {
+    // --threads 0 was accepted, and every trial then crashed into the journal.
+    let _one = serial();
+    let dir = out_dir("bad-flags");
+    for (flags, named) in [
+        (&["--threads", "0"][..], "--threads"),
+        (&["--threads", "100000"], "--threads"),
+        (&["--trial-timeout", "0"], "--trial-timeout"),
+        // Turned into a Duration, this panicked.
+        (&["--trial-timeout", "inf"], "--trial-timeout"),
+        (&["--trial-timeout", "nan"], "--trial-timeout"),
+        (&["--steps", "0"], "--steps"),
+        (&["--max-steps", "18446744073709551615"], "--max-steps"),
+    ] {
+        let o = meta_sweep(&dir, flags);
+        assert_eq!(o.status.code(), Some(2), "{flags:?}: {}", err(&o));
+        assert!(err(&o).contains(named), "{flags:?}: {}", err(&o));
+        assert!(!dir.join("trials.jsonl").exists(), "{flags:?}");
+    }
+    // The TUI takes the same flags and checks them the same way, before it
+    // takes the terminal.
+    for (flags, named) in [
+        (&["--threads", "0"][..], "--threads"),
+        (&["--trial-timeout", "inf"], "--trial-timeout"),
+        (&["--sample-ms", "0"], "--sample-ms"),
+    ] {
+        let mut args = vec!["tui", recipe(), "--out", dir.to_str().unwrap()];
+        args.extend(flags);
+        let o = memfit(&args);
+        assert_eq!(o.status.code(), Some(2), "{flags:?}: {}", err(&o));
+        assert!(err(&o).contains(named), "{flags:?}: {}", err(&o));
+    }
+}
+
+#[test]
+fn duplicate_grid_values_give_one_trial_each() {
+    // `micro_batch: [2, 2, 4]` gave two trials with one id.
+    let _one = serial();
+    let dir = out_dir("duplicates");
+    let o = memfit(&[
+        "sweep",
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/sweep/duplicate-values.yaml"
+        ),
+        "--out",
+        dir.to_str().unwrap(),
+        "--exhaustive",
+    ]);
+    assert!(o.status.success(), "{}", err(&o));
+    for want in [
+        "duplicate-values.yaml:8:17: `grid.micro_batch` lists 2 more than once; each point is planned once",
+        "duplicate-values.yaml:9:15: `grid.precision` lists bf16 more than once",
+    ] {
+        assert!(err(&o).contains(want), "{want}: {}", err(&o));
+    }
+    let report: SweepReport =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap();
+    let ids: Vec<&str> = report.trials.iter().map(|t| t.id.as_str()).collect();
+    assert_eq!(report.grid_size, 4, "{ids:?}");
+    let mut unique = ids.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), ids.len(), "{ids:?}");
+    // In the recipe's order, first occurrences kept.
+    let firsts: Vec<_> = report
+        .trials
+        .iter()
+        .map(|t| (t.point.micro_batch, memfit::plan::name(t.point.precision)))
+        .collect();
+    assert_eq!(
+        firsts,
+        [(2, "bf16"), (4, "bf16"), (2, "fp32"), (4, "fp32")].map(|(m, p)| (m, p.to_string()))
+    );
+    assert_eq!(ids_in_journal(&dir).len(), 4);
+}
+
+#[test]
+fn reports_are_replaced_whole_never_written_in_place() {
+    // report.json was truncated and rewritten in place: a reader (or a kill)
+    // mid-write saw half a report. A hard link to the old report shows the
+    // difference: a rename leaves it as it was, an in-place write changes it.
+    let _one = serial();
+    let dir = out_dir("atomic");
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["report.json", "report.md", "report.html"] {
+        std::fs::write(dir.join(f), "old").unwrap();
+        std::fs::hard_link(dir.join(f), dir.join(format!("{f}.old"))).unwrap();
+    }
+    let o = meta_sweep(&dir, &[]);
+    assert!(o.status.success(), "{}", err(&o));
+    for f in ["report.json", "report.md", "report.html"] {
+        assert_eq!(
+            std::fs::read_to_string(dir.join(format!("{f}.old"))).unwrap(),
+            "old",
+            "{f}"
+        );
+        assert_ne!(std::fs::read_to_string(dir.join(f)).unwrap(), "old", "{f}");
+    }
+    let leftovers: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp") || n == ".memfit.lock")
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
 }

@@ -136,10 +136,7 @@ pub fn load_hardware(spec: &str) -> Result<HardwareProfile> {
         || spec.ends_with(".yaml")
         || spec.ends_with(".yml");
     if looks_like_path || Path::new(spec).is_file() {
-        let text = std::fs::read_to_string(spec).map_err(|source| Error::Io {
-            path: spec.into(),
-            source,
-        })?;
+        let text = super::input::read_text(Path::new(spec))?;
         return parse_hardware_yaml(&text, spec);
     }
     let names: Vec<&str> = BUILTIN_HARDWARE.iter().map(|(name, _)| *name).collect();
@@ -163,6 +160,7 @@ pub fn load_hardware(spec: &str) -> Result<HardwareProfile> {
 
 /// Parses and validates one hardware profile. `location` names the file in errors.
 pub fn parse_hardware_yaml(text: &str, location: &str) -> Result<HardwareProfile> {
+    let text = super::input::strip_bom(text);
     let raw: RawHardware = parse_yaml(text, location)?;
     let invalid = |key: &str, message: String| Error::Config {
         location: key_location(text, location, key),

@@ -20,10 +20,7 @@ const SUPPORTED: &str = "memfit imports gpt2, llama, mistral and qwen2 configs";
 
 /// Reads and imports a Hugging Face `config.json`; errors name the file.
 pub fn load_hf_config(path: &Path) -> Result<ModelConfig> {
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
-        path: path.into(),
-        source,
-    })?;
+    let text = super::input::read_text(path)?;
     import_hf_config(&text, &path.display().to_string())
 }
 
@@ -32,6 +29,7 @@ pub fn load_hf_config(path: &Path) -> Result<ModelConfig> {
 /// model its name: the directory of a file named `config.json`, otherwise the
 /// file stem.
 pub fn import_hf_config(text: &str, location: &str) -> Result<ModelConfig> {
+    let text = super::input::strip_bom(text);
     let root: Value = serde_json::from_str(text).map_err(|e| Error::Config {
         location: if e.line() > 0 {
             format!("{location}:{}:{}", e.line(), e.column())

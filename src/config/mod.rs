@@ -2,6 +2,7 @@
 
 pub mod hardware;
 pub mod hf;
+pub mod input;
 pub mod model;
 pub mod profile;
 pub mod recipe;

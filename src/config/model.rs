@@ -56,6 +56,16 @@ fn one() -> usize {
     1
 }
 
+/// Limits on a model's dimensions (`ModelConfig::validate`): several times
+/// the largest published model's.
+pub const MAX_LAYERS: usize = 1024;
+/// Hidden and MLP widths (the largest published: about 20k and 74k).
+pub const MAX_WIDTH: usize = 1 << 20;
+/// Vocabulary (the largest published: about 256k).
+pub const MAX_VOCAB: usize = 1 << 24;
+/// Context length (the longest published: 10M).
+pub const MAX_SEQ_LEN: usize = 1 << 26;
+
 /// How one parameter tensor is initialised.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Init {
@@ -182,17 +192,23 @@ impl ModelConfig {
                 self.n_kv_head()
             ));
         }
-        if self.vocab_size > u32::MAX as usize {
-            return Err(format!(
-                "`vocab_size` {} does not fit 32-bit token ids",
-                self.vocab_size
-            ));
-        }
-        if self.n_layer > 1_000_000 {
-            return Err(format!(
-                "`n_layer` {} is beyond any model memfit can plan",
-                self.n_layer
-            ));
+        // Published models stay far below these (the largest have about 126
+        // layers, a hidden size of 20k and a vocabulary of 256k); past them
+        // memfit's own bookkeeping, not the model, would fill the host (a
+        // million layers take gigabytes to plan on meta).
+        for (field, v, limit, largest) in [
+            ("n_layer", self.n_layer, MAX_LAYERS, "about 126"),
+            ("d_model", self.d_model, MAX_WIDTH, "about 20k"),
+            ("d_ff", self.d_ff(), MAX_WIDTH, "about 74k"),
+            ("vocab_size", self.vocab_size, MAX_VOCAB, "about 256k"),
+            ("pad_vocab_to", self.pad_vocab_to, MAX_VOCAB, "128"),
+            ("max_seq_len", self.max_seq_len, MAX_SEQ_LEN, "about 10M"),
+        ] {
+            if v > limit {
+                return Err(format!(
+                    "`{field}` is {v}, more than memfit plans: at most {limit} (the largest published models have {largest})"
+                ));
+            }
         }
         for (field, v) in [("norm_eps", self.norm_eps), ("rope_theta", self.rope_theta)] {
             if let Some(v) = v

@@ -44,23 +44,10 @@ pub fn load_model(spec: &str) -> Result<ModelConfig> {
     if let Some((name, text)) = BUILTIN_MODELS.iter().find(|(name, _)| *name == spec) {
         return parse_model_yaml(text, &format!("profiles/models/{name}.yaml"));
     }
-    let looks_like_path = spec.contains('/')
-        || spec.contains(std::path::MAIN_SEPARATOR)
-        || spec.ends_with(".yaml")
-        || spec.ends_with(".yml")
-        || spec.ends_with(".json");
-    if looks_like_path || Path::new(spec).is_file() {
-        let text = std::fs::read_to_string(spec).map_err(|source| Error::Io {
-            path: spec.into(),
-            source,
-        })?;
+    if looks_like_path(spec) || Path::new(spec).is_file() {
+        let text = super::input::read_text(Path::new(spec))?;
         let yaml = spec.ends_with(".yaml") || spec.ends_with(".yml");
-        let json = spec.ends_with(".json")
-            || (!yaml
-                && text
-                    .trim_start_matches('\u{feff}')
-                    .trim_start()
-                    .starts_with('{'));
+        let json = spec.ends_with(".json") || (!yaml && text.trim_start().starts_with('{'));
         if json {
             return super::hf::import_hf_config(&text, spec);
         }
@@ -77,9 +64,20 @@ pub fn load_model(spec: &str) -> Result<ModelConfig> {
     })
 }
 
+/// Whether a model spec names a file rather than a built-in profile: it
+/// has a directory separator or a profile's extension.
+pub fn looks_like_path(spec: &str) -> bool {
+    spec.contains('/')
+        || spec.contains(std::path::MAIN_SEPARATOR)
+        || [".yaml", ".yml", ".json"].iter().any(|x| spec.ends_with(x))
+}
+
 /// Deserialises any YAML document; errors carry `location:line:column` and a
-/// did-you-mean suggestion for a misspelled key or value.
+/// did-you-mean suggestion for a misspelled key or value. A byte order mark
+/// is dropped, and nesting is capped first ([`super::input::check_yaml_depth`]).
 pub fn parse_yaml<T: serde::de::DeserializeOwned>(text: &str, location: &str) -> Result<T> {
+    let text = super::input::strip_bom(text);
+    super::input::check_yaml_depth(text, location)?;
     serde_yaml_ng::from_str(text).map_err(|e| {
         let at = match e.location() {
             Some(loc) => format!("{location}:{}:{}", loc.line(), loc.column()),
@@ -100,8 +98,51 @@ pub fn key_location(text: &str, location: &str, key: &str) -> String {
     }
 }
 
+/// `location:line:column` of the first `key:` (or of `value` in its list,
+/// flow or block), else the file.
+pub fn value_location(text: &str, location: &str, key: &str, value: Option<&str>) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    let Some(k) = lines.iter().position(|l| {
+        let t = l.trim_start();
+        t.starts_with(&format!("{key}:")) && !t.starts_with('#')
+    }) else {
+        return location.to_string();
+    };
+    let key_col = lines[k].len() - lines[k].trim_start().len() + 1;
+    let Some(value) = value else {
+        return format!("{location}:{}:{key_col}", k + 1);
+    };
+    // A flow list on the key's line, or a block list below it.
+    let is_token = |line: &str, at: usize| {
+        let before = line[..at].chars().last();
+        let after = line[at + value.len()..].chars().next();
+        let sep = |c: Option<char>| c.is_none_or(|c| !c.is_alphanumeric() && c != '_');
+        sep(before) && sep(after)
+    };
+    for (i, line) in lines.iter().enumerate().skip(k) {
+        if i > k && !line.trim_start().starts_with('-') {
+            break;
+        }
+        let start = if i == k {
+            line.find(':').unwrap_or(0)
+        } else {
+            0
+        };
+        let mut from = start;
+        while let Some(off) = line[from..].find(value) {
+            let at_ = from + off;
+            if is_token(line, at_) {
+                return format!("{location}:{}:{}", i + 1, at_ + 1);
+            }
+            from = at_ + value.len();
+        }
+    }
+    format!("{location}:{}:{key_col}", k + 1)
+}
+
 /// Parses and validates one model profile. `location` names the file in errors.
 pub fn parse_model_yaml(text: &str, location: &str) -> Result<ModelConfig> {
+    let text = super::input::strip_bom(text);
     let config: ModelConfig = parse_yaml(text, location)?;
     let invalid = |message: String| {
         let line = message

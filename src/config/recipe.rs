@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use super::profile::{key_location, parse_yaml};
+use super::profile::{parse_yaml, value_location};
 use crate::backend::DeviceSpec;
 use crate::engine::{Attention, Checkpointing, Optimizer, Precision, Schedule, Sharding};
 use crate::error::{Error, Result};
@@ -41,43 +41,72 @@ pub struct RunRecipe {
     /// Stage boundaries, `"0:6,6:12"`, as `--partition` takes them.
     pub partition: Option<String>,
     pub threads: Option<usize>,
+    /// The file it came from, for errors found after loading.
+    #[serde(skip)]
+    pub origin: Option<Origin>,
 }
 
+/// Where a recipe was read from, and its text.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Origin {
+    pub location: String,
+    pub text: String,
+}
+
+impl RunRecipe {
+    /// An error at `key:` in the recipe's file, `file:line:column: `key`: message`.
+    pub fn error(&self, key: &str, message: impl std::fmt::Display) -> Error {
+        let origin = self.origin.clone().unwrap_or_default();
+        Error::Config {
+            location: value_location(&origin.text, &origin.location, key, None),
+            message: format!("`{key}`: {message}"),
+        }
+    }
+}
+
+/// Parsed as the scalar is read, so that a bad value's error carries the
+/// scalar's line and column (an error raised after it would be placed at
+/// the start of the enclosing mapping).
 impl<'de> Deserialize<'de> for DeviceSpec {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = DeviceSpec;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a device such as cpu, cpu:limit=512MiB or meta")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<DeviceSpec, E> {
+                v.parse().map_err(E::custom)
+            }
+        }
+        d.deserialize_str(Visitor)
     }
 }
 
 pub fn load_run_recipe(path: &Path) -> Result<RunRecipe> {
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let text = super::input::read_text(path)?;
     let location = path.display().to_string();
     let mut recipe: RunRecipe = parse_yaml(&text, &location)?;
+    let base = path.parent().unwrap_or(Path::new("."));
     if let Some(data) = &recipe.data
         && data.is_relative()
     {
-        let base = path.parent().unwrap_or(Path::new("."));
         recipe.data = Some(base.join(data));
     }
-    // A profile path in a recipe is relative to the recipe, like `data`.
+    // A profile path in a recipe is relative to the recipe, like `data`; a
+    // bare name stays a name, so that a misspelt one gets a suggestion.
     if let Some(model) = &recipe.model
         && !super::profile::builtin_models()
             .iter()
             .any(|(name, _)| name == model)
         && Path::new(model).is_relative()
+        && (super::profile::looks_like_path(model) || base.join(model).is_file())
     {
-        let base = path.parent().unwrap_or(Path::new("."));
         recipe.model = Some(base.join(model).display().to_string());
     }
+    recipe.origin = Some(Origin { location, text });
     if recipe.model.as_deref().is_some_and(|m| m.trim().is_empty()) {
-        return Err(Error::Config {
-            location: key_location(&text, &location, "model"),
-            message: "`model` must name a profile or a profile file".into(),
-        });
+        return Err(recipe.error("model", "must name a profile or a profile file"));
     }
     Ok(recipe)
 }
@@ -114,7 +143,11 @@ mod tests {
                 "invalid/recipes/misspelled-key.yaml",
                 "did you mean `micro_batch`?",
             ),
-            ("invalid/recipes/bad-device.yaml", "unknown device `tpu`"),
+            // The value's own line and column, not the mapping's 1:1.
+            (
+                "invalid/recipes/bad-device.yaml",
+                "bad-device.yaml:2:9: device: unknown device `tpu`",
+            ),
             (
                 "invalid/recipes/bad-optimizer.yaml",
                 "did you mean `adamw8bit`?",
@@ -131,5 +164,28 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    #[test]
+    fn a_bare_model_name_stays_a_name_so_a_typo_gets_a_suggestion() {
+        // It was joined to the recipe's directory, then failed as a missing file.
+        let r = load_run_recipe(&fixture("invalid/recipes/unknown-model.yaml")).unwrap();
+        assert_eq!(r.model.as_deref(), Some("gpt2-tinyy"));
+        let err = r.error("model", "x").to_string();
+        assert!(err.contains("unknown-model.yaml:1:1: `model`: x"), "{err}");
+    }
+
+    #[test]
+    fn a_byte_order_mark_is_dropped_and_lines_stay_right() {
+        let dir = std::env::temp_dir().join(format!("memfit-recipe-bom-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("r.yaml");
+        std::fs::write(&path, "\u{feff}model: gpt2-tiny\nsteps: 2\n").unwrap();
+        let r = load_run_recipe(&path).unwrap();
+        assert_eq!((r.model.as_deref(), r.steps), (Some("gpt2-tiny"), Some(2)));
+        std::fs::write(&path, "\u{feff}model: gpt2-tiny\nsteps: many\n").unwrap();
+        let err = load_run_recipe(&path).unwrap_err().to_string();
+        assert!(err.contains("r.yaml:2:8: "), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

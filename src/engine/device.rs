@@ -53,10 +53,14 @@ pub struct CostCounter {
 /// A per-op roofline: each op takes `max(flops / flops_per_s, bytes /
 /// bytes_per_s)` (Williams, Waterman and Patterson, Roofline, CACM 2009),
 /// plus a fixed `op_overhead_s` (a kernel launch), which is what bounds
-/// tiny models.
+/// tiny models. GEMMs (`matmul*`) run at `flops_per_s`; every other op's
+/// arithmetic (attention kernels, norms, activations, the optimizer) at
+/// `kernel_flops_per_s`, which on a GPU is the same peak and on a CPU host
+/// is far below its GEMM rate.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Roofline {
     pub flops_per_s: f64,
+    pub kernel_flops_per_s: f64,
     pub bytes_per_s: f64,
     pub op_overhead_s: f64,
 }
@@ -145,7 +149,12 @@ impl<B: Backend> Device<B> {
         let flops = flops.try_into().unwrap_or(u64::MAX);
         let ns = start.map_or(0, |s| s.elapsed().as_nanos() as u64);
         let secs = self.roofline.map_or(0.0, |rl| {
-            (flops as f64 / rl.flops_per_s).max(bytes as f64 / rl.bytes_per_s) + rl.op_overhead_s
+            let rate = if op.starts_with("matmul") {
+                rl.flops_per_s
+            } else {
+                rl.kernel_flops_per_s
+            };
+            (flops as f64 / rate).max(bytes as f64 / rl.bytes_per_s) + rl.op_overhead_s
         });
         self.cost.add(op, flops, bytes, ns, secs);
         if let Some(per_phase) = &mut self.phase_secs {

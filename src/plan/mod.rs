@@ -23,7 +23,7 @@ use crate::backend::meta::MetaBackend;
 use crate::comm::MetaComm;
 use crate::config::ModelConfig;
 use crate::config::hardware::{HardwareProfile, load_hardware};
-use crate::config::profile::{load_model, parse_yaml};
+use crate::config::profile::{load_model, looks_like_path, parse_yaml, value_location};
 use crate::engine::device::Roofline;
 use crate::engine::{
     Attention, Checkpointing, Comm, Engine, Optimizer, Precision, Sharding, TrainConfig,
@@ -63,6 +63,11 @@ pub struct PlanRecipe {
     /// Overrides the hardware's $/GPU-hour.
     #[serde(default)]
     pub cost: Option<f64>,
+    /// What an hour of this host costs, for sweeps whose trials run on cpu:
+    /// their measured throughput is priced at it (the host runs every rank).
+    /// Without it, cpu trials are ranked by tokens/s, which is the same order.
+    #[serde(default)]
+    pub host_usd_per_hour: Option<f64>,
     /// Whether fp16, adamw8bit and adafactor may be recommended.
     #[serde(default = "yes")]
     pub allow_numerics_change: bool,
@@ -110,6 +115,73 @@ pub struct Grid {
     pub sharding: Vec<Sharding>,
     #[serde(default = "one_usize")]
     pub gpus: Vec<usize>,
+}
+
+impl Grid {
+    /// The number of points, or `None` past `usize`.
+    pub fn size(&self) -> Option<usize> {
+        [
+            self.micro_batch.len(),
+            self.precision.len(),
+            self.checkpointing.len(),
+            self.attention.len(),
+            self.optimizer.len(),
+            self.sharding.len(),
+            self.gpus.len(),
+        ]
+        .into_iter()
+        .try_fold(1usize, usize::checked_mul)
+    }
+
+    /// Drops repeated values from each list, keeping the first of each in
+    /// its place. Returns, per list with repeats, its key, the first value
+    /// repeated and how many distinct values were.
+    pub fn dedup(&mut self) -> Vec<(&'static str, String, usize)> {
+        fn keep_first<T>(
+            key: &'static str,
+            values: &mut Vec<T>,
+            show: impl Fn(&T) -> String,
+            repeats: &mut Vec<(&'static str, String, usize)>,
+        ) {
+            let mut seen = std::collections::HashSet::new();
+            let mut repeated = std::collections::HashSet::new();
+            let mut first = None;
+            values.retain(|v| {
+                let shown = show(v);
+                if seen.contains(&shown) {
+                    if repeated.insert(shown.clone()) && first.is_none() {
+                        first = Some(shown);
+                    }
+                    false
+                } else {
+                    seen.insert(shown);
+                    true
+                }
+            });
+            if let Some(first) = first {
+                repeats.push((key, first, repeated.len()));
+            }
+        }
+        let mut r = Vec::new();
+        keep_first(
+            "micro_batch",
+            &mut self.micro_batch,
+            usize::to_string,
+            &mut r,
+        );
+        keep_first("precision", &mut self.precision, |v| name(*v), &mut r);
+        keep_first(
+            "checkpointing",
+            &mut self.checkpointing,
+            |v| name(*v),
+            &mut r,
+        );
+        keep_first("attention", &mut self.attention, |v| name(*v), &mut r);
+        keep_first("optimizer", &mut self.optimizer, |v| name(*v), &mut r);
+        keep_first("sharding", &mut self.sharding, |v| name(*v), &mut r);
+        keep_first("gpus", &mut self.gpus, usize::to_string, &mut r);
+        r
+    }
 }
 
 impl Default for Grid {
@@ -236,8 +308,12 @@ pub struct Prediction {
     pub point: Point,
     #[serde(flatten)]
     pub verdict: Verdict,
-    /// Per rank, from the engine (absent for invalid points).
+    /// Per rank, from the engine (absent for invalid points): `total` is the
+    /// highest sum live at once, each category its own highest.
     pub peak_bytes: Option<PeakBytes>,
+    /// The split at the moment of that total peak: what was live, by
+    /// category, when the total was highest (it adds up to `total`).
+    pub peak_split: Option<PeakBytes>,
     pub runtime_overhead_bytes: u64,
     /// Engine peak plus runtime overhead.
     pub total_bytes: u64,
@@ -297,11 +373,11 @@ pub fn plan_file(path: &Path) -> Result<Plan> {
 }
 
 /// Loads and validates a recipe file, with its model and hardware.
+///
+/// A value listed twice in a grid list is planned once (a warning on stderr
+/// says so, once per file); a grid of more than [`MAX_GRID_POINTS`] is an error.
 pub fn load_recipe(path: &Path) -> Result<(PlanRecipe, ModelConfig, HardwareProfile)> {
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let text = crate::config::input::read_text(path)?;
     let location = path.display().to_string();
     let mut recipe: PlanRecipe = parse_yaml(&text, &location)?;
     // Paths in a recipe are relative to the recipe, as run recipes' are.
@@ -312,24 +388,77 @@ pub fn load_recipe(path: &Path) -> Result<(PlanRecipe, ModelConfig, HardwareProf
         }
     }
     let at = |key: &str, value: Option<&str>| value_location(&text, &location, key, value);
+    let repeats = recipe.grid.dedup();
+    if !repeats.is_empty() {
+        warn_once(&location, || {
+            repeats
+                .iter()
+                .map(|(key, value, n)| {
+                    let others = match n - 1 {
+                        0 => String::new(),
+                        1 => " (and one other value)".into(),
+                        k => format!(" (and {k} other values)"),
+                    };
+                    format!(
+                        "memfit: warning: {}: `grid.{key}` lists {value}{others} more than once; each point is planned once",
+                        at(key, Some(value))
+                    )
+                })
+                .collect()
+        });
+    }
+    let points = recipe.grid.size();
+    if points.is_none_or(|n| n > MAX_GRID_POINTS) {
+        let g = &recipe.grid;
+        return Err(Error::Config {
+            location: at("grid", None),
+            message: format!(
+                "`grid` expands to {} points ({} micro_batch x {} precision x {} checkpointing x {} attention x {} optimizer x {} sharding x {} gpus), more than {MAX_GRID_POINTS}, the most memfit plans at once; split it over several recipes",
+                points.map_or_else(|| "more than 2^64".to_string(), |n| n.to_string()),
+                g.micro_batch.len(),
+                g.precision.len(),
+                g.checkpointing.len(),
+                g.attention.len(),
+                g.optimizer.len(),
+                g.sharding.len(),
+                g.gpus.len(),
+            ),
+        });
+    }
     let model = load_model(&recipe.model).map_err(|e| relocate(e, at("model", None)))?;
     let hw = load_hardware(&recipe.hardware).map_err(|e| relocate(e, at("hardware", None)))?;
     check_recipe(&recipe, &model, &at)?;
     Ok((recipe, model, hw))
 }
 
-fn looks_like_path(spec: &str) -> bool {
-    spec.contains('/') || [".yaml", ".yml", ".json"].iter().any(|x| spec.ends_with(x))
-}
-
-/// Prefixes an unknown-model or unknown-hardware error with the recipe line.
+/// Prefixes an unknown-model or unknown-hardware error, or a file that
+/// cannot be read, with the recipe line; an error inside the profile already
+/// names its own file.
 fn relocate(e: Error, at: String) -> Error {
     match e {
-        Error::Config { .. } | Error::Io { .. } => e,
+        Error::Config { .. } => e,
         other => Error::Config {
             location: at,
             message: other.to_string(),
         },
+    }
+}
+
+/// The most points a recipe's grid may expand to. Planning costs a
+/// millisecond or more per point, so this is minutes of work; a grid of
+/// millions is a mistake, not a plan.
+pub const MAX_GRID_POINTS: usize = 100_000;
+
+/// Prints `lines` on stderr unless they were printed for `location` before
+/// (the TUI and the sweep load one recipe several times).
+fn warn_once(location: &str, lines: impl FnOnce() -> Vec<String>) {
+    static WARNED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut warned = WARNED.lock().unwrap_or_else(|e| e.into_inner());
+    if !warned.iter().any(|l| l == location) {
+        warned.push(location.to_string());
+        for line in lines() {
+            eprintln!("{line}");
+        }
     }
 }
 
@@ -425,51 +554,13 @@ fn check_recipe(
     Ok(())
 }
 
-/// `location:line:column` of `key:` (or of `value` in its list), else the file.
-fn value_location(text: &str, location: &str, key: &str, value: Option<&str>) -> String {
-    let lines: Vec<&str> = text.lines().collect();
-    let Some(k) = lines.iter().position(|l| {
-        let t = l.trim_start();
-        t.starts_with(&format!("{key}:")) && !t.starts_with('#')
-    }) else {
-        return location.to_string();
-    };
-    let key_col = lines[k].len() - lines[k].trim_start().len() + 1;
-    let Some(value) = value else {
-        return format!("{location}:{}:{key_col}", k + 1);
-    };
-    // A flow list on the key's line, or a block list below it.
-    let is_token = |line: &str, at: usize| {
-        let before = line[..at].chars().last();
-        let after = line[at + value.len()..].chars().next();
-        let sep = |c: Option<char>| c.is_none_or(|c| !c.is_alphanumeric() && c != '_');
-        sep(before) && sep(after)
-    };
-    for (i, line) in lines.iter().enumerate().skip(k) {
-        if i > k && !line.trim_start().starts_with('-') {
-            break;
-        }
-        let start = if i == k {
-            line.find(':').unwrap_or(0)
-        } else {
-            0
-        };
-        let mut from = start;
-        while let Some(off) = line[from..].find(value) {
-            let at_ = from + off;
-            if is_token(line, at_) {
-                return format!("{location}:{}:{}", i + 1, at_ + 1);
-            }
-            from = at_ + value.len();
-        }
-    }
-    format!("{location}:{}:{key_col}", k + 1)
-}
-
 /// Every grid point in a stable order (the recipe's list orders, gpus
-/// outermost, micro-batch innermost).
+/// outermost, micro-batch innermost). A value listed twice gives one point
+/// (its first place), so that no two points share a trial id.
 pub fn expand(r: &PlanRecipe) -> Vec<Point> {
-    let g = &r.grid;
+    let mut g = r.grid.clone();
+    g.dedup();
+    let g = &g;
     let mut out = Vec::new();
     for &gpus in &g.gpus {
         for &sharding in &g.sharding {
@@ -594,9 +685,11 @@ pub fn plan(r: &PlanRecipe, model: &ModelConfig, hw: &HardwareProfile) -> Plan {
     let start = std::time::Instant::now();
     let usd = r.cost.unwrap_or(hw.usd_per_hour);
     let points = expand(r);
+    let (capacity, overhead) = r.capacity(hw);
+    let rates = Rates::gpu(hw, usd);
     let predictions: Vec<Prediction> = points
         .par_iter()
-        .map(|p| predict(r, model, hw, usd, p))
+        .map(|p| predict(r, model, &rates, capacity, overhead, p))
         .collect();
     let mut ranking: Vec<usize> = (0..predictions.len())
         .filter(|&i| predictions[i].verdict == Verdict::Fits && !predictions[i].excluded)
@@ -642,20 +735,76 @@ pub fn plan(r: &PlanRecipe, model: &ModelConfig, hw: &HardwareProfile) -> Plan {
 pub fn roofline(hw: &HardwareProfile, precision: Precision) -> Roofline {
     Roofline {
         flops_per_s: hw.peak_flops(precision) * COMPUTE_EFFICIENCY,
+        kernel_flops_per_s: hw.peak_flops(precision) * COMPUTE_EFFICIENCY,
         bytes_per_s: hw.memory_bandwidth_gbps * 1e9 * MEMORY_EFFICIENCY,
         op_overhead_s: OP_OVERHEAD_S,
     }
 }
 
-/// One point: the meta engine's step on rank 0, then the roofline and the price.
+/// What a step is priced at: the rooflines per precision, the bandwidth
+/// collectives move at, and what an hour costs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rates {
+    /// fp32, bf16, fp16.
+    pub roofline: [Roofline; 3],
+    pub link_bytes_per_s: f64,
+    pub usd_per_hour: f64,
+    /// `usd_per_hour` is per GPU (a GPU job), or for the whole job (the
+    /// host, which runs every rank).
+    pub per_gpu: bool,
+}
+
+impl Rates {
+    /// A GPU from its profile, derated by the efficiency factors above.
+    pub fn gpu(hw: &HardwareProfile, usd_per_gpu_hour: f64) -> Rates {
+        Rates {
+            roofline: [Precision::Fp32, Precision::Bf16, Precision::Fp16].map(|p| roofline(hw, p)),
+            link_bytes_per_s: hw.interconnect_gbps * 1e9 * COMM_EFFICIENCY,
+            usd_per_hour: usd_per_gpu_hour,
+            per_gpu: true,
+        }
+    }
+
+    /// This host from its calibration (measured rates, no derating): ranks
+    /// are threads, and collectives are copies through shared memory.
+    pub fn host(c: &crate::calibrate::Calibration, usd_per_hour: f64) -> Rates {
+        Rates {
+            roofline: [Precision::Fp32, Precision::Bf16, Precision::Fp16].map(|p| c.roofline(p)),
+            link_bytes_per_s: c.bytes_per_s,
+            usd_per_hour,
+            per_gpu: false,
+        }
+    }
+
+    fn of(&self, precision: Precision) -> Roofline {
+        self.roofline[match precision {
+            Precision::Fp32 => 0,
+            Precision::Bf16 => 1,
+            Precision::Fp16 => 2,
+        }]
+    }
+
+    /// $ per million tokens at `tokens_per_s` for a job on `gpus`.
+    pub fn usd_per_mtok(&self, gpus: usize, tokens_per_s: f64) -> f64 {
+        let per_hour = if self.per_gpu {
+            gpus as f64 * self.usd_per_hour
+        } else {
+            self.usd_per_hour
+        };
+        per_hour / 3600.0 / tokens_per_s * 1e6
+    }
+}
+
+/// One point: the meta engine's step on rank 0, then the roofline and the
+/// price. `capacity` and `overhead` are the device's (`PlanRecipe::capacity`).
 pub fn predict(
     r: &PlanRecipe,
     model: &ModelConfig,
-    hw: &HardwareProfile,
-    usd_per_hour: f64,
+    rates: &Rates,
+    capacity: u64,
+    overhead: u64,
     p: &Point,
 ) -> Prediction {
-    let (capacity, overhead) = r.capacity(hw);
     let usable = (capacity as f64 * (1.0 - r.headroom)) as u64;
     let numerics_changes = p.numerics_changes();
     let excluded = !r.allow_numerics_change && !numerics_changes.is_empty();
@@ -663,6 +812,7 @@ pub fn predict(
         point: *p,
         verdict: Verdict::Fits,
         peak_bytes: None,
+        peak_split: None,
         runtime_overhead_bytes: overhead,
         total_bytes: 0,
         usable_bytes: usable,
@@ -695,7 +845,7 @@ pub fn predict(
         Ok(e) => e,
         Err(oom) => unreachable!("meta without capacity cannot run out of memory: {oom}"),
     };
-    e.dev.roofline = Some(roofline(hw, p.precision));
+    e.dev.roofline = Some(rates.of(p.precision));
     e.dev.cost = Default::default();
     e.dev.optimizer_cost = Default::default();
     let (sent0, opt_sent0) = (e.dev.sent, e.dev.optimizer_sent);
@@ -707,13 +857,13 @@ pub fn predict(
     let sent = (e.dev.sent - sent0) as f64;
     let opt_sent = (e.dev.optimizer_sent - opt_sent0) as f64;
     out.compute_s = k * (all - opt) + opt;
-    let link = hw.interconnect_gbps * 1e9 * COMM_EFFICIENCY;
-    out.comm_s = (k * (sent - opt_sent) + opt_sent) / link;
+    out.comm_s = (k * (sent - opt_sent) + opt_sent) / rates.link_bytes_per_s;
     out.step_s = out.compute_s + out.comm_s;
     let tokens = (r.global_batch * r.seq_len) as f64;
     out.tokens_per_s = tokens / out.step_s;
-    out.usd_per_mtok = p.gpus as f64 * usd_per_hour / 3600.0 / out.tokens_per_s * 1e6;
+    out.usd_per_mtok = rates.usd_per_mtok(p.gpus, out.tokens_per_s);
     let pk = e.dev.tracker.peak_bytes();
+    out.peak_split = Some(PeakBytes::from(e.dev.tracker.at_peak()));
     let psi: u64 = e.param_specs().iter().map(|s| s.numel() as u64).sum();
     out.engine_bytes_per_param = (pk.get(Category::Parameters)
         + pk.get(Category::Gradients)

@@ -10,7 +10,7 @@ fn status(p: &Prediction) -> String {
         Verdict::Fits if p.excluded => "fits (numerics)".into(),
         Verdict::Fits => "fits".into(),
         Verdict::DoesNotFit => "OOM".into(),
-        Verdict::Invalid { .. } => "invalid".into(),
+        Verdict::Invalid { reason } => format!("invalid: {reason}"),
     }
 }
 
@@ -134,11 +134,19 @@ pub fn table(plan: &Plan, limit: usize) -> String {
             *w = (*w).max(c.len());
         }
     }
+    // Numbers right, the status (last, free text) left.
     let line = |cells: &[String]| {
         cells
             .iter()
             .zip(&w)
-            .map(|(c, w)| format!("{c:>w$}"))
+            .enumerate()
+            .map(|(i, (c, w))| {
+                if i + 1 == cells.len() {
+                    c.clone()
+                } else {
+                    format!("{c:>w$}")
+                }
+            })
             .collect::<Vec<_>>()
             .join("  ")
     };
@@ -171,10 +179,14 @@ fn recommendation(plan: &Plan, s: &mut String, bullet: &str) {
             for r in &rec.reasons {
                 let _ = writeln!(s, "  {bullet}{r}");
             }
-            let pk = p.peak_bytes.expect("a fitting point has peaks");
+            // The split at the moment of the peak, so the parts add up to
+            // the peak (each category's own maximum comes at different
+            // moments, and their sum overstates it).
+            let pk = p.peak_split.expect("a fitting point has peaks");
             let _ = writeln!(
                 s,
-                "  {bullet}per GPU: parameters {}, gradients {}, optimizer {}, activations {}, temporaries {}, communication {}, workspace {}, runtime overhead {}",
+                "  {bullet}per GPU at the peak ({}): parameters {}, gradients {}, optimizer {}, activations {}, temporaries {}, communication {}, workspace {}, runtime overhead {}",
+                fmt_bytes(p.total_bytes),
                 fmt_bytes(pk.parameters),
                 fmt_bytes(pk.gradients),
                 fmt_bytes(pk.optimizer),
@@ -211,12 +223,8 @@ pub fn markdown(plan: &Plan) -> String {
     let _ = writeln!(s, "\n| {} |", COLS.join(" | "));
     let _ = writeln!(s, "|{}|", COLS.map(|_| "---").join("|"));
     for i in order(plan) {
-        let _ = writeln!(s, "| {} |", row(i, &plan.points[i]).join(" | "));
-    }
-    for (i, p) in plan.points.iter().enumerate() {
-        if let Verdict::Invalid { reason } = &p.verdict {
-            let _ = writeln!(s, "\n- #{i} invalid: {reason}");
-        }
+        let cells = row(i, &plan.points[i]).map(|c| c.replace('|', "/"));
+        let _ = writeln!(s, "| {} |", cells.join(" | "));
     }
     let _ = writeln!(s, "\n## Recommendation");
     recommendation(plan, &mut s, "- ");

@@ -11,13 +11,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::report::{
-    ExitInfo, Measured, Outcome, Predicted, Recommendation, SCHEMA_VERSION, SweepReport,
-    TrialRecord,
+    ExitInfo, Measured, Outcome, Predicted, Pricing, Recommendation, RunDevice, SCHEMA_VERSION,
+    SweepReport, Target, TargetPrediction, TimingPolicy, TrialRecord,
 };
 use super::trial::{Fault, TrialOutput, TrialSpec};
 use crate::backend::{DeviceKind, DeviceSpec};
 use crate::error::{Error, Result};
-use crate::plan::{Point, Prediction, Verdict, load_recipe, name, plan};
+use crate::plan::{Point, Prediction, Rates, Verdict, expand, load_recipe, name, predict};
+use rayon::prelude::*;
 
 /// What `memfit sweep` was asked to do.
 #[derive(Clone, Debug)]
@@ -29,8 +30,9 @@ pub struct SweepOptions {
     pub resume: bool,
     /// Run every valid point instead of bisecting the fit boundary.
     pub exhaustive: bool,
-    /// Optimizer steps per trial; the first is warm-up.
-    pub steps: usize,
+    /// How each trial times its steps (warm-up, then repeats until the
+    /// median's interval is tight or the budget is spent).
+    pub timing: crate::stats::Timing,
     pub timeout: Duration,
     pub threads: Option<usize>,
     /// Test hook: make the trial at this position in run order fail.
@@ -119,6 +121,10 @@ struct Ctx<'a> {
     device: DeviceSpec,
     /// Engine share of the capacity (the trial's device limit), and the overhead on top.
     overhead: u64,
+    /// Prices measured throughput (the host's or the GPUs').
+    rates: Rates,
+    /// Each grid point's plan on the target GPU.
+    targets: Vec<Option<TargetPrediction>>,
     runs: usize,
     /// Grid indices measured in this invocation (not from the journal).
     ran_now: std::collections::HashSet<usize>,
@@ -126,8 +132,29 @@ struct Ctx<'a> {
     bar: indicatif::ProgressBar,
 }
 
-/// Runs the sweep and writes the reports into `opts.out`.
-pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
+/// A sweep before its first trial: the recipe, where trials run, the grid
+/// planned on the run device and on the target, and the report's header.
+pub struct Prepared {
+    pub recipe: crate::plan::PlanRecipe,
+    pub model: crate::config::ModelConfig,
+    pub hw: crate::config::hardware::HardwareProfile,
+    /// What trials receive: the kind, and the engine's share of the capacity as its limit.
+    pub trial_device: DeviceSpec,
+    /// The run device's runtime overhead on top of the engine's peak.
+    pub overhead: u64,
+    pub rates: Rates,
+    /// Each point planned on the run device (memory exact, time by its roofline).
+    pub preds: Vec<Prediction>,
+    /// Each point planned on the target GPU.
+    pub targets: Vec<Option<TargetPrediction>>,
+    /// The report with no trials yet.
+    pub report: SweepReport,
+}
+
+/// Loads the recipe, settles the run device (calibrating the host's
+/// roofline on cpu, cached) and plans the grid twice: on the run device,
+/// which trials are compared with, and on the target GPU.
+pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
     let (mut recipe, model, hw) = load_recipe(&opts.recipe)?;
     if let Some(d) = &opts.device {
         recipe.device = Some(d.clone());
@@ -146,10 +173,145 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         kind: device.kind,
         limit: Some(capacity - overhead.min(capacity)),
     };
+    let threads = opts
+        .threads
+        .unwrap_or_else(crate::calibrate::default_threads);
+    // On cpu, trials are timed on this host: predict them with its own
+    // roofline and price them at the host's $/hour (it runs every rank).
+    let calibration = match device.kind {
+        DeviceKind::Cpu => Some(crate::calibrate::load_or_measure(threads, false)?.0),
+        _ => None,
+    };
+    let target_usd = recipe.cost.unwrap_or(hw.usd_per_hour);
+    let target_rates = Rates::gpu(&hw, target_usd);
+    let (rates, pricing) = match &calibration {
+        Some(c) => (
+            Rates::host(c, recipe.host_usd_per_hour.unwrap_or(1.0)),
+            Pricing {
+                basis: "host".into(),
+                usd_per_hour: recipe.host_usd_per_hour,
+            },
+        ),
+        None => (
+            target_rates,
+            Pricing {
+                basis: "target".into(),
+                usd_per_hour: Some(target_usd),
+            },
+        ),
+    };
+    let points = expand(&recipe);
+    let preds: Vec<Prediction> = points
+        .par_iter()
+        .map(|p| predict(&recipe, &model, &rates, capacity, overhead, p))
+        .collect();
+    let target_recipe = crate::plan::PlanRecipe {
+        device: None,
+        ..recipe.clone()
+    };
+    let (target_capacity, target_overhead) = target_recipe.capacity(&hw);
+    let target_usable = (target_capacity as f64 * (1.0 - recipe.headroom)) as u64;
+    let targets: Vec<Option<TargetPrediction>> = points
+        .par_iter()
+        .map(|p| {
+            let t = predict(
+                &target_recipe,
+                &model,
+                &target_rates,
+                target_capacity,
+                target_overhead,
+                p,
+            );
+            t.peak_bytes.map(|_| TargetPrediction {
+                peak_total_bytes: t.total_bytes,
+                fits: t.total_bytes <= target_usable,
+                step_s: t.step_s,
+                tokens_per_s: t.tokens_per_s,
+                usd_per_mtok: t.usd_per_mtok,
+            })
+        })
+        .collect();
+    let report = SweepReport {
+        schema_version: SCHEMA_VERSION,
+        memfit_version: env!("CARGO_PKG_VERSION").into(),
+        recipe: opts.recipe.display().to_string(),
+        model: model.name.clone(),
+        hardware: hw.name.clone(),
+        device: trial_device.to_string(),
+        run_device: run_device(&device, threads, capacity),
+        target: Target {
+            name: hw.name.clone(),
+            display_name: hw.display_name.clone(),
+            capacity_bytes: target_capacity,
+            runtime_overhead_bytes: target_overhead,
+            usd_per_gpu_hour: target_usd,
+        },
+        pricing,
+        calibration,
+        timing: TimingPolicy {
+            warmup_steps: opts.timing.warmup_steps,
+            min_steps: opts.timing.min_steps,
+            max_steps: opts.timing.max_steps,
+            target_rel_ci: opts.timing.target_rel_ci,
+            budget_s: opts.timing.budget_s,
+        },
+        capacity_bytes: capacity,
+        runtime_overhead_bytes: overhead,
+        headroom: recipe.headroom,
+        allow_numerics_change: recipe.allow_numerics_change,
+        seq_len: recipe.seq_len,
+        global_batch: recipe.global_batch,
+        grid_size: preds.len(),
+        trials_run: 0,
+        trials: Vec::new(),
+        recommendation: None,
+        pareto: Vec::new(),
+        interrupted: false,
+    };
+    Ok(Prepared {
+        recipe,
+        model,
+        hw,
+        trial_device,
+        overhead,
+        rates,
+        preds,
+        targets,
+        report,
+    })
+}
+
+/// Runs the sweep and writes the reports into `opts.out`.
+pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
+    check_options(opts)?;
+    let Prepared {
+        recipe,
+        model,
+        hw,
+        trial_device,
+        overhead,
+        rates,
+        preds,
+        targets,
+        report,
+    } = prepare(opts)?;
+    let capacity = report.capacity_bytes;
     std::fs::create_dir_all(&opts.out).map_err(|source| Error::Write {
         path: opts.out.clone(),
         source,
     })?;
+    // Held until the sweep returns, however it returns (Ctrl-C included).
+    let command = if opts.hooks.is_some() {
+        "memfit tui"
+    } else {
+        "memfit sweep"
+    };
+    let (_lock, note) = OutLock::take(&opts.out, command)?;
+    if let Some(note) = note
+        && opts.hooks.is_none()
+    {
+        eprintln!("memfit: note: {note}");
+    }
     let journal_path = opts.out.join("trials.jsonl");
     let done = read_journal(&journal_path, opts.resume)?;
     check_identity(
@@ -162,9 +324,10 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
             headroom: recipe.headroom,
             seq_len: recipe.seq_len,
             global_batch: recipe.global_batch,
-            steps: opts.steps,
+            steps: opts.timing.min_steps,
         },
         opts.resume,
+        done.len(),
     )?;
     let journal = std::fs::OpenOptions::new()
         .create(true)
@@ -174,7 +337,6 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
             path: journal_path.clone(),
             source,
         })?;
-    let planned = plan(&recipe, &model, &hw);
     let stop = match &opts.hooks {
         Some(h) => h.stop.clone(),
         None => {
@@ -187,10 +349,10 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         }
     };
     if let Some(h) = &opts.hooks {
-        (h.on_event)(SweepEvent::Planned(planned.points.clone()));
+        (h.on_event)(SweepEvent::Planned(preds.clone()));
     }
     let bar = if opts.progress {
-        indicatif::ProgressBar::new(planned.points.len() as u64)
+        indicatif::ProgressBar::new(preds.len() as u64)
     } else {
         indicatif::ProgressBar::hidden()
     };
@@ -201,38 +363,20 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
     );
     let mut ctx = Ctx {
         opts,
-        report: SweepReport {
-            schema_version: SCHEMA_VERSION,
-            memfit_version: env!("CARGO_PKG_VERSION").into(),
-            recipe: opts.recipe.display().to_string(),
-            model: model.name.clone(),
-            hardware: hw.name.clone(),
-            device: trial_device.to_string(),
-            capacity_bytes: capacity,
-            runtime_overhead_bytes: overhead,
-            headroom: recipe.headroom,
-            usd_per_gpu_hour: planned.usd_per_gpu_hour,
-            allow_numerics_change: recipe.allow_numerics_change,
-            seq_len: recipe.seq_len,
-            global_batch: recipe.global_batch,
-            grid_size: planned.points.len(),
-            trials_run: 0,
-            trials: Vec::new(),
-            recommendation: None,
-            pareto: Vec::new(),
-            interrupted: false,
-        },
+        report,
         journal,
         done,
         model: recipe.model.clone(),
         device: trial_device,
         overhead,
+        rates,
+        targets,
         runs: 0,
         ran_now: Default::default(),
         stop,
         bar,
     };
-    let preds = &planned.points;
+    let preds = &preds;
     // Groups in the order their first point appears.
     let mut groups: Vec<(Point, Vec<usize>)> = Vec::new();
     for (i, p) in preds.iter().enumerate() {
@@ -480,9 +624,21 @@ struct SweepIdentity {
     steps: usize,
 }
 
-/// Writes DIR/sweep.json, or checks that a resumed journal belongs to this sweep.
-fn check_identity(dir: &Path, id: &SweepIdentity, resume: bool) -> Result<()> {
+/// Writes DIR/sweep.json, or checks that a resumed journal (of `journaled`
+/// trials) belongs to this sweep. A journal without its sweep.json cannot be
+/// told apart from another sweep's, so it is not resumed.
+fn check_identity(dir: &Path, id: &SweepIdentity, resume: bool, journaled: usize) -> Result<()> {
     let path = dir.join("sweep.json");
+    if resume && journaled > 0 && !path.exists() {
+        return Err(Error::invalid_arg(
+            "--resume",
+            format!(
+                "{} holds {journaled} trials but {} is missing, and it is what says which sweep they belong to: they may be another sweep's (a journal copied from elsewhere, or sweep.json deleted), and resuming would mix them into this one. Put the sweep.json of that sweep back beside the journal, or start over: move trials.jsonl away or choose another --out",
+                dir.join("trials.jsonl").display(),
+                path.display()
+            ),
+        ));
+    }
     if resume && let Ok(text) = std::fs::read_to_string(&path) {
         let old: SweepIdentity = serde_json::from_str(&text).map_err(|e| Error::Config {
             location: format!("{}:{}:{}", path.display(), e.line(), e.column()),
@@ -511,12 +667,241 @@ fn check_identity(dir: &Path, id: &SweepIdentity, resume: bool) -> Result<()> {
         }
         return Ok(());
     }
-    std::fs::write(&path, serde_json::to_string_pretty(id).expect("serialises")).map_err(|source| {
-        Error::Write {
+    write_atomic(
+        &path,
+        serde_json::to_string_pretty(id)
+            .expect("serialises")
+            .as_bytes(),
+    )
+}
+
+/// Checks every option a trial receives before the first one starts: a bad
+/// one would fail each trial in turn, and fill the journal with crashes.
+/// `memfit sweep` and `memfit tui` check their flags as they parse them
+/// (`cli`); this catches a library caller, and names the same flags.
+fn check_options(opts: &SweepOptions) -> Result<()> {
+    if let Some(n) = opts.threads {
+        crate::cli::check_threads(n).map_err(|m| Error::invalid_arg("--threads", m))?;
+    }
+    crate::cli::check_seconds(opts.timeout.as_secs_f64())
+        .map_err(|m| Error::invalid_arg("--trial-timeout", m))?;
+    if let Some((flag, why)) = opts.timing.invalid() {
+        return Err(Error::invalid_arg(flag, why));
+    }
+    if opts.timing.max_steps > MAX_TRIAL_STEPS {
+        return Err(Error::invalid_arg(
+            "--max-steps",
+            format!("must be at most {MAX_TRIAL_STEPS}"),
+        ));
+    }
+    if opts.hooks.as_ref().is_some_and(|h| h.sample_ms == 0) {
+        return Err(Error::invalid_arg("--sample-ms", "must be at least 1"));
+    }
+    Ok(())
+}
+
+/// The most steps a trial may time (`--max-steps`).
+const MAX_TRIAL_STEPS: usize = 1 << 20;
+
+/// Writes `path` whole or not at all: a temporary file in the same
+/// directory, synced, then renamed over it. A reader, or a sweep killed
+/// mid-write, never sees half a file.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let written = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written.map_err(|source| Error::Write {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// The file that claims an output directory for one sweep.
+pub const LOCK_FILE: &str = ".memfit.lock";
+
+/// One sweep's exclusive claim on its output directory: `DIR/.memfit.lock`,
+/// locked with `flock` (so the kernel releases it however the process ends)
+/// and naming its holder for the error a second sweep gets. Dropping it
+/// removes the file and releases the lock.
+#[derive(Debug)]
+pub struct OutLock {
+    path: PathBuf,
+    // Held open: closing it releases the lock.
+    _file: std::fs::File,
+}
+
+/// Who holds a lock, as its file says.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Holder {
+    command: String,
+    pid: u32,
+    host: String,
+    started_unix_s: u64,
+}
+
+impl Holder {
+    fn describe(&self) -> String {
+        let host = if self.host == hostname() {
+            String::new()
+        } else {
+            format!(" on host {}", self.host)
+        };
+        format!(
+            "{} pid {}{host} started {}",
+            self.command,
+            self.pid,
+            utc_time(self.started_unix_s)
+        )
+    }
+}
+
+impl OutLock {
+    /// Claims `dir` for `command`, or says who holds it (exit code 2). A lock
+    /// file left by a process that no longer holds it (killed, or on a
+    /// machine that went down) is taken over; the note says so.
+    pub fn take(dir: &Path, command: &str) -> Result<(OutLock, Option<String>)> {
+        use std::fs::TryLockError;
+        use std::os::unix::fs::MetadataExt;
+        let path = dir.join(LOCK_FILE);
+        let io = |source| Error::Write {
             path: path.clone(),
             source,
+        };
+        // A holder that is just letting go removes the file after we opened
+        // it: then the lock we got is on a file no one else will see.
+        for _ in 0..8 {
+            let mut file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .map_err(io)?;
+            let previous = read_holder(&mut file);
+            let locked = match file.try_lock() {
+                Ok(()) => true,
+                Err(TryLockError::WouldBlock) => {
+                    return Err(Error::invalid_arg("--out", in_use(dir, previous.as_ref())));
+                }
+                // No flock here (some network filesystems): trust a live pid.
+                Err(TryLockError::Error(_)) => {
+                    if let Some(h) = &previous
+                        && (h.host != hostname() || pid_alive(h.pid))
+                    {
+                        return Err(Error::invalid_arg("--out", in_use(dir, Some(h))));
+                    }
+                    false
+                }
+            };
+            let same = match (file.metadata(), std::fs::metadata(&path)) {
+                (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+                _ => false,
+            };
+            if locked && !same {
+                continue;
+            }
+            let note = previous.map(|h| {
+                format!(
+                    "{} was left by {}, which {}; taking it over",
+                    path.display(),
+                    h.describe(),
+                    if h.host == hostname() && pid_alive(h.pid) {
+                        "no longer holds it"
+                    } else {
+                        "is no longer running"
+                    }
+                )
+            });
+            let me = Holder {
+                command: command.into(),
+                pid: std::process::id(),
+                host: hostname(),
+                started_unix_s: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs()),
+            };
+            let text = serde_json::to_string(&me).expect("holder serialises") + "\n";
+            file.set_len(0).map_err(io)?;
+            std::io::Seek::rewind(&mut file).map_err(io)?;
+            file.write_all(text.as_bytes()).map_err(io)?;
+            file.sync_data().map_err(io)?;
+            return Ok((OutLock { path, _file: file }, note));
         }
-    })
+        Err(Error::invalid_arg(
+            "--out",
+            format!(
+                "{} keeps changing hands; another memfit is starting and stopping in it",
+                dir.display()
+            ),
+        ))
+    }
+}
+
+impl Drop for OutLock {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn in_use(dir: &Path, holder: Option<&Holder>) -> String {
+    let who = match holder {
+        Some(h) => h.describe(),
+        None => "another memfit (it is writing its lock file)".into(),
+    };
+    format!(
+        "{} is in use by {who}; wait for it to finish, or choose another --out (two sweeps in one directory would run every trial twice)",
+        dir.display()
+    )
+}
+
+/// The holder a lock file names, if it names one.
+fn read_holder(file: &mut std::fs::File) -> Option<Holder> {
+    let mut text = String::new();
+    file.take(4096).read_to_string(&mut text).ok()?;
+    serde_json::from_str(text.trim()).ok()
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// Whether a process with this pid exists on this host.
+fn pid_alive(pid: u32) -> bool {
+    pid != 0 && Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// `2025-01-02 21:03:11 UTC` (civil date from days since 1970, after
+/// Howard Hinnant's `civil_from_days`).
+fn utc_time(unix_s: u64) -> String {
+    let (days, secs) = ((unix_s / 86_400) as i64, unix_s % 86_400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60
+    )
 }
 
 impl Ctx<'_> {
@@ -530,7 +915,7 @@ impl Ctx<'_> {
         self.report.usable_bytes()
     }
 
-    fn base_record(&self, p: &Prediction, outcome: Outcome) -> TrialRecord {
+    fn base_record(&self, index: usize, p: &Prediction, outcome: Outcome) -> TrialRecord {
         TrialRecord {
             id: trial_id(&p.point),
             point: p.point,
@@ -544,7 +929,8 @@ impl Ctx<'_> {
             }),
             measured: None,
             memory_error_pct: None,
-            time_error_pct: None,
+            time_ratio: None,
+            target: self.targets.get(index).cloned().flatten(),
             exit: None,
             numerics_changes: p.numerics_changes.iter().map(|s| s.to_string()).collect(),
             note: None,
@@ -562,7 +948,7 @@ impl Ctx<'_> {
         self.bar.inc(1);
         let r = TrialRecord {
             note: Some(note),
-            ..self.base_record(p, outcome)
+            ..self.base_record(index, p, outcome)
         };
         self.emit(SweepEvent::TrialFinished {
             index,
@@ -607,7 +993,8 @@ impl Ctx<'_> {
             model: self.model.clone(),
             seq_len: self.report.seq_len,
             point: p.point,
-            steps: self.opts.steps,
+            steps: self.opts.timing.step_cap(),
+            timing: Some(self.opts.timing),
             device: self.device.to_string(),
             threads: self.opts.threads,
             seed: 1337,
@@ -627,7 +1014,7 @@ impl Ctx<'_> {
             // not a result; `--resume` runs it again.
             return Ok(None);
         }
-        let mut r = self.base_record(p, Outcome::Crash);
+        let mut r = self.base_record(index, p, Outcome::Crash);
         r.elapsed_s = start.elapsed().as_secs_f64();
         match ended {
             Ended::Exited { code, out, err } => match (code, out) {
@@ -697,38 +1084,77 @@ impl Ctx<'_> {
     }
 
     fn measure(&self, r: &mut TrialRecord, p: &Prediction, o: &TrialOutput) {
-        let warm = if o.step_ms.len() > 1 {
-            &o.step_ms[1..]
+        let timed = o
+            .step_ms
+            .get(o.warmup_steps..)
+            .filter(|t| !t.is_empty())
+            .unwrap_or(&o.step_ms[..]);
+        let secs: Vec<f64> = timed.iter().map(|ms| ms / 1e3).collect();
+        // Meta measures no time: its step is the prediction's.
+        let (step_s, lo, hi) = if o.tokens_per_s.is_some() && !secs.is_empty() {
+            crate::stats::median_ci(&secs)
         } else {
-            &o.step_ms[..]
+            (p.step_s, p.step_s, p.step_s)
         };
-        let step_s = warm.iter().sum::<f64>() / warm.len().max(1) as f64 / 1e3;
-        // Meta measures no time: its throughput is the prediction's.
-        let tokens_per_s = o.tokens_per_s.unwrap_or(p.tokens_per_s);
-        let usd = p.point.gpus as f64 * self.report.usd_per_gpu_hour / 3600.0 / tokens_per_s * 1e6;
+        let tokens = o.tokens_per_step as f64;
+        let tokens_per_s = tokens / step_s;
         let total = o.peak_bytes.total + self.overhead;
         r.fits = total <= self.usable();
         if let Some(pr) = &r.predicted {
             r.memory_error_pct =
                 Some((total as f64 - pr.peak_total_bytes as f64) / total as f64 * 100.0);
-            if o.tokens_per_s.is_some() {
-                r.time_error_pct = Some((step_s - pr.step_s) / step_s * 100.0);
+            if o.tokens_per_s.is_some() && pr.step_s > 0.0 {
+                r.time_ratio = Some(step_s / pr.step_s);
             }
         }
         r.measured = Some(Measured {
             peak_bytes: o.peak_bytes,
-            device_peak_bytes: o.device_peak_bytes,
+            peak_split: o.peak_split,
+            rss_peak_bytes: o.rss_peak_bytes,
+            rss_baseline_bytes: o.rss_baseline_bytes,
             step_ms: o.step_ms.clone(),
-            step_s: if o.tokens_per_s.is_some() {
-                step_s
-            } else {
-                p.step_s
-            },
+            warmup_steps: o.warmup_steps,
+            step_s,
+            step_s_ci: [lo, hi],
             tokens_per_s,
-            usd_per_mtok: usd,
+            tokens_per_s_ci: [tokens / hi, tokens / lo],
+            usd_per_mtok: self
+                .report
+                .pricing
+                .usd_per_hour
+                .map(|_| self.rates.usd_per_mtok(p.point.gpus, tokens_per_s)),
             losses: o.losses.clone(),
             phase_peaks: o.phase_peaks.clone(),
         });
+    }
+}
+
+/// The run device in words.
+fn run_device(asked: &DeviceSpec, threads: usize, capacity: u64) -> RunDevice {
+    // On cpu the capacity is always emulated: the limit asked for, else the target's.
+    let emulated = asked.kind == DeviceKind::Cpu;
+    let cap = crate::units::fmt_bytes(capacity);
+    let description = match asked.kind {
+        DeviceKind::Cpu if asked.limit.is_some() => {
+            format!("this host's CPU ({threads} threads), emulating a {cap} device")
+        }
+        DeviceKind::Cpu => {
+            format!("this host's CPU ({threads} threads), emulating the target's {cap}")
+        }
+        DeviceKind::Meta => format!("meta (computes nothing; peaks exact, times predicted), {cap}"),
+        DeviceKind::Cuda => format!("cuda, {cap}"),
+    };
+    RunDevice {
+        spec: asked.to_string(),
+        kind: match asked.kind {
+            DeviceKind::Cpu => "cpu",
+            DeviceKind::Meta => "meta",
+            DeviceKind::Cuda => "cuda",
+        }
+        .into(),
+        description,
+        capacity_bytes: capacity,
+        emulated,
     }
 }
 
@@ -864,8 +1290,29 @@ fn run_child(
     })
 }
 
-/// Picks the cheapest fitting trial (GPUs x $/GPU-hour / measured tokens/s),
-/// fewer GPUs then more margin breaking ties, and the Pareto frontier.
+/// The cost a trial is ranked by, and its interval (from the throughput's):
+/// $ per million tokens when priced, else seconds per million tokens (a
+/// host without a price: the same order as tokens/s).
+pub fn cost_of(r: &TrialRecord) -> Option<(f64, [f64; 2])> {
+    let m = r.measured.as_ref()?;
+    let [t_lo, t_hi] = m.tokens_per_s_ci;
+    let per = |t: f64| 1e6 / t;
+    Some(match m.usd_per_mtok {
+        Some(usd) => {
+            let k = usd / per(m.tokens_per_s);
+            (usd, [k * per(t_hi), k * per(t_lo)])
+        }
+        None => (per(m.tokens_per_s), [per(t_hi), per(t_lo)]),
+    })
+}
+
+/// Picks the cheapest fitting trial, and the Pareto frontier.
+///
+/// Costs come from measured throughput with its interval. Every fitting
+/// trial whose cost interval overlaps the cheapest one's is tied with it
+/// (the measurements cannot tell them apart), and the tie is settled by
+/// what does not depend on timing: no numerics change first, then more
+/// margin, then fewer GPUs, then the lower median cost.
 pub fn recommend(report: &mut SweepReport) {
     let usable = report.usable_bytes() as i64;
     let margin = |r: &TrialRecord| {
@@ -875,11 +1322,8 @@ pub fn recommend(report: &mut SweepReport) {
             })
     };
     let allowed = |r: &TrialRecord| report.allow_numerics_change || r.numerics_changes.is_empty();
-    let cost = |r: &TrialRecord| {
-        r.measured
-            .as_ref()
-            .map_or(f64::INFINITY, |m| m.usd_per_mtok)
-    };
+    let cost = |r: &TrialRecord| cost_of(r).map_or(f64::INFINITY, |c| c.0);
+    let interval = |r: &TrialRecord| cost_of(r).map_or([f64::INFINITY; 2], |c| c.1);
     let mut fit: Vec<usize> = (0..report.trials.len())
         .filter(|&i| report.trials[i].fits && allowed(&report.trials[i]))
         .collect();
@@ -913,64 +1357,140 @@ pub fn recommend(report: &mut SweepReport) {
             keep
         })
         .collect();
-    report.recommendation = fit.first().map(|&i| {
-        let r = &report.trials[i];
-        let m = r.measured.as_ref().expect("fitting trials ran");
-        let mut reasons = vec![format!(
-            "lowest cost among {} fitting trials: ${} per million tokens at {:.0} tokens/s {} on {} GPU(s)",
+    let Some(&cheapest) = fit.first() else {
+        report.recommendation = None;
+        return;
+    };
+    let band = interval(&report.trials[cheapest]);
+    let mut tie: Vec<usize> = fit
+        .iter()
+        .copied()
+        .filter(|&i| crate::stats::overlaps(interval(&report.trials[i]), band))
+        .collect();
+    tie.sort_by(|&a, &b| {
+        let (x, y) = (&report.trials[a], &report.trials[b]);
+        x.numerics_changes
+            .is_empty()
+            .cmp(&y.numerics_changes.is_empty())
+            .reverse()
+            .then(margin(y).cmp(&margin(x)))
+            .then(x.point.gpus.cmp(&y.point.gpus))
+            .then(cost(x).total_cmp(&cost(y)))
+    });
+    let i = tie[0];
+    let r = &report.trials[i];
+    let m = r.measured.as_ref().expect("fitting trials ran");
+    let on_host = report.pricing.basis == "host";
+    let what = if report.device.starts_with("meta") {
+        "predicted (meta trials compute nothing)"
+    } else {
+        "measured"
+    };
+    let speed = format!(
+        "{:.0} tokens/s {what} (95% interval {:.0}-{:.0}, median of {} timed steps)",
+        m.tokens_per_s,
+        m.tokens_per_s_ci[0],
+        m.tokens_per_s_ci[1],
+        m.step_ms.len().saturating_sub(m.warmup_steps)
+    );
+    let mut reasons = vec![match (m.usd_per_mtok, on_host) {
+        (Some(usd), true) => format!(
+            "lowest cost among {} fitting trials: ${} per million tokens on this host at {speed}",
             fit.len(),
-            crate::plan::usd(m.usd_per_mtok),
-            m.tokens_per_s,
-            if report.device.starts_with("meta") {
-                "predicted (meta trials compute nothing)"
-            } else {
-                "measured"
-            },
+            crate::plan::usd(usd)
+        ),
+        (Some(usd), false) => format!(
+            "lowest cost among {} fitting trials: ${} per million tokens at {speed} on {} GPU(s)",
+            fit.len(),
+            crate::plan::usd(usd),
             r.point.gpus
-        )];
+        ),
+        (None, _) => format!(
+            "fastest among {} fitting trials on this host (no host_usd_per_hour, so ranked by throughput): {speed}",
+            fit.len()
+        ),
+    }];
+    if tie.len() > 1 {
+        let settled = {
+            let x = &report.trials[tie[1]];
+            if r.numerics_changes.is_empty() != x.numerics_changes.is_empty() {
+                "it changes no numerics"
+            } else if margin(r) != margin(x) {
+                "it leaves the most memory to spare"
+            } else if r.point.gpus != x.point.gpus {
+                "it uses the fewest GPUs"
+            } else {
+                "its median cost is lowest"
+            }
+        };
         reasons.push(format!(
-            "peak {} of {} usable ({} to spare; {} capacity, {:.0}% headroom)",
-            crate::units::fmt_bytes(m.peak_bytes.total + report.runtime_overhead_bytes),
-            crate::units::fmt_bytes(report.usable_bytes()),
-            crate::units::fmt_bytes(margin(r).max(0) as u64),
-            crate::units::fmt_bytes(report.capacity_bytes),
-            report.headroom * 100.0
+            "a tie: {} fitting configurations have throughput intervals overlapping the fastest one's, so timing cannot separate them; chosen among them because {settled}",
+            tie.len()
         ));
-        if let Some(&j) = fit.get(1) {
-            let ru = &report.trials[j];
-            reasons.push(format!(
-                "runner-up {} costs {:.1}% more",
-                ru.point.label(),
-                (cost(ru) / m.usd_per_mtok - 1.0) * 100.0
-            ));
-        }
-        if r.numerics_changes.is_empty() {
-            reasons.push("changes no numerics".into());
-        } else {
-            reasons.push(format!("changes numerics: {}", r.numerics_changes.join(", ")));
-        }
-        if !report.allow_numerics_change {
-            reasons.push(
-                "fp16, adamw8bit and adafactor were ruled out (allow_numerics_change: false)"
-                    .into(),
-            );
-        }
-        Recommendation {
-            trial: i,
-            reasons,
-            runners_up: fit[1..].iter().take(3).copied().collect(),
-        }
+    }
+    reasons.push(format!(
+        "peak {} of {} usable ({} to spare; {} capacity, {:.0}% headroom)",
+        crate::units::fmt_bytes(m.peak_bytes.total + report.runtime_overhead_bytes),
+        crate::units::fmt_bytes(report.usable_bytes()),
+        crate::units::fmt_bytes(margin(r).max(0) as u64),
+        crate::units::fmt_bytes(report.capacity_bytes),
+        report.headroom * 100.0
+    ));
+    let runners: Vec<usize> = fit.iter().copied().filter(|&j| j != i).take(3).collect();
+    if let Some(&j) = runners.first() {
+        let ru = &report.trials[j];
+        let ratio = cost(ru) / cost(r);
+        reasons.push(format!(
+            "runner-up {} {} {:.1}% {}",
+            ru.point.label(),
+            if m.usd_per_mtok.is_some() {
+                "costs"
+            } else {
+                "takes"
+            },
+            (ratio - 1.0).abs() * 100.0,
+            if ratio >= 1.0 { "more" } else { "less (tied)" }
+        ));
+    }
+    if r.numerics_changes.is_empty() {
+        reasons.push("changes no numerics".into());
+    } else {
+        reasons.push(format!(
+            "changes numerics: {}",
+            r.numerics_changes.join(", ")
+        ));
+    }
+    if !report.allow_numerics_change {
+        reasons.push(
+            "fp16, adamw8bit and adafactor were ruled out (allow_numerics_change: false)".into(),
+        );
+    }
+    if let Some(t) = &r.target {
+        reasons.push(format!(
+            "on the target ({}), planned at {} per GPU ({}) and {:.0} tokens/s, ${} per million tokens",
+            report.target.display_name,
+            crate::units::fmt_bytes(t.peak_total_bytes),
+            if t.fits { "fits" } else { "does not fit" },
+            t.tokens_per_s,
+            crate::plan::usd(t.usd_per_mtok)
+        ));
+    }
+    let tied = tie[1..].to_vec();
+    report.recommendation = Some(Recommendation {
+        trial: i,
+        reasons,
+        runners_up: runners,
+        tied,
     });
 }
 
-/// report.json, report.md, report.html, the plots and the exports.
+/// report.json, report.md, report.html, the plots and the exports. The
+/// first three are written whole or not at all ([`write_atomic`]): a sweep
+/// killed while writing leaves the previous report, never half of one.
 pub fn write_reports(report: &SweepReport, dir: &Path) -> Result<Vec<PathBuf>> {
     let write = |name: &str, text: &str| -> Result<PathBuf> {
         let path = dir.join(name);
-        std::fs::write(&path, text).map_err(|source| Error::Write {
-            path: path.clone(),
-            source,
-        })?;
+        write_atomic(&path, text.as_bytes())?;
         Ok(path)
     };
     let mut files = vec![

@@ -329,8 +329,17 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord) -> String {
         s.push_str(&format!("  {k}: [{v}]\n"));
     }
     s.push_str(&format!("headroom: {:?}\n", report.headroom));
-    if report.usd_per_gpu_hour.is_finite() && report.usd_per_gpu_hour > 0.0 {
-        s.push_str(&format!("cost: {:?}\n", report.usd_per_gpu_hour));
+    let usd = report.target.usd_per_gpu_hour;
+    if usd.is_finite() && usd > 0.0 {
+        s.push_str(&format!("cost: {usd:?}\n"));
+    }
+    if let Some(usd) = report.pricing.usd_per_hour.filter(|_| report.pricing.basis == "host") {
+        s.push_str(&format!("host_usd_per_hour: {usd:?}\n"));
+    }
+    // Where the trials ran: without it, re-running this recipe would judge
+    // fit against the target's memory instead of the capacity that chose it.
+    if !report.run_device.spec.is_empty() {
+        s.push_str(&format!("device: {}\n", yaml_str(&report.run_device.spec)));
     }
     s.push_str(&format!(
         "allow_numerics_change: {}\n",
@@ -408,21 +417,16 @@ mod tests {
             outcome: Outcome::Ran,
             fits: true,
             predicted: None,
-            measured: Some(Measured {
-                peak_bytes: PeakBytes {
+            measured: Some(Measured::for_tests(
+                PeakBytes {
                     total: 30 << 20,
                     ..Default::default()
                 },
-                device_peak_bytes: None,
-                step_ms: vec![10.0, 5.0],
-                step_s: 0.005,
-                tokens_per_s: 1000.0,
-                usd_per_mtok: 0.1,
-                losses: vec![5.0],
-                phase_peaks: Vec::new(),
-            }),
+                1000.0,
+            )),
             memory_error_pct: Some(0.0),
-            time_error_pct: None,
+            time_ratio: None,
+            target: None,
             exit: None,
             numerics_changes: vec![],
             note: None,
@@ -441,7 +445,6 @@ mod tests {
             capacity_bytes: 64 << 20,
             runtime_overhead_bytes: 0,
             headroom: 0.05,
-            usd_per_gpu_hour: 0.35,
             allow_numerics_change: false,
             seq_len: 128,
             global_batch: 16,
@@ -451,10 +454,12 @@ mod tests {
                 trial: 0,
                 reasons: vec![],
                 runners_up: vec![],
+                tied: vec![],
             }),
             trials,
             pareto: vec![0],
             interrupted: false,
+            ..SweepReport::empty_for_tests()
         }
     }
 
@@ -622,7 +627,15 @@ mod tests {
         assert_eq!(back.seq_len, 128);
         assert_eq!(back.global_batch, 16);
         assert_eq!(back.headroom, 0.05);
-        assert_eq!(back.cost, Some(0.35));
+        assert_eq!(back.cost, Some(0.53));
+        assert_eq!(back.host_usd_per_hour, Some(2.5));
+        // The run device is pinned too: without it, re-running the recipe
+        // would judge fit against the target's memory.
+        assert_eq!(
+            back.device.as_ref().and_then(|d| d.limit),
+            Some(64 << 20),
+            "{yaml}"
+        );
         assert!(!back.allow_numerics_change);
         let points = crate::plan::expand(&back);
         assert_eq!(points, vec![t.point]);

@@ -67,6 +67,7 @@ fn fmt_rate(v: f64) -> String {
     }
 }
 
+#[allow(dead_code)]
 fn fmt_usd(v: f64) -> String {
     if !v.is_finite() {
         NA.to_string()
@@ -209,8 +210,13 @@ fn header(h: &mut String, r: &SweepReport, title: &str) {
     );
     fact(
         h,
-        "price",
-        format!("{} per GPU-hour", fmt_usd(r.usd_per_gpu_hour)),
+        "run device / target",
+        super::markdown::devices_line(r),
+    );
+    fact(
+        h,
+        "pricing and timing",
+        super::markdown::pricing_line(r),
     );
     fact(
         h,
@@ -265,15 +271,16 @@ fn header(h: &mut String, r: &SweepReport, title: &str) {
 }
 
 /// One line about a trial: label, peak, throughput, cost.
-fn trial_summary(t: &TrialRecord) -> String {
+fn trial_summary(report: &SweepReport, t: &TrialRecord) -> String {
     let mut s = format!("<code>{}</code>", escape(&t.point.label()));
     if let Some(m) = &t.measured {
         let _ = write!(
             s,
-            " &mdash; peak {}, {} tokens/s, {}/Mtok",
+            " &mdash; peak {}, {} tokens/s, {} {}",
             escape(&fmt_bytes(m.peak_bytes.total)),
-            fmt_rate(m.tokens_per_s),
-            fmt_usd(m.usd_per_mtok)
+            escape(&super::markdown::tokens_cell(m)),
+            escape(&super::markdown::cost_cell(t)),
+            super::markdown::cost_heading(report)
         );
     }
     if !t.numerics_changes.is_empty() {
@@ -334,8 +341,8 @@ fn recommendation(h: &mut String, r: &SweepReport) {
         );
         let _ = writeln!(
             h,
-            "<dt>device peak</dt><dd>{}</dd>",
-            opt_bytes(m.device_peak_bytes)
+            "<dt>host RSS peak (not device memory)</dt><dd>{}</dd>",
+            opt_bytes(m.rss_peak_bytes)
         );
         let _ = writeln!(
             h,
@@ -345,8 +352,8 @@ fn recommendation(h: &mut String, r: &SweepReport) {
         );
         let _ = writeln!(
             h,
-            "<dt>cost</dt><dd>{} per million tokens</dd>",
-            fmt_usd(m.usd_per_mtok)
+            "<dt>cost</dt><dd>{}</dd>",
+            escape(&super::markdown::cost_cell(t))
         );
     }
     if let Some(p) = &t.predicted {
@@ -378,7 +385,7 @@ fn recommendation(h: &mut String, r: &SweepReport) {
     if !runners.is_empty() {
         let _ = writeln!(h, "<h3>Runners-up</h3>\n<ol>");
         for (i, t) in runners {
-            let _ = writeln!(h, "<li>#{i} {}</li>", trial_summary(t));
+            let _ = writeln!(h, "<li>#{i} {}</li>", trial_summary(r, t));
         }
         let _ = writeln!(h, "</ol>");
     }
@@ -484,11 +491,11 @@ fn trial_table(h: &mut String, r: &SweepReport) {
             outcome_name(t.outcome),
             opt_bytes(t.predicted.as_ref().map(|p| p.peak_total_bytes)),
             opt_bytes(m.map(|m| m.peak_bytes.total)),
-            opt_bytes(m.and_then(|m| m.device_peak_bytes)),
+            opt_bytes(m.and_then(|m| m.rss_peak_bytes)),
             m.map_or_else(|| NA.to_string(), |m| fmt_rate(m.tokens_per_s)),
-            m.map_or_else(|| NA.to_string(), |m| fmt_usd(m.usd_per_mtok)),
+            escape(&super::markdown::cost_cell(t)),
             fmt_pct(t.memory_error_pct),
-            fmt_pct(t.time_error_pct),
+            escape(&super::markdown::ratio(t.time_ratio)),
         );
         let _ = writeln!(h, "<td class=\"note\">{}</td></tr>", note_cell(t));
     }

@@ -24,6 +24,49 @@ fn pct(x: Option<f64>) -> String {
     x.map_or("-".into(), |x| format!("{x:+.1}%"))
 }
 
+/// Measured / predicted, e.g. `1.32x`.
+pub fn ratio(x: Option<f64>) -> String {
+    x.map_or("-".into(), |x| format!("{x:.2}x"))
+}
+
+/// `median ±half-spread` of tokens/s, e.g. `64358 ±4%`.
+pub fn tokens_cell(m: &super::report::Measured) -> String {
+    let [lo, hi] = m.tokens_per_s_ci;
+    let spread = (hi - lo) / 2.0 / m.tokens_per_s * 100.0;
+    if spread.is_finite() && spread > 0.0 {
+        format!("{:.0} ±{:.0}%", m.tokens_per_s, spread.max(0.5))
+    } else {
+        format!("{:.0}", m.tokens_per_s)
+    }
+}
+
+/// The cost column's heading: `$/Mtok` when priced, else `s/Mtok` (host
+/// seconds per million tokens, the same order).
+pub fn cost_heading(report: &SweepReport) -> &'static str {
+    if report.pricing.usd_per_hour.is_some() {
+        "$/Mtok"
+    } else {
+        "s/Mtok"
+    }
+}
+
+pub fn cost_cell(r: &TrialRecord) -> String {
+    match (r.measured.as_ref(), super::driver::cost_of(r)) {
+        (Some(m), Some((c, _))) if m.usd_per_mtok.is_some() => usd(c),
+        (Some(_), Some((c, _))) => format!("{c:.1}"),
+        _ => "-".into(),
+    }
+}
+
+/// What a row says when it did not run: the outcome and, for an invalid
+/// or skipped point, why.
+fn outcome_cell(r: &TrialRecord) -> String {
+    match (r.outcome, &r.note) {
+        (Outcome::Invalid, Some(n)) => format!("invalid: {n}"),
+        _ => outcome_label(r).into(),
+    }
+}
+
 /// One row per trial: knobs, outcome, predicted and measured peaks, speed.
 pub fn rows(report: &SweepReport) -> Vec<[String; 13]> {
     report
@@ -35,6 +78,7 @@ pub fn rows(report: &SweepReport) -> Vec<[String; 13]> {
             let m = r.measured.as_ref();
             let mark = match &report.recommendation {
                 Some(rec) if rec.trial == i => "*",
+                Some(rec) if rec.tied.contains(&i) => "=",
                 _ => "",
             };
             [
@@ -53,50 +97,109 @@ pub fn rows(report: &SweepReport) -> Vec<[String; 13]> {
                 ),
                 format!("{} {}", name(p.checkpointing), name(p.attention)),
                 p.micro_batch.to_string(),
-                outcome_label(r).into(),
+                outcome_cell(r),
                 r.predicted
                     .as_ref()
                     .map_or("-".into(), |x| fmt_bytes(x.peak_total_bytes)),
-                m.map_or("-".into(), |m| fmt_bytes(m.peak_bytes.total)),
-                m.and_then(|m| m.device_peak_bytes)
-                    .map_or("-".into(), fmt_bytes),
-                m.map_or("-".into(), |m| format!("{:.0}", m.tokens_per_s)),
-                m.map_or("-".into(), |m| usd(m.usd_per_mtok)),
+                m.map_or("-".into(), |m| {
+                    fmt_bytes(m.peak_bytes.total + report.runtime_overhead_bytes)
+                }),
                 pct(r.memory_error_pct),
-                pct(r.time_error_pct),
-                r.note.clone().unwrap_or_default().replace('|', "/"),
+                m.map_or("-".into(), tokens_cell),
+                ratio(r.time_ratio),
+                cost_cell(r),
+                r.target.as_ref().map_or("-".into(), |t| {
+                    format!(
+                        "{}{}",
+                        fmt_bytes(t.peak_total_bytes),
+                        if t.fits { "" } else { " (no fit)" }
+                    )
+                }),
+                m.and_then(|m| m.rss_peak_bytes)
+                    .map_or("-".into(), fmt_bytes),
             ]
         })
         .collect()
 }
 
-pub const HEADERS: [&str; 13] = [
-    "#",
-    "knobs",
-    "ckpt/attn",
-    "mb",
-    "outcome",
-    "predicted",
-    "measured",
-    "RSS peak",
-    "tokens/s",
-    "$/Mtok",
-    "mem err",
-    "time err",
-    "note",
-];
+/// Column headings; the cost column's depends on the pricing (`cost_heading`).
+pub fn headers(report: &SweepReport) -> [String; 13] {
+    [
+        "#",
+        "knobs",
+        "ckpt/attn",
+        "mb",
+        "outcome",
+        "predicted",
+        "tracked",
+        "mem err",
+        "tokens/s",
+        "time x",
+        cost_heading(report),
+        "on target",
+        "host RSS",
+    ]
+    .map(String::from)
+}
+
+/// The two roles, in words: where trials ran and what the plan is for.
+pub fn devices_line(report: &SweepReport) -> String {
+    format!(
+        "Run device: {} (`{}`). Target: {} ({} per GPU, {} runtime overhead, ${}/GPU-hour).",
+        report.run_device.description,
+        report.run_device.spec,
+        report.target.display_name,
+        fmt_bytes(report.target.capacity_bytes),
+        fmt_bytes(report.target.runtime_overhead_bytes),
+        usd(report.target.usd_per_gpu_hour)
+    )
+}
+
+/// How throughput was priced and timed, in words.
+pub fn pricing_line(report: &SweepReport) -> String {
+    let timing = &report.timing;
+    let how = format!(
+        "each trial times {}-{} steps after {} warm-up (until the median's 95% interval is within {:.0}% or {:.1} s are spent)",
+        timing.min_steps,
+        timing.max_steps,
+        timing.warmup_steps,
+        timing.target_rel_ci * 100.0,
+        timing.budget_s
+    );
+    match (report.pricing.basis.as_str(), report.pricing.usd_per_hour) {
+        ("host", Some(usd_h)) => format!(
+            "Throughput is measured on this host and priced at its ${}/hour; {how}.",
+            usd(usd_h)
+        ),
+        ("host", None) => format!(
+            "Throughput is measured on this host, which has no price (set host_usd_per_hour), so trials are ranked by tokens/s and cost is host seconds per million tokens; {how}."
+        ),
+        _ => format!(
+            "Throughput is priced at the target's ${}/GPU-hour; {how}.",
+            usd(report.target.usd_per_gpu_hour)
+        ),
+    }
+}
 
 pub fn render(report: &SweepReport) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "# memfit sweep: {} on {}\n",
-        report.model, report.hardware
+        "# memfit sweep: {}, run on {}, target {}\n",
+        report.model, report.run_device.kind, report.target.display_name
     );
+    let _ = writeln!(s, "{}\n", devices_line(report));
+    let _ = writeln!(s, "{}\n", pricing_line(report));
+    if let Some(c) = &report.calibration {
+        let _ = writeln!(
+            s,
+            "Predicted step times use this host's calibrated roofline (`memfit calibrate`): {}.\n",
+            c.summary()
+        );
+    }
     let _ = writeln!(
         s,
-        "Device `{}`, capacity {} ({} usable after {:.0}% headroom), seq-len {}, global batch {}. {} of {} grid points ran as trials{}.\n",
-        report.device,
+        "Capacity {} ({} usable after {:.0}% headroom), seq-len {}, global batch {}. {} of {} grid points ran as trials{}.\n",
         fmt_bytes(report.capacity_bytes),
         fmt_bytes(report.usable_bytes()),
         report.headroom * 100.0,
@@ -132,14 +235,38 @@ pub fn render(report: &SweepReport) -> String {
         }
     }
     let _ = writeln!(s, "\n## Trials (prediction against measurement)\n");
-    let _ = writeln!(s, "| {} |", HEADERS.join(" | "));
-    let _ = writeln!(s, "|{}|", HEADERS.map(|_| "---").join("|"));
-    for row in rows(report) {
-        let _ = writeln!(s, "| {} |", row.join(" | "));
+    let heads = headers(report);
+    let _ = writeln!(s, "| {} |", heads.join(" | "));
+    let _ = writeln!(
+        s,
+        "|{}|",
+        heads
+            .iter()
+            .enumerate()
+            .map(|(i, _)| if (5..13).contains(&i) || i == 3 {
+                "---:"
+            } else {
+                "---"
+            })
+            .collect::<Vec<_>>()
+            .join("|")
+    );
+    for (row, r) in rows(report).iter().zip(&report.trials) {
+        let mut cells: Vec<String> = row.iter().map(|c| c.replace('|', "/")).collect();
+        if let Some(n) = r.note.as_ref().filter(|_| r.outcome != Outcome::Invalid) {
+            cells[4] = format!("{} ({})", cells[4], n.replace('|', "/"));
+        }
+        let _ = writeln!(s, "| {} |", cells.join(" | "));
     }
     let _ = writeln!(
         s,
-        "\nMemory error compares the engine's tracked peak with the meta prediction (0% is the meta == cpu invariant). Time error compares the measured step with the roofline for the hardware profile, so on cpu it measures how far this machine is from that GPU."
+        "\n`*` marks the recommendation and `=` the configurations tied with it. *predicted* and *tracked* are the peak per device (engine plus runtime overhead) from the meta engine and as the trial's tracker measured it; *mem err* is their difference (0% is the meta == cpu invariant). *tokens/s* is the median with half its 95% interval. *time x* is measured / predicted step time on the run device. *on target* is the plan's peak per GPU on {}. *host RSS* is the trial process's resident-set high-water mark: host memory, including the process itself (about {} before the engine allocated), never compared with the device capacity.",
+        report.target.display_name,
+        report
+            .trials
+            .iter()
+            .find_map(|t| t.measured.as_ref().and_then(|m| m.rss_baseline_bytes))
+            .map_or("-".into(), fmt_bytes)
     );
     s
 }
@@ -147,23 +274,35 @@ pub fn render(report: &SweepReport) -> String {
 /// The terminal summary: the same rows, aligned.
 pub fn table(report: &SweepReport) -> String {
     let rows = rows(report);
-    let mut w = HEADERS.map(str::len);
+    let heads = headers(report);
+    let mut w = heads.clone().map(|h| h.chars().count());
     for r in &rows {
         for (w, c) in w.iter_mut().zip(r) {
             *w = (*w).max(c.chars().count());
         }
     }
+    // Text left, numbers right.
     let line = |cells: Vec<&str>| {
         cells
             .iter()
             .zip(&w)
-            .take(12)
-            .map(|(c, w)| format!("{c:>w$}"))
+            .enumerate()
+            .map(|(i, (c, w))| {
+                if (1..=2).contains(&i) || i == 4 {
+                    format!("{c:<w$}")
+                } else {
+                    format!("{c:>w$}")
+                }
+            })
             .collect::<Vec<_>>()
             .join("  ")
+            .trim_end()
+            .to_string()
     };
     let mut s = String::new();
-    let _ = writeln!(s, "{}", line(HEADERS.to_vec()));
+    let _ = writeln!(s, "{}", devices_line(report));
+    let _ = writeln!(s, "{}\n", pricing_line(report));
+    let _ = writeln!(s, "{}", line(heads.iter().map(String::as_str).collect()));
     for r in &rows {
         let _ = writeln!(s, "{}", line(r.iter().map(String::as_str).collect()));
     }

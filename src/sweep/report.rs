@@ -1,6 +1,6 @@
 //! The sweep's report (DIR/report.json) and journal records (DIR/trials.jsonl).
 //!
-//! Schema version 1; documented in docs/report-schema.md. A change that
+//! Schema version 2; documented in docs/report-schema.md. A change that
 //! removes or renames a field bumps [`SCHEMA_VERSION`]; `memfit check` refuses
 //! reports of another version.
 
@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use crate::memory::PeakBytes;
 use crate::plan::Point;
 
-pub const SCHEMA_VERSION: u32 = 1;
+pub const SCHEMA_VERSION: u32 = 2;
 
 /// How a trial ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -32,7 +32,9 @@ pub enum Outcome {
     Invalid,
 }
 
-/// What the planner predicted for a trial.
+/// What the planner predicted for a trial on the run device: the engine's
+/// peak (plus the device's runtime overhead), and the step time by the run
+/// device's roofline (the host's calibrated one on cpu, the GPU's otherwise).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Predicted {
     /// Engine peak per rank plus the device's runtime overhead (0 on cpu).
@@ -42,20 +44,47 @@ pub struct Predicted {
     pub tokens_per_s: f64,
 }
 
+/// What the plan predicts for the same configuration on the target GPU.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TargetPrediction {
+    /// Engine peak per rank plus the target's runtime overhead.
+    pub peak_total_bytes: u64,
+    /// Within the target's capacity x (1 - headroom).
+    pub fits: bool,
+    pub step_s: f64,
+    pub tokens_per_s: f64,
+    /// GPUs x the target's $/GPU-hour / predicted tokens per second, per million tokens.
+    pub usd_per_mtok: f64,
+}
+
 /// What a trial measured.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Measured {
     /// The tracker's per-category peaks (the highest over ranks): deterministic.
     pub peak_bytes: PeakBytes,
-    /// The device-level peak: the trial process's RSS high-water mark (VmHWM) on cpu.
-    pub device_peak_bytes: Option<u64>,
-    /// Wall time of every step, milliseconds (the first is warm-up).
+    /// The split at the moment of the total peak (the fullest rank): each
+    /// category's live bytes then; they add up to `peak_bytes.total`.
+    pub peak_split: PeakBytes,
+    /// Host memory, not device memory: the trial process's resident-set
+    /// high-water mark (VmHWM). Never compared with an emulated capacity.
+    pub rss_peak_bytes: Option<u64>,
+    /// The process's resident set before the engine allocated anything (the
+    /// binary, its libraries, thread stacks): what RSS holds besides the model.
+    pub rss_baseline_bytes: Option<u64>,
+    /// Wall time of every step, milliseconds; the first `warmup_steps` are warm-up.
     pub step_ms: Vec<f64>,
-    /// Mean step time after warm-up, seconds.
+    pub warmup_steps: usize,
+    /// Median step time of the timed steps, seconds (the prediction's on meta).
     pub step_s: f64,
+    /// 95% confidence interval of that median (order statistics), seconds.
+    pub step_s_ci: [f64; 2],
+    /// Tokens per step / median step time.
     pub tokens_per_s: f64,
-    /// GPUs x $/GPU-hour / tokens per second, per million tokens.
-    pub usd_per_mtok: f64,
+    /// Tokens per step over the interval's ends (lower, upper).
+    pub tokens_per_s_ci: [f64; 2],
+    /// $/hour of what ran / tokens per second, per million tokens; `None`
+    /// on the host without a `host_usd_per_hour` (ranking is then by tokens/s).
+    pub usd_per_mtok: Option<f64>,
     pub losses: Vec<f32>,
     /// The highest tracked live bytes in each phase of a step (rank 0):
     /// `forward:embed`, `forward:i`, `backward:i`, `optimizer`, ...
@@ -83,9 +112,14 @@ pub struct TrialRecord {
     pub fits: bool,
     pub predicted: Option<Predicted>,
     pub measured: Option<Measured>,
-    /// (measured - predicted) / measured, percent, for memory and step time.
+    /// (measured - predicted) / measured tracked peak, percent.
     pub memory_error_pct: Option<f64>,
-    pub time_error_pct: Option<f64>,
+    /// Measured / predicted median step time on the run device (1.0 is exact;
+    /// 2.0 means the step took twice the prediction).
+    pub time_ratio: Option<f64>,
+    /// The plan for this configuration on the target GPU.
+    #[serde(default)]
+    pub target: Option<TargetPrediction>,
     pub exit: Option<ExitInfo>,
     pub numerics_changes: Vec<String>,
     /// Why it was skipped or invalid, or the OOM message.
@@ -101,6 +135,60 @@ pub struct Recommendation {
     pub reasons: Vec<String>,
     /// Indices of the next-best fitting trials, best first.
     pub runners_up: Vec<usize>,
+    /// Fitting trials whose throughput interval overlaps the winner's: a
+    /// measured tie, settled by numerics, then margin, then GPUs.
+    pub tied: Vec<usize>,
+}
+
+/// Where the trials ran.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunDevice {
+    /// As asked for (recipe `device` or `--device`): `cpu`, `cpu:limit=24MiB`, `meta`.
+    pub spec: String,
+    /// `cpu` or `meta`.
+    pub kind: String,
+    /// In words, e.g. "this host's CPU (2 threads), emulating a 24.00 MiB device".
+    pub description: String,
+    /// The capacity the trials ran against.
+    pub capacity_bytes: u64,
+    /// The capacity is an emulated limit, not a device's own memory.
+    pub emulated: bool,
+}
+
+/// The GPU the plan predicts for (`hardware` in the recipe).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Target {
+    pub name: String,
+    pub display_name: String,
+    /// Its memory (or the recipe's `capacity`), and the runtime's share of it.
+    pub capacity_bytes: u64,
+    pub runtime_overhead_bytes: u64,
+    pub usd_per_gpu_hour: f64,
+}
+
+/// What measured throughput is priced at.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Pricing {
+    /// `host` when trials ran on this machine's CPU (the host runs every
+    /// rank, so cost per token is the host's $/hour over its tokens/s), or
+    /// `target` when they ran on (or are predicted for) the target GPUs.
+    pub basis: String,
+    /// The host's or one GPU's $/hour; `None` for a host with no price
+    /// given, when ranking is by tokens/s alone (the same order).
+    pub usd_per_hour: Option<f64>,
+}
+
+/// How step times were measured (like hyperfine: repeat until the
+/// confidence interval is tight or the budget is spent).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TimingPolicy {
+    pub warmup_steps: usize,
+    pub min_steps: usize,
+    pub max_steps: usize,
+    /// Stop when the median's 95% interval is within this fraction of it.
+    pub target_rel_ci: f64,
+    /// Seconds of timed steps per trial, at most.
+    pub budget_s: f64,
 }
 
 /// DIR/report.json.
@@ -110,16 +198,23 @@ pub struct SweepReport {
     pub memfit_version: String,
     pub recipe: String,
     pub model: String,
+    /// The target GPU's profile name (`target.name`).
     pub hardware: String,
-    /// The device the trials ran on, e.g. `cpu:limit=64MiB`.
+    /// The device the trials ran on, e.g. `cpu:limit=64MiB` (`run_device.spec`).
     pub device: String,
+    pub run_device: RunDevice,
+    pub target: Target,
+    pub pricing: Pricing,
+    /// The host's calibrated roofline, when trials ran on cpu.
+    pub calibration: Option<crate::calibrate::Calibration>,
+    pub timing: TimingPolicy,
+    /// The capacity trials are judged against (the run device's).
     pub capacity_bytes: u64,
     /// Added to each trial's tracked peak when judging fit: the GPU's runtime
     /// overhead when the capacity is the GPU's, 0 under a device limit.
     #[serde(default)]
     pub runtime_overhead_bytes: u64,
     pub headroom: f64,
-    pub usd_per_gpu_hour: f64,
     pub allow_numerics_change: bool,
     pub seq_len: usize,
     pub global_batch: usize,
@@ -139,5 +234,84 @@ impl SweepReport {
     /// Capacity x (1 - headroom): what a fitting trial may peak at.
     pub fn usable_bytes(&self) -> u64 {
         (self.capacity_bytes as f64 * (1.0 - self.headroom)) as u64
+    }
+}
+
+#[cfg(test)]
+impl SweepReport {
+    /// A report with no trials, run on an emulated 64 MiB cpu device with a
+    /// $2.50/h host, for unit tests to fill in with struct update syntax.
+    pub(crate) fn empty_for_tests() -> SweepReport {
+        let mib = 1u64 << 20;
+        SweepReport {
+            schema_version: SCHEMA_VERSION,
+            memfit_version: "0.1.0".into(),
+            recipe: "recipes/tiny.yaml".into(),
+            model: "tiny-gpt".into(),
+            hardware: "t4".into(),
+            device: "cpu:limit=64MiB".into(),
+            run_device: RunDevice {
+                spec: "cpu:limit=64MiB".into(),
+                kind: "cpu".into(),
+                description: "this host's CPU (2 threads), emulating a 64.00 MiB device".into(),
+                capacity_bytes: 64 * mib,
+                emulated: true,
+            },
+            target: Target {
+                name: "t4".into(),
+                display_name: "NVIDIA T4 16GB".into(),
+                capacity_bytes: 15 << 30,
+                runtime_overhead_bytes: 768 * mib,
+                usd_per_gpu_hour: 0.53,
+            },
+            pricing: Pricing {
+                basis: "host".into(),
+                usd_per_hour: Some(2.5),
+            },
+            calibration: None,
+            timing: TimingPolicy {
+                warmup_steps: 1,
+                min_steps: 5,
+                max_steps: 60,
+                target_rel_ci: 0.05,
+                budget_s: 2.0,
+            },
+            capacity_bytes: 64 * mib,
+            runtime_overhead_bytes: 0,
+            headroom: 0.05,
+            allow_numerics_change: true,
+            seq_len: 128,
+            global_batch: 16,
+            grid_size: 0,
+            trials_run: 0,
+            trials: Vec::new(),
+            recommendation: None,
+            pareto: Vec::new(),
+            interrupted: false,
+        }
+    }
+}
+
+#[cfg(test)]
+impl Measured {
+    /// A measurement with `tokens_per_s` over a 1024-token step, steady
+    /// timing, priced at $2.50/h.
+    pub(crate) fn for_tests(peak_bytes: PeakBytes, tokens_per_s: f64) -> Measured {
+        let step_s = 1024.0 / tokens_per_s;
+        Measured {
+            peak_bytes,
+            peak_split: peak_bytes,
+            rss_peak_bytes: Some(peak_bytes.total + (40 << 20)),
+            rss_baseline_bytes: Some(12 << 20),
+            step_ms: vec![step_s * 1.2e3, step_s * 1e3, step_s * 1e3],
+            warmup_steps: 1,
+            step_s,
+            step_s_ci: [step_s, step_s],
+            tokens_per_s,
+            tokens_per_s_ci: [tokens_per_s, tokens_per_s],
+            usd_per_mtok: Some(2.5 / 3600.0 / tokens_per_s * 1e6),
+            losses: vec![10.8, 10.7],
+            phase_peaks: Vec::new(),
+        }
     }
 }

@@ -30,8 +30,11 @@ pub struct TrialSpec {
     pub model: String,
     pub seq_len: usize,
     pub point: Point,
-    /// Optimizer steps; the first is warm-up.
+    /// Optimizer steps; the first is warm-up (ignored when `timing` is set).
     pub steps: usize,
+    /// Repeat timed steps until this rule says stop.
+    #[serde(default)]
+    pub timing: Option<crate::stats::Timing>,
     /// `cpu:limit=...` or `meta:limit=...`.
     pub device: String,
     pub threads: Option<usize>,
@@ -51,9 +54,15 @@ pub const SAMPLE_PREFIX: &str = "memfit-sample ";
 pub struct TrialOutput {
     pub oom: Option<String>,
     pub peak_bytes: PeakBytes,
-    /// VmHWM of this process: the device-level peak on cpu.
-    pub device_peak_bytes: Option<u64>,
+    /// The split at the moment of the total peak (the fullest rank).
+    pub peak_split: PeakBytes,
+    /// VmHWM of this process: host memory, not the emulated device's.
+    pub rss_peak_bytes: Option<u64>,
+    /// VmRSS before the engine allocated anything.
+    pub rss_baseline_bytes: Option<u64>,
     pub step_ms: Vec<f64>,
+    /// How many of `step_ms` are warm-up.
+    pub warmup_steps: usize,
     pub losses: Vec<f32>,
     pub tokens_per_s: Option<f64>,
     pub tokens_per_step: usize,
@@ -107,13 +116,18 @@ pub fn run_trial(spec: &TrialSpec) -> Result<TrialOutput> {
         threads: spec.threads,
         timeline: None,
         phase_peaks: true,
+        timing: spec.timing,
     };
+    let rss_baseline_bytes = crate::units::proc_bytes("/proc/self/status", "VmRSS");
     let (report, failure) = run(&opts)?;
     Ok(TrialOutput {
         oom: failure.map(|e| e.to_string()),
         peak_bytes: report.peak_bytes,
-        device_peak_bytes: rss_high_water_mark(),
+        peak_split: PeakBytes::from(report.peak_breakdown),
+        rss_peak_bytes: rss_high_water_mark(),
+        rss_baseline_bytes,
         step_ms: report.steps.iter().map(|s| s.ms).collect(),
+        warmup_steps: spec.timing.map_or(1, |t| t.warmup_steps),
         losses: report.steps.iter().map(|s| s.loss).collect(),
         tokens_per_s: report.tokens_per_s,
         tokens_per_step: report.tokens_per_step,

@@ -10,9 +10,11 @@ use std::path::PathBuf;
 
 use crate::memory::PeakBytes;
 use crate::plan::{Point, Prediction, Verdict};
-use crate::sweep::report::{Outcome, SCHEMA_VERSION, SweepReport, TrialRecord};
+use crate::sweep::report::{Outcome, SweepReport, TargetPrediction, TrialRecord};
 
-/// Samples of the running trial kept for the chart (the oldest are dropped).
+/// Samples of the running trial kept for the chart. Past it, neighbouring
+/// samples are merged pairwise (the higher one kept), so the chart still
+/// spans the whole trial and never loses its peak.
 pub const MAX_SAMPLES: usize = 2000;
 /// Rows moved (or detail lines scrolled) by PageUp / PageDown.
 pub const PAGE: usize = 10;
@@ -102,6 +104,9 @@ pub struct Row {
     pub predicted_peak_bytes: Option<PeakBytes>,
     /// The hardware's runtime overhead on top of the engine's peak (0 on cpu).
     pub overhead_bytes: u64,
+    /// The plan for this configuration on the target GPU, before the trial
+    /// runs (the record carries it afterwards).
+    pub planned_target: Option<TargetPrediction>,
     pub record: Option<TrialRecord>,
     pub status: Status,
 }
@@ -124,13 +129,15 @@ impl Row {
             predicted_tokens_per_s,
             predicted_peak_bytes: None,
             overhead_bytes: 0,
+            planned_target: None,
             record: None,
             status,
         }
     }
 
     /// A row from the planner's prediction for grid point `index`: queued,
-    /// or invalid when the planner says so.
+    /// or invalid when the planner says so. (Set `planned_target` for the
+    /// plan on the target GPU.)
     pub fn from_prediction(index: usize, p: &Prediction) -> Row {
         let invalid = matches!(p.verdict, Verdict::Invalid { .. });
         Row {
@@ -140,6 +147,7 @@ impl Row {
             predicted_tokens_per_s: p.peak_bytes.map(|_| p.tokens_per_s),
             predicted_peak_bytes: p.peak_bytes,
             overhead_bytes: p.runtime_overhead_bytes,
+            planned_target: None,
             record: None,
             status: if invalid {
                 Status::Invalid
@@ -210,28 +218,52 @@ impl Row {
         self.measured_engine().map(|b| b + self.overhead())
     }
 
+    fn measured(&self) -> Option<&crate::sweep::report::Measured> {
+        self.record.as_ref().and_then(|r| r.measured.as_ref())
+    }
+
+    /// Median measured tokens/s.
     pub fn tokens_per_s(&self) -> Option<f64> {
-        self.record
-            .as_ref()
-            .and_then(|r| r.measured.as_ref())
-            .map(|m| m.tokens_per_s)
+        self.measured().map(|m| m.tokens_per_s)
     }
 
     pub fn usd_per_mtok(&self) -> Option<f64> {
-        self.record
-            .as_ref()
-            .and_then(|r| r.measured.as_ref())
-            .map(|m| m.usd_per_mtok)
+        self.measured().and_then(|m| m.usd_per_mtok)
     }
 
-    /// Capacity less the peak (measured, else predicted), and whether it is
-    /// the predicted one.
-    pub fn margin(&self, capacity: u64) -> Option<(i64, bool)> {
+    /// What the recommendation ranks by: $ per million tokens when priced,
+    /// else host seconds per million tokens (`sweep::driver::cost_of`).
+    pub fn cost(&self) -> Option<f64> {
+        self.record
+            .as_ref()
+            .and_then(crate::sweep::driver::cost_of)
+            .map(|c| c.0)
+    }
+
+    /// Measured / predicted median step time.
+    pub fn time_ratio(&self) -> Option<f64> {
+        self.record.as_ref().and_then(|r| r.time_ratio)
+    }
+
+    /// The plan on the target GPU: the record's, else the one made before
+    /// the trial.
+    pub fn target(&self) -> Option<&TargetPrediction> {
+        self.record
+            .as_ref()
+            .and_then(|r| r.target.as_ref())
+            .or(self.planned_target.as_ref())
+    }
+
+    /// The margin: usable capacity (capacity x (1 - headroom)) less the
+    /// peak per GPU, signed (negative: over), with whether the peak is the
+    /// predicted one (the trial has not run). The one definition the grid,
+    /// the detail and the recommendation share.
+    pub fn margin(&self, usable: u64) -> Option<(i64, bool)> {
         match self.measured_total() {
-            Some(m) => Some((capacity as i64 - m as i64, false)),
+            Some(m) => Some((usable as i64 - m as i64, false)),
             None => self
                 .predicted_total()
-                .map(|p| (capacity as i64 - p as i64, true)),
+                .map(|p| (usable as i64 - p as i64, true)),
         }
     }
 }
@@ -263,22 +295,29 @@ pub enum SortColumn {
     Status,
     Predicted,
     Measured,
-    TokensPerS,
-    UsdPerMtok,
     Margin,
+    TokensPerS,
+    TimeRatio,
+    /// $/Mtok when priced, else host seconds per Mtok.
+    Cost,
+    /// The peak planned on the target GPU.
+    Target,
 }
 
 impl SortColumn {
-    pub const ALL: [SortColumn; 9] = [
+    /// In the grid's column order.
+    pub const ALL: [SortColumn; 11] = [
         SortColumn::Index,
         SortColumn::Knobs,
         SortColumn::MicroBatch,
         SortColumn::Status,
         SortColumn::Predicted,
         SortColumn::Measured,
-        SortColumn::TokensPerS,
-        SortColumn::UsdPerMtok,
         SortColumn::Margin,
+        SortColumn::TokensPerS,
+        SortColumn::TimeRatio,
+        SortColumn::Cost,
+        SortColumn::Target,
     ];
 
     pub fn next(self) -> SortColumn {
@@ -291,8 +330,9 @@ impl SortColumn {
         Self::ALL[(i + Self::ALL.len() - 1) % Self::ALL.len()]
     }
 
-    /// The grid header this column sorts.
-    pub fn label(self) -> &'static str {
+    /// The grid header this column sorts; the cost column's depends on the
+    /// pricing (`sweep::markdown::cost_heading`).
+    pub fn label(self, report: &SweepReport) -> &'static str {
         match self {
             SortColumn::Index => "#",
             SortColumn::Knobs => "knobs",
@@ -300,9 +340,11 @@ impl SortColumn {
             SortColumn::Status => "status",
             SortColumn::Predicted => "predicted",
             SortColumn::Measured => "measured",
-            SortColumn::TokensPerS => "tok/s",
-            SortColumn::UsdPerMtok => "$/Mtok",
             SortColumn::Margin => "margin",
+            SortColumn::TokensPerS => "tok/s",
+            SortColumn::TimeRatio => "time x",
+            SortColumn::Cost => crate::sweep::markdown::cost_heading(report),
+            SortColumn::Target => "on target",
         }
     }
 }
@@ -311,11 +353,15 @@ impl SortColumn {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Header {
     pub model: String,
+    /// The target GPU's display name: what the plan predicts for, not where
+    /// trials run.
     pub hardware: String,
+    /// Where trials run (`base.run_device.spec`).
     pub device: String,
+    /// The run device's capacity, which trials are judged against (an
+    /// emulated limit on cpu), and capacity x (1 - headroom).
     pub capacity: u64,
     pub usable: u64,
-    pub usd_per_gpu_hour: f64,
     pub headroom: f64,
     pub allow_numerics_change: bool,
     pub seq_len: usize,
@@ -326,6 +372,9 @@ pub struct Header {
     pub no_color: bool,
     /// How often the running trial is sampled, for display.
     pub sample_interval_ms: u64,
+    /// The sweep's report before any trial: run device, target, pricing,
+    /// calibration and timing policy, as the reports carry them.
+    pub base: SweepReport,
 }
 
 /// The whole state of the TUI.
@@ -360,6 +409,9 @@ pub struct App {
     pub recommendation: Option<usize>,
     pub reasons: Vec<String>,
     pub runner_up: Option<usize>,
+    /// Grid indices of the fitting trials the measurements cannot tell
+    /// apart from the recommendation (the recommendation's `tied`).
+    pub tied: Vec<usize>,
     /// Grid indices on the Pareto frontier (peak lower, tokens/s higher).
     pub pareto: Vec<usize>,
 }
@@ -392,6 +444,7 @@ impl App {
             recommendation: None,
             reasons: Vec::new(),
             runner_up: None,
+            tied: Vec::new(),
             pareto: Vec::new(),
         };
         app.recompute_recommendation();
@@ -418,29 +471,18 @@ impl App {
     /// recommendation), recommended with the sweep's own rule.
     pub fn report(&self) -> SweepReport {
         let trials: Vec<TrialRecord> = self.rows.iter().filter_map(|r| r.record.clone()).collect();
+        let trials_run = trials
+            .iter()
+            .filter(|t| t.measured.is_some() || t.exit.is_some())
+            .count();
         let mut report = SweepReport {
-            schema_version: SCHEMA_VERSION,
-            memfit_version: env!("CARGO_PKG_VERSION").into(),
-            recipe: String::new(),
-            model: self.header.model.clone(),
-            hardware: self.header.hardware.clone(),
-            device: self.header.device.clone(),
-            capacity_bytes: self.header.capacity,
-            runtime_overhead_bytes: self.rows.first().map_or(0, |r| r.overhead_bytes),
-            headroom: self.header.headroom,
-            usd_per_gpu_hour: self.header.usd_per_gpu_hour,
-            allow_numerics_change: self.header.allow_numerics_change,
-            seq_len: self.header.seq_len,
-            global_batch: self.header.global_batch,
             grid_size: self.rows.len(),
-            trials_run: trials
-                .iter()
-                .filter(|t| t.measured.is_some() || t.exit.is_some())
-                .count(),
+            trials_run,
             trials,
             recommendation: None,
             pareto: Vec::new(),
             interrupted: !self.finished,
+            ..self.header.base.clone()
         };
         crate::sweep::driver::recommend(&mut report);
         report
@@ -459,11 +501,13 @@ impl App {
             Some(rec) => {
                 self.recommendation = Some(grid(rec.trial));
                 self.runner_up = rec.runners_up.first().map(|&t| grid(t));
+                self.tied = rec.tied.iter().map(|&t| grid(t)).collect();
                 self.reasons = rec.reasons;
             }
             None => {
                 self.recommendation = None;
                 self.runner_up = None;
+                self.tied.clear();
                 self.reasons.clear();
             }
         }
@@ -584,11 +628,16 @@ fn compare(app: &App, a: &Row, b: &Row) -> Ordering {
         SortColumn::Status => a.status.rank().cmp(&b.status.rank()),
         SortColumn::Predicted => cmp_opt(a.predicted_total(), b.predicted_total()),
         SortColumn::Measured => cmp_opt(a.measured_total(), b.measured_total()),
-        SortColumn::TokensPerS => cmp_opt(b.tokens_per_s(), a.tokens_per_s()),
-        SortColumn::UsdPerMtok => cmp_opt(a.usd_per_mtok(), b.usd_per_mtok()),
         SortColumn::Margin => cmp_opt(
-            b.margin(app.header.capacity).map(|m| m.0),
-            a.margin(app.header.capacity).map(|m| m.0),
+            b.margin(app.header.usable).map(|m| m.0),
+            a.margin(app.header.usable).map(|m| m.0),
+        ),
+        SortColumn::TokensPerS => cmp_opt(b.tokens_per_s(), a.tokens_per_s()),
+        SortColumn::TimeRatio => cmp_opt(a.time_ratio(), b.time_ratio()),
+        SortColumn::Cost => cmp_opt(a.cost(), b.cost()),
+        SortColumn::Target => cmp_opt(
+            a.target().map(|t| t.peak_total_bytes),
+            b.target().map(|t| t.peak_total_bytes),
         ),
     };
     c.then(a.index.cmp(&b.index))
@@ -596,7 +645,7 @@ fn compare(app: &App, a: &Row, b: &Row) -> Ordering {
 
 /// Positions in `app.rows` in display order: filtered, then sorted (ties by
 /// grid index; `reverse` flips the whole order). Tokens/s and margin sort
-/// the largest first; empty cells sort last.
+/// the largest first, the rest the smallest first; empty cells sort last.
 pub fn visible(app: &App) -> Vec<usize> {
     let words: Vec<String> = app
         .filter
@@ -747,15 +796,33 @@ fn on_command(app: &mut App, key: Key, detail: bool) -> Vec<Action> {
     Vec::new()
 }
 
+/// Every pair of neighbouring samples merged into the one with more device
+/// memory (and the higher RSS): half as many, spanning the same time, the
+/// peak kept.
+fn halve(samples: &[Sample]) -> Vec<Sample> {
+    samples
+        .chunks(2)
+        .map(|pair| {
+            let mut s = *pair.iter().max_by_key(|s| s.tracked).expect("chunks are not empty");
+            s.rss = pair.iter().filter_map(|s| s.rss).max();
+            s
+        })
+        .collect()
+}
+
 /// Applies one event; returns what the front end must do.
 pub fn update(app: &mut App, ev: Event) -> Vec<Action> {
     match ev {
         Event::Key(k) => return on_key(app, k),
-        Event::Tick { elapsed_s } => app.elapsed_s = elapsed_s,
+        // The clock stops with the sweep: elapsed is how long it ran.
+        Event::Tick { elapsed_s } if !app.finished => app.elapsed_s = elapsed_s,
+        Event::Tick { .. } => {}
         Event::TrialStarted { index } => keeping_selection(app, |a| {
             if let Some(i) = a.row_of(index) {
                 a.rows[i].status = Status::Running;
             }
+            // A re-run after the end: the sweep runs again.
+            a.finished = false;
             a.running = Some(index);
             a.samples.clear();
             a.samples_of = Some(index);
@@ -763,8 +830,7 @@ pub fn update(app: &mut App, ev: Event) -> Vec<Action> {
         Event::Sample(s) => {
             app.samples.push(s);
             if app.samples.len() > MAX_SAMPLES {
-                let extra = app.samples.len() - MAX_SAMPLES;
-                app.samples.drain(..extra);
+                app.samples = halve(&app.samples);
             }
         }
         Event::TrialFinished { index, record } => keeping_selection(app, |a| {
@@ -799,6 +865,20 @@ pub(crate) mod testdata {
     use crate::sweep::report::{ExitInfo, Measured, Predicted};
 
     pub const MIB: u64 = 1 << 20;
+    /// The target's runtime overhead in the plans below (the T4's).
+    const TARGET_OVERHEAD: u64 = 768 * MIB;
+
+    /// The plan on the target for an engine peak: over 100 MiB does not fit
+    /// (small enough for the fixtures to show both).
+    pub fn target_plan(engine_peak: u64) -> TargetPrediction {
+        TargetPrediction {
+            peak_total_bytes: engine_peak + TARGET_OVERHEAD,
+            fits: engine_peak <= 100 * MIB,
+            step_s: 0.02,
+            tokens_per_s: 100_000.0,
+            usd_per_mtok: 0.53 / 3600.0 / 100_000.0 * 1e6,
+        }
+    }
 
     pub fn point(mb: usize, sharding: Sharding, optimizer: Optimizer) -> Point {
         Point {
@@ -826,7 +906,8 @@ pub(crate) mod testdata {
         }
     }
 
-    /// A record of `outcome`; `measured` is (engine peak, tokens/s) when it ran.
+    /// A record of `outcome`; `measured` is (engine peak, median tokens/s)
+    /// when it ran, with a 95% interval of ±3% around the median.
     pub fn record(
         p: Point,
         outcome: Outcome,
@@ -846,18 +927,14 @@ pub(crate) mod testdata {
                 tokens_per_s: 1000.0,
             }),
             measured: measured.map(|(b, t)| Measured {
-                peak_bytes: peaks(b),
-                device_peak_bytes: Some(b + 40 * MIB),
-                step_ms: vec![150.0, 101.0, 99.0],
-                step_s: 0.1,
-                tokens_per_s: t,
-                usd_per_mtok: 2.0 / 3600.0 / t * 1e6,
-                losses: vec![10.83, 10.5, 10.2],
-                phase_peaks: Vec::new(),
+                usd_per_mtok: Some(2.0 / 3600.0 / t * 1e6),
+                tokens_per_s_ci: [t * 0.97, t * 1.03],
+                ..Measured::for_tests(peaks(b), t)
             }),
             memory_error_pct: measured
                 .map(|(b, _)| (b as f64 - predicted as f64) / b as f64 * 100.0),
-            time_error_pct: measured.map(|_| 1.5),
+            time_ratio: measured.map(|_| 1.5),
+            target: Some(target_plan(predicted)),
             exit: (outcome == Outcome::Crash).then(|| ExitInfo {
                 code: Some(101),
                 signal: None,
@@ -872,11 +949,10 @@ pub(crate) mod testdata {
     pub fn header(no_color: bool) -> Header {
         Header {
             model: "gpt2-tiny".into(),
-            hardware: "a100-80gb".into(),
+            hardware: "NVIDIA T4 16GB".into(),
             device: "cpu:limit=64MiB".into(),
             capacity: 64 * MIB,
             usable: (64.0 * MIB as f64 * 0.95) as u64,
-            usd_per_gpu_hour: 2.0,
             headroom: 0.05,
             allow_numerics_change: true,
             seq_len: 128,
@@ -884,6 +960,14 @@ pub(crate) mod testdata {
             export_dir: PathBuf::from("/tmp/sweep-out"),
             no_color,
             sample_interval_ms: 100,
+            base: SweepReport {
+                pricing: crate::sweep::report::Pricing {
+                    basis: "host".into(),
+                    usd_per_hour: Some(2.0),
+                },
+                model: "gpt2-tiny".into(),
+                ..SweepReport::empty_for_tests()
+            },
         }
     }
 
@@ -902,9 +986,22 @@ pub(crate) mod testdata {
             .iter()
             .zip(pred)
             .enumerate()
-            .map(|(i, (&p, m))| Row::new(i, p, Some(m * MIB), Some(1000.0), Status::Queued))
+            .map(|(i, (&p, m))| Row {
+                planned_target: Some(target_plan(m * MIB)),
+                ..Row::new(i, p, Some(m * MIB), Some(1000.0), Status::Queued)
+            })
             .collect();
         App::new(header(no_color), rows)
+    }
+
+    /// `running`, then #3 (adamw8bit: a numerics change) finishes within
+    /// #1's throughput interval: a tie, which #1 wins by changing no numerics.
+    pub fn tied(no_color: bool) -> App {
+        let mut app = running(no_color);
+        let p = app.rows[3].point;
+        let record = record(p, Outcome::Ran, 25 * MIB, Some((26 * MIB, 1750.0)));
+        update(&mut app, Event::TrialFinished { index: 3, record });
+        app
     }
 
     /// The records the events below deliver, by grid index.

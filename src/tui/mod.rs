@@ -8,45 +8,38 @@ pub mod term;
 #[cfg(test)]
 mod tests;
 
-use crate::backend::{DeviceKind, DeviceSpec};
 use crate::error::Result;
-use crate::plan::{load_recipe, plan};
-use crate::sweep::driver::SweepOptions;
+use crate::sweep::driver::{SweepOptions, prepare};
 use app::{App, Header, Row};
 
 /// The screen before the first trial: the recipe planned, every row queued.
 pub fn new_app(opts: &SweepOptions, sample_ms: u64) -> Result<App> {
-    let (mut recipe, model, hw) = load_recipe(&opts.recipe)?;
-    if let Some(d) = &opts.device {
-        recipe.device = Some(d.clone());
-    }
-    let kind = recipe.device.as_ref().map_or(DeviceKind::Cpu, |d| d.kind);
-    let (capacity, overhead) = recipe.capacity(&hw);
-    let planned = plan(&recipe, &model, &hw);
-    let rows = planned
-        .points
+    let prepared = prepare(opts)?;
+    let rows = prepared
+        .preds
         .iter()
+        .zip(&prepared.targets)
         .enumerate()
-        .map(|(i, p)| Row::from_prediction(i, p))
+        .map(|(i, (p, target))| Row {
+            planned_target: target.clone(),
+            ..Row::from_prediction(i, p)
+        })
         .collect();
+    let base = prepared.report;
     let header = Header {
-        model: model.name.clone(),
-        hardware: hw.display_name.clone(),
-        device: DeviceSpec {
-            kind,
-            limit: Some(capacity - overhead.min(capacity)),
-        }
-        .to_string(),
-        capacity,
-        usable: (capacity as f64 * (1.0 - recipe.headroom)) as u64,
-        usd_per_gpu_hour: planned.usd_per_gpu_hour,
-        headroom: recipe.headroom,
-        allow_numerics_change: recipe.allow_numerics_change,
-        seq_len: recipe.seq_len,
-        global_batch: recipe.global_batch,
+        model: base.model.clone(),
+        hardware: base.target.display_name.clone(),
+        device: base.device.clone(),
+        capacity: base.capacity_bytes,
+        usable: base.usable_bytes(),
+        headroom: base.headroom,
+        allow_numerics_change: base.allow_numerics_change,
+        seq_len: base.seq_len,
+        global_batch: base.global_batch,
         export_dir: opts.out.join("export"),
         no_color: false,
         sample_interval_ms: sample_ms,
+        base,
     };
     Ok(App::new(header, rows))
 }

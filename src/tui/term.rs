@@ -35,7 +35,7 @@ pub struct TuiOptions {
     pub out: PathBuf,
     /// How often the running trial reports its memory.
     pub sample_ms: u64,
-    pub steps: usize,
+    pub timing: crate::stats::Timing,
     pub timeout: Duration,
     pub threads: Option<usize>,
 }
@@ -91,11 +91,14 @@ struct Runner {
     thread: Option<std::thread::JoinHandle<Result<SweepReport>>>,
 }
 
+/// Starts the sweep on its own thread. `start` is when the TUI's clock
+/// started: the sweep's end is stamped with it, so elapsed stops there.
 fn start_sweep(
     base: &SweepOptions,
     tx: &Sender<Event>,
     pause: Arc<AtomicBool>,
     sample_ms: u64,
+    start: Instant,
 ) -> Runner {
     let stop = Arc::new(AtomicBool::new(false));
     let tx = Mutex::new(tx.clone());
@@ -111,7 +114,13 @@ fn start_sweep(
                     index,
                     record: *record,
                 },
-                SweepEvent::Finished(_) => Event::SweepFinished,
+                SweepEvent::Finished(_) => {
+                    let tx = tx.lock().unwrap_or_else(|e| e.into_inner());
+                    let elapsed_s = start.elapsed().as_secs_f64();
+                    let _ = tx.send(Event::Tick { elapsed_s });
+                    let _ = tx.send(Event::SweepFinished);
+                    return;
+                }
             };
             let _ = tx.lock().unwrap_or_else(|e| e.into_inner()).send(ev);
         }),
@@ -158,7 +167,7 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
         out: opts.out.clone(),
         resume: true,
         exhaustive: false,
-        steps: opts.steps,
+        timing: opts.timing,
         timeout: opts.timeout,
         threads: opts.threads,
         fault: None,
@@ -198,10 +207,10 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
     let (tx, rx): (Sender<Event>, Receiver<Event>) = channel();
     let pause = Arc::new(AtomicBool::new(false));
     let mut runner: Option<Runner> = None;
-    if !asking {
-        runner = Some(start_sweep(&base, &tx, pause.clone(), opts.sample_ms));
-    }
     let start = Instant::now();
+    if !asking {
+        runner = Some(start_sweep(&base, &tx, pause.clone(), opts.sample_ms, start));
+    }
     let frame = Duration::from_millis(100);
     let mut last_report: Option<SweepReport> = None;
     let mut queued_reruns: Vec<usize> = Vec::new();
@@ -222,7 +231,7 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
             }
             if !queued_reruns.is_empty() {
                 base.rerun = std::mem::take(&mut queued_reruns);
-                runner = Some(start_sweep(&base, &tx, pause.clone(), opts.sample_ms));
+                runner = Some(start_sweep(&base, &tx, pause.clone(), opts.sample_ms, start));
             }
         }
         update(
@@ -265,7 +274,7 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
                         app.message = None;
                     }
                     asking = false;
-                    runner = Some(start_sweep(&base, &tx, pause.clone(), opts.sample_ms));
+                    runner = Some(start_sweep(&base, &tx, pause.clone(), opts.sample_ms, start));
                     continue;
                 }
                 Key::Char('q') | Key::Esc | Key::CtrlC => break Ok(0),
@@ -284,7 +293,7 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
                         queued_reruns.push(index);
                     } else {
                         base.rerun = vec![index];
-                        runner = Some(start_sweep(&base, &tx, pause.clone(), opts.sample_ms));
+                        runner = Some(start_sweep(&base, &tx, pause.clone(), opts.sample_ms, start));
                     }
                 }
                 Action::Export(dir) => {

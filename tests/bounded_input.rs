@@ -1,0 +1,316 @@
+//! Bad input is a located error and exit code 2, never a panic or a hang:
+//! files that never end, huge grids, deep YAML, absurd model sizes, byte
+//! order marks, and run recipes whose errors must name the recipe.
+
+mod common;
+use common::stderr;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// Runs memfit, killing it (and failing the test) if it takes longer than
+/// `limit`: every case here used to hang or run for minutes.
+fn memfit_within(limit: Duration, args: &[&str]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("memfit runs");
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > limit {
+            child.kill().unwrap();
+            let o = child.wait_with_output().unwrap();
+            panic!(
+                "memfit {args:?} ran past {limit:?}: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn quick(args: &[&str]) -> Output {
+    memfit_within(Duration::from_secs(20), args)
+}
+
+/// Exit code 2 and an error on stderr containing each of `want`.
+fn bad_input(o: &Output, want: &[&str]) -> String {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    for w in want {
+        assert!(err.contains(w), "stderr lacks {w:?}:\n{err}");
+    }
+    err
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("memfit-bounded-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn fixture(path: &str) -> String {
+    format!("{}/tests/fixtures/{path}", env!("CARGO_MANIFEST_DIR"))
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+const PLAN_HEAD: &str = "model: gpt2-tiny\nhardware: t4\nseq_len: 16\nglobal_batch: 8\n";
+
+#[test]
+fn model_dev_zero_is_refused_instead_of_read_forever() {
+    let dir = temp_dir("dev-zero");
+    let recipe = dir.join("plan.yaml");
+    std::fs::write(&recipe, PLAN_HEAD.replace("gpt2-tiny", "/dev/zero")).unwrap();
+    // The recipe's file and line, then what is wrong with the model file.
+    let err = bad_input(
+        &quick(&["plan", s(&recipe)]),
+        &["plan.yaml:1:1:", "/dev/zero", "not a regular file"],
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+    bad_input(
+        &quick(&["run", "--model", "/dev/zero", "--device", "meta"]),
+        &["/dev/zero", "not a regular file"],
+    );
+    let run_recipe = dir.join("run.yaml");
+    std::fs::write(&run_recipe, "model: /dev/zero\n").unwrap();
+    bad_input(
+        &quick(&["run", "--recipe", s(&run_recipe), "--device", "meta"]),
+        &["run.yaml:1:1: `model`", "not a regular file"],
+    );
+    bad_input(&quick(&["plan", "/dev/zero"]), &["not a regular file"]);
+    bad_input(
+        &quick(&["run", "--recipe", "/dev/zero"]),
+        &["not a regular file"],
+    );
+}
+
+#[test]
+fn a_fifo_recipe_is_refused_instead_of_waiting_for_a_writer() {
+    let dir = temp_dir("fifo");
+    let fifo = dir.join("recipe.yaml");
+    let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success());
+    bad_input(&quick(&["plan", s(&fifo)]), &["a FIFO"]);
+    bad_input(
+        &quick(&["sweep", s(&fifo), "--out", s(&dir.join("out"))]),
+        &["a FIFO"],
+    );
+}
+
+#[test]
+fn files_over_four_mib_are_refused() {
+    let dir = temp_dir("big");
+    let recipe = dir.join("plan.yaml");
+    let mut text = PLAN_HEAD.to_string();
+    text.push_str(&"# padding\n".repeat(500_000));
+    std::fs::write(&recipe, text).unwrap();
+    bad_input(
+        &quick(&["plan", s(&recipe)]),
+        &["plan.yaml", "larger than 4.00 MiB"],
+    );
+    let config = dir.join("config.json");
+    std::fs::write(&config, format!("{{\"x\": \"{}\"}}", "y".repeat(5 << 20))).unwrap();
+    bad_input(
+        &quick(&["run", "--model", s(&config), "--device", "meta"]),
+        &["config.json", "larger than 4.00 MiB"],
+    );
+}
+
+#[test]
+fn a_grid_of_millions_of_points_is_an_error_before_expansion() {
+    // 2000 x 3 x 2 x 2 x 4 x 2 x 2 = 384,000 points; a 5M-point grid ran for minutes.
+    let dir = temp_dir("grid");
+    let recipe = dir.join("plan.yaml");
+    let mbs: Vec<String> = (1..=2000).map(|i| i.to_string()).collect();
+    std::fs::write(
+        &recipe,
+        format!(
+            "{PLAN_HEAD}grid:\n  micro_batch: [{}]\n  precision: [fp32, bf16, fp16]\n  \
+             checkpointing: [none, full]\n  attention: [eager, fused]\n  \
+             optimizer: [adamw, adamw8bit, adafactor, sgd]\n  gpus: [1, 2]\n  sharding: [ddp, zero1]\n",
+            mbs.join(", ")
+        ),
+    )
+    .unwrap();
+    let start = Instant::now();
+    bad_input(
+        &quick(&["plan", s(&recipe)]),
+        &[
+            "plan.yaml:5:1:",
+            "`grid` expands to 384000 points",
+            "more than 100000",
+        ],
+    );
+    assert!(start.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn deep_yaml_nesting_is_a_located_error_not_minutes_of_parsing() {
+    // 200,000 levels took libyaml over a minute (its cost grows with the square).
+    let dir = temp_dir("deep");
+    let recipe = dir.join("plan.yaml");
+    let n = 200_000;
+    std::fs::write(
+        &recipe,
+        format!("{PLAN_HEAD}grid: {}{}\n", "[".repeat(n), "]".repeat(n)),
+    )
+    .unwrap();
+    let start = Instant::now();
+    bad_input(
+        &memfit_within(Duration::from_secs(10), &["plan", s(&recipe)]),
+        &["plan.yaml:5:71:", "deeper than 64 levels"],
+    );
+    assert!(start.elapsed() < Duration::from_secs(5));
+    // The same for a model profile and a run recipe.
+    let profile = dir.join("model.yaml");
+    std::fs::write(&profile, format!("name: {}x\n", "{".repeat(n))).unwrap();
+    bad_input(
+        &quick(&["run", "--model", s(&profile), "--device", "meta"]),
+        &["model.yaml:1:71:", "deeper than 64 levels"],
+    );
+}
+
+#[test]
+fn a_million_layer_model_is_refused_naming_the_key_and_the_limit() {
+    bad_input(
+        &quick(&[
+            "run",
+            "--model",
+            &fixture("invalid/models/too-many-layers.yaml"),
+            "--device",
+            "meta",
+        ]),
+        &[
+            "too-many-layers.yaml:8:",
+            "`n_layer` is 1000000",
+            "at most 1024",
+        ],
+    );
+    // A Hugging Face config names its own key.
+    let dir = temp_dir("layers");
+    let config = dir.join("config.json");
+    std::fs::write(
+        &config,
+        r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+  "num_hidden_layers": 1000000, "num_attention_heads": 4,
+  "max_position_embeddings": 128, "vocab_size": 256}"#,
+    )
+    .unwrap();
+    bad_input(
+        &quick(&["plan", "--format", "json", &{
+            let recipe = dir.join("plan.yaml");
+            std::fs::write(&recipe, PLAN_HEAD.replace("gpt2-tiny", "config.json")).unwrap();
+            recipe.display().to_string()
+        }]),
+        &[
+            "config.json:2:3:",
+            "`num_hidden_layers` is 1000000",
+            "at most 1024",
+        ],
+    );
+}
+
+#[test]
+fn a_byte_order_mark_is_accepted_and_lines_stay_right() {
+    let dir = temp_dir("bom");
+    let bom = "\u{feff}";
+    let recipe = dir.join("plan.yaml");
+    std::fs::write(&recipe, format!("{bom}{PLAN_HEAD}")).unwrap();
+    let o = quick(&["plan", s(&recipe), "--format", "json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // An error's line and column are the editor's.
+    std::fs::write(&recipe, format!("{bom}{PLAN_HEAD}headroom: lots\n")).unwrap();
+    bad_input(&quick(&["plan", s(&recipe)]), &["plan.yaml:5:11:"]);
+    let config = dir.join("config.json");
+    std::fs::write(
+        &config,
+        format!(
+            "{bom}{{\"model_type\": \"gpt2\", \"n_embd\": 32, \"n_layer\": 1, \"n_head\": 2,\n\
+             \"n_positions\": 64, \"vocab_size\": 256}}"
+        ),
+    )
+    .unwrap();
+    let o = quick(&["run", "--model", s(&config), "--device", "meta"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let run_recipe = dir.join("run.yaml");
+    std::fs::write(
+        &run_recipe,
+        format!("{bom}model: gpt2-tiny\nseq_len: 16\nsteps: 1\n"),
+    )
+    .unwrap();
+    let o = quick(&["run", "--recipe", s(&run_recipe), "--device", "meta"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+#[test]
+fn a_recipe_device_error_points_at_its_line_and_column() {
+    // It pointed at 1:1, the start of the mapping.
+    bad_input(
+        &quick(&["plan", &fixture("invalid/plans/bad-device.yaml")]),
+        &["bad-device.yaml:5:9:", "`lots` is not a size"],
+    );
+    bad_input(
+        &quick(&[
+            "run",
+            "--recipe",
+            &fixture("invalid/recipes/bad-device.yaml"),
+        ]),
+        &["bad-device.yaml:2:9:", "unknown device `tpu`"],
+    );
+}
+
+#[test]
+fn run_recipe_errors_name_the_recipe_and_its_key() {
+    // They named the flag (`--seq-len`) that was never given.
+    let err = bad_input(
+        &quick(&[
+            "run",
+            "--recipe",
+            &fixture("invalid/recipes/seq-len-too-long.yaml"),
+        ]),
+        &["seq-len-too-long.yaml:3:1: `seq_len`: 100000 is outside 1..=128"],
+    );
+    assert!(!err.contains("--seq-len"), "{err}");
+    bad_input(
+        &quick(&[
+            "run",
+            "--recipe",
+            &fixture("invalid/recipes/zero-threads.yaml"),
+        ]),
+        &["zero-threads.yaml:3:1: `threads`: must be at least 1"],
+    );
+    // A flag given on the command line is still named as the flag.
+    bad_input(
+        &quick(&[
+            "run",
+            "--recipe",
+            &fixture("invalid/recipes/zero-threads.yaml"),
+            "--seq-len",
+            "100000",
+        ]),
+        &["--seq-len: 100000 is outside"],
+    );
+    // A misspelt model gets the suggestion `--model` gets, at the recipe's key
+    // (it was read as a file beside the recipe, which did not exist).
+    bad_input(
+        &quick(&[
+            "run",
+            "--recipe",
+            &fixture("invalid/recipes/unknown-model.yaml"),
+        ]),
+        &[
+            "unknown-model.yaml:1:1: `model`: unknown model `gpt2-tinyy`",
+            "did you mean `gpt2-tiny`?",
+        ],
+    );
+}
