@@ -134,7 +134,7 @@ impl BalanceArgs {
 #[derive(Debug, clap::Args)]
 pub struct CalibrateArgs {
     /// cpu threads to calibrate with [default: all cores].
-    #[arg(long)]
+    #[arg(long, value_parser = threads)]
     pub threads: Option<usize>,
     /// Measure again even when a cached calibration exists.
     #[arg(long)]
@@ -233,14 +233,14 @@ pub struct TuiArgs {
     pub threads: Option<usize>,
 }
 
-/// The most cpu threads a trial may ask for: more than the largest hosts
-/// have, and past it a thread pool would be the trial's whole footprint.
+/// The most cpu threads memfit starts: more than the largest hosts have (a
+/// pool of 100,000 took minutes to start, and then did nothing faster).
 pub const MAX_THREADS: usize = 4096;
 
 /// The longest a trial may be given, in seconds (11.6 days).
 pub const MAX_TRIAL_SECONDS: f64 = 1e6;
 
-/// `--threads` of a sweep's trials: 1..=[`MAX_THREADS`].
+/// `--threads` of `memfit run`, `calibrate` and a sweep's trials: 1..=[`MAX_THREADS`].
 pub fn check_threads(n: usize) -> std::result::Result<usize, String> {
     match n {
         0 => Err("must be at least 1".into()),
@@ -408,7 +408,7 @@ pub struct RunArgs {
     #[arg(long)]
     pub partition: Option<String>,
     /// cpu worker threads [default: all cores].
-    #[arg(long)]
+    #[arg(long, value_parser = threads)]
     pub threads: Option<usize>,
     /// Write the memory timeline (one CSV line per allocation and free) to this file.
     #[arg(long)]
@@ -620,7 +620,14 @@ impl RunArgs {
                     limit: None,
                 }),
             data: self.data.clone().or(r.data.clone()),
-            threads: self.threads.or(r.threads),
+            // The recipe's key is checked as the flag is (clap): a pool of
+            // 100,000 threads takes minutes to start.
+            threads: self
+                .threads
+                .or(r.threads)
+                .map(check_threads)
+                .transpose()
+                .map_err(|m| Error::invalid_arg("--threads", m))?,
             timeline: self.timeline.clone(),
             phase_peaks: false,
             timing: None,

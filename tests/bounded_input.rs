@@ -294,11 +294,11 @@ fn run_recipe_errors_name_the_recipe_and_its_key() {
         &quick(&[
             "run",
             "--recipe",
-            &fixture("invalid/recipes/zero-threads.yaml"),
+            &fixture("invalid/recipes/seq-len-too-long.yaml"),
             "--seq-len",
-            "100000",
+            "99999",
         ]),
-        &["--seq-len: 100000 is outside"],
+        &["--seq-len: 99999 is outside"],
     );
     // A misspelt model gets the suggestion `--model` gets, at the recipe's key
     // (it was read as a file beside the recipe, which did not exist).
@@ -312,5 +312,25 @@ fn run_recipe_errors_name_the_recipe_and_its_key() {
             "unknown-model.yaml:1:1: `model`: unknown model `gpt2-tinyy`",
             "did you mean `gpt2-tiny`?",
         ],
+    );
+}
+
+#[test]
+fn a_huge_thread_count_is_refused_instead_of_starting_for_minutes() {
+    // `memfit run --threads 100000` spent minutes starting its thread pool.
+    bad_input(
+        &quick(&["run", "--threads", "100000", "--steps", "1"]),
+        &["--threads", "at most 4096"],
+    );
+    let dir = temp_dir("threads");
+    let recipe = dir.join("run.yaml");
+    std::fs::write(&recipe, "model: gpt2-tiny\nthreads: 100000\n").unwrap();
+    bad_input(
+        &quick(&["run", "--recipe", s(&recipe)]),
+        &["run.yaml:2:1: `threads`: must be at most 4096"],
+    );
+    bad_input(
+        &quick(&["calibrate", "--threads", "100000"]),
+        &["--threads", "at most 4096"],
     );
 }
