@@ -198,6 +198,11 @@ fn calibrate_main(args: &memfit::cli::CalibrateArgs) -> i32 {
                     println!("GEMM fp32      {:.1} GFLOP/s", c.fp32_flops_per_s / 1e9);
                     println!("GEMM bf16      {:.1} GFLOP/s", c.bf16_flops_per_s / 1e9);
                     println!("GEMM fp16      {:.1} GFLOP/s", c.fp16_flops_per_s / 1e9);
+                    println!(
+                        "other kernels  {:.1} GFLOP/s fp32, {:.1} 16-bit (attention)",
+                        c.fp32_kernel_flops_per_s / 1e9,
+                        c.bf16_kernel_flops_per_s / 1e9
+                    );
                     println!("memory         {:.1} GB/s", c.bytes_per_s / 1e9);
                     println!("per op         {:.1} µs", c.op_overhead_s * 1e6);
                     match source {

@@ -1440,17 +1440,24 @@ pub fn recommend(report: &mut SweepReport) {
     if let Some(&j) = runners.first() {
         let ru = &report.trials[j];
         let ratio = cost(ru) / cost(r);
-        reasons.push(format!(
-            "runner-up {} {} {:.1}% {}",
-            ru.point.label(),
-            if m.usd_per_mtok.is_some() {
-                "costs"
-            } else {
-                "takes"
-            },
-            (ratio - 1.0).abs() * 100.0,
-            if ratio >= 1.0 { "more" } else { "less (tied)" }
-        ));
+        let what = if m.usd_per_mtok.is_some() {
+            "cost per token"
+        } else {
+            "time per token"
+        };
+        reasons.push(if ratio >= 1.0 {
+            format!(
+                "runner-up {} has {:.1}% more {what}",
+                ru.point.label(),
+                (ratio - 1.0) * 100.0
+            )
+        } else {
+            format!(
+                "runner-up {} measured {:.1}% less {what}, within the tie",
+                ru.point.label(),
+                (1.0 - ratio) * 100.0
+            )
+        });
     }
     if r.numerics_changes.is_empty() {
         reasons.push("changes no numerics".into());
