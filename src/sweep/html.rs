@@ -1,13 +1,17 @@
 //! DIR/report.html: the sweep report as one self-contained HTML5 page.
 //!
-//! Inline CSS and inline SVG charts only: no scripts, no external URLs, no web
-//! fonts, so the file opens anywhere (offline, from an artifact store, as an
-//! e-mail attachment) and shows the same thing. Every piece of text from the
+//! Inline CSS, inline SVG charts and one small inline script (sorting the
+//! trial table by a clicked column): no external URLs, no web fonts, so the
+//! file opens anywhere (offline, from an artifact store, as an e-mail
+//! attachment) and shows the same thing. Every piece of text from the
 //! report is escaped.
 
 use std::fmt::Write as _;
 
-use super::plots::svg_strings;
+use super::markdown::{
+    cost_cell, cost_heading, devices_line, outcome_label, pricing_line, ratio, tokens_cell,
+};
+use super::plots::{roles_line, svg_strings};
 use super::report::{Outcome, SweepReport, TrialRecord};
 use crate::plan::name;
 use crate::units::fmt_bytes;
@@ -23,6 +27,20 @@ pub fn escape(text: &str) -> String {
             '"' => out.push_str("&quot;"),
             '\'' => out.push_str("&#39;"),
             c => out.push(c),
+        }
+    }
+    out
+}
+
+/// A line written for Markdown (`markdown::devices_line`, ...) as HTML:
+/// escaped, with its `code` spans as `<code>`.
+fn md_inline(text: &str) -> String {
+    let mut out = String::new();
+    for (i, part) in text.split('`').enumerate() {
+        if i % 2 == 1 {
+            let _ = write!(out, "<code>{}</code>", escape(part));
+        } else {
+            out.push_str(&escape(part));
         }
     }
     out
@@ -57,29 +75,6 @@ fn opt_bytes(v: Option<u64>) -> String {
     v.map_or_else(|| NA.to_string(), fmt_bytes)
 }
 
-fn fmt_rate(v: f64) -> String {
-    if !v.is_finite() {
-        NA.to_string()
-    } else if v.abs() >= 100.0 {
-        format!("{v:.0}")
-    } else {
-        format!("{v:.2}")
-    }
-}
-
-#[allow(dead_code)]
-fn fmt_usd(v: f64) -> String {
-    if !v.is_finite() {
-        NA.to_string()
-    } else if v == 0.0 || v.abs() >= 100.0 {
-        format!("${v:.0}")
-    } else if v.abs() >= 1.0 {
-        format!("${v:.2}")
-    } else {
-        format!("${v:.4}")
-    }
-}
-
 fn fmt_pct(v: Option<f64>) -> String {
     match v {
         Some(v) if v.is_finite() => format!("{v:+.1}%"),
@@ -93,7 +88,7 @@ const STYLE: &str = r#"
 body { margin: 0 auto; max-width: 1400px; padding: 1.2rem 1.5rem 3rem;
   font-family: system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif;
   font-size: 15px; line-height: 1.45; color: #1d1d1f; background: #fff; }
-h1 { font-size: 1.6rem; margin: 0 0 .4rem; }
+h1 { font-size: 1.5rem; margin: 0 0 .4rem; }
 h2 { font-size: 1.25rem; margin: 2rem 0 .6rem; border-bottom: 1px solid #ddd; padding-bottom: .2rem; }
 h3 { font-size: 1rem; margin: 1rem 0 .3rem; }
 code, .mono { font-family: ui-monospace, "DejaVu Sans Mono", Menlo, Consolas, monospace; font-size: .92em; }
@@ -112,11 +107,17 @@ figure { margin: 1rem 0 2rem; }
 figcaption { font-weight: 600; margin-bottom: .3rem; }
 .chart svg { width: 100%; max-width: 960px; height: auto; border: 1px solid #e4e4e4; }
 .table-wrap { overflow-x: auto; }
-table.trials { border-collapse: collapse; font-size: .88rem; white-space: nowrap; }
-table.trials th, table.trials td { border: 1px solid #ddd; padding: .2rem .45rem; text-align: left; vertical-align: top; }
-table.trials th { background: #f4f4f4; position: sticky; top: 0; }
-table.trials td.num { text-align: right; font-variant-numeric: tabular-nums; }
-table.trials td.note { white-space: normal; min-width: 18rem; max-width: 36rem; }
+p.constant { margin: .3rem 0 .6rem; }
+p.constant span { white-space: nowrap; margin-right: .9rem; }
+table.trials { border-collapse: collapse; font-size: .85rem; white-space: nowrap; }
+table.trials th, table.trials td { border: 1px solid #ddd; padding: .2rem .35rem; text-align: left; vertical-align: top; }
+table.trials th { background: #f4f4f4; position: sticky; top: 0; cursor: pointer; user-select: none; white-space: normal; vertical-align: bottom; }
+table.trials th:hover, table.trials th:focus { background: #e8eef7; }
+table.trials th[aria-sort="ascending"]::after { content: " \25B2"; font-size: .7em; }
+table.trials th[aria-sort="descending"]::after { content: " \25BC"; font-size: .7em; }
+table.trials th.num, table.trials td.num { text-align: right; font-variant-numeric: tabular-nums; }
+table.trials td.note { white-space: normal; min-width: 9rem; max-width: 24rem; }
+table.trials td.outcome { white-space: normal; min-width: 4rem; max-width: 8.5rem; }
 td.numerics { background: #efe7fb; font-weight: 600; }
 .na { color: #999; }
 .outcome-ran.fits { background: #eef8ec; }
@@ -127,17 +128,56 @@ td.numerics { background: #efe7fb; font-weight: 600; }
 .outcome-invalid { background: #f5f5f5; color: #888; font-style: italic; }
 tr.recommended td { font-weight: 700; }
 tr.recommended td:first-child { box-shadow: inset 4px 0 0 #2e7d32; }
+tr.tied td:first-child { box-shadow: inset 4px 0 0 #9e9e9e; }
 td.outcome { font-weight: 600; }
 details pre { white-space: pre-wrap; max-height: 12rem; overflow: auto; background: #fafafa; padding: .3rem; margin: .2rem 0 0; }
 .legend span { display: inline-block; padding: 0 .5rem; margin: 0 .3rem .3rem 0; border: 1px solid #ddd; }
 footer { margin-top: 2rem; color: #777; font-size: .85rem; }
 "#;
 
+/// Sorts a `table.sortable` by the clicked (or Enter-ed) header: numbers by
+/// the cells' `data-v` (missing values last either way), text by its
+/// content; a second click reverses. (No `<` in it, so it needs no CDATA
+/// or escaping.)
+const SCRIPT: &str = r#"
+document.querySelectorAll("table.sortable").forEach(function (table) {
+  var heads = table.tHead.rows[0].cells;
+  Array.prototype.forEach.call(heads, function (th, col) {
+    function sort() {
+      var numeric = th.getAttribute("data-type") === "num";
+      var dir = th.getAttribute("aria-sort") === "ascending" ? -1 : 1;
+      Array.prototype.forEach.call(heads, function (h) { h.removeAttribute("aria-sort"); });
+      th.setAttribute("aria-sort", dir > 0 ? "ascending" : "descending");
+      var body = table.tBodies[0];
+      var rows = Array.prototype.slice.call(body.rows);
+      function key(row) {
+        var cell = row.cells[col];
+        var v = cell.hasAttribute("data-v") ? cell.getAttribute("data-v") : cell.textContent.trim();
+        return numeric ? parseFloat(v) : v.toLowerCase();
+      }
+      rows.sort(function (a, b) {
+        var x = key(a), y = key(b);
+        if (numeric) {
+          if (isNaN(x) || isNaN(y)) { return isNaN(x) - isNaN(y); }
+          return (x - y) * dir;
+        }
+        return x === y ? 0 : (x > y ? dir : -dir);
+      });
+      rows.forEach(function (row) { body.appendChild(row); });
+    }
+    th.addEventListener("click", sort);
+    th.addEventListener("keydown", function (e) {
+      if (e.key === "Enter" || e.key === " ") { e.preventDefault(); sort(); }
+    });
+  });
+});
+"#;
+
 /// Renders the whole report page.
 pub fn render_html(report: &SweepReport) -> String {
     let mut h = String::with_capacity(256 * 1024);
     let r = report;
-    let title = format!("memfit sweep: {} on {}", r.model, r.hardware);
+    let title = format!("memfit sweep: {}", roles_line(r));
 
     let _ = writeln!(h, "<!DOCTYPE html>");
     let _ = writeln!(h, "<html lang=\"en\">");
@@ -164,12 +204,15 @@ pub fn render_html(report: &SweepReport) -> String {
 
     let _ = writeln!(
         h,
-        "<footer>Generated by memfit {} (report schema {}). Peaks are per GPU; \
-         &ldquo;measured&rdquo; is the memory tracker&rsquo;s total, &ldquo;device&rdquo; \
-         the device-level high-water mark.</footer>",
+        "<footer>Generated by memfit {} (report schema {}). Peaks are per rank on the run \
+         device: &ldquo;measured&rdquo; is the memory tracker&rsquo;s total plus the \
+         runtime overhead the fit counts, &ldquo;predicted&rdquo; the meta engine&rsquo;s. \
+         Host RSS is the trial process&rsquo;s resident set: host memory, never compared \
+         with the capacity.</footer>",
         escape(&r.memfit_version),
         r.schema_version
     );
+    let _ = writeln!(h, "<script>{SCRIPT}</script>");
     let _ = writeln!(h, "</body>");
     let _ = writeln!(h, "</html>");
     h
@@ -191,32 +234,39 @@ fn header(h: &mut String, r: &SweepReport, title: &str) {
     };
     fact(h, "recipe", format!("<code>{}</code>", escape(&r.recipe)));
     fact(h, "model", escape(&r.model));
-    fact(h, "hardware", escape(&r.hardware));
-    fact(h, "device", format!("<code>{}</code>", escape(&r.device)));
-    fact(h, "capacity", escape(&fmt_bytes(r.capacity_bytes)));
+    fact(h, "run device / target", md_inline(&devices_line(r)));
     fact(
         h,
-        "usable",
+        "capacity (run device)",
         format!(
-            "{} (headroom {:.1}%)",
+            "{}{}; usable {} after {:.1}% headroom",
+            escape(&fmt_bytes(r.capacity_bytes)),
+            if r.run_device.emulated {
+                " (an emulated limit)"
+            } else {
+                ""
+            },
             escape(&fmt_bytes(r.usable_bytes())),
             r.headroom * 100.0
         ),
+    );
+    fact(h, "pricing and timing", md_inline(&pricing_line(r)));
+    fact(
+        h,
+        "calibration",
+        match &r.calibration {
+            Some(c) => format!(
+                "predicted step times use this host&rsquo;s calibrated roofline \
+                 (<code>memfit calibrate</code>): {}",
+                escape(&c.summary())
+            ),
+            None => "none: predicted step times use the run device&rsquo;s profile".into(),
+        },
     );
     fact(
         h,
         "sequence length / global batch",
         format!("{} tokens / {} sequences", r.seq_len, r.global_batch),
-    );
-    fact(
-        h,
-        "run device / target",
-        super::markdown::devices_line(r),
-    );
-    fact(
-        h,
-        "pricing and timing",
-        super::markdown::pricing_line(r),
     );
     fact(
         h,
@@ -277,10 +327,12 @@ fn trial_summary(report: &SweepReport, t: &TrialRecord) -> String {
         let _ = write!(
             s,
             " &mdash; peak {}, {} tokens/s, {} {}",
-            escape(&fmt_bytes(m.peak_bytes.total)),
-            escape(&super::markdown::tokens_cell(m)),
-            escape(&super::markdown::cost_cell(t)),
-            super::markdown::cost_heading(report)
+            escape(&fmt_bytes(
+                m.peak_bytes.total + report.runtime_overhead_bytes
+            )),
+            escape(&tokens_cell(m)),
+            escape(&cost_cell(t)),
+            cost_heading(report)
         );
     }
     if !t.numerics_changes.is_empty() {
@@ -291,6 +343,19 @@ fn trial_summary(report: &SweepReport, t: &TrialRecord) -> String {
         );
     }
     s
+}
+
+/// The plan on the target GPU, in words.
+fn target_plan(r: &SweepReport, t: &TrialRecord) -> Option<String> {
+    let p = t.target.as_ref()?;
+    Some(format!(
+        "{} per GPU on {} ({}), {:.0} tokens/s, ${} per million tokens",
+        fmt_bytes(p.peak_total_bytes),
+        r.target.display_name,
+        if p.fits { "fits" } else { "does not fit" },
+        p.tokens_per_s,
+        crate::plan::usd(p.usd_per_mtok)
+    ))
 }
 
 fn recommendation(h: &mut String, r: &SweepReport) {
@@ -327,46 +392,79 @@ fn recommendation(h: &mut String, r: &SweepReport) {
             escape(&t.numerics_changes.join(", "))
         );
     }
+    if rec.tied.is_empty() {
+        let _ = write!(h, " <span class=\"badge ok\">clear winner</span>");
+    } else {
+        let _ = write!(
+            h,
+            " <span class=\"badge warn\">tied with {}</span>",
+            rec.tied.len()
+        );
+    }
     let _ = writeln!(h, "</p>");
 
     let _ = writeln!(h, "<dl class=\"facts\">");
+    let row = |h: &mut String, k: &str, v: String| {
+        let _ = writeln!(h, "<dt>{}</dt><dd>{v}</dd>", escape(k));
+    };
     if let Some(m) = &t.measured {
-        let spare = r.usable_bytes().saturating_sub(m.peak_bytes.total);
-        let _ = writeln!(
+        let peak = m.peak_bytes.total + r.runtime_overhead_bytes;
+        row(
             h,
-            "<dt>measured peak</dt><dd>{} of {} usable ({} to spare)</dd>",
-            escape(&fmt_bytes(m.peak_bytes.total)),
-            escape(&fmt_bytes(r.usable_bytes())),
-            escape(&fmt_bytes(spare))
+            "measured peak",
+            escape(&format!(
+                "{} of {} usable ({} to spare)",
+                fmt_bytes(peak),
+                fmt_bytes(r.usable_bytes()),
+                fmt_bytes(r.usable_bytes().saturating_sub(peak))
+            )),
         );
-        let _ = writeln!(
+        row(
             h,
-            "<dt>host RSS peak (not device memory)</dt><dd>{}</dd>",
-            opt_bytes(m.rss_peak_bytes)
+            "throughput",
+            escape(&format!(
+                "{} tokens/s (median step {:.3} s, 95% interval {:.3}-{:.3} s)",
+                tokens_cell(m),
+                m.step_s,
+                m.step_s_ci[0],
+                m.step_s_ci[1]
+            )),
         );
-        let _ = writeln!(
+        row(
             h,
-            "<dt>throughput</dt><dd>{} tokens/s ({:.3} s per step)</dd>",
-            fmt_rate(m.tokens_per_s),
-            m.step_s
+            "cost",
+            format!("{} {}", escape(&cost_cell(t)), cost_heading(r)),
         );
-        let _ = writeln!(
+        row(
             h,
-            "<dt>cost</dt><dd>{}</dd>",
-            escape(&super::markdown::cost_cell(t))
+            "host RSS peak (host memory, not the device's)",
+            format!(
+                "{}{}",
+                opt_bytes(m.rss_peak_bytes),
+                m.rss_baseline_bytes.map_or_else(String::new, |b| format!(
+                    ", of which {} is the process before the engine allocated",
+                    escape(&fmt_bytes(b))
+                ))
+            ),
         );
     }
     if let Some(p) = &t.predicted {
-        let _ = writeln!(
+        row(h, "predicted peak", escape(&fmt_bytes(p.peak_total_bytes)));
+    }
+    if t.time_ratio.is_some() {
+        row(
             h,
-            "<dt>predicted peak</dt><dd>{}</dd>",
-            escape(&fmt_bytes(p.peak_total_bytes))
+            "step time, measured / predicted",
+            escape(&ratio(t.time_ratio)),
         );
     }
-    let _ = writeln!(
+    if let Some(plan) = target_plan(r, t) {
+        row(h, "planned on the target", escape(&plan));
+    }
+    row(
         h,
-        "<dt>gradient accumulation</dt><dd>{} micro-step(s) per optimizer step</dd>",
-        t.point.grad_accum
+        "gradient accumulation",
+        format!("{} micro-step(s) per optimizer step", t.point.grad_accum),
     );
     let _ = writeln!(h, "</dl>");
 
@@ -377,18 +475,28 @@ fn recommendation(h: &mut String, r: &SweepReport) {
         }
         let _ = writeln!(h, "</ul>");
     }
-    let runners: Vec<(usize, &TrialRecord)> = rec
-        .runners_up
-        .iter()
-        .filter_map(|&i| Some((i, r.trials.get(i)?)))
-        .collect();
-    if !runners.is_empty() {
-        let _ = writeln!(h, "<h3>Runners-up</h3>\n<ol>");
-        for (i, t) in runners {
+    let listed = |h: &mut String, heading: &str, which: &[usize], ordered: bool| {
+        let items: Vec<(usize, &TrialRecord)> = which
+            .iter()
+            .filter_map(|&i| Some((i, r.trials.get(i)?)))
+            .collect();
+        if items.is_empty() {
+            return;
+        }
+        let tag = if ordered { "ol" } else { "ul" };
+        let _ = writeln!(h, "<h3>{heading}</h3>\n<{tag}>");
+        for (i, t) in items {
             let _ = writeln!(h, "<li>#{i} {}</li>", trial_summary(r, t));
         }
-        let _ = writeln!(h, "</ol>");
-    }
+        let _ = writeln!(h, "</{tag}>");
+    };
+    listed(
+        h,
+        "Tied with it (throughput intervals overlap; settled by numerics, then margin, then GPUs)",
+        &rec.tied,
+        false,
+    );
+    listed(h, "Runners-up", &rec.runners_up, true);
     let _ = writeln!(h, "</div>");
     let _ = writeln!(h, "</section>");
 }
@@ -396,6 +504,10 @@ fn recommendation(h: &mut String, r: &SweepReport) {
 fn charts(h: &mut String, r: &SweepReport) {
     let _ = writeln!(h, "<section id=\"charts\">");
     let _ = writeln!(h, "<h2>Charts</h2>");
+    let _ = writeln!(
+        h,
+        "<p>Hover over a point or a segment for its configuration and figures.</p>"
+    );
     for (title, svg) in svg_strings(r) {
         let _ = writeln!(h, "<figure>");
         let _ = writeln!(h, "<figcaption>{}</figcaption>", escape(&title));
@@ -406,16 +518,225 @@ fn charts(h: &mut String, r: &SweepReport) {
     let _ = writeln!(h, "</section>");
 }
 
-/// A knob's cell, marked when the knob changes numerics.
-fn knob_cell(value: String, changes: &[String]) -> String {
-    if changes.contains(&value) {
-        format!(
-            "<td class=\"numerics\" title=\"changes numerics\">{} &dagger;</td>",
-            escape(&value)
-        )
-    } else {
-        format!("<td>{}</td>", escape(&value))
+/// One cell of the trial table: its HTML, and for numeric columns the raw
+/// value the sort uses (`None`: missing, sorted last).
+struct Cell {
+    html: String,
+    value: Option<f64>,
+    class: &'static str,
+}
+
+impl Cell {
+    fn text(html: String) -> Cell {
+        Cell {
+            html,
+            value: None,
+            class: "",
+        }
     }
+
+    fn num(html: String, value: Option<f64>) -> Cell {
+        Cell {
+            html: if value.is_some() { html } else { NA.into() },
+            value,
+            class: "num",
+        }
+    }
+}
+
+struct Column {
+    head: String,
+    /// The header's tooltip: what the column means.
+    help: String,
+    numeric: bool,
+    cells: Vec<Cell>,
+}
+
+impl Column {
+    /// The one value every row shows, if so (rows without a value aside);
+    /// `Some(None)` when no row has one.
+    fn constant(&self) -> Option<Option<&str>> {
+        let mut present = self
+            .cells
+            .iter()
+            .filter(|c| c.html != NA && !c.html.is_empty())
+            .map(|c| c.html.as_str());
+        let Some(first) = present.next() else {
+            return Some(None);
+        };
+        present.all(|v| v == first).then_some(Some(first))
+    }
+}
+
+/// A knob's cell, marked when the knob changes numerics.
+fn knob_cell(value: String, changes: &[String]) -> Cell {
+    if changes.contains(&value) {
+        Cell {
+            html: format!(
+                "<span title=\"changes numerics\">{} &dagger;</span>",
+                escape(&value)
+            ),
+            value: None,
+            class: "numerics",
+        }
+    } else {
+        Cell::text(escape(&value))
+    }
+}
+
+/// The trial table's columns, every one of them (constant ones are hidden
+/// when the table is written).
+fn columns(r: &SweepReport) -> Vec<Column> {
+    let rec = r.recommendation.as_ref();
+    let mut cols: Vec<Column> = Vec::new();
+    let mut col =
+        |head: &str, help: &str, numeric: bool, f: &dyn Fn(usize, &TrialRecord) -> Cell| {
+            cols.push(Column {
+                head: head.to_string(),
+                help: help.to_string(),
+                numeric,
+                cells: r.trials.iter().enumerate().map(|(i, t)| f(i, t)).collect(),
+            });
+        };
+    col(
+        "#",
+        "trial index; ★ recommended, = tied with it, ◆ on the Pareto frontier",
+        true,
+        &|i, _| {
+            let mut marks = String::new();
+            if rec.is_some_and(|rec| rec.trial == i) {
+                marks.push_str(" <span title=\"recommended\">&#9733;</span>");
+            }
+            if rec.is_some_and(|rec| rec.tied.contains(&i)) {
+                marks.push_str(" <span title=\"tied with the recommendation\">=</span>");
+            }
+            if r.pareto.contains(&i) {
+                marks.push_str(" <span title=\"on the Pareto frontier\">&#9670;</span>");
+            }
+            Cell::num(format!("{i}{marks}"), Some(i as f64))
+        },
+    );
+    let knob = |v: f64| Cell::num(format!("{v}"), Some(v));
+    col(
+        "micro-batch",
+        "sequences per rank per micro-step",
+        true,
+        &|_, t| knob(t.point.micro_batch as f64),
+    );
+    col(
+        "ranks",
+        "data-parallel ranks (GPUs on the target)",
+        true,
+        &|_, t| knob(t.point.gpus as f64),
+    );
+    col("sharding", "", false, &|_, t| {
+        knob_cell(name(t.point.sharding), &t.numerics_changes)
+    });
+    col("precision", "", false, &|_, t| {
+        knob_cell(name(t.point.precision), &t.numerics_changes)
+    });
+    col("optimizer", "", false, &|_, t| {
+        knob_cell(name(t.point.optimizer), &t.numerics_changes)
+    });
+    col("ckpt", "activation checkpointing", false, &|_, t| {
+        knob_cell(name(t.point.checkpointing), &t.numerics_changes)
+    });
+    col("attention", "", false, &|_, t| {
+        knob_cell(name(t.point.attention), &t.numerics_changes)
+    });
+    col("accum", "gradient accumulation steps", true, &|_, t| {
+        knob(t.point.grad_accum as f64)
+    });
+    col(
+        "outcome",
+        "how the trial ended; fit means its measured peak is within the usable memory",
+        false,
+        &|_, t| Cell {
+            html: escape(outcome_label(t)),
+            value: None,
+            class: "outcome",
+        },
+    );
+    let bytes = |b: Option<u64>| Cell::num(opt_bytes(b), b.map(|b| b as f64));
+    col(
+        "predicted",
+        "predicted peak per rank on the run device (meta engine plus runtime overhead)",
+        true,
+        &|_, t| bytes(t.predicted.as_ref().map(|p| p.peak_total_bytes)),
+    );
+    col(
+        "measured",
+        "measured peak per rank (the tracker's total plus runtime overhead)",
+        true,
+        &|_, t| {
+            bytes(
+                t.measured
+                    .as_ref()
+                    .map(|m| m.peak_bytes.total + r.runtime_overhead_bytes),
+            )
+        },
+    );
+    col(
+        "mem err",
+        "(measured - predicted) / measured tracked peak",
+        true,
+        &|_, t| Cell::num(fmt_pct(t.memory_error_pct), t.memory_error_pct),
+    );
+    col(
+        "tokens/s",
+        "median tokens/s with half its 95% interval, measured on the run device",
+        true,
+        &|_, t| {
+            let m = t.measured.as_ref();
+            Cell::num(
+                m.map_or_else(String::new, |m| escape(&tokens_cell(m))),
+                m.map(|m| m.tokens_per_s),
+            )
+        },
+    );
+    col(
+        "time ×",
+        "measured / predicted median step time on the run device (1.00x is exact)",
+        true,
+        &|_, t| Cell::num(escape(&ratio(t.time_ratio)), t.time_ratio),
+    );
+    col(
+        cost_heading(r),
+        "cost per million tokens at the measured throughput (see pricing above)",
+        true,
+        &|_, t| {
+            let c = super::driver::cost_of(t).map(|c| c.0);
+            Cell::num(escape(&cost_cell(t)), c)
+        },
+    );
+    col(
+        "on target",
+        &format!(
+            "the plan for this configuration on the target ({}): peak per GPU",
+            r.target.display_name
+        ),
+        true,
+        &|_, t| {
+            let p = t.target.as_ref();
+            let mut cell = bytes(p.map(|p| p.peak_total_bytes));
+            if p.is_some_and(|p| !p.fits) {
+                cell.html.push_str(" (no fit)");
+            }
+            cell
+        },
+    );
+    col(
+        "host RSS",
+        "the trial process's resident-set high-water mark: host memory, never compared with the capacity",
+        true,
+        &|_, t| bytes(t.measured.as_ref().and_then(|m| m.rss_peak_bytes)),
+    );
+    col("note", "", false, &|_, t| Cell {
+        html: note_cell(t),
+        value: None,
+        class: "note",
+    });
+    cols
 }
 
 fn trial_table(h: &mut String, r: &SweepReport) {
@@ -429,75 +750,92 @@ fn trial_table(h: &mut String, r: &SweepReport) {
          <span class=\"outcome-crash\">crash</span>\
          <span class=\"outcome-skipped-predicted-oom\">skipped</span>\
          <span class=\"outcome-invalid\">invalid</span> \
-         &#9733; recommended, &#9670; Pareto frontier, &dagger; changes numerics. \
-         Errors are (measured &minus; predicted) / measured.</p>"
+         &#9733; recommended, = tied with it, &#9670; Pareto frontier, &dagger; changes numerics. \
+         Click a column&rsquo;s header to sort by it; hover over it for what it means.</p>"
     );
     if r.trials.is_empty() {
         let _ = writeln!(h, "<p>No trials were recorded.</p>");
         let _ = writeln!(h, "</section>");
         return;
     }
+    let cols = columns(r);
+    // A column that says the same thing in every row is said once, above.
+    let mut shown: Vec<&Column> = Vec::new();
+    let mut same: Vec<String> = Vec::new();
+    for c in &cols {
+        let constant = if c.head == "#" || r.trials.len() < 2 {
+            None
+        } else {
+            c.constant()
+        };
+        match constant {
+            None => shown.push(c),
+            Some(None) if c.head == "note" => {}
+            Some(None) => same.push(format!("<span><b>{}</b> none</span>", escape(&c.head))),
+            Some(Some(v)) => {
+                let partial = c.cells.iter().any(|x| x.html == NA || x.html.is_empty());
+                same.push(format!(
+                    "<span><b>{}</b> {v}{}</span>",
+                    escape(&c.head),
+                    if partial { " (where there is one)" } else { "" }
+                ));
+            }
+        }
+    }
+    if !same.is_empty() {
+        let _ = writeln!(
+            h,
+            "<p class=\"constant\">The same in every trial (columns not shown): {}</p>",
+            same.join(" ")
+        );
+    }
     let _ = writeln!(h, "<div class=\"table-wrap\">");
-    let _ = writeln!(h, "<table class=\"trials\">");
-    let _ = writeln!(
-        h,
-        "<thead><tr><th>#</th><th>micro-batch</th><th>GPUs</th><th>sharding</th>\
-         <th>precision</th><th>optimizer</th><th>checkpointing</th><th>attention</th>\
-         <th>accum</th><th>outcome</th><th>fits</th><th>predicted peak</th>\
-         <th>measured peak</th><th>device peak</th><th>tokens/s</th><th>$/Mtok</th>\
-         <th>memory error</th><th>time error</th><th>note</th></tr></thead>"
-    );
+    let _ = writeln!(h, "<table class=\"trials sortable\">");
+    let _ = write!(h, "<thead><tr>");
+    for c in &shown {
+        let _ = write!(
+            h,
+            "<th tabindex=\"0\" data-type=\"{}\"{}{}>{}</th>",
+            if c.numeric { "num" } else { "text" },
+            if c.numeric { " class=\"num\"" } else { "" },
+            if c.help.is_empty() {
+                String::new()
+            } else {
+                format!(" title=\"{}\"", escape(&c.help))
+            },
+            escape(&c.head)
+        );
+    }
+    let _ = writeln!(h, "</tr></thead>");
     let _ = writeln!(h, "<tbody>");
-    let recommended = r.recommendation.as_ref().map(|rec| rec.trial);
+    let rec = r.recommendation.as_ref();
     for (i, t) in r.trials.iter().enumerate() {
         let mut classes = row_classes(t);
-        if recommended == Some(i) {
+        if rec.is_some_and(|rec| rec.trial == i) {
             classes.push_str(" recommended");
+        } else if rec.is_some_and(|rec| rec.tied.contains(&i)) {
+            classes.push_str(" tied");
         }
-        let mut marks = String::new();
-        if recommended == Some(i) {
-            marks.push_str(" <span title=\"recommended\">&#9733;</span>");
-        }
-        if r.pareto.contains(&i) {
-            marks.push_str(" <span title=\"on the Pareto frontier\">&#9670;</span>");
-        }
-        let p = &t.point;
-        let ch = &t.numerics_changes;
         let _ = write!(
             h,
-            "<tr class=\"{classes}\" id=\"trial-{i}\" title=\"{}\"><td>{i}{marks}</td>\
-             <td class=\"num\">{}</td><td class=\"num\">{}</td>{}{}{}{}{}<td class=\"num\">{}</td>",
-            escape(&t.id),
-            p.micro_batch,
-            p.gpus,
-            knob_cell(name(p.sharding), ch),
-            knob_cell(name(p.precision), ch),
-            knob_cell(name(p.optimizer), ch),
-            knob_cell(name(p.checkpointing), ch),
-            knob_cell(name(p.attention), ch),
-            p.grad_accum,
+            "<tr class=\"{classes}\" id=\"trial-{i}\" title=\"{}\">",
+            escape(&t.id)
         );
-        let fits = match (t.outcome, t.fits) {
-            (Outcome::Ran, true) => "yes",
-            (Outcome::Ran, false) => "no",
-            _ => "&ndash;",
-        };
-        let m = t.measured.as_ref();
-        let _ = write!(
-            h,
-            "<td class=\"outcome\">{}</td><td>{fits}</td><td class=\"num\">{}</td>\
-             <td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>\
-             <td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>",
-            outcome_name(t.outcome),
-            opt_bytes(t.predicted.as_ref().map(|p| p.peak_total_bytes)),
-            opt_bytes(m.map(|m| m.peak_bytes.total)),
-            opt_bytes(m.and_then(|m| m.rss_peak_bytes)),
-            m.map_or_else(|| NA.to_string(), |m| fmt_rate(m.tokens_per_s)),
-            escape(&super::markdown::cost_cell(t)),
-            fmt_pct(t.memory_error_pct),
-            escape(&super::markdown::ratio(t.time_ratio)),
-        );
-        let _ = writeln!(h, "<td class=\"note\">{}</td></tr>", note_cell(t));
+        for c in &shown {
+            let cell = &c.cells[i];
+            let class = if cell.class.is_empty() {
+                String::new()
+            } else {
+                format!(" class=\"{}\"", cell.class)
+            };
+            let value = match (c.numeric, cell.value) {
+                (true, Some(v)) if v.is_finite() => format!(" data-v=\"{v}\""),
+                (true, _) => " data-v=\"\"".to_string(),
+                (false, _) => String::new(),
+            };
+            let _ = write!(h, "<td{class}{value}>{}</td>", cell.html);
+        }
+        let _ = writeln!(h, "</tr>");
     }
     let _ = writeln!(h, "</tbody>");
     let _ = writeln!(h, "</table>");
@@ -574,10 +912,10 @@ mod tests {
         let stripped = html.replace("http://www.w3.org/2000/svg", "");
         assert!(!stripped.contains("http://"));
         assert!(!stripped.contains("https://"));
-        assert!(
-            !html.contains("<script"),
-            "no scripts, planted or otherwise"
-        );
+        assert!(!stripped.contains("src="), "nothing loaded from elsewhere");
+        // One script, the table sort, inline; the planted one is text.
+        assert_eq!(html.matches("<script").count(), 1);
+        assert!(html.contains("<script>\ndocument.querySelectorAll(\"table.sortable\")"));
         assert!(!html.contains("<link"));
         assert!(!html.contains("@import") && !html.contains("@font-face"));
         assert!(html.contains("&lt;script&gt;alert(1)&lt;/script&gt; &amp; &quot;more&quot;"));
@@ -586,17 +924,100 @@ mod tests {
         // Every trial has a row, classed by outcome.
         assert_eq!(html.matches("<tr class=\"outcome-").count(), r.trials.len());
         assert!(html.contains("class=\"outcome-ran fits recommended\""));
+        assert!(html.contains("class=\"outcome-ran fits tied\""));
         assert!(html.contains("class=\"outcome-ran nofit\""));
         assert!(html.contains("class=\"outcome-oom\""));
         assert!(html.contains("class=\"outcome-crash\""));
         assert!(html.contains("class=\"outcome-skipped-predicted-oom\""));
         // The adamw8bit trials mark their optimizer cell.
-        assert!(
-            html.contains(
-                "<td class=\"numerics\" title=\"changes numerics\">adamw8bit &dagger;</td>"
-            )
-        );
+        assert!(html.contains(
+            "<td class=\"numerics\"><span title=\"changes numerics\">adamw8bit &dagger;</span></td>"
+        ));
         assert_balanced(&html, VOID);
+    }
+
+    #[test]
+    fn page_names_both_roles_and_the_tie() {
+        let r = synthetic_report();
+        let html = render_html(&r);
+        let title = "memfit sweep: tiny-gpt \u{2014} run on cpu:limit=64MiB (emulated), target NVIDIA T4 16GB";
+        assert!(html.contains(&format!("<title>{title}</title>")));
+        assert!(html.contains(&format!("<h1>{title}</h1>")));
+        // devices_line and pricing_line, their code spans as <code>.
+        assert!(html.contains("(<code>cpu:limit=64MiB</code>). Target: NVIDIA T4 16GB"));
+        assert!(html.contains("Throughput is measured on this host and priced at its $2.500/hour"));
+        assert!(html.contains("<dt>calibration</dt><dd>none"));
+        // The winner is tied with #4, which is listed.
+        assert!(html.contains("tied with 1</span>"));
+        assert!(html.contains("<h3>Tied with it"));
+        assert!(html.contains(&format!(
+            "<li>#4 <code>{}</code>",
+            escape(&r.trials[4].point.label())
+        )));
+        // RSS is host memory; time error is a ratio.
+        assert!(html.contains("host RSS peak (host memory, not the device&#39;s)"));
+        assert!(html.contains(">0.89x</td>"));
+        assert!(!html.contains("time error"));
+    }
+
+    #[test]
+    fn constant_columns_are_said_once_and_the_rest_sort() {
+        let r = synthetic_report();
+        let html = render_html(&r);
+        // bf16, no sharding, one rank and fused attention in every trial.
+        for (head, value) in [
+            ("precision", "bf16"),
+            ("sharding", "none"),
+            ("ranks", "1"),
+            ("attention", "fused"),
+        ] {
+            assert!(
+                html.contains(&format!("<span><b>{head}</b> {value}</span>")),
+                "{head}"
+            );
+            assert!(
+                !html.contains(&format!(">{head}</th>")),
+                "{head} still a column"
+            );
+        }
+        for head in [
+            "micro-batch",
+            "optimizer",
+            "ckpt",
+            "outcome",
+            "tokens/s",
+            "time ×",
+            "$/Mtok",
+            "on target",
+            "host RSS",
+            "note",
+        ] {
+            assert!(
+                html.contains(&format!(">{}</th>", escape(head))),
+                "{head} hidden"
+            );
+        }
+        // Numeric columns sort by a raw value and are right-aligned.
+        assert!(html.contains(
+            "<th tabindex=\"0\" data-type=\"num\" class=\"num\" title=\"median tokens/s"
+        ));
+        assert!(html.contains("<td class=\"num\" data-v=\"21000\">21000 ±"));
+        assert!(
+            html.contains("<td class=\"num\" data-v=\"\">"),
+            "a missing value sorts last"
+        );
+        assert!(html.contains("data-type=\"text\""));
+        // The target plan column names the target in its header's tooltip.
+        assert!(html.contains("<td class=\"num\" data-v=\"855638016\">816.00 MiB (no fit)</td>"));
+        assert!(html.contains("the plan for this configuration on the target (NVIDIA T4 16GB)"));
+
+        // One trial: nothing is hidden.
+        let mut one = synthetic_report();
+        one.trials.truncate(1);
+        one.recommendation = None;
+        let html = render_html(&one);
+        assert!(html.contains(">precision</th>"));
+        assert!(!html.contains("The same in every trial"));
     }
 
     #[test]

@@ -351,7 +351,7 @@ fn fmt_amount(v: f64, top: f64) -> String {
 
 /// The two roles in one line: "gpt2-tiny — run on cpu:limit=24MiB
 /// (emulated), target NVIDIA T4 16GB".
-fn roles_line(r: &SweepReport) -> String {
+pub fn roles_line(r: &SweepReport) -> String {
     let spec = if r.run_device.spec.is_empty() {
         &r.device
     } else {
@@ -567,7 +567,7 @@ impl Encoding {
         if !self.constant.is_empty() {
             legend.push(Key::Heading, "the same in every trial:");
             for (k, v) in &self.constant {
-                legend.push(Key::Heading, format!("   {} {v}", k.title()));
+                legend.push(Key::Heading, format!("\u{a0}\u{a0}\u{a0}{} {v}", k.title()));
             }
         }
     }
@@ -1455,14 +1455,13 @@ fn category_color(c: Category) -> RGBColor {
     PALETTE[Category::ALL.iter().position(|&x| x == c).unwrap_or(0) % PALETTE.len()]
 }
 
-/// The recommended trial's bar: (label, bytes, colour) segments, and
-/// whether they are measured. Measured: the split at the moment of the
+/// One segment of the breakdown bar: label, bytes, colour.
+type Segment = (String, u64, RGBColor);
+
+/// The recommended trial's bar: its segments, and whether they are measured. Measured: the split at the moment of the
 /// peak (it adds up to the peak) plus the runtime overhead the fit counts;
 /// else the predicted total as one segment.
-fn breakdown_segments(
-    r: &SweepReport,
-    t: &TrialRecord,
-) -> Option<(Vec<(String, u64, RGBColor)>, bool)> {
+fn breakdown_segments(r: &SweepReport, t: &TrialRecord) -> Option<(Vec<Segment>, bool)> {
     let overhead = (
         "runtime overhead".to_string(),
         r.runtime_overhead_bytes,
@@ -1638,7 +1637,9 @@ pub(crate) mod tests {
     use super::*;
     use crate::engine::{Attention, Checkpointing, Optimizer, Precision, Sharding};
     use crate::memory::PeakBytes;
-    use crate::sweep::report::{ExitInfo, Measured, Predicted, Recommendation, SCHEMA_VERSION};
+    use crate::sweep::report::{
+        ExitInfo, Measured, Predicted, Recommendation, SCHEMA_VERSION, TargetPrediction,
+    };
 
     const MIB: u64 = 1024 * 1024;
 
@@ -1733,6 +1734,13 @@ pub(crate) mod tests {
             t.measured = measured(mib, tps);
             t.memory_error_pct = Some(100.0 / mib as f64);
             t.time_ratio = Some(0.89);
+            t.target = Some(TargetPrediction {
+                peak_total_bytes: (mib + 768) * MIB,
+                fits: mib < 40,
+                step_s: 0.01,
+                tokens_per_s: tps * 30.0,
+                usd_per_mtok: 0.53 / 3600.0 / (tps * 30.0) * 1e6,
+            });
             trials.push(t);
         }
         // Ran, but over the usable limit (60.8 MiB of 64 MiB).

@@ -1,21 +1,24 @@
 //! Text for bitmap charts, laid out and rasterised here with ab_glyph.
 //!
-//! plotters 0.3.7 draws ab_glyph text by placing each glyph's coverage
-//! bitmap at the pen position, without the glyph's left side bearing (the
-//! `px_bounds().min.x` of the outlined glyph), and moves the pen in whole
-//! pixels. A glyph that sits right of its origin ('a', '.', '0' ...) is
-//! drawn flush against its predecessor and leaves its bearing as a gap after
-//! it: "cap acity", "fp 32", "24· 00 MiB". The font file and the sizes are
-//! fine; the layout is not.
+//! plotters 0.3.7 draws ab_glyph text (`FontDataInternal::draw`) by placing
+//! each glyph's coverage bitmap at the pen position without the glyph's left
+//! side bearing (the outlined glyph's `px_bounds().min.x`), and truncates the
+//! pen and each glyph's vertical offset toward zero (`as i32`). Glyphs with
+//! a wide bearing ('p', '.', digits) land flush against their predecessor
+//! and leave the bearing as a gap after them ("cap acity", "fp 32"), and a
+//! glyph whose top lies below the text's midline (the period) lands a pixel
+//! above the others' baseline ("24· 00 MiB"). The font file and the sizes
+//! are fine; the placement is not.
 //!
 //! [`Typeset`] wraps a drawing backend and draws text itself: each glyph at
-//! its pen position plus its own bearing, advances and kerning in fractional
-//! pixels, coverage merged per text and blended once. Everything else is
-//! passed through. The metrics follow plotters' SVG backend (font-size =
-//! size / 1.24; anchors at `0.76em` for top, `0.5ex` for centre), so a chart
-//! renders the same as PNG and as SVG in a browser that has the font. With
-//! `raster` off (SVG), text is still written as `<text>` by the inner
-//! backend; only the size estimate comes from here.
+//! its pen position with its own bearing, advances and kerning in
+//! fractional pixels, on one baseline, coverage merged per text and blended
+//! once. Everything else is passed through. The metrics follow plotters'
+//! SVG backend (font-size = size / 1.24; anchors at `0.76em` for top,
+//! `0.5ex` for centre), so a chart renders the same as PNG and as SVG in a
+//! browser that has the font. With `raster` off (SVG), text is still
+//! written as `<text>` by the inner backend; only the size estimate comes
+//! from here.
 
 use ab_glyph::{Font, FontRef, GlyphId, PxScale, ScaleFont, point};
 use plotters::prelude::DrawingBackend;
@@ -316,27 +319,28 @@ mod tests {
 
     static SANS: &[u8] = include_bytes!("../../../assets/fonts/DejaVuSans.ttf");
 
-    /// Columns of a rendered word that hold ink, as runs: (first, last).
-    fn ink_runs(text: &str) -> Vec<(usize, usize)> {
-        let (w, h) = (400u32, 40u32);
-        let mut buf = vec![255u8; (w * h * 3) as usize];
+    /// Renders `text` left/top-anchored at (10, 10); returns the inked
+    /// columns as runs (first, last) and each run's lowest inked row.
+    fn render(text: &str, size: u32) -> Vec<(usize, usize, usize)> {
+        let (w, h) = (600usize, 90usize);
+        let mut buf = vec![255u8; w * h * 3];
         {
-            let backend = BitMapBackend::with_buffer(&mut buf, (w, h));
-            let _ = plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, SANS); let root = backend.into_drawing_area();
-            root.draw_text(text, &("sans-serif", 24).into_font().color(&BLACK), (4, 4))
-                .unwrap();
+            let backend = BitMapBackend::with_buffer(&mut buf, (w as u32, h as u32));
+            let root = Typeset::raster(backend, &[SANS]).into_drawing_area();
+            let style = ("sans-serif", size).into_font().color(&BLACK);
+            root.draw_text(text, &style, (10, 10)).unwrap();
             root.present().unwrap();
         }
-        let inked: Vec<bool> = (0..w as usize)
-            .map(|x| (0..h as usize).any(|y| buf[(y * w as usize + x) * 3] < 160))
-            .collect();
+        let ink = |x: usize, y: usize| buf[(y * w + x) * 3] < 230;
         let mut runs = Vec::new();
         let mut start = None;
-        for (x, &ink) in inked.iter().chain([&false]).enumerate() {
-            match (ink, start) {
+        for x in 0..=w {
+            let inked = x < w && (0..h).any(|y| ink(x, y));
+            match (inked, start) {
                 (true, None) => start = Some(x),
                 (false, Some(s)) => {
-                    runs.push((s, x - 1));
+                    let bottom = (0..h).filter(|&y| (s..x).any(|x| ink(x, y))).max().unwrap();
+                    runs.push((s, x - 1, bottom));
                     start = None;
                 }
                 _ => {}
@@ -345,18 +349,44 @@ mod tests {
         runs
     }
 
-    /// Regression: "capacity" rendered as "cap acity" and "24.00" as
-    /// "24· 00" because each glyph lost its left side bearing. Letter gaps
-    /// within a word are now even: no gap is more than a few pixels wider
-    /// than the narrowest.
+    /// Regression: plotters' own ab_glyph drawing put each glyph at its pen
+    /// without its left side bearing ("cap acity"), and truncated the
+    /// vertical offset toward zero, so a period rode a pixel above the
+    /// digits' baseline ("24· 00"). Each glyph's ink now starts at its pen
+    /// plus its bearing, and glyphs share one baseline.
     #[test]
-    fn letters_keep_their_side_bearings() {
-        for word in ["capacity", "24.00", "fp32"] {
-            let runs = ink_runs(word);
-            let gaps: Vec<usize> = runs.windows(2).map(|r| r[1].0 - r[0].1 - 1).collect();
-            let widest = gaps.iter().max().copied().unwrap_or(0);
-            eprintln!("{word}: gaps {gaps:?} runs {runs:?}");
-            assert!(widest <= 4, "{word}: uneven gaps {gaps:?} (runs {runs:?})");
+    fn glyphs_start_at_pen_plus_bearing_on_one_baseline() {
+        let font = FontRef::try_from_slice(SANS).unwrap();
+        let size = 40u32;
+        let em = size as f32 / 1.24;
+        let scaled = font.as_scaled(PxScale::from(
+            em * font.height_unscaled() / font.units_per_em().unwrap(),
+        ));
+        let text = "24.00";
+        let runs = render(text, size);
+        assert_eq!(runs.len(), 5, "{runs:?}");
+        let mut pen = 10.0f32;
+        let mut prev = None;
+        for (c, run) in text.chars().zip(&runs) {
+            let id = scaled.glyph_id(c);
+            if let Some(p) = prev {
+                pen += scaled.kern(p, id);
+            }
+            let left = pen + scaled.h_side_bearing(id);
+            assert!(
+                (run.0 as f32 - left).abs() <= 1.0,
+                "{c:?} inked from x={} but its bearing puts it at {left:.1}",
+                run.0
+            );
+            pen += scaled.h_advance(id);
+            prev = Some(id);
+        }
+
+        // At chart sizes the period sits on the digits' baseline.
+        for size in [13, 14, 15, 16] {
+            let runs = render("2.2", size);
+            assert_eq!(runs.len(), 3, "{runs:?}");
+            assert_eq!(runs[1].2, runs[0].2, "size {size}: period off the baseline");
         }
     }
 
