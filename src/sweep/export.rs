@@ -159,23 +159,49 @@ fn optim_name(o: Optimizer) -> &'static str {
     }
 }
 
-/// One header line describing the trial and what it measured.
+/// The header lines: the trial, where it was measured and what the plan
+/// says for the target GPU.
 fn provenance(report: &SweepReport, trial: &TrialRecord) -> Vec<String> {
     let mut v = vec![format!(
         "memfit recommendation `{}`: {}",
         trial.id,
         trial.point.label()
     )];
+    let run = if report.run_device.spec.is_empty() {
+        &report.device
+    } else {
+        &report.run_device.spec
+    };
+    let target = if report.target.display_name.is_empty() {
+        &report.hardware
+    } else {
+        &report.target.display_name
+    };
     v.push(format!(
-        "model {}, global batch {} x seq_len {}, hardware {}, measured on {}",
-        report.model, report.global_batch, report.seq_len, report.hardware, report.device
+        "model {}, global batch {} x seq_len {}; trials ran on {run}{}, target {target}",
+        report.model,
+        report.global_batch,
+        report.seq_len,
+        if report.run_device.emulated {
+            " (emulated)"
+        } else {
+            ""
+        }
     ));
     if let Some(m) = &trial.measured {
         v.push(format!(
-            "tracked peak {} per GPU of {} usable ({:.0} tokens/s measured)",
-            fmt_bytes(m.peak_bytes.total),
+            "measured there: peak {} per rank of {} usable, {:.0} tokens/s",
+            fmt_bytes(m.peak_bytes.total + report.runtime_overhead_bytes),
             fmt_bytes(report.usable_bytes()),
             m.tokens_per_s
+        ));
+    }
+    if let Some(t) = &trial.target {
+        v.push(format!(
+            "planned on {target}: {} per GPU ({}), {:.0} tokens/s",
+            fmt_bytes(t.peak_total_bytes),
+            if t.fits { "fits" } else { "does not fit" },
+            t.tokens_per_s
         ));
     }
     v.into_iter()
@@ -197,11 +223,12 @@ pub fn hf_training_args(report: &SweepReport, trial: &TrialRecord) -> String {
         s.push_str(&format!("# {line}\n"));
     }
     s.push_str(&format!(
-        "# Global batch {} = {} per device x {} accumulation steps x {} GPU(s).\n",
+        "# Global batch {} = {} per device x {} accumulation steps x {} GPU{}.\n",
         global_batch(p),
         p.micro_batch,
         p.grad_accum.max(1),
-        p.gpus
+        p.gpus,
+        if p.gpus == 1 { "" } else { "s" }
     ));
     match p.sharding {
         Sharding::Ddp => s.push_str(&format!(
@@ -220,16 +247,21 @@ pub fn hf_training_args(report: &SweepReport, trial: &TrialRecord) -> String {
         "CHECKPOINT = \"path/or/hub-id\"  # a checkpoint of memfit's model {}\n",
         report.model.replace(['\n', '\r'], " ")
     ));
-    let attn = match p.attention {
-        Attention::Fused => {
-            "attn_implementation=\"sdpa\" (or \"flash_attention_2\"): memfit measured fused attention"
-        }
-        Attention::Eager => {
-            "attn_implementation=\"eager\": memfit measured eager attention (B x H x T x T probabilities)"
-        }
+    // The attention kernel is part of what was measured: eager keeps the
+    // B x H x T x T probabilities for the backward pass, fused does not.
+    let (attn, why) = match p.attention {
+        Attention::Fused => (
+            "sdpa",
+            "memfit measured fused attention; \"flash_attention_2\" is fused too",
+        ),
+        Attention::Eager => (
+            "eager",
+            "memfit measured eager attention (B x H x T x T probabilities kept)",
+        ),
     };
     s.push_str(&format!(
-        "model = AutoModelForCausalLM.from_pretrained(CHECKPOINT)  # {attn}\n\n"
+        "model = AutoModelForCausalLM.from_pretrained(\n    CHECKPOINT,\n    attn_implementation={},  # {why}\n)\n\n",
+        py_str(attn)
     ));
     s.push_str("training_args = TrainingArguments(\n");
     let mut arg = |k: &str, v: String| s.push_str(&format!("    {k}={v},\n"));
@@ -333,7 +365,11 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord) -> String {
     if usd.is_finite() && usd > 0.0 {
         s.push_str(&format!("cost: {usd:?}\n"));
     }
-    if let Some(usd) = report.pricing.usd_per_hour.filter(|_| report.pricing.basis == "host") {
+    if let Some(usd) = report
+        .pricing
+        .usd_per_hour
+        .filter(|_| report.pricing.basis == "host")
+    {
         s.push_str(&format!("host_usd_per_hour: {usd:?}\n"));
     }
     // Where the trials ran: without it, re-running this recipe would judge
@@ -562,15 +598,94 @@ mod tests {
             "    max_grad_norm=1.0,\n",
             "    deepspeed=\"ds_config.json\",\n",
             "deepspeed --num_gpus=4 train.py",
-            "# attn_implementation=\"sdpa\"",
+            "    gradient_checkpointing_kwargs={\"use_reentrant\": False},\n",
         ] {
             assert!(py.contains(want), "missing {want:?} in\n{py}");
         }
-        // The model line carries the attention hint as a comment only.
-        let model_line = py.lines().find(|l| l.starts_with("model = ")).unwrap();
-        let (code, comment) = model_line.split_once('#').unwrap();
-        assert!(!code.contains("attn_implementation"), "{model_line}");
-        assert!(comment.contains("sdpa"), "{model_line}");
+        // The attention kernel is passed where the model is loaded, in code.
+        let load = &py[py
+            .find("model = AutoModelForCausalLM.from_pretrained(")
+            .unwrap()..];
+        let load = &load[..load.find("\n)\n").unwrap()];
+        let code: Vec<&str> = load.lines().map(|l| l.split('#').next().unwrap()).collect();
+        assert!(
+            code.contains(&"    attn_implementation=\"sdpa\",  "),
+            "{load}"
+        );
+    }
+
+    /// Every export variant is Python that parses (with python3 when this
+    /// host has it; skipped, saying so, when it does not).
+    #[test]
+    fn training_args_parse_as_python() {
+        let dir = std::env::temp_dir().join(format!("memfit-export-py-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut files = Vec::new();
+        for (i, (precision, optimizer, sharding, checkpointing, attention)) in [
+            (
+                Precision::Bf16,
+                Optimizer::Adamw,
+                Sharding::Zero2,
+                Checkpointing::Full,
+                Attention::Fused,
+            ),
+            (
+                Precision::Fp16,
+                Optimizer::Adamw8bit,
+                Sharding::Ddp,
+                Checkpointing::None,
+                Attention::Eager,
+            ),
+            (
+                Precision::Fp32,
+                Optimizer::Sgd,
+                Sharding::None,
+                Checkpointing::Full,
+                Attention::Eager,
+            ),
+            (
+                Precision::Bf16,
+                Optimizer::Adafactor,
+                Sharding::Zero3,
+                Checkpointing::None,
+                Attention::Fused,
+            ),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let mut p = point(2, precision, optimizer, sharding, 2, 4);
+            p.checkpointing = checkpointing;
+            p.attention = attention;
+            let t = trial(p);
+            let py = hf_training_args(&report(vec![t.clone()]), &t);
+            let want = match attention {
+                Attention::Fused => "    attn_implementation=\"sdpa\",",
+                Attention::Eager => "    attn_implementation=\"eager\",",
+            };
+            assert!(py.contains(want), "{py}");
+            let path = dir.join(format!("training_args_{i}.py"));
+            std::fs::write(&path, py).unwrap();
+            files.push(path);
+        }
+        let out = std::process::Command::new("python3")
+            .arg("-c")
+            .arg("import ast, sys\nfor f in sys.argv[1:]:\n    ast.parse(open(f).read(), f)")
+            .args(&files)
+            .output();
+        let _ = std::fs::remove_dir_all(&dir);
+        match out {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                eprintln!("python3 not found: training_args.py not parsed");
+            }
+            Err(e) => panic!("running python3: {e}"),
+            Ok(out) => assert!(
+                out.status.success(),
+                "training_args.py does not parse:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        }
     }
 
     #[test]
