@@ -26,30 +26,49 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Train a model for a few steps and report loss, throughput and peak memory by category.
+    /// Train a model for a few steps: loss, throughput, peak memory by category.
+    ///
+    /// On cpu the engine trains for real (within an emulated capacity with
+    /// --device cpu:limit=SIZE); on meta it plans one step without allocating
+    /// anything. Knobs come from flags, a run recipe (--recipe) or defaults.
     Run(Box<RunArgs>),
     /// List the built-in model profiles.
     Models,
     /// List the built-in model and hardware profiles.
     Profiles,
-    /// Predict memory, step time and cost for every point of a recipe's grid
-    /// (the engine on the meta backend), and recommend the cheapest that fits.
+    /// Predict memory, time and cost for a recipe's grid; pick the cheapest fit.
+    ///
+    /// Every grid point runs one step of the engine on the meta backend, so
+    /// the peaks are the engine's own, byte for byte; step time comes from
+    /// the target GPU's roofline and cost from its $/GPU-hour.
     Plan(PlanArgs),
-    /// Measure the recipe's grid for real, each trial in its own process:
-    /// fit or OOM, peaks, tokens/s; recommend the cheapest that fits and
-    /// write reports (json, md, html, plots, exports) into --out.
+    /// Measure a recipe's grid for real, one process per trial; recommend one.
+    ///
+    /// Each trial runs in its own process: fit or OOM, peaks by category,
+    /// tokens/s with a 95% interval. The cheapest fitting trial is
+    /// recommended, and the reports (json, md, html, plots, DeepSpeed and
+    /// Hugging Face exports) are written into --out.
     Sweep(SweepArgs),
     /// CI gate: compare a sweep's tracked peaks with a baseline's.
     Check(crate::check::CheckArgs),
-    /// The interactive profiler: the sweep live, grid, memory chart,
-    /// breakdown and recommendation (without a recipe: the quickstart grid).
+    /// The interactive profiler: a sweep live in the terminal.
+    ///
+    /// The grid, the running trial's memory chart, the breakdown at its peak
+    /// and the recommendation, as the sweep goes (without a recipe: the
+    /// quickstart grid).
     Tui(TuiArgs),
-    /// Split a model's layers into pipeline stages: the exact best
-    /// contiguous split by stage peak (or time), with the uniform split and
-    /// fairscale's heuristic beside it; --verify runs it on cpu.
+    /// Split a model's layers into pipeline stages, balancing memory or time.
+    ///
+    /// The exact best contiguous split by the largest stage peak (or the
+    /// slowest stage), with the uniform split and fairscale's heuristic
+    /// beside it; --verify runs the split on cpu and compares.
     Balance(Box<BalanceArgs>),
-    /// Measure this host's GEMM FLOP/s, memory bandwidth and per-op cost
-    /// (a few seconds; cached), the roofline cpu sweeps predict time with.
+    /// Measure this host's FLOP/s, memory bandwidth and per-op cost (cached).
+    ///
+    /// GEMM FLOP/s per precision, other kernels' FLOP/s, memory bandwidth and
+    /// the fixed cost of an op, in a few seconds: the roofline that cpu
+    /// sweeps predict step times with. Cached per host CPU; --force measures
+    /// again.
     Calibrate(CalibrateArgs),
     /// Runs one sweep trial (memfit re-executes itself; not for direct use).
     #[command(hide = true)]
@@ -71,6 +90,7 @@ pub struct BalanceArgs {
     /// Micro-batches per step.
     #[arg(long)]
     pub microbatches: usize,
+    /// Pipeline schedule.
     #[arg(long, value_enum, default_value_t = Schedule::OneFOneB)]
     pub schedule: Schedule,
     /// Sequences per micro-batch.
@@ -79,12 +99,16 @@ pub struct BalanceArgs {
     /// Tokens per sequence.
     #[arg(long, default_value_t = 64)]
     pub seq_len: usize,
+    /// Precision of weights, activations and gradients.
     #[arg(long, value_enum, default_value_t = Precision::Fp32)]
     pub precision: Precision,
+    /// Optimizer (its state is part of each stage's peak).
     #[arg(long, value_enum, default_value_t = Optimizer::Adamw)]
     pub optimizer: Optimizer,
+    /// Activation checkpointing.
     #[arg(long, value_enum, default_value_t = Checkpointing::None)]
     pub checkpointing: Checkpointing,
+    /// Attention kernel.
     #[arg(long, value_enum, default_value_t = Attention::Eager)]
     pub attention: Attention,
     /// memory: minimise the largest stage peak; time: minimise the slowest
@@ -102,6 +126,7 @@ pub struct BalanceArgs {
     /// measured peak with the prediction.
     #[arg(long)]
     pub verify: bool,
+    /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
 }
@@ -139,6 +164,7 @@ pub struct CalibrateArgs {
     /// Measure again even when a cached calibration exists.
     #[arg(long)]
     pub force: bool,
+    /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
 }
@@ -203,6 +229,7 @@ pub struct SweepArgs {
     /// cpu threads per trial [default: all cores].
     #[arg(long, value_parser = threads)]
     pub threads: Option<usize>,
+    /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
     /// Test hook: make the N-th trial run fail (abort, sigkill or hang).
@@ -295,23 +322,29 @@ fn parse_fault(s: &str) -> std::result::Result<(usize, crate::sweep::trial::Faul
 pub struct PlanArgs {
     /// A plan recipe (YAML): model, hardware, seq_len, global_batch, grid, headroom, cost.
     pub recipe: PathBuf,
+    /// Output format.
     #[arg(long, value_enum, default_value_t = PlanFormat::Table)]
     pub format: PlanFormat,
-    /// Rows the table shows (fitting points cheapest first) [default: 40].
+    /// Rows the table shows (fitting points cheapest first).
     #[arg(long, default_value_t = 40)]
     pub top: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum PlanFormat {
+    /// Aligned columns for a terminal.
     Table,
+    /// Every point and the recommendation, as one JSON document.
     Json,
+    /// A Markdown table with the recommendation, for a README or a PR.
     Md,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Format {
+    /// Aligned columns for a terminal.
     Table,
+    /// One JSON document, for scripts.
     Json,
 }
 
@@ -413,6 +446,7 @@ pub struct RunArgs {
     /// Write the memory timeline (one CSV line per allocation and free) to this file.
     #[arg(long)]
     pub timeline: Option<PathBuf>,
+    /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
 }

@@ -112,6 +112,7 @@ pub struct TrainConfig {
 )]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
+    /// IEEE single precision throughout: no master copy, no loss scaling.
     #[default]
     Fp32,
     /// bfloat16: fp32's range, so no loss scaling.
