@@ -1,5 +1,7 @@
 //! Renders a terminal capture (`tmux capture-pane -e -p`, ANSI colours
-//! included) to a PNG, with the DejaVu Sans Mono shipped in assets/fonts.
+//! included) to a PNG, with the DejaVu Sans Mono shipped in assets/fonts
+//! (DejaVu Sans for the Braille dots it lacks), each glyph centred in its
+//! cell and placed with its own side bearing by memfit's chart typesetter.
 //! This is how assets/tui.png, the README's screenshot, is made:
 //!
 //! ```sh
@@ -8,14 +10,22 @@
 //! cargo run --release --example pane_png -- /tmp/pane.txt assets/tui.png
 //! ```
 
+use memfit::sweep::plots::typeset::Typeset;
 use plotters::prelude::*;
-use plotters::style::{FontStyle, register_font};
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 const MONO: &[u8] = include_bytes!("../assets/fonts/DejaVuSansMono.ttf");
 /// DejaVu Sans Mono has no Braille patterns (ratatui's chart markers); DejaVu Sans does.
 const SANS: &[u8] = include_bytes!("../assets/fonts/DejaVuSans.ttf");
-const CELL_W: i32 = 9;
-const CELL_H: i32 = 18;
+/// A cell: DejaVu Sans Mono's advance (0.602 em) and line height (ascent +
+/// descent, 1.164 em) at a 13.75 px em, so box-drawing lines join.
+const CELL_W: i32 = 8;
+const CELL_H: i32 = 16;
+/// plotters' text size for that em (its SVG convention: em = size / 1.24).
+const FONT_SIZE: f64 = 13.75 * 1.24;
+/// Top of the text box below the cell's top, so the baseline (0.76 em below
+/// it) sits at the font's ascent (0.928 em).
+const TEXT_DY: i32 = 2;
 const BG: RGBColor = RGBColor(24, 24, 27);
 const FG: RGBColor = RGBColor(220, 220, 220);
 
@@ -166,9 +176,8 @@ fn main() {
         (cols * CELL_W + 16) as u32,
         (rows.len() as i32 * CELL_H + 16) as u32,
     );
-    let _ = register_font("monospace", FontStyle::Normal, MONO);
-    let _ = register_font("sans-serif", FontStyle::Normal, SANS);
-    let root = BitMapBackend::new(output, (w, h)).into_drawing_area();
+    let backend = BitMapBackend::new(output, (w, h));
+    let root = Typeset::raster(backend, &[MONO, SANS]).into_drawing_area();
     root.fill(&BG).expect("fill");
     for (r, row) in rows.iter().enumerate() {
         for (c, &(ch, st)) in row.iter().enumerate() {
@@ -186,13 +195,11 @@ fn main() {
                 .expect("draw");
             }
             if ch != ' ' {
-                let family = if ('\u{2800}'..='\u{28ff}').contains(&ch) {
-                    "sans-serif"
-                } else {
-                    "monospace"
-                };
-                let font = (family, 15).into_font().color(&fg);
-                root.draw_text(&ch.to_string(), &font, (x, y + 1))
+                let font = ("monospace", FONT_SIZE)
+                    .into_font()
+                    .color(&fg)
+                    .pos(Pos::new(HPos::Center, VPos::Top));
+                root.draw_text(&ch.to_string(), &font, (x + CELL_W / 2, y + TEXT_DY))
                     .expect("draw text");
             }
         }
