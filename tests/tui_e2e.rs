@@ -8,9 +8,11 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+/// What tmux prints; the non-breaking spaces that keep a figure and its
+/// unit together on screen read as spaces.
 fn tmux(args: &[&str]) -> String {
     let out = Command::new("tmux").args(args).output().expect("tmux runs");
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    String::from_utf8_lossy(&out.stdout).replace('\u{a0}', " ")
 }
 
 fn wait_for(session: &str, what: &[&str], secs: u64) -> String {
@@ -68,10 +70,32 @@ fn tui_runs_a_sweep_in_tmux_and_quits_cleanly() {
     assert!(started.success());
     let result = std::panic::catch_unwind(|| {
         // The sweep finishes and the recommendation shows.
-        let pane = wait_for(&session, &["finished", "recommended"], 180);
-        assert!(pane.contains("capacity"), "{pane}");
+        let pane = wait_for(&session, &["finished", "recommendation", "★ #"], 180);
+        // The header leads with where trials ran; the GPU is the target.
+        let first = pane.lines().next().unwrap_or_default();
+        assert!(first.starts_with("run on cpu:limit=8"), "{pane}");
+        assert!(first.contains("emulated capacity"), "{pane}");
+        assert!(first.contains("target NVIDIA T4"), "{pane}");
         assert!(pane.contains("fit"), "{pane}");
         assert!(pane.contains("MiB"), "{pane}");
+        // Elapsed stops with the sweep.
+        let elapsed = |pane: &str| {
+            pane.lines()
+                .find_map(|l| l.split("elapsed ").nth(1))
+                .and_then(|r| r.split_whitespace().next())
+                .map(str::to_string)
+        };
+        let at_end = elapsed(&pane);
+        assert!(at_end.is_some(), "{pane}");
+        std::thread::sleep(Duration::from_millis(2100));
+        let pane = tmux(&["capture-pane", "-p", "-t", &session]);
+        assert_eq!(elapsed(&pane), at_end, "{pane}");
+        // At 80x24 everything still fits, the recommendation included.
+        tmux(&["resize-window", "-t", &session, "-x", "80", "-y", "24"]);
+        let pane = wait_for(&session, &["(emulated)", "┌recommendation"], 10);
+        assert!(pane.contains("│★ #"), "{pane}");
+        assert!(pane.lines().any(|l| l.starts_with("? help")), "{pane}");
+        tmux(&["resize-window", "-t", &session, "-x", "120", "-y", "40"]);
         assert_eq!(
             tmux(&["display", "-p", "-t", &session, "#{alternate_on}"]).trim(),
             "1"

@@ -803,7 +803,9 @@ fn halve(samples: &[Sample]) -> Vec<Sample> {
     samples
         .chunks(2)
         .map(|pair| {
-            let mut s = *pair.iter().max_by_key(|s| s.tracked).expect("chunks are not empty");
+            let mut s = pair[1..]
+                .iter()
+                .fold(pair[0], |a, &b| if b.tracked > a.tracked { b } else { a });
             s.rss = pair.iter().filter_map(|s| s.rss).max();
             s
         })
@@ -1210,7 +1212,7 @@ mod tests {
         for _ in 0..MAX_SAMPLES + 5 {
             update(&mut app, Event::Sample(s));
         }
-        assert_eq!(app.samples.len(), MAX_SAMPLES);
+        assert!(app.samples.len() <= MAX_SAMPLES);
         let recs = finished_records(&app);
         let (_, r1) = recs[1].clone();
         update(
@@ -1250,6 +1252,49 @@ mod tests {
         update(&mut app, Event::Tick { elapsed_s: 12.5 });
         assert_eq!(app.elapsed_s, 12.5);
         update(&mut app, Event::SweepFinished);
+        assert!(app.finished);
+    }
+
+    #[test]
+    fn a_long_trial_keeps_its_whole_span_and_its_peak() {
+        let mut app = fresh(false);
+        update(&mut app, Event::TrialStarted { index: 0 });
+        let n = 3 * MAX_SAMPLES + 1;
+        for k in 0..n {
+            let tracked = if k == 4321 { 99 * MIB } else { MIB };
+            let t_s = k as f64 * 0.02;
+            update(
+                &mut app,
+                Event::Sample(Sample {
+                    t_s,
+                    tracked,
+                    rss: Some(tracked + MIB),
+                }),
+            );
+        }
+        let s = &app.samples;
+        assert!(
+            s.len() <= MAX_SAMPLES && s.len() > MAX_SAMPLES / 2,
+            "{}",
+            s.len()
+        );
+        assert_eq!(s[0].t_s, 0.0, "the start stays");
+        assert!(
+            s.last().unwrap().t_s > (n - 10) as f64 * 0.02,
+            "so does the end"
+        );
+        assert_eq!(s.iter().map(|s| s.tracked).max(), Some(99 * MIB));
+        assert_eq!(s.iter().filter_map(|s| s.rss).max(), Some(100 * MIB));
+        assert!(s.windows(2).all(|w| w[0].t_s < w[1].t_s));
+    }
+
+    #[test]
+    fn elapsed_freezes_at_the_finish() {
+        let mut app = running(false);
+        update(&mut app, Event::Tick { elapsed_s: 90.0 });
+        update(&mut app, Event::SweepFinished);
+        update(&mut app, Event::Tick { elapsed_s: 95.0 });
+        assert_eq!(app.elapsed_s, 90.0);
         assert!(app.finished);
     }
 

@@ -517,11 +517,7 @@ fn fit_cell(c: Col, text: &str, w: usize) -> String {
         return clip(&format!("{mark}{num:>0$}", w.saturating_sub(1)), w);
     }
     let t = clip(text, w);
-    if c.is_text() {
-        t
-    } else {
-        format!("{t:>w$}")
-    }
+    if c.is_text() { t } else { format!("{t:>w$}") }
 }
 
 /// The columns that fit in `width`, with their widths, in display order:
@@ -624,17 +620,18 @@ fn render_table(app: &App, f: &mut Frame, area: Rect) {
     let vis = visible(app);
     let cells: Vec<Vec<String>> = vis
         .iter()
-        .map(|&i| Col::ALL.iter().map(|&c| cell(app, &app.rows[i], c)).collect())
+        .map(|&i| {
+            Col::ALL
+                .iter()
+                .map(|&c| cell(app, &app.rows[i], c))
+                .collect()
+        })
         .collect();
     let cols = grid_columns(app, &cells, area.width as usize);
     let at = |c: Col| Col::ALL.iter().position(|&x| x == c).expect("listed");
     let header = TRow::new(cols.iter().map(|&(c, w)| {
         let t = clip(&title(app, c), w);
-        if c.is_text() {
-            t
-        } else {
-            format!("{t:>w$}")
-        }
+        if c.is_text() { t } else { format!("{t:>w$}") }
     }))
     .style(bold().add_modifier(Modifier::UNDERLINED));
     let rows: Vec<TRow> = vis
@@ -650,7 +647,10 @@ fn render_table(app: &App, f: &mut Frame, area: Rect) {
         })
         .collect();
     let empty = rows.is_empty();
-    let widths: Vec<Constraint> = cols.iter().map(|&(_, w)| Constraint::Length(w as u16)).collect();
+    let widths: Vec<Constraint> = cols
+        .iter()
+        .map(|&(_, w)| Constraint::Length(w as u16))
+        .collect();
     let table = Table::new(rows, widths)
         .header(header)
         .column_spacing(1)
@@ -701,7 +701,10 @@ fn tick_step(top: f64, n: u32) -> f64 {
 }
 
 fn render_chart(app: &App, f: &mut Frame, area: Rect) {
-    let row = app.samples_of.and_then(|i| app.row_of(i)).map(|i| &app.rows[i]);
+    let row = app
+        .samples_of
+        .and_then(|i| app.row_of(i))
+        .map(|i| &app.rows[i]);
     // Host memory is not device memory: the trial's RSS is a note under
     // the chart, never a line against the device's capacity.
     let rss = app.samples.iter().filter_map(|s| s.rss).max();
@@ -839,12 +842,8 @@ fn render_breakdown(app: &App, r: Option<&Row>, f: &mut Frame, area: Rect) {
             vec![Line::from("no trial selected")],
         ),
     };
-    f.render_widget(
-        Paragraph::new(lines).block(panel(&title, area)),
-        area,
-    );
+    f.render_widget(Paragraph::new(lines).block(panel(&title, area)), area);
 }
-
 
 /// The recommendation in a line, most important first: the label, what it
 /// was ranked by ($/Mtok when priced, else tokens/s), its margin, then the
@@ -895,20 +894,28 @@ fn tie_note(app: &App) -> Option<String> {
     })
 }
 
-/// The recommendation's lines in `width` columns (its summary as long as
-/// fits, the rest wrapped by the panel), or why there is none.
-fn recommendation_lines(app: &App, width: usize) -> Vec<Line<'static>> {
+/// The recommendation's lines: the whole summary, to be wrapped, or with
+/// `fit`, as much of it as fits in that many columns; or why there is none.
+fn recommendation_lines(app: &App, fit: Option<usize>) -> Vec<Line<'static>> {
     let Some(i) = app.recommendation.and_then(|i| app.row_of(i)) else {
         let why = if app.finished {
             "no trial fits the usable capacity"
         } else {
             "no fitting trial yet"
         };
-        return vec![Line::from(Span::styled(clip(why, width), dim()))];
+        return vec![Line::from(Span::styled(why, dim()))];
     };
     let r = &app.rows[i];
     let mut lines = vec![Line::from(Span::styled(
-        recommendation_summary_in(app, r, width),
+        match fit {
+            Some(w) => recommendation_summary_in(app, r, w),
+            // Wrapped between its parts, never inside one ("13.13 MiB").
+            None => recommendation_summary(app, r, 4)
+                .split(" · ")
+                .map(|p| p.replace(' ', "\u{a0}"))
+                .collect::<Vec<_>>()
+                .join(" · "),
+        },
         fg(app, Color::Green).add_modifier(Modifier::BOLD),
     ))];
     if let Some(t) = tie_note(app) {
@@ -926,11 +933,14 @@ fn render_recommendation(app: &App, f: &mut Frame, area: Rect) {
         title += &format!(" (a tie of {})", app.tied.len() + 1);
     }
     let block = panel(&title, area);
-    let inner = area.width.saturating_sub(2) as usize;
-    let mut lines = recommendation_lines(app, inner);
-    if area.height <= 3 {
-        lines.truncate(1);
-    }
+    let lines = if area.height <= 3 {
+        let inner = area.width.saturating_sub(2) as usize;
+        let mut l = recommendation_lines(app, Some(inner));
+        l.truncate(1);
+        l
+    } else {
+        recommendation_lines(app, None)
+    };
     f.render_widget(
         Paragraph::new(lines).wrap(Wrap { trim: true }).block(block),
         area,
@@ -1290,7 +1300,11 @@ mod tests {
     fn lines(app: &App, w: u16, h: u16) -> Vec<String> {
         let buf = buffer(app, w, h);
         (0..h)
-            .map(|y| (0..w).map(|x| buf[(x, y)].symbol().to_string()).collect())
+            .map(|y| {
+                (0..w)
+                    .map(|x| buf[(x, y)].symbol().replace('\u{a0}', " "))
+                    .collect()
+            })
             .collect()
     }
 
@@ -1309,7 +1323,12 @@ mod tests {
     fn drawn_columns(app: &App, width: u16) -> Vec<(Col, usize, usize)> {
         let cells: Vec<Vec<String>> = visible(app)
             .iter()
-            .map(|&i| Col::ALL.iter().map(|&c| cell(app, &app.rows[i], c)).collect())
+            .map(|&i| {
+                Col::ALL
+                    .iter()
+                    .map(|&c| cell(app, &app.rows[i], c))
+                    .collect()
+            })
             .collect();
         let mut x = 0;
         grid_columns(app, &cells, width as usize)
@@ -1341,16 +1360,28 @@ mod tests {
                 let seg: String = chars[x..(x + cw).min(chars.len())].iter().collect();
                 let full = cell(app, &app.rows[i], c);
                 let shown = seg.trim();
-                let full_c = if c == Col::Index { &full[full.char_indices().nth(1).map_or(0, |p| p.0)..] } else { full.as_str() };
+                let full_c = if c == Col::Index {
+                    &full[full.char_indices().nth(1).map_or(0, |p| p.0)..]
+                } else {
+                    full.as_str()
+                };
                 if shown.trim_start_matches(['★', '=']).trim() != full_c {
                     cut += 1;
                     let stem = shown.strip_suffix('…').unwrap_or_else(|| {
-                        panic!("{c:?} of #{} cut without …: {seg:?} of {full:?}\n{}", app.rows[i].index, l.join("\n"))
+                        panic!(
+                            "{c:?} of #{} cut without …: {seg:?} of {full:?}\n{}",
+                            app.rows[i].index,
+                            l.join("\n")
+                        )
                     });
                     assert!(full.starts_with(stem), "{seg:?} is no prefix of {full:?}");
                 }
                 if !c.is_text() {
-                    assert!(!seg.ends_with(' '), "{c:?} not right-aligned: {seg:?}\n{}", l.join("\n"));
+                    assert!(
+                        !seg.ends_with(' '),
+                        "{c:?} not right-aligned: {seg:?}\n{}",
+                        l.join("\n")
+                    );
                 }
             }
         }
@@ -1374,13 +1405,16 @@ mod tests {
         );
         assert_eq!(
             l[2].trim_end(),
-            "#▲ knobs                         mb status       predicted  measured     margin   tok/s time x $/Mtok    on target"
+            "#▲ knobs                         mb status        predicted  measured      margin     tok/s time x $/Mtok    on target"
         );
         assert_eq!(
             l[4].trim_end(),
-            "★1 x1 bf16 adamw fused           2 fit           30.00 MiB 32.00 MiB +28.80 MiB 1800 ±3%  1.50x  0.309 798.00 MiB ✓"
+            "★1 x1 bf16 adamw fused            2 fit           30.00 MiB 32.00 MiB  +28.80 MiB  1800 ±3%  1.50x  0.309 798.00 MiB ✓"
         );
-        assert!(l[5].contains("OOM") && l[5].contains("~-19.20 MiB"), "{all}");
+        assert!(
+            l[5].contains("OOM") && l[5].contains("~-19.20 MiB"),
+            "{all}"
+        );
         assert!(l[6].contains("running"));
         assert!(l[7].contains("skipped:pred") && l[7].contains("✗"));
         assert!(l[8].contains("crash"));
@@ -1393,7 +1427,8 @@ mod tests {
             "host RSS 55.00 MiB (not device memory)",
             "#0 by category (measured)",
             "recommendation",
-            "★ #1 x1 bf16 adamw fused mb2 · 1800 ±3% tok/s · 0.309 $/Mtok",
+            "★ #1 x1 bf16 adamw fused mb2 ·",
+            "0.309 $/Mtok · margin +28.80 MiB ·",
             "lowest cost among 2 fitting",
             "runner-up",
         ] {
@@ -1451,11 +1486,13 @@ mod tests {
             "run on cpu:limit=64MiB (emulated) · usable 60.80 MiB │ target NVIDIA T4 16GB",
             "{all}"
         );
-        assert!(l[1].starts_with("trials 5/6 │ elapsed 1:23 │ host $2.000/h │ sort #▲ │ running #3"));
+        assert!(
+            l[1].starts_with("trials 5/6 │ elapsed 1:23 │ host $2.000/h │ sort #▲ │ running #3")
+        );
         assert!(l[1].trim_end().ends_with('…'), "{}", l[1]);
         assert_eq!(
             l[2].trim_end(),
-            "#▲ knobs                         mb status        measured     margin  $/Mtok"
+            "#▲ knobs                         mb status        measured      margin $/Mtok"
         );
         for idx in [" 0 ", "★1 ", " 2 ", " 3 ", " 4 ", " 5 "] {
             assert!(l[3..10].iter().any(|x| x.starts_with(idx)), "{idx}\n{all}");
@@ -1463,7 +1500,8 @@ mod tests {
         // The recommendation stays, in one line.
         let y = row_y(&l, "┌recommendation");
         assert!(
-            l[y + 1].starts_with("│★ #1 x1 bf16 adamw fused mb2 · 1800 ±3% tok/s · 0.309 $/Mtok · margin…"),
+            l[y + 1]
+                .starts_with("│★ #1 x1 bf16 adamw fused mb2 · 0.309 $/Mtok · margin +28.80 MiB "),
             "{all}"
         );
         assert!(all.contains("device memory #3"));
@@ -1502,7 +1540,8 @@ mod tests {
         }
         let l = lines(&app, 80, 24);
         assert!(
-            l.iter().any(|x| x.contains("x8 zero3 fp32 adamw8bit ckpt…")),
+            l.iter()
+                .any(|x| x.contains("x8 zero3 bf16 adamw8bit ckpt fu…")),
             "{}",
             l.join("\n")
         );
@@ -1514,9 +1553,15 @@ mod tests {
             }
         }
         let cols = assert_cells_whole_or_ellipsis(&app, 80, 24);
-        assert!(cols.contains(&Col::TokS) && !cols.contains(&Col::Cost), "{cols:?}");
+        assert!(
+            cols.contains(&Col::TokS) && !cols.contains(&Col::Cost),
+            "{cols:?}"
+        );
         let all = screen(&app, 120, 40);
-        assert!(all.contains("s/Mtok") && all.contains("ranked by host tokens/s"), "{all}");
+        assert!(
+            all.contains("s/Mtok") && all.contains("ranked by host tokens/s"),
+            "{all}"
+        );
     }
 
     #[test]
@@ -1539,12 +1584,16 @@ mod tests {
         app.header.base.pricing.basis = "target".into();
         app.header.base.pricing.usd_per_hour = Some(0.53);
         let l = lines(&app, 120, 40);
-        assert!(l[0].starts_with("run on meta · capacity 64.00 MiB"), "{}", l[0]);
+        assert!(
+            l[0].starts_with("run on meta · capacity 64.00 MiB"),
+            "{}",
+            l[0]
+        );
         assert!(!l[0].contains("emulated"));
         assert!(l[1].contains("target $0.530/GPU-h"), "{}", l[1]);
         // Narrow and tiny: still within the width, cut with "…".
         let l = lines(&running(false), 30, 12);
-        assert!(l[0].starts_with("run on cpu:limit=64MiB (emul…"), "{l:?}");
+        assert!(l[0].starts_with("run on cpu:limit=64MiB (emula…"), "{l:?}");
     }
 
     #[test]
@@ -1579,9 +1628,7 @@ mod tests {
         update(&mut app, Event::Key(Key::Enter));
         let detail = screen(&app, 120, 40);
         assert!(
-            detail.contains(
-                "+28.80 MiB = usable 60.80 MiB - measured peak 32.00 MiB (usable = capacity 64.00 MiB less 5% headroom)"
-            ),
+            detail.contains("margin      +28.80 MiB = usable 60.80 MiB - measured peak 32.00 MiB"),
             "{detail}"
         );
     }
@@ -1599,8 +1646,8 @@ mod tests {
             assert!(all.contains("recommendation (a tie of 2)"), "{all}");
         }
         let all = screen(&app, 120, 40);
-        assert!(all.contains("a tie: = #3 measure the same"), "{all}");
-        assert!(all.contains("a tie: 2 fitting configurations"), "{all}");
+        assert!(all.contains("= tied with #3:"), "{all}");
+        assert!(all.contains("• a tie: 2 fitting configurations"), "{all}");
         for _ in 0..3 {
             update(&mut app, Event::Key(Key::Down));
         }
@@ -1622,12 +1669,13 @@ mod tests {
             "grad_accum 16",
             "fit after 3.0 s",
             "peak 20.00 MiB (31.2% of capacity)",
-            "peak 21.00 MiB (32.8% of capacity) · 1000 ±3% tok/s · step 1.024 s",
-            "· 0.556 $/Mtok",
-            "memory +4.8% ((measured - predicted) / measured) · time 1.50x (measured / predicted)",
-            "NVIDIA T4 16GB: planned peak 788.00 MiB per GPU, fits its usable",
-            "host RSS",
-            "peak 61.00 MiB (12.00 MiB before the engine allocated): host memory",
+            "peak 21.00 MiB (32.8% of capacity) · 1000 ±3% tok/s",
+            "0.556 $/Mtok",
+            "memory +4.8% ((measured - predicted) / measured)",
+            "1.50x (measured / predicted)",
+            "NVIDIA T4 16GB: planned peak 788.00 MiB per GPU, fits",
+            "host RSS    peak 61.00 MiB (12.00 MiB before the engine allocated)",
+            "host memory of the trial process, not device memory",
             "by category (measured)",
         ] {
             assert!(all.contains(s), "{s} missing:\n{all}");
@@ -1788,28 +1836,5 @@ mod tests {
             crate::engine::Optimizer::Adamw8bit,
         );
         assert_eq!(knobs(&p), "x1 zero2 bf16 adamw8bit fused");
-    }
-}
-#[cfg(test)]
-mod dump {
-    #[test]
-    fn dump_screens() {
-        use crate::tui::app::testdata::*;
-        use crate::tui::app::{Event, Key, update};
-        let mut d = running(false);
-        update(&mut d, Event::Key(Key::Down));
-        update(&mut d, Event::Key(Key::Enter));
-        for app in [running(false), tied(false), d] {
-            for (w, h) in [(120u16, 40u16), (80, 24)] {
-                let mut t = ratatui::Terminal::new(ratatui::backend::TestBackend::new(w, h)).unwrap();
-                t.draw(|f| super::render(&app, f)).unwrap();
-                let buf = t.backend().buffer().clone();
-                for y in 0..h {
-                    let l: String = (0..w).map(|x| buf[(x, y)].symbol().to_string()).collect();
-                    eprintln!("{l}");
-                }
-                eprintln!("=====");
-            }
-        }
     }
 }

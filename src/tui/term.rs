@@ -209,7 +209,13 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
     let mut runner: Option<Runner> = None;
     let start = Instant::now();
     if !asking {
-        runner = Some(start_sweep(&base, &tx, pause.clone(), opts.sample_ms, start));
+        runner = Some(start_sweep(
+            &base,
+            &tx,
+            pause.clone(),
+            opts.sample_ms,
+            start,
+        ));
     }
     let frame = Duration::from_millis(100);
     let mut last_report: Option<SweepReport> = None;
@@ -231,7 +237,13 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
             }
             if !queued_reruns.is_empty() {
                 base.rerun = std::mem::take(&mut queued_reruns);
-                runner = Some(start_sweep(&base, &tx, pause.clone(), opts.sample_ms, start));
+                runner = Some(start_sweep(
+                    &base,
+                    &tx,
+                    pause.clone(),
+                    opts.sample_ms,
+                    start,
+                ));
             }
         }
         update(
@@ -274,7 +286,13 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
                         app.message = None;
                     }
                     asking = false;
-                    runner = Some(start_sweep(&base, &tx, pause.clone(), opts.sample_ms, start));
+                    runner = Some(start_sweep(
+                        &base,
+                        &tx,
+                        pause.clone(),
+                        opts.sample_ms,
+                        start,
+                    ));
                     continue;
                 }
                 Key::Char('q') | Key::Esc | Key::CtrlC => break Ok(0),
@@ -293,7 +311,13 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
                         queued_reruns.push(index);
                     } else {
                         base.rerun = vec![index];
-                        runner = Some(start_sweep(&base, &tx, pause.clone(), opts.sample_ms, start));
+                        runner = Some(start_sweep(
+                            &base,
+                            &tx,
+                            pause.clone(),
+                            opts.sample_ms,
+                            start,
+                        ));
                     }
                 }
                 Action::Export(dir) => {

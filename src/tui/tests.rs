@@ -12,7 +12,11 @@ fn draw(app: &App, w: u16, h: u16) -> Vec<String> {
     t.draw(|f| render(app, f)).unwrap();
     let buf = t.backend().buffer().clone();
     (0..h)
-        .map(|y| (0..w).map(|x| buf[(x, y)].symbol().to_string()).collect())
+        .map(|y| {
+            (0..w)
+                .map(|x| buf[(x, y)].symbol().replace('\u{a0}', " "))
+                .collect()
+        })
         .collect()
 }
 
@@ -34,9 +38,19 @@ fn a_whole_sweep_renders_at_every_step() {
             draw(&app, w, h);
         }
         update(&mut app, Event::TrialFinished { index, record });
+        update(
+            &mut app,
+            Event::Tick {
+                elapsed_s: 10.0 * (index + 1) as f64,
+            },
+        );
     }
     update(&mut app, Event::SweepFinished);
+    update(&mut app, Event::Tick { elapsed_s: 500.0 });
     let screen = draw(&app, 120, 40).join("\n");
-    assert!(screen.contains("finished"), "{screen}");
+    assert!(screen.contains("finished │ elapsed 1:00 │"), "{screen}");
     assert!(screen.contains("★ #1"), "{screen}");
+    let narrow = draw(&app, 80, 24).join("\n");
+    assert!(narrow.contains("┌recommendation"), "{narrow}");
+    assert!(narrow.contains("│★ #1"), "{narrow}");
 }
