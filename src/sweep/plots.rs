@@ -1258,7 +1258,10 @@ where
     let capacity = r.capacity_bytes;
     let usable = r.usable_bytes();
     let peak_max = ran.iter().map(|p| p.peak).max().unwrap_or(0);
+    // Every trial that ran is on the axis (each ran within the capacity,
+    // but its peak plus a GPU's overhead need not).
     let (axis_max, cap_on_axis) = memory_axis(peak_max, capacity);
+    let axis_max = axis_max.max(peak_max);
     let (div, unit) = byte_unit(axis_max);
     let x_top = axis_top(axis_max as f64 / div, 1.08);
     let tps_max = ran
@@ -1431,9 +1434,29 @@ where
     {
         let px = chart.backend_coord(&at(p));
         root.draw(&Circle::new(px, 11, BLACK.stroke_width(3)))?;
-        let label = format!("recommended: {}", r.trials[rec.trial].point.label());
+        // The knobs the legend does not already state as common to all,
+        // shortened further if the plot is too narrow for them.
+        let t = &r.trials[rec.trial];
+        let varied: Vec<Knob> = [&enc.colour[..], &enc.style[..], &enc.rest[..]].concat();
         let style = text_style(15, &BLACK, HPos::Left, VPos::Center);
-        let w = root.estimate_text_size(&label, &style)?.0 as i32;
+        let room = label_right - x_px.start - 6;
+        let mut label = String::new();
+        let mut w = 0;
+        for candidate in [
+            format!("recommended: {}", t.point.label()),
+            format!(
+                "recommended: mb{} {}",
+                t.point.micro_batch,
+                combo(&varied, &t.point)
+            ),
+            format!("recommended: #{}", rec.trial),
+        ] {
+            label = candidate.trim_end().to_string();
+            w = root.estimate_text_size(&label, &style)?.0 as i32;
+            if w <= room {
+                break;
+            }
+        }
         let (pos, h) = place_label(px, w, (x_px.start + 6, label_right), y_px.start);
         // A leader from the ring to the label's nearest edge.
         let end = match h {
@@ -2103,6 +2126,24 @@ pub(crate) mod tests {
             segs,
             vec![[(0.0, 1.0), (0.5, 2.0)], [(2.75, 2.0), (3.0, 1.0)]]
         );
+    }
+
+    /// A point past the capacity line still lands on the plot, not on the
+    /// legend beside it.
+    #[test]
+    fn every_ran_trial_is_on_the_throughput_axis() {
+        let mut report = synthetic_report();
+        report.capacity_bytes = 40 * MIB;
+        let svg = &svg_strings(&report)[1].1;
+        let tips = &svg[svg.find("<g class=\"tips\"").unwrap()..];
+        let xs: Vec<i32> = tips
+            .split("<circle cx=\"")
+            .skip(1)
+            .map(|c| c[..c.find('"').unwrap()].parse().unwrap())
+            .collect();
+        assert_eq!(xs.len(), 5);
+        let legend_left = WIDTH as i32 - 150;
+        assert!(xs.iter().all(|&x| x < legend_left), "{xs:?}");
     }
 
     #[test]
