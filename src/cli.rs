@@ -248,7 +248,7 @@ pub struct TuiArgs {
     #[arg(long, default_value = "memfit-tui")]
     pub out: PathBuf,
     /// Milliseconds between live memory samples of the running trial.
-    #[arg(long, default_value_t = 100, value_parser = sample_ms)]
+    #[arg(long, default_value_t = 25, value_parser = sample_ms)]
     pub sample_ms: u64,
     #[command(flatten)]
     pub timing: TimingArgs,
