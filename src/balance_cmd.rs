@@ -525,7 +525,7 @@ fn verify(opts: &BalanceOptions, report: &BalanceReport) -> Result<Vec<VerifyRec
         threads: None,
         timeline: None,
         phase_peaks: false,
-            timing: None,
+        timing: None,
     };
     let (run, failure) = crate::run::run(&run_opts)?;
     if let Some(e) = failure {
