@@ -8,8 +8,8 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::backend::cpu::CpuBackend;
-use crate::backend::cpu_comm::cpu_group;
-use crate::backend::cpu_comm::cpu_pipeline;
+use crate::backend::cpu::comm::cpu_group;
+use crate::backend::cpu::comm::cpu_pipeline;
 use crate::backend::meta::MetaBackend;
 use crate::backend::{Backend, DeviceKind, DeviceSpec};
 use crate::comm::MetaComm;

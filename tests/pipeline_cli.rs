@@ -403,14 +403,16 @@ fn partitions_and_recipe_keys_apply() {
     ]);
     check_pipeline_doc(&doc, 3, 4, "1f1b", &[[0, 1], [1, 2], [2, 2]], 1);
 
-    // A bad recipe partition is reported like the flag.
+    // A bad recipe partition names the recipe's key, file, line and column.
     let bad = dir.write(
         "bad-partition.yaml",
         "model: gpt2-tiny\npipeline_stages: 2\npartition: \"0:1,1:3\"\n",
     );
     let out = memfit(&["run", "--recipe", &bad, "--steps", "1"]);
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
-    assert!(stderr(&out).contains("--partition"), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(err.contains("bad-partition.yaml:3:1: `partition`"), "{err}");
+    assert!(err.contains("end at block 3"), "{err}");
     assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
 }
 

@@ -14,9 +14,6 @@
 //! `gemm`-shaped ops map onto cuBLAS, and `download_*` is the only host sync.
 
 pub mod cpu;
-mod cpu_attention;
-pub mod cpu_comm;
-mod cpu_optim;
 pub mod meta;
 
 use std::fmt;

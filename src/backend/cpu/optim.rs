@@ -17,8 +17,8 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-use super::cpu::{CpuBackend, CpuBuf};
-use super::{AdafactorHyper, AdafactorSecond, AdafactorState, AdamHyper, SgdHyper};
+use super::{CpuBackend, CpuBuf};
+use crate::backend::{AdafactorHyper, AdafactorSecond, AdafactorState, AdamHyper, SgdHyper};
 
 /// Elements per rayon task for the elementwise passes (as in `cpu.rs`).
 const ELEMS_PER_TASK: usize = 1 << 14;

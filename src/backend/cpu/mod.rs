@@ -19,6 +19,10 @@
 //! of GELU) is derived from it. Hot loops run under [`vectorized`], which picks
 //! AVX-512 or AVX2 code at run time without changing a single result bit.
 
+pub(crate) mod attention;
+pub mod comm;
+pub(crate) mod optim;
+
 use gemm::{Parallelism, gemm};
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -28,7 +32,7 @@ use half::{bf16, f16};
 
 use rayon::prelude::*;
 
-use super::{AdafactorHyper, AdafactorState, AdamHyper, AttnShape, Backend, DType, SgdHyper};
+use crate::backend::{AdafactorHyper, AdafactorState, AdamHyper, AttnShape, Backend, DType, SgdHyper};
 
 /// Backend-internal scratch the cpu backend asks the engine for: none.
 ///
@@ -47,7 +51,7 @@ pub const CPU_WORKSPACE_BYTES: usize = 0;
 /// otherwise. A pure function of the shape, so meta declares the same.
 pub fn workspace_bytes(s: AttnShape, fused: bool) -> usize {
     if fused {
-        super::cpu_attention::workspace_bytes(s)
+        attention::workspace_bytes(s)
     } else {
         CPU_WORKSPACE_BYTES
     }
@@ -1873,7 +1877,7 @@ impl Backend for CpuBackend {
         ws: &mut CpuBuf,
         s: AttnShape,
     ) {
-        super::cpu_attention::forward(self, out, lse, qkv, ws, s)
+        attention::forward(self, out, lse, qkv, ws, s)
     }
 
     fn flash_attention_backward(
@@ -1886,7 +1890,7 @@ impl Backend for CpuBackend {
         ws: &mut CpuBuf,
         s: AttnShape,
     ) {
-        super::cpu_attention::backward(self, dqkv, dout, out, lse, qkv, ws, s)
+        attention::backward(self, dqkv, dout, out, lse, qkv, ws, s)
     }
 
     fn adamw8bit_update(
@@ -1900,7 +1904,7 @@ impl Backend for CpuBackend {
         n: usize,
         h: AdamHyper,
     ) {
-        super::cpu_optim::adamw8bit(self, param, grad, m, v, m_absmax, v_absmax, n, h)
+        optim::adamw8bit(self, param, grad, m, v, m_absmax, v_absmax, n, h)
     }
 
     fn sgd_update(
@@ -1911,7 +1915,7 @@ impl Backend for CpuBackend {
         n: usize,
         h: SgdHyper,
     ) {
-        super::cpu_optim::sgd(self, param, grad, momentum_buf, n, h)
+        optim::sgd(self, param, grad, momentum_buf, n, h)
     }
 
     fn adafactor_update(
@@ -1921,7 +1925,7 @@ impl Backend for CpuBackend {
         st: AdafactorState<'_, CpuBuf>,
         h: AdafactorHyper,
     ) {
-        super::cpu_optim::adafactor(self, param, grad, st, h)
+        optim::adafactor(self, param, grad, st, h)
     }
 }
 
