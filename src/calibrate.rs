@@ -179,7 +179,10 @@ fn kernel_rate(threads: usize, dtype: DType, budget_s: f64) -> Result<f64> {
     };
     let n = s.b * s.t;
     let att_len = s.b * s.n_head * s.t * s.t;
-    let ws_len = dev.be.workspace_bytes(s, true).div_ceil(dtype.size());
+    let ws_len = dev
+        .be
+        .workspace_bytes(s, true, dtype)
+        .div_ceil(dtype.size());
     let oom = |e: crate::memory::OomError| Error::Unavailable(format!("calibration: {e}"));
     let mut alloc = |len: usize, dt: DType| dev.alloc(len, dt, Category::Temporaries).map_err(oom);
     let (mut qkv, mut dqkv) = (

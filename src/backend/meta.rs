@@ -6,14 +6,37 @@
 
 use super::{AdafactorHyper, AdafactorState, AdamHyper, AttnShape, Backend, DType, SgdHyper};
 
+/// Which backend's workspace a meta backend declares.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Emulates {
+    #[default]
+    Cpu,
+    Cuda,
+}
+
 #[derive(Clone, Debug, Default)]
-pub struct MetaBackend {}
+pub struct MetaBackend {
+    emulates: Emulates,
+}
 
 impl MetaBackend {
     /// A meta backend that predicts the cpu backend: it declares the same
     /// workspace (computed by the same function).
     pub fn emulating_cpu() -> Self {
-        MetaBackend {}
+        MetaBackend {
+            emulates: Emulates::Cpu,
+        }
+    }
+
+    /// A meta backend that predicts the cuda backend, byte for byte.
+    pub fn emulating_cuda() -> Self {
+        MetaBackend {
+            emulates: Emulates::Cuda,
+        }
+    }
+
+    pub fn emulates(&self) -> Emulates {
+        self.emulates
     }
 }
 
@@ -28,8 +51,11 @@ impl Backend for MetaBackend {
     }
     fn alloc(&mut self, _len: usize, _dtype: DType) {}
     fn free(&mut self, _buf: ()) {}
-    fn workspace_bytes(&self, s: AttnShape, fused: bool) -> usize {
-        super::cpu::workspace_bytes(s, fused)
+    fn workspace_bytes(&self, s: AttnShape, fused: bool, dtype: DType) -> usize {
+        match self.emulates {
+            Emulates::Cpu => super::cpu::workspace_bytes(s, fused),
+            Emulates::Cuda => super::cuda::workspace_bytes(s, fused, dtype),
+        }
     }
     fn upload_f32(&mut self, _dst: &mut (), _src: &[f32]) {}
     fn upload_u32(&mut self, _dst: &mut (), _src: &[u32]) {}

@@ -14,6 +14,7 @@
 //! `gemm`-shaped ops map onto cuBLAS, and `download_*` is the only host sync.
 
 pub mod cpu;
+pub mod cuda;
 pub mod meta;
 
 use std::fmt;
@@ -88,9 +89,10 @@ pub trait Backend {
     fn free(&mut self, buf: Self::Buf);
 
     /// Bytes of backend-internal scratch this backend needs for attention of
-    /// shape `s` (`fused` or eager); the engine allocates them once as
-    /// `workspace` and passes the buffer to the ops that use it.
-    fn workspace_bytes(&self, s: AttnShape, fused: bool) -> usize;
+    /// shape `s` (`fused` or eager) on activations of type `dtype`; the engine
+    /// allocates them once as `workspace` and passes the buffer to the ops
+    /// that use it.
+    fn workspace_bytes(&self, s: AttnShape, fused: bool, dtype: DType) -> usize;
 
     fn upload_f32(&mut self, dst: &mut Self::Buf, src: &[f32]);
     fn upload_u32(&mut self, dst: &mut Self::Buf, src: &[u32]);

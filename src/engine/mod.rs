@@ -480,7 +480,7 @@ impl<B: Backend> Engine<B> {
         let shape = attn_shape(&model, &train);
         let ws_bytes = dev
             .be
-            .workspace_bytes(shape, train.attention == Attention::Fused);
+            .workspace_bytes(shape, train.attention == Attention::Fused, wdt);
         let workspace = dev.alloc_f32(ws_bytes.div_ceil(4), Category::Workspace)?;
         if dev.be.holds_data() {
             let host = init_weights(&specs, train.seed);

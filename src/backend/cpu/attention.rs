@@ -29,8 +29,8 @@
 
 use rayon::prelude::*;
 
-use crate::backend::AttnShape;
 use super::{CpuBackend, CpuBuf, dot, exp_f32, sum, vectorized};
+use crate::backend::AttnShape;
 
 /// Query rows per block (FlashAttention's `Br`).
 const BR: usize = 64;

@@ -26,8 +26,8 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
-use crate::backend::DType;
 use super::CpuBuf;
+use crate::backend::DType;
 use crate::comm::{AbortHandle, Collective, Peer, PointToPoint};
 
 /// One rank's deposit for the current call.

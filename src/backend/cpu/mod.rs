@@ -32,7 +32,9 @@ use half::{bf16, f16};
 
 use rayon::prelude::*;
 
-use crate::backend::{AdafactorHyper, AdafactorState, AdamHyper, AttnShape, Backend, DType, SgdHyper};
+use crate::backend::{
+    AdafactorHyper, AdafactorState, AdamHyper, AttnShape, Backend, DType, SgdHyper,
+};
 
 /// Backend-internal scratch the cpu backend asks the engine for: none.
 ///
@@ -820,7 +822,7 @@ impl Backend for CpuBackend {
         self.cache.entry(key).or_default().push(buf);
     }
 
-    fn workspace_bytes(&self, s: AttnShape, fused: bool) -> usize {
+    fn workspace_bytes(&self, s: AttnShape, fused: bool, _dtype: DType) -> usize {
         workspace_bytes(s, fused)
     }
 
@@ -2155,7 +2157,7 @@ mod tests {
             n_kv_head: 2,
             head_dim: 4,
         };
-        assert_eq!(be.workspace_bytes(s, false), 0);
+        assert_eq!(be.workspace_bytes(s, false, DType::F32), 0);
         let mut a = be.alloc(5, DType::F32);
         assert_eq!(be.download_f32(&a).unwrap(), vec![0.0; 5]);
         be.fill(&mut a, 1.5);

@@ -80,14 +80,14 @@ fn build_dynamic_map(signed: bool) -> [f32; 256] {
 /// The signed dynamic map (first moment), ascending, `[-0.99296875, 1]`:
 /// 127 negative entries, 0 at index 127, 128 positive ones ending at 1.0.
 /// A backend constant of 1 KiB, built once per process.
-pub(super) fn signed_map() -> &'static [f32; 256] {
+pub(crate) fn signed_map() -> &'static [f32; 256] {
     static MAP: OnceLock<[f32; 256]> = OnceLock::new();
     MAP.get_or_init(|| build_dynamic_map(true))
 }
 
 /// The unsigned dynamic map (second moment), ascending, `[0, 1]`, 0 at index 0.
 /// A backend constant of 1 KiB, built once per process.
-pub(super) fn unsigned_map() -> &'static [f32; 256] {
+pub(crate) fn unsigned_map() -> &'static [f32; 256] {
     static MAP: OnceLock<[f32; 256]> = OnceLock::new();
     MAP.get_or_init(|| build_dynamic_map(false))
 }

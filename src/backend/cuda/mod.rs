@@ -1,0 +1,658 @@
+//! The `cuda` backend: the engine's ops on an NVIDIA GPU.
+//!
+//! Matmuls go to cuBLAS (fp32 accumulation, `beta = 1` where an op
+//! accumulates); every other op is a CUDA C kernel in `kernels/`, compiled at
+//! run time by NVRTC (no toolkit headers needed). The backend talks to the
+//! device through the [`driver::Driver`] trait, implemented for a real GPU
+//! ([`real::CudaDriver`], cudarc with dynamic loading, so one binary runs with
+//! or without CUDA) and for the host ([`emu::EmuDriver`], the same kernel
+//! sources under a SIMT emulation header), so all of this file runs in
+//! `cargo test` on machines without a GPU.
+//!
+//! Memory: buffers come from a size-keyed caching allocator (freed blocks are
+//! kept for the next request of the same rounded size, as PyTorch's caching
+//! allocator does), so the engine's alloc/free pattern does not turn into
+//! `cuMemAlloc`/`cuMemFree` calls every step. Tracked bytes stay the engine's:
+//! the only memory the backend holds for itself is a small fixed scratch (the
+//! reduction partials and the 8-bit quantisation maps, [`SCRATCH_BYTES`]),
+//! reported with the driver's own memory as [`CudaBackend::overhead_bytes`];
+//! attention scratch is declared through `workspace_bytes` so the meta backend
+//! predicts it byte for byte.
+
+pub mod driver;
+pub mod emu;
+pub mod nvrtc;
+
+mod attention;
+pub mod check;
+mod matmul;
+mod norm;
+mod optim;
+
+use std::collections::HashMap;
+
+use driver::{Arg, DevPtr, Driver, Kernel, LaunchCfg};
+
+use super::{AdafactorHyper, AdafactorState, AdamHyper, AttnShape, Backend, DType, SgdHyper};
+
+/// The backend's own device scratch: 64 KiB for per-block partial sums and the
+/// two 256-entry quantisation maps of 8-bit AdamW.
+pub const SCRATCH_BYTES: usize = 64 << 10;
+/// Offset of the signed and unsigned quantisation maps in the scratch.
+pub(crate) const QMAP_OFFSET: usize = SCRATCH_BYTES - 2 * 256 * 4;
+/// Partial sums of a reduction: at most this many blocks, f64 each.
+pub(crate) const PARTIALS: usize = 1024;
+
+/// Allocation granularity of the caching allocator (PyTorch rounds small
+/// blocks to 512 bytes too).
+const ROUND: usize = 512;
+
+/// A device buffer: `len` elements of `dtype` at `ptr`.
+#[derive(Debug)]
+pub struct CudaBuf {
+    pub(crate) ptr: DevPtr,
+    pub(crate) len: usize,
+    pub(crate) dtype: DType,
+}
+
+impl CudaBuf {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn bytes(&self) -> usize {
+        self.len * self.dtype.size()
+    }
+    /// The kernel argument for this buffer's address.
+    pub(crate) fn arg(&self) -> Arg {
+        Arg::Ptr(self.ptr)
+    }
+    /// The address of element `i`.
+    pub(crate) fn at(&self, i: usize) -> Arg {
+        Arg::Ptr(self.ptr + (i * self.dtype.size()) as u64)
+    }
+    /// The kernel's code for a float element type (prelude.cuh's `DT_*`).
+    pub(crate) fn dt(&self) -> Arg {
+        Arg::I32(float_code(self.dtype))
+    }
+}
+
+pub(crate) fn float_code(t: DType) -> i32 {
+    match t {
+        DType::F32 => 0,
+        DType::Bf16 => 1,
+        DType::F16 => 2,
+        other => panic!("a float op on a {other:?} buffer"),
+    }
+}
+
+/// `n` as a kernel's `long long` argument.
+pub(crate) fn n64(n: usize) -> Arg {
+    Arg::I64(n as i64)
+}
+
+/// The cuda backend over a driver.
+pub struct CudaBackend<D: Driver> {
+    pub(crate) drv: D,
+    cache: HashMap<usize, Vec<DevPtr>>,
+    cached_bytes: usize,
+    pub(crate) scratch: DevPtr,
+}
+
+impl<D: Driver> CudaBackend<D> {
+    pub fn new(mut drv: D) -> Result<Self, String> {
+        let scratch = drv.alloc(SCRATCH_BYTES).ok_or_else(|| {
+            format!(
+                "{}: no room for the backend's {SCRATCH_BYTES}-byte scratch",
+                drv.describe()
+            )
+        })?;
+        drv.zero(scratch, SCRATCH_BYTES);
+        let mut maps = Vec::with_capacity(2 * 256 * 4);
+        for v in crate::backend::cpu::optim::signed_map()
+            .iter()
+            .chain(crate::backend::cpu::optim::unsigned_map())
+        {
+            maps.extend_from_slice(&v.to_le_bytes());
+        }
+        drv.upload(scratch + QMAP_OFFSET as u64, &maps);
+        Ok(CudaBackend {
+            drv,
+            cache: HashMap::new(),
+            cached_bytes: 0,
+            scratch,
+        })
+    }
+
+    pub fn driver(&self) -> &D {
+        &self.drv
+    }
+
+    /// Device memory that is not the engine's: the driver's context, modules
+    /// and handles, plus this backend's scratch.
+    pub fn overhead_bytes(&self) -> u64 {
+        self.drv.overhead_bytes() + SCRATCH_BYTES as u64
+    }
+
+    /// Bytes parked in the caching allocator's free lists.
+    pub fn cached_bytes(&self) -> usize {
+        self.cached_bytes
+    }
+
+    /// Returns every cached block to the driver.
+    pub fn empty_cache(&mut self) {
+        for (bytes, ptrs) in self.cache.drain() {
+            for p in ptrs {
+                self.drv.free(p, bytes);
+            }
+        }
+        self.cached_bytes = 0;
+    }
+
+    pub(crate) fn launch(&mut self, name: &str, cfg: LaunchCfg, args: &[Arg]) {
+        self.drv.launch(Kernel::named(name), cfg, args);
+    }
+
+    /// Downloads `n` f64 partial sums from the scratch and adds them in order.
+    pub(crate) fn sum_partials(&mut self, n: usize) -> f64 {
+        let mut raw = vec![0u8; n * 8];
+        self.drv.download(self.scratch, &mut raw);
+        raw.chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .sum()
+    }
+
+    fn raw_alloc(&mut self, bytes: usize) -> DevPtr {
+        let rounded = bytes.div_ceil(ROUND).max(1) * ROUND;
+        if let Some(p) = self.cache.get_mut(&rounded).and_then(Vec::pop) {
+            self.cached_bytes -= rounded;
+            return p;
+        }
+        if let Some(p) = self.drv.alloc(rounded) {
+            return p;
+        }
+        // Out of memory with blocks parked: give them back and retry once.
+        self.empty_cache();
+        self.drv.alloc(rounded).unwrap_or_else(|| {
+            panic!(
+                "cuda out of memory: could not allocate {} on {}",
+                crate::units::fmt_bytes(rounded as u64),
+                self.drv.describe()
+            )
+        })
+    }
+}
+
+impl<D: Driver> Drop for CudaBackend<D> {
+    fn drop(&mut self) {
+        self.empty_cache();
+        self.drv.free(self.scratch, SCRATCH_BYTES);
+    }
+}
+
+/// Bytes of attention scratch the cuda backend declares for shape `s`; a pure
+/// function of the shape (and the activations' type), so the meta backend
+/// predicts it exactly. See `attention.rs`.
+pub fn workspace_bytes(s: AttnShape, fused: bool, dtype: DType) -> usize {
+    attention::workspace_bytes(s, fused, dtype)
+}
+
+impl<D: Driver> Backend for CudaBackend<D> {
+    type Buf = CudaBuf;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn alloc(&mut self, len: usize, dtype: DType) -> CudaBuf {
+        let bytes = len * dtype.size();
+        let ptr = self.raw_alloc(bytes);
+        self.drv.zero(ptr, bytes);
+        CudaBuf { ptr, len, dtype }
+    }
+
+    fn free(&mut self, buf: CudaBuf) {
+        let rounded = buf.bytes().div_ceil(ROUND).max(1) * ROUND;
+        self.cache.entry(rounded).or_default().push(buf.ptr);
+        self.cached_bytes += rounded;
+    }
+
+    fn workspace_bytes(&self, s: AttnShape, fused: bool, dtype: DType) -> usize {
+        workspace_bytes(s, fused, dtype)
+    }
+
+    fn upload_f32(&mut self, dst: &mut CudaBuf, src: &[f32]) {
+        assert!(
+            src.len() <= dst.len,
+            "upload of {} f32 into a buffer of {}",
+            src.len(),
+            dst.len
+        );
+        let bytes: Vec<u8> = match dst.dtype {
+            DType::F32 => src.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            DType::Bf16 => src
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                .collect(),
+            DType::F16 => src
+                .iter()
+                .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                .collect(),
+            other => panic!("upload_f32 into a {other:?} buffer"),
+        };
+        self.drv.upload(dst.ptr, &bytes);
+    }
+
+    fn upload_u32(&mut self, dst: &mut CudaBuf, src: &[u32]) {
+        assert_eq!(
+            dst.dtype,
+            DType::U32,
+            "upload_u32 into a {:?} buffer",
+            dst.dtype
+        );
+        assert!(
+            src.len() <= dst.len,
+            "upload of {} u32 into a buffer of {}",
+            src.len(),
+            dst.len
+        );
+        let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.drv.upload(dst.ptr, &bytes);
+    }
+
+    fn convert(&mut self, dst: &mut CudaBuf, src: &CudaBuf, n: usize) {
+        self.copy_slice(dst, 0, src, 0, n, false);
+    }
+
+    fn copy_slice(
+        &mut self,
+        dst: &mut CudaBuf,
+        dst_off: usize,
+        src: &CudaBuf,
+        src_off: usize,
+        n: usize,
+        accumulate: bool,
+    ) {
+        if n == 0 {
+            return;
+        }
+        assert!(
+            dst_off + n <= dst.len && src_off + n <= src.len,
+            "copy_slice out of bounds"
+        );
+        self.launch(
+            "copy_slice_kernel",
+            LaunchCfg::elementwise(n),
+            &[
+                dst.arg(),
+                dst.dt(),
+                n64(dst_off),
+                src.arg(),
+                src.dt(),
+                n64(src_off),
+                n64(n),
+                Arg::I32(accumulate as i32),
+            ],
+        );
+    }
+
+    fn download_f32(&self, src: &CudaBuf) -> Option<Vec<f32>> {
+        let mut raw = vec![0u8; src.bytes()];
+        self.drv.download(src.ptr, &mut raw);
+        Some(match src.dtype {
+            DType::F32 => raw
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+            DType::Bf16 => raw
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f32())
+                .collect(),
+            DType::F16 => raw
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f32())
+                .collect(),
+            DType::U32 => raw
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes(c.try_into().unwrap()) as f32)
+                .collect(),
+            DType::U8 => raw.iter().map(|&b| b as f32).collect(),
+        })
+    }
+
+    fn fill(&mut self, buf: &mut CudaBuf, value: f32) {
+        if buf.len == 0 {
+            return;
+        }
+        self.launch(
+            "fill_kernel",
+            LaunchCfg::elementwise(buf.len),
+            &[buf.arg(), buf.dt(), n64(buf.len), Arg::F32(value)],
+        );
+    }
+
+    fn embed_forward(
+        &mut self,
+        out: &mut CudaBuf,
+        tokens: &CudaBuf,
+        wte: &CudaBuf,
+        wpe: Option<&CudaBuf>,
+        n: usize,
+        t: usize,
+        c: usize,
+    ) {
+        norm::embed_forward(self, out, tokens, wte, wpe, n, t, c)
+    }
+
+    fn embed_backward(
+        &mut self,
+        dwte: &mut CudaBuf,
+        dwpe: Option<&mut CudaBuf>,
+        dout: &CudaBuf,
+        tokens: &CudaBuf,
+        n: usize,
+        t: usize,
+        c: usize,
+    ) {
+        norm::embed_backward(self, dwte, dwpe, dout, tokens, n, t, c)
+    }
+
+    fn layernorm_forward(
+        &mut self,
+        out: &mut CudaBuf,
+        mean: &mut CudaBuf,
+        rstd: &mut CudaBuf,
+        inp: &CudaBuf,
+        w: &CudaBuf,
+        b: Option<&CudaBuf>,
+        n: usize,
+        c: usize,
+        eps: f32,
+    ) {
+        norm::layernorm_forward(self, out, mean, rstd, inp, w, b, n, c, eps)
+    }
+
+    fn layernorm_backward(
+        &mut self,
+        dinp: &mut CudaBuf,
+        dw: &mut CudaBuf,
+        db: Option<&mut CudaBuf>,
+        dout: &CudaBuf,
+        inp: &CudaBuf,
+        w: &CudaBuf,
+        mean: &CudaBuf,
+        rstd: &CudaBuf,
+        n: usize,
+        c: usize,
+    ) {
+        norm::layernorm_backward(self, dinp, dw, db, dout, inp, w, mean, rstd, n, c)
+    }
+
+    fn rmsnorm_forward(
+        &mut self,
+        out: &mut CudaBuf,
+        rstd: &mut CudaBuf,
+        inp: &CudaBuf,
+        w: &CudaBuf,
+        n: usize,
+        c: usize,
+        eps: f32,
+    ) {
+        norm::rmsnorm_forward(self, out, rstd, inp, w, n, c, eps)
+    }
+
+    fn rmsnorm_backward(
+        &mut self,
+        dinp: &mut CudaBuf,
+        dw: &mut CudaBuf,
+        dout: &CudaBuf,
+        inp: &CudaBuf,
+        w: &CudaBuf,
+        rstd: &CudaBuf,
+        n: usize,
+        c: usize,
+    ) {
+        norm::rmsnorm_backward(self, dinp, dw, dout, inp, w, rstd, n, c)
+    }
+
+    fn matmul_forward(
+        &mut self,
+        out: &mut CudaBuf,
+        inp: &CudaBuf,
+        w: &CudaBuf,
+        bias: Option<&CudaBuf>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) {
+        matmul::forward(self, out, inp, w, bias, n, c, oc)
+    }
+
+    fn matmul_backward(
+        &mut self,
+        dinp: &mut CudaBuf,
+        dw: &mut CudaBuf,
+        dbias: Option<&mut CudaBuf>,
+        dout: &CudaBuf,
+        inp: &CudaBuf,
+        w: &CudaBuf,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) {
+        matmul::backward(self, dinp, dw, dbias, dout, inp, w, n, c, oc)
+    }
+
+    fn gelu_forward(&mut self, out: &mut CudaBuf, inp: &CudaBuf, n: usize) {
+        if n == 0 {
+            return;
+        }
+        self.launch(
+            "gelu_forward_kernel",
+            LaunchCfg::elementwise(n),
+            &[out.arg(), out.dt(), inp.arg(), inp.dt(), n64(n)],
+        );
+    }
+
+    fn gelu_backward(&mut self, dout: &mut CudaBuf, inp: &CudaBuf, n: usize) {
+        if n == 0 {
+            return;
+        }
+        self.launch(
+            "gelu_backward_kernel",
+            LaunchCfg::elementwise(n),
+            &[dout.arg(), dout.dt(), inp.arg(), inp.dt(), n64(n)],
+        );
+    }
+
+    fn swiglu_forward(&mut self, out: &mut CudaBuf, gu: &CudaBuf, n: usize, i: usize) {
+        if n * i == 0 {
+            return;
+        }
+        self.launch(
+            "swiglu_forward_kernel",
+            LaunchCfg::elementwise(n * i),
+            &[out.arg(), out.dt(), gu.arg(), gu.dt(), n64(n), n64(i)],
+        );
+    }
+
+    fn swiglu_backward(
+        &mut self,
+        dgu: &mut CudaBuf,
+        dout: &CudaBuf,
+        gu: &CudaBuf,
+        n: usize,
+        i: usize,
+    ) {
+        if n * i == 0 {
+            return;
+        }
+        self.launch(
+            "swiglu_backward_kernel",
+            LaunchCfg::elementwise(n * i),
+            &[
+                dgu.arg(),
+                dgu.dt(),
+                dout.arg(),
+                dout.dt(),
+                gu.arg(),
+                gu.dt(),
+                n64(n),
+                n64(i),
+            ],
+        );
+    }
+
+    fn add(&mut self, out: &mut CudaBuf, a: &CudaBuf, b: &CudaBuf, n: usize) {
+        if n == 0 {
+            return;
+        }
+        self.launch(
+            "add_kernel",
+            LaunchCfg::elementwise(n),
+            &[
+                out.arg(),
+                out.dt(),
+                a.arg(),
+                a.dt(),
+                b.arg(),
+                b.dt(),
+                n64(n),
+            ],
+        );
+    }
+
+    fn rope_forward(&mut self, qkv: &mut CudaBuf, s: AttnShape, theta: f32) {
+        norm::rope(self, qkv, s, theta, 1.0)
+    }
+
+    fn rope_backward(&mut self, dqkv: &mut CudaBuf, s: AttnShape, theta: f32) {
+        norm::rope(self, dqkv, s, theta, -1.0)
+    }
+
+    fn attention_forward(
+        &mut self,
+        out: &mut CudaBuf,
+        att: &mut CudaBuf,
+        qkv: &CudaBuf,
+        s: AttnShape,
+    ) {
+        attention::eager_forward(self, out, att, qkv, s)
+    }
+
+    fn attention_backward(
+        &mut self,
+        dqkv: &mut CudaBuf,
+        datt: &mut CudaBuf,
+        dout: &CudaBuf,
+        qkv: &CudaBuf,
+        att: &CudaBuf,
+        s: AttnShape,
+    ) {
+        attention::eager_backward(self, dqkv, datt, dout, qkv, att, s)
+    }
+
+    fn flash_attention_forward(
+        &mut self,
+        out: &mut CudaBuf,
+        lse: &mut CudaBuf,
+        qkv: &CudaBuf,
+        ws: &mut CudaBuf,
+        s: AttnShape,
+    ) {
+        attention::flash_forward(self, out, lse, qkv, ws, s)
+    }
+
+    fn flash_attention_backward(
+        &mut self,
+        dqkv: &mut CudaBuf,
+        dout: &CudaBuf,
+        out: &CudaBuf,
+        lse: &CudaBuf,
+        qkv: &CudaBuf,
+        ws: &mut CudaBuf,
+        s: AttnShape,
+    ) {
+        attention::flash_backward(self, dqkv, dout, out, lse, qkv, ws, s)
+    }
+
+    fn crossentropy_forward(
+        &mut self,
+        losses: &mut CudaBuf,
+        logits: &CudaBuf,
+        targets: &CudaBuf,
+        n: usize,
+        v: usize,
+        vp: usize,
+    ) {
+        norm::crossentropy_forward(self, losses, logits, targets, n, v, vp)
+    }
+
+    fn crossentropy_backward(
+        &mut self,
+        logits: &mut CudaBuf,
+        targets: &CudaBuf,
+        dloss: f32,
+        n: usize,
+        v: usize,
+        vp: usize,
+    ) {
+        norm::crossentropy_backward(self, logits, targets, dloss, n, v, vp)
+    }
+
+    fn sum_squares(&mut self, buf: &CudaBuf, n: usize) -> Option<f64> {
+        Some(norm::sum_squares(self, buf, n))
+    }
+
+    fn adamw_update(
+        &mut self,
+        param: &mut CudaBuf,
+        grad: &CudaBuf,
+        m: &mut CudaBuf,
+        v: &mut CudaBuf,
+        n: usize,
+        h: AdamHyper,
+    ) {
+        optim::adamw(self, param, grad, m, v, n, h)
+    }
+
+    fn adamw8bit_update(
+        &mut self,
+        param: &mut CudaBuf,
+        grad: &CudaBuf,
+        m: &mut CudaBuf,
+        v: &mut CudaBuf,
+        m_absmax: &mut CudaBuf,
+        v_absmax: &mut CudaBuf,
+        n: usize,
+        h: AdamHyper,
+    ) {
+        optim::adamw8bit(self, param, grad, m, v, m_absmax, v_absmax, n, h)
+    }
+
+    fn sgd_update(
+        &mut self,
+        param: &mut CudaBuf,
+        grad: &CudaBuf,
+        momentum_buf: &mut CudaBuf,
+        n: usize,
+        h: SgdHyper,
+    ) {
+        optim::sgd(self, param, grad, momentum_buf, n, h)
+    }
+
+    fn adafactor_update(
+        &mut self,
+        param: &mut CudaBuf,
+        grad: &CudaBuf,
+        st: AdafactorState<'_, CudaBuf>,
+        h: AdafactorHyper,
+    ) {
+        optim::adafactor(self, param, grad, st, h)
+    }
+}
