@@ -292,6 +292,7 @@ pub fn balance(opts: &BalanceOptions) -> Result<BalanceReport> {
             device: DeviceSpec {
                 kind: DeviceKind::Meta,
                 limit: None,
+                ordinal: None,
             },
             data: None,
             threads: None,
@@ -520,6 +521,7 @@ fn verify(opts: &BalanceOptions, report: &BalanceReport) -> Result<Vec<VerifyRec
         device: DeviceSpec {
             kind: DeviceKind::Cpu,
             limit: None,
+            ordinal: None,
         },
         data: None,
         threads: None,

@@ -70,6 +70,13 @@ pub enum Command {
     /// sweeps predict step times with. Cached per host CPU; --force measures
     /// again.
     Calibrate(CalibrateArgs),
+    /// Check the cuda backend against the cpu backend: the GPU acceptance test.
+    ///
+    /// Every op on random inputs of several shapes (cuda and cpu, per-op
+    /// tolerances), then gpt2-tiny and llama-tiny trained on both with
+    /// matching losses, then meta's predicted peaks equal to cuda's measured
+    /// ones, byte for byte. Exits 1 on any mismatch.
+    Selftest(SelftestArgs),
     /// Runs one sweep trial (memfit re-executes itself; not for direct use).
     #[command(hide = true)]
     Trial {
@@ -164,6 +171,22 @@ pub struct CalibrateArgs {
     /// Measure again even when a cached calibration exists.
     #[arg(long)]
     pub force: bool,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct SelftestArgs {
+    /// The GPU to test: cuda or cuda:N.
+    #[arg(long, default_value = "cuda")]
+    pub device: crate::backend::DeviceSpec,
+    /// Training steps per comparison.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    pub steps: u64,
+    /// Seed of the random op inputs.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
@@ -652,6 +675,7 @@ impl RunArgs {
                 .unwrap_or(DeviceSpec {
                     kind: crate::backend::DeviceKind::Cpu,
                     limit: None,
+                    ordinal: None,
                 }),
             data: self.data.clone().or(r.data.clone()),
             // The recipe's key is checked as the flag is (clap): a pool of

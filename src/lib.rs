@@ -21,6 +21,7 @@ pub mod memory;
 pub mod plan;
 pub mod rng;
 pub mod run;
+pub mod selftest;
 pub mod stats;
 pub mod sweep;
 pub mod tui;

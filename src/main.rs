@@ -55,6 +55,7 @@ fn main() -> ExitCode {
         Command::Tui(args) => tui_main(&args),
         Command::Trial { spec } => trial_main(&spec),
         Command::Calibrate(args) => calibrate_main(&args),
+        Command::Selftest(args) => selftest_main(&args),
         Command::Profiles => {
             print_models();
             println!(
@@ -176,6 +177,25 @@ fn trial_main(spec: &str) -> i32 {
 }
 
 /// `memfit calibrate`: the host's roofline, from the cache or measured now.
+fn selftest_main(args: &memfit::cli::SelftestArgs) -> i32 {
+    match memfit::selftest::selftest(&args.device, args.steps as usize, args.seed) {
+        Ok(report) => {
+            match args.format {
+                Format::Json => println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).expect("selftest report serialises")
+                ),
+                Format::Table => print!("{}", memfit::selftest::render(&report)),
+            }
+            if report.pass { 0 } else { 1 }
+        }
+        Err(e) => {
+            eprintln!("memfit: {e}");
+            2
+        }
+    }
+}
+
 fn calibrate_main(args: &memfit::cli::CalibrateArgs) -> i32 {
     use memfit::calibrate::{Source, load_or_measure};
     if args.threads == Some(0) {

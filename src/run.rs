@@ -10,6 +10,7 @@ use serde::Serialize;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::comm::cpu_group;
 use crate::backend::cpu::comm::cpu_pipeline;
+use crate::backend::cuda::driver::Driver as _;
 use crate::backend::meta::MetaBackend;
 use crate::backend::{Backend, DeviceKind, DeviceSpec};
 use crate::comm::MetaComm;
@@ -391,31 +392,12 @@ pub fn run(opts: &RunOptions) -> Result<(RunReport, Option<Error>)> {
     validate(opts, &model)?;
     let n = opts.train.ranks;
     match opts.device.kind {
-        DeviceKind::Meta => {
-            let backends = (0..n).map(|_| MetaBackend::emulating_cpu()).collect();
-            let links = meta_links(&model, &opts.train);
-            run_on(opts, model, backends, links, None)
-        }
+        DeviceKind::Meta => run_meta(opts, model, MetaBackend::emulating_cpu()),
         DeviceKind::Cpu => {
             let threads = opts
                 .threads
                 .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-            let mut data = match &opts.data {
-                Some(path) => DataSource::text(path, opts.train.seed)?,
-                None => DataSource::synthetic(model.vocab_size, opts.train.seed),
-            };
-            if data.min_vocab() > model.vocab_size {
-                return Err(Error::invalid_arg(
-                    "--data",
-                    format!(
-                        "byte-level text needs a vocabulary of at least {}, but {} has {}; use a byte-vocab profile such as gpt2-tiny or llama-tiny",
-                        data.min_vocab(),
-                        model.name,
-                        model.vocab_size
-                    ),
-                ));
-            }
-            data.check_seq_len(opts.train.seq_len)?;
+            let mut data = host_data(opts, &model)?;
             // Ranks are threads sharing the cores.
             let per_rank = (threads / n).max(1);
             let backends = (0..n)
@@ -433,10 +415,104 @@ pub fn run(opts: &RunOptions) -> Result<(RunReport, Option<Error>)> {
             };
             run_on(&opts, model, backends, links, Some(&mut data))
         }
-        DeviceKind::Cuda => Err(Error::Unavailable(
-            "the cuda backend is not part of this build yet; use --device cpu, or --device meta to predict memory".into(),
-        )),
+        DeviceKind::Cuda => {
+            let threads = opts
+                .threads
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+            let mut data = host_data(opts, &model)?;
+            // Ranks simulated on one GPU each open the device (a stream, the
+            // kernel module and a cuBLAS handle of their own) and share it.
+            let ordinal = opts.device.ordinal.unwrap_or(0);
+            let backends = (0..n)
+                .map(|_| crate::backend::cuda::open(ordinal, threads).map_err(Error::Unavailable))
+                .collect::<Result<Vec<_>>>()?;
+            let links = cuda_links(&model, &opts.train, backends[0].driver().stager());
+            let mut opts = opts.clone();
+            // Capacity: what start-up left free, shared by the ranks; a
+            // smaller limit emulates a smaller GPU.
+            let free = device_free_after_startup(&backends) / n as u64;
+            opts.device.limit = Some(opts.device.limit.map_or(free, |l| l.min(free)));
+            let (report, err) = run_on(&opts, model, backends, links, Some(&mut data))?;
+            Ok((report, err))
+        }
     }
+}
+
+/// `opts` on meta, declaring the workspace of the backend `meta` emulates
+/// (`memfit run --device meta` predicts the cpu backend; the cuda selftest
+/// predicts the cuda one, byte for byte).
+pub fn run_meta(
+    opts: &RunOptions,
+    model: ModelConfig,
+    meta: MetaBackend,
+) -> Result<(RunReport, Option<Error>)> {
+    let n = opts.train.ranks;
+    let backends = (0..n).map(|_| meta.clone()).collect();
+    let links = meta_links(&model, &opts.train);
+    run_on(opts, model, backends, links, None)
+}
+
+/// Bytes of a GPU the engine may use once every rank's backend is open:
+/// total memory, less the largest overhead a rank measured (each measures
+/// what the ranks opened before it hold too), less each rank's own scratch.
+pub fn device_free_after_startup<D: crate::backend::cuda::driver::Driver>(
+    backends: &[crate::backend::cuda::CudaBackend<D>],
+) -> u64 {
+    let total = backends[0].driver().total_bytes();
+    let measured = backends
+        .iter()
+        .map(|b| b.driver().overhead_bytes())
+        .max()
+        .unwrap_or(0);
+    let scratch = backends.len() as u64 * crate::backend::cuda::SCRATCH_BYTES as u64;
+    total.saturating_sub(measured + scratch)
+}
+
+/// The training text (or synthetic tokens) for a run that computes.
+fn host_data(opts: &RunOptions, model: &ModelConfig) -> Result<DataSource> {
+    let data = match &opts.data {
+        Some(path) => DataSource::text(path, opts.train.seed)?,
+        None => DataSource::synthetic(model.vocab_size, opts.train.seed),
+    };
+    if data.min_vocab() > model.vocab_size {
+        return Err(Error::invalid_arg(
+            "--data",
+            format!(
+                "byte-level text needs a vocabulary of at least {}, but {} has {}; use a byte-vocab profile such as gpt2-tiny or llama-tiny",
+                data.min_vocab(),
+                model.name,
+                model.vocab_size
+            ),
+        ));
+    }
+    data.check_seq_len(opts.train.seq_len)?;
+    Ok(data)
+}
+
+/// Every rank's links on one GPU: collectives and point-to-point staged
+/// through the host (see `backend::cuda::comm`).
+pub fn cuda_links(
+    model: &ModelConfig,
+    train: &TrainConfig,
+    stager: std::sync::Arc<dyn crate::backend::cuda::comm::Stager>,
+) -> Vec<Links<crate::backend::cuda::CudaBackend<crate::backend::cuda::AnyDriver>>> {
+    use crate::backend::cuda::comm::{CudaComm, CudaP2p};
+    links(
+        model,
+        train,
+        |w| {
+            CudaComm::group(w, stager.clone())
+                .into_iter()
+                .map(|c| Box::new(c) as _)
+                .collect()
+        },
+        |s| {
+            CudaP2p::chain(s, stager.clone())
+                .into_iter()
+                .map(|p| Box::new(p) as _)
+                .collect()
+        },
+    )
 }
 
 /// Every rank's links for `train` on meta: collectives and point-to-point

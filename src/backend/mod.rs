@@ -477,6 +477,19 @@ pub struct DeviceSpec {
     pub kind: DeviceKind,
     /// Emulated capacity in bytes (`cpu:limit=512MiB`).
     pub limit: Option<u64>,
+    /// Which GPU (`cuda:1`); `None` is device 0.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ordinal: Option<usize>,
+}
+
+impl DeviceSpec {
+    pub fn new(kind: DeviceKind, limit: Option<u64>) -> Self {
+        DeviceSpec {
+            kind,
+            limit,
+            ordinal: None,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -500,7 +513,8 @@ impl fmt::Display for DeviceKind {
 impl std::str::FromStr for DeviceSpec {
     type Err = String;
 
-    /// `cpu`, `meta`, `cuda`, each optionally `:limit=SIZE`.
+    /// `cpu`, `meta`, `cuda`, each optionally `:limit=SIZE`; `cuda:N` (or
+    /// `cuda:N,limit=SIZE`) picks GPU `N`.
     fn from_str(s: &str) -> Result<Self, String> {
         let (kind, opts) = s.split_once(':').unwrap_or((s, ""));
         let kind = match kind.trim() {
@@ -509,30 +523,57 @@ impl std::str::FromStr for DeviceSpec {
             "cuda" => DeviceKind::Cuda,
             other => {
                 return Err(format!(
-                    "unknown device `{other}`: expected cpu, meta or cuda, optionally with :limit=SIZE (e.g. cpu:limit=512MiB)"
+                    "unknown device `{other}`: expected cpu, meta or cuda[:N], optionally with :limit=SIZE (e.g. cpu:limit=512MiB, cuda:1,limit=40GiB)"
                 ));
             }
         };
         let mut limit = None;
+        let mut ordinal = None;
         for opt in opts.split(',').filter(|o| !o.trim().is_empty()) {
+            let opt = opt.trim();
+            if opt.bytes().all(|b| b.is_ascii_digit()) {
+                if kind != DeviceKind::Cuda {
+                    return Err(format!(
+                        "`{s}`: only cuda devices are numbered (cuda:{opt}); {kind} has one device"
+                    ));
+                }
+                ordinal = Some(
+                    opt.parse()
+                        .map_err(|_| format!("`{s}`: device number {opt} is too large"))?,
+                );
+                continue;
+            }
             match opt.split_once('=') {
                 Some(("limit", v)) => limit = Some(crate::units::parse_bytes(v)?),
                 _ => {
                     return Err(format!(
-                        "unknown device option `{opt}` in `{s}`: the only option is limit=SIZE (e.g. {kind}:limit=512MiB)"
+                        "unknown device option `{opt}` in `{s}`: the options are a GPU number (cuda:1) and limit=SIZE (e.g. {kind}:limit=512MiB)"
                     ));
                 }
             }
         }
-        Ok(DeviceSpec { kind, limit })
+        Ok(DeviceSpec {
+            kind,
+            limit,
+            ordinal,
+        })
     }
 }
 
 impl fmt::Display for DeviceSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.kind)?;
+        let mut sep = ':';
+        if let Some(o) = self.ordinal {
+            write!(f, ":{o}")?;
+            sep = ',';
+        }
         if let Some(l) = self.limit {
-            write!(f, ":limit={}", crate::units::fmt_bytes(l).replace(' ', ""))?;
+            write!(
+                f,
+                "{sep}limit={}",
+                crate::units::fmt_bytes(l).replace(' ', "")
+            )?;
         }
         Ok(())
     }
@@ -550,5 +591,18 @@ mod tests {
         assert_eq!("meta".parse::<DeviceSpec>().unwrap().limit, None);
         assert!("tpu".parse::<DeviceSpec>().is_err());
         assert!("cpu:size=1GiB".parse::<DeviceSpec>().is_err());
+        let g: DeviceSpec = "cuda:1,limit=40GiB".parse().unwrap();
+        assert_eq!(
+            (g.kind, g.ordinal, g.limit),
+            (DeviceKind::Cuda, Some(1), Some(40 << 30))
+        );
+        assert_eq!(g.to_string(), "cuda:1,limit=40GiB");
+        assert_eq!("cuda".parse::<DeviceSpec>().unwrap().ordinal, None);
+        assert!(
+            "cpu:1"
+                .parse::<DeviceSpec>()
+                .unwrap_err()
+                .contains("only cuda")
+        );
     }
 }

@@ -162,6 +162,7 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
     let device = recipe.device.clone().unwrap_or(DeviceSpec {
         kind: DeviceKind::Cpu,
         limit: None,
+        ordinal: None,
     });
     if device.kind == DeviceKind::Cuda {
         return Err(Error::Unavailable(
@@ -172,6 +173,7 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
     let trial_device = DeviceSpec {
         kind: device.kind,
         limit: Some(capacity - overhead.min(capacity)),
+        ordinal: device.ordinal,
     };
     let threads = opts
         .threads

@@ -187,4 +187,6 @@ pub trait Driver {
     fn gemm(&mut self, g: &Gemm);
     /// Waits for all queued work (timing, and before host reads).
     fn synchronize(&mut self);
+    /// Host staging for collectives between ranks on this device.
+    fn stager(&self) -> std::sync::Arc<dyn super::comm::Stager>;
 }

@@ -244,4 +244,22 @@ impl Driver for EmuDriver {
     }
 
     fn synchronize(&mut self) {}
+
+    fn stager(&self) -> std::sync::Arc<dyn super::comm::Stager> {
+        std::sync::Arc::new(HostStager)
+    }
+}
+
+/// The emulator's memory is host memory and its work is synchronous.
+struct HostStager;
+
+impl super::comm::Stager for HostStager {
+    fn download(&self, src: DevPtr, dst: &mut [u8]) {
+        // SAFETY: src is a live emulated allocation of at least dst.len() bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) }
+    }
+    fn upload(&self, dst: DevPtr, src: &[u8]) {
+        // SAFETY: as above.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) }
+    }
 }

@@ -19,9 +19,11 @@
 //! attention scratch is declared through `workspace_bytes` so the meta backend
 //! predicts it byte for byte.
 
+pub mod comm;
 pub mod driver;
 pub mod emu;
 pub mod nvrtc;
+pub mod real;
 
 mod attention;
 pub mod check;
@@ -193,6 +195,82 @@ impl<D: Driver> Drop for CudaBackend<D> {
         self.empty_cache();
         self.drv.free(self.scratch, SCRATCH_BYTES);
     }
+}
+
+/// Either GPU: real, or emulated (for tests, with [`EMULATE_ENV`] set).
+pub enum AnyDriver {
+    Real(real::CudaDriver),
+    Emu(emu::EmuDriver),
+}
+
+macro_rules! each {
+    ($s:expr, $d:ident => $e:expr) => {
+        match $s {
+            AnyDriver::Real($d) => $e,
+            AnyDriver::Emu($d) => $e,
+        }
+    };
+}
+
+impl Driver for AnyDriver {
+    fn describe(&self) -> String {
+        each!(self, d => d.describe())
+    }
+    fn total_bytes(&self) -> u64 {
+        each!(self, d => d.total_bytes())
+    }
+    fn overhead_bytes(&self) -> u64 {
+        each!(self, d => d.overhead_bytes())
+    }
+    fn alloc(&mut self, bytes: usize) -> Option<DevPtr> {
+        each!(self, d => d.alloc(bytes))
+    }
+    fn free(&mut self, ptr: DevPtr, bytes: usize) {
+        each!(self, d => d.free(ptr, bytes))
+    }
+    fn upload(&mut self, dst: DevPtr, src: &[u8]) {
+        each!(self, d => d.upload(dst, src))
+    }
+    fn download(&self, src: DevPtr, dst: &mut [u8]) {
+        each!(self, d => d.download(src, dst))
+    }
+    fn zero(&mut self, dst: DevPtr, bytes: usize) {
+        each!(self, d => d.zero(dst, bytes))
+    }
+    fn launch(&mut self, k: Kernel, cfg: LaunchCfg, args: &[Arg]) {
+        each!(self, d => d.launch(k, cfg, args))
+    }
+    fn gemm(&mut self, g: &driver::Gemm) {
+        each!(self, d => d.gemm(g))
+    }
+    fn synchronize(&mut self) {
+        each!(self, d => d.synchronize())
+    }
+    fn stager(&self) -> std::sync::Arc<dyn comm::Stager> {
+        each!(self, d => d.stager())
+    }
+}
+
+/// With this variable set (to a capacity such as `2GiB`, or `1` for 4 GiB),
+/// `--device cuda` runs on the emulated GPU instead: the whole cuda path,
+/// kernels included, on a machine without one. For tests; it is slow.
+pub const EMULATE_ENV: &str = "MEMFIT_CUDA_EMULATE";
+
+/// The cuda backend on device `ordinal` (or the emulated GPU, see
+/// [`EMULATE_ENV`]); every failure is a one-line reason.
+pub fn open(ordinal: usize, threads: usize) -> Result<CudaBackend<AnyDriver>, String> {
+    let drv = match std::env::var(EMULATE_ENV) {
+        Ok(v) if !v.is_empty() => {
+            let cap = if v == "1" {
+                4 << 30
+            } else {
+                crate::units::parse_bytes(&v).map_err(|e| format!("{EMULATE_ENV}={v}: {e}"))?
+            };
+            AnyDriver::Emu(emu::EmuDriver::new(cap, threads))
+        }
+        _ => AnyDriver::Real(real::CudaDriver::open(ordinal)?),
+    };
+    CudaBackend::new(drv)
 }
 
 /// Bytes of attention scratch the cuda backend declares for shape `s`; a pure
