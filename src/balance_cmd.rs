@@ -50,6 +50,11 @@ pub enum Target {
     /// Priced by the roofline of a GPU profile, whose memory (less the
     /// runtime overhead) is the capacity.
     Gpu(HardwareProfile),
+    /// Timed on this machine's GPU `ordinal`; `limit` is the capacity, if any.
+    Cuda {
+        limit: Option<u64>,
+        ordinal: Option<usize>,
+    },
 }
 
 impl Target {
@@ -63,10 +68,14 @@ impl Target {
             .map_err(|e: String| Error::invalid_arg("--device", e))?;
         match spec.kind {
             DeviceKind::Cpu => Ok(Target::Cpu { limit: spec.limit }),
-            _ => Err(Error::invalid_arg(
+            DeviceKind::Cuda => Ok(Target::Cuda {
+                limit: spec.limit,
+                ordinal: spec.ordinal,
+            }),
+            DeviceKind::Meta => Err(Error::invalid_arg(
                 "--device",
                 format!(
-                    "`{text}`: balance runs on cpu, or predicts for a GPU with meta:NAME (see `memfit profiles`)"
+                    "`{text}`: balance runs on cpu or cuda[:N], or predicts for a GPU with meta:NAME (see `memfit profiles`)"
                 ),
             )),
         }
@@ -74,7 +83,7 @@ impl Target {
 
     fn capacity(&self) -> Option<u64> {
         match self {
-            Target::Cpu { limit } => *limit,
+            Target::Cpu { limit } | Target::Cuda { limit, .. } => *limit,
             Target::Gpu(hw) => Some(hw.memory.saturating_sub(hw.runtime_overhead)),
         }
     }
@@ -83,6 +92,31 @@ impl Target {
         match self {
             Target::Cpu { .. } => "cpu".into(),
             Target::Gpu(hw) => format!("meta:{}", hw.name),
+            Target::Cuda { ordinal, .. } => match ordinal {
+                Some(o) => format!("cuda:{o}"),
+                None => "cuda".into(),
+            },
+        }
+    }
+
+    /// The meta backend that predicts this target's backend, byte for byte.
+    fn meta(&self) -> MetaBackend {
+        match self {
+            Target::Cpu { .. } => MetaBackend::emulating_cpu(),
+            Target::Gpu(_) | Target::Cuda { .. } => MetaBackend::emulating_cuda(),
+        }
+    }
+
+    /// Where `--verify` runs the split: this target's device (a GPU profile
+    /// is verified on cpu).
+    fn run_device(&self) -> DeviceSpec {
+        match self {
+            Target::Cuda { ordinal, .. } => DeviceSpec {
+                kind: DeviceKind::Cuda,
+                limit: None,
+                ordinal: *ordinal,
+            },
+            _ => DeviceSpec::new(DeviceKind::Cpu, None),
         }
     }
 }
@@ -189,6 +223,7 @@ pub fn stage_peak(
     train: &TrainConfig,
     s: usize,
     blocks: Range<usize>,
+    meta: &MetaBackend,
 ) -> PeakBytes {
     let one = TrainConfig {
         ranks: train.pipeline_stages,
@@ -203,7 +238,7 @@ pub fn stage_peak(
     let mut e = Engine::new_stage(
         model.clone(),
         one,
-        MetaBackend::emulating_cpu(),
+        meta.clone(),
         None,
         link.comm,
         link.pipe,
@@ -240,7 +275,7 @@ fn layer_times(
     };
     match target {
         Target::Gpu(hw) => {
-            let mut e = Engine::new(model.clone(), one, MetaBackend::emulating_cpu(), None)
+            let mut e = Engine::new(model.clone(), one, target.meta(), None)
                 .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
             e.dev.roofline = Some(crate::plan::roofline(hw, train.precision));
             e.dev.phase_secs = Some(HashMap::new());
@@ -256,27 +291,45 @@ fn layer_times(
             // Within the host's memory, as `memfit run` trains: a model too
             // big is a typed OOM, not an abort. (`cpu:limit` is a stage's
             // capacity; the whole model is timed here, so it does not apply.)
-            let limit = crate::run::host_available_memory();
-            let mut e = Engine::new(model.clone(), one.clone(), be, limit)?;
-            let mut data = DataSource::synthetic(model.vocab_size, one.seed);
-            let mut runs: Vec<Vec<f64>> = Vec::new();
-            // One warm-up step, then `repeats` timed ones.
-            for r in 0..=repeats {
-                e.dev.phase_secs = Some(HashMap::new());
-                e.step_from(1, || data.next_batch(one.micro_batch, one.seq_len))?;
-                if r > 0 {
-                    runs.push(per_layer(e.dev.phase_secs.as_ref().expect("recorded")));
-                }
-            }
-            Ok((0..model.n_layer + 2)
-                .map(|k| {
-                    let mut v: Vec<f64> = runs.iter().map(|r| r[k]).collect();
-                    v.sort_by(f64::total_cmp);
-                    v[v.len() / 2]
-                })
-                .collect())
+            time_layers(model, &one, be, crate::run::host_available_memory(), repeats, per_layer)
+        }
+        Target::Cuda { ordinal, .. } => {
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let be = crate::backend::cuda::open(ordinal.unwrap_or(0), threads)
+                .map_err(Error::Unavailable)?;
+            let free = crate::run::device_free_after_startup(std::slice::from_ref(&be));
+            time_layers(model, &one, be, Some(free), repeats, per_layer)
         }
     }
+}
+
+/// Times each pipeline layer of `one` on backend `be`: one warm-up step, then
+/// `repeats` timed ones, the median per layer.
+fn time_layers<B: crate::backend::Backend>(
+    model: &ModelConfig,
+    one: &TrainConfig,
+    be: B,
+    limit: Option<u64>,
+    repeats: usize,
+    per_layer: impl Fn(&HashMap<Phase, f64>) -> Vec<f64>,
+) -> Result<Vec<f64>> {
+    let mut e = Engine::new(model.clone(), one.clone(), be, limit)?;
+    let mut data = DataSource::synthetic(model.vocab_size, one.seed);
+    let mut runs: Vec<Vec<f64>> = Vec::new();
+    for r in 0..=repeats {
+        e.dev.phase_secs = Some(HashMap::new());
+        e.step_from(1, || data.next_batch(one.micro_batch, one.seq_len))?;
+        if r > 0 {
+            runs.push(per_layer(e.dev.phase_secs.as_ref().expect("recorded")));
+        }
+    }
+    Ok((0..model.n_layer + 2)
+        .map(|k| {
+            let mut v: Vec<f64> = runs.iter().map(|r| r[k]).collect();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        })
+        .collect())
 }
 
 /// Runs `memfit balance`.
@@ -343,7 +396,7 @@ pub fn balance(opts: &BalanceOptions) -> Result<BalanceReport> {
     };
     let layers: Vec<LayerRecord> = (0..n)
         .map(|i| {
-            let p = stage_peak(&model, &alone, i, blocks_of(i, i + 1, n));
+            let p = stage_peak(&model, &alone, i, blocks_of(i, i + 1, n), &opts.target.meta());
             let weights = [
                 Category::Parameters,
                 Category::Gradients,
@@ -364,10 +417,11 @@ pub fn balance(opts: &BalanceOptions) -> Result<BalanceReport> {
 
     // The exact costs of a stage, memoised: the search asks for some many times.
     let mut memo: HashMap<(usize, usize, usize), PeakBytes> = HashMap::new();
+    let meta = opts.target.meta();
     let mut peak = |s: usize, i: usize, j: usize| -> PeakBytes {
         *memo
             .entry((s, i, j))
-            .or_insert_with(|| stage_peak(&model, t, s, blocks_of(i, j, n)))
+            .or_insert_with(|| stage_peak(&model, t, s, blocks_of(i, j, n), &meta))
     };
     // Time in picoseconds, so the search can bisect integers.
     let prefix: Vec<f64> = std::iter::once(0.0)
@@ -518,11 +572,7 @@ fn verify(opts: &BalanceOptions, report: &BalanceReport) -> Result<Vec<VerifyRec
             ..opts.train.clone()
         },
         steps: 1,
-        device: DeviceSpec {
-            kind: DeviceKind::Cpu,
-            limit: None,
-            ordinal: None,
-        },
+        device: opts.target.run_device(),
         data: None,
         threads: None,
         timeline: None,

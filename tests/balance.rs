@@ -3,6 +3,7 @@
 //! uniform split or fairscale's heuristic, strictly better where the
 //! embedding or the head is heavy, and what it predicts is what cpu measures.
 
+use memfit::backend::meta::MetaBackend;
 use std::collections::HashMap;
 
 mod common;
@@ -71,10 +72,14 @@ fn the_optimal_split_is_the_best_of_every_split() {
                 }
                 let r = balance(&o).unwrap();
                 let mut memo = HashMap::new();
+                let meta = match target {
+                    Target::Cpu { .. } => MetaBackend::emulating_cpu(),
+                    _ => MetaBackend::emulating_cuda(),
+                };
                 let mut cost = |s: usize, i: usize, j: usize| {
                     *memo
                         .entry((s, i, j))
-                        .or_insert_with(|| stage_peak(&m, &o.train, s, blocks_of(i, j, n)).total)
+                        .or_insert_with(|| stage_peak(&m, &o.train, s, blocks_of(i, j, n), &meta).total)
                 };
                 let best = splits(n, stages)
                     .into_iter()

@@ -840,8 +840,13 @@ pub fn predict(
     };
     let distributed = p.gpus > 1 || p.sharding != Sharding::None;
     let comm = distributed.then(|| Box::new(MetaComm::new(0, p.gpus)) as Comm<MetaBackend>);
-    let mut e = match Engine::new_rank(model.clone(), one, MetaBackend::emulating_cpu(), None, comm)
-    {
+    // A plan for the cpu backend (a cpu sweep's run device) declares its
+    // workspace; every other plan is for a GPU and declares the cuda one.
+    let meta = match r.device.as_ref().map(|d| d.kind) {
+        Some(crate::backend::DeviceKind::Cpu) => MetaBackend::emulating_cpu(),
+        _ => MetaBackend::emulating_cuda(),
+    };
+    let mut e = match Engine::new_rank(model.clone(), one, meta, None, comm) {
         Ok(e) => e,
         Err(oom) => unreachable!("meta without capacity cannot run out of memory: {oom}"),
     };

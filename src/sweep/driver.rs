@@ -164,20 +164,28 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
         limit: None,
         ordinal: None,
     });
-    if device.kind == DeviceKind::Cuda {
-        return Err(Error::Unavailable(
-            "the cuda backend is not part of this build yet; sweep on cpu (optionally cpu:limit=SIZE) or meta".into(),
-        ));
-    }
-    let (capacity, overhead) = recipe.capacity(&hw);
-    let trial_device = DeviceSpec {
-        kind: device.kind,
-        limit: Some(capacity - overhead.min(capacity)),
-        ordinal: device.ordinal,
-    };
     let threads = opts
         .threads
         .unwrap_or_else(crate::calibrate::default_threads);
+    // On cuda, open the GPU once here: no GPU is one clear error before any
+    // trial, and the trials' limit is at most what the GPU has free.
+    let gpu = match device.kind {
+        DeviceKind::Cuda => {
+            let probe = crate::backend::cuda::open(device.ordinal.unwrap_or(0), threads)
+                .map_err(Error::Unavailable)?;
+            use crate::backend::cuda::driver::Driver as _;
+            let free = crate::run::device_free_after_startup(std::slice::from_ref(&probe));
+            Some((probe.driver().describe(), free))
+        }
+        _ => None,
+    };
+    let (capacity, overhead) = recipe.capacity(&hw);
+    let usable = capacity - overhead.min(capacity);
+    let trial_device = DeviceSpec {
+        kind: device.kind,
+        limit: Some(gpu.as_ref().map_or(usable, |(_, free)| usable.min(*free))),
+        ordinal: device.ordinal,
+    };
     // On cpu, trials are timed on this host: predict them with its own
     // roofline and price them at the host's $/hour (it runs every rank).
     let calibration = match device.kind {
@@ -240,7 +248,7 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
         model: model.name.clone(),
         hardware: hw.name.clone(),
         device: trial_device.to_string(),
-        run_device: run_device(&device, threads, capacity),
+        run_device: run_device(&device, threads, capacity, gpu.as_ref()),
         target: Target {
             name: hw.name.clone(),
             display_name: hw.display_name.clone(),
@@ -1132,9 +1140,19 @@ impl Ctx<'_> {
 }
 
 /// The run device in words.
-fn run_device(asked: &DeviceSpec, threads: usize, capacity: u64) -> RunDevice {
-    // On cpu the capacity is always emulated: the limit asked for, else the target's.
-    let emulated = asked.kind == DeviceKind::Cpu;
+fn run_device(
+    asked: &DeviceSpec,
+    threads: usize,
+    capacity: u64,
+    gpu: Option<&(String, u64)>,
+) -> RunDevice {
+    // On cpu the capacity is always emulated: the limit asked for, else the
+    // target's; on a GPU when the target is smaller than what it has free.
+    let emulated = match (asked.kind, gpu) {
+        (DeviceKind::Cpu, _) => true,
+        (DeviceKind::Cuda, Some((_, free))) => capacity < *free,
+        _ => false,
+    };
     let cap = crate::units::fmt_bytes(capacity);
     let description = match asked.kind {
         DeviceKind::Cpu if asked.limit.is_some() => {
@@ -1144,7 +1162,13 @@ fn run_device(asked: &DeviceSpec, threads: usize, capacity: u64) -> RunDevice {
             format!("this host's CPU ({threads} threads), emulating the target's {cap}")
         }
         DeviceKind::Meta => format!("meta (computes nothing; peaks exact, times predicted), {cap}"),
-        DeviceKind::Cuda => format!("cuda, {cap}"),
+        DeviceKind::Cuda => match gpu {
+            Some((name, free)) if capacity < *free => {
+                format!("{name}, limited to the target's {cap}")
+            }
+            Some((name, _)) => format!("{name}, {cap}"),
+            None => format!("cuda, {cap}"),
+        },
     };
     RunDevice {
         spec: asked.to_string(),
