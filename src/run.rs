@@ -161,6 +161,17 @@ pub struct RunReport {
     /// fp16: the final dynamic loss scale; `null` for fp32 and bf16.
     pub loss_scale: Option<f32>,
     pub error: Option<ErrorRecord>,
+    /// On a GPU: what it is, and the device memory its driver, context,
+    /// kernels and libraries hold (measured at start-up, before any tensor).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<GpuRecord>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct GpuRecord {
+    pub description: String,
+    pub total_bytes: u64,
+    pub overhead_bytes: u64,
 }
 
 /// Checks the options against the model, with errors naming the flag.
@@ -432,7 +443,17 @@ pub fn run(opts: &RunOptions) -> Result<(RunReport, Option<Error>)> {
             // smaller limit emulates a smaller GPU.
             let free = device_free_after_startup(&backends) / n as u64;
             opts.device.limit = Some(opts.device.limit.map_or(free, |l| l.min(free)));
-            let (report, err) = run_on(&opts, model, backends, links, Some(&mut data))?;
+            let gpu = GpuRecord {
+                description: backends[0].driver().describe(),
+                total_bytes: backends[0].driver().total_bytes(),
+                overhead_bytes: backends
+                    .iter()
+                    .map(|b| b.overhead_bytes())
+                    .max()
+                    .unwrap_or(0),
+            };
+            let (mut report, err) = run_on(&opts, model, backends, links, Some(&mut data))?;
+            report.gpu = Some(gpu);
             Ok((report, err))
         }
     }
@@ -603,6 +624,7 @@ where
         skipped_steps: 0,
         loss_scale: None,
         error: None,
+        gpu: None,
     };
     // Open the timeline file first, so a bad path fails before any training.
     let mut timeline_file = match &opts.timeline {
@@ -882,6 +904,14 @@ pub fn render_table(r: &RunReport) -> String {
         r.flops_per_step as f64 / 1e9,
         fmt_bytes(u64::try_from(r.bytes_moved_per_step).unwrap_or(u64::MAX))
     );
+    if let Some(g) = &r.gpu {
+        let _ = writeln!(
+            s,
+            "gpu: {}; {} held before any tensor (driver, context, kernels, cuBLAS and its workspace)",
+            g.description,
+            fmt_bytes(g.overhead_bytes)
+        );
+    }
     let n = r.ranks.len();
     let _ = writeln!(
         s,

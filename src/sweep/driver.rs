@@ -175,15 +175,17 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
                 .map_err(Error::Unavailable)?;
             use crate::backend::cuda::driver::Driver as _;
             let free = crate::run::device_free_after_startup(std::slice::from_ref(&probe));
-            Some((probe.driver().describe(), free))
+            Some((probe.driver().describe(), free, probe.overhead_bytes()))
         }
         _ => None,
     };
     let (capacity, overhead) = recipe.capacity(&hw);
+    // On a GPU the run device's overhead is the one measured at start-up.
+    let overhead = gpu.as_ref().map_or(overhead, |g| g.2);
     let usable = capacity - overhead.min(capacity);
     let trial_device = DeviceSpec {
         kind: device.kind,
-        limit: Some(gpu.as_ref().map_or(usable, |(_, free)| usable.min(*free))),
+        limit: Some(gpu.as_ref().map_or(usable, |g| usable.min(g.1))),
         ordinal: device.ordinal,
     };
     // On cpu, trials are timed on this host: predict them with its own
@@ -248,7 +250,12 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
         model: model.name.clone(),
         hardware: hw.name.clone(),
         device: trial_device.to_string(),
-        run_device: run_device(&device, threads, capacity, gpu.as_ref()),
+        run_device: run_device(
+            &device,
+            threads,
+            capacity,
+            gpu.as_ref().map(|g| (g.0.clone(), g.1)).as_ref(),
+        ),
         target: Target {
             name: hw.name.clone(),
             display_name: hw.display_name.clone(),
