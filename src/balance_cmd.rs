@@ -235,15 +235,8 @@ pub fn stage_peak(
     if let Some(p) = &mut link.pipe {
         p.layers = blocks;
     }
-    let mut e = Engine::new_stage(
-        model.clone(),
-        one,
-        meta.clone(),
-        None,
-        link.comm,
-        link.pipe,
-    )
-    .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
+    let mut e = Engine::new_stage(model.clone(), one, meta.clone(), None, link.comm, link.pipe)
+        .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
     e.step_from(train.grad_accum, || unreachable!("meta reads no data"))
         .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
     e.dev.tracker.peak_bytes()
@@ -291,7 +284,14 @@ fn layer_times(
             // Within the host's memory, as `memfit run` trains: a model too
             // big is a typed OOM, not an abort. (`cpu:limit` is a stage's
             // capacity; the whole model is timed here, so it does not apply.)
-            time_layers(model, &one, be, crate::run::host_available_memory(), repeats, per_layer)
+            time_layers(
+                model,
+                &one,
+                be,
+                crate::run::host_available_memory(),
+                repeats,
+                per_layer,
+            )
         }
         Target::Cuda { ordinal, .. } => {
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -396,7 +396,13 @@ pub fn balance(opts: &BalanceOptions) -> Result<BalanceReport> {
     };
     let layers: Vec<LayerRecord> = (0..n)
         .map(|i| {
-            let p = stage_peak(&model, &alone, i, blocks_of(i, i + 1, n), &opts.target.meta());
+            let p = stage_peak(
+                &model,
+                &alone,
+                i,
+                blocks_of(i, i + 1, n),
+                &opts.target.meta(),
+            );
             let weights = [
                 Category::Parameters,
                 Category::Gradients,
@@ -555,7 +561,8 @@ pub fn balance(opts: &BalanceOptions) -> Result<BalanceReport> {
     Ok(report)
 }
 
-/// Runs the optimal partition for real on cpu, one step, and pairs each
+/// Runs the optimal partition for real (on the cuda target's GPU, else on
+/// cpu), one step, and pairs each
 /// stage's measured peak with the prediction.
 fn verify(opts: &BalanceOptions, report: &BalanceReport) -> Result<Vec<VerifyRecord>> {
     let blocks: Vec<usize> = report
@@ -707,7 +714,12 @@ pub fn render_table(r: &BalanceReport) -> String {
         );
     }
     if !r.verify.is_empty() {
-        let _ = writeln!(o, "\nverified on cpu (one step of the optimal split):");
+        let on = if r.device.starts_with("cuda") {
+            r.device.as_str()
+        } else {
+            "cpu"
+        };
+        let _ = writeln!(o, "\nverified on {on} (one step of the optimal split):");
         for v in &r.verify {
             let _ = writeln!(
                 o,

@@ -77,9 +77,9 @@ fn the_optimal_split_is_the_best_of_every_split() {
                     _ => MetaBackend::emulating_cuda(),
                 };
                 let mut cost = |s: usize, i: usize, j: usize| {
-                    *memo
-                        .entry((s, i, j))
-                        .or_insert_with(|| stage_peak(&m, &o.train, s, blocks_of(i, j, n), &meta).total)
+                    *memo.entry((s, i, j)).or_insert_with(|| {
+                        stage_peak(&m, &o.train, s, blocks_of(i, j, n), &meta).total
+                    })
                 };
                 let best = splits(n, stages)
                     .into_iter()

@@ -152,3 +152,55 @@ fn selftest_passes_on_the_emulated_gpu() {
     }
     assert!(!text.contains("FAIL"), "{text}");
 }
+
+/// A sweep on the (emulated) GPU: trials run on it as child processes, the
+/// report names it as the run device, and predicted peaks (meta emulating
+/// cuda) equal the measured ones.
+#[test]
+fn sweep_and_balance_run_on_the_emulated_gpu() {
+    let dir = std::env::temp_dir().join(format!("memfit-cuda-sweep-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let recipe = dir.join("gpu.yaml");
+    std::fs::write(
+        &recipe,
+        "model: gpt2-tiny\nhardware: t4\ndevice: cuda\nseq_len: 32\nglobal_batch: 4\ngrid:\n  micro_batch: [2, 4]\n  precision: [fp32]\n  checkpointing: [none]\n  attention: [eager, fused]\n  optimizer: [adamw]\n  sharding: [none]\n  gpus: [1]\n",
+    )
+    .unwrap();
+    let out_dir = dir.join("out");
+    let out = emulated(&[
+        "sweep",
+        recipe.to_str().unwrap(),
+        "--out",
+        out_dir.to_str().unwrap(),
+        "--exhaustive",
+        "--steps",
+        "1",
+        "--max-steps",
+        "2",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(out_dir.join("report.json")).unwrap())
+            .unwrap();
+    assert_eq!(report["run_device"]["kind"], "cuda");
+    let desc = report["run_device"]["description"].as_str().unwrap();
+    assert!(desc.contains("emulated GPU"), "{desc}");
+    let trials = report["trials"].as_array().unwrap();
+    assert_eq!(trials.len(), 4, "{report}");
+    for t in trials {
+        let m = &t["measured"];
+        assert!(!m.is_null(), "{t}");
+        assert_eq!(t["memory_error_pct"].as_f64(), Some(0.0), "{t}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let out = emulated(&[
+        "balance", "--model", "gpt2-tiny", "--stages", "2", "--microbatches", "2",
+        "--micro-batch", "2", "--seq-len", "32", "--device", "cuda", "--verify",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(text.contains("verified on cuda"), "{text}");
+    assert_eq!(text.matches("(equal)").count(), 2, "{text}");
+}
