@@ -76,6 +76,8 @@ fn without_a_gpu_cuda_is_one_clear_error() {
             "gpt2-tiny",
             "--stages",
             "2",
+            "--microbatches",
+            "2",
             "--device",
             "cuda",
         ],
@@ -196,8 +198,20 @@ fn sweep_and_balance_run_on_the_emulated_gpu() {
     let _ = std::fs::remove_dir_all(&dir);
 
     let out = emulated(&[
-        "balance", "--model", "gpt2-tiny", "--stages", "2", "--microbatches", "2",
-        "--micro-batch", "2", "--seq-len", "32", "--device", "cuda", "--verify",
+        "balance",
+        "--model",
+        "gpt2-tiny",
+        "--stages",
+        "2",
+        "--microbatches",
+        "2",
+        "--micro-batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--device",
+        "cuda",
+        "--verify",
     ]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", stderr(&out));

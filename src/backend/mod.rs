@@ -596,7 +596,8 @@ mod tests {
             (g.kind, g.ordinal, g.limit),
             (DeviceKind::Cuda, Some(1), Some(40 << 30))
         );
-        assert_eq!(g.to_string(), "cuda:1,limit=40GiB");
+        assert_eq!(g.to_string(), "cuda:1,limit=40.00GiB");
+        assert_eq!(g.to_string().parse::<DeviceSpec>().unwrap(), g);
         assert_eq!("cuda".parse::<DeviceSpec>().unwrap().ordinal, None);
         assert!(
             "cpu:1"

@@ -74,10 +74,6 @@ impl CudaBuf {
     pub(crate) fn arg(&self) -> Arg {
         Arg::Ptr(self.ptr)
     }
-    /// The address of element `i`.
-    pub(crate) fn at(&self, i: usize) -> Arg {
-        Arg::Ptr(self.ptr + (i * self.dtype.size()) as u64)
-    }
     /// The kernel's code for a float element type (prelude.cuh's `DT_*`).
     pub(crate) fn dt(&self) -> Arg {
         Arg::I32(float_code(self.dtype))
