@@ -47,7 +47,12 @@ fn predictions_equal_cpu_measured_peaks() {
             cost: None,
             host_usd_per_hour: None,
             allow_numerics_change: true,
-            device: None,
+            // A plan for the cpu backend (a GPU plan declares the cuda
+            // backend's attention workspace; tests/cuda_cli.rs checks that one).
+            device: Some(memfit::backend::DeviceSpec::new(
+                memfit::backend::DeviceKind::Cpu,
+                None,
+            )),
         };
         let p = plan(&recipe, &model, &hw);
         let mut checked = 0;

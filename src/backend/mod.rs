@@ -84,6 +84,10 @@ pub trait Backend {
         true
     }
 
+    /// Waits until every op issued so far has finished (a GPU queues its
+    /// work; the cpu and meta backends finish each op before returning).
+    fn synchronize(&mut self) {}
+
     /// A zero-filled buffer of `len` elements.
     fn alloc(&mut self, len: usize, dtype: DType) -> Self::Buf;
     fn free(&mut self, buf: Self::Buf);

@@ -711,6 +711,9 @@ impl<B: Backend> Engine<B> {
             loss_sum = loss_sum.map(|s| p.group.all_reduce_scalar(s));
         }
         let (grad_norm, skipped) = self.optimizer_step()?;
+        // A GPU queues work: the step ends when its last kernel does, so
+        // the caller's step time is the device's.
+        self.dev.be.synchronize();
         Ok(StepReport {
             loss: loss_sum.map(|s| (s / k as f64) as f32),
             grad_norm,

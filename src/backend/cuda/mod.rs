@@ -300,6 +300,10 @@ impl<D: Driver> Backend for CudaBackend<D> {
         workspace_bytes(s, fused, dtype)
     }
 
+    fn synchronize(&mut self) {
+        self.drv.synchronize();
+    }
+
     fn upload_f32(&mut self, dst: &mut CudaBuf, src: &[f32]) {
         assert!(
             src.len() <= dst.len,
@@ -728,5 +732,160 @@ impl<D: Driver> Backend for CudaBackend<D> {
         h: AdafactorHyper,
     ) {
         optim::adafactor(self, param, grad, st, h)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::driver::{ArgKind, Gemm};
+    use super::emu::EmuDriver;
+    use super::*;
+
+    fn emu(capacity: u64) -> CudaBackend<EmuDriver> {
+        CudaBackend::new(EmuDriver::new(capacity, 2)).unwrap()
+    }
+
+    #[test]
+    fn the_caching_allocator_reuses_rounded_blocks_zeroed() {
+        let mut be = emu(1 << 20);
+        let mut a = be.alloc(100, DType::F32);
+        be.fill(&mut a, 3.0);
+        let ptr = a.ptr;
+        be.free(a);
+        assert_eq!(be.cached_bytes(), 512);
+        // 120 f32 round to the same 512 bytes: the same block, zeroed again.
+        let b = be.alloc(120, DType::F32);
+        assert_eq!(b.ptr, ptr);
+        assert_eq!(be.cached_bytes(), 0);
+        assert!(be.download_f32(&b).unwrap().iter().all(|&v| v == 0.0));
+        // A different size is a new block.
+        let c = be.alloc(200, DType::Bf16);
+        assert_ne!(c.ptr, b.ptr);
+        be.free(b);
+        be.free(c);
+        be.empty_cache();
+        assert_eq!(be.cached_bytes(), 0);
+    }
+
+    #[test]
+    fn out_of_memory_returns_the_cache_before_giving_up() {
+        // 64 KiB scratch + 2 x 128 KiB fit in 330 KiB, a third block does not
+        // until the cached one is returned.
+        let mut be = emu(330 << 10);
+        let a = be.alloc(32 << 10, DType::F32);
+        let b = be.alloc(32 << 10, DType::F32);
+        be.free(a);
+        let c = be.alloc(30 << 10, DType::F32); // another size: the cache is emptied, then it fits
+        assert_eq!(be.cached_bytes(), 0);
+        be.free(b);
+        be.free(c);
+    }
+
+    #[test]
+    #[should_panic(expected = "cuda out of memory")]
+    fn out_of_memory_past_the_cache_is_a_clear_panic() {
+        let mut be = emu(128 << 10);
+        let _a = be.alloc(64 << 10, DType::F32);
+    }
+
+    #[test]
+    fn launches_are_checked_against_the_kernel_signature() {
+        let k = Kernel::named("fill_kernel");
+        assert_eq!(
+            k.sig().args,
+            &[ArgKind::Ptr, ArgKind::I32, ArgKind::I64, ArgKind::F32]
+        );
+        let bad = std::panic::catch_unwind(|| {
+            driver::check_args(k, &[Arg::Ptr(0), Arg::I64(0), Arg::I64(1), Arg::F32(0.0)])
+        });
+        assert!(bad.is_err());
+        assert!(std::panic::catch_unwind(|| Kernel::named("no_such_kernel")).is_err());
+    }
+
+    #[test]
+    fn launch_configuration() {
+        assert_eq!(LaunchCfg::elementwise(1).grid, [1, 1, 1]);
+        assert_eq!(LaunchCfg::elementwise(257).grid, [2, 1, 1]);
+        assert_eq!(
+            LaunchCfg::elementwise(1 << 30).grid[0],
+            driver::MAX_STRIDE_BLOCKS
+        );
+        assert_eq!(LaunchCfg::elementwise(5).block, [256, 1, 1]);
+        assert_eq!(float_code(DType::Bf16), 1);
+        assert!(std::panic::catch_unwind(|| float_code(DType::U8)).is_err());
+    }
+
+    /// The emulator's warp shuffles and barriers behave as CUDA's.
+    #[test]
+    fn emulated_warp_primitives_and_barriers() {
+        let mut be = emu(1 << 20);
+        let threads = 96u32;
+        let out = be.alloc(3 * threads as usize, DType::U32);
+        let total = be.alloc(2, DType::U32);
+        be.launch(
+            "selfcheck_warp_kernel",
+            LaunchCfg::linear(2, threads),
+            &[out.arg(), total.arg()],
+        );
+        let got = be.download_f32(&out).unwrap();
+        for t in 0..threads as usize {
+            let lane = t % 32;
+            let down = if lane + 3 < 32 { lane + 3 } else { lane };
+            assert_eq!(
+                [got[3 * t], got[3 * t + 1], got[3 * t + 2]],
+                [(lane ^ 1) as f32, down as f32, 5.0],
+                "thread {t}"
+            );
+        }
+        let sum = (0..threads).sum::<u32>() as f32;
+        assert_eq!(be.download_f32(&total).unwrap(), vec![sum, sum]);
+
+        let flag = be.alloc(64, DType::U32);
+        let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            be.launch(
+                "selfcheck_barrier_kernel",
+                LaunchCfg::linear(1, 64),
+                &[flag.arg(), Arg::I32(5)],
+            )
+        }))
+        .unwrap_err();
+        let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(
+            msg.contains("never reach") || msg.contains("deadlock"),
+            "{msg}"
+        );
+    }
+
+    /// The reference GEMM follows cuBLAS's column-major conventions:
+    /// `C (2x2) = A^T (2x3) B (3x2)` with A stored column-major 3x2.
+    #[test]
+    fn the_emulated_gemm_is_column_major() {
+        let mut be = emu(1 << 20);
+        let a = check::up(&mut be, &[1., 2., 3., 4., 5., 6.], DType::F32); // A (3x2): cols [1,2,3], [4,5,6]
+        let b = check::up(&mut be, &[1., 0., 1., 0., 1., 0.], DType::F32); // B (3x2): cols [1,0,1], [0,1,0]
+        let c = check::up(&mut be, &[10., 10., 10., 10.], DType::F32);
+        be.drv.gemm(&Gemm {
+            transa: true,
+            transb: false,
+            m: 2,
+            n: 2,
+            k: 3,
+            alpha: 1.0,
+            a: a.ptr,
+            lda: 3,
+            stride_a: 0,
+            b: b.ptr,
+            ldb: 3,
+            stride_b: 0,
+            ab_type: DType::F32,
+            beta: 1.0,
+            c: c.ptr,
+            ldc: 2,
+            stride_c: 0,
+            c_type: DType::F32,
+            batch: 1,
+        });
+        // C(i,j) = sum_p A(p,i) B(p,j) + 10: [[1+3, 2], [4+6, 5]] + 10, column-major.
+        assert_eq!(be.download_f32(&c).unwrap(), vec![14., 20., 12., 15.]);
     }
 }
