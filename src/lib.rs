@@ -23,6 +23,7 @@ pub mod rng;
 pub mod run;
 pub mod selftest;
 pub mod stats;
+pub mod telemetry;
 pub mod sweep;
 pub mod tui;
 pub mod units;
