@@ -67,9 +67,34 @@ pub struct CheckArgs {
     /// trials, or two reports with no config in common, are refused anyway.
     #[arg(long)]
     pub allow_missing: bool,
+    /// Which peak to gate on: `tracked` (the engine's tracker: deterministic,
+    /// the default) or `nvml` (each trial process's GPU memory as NVML saw
+    /// it; GPU sweeps with NVML only, and noisier).
+    #[arg(long, value_enum, default_value_t = Metric::Tracked)]
+    pub metric: Metric,
     /// Output format.
     #[arg(long, value_enum, default_value_t = CheckFormat::Table)]
     pub format: CheckFormat,
+}
+
+/// The peak a check compares.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Metric {
+    /// The tracker's peak, total and per category (deterministic).
+    #[default]
+    Tracked,
+    /// The trial process's NVML peak (total only).
+    Nvml,
+}
+
+impl Metric {
+    fn words(self) -> &'static str {
+        match self {
+            Metric::Tracked => "tracked peak",
+            Metric::Nvml => "NVML peak",
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -92,6 +117,8 @@ pub struct CheckOptions {
     pub per_category: bool,
     /// Configs on one side only and interrupted sweeps are warnings, not errors.
     pub allow_missing: bool,
+    /// The peak compared.
+    pub metric: Metric,
 }
 
 impl CheckOptions {
@@ -101,6 +128,7 @@ impl CheckOptions {
             tolerance,
             per_category: false,
             allow_missing: false,
+            metric: Metric::Tracked,
         }
     }
 
@@ -109,6 +137,7 @@ impl CheckOptions {
             tolerance: parse_tolerance(&args.tolerance)?,
             per_category: args.per_category,
             allow_missing: args.allow_missing,
+            metric: args.metric,
         })
     }
 }
@@ -224,6 +253,9 @@ pub struct CheckReport {
     pub category_floor_bytes: u64,
     /// A grown category fails the check (`--per-category`).
     pub per_category: bool,
+    /// The peak compared (`--metric`).
+    #[serde(default)]
+    pub metric: Metric,
     /// Configs on one side only were accepted as warnings (`--allow-missing`).
     pub allow_missing: bool,
     /// Every comparable config, in the baseline's order.
@@ -329,6 +361,29 @@ pub fn gate(
                     }
                 ),
             ));
+        }
+    }
+    if opts.metric == Metric::Nvml {
+        for (side, r, file) in [("current", cur, &cur_file), ("baseline", base, &base_file)] {
+            let ran = r.trials.iter().filter(|t| t.measured.is_some()).count();
+            let sampled = r
+                .trials
+                .iter()
+                .filter(|t| {
+                    t.measured
+                        .as_ref()
+                        .is_some_and(|m| m.nvml_peak_bytes.is_some())
+                })
+                .count();
+            if ran > 0 && sampled < ran {
+                errors.push(problem(
+                    file,
+                    format!(
+                        "--metric nvml: {sampled} of the {side} report's {ran} measured trials have an NVML peak ({}); NVML peaks come from sweeps on a GPU (device: cuda) with NVML. Gate on the tracked peak (the default), or sweep on a GPU",
+                        r.nvml.as_deref().unwrap_or("the sweep ran on no GPU")
+                    ),
+                ));
+            }
         }
     }
     if !errors.is_empty() {
@@ -670,6 +725,14 @@ fn peak_of(t: &TrialRecord) -> Option<&PeakBytes> {
     t.measured.as_ref().map(|m| &m.peak_bytes)
 }
 
+/// A trial's NVML peak as a total without categories.
+fn nvml_of(t: &TrialRecord) -> Option<PeakBytes> {
+    t.measured.as_ref()?.nvml_peak_bytes.map(|total| PeakBytes {
+        total,
+        ..PeakBytes::default()
+    })
+}
+
 /// Whether a trial's outcome says it does not fit (so a baseline fit turning
 /// into it is a regression).
 fn failed(t: &TrialRecord) -> bool {
@@ -801,6 +864,7 @@ pub fn compare(current: &SweepReport, baseline: &SweepReport, opts: &CheckOption
         tolerance: opts.tolerance,
         category_floor_bytes: CATEGORY_FLOOR_BYTES,
         per_category: opts.per_category,
+        metric: opts.metric,
         allow_missing: opts.allow_missing,
         passed: regressions.is_empty(),
         compared,
@@ -851,7 +915,12 @@ fn grown_words(row: &Comparison) -> String {
 
 fn compare_one(b: &TrialRecord, c: &TrialRecord, opts: &CheckOptions) -> Option<Comparison> {
     let tolerance = opts.tolerance;
-    let (bp, cp) = (peak_of(b), peak_of(c));
+    let (bn, cn) = (nvml_of(b), nvml_of(c));
+    let (bp, cp) = match opts.metric {
+        Metric::Tracked => (peak_of(b), peak_of(c)),
+        Metric::Nvml => (bn.as_ref(), cn.as_ref()),
+    };
+    let what = opts.metric.words();
     let mut row = Comparison {
         id: b.id.clone(),
         label: b.point.label(),
@@ -880,7 +949,7 @@ fn compare_one(b: &TrialRecord, c: &TrialRecord, opts: &CheckOptions) -> Option<
         if ct > bt * (1.0 + tolerance) {
             row.verdict = CheckVerdict::Regression;
             row.reason = format!(
-                "tracked peak grew {} ({pct_text}) to {}, beyond the {} tolerance",
+                "{what} grew {} ({pct_text}) to {}, beyond the {} tolerance",
                 fmt_bytes(delta.unsigned_abs()),
                 fmt_bytes(cp.total),
                 fmt_pct(tolerance * 100.0)
@@ -888,12 +957,12 @@ fn compare_one(b: &TrialRecord, c: &TrialRecord, opts: &CheckOptions) -> Option<
         } else if ct < bt * (1.0 - tolerance) {
             row.verdict = CheckVerdict::Improvement;
             row.reason = format!(
-                "tracked peak fell {} ({pct_text}) to {}",
+                "{what} fell {} ({pct_text}) to {}",
                 fmt_bytes(delta.unsigned_abs()),
                 fmt_bytes(cp.total)
             );
         } else {
-            row.reason = format!("tracked peak {pct_text}, within the tolerance");
+            row.reason = format!("{what} {pct_text}, within the tolerance");
         }
         // A fit lost within the tolerance (a peak just under the line) is
         // still lost.

@@ -12,8 +12,8 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use memfit::check::{
-    CheckArgs, CheckFormat, CheckOptions, CheckReport, CheckVerdict, compare, gate, load_pair,
-    load_report, run_check,
+    CheckArgs, CheckFormat, CheckOptions, CheckReport, CheckVerdict, Metric, compare, gate,
+    load_pair, load_report, run_check,
 };
 use memfit::sweep::report::{Outcome, SCHEMA_VERSION, SweepReport, TrialRecord};
 
@@ -90,6 +90,7 @@ fn args(current: &Path, baseline: &Path, tolerance: &str, format: CheckFormat) -
         tolerance: tolerance.into(),
         per_category: false,
         allow_missing: false,
+        metric: Metric::Tracked,
         format,
     }
 }
@@ -663,4 +664,57 @@ fn format_help_showed_rustdoc_link_text() {
     // --per-category's help and the README state the floor in words.
     assert_eq!(memfit::check::CATEGORY_FLOOR_BYTES, 64 * 1024);
     assert!(help.contains("64 KiB"), "{help}");
+}
+
+/// `--metric nvml` gates on each trial's NVML peak: a grown NVML peak fails
+/// with the tracked peak unchanged, and reports without NVML peaks (cpu
+/// sweeps, or a GPU without NVML) are refused with the reason.
+#[test]
+fn metric_nvml_gates_on_nvml_peaks_and_refuses_reports_without_them() {
+    let with_nvml = |grow: f64| {
+        let mut r = baseline();
+        r.nvml = Some("NVML, driver 550.54.15".into());
+        for t in r.trials.iter_mut() {
+            if let Some(m) = t.measured.as_mut() {
+                m.nvml_peak_bytes = Some(((m.peak_bytes.total + (500 << 20)) as f64 * grow) as u64);
+            }
+        }
+        r
+    };
+    let (b, c) = (with_nvml(1.0), with_nvml(1.10));
+    let nvml = CheckOptions {
+        metric: Metric::Nvml,
+        ..opts(0.02)
+    };
+    let r = compare(&c, &b, &nvml);
+    assert!(!r.passed, "{r:#?}");
+    assert_eq!(r.metric, Metric::Nvml);
+    assert!(
+        r.regressions
+            .iter()
+            .all(|x| x.reason.contains("NVML peak grew")),
+        "{r:#?}"
+    );
+    // The tracked peaks did not move: the default metric passes.
+    assert!(compare(&c, &b, &opts(0.02)).passed);
+
+    let (bf, cf) = (write(&b, "nvml-base"), write(&c, "nvml-cur"));
+    let mut a = args(&cf, &bf, "2%", CheckFormat::Table);
+    a.metric = Metric::Nvml;
+    assert_eq!(run_check(&a), 1);
+    // The cpu fixture has no NVML peaks: refused, exit 2, saying why.
+    let (cur, base) = load_pair(&fixture(), &bf).unwrap();
+    let e = gate(&cur, &base, &nvml).expect_err("refused");
+    let text = e
+        .iter()
+        .map(|e| e.to_string())
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(
+        text.contains("--metric nvml") && text.contains("NVML peak"),
+        "{text}"
+    );
+    let mut a = args(&fixture(), &bf, "2%", CheckFormat::Table);
+    a.metric = Metric::Nvml;
+    assert_eq!(run_check(&a), 2);
 }

@@ -59,6 +59,8 @@ pub enum SweepEvent {
         t_s: f64,
         tracked: u64,
         rss: Option<u64>,
+        /// The trial process's GPU memory as NVML sees it, on a GPU with NVML.
+        nvml: Option<u64>,
     },
     TrialFinished {
         index: usize,
@@ -130,6 +132,8 @@ struct Ctx<'a> {
     ran_now: std::collections::HashSet<usize>,
     stop: Arc<AtomicBool>,
     bar: indicatif::ProgressBar,
+    /// NVML on a GPU run device (the trials' GPU), when it loads.
+    nvml: Option<crate::telemetry::Telemetry>,
 }
 
 /// A sweep before its first trial: the recipe, where trials run, the grid
@@ -284,6 +288,7 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
         recommendation: None,
         pareto: Vec::new(),
         interrupted: false,
+        nvml: None,
     };
     Ok(Prepared {
         recipe,
@@ -378,7 +383,31 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
             .expect("static template")
             .progress_chars("=> "),
     );
+    // On a GPU, NVML samples each trial process's device memory; without
+    // it the sweep goes on with tracked peaks only, and the report says why.
+    let mut report = report;
+    let nvml = match trial_device.kind {
+        DeviceKind::Cuda => match crate::telemetry::Telemetry::open() {
+            Ok(t) => {
+                report.nvml = Some(match t.driver_version() {
+                    Some(v) => format!("NVML, driver {v}"),
+                    None => "NVML".into(),
+                });
+                Some(t)
+            }
+            Err(why) => {
+                report.nvml = Some(if why.starts_with("no NVML") {
+                    why
+                } else {
+                    format!("no NVML: {why}")
+                });
+                None
+            }
+        },
+        _ => None,
+    };
     let mut ctx = Ctx {
+        nvml,
         opts,
         report,
         journal,
@@ -947,6 +976,7 @@ impl Ctx<'_> {
             measured: None,
             memory_error_pct: None,
             time_ratio: None,
+            nvml_error_pct: None,
             target: self.targets.get(index).cloned().flatten(),
             exit: None,
             numerics_changes: p.numerics_changes.iter().map(|s| s.to_string()).collect(),
@@ -1020,12 +1050,24 @@ impl Ctx<'_> {
         };
         let start = Instant::now();
         let hooks = self.opts.hooks.clone();
-        let on_sample = move |t_s, tracked, rss| {
+        let on_sample = move |t_s, tracked, rss, nvml| {
             if let Some(h) = &hooks {
-                (h.on_event)(SweepEvent::Sample { t_s, tracked, rss });
+                (h.on_event)(SweepEvent::Sample {
+                    t_s,
+                    tracked,
+                    rss,
+                    nvml,
+                });
             }
         };
-        let ended = run_child(&spec, self.opts.timeout, &self.stop, &on_sample)?;
+        // NVML every --sample-ms (the TUI's), else every 100 ms.
+        let sample_every =
+            Duration::from_millis(self.opts.hooks.as_ref().map_or(100, |h| h.sample_ms).max(1));
+        let nvml = self
+            .nvml
+            .as_ref()
+            .map(|t| (t, self.device.ordinal.map(|o| o as u32), sample_every));
+        let ended = run_child(&spec, self.opts.timeout, &self.stop, &on_sample, nvml)?;
         if self.stop.load(Ordering::SeqCst) {
             // Killed by Ctrl-C (ours, or the terminal's SIGINT to the child):
             // not a result; `--resume` runs it again.
@@ -1034,10 +1076,15 @@ impl Ctx<'_> {
         let mut r = self.base_record(index, p, Outcome::Crash);
         r.elapsed_s = start.elapsed().as_secs_f64();
         match ended {
-            Ended::Exited { code, out, err } => match (code, out) {
+            Ended::Exited {
+                code,
+                out,
+                err,
+                nvml_peak,
+            } => match (code, out) {
                 (Some(0), Some(o)) => {
                     r.outcome = Outcome::Ran;
-                    self.measure(&mut r, p, &o);
+                    self.measure(&mut r, p, &o, nvml_peak);
                 }
                 (Some(3), Some(o)) => {
                     r.outcome = Outcome::Oom;
@@ -1100,7 +1147,13 @@ impl Ctx<'_> {
         Ok(Some(r))
     }
 
-    fn measure(&self, r: &mut TrialRecord, p: &Prediction, o: &TrialOutput) {
+    fn measure(
+        &self,
+        r: &mut TrialRecord,
+        p: &Prediction,
+        o: &TrialOutput,
+        nvml_peak: Option<u64>,
+    ) {
         let timed = o
             .step_ms
             .get(o.warmup_steps..)
@@ -1123,6 +1176,10 @@ impl Ctx<'_> {
             if o.tokens_per_s.is_some() && pr.step_s > 0.0 {
                 r.time_ratio = Some(step_s / pr.step_s);
             }
+            if let Some(nv) = nvml_peak.filter(|&b| b > 0) {
+                r.nvml_error_pct =
+                    Some((nv as f64 - pr.peak_total_bytes as f64) / nv as f64 * 100.0);
+            }
         }
         r.measured = Some(Measured {
             peak_bytes: o.peak_bytes,
@@ -1142,6 +1199,7 @@ impl Ctx<'_> {
                 .map(|_| self.rates.usd_per_mtok(p.point.gpus, tokens_per_s)),
             losses: o.losses.clone(),
             phase_peaks: o.phase_peaks.clone(),
+            nvml_peak_bytes: nvml_peak,
         });
     }
 }
@@ -1208,6 +1266,8 @@ fn tail(s: &str) -> String {
 
 enum Ended {
     Exited {
+        /// The trial process's NVML peak, when NVML sampled it.
+        nvml_peak: Option<u64>,
         code: Option<i32>,
         out: Option<Box<TrialOutput>>,
         err: String,
@@ -1221,12 +1281,17 @@ enum Ended {
     },
 }
 
-/// Runs `memfit trial` in a child process; kills it at the timeout or on Ctrl-C.
+/// NVML for a trial: the library, the GPU (`None`: all), how often to sample.
+type NvmlWatch<'a> = (&'a crate::telemetry::Telemetry, Option<u32>, Duration);
+
+/// Runs `memfit trial` in a child process; kills it at the timeout or on
+/// Ctrl-C. With NVML, samples the child's GPU memory and keeps its peak.
 fn run_child(
     spec: &TrialSpec,
     timeout: Duration,
     stop: &AtomicBool,
-    on_sample: &(dyn Fn(f64, u64, Option<u64>) + Sync),
+    on_sample: &(dyn Fn(f64, u64, Option<u64>, Option<u64>) + Sync),
+    nvml: Option<NvmlWatch<'_>>,
 ) -> Result<Ended> {
     let exe = std::env::current_exe().map_err(|e| {
         Error::Unavailable(format!(
@@ -1282,7 +1347,19 @@ fn run_child(
     let pid = child.id();
     let start = Instant::now();
     let mut timed_out = false;
+    let mut nvml_peak: Option<u64> = None;
+    let mut nvml_now: Option<u64> = None;
+    let mut next_nvml = start;
     let status = loop {
+        if let Some((t, gpu, every)) = nvml
+            && Instant::now() >= next_nvml
+        {
+            next_nvml += every;
+            nvml_now = t.process_bytes(pid, gpu);
+            if let Some(b) = nvml_now {
+                nvml_peak = Some(nvml_peak.map_or(b, |p| p.max(b)));
+            }
+        }
         if let Some(status) = child
             .try_wait()
             .map_err(|e| Error::Unavailable(format!("cannot wait for a trial process: {e}")))?
@@ -1290,7 +1367,7 @@ fn run_child(
             break status;
         }
         for (t, tracked) in rx.try_iter() {
-            on_sample(t, tracked, process_rss(pid));
+            on_sample(t, tracked, process_rss(pid), nvml_now);
         }
         if start.elapsed() > timeout || stop.load(Ordering::SeqCst) {
             timed_out = !stop.load(Ordering::SeqCst);
@@ -1320,6 +1397,7 @@ fn run_child(
         code: status.code(),
         out: parsed,
         err,
+        nvml_peak,
     })
 }
 

@@ -725,6 +725,24 @@ fn columns(r: &SweepReport) -> Vec<Column> {
             cell
         },
     );
+    if r.trials.iter().any(|t| {
+        t.measured
+            .as_ref()
+            .is_some_and(|m| m.nvml_peak_bytes.is_some())
+    }) {
+        col(
+            "NVML",
+            "the trial process's GPU memory high-water mark as NVML reported it (context, kernels, cuBLAS, allocator reserve and tensors)",
+            true,
+            &|_, t| bytes(t.measured.as_ref().and_then(|m| m.nvml_peak_bytes)),
+        );
+        col(
+            "NVML err",
+            "(NVML peak - predicted) / NVML peak",
+            true,
+            &|_, t| Cell::num(fmt_pct(t.nvml_error_pct), t.nvml_error_pct),
+        );
+    }
     col(
         "host RSS",
         "the trial process's resident-set high-water mark: host memory, never compared with the capacity",

@@ -268,6 +268,56 @@ pub fn render(report: &SweepReport) -> String {
             .find_map(|t| t.measured.as_ref().and_then(|m| m.rss_baseline_bytes))
             .map_or("-".into(), fmt_bytes)
     );
+    s.push_str(&nvml_section(report));
+    s
+}
+
+/// On a GPU run device: predicted, tracked and NVML peaks side by side (or
+/// why NVML did not sample).
+pub fn nvml_section(report: &SweepReport) -> String {
+    let Some(state) = &report.nvml else {
+        return String::new();
+    };
+    let mut s = format!(
+        "
+## GPU memory: predicted, tracked and NVML
+
+{state}.
+"
+    );
+    let rows: Vec<(usize, &TrialRecord, u64)> = report
+        .trials
+        .iter()
+        .enumerate()
+        .filter_map(|(i, t)| Some((i, t, t.measured.as_ref()?.nvml_peak_bytes?)))
+        .collect();
+    if rows.is_empty() {
+        return s;
+    }
+    let _ = writeln!(
+        s,
+        "
+| # | configuration | predicted | tracked | NVML | tracked err | NVML err |\n|---|---|---:|---:|---:|---:|---:|"
+    );
+    for (i, t, nv) in rows {
+        let m = t.measured.as_ref().expect("filtered");
+        let _ = writeln!(
+            s,
+            "| {i} | {} | {} | {} | {} | {} | {} |",
+            t.point.label(),
+            t.predicted
+                .as_ref()
+                .map_or("-".into(), |p| fmt_bytes(p.peak_total_bytes)),
+            fmt_bytes(m.peak_bytes.total + report.runtime_overhead_bytes),
+            fmt_bytes(nv),
+            pct(t.memory_error_pct),
+            pct(t.nvml_error_pct)
+        );
+    }
+    s.push_str(
+        "
+*predicted* and *tracked* include the start-up overhead measured on this GPU (context, kernels, cuBLAS); *NVML* is the trial process's device memory as the driver reports it, sampled during the trial, which also holds the caching allocator's reserve. Errors are relative to the measured figure.\n",
+    );
     s
 }
 

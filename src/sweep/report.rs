@@ -90,6 +90,11 @@ pub struct Measured {
     /// `forward:embed`, `forward:i`, `backward:i`, `optimizer`, ...
     #[serde(default)]
     pub phase_peaks: Vec<crate::memory::PhasePeak>,
+    /// On a GPU with NVML: the trial process's GPU memory high-water mark as
+    /// NVML saw it (context, kernels, cuBLAS, the caching allocator's reserve
+    /// and the tracked tensors), sampled every `--sample-ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvml_peak_bytes: Option<u64>,
 }
 
 /// How a crashed trial ended.
@@ -117,6 +122,10 @@ pub struct TrialRecord {
     /// Measured / predicted median step time on the run device (1.0 is exact;
     /// 2.0 means the step took twice the prediction).
     pub time_ratio: Option<f64>,
+    /// (NVML peak - predicted total with the measured start-up overhead) /
+    /// NVML peak, percent; on a GPU with NVML only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvml_error_pct: Option<f64>,
     /// The plan for this configuration on the target GPU.
     #[serde(default)]
     pub target: Option<TargetPrediction>,
@@ -228,6 +237,10 @@ pub struct SweepReport {
     pub pareto: Vec<usize>,
     /// The sweep stopped early (Ctrl-C); what ran is all here.
     pub interrupted: bool,
+    /// On a GPU run device: NVML's state ("NVML, driver 550.54" or "no
+    /// NVML: <why>"); absent on cpu and meta.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvml: Option<String>,
 }
 
 impl SweepReport {
@@ -288,6 +301,7 @@ impl SweepReport {
             recommendation: None,
             pareto: Vec::new(),
             interrupted: false,
+            nvml: None,
         }
     }
 }
@@ -312,6 +326,7 @@ impl Measured {
             usd_per_mtok: Some(2.5 / 3600.0 / tokens_per_s * 1e6),
             losses: vec![10.8, 10.7],
             phase_peaks: Vec::new(),
+            nvml_peak_bytes: None,
         }
     }
 }

@@ -277,6 +277,8 @@ pub struct Sample {
     pub tracked: u64,
     /// The trial process's resident set size.
     pub rss: Option<u64>,
+    /// The trial process's GPU memory per NVML (GPU sweeps with NVML).
+    pub nvml: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -482,6 +484,7 @@ impl App {
             recommendation: None,
             pareto: Vec::new(),
             interrupted: !self.finished,
+            nvml: self.header.base.nvml.clone(),
             ..self.header.base.clone()
         };
         crate::sweep::driver::recommend(&mut report);
@@ -936,6 +939,7 @@ pub(crate) mod testdata {
             memory_error_pct: measured
                 .map(|(b, _)| (b as f64 - predicted as f64) / b as f64 * 100.0),
             time_ratio: measured.map(|_| 1.5),
+            nvml_error_pct: None,
             target: Some(target_plan(predicted)),
             exit: (outcome == Outcome::Crash).then(|| ExitInfo {
                 code: Some(101),
@@ -1043,6 +1047,7 @@ pub(crate) mod testdata {
                     t_s: t,
                     tracked: (k.min(25) as u64) * MIB,
                     rss: Some((30 + k.min(25) as u64) * MIB),
+                    nvml: None,
                 }),
             );
         }
@@ -1206,6 +1211,7 @@ mod tests {
             t_s: 0.5,
             tracked: 5 * MIB,
             rss: None,
+            nvml: None,
         };
         update(&mut app, Event::Sample(s));
         assert_eq!(app.samples, vec![s]);
@@ -1269,6 +1275,7 @@ mod tests {
                     t_s,
                     tracked,
                     rss: Some(tracked + MIB),
+                    nvml: None,
                 }),
             );
         }

@@ -107,9 +107,17 @@ fn start_sweep(
             let ev = match e {
                 SweepEvent::Planned(_) => return,
                 SweepEvent::TrialStarted { index } => Event::TrialStarted { index },
-                SweepEvent::Sample { t_s, tracked, rss } => {
-                    Event::Sample(super::app::Sample { t_s, tracked, rss })
-                }
+                SweepEvent::Sample {
+                    t_s,
+                    tracked,
+                    rss,
+                    nvml,
+                } => Event::Sample(super::app::Sample {
+                    t_s,
+                    tracked,
+                    rss,
+                    nvml,
+                }),
                 SweepEvent::TrialFinished { index, record } => Event::TrialFinished {
                     index,
                     record: *record,

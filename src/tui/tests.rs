@@ -32,6 +32,7 @@ fn a_whole_sweep_renders_at_every_step() {
                 t_s: 0.0,
                 tracked: MIB,
                 rss: None,
+                nvml: None,
             }),
         );
         for (w, h) in [(120, 40), (80, 24), (20, 5)] {
