@@ -146,4 +146,49 @@ fn main() {
         .flag_if_supported("-fno-strict-aliasing")
         .warnings(true)
         .compile("memfit_simt");
+
+    build_nvml_double(&root, &out);
+}
+
+/// Compiles the scripted NVML double (`tests/nvml_double/nvml_double.c`) to
+/// `$OUT_DIR/libnvml_double.so` and exports its path as the compile-time env
+/// `MEMFIT_NVML_DOUBLE` (empty, with a warning, where it cannot be built).
+fn build_nvml_double(root: &Path, out: &Path) {
+    const SRC: &str = "tests/nvml_double/nvml_double.c";
+    println!("cargo:rerun-if-changed={SRC}");
+    let src = root.join(SRC);
+    let lib = out.join("libnvml_double.so");
+    let built = (|| -> Result<(), String> {
+        if std::env::var("CARGO_CFG_TARGET_OS").as_deref() != Ok("linux") {
+            return Err("the NVML double is built for Linux targets only".into());
+        }
+        let cc = cc::Build::new()
+            .cargo_metadata(false)
+            .try_get_compiler()
+            .map_err(|e| format!("no C compiler: {e}"))?;
+        let output = cc
+            .to_command()
+            .args([
+                "-std=c11", "-O2", "-Wall", "-Wextra", "-shared", "-fPIC", "-o",
+            ])
+            .arg(&lib)
+            .arg(&src)
+            .arg("-ldl")
+            .arg("-lpthread")
+            .output()
+            .map_err(|e| format!("{}: {e}", cc.path().display()))?;
+        if !output.status.success() {
+            return Err(String::from_utf8_lossy(&output.stderr).into_owned());
+        }
+        Ok(())
+    })();
+    match built {
+        Ok(()) => println!("cargo:rustc-env=MEMFIT_NVML_DOUBLE={}", lib.display()),
+        Err(why) => {
+            for line in why.lines() {
+                println!("cargo:warning=NVML double not built: {line}");
+            }
+            println!("cargo:rustc-env=MEMFIT_NVML_DOUBLE=");
+        }
+    }
 }
