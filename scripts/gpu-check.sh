@@ -6,7 +6,9 @@
 #      gpt2-tiny and llama-tiny trained on both, meta == cuda peaks,
 #   3. GPT-2 124M, bf16, B=16, T=1024, fused attention, AdamW: tokens/s and
 #      MFU from the engine's own FLOP count,
-#   4. when PyTorch is importable, the same model and step in PyTorch eager
+#   4. NVML: a one-trial gpt2 bf16 sweep, whose NVML per-process peak must
+#      lie within the tracked peak + 5% + the measured start-up overhead,
+#   5. when PyTorch is importable, the same model and step in PyTorch eager
 #      (scripts/torch_gpt2_step.py) for a side-by-side ratio.
 # Results go to $OUT (or ./gpu-check-out) as text and JSON.
 set -uo pipefail
@@ -39,6 +41,26 @@ for ATTN in eager fused; do
         >"$OUT/gpt2-memfit-$ATTN.json" 2>"$OUT/gpt2-memfit-$ATTN.err"
     echo "exit $?" >>"$OUT/gpt2-memfit-$ATTN.err"
 done
+
+log "NVML per-process peak against the tracked peak (gpt2 bf16, a one-trial sweep)"
+cat >"$OUT/nvml-check.yaml" <<'YAML'
+model: gpt2
+hardware: h200-141gb
+device: cuda
+seq_len: 1024
+global_batch: 16
+grid:
+  micro_batch: [16]
+  precision: [bf16]
+  checkpointing: [none]
+  attention: [fused]
+  optimizer: [adamw]
+  sharding: [none]
+  gpus: [1]
+YAML
+timeout 150 "$BIN" sweep "$OUT/nvml-check.yaml" --out "$OUT/nvml-sweep" --exhaustive --steps 3 --max-steps 5 \
+    >"$OUT/nvml-sweep.log" 2>&1
+echo "exit $?" >>"$OUT/nvml-sweep.log"
 
 TORCH=none
 if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
@@ -85,6 +107,21 @@ if torch == "ran":
             res["memfit_best_over_torch"] = best / t["tokens_per_s"]
     except Exception as e:
         res["torch_error"] = str(e)
+# NVML's per-process peak must lie within the tracked peak + 5% + the
+# measured start-up overhead (context, module, cuBLAS): the issue's check.
+try:
+    rep = json.load(open(f"{out}/nvml-sweep/report.json"))
+    t = rep["trials"][0]
+    tracked = t["measured"]["peak_bytes"]["total"]
+    overhead = rep["runtime_overhead_bytes"]
+    nv = t["measured"].get("nvml_peak_bytes")
+    res["nvml_state"] = rep.get("nvml")
+    res["nvml_peak_bytes"] = nv
+    res["nvml_tracked_bytes"] = tracked
+    res["nvml_overhead_bytes"] = overhead
+    res["nvml_within_5pct_plus_overhead"] = nv is not None and tracked <= nv <= tracked * 1.05 + overhead
+except Exception as e:
+    res["nvml_error"] = f"no NVML sweep report: {e}"
 json.dump(res, open(f"{out}/gpu-check.json", "w"), indent=2)
 for k, v in res.items():
     print(f"{k:28} {v:.4g}" if isinstance(v, float) else f"{k:28} {v}")

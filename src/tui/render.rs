@@ -730,6 +730,13 @@ fn render_chart(app: &App, f: &mut Frame, area: Rect) {
         .iter()
         .map(|s| (s.t_s, s.tracked as f64 + overhead))
         .collect();
+    // On a GPU with NVML: the trial process's device memory as the driver
+    // sees it (context, kernels, allocator reserve and tensors).
+    let nvml: Vec<(f64, f64)> = app
+        .samples
+        .iter()
+        .filter_map(|s| Some((s.t_s, s.nvml? as f64)))
+        .collect();
     let t0 = app.samples.first().map_or(0.0, |s| s.t_s);
     let t1 = app.samples.last().map_or(1.0, |s| s.t_s).max(t0 + 1e-3);
     let predicted = row.and_then(|r| r.predicted_total());
@@ -739,6 +746,7 @@ fn render_chart(app: &App, f: &mut Frame, area: Rect) {
     let predicted_line = predicted.map(flat);
     let top = device
         .iter()
+        .chain(&nvml)
         .map(|p| p.1)
         .chain([app.header.capacity as f64, predicted.unwrap_or(0) as f64])
         .fold(1.0f64, f64::max);
@@ -762,6 +770,9 @@ fn render_chart(app: &App, f: &mut Frame, area: Rect) {
         sets.push(line("predicted peak", Marker::Braille, Color::Blue).data(p));
     }
     sets.push(line("tracked", Marker::Braille, Color::Cyan).data(&device));
+    if !nvml.is_empty() {
+        sets.push(line("NVML", Marker::Braille, Color::Magenta).data(&nvml));
+    }
     let axis_style = dim();
     let chart = Chart::new(sets)
         .block(block)
