@@ -188,6 +188,11 @@ fn sweep_and_balance_run_on_the_emulated_gpu() {
     assert_eq!(report["run_device"]["kind"], "cuda");
     let desc = report["run_device"]["description"].as_str().unwrap();
     assert!(desc.contains("emulated GPU"), "{desc}");
+    // This machine has no NVIDIA driver: the sweep goes on and says why.
+    if !memfit::backend::cuda::real::driver_present() {
+        let nvml = report["nvml"].as_str().unwrap_or_default();
+        assert!(nvml.starts_with("no NVML: "), "{nvml}");
+    }
     let trials = report["trials"].as_array().unwrap();
     assert_eq!(trials.len(), 4, "{report}");
     for t in trials {
@@ -217,4 +222,70 @@ fn sweep_and_balance_run_on_the_emulated_gpu() {
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(text.contains("verified on cuda"), "{text}");
     assert_eq!(text.matches("(equal)").count(), 2, "{text}");
+}
+
+/// A GPU sweep with NVML: each trial process's NVML peak is recorded next to
+/// the tracked peak and the prediction (md and json), and `memfit check
+/// --metric nvml` gates on it. NVML is the scripted double, whose `children`
+/// directive reports every trial process the sweep spawns.
+#[test]
+fn gpu_sweep_records_each_trials_nvml_peak() {
+    let double = env!("MEMFIT_NVML_DOUBLE");
+    assert!(
+        !double.is_empty(),
+        "build.rs could not build the NVML double"
+    );
+    let dir = std::env::temp_dir().join(format!("memfit-cuda-nvml-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = dir.join("nvml.script");
+    std::fs::write(
+        &script,
+        "gpu 0 name \"NVIDIA H200\" total 150000000000 util 80\nchildren 0 734003200\n",
+    )
+    .unwrap();
+    let recipe = dir.join("gpu.yaml");
+    std::fs::write(
+        &recipe,
+        "model: gpt2-tiny\nhardware: h200-141gb\ndevice: cuda\nseq_len: 32\nglobal_batch: 2\ngrid:\n  micro_batch: [2]\n  precision: [fp32]\n  checkpointing: [none]\n  attention: [eager]\n  optimizer: [adamw]\n  sharding: [none]\n  gpus: [1]\n",
+    )
+    .unwrap();
+    let out_dir = dir.join("out");
+    let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args([
+            "sweep",
+            recipe.to_str().unwrap(),
+            "--out",
+            out_dir.to_str().unwrap(),
+        ])
+        .args(["--exhaustive", "--steps", "1", "--max-steps", "2"])
+        .env("MEMFIT_CUDA_EMULATE", "2GiB")
+        .env("MEMFIT_NVML_LIB", double)
+        .env("NVML_DOUBLE_SCRIPT", &script)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = std::fs::read_to_string(out_dir.join("report.json")).unwrap();
+    let report: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(report["nvml"], "NVML, driver 999.99.99", "{report}");
+    let t = &report["trials"][0];
+    assert_eq!(t["measured"]["nvml_peak_bytes"], 734003200, "{t}");
+    assert!(t["nvml_error_pct"].as_f64().is_some(), "{t}");
+    let md = std::fs::read_to_string(out_dir.join("report.md")).unwrap();
+    assert!(
+        md.contains("GPU memory: predicted, tracked and NVML"),
+        "{md}"
+    );
+    assert!(md.contains("700.00 MiB"), "{md}");
+    // The same report against itself passes on the NVML metric.
+    let check = memfit(&[
+        "check",
+        out_dir.to_str().unwrap(),
+        "--baseline",
+        out_dir.to_str().unwrap(),
+        "--metric",
+        "nvml",
+    ]);
+    assert_eq!(check.status.code(), Some(0), "{}", stderr(&check));
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -41,6 +41,10 @@
  *                        more processes on GPU I, read from PATH on every
  *                        call: lines "PID BYTES"; a missing file means none.
  *                        Lets a child process publish its own pid and bytes.
+ *   children I BYTES     every child process of the process that loaded
+ *                        the library (found in /proc) is a compute process
+ *                        on GPU I with BYTES: a sweep's trial processes,
+ *                        whose pids no script can know in advance
  *   used_step I BYTES    every nvmlDeviceGetMemoryInfo(_v2) on GPU I adds
  *                        BYTES to the used figure (a rising curve; the
  *                        count lives in the loaded library, from its load on)
@@ -79,7 +83,9 @@
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <dirent.h>
 #include <stdio.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -244,6 +250,33 @@ static void add_proc(gpu_t *g, const char *pid, const char *bytes) {
     p->bytes = strcmp(bytes, "na") == 0 ? NVML_VALUE_NOT_AVAILABLE_ULL : num(bytes);
 }
 
+/* Adds every process whose parent is this process (from /proc/PID/stat). */
+static void add_children(gpu_t *g, const char *bytes) {
+    DIR *d = opendir("/proc");
+    if (!d) return;
+    long self = (long)getpid();
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+        char path[300];
+        snprintf(path, sizeof path, "/proc/%s/stat", e->d_name);
+        FILE *f = fopen(path, "r");
+        if (!f) continue;
+        char buf[1024];
+        size_t n = fread(buf, 1, sizeof buf - 1, f);
+        fclose(f);
+        buf[n] = 0;
+        /* pid (comm) state ppid ...: the comm may hold spaces, so parse
+         * after its closing parenthesis. */
+        char *close = strrchr(buf, ')');
+        char state;
+        long ppid;
+        if (close && sscanf(close + 1, " %c %ld", &state, &ppid) == 2 && ppid == self)
+            add_proc(g, e->d_name, bytes);
+    }
+    closedir(d);
+}
+
 static char *slurp(const char *path) {
     FILE *f = fopen(path, "rb");
     if (!f) return NULL;
@@ -345,6 +378,10 @@ static void reload(void) {
             char *p = token(&line);
             if (i >= 0 && p && sc.gpu[i].nfiles < MAX_FILES)
                 snprintf(sc.gpu[i].files[sc.gpu[i].nfiles++], 512, "%s", p);
+        } else if (strcmp(t, "children") == 0) {
+            int i = gpu_index(token(&line), &highest);
+            char *bytes = token(&line);
+            if (i >= 0 && bytes) add_children(&sc.gpu[i], bytes);
         } else if (strcmp(t, "used_step") == 0) {
             int i = gpu_index(token(&line), &highest);
             unsigned long long step = num(token(&line));
