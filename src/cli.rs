@@ -77,6 +77,17 @@ pub enum Command {
     /// matching losses, then meta's predicted peaks equal to cuda's measured
     /// ones, byte for byte. Exits 1 on any mismatch.
     Selftest(SelftestArgs),
+    /// Watch a training job's GPU memory live (NVML): peak, warnings, timeline.
+    ///
+    /// Starts a command (after `--`) or attaches to a running process
+    /// (--pid), samples the GPUs through NVML (memory, utilisation, power,
+    /// temperature, per-process memory, the job's descendants included), and
+    /// shows it full-screen, or as lines with --no-tui. It records the
+    /// timeline and the job's peak, warns when a GPU passes --warn-at, and
+    /// with --model or --recipe puts memfit's prediction beside the measured
+    /// peak. Without NVML the command still runs; its host memory is reported
+    /// instead. Exits with the command's exit code.
+    Watch(Box<WatchArgs>),
     /// Runs one sweep trial (memfit re-executes itself; not for direct use).
     #[command(hide = true)]
     Trial {
@@ -339,6 +350,121 @@ fn parse_fault(s: &str) -> std::result::Result<(usize, crate::sweep::trial::Faul
         other => return Err(format!("unknown fault `{other}`")),
     };
     Ok((n, f))
+}
+
+/// `memfit watch`.
+#[derive(Debug, clap::Args)]
+#[command(after_help = "Examples:
+  memfit watch -- torchrun --nproc-per-node 8 train.py --batch 16
+  memfit watch --no-tui --timeline run.csv --warn-at 95% -- python train.py
+  memfit watch --pid 4242
+  memfit watch --model llama-3.1-8b --seq-len 4096 --micro-batch 1 --precision bf16 -- python train.py
+  memfit watch                      # the GPUs only, like nvitop")]
+pub struct WatchArgs {
+    /// Only this GPU (NVML index) [default: every GPU].
+    #[arg(long, value_name = "N")]
+    pub gpu: Option<u32>,
+    /// Milliseconds between samples.
+    #[arg(long, default_value_t = 100, value_parser = sample_ms)]
+    pub sample_ms: u64,
+    /// Attach to this running process (and its descendants) instead of
+    /// starting a command; q stops watching, the process keeps running.
+    #[arg(long, conflicts_with = "command")]
+    pub pid: Option<u32>,
+    /// Write every sample to this file: CSV (one row per GPU per sample), or
+    /// JSON when the name ends in .json.
+    #[arg(long, value_name = "FILE")]
+    pub timeline: Option<PathBuf>,
+    /// Warn when a GPU the job uses passes this share of its memory
+    /// (a percentage: 90% or 90).
+    #[arg(long, default_value = "90%", value_parser = warn_at, value_name = "PCT")]
+    pub warn_at: f64,
+    /// Print lines instead of the full-screen view (the default when stdout
+    /// is not a terminal): a line when the peak grows, warnings, a summary.
+    #[arg(long)]
+    pub no_tui: bool,
+    /// Format of the summary at the end; table goes to stderr, json to
+    /// stdout (after the command's own output).
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+    /// Seconds between SIGTERM and SIGKILL when q or Ctrl-C stops the command.
+    #[arg(long, default_value_t = 10.0, value_parser = seconds, value_name = "SECS")]
+    pub grace: f64,
+    /// With the full-screen view, the command's stdout and stderr go to this
+    /// file (its last lines are shown in a panel).
+    #[arg(long, default_value = "memfit-watch.log", value_name = "FILE")]
+    pub log: PathBuf,
+    #[command(flatten)]
+    pub predict: PredictArgs,
+    /// The command to start and watch, after `--`; without it (and --pid),
+    /// the GPUs are watched until q or Ctrl-C.
+    #[arg(last = true, value_name = "CMD")]
+    pub command: Vec<String>,
+}
+
+/// The `memfit run` knobs `memfit watch` predicts with (on meta, emulating
+/// the cuda backend); a prediction is made when --model or --recipe is given.
+#[derive(Debug, clap::Args)]
+#[command(next_help_heading = "Prediction (memfit's engine on meta, beside the measured peak)")]
+pub struct PredictArgs {
+    /// A run recipe (YAML), as for `memfit run`; flags override it.
+    #[arg(long)]
+    pub recipe: Option<PathBuf>,
+    /// The job's model: a built-in profile, a profile YAML or a Hugging Face config.json.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Tokens per sequence [default: 64].
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// Sequences per micro-batch [default: 4].
+    #[arg(long)]
+    pub micro_batch: Option<usize>,
+    /// Micro-batches per optimizer step [default: 1].
+    #[arg(long)]
+    pub grad_accum: Option<usize>,
+    /// Weights, activations and gradients: fp32, bf16 or fp16 [default: fp32].
+    #[arg(long, value_enum)]
+    pub precision: Option<Precision>,
+    /// The optimizer whose state the job holds [default: adamw].
+    #[arg(long, value_enum)]
+    pub optimizer: Option<Optimizer>,
+    /// Activation checkpointing [default: none].
+    #[arg(long, value_enum)]
+    pub checkpointing: Option<Checkpointing>,
+    /// Attention kernel: eager or fused (flash) [default: eager].
+    #[arg(long, value_enum)]
+    pub attention: Option<Attention>,
+    /// Ranks (GPUs) of the job; the prediction is per GPU [default: 1].
+    #[arg(long)]
+    pub ranks: Option<usize>,
+    /// How state is spread over the ranks: none, ddp, zero1, zero2, zero3 [default: none].
+    #[arg(long, value_enum)]
+    pub sharding: Option<Sharding>,
+    /// Pipeline stages [default: 1].
+    #[arg(long)]
+    pub pipeline_stages: Option<usize>,
+}
+
+/// `--warn-at`: `90%` or `90`, a percentage in (0, 100], as a fraction.
+fn warn_at(s: &str) -> std::result::Result<f64, String> {
+    let t = s.trim();
+    let had_pct = t.ends_with('%');
+    let v: f64 = t
+        .trim_end_matches('%')
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a percentage; write one like 90%"))?;
+    if !v.is_finite() || v <= 0.0 || v > 100.0 {
+        return Err(format!(
+            "`{s}`: must be a percentage above 0 and at most 100"
+        ));
+    }
+    if !had_pct && v < 1.0 {
+        return Err(format!(
+            "`{s}` reads as {v}% of the memory; write the percentage, like 90%"
+        ));
+    }
+    Ok(v / 100.0)
 }
 
 #[derive(Debug, clap::Args)]

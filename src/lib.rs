@@ -27,5 +27,6 @@ pub mod telemetry;
 pub mod sweep;
 pub mod tui;
 pub mod units;
+pub mod watch;
 
 pub use error::{Error, Result};

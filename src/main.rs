@@ -56,6 +56,7 @@ fn main() -> ExitCode {
         Command::Trial { spec } => trial_main(&spec),
         Command::Calibrate(args) => calibrate_main(&args),
         Command::Selftest(args) => selftest_main(&args),
+        Command::Watch(args) => memfit::watch::watch_main(&args),
         Command::Profiles => {
             print_models();
             println!(

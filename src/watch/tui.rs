@@ -1,0 +1,728 @@
+//! The `memfit watch` screen: a pure function of [`WatchState`] ([`render`]),
+//! and the terminal loop around it ([`run`]).
+//!
+//! ```text
+//! memfit watch │ python train.py │ pid 4242 │ running 1:05 │ every 100 ms │ warn at 90%
+//! job peak 70.00 GiB on GPU 0 (87.9%) │ memfit predicts 66.50 GiB tracked (+ CUDA context)
+//! ⚠ GPU 0 memory at 93.4% (...): above --warn-at 90%            (while above)
+//! ┌GPUs──────────────────────────────────────────────────────────────┐
+//! │ 0 NVIDIA H100 80GB  [██████████░░░░] 74.40/79.65 GiB 93.4% ...   │
+//! │   └ 4242 python      70.00 GiB  job                               │
+//! └──────────────────────────────────────────────────────────────────┘
+//! ┌job GPU memory────────────────────────────────────────────────────┐
+//! │ the job's memory over time, capacity, --warn-at and prediction   │
+//! └──────────────────────────────────────────────────────────────────┘
+//! ┌output (memfit-watch.log)─────────────────────────────────────────┐
+//! │ the command's last lines                                         │
+//! └──────────────────────────────────────────────────────────────────┘
+//! q quit: SIGTERM to the command, SIGKILL after the grace period
+//! ```
+
+use std::time::Duration;
+
+use crossterm::event::{self, KeyCode, KeyEventKind, KeyModifiers};
+use crossterm::execute;
+use crossterm::terminal::{
+    EnterAlternateScreen, LeaveAlternateScreen, disable_raw_mode, enable_raw_mode,
+};
+use ratatui::Frame;
+use ratatui::Terminal;
+use ratatui::backend::CrosstermBackend;
+use ratatui::layout::{Constraint, Layout, Rect};
+use ratatui::style::{Color, Modifier, Style};
+use ratatui::symbols::Marker;
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{Axis, Block, Chart, Dataset, GraphType, Paragraph};
+
+use super::Session;
+use super::state::{Phase, Target, WatchState, fmt_pct};
+use crate::telemetry::GpuSample;
+use crate::units::fmt_bytes;
+
+/// Draws the whole screen from the state alone.
+pub fn render(st: &WatchState, f: &mut Frame) {
+    let area = f.area();
+    if area.width == 0 || area.height == 0 {
+        return;
+    }
+    let w = area.width as usize;
+    let banner = banner(st, w);
+    let gpu_lines = gpu_lines(st, area.width.saturating_sub(2) as usize);
+    let log_rows: u16 = if st.log_path.is_some() && area.height >= 24 {
+        6
+    } else {
+        0
+    };
+    // The GPU panel takes what it needs, up to a third of the screen; the
+    // chart the rest (at least 6 rows, when there are that many).
+    let fixed = 2 + banner.is_some() as u16 + 1 + if log_rows > 0 { log_rows + 2 } else { 0 };
+    let body = area.height.saturating_sub(fixed);
+    let gpu_rows = (gpu_lines.len() as u16 + 2)
+        .min((body / 3).max(3))
+        .min(body.saturating_sub(6).max(3));
+    let [header, banner_area, gpus, chart, log, keys] = Layout::vertical([
+        Constraint::Length(2),
+        Constraint::Length(banner.is_some() as u16),
+        Constraint::Length(gpu_rows),
+        Constraint::Min(0),
+        Constraint::Length(if log_rows > 0 { log_rows + 2 } else { 0 }),
+        Constraint::Length(1),
+    ])
+    .areas(area);
+    f.render_widget(
+        Paragraph::new(vec![title_line(st, w), peak_line(st, w)]),
+        header,
+    );
+    if let Some(b) = banner {
+        f.render_widget(Paragraph::new(b), banner_area);
+    }
+    f.render_widget(
+        Paragraph::new(gpu_lines).block(panel(&gpu_title(st), gpus)),
+        gpus,
+    );
+    render_chart(st, f, chart);
+    if log_rows > 0 {
+        render_log(st, f, log);
+    }
+    f.render_widget(Paragraph::new(key_line(st, w)), keys);
+}
+
+/// `s` in at most `w` columns, cut with "…".
+fn clip(s: &str, w: usize) -> String {
+    if s.chars().count() <= w {
+        return s.to_string();
+    }
+    if w == 0 {
+        return String::new();
+    }
+    let mut out: String = s.chars().take(w - 1).collect();
+    out.push('…');
+    out
+}
+
+/// Spans cut to `width` columns.
+fn clip_spans(spans: Vec<Span<'static>>, width: usize) -> Line<'static> {
+    let mut left = width;
+    let mut out = Vec::new();
+    for s in spans {
+        let n = s.content.chars().count();
+        if n <= left {
+            left -= n;
+            out.push(s);
+        } else {
+            out.push(Span::styled(clip(&s.content, left), s.style));
+            break;
+        }
+    }
+    Line::from(out)
+}
+
+fn panel(title: &str, area: Rect) -> Block<'static> {
+    Block::bordered().title(clip(title, area.width.saturating_sub(2) as usize))
+}
+
+fn fg(st: &WatchState, c: Color) -> Style {
+    if st.no_color {
+        Style::default()
+    } else {
+        Style::default().fg(c)
+    }
+}
+
+fn bold() -> Style {
+    Style::default().add_modifier(Modifier::BOLD)
+}
+
+fn dim() -> Style {
+    Style::default().add_modifier(Modifier::DIM)
+}
+
+fn sep() -> Span<'static> {
+    Span::styled(" │ ", dim())
+}
+
+/// `h:mm:ss`, or `m:ss` under an hour.
+pub fn fmt_elapsed(s: f64) -> String {
+    let t = s.max(0.0) as u64;
+    let (h, m, s) = (t / 3600, t / 60 % 60, t % 60);
+    if h > 0 {
+        format!("{h}:{m:02}:{s:02}")
+    } else {
+        format!("{m}:{s:02}")
+    }
+}
+
+fn pct(b: u64, total: u64) -> f64 {
+    if total == 0 {
+        0.0
+    } else {
+        b as f64 / total as f64 * 100.0
+    }
+}
+
+fn title_line(st: &WatchState, w: usize) -> Line<'static> {
+    let mut spans = vec![Span::styled("memfit watch", bold())];
+    spans.push(sep());
+    spans.push(Span::raw(st.target.label()));
+    if let Target::Command { pid, .. } = &st.target {
+        spans.push(sep());
+        spans.push(Span::raw(format!("pid {pid}")));
+    }
+    spans.push(sep());
+    let clock = fmt_elapsed(st.elapsed_s);
+    spans.push(match &st.phase {
+        Phase::Running => Span::raw(format!("running {clock}")),
+        Phase::Stopping { killed: false, .. } => {
+            Span::styled(format!("stopping {clock}"), fg(st, Color::Yellow))
+        }
+        Phase::Stopping { killed: true, .. } => {
+            Span::styled(format!("killed {clock}"), fg(st, Color::Red))
+        }
+        Phase::Ended { code, .. } => Span::raw(match code {
+            Some(c) => format!("exited {c} after {clock}"),
+            None => format!("ended after {clock}"),
+        }),
+    });
+    spans.push(sep());
+    spans.push(Span::raw(format!("every {} ms", st.sample_ms)));
+    spans.push(sep());
+    spans.push(Span::raw(format!(
+        "warn at {}%",
+        fmt_pct(st.warn_at * 100.0)
+    )));
+    clip_spans(spans, w)
+}
+
+/// The second header line: the job's peak and memfit's prediction beside
+/// it, or why GPU memory is not measured.
+fn peak_line(st: &WatchState, w: usize) -> Line<'static> {
+    let mut spans = Vec::new();
+    match (&st.nvml, st.has_job()) {
+        (Err(_), _) => {
+            // The reason is in the GPU panel; here, the fact.
+            spans.push(Span::styled(
+                "no NVML".to_string(),
+                fg(st, Color::Yellow).add_modifier(Modifier::BOLD),
+            ));
+            if let Some(b) = st.host_rss_peak {
+                spans.push(sep());
+                spans.push(Span::raw(format!(
+                    "job host RSS peak {} (host memory, not GPU)",
+                    fmt_bytes(b)
+                )));
+            }
+        }
+        (Ok(_), true) => match st.job_peak {
+            Some((b, g, _)) => {
+                let total = st
+                    .gpus
+                    .iter()
+                    .find(|p| p.index == g)
+                    .map_or(0, |p| p.total_bytes);
+                spans.push(Span::styled(
+                    format!(
+                        "job peak {} ({:.1}% of GPU {g})",
+                        fmt_bytes(b),
+                        pct(b, total)
+                    ),
+                    bold(),
+                ));
+            }
+            None => spans.push(Span::styled(
+                "job holds no GPU memory yet".to_string(),
+                dim(),
+            )),
+        },
+        (Ok(driver), false) => spans.push(Span::raw(match driver {
+            Some(d) => format!("NVIDIA driver {d}"),
+            None => "NVML".into(),
+        })),
+    }
+    if let Some(p) = &st.prediction {
+        spans.push(sep());
+        spans.push(Span::styled(
+            format!(
+                "memfit predicts {} tracked (+ context)",
+                fmt_bytes(p.tracked_peak_bytes)
+            ),
+            fg(st, Color::Blue),
+        ));
+        // The measured peak less the prediction: the context, the
+        // framework's cache and workspaces make it positive, by design.
+        if let Some((b, ..)) = st.job_peak {
+            spans.push(Span::raw(format!(
+                ": {}",
+                super::fmt_signed(b as i64 - p.tracked_peak_bytes as i64)
+            )));
+        }
+    }
+    clip_spans(spans, w)
+}
+
+/// A red line while a GPU is above `--warn-at`; the stop in progress, or a
+/// sampling error, otherwise.
+fn banner(st: &WatchState, w: usize) -> Option<Line<'static>> {
+    if let Some(warn) = st.warning_now() {
+        let style = if st.no_color {
+            bold().add_modifier(Modifier::REVERSED)
+        } else {
+            bold().fg(Color::White).bg(Color::Red)
+        };
+        return Some(clip_spans(
+            vec![Span::styled(format!("⚠ WARNING {warn}"), style)],
+            w,
+        ));
+    }
+    let text = st
+        .message
+        .clone()
+        .or_else(|| st.sample_error.as_ref().map(|e| format!("NVML: {e}")))?;
+    Some(clip_spans(
+        vec![Span::styled(text, fg(st, Color::Yellow))],
+        w,
+    ))
+}
+
+fn gpu_title(st: &WatchState) -> String {
+    match (&st.nvml, st.only_gpu) {
+        (Err(_), _) => "GPUs".into(),
+        (Ok(d), only) => {
+            let mut t = match only {
+                Some(i) => format!("GPU {i}"),
+                None => "GPUs".into(),
+            };
+            if let Some(d) = d {
+                t += &format!(" (driver {d})");
+            }
+            t
+        }
+    }
+}
+
+/// A bar of `width` cells, `share` of it full.
+fn bar(share: f64, width: usize) -> String {
+    let full = ((share.clamp(0.0, 1.0) * width as f64).round() as usize).min(width);
+    format!("{}{}", "█".repeat(full), "░".repeat(width - full))
+}
+
+/// One row per GPU (memory bar, %, utilisation, power, temperature) and
+/// one per process on it, the job's marked; or why there are none.
+fn gpu_lines(st: &WatchState, w: usize) -> Vec<Line<'static>> {
+    let snap = match (&st.nvml, &st.latest) {
+        (Err(why), _) => {
+            let mut v = vec![Line::from(Span::styled(
+                clip(&format!("no NVML: {why}"), w),
+                fg(st, Color::Yellow).add_modifier(Modifier::BOLD),
+            ))];
+            v.push(Line::from(Span::styled(
+                clip(
+                    "GPU memory is not measured; the chart shows the job's host memory (RSS)",
+                    w,
+                ),
+                dim(),
+            )));
+            return v;
+        }
+        (Ok(_), None) => {
+            return vec![Line::from(Span::styled("waiting for NVML ...", dim()))];
+        }
+        (Ok(_), Some(s)) => s,
+    };
+    let mut out = Vec::new();
+    if snap.gpus.is_empty() {
+        out.push(Line::from(Span::styled(
+            match st.only_gpu {
+                Some(i) => format!("NVML lists no GPU {i}"),
+                None => "NVML lists no GPU".into(),
+            },
+            dim(),
+        )));
+    }
+    // One bar width for every row, so that the bars line up.
+    let bar_w = snap
+        .gpus
+        .iter()
+        .map(|g| {
+            let (head, mem, rest) = gpu_parts(g);
+            w.saturating_sub(head.chars().count() + 2 + mem.chars().count() + rest.chars().count())
+        })
+        .min()
+        .unwrap_or(10)
+        .clamp(10, 40);
+    for g in &snap.gpus {
+        out.push(gpu_row(st, g, bar_w, w));
+        for p in &g.processes {
+            let job = st.job_pids.contains(&p.pid);
+            let text = format!(
+                "   └ {:>7} {:<16} {:>11}{}",
+                p.pid,
+                clip(p.name.as_deref().unwrap_or("?"), 16),
+                p.used_bytes.map_or("?".into(), fmt_bytes),
+                if job { "  job" } else { "" }
+            );
+            let style = if job { fg(st, Color::Cyan) } else { dim() };
+            out.push(Line::from(Span::styled(clip(&text, w), style)));
+        }
+    }
+    out
+}
+
+/// A GPU row's text around its bar: index and name, memory, the rest.
+fn gpu_parts(g: &GpuSample) -> (String, String, String) {
+    let mem = format!(
+        " {:>10}/{} {:>5.1}%",
+        fmt_bytes(g.memory_used_bytes),
+        fmt_bytes(g.memory_total_bytes),
+        pct(g.memory_used_bytes, g.memory_total_bytes)
+    );
+    let mut rest = match g.utilization_pct {
+        Some(u) => format!("  util {u:>3}%"),
+        None => "  util   ?".into(),
+    };
+    if let Some(p) = g.power_w {
+        rest += &match g.power_limit_w {
+            Some(l) => format!("  {p:>3.0}/{l:.0} W"),
+            None => format!("  {p:>3.0} W"),
+        };
+    }
+    if let Some(c) = g.temperature_c {
+        rest += &format!("  {c}°C");
+    }
+    if let Some(e) = &g.error {
+        rest += &format!("  {e}");
+    }
+    let head = format!("{:>2} {:<22} ", g.index, clip(&g.name, 22));
+    (head, mem, rest)
+}
+
+fn gpu_row(st: &WatchState, g: &GpuSample, bar_w: usize, w: usize) -> Line<'static> {
+    let share = pct(g.memory_used_bytes, g.memory_total_bytes);
+    let (head, mem, rest) = gpu_parts(g);
+    let color = if share >= st.warn_at * 100.0 {
+        Color::Red
+    } else if share >= st.warn_at * 100.0 - 15.0 {
+        Color::Yellow
+    } else {
+        Color::Green
+    };
+    clip_spans(
+        vec![
+            Span::styled(head, bold()),
+            Span::raw("["),
+            Span::styled(bar(share / 100.0, bar_w), fg(st, color)),
+            Span::raw("]"),
+            Span::raw(mem),
+            Span::raw(rest),
+        ],
+        w,
+    )
+}
+
+/// A tick step for an axis up to `top` bytes in about `n` steps: 1 or 1.5
+/// times a power of two, so the labels read as round IEC sizes.
+fn tick_step(top: f64, n: u32) -> f64 {
+    let raw = (top / n.max(1) as f64).max(1.0);
+    let mut step = 1.0f64;
+    loop {
+        if step >= raw {
+            return step;
+        }
+        if step * 1.5 >= raw {
+            return step * 1.5;
+        }
+        step *= 2.0;
+    }
+}
+
+fn render_chart(st: &WatchState, f: &mut Frame, area: Rect) {
+    if area.height < 3 {
+        return;
+    }
+    let gpu = st.nvml.is_ok();
+    let title = if !gpu {
+        match st.host_rss_peak {
+            Some(p) => format!(
+                "job host memory (RSS, not GPU memory), peak {}",
+                fmt_bytes(p)
+            ),
+            None => "job host memory (RSS, not GPU memory)".into(),
+        }
+    } else if st.has_job() {
+        let now = st.series.last().and_then(|p| p.job).unwrap_or(0);
+        let mut t = format!("job GPU memory (NVML): now {}", fmt_bytes(now));
+        if let Some((b, ..)) = st.job_peak {
+            t += &format!(", peak {}", fmt_bytes(b));
+        }
+        t
+    } else {
+        "GPU memory used (fullest GPU)".into()
+    };
+    let block = panel(&title, area);
+    let pick = |p: &super::state::Point| -> Option<u64> {
+        if !gpu {
+            p.host_rss
+        } else if st.has_job() {
+            p.job
+        } else {
+            p.used
+        }
+    };
+    let main: Vec<(f64, f64)> = st
+        .series
+        .iter()
+        .filter_map(|p| pick(p).map(|b| (p.t_s, b as f64)))
+        .collect();
+    let used: Vec<(f64, f64)> = if gpu && st.has_job() {
+        st.series
+            .iter()
+            .filter_map(|p| p.used.map(|b| (p.t_s, b as f64)))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    if main.is_empty() && used.is_empty() {
+        let text = match st.phase {
+            Phase::Ended { .. } => "no samples",
+            _ => "waiting for samples ...",
+        };
+        f.render_widget(Paragraph::new(Span::styled(text, dim())).block(block), area);
+        return;
+    }
+    let t0 = st.series.first().map_or(0.0, |p| p.t_s);
+    let t1 = st.series.last().map_or(1.0, |p| p.t_s).max(t0 + 1.0);
+    let flat = |y: u64| [(t0, y as f64), (t1, y as f64)];
+    let capacity = if gpu { st.capacity() } else { None };
+    let capacity_line = capacity.map(flat);
+    let warn_line = capacity.map(|c| flat((c as f64 * st.warn_at) as u64));
+    let predicted = st
+        .prediction
+        .as_ref()
+        .filter(|_| gpu)
+        .map(|p| p.tracked_peak_bytes);
+    let predicted_line = predicted.map(flat);
+    let top = main
+        .iter()
+        .chain(&used)
+        .map(|p| p.1)
+        .chain([capacity.unwrap_or(0) as f64, predicted.unwrap_or(0) as f64])
+        .fold(1.0f64, f64::max);
+    let plot_rows = area.height.saturating_sub(4);
+    let step = tick_step(top, (plot_rows / 2).clamp(1, 4) as u32);
+    let ticks = (top / step).floor() as u64 + 1;
+    let ymax = ticks as f64 * step;
+    let line = |marker: Marker, color: Color| {
+        Dataset::default()
+            .marker(marker)
+            .graph_type(GraphType::Line)
+            .style(fg(st, color))
+    };
+    // The legend is the bottom border, so that it never hides a line.
+    let mut sets = Vec::new();
+    let mut legend = Vec::new();
+    let mut key = |name: String, color: Color| {
+        legend.push(Span::styled(format!("━ {name}"), fg(st, color)));
+        legend.push(Span::raw("  "));
+    };
+    let main_name = if !gpu {
+        "host RSS"
+    } else if st.has_job() {
+        "job"
+    } else {
+        "used"
+    };
+    key(main_name.into(), Color::Cyan);
+    if !used.is_empty() {
+        key("GPU used".into(), Color::Green);
+        sets.push(line(Marker::Braille, Color::Green).data(&used));
+    }
+    if let (Some(c), Some(l)) = (capacity, &capacity_line) {
+        key(format!("capacity {}", fmt_bytes(c)), Color::Red);
+        sets.push(line(Marker::Dot, Color::Red).data(l));
+    }
+    if let Some(l) = &warn_line {
+        key(
+            format!("warn {}%", fmt_pct(st.warn_at * 100.0)),
+            Color::Yellow,
+        );
+        sets.push(line(Marker::Braille, Color::Yellow).data(l));
+    }
+    if let Some(l) = &predicted_line {
+        key("memfit predicts".into(), Color::Blue);
+        sets.push(line(Marker::Braille, Color::Blue).data(l));
+    }
+    // The job last, drawn over the reference lines.
+    sets.push(line(Marker::Braille, Color::Cyan).data(&main));
+    legend.pop();
+    let block = block.title_bottom(clip_spans(legend, area.width.saturating_sub(2) as usize));
+    let chart = Chart::new(sets)
+        .block(block)
+        .legend_position(None)
+        .x_axis(
+            Axis::default()
+                .style(dim())
+                .bounds([t0, t1])
+                .labels([format!("{t0:.0}s"), format!("{t1:.0}s")]),
+        )
+        .y_axis(
+            Axis::default()
+                .style(dim())
+                .bounds([0.0, ymax])
+                .labels((0..=ticks).map(|k| fmt_bytes((k as f64 * step) as u64))),
+        );
+    f.render_widget(chart, area);
+}
+
+fn render_log(st: &WatchState, f: &mut Frame, area: Rect) {
+    let title = match &st.log_path {
+        Some(p) => format!("output ({})", p.display()),
+        None => "output".into(),
+    };
+    let rows = area.height.saturating_sub(2) as usize;
+    let w = area.width.saturating_sub(2) as usize;
+    let lines: Vec<Line> = st
+        .log
+        .iter()
+        .skip(st.log.len().saturating_sub(rows))
+        .map(|l| Line::from(clip(l, w)))
+        .collect();
+    f.render_widget(Paragraph::new(lines).block(panel(&title, area)), area);
+}
+
+fn key_line(st: &WatchState, w: usize) -> Line<'static> {
+    let what = match (&st.target, &st.phase) {
+        (Target::Command { .. }, Phase::Stopping { .. }) => "q again: SIGKILL now",
+        (Target::Command { .. }, _) => {
+            "q quit: SIGTERM to the command, SIGKILL after the grace period"
+        }
+        (Target::Pid { .. }, _) => "q stop watching (the process keeps running)",
+        (Target::Gpus, _) => "q quit",
+    };
+    clip_spans(vec![Span::styled(what.to_string(), dim())], w)
+}
+
+/// Leaves raw mode and the alternate screen when dropped: on return and
+/// while unwinding from a panic.
+struct Restore;
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        restore();
+    }
+}
+
+fn restore() {
+    let _ = disable_raw_mode();
+    let _ = execute!(
+        std::io::stdout(),
+        LeaveAlternateScreen,
+        crossterm::cursor::Show
+    );
+}
+
+/// The terminal loop: samples in, a frame every 100 ms, keys; returns when
+/// the job ends (or the user quits and it has stopped).
+pub fn run(s: &mut Session) -> Result<(), String> {
+    let previous = std::panic::take_hook();
+    let main_thread = std::thread::current().id();
+    std::panic::set_hook(Box::new(move |info| {
+        if std::thread::current().id() == main_thread {
+            restore();
+        }
+        previous(info);
+    }));
+    let result = run_inner(s);
+    let _ = std::panic::take_hook();
+    result
+}
+
+fn run_inner(s: &mut Session) -> Result<(), String> {
+    enable_raw_mode().map_err(|e| format!("cannot use this terminal: {e}"))?;
+    let _restore = Restore;
+    execute!(std::io::stdout(), EnterAlternateScreen)
+        .map_err(|e| format!("cannot use this terminal: {e}"))?;
+    let mut terminal = Terminal::new(CrosstermBackend::new(std::io::stdout()))
+        .map_err(|e| format!("cannot use this terminal: {e}"))?;
+    loop {
+        s.pump();
+        if s.poll_end() {
+            return Ok(());
+        }
+        terminal
+            .draw(|f| render(&s.st, f))
+            .map_err(|e| format!("cannot draw: {e}"))?;
+        if !event::poll(Duration::from_millis(100))
+            .map_err(|e| format!("cannot read the terminal: {e}"))?
+        {
+            continue;
+        }
+        let quit = match event::read().map_err(|e| format!("cannot read the terminal: {e}"))? {
+            event::Event::Key(k) if k.kind != KeyEventKind::Release => {
+                matches!(k.code, KeyCode::Char('q') | KeyCode::Esc)
+                    || (k.modifiers.contains(KeyModifiers::CONTROL) && k.code == KeyCode::Char('c'))
+            }
+            _ => false,
+        };
+        if quit {
+            s.request_stop();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::state::testdata::*;
+    use super::super::state::*;
+    use super::*;
+    use ratatui::backend::TestBackend;
+
+    fn screen(st: &WatchState, w: u16, h: u16) -> String {
+        let mut t = Terminal::new(TestBackend::new(w, h)).unwrap();
+        t.draw(|f| render(st, f)).unwrap();
+        let buf = t.backend().buffer().clone();
+        (0..h)
+            .map(|y| {
+                (0..w)
+                    .map(|x| buf[(x, y)].symbol().to_string())
+                    .collect::<String>()
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    #[test]
+    fn every_size_renders() {
+        let mut st = WatchState::new(
+            Target::Command {
+                argv: vec!["python".into(), "train.py".into()],
+                pid: 100,
+            },
+            Ok(None),
+            100,
+            0.9,
+        );
+        st.log_path = Some("memfit-watch.log".into());
+        st.push_log("step 1".into());
+        for i in 0..50 {
+            let b = (i as u64 + 1) * GIB;
+            st.on_tick(tick(
+                i as f64 * 0.1,
+                &[100],
+                vec![gpu(0, b + GIB, 80 * GIB, &[(100, b)])],
+            ));
+        }
+        for (w, h) in [(100, 30), (80, 24), (200, 60), (20, 5), (1, 1), (40, 10)] {
+            screen(&st, w, h);
+        }
+        let no_nvml = WatchState::new(Target::Gpus, Err("x".into()), 100, 0.9);
+        for (w, h) in [(100, 30), (10, 3)] {
+            screen(&no_nvml, w, h);
+        }
+    }
+
+    #[test]
+    fn bars_and_ticks() {
+        assert_eq!(bar(0.5, 4), "██░░");
+        assert_eq!(bar(2.0, 3), "███");
+        assert_eq!(tick_step(4.0 * GIB as f64, 4), GIB as f64);
+    }
+}
