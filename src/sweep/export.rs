@@ -462,6 +462,7 @@ mod tests {
             )),
             memory_error_pct: Some(0.0),
             time_ratio: None,
+            nvml_error_pct: None,
             target: None,
             exit: None,
             numerics_changes: vec![],
@@ -495,6 +496,7 @@ mod tests {
             trials,
             pareto: vec![0],
             interrupted: false,
+            nvml: None,
             ..SweepReport::empty_for_tests()
         }
     }

@@ -1736,6 +1736,7 @@ pub(crate) mod tests {
             measured: None,
             memory_error_pct: None,
             time_ratio: None,
+            nvml_error_pct: None,
             target: None,
             exit: None,
             note: None,
@@ -1852,6 +1853,7 @@ pub(crate) mod tests {
             }),
             pareto: vec![0, 1, 4, 2],
             interrupted: false,
+            nvml: None,
             ..SweepReport::empty_for_tests()
         }
     }
