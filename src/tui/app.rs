@@ -416,6 +416,17 @@ pub struct App {
     pub tied: Vec<usize>,
     /// Grid indices on the Pareto frontier (peak lower, tokens/s higher).
     pub pareto: Vec<usize>,
+    /// The GPUs as NVML last saw them, or why there is nothing to show
+    /// (set only on a GPU run device or where NVML answers).
+    pub gpu: Option<GpuView>,
+}
+
+/// What the GPU panel shows.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GpuView {
+    Snapshot(crate::telemetry::Snapshot),
+    /// "no NVML: <why>".
+    Missing(String),
 }
 
 impl App {
@@ -448,6 +459,7 @@ impl App {
             runner_up: None,
             tied: Vec::new(),
             pareto: Vec::new(),
+            gpu: None,
         };
         app.recompute_recommendation();
         app
@@ -555,6 +567,8 @@ pub enum Event {
         record: TrialRecord,
     },
     SweepFinished,
+    /// NVML's newest snapshot of the GPUs (or why there is none).
+    Gpu(GpuView),
     /// The export started by [`Action::Export`] ended.
     Exported(Result<PathBuf, String>),
 }
@@ -822,6 +836,7 @@ pub fn update(app: &mut App, ev: Event) -> Vec<Action> {
         // The clock stops with the sweep: elapsed is how long it ran.
         Event::Tick { elapsed_s } if !app.finished => app.elapsed_s = elapsed_s,
         Event::Tick { .. } => {}
+        Event::Gpu(v) => app.gpu = Some(v),
         Event::TrialStarted { index } => keeping_selection(app, |a| {
             if let Some(i) = a.row_of(index) {
                 a.rows[i].status = Status::Running;

@@ -16,7 +16,7 @@ use ratatui::widgets::{
     Axis, Block, Chart, Dataset, GraphType, Paragraph, Row as TRow, Table, TableState, Wrap,
 };
 
-use super::app::{App, KEYMAP, Row, SortColumn, Status, View, visible};
+use super::app::{App, GpuView, KEYMAP, Row, SortColumn, Status, View, visible};
 use crate::memory::Category;
 use crate::plan::{Point, name, usd};
 use crate::sweep::markdown::{cost_cell, cost_heading, ratio, tokens_cell};
@@ -563,7 +563,113 @@ fn grid_columns(app: &App, cells: &[Vec<String>], width: usize) -> Vec<(Col, usi
         .collect()
 }
 
+/// A memory bar `[████░░░░]` of `width` cells for `share` in 0..=1.
+fn gpu_bar(share: f64, width: usize) -> String {
+    let full = ((share.clamp(0.0, 1.0) * width as f64).round() as usize).min(width);
+    format!("[{}{}]", "█".repeat(full), "░".repeat(width - full))
+}
+
+/// The GPU panel's lines, nvitop-style: per GPU its memory (bar, IEC units,
+/// percent), utilisation, power and temperature, then its processes.
+fn gpu_lines(app: &App, width: usize, room: usize) -> Vec<Line<'static>> {
+    let Some(view) = &app.gpu else {
+        return Vec::new();
+    };
+    let snap = match view {
+        GpuView::Missing(why) => return vec![Line::from(Span::styled(clip(why, width), dim()))],
+        GpuView::Snapshot(s) => s,
+    };
+    if snap.gpus.is_empty() {
+        return vec![Line::from(Span::styled("NVML sees no GPU", dim()))];
+    }
+    let mut lines = Vec::new();
+    for g in &snap.gpus {
+        let share = g.memory_used_bytes as f64 / g.memory_total_bytes.max(1) as f64;
+        let mem = format!(
+            "{}/{} {:>5.1}%",
+            fmt_bytes(g.memory_used_bytes),
+            fmt_bytes(g.memory_total_bytes),
+            share * 100.0
+        );
+        let mut rest = Vec::new();
+        if let Some(u) = g.utilization_pct {
+            rest.push(format!("util {u:>3}%"));
+        }
+        match (g.power_w, g.power_limit_w) {
+            (Some(p), Some(l)) => rest.push(format!("{p:.0}/{l:.0} W")),
+            (Some(p), None) => rest.push(format!("{p:.0} W")),
+            _ => {}
+        }
+        if let Some(t) = g.temperature_c {
+            rest.push(format!("{t}°C"));
+        }
+        let head = format!("{} {}", g.index, g.name);
+        let fixed =
+            head.chars().count() + mem.chars().count() + rest.join("  ").chars().count() + 6;
+        let bar_w = width.saturating_sub(fixed).clamp(0, 30);
+        let color = if share >= 0.9 {
+            Color::Red
+        } else if share >= 0.7 {
+            Color::Yellow
+        } else {
+            Color::Green
+        };
+        let mut spans = vec![Span::styled(head, bold()), Span::raw(" ")];
+        if bar_w >= 4 {
+            spans.push(Span::styled(gpu_bar(share, bar_w - 2), fg(app, color)));
+            spans.push(Span::raw(" "));
+        }
+        spans.push(Span::raw(mem));
+        if !rest.is_empty() {
+            spans.push(Span::raw(format!("  {}", rest.join("  "))));
+        }
+        if let Some(e) = &g.error {
+            spans.push(Span::styled(format!("  {e}"), fg(app, Color::Red)));
+        }
+        lines.push(clip_spans(spans, width));
+        for p in &g.processes {
+            lines.push(Line::from(Span::styled(
+                clip(
+                    &format!(
+                        "  └ {:>7} {:<16} {}",
+                        p.pid,
+                        p.name.as_deref().unwrap_or("?"),
+                        p.used_bytes.map_or("n/a".into(), fmt_bytes)
+                    ),
+                    width,
+                ),
+                dim(),
+            )));
+        }
+    }
+    lines.truncate(room.max(1));
+    lines
+}
+
+fn render_gpu_panel(app: &App, f: &mut Frame, area: Rect) {
+    let lines = gpu_lines(
+        app,
+        area.width.saturating_sub(2) as usize,
+        area.height.saturating_sub(2) as usize,
+    );
+    f.render_widget(
+        Paragraph::new(lines).block(panel("GPUs (NVML)", area)),
+        area,
+    );
+}
+
 fn render_grid_view(app: &App, f: &mut Frame, area: Rect) {
+    // The GPU panel on top, as tall as its rows (at most 6), when there are
+    // GPUs to show or a GPU run device without NVML.
+    let area = if app.gpu.is_some() && area.height >= 20 {
+        let rows = gpu_lines(app, area.width.saturating_sub(2) as usize, 6).len() as u16;
+        let [gpu, rest] =
+            Layout::vertical([Constraint::Length(rows + 2), Constraint::Min(0)]).areas(area);
+        render_gpu_panel(app, f, gpu);
+        rest
+    } else {
+        area
+    };
     // Wide: chart, breakdown and recommendation side by side under the
     // grid. Narrow: chart and breakdown, with the recommendation as a
     // panel of its own (one line under 30 rows) between them and the grid.

@@ -185,6 +185,18 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
     };
     let mut app = super::new_app(&base, opts.sample_ms)?;
     app.header.no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    // NVML where it answers; on a GPU run device without it, the panel says why.
+    let on_gpu = app.header.base.run_device.kind == "cuda";
+    let nvml = match crate::telemetry::Telemetry::open() {
+        Ok(t) => Some(t),
+        Err(why) => {
+            if on_gpu {
+                app.gpu = Some(super::app::GpuView::Missing(format!("no NVML: {why}")));
+            }
+            None
+        }
+    };
+    let mut last_gpu = Instant::now() - Duration::from_secs(1);
     // A journal from an earlier run: offer to resume before anything runs.
     let mut asking = finished_before > 0;
     if asking {
@@ -253,6 +265,18 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
                     start,
                 ));
             }
+        }
+        // The GPU panel: NVML twice a second, on this thread (a sample is a
+        // few driver calls).
+        if let Some(t) = &nvml
+            && last_gpu.elapsed() >= Duration::from_millis(500)
+        {
+            last_gpu = Instant::now();
+            let view = match t.sample(None) {
+                Ok(snap) => super::app::GpuView::Snapshot(snap),
+                Err(e) => super::app::GpuView::Missing(format!("NVML: {e}")),
+            };
+            update(&mut app, Event::Gpu(view));
         }
         update(
             &mut app,

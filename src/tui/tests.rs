@@ -55,3 +55,71 @@ fn a_whole_sweep_renders_at_every_step() {
     assert!(narrow.contains("┌recommendation"), "{narrow}");
     assert!(narrow.contains("│★ #1"), "{narrow}");
 }
+
+/// The GPU panel, nvitop-style: a row per GPU (memory bar in IEC units and
+/// percent, utilisation, power, temperature) and its processes; on a GPU run
+/// device without NVML, the reason instead.
+#[test]
+fn the_gpu_panel_shows_nvml_or_why_not() {
+    use crate::telemetry::{GpuSample, ProcSample, Snapshot};
+    let mut app = running(false);
+    let gib = 1u64 << 30;
+    update(
+        &mut app,
+        Event::Gpu(GpuView::Snapshot(Snapshot {
+            at_s: 1.0,
+            gpus: vec![GpuSample {
+                index: 0,
+                name: "NVIDIA H200".into(),
+                memory_used_bytes: 100 * gib,
+                memory_total_bytes: 140 * gib,
+                utilization_pct: Some(97),
+                memory_utilization_pct: Some(40),
+                power_w: Some(612.4),
+                power_limit_w: Some(700.0),
+                sm_clock_mhz: Some(1980),
+                temperature_c: Some(61),
+                processes: vec![ProcSample {
+                    pid: 4242,
+                    used_bytes: Some(99 * gib),
+                    name: Some("memfit".into()),
+                }],
+                error: None,
+            }],
+        })),
+    );
+    let screen = draw(&app, 120, 40).join("\n");
+    assert!(screen.contains("GPUs (NVML)"), "{screen}");
+    let row = screen
+        .lines()
+        .find(|l| l.contains("NVIDIA H200"))
+        .unwrap_or_else(|| panic!("{screen}"));
+    for part in [
+        "100.00 GiB/140.00 GiB",
+        "71.4%",
+        "util  97%",
+        "612/700 W",
+        "61°C",
+        "█",
+        "░",
+    ] {
+        assert!(row.contains(part), "{part}: {row}");
+    }
+    assert!(screen.contains("4242 memfit"), "{screen}");
+    assert!(screen.contains("99.00 GiB"), "{screen}");
+    // Small terminals drop the panel rather than the grid.
+    let small = draw(&app, 80, 16).join("\n");
+    assert!(!small.contains("GPUs (NVML)"), "{small}");
+
+    update(
+        &mut app,
+        Event::Gpu(GpuView::Missing(
+            "no NVML: libnvidia-ml.so.1 could not be loaded (no NVIDIA driver)".into(),
+        )),
+    );
+    let screen = draw(&app, 120, 40).join("\n");
+    assert!(screen.contains("no NVML: libnvidia-ml.so.1"), "{screen}");
+    // Without NVML on a cpu sweep there is no panel at all.
+    let plain = draw(&running(false), 120, 40).join("\n");
+    assert!(!plain.contains("GPUs (NVML)"), "{plain}");
+}
