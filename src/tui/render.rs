@@ -920,7 +920,7 @@ fn breakdown_lines(app: &App, r: &Row, width: u16) -> Vec<Line<'static>> {
     items.insert(0, ("total", peaks.total + overhead));
     // name(14) bar size(10) pct(7)
     let bar_w = width.saturating_sub(14 + 1 + 10 + 7) as usize;
-    items
+    let mut lines: Vec<Line<'static>> = items
         .into_iter()
         .map(|(n, b)| {
             let p = pct(b as f64, app.header.capacity);
@@ -942,7 +942,28 @@ fn breakdown_lines(app: &App, r: &Row, width: u16) -> Vec<Line<'static>> {
             spans.push(Span::raw(format!(" {p:>5.1}%")));
             Line::from(spans)
         })
-        .collect()
+        .collect();
+    if let Some(l) = nvml_line(r, width) {
+        lines.insert(1, l);
+    }
+    lines
+}
+
+/// On a GPU with NVML: the trial process's NVML peak and its error against
+/// the prediction, right under the tracked total (short panels keep it).
+fn nvml_line(r: &Row, width: u16) -> Option<Line<'static>> {
+    let rec = r.record.as_ref()?;
+    let nv = rec.measured.as_ref()?.nvml_peak_bytes?;
+    let err = rec
+        .nvml_error_pct
+        .map_or(String::new(), |e| format!(" err {e:+.1}%"));
+    Some(clip_spans(
+        vec![
+            Span::styled(format!("{:<14}", "NVML peak"), bold()),
+            Span::raw(format!("{}{err}", fmt_bytes(nv))),
+        ],
+        width as usize,
+    ))
 }
 
 fn render_breakdown(app: &App, r: Option<&Row>, f: &mut Frame, area: Rect) {

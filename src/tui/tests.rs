@@ -123,3 +123,22 @@ fn the_gpu_panel_shows_nvml_or_why_not() {
     let plain = draw(&running(false), 120, 40).join("\n");
     assert!(!plain.contains("GPUs (NVML)"), "{plain}");
 }
+
+/// A GPU trial's NVML peak sits under its tracked total, with its error.
+#[test]
+fn the_breakdown_shows_a_trials_nvml_peak() {
+    let mut app = fresh(false);
+    let (index, mut record) = finished_records(&app).into_iter().next().unwrap();
+    if let Some(m) = record.measured.as_mut() {
+        m.nvml_peak_bytes = Some(900 << 20);
+    }
+    record.nvml_error_pct = Some(12.5);
+    update(&mut app, Event::TrialStarted { index });
+    update(&mut app, Event::TrialFinished { index, record });
+    let screen = draw(&app, 120, 40).join("\n");
+    let line = screen
+        .lines()
+        .find(|l| l.contains("NVML peak"))
+        .unwrap_or_else(|| panic!("{screen}"));
+    assert!(line.contains("900.00 MiB err +12.5%"), "{line}");
+}
