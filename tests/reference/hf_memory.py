@@ -1,0 +1,423 @@
+#!/usr/bin/env python3
+"""Reference memory fixtures for a future `hf-eager` framework profile.
+
+Measures what PyTorch + Hugging Face transformers allocate in ONE steady-state
+training step (the second step, so AdamW's state exists) of GPT2LMHeadModel and
+LlamaForCausalLM, split into memfit's categories, without allocating real
+memory: every tensor is a fake cpu tensor (torch._subclasses.fake_tensor.
+FakeTensorMode) and PyTorch's module-level tracker
+torch.distributed._tools.mem_tracker.MemTracker counts the bytes of every
+storage that is alive, by category, after every aten op.
+
+Run by hand (not in CI), from the repository root:
+
+    python3 -m venv .venv-hfref
+    .venv-hfref/bin/pip install -r tests/reference/requirements.txt
+    .venv-hfref/bin/python tests/reference/hf_memory.py            # all configs
+    .venv-hfref/bin/python tests/reference/hf_memory.py --only gpt2-t64   # a subset (substring match)
+    .venv-hfref/bin/python tests/reference/hf_memory.py --list
+
+It writes tests/reference/hf_memory.json (or --out PATH) and prints a table.
+See tests/reference/README.md for what is measured and the category mapping.
+
+The tracked step is the loop most training scripts write:
+
+    with autocast (bf16-autocast only):
+        loss = model(input_ids=x, labels=x).loss   # HF shifts the labels itself
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=...)
+
+(the ModelOutput, and with it the logits, is dropped as soon as `.loss` is
+read, as in that loop). Step 1 runs untracked first; the tracker is then given
+the model, the optimizer (its state) and the input tensor with
+`track_external`, and step 2 is tracked.
+"""
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+import warnings
+
+import torch
+import transformers
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+MIB = 1024 * 1024
+
+# MemTracker's categories (its _MemRefType) -> memfit's category names.
+CATEGORY_MAP = {
+    _MemRefType.PARAM: "parameters",
+    _MemRefType.GRAD: "gradients",
+    _MemRefType.OPT: "optimizer",
+    _MemRefType.ACT: "activations",
+    _MemRefType.TEMP: "temporaries",
+    _MemRefType.BUFFER: "buffers",
+    _MemRefType.OTH: "other",  # tensors given to track_external: the input ids
+}
+CATEGORIES = [
+    "parameters",
+    "gradients",
+    "optimizer",
+    "activations",
+    "temporaries",
+    "buffers",
+    "other",
+]
+TOTAL_KEY = "Total"  # MemTracker's _TOTAL_KEY
+
+# ---------------------------------------------------------------- models ----
+
+# Dimensions from profiles/models/gpt2.yaml and profiles/models/llama-3.2-1b.yaml.
+# Hugging Face does not pad the vocabulary (memfit's gpt2 profile pads 50257 to
+# 50304 with pad_vocab_to: 64); these are the unpadded HF shapes.
+MODELS = {
+    "gpt2": dict(
+        family="gpt2",
+        hf=dict(
+            vocab_size=50257,
+            n_positions=1024,
+            n_embd=768,
+            n_layer=12,
+            n_head=12,
+            n_inner=None,  # 4 * n_embd = 3072
+            activation_function="gelu_new",
+            layer_norm_epsilon=1e-5,
+            tie_word_embeddings=True,
+            use_cache=False,
+        ),
+    ),
+    "llama-3.2-1b": dict(
+        family="llama",
+        hf=dict(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+            tie_word_embeddings=True,
+            hidden_act="silu",
+            use_cache=False,
+        ),
+    ),
+}
+# A 4-layer model of llama-3.2-1b's width: cheaper, and the difference against
+# the 16-layer one isolates the per-layer cost.
+MODELS["llama-1b-4l"] = dict(
+    family="llama", hf=dict(MODELS["llama-3.2-1b"]["hf"], num_hidden_layers=4)
+)
+
+
+def build_model(model_name, dropout, attention):
+    spec = MODELS[model_name]
+    hf = dict(spec["hf"])
+    if spec["family"] == "gpt2":
+        hf.update(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+        config = transformers.GPT2Config(**hf)
+        cls = transformers.GPT2LMHeadModel
+    else:
+        hf.update(attention_dropout=dropout)
+        config = transformers.LlamaConfig(**hf)
+        cls = transformers.LlamaForCausalLM
+    config._attn_implementation = attention
+    model = cls(config)
+    model.config._attn_implementation = attention
+    model.train()
+    return model, hf
+
+
+# --------------------------------------------------------------- configs ----
+
+BASE = dict(
+    batch=4,
+    seq_len=1024,
+    precision="fp32",
+    dropout=0.0,
+    attention="eager",
+    optimizer="adamw-foreach",
+    set_to_none=True,
+)
+
+
+def cfg(model, **kw):
+    c = dict(BASE, model=model, family=MODELS[model]["family"])
+    c.update(kw)
+    short = {
+        "gpt2": "gpt2",
+        "llama-3.2-1b": "llama1b",
+        "llama-1b-4l": "llama1b-4l",
+    }[model]
+    name = f"{short}-b{c['batch']}-t{c['seq_len']}-{c['precision']}-d{c['dropout']:g}-{c['attention']}-{c['optimizer'].replace('adamw-', '')}"
+    if not c["set_to_none"]:
+        name += "-zero"
+    c["name"] = name
+    return c
+
+
+def all_configs():
+    """A covering design: a base (B=4, T=1024, fp32, dropout 0, eager, AdamW
+    foreach, set_to_none) varied one knob at a time, plus the corners quoted
+    in the issue (gpt2 T=64/1024 fp32 dropout 0, gpt2 T=1024 dropout 0.1,
+    llama-3.2-1b T=1024 fp32) with both AdamW implementations."""
+    out = []
+    for m in ["gpt2", "llama-3.2-1b"]:
+        for t in (64, 256, 1024):
+            out.append(cfg(m, seq_len=t))
+        out.append(cfg(m, seq_len=64, optimizer="adamw-single-tensor"))
+        out.append(cfg(m, optimizer="adamw-single-tensor"))
+        out.append(cfg(m, dropout=0.1))
+        out.append(cfg(m, dropout=0.1, optimizer="adamw-single-tensor"))
+        out.append(cfg(m, attention="sdpa"))
+        out.append(cfg(m, attention="sdpa", dropout=0.1))
+        out.append(cfg(m, precision="bf16-autocast"))
+        out.append(cfg(m, precision="bf16-autocast", attention="sdpa"))
+        out.append(cfg(m, set_to_none=False))
+        out.append(cfg(m, batch=1))
+    out.append(cfg("gpt2", seq_len=64, dropout=0.1))
+    # The issue's quoted figures match gradients kept resident across steps:
+    # the same corners with zero_grad(set_to_none=False).
+    out.append(cfg("gpt2", seq_len=64, set_to_none=False))
+    out.append(cfg("gpt2", seq_len=64, set_to_none=False, optimizer="adamw-single-tensor"))
+    out.append(cfg("gpt2", dropout=0.1, set_to_none=False))
+    out.append(cfg("llama-1b-4l"))
+    out.append(cfg("llama-1b-4l", seq_len=256))
+    return out
+
+
+# -------------------------------------------------------------- tracking ----
+
+
+class PhaseMemTracker(MemTracker):
+    """MemTracker that also records, for the step, the maximum of every
+    category on its own, the phase (set by the driver) in which the total
+    peaked, and the peak total of every phase."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase = "setup"
+        self.cat_max = {}
+        self.peak_phase = None
+        self.phase_peak = {}
+
+    def _update_peak_stats(self, peak_state):
+        before = dict(self._peak_mem)
+        super()._update_peak_stats(peak_state)
+        self._observe()
+        if self._peak_mem != before:
+            self.peak_phase = self.phase
+
+    def _observe(self):
+        for dev_snap in self._curr_mem_snap.values():
+            for k, v in dev_snap.items():
+                key = str(k.value) if hasattr(k, "value") else str(k)
+                if self.cat_max.get(key, 0) < v:
+                    self.cat_max[key] = v
+            tot = dev_snap.get(TOTAL_KEY, 0)
+            if self.phase_peak.get(self.phase, 0) < tot:
+                self.phase_peak[self.phase] = tot
+
+    def set_phase(self, phase):
+        self.phase = phase
+        self._observe()
+
+
+def to_memfit(snap):
+    """MemTracker per-category dict (keys _MemRefType or 'Total') -> memfit names."""
+    out = {c: 0 for c in CATEGORIES}
+    total = 0
+    for k, v in snap.items():
+        if k == TOTAL_KEY or str(k) == TOTAL_KEY:
+            total = v
+            continue
+        ref = k if isinstance(k, _MemRefType) else _MemRefType(k)
+        out[CATEGORY_MAP[ref]] += v
+    return dict(total=total, **out)
+
+
+def run_config(c, device="cpu"):
+    torch.manual_seed(0)
+    fake = FakeTensorMode()
+    with fake, torch.device(device):
+        model, hf_fields = build_model(c["model"], c["dropout"], c["attention"])
+        dtypes = sorted({str(p.dtype) for p in model.parameters()})
+        n_params = sum(p.numel() for p in model.parameters())
+        opt = torch.optim.AdamW(
+            model.parameters(),
+            lr=1e-4,
+            weight_decay=0.01,
+            foreach=(c["optimizer"] == "adamw-foreach"),
+            fused=False,
+        )
+        vocab = hf_fields["vocab_size"]
+        x = torch.randint(0, vocab, (c["batch"], c["seq_len"]), dtype=torch.long)
+
+        def autocast():
+            if c["precision"] == "bf16-autocast":
+                return torch.autocast(device, dtype=torch.bfloat16)
+            return contextlib.nullcontext()
+
+        def step(mt=None):
+            ph = mt.set_phase if mt is not None else (lambda p: None)
+            ph("forward")
+            with autocast():
+                loss = model(input_ids=x, labels=x).loss
+            ph("backward")
+            loss.backward()
+            del loss
+            ph("optimizer")
+            opt.step()
+            ph("zero_grad")
+            opt.zero_grad(set_to_none=c["set_to_none"])
+            ph("end")
+
+        step()  # step 1, untracked: creates AdamW's state
+        mt = PhaseMemTracker()
+        mt.track_external(model, opt, x)
+        with mt:
+            mt.set_phase("start")
+            step(mt)
+        peak = mt.get_tracker_snapshot("peak")
+        if len(peak) != 1:
+            raise RuntimeError(f"expected one device, got {list(peak)}")
+        (dev,) = peak.keys()
+        split = to_memfit(peak[dev])
+        catmax = to_memfit(
+            {
+                (TOTAL_KEY if k == TOTAL_KEY else _MemRefType(k)): v
+                for k, v in mt.cat_max.items()
+            }
+        )
+        if catmax["total"] != split["total"]:
+            raise RuntimeError(
+                f"peak total mismatch {catmax['total']} != {split['total']}"
+            )
+        model_config = {
+            k: v
+            for k, v in hf_fields.items()
+            if k not in ("use_cache",)
+        }
+        if c["family"] == "gpt2":
+            model_config.update(
+                resid_pdrop=c["dropout"], embd_pdrop=c["dropout"], attn_pdrop=c["dropout"]
+            )
+        else:
+            model_config.update(attention_dropout=c["dropout"])
+        model_config["n_params"] = n_params
+        model_config["param_dtype"] = dtypes[0] if len(dtypes) == 1 else dtypes
+        return dict(
+            name=c["name"],
+            family=c["family"],
+            model=c["model"],
+            hf_class=type(model).__name__,
+            model_config=model_config,
+            batch=c["batch"],
+            seq_len=c["seq_len"],
+            precision=c["precision"],
+            dropout=c["dropout"],
+            attention=c["attention"],
+            optimizer=c["optimizer"],
+            set_to_none=c["set_to_none"],
+            device=f"fake-{dev}",
+            peak_bytes=catmax,
+            split_at_peak=split,
+            peak_phase=mt.peak_phase,
+            phase_peak_total=dict(mt.phase_peak),
+        )
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "hf_memory.json"))
+    ap.add_argument("--only", action="append", help="run configs whose name contains this (repeatable)")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="fake device (default cpu). 'cuda' needs a CUDA driver even for fake "
+        "tensors: without one loss.backward() fails (hasPrimaryContext)",
+    )
+    args = ap.parse_args()
+
+    configs = all_configs()
+    if args.device != "cpu":
+        for c in configs:
+            c["name"] += "-" + args.device
+    if args.only:
+        configs = [c for c in configs if any(s in c["name"] for s in args.only)]
+    if args.list:
+        for c in configs:
+            print(c["name"])
+        return 0
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    results, failures = [], []
+    hdr = f"{'config':58s} {'total':>9s} {'param':>8s} {'grad':>8s} {'opt':>8s} {'act':>9s} {'temp':>9s} {'phase':>9s} {'secs':>5s}"
+    print("MiB at the peak of step 2 (split_at_peak); total = peak total")
+    print(hdr)
+    for c in configs:
+        t0 = time.time()
+        try:
+            r = run_config(c, args.device)
+        except Exception as e:  # keep going; record what failed
+            msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            failures.append(dict(name=c["name"], error=msg))
+            print(f"{c['name']:58s} FAILED {msg}", flush=True)
+            continue
+        dt = time.time() - t0
+        results.append(r)
+        s = r["split_at_peak"]
+        print(
+            f"{c['name']:58s} {s['total']/MIB:9.1f} {s['parameters']/MIB:8.1f} {s['gradients']/MIB:8.1f} "
+            f"{s['optimizer']/MIB:8.1f} {s['activations']/MIB:9.1f} {s['temporaries']/MIB:9.1f} "
+            f"{str(r['peak_phase']):>9s} {dt:5.0f}",
+            flush=True,
+        )
+
+    doc = dict(
+        generated_by="tests/reference/hf_memory.py",
+        date=datetime.date.today().isoformat(),
+        versions=dict(
+            python=platform.python_version(),
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+        ),
+        method=(
+            "FakeTensorMode (fake cpu tensors) + torch.distributed._tools.mem_tracker.MemTracker; "
+            "step 2 of loss=model(input_ids=x,labels=x).loss; loss.backward(); opt.step(); "
+            "opt.zero_grad(set_to_none); bytes are storage sizes, no allocator rounding"
+        ),
+        category_map={str(k.value): v for k, v in CATEGORY_MAP.items()},
+        configs=results,
+        failures=failures,
+    )
+    if args.only and os.path.exists(args.out):
+        # Merge into an existing fixture: replace the configs that were rerun.
+        with open(args.out) as f:
+            old = json.load(f)
+        names = {r["name"] for r in results} | {x["name"] for x in failures}
+        keep = [r for r in old.get("configs", []) if r["name"] not in names]
+        order = {c["name"]: i for i, c in enumerate(all_configs())}
+        doc["configs"] = sorted(keep + results, key=lambda r: order.get(r["name"], 1 << 30))
+        oldf = [x for x in old.get("failures", []) if x["name"] not in names]
+        doc["failures"] = oldf + failures
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    print(f"wrote {args.out}: {len(doc['configs'])} configs, {len(doc['failures'])} failures")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
