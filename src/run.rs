@@ -475,7 +475,11 @@ pub fn run_meta(
 
 /// Bytes of a GPU the engine may use once every rank's backend is open:
 /// total memory, less the largest overhead a rank measured (each measures
-/// what the ranks opened before it hold too), less each rank's own scratch.
+/// what the ranks opened before it hold too), less each rank's own scratch,
+/// less 5% for what the driver holds beyond the tracked bytes (allocations
+/// rounded to 512 B and 2 MiB, blocks parked in the cache), so that a run
+/// near the edge is the tracker's typed out-of-memory, not a failed
+/// `cuMemAlloc`.
 pub fn device_free_after_startup<D: crate::backend::cuda::driver::Driver>(
     backends: &[crate::backend::cuda::CudaBackend<D>],
 ) -> u64 {
@@ -486,7 +490,8 @@ pub fn device_free_after_startup<D: crate::backend::cuda::driver::Driver>(
         .max()
         .unwrap_or(0);
     let scratch = backends.len() as u64 * crate::backend::cuda::SCRATCH_BYTES as u64;
-    total.saturating_sub(measured + scratch)
+    let free = total.saturating_sub(measured + scratch);
+    free - free / 20
 }
 
 /// The training text (or synthetic tokens) for a run that computes.

@@ -78,5 +78,22 @@ fn every_kernel_compiles_and_assembles_for_sm80_and_sm90() {
             );
         }
     }
+    // What the backend loads at run time: machine code from NVRTC itself.
+    for sm in ["sm_80", "sm_90"] {
+        let cubin = nvrtc::compile_cubin(sm).unwrap_or_else(|log| panic!("{log}"));
+        assert_eq!(
+            &cubin[..4],
+            b"\x7fELF",
+            "{sm}: NVRTC's CUBIN is an ELF image"
+        );
+        for k in KERNELS {
+            let name = k.name.as_bytes();
+            assert!(
+                cubin.windows(name.len()).any(|w| w == name),
+                "{sm}: kernel `{}` is missing from the CUBIN",
+                k.name
+            );
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

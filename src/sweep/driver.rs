@@ -1066,7 +1066,9 @@ impl Ctx<'_> {
         let nvml = self
             .nvml
             .as_ref()
-            .map(|t| (t, self.device.ordinal.map(|o| o as u32), sample_every));
+            // NVML numbers GPUs by PCI bus, not as CUDA does (nor after
+            // CUDA_VISIBLE_DEVICES): look the trial's pid up on every GPU.
+            .map(|t| (t, None, sample_every));
         let ended = run_child(&spec, self.opts.timeout, &self.stop, &on_sample, nvml)?;
         if self.stop.load(Ordering::SeqCst) {
             // Killed by Ctrl-C (ours, or the terminal's SIGINT to the child):

@@ -45,9 +45,23 @@ pub(crate) const QMAP_OFFSET: usize = SCRATCH_BYTES - 2 * 256 * 4;
 /// Partial sums of a reduction: at most this many blocks, f64 each.
 pub(crate) const PARTIALS: usize = 1024;
 
-/// Allocation granularity of the caching allocator (PyTorch rounds small
-/// blocks to 512 bytes too).
+/// Allocation granularity of the caching allocator for small blocks
+/// (PyTorch rounds them to 512 bytes too).
 const ROUND: usize = 512;
+/// Large blocks (1 MiB and up) round to 2 MiB, the granularity `cuMemAlloc`
+/// maps large allocations with anyway, so the cache's sizes are what the
+/// driver holds and a freed block serves any request in its 2 MiB class.
+const LARGE: usize = 1 << 20;
+const LARGE_ROUND: usize = 2 << 20;
+
+/// The bytes the allocator takes from the driver for a request of `bytes`.
+pub fn rounded(bytes: usize) -> usize {
+    if bytes >= LARGE {
+        bytes.div_ceil(LARGE_ROUND) * LARGE_ROUND
+    } else {
+        bytes.div_ceil(ROUND).max(1) * ROUND
+    }
+}
 
 /// A device buffer: `len` elements of `dtype` at `ptr`.
 #[derive(Debug)]
@@ -166,7 +180,7 @@ impl<D: Driver> CudaBackend<D> {
     }
 
     fn raw_alloc(&mut self, bytes: usize) -> DevPtr {
-        let rounded = bytes.div_ceil(ROUND).max(1) * ROUND;
+        let rounded = rounded(bytes);
         if let Some(p) = self.cache.get_mut(&rounded).and_then(Vec::pop) {
             self.cached_bytes -= rounded;
             return p;
@@ -291,7 +305,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
     }
 
     fn free(&mut self, buf: CudaBuf) {
-        let rounded = buf.bytes().div_ceil(ROUND).max(1) * ROUND;
+        let rounded = rounded(buf.bytes());
         self.cache.entry(rounded).or_default().push(buf.ptr);
         self.cached_bytes += rounded;
     }
@@ -765,6 +779,16 @@ mod tests {
         be.free(c);
         be.empty_cache();
         assert_eq!(be.cached_bytes(), 0);
+    }
+
+    #[test]
+    fn blocks_round_to_512_bytes_and_large_ones_to_2_mib() {
+        assert_eq!(rounded(0), 512);
+        assert_eq!(rounded(100), 512);
+        assert_eq!(rounded(513), 1024);
+        assert_eq!(rounded((1 << 20) - 1), 1 << 20);
+        assert_eq!(rounded(1 << 20), 2 << 20);
+        assert_eq!(rounded((2 << 20) + 1), 4 << 20);
     }
 
     #[test]

@@ -49,3 +49,65 @@ pub fn compile(arch: &'static str) -> Result<String, String> {
         Err(e) => Err(format!("NVRTC failed: {e}")),
     }
 }
+
+/// A CUBIN (machine code) for real architecture `sm` (e.g. `sm_90`): what
+/// the cuda backend loads. Loading PTX instead would make the driver JIT it,
+/// and a driver older than the NVRTC refuses newer PTX versions
+/// (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`: NVRTC 12.9 emits PTX 8.8, which
+/// R575 and later drivers accept); a CUBIN only needs the architecture.
+pub fn compile_cubin(sm: &str) -> Result<Vec<u8>, String> {
+    use cudarc::nvrtc::{result, sys};
+    use std::ffi::CString;
+    if !available() {
+        return Err(compile("compute_80").expect_err("NVRTC is missing"));
+    }
+    let src = CString::new(program_source()).map_err(|e| format!("kernel source: {e}"))?;
+    let name = CString::new("memfit_kernels.cu").expect("no NUL");
+    let prog = result::create_program(&src, Some(&name)).map_err(|e| format!("NVRTC: {e:?}"))?;
+    let options = [
+        format!("--gpu-architecture={sm}"),
+        "--ftz=false".into(),
+        "--prec-div=true".into(),
+        "--prec-sqrt=true".into(),
+        "--fmad=true".into(),
+        "--std=c++17".into(),
+    ];
+    // SAFETY: prog is a live program; it is destroyed once, below.
+    let out = unsafe {
+        match result::compile_program(prog, &options) {
+            Err(e) => {
+                let log = result::get_program_log(prog)
+                    .map(|l| {
+                        let bytes: Vec<u8> = l
+                            .iter()
+                            .take_while(|&&c| c != 0)
+                            .map(|&c| c as u8)
+                            .collect();
+                        String::from_utf8_lossy(&bytes).into_owned()
+                    })
+                    .unwrap_or_default();
+                Err(format!(
+                    "NVRTC could not compile the kernels for {sm} ({e:?}):\n{log}"
+                ))
+            }
+            Ok(()) => {
+                let mut size = 0usize;
+                match sys::nvrtcGetCUBINSize(prog, &mut size).result() {
+                    Err(e) => Err(format!(
+                        "NVRTC has no CUBIN for {sm} ({e:?}): this NVRTC may predate the GPU's architecture"
+                    )),
+                    Ok(()) => {
+                        let mut cubin = vec![0u8; size];
+                        sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut std::ffi::c_char)
+                            .result()
+                            .map(|()| cubin)
+                            .map_err(|e| format!("NVRTC: getting the CUBIN failed: {e:?}"))
+                    }
+                }
+            }
+        }
+    };
+    // SAFETY: created above, destroyed once.
+    let _ = unsafe { result::destroy_program(prog) };
+    out
+}

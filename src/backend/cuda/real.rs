@@ -94,10 +94,10 @@ impl CudaDriver {
         let total =
             unsafe { cu::device::total_mem(dev) }.map_err(|e| err("cuDeviceTotalMem", e))? as u64;
 
-        let arch: &'static str = Box::leak(format!("compute_{}{}", cc.0, cc.1).into_boxed_str());
-        let ptx = super::nvrtc::compile(arch)?;
-        let image = CString::new(ptx).map_err(|e| err("PTX", e))?;
-        // SAFETY: image is NUL-terminated PTX text.
+        // Machine code for this GPU, so no PTX JIT (which would tie the
+        // NVRTC version to the driver's); see `nvrtc::compile_cubin`.
+        let image = super::nvrtc::compile_cubin(&format!("sm_{}{}", cc.0, cc.1))?;
+        // SAFETY: image is a complete CUBIN produced by NVRTC for this device.
         let module = unsafe { cu::module::load_data(image.as_ptr() as *const c_void) }
             .map_err(|e| err("loading the kernel module", e))?;
         let funcs = KERNELS
@@ -128,9 +128,7 @@ impl CudaDriver {
                 .map_err(|e| err("cublasSetWorkspace", e))?;
             ws
         };
-        cu::ctx::synchronize().map_err(|e| err("synchronising", e))?;
-        let (free, _) = cu::mem_get_info().map_err(|e| err("cuMemGetInfo", e))?;
-        Ok(CudaDriver {
+        let mut drv = CudaDriver {
             ordinal,
             name,
             cc,
@@ -143,10 +141,56 @@ impl CudaDriver {
             blas: handle,
             blas_ws,
             total,
-            overhead: total.saturating_sub(free as u64),
-        })
+            overhead: 0,
+        };
+        // cuBLAS loads its kernels lazily (CUDA 12's lazy module loading):
+        // run one tiny GEMM per type first, so the overhead measured below
+        // holds them and later GEMMs add nothing the engine does not track.
+        drv.warm_up()?;
+        cu::ctx::synchronize().map_err(|e| err("synchronising", e))?;
+        let (free, _) = cu::mem_get_info().map_err(|e| err("cuMemGetInfo", e))?;
+        drv.overhead = total.saturating_sub(free as u64);
+        Ok(drv)
     }
 
+    /// One 16x16x16 GEMM in each type the engine uses.
+    fn warm_up(&mut self) -> Result<(), String> {
+        const N: usize = 16;
+        let bytes = N * N * 4;
+        let buf = self
+            .alloc(3 * bytes)
+            .ok_or_else(|| "cuda: no memory for the start-up GEMMs".to_string())?;
+        self.zero(buf, 3 * bytes);
+        for t in [DType::F32, DType::Bf16, DType::F16] {
+            self.gemm(&Gemm {
+                transa: false,
+                transb: false,
+                m: N,
+                n: N,
+                k: N,
+                alpha: 1.0,
+                a: buf,
+                lda: N,
+                stride_a: 0,
+                b: buf + bytes as u64,
+                ldb: N,
+                stride_b: 0,
+                ab_type: t,
+                beta: 0.0,
+                c: buf + 2 * bytes as u64,
+                ldc: N,
+                stride_c: 0,
+                c_type: t,
+                batch: 1,
+            });
+        }
+        self.synchronize();
+        self.free(buf, 3 * bytes);
+        Ok(())
+    }
+}
+
+impl CudaDriver {
     /// Compute capability, e.g. `(9, 0)`.
     pub fn compute_capability(&self) -> (i32, i32) {
         self.cc
@@ -210,9 +254,16 @@ impl Driver for CudaDriver {
         unsafe { cu::malloc_sync(bytes.max(1)) }.ok()
     }
     fn free(&mut self, ptr: DevPtr, _bytes: usize) {
-        self.bind();
-        // SAFETY: ptr came from alloc and is freed once.
-        unsafe { cu::free_sync(ptr) }.expect("cuMemFree");
+        // Frees run in drops, also while a panic unwinds after a sticky GPU
+        // fault, when every driver call fails: never panic here (a second
+        // panic would abort the process instead of failing the run).
+        // SAFETY: ptr came from alloc and is freed once; the context is
+        // made current first, and cuMemFree waits for queued work.
+        unsafe {
+            let _ = cu::ctx::set_current(self.ctx);
+            let _ = cu::stream::synchronize(self.stream);
+            let _ = cu::free_sync(ptr);
+        }
     }
     fn upload(&mut self, dst: DevPtr, src: &[u8]) {
         self.bind();
@@ -338,9 +389,10 @@ impl super::comm::Stager for CtxStager {
 
 impl Drop for CudaDriver {
     fn drop(&mut self) {
-        self.bind();
-        // SAFETY: each handle is released once, in reverse order of creation.
+        // SAFETY: each handle is released once, in reverse order of
+        // creation; errors are ignored (see `free`).
         unsafe {
+            let _ = cu::ctx::set_current(self.ctx);
             let _ = cu::stream::synchronize(self.stream);
             let _ = blas::destroy_handle(self.blas);
             let _ = cu::free_sync(self.blas_ws);
