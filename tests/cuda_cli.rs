@@ -287,5 +287,33 @@ fn gpu_sweep_records_each_trials_nvml_peak() {
         "nvml",
     ]);
     assert_eq!(check.status.code(), Some(0), "{}", stderr(&check));
+
+    // NVML answers but never lists the trial (a container's pid namespace,
+    // MIG): no NVML peak, and the report says why.
+    std::fs::write(&script, "gpu 0 name \"NVIDIA H200\" total 150000000000\n").unwrap();
+    let out_dir = dir.join("out2");
+    let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args([
+            "sweep",
+            recipe.to_str().unwrap(),
+            "--out",
+            out_dir.to_str().unwrap(),
+        ])
+        .args(["--exhaustive", "--steps", "1", "--max-steps", "2"])
+        .env("MEMFIT_CUDA_EMULATE", "2GiB")
+        .env("MEMFIT_NVML_LIB", double)
+        .env("NVML_DOUBLE_SCRIPT", &script)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(out_dir.join("report.json")).unwrap())
+            .unwrap();
+    let nvml = report["nvml"].as_str().unwrap_or_default();
+    assert!(
+        nvml.contains("never appeared in NVML's process list"),
+        "{nvml}"
+    );
+    assert!(report["trials"][0]["measured"]["nvml_peak_bytes"].is_null());
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -961,6 +961,17 @@ impl Ctx<'_> {
         self.report.usable_bytes()
     }
 
+    /// NVML answered, but a trial's process never showed in its process
+    /// list with memory: say why it can happen, once, in the report.
+    fn nvml_missed_a_trial(&mut self) {
+        const WHY: &str = "; a trial process never appeared in NVML's process list with its memory (in a container with its own pid namespace NVML reports host pids; a MIG instance reports no per-process memory; drivers before R510 lack the query)";
+        if let Some(s) = self.report.nvml.as_mut()
+            && !s.contains(WHY)
+        {
+            s.push_str(WHY);
+        }
+    }
+
     fn base_record(&self, index: usize, p: &Prediction, outcome: Outcome) -> TrialRecord {
         TrialRecord {
             id: trial_id(&p.point),
@@ -1087,6 +1098,9 @@ impl Ctx<'_> {
                 (Some(0), Some(o)) => {
                     r.outcome = Outcome::Ran;
                     self.measure(&mut r, p, &o, nvml_peak);
+                    if self.nvml.is_some() && nvml_peak.is_none() {
+                        self.nvml_missed_a_trial();
+                    }
                 }
                 (Some(3), Some(o)) => {
                     r.outcome = Outcome::Oom;

@@ -55,7 +55,23 @@ pub fn compile(arch: &'static str) -> Result<String, String> {
 /// and a driver older than the NVRTC refuses newer PTX versions
 /// (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`: NVRTC 12.9 emits PTX 8.8, which
 /// R575 and later drivers accept); a CUBIN only needs the architecture.
+/// Compiled once per process and architecture: every rank simulated on a
+/// GPU opens its own driver, and they all load the same image.
 pub fn compile_cubin(sm: &str) -> Result<Vec<u8>, String> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static CACHE: OnceLock<Mutex<HashMap<String, Vec<u8>>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(c) = cache.get(sm) {
+        return Ok(c.clone());
+    }
+    let cubin = compile_cubin_uncached(sm)?;
+    cache.insert(sm.to_string(), cubin.clone());
+    Ok(cubin)
+}
+
+fn compile_cubin_uncached(sm: &str) -> Result<Vec<u8>, String> {
     use cudarc::nvrtc::{result, sys};
     use std::ffi::CString;
     if !available() {
