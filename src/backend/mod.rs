@@ -5,13 +5,16 @@
 //! That is why the engine's memory accounting is identical on every backend.
 //!
 //! * [`cpu::CpuBackend`] computes for real, multithreaded, GEMMs through the `gemm` crate.
-//! * [`meta::MetaBackend`] stores nothing and computes nothing; its buffers are `()`.
+//! * [`cuda::CudaBackend`] computes on an NVIDIA GPU: `Buf` is a device
+//!   allocation, ops launch NVRTC-compiled kernels on the backend's stream,
+//!   `gemm`-shaped ops map onto cuBLAS, and downloads (and `synchronize`)
+//!   are the only host syncs. The same code runs on an emulated GPU in tests.
+//! * [`meta::MetaBackend`] stores nothing and computes nothing; its buffers are
+//!   `()`. It declares the workspace of the backend it predicts.
 //!
 //! Ops follow the llm.c convention: flat buffers, shapes passed explicitly, and
 //! the shape of every argument in the doc comment. Linear weights use PyTorch's
-//! `(out_features, in_features)` layout. A CUDA backend fits the same trait:
-//! `Buf` becomes a device slice, ops launch kernels on the backend's stream,
-//! `gemm`-shaped ops map onto cuBLAS, and `download_*` is the only host sync.
+//! `(out_features, in_features)` layout.
 
 pub mod cpu;
 pub mod cuda;
