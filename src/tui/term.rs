@@ -310,7 +310,9 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
                                 .map_or(0, |d| d.as_secs())
                         ));
                         let _ = std::fs::rename(&journal, &aside);
+                        let gpu = app.gpu.take();
                         app = super::new_app(&base, opts.sample_ms)?;
+                        app.gpu = gpu;
                         app.header.no_color =
                             std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
                         app.message = Some(format!("earlier trials moved to {}", aside.display()));

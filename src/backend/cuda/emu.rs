@@ -146,11 +146,28 @@ impl Driver for EmuDriver {
 
     fn launch(&mut self, k: Kernel, cfg: LaunchCfg, args: &[Arg]) {
         check_args(k, args);
+        // The launch limits of every GPU memfit supports (sm_80 and newer),
+        // checked here so a launch the hardware would refuse fails in tests.
+        let name = k.sig().name;
         assert!(
             cfg.threads() <= 1024,
-            "kernel `{}`: {} threads a block (the limit is 1024)",
-            k.sig().name,
+            "kernel `{name}`: {} threads a block (the limit is 1024)",
             cfg.threads()
+        );
+        assert!(
+            cfg.block[2] <= 64,
+            "kernel `{name}`: block z is {} (the limit is 64)",
+            cfg.block[2]
+        );
+        assert!(
+            cfg.grid[1] <= 65535 && cfg.grid[2] <= 65535,
+            "kernel `{name}`: grid {:?} (y and z are at most 65535)",
+            cfg.grid
+        );
+        assert!(
+            cfg.shared_bytes <= 48 << 10,
+            "kernel `{name}`: {} bytes of dynamic shared memory (over 48 KiB needs an opt-in the backend does not make)",
+            cfg.shared_bytes
         );
         let mut slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
         let shared = Shared {

@@ -839,6 +839,36 @@ mod tests {
         assert!(std::panic::catch_unwind(|| float_code(DType::U8)).is_err());
     }
 
+    /// Launches a GPU would refuse fail in the emulator too.
+    #[test]
+    fn the_emulator_enforces_launch_limits() {
+        let mut be = emu(1 << 20);
+        let buf = be.alloc(4, DType::F32);
+        let args = [buf.arg(), buf.dt(), n64(4), Arg::F32(1.0)];
+        for (cfg, want) in [
+            (LaunchCfg::linear(1, 2048), "threads a block"),
+            (
+                LaunchCfg::linear(1, 32).with_shared(64 << 10),
+                "dynamic shared memory",
+            ),
+            (
+                LaunchCfg {
+                    grid: [1, 70_000, 1],
+                    block: [32, 1, 1],
+                    shared_bytes: 0,
+                },
+                "at most 65535",
+            ),
+        ] {
+            let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                be.launch("fill_kernel", cfg, &args)
+            }))
+            .unwrap_err();
+            let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+            assert!(msg.contains(want), "{msg}");
+        }
+    }
+
     /// The emulator's warp shuffles and barriers behave as CUDA's.
     #[test]
     fn emulated_warp_primitives_and_barriers() {
