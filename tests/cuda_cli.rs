@@ -224,6 +224,30 @@ fn sweep_and_balance_run_on_the_emulated_gpu() {
     assert_eq!(text.matches("(equal)").count(), 2, "{text}");
 }
 
+/// Sweeps `recipe` into `out_dir` on the emulated GPU, with the NVML double
+/// scripted by `script`; the report.
+fn nvml_sweep(
+    recipe: &std::path::Path,
+    out_dir: &std::path::Path,
+    script: &std::path::Path,
+) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args([
+            "sweep",
+            recipe.to_str().unwrap(),
+            "--out",
+            out_dir.to_str().unwrap(),
+        ])
+        .args(["--exhaustive", "--steps", "1", "--max-steps", "2"])
+        .env("MEMFIT_CUDA_EMULATE", "2GiB")
+        .env("MEMFIT_NVML_LIB", env!("MEMFIT_NVML_DOUBLE"))
+        .env("NVML_DOUBLE_SCRIPT", script)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    serde_json::from_str(&std::fs::read_to_string(out_dir.join("report.json")).unwrap()).unwrap()
+}
+
 /// A GPU sweep with NVML: each trial process's NVML peak is recorded next to
 /// the tracked peak and the prediction (md and json), and `memfit check
 /// --metric nvml` gates on it. NVML is the scripted double, whose `children`
@@ -251,22 +275,7 @@ fn gpu_sweep_records_each_trials_nvml_peak() {
     )
     .unwrap();
     let out_dir = dir.join("out");
-    let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
-        .args([
-            "sweep",
-            recipe.to_str().unwrap(),
-            "--out",
-            out_dir.to_str().unwrap(),
-        ])
-        .args(["--exhaustive", "--steps", "1", "--max-steps", "2"])
-        .env("MEMFIT_CUDA_EMULATE", "2GiB")
-        .env("MEMFIT_NVML_LIB", double)
-        .env("NVML_DOUBLE_SCRIPT", &script)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr(&out));
-    let text = std::fs::read_to_string(out_dir.join("report.json")).unwrap();
-    let report: Value = serde_json::from_str(&text).unwrap();
+    let report = nvml_sweep(&recipe, &out_dir, &script);
     assert_eq!(report["nvml"], "NVML, driver 999.99.99", "{report}");
     let t = &report["trials"][0];
     assert_eq!(t["measured"]["nvml_peak_bytes"], 734003200, "{t}");
@@ -292,23 +301,7 @@ fn gpu_sweep_records_each_trials_nvml_peak() {
     // MIG): no NVML peak, and the report says why.
     std::fs::write(&script, "gpu 0 name \"NVIDIA H200\" total 150000000000\n").unwrap();
     let out_dir = dir.join("out2");
-    let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
-        .args([
-            "sweep",
-            recipe.to_str().unwrap(),
-            "--out",
-            out_dir.to_str().unwrap(),
-        ])
-        .args(["--exhaustive", "--steps", "1", "--max-steps", "2"])
-        .env("MEMFIT_CUDA_EMULATE", "2GiB")
-        .env("MEMFIT_NVML_LIB", double)
-        .env("NVML_DOUBLE_SCRIPT", &script)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr(&out));
-    let report: Value =
-        serde_json::from_str(&std::fs::read_to_string(out_dir.join("report.json")).unwrap())
-            .unwrap();
+    let report = nvml_sweep(&recipe, &out_dir, &script);
     let nvml = report["nvml"].as_str().unwrap_or_default();
     assert!(
         nvml.contains("never appeared in NVML's process list"),

@@ -98,7 +98,7 @@ fn fmt_margin((m, predicted): (i64, bool)) -> String {
 }
 
 /// `s` in at most `w` columns, cut with "…" when longer.
-fn clip(s: &str, w: usize) -> String {
+pub(crate) fn clip(s: &str, w: usize) -> String {
     if s.chars().count() <= w {
         return s.to_string();
     }
@@ -112,7 +112,7 @@ fn clip(s: &str, w: usize) -> String {
 
 /// Spans in at most `width` columns: those that fit, the first that does
 /// not cut with "…", none after it.
-fn clip_spans(spans: Vec<Span<'static>>, width: usize) -> Line<'static> {
+pub(crate) fn clip_spans(spans: Vec<Span<'static>>, width: usize) -> Line<'static> {
     let mut left = width;
     let mut out = Vec::new();
     for s in spans {
@@ -144,7 +144,7 @@ fn first_fitting(variants: Vec<Vec<Span<'static>>>, width: usize) -> Line<'stati
 }
 
 /// A bordered block whose title is cut to the block's width.
-fn panel(title: &str, area: Rect) -> Block<'static> {
+pub(crate) fn panel(title: &str, area: Rect) -> Block<'static> {
     Block::bordered().title(clip(title, area.width.saturating_sub(2) as usize))
 }
 
@@ -157,15 +157,15 @@ fn fg(app: &App, c: Color) -> Style {
     }
 }
 
-fn bold() -> Style {
+pub(crate) fn bold() -> Style {
     Style::default().add_modifier(Modifier::BOLD)
 }
 
-fn dim() -> Style {
+pub(crate) fn dim() -> Style {
     Style::default().add_modifier(Modifier::DIM)
 }
 
-fn sep() -> Span<'static> {
+pub(crate) fn sep() -> Span<'static> {
     Span::styled(" │ ", dim())
 }
 
@@ -563,10 +563,10 @@ fn grid_columns(app: &App, cells: &[Vec<String>], width: usize) -> Vec<(Col, usi
         .collect()
 }
 
-/// A memory bar `[████░░░░]` of `width` cells for `share` in 0..=1.
-fn gpu_bar(share: f64, width: usize) -> String {
+/// A memory bar `████░░░░` of `width` cells for `share` in 0..=1.
+pub(crate) fn bar(share: f64, width: usize) -> String {
     let full = ((share.clamp(0.0, 1.0) * width as f64).round() as usize).min(width);
-    format!("[{}{}]", "█".repeat(full), "░".repeat(width - full))
+    format!("{}{}", "█".repeat(full), "░".repeat(width - full))
 }
 
 /// The GPU panel's lines, nvitop-style: per GPU its memory (bar, IEC units,
@@ -616,7 +616,10 @@ fn gpu_lines(app: &App, width: usize, room: usize) -> Vec<Line<'static>> {
         };
         let mut spans = vec![Span::styled(head, bold()), Span::raw(" ")];
         if bar_w >= 4 {
-            spans.push(Span::styled(gpu_bar(share, bar_w - 2), fg(app, color)));
+            spans.push(Span::styled(
+                format!("[{}]", bar(share, bar_w - 2)),
+                fg(app, color),
+            ));
             spans.push(Span::raw(" "));
         }
         spans.push(Span::raw(mem));
@@ -792,7 +795,7 @@ fn chart_title(app: &App) -> String {
 
 /// A tick step for an axis up to `top` bytes in about `n` steps: 1 or 1.5
 /// times a power of two, so the labels read as round IEC sizes.
-fn tick_step(top: f64, n: u32) -> f64 {
+pub(crate) fn tick_step(top: f64, n: u32) -> f64 {
     let raw = (top / n.max(1) as f64).max(1.0);
     let mut step = 1.0f64;
     loop {

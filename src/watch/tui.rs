@@ -32,11 +32,12 @@ use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Modifier, Style};
 use ratatui::symbols::Marker;
 use ratatui::text::{Line, Span};
-use ratatui::widgets::{Axis, Block, Chart, Dataset, GraphType, Paragraph};
+use ratatui::widgets::{Axis, Chart, Dataset, GraphType, Paragraph};
 
 use super::Session;
 use super::state::{Phase, Target, WatchState, fmt_pct};
 use crate::telemetry::GpuSample;
+use crate::tui::render::{bar, bold, clip, clip_spans, dim, fmt_elapsed, panel, sep, tick_step};
 use crate::units::fmt_bytes;
 
 /// Draws the whole screen from the state alone.
@@ -87,68 +88,11 @@ pub fn render(st: &WatchState, f: &mut Frame) {
     f.render_widget(Paragraph::new(key_line(st, w)), keys);
 }
 
-/// `s` in at most `w` columns, cut with "…".
-fn clip(s: &str, w: usize) -> String {
-    if s.chars().count() <= w {
-        return s.to_string();
-    }
-    if w == 0 {
-        return String::new();
-    }
-    let mut out: String = s.chars().take(w - 1).collect();
-    out.push('…');
-    out
-}
-
-/// Spans cut to `width` columns.
-fn clip_spans(spans: Vec<Span<'static>>, width: usize) -> Line<'static> {
-    let mut left = width;
-    let mut out = Vec::new();
-    for s in spans {
-        let n = s.content.chars().count();
-        if n <= left {
-            left -= n;
-            out.push(s);
-        } else {
-            out.push(Span::styled(clip(&s.content, left), s.style));
-            break;
-        }
-    }
-    Line::from(out)
-}
-
-fn panel(title: &str, area: Rect) -> Block<'static> {
-    Block::bordered().title(clip(title, area.width.saturating_sub(2) as usize))
-}
-
 fn fg(st: &WatchState, c: Color) -> Style {
     if st.no_color {
         Style::default()
     } else {
         Style::default().fg(c)
-    }
-}
-
-fn bold() -> Style {
-    Style::default().add_modifier(Modifier::BOLD)
-}
-
-fn dim() -> Style {
-    Style::default().add_modifier(Modifier::DIM)
-}
-
-fn sep() -> Span<'static> {
-    Span::styled(" │ ", dim())
-}
-
-/// `h:mm:ss`, or `m:ss` under an hour.
-pub fn fmt_elapsed(s: f64) -> String {
-    let t = s.max(0.0) as u64;
-    let (h, m, s) = (t / 3600, t / 60 % 60, t % 60);
-    if h > 0 {
-        format!("{h}:{m:02}:{s:02}")
-    } else {
-        format!("{m}:{s:02}")
     }
 }
 
@@ -299,12 +243,6 @@ fn gpu_title(st: &WatchState) -> String {
     }
 }
 
-/// A bar of `width` cells, `share` of it full.
-fn bar(share: f64, width: usize) -> String {
-    let full = ((share.clamp(0.0, 1.0) * width as f64).round() as usize).min(width);
-    format!("{}{}", "█".repeat(full), "░".repeat(width - full))
-}
-
 /// One row per GPU (memory bar, %, utilisation, power, temperature) and
 /// one per process on it, the job's marked; or why there are none.
 fn gpu_lines(st: &WatchState, w: usize) -> Vec<Line<'static>> {
@@ -416,22 +354,6 @@ fn gpu_row(st: &WatchState, g: &GpuSample, bar_w: usize, w: usize) -> Line<'stat
         ],
         w,
     )
-}
-
-/// A tick step for an axis up to `top` bytes in about `n` steps: 1 or 1.5
-/// times a power of two, so the labels read as round IEC sizes.
-fn tick_step(top: f64, n: u32) -> f64 {
-    let raw = (top / n.max(1) as f64).max(1.0);
-    let mut step = 1.0f64;
-    loop {
-        if step >= raw {
-            return step;
-        }
-        if step * 1.5 >= raw {
-            return step * 1.5;
-        }
-        step *= 2.0;
-    }
 }
 
 fn render_chart(st: &WatchState, f: &mut Frame, area: Rect) {
