@@ -48,6 +48,17 @@ import torch
 import transformers
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+import transformers.masking_utils as _masking_utils
+
+# A real run with no attention mask and plain positions lets sdpa use its
+# `is_causal` path: transformers builds no 4D mask and (llama) calls sdpa with
+# `enable_gqa` instead of `repeat_kv`. Under FakeTensorMode the position ids
+# cannot be read, so `find_packed_sequence_indices` (masking_utils.py) cannot
+# rule out packed sequences and returns a mask; the causal-mask skip is then
+# refused and every sdpa layer would save a (B,1,T,T) float mask (plus, for
+# llama, repeated k/v) that a real run never allocates. Our inputs are never
+# packed (position ids are the default arange), so answer as a real run does.
+_masking_utils.find_packed_sequence_indices = lambda position_ids: None
 
 MIB = 1024 * 1024
 
@@ -182,6 +193,8 @@ def all_configs():
         out.append(cfg(m, attention="sdpa", dropout=0.1))
         out.append(cfg(m, precision="bf16-autocast"))
         out.append(cfg(m, precision="bf16-autocast", attention="sdpa"))
+        out.append(cfg(m, precision="bf16-model"))
+        out.append(cfg(m, precision="bf16-model", attention="sdpa"))
         out.append(cfg(m, set_to_none=False))
         out.append(cfg(m, batch=1))
     out.append(cfg("gpt2", seq_len=64, dropout=0.1))
@@ -249,7 +262,19 @@ def run_config(c, device="cpu"):
     torch.manual_seed(0)
     fake = FakeTensorMode()
     with fake, torch.device(device):
-        model, hf_fields = build_model(c["model"], c["dropout"], c["attention"])
+        # bf16-model: the module built in bf16, no autocast: the activations
+        # of DeepSpeed's bf16 mode and FSDP's mixed precision (which keep
+        # their fp32 master copy in the optimizer; plain AdamW here keeps
+        # bf16 state, so only activations and temporaries compare). Built
+        # under a bf16 default dtype: fake parameters cannot be swapped by
+        # `model.to`.
+        previous = torch.get_default_dtype()
+        if c["precision"] == "bf16-model":
+            torch.set_default_dtype(torch.bfloat16)
+        try:
+            model, hf_fields = build_model(c["model"], c["dropout"], c["attention"])
+        finally:
+            torch.set_default_dtype(previous)
         dtypes = sorted({str(p.dtype) for p in model.parameters()})
         n_params = sum(p.numel() for p in model.parameters())
         opt = torch.optim.AdamW(
