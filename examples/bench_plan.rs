@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use memfit::config::hardware::load_hardware;
 use memfit::config::profile::load_model;
-use memfit::engine::{Attention, Checkpointing, Optimizer, Precision, Sharding};
+use memfit::engine::{Attention, Checkpointing, Framework, Optimizer, Precision, Sharding};
 use memfit::plan::{Grid, PlanRecipe, Verdict, expand, plan, predict};
 
 fn main() {
@@ -26,12 +26,17 @@ fn main() {
             optimizer: vec![Optimizer::Adamw],
             sharding: vec![Sharding::Zero3],
             gpus: vec![8],
+            // What `memfit plan` plans by default.
+            framework: vec![Framework::HfEager],
         },
         headroom: 0.05,
         cost: None,
         host_usd_per_hour: None,
         allow_numerics_change: true,
         device: None,
+        dropout: 0.0,
+        optimizer_impl: Default::default(),
+        set_to_none: true,
     };
     let point = expand(&single)[0];
     let (cap, overhead) = single.capacity(&hw);
@@ -66,6 +71,7 @@ fn main() {
                 Sharding::Zero3,
             ],
             gpus: vec![8, 16],
+            framework: vec![Framework::HfEager],
         },
         ..single
     };

@@ -9,7 +9,10 @@
 #   4. NVML: a one-trial gpt2 bf16 sweep, whose NVML per-process peak must
 #      lie within the tracked peak + 5% + the measured start-up overhead,
 #   5. when PyTorch is importable, the same model and step in PyTorch eager
-#      (scripts/torch_gpt2_step.py) for a side-by-side ratio.
+#      (scripts/torch_gpt2_step.py) for a side-by-side ratio,
+#   6. when transformers is importable too, Hugging Face GPT-2 and
+#      Llama-3.2-1B steps (scripts/torch_hf_memory.py): max_memory_allocated
+#      and max_memory_reserved against memfit's hf-eager plan of each.
 # Results go to $OUT (or ./gpu-check-out) as text and JSON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,6 +70,14 @@ if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
     log "GPT-2 124M bf16 B=16 T=1024 (PyTorch eager)"
     timeout 180 python3 scripts/torch_gpt2_step.py --batch 16 --seq 1024 --steps 12 >"$OUT/gpt2-torch.json" 2>"$OUT/gpt2-torch.err"
     TORCH=ran
+    if python3 -c "import transformers" 2>/dev/null; then
+        log "hf-eager against torch.cuda.max_memory_allocated/reserved (Hugging Face models, step 2)"
+        MEMFIT_BIN="$BIN" timeout 240 python3 scripts/torch_hf_memory.py >"$OUT/hf-memory.json" 2>"$OUT/hf-memory.err"
+        echo "exit $?" >>"$OUT/hf-memory.err"
+        tail -n 7 "$OUT/hf-memory.err" | tee -a "$OUT/summary.txt"
+    else
+        log "transformers is not importable here: no hf-eager check on the GPU"
+    fi
 else
     log "PyTorch with CUDA is not importable here: no side-by-side"
 fi

@@ -8,7 +8,8 @@ use crate::backend::DeviceSpec;
 use crate::config::profile::load_model;
 use crate::config::recipe::{RunRecipe, load_run_recipe};
 use crate::engine::{
-    Attention, Checkpointing, Optimizer, Precision, Schedule, Sharding, TrainConfig,
+    Attention, Checkpointing, Framework, Optimizer, OptimizerImpl, Precision, Schedule, Sharding,
+    TrainConfig,
 };
 use crate::error::{Error, Result};
 use crate::run::RunOptions;
@@ -443,6 +444,35 @@ pub struct PredictArgs {
     /// Pipeline stages [default: 1].
     #[arg(long)]
     pub pipeline_stages: Option<usize>,
+    /// Whose allocations to predict: hf-eager (a PyTorch + transformers
+    /// training script) or memfit (memfit's own engine) [default: hf-eager].
+    #[arg(long, value_enum)]
+    pub framework: Option<Framework>,
+    /// hf-eager: the model's dropout probability [default: 0].
+    #[arg(long)]
+    pub dropout: Option<f32>,
+    /// hf-eager: torch.optim.AdamW's implementation [default: foreach].
+    #[arg(long, value_enum)]
+    pub optimizer_impl: Option<OptimizerImpl>,
+    /// hf-eager: optimizer.zero_grad(set_to_none=...) [default: true].
+    #[arg(long, value_enum)]
+    pub set_to_none: Option<SetToNone>,
+}
+
+/// `optimizer.zero_grad(set_to_none=...)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SetToNone {
+    /// The gradients are freed after each step and made again by the next
+    /// backward (PyTorch's default since 2.0).
+    True,
+    /// The gradients stay resident between steps, zeroed.
+    False,
+}
+
+impl From<SetToNone> for bool {
+    fn from(v: SetToNone) -> bool {
+        v == SetToNone::True
+    }
 }
 
 /// `--warn-at`: `90%` or `90`, a percentage in (0, 100], as a fraction.
@@ -556,9 +586,27 @@ pub struct RunArgs {
     #[arg(long, value_enum)]
     pub attention: Option<Attention>,
     /// fp32, or mixed precision: bf16, or fp16 with dynamic loss scaling;
-    /// 16-bit weights, activations and gradients, fp32 master weights [default: fp32].
+    /// 16-bit weights, activations and gradients, fp32 master weights
+    /// (hf-eager: autocast, fp32 weights and no master copy) [default: fp32].
     #[arg(long, value_enum)]
     pub precision: Option<Precision>,
+    /// Whose allocations to hold: memfit (the engine's own) or hf-eager
+    /// (what PyTorch + Hugging Face transformers allocate for the same
+    /// step); hf-eager computes with memfit's kernels and, with bf16/fp16 or
+    /// dropout, runs on meta only [default: memfit].
+    #[arg(long, value_enum)]
+    pub framework: Option<Framework>,
+    /// hf-eager: the model's dropout probability; decides which masks are
+    /// saved (meta only: the engine's kernels have no dropout) [default: 0].
+    #[arg(long)]
+    pub dropout: Option<f32>,
+    /// hf-eager: torch.optim.AdamW's implementation: foreach, single-tensor
+    /// or fused [default: foreach].
+    #[arg(long, value_enum)]
+    pub optimizer_impl: Option<OptimizerImpl>,
+    /// hf-eager: optimizer.zero_grad(set_to_none=...) [default: true].
+    #[arg(long, value_enum)]
+    pub set_to_none: Option<SetToNone>,
     /// Ranks (simulated GPUs), each with its own device and memory: pipeline
     /// stages x data-parallel replicas; the global batch is micro-batch x
     /// grad-accum x replicas [default: 1, or the pipeline stages].
@@ -712,6 +760,10 @@ impl RunArgs {
             key!(checkpointing),
             key!(attention),
             key!(precision),
+            key!(framework),
+            key!(dropout),
+            key!(optimizer_impl),
+            key!(set_to_none),
             key!(ranks),
             key!(sharding),
             ("bucket_view", flags.bucket_view, r.bucket_view.is_some()),
@@ -737,6 +789,29 @@ impl RunArgs {
             .pipeline_stages
             .or(r.pipeline_stages)
             .unwrap_or(d.pipeline_stages);
+        let framework = self.framework.or(r.framework).unwrap_or(d.framework);
+        if framework == Framework::Memfit {
+            // The engine's own schedule has no dropout, keeps its gradients
+            // resident and updates in place: these would do nothing there.
+            for (flag, given) in [
+                ("--dropout", self.dropout.or(r.dropout).is_some()),
+                (
+                    "--optimizer-impl",
+                    self.optimizer_impl.or(r.optimizer_impl).is_some(),
+                ),
+                (
+                    "--set-to-none",
+                    self.set_to_none.is_some() || r.set_to_none.is_some(),
+                ),
+            ] {
+                if given {
+                    return Err(Error::invalid_arg(
+                        flag,
+                        "describes PyTorch's implementation; add --framework hf-eager",
+                    ));
+                }
+            }
+        }
         // Without a pipeline both schedules are plain accumulation: a
         // schedule or a partition given there would do nothing.
         if stages == 1 {
@@ -791,6 +866,17 @@ impl RunArgs {
                     Some(text) => Some(parse_partition(text)?),
                     None => None,
                 },
+                framework,
+                dropout: self.dropout.or(r.dropout).unwrap_or(d.dropout),
+                optimizer_impl: self
+                    .optimizer_impl
+                    .or(r.optimizer_impl)
+                    .unwrap_or(d.optimizer_impl),
+                set_to_none: self
+                    .set_to_none
+                    .map(bool::from)
+                    .or(r.set_to_none)
+                    .unwrap_or(d.set_to_none),
                 ..d
             },
             steps: self.steps.or(r.steps).unwrap_or(20),

@@ -9,6 +9,7 @@
 pub mod backend;
 pub mod balance;
 pub mod balance_cmd;
+pub mod caching;
 pub mod calibrate;
 pub mod check;
 pub mod cli;
@@ -19,6 +20,7 @@ pub mod engine;
 pub mod error;
 pub mod memory;
 pub mod plan;
+pub mod reference;
 pub mod rng;
 pub mod run;
 pub mod selftest;

@@ -19,7 +19,9 @@ use crate::config::ModelConfig;
 use crate::config::profile::load_model;
 use crate::data::DataSource;
 use crate::engine::cluster::{Cluster, Links, links};
-use crate::engine::{Comm, CostCounter, Engine, Optimizer, Sharding, TrainConfig};
+use crate::engine::{
+    Comm, CostCounter, Engine, Framework, Optimizer, Precision, Sharding, TrainConfig,
+};
 use crate::error::{Error, Result};
 use crate::memory::{ByCategory, Category, OomError, PeakBytes, Tracker};
 use crate::units::fmt_bytes;
@@ -272,6 +274,32 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
     }
     if opts.threads == Some(0) {
         return Err(Error::invalid_arg("--threads", "must be at least 1"));
+    }
+    if !(0.0..1.0).contains(&t.dropout) {
+        return Err(Error::invalid_arg(
+            "--dropout",
+            format!("{} is outside [0, 1)", t.dropout),
+        ));
+    }
+    if t.framework == Framework::HfEager && opts.device.kind != DeviceKind::Meta {
+        // hf-eager holds PyTorch's tensors but computes with the engine's
+        // kernels, which are fp32 or fully 16-bit (not autocast's fp32
+        // weights with 16-bit activations) and have no dropout.
+        if t.precision != Precision::Fp32 {
+            return Err(Error::invalid_arg(
+                "--framework",
+                format!(
+                    "hf-eager with {} is autocast (fp32 weights, 16-bit matmuls), which the engine's kernels do not compute; plan it with --device meta or `memfit plan`, or run --precision fp32",
+                    crate::plan::name(t.precision)
+                ),
+            ));
+        }
+        if t.dropout > 0.0 {
+            return Err(Error::invalid_arg(
+                "--dropout",
+                "the engine's kernels have no dropout: hf-eager models its masks on --device meta only",
+            ));
+        }
     }
     validate_pipeline(t, model)?;
     validate_sharding(t)

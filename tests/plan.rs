@@ -42,10 +42,14 @@ fn predictions_equal_cpu_measured_peaks() {
                 optimizer: vec![Optimizer::Adamw, Optimizer::Adamw8bit],
                 sharding: vec![Sharding::None, Sharding::Zero2, Sharding::Zero3],
                 gpus: vec![1, 2],
+                framework: Vec::new(),
             },
             headroom: 0.05,
             cost: None,
             host_usd_per_hour: None,
+            dropout: 0.0,
+            optimizer_impl: Default::default(),
+            set_to_none: true,
             allow_numerics_change: true,
             // A plan for the cpu backend (a GPU plan declares the cuda
             // backend's attention workspace; tests/cuda_cli.rs checks that one).
@@ -93,6 +97,7 @@ fn point(sharding: Sharding, gpus: usize) -> Point {
         sharding,
         gpus,
         grad_accum: 1,
+        framework: Default::default(),
     }
 }
 
@@ -142,6 +147,9 @@ fn published_bytes_per_parameter_are_reproduced() {
         headroom: 0.05,
         cost: None,
         host_usd_per_hour: None,
+        dropout: 0.0,
+        optimizer_impl: Default::default(),
+        set_to_none: true,
         allow_numerics_change: true,
         device: None,
     };
@@ -271,6 +279,9 @@ fn allow_numerics_change_false_rules_out_fp16_and_8bit() {
         headroom: 0.05,
         cost: None,
         host_usd_per_hour: None,
+        dropout: 0.0,
+        optimizer_impl: Default::default(),
+        set_to_none: true,
         allow_numerics_change: false,
         device: None,
     };

@@ -49,6 +49,9 @@ impl Backend for MetaBackend {
     fn holds_data(&self) -> bool {
         false
     }
+    fn is_gpu(&self) -> bool {
+        self.emulates == Emulates::Cuda
+    }
     fn alloc(&mut self, _len: usize, _dtype: DType) {}
     fn free(&mut self, _buf: ()) {}
     fn workspace_bytes(&self, s: AttnShape, fused: bool, dtype: DType) -> usize {

@@ -91,6 +91,13 @@ pub trait Backend {
     /// work; the cpu and meta backends finish each op before returning).
     fn synchronize(&mut self) {}
 
+    /// Whether this backend is (or predicts) a GPU. Framework profiles
+    /// differ there: PyTorch's dropout saves a bool mask on CUDA and its
+    /// input-sized noise on cpu.
+    fn is_gpu(&self) -> bool {
+        false
+    }
+
     /// A zero-filled buffer of `len` elements.
     fn alloc(&mut self, len: usize, dtype: DType) -> Self::Buf;
     fn free(&mut self, buf: Self::Buf);

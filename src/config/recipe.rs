@@ -7,7 +7,9 @@ use serde::Deserialize;
 
 use super::profile::{parse_yaml, value_location};
 use crate::backend::DeviceSpec;
-use crate::engine::{Attention, Checkpointing, Optimizer, Precision, Schedule, Sharding};
+use crate::engine::{
+    Attention, Checkpointing, Framework, Optimizer, OptimizerImpl, Precision, Schedule, Sharding,
+};
 use crate::error::{Error, Result};
 
 /// Every key is optional; keys mirror the long flags with `-` as `_`.
@@ -32,6 +34,10 @@ pub struct RunRecipe {
     pub checkpointing: Option<Checkpointing>,
     pub attention: Option<Attention>,
     pub precision: Option<Precision>,
+    pub framework: Option<Framework>,
+    pub dropout: Option<f32>,
+    pub optimizer_impl: Option<OptimizerImpl>,
+    pub set_to_none: Option<bool>,
     pub ranks: Option<usize>,
     pub sharding: Option<Sharding>,
     pub bucket_view: Option<bool>,

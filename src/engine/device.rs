@@ -23,6 +23,8 @@ pub struct Tensor<Buf> {
     pub len: usize,
     pub dtype: DType,
     pub category: Category,
+    /// Its block in the modelled caching allocator (0: none).
+    pub block: u64,
 }
 
 impl<Buf> Tensor<Buf> {
@@ -99,6 +101,9 @@ pub struct Device<B: Backend> {
     /// per phase: the roofline's price when there is one, else the measured
     /// time. Off by default: it costs a map update per op.
     pub phase_secs: Option<HashMap<Phase, f64>>,
+    /// hf-eager on a GPU: PyTorch's caching allocator, fed every allocation
+    /// and free, for the bytes it would reserve.
+    pub caching: Option<crate::caching::CachingAllocator>,
 }
 
 /// A rank's collectives, as the engine holds them.
@@ -131,6 +136,7 @@ impl<B: Backend> Device<B> {
             sent: 0,
             received: 0,
             phase_secs: None,
+            caching: None,
         }
     }
 
@@ -177,12 +183,18 @@ impl<B: Backend> Device<B> {
         dtype: DType,
         category: Category,
     ) -> Result<T<B>, OomError> {
-        self.tracker.alloc(category, (len * dtype.size()) as u64)?;
+        let bytes = (len * dtype.size()) as u64;
+        self.tracker.alloc(category, bytes)?;
+        let block = match &mut self.caching {
+            Some(c) if bytes > 0 => c.malloc(bytes),
+            _ => 0,
+        };
         Ok(Tensor {
             buf: self.be.alloc(len, dtype),
             len,
             dtype,
             category,
+            block,
         })
     }
 
@@ -192,6 +204,11 @@ impl<B: Backend> Device<B> {
 
     pub fn free(&mut self, t: T<B>) {
         self.tracker.free(t.category, t.bytes());
+        if let Some(c) = &mut self.caching
+            && t.block != 0
+        {
+            c.free(t.block);
+        }
         self.be.free(t.buf);
     }
 
@@ -549,6 +566,18 @@ impl<B: Backend> Device<B> {
         );
     }
 
+    /// Moves `t` to another category (the tracker's live bytes per category
+    /// change, the total and the buffer do not): a tensor that changes role,
+    /// as PyTorch's `MemTracker` reclassifies a temporary once autograd
+    /// hands it over as a parameter's gradient.
+    pub fn retag(&mut self, t: &mut T<B>, category: Category) {
+        self.tracker.free(t.category, t.bytes());
+        self.tracker
+            .alloc(category, t.bytes())
+            .expect("the same bytes were live a moment ago");
+        t.category = category;
+    }
+
     /// A zero-length stand-in for a tensor that is not resident (a zero3
     /// parameter between its all-gathers, a zero2 gradient between backward
     /// passes). Not tracked: it holds nothing.
@@ -558,6 +587,7 @@ impl<B: Backend> Device<B> {
             len: 0,
             dtype,
             category,
+            block: 0,
         }
     }
 

@@ -15,6 +15,7 @@
 
 pub mod cluster;
 pub mod device;
+pub mod framework;
 pub mod optim;
 pub mod pipeline;
 pub mod shard;
@@ -28,6 +29,7 @@ use crate::memory::{Category, OomError, Phase};
 use crate::rng::Rng;
 
 pub use device::{Comm, CostCounter, Device, OpCost, Tensor};
+pub use framework::{Framework, HfRules, OptimizerImpl};
 use optim::OptState;
 pub use optim::{OptConfig, Optimizer};
 pub use pipeline::{Pipe, Schedule};
@@ -83,6 +85,16 @@ pub struct TrainConfig {
     pub schedule: Schedule,
     /// Blocks per stage; `None` splits them evenly.
     pub partition: Option<Vec<usize>>,
+    /// Whose implementation's allocations the schedule follows (`framework.rs`).
+    pub framework: Framework,
+    /// hf-eager only: the dropout probability of the model's dropout layers
+    /// (memory only: it decides which masks are saved; the engine's kernels
+    /// have no dropout, so it is refused where they compute).
+    pub dropout: f32,
+    /// hf-eager only: `torch.optim.AdamW`'s implementation.
+    pub optimizer_impl: OptimizerImpl,
+    /// hf-eager only: `optimizer.zero_grad(set_to_none=...)`.
+    pub set_to_none: bool,
 }
 
 /// Storage precision of the working weights, activations and gradients.
@@ -212,6 +224,10 @@ impl Default for TrainConfig {
             pipeline_stages: 1,
             schedule: Schedule::OneFOneB,
             partition: None,
+            framework: Framework::Memfit,
+            dropout: 0.0,
+            optimizer_impl: OptimizerImpl::Foreach,
+            set_to_none: true,
         }
     }
 }
@@ -285,6 +301,8 @@ struct BlockActs<X> {
     up: X,
     /// gpt2: GELU output (N,4C); llama: SwiGLU output (N,I).
     act: X,
+    /// What the framework profile saves beyond these (`HfRules::block_saved`).
+    extra: Vec<X>,
 }
 
 /// Everything a forward pass leaves for the backward pass (of this
@@ -304,6 +322,8 @@ struct Acts<X> {
     blocks: Vec<Option<BlockActs<X>>>,
     /// Last stage only.
     head: Option<HeadActs<X>>,
+    /// The framework profile's tensors saved with the embedding.
+    extra: Vec<X>,
 }
 
 /// What the final norm, the head and the loss save.
@@ -314,6 +334,10 @@ struct HeadActs<X> {
     /// (N,Vp); becomes its own gradient in the backward pass.
     logits: X,
     losses: X,
+    /// The framework profile's tensors saved by the final norm and the head.
+    extra: Vec<X>,
+    /// ... and with the log_softmax output.
+    loss_extra: Vec<X>,
 }
 
 pub struct Engine<B: Backend> {
@@ -345,6 +369,11 @@ pub struct Engine<B: Backend> {
     /// fp16: the current loss scale and the overflow-free steps since it last changed.
     loss_scale: f32,
     good_steps: u32,
+    /// hf-eager: what PyTorch holds beyond the engine's own tensors.
+    hf: Option<HfRules>,
+    /// hf-eager with `set_to_none` on one rank: gradients exist from the
+    /// backward that makes them to the end of the optimizer step.
+    lazy_grads: bool,
 }
 
 /// `&mut v[i]` and, when given, `&mut v[j]` (i != j).
@@ -403,8 +432,21 @@ impl<B: Backend> Engine<B> {
         comm: Option<Comm<B>>,
         pipe: Option<Pipe<B>>,
     ) -> Result<Self, OomError> {
+        let mut model = model;
+        let hf = (train.framework == Framework::HfEager).then(|| {
+            // Hugging Face models do not pad the vocabulary.
+            model.pad_vocab_to = 1;
+            HfRules::new(&model, &train, be.is_gpu())
+        });
+        let lazy_grads =
+            hf.as_ref().is_some_and(|h| h.lazy_grads) && comm.is_none() && pipe.is_none();
+        let gpu = be.is_gpu();
         let (specs, idx) = model.param_layout();
         let mut dev = Device::new(be, capacity);
+        if hf.is_some() && gpu {
+            // What PyTorch's CUDA caching allocator reserves for these tensors.
+            dev.caching = Some(crate::caching::CachingAllocator::new());
+        }
         dev.tracker.set_phase(Phase::Init);
         let owned = match &pipe {
             Some(p) => {
@@ -447,7 +489,12 @@ impl<B: Backend> Engine<B> {
                 .map(|_| dev.placeholder(dtype, cat))
                 .collect::<Vec<_>>()
         };
-        let wdt = train.precision.dtype();
+        // hf-eager: autocast leaves the parameters fp32 (no master copy).
+        let autocast = hf.as_ref().is_some_and(|h| h.autocast);
+        let wdt = match autocast {
+            true => DType::F32,
+            false => train.precision.dtype(),
+        };
         let mut params = if sharding.shards_parameters() {
             let d = dist.as_mut().expect("sharded");
             d.param_shards = alloc_all(&mut dev, &shard_lens, wdt, Category::Parameters)?;
@@ -455,7 +502,9 @@ impl<B: Backend> Engine<B> {
         } else {
             alloc_all(&mut dev, &numel, wdt, Category::Parameters)?
         };
-        let grads = if sharding.shards_gradients() {
+        let grads = if lazy_grads {
+            placeholders(&mut dev, wdt, Category::Gradients)
+        } else if sharding.shards_gradients() {
             let d = dist.as_mut().expect("sharded");
             d.grad_shards = alloc_all(&mut dev, &shard_lens, wdt, Category::Gradients)?;
             placeholders(&mut dev, wdt, Category::Gradients)
@@ -467,7 +516,7 @@ impl<B: Backend> Engine<B> {
         } else {
             &numel
         };
-        let mut master = if train.precision.has_master() {
+        let mut master = if train.precision.has_master() && !autocast {
             alloc_all(&mut dev, opt_lens, DType::F32, Category::Optimizer)?
         } else {
             Vec::new()
@@ -544,6 +593,8 @@ impl<B: Backend> Engine<B> {
             skipped_steps: 0,
             loss_scale,
             good_steps: 0,
+            hf,
+            lazy_grads,
         })
     }
 
@@ -609,6 +660,11 @@ impl<B: Backend> Engine<B> {
     fn zero_grads(&mut self) {
         // optimizer.zero_grad(): once per step, priced with the optimizer phase.
         self.dev.tracker.set_phase(Phase::Optimizer);
+        if self.lazy_grads {
+            // set_to_none: the backward makes them again.
+            release_grads(&mut self.dev, &mut self.grads);
+            return;
+        }
         let grads = match &mut self.dist {
             // The full gradients are allocated zeroed, unit by unit.
             Some(d) if d.sharding.shards_gradients() => &mut d.grad_shards,
@@ -711,6 +767,10 @@ impl<B: Backend> Engine<B> {
             loss_sum = loss_sum.map(|s| p.group.all_reduce_scalar(s));
         }
         let (grad_norm, skipped) = self.optimizer_step()?;
+        if self.lazy_grads {
+            // zero_grad(set_to_none=True) after the update.
+            release_grads(&mut self.dev, &mut self.grads);
+        }
         // A GPU queues work: the step ends when its last kernel does, so
         // the caller's step time is the device's.
         self.dev.be.synchronize();
@@ -756,8 +816,15 @@ impl<B: Backend> Engine<B> {
         }
         dev.free_opt(acts.tokens);
         dev.free_opt(acts.targets);
+        for t in acts.extra {
+            dev.free(t);
+        }
         if let Some(h) = acts.head {
-            for t in [h.lnf, h.lnf_rstd, h.logits, h.losses] {
+            let extra = h.extra.into_iter().chain(h.loss_extra);
+            for t in [h.lnf, h.lnf_rstd, h.logits, h.losses]
+                .into_iter()
+                .chain(extra)
+            {
                 dev.free(t);
             }
             dev.free_opt(h.lnf_mean);
@@ -776,8 +843,11 @@ impl<B: Backend> Engine<B> {
             workspace,
             dist,
             pipe,
+            hf,
             ..
         } = self;
+        let hf = hf.as_ref();
+        let block_extra = hf.map_or(&[][..], |h| &h.block_saved[..]);
         let (t, n, c) = (
             train.seq_len,
             train.micro_batch * train.seq_len,
@@ -837,6 +907,10 @@ impl<B: Backend> Engine<B> {
             }
             (None, None) => unreachable!("without a pipeline every rank embeds"),
         };
+        let extra = match (hf, first) {
+            (Some(h), true) => alloc_saved(dev, &h.embed_saved)?,
+            _ => Vec::new(),
+        };
 
         let mut resid = vec![input];
         let mut blocks = Vec::with_capacity(layers.len());
@@ -852,6 +926,7 @@ impl<B: Backend> Engine<B> {
                 s,
                 train.attention,
                 workspace,
+                block_extra,
                 true,
             )?;
             hook(dev, p, Stage::Block(l), true)?;
@@ -880,6 +955,7 @@ impl<B: Backend> Engine<B> {
                 resid,
                 blocks,
                 head: None,
+                extra,
             });
         }
         dev.tracker.set_phase(Phase::ForwardHead);
@@ -887,12 +963,26 @@ impl<B: Backend> Engine<B> {
         let x = resid.last().expect("embedding output");
         let lnf_b = idx.lnf_b.map(|i| &p[i]);
         let (lnf, lnf_mean, lnf_rstd) = norm_layer(dev, x, &p[idx.lnf_w], lnf_b, gpt2, n, c, eps)?;
+        let head_extra = match hf {
+            Some(h) => alloc_saved(dev, &h.head_saved)?,
+            None => Vec::new(),
+        };
         let head = idx.lm_head.unwrap_or(idx.wte);
         let mut logits = dev.alloc(n * vp, dt, act)?;
+        // hf-eager: the engine's logits buffer stands for the saved
+        // log_softmax output (ForCausalLMLoss -> cross_entropy ->
+        // log_softmax + nll_loss, transformers/loss/loss_utils.py); the
+        // logits themselves live until the loop drops the model output at
+        // the end of the forward.
+        let hf_logits = alloc_saved(dev, hf.map_or(&[][..], |h| &h.logits[..]))?;
+        let loss_extra = alloc_saved(dev, hf.map_or(&[][..], |h| &h.loss_saved[..]))?;
         dev.matmul_forward(&mut logits, &lnf, &p[head], None, n, c, vp);
         let mut losses = dev.alloc_f32(n, act)?;
         let tg = targets.as_ref().expect("the last stage reads the targets");
         dev.crossentropy_forward(&mut losses, &logits, tg, n, v, vp);
+        for t in hf_logits {
+            dev.free(t);
+        }
         hook(dev, p, Stage::Head, true)?;
         Ok(Acts {
             tokens,
@@ -905,7 +995,10 @@ impl<B: Backend> Engine<B> {
                 lnf_rstd,
                 logits,
                 losses,
+                extra: head_extra,
+                loss_extra,
             }),
+            extra,
         })
     }
 
@@ -922,8 +1015,14 @@ impl<B: Backend> Engine<B> {
             workspace,
             dist,
             pipe,
+            hf,
+            specs,
+            lazy_grads,
             ..
         } = self;
+        let (hf, lazy) = (hf.as_ref(), *lazy_grads);
+        let block_extra = hf.map_or(&[][..], |h| &h.block_saved[..]);
+        let units = shard::units(idx);
         // zero3 gathers a unit's weights for its backward; zero2/3 give it
         // full gradients, reduce-scattered into the shards when it is done.
         let mut hook =
@@ -950,7 +1049,12 @@ impl<B: Backend> Engine<B> {
             mut resid,
             mut blocks,
             head: head_acts,
+            extra: embed_extra,
         } = acts;
+        // hf-eager, tied head: the head's weight gradient, a temporary until
+        // the embedding's backward adds its own (resident gradients only;
+        // with set_to_none it is the gradient buffer itself).
+        let mut head_dw = None;
         let layers = pipe.as_ref().map_or(0..model.n_layer, |p| p.layers.clone());
         // dres: gradient of the residual stream, carried down through the blocks.
         let mut dres = match head_acts {
@@ -964,6 +1068,12 @@ impl<B: Backend> Engine<B> {
                 resid.last().expect("embedding output"),
                 dloss,
                 (n, c, v, vp),
+                hf.map(|h| HfHead {
+                    rules: h,
+                    lazy,
+                    specs,
+                    dw: &mut head_dw,
+                }),
                 &mut |dev, p, g, after| hook(dev, p, g, Stage::Head, after),
             )?,
             None => {
@@ -984,13 +1094,26 @@ impl<B: Backend> Engine<B> {
             let (j, bi) = (l - layers.start, &idx.blocks[l]);
             dev.tracker.set_phase(Phase::Backward(l));
             hook(dev, p, g, Stage::Block(l), false)?;
+            if lazy {
+                make_grads(dev, g, specs, &units[l + 1], Category::Gradients)?;
+            }
             let x = &resid[j];
             let a = match blocks.pop().expect("one entry per block") {
                 Some(a) => a,
                 None => {
                     dev.tracker.set_phase(Phase::Recompute(l));
-                    let (a, _) =
-                        block_forward(dev, model, p, bi, x, s, train.attention, workspace, false)?;
+                    let (a, _) = block_forward(
+                        dev,
+                        model,
+                        p,
+                        bi,
+                        x,
+                        s,
+                        train.attention,
+                        workspace,
+                        block_extra,
+                        false,
+                    )?;
                     dev.tracker.set_phase(Phase::Backward(l));
                     a
                 }
@@ -1080,11 +1203,17 @@ impl<B: Backend> Engine<B> {
             (Some(tokens), _) => {
                 dev.tracker.set_phase(Phase::BackwardEmbed);
                 hook(dev, p, g, Stage::Embed, false)?;
+                if hf.is_some() {
+                    hf_embed_grads(dev, g, specs, idx, lazy, head_dw.take())?;
+                }
                 let (dwte, dwpe) = pair_mut(g, idx.wte, idx.wpe);
                 dev.embed_backward(dwte, dwpe, &dres, &tokens, n, t, c);
                 dev.free(dres);
                 dev.free_opt(input);
                 dev.free(tokens);
+                for x in embed_extra {
+                    dev.free(x);
+                }
                 hook(dev, p, g, Stage::Embed, true)?;
             }
             (None, Some(pp)) => {
@@ -1092,6 +1221,9 @@ impl<B: Backend> Engine<B> {
                 dev.send(&mut *pp.p2p, Peer::Prev, &dres);
                 dev.free(dres);
                 dev.free_opt(input);
+                for x in embed_extra {
+                    dev.free(x);
+                }
             }
             (None, None) => unreachable!("without a pipeline every rank embeds"),
         }
@@ -1117,6 +1249,7 @@ impl<B: Backend> Engine<B> {
             pipe,
             owned,
             idx,
+            hf,
             ..
         } = self;
         dev.tracker.set_phase(Phase::Optimizer);
@@ -1198,9 +1331,32 @@ impl<B: Backend> Engine<B> {
                 } else {
                     &mut master[..]
                 };
+                // hf-eager: torch.optim.AdamW's own temporaries (OptimizerImpl).
+                let torch_impl = hf
+                    .as_ref()
+                    .filter(|_| cfg.kind == Optimizer::Adamw)
+                    .map(|h| h.optimizer_impl);
+                let mut foreach = Vec::new();
+                if torch_impl == Some(OptimizerImpl::Foreach) {
+                    for (u, _) in updated.iter().zip(owned.iter()).filter(|(_, o)| **o) {
+                        foreach.push(dev.alloc_f32(u.len, Category::Optimizer)?);
+                    }
+                }
+                let mut denom = None;
                 for (i, spec) in specs.iter().enumerate().filter(|(i, _)| owned[*i]) {
+                    if torch_impl == Some(OptimizerImpl::SingleTensor) {
+                        let len = updated[i].len;
+                        let sqrt = dev.alloc_f32(len, Category::Optimizer)?;
+                        let div = dev.alloc_f32(len, Category::Optimizer)?;
+                        dev.free(sqrt);
+                        dev.free_opt(denom.replace(div));
+                    }
                     let (u, g, st) = (&mut updated[i], &grads[i], &mut opt[i]);
                     optim::update_one(dev, u, g, st, spec, &cfg, self.step, grad_scale);
+                }
+                dev.free_opt(denom);
+                for t in foreach {
+                    dev.free(t);
                 }
                 for ((p, m), _) in params
                     .iter_mut()
@@ -1326,6 +1482,7 @@ fn head_backward<B: Backend>(
     x: &T<B>,
     dloss: f32,
     (n, c, v, vp): (usize, usize, usize, usize),
+    mut hf: Option<HfHead<'_, B>>,
     hook: &mut HeadHook<'_, B>,
 ) -> Result<T<B>, OomError> {
     let tmp = Category::Temporaries;
@@ -1336,13 +1493,52 @@ fn head_backward<B: Backend>(
         lnf_rstd,
         mut logits,
         losses,
+        extra,
+        loss_extra,
     } = h;
     dev.tracker.set_phase(Phase::BackwardHead);
     hook(dev, p, g, false)?;
     dev.free(losses);
+    // hf-eager: nll_loss_backward's dense gradient, then
+    // _log_softmax_backward_data's, both alive with the saved log_softmax
+    // output; then the first and the saved output go and the engine's
+    // buffer (now the logits' gradient) is a temporary.
+    let loss_grads = match &hf {
+        Some(h) => vec![
+            dev.alloc_f32(h.rules.loss_grads, tmp)?,
+            dev.alloc_f32(h.rules.loss_grads, tmp)?,
+        ],
+        None => Vec::new(),
+    };
     dev.crossentropy_backward(&mut logits, &targets, dloss, n, v, vp);
+    for t in loss_grads.into_iter().chain(loss_extra) {
+        dev.free(t);
+    }
+    if hf.is_some() {
+        dev.retag(&mut logits, tmp);
+    }
     dev.free(targets);
     let head = idx.lm_head.unwrap_or(idx.wte);
+    if let Some(h) = &mut hf {
+        let tied = idx.lm_head.is_none();
+        if h.lazy {
+            let norm: Vec<usize> = std::iter::once(idx.lnf_w).chain(idx.lnf_b).collect();
+            make_grads(dev, g, h.specs, &norm, Category::Gradients)?;
+            // Tied: the head's gradient is a temporary until the
+            // embedding's is added to it (see hf_embed_grads).
+            let cat = if tied { tmp } else { Category::Gradients };
+            make_grads(dev, g, h.specs, &[head], cat)?;
+        } else {
+            // Resident gradients: autograd makes the head's weight gradient
+            // and AccumulateGrad adds it in place; tied, it waits for the
+            // embedding's.
+            let dw = dev.alloc(h.specs[head].numel(), g[head].dtype, tmp)?;
+            match tied {
+                true => *h.dw = Some(dw),
+                false => dev.free(dw),
+            }
+        }
+    }
     let mut dlnf = dev.alloc(n * c, dt, tmp)?;
     dev.matmul_backward(
         &mut dlnf,
@@ -1370,12 +1566,66 @@ fn head_backward<B: Backend>(
         n,
         c,
     );
-    for x in [dlnf, lnf, lnf_rstd] {
+    for x in [dlnf, lnf, lnf_rstd].into_iter().chain(extra) {
         dev.free(x);
     }
     dev.free_opt(lnf_mean);
     hook(dev, p, g, true)?;
     Ok(dres)
+}
+
+/// hf-eager's part in the head's backward.
+struct HfHead<'a, B: Backend> {
+    rules: &'a HfRules,
+    lazy: bool,
+    specs: &'a [ParamSpec],
+    /// Where a tied head's weight gradient waits for the embedding's.
+    dw: &'a mut Option<T<B>>,
+}
+
+/// hf-eager, before the embedding's backward: the gradients it makes. A
+/// tied embedding's two gradients are summed by autograd into a third
+/// tensor (its `add` of the embedding's dense gradient and the head's),
+/// which becomes the gradient (set_to_none) or is added in place into the
+/// resident one, MemTracker counting it as a gradient once handed over.
+fn hf_embed_grads<B: Backend>(
+    dev: &mut Device<B>,
+    g: &mut [T<B>],
+    specs: &[ParamSpec],
+    idx: &ParamIndex,
+    lazy: bool,
+    head_dw: Option<T<B>>,
+) -> Result<(), OomError> {
+    let tmp = Category::Temporaries;
+    let tied = idx.lm_head.is_none();
+    if lazy {
+        let ids: Vec<usize> = idx.wpe.into_iter().collect();
+        make_grads(dev, g, specs, &ids, Category::Gradients)?;
+        if !tied {
+            make_grads(dev, g, specs, &[idx.wte], Category::Gradients)?;
+        }
+    }
+    let (numel, dt) = (specs[idx.wte].numel(), g[idx.wte].dtype);
+    if tied {
+        let dense = dev.alloc(numel, dt, tmp)?;
+        let mut sum = dev.alloc(numel, dt, tmp)?;
+        if lazy {
+            // The sum becomes the gradient; the engine's buffer (the
+            // head's gradient so far) stands for it.
+            dev.free(dense);
+            dev.free(sum);
+            dev.retag(&mut g[idx.wte], Category::Gradients);
+        } else {
+            dev.retag(&mut sum, Category::Gradients);
+            dev.free(dense);
+            dev.free_opt(head_dw);
+            dev.free(sum);
+        }
+    } else if !lazy {
+        let dense = dev.alloc(numel, dt, tmp)?;
+        dev.free(dense);
+    }
+    Ok(())
 }
 
 /// One transformer block's forward pass from its input `x` (N,C): the saved
@@ -1390,6 +1640,7 @@ fn block_forward<B: Backend>(
     s: AttnShape,
     attention: Attention,
     ws: &mut T<B>,
+    extra: &[(usize, DType)],
     with_out: bool,
 ) -> Result<BlockOut<B>, OomError> {
     let (t, n, c) = (s.t, s.b * s.t, model.d_model);
@@ -1437,6 +1688,8 @@ fn block_forward<B: Backend>(
     } else {
         dev.swiglu_forward(&mut a, &up, n, dff);
     }
+    // The framework profile's saved tensors beyond the engine's own.
+    let extra = alloc_saved(dev, extra)?;
     // The block output; a recomputation skips it, it was checkpointed.
     let out = if with_out {
         let mut mlp = dev.alloc(n * c, dt, Category::Temporaries)?;
@@ -1461,6 +1714,7 @@ fn block_forward<B: Backend>(
         ln2_rstd,
         up,
         act: a,
+        extra,
     };
     Ok((a, out))
 }
@@ -1509,6 +1763,49 @@ fn free_block<B: Backend>(dev: &mut Device<B>, a: BlockActs<T<B>>) {
     }
     dev.free_opt(a.ln1_mean);
     dev.free_opt(a.ln2_mean);
+    for x in a.extra {
+        dev.free(x);
+    }
+}
+
+/// Allocates a framework profile's saved tensors (`HfRules`) as activations.
+fn alloc_saved<B: Backend>(
+    dev: &mut Device<B>,
+    saved: &[(usize, DType)],
+) -> Result<Vec<T<B>>, OomError> {
+    saved
+        .iter()
+        .map(|&(n, dt)| dev.alloc(n, dt, Category::Activations))
+        .collect()
+}
+
+/// hf-eager `zero_grad(set_to_none=True)`: frees every gradient that
+/// exists, leaving placeholders the next backward fills.
+fn release_grads<B: Backend>(dev: &mut Device<B>, grads: &mut [T<B>]) {
+    for g in grads.iter_mut().filter(|g| g.len > 0) {
+        let ph = dev.placeholder(g.dtype, Category::Gradients);
+        dev.free(std::mem::replace(g, ph));
+    }
+}
+
+/// hf-eager with `set_to_none`: makes (zeroed) the gradients of `ids` the
+/// backward is about to produce, as autograd's AccumulateGrad does the
+/// first time it sees each one, tracked as `category`.
+fn make_grads<B: Backend>(
+    dev: &mut Device<B>,
+    grads: &mut [T<B>],
+    specs: &[ParamSpec],
+    ids: &[usize],
+    category: Category,
+) -> Result<(), OomError> {
+    for &i in ids {
+        if grads[i].len == 0 && specs[i].numel() > 0 {
+            let t = dev.alloc(specs[i].numel(), grads[i].dtype, category)?;
+            let ph = std::mem::replace(&mut grads[i], t);
+            dev.drop_placeholder(ph);
+        }
+    }
+    Ok(())
 }
 
 /// Initial weights on the host: one seeded stream per tensor, so the result does

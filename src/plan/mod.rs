@@ -26,7 +26,8 @@ use crate::config::hardware::{HardwareProfile, load_hardware};
 use crate::config::profile::{load_model, looks_like_path, parse_yaml, value_location};
 use crate::engine::device::Roofline;
 use crate::engine::{
-    Attention, Checkpointing, Comm, Engine, Optimizer, Precision, Sharding, TrainConfig,
+    Attention, Checkpointing, Comm, Engine, Framework, Optimizer, OptimizerImpl, Precision,
+    Sharding, TrainConfig,
 };
 use crate::error::{Error, Result};
 use crate::memory::{Category, PeakBytes};
@@ -76,9 +77,30 @@ pub struct PlanRecipe {
     /// hardware's memory and runtime overhead.
     #[serde(default)]
     pub device: Option<crate::backend::DeviceSpec>,
+    /// hf-eager points: the model's dropout probability (transformers'
+    /// `resid_pdrop`/`attn_pdrop`/`embd_pdrop`, Llama's `attention_dropout`).
+    #[serde(default)]
+    pub dropout: f32,
+    /// hf-eager points: `torch.optim.AdamW`'s implementation.
+    #[serde(default)]
+    pub optimizer_impl: OptimizerImpl,
+    /// hf-eager points: `optimizer.zero_grad(set_to_none=...)`.
+    #[serde(default = "yes")]
+    pub set_to_none: bool,
 }
 
 impl PlanRecipe {
+    /// The engine's knobs for point `p`, with the recipe's framework knobs.
+    pub fn train_config(&self, p: &Point) -> TrainConfig {
+        let mut tc = p.train_config(self.seq_len);
+        if p.framework == Framework::HfEager {
+            tc.dropout = self.dropout;
+            tc.optimizer_impl = self.optimizer_impl;
+            tc.set_to_none = self.set_to_none;
+        }
+        tc
+    }
+
     /// The capacity that decides what fits, and the runtime overhead on top
     /// of the engine's peak: the device limit and 0 when the recipe (or the
     /// sweep's `--device`) sets one, else the GPU's memory and overhead.
@@ -115,6 +137,12 @@ pub struct Grid {
     pub sharding: Vec<Sharding>,
     #[serde(default = "one_usize")]
     pub gpus: Vec<usize>,
+    /// Whose allocations to plan: hf-eager (PyTorch + transformers) and/or
+    /// memfit (the engine's own). Absent: hf-eager for `memfit plan`, whose
+    /// recommendation users run in PyTorch; memfit for `memfit sweep`, whose
+    /// trials the engine runs.
+    #[serde(default)]
+    pub framework: Vec<Framework>,
 }
 
 impl Grid {
@@ -128,6 +156,7 @@ impl Grid {
             self.optimizer.len(),
             self.sharding.len(),
             self.gpus.len(),
+            self.framework.len().max(1),
         ]
         .into_iter()
         .try_fold(1usize, usize::checked_mul)
@@ -180,7 +209,15 @@ impl Grid {
         keep_first("optimizer", &mut self.optimizer, |v| name(*v), &mut r);
         keep_first("sharding", &mut self.sharding, |v| name(*v), &mut r);
         keep_first("gpus", &mut self.gpus, usize::to_string, &mut r);
+        keep_first("framework", &mut self.framework, |v| name(*v), &mut r);
         r
+    }
+
+    /// The frameworks to plan, `default` when the recipe names none.
+    pub fn frameworks_or(&mut self, default: Framework) {
+        if self.framework.is_empty() {
+            self.framework = vec![default];
+        }
     }
 }
 
@@ -194,6 +231,7 @@ impl Default for Grid {
             optimizer: default_optimizer(),
             sharding: default_sharding(),
             gpus: one_usize(),
+            framework: Vec::new(),
         }
     }
 }
@@ -229,6 +267,9 @@ pub struct Point {
     pub gpus: usize,
     /// global_batch / (micro_batch x gpus); 0 when that is not a whole number.
     pub grad_accum: usize,
+    /// Reports from before framework profiles were memfit's.
+    #[serde(default)]
+    pub framework: Framework,
 }
 
 impl Point {
@@ -259,13 +300,18 @@ impl Point {
             attention: self.attention,
             ranks: self.gpus,
             sharding: self.sharding,
+            framework: self.framework,
             ..TrainConfig::default()
         }
     }
 
     pub fn label(&self) -> String {
+        let fw = match self.framework {
+            Framework::Memfit => "",
+            Framework::HfEager => "hf-eager ",
+        };
         format!(
-            "mb{} x{} {} {} {} ckpt:{} {} {}",
+            "{fw}mb{} x{} {} {} {} ckpt:{} {} {}",
             self.micro_batch,
             self.gpus,
             name(self.sharding),
@@ -315,7 +361,12 @@ pub struct Prediction {
     /// category, when the total was highest (it adds up to `total`).
     pub peak_split: Option<PeakBytes>,
     pub runtime_overhead_bytes: u64,
-    /// Engine peak plus runtime overhead.
+    /// hf-eager on a GPU: PyTorch's caching allocator for the same tensors
+    /// (`crate::caching`): its `max_memory_allocated` (blocks rounded to
+    /// 512 B) and `max_memory_reserved` (segments).
+    pub allocator: Option<AllocatorPeaks>,
+    /// Engine peak plus runtime overhead (hf-eager on a GPU: the reserved
+    /// peak plus runtime overhead, what the process holds).
     pub total_bytes: u64,
     /// Capacity x (1 - headroom).
     pub usable_bytes: u64,
@@ -332,6 +383,13 @@ pub struct Prediction {
     pub numerics_changes: Vec<&'static str>,
     /// Excluded from the recommendation by `allow_numerics_change: false`.
     pub excluded: bool,
+}
+
+/// PyTorch's caching allocator's high-water marks, as `torch.cuda` names them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AllocatorPeaks {
+    pub max_memory_allocated: u64,
+    pub max_memory_reserved: u64,
 }
 
 /// The whole plan.
@@ -366,7 +424,8 @@ pub struct Recommendation {
 
 /// Loads, validates and plans a recipe file.
 pub fn plan_file(path: &Path) -> Result<Plan> {
-    let (recipe, model, hw) = load_recipe(path)?;
+    let (mut recipe, model, hw) = load_recipe(path)?;
+    recipe.grid.frameworks_or(Framework::HfEager);
     let mut plan = plan(&recipe, &model, &hw);
     plan.recipe = path.to_path_buf();
     Ok(plan)
@@ -413,7 +472,7 @@ pub fn load_recipe(path: &Path) -> Result<(PlanRecipe, ModelConfig, HardwareProf
         return Err(Error::Config {
             location: at("grid", None),
             message: format!(
-                "`grid` expands to {} points ({} micro_batch x {} precision x {} checkpointing x {} attention x {} optimizer x {} sharding x {} gpus), more than {MAX_GRID_POINTS}, the most memfit plans at once; split it over several recipes",
+                "`grid` expands to {} points ({} micro_batch x {} precision x {} checkpointing x {} attention x {} optimizer x {} sharding x {} gpus x {} framework), more than {MAX_GRID_POINTS}, the most memfit plans at once; split it over several recipes",
                 points.map_or_else(|| "more than 2^64".to_string(), |n| n.to_string()),
                 g.micro_batch.len(),
                 g.precision.len(),
@@ -422,6 +481,7 @@ pub fn load_recipe(path: &Path) -> Result<(PlanRecipe, ModelConfig, HardwareProf
                 g.optimizer.len(),
                 g.sharding.len(),
                 g.gpus.len(),
+                g.framework.len().max(1),
             ),
         });
     }
@@ -505,6 +565,13 @@ fn check_recipe(
             format!("`cost` {c} must be a positive $/GPU-hour"),
         ));
     }
+    if !(0.0..1.0).contains(&r.dropout) {
+        return Err(err(
+            "dropout",
+            None,
+            format!("`dropout` {} is outside [0, 1)", r.dropout),
+        ));
+    }
     let g = &r.grid;
     for (key, empty) in [
         ("micro_batch", g.micro_batch.is_empty()),
@@ -562,29 +629,36 @@ pub fn expand(r: &PlanRecipe) -> Vec<Point> {
     g.dedup();
     let g = &g;
     let mut out = Vec::new();
-    for &gpus in &g.gpus {
-        for &sharding in &g.sharding {
-            for &optimizer in &g.optimizer {
-                for &precision in &g.precision {
-                    for &checkpointing in &g.checkpointing {
-                        for &attention in &g.attention {
-                            for &micro_batch in &g.micro_batch {
-                                let per_step = micro_batch * gpus;
-                                let grad_accum = if r.global_batch.is_multiple_of(per_step) {
-                                    r.global_batch / per_step
-                                } else {
-                                    0
-                                };
-                                out.push(Point {
-                                    micro_batch,
-                                    precision,
-                                    checkpointing,
-                                    attention,
-                                    optimizer,
-                                    sharding,
-                                    gpus,
-                                    grad_accum,
-                                });
+    let frameworks = match g.framework.is_empty() {
+        true => vec![Framework::Memfit],
+        false => g.framework.clone(),
+    };
+    for &framework in &frameworks {
+        for &gpus in &g.gpus {
+            for &sharding in &g.sharding {
+                for &optimizer in &g.optimizer {
+                    for &precision in &g.precision {
+                        for &checkpointing in &g.checkpointing {
+                            for &attention in &g.attention {
+                                for &micro_batch in &g.micro_batch {
+                                    let per_step = micro_batch * gpus;
+                                    let grad_accum = if r.global_batch.is_multiple_of(per_step) {
+                                        r.global_batch / per_step
+                                    } else {
+                                        0
+                                    };
+                                    out.push(Point {
+                                        micro_batch,
+                                        precision,
+                                        checkpointing,
+                                        attention,
+                                        optimizer,
+                                        sharding,
+                                        gpus,
+                                        grad_accum,
+                                        framework,
+                                    });
+                                }
                             }
                         }
                     }
@@ -609,7 +683,7 @@ fn invalid_reason(r: &PlanRecipe, p: &Point) -> Option<String> {
             p.gpus
         ));
     }
-    let tc = p.train_config(r.seq_len);
+    let tc = r.train_config(p);
     crate::run::validate_sharding(&tc).err().map(|e| match e {
         Error::InvalidArg { message, .. } => message,
         other => other.to_string(),
@@ -814,6 +888,7 @@ pub fn predict(
         peak_bytes: None,
         peak_split: None,
         runtime_overhead_bytes: overhead,
+        allocator: None,
         total_bytes: 0,
         usable_bytes: usable,
         margin_bytes: 0,
@@ -831,7 +906,7 @@ pub fn predict(
         out.verdict = Verdict::Invalid { reason };
         return out;
     }
-    let tc = p.train_config(r.seq_len);
+    let tc = r.train_config(p);
     // Memory and the per-micro-batch costs do not depend on grad_accum: run
     // one micro-batch and scale (the optimizer phase runs once per step).
     let one = TrainConfig {
@@ -874,7 +949,12 @@ pub fn predict(
         + pk.get(Category::Gradients)
         + pk.get(Category::Optimizer)) as f64
         / psi as f64;
-    out.total_bytes = pk.total + overhead;
+    out.allocator = e.dev.caching.as_ref().map(|c| AllocatorPeaks {
+        max_memory_allocated: c.peak_allocated,
+        max_memory_reserved: c.peak_reserved,
+    });
+    let held = out.allocator.map_or(pk.total, |a| a.max_memory_reserved);
+    out.total_bytes = held + overhead;
     out.margin_bytes = usable as i64 - out.total_bytes as i64;
     out.verdict = if out.total_bytes <= usable {
         Verdict::Fits

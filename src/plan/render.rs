@@ -35,6 +35,20 @@ fn header(plan: &Plan, s: &mut String) {
         plan.usd_per_gpu_hour,
         plan.headroom * 100.0
     );
+    let mut fws: Vec<_> = plan.points.iter().map(|p| p.point.framework).collect();
+    fws.dedup();
+    fws.sort_by_key(|f| name(*f));
+    fws.dedup();
+    let said: Vec<&str> = fws
+        .iter()
+        .map(|f| match f {
+            crate::engine::Framework::HfEager => {
+                "hf-eager (what PyTorch + Hugging Face transformers allocate)"
+            }
+            crate::engine::Framework::Memfit => "memfit (memfit's own engine)",
+        })
+        .collect();
+    let _ = writeln!(s, "allocations of {}", said.join(" and "));
     let fits = plan
         .points
         .iter()
@@ -57,8 +71,9 @@ fn header(plan: &Plan, s: &mut String) {
     );
 }
 
-const COLS: [&str; 14] = [
+const COLS: [&str; 15] = [
     "#",
+    "framework",
     "gpus",
     "sharding",
     "prec",
@@ -74,7 +89,7 @@ const COLS: [&str; 14] = [
     "status",
 ];
 
-fn row(i: usize, p: &Prediction) -> [String; 14] {
+fn row(i: usize, p: &Prediction) -> [String; 15] {
     let pt = &p.point;
     let valid = !matches!(p.verdict, Verdict::Invalid { .. });
     let num = |x: f64, prec: usize| {
@@ -86,6 +101,7 @@ fn row(i: usize, p: &Prediction) -> [String; 14] {
     };
     [
         i.to_string(),
+        name(pt.framework),
         pt.gpus.to_string(),
         name(pt.sharding),
         name(pt.precision),
@@ -123,7 +139,7 @@ fn row(i: usize, p: &Prediction) -> [String; 14] {
 pub fn table(plan: &Plan, limit: usize) -> String {
     let mut s = String::new();
     header(plan, &mut s);
-    let rows: Vec<[String; 14]> = order(plan)
+    let rows: Vec<[String; 15]> = order(plan)
         .into_iter()
         .take(limit)
         .map(|i| row(i, &plan.points[i]))
@@ -196,6 +212,15 @@ fn recommendation(plan: &Plan, s: &mut String, bullet: &str) {
                 fmt_bytes(pk.workspace),
                 fmt_bytes(p.runtime_overhead_bytes)
             );
+            if let Some(a) = p.allocator {
+                let _ = writeln!(
+                    s,
+                    "  {bullet}PyTorch's caching allocator: max_memory_allocated {} (tensors {} rounded to 512 B blocks), max_memory_reserved {} (2 MiB / 20 MiB segments, fragmentation); the peak above is reserved + runtime overhead",
+                    fmt_bytes(a.max_memory_allocated),
+                    fmt_bytes(pk.total),
+                    fmt_bytes(a.max_memory_reserved)
+                );
+            }
             let _ = writeln!(
                 s,
                 "  {bullet}model states: closed form {}; engine {:.2} B/param (its peaks include the transient full gradients and gathered units)",

@@ -16,6 +16,7 @@ use super::report::{
 };
 use super::trial::{Fault, TrialOutput, TrialSpec};
 use crate::backend::{DeviceKind, DeviceSpec};
+use crate::engine::{Framework, Precision};
 use crate::error::{Error, Result};
 use crate::plan::{Point, Prediction, Rates, Verdict, expand, load_recipe, name, predict};
 use rayon::prelude::*;
@@ -92,8 +93,12 @@ impl std::fmt::Debug for Hooks {
 /// A stable key for a configuration: what the journal, `--resume` and
 /// `memfit check` match on.
 pub fn trial_id(p: &Point) -> String {
+    let fw = match p.framework {
+        Framework::Memfit => "",
+        Framework::HfEager => "hf_eager-",
+    };
     format!(
-        "gpus{}-{}-{}-{}-ckpt_{}-{}-mb{}-accum{}",
+        "{fw}gpus{}-{}-{}-{}-ckpt_{}-{}-mb{}-accum{}",
         p.gpus,
         name(p.sharding),
         name(p.precision),
@@ -116,6 +121,8 @@ fn group_key(p: &Point) -> Point {
 
 struct Ctx<'a> {
     opts: &'a SweepOptions,
+    /// The recipe's hf-eager knobs trials receive (dropout is never measured).
+    hf_knobs: (crate::engine::OptimizerImpl, bool),
     report: SweepReport,
     journal: std::fs::File,
     done: HashMap<String, TrialRecord>,
@@ -158,11 +165,50 @@ pub struct Prepared {
 /// Loads the recipe, settles the run device (calibrating the host's
 /// roofline on cpu, cached) and plans the grid twice: on the run device,
 /// which trials are compared with, and on the target GPU.
+///
+/// hf-eager trials compute with the engine's kernels: autocast precisions
+/// and dropout are predictions only, refused before any trial on a device
+/// that computes.
+fn check_measurable(recipe: &crate::plan::PlanRecipe, path: &std::path::Path) -> Result<()> {
+    let computes = recipe
+        .device
+        .as_ref()
+        .is_none_or(|d| d.kind != DeviceKind::Meta);
+    let g = &recipe.grid;
+    if !computes || !g.framework.contains(&Framework::HfEager) {
+        return Ok(());
+    }
+    let why = if let Some(p) = g.precision.iter().find(|&&p| p != Precision::Fp32) {
+        format!(
+            "`grid.precision` {} is autocast under hf-eager (fp32 weights, 16-bit matmuls), which the engine's kernels do not compute",
+            crate::plan::name(*p)
+        )
+    } else if recipe.dropout > 0.0 {
+        "`dropout` is modelled, not computed: the engine's kernels have no dropout".to_string()
+    } else {
+        return Ok(());
+    };
+    Err(Error::Config {
+        location: path.display().to_string(),
+        message: format!(
+            "{why}; hf-eager trials measure on a computing device at fp32 without dropout only. Plan the rest with `memfit plan`, or sweep with --device meta"
+        ),
+    })
+}
+
 pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
     let (mut recipe, model, hw) = load_recipe(&opts.recipe)?;
     if let Some(d) = &opts.device {
         recipe.device = Some(d.clone());
     }
+    // Trials are the engine's own runs; the target is what PyTorch will
+    // hold for the exported configuration, unless the grid names frameworks.
+    let target_framework = match recipe.grid.framework.is_empty() {
+        true => Some(Framework::HfEager),
+        false => None,
+    };
+    recipe.grid.frameworks_or(Framework::Memfit);
+    check_measurable(&recipe, &opts.recipe)?;
     let device = recipe.device.clone().unwrap_or(DeviceSpec {
         kind: DeviceKind::Cpu,
         limit: None,
@@ -230,6 +276,10 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
     let targets: Vec<Option<TargetPrediction>> = points
         .par_iter()
         .map(|p| {
+            let p = &Point {
+                framework: target_framework.unwrap_or(p.framework),
+                ..*p
+            };
             let t = predict(
                 &target_recipe,
                 &model,
@@ -244,6 +294,7 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
                 step_s: t.step_s,
                 tokens_per_s: t.tokens_per_s,
                 usd_per_mtok: t.usd_per_mtok,
+                framework: p.framework,
             })
         })
         .collect();
@@ -409,6 +460,7 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
     let mut ctx = Ctx {
         nvml,
         opts,
+        hf_knobs: (recipe.optimizer_impl, recipe.set_to_none),
         report,
         journal,
         done,
@@ -1058,6 +1110,8 @@ impl Ctx<'_> {
             seed: 1337,
             fault,
             sample_ms: self.opts.hooks.as_ref().map(|h| h.sample_ms),
+            optimizer_impl: self.hf_knobs.0,
+            set_to_none: self.hf_knobs.1,
         };
         let start = Instant::now();
         let hooks = self.opts.hooks.clone();

@@ -443,6 +443,7 @@ mod tests {
             sharding,
             gpus,
             grad_accum,
+            framework: Default::default(),
         }
     }
 

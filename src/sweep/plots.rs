@@ -1676,6 +1676,7 @@ pub(crate) mod tests {
             sharding: Sharding::None,
             gpus: 1,
             grad_accum: 16 / micro_batch,
+            framework: Default::default(),
         }
     }
 
@@ -1764,6 +1765,7 @@ pub(crate) mod tests {
                 step_s: 0.01,
                 tokens_per_s: tps * 30.0,
                 usd_per_mtok: 0.53 / 3600.0 / (tps * 30.0) * 1e6,
+                framework: Default::default(),
             });
             trials.push(t);
         }

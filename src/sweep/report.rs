@@ -55,6 +55,10 @@ pub struct TargetPrediction {
     pub tokens_per_s: f64,
     /// GPUs x the target's $/GPU-hour / predicted tokens per second, per million tokens.
     pub usd_per_mtok: f64,
+    /// Whose allocations: hf-eager unless the recipe's grid names
+    /// frameworks (the exports are run in PyTorch), else the point's own.
+    #[serde(default)]
+    pub framework: crate::engine::Framework,
 }
 
 /// What a trial measured.

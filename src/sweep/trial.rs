@@ -6,7 +6,6 @@
 use serde::{Deserialize, Serialize};
 
 use crate::backend::DeviceSpec;
-use crate::engine::TrainConfig;
 use crate::error::{Error, Result};
 use crate::memory::PeakBytes;
 use crate::plan::Point;
@@ -44,6 +43,16 @@ pub struct TrialSpec {
     /// Report the tracked live bytes on stderr this often (the TUI's live chart).
     #[serde(default)]
     pub sample_ms: Option<u64>,
+    /// hf-eager points: torch.optim.AdamW's implementation.
+    #[serde(default)]
+    pub optimizer_impl: crate::engine::OptimizerImpl,
+    /// hf-eager points: zero_grad(set_to_none=...).
+    #[serde(default = "yes")]
+    pub set_to_none: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// Prefix of a live-memory sample line on a trial's stderr.
@@ -106,9 +115,14 @@ pub fn run_trial(spec: &TrialSpec) -> Result<TrialOutput> {
         .map_err(|m: String| Error::invalid_arg("--device", m))?;
     let opts = RunOptions {
         model: spec.model.clone(),
-        train: TrainConfig {
-            seed: spec.seed,
-            ..spec.point.train_config(spec.seq_len)
+        train: {
+            let mut tc = spec.point.train_config(spec.seq_len);
+            tc.seed = spec.seed;
+            if tc.framework == crate::engine::Framework::HfEager {
+                tc.optimizer_impl = spec.optimizer_impl;
+                tc.set_to_none = spec.set_to_none;
+            }
+            tc
         },
         steps: spec.steps,
         device,

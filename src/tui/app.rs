@@ -897,6 +897,7 @@ pub(crate) mod testdata {
             step_s: 0.02,
             tokens_per_s: 100_000.0,
             usd_per_mtok: 0.53 / 3600.0 / 100_000.0 * 1e6,
+            framework: Default::default(),
         }
     }
 
@@ -910,6 +911,7 @@ pub(crate) mod testdata {
             sharding,
             gpus: 1,
             grad_accum: 16 / mb,
+            framework: Default::default(),
         }
     }
 

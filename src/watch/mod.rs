@@ -213,6 +213,22 @@ pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
         threads: None,
         timeline: None,
         format: Format::Table,
+        // The watched job is a PyTorch process unless the flag or the
+        // recipe says otherwise.
+        framework: match (&p.framework, &p.recipe) {
+            (Some(f), _) => Some(*f),
+            (None, Some(path))
+                if crate::config::recipe::load_run_recipe(path)?
+                    .framework
+                    .is_some() =>
+            {
+                None
+            }
+            (None, _) => Some(crate::engine::Framework::HfEager),
+        },
+        dropout: p.dropout,
+        optimizer_impl: p.optimizer_impl,
+        set_to_none: p.set_to_none,
     };
     let mut opts = run.options()?;
     opts.device = crate::backend::DeviceSpec::new(crate::backend::DeviceKind::Meta, None);

@@ -293,6 +293,9 @@ pub fn workspace_bytes(s: AttnShape, fused: bool, dtype: DType) -> usize {
 impl<D: Driver> Backend for CudaBackend<D> {
     type Buf = CudaBuf;
 
+    fn is_gpu(&self) -> bool {
+        true
+    }
     fn name(&self) -> &'static str {
         "cuda"
     }

@@ -1,0 +1,288 @@
+//! Framework profiles: whose implementation of the same model the engine's
+//! allocation schedule follows.
+//!
+//! `memfit` is the engine's own: hand-written backward passes that save the
+//! least each layer needs. `hf-eager` holds what PyTorch autograd and the
+//! Hugging Face transformers modules hold for the same step (transformers
+//! 5.x `GPT2LMHeadModel` / `LlamaForCausalLM`, `torch.optim.AdamW`, the loop
+//! `loss = model(x, labels=x).loss; loss.backward(); opt.step();
+//! opt.zero_grad()`). The engine still computes with its own kernels; the
+//! profile changes which tensors exist, when, and in which category, so the
+//! timeline by phase is PyTorch's. Each rule below names the source it
+//! models; `tests/reference/hf_memory.py` measures the same step with
+//! PyTorch's `MemTracker`, and `tests/hf_reference.rs` holds the engine to
+//! every configuration it wrote.
+//!
+//! Rules are stated as what PyTorch holds *beyond* the engine's own saved
+//! tensors (`BlockActs`), which the engine already allocates with the same
+//! sizes where the two agree (the layer norm outputs and statistics, the
+//! packed q|k|v that stands for the three `bmm` operand copies, the
+//! attention probabilities, the attention output, the residual stream).
+
+use crate::backend::{AttnShape, DType};
+use crate::config::{Family, ModelConfig};
+
+use super::{Attention, TrainConfig};
+
+/// Whose allocations the engine's schedule follows.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum Framework {
+    /// memfit's own engine: what `memfit run` and `memfit sweep` train with.
+    #[default]
+    Memfit,
+    /// PyTorch eager + Hugging Face transformers: what a `Trainer` or a
+    /// plain training loop over `AutoModelForCausalLM` will allocate.
+    HfEager,
+}
+
+impl Framework {
+    pub fn name(self) -> &'static str {
+        match self {
+            Framework::Memfit => "memfit",
+            Framework::HfEager => "hf-eager",
+        }
+    }
+}
+
+/// `torch.optim.AdamW`'s implementation (its `foreach` / `fused` arguments).
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum OptimizerImpl {
+    /// `foreach=True`, PyTorch's default on GPUs and the fixtures' base:
+    /// `_multi_tensor_adamw` builds `torch._foreach_sqrt(exp_avg_sqs)`, one
+    /// fp32 list the size of all parameters, alive for the whole update
+    /// (torch/optim/adamw.py, `_multi_tensor_adam`).
+    #[default]
+    Foreach,
+    /// `foreach=False`: `_single_tensor_adam` makes `exp_avg_sq.sqrt()` and
+    /// the division by the bias correction per parameter (two temporaries
+    /// the size of that parameter); the denominator lives until the next
+    /// parameter's is made.
+    SingleTensor,
+    /// `fused=True`: one kernel per parameter group, no temporaries.
+    Fused,
+}
+
+/// What `hf-eager` holds beyond the engine's own tensors, for one model and
+/// one set of knobs. Sizes are elements with their dtype.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HfRules {
+    /// Saved with the embedding until its backward: the embedding dropout's
+    /// mask, Llama's rotary cos/sin.
+    pub embed_saved: Vec<(usize, DType)>,
+    /// Saved by every block until its backward.
+    pub block_saved: Vec<(usize, DType)>,
+    /// Saved by the final norm and the head until the head's backward.
+    pub head_saved: Vec<(usize, DType)>,
+    /// Saved with the log_softmax output, beyond the engine's logits buffer
+    /// that stands for it (autocast: the output is fp32, the buffer 16-bit).
+    pub loss_saved: Vec<(usize, DType)>,
+    /// The logits the loss reads (N x V; autocast: the 16-bit matmul output
+    /// and its fp32 copy, `logits.float()` in ForCausalLMLoss), alive from
+    /// the head's matmul to the end of the forward, when the loop drops the
+    /// model output.
+    pub logits: Vec<(usize, DType)>,
+    /// `nll_loss_backward`'s and `_log_softmax_backward_data`'s outputs
+    /// (N x V fp32 each), alive together at the start of the backward.
+    pub loss_grads: usize,
+    /// Gradients are created by the backward and freed by `zero_grad`
+    /// (`set_to_none=True`, PyTorch's default since 2.0), instead of staying
+    /// resident and zeroed.
+    pub lazy_grads: bool,
+    pub optimizer_impl: OptimizerImpl,
+    /// 16-bit by autocast: fp32 parameters and gradients, no master copy.
+    pub autocast: bool,
+}
+
+impl HfRules {
+    /// `cuda`: the run is (or emulates) a GPU, where dropout saves a bool
+    /// mask (ATen's fused `native_dropout`) and sdpa keeps its flash kernel
+    /// with dropout; on cpu dropout is the composite `input *
+    /// bernoulli(noise)` that saves the noise in the input's dtype, and sdpa
+    /// with dropout falls back to its math path.
+    pub fn new(model: &ModelConfig, train: &TrainConfig, cuda: bool) -> Self {
+        let s = AttnShape {
+            b: train.micro_batch,
+            t: train.seq_len,
+            n_head: model.n_head,
+            n_kv_head: model.n_kv_head(),
+            head_dim: model.head_dim(),
+        };
+        let (n, c) = (s.b * s.t, model.d_model);
+        let scores = s.b * s.n_head * s.t * s.t;
+        let (q, kv) = (s.n_head * s.head_dim, s.n_kv_head * s.head_dim);
+        // 16-bit precision comes in two layouts. Autocast (a Trainer with
+        // `bf16=True`, alone or under DDP): parameters, gradients and
+        // optimizer state stay fp32; matmuls cast their inputs and weights
+        // to the 16-bit type and return it; ops on autocast's fp32 list
+        // (softmax, the loss) return fp32; the residual stream is fp32
+        // (fp32 + 16-bit promotes). The engine's activations are in `dt`, so
+        // where PyTorch's tensor is fp32 the rule adds the other half.
+        // A 16-bit model (DeepSpeed ZeRO's bf16/fp16 modes and FSDP's mixed
+        // precision cast the module; the fp32 master copy lives in the
+        // optimizer's partitions, as the engine's mixed precision keeps it):
+        // every activation is 16-bit, except where the modules upcast.
+        let f32 = DType::F32;
+        let dt = train.precision.dtype();
+        let sixteen = dt != f32;
+        let autocast = sixteen && !train.sharding.shards_optimizer();
+        let p = train.dropout;
+        // Dropout's input is the probabilities or a projection's output,
+        // both in `dt`; cuda saves a bool mask instead.
+        let mask_dt = if cuda { DType::U8 } else { dt };
+        let gpt2 = model.family == Family::Gpt2;
+        let (v, dff) = (model.vocab_size, model.d_ff());
+        // sdpa with dropout has no cpu flash kernel: it runs the math path,
+        // which saves what eager does (torch/nn/attention, `_fused_sdp_choice`
+        // on cpu accepts dropout_p == 0 only).
+        let math = train.attention == Attention::Eager || (p > 0.0 && !cuda);
+        let mut block = Vec::new();
+        if gpt2 {
+            // NewGELUActivation (transformers/activations.py):
+            // 0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3))) saves x, 0.5*x,
+            // the tanh, 1+tanh and the product: five N x 4C tensors where the
+            // engine's GELU keeps its input and output.
+            block.extend([(n * dff, dt); 3]);
+        } else {
+            if autocast {
+                // LlamaRMSNorm upcasts: x * rsqrt(var + eps) is saved fp32,
+                // the output (weight * that) feeds the projections, each of
+                // which casts it again: q, k and v after the first norm, gate
+                // and up after the second; the engine keeps one cast each.
+                block.extend([(n * c, f32), (n * c, f32)]);
+                block.extend([(n * c, dt); 3]);
+            } else if sixteen {
+                // A 16-bit model: the norm upcasts its input (the fp32 copy
+                // is saved by x * rsqrt) and casts the product back, which
+                // weight * that saves beside the output; the 16-bit input
+                // itself is then saved by nothing (residual adds save
+                // nothing), so the engine's residual tensor stands for that
+                // cast and the fp32 copy is what is added.
+                block.extend([(n * c, f32); 2]);
+            } else {
+                // LlamaRMSNorm (modeling_llama.py): x * rsqrt(var + eps) and
+                // weight * that, both saved by the multiplies; the engine
+                // keeps one output per norm.
+                block.extend([(n * c, dt); 2]);
+            }
+            // LlamaMLP: down(silu(gate(x)) * up(x)) keeps gate, silu(gate),
+            // up and the product; the engine keeps gate|up and the product.
+            block.push((n * dff, dt));
+        }
+        if autocast {
+            // The block input and the residual after attention are fp32.
+            block.extend([(n * c, dt); 2]);
+            // The weight-cast cache (torch/csrc/autograd/autocast_mode.cpp:
+            // a leaf's cast is cached for the forward): every projection's
+            // 16-bit weight copy is saved by its matmul until the backward.
+            block.extend([
+                (c * model.qkv_width(), dt),
+                (q * c, dt),
+                (c * model.up_width(), dt),
+                (dff * c, dt),
+            ]);
+        }
+        if math {
+            if !gpt2 && kv < q {
+                // eager_attention_forward calls repeat_kv on k and v
+                // (modeling_llama.py): the expanded copies are what the
+                // matmuls save, n_head wide instead of n_kv_head.
+                block.extend([(n * (q - kv), dt); 2]);
+            }
+            if train.attention == Attention::Fused {
+                // The math path's probabilities, where flash keeps only the
+                // log-sum-exp (the engine's fused saved set).
+                block.push((scores, dt));
+            }
+            if autocast || (sixteen && !gpt2) {
+                // softmax is on autocast's fp32 list, and Llama's eager
+                // attention asks for `softmax(..., dtype=torch.float32)`: the
+                // fp32 output is saved, and `.to(value.dtype)` makes the
+                // 16-bit copy the value matmul saves (the engine's
+                // probabilities). GPT-2's softmax in a 16-bit model stays
+                // 16-bit.
+                block.push((scores, f32));
+            }
+        }
+        let mut embed = Vec::new();
+        if p > 0.0 {
+            if math {
+                // attn_dropout on the probabilities: the mask, and the dropped
+                // probabilities the value matmul saves (the softmax output
+                // stays saved for the softmax backward).
+                block.extend([(scores, mask_dt), (scores, dt)]);
+            }
+            if gpt2 {
+                // resid_dropout after the attention and after the MLP
+                // projection (modeling_gpt2.py): each keeps its mask.
+                block.extend([(n * c, mask_dt); 2]);
+                // embd_pdrop on the embedding sum (fp32 under autocast: the
+                // embedding is not autocast): its mask (the dropped output
+                // replaces the sum as block 0's input).
+                let emb_dt = if autocast { f32 } else { dt };
+                embed.push((n * c, if cuda { DType::U8 } else { emb_dt }));
+            }
+        }
+        if !gpt2 {
+            // LlamaRotaryEmbedding: cos and sin (1, T, head_dim), fp32 (cast
+            // to the model's 16-bit type in a 16-bit model), made once per
+            // forward and shared by every layer.
+            let rope_dt = if autocast { f32 } else { dt };
+            embed.extend([(s.t * s.head_dim, rope_dt); 2]);
+        }
+        let mut head = Vec::new();
+        if !gpt2 {
+            // The final LlamaRMSNorm's x * rsqrt (see the blocks').
+            match (autocast, sixteen) {
+                (true, _) => head.push((n * c, f32)),
+                (false, true) => head.push((n * c, f32)),
+                (false, false) => head.push((n * c, dt)),
+            }
+        }
+        if autocast {
+            // The last block's output is fp32; the head's weight cast.
+            head.extend([(n * c, dt), (v * c, dt)]);
+        }
+        HfRules {
+            embed_saved: embed,
+            block_saved: block,
+            head_saved: head,
+            // The loss upcasts 16-bit logits (`logits.float()`) either way.
+            loss_saved: match sixteen {
+                true => vec![(n * v, dt)],
+                false => Vec::new(),
+            },
+            logits: match sixteen {
+                true => vec![(n * v, dt), (n * v, f32)],
+                false => vec![(n * v, f32)],
+            },
+            autocast,
+            loss_grads: n * v,
+            lazy_grads: train.set_to_none,
+            optimizer_impl: train.optimizer_impl,
+        }
+    }
+}

@@ -1,0 +1,274 @@
+//! The hf-eager framework profile: against every PyTorch fixture in
+//! tests/reference/hf_memory.json, meta == cpu, unchanged numerics, the
+//! issue's quoted GPU figure, and the flags' errors.
+
+mod common;
+
+use std::path::Path;
+
+use common::{json, memfit, stderr};
+use memfit::backend::cpu::CpuBackend;
+use memfit::backend::meta::MetaBackend;
+use memfit::config::profile::load_model;
+use memfit::data::DataSource;
+use memfit::engine::{Attention, Checkpointing, Engine, Framework, OptimizerImpl, TrainConfig};
+use memfit::memory::Tracker;
+use memfit::reference::{self, CATEGORY_TOLERANCE, TOTAL_TOLERANCE};
+
+/// A fresh directory for one test's files.
+fn scratch(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("memfit-hfref-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn fixture() -> reference::Fixture {
+    reference::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/hf_memory.json"))
+        .unwrap()
+}
+
+#[test]
+fn every_fixture_within_three_percent_total_and_five_per_category() {
+    let fx = fixture();
+    assert!(fx.configs.len() >= 36, "the fixture lost configurations");
+    let mut failures = Vec::new();
+    for c in &fx.configs {
+        let m = reference::plan(c).unwrap();
+        let (total, cats) = reference::compared(c);
+        let err = reference::error(m.total, c.peak_bytes.total);
+        if total && err.abs() > TOTAL_TOLERANCE {
+            failures.push(format!(
+                "{}: total {} vs PyTorch {} ({:+.2}%)",
+                c.name,
+                m.total,
+                c.peak_bytes.total,
+                100.0 * err
+            ));
+        }
+        for &k in cats {
+            let e = reference::error(m.get(k), c.peak_bytes.get(k));
+            if e.abs() > CATEGORY_TOLERANCE {
+                failures.push(format!(
+                    "{}: {} {} vs PyTorch {} ({:+.2}%)",
+                    c.name,
+                    k.name(),
+                    m.get(k),
+                    c.peak_bytes.get(k),
+                    100.0 * e
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The peak phase agrees with PyTorch's too: the optimizer's foreach list
+/// makes short sequences peak there, long ones peak at the loss backward.
+#[test]
+fn the_peak_lands_in_pytorchs_phase() {
+    for c in fixture().configs {
+        if !reference::compared(&c).0 {
+            continue;
+        }
+        let (model, train) = reference::config(&c).unwrap();
+        let mut e = Engine::new(model, train, MetaBackend::emulating_cpu(), None).unwrap();
+        e.step_from(1, || unreachable!()).unwrap();
+        let t = &e.dev.tracker;
+        let peak = t.peak_total();
+        // The phase of the first event that reaches the peak.
+        let phase = t
+            .timeline()
+            .iter()
+            .find_map(|ev| (ev.live_total == peak).then_some(ev.phase))
+            .expect("the peak is on the timeline");
+        let ours = match phase {
+            memfit::memory::Phase::Optimizer => "optimizer",
+            _ => "backward",
+        };
+        assert_eq!(ours, c.peak_phase, "{}: peak phase", c.name);
+    }
+}
+
+fn run_both(model: &str, tc: &TrainConfig) -> (Tracker, Tracker, Vec<f32>) {
+    let model = load_model(model).unwrap();
+    let mut cpu =
+        Engine::new(model.clone(), tc.clone(), CpuBackend::new(2).unwrap(), None).unwrap();
+    let mut meta = Engine::new(
+        model.clone(),
+        tc.clone(),
+        MetaBackend::emulating_cpu(),
+        None,
+    )
+    .unwrap();
+    let mut data = DataSource::synthetic(model.vocab_size, tc.seed);
+    let mut losses = Vec::new();
+    for _ in 0..3 {
+        let batches: Vec<_> = (0..tc.grad_accum)
+            .map(|_| data.next_batch(tc.micro_batch, tc.seq_len))
+            .collect();
+        losses.push(cpu.step(&batches).unwrap().loss.unwrap());
+        meta.step(&batches).unwrap();
+    }
+    (cpu.dev.tracker.clone(), meta.dev.tracker.clone(), losses)
+}
+
+/// hf-eager on cpu allocates every tensor it models for real: meta predicts
+/// it byte for byte, event for event; and it only changes what is held, so
+/// the losses are memfit's own, bit for bit.
+#[test]
+fn hf_eager_meta_equals_cpu_and_keeps_the_numerics() {
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        for (attention, opt_impl, set_to_none, ckpt) in [
+            (
+                Attention::Eager,
+                OptimizerImpl::Foreach,
+                true,
+                Checkpointing::None,
+            ),
+            (
+                Attention::Fused,
+                OptimizerImpl::SingleTensor,
+                false,
+                Checkpointing::None,
+            ),
+            (
+                Attention::Eager,
+                OptimizerImpl::Fused,
+                true,
+                Checkpointing::Full,
+            ),
+        ] {
+            let memfit_tc = TrainConfig {
+                seq_len: 32,
+                micro_batch: 2,
+                grad_accum: 2,
+                attention,
+                checkpointing: ckpt,
+                ..TrainConfig::default()
+            };
+            let hf_tc = TrainConfig {
+                framework: Framework::HfEager,
+                optimizer_impl: opt_impl,
+                set_to_none,
+                ..memfit_tc.clone()
+            };
+            let what = format!("{model} {attention:?} {opt_impl:?} set_to_none={set_to_none}");
+            let (cpu, meta, hf_losses) = run_both(model, &hf_tc);
+            assert_eq!(cpu.peak_bytes(), meta.peak_bytes(), "{what}");
+            let strip = |t: &Tracker| {
+                t.timeline()
+                    .iter()
+                    .map(|e| (e.category, e.bytes, e.phase))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(strip(&cpu), strip(&meta), "{what}: timelines differ");
+            let (mcpu, _, memfit_losses) = run_both(model, &memfit_tc);
+            // gpt2-tiny pads its vocabulary, which hf-eager does not: the
+            // logits differ in padding columns only, which the loss ignores.
+            assert_eq!(
+                hf_losses, memfit_losses,
+                "{what}: hf-eager changed the numerics"
+            );
+            assert_ne!(
+                cpu.peak_bytes(),
+                mcpu.peak_bytes(),
+                "{what}: hf-eager held what memfit holds"
+            );
+        }
+    }
+}
+
+/// The issue's quoted figure for gpt2 T=1024 dropout 0.1 (HF's default) on
+/// a GPU: 13570.4 MiB, which the fixture's cpu run cannot show (cpu dropout
+/// saves 4-byte noise where CUDA saves a 1-byte mask). `memfit plan` targets
+/// a GPU; its peak less the hardware's runtime overhead is PyTorch's.
+#[test]
+fn plan_reproduces_the_issues_cuda_dropout_figure() {
+    let dir = scratch("plan");
+    let recipe = dir.join("gpt2.yaml");
+    std::fs::write(
+        &recipe,
+        "model: gpt2\nhardware: h100-sxm-80gb\nseq_len: 1024\nglobal_batch: 4\ndropout: 0.1\nset_to_none: false\ngrid:\n  micro_batch: [4]\n  precision: [fp32]\n  attention: [eager]\n",
+    )
+    .unwrap();
+    let out = memfit(&["plan", recipe.to_str().unwrap(), "--format", "json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let plan = json(&out);
+    let p = &plan["points"][0];
+    assert_eq!(
+        p["point"]["framework"], "hf-eager",
+        "plan's default framework"
+    );
+    let engine = p["peak_bytes"]["total"].as_u64().unwrap();
+    let mib = engine as f64 / (1u64 << 20) as f64;
+    assert!((mib - 13570.4).abs() < 0.05, "{mib} MiB");
+}
+
+#[test]
+fn hf_only_knobs_and_unmeasurable_points_are_refused() {
+    let out = memfit(&["run", "--device", "meta", "--dropout", "0.1"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("--dropout"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--framework hf-eager"));
+    let out = memfit(&[
+        "run",
+        "--framework",
+        "hf-eager",
+        "--precision",
+        "bf16",
+        "--steps",
+        "1",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("--framework") && stderr(&out).contains("autocast"),
+        "{}",
+        stderr(&out)
+    );
+    let out = memfit(&[
+        "run",
+        "--framework",
+        "hf-eager",
+        "--dropout",
+        "1.5",
+        "--device",
+        "meta",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("outside [0, 1)"), "{}", stderr(&out));
+    // Planned on meta, autocast and dropout are fine.
+    let out = memfit(&[
+        "run",
+        "--framework",
+        "hf-eager",
+        "--precision",
+        "bf16",
+        "--dropout",
+        "0.1",
+        "--device",
+        "meta",
+        "--format",
+        "json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let dir = scratch("sweep");
+    let recipe = dir.join("sweep.yaml");
+    std::fs::write(
+        &recipe,
+        "model: gpt2-tiny\nhardware: t4\ndevice: cpu:limit=64MiB\nseq_len: 32\nglobal_batch: 4\ngrid:\n  micro_batch: [2]\n  precision: [fp32, bf16]\n  framework: [hf-eager]\n",
+    )
+    .unwrap();
+    let out = memfit(&[
+        "sweep",
+        recipe.to_str().unwrap(),
+        "--out",
+        dir.join("out").to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("sweep.yaml") && stderr(&out).contains("autocast"),
+        "{}",
+        stderr(&out)
+    );
+}
