@@ -406,7 +406,7 @@ pub struct WatchArgs {
 /// The `memfit run` knobs `memfit watch` predicts with (on meta, emulating
 /// the cuda backend); a prediction is made when --model or --recipe is given.
 #[derive(Debug, clap::Args)]
-#[command(next_help_heading = "Prediction (memfit's engine on meta, beside the measured peak)")]
+#[command(next_help_heading = "Prediction (the engine on meta, beside the measured peak)")]
 pub struct PredictArgs {
     /// A run recipe (YAML), as for `memfit run`; flags override it.
     #[arg(long)]
