@@ -8,8 +8,8 @@ use crate::backend::DeviceSpec;
 use crate::config::profile::load_model;
 use crate::config::recipe::{RunRecipe, load_run_recipe};
 use crate::engine::{
-    Attention, Checkpointing, Framework, Optimizer, OptimizerImpl, Precision, Schedule, Sharding,
-    TrainConfig,
+    Attention, Checkpointing, Finetune, Framework, LoraConfig, Optimizer, OptimizerImpl, Precision,
+    Schedule, Sharding, TrainConfig, lora::Target,
 };
 use crate::error::{Error, Result};
 use crate::run::RunOptions;
@@ -607,6 +607,23 @@ pub struct RunArgs {
     /// hf-eager: optimizer.zero_grad(set_to_none=...) [default: true].
     #[arg(long, value_enum)]
     pub set_to_none: Option<SetToNone>,
+    /// full (every weight trains) or lora (adapters on frozen weights; one
+    /// rank, no pipeline) [default: full].
+    #[arg(long, value_enum)]
+    pub finetune: Option<Finetune>,
+    /// LoRA rank r [default: 8].
+    #[arg(long)]
+    pub lora_rank: Option<usize>,
+    /// LoRA alpha; the adapter's output is scaled by alpha / r [default: 8].
+    #[arg(long)]
+    pub lora_alpha: Option<f32>,
+    /// hf-eager: PEFT's lora_dropout (its masks; meta only) [default: 0].
+    #[arg(long)]
+    pub lora_dropout: Option<f32>,
+    /// Projections to adapt, comma-separated: q,k,v,o,gate,up,down (GPT-2:
+    /// q, k and v are one c_attn adapter; no gate) [default: all of them].
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub lora_targets: Option<Vec<Target>>,
     /// Ranks (simulated GPUs), each with its own device and memory: pipeline
     /// stages x data-parallel replicas; the global batch is micro-batch x
     /// grad-accum x replicas [default: 1, or the pipeline stages].
@@ -764,6 +781,11 @@ impl RunArgs {
             key!(dropout),
             key!(optimizer_impl),
             key!(set_to_none),
+            key!(finetune),
+            key!(lora_rank),
+            key!(lora_alpha),
+            key!(lora_dropout),
+            key!(lora_targets),
             key!(ranks),
             key!(sharding),
             ("bucket_view", flags.bucket_view, r.bucket_view.is_some()),
@@ -790,6 +812,38 @@ impl RunArgs {
             .or(r.pipeline_stages)
             .unwrap_or(d.pipeline_stages);
         let framework = self.framework.or(r.framework).unwrap_or(d.framework);
+        let finetune = self.finetune.or(r.finetune).unwrap_or(d.finetune);
+        let lora_given = [
+            ("--lora-rank", self.lora_rank.or(r.lora_rank).is_some()),
+            ("--lora-alpha", self.lora_alpha.or(r.lora_alpha).is_some()),
+            (
+                "--lora-dropout",
+                self.lora_dropout.or(r.lora_dropout).is_some(),
+            ),
+            (
+                "--lora-targets",
+                self.lora_targets.is_some() || r.lora_targets.is_some(),
+            ),
+        ];
+        if finetune == Finetune::Full
+            && let Some((flag, _)) = lora_given.iter().find(|(_, given)| *given)
+        {
+            return Err(Error::invalid_arg(
+                flag,
+                "applies to LoRA only; add --finetune lora",
+            ));
+        }
+        let dl = LoraConfig::default();
+        let lora = LoraConfig {
+            rank: self.lora_rank.or(r.lora_rank).unwrap_or(dl.rank),
+            alpha: self.lora_alpha.or(r.lora_alpha).unwrap_or(dl.alpha),
+            dropout: self.lora_dropout.or(r.lora_dropout).unwrap_or(dl.dropout),
+            targets: self
+                .lora_targets
+                .clone()
+                .or(r.lora_targets.clone())
+                .unwrap_or(dl.targets),
+        };
         if framework == Framework::Memfit {
             // The engine's own schedule has no dropout, keeps its gradients
             // resident and updates in place: these would do nothing there.
@@ -877,6 +931,8 @@ impl RunArgs {
                     .map(bool::from)
                     .or(r.set_to_none)
                     .unwrap_or(d.set_to_none),
+                finetune,
+                lora,
                 ..d
             },
             steps: self.steps.or(r.steps).unwrap_or(20),

@@ -20,7 +20,7 @@ use crate::config::profile::load_model;
 use crate::data::DataSource;
 use crate::engine::cluster::{Cluster, Links, links};
 use crate::engine::{
-    Comm, CostCounter, Engine, Framework, Optimizer, Precision, Sharding, TrainConfig,
+    Comm, CostCounter, Engine, Finetune, Framework, Optimizer, Precision, Sharding, TrainConfig,
 };
 use crate::error::{Error, Result};
 use crate::memory::{ByCategory, Category, OomError, PeakBytes, Tracker};
@@ -280,6 +280,33 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
             "--dropout",
             format!("{} is outside [0, 1)", t.dropout),
         ));
+    }
+    if t.finetune == Finetune::Lora {
+        if t.ranks > 1 || t.sharding != Sharding::None || t.pipeline_stages > 1 {
+            return Err(Error::invalid_arg(
+                "--finetune",
+                "lora runs on one rank without sharding or a pipeline (not yet with DDP, ZeRO or stages)",
+            ));
+        }
+        crate::engine::lora::check(model, &t.lora)
+            .map_err(|m| Error::invalid_arg("--lora-targets", m))?;
+        if !(t.lora.alpha.is_finite() && t.lora.alpha > 0.0) {
+            return Err(Error::invalid_arg("--lora-alpha", "must be positive"));
+        }
+        if !(0.0..1.0).contains(&t.lora.dropout) {
+            return Err(Error::invalid_arg(
+                "--lora-dropout",
+                format!("{} is outside [0, 1)", t.lora.dropout),
+            ));
+        }
+        if t.lora.dropout > 0.0
+            && (t.framework != Framework::HfEager || opts.device.kind != DeviceKind::Meta)
+        {
+            return Err(Error::invalid_arg(
+                "--lora-dropout",
+                "the engine's kernels have no dropout: it is modelled for --framework hf-eager on --device meta only",
+            ));
+        }
     }
     if t.framework == Framework::HfEager && opts.device.kind != DeviceKind::Meta {
         // hf-eager holds PyTorch's tensors but computes with the engine's

@@ -151,10 +151,24 @@ impl Backend for MetaBackend {
         _: usize,
     ) {
     }
+    fn copy_cols(
+        &mut self,
+        _: &mut (),
+        _: usize,
+        _: usize,
+        _: &(),
+        _: usize,
+        _: usize,
+        _: usize,
+        _: usize,
+        _: f32,
+        _: bool,
+    ) {
+    }
     fn matmul_backward(
         &mut self,
         _: &mut (),
-        _: &mut (),
+        _: Option<&mut ()>,
         _: Option<&mut ()>,
         _: &(),
         _: &(),

@@ -49,6 +49,33 @@ impl DType {
     }
 }
 
+/// [`Backend::copy_cols`] on host slices.
+#[allow(clippy::too_many_arguments)]
+pub fn copy_cols_host(
+    dst: &mut [f32],
+    dst_cols: usize,
+    dst_off: usize,
+    src: &[f32],
+    src_cols: usize,
+    src_off: usize,
+    rows: usize,
+    width: usize,
+    scale: f32,
+    accumulate: bool,
+) {
+    for i in 0..rows {
+        let d = &mut dst[i * dst_cols + dst_off..][..width];
+        let s = &src[i * src_cols + src_off..][..width];
+        for (d, &s) in d.iter_mut().zip(s) {
+            *d = if accumulate {
+                *d + scale * s
+            } else {
+                scale * s
+            };
+        }
+    }
+}
+
 /// Shape of one attention call: `B` sequences of `T` tokens, `n_head` query heads,
 /// `n_kv_head` key/value heads (grouped-query attention when fewer), `head_dim` each.
 /// The packed `qkv` layout per token is `[q: n_head*hd | k: n_kv_head*hd | v: n_kv_head*hd]`.
@@ -125,6 +152,34 @@ pub trait Backend {
         n: usize,
         accumulate: bool,
     );
+    /// A block of columns between row-major matrices of `rows` rows:
+    /// `dst[i][dst_off..][..width] (+)= scale * src[i][src_off..][..width]`,
+    /// rows `dst_cols` and `src_cols` wide (`+=` when `accumulate`), in
+    /// `dst`'s dtype, computed in fp32 and rounded once. LoRA adds an
+    /// adapter's output into its slice of a fused projection and reads its
+    /// gradient back out. This default stages both through the host.
+    #[allow(clippy::too_many_arguments)]
+    fn copy_cols(
+        &mut self,
+        dst: &mut Self::Buf,
+        dst_cols: usize,
+        dst_off: usize,
+        src: &Self::Buf,
+        src_cols: usize,
+        src_off: usize,
+        rows: usize,
+        width: usize,
+        scale: f32,
+        accumulate: bool,
+    ) {
+        let (Some(mut d), Some(s)) = (self.download_f32(dst), self.download_f32(src)) else {
+            return;
+        };
+        copy_cols_host(
+            &mut d, dst_cols, dst_off, &s, src_cols, src_off, rows, width, scale, accumulate,
+        );
+        self.upload_f32(dst, &d);
+    }
     /// The buffer's contents, or `None` on a backend that holds no data.
     fn download_f32(&self, src: &Self::Buf) -> Option<Vec<f32>>;
 
@@ -223,11 +278,12 @@ pub trait Backend {
         oc: usize,
     );
     /// `dinp (N,C) = dout @ w` (overwrites), `dw (OC,C) += dout^T @ inp`, `dbias (OC) += sum_rows dout`.
+    /// Without `dw` (a frozen weight) only `dinp` is computed, and `dbias` is ignored.
     #[allow(clippy::too_many_arguments)]
     fn matmul_backward(
         &mut self,
         dinp: &mut Self::Buf,
-        dw: &mut Self::Buf,
+        dw: Option<&mut Self::Buf>,
         dbias: Option<&mut Self::Buf>,
         dout: &Self::Buf,
         inp: &Self::Buf,

@@ -8,7 +8,8 @@ use serde::Deserialize;
 use super::profile::{parse_yaml, value_location};
 use crate::backend::DeviceSpec;
 use crate::engine::{
-    Attention, Checkpointing, Framework, Optimizer, OptimizerImpl, Precision, Schedule, Sharding,
+    Attention, Checkpointing, Finetune, Framework, Optimizer, OptimizerImpl, Precision, Schedule,
+    Sharding, lora::Target,
 };
 use crate::error::{Error, Result};
 
@@ -38,6 +39,11 @@ pub struct RunRecipe {
     pub dropout: Option<f32>,
     pub optimizer_impl: Option<OptimizerImpl>,
     pub set_to_none: Option<bool>,
+    pub finetune: Option<Finetune>,
+    pub lora_rank: Option<usize>,
+    pub lora_alpha: Option<f32>,
+    pub lora_dropout: Option<f32>,
+    pub lora_targets: Option<Vec<Target>>,
     pub ranks: Option<usize>,
     pub sharding: Option<Sharding>,
     pub bucket_view: Option<bool>,

@@ -410,7 +410,7 @@ impl<B: Backend> Device<B> {
     pub fn matmul_backward(
         &mut self,
         dinp: &mut T<B>,
-        dw: &mut T<B>,
+        dw: Option<&mut T<B>>,
         dbias: Option<&mut T<B>>,
         dout: &T<B>,
         inp: &T<B>,
@@ -419,12 +419,20 @@ impl<B: Backend> Device<B> {
         c: usize,
         oc: usize,
     ) {
-        let bytes = b(dinp) + 2 * b(dw) + 2 * ob(dbias.as_deref()) + 2 * b(dout) + b(inp) + b(w);
-        let flops = 4 * n * c * oc + dbias.is_some() as usize * n * oc;
+        // A frozen weight (no `dw`) costs the input gradient only.
+        let dbias = dbias.filter(|_| dw.is_some());
+        let trained = dw.is_some() as usize;
+        let bytes = b(dinp)
+            + 2 * ob(dw.as_deref())
+            + 2 * ob(dbias.as_deref())
+            + (1 + trained as u64) * b(dout)
+            + trained as u64 * b(inp)
+            + b(w);
+        let flops = 2 * (1 + trained) * n * c * oc + dbias.is_some() as usize * n * oc;
         self.timed("matmul_backward", flops as u64, bytes, |be| {
             be.matmul_backward(
                 &mut dinp.buf,
-                &mut dw.buf,
+                dw.map(|x| &mut x.buf),
                 dbias.map(|x| &mut x.buf),
                 &dout.buf,
                 &inp.buf,
@@ -432,6 +440,40 @@ impl<B: Backend> Device<B> {
                 n,
                 c,
                 oc,
+            )
+        });
+    }
+
+    /// [`Backend::copy_cols`]: a column block between row-major matrices.
+    #[allow(clippy::too_many_arguments)]
+    pub fn copy_cols(
+        &mut self,
+        dst: &mut T<B>,
+        dst_cols: usize,
+        dst_off: usize,
+        src: &T<B>,
+        src_cols: usize,
+        src_off: usize,
+        rows: usize,
+        width: usize,
+        scale: f32,
+        accumulate: bool,
+    ) {
+        let moved = (rows * width) as u64;
+        let bytes =
+            moved * (src.dtype.size() + (1 + accumulate as usize) * dst.dtype.size()) as u64;
+        self.timed("copy_cols", 2 * moved, bytes, |be| {
+            be.copy_cols(
+                &mut dst.buf,
+                dst_cols,
+                dst_off,
+                &src.buf,
+                src_cols,
+                src_off,
+                rows,
+                width,
+                scale,
+                accumulate,
             )
         });
     }

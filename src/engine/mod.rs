@@ -16,6 +16,7 @@
 pub mod cluster;
 pub mod device;
 pub mod framework;
+pub mod lora;
 pub mod optim;
 pub mod pipeline;
 pub mod shard;
@@ -30,6 +31,7 @@ use crate::rng::Rng;
 
 pub use device::{Comm, CostCounter, Device, OpCost, Tensor};
 pub use framework::{Framework, HfRules, OptimizerImpl};
+pub use lora::{Adapter, Finetune, LoraConfig, Proj};
 use optim::OptState;
 pub use optim::{OptConfig, Optimizer};
 pub use pipeline::{Pipe, Schedule};
@@ -39,6 +41,8 @@ use shard::{Dist, Stage};
 type T<B> = Tensor<<B as Backend>::Buf>;
 /// A norm's output, LayerNorm mean (gpt2 only) and reciprocal std.
 type NormOut<B> = (T<B>, Option<T<B>>, T<B>);
+/// Frozen norms' weight and bias gradients, discarded (LoRA).
+type NormScratch<B> = Option<(T<B>, T<B>)>;
 /// A block's saved tensors and, unless recomputing, its output.
 type BlockOut<B> = (BlockActs<T<B>>, Option<T<B>>);
 
@@ -95,6 +99,9 @@ pub struct TrainConfig {
     pub optimizer_impl: OptimizerImpl,
     /// hf-eager only: `optimizer.zero_grad(set_to_none=...)`.
     pub set_to_none: bool,
+    /// Full training, or LoRA adapters on frozen weights (`lora.rs`).
+    pub finetune: Finetune,
+    pub lora: LoraConfig,
 }
 
 /// Storage precision of the working weights, activations and gradients.
@@ -228,6 +235,8 @@ impl Default for TrainConfig {
             dropout: 0.0,
             optimizer_impl: OptimizerImpl::Foreach,
             set_to_none: true,
+            finetune: Finetune::Full,
+            lora: LoraConfig::default(),
         }
     }
 }
@@ -303,6 +312,8 @@ struct BlockActs<X> {
     act: X,
     /// What the framework profile saves beyond these (`HfRules::block_saved`).
     extra: Vec<X>,
+    /// LoRA: each adapter's `x A^T (N, r)`, in the block's adapter order.
+    lora_t: Vec<X>,
 }
 
 /// Everything a forward pass leaves for the backward pass (of this
@@ -374,6 +385,10 @@ pub struct Engine<B: Backend> {
     /// hf-eager with `set_to_none` on one rank: gradients exist from the
     /// backward that makes them to the end of the optimizer step.
     lazy_grads: bool,
+    /// LoRA: each block's adapters (empty for full training).
+    adapters: Vec<Vec<Adapter>>,
+    /// Which tensors train (LoRA freezes the base's).
+    trainable: Vec<bool>,
 }
 
 /// `&mut v[i]` and, when given, `&mut v[j]` (i != j).
@@ -441,7 +456,21 @@ impl<B: Backend> Engine<B> {
         let lazy_grads =
             hf.as_ref().is_some_and(|h| h.lazy_grads) && comm.is_none() && pipe.is_none();
         let gpu = be.is_gpu();
-        let (specs, idx) = model.param_layout();
+        let (mut specs, idx) = model.param_layout();
+        let base = specs.len();
+        let adapters = match train.finetune {
+            Finetune::Full => Vec::new(),
+            Finetune::Lora => {
+                assert!(
+                    comm.is_none() && pipe.is_none(),
+                    "LoRA runs on one rank without a pipeline"
+                );
+                lora::layout(&model, &train.lora, &mut specs)
+            }
+        };
+        let trainable: Vec<bool> = (0..specs.len())
+            .map(|i| train.finetune == Finetune::Full || i >= base)
+            .collect();
         let mut dev = Device::new(be, capacity);
         if hf.is_some() && gpu {
             // What PyTorch's CUDA caching allocator reserves for these tensors.
@@ -473,6 +502,17 @@ impl<B: Backend> Engine<B> {
             "ranks > 1 or sharding need a communicator"
         );
         let sharding = train.sharding;
+        // What trains: frozen tensors get no gradient, master copy or state.
+        let tnumel: Vec<usize> = numel
+            .iter()
+            .zip(&trainable)
+            .map(|(&n, &t)| if t { n } else { 0 })
+            .collect();
+        let train_owned: Vec<bool> = owned
+            .iter()
+            .zip(&trainable)
+            .map(|(&o, &t)| o && t)
+            .collect();
         // Elements of each tensor this rank keeps a copy of, per kind of state.
         let shard_lens = dist.as_ref().map_or(numel.clone(), |d| d.shard.clone());
         let alloc_all = |dev: &mut Device<B>, lens: &[usize], dtype, cat| {
@@ -509,19 +549,19 @@ impl<B: Backend> Engine<B> {
             d.grad_shards = alloc_all(&mut dev, &shard_lens, wdt, Category::Gradients)?;
             placeholders(&mut dev, wdt, Category::Gradients)
         } else {
-            alloc_all(&mut dev, &numel, wdt, Category::Gradients)?
+            alloc_all(&mut dev, &tnumel, wdt, Category::Gradients)?
         };
         let opt_lens = if sharding.shards_optimizer() {
             &shard_lens
         } else {
-            &numel
+            &tnumel
         };
         let mut master = if train.precision.has_master() && !autocast {
             alloc_all(&mut dev, opt_lens, DType::F32, Category::Optimizer)?
         } else {
             Vec::new()
         };
-        let opt = optim::alloc_state(&mut dev, &specs, opt_lens, &owned, &train.opt())?;
+        let opt = optim::alloc_state(&mut dev, &specs, opt_lens, &train_owned, &train.opt())?;
         if sharding == Sharding::Ddp {
             let d = dist.as_mut().expect("ddp");
             d.alloc_buckets(&mut dev, wdt, train.bucket_view)?;
@@ -558,7 +598,7 @@ impl<B: Backend> Engine<B> {
                 }
             }
             for (i, t) in master.iter_mut().enumerate() {
-                if owned[i] {
+                if train_owned[i] {
                     dev.be
                         .upload_f32(&mut t.buf, part(i, sharding.shards_optimizer()));
                 }
@@ -595,6 +635,8 @@ impl<B: Backend> Engine<B> {
             good_steps: 0,
             hf,
             lazy_grads,
+            adapters,
+            trainable,
         })
     }
 
@@ -844,6 +886,7 @@ impl<B: Backend> Engine<B> {
             dist,
             pipe,
             hf,
+            adapters,
             ..
         } = self;
         let hf = hf.as_ref();
@@ -927,6 +970,10 @@ impl<B: Backend> Engine<B> {
                 train.attention,
                 workspace,
                 block_extra,
+                (
+                    adapters.get(l).map_or(&[][..], |v| &v[..]),
+                    train.lora.scale(),
+                ),
                 true,
             )?;
             hook(dev, p, Stage::Block(l), true)?;
@@ -1018,9 +1065,25 @@ impl<B: Backend> Engine<B> {
             hf,
             specs,
             lazy_grads,
+            adapters,
+            trainable,
             ..
         } = self;
         let (hf, lazy) = (hf.as_ref(), *lazy_grads);
+        // LoRA freezes every base tensor: no weight gradients for them; the
+        // norm kernels' weight gradients go to a discarded scratch.
+        let frozen = !adapters.is_empty();
+        let mut scratch = match frozen {
+            true => {
+                let wdt = g[idx.lnf_w].dtype;
+                let c = model.d_model;
+                Some((
+                    dev.alloc(c, wdt, Category::Temporaries)?,
+                    dev.alloc(c, wdt, Category::Temporaries)?,
+                ))
+            }
+            false => None,
+        };
         let block_extra = hf.map_or(&[][..], |h| &h.block_saved[..]);
         let units = shard::units(idx);
         // zero3 gathers a unit's weights for its backward; zero2/3 give it
@@ -1072,8 +1135,10 @@ impl<B: Backend> Engine<B> {
                     rules: h,
                     lazy,
                     specs,
+                    trainable,
                     dw: &mut head_dw,
                 }),
+                (frozen, &mut scratch),
                 &mut |dev, p, g, after| hook(dev, p, g, Stage::Head, after),
             )?,
             None => {
@@ -1094,8 +1159,17 @@ impl<B: Backend> Engine<B> {
             let (j, bi) = (l - layers.start, &idx.blocks[l]);
             dev.tracker.set_phase(Phase::Backward(l));
             hook(dev, p, g, Stage::Block(l), false)?;
+            let lora = (
+                adapters.get(l).map_or(&[][..], |v| &v[..]),
+                train.lora.scale(),
+            );
             if lazy {
-                make_grads(dev, g, specs, &units[l + 1], Category::Gradients)?;
+                let ids: Vec<usize> = units[l + 1]
+                    .iter()
+                    .copied()
+                    .chain(lora.0.iter().flat_map(|a| [a.a, a.b]))
+                    .collect();
+                make_grads(dev, g, specs, trainable, &ids, Category::Gradients)?;
             }
             let x = &resid[j];
             let a = match blocks.pop().expect("one entry per block") {
@@ -1112,6 +1186,7 @@ impl<B: Backend> Engine<B> {
                         train.attention,
                         workspace,
                         block_extra,
+                        lora,
                         false,
                     )?;
                     dev.tracker.set_phase(Phase::Backward(l));
@@ -1120,8 +1195,22 @@ impl<B: Backend> Engine<B> {
             };
             // MLP: dres is d(out) = d(mlp output)
             let mut dact = dev.alloc(n * dff, dt, tmp)?;
-            let (dw, db) = pair_mut(g, bi.down_w, bi.down_b);
+            let (dw, db) = wgrads(g, frozen, bi.down_w, bi.down_b);
             dev.matmul_backward(&mut dact, dw, db, &dres, &a.act, &p[bi.down_w], n, dff, c);
+            let ts = &a.lora_t;
+            lora_backward(
+                dev,
+                p,
+                g,
+                lora,
+                ts,
+                Proj::Down,
+                &dres,
+                c,
+                &a.act,
+                &mut dact,
+                n,
+            )?;
             let dup = if gpt2 {
                 dev.gelu_backward(&mut dact, &a.up, n * dff);
                 dact
@@ -1132,10 +1221,23 @@ impl<B: Backend> Engine<B> {
                 dgu
             };
             let mut dln2 = dev.alloc(n * c, dt, tmp)?;
-            let (dw, db) = pair_mut(g, bi.up_w, bi.up_b);
+            let (dw, db) = wgrads(g, frozen, bi.up_w, bi.up_b);
             dev.matmul_backward(&mut dln2, dw, db, &dup, &a.ln2, &p[bi.up_w], n, c, upw);
+            lora_backward(
+                dev,
+                p,
+                g,
+                lora,
+                ts,
+                Proj::Up,
+                &dup,
+                upw,
+                &a.ln2,
+                &mut dln2,
+                n,
+            )?;
             dev.free(dup);
-            let (dw, db) = pair_mut(g, bi.ln2_w, bi.ln2_b);
+            let (dw, db) = norm_grads(g, &mut scratch, bi.ln2_w, bi.ln2_b);
             dev.norm_backward(
                 &mut dres,
                 dw,
@@ -1151,8 +1253,21 @@ impl<B: Backend> Engine<B> {
             dev.free(dln2);
             // attention: dres is now d(res2) = d(o-proj output)
             let mut datty = dev.alloc(n * c, dt, tmp)?;
-            let (dw, db) = pair_mut(g, bi.o_w, bi.o_b);
+            let (dw, db) = wgrads(g, frozen, bi.o_w, bi.o_b);
             dev.matmul_backward(&mut datty, dw, db, &dres, &a.atty, &p[bi.o_w], n, c, c);
+            lora_backward(
+                dev,
+                p,
+                g,
+                lora,
+                ts,
+                Proj::O,
+                &dres,
+                c,
+                &a.atty,
+                &mut datty,
+                n,
+            )?;
             let mut dqkv = dev.alloc(n * qkvw, dt, tmp)?;
             match train.attention {
                 Attention::Eager => {
@@ -1170,10 +1285,23 @@ impl<B: Backend> Engine<B> {
                 dev.rope_backward(&mut dqkv, s, model.rope_theta());
             }
             let mut dln1 = dev.alloc(n * c, dt, tmp)?;
-            let (dw, db) = pair_mut(g, bi.qkv_w, bi.qkv_b);
+            let (dw, db) = wgrads(g, frozen, bi.qkv_w, bi.qkv_b);
             dev.matmul_backward(&mut dln1, dw, db, &dqkv, &a.ln1, &p[bi.qkv_w], n, c, qkvw);
+            lora_backward(
+                dev,
+                p,
+                g,
+                lora,
+                ts,
+                Proj::Qkv,
+                &dqkv,
+                qkvw,
+                &a.ln1,
+                &mut dln1,
+                n,
+            )?;
             dev.free(dqkv);
-            let (dw, db) = pair_mut(g, bi.ln1_w, bi.ln1_b);
+            let (dw, db) = norm_grads(g, &mut scratch, bi.ln1_w, bi.ln1_b);
             dev.norm_backward(
                 &mut dres,
                 dw,
@@ -1203,11 +1331,14 @@ impl<B: Backend> Engine<B> {
             (Some(tokens), _) => {
                 dev.tracker.set_phase(Phase::BackwardEmbed);
                 hook(dev, p, g, Stage::Embed, false)?;
-                if hf.is_some() {
+                if hf.is_some() && !frozen {
                     hf_embed_grads(dev, g, specs, idx, lazy, head_dw.take())?;
                 }
-                let (dwte, dwpe) = pair_mut(g, idx.wte, idx.wpe);
-                dev.embed_backward(dwte, dwpe, &dres, &tokens, n, t, c);
+                // A frozen embedding needs no gradient at all.
+                if !frozen {
+                    let (dwte, dwpe) = pair_mut(g, idx.wte, idx.wpe);
+                    dev.embed_backward(dwte, dwpe, &dres, &tokens, n, t, c);
+                }
                 dev.free(dres);
                 dev.free_opt(input);
                 dev.free(tokens);
@@ -1226,6 +1357,10 @@ impl<B: Backend> Engine<B> {
                 }
             }
             (None, None) => unreachable!("without a pipeline every rank embeds"),
+        }
+        if let Some((w, b)) = scratch {
+            dev.free(w);
+            dev.free(b);
         }
         Ok(())
     }
@@ -1250,9 +1385,17 @@ impl<B: Backend> Engine<B> {
             owned,
             idx,
             hf,
+            trainable,
             ..
         } = self;
         dev.tracker.set_phase(Phase::Optimizer);
+        // LoRA: only the adapters train.
+        let owned: Vec<bool> = owned
+            .iter()
+            .zip(trainable.iter())
+            .map(|(&o, &t)| o && t)
+            .collect();
+        let owned = &owned;
         let fp16 = train.precision == Precision::Fp16;
         // A tied embedding: the first and the last stage each hold part of
         // its gradient (the embedding's, the head's).
@@ -1483,6 +1626,7 @@ fn head_backward<B: Backend>(
     dloss: f32,
     (n, c, v, vp): (usize, usize, usize, usize),
     mut hf: Option<HfHead<'_, B>>,
+    (frozen, scratch): (bool, &mut NormScratch<B>),
     hook: &mut HeadHook<'_, B>,
 ) -> Result<T<B>, OomError> {
     let tmp = Category::Temporaries;
@@ -1523,12 +1667,12 @@ fn head_backward<B: Backend>(
         let tied = idx.lm_head.is_none();
         if h.lazy {
             let norm: Vec<usize> = std::iter::once(idx.lnf_w).chain(idx.lnf_b).collect();
-            make_grads(dev, g, h.specs, &norm, Category::Gradients)?;
+            make_grads(dev, g, h.specs, h.trainable, &norm, Category::Gradients)?;
             // Tied: the head's gradient is a temporary until the
             // embedding's is added to it (see hf_embed_grads).
             let cat = if tied { tmp } else { Category::Gradients };
-            make_grads(dev, g, h.specs, &[head], cat)?;
-        } else {
+            make_grads(dev, g, h.specs, h.trainable, &[head], cat)?;
+        } else if h.trainable[head] {
             // Resident gradients: autograd makes the head's weight gradient
             // and AccumulateGrad adds it in place; tied, it waits for the
             // embedding's.
@@ -1540,20 +1684,14 @@ fn head_backward<B: Backend>(
         }
     }
     let mut dlnf = dev.alloc(n * c, dt, tmp)?;
-    dev.matmul_backward(
-        &mut dlnf,
-        &mut g[head],
-        None,
-        &logits,
-        &lnf,
-        &p[head],
-        n,
-        c,
-        vp,
-    );
+    let dw = match frozen {
+        true => None,
+        false => Some(&mut g[head]),
+    };
+    dev.matmul_backward(&mut dlnf, dw, None, &logits, &lnf, &p[head], n, c, vp);
     dev.free(logits);
     let mut dres = dev.alloc(n * c, dt, tmp)?;
-    let (dw, db) = pair_mut(g, idx.lnf_w, idx.lnf_b);
+    let (dw, db) = norm_grads(g, scratch, idx.lnf_w, idx.lnf_b);
     dev.norm_backward(
         &mut dres,
         dw,
@@ -1579,6 +1717,7 @@ struct HfHead<'a, B: Backend> {
     rules: &'a HfRules,
     lazy: bool,
     specs: &'a [ParamSpec],
+    trainable: &'a [bool],
     /// Where a tied head's weight gradient waits for the embedding's.
     dw: &'a mut Option<T<B>>,
 }
@@ -1599,10 +1738,12 @@ fn hf_embed_grads<B: Backend>(
     let tmp = Category::Temporaries;
     let tied = idx.lm_head.is_none();
     if lazy {
+        // Called for full training only: everything trains.
+        let all = vec![true; specs.len()];
         let ids: Vec<usize> = idx.wpe.into_iter().collect();
-        make_grads(dev, g, specs, &ids, Category::Gradients)?;
+        make_grads(dev, g, specs, &all, &ids, Category::Gradients)?;
         if !tied {
-            make_grads(dev, g, specs, &[idx.wte], Category::Gradients)?;
+            make_grads(dev, g, specs, &all, &[idx.wte], Category::Gradients)?;
         }
     }
     let (numel, dt) = (specs[idx.wte].numel(), g[idx.wte].dtype);
@@ -1641,6 +1782,7 @@ fn block_forward<B: Backend>(
     attention: Attention,
     ws: &mut T<B>,
     extra: &[(usize, DType)],
+    lora: (&[Adapter], f32),
     with_out: bool,
 ) -> Result<BlockOut<B>, OomError> {
     let (t, n, c) = (s.t, s.b * s.t, model.d_model);
@@ -1656,6 +1798,17 @@ fn block_forward<B: Backend>(
         norm_layer(dev, x, &p[bi.ln1_w], opt(bi.ln1_b), gpt2, n, c, eps)?;
     let mut qkv = dev.alloc(n * qkvw, dt, act)?;
     dev.matmul_forward(&mut qkv, &ln1, &p[bi.qkv_w], opt(bi.qkv_b), n, c, qkvw);
+    let mut lora_t = Vec::new();
+    lora_forward(
+        dev,
+        p,
+        lora,
+        Proj::Qkv,
+        &ln1,
+        Some((&mut qkv, qkvw)),
+        n,
+        &mut lora_t,
+    )?;
     if !gpt2 {
         dev.rope_forward(&mut qkv, s, model.rope_theta());
     }
@@ -1674,6 +1827,16 @@ fn block_forward<B: Backend>(
     };
     let mut proj = dev.alloc(n * c, dt, Category::Temporaries)?;
     dev.matmul_forward(&mut proj, &atty, &p[bi.o_w], opt(bi.o_b), n, c, c);
+    lora_forward(
+        dev,
+        p,
+        lora,
+        Proj::O,
+        &atty,
+        Some((&mut proj, c)),
+        n,
+        &mut lora_t,
+    )?;
     let mut res2 = dev.alloc(n * c, dt, act)?;
     dev.add(&mut res2, x, &proj, n * c);
     dev.free(proj);
@@ -1682,6 +1845,16 @@ fn block_forward<B: Backend>(
         norm_layer(dev, &res2, &p[bi.ln2_w], opt(bi.ln2_b), gpt2, n, c, eps)?;
     let mut up = dev.alloc(n * upw, dt, act)?;
     dev.matmul_forward(&mut up, &ln2, &p[bi.up_w], opt(bi.up_b), n, c, upw);
+    lora_forward(
+        dev,
+        p,
+        lora,
+        Proj::Up,
+        &ln2,
+        Some((&mut up, upw)),
+        n,
+        &mut lora_t,
+    )?;
     let mut a = dev.alloc(n * dff, dt, act)?;
     if gpt2 {
         dev.gelu_forward(&mut a, &up, n * dff);
@@ -1694,11 +1867,23 @@ fn block_forward<B: Backend>(
     let out = if with_out {
         let mut mlp = dev.alloc(n * c, dt, Category::Temporaries)?;
         dev.matmul_forward(&mut mlp, &a, &p[bi.down_w], opt(bi.down_b), n, dff, c);
+        lora_forward(
+            dev,
+            p,
+            lora,
+            Proj::Down,
+            &a,
+            Some((&mut mlp, c)),
+            n,
+            &mut lora_t,
+        )?;
         let mut out = dev.alloc(n * c, dt, act)?;
         dev.add(&mut out, &res2, &mlp, n * c);
         dev.free(mlp);
         Some(out)
     } else {
+        // The backward still needs the down adapters' x A^T.
+        lora_forward(dev, p, lora, Proj::Down, &a, None, n, &mut lora_t)?;
         None
     };
     let a = BlockActs {
@@ -1715,6 +1900,7 @@ fn block_forward<B: Backend>(
         up,
         act: a,
         extra,
+        lora_t,
     };
     Ok((a, out))
 }
@@ -1763,8 +1949,128 @@ fn free_block<B: Backend>(dev: &mut Device<B>, a: BlockActs<T<B>>) {
     }
     dev.free_opt(a.ln1_mean);
     dev.free_opt(a.ln2_mean);
-    for x in a.extra {
+    for x in a.extra.into_iter().chain(a.lora_t) {
         dev.free(x);
+    }
+}
+
+/// LoRA on one projection whose input is `x (N, in)`: for each of `lora`'s
+/// adapters on `proj`, saves `t = x A^T (N, r)` (pushed onto `saved`) and,
+/// given the projection's output `(out, its width)`, adds `scale t B^T`
+/// into the adapter's columns of it.
+#[allow(clippy::too_many_arguments)]
+fn lora_forward<B: Backend>(
+    dev: &mut Device<B>,
+    p: &[T<B>],
+    (adapters, scale): (&[Adapter], f32),
+    proj: Proj,
+    x: &T<B>,
+    mut out: Option<(&mut T<B>, usize)>,
+    n: usize,
+    saved: &mut Vec<T<B>>,
+) -> Result<(), OomError> {
+    for ad in adapters.iter().filter(|a| a.proj == proj) {
+        let r = p[ad.a].len / ad.inp;
+        let mut t = dev.alloc(n * r, x.dtype, Category::Activations)?;
+        dev.matmul_forward(&mut t, x, &p[ad.a], None, n, ad.inp, r);
+        if let Some((out, cols)) = out.as_mut() {
+            let mut u = dev.alloc(n * ad.width, x.dtype, Category::Temporaries)?;
+            dev.matmul_forward(&mut u, &t, &p[ad.b], None, n, r, ad.width);
+            dev.copy_cols(
+                out, *cols, ad.off, &u, ad.width, 0, n, ad.width, scale, true,
+            );
+            dev.free(u);
+        }
+        saved.push(t);
+    }
+    Ok(())
+}
+
+/// The backward of [`lora_forward`] on `proj`: from the projection's output
+/// gradient `dout (N, cols)`, accumulates the adapters' `dB` and `dA` and
+/// adds their part of the input gradient into `dinp (N, in)`. `ts` are the
+/// block's saved `x A^T`, in adapter order.
+#[allow(clippy::too_many_arguments)]
+fn lora_backward<B: Backend>(
+    dev: &mut Device<B>,
+    p: &[T<B>],
+    g: &mut [T<B>],
+    (adapters, scale): (&[Adapter], f32),
+    ts: &[T<B>],
+    proj: Proj,
+    dout: &T<B>,
+    cols: usize,
+    x: &T<B>,
+    dinp: &mut T<B>,
+    n: usize,
+) -> Result<(), OomError> {
+    let tmp = Category::Temporaries;
+    for (ad, t) in adapters.iter().zip(ts).filter(|(a, _)| a.proj == proj) {
+        let r = p[ad.a].len / ad.inp;
+        // d(t B^T) = scale * dout[:, slice]
+        let mut du = dev.alloc(n * ad.width, dout.dtype, tmp)?;
+        dev.copy_cols(
+            &mut du, ad.width, 0, dout, cols, ad.off, n, ad.width, scale, false,
+        );
+        let mut dt = dev.alloc(n * r, dout.dtype, tmp)?;
+        dev.matmul_backward(
+            &mut dt,
+            Some(&mut g[ad.b]),
+            None,
+            &du,
+            t,
+            &p[ad.b],
+            n,
+            r,
+            ad.width,
+        );
+        dev.free(du);
+        let mut dx = dev.alloc(n * ad.inp, dout.dtype, tmp)?;
+        dev.matmul_backward(
+            &mut dx,
+            Some(&mut g[ad.a]),
+            None,
+            &dt,
+            x,
+            &p[ad.a],
+            n,
+            ad.inp,
+            r,
+        );
+        dev.free(dt);
+        let len = n * ad.inp;
+        dev.copy_cols(dinp, len, 0, &dx, len, 0, 1, len, 1.0, true);
+        dev.free(dx);
+    }
+    Ok(())
+}
+
+/// A projection's weight and bias gradients, or none when it is frozen.
+fn wgrads<X>(
+    g: &mut [X],
+    frozen: bool,
+    w: usize,
+    b: Option<usize>,
+) -> (Option<&mut X>, Option<&mut X>) {
+    match frozen {
+        true => (None, None),
+        false => {
+            let (dw, db) = pair_mut(g, w, b);
+            (Some(dw), db)
+        }
+    }
+}
+
+/// A norm's weight and bias gradients: the scratch when the norm is frozen.
+fn norm_grads<'a, X>(
+    g: &'a mut [X],
+    scratch: &'a mut Option<(X, X)>,
+    w: usize,
+    b: Option<usize>,
+) -> (&'a mut X, Option<&'a mut X>) {
+    match scratch {
+        Some((sw, sb)) => (sw, b.map(|_| sb)),
+        None => pair_mut(g, w, b),
     }
 }
 
@@ -1795,11 +2101,12 @@ fn make_grads<B: Backend>(
     dev: &mut Device<B>,
     grads: &mut [T<B>],
     specs: &[ParamSpec],
+    trainable: &[bool],
     ids: &[usize],
     category: Category,
 ) -> Result<(), OomError> {
     for &i in ids {
-        if grads[i].len == 0 && specs[i].numel() > 0 {
+        if trainable[i] && grads[i].len == 0 && specs[i].numel() > 0 {
             let t = dev.alloc(specs[i].numel(), grads[i].dtype, category)?;
             let ph = std::mem::replace(&mut grads[i], t);
             dev.drop_placeholder(ph);

@@ -229,6 +229,11 @@ pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
         dropout: p.dropout,
         optimizer_impl: p.optimizer_impl,
         set_to_none: p.set_to_none,
+        finetune: None,
+        lora_rank: None,
+        lora_alpha: None,
+        lora_dropout: None,
+        lora_targets: None,
     };
     let mut opts = run.options()?;
     opts.device = crate::backend::DeviceSpec::new(crate::backend::DeviceKind::Meta, None);

@@ -1305,7 +1305,7 @@ impl Backend for CpuBackend {
     fn matmul_backward(
         &mut self,
         dinp: &mut CpuBuf,
-        dw: &mut CpuBuf,
+        dw: Option<&mut CpuBuf>,
         dbias: Option<&mut CpuBuf>,
         dout: &CpuBuf,
         inp: &CpuBuf,
@@ -1315,7 +1315,7 @@ impl Backend for CpuBackend {
         oc: usize,
     ) {
         let dinp = &mut dinp.wide_mut()[..n * c];
-        let dw = &mut dw.wide_mut()[..oc * c];
+        let mut dw = dw.map(|dw| dw.wide_mut());
         let dout = &dout.wide()[..n * oc];
         let inp = &inp.wide()[..n * c];
         let w = &w.wide()[..oc * c];
@@ -1335,6 +1335,11 @@ impl Backend for CpuBackend {
                     Mat::rows(dout.as_ptr(), oc),
                     Mat::rows(w.as_ptr(), c),
                 );
+                // A frozen weight: no weight or bias gradient.
+                let Some(dw) = dw.as_mut() else {
+                    return;
+                };
+                let dw = &mut dw[..oc * c];
                 // dw (OC,C) += dout^T (OC,N) @ inp (N,C), split over OC.
                 sgemm_blocked(
                     Split::Rows,
@@ -1352,6 +1357,26 @@ impl Backend for CpuBackend {
                 col_sum_accumulate(&mut dbias.wide_mut(), dout, n, oc);
             }
         });
+    }
+
+    fn copy_cols(
+        &mut self,
+        dst: &mut CpuBuf,
+        dst_cols: usize,
+        dst_off: usize,
+        src: &CpuBuf,
+        src_cols: usize,
+        src_off: usize,
+        rows: usize,
+        width: usize,
+        scale: f32,
+        accumulate: bool,
+    ) {
+        let s = src.wide();
+        let mut d = dst.wide_mut();
+        crate::backend::copy_cols_host(
+            &mut d, dst_cols, dst_off, &s, src_cols, src_off, rows, width, scale, accumulate,
+        );
     }
 
     // out (N) = gelu(inp (N)).
@@ -2393,7 +2418,7 @@ mod tests {
             let (mut dx, mut dw, mut db) = (nans(n * c), f(&dw0), f(&db0));
             be.matmul_backward(
                 &mut dx,
-                &mut dw,
+                Some(&mut dw),
                 Some(&mut db),
                 &f(&dout),
                 &f(&x),
@@ -2443,6 +2468,54 @@ mod tests {
             })
             .collect();
         close(dx.as_f32(), &want, BWD, "gelu backward");
+    }
+
+    #[test]
+    fn frozen_matmul_backward_gives_the_same_input_gradient_and_no_weight_gradient() {
+        let mut be = CpuBackend::new(2).unwrap();
+        let (n, c, oc) = (5, 7, 3);
+        let mut rng = crate::rng::Rng::new(9);
+        let mut v = |k: usize| (0..k).map(|_| rng.normal() as f32).collect::<Vec<f32>>();
+        let (x, w, dy) = (v(n * c), v(oc * c), v(n * oc));
+        let mut dx_full = CpuBuf::F32(vec![0.0; n * c]);
+        let mut dw = CpuBuf::F32(vec![0.0; oc * c]);
+        let mut db = CpuBuf::F32(vec![0.0; oc]);
+        let (xb, wb, dyb) = (CpuBuf::F32(x), CpuBuf::F32(w), CpuBuf::F32(dy));
+        be.matmul_backward(
+            &mut dx_full,
+            Some(&mut dw),
+            Some(&mut db),
+            &dyb,
+            &xb,
+            &wb,
+            n,
+            c,
+            oc,
+        );
+        let mut dx = CpuBuf::F32(vec![f32::NAN; n * c]);
+        let mut db2 = CpuBuf::F32(vec![0.0; oc]);
+        be.matmul_backward(&mut dx, None, Some(&mut db2), &dyb, &xb, &wb, n, c, oc);
+        assert_eq!(dx.wide(), dx_full.wide());
+        assert!(
+            db2.wide().iter().all(|&b| b == 0.0),
+            "a frozen weight's bias is left alone"
+        );
+    }
+
+    #[test]
+    fn copy_cols_reads_and_adds_a_column_block() {
+        let mut be = CpuBackend::new(1).unwrap();
+        // dst (2 rows x 5), src (2 x 2) into columns 1..3, scaled.
+        let mut dst = CpuBuf::F32((0..10).map(|i| i as f32).collect());
+        let src = CpuBuf::F32(vec![1.0, 2.0, 3.0, 4.0]);
+        be.copy_cols(&mut dst, 5, 1, &src, 2, 0, 2, 2, 0.5, true);
+        assert_eq!(
+            dst.wide().to_vec(),
+            vec![0.0, 1.5, 3.0, 3.0, 4.0, 5.0, 7.5, 9.0, 8.0, 9.0]
+        );
+        let mut out = CpuBuf::F32(vec![9.0; 4]);
+        be.copy_cols(&mut out, 2, 0, &dst, 5, 1, 2, 2, 1.0, false);
+        assert_eq!(out.wide().to_vec(), vec![1.5, 3.0, 7.5, 9.0]);
     }
 
     #[test]
@@ -2662,7 +2735,7 @@ mod tests {
             let (mut dx, mut dw, mut db) = (zeros(n * c), f(&rng.vec(oc * c)), zeros(oc));
             be.matmul_backward(
                 &mut dx,
-                &mut dw,
+                Some(&mut dw),
                 Some(&mut db),
                 &f(&dout),
                 &f(&x),
@@ -2758,10 +2831,20 @@ mod tests {
             let mut dw32 = zeros(oc * c);
             let mut dx32 = zeros(n * c);
             for _ in 0..2 {
-                be.matmul_backward(&mut dx16, &mut dw16, None, &dy16, &x16, &w16, n, c, oc);
+                be.matmul_backward(
+                    &mut dx16,
+                    Some(&mut dw16),
+                    None,
+                    &dy16,
+                    &x16,
+                    &w16,
+                    n,
+                    c,
+                    oc,
+                );
                 be.matmul_backward(
                     &mut dx32,
-                    &mut dw32,
+                    Some(&mut dw32),
                     None,
                     &f(&dyr),
                     &f(&xr),

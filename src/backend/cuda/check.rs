@@ -271,7 +271,17 @@ fn matmul<B: Backend>(
     let mut dinp = up(be, &vec![f32::NAN; n * c], dt);
     let mut dw = up(be, dw0, dt);
     let mut db = bias.map(|b| up(be, b, dt));
-    be.matmul_backward(&mut dinp, &mut dw, db.as_mut(), &dyb, &xb, &wb, n, c, oc);
+    be.matmul_backward(
+        &mut dinp,
+        Some(&mut dw),
+        db.as_mut(),
+        &dyb,
+        &xb,
+        &wb,
+        n,
+        c,
+        oc,
+    );
     let mut r = vec![down(be, &out), down(be, &dinp), down(be, &dw)];
     if let Some(db) = db {
         r.push(down(be, &db));

@@ -92,7 +92,7 @@ pub(crate) fn forward<D: Driver>(
 pub(crate) fn backward<D: Driver>(
     be: &mut CudaBackend<D>,
     dinp: &mut CudaBuf,
-    dw: &mut CudaBuf,
+    dw: Option<&mut CudaBuf>,
     dbias: Option<&mut CudaBuf>,
     dout: &CudaBuf,
     inp: &CudaBuf,
@@ -119,6 +119,10 @@ pub(crate) fn backward<D: Driver>(
         0.0,
         (dinp, c),
     );
+    // A frozen weight: no weight or bias gradient.
+    let Some(dw) = dw else {
+        return;
+    };
     // dw^T (C,OC) += inp^T (C,N) @ dout (N,OC) [dout^T col-major (OC,N), transposed].
     gemm(
         be,

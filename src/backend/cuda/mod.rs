@@ -531,7 +531,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
     fn matmul_backward(
         &mut self,
         dinp: &mut CudaBuf,
-        dw: &mut CudaBuf,
+        dw: Option<&mut CudaBuf>,
         dbias: Option<&mut CudaBuf>,
         dout: &CudaBuf,
         inp: &CudaBuf,

@@ -1,0 +1,229 @@
+//! Fine-tuning modes: full training, or LoRA adapters on frozen weights.
+//!
+//! LoRA (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models",
+//! 2021): a frozen projection `W (out, in)` gets `A (r, in)` and `B (out, r)`
+//! and computes `x W^T + (alpha / r) (x A^T) B^T`; only A and B train. As
+//! PEFT does it (`peft/tuners/lora/layer.py`): A starts like
+//! `kaiming_uniform_(a=sqrt(5))`, whose standard deviation is
+//! `1/sqrt(3 in)` (drawn here from a normal of that deviation), B starts at
+//! zero, so the model starts as the base; biases, norms and embeddings stay
+//! frozen (`bias="none"`).
+//!
+//! The engine fuses q|k|v into one projection and Llama's gate|up into
+//! another; an adapter on q, k, v, gate or up writes its slice of the
+//! fused output (`Device::copy_cols`), as separate PEFT modules would.
+//! GPT-2's own `c_attn` is one fused module, so on GPT-2 q, k and v name one
+//! adapter over all three (PEFT's `target_modules=["c_attn"]`).
+
+use crate::config::model::{Init, ParamSpec};
+use crate::config::{Family, ModelConfig};
+
+/// What trains.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum Finetune {
+    /// Every weight trains.
+    #[default]
+    Full,
+    /// LoRA adapters on frozen weights.
+    Lora,
+}
+
+/// A projection LoRA can adapt (PEFT's usual `target_modules`).
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Target {
+    /// Query (`q_proj`; GPT-2: `c_attn`, with k and v).
+    Q,
+    /// Key (`k_proj`).
+    K,
+    /// Value (`v_proj`).
+    V,
+    /// Attention output (`o_proj`; GPT-2: `attn.c_proj`).
+    O,
+    /// Llama's MLP gate (`gate_proj`).
+    Gate,
+    /// MLP up (`up_proj`; GPT-2: `c_fc`).
+    Up,
+    /// MLP down (`down_proj`; GPT-2: `mlp.c_proj`).
+    Down,
+}
+
+impl Target {
+    pub const ALL: [Target; 7] = [
+        Target::Q,
+        Target::K,
+        Target::V,
+        Target::O,
+        Target::Gate,
+        Target::Up,
+        Target::Down,
+    ];
+}
+
+/// LoRA's knobs.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LoraConfig {
+    pub rank: usize,
+    pub alpha: f32,
+    /// hf-eager only (its masks); the engine's kernels have no dropout.
+    pub dropout: f32,
+    /// Empty: every attention and MLP projection the model has.
+    pub targets: Vec<Target>,
+}
+
+impl Default for LoraConfig {
+    /// PEFT's `LoraConfig` defaults (r=8, lora_alpha=8, lora_dropout=0),
+    /// on every attention and MLP projection.
+    fn default() -> Self {
+        LoraConfig {
+            rank: 8,
+            alpha: 8.0,
+            dropout: 0.0,
+            targets: Vec::new(),
+        }
+    }
+}
+
+impl LoraConfig {
+    /// `alpha / r`, the factor on the adapter's output.
+    pub fn scale(&self) -> f32 {
+        self.alpha / self.rank as f32
+    }
+}
+
+/// Which of a block's fused projections an adapter belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Proj {
+    Qkv,
+    O,
+    Up,
+    Down,
+}
+
+/// One adapter: its projection, the slice of that projection's output it
+/// writes, its input width, and its two tensors' indices in the flat list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Adapter {
+    pub proj: Proj,
+    pub off: usize,
+    pub width: usize,
+    pub inp: usize,
+    pub a: usize,
+    pub b: usize,
+}
+
+/// Why a target list cannot work on this model, if it cannot.
+pub fn check(model: &ModelConfig, cfg: &LoraConfig) -> Result<(), String> {
+    if cfg.rank == 0 {
+        return Err("the LoRA rank must be at least 1".into());
+    }
+    if model.family == Family::Gpt2 && cfg.targets.contains(&Target::Gate) {
+        return Err(format!(
+            "{} has no gate projection (GPT-2's MLP is c_fc, GELU, c_proj: up and down)",
+            model.name
+        ));
+    }
+    Ok(())
+}
+
+/// Appends every block's adapters to `specs` and returns them per block.
+pub fn layout(
+    model: &ModelConfig,
+    cfg: &LoraConfig,
+    specs: &mut Vec<ParamSpec>,
+) -> Vec<Vec<Adapter>> {
+    let c = model.d_model;
+    let hd = model.head_dim();
+    let (q, kv) = (model.n_head * hd, model.n_kv_head() * hd);
+    let (dff, r) = (model.d_ff(), cfg.rank);
+    let gpt2 = model.family == Family::Gpt2;
+    let mut targets = match cfg.targets.is_empty() {
+        true => Target::ALL.to_vec(),
+        false => cfg.targets.clone(),
+    };
+    if gpt2 {
+        targets.retain(|&t| t != Target::Gate);
+    }
+    targets.sort();
+    targets.dedup();
+    if gpt2
+        && targets
+            .iter()
+            .any(|t| matches!(t, Target::Q | Target::K | Target::V))
+    {
+        // One c_attn adapter, placed where q was.
+        targets.retain(|t| !matches!(t, Target::K | Target::V));
+    }
+    (0..model.n_layer)
+        .map(|l| {
+            targets
+                .iter()
+                .map(|&t| {
+                    let (proj, off, width, inp, name) = match (t, gpt2) {
+                        (Target::Q, true) => (Proj::Qkv, 0, 3 * c, c, "attn.c_attn"),
+                        (Target::Q, false) => (Proj::Qkv, 0, q, c, "self_attn.q_proj"),
+                        (Target::K, _) => (Proj::Qkv, q, kv, c, "self_attn.k_proj"),
+                        (Target::V, _) => (Proj::Qkv, q + kv, kv, c, "self_attn.v_proj"),
+                        (Target::O, true) => (Proj::O, 0, c, c, "attn.c_proj"),
+                        (Target::O, false) => (Proj::O, 0, c, q, "self_attn.o_proj"),
+                        (Target::Gate, _) => (Proj::Up, 0, dff, c, "mlp.gate_proj"),
+                        (Target::Up, true) => (Proj::Up, 0, dff, c, "mlp.c_fc"),
+                        (Target::Up, false) => (Proj::Up, dff, dff, c, "mlp.up_proj"),
+                        (Target::Down, true) => (Proj::Down, 0, c, dff, "mlp.c_proj"),
+                        (Target::Down, false) => (Proj::Down, 0, c, dff, "mlp.down_proj"),
+                    };
+                    let a = specs.len();
+                    specs.push(ParamSpec {
+                        name: format!("h.{l}.{name}.lora_A"),
+                        shape: vec![r, inp],
+                        init: Init::Normal((1.0 / (3.0 * inp as f64)).sqrt() as f32),
+                    });
+                    specs.push(ParamSpec {
+                        name: format!("h.{l}.{name}.lora_B"),
+                        shape: vec![width, r],
+                        init: Init::Zeros,
+                    });
+                    Adapter {
+                        proj,
+                        off,
+                        width,
+                        inp,
+                        a,
+                        b: a + 1,
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Trainable parameters LoRA adds: `r (in + out)` per adapter.
+pub fn trainable_params(model: &ModelConfig, cfg: &LoraConfig) -> u64 {
+    let mut specs = Vec::new();
+    layout(model, cfg, &mut specs);
+    specs.iter().map(|s| s.numel() as u64).sum()
+}

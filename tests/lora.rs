@@ -1,0 +1,243 @@
+//! LoRA: it learns, the base stays bit-identical, the merged model is the
+//! same function, meta == cpu, PEFT's published parameter count, and the
+//! flags' errors.
+
+mod common;
+
+use common::{memfit, stderr};
+use memfit::backend::cpu::CpuBackend;
+use memfit::backend::meta::MetaBackend;
+use memfit::config::profile::load_model;
+use memfit::data::DataSource;
+use memfit::engine::lora::{self, Target};
+use memfit::engine::{
+    Attention, Checkpointing, Engine, Finetune, LoraConfig, Precision, Proj, TrainConfig,
+};
+use memfit::memory::Tracker;
+
+fn lora_tc(rank: usize) -> TrainConfig {
+    TrainConfig {
+        seq_len: 32,
+        micro_batch: 4,
+        lr: Some(1e-2),
+        finetune: Finetune::Lora,
+        lora: LoraConfig {
+            rank,
+            alpha: 2.0 * rank as f32,
+            ..LoraConfig::default()
+        },
+        ..TrainConfig::default()
+    }
+}
+
+/// Byte-level text (both tiny models have a 256-token vocabulary or more).
+fn text(_vocab: usize) -> DataSource {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/text");
+    DataSource::text(&dir, 1337).unwrap()
+}
+
+#[test]
+fn lora_learns_and_leaves_the_base_bit_identical() {
+    for name in ["gpt2-tiny", "llama-tiny"] {
+        let model = load_model(name).unwrap();
+        let tc = lora_tc(8);
+        let mut e =
+            Engine::new(model.clone(), tc.clone(), CpuBackend::new(2).unwrap(), None).unwrap();
+        let before = e.params_host().unwrap();
+        let base = model.param_layout().0.len();
+        let mut data = text(model.vocab_size);
+        let mut losses = Vec::new();
+        for _ in 0..80 {
+            let b = data.next_batch(tc.micro_batch, tc.seq_len);
+            losses.push(e.step(&[b]).unwrap().loss.unwrap());
+        }
+        // Means over five steps (a batch's loss moves by about 0.05).
+        let first: f32 = losses[..5].iter().sum::<f32>() / 5.0;
+        let last: f32 = losses[75..].iter().sum::<f32>() / 5.0;
+        assert!(last < first - 0.15, "{name}: loss {first} -> {last}");
+        let after = e.params_host().unwrap();
+        assert_eq!(
+            before[..base],
+            after[..base],
+            "{name}: a frozen weight moved"
+        );
+        assert_ne!(
+            before[base..],
+            after[base..],
+            "{name}: the adapters did not train"
+        );
+        assert!(e.grads_host().unwrap()[..base].iter().all(|g| g.is_empty()));
+    }
+}
+
+/// After training, W + (alpha/r) B A in a fully trainable engine computes
+/// the LoRA model's loss.
+#[test]
+fn merged_weights_equal_base_plus_scaled_ba() {
+    for name in ["gpt2-tiny", "llama-tiny"] {
+        let model = load_model(name).unwrap();
+        let mut tc = lora_tc(4);
+        tc.lora.targets = match name {
+            "gpt2-tiny" => vec![Target::Q, Target::O, Target::Down],
+            _ => vec![Target::K, Target::V, Target::Gate, Target::Up, Target::Down],
+        };
+        let mut e =
+            Engine::new(model.clone(), tc.clone(), CpuBackend::new(2).unwrap(), None).unwrap();
+        let mut data = text(model.vocab_size);
+        for _ in 0..10 {
+            let b = data.next_batch(tc.micro_batch, tc.seq_len);
+            e.step(&[b]).unwrap();
+        }
+        let (specs, idx) = model.param_layout();
+        let all = e.params_host().unwrap();
+        let mut merged: Vec<Vec<f32>> = all[..specs.len()].to_vec();
+        let mut lspecs = specs.clone();
+        let adapters = lora::layout(&model, &tc.lora, &mut lspecs);
+        let scale = tc.lora.scale();
+        for (l, ads) in adapters.iter().enumerate() {
+            let bi = &idx.blocks[l];
+            for ad in ads {
+                let w = match ad.proj {
+                    Proj::Qkv => bi.qkv_w,
+                    Proj::O => bi.o_w,
+                    Proj::Up => bi.up_w,
+                    Proj::Down => bi.down_w,
+                };
+                let (a, b) = (&all[ad.a], &all[ad.b]);
+                let r = a.len() / ad.inp;
+                for o in 0..ad.width {
+                    for i in 0..ad.inp {
+                        let ba: f32 = (0..r).map(|k| b[o * r + k] * a[k * ad.inp + i]).sum();
+                        merged[w][(ad.off + o) * ad.inp + i] += scale * ba;
+                    }
+                }
+            }
+        }
+        let full_tc = TrainConfig {
+            finetune: Finetune::Full,
+            lora: LoraConfig::default(),
+            ..tc.clone()
+        };
+        let mut full =
+            Engine::new(model.clone(), full_tc, CpuBackend::new(2).unwrap(), None).unwrap();
+        full.set_params_host(&merged);
+        let batch = data.next_batch(tc.micro_batch, tc.seq_len);
+        let l_lora = e.eval_loss(&batch).unwrap().unwrap();
+        let l_full = full.eval_loss(&batch).unwrap().unwrap();
+        assert!(
+            (l_lora - l_full).abs() <= 1e-5 * l_full.abs(),
+            "{name}: LoRA {l_lora} vs merged {l_full}"
+        );
+    }
+}
+
+#[test]
+fn lora_meta_equals_cpu_byte_for_byte() {
+    for name in ["gpt2-tiny", "llama-tiny"] {
+        let model = load_model(name).unwrap();
+        for (prec, attn, ckpt) in [
+            (Precision::Fp32, Attention::Eager, Checkpointing::None),
+            (Precision::Bf16, Attention::Fused, Checkpointing::Full),
+        ] {
+            let tc = TrainConfig {
+                precision: prec,
+                attention: attn,
+                checkpointing: ckpt,
+                grad_accum: 2,
+                ..lora_tc(4)
+            };
+            let mut cpu =
+                Engine::new(model.clone(), tc.clone(), CpuBackend::new(2).unwrap(), None).unwrap();
+            let mut meta = Engine::new(
+                model.clone(),
+                tc.clone(),
+                MetaBackend::emulating_cpu(),
+                None,
+            )
+            .unwrap();
+            let mut data = DataSource::synthetic(model.vocab_size, 1);
+            for _ in 0..2 {
+                let b: Vec<_> = (0..2).map(|_| data.next_batch(4, 32)).collect();
+                cpu.step(&b).unwrap();
+                meta.step(&b).unwrap();
+            }
+            let (c, m) = (&cpu.dev.tracker, &meta.dev.tracker);
+            let what = format!("{name} {prec:?} {attn:?} {ckpt:?}");
+            assert_eq!(c.peak_bytes(), m.peak_bytes(), "{what}");
+            let strip = |t: &Tracker| {
+                t.timeline()
+                    .iter()
+                    .map(|e| (e.category, e.bytes, e.phase))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(strip(c), strip(m), "{what}: timelines differ");
+            // Frozen weights hold no gradient and no optimizer state: the
+            // gradients are the adapters', in the working precision.
+            let p = c.peak_bytes();
+            let adapters = lora::trainable_params(&model, &tc.lora);
+            let size = if prec == Precision::Fp32 { 4 } else { 2 };
+            assert_eq!(p.gradients, adapters * size, "{what}: {p:?}");
+        }
+    }
+}
+
+/// PEFT prints `trainable params: 41,943,040` for Llama-3.1-8B with r=16 on
+/// q,k,v,o,gate,up,down: per layer r (in + out) summed over the seven, x 32.
+#[test]
+fn llama_8b_rank_16_on_seven_projections_trains_41943040_parameters() {
+    let model = load_model("llama-3.1-8b").unwrap();
+    let cfg = LoraConfig {
+        rank: 16,
+        alpha: 32.0,
+        ..LoraConfig::default()
+    };
+    let (c, i, kv) = (4096u64, 14336u64, 1024u64);
+    let per_layer = 16 * ((c + c) + (c + kv) * 2 + (c + c) + 2 * (c + i) + (i + c));
+    assert_eq!(per_layer * 32, 41_943_040);
+    assert_eq!(lora::trainable_params(&model, &cfg), 41_943_040);
+}
+
+#[test]
+fn lora_flags_are_checked() {
+    let out = memfit(&["run", "--device", "meta", "--lora-rank", "4"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("--finetune lora"), "{}", stderr(&out));
+    let out = memfit(&[
+        "run",
+        "--device",
+        "meta",
+        "--finetune",
+        "lora",
+        "--lora-targets",
+        "q,gate",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("no gate"), "{}", stderr(&out));
+    let out = memfit(&[
+        "run",
+        "--device",
+        "meta",
+        "--finetune",
+        "lora",
+        "--ranks",
+        "2",
+        "--sharding",
+        "zero2",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("--finetune"), "{}", stderr(&out));
+    let out = memfit(&[
+        "run",
+        "--model",
+        "llama-tiny",
+        "--finetune",
+        "lora",
+        "--lora-targets",
+        "q,v",
+        "--steps",
+        "2",
+        "--format",
+        "json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
