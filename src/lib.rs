@@ -19,6 +19,7 @@ pub mod data;
 pub mod engine;
 pub mod error;
 pub mod memory;
+pub mod nf4;
 pub mod plan;
 pub mod reference;
 pub mod rng;
