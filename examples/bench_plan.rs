@@ -28,6 +28,7 @@ fn main() {
             gpus: vec![8],
             // What `memfit plan` plans by default.
             framework: vec![Framework::HfEager],
+            finetune: vec![memfit::engine::Finetune::Full],
         },
         headroom: 0.05,
         cost: None,
@@ -37,6 +38,10 @@ fn main() {
         dropout: 0.0,
         optimizer_impl: Default::default(),
         set_to_none: true,
+        lora_rank: None,
+        lora_alpha: None,
+        lora_dropout: None,
+        lora_targets: None,
     };
     let point = expand(&single)[0];
     let (cap, overhead) = single.capacity(&hw);
@@ -72,6 +77,7 @@ fn main() {
             ],
             gpus: vec![8, 16],
             framework: vec![Framework::HfEager],
+            finetune: vec![memfit::engine::Finetune::Full],
         },
         ..single
     };

@@ -281,7 +281,13 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
             format!("{} is outside [0, 1)", t.dropout),
         ));
     }
-    if t.finetune == Finetune::Lora {
+    if t.finetune == Finetune::Qlora && opts.device.kind != DeviceKind::Meta {
+        return Err(Error::invalid_arg(
+            "--finetune",
+            "qlora is planned on meta only (the engine's kernels do not read 4-bit NF4 weights yet): use --device meta or `memfit plan`",
+        ));
+    }
+    if t.finetune != Finetune::Full {
         if t.ranks > 1 || t.sharding != Sharding::None || t.pipeline_stages > 1 {
             return Err(Error::invalid_arg(
                 "--finetune",

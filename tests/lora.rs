@@ -241,3 +241,93 @@ fn lora_flags_are_checked() {
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
 }
+
+/// QLoRA's base: every block projection in NF4 (0.5 byte per parameter
+/// plus 0.127 bits of double-quantised absmax, QLoRA section 3), the rest
+/// in bf16, and the adapters' bf16 working copy, exactly.
+#[test]
+fn qlora_base_bytes_are_nf4_storage() {
+    let model = load_model("llama-3.1-8b").unwrap();
+    let tc = TrainConfig {
+        seq_len: 64,
+        micro_batch: 1,
+        precision: Precision::Bf16,
+        finetune: Finetune::Qlora,
+        lora: LoraConfig {
+            rank: 16,
+            alpha: 32.0,
+            ..LoraConfig::default()
+        },
+        ..TrainConfig::default()
+    };
+    let mut e = Engine::new(
+        model.clone(),
+        tc.clone(),
+        MetaBackend::emulating_cuda(),
+        None,
+    )
+    .unwrap();
+    e.step_from(1, || unreachable!()).unwrap();
+    let (specs, idx) = model.param_layout();
+    let quantized: Vec<usize> = idx
+        .blocks
+        .iter()
+        .flat_map(|b| [b.qkv_w, b.o_w, b.up_w, b.down_w])
+        .collect();
+    let nf4: u64 = quantized
+        .iter()
+        .map(|&i| memfit::nf4::storage_bytes(specs[i].numel()))
+        .sum();
+    let rest: u64 = (0..specs.len())
+        .filter(|i| !quantized.contains(i))
+        .map(|i| 2 * specs[i].numel() as u64)
+        .sum();
+    let adapters = 2 * lora::trainable_params(&model, &tc.lora);
+    assert_eq!(e.dev.tracker.peak_bytes().parameters, nf4 + rest + adapters);
+    let q: u64 = quantized.iter().map(|&i| specs[i].numel() as u64).sum();
+    let bits = 8.0 * nf4 as f64 / q as f64;
+    assert!(
+        (bits - 4.127).abs() < 0.001,
+        "{bits} bits per NF4 parameter"
+    );
+    // The 16-bit copy a matmul reads is a temporary, never resident.
+    assert!(e.dev.tracker.peak_bytes().temporaries >= 2 * 14336 * 4096 * 2);
+    let out = memfit(&["run", "--finetune", "qlora", "--steps", "1"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("meta only"), "{}", stderr(&out));
+}
+
+/// "Can I fine-tune Llama-3.1-8B on a 24 GB GPU?" at T=2048, as `memfit
+/// plan` answers it (hf-eager, an RTX 4090): the largest micro-batch with
+/// and without checkpointing (the README records the table).
+#[test]
+fn the_24_gb_question() {
+    let dir = std::env::temp_dir().join(format!("memfit-lora-4090-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let recipe = dir.join("l8.yaml");
+    std::fs::write(
+        &recipe,
+        "model: llama-3.1-8b\nhardware: rtx-4090\nseq_len: 2048\nglobal_batch: 16\nlora_rank: 16\nlora_alpha: 32\ngrid:\n  micro_batch: [1, 2, 4, 8, 16]\n  precision: [bf16]\n  checkpointing: [none, full]\n  attention: [fused]\n  finetune: [lora, qlora]\n",
+    )
+    .unwrap();
+    let out = memfit(&["plan", recipe.to_str().unwrap(), "--format", "json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let plan = common::json(&out);
+    let largest = |tune: &str, ckpt: &str| {
+        plan["points"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|p| {
+                p["point"]["finetune"] == tune
+                    && p["point"]["checkpointing"] == ckpt
+                    && p["status"] == "fits"
+            })
+            .map(|p| p["point"]["micro_batch"].as_u64().unwrap())
+            .max()
+    };
+    assert_eq!(largest("lora", "none"), None);
+    assert_eq!(largest("lora", "full"), Some(1));
+    assert_eq!(largest("qlora", "none"), None);
+    assert_eq!(largest("qlora", "full"), Some(2));
+}

@@ -43,6 +43,7 @@ fn predictions_equal_cpu_measured_peaks() {
                 sharding: vec![Sharding::None, Sharding::Zero2, Sharding::Zero3],
                 gpus: vec![1, 2],
                 framework: Vec::new(),
+                finetune: vec![memfit::engine::Finetune::Full],
             },
             headroom: 0.05,
             cost: None,
@@ -50,6 +51,10 @@ fn predictions_equal_cpu_measured_peaks() {
             dropout: 0.0,
             optimizer_impl: Default::default(),
             set_to_none: true,
+            lora_rank: None,
+            lora_alpha: None,
+            lora_dropout: None,
+            lora_targets: None,
             allow_numerics_change: true,
             // A plan for the cpu backend (a GPU plan declares the cuda
             // backend's attention workspace; tests/cuda_cli.rs checks that one).
@@ -98,6 +103,7 @@ fn point(sharding: Sharding, gpus: usize) -> Point {
         gpus,
         grad_accum: 1,
         framework: Default::default(),
+        finetune: Default::default(),
     }
 }
 
@@ -150,6 +156,10 @@ fn published_bytes_per_parameter_are_reproduced() {
         dropout: 0.0,
         optimizer_impl: Default::default(),
         set_to_none: true,
+        lora_rank: None,
+        lora_alpha: None,
+        lora_dropout: None,
+        lora_targets: None,
         allow_numerics_change: true,
         device: None,
     };
@@ -282,6 +292,10 @@ fn allow_numerics_change_false_rules_out_fp16_and_8bit() {
         dropout: 0.0,
         optimizer_impl: Default::default(),
         set_to_none: true,
+        lora_rank: None,
+        lora_alpha: None,
+        lora_dropout: None,
+        lora_targets: None,
         allow_numerics_change: false,
         device: None,
     };

@@ -630,7 +630,8 @@ fn help_describes_the_modes() {
         "--warn-at <PCT>",
         "--no-tui",
         "--timeline <FILE>",
-        "Prediction (memfit's engine on meta",
+        "Prediction (the engine on meta",
+        "--framework <FRAMEWORK>",
         "--model <MODEL>",
         "memfit watch -- torchrun",
     ] {

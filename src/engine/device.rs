@@ -444,6 +444,16 @@ impl<B: Backend> Device<B> {
         });
     }
 
+    /// QLoRA's dequantisation of an NF4 weight into `out` (meta only: the
+    /// engine that plans it holds no data; priced as a streaming op).
+    pub fn nf4_dequantize(&mut self, out: &mut T<B>, w: &T<B>) {
+        debug_assert!(
+            !self.be.holds_data(),
+            "NF4 weights are planned on meta only"
+        );
+        self.timed("nf4_dequantize", 4 * out.len as u64, b(out) + b(w), |_| {});
+    }
+
     /// [`Backend::copy_cols`]: a column block between row-major matrices.
     #[allow(clippy::too_many_arguments)]
     pub fn copy_cols(

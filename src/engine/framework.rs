@@ -148,7 +148,12 @@ impl HfRules {
         let f32 = DType::F32;
         let dt = train.precision.dtype();
         let sixteen = dt != f32;
-        let autocast = sixteen && !train.sharding.shards_optimizer();
+        // LoRA users load the frozen base in the 16-bit type
+        // (`torch_dtype=torch.bfloat16`): its activations are a 16-bit
+        // module's, whatever autocast adds.
+        let autocast = sixteen
+            && !train.sharding.shards_optimizer()
+            && train.finetune == crate::engine::Finetune::Full;
         let p = train.dropout;
         // Dropout's input is the probabilities or a projection's output,
         // both in `dt`; cuda saves a bool mask instead.
@@ -225,6 +230,16 @@ impl HfRules {
                 // probabilities). GPT-2's softmax in a 16-bit model stays
                 // 16-bit.
                 block.push((scores, f32));
+            }
+        }
+        if train.finetune != crate::engine::Finetune::Full && train.lora.dropout > 0.0 {
+            // PEFT's lora_dropout (peft/tuners/lora/layer.py:
+            // `lora_B(lora_A(dropout(x)))`): each adapter drops its own
+            // copy of the input, which lora_A saves, with its mask.
+            let mut specs = Vec::new();
+            let adapters = crate::engine::lora::layout(model, &train.lora, &mut specs);
+            for ad in adapters.first().into_iter().flatten() {
+                block.extend([(n * ad.inp, dt), (n * ad.inp, mask_dt)]);
             }
         }
         let mut embed = Vec::new();

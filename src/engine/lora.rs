@@ -38,6 +38,11 @@ pub enum Finetune {
     Full,
     /// LoRA adapters on frozen weights.
     Lora,
+    /// LoRA on a base whose block projections are stored in 4-bit
+    /// NormalFloat (`crate::nf4`) and dequantised to the compute dtype per
+    /// matmul (Dettmers et al., QLoRA, 2023). Planned on meta only: the
+    /// engine's kernels do not read NF4 yet.
+    Qlora,
 }
 
 /// A projection LoRA can adapt (PEFT's usual `target_modules`).

@@ -389,6 +389,8 @@ pub struct Engine<B: Backend> {
     adapters: Vec<Vec<Adapter>>,
     /// Which tensors train (LoRA freezes the base's).
     trainable: Vec<bool>,
+    /// QLoRA: every block projection is stored NF4 (`crate::nf4`).
+    qlora: bool,
 }
 
 /// `&mut v[i]` and, when given, `&mut v[j]` (i != j).
@@ -458,9 +460,14 @@ impl<B: Backend> Engine<B> {
         let gpu = be.is_gpu();
         let (mut specs, idx) = model.param_layout();
         let base = specs.len();
+        let qlora = train.finetune == Finetune::Qlora;
+        assert!(
+            !qlora || !be.holds_data(),
+            "QLoRA is planned on meta only (run::validate says so)"
+        );
         let adapters = match train.finetune {
             Finetune::Full => Vec::new(),
-            Finetune::Lora => {
+            Finetune::Lora | Finetune::Qlora => {
                 assert!(
                     comm.is_none() && pipe.is_none(),
                     "LoRA runs on one rank without a pipeline"
@@ -539,6 +546,23 @@ impl<B: Backend> Engine<B> {
             let d = dist.as_mut().expect("sharded");
             d.param_shards = alloc_all(&mut dev, &shard_lens, wdt, Category::Parameters)?;
             placeholders(&mut dev, wdt, Category::Parameters)
+        } else if qlora {
+            // The block projections in NF4, exactly as many bytes as
+            // `nf4::storage_bytes` counts; the rest in the working dtype.
+            let nf4: std::collections::HashSet<usize> = idx
+                .blocks
+                .iter()
+                .flat_map(|b| [b.qkv_w, b.o_w, b.up_w, b.down_w])
+                .collect();
+            (0..numel.len())
+                .map(|i| match nf4.contains(&i) {
+                    true => {
+                        let bytes = crate::nf4::storage_bytes(numel[i]) as usize;
+                        dev.alloc(bytes, DType::U8, Category::Parameters)
+                    }
+                    false => dev.alloc(numel[i], wdt, Category::Parameters),
+                })
+                .collect::<Result<Vec<_>, _>>()?
         } else {
             alloc_all(&mut dev, &numel, wdt, Category::Parameters)?
         };
@@ -637,6 +661,7 @@ impl<B: Backend> Engine<B> {
             lazy_grads,
             adapters,
             trainable,
+            qlora,
         })
     }
 
@@ -887,6 +912,7 @@ impl<B: Backend> Engine<B> {
             pipe,
             hf,
             adapters,
+            qlora,
             ..
         } = self;
         let hf = hf.as_ref();
@@ -973,6 +999,7 @@ impl<B: Backend> Engine<B> {
                 (
                     adapters.get(l).map_or(&[][..], |v| &v[..]),
                     train.lora.scale(),
+                    *qlora,
                 ),
                 true,
             )?;
@@ -1067,6 +1094,7 @@ impl<B: Backend> Engine<B> {
             lazy_grads,
             adapters,
             trainable,
+            qlora,
             ..
         } = self;
         let (hf, lazy) = (hf.as_ref(), *lazy_grads);
@@ -1162,6 +1190,7 @@ impl<B: Backend> Engine<B> {
             let lora = (
                 adapters.get(l).map_or(&[][..], |v| &v[..]),
                 train.lora.scale(),
+                *qlora,
             );
             if lazy {
                 let ids: Vec<usize> = units[l + 1]
@@ -1196,7 +1225,10 @@ impl<B: Backend> Engine<B> {
             // MLP: dres is d(out) = d(mlp output)
             let mut dact = dev.alloc(n * dff, dt, tmp)?;
             let (dw, db) = wgrads(g, frozen, bi.down_w, bi.down_b);
-            dev.matmul_backward(&mut dact, dw, db, &dres, &a.act, &p[bi.down_w], n, dff, c);
+            let wq = dequant(dev, &p[bi.down_w], dff * c, *qlora, dt)?;
+            let w = wq.as_ref().unwrap_or(&p[bi.down_w]);
+            dev.matmul_backward(&mut dact, dw, db, &dres, &a.act, w, n, dff, c);
+            dev.free_opt(wq);
             let ts = &a.lora_t;
             lora_backward(
                 dev,
@@ -1222,7 +1254,10 @@ impl<B: Backend> Engine<B> {
             };
             let mut dln2 = dev.alloc(n * c, dt, tmp)?;
             let (dw, db) = wgrads(g, frozen, bi.up_w, bi.up_b);
-            dev.matmul_backward(&mut dln2, dw, db, &dup, &a.ln2, &p[bi.up_w], n, c, upw);
+            let wq = dequant(dev, &p[bi.up_w], upw * c, *qlora, dt)?;
+            let w = wq.as_ref().unwrap_or(&p[bi.up_w]);
+            dev.matmul_backward(&mut dln2, dw, db, &dup, &a.ln2, w, n, c, upw);
+            dev.free_opt(wq);
             lora_backward(
                 dev,
                 p,
@@ -1254,7 +1289,10 @@ impl<B: Backend> Engine<B> {
             // attention: dres is now d(res2) = d(o-proj output)
             let mut datty = dev.alloc(n * c, dt, tmp)?;
             let (dw, db) = wgrads(g, frozen, bi.o_w, bi.o_b);
-            dev.matmul_backward(&mut datty, dw, db, &dres, &a.atty, &p[bi.o_w], n, c, c);
+            let wq = dequant(dev, &p[bi.o_w], c * c, *qlora, dt)?;
+            let w = wq.as_ref().unwrap_or(&p[bi.o_w]);
+            dev.matmul_backward(&mut datty, dw, db, &dres, &a.atty, w, n, c, c);
+            dev.free_opt(wq);
             lora_backward(
                 dev,
                 p,
@@ -1286,7 +1324,10 @@ impl<B: Backend> Engine<B> {
             }
             let mut dln1 = dev.alloc(n * c, dt, tmp)?;
             let (dw, db) = wgrads(g, frozen, bi.qkv_w, bi.qkv_b);
-            dev.matmul_backward(&mut dln1, dw, db, &dqkv, &a.ln1, &p[bi.qkv_w], n, c, qkvw);
+            let wq = dequant(dev, &p[bi.qkv_w], qkvw * c, *qlora, dt)?;
+            let w = wq.as_ref().unwrap_or(&p[bi.qkv_w]);
+            dev.matmul_backward(&mut dln1, dw, db, &dqkv, &a.ln1, w, n, c, qkvw);
+            dev.free_opt(wq);
             lora_backward(
                 dev,
                 p,
@@ -1782,7 +1823,7 @@ fn block_forward<B: Backend>(
     attention: Attention,
     ws: &mut T<B>,
     extra: &[(usize, DType)],
-    lora: (&[Adapter], f32),
+    lora: (&[Adapter], f32, bool),
     with_out: bool,
 ) -> Result<BlockOut<B>, OomError> {
     let (t, n, c) = (s.t, s.b * s.t, model.d_model);
@@ -1797,7 +1838,10 @@ fn block_forward<B: Backend>(
     let (ln1, ln1_mean, ln1_rstd) =
         norm_layer(dev, x, &p[bi.ln1_w], opt(bi.ln1_b), gpt2, n, c, eps)?;
     let mut qkv = dev.alloc(n * qkvw, dt, act)?;
-    dev.matmul_forward(&mut qkv, &ln1, &p[bi.qkv_w], opt(bi.qkv_b), n, c, qkvw);
+    let wq = dequant(dev, &p[bi.qkv_w], qkvw * c, lora.2, dt)?;
+    let w = wq.as_ref().unwrap_or(&p[bi.qkv_w]);
+    dev.matmul_forward(&mut qkv, &ln1, w, opt(bi.qkv_b), n, c, qkvw);
+    dev.free_opt(wq);
     let mut lora_t = Vec::new();
     lora_forward(
         dev,
@@ -1826,7 +1870,10 @@ fn block_forward<B: Backend>(
         }
     };
     let mut proj = dev.alloc(n * c, dt, Category::Temporaries)?;
-    dev.matmul_forward(&mut proj, &atty, &p[bi.o_w], opt(bi.o_b), n, c, c);
+    let wq = dequant(dev, &p[bi.o_w], c * c, lora.2, dt)?;
+    let w = wq.as_ref().unwrap_or(&p[bi.o_w]);
+    dev.matmul_forward(&mut proj, &atty, w, opt(bi.o_b), n, c, c);
+    dev.free_opt(wq);
     lora_forward(
         dev,
         p,
@@ -1844,7 +1891,10 @@ fn block_forward<B: Backend>(
     let (ln2, ln2_mean, ln2_rstd) =
         norm_layer(dev, &res2, &p[bi.ln2_w], opt(bi.ln2_b), gpt2, n, c, eps)?;
     let mut up = dev.alloc(n * upw, dt, act)?;
-    dev.matmul_forward(&mut up, &ln2, &p[bi.up_w], opt(bi.up_b), n, c, upw);
+    let wq = dequant(dev, &p[bi.up_w], upw * c, lora.2, dt)?;
+    let w = wq.as_ref().unwrap_or(&p[bi.up_w]);
+    dev.matmul_forward(&mut up, &ln2, w, opt(bi.up_b), n, c, upw);
+    dev.free_opt(wq);
     lora_forward(
         dev,
         p,
@@ -1866,7 +1916,10 @@ fn block_forward<B: Backend>(
     // The block output; a recomputation skips it, it was checkpointed.
     let out = if with_out {
         let mut mlp = dev.alloc(n * c, dt, Category::Temporaries)?;
-        dev.matmul_forward(&mut mlp, &a, &p[bi.down_w], opt(bi.down_b), n, dff, c);
+        let wq = dequant(dev, &p[bi.down_w], dff * c, lora.2, dt)?;
+        let w = wq.as_ref().unwrap_or(&p[bi.down_w]);
+        dev.matmul_forward(&mut mlp, &a, w, opt(bi.down_b), n, dff, c);
+        dev.free_opt(wq);
         lora_forward(
             dev,
             p,
@@ -1962,7 +2015,7 @@ fn free_block<B: Backend>(dev: &mut Device<B>, a: BlockActs<T<B>>) {
 fn lora_forward<B: Backend>(
     dev: &mut Device<B>,
     p: &[T<B>],
-    (adapters, scale): (&[Adapter], f32),
+    (adapters, scale, _): (&[Adapter], f32, bool),
     proj: Proj,
     x: &T<B>,
     mut out: Option<(&mut T<B>, usize)>,
@@ -1995,7 +2048,7 @@ fn lora_backward<B: Backend>(
     dev: &mut Device<B>,
     p: &[T<B>],
     g: &mut [T<B>],
-    (adapters, scale): (&[Adapter], f32),
+    (adapters, scale, _): (&[Adapter], f32, bool),
     ts: &[T<B>],
     proj: Proj,
     dout: &T<B>,
@@ -2043,6 +2096,26 @@ fn lora_backward<B: Backend>(
         dev.free(dx);
     }
     Ok(())
+}
+
+/// QLoRA: the 16-bit copy of an NF4 weight that one matmul reads,
+/// dequantised per call as bitsandbytes' `Linear4bit` does (its
+/// `MatMul4Bit` saves the 4-bit weight and dequantises again in the
+/// backward), a tracked temporary freed after the matmul. `None` for a
+/// weight stored as is.
+fn dequant<B: Backend>(
+    dev: &mut Device<B>,
+    w: &T<B>,
+    numel: usize,
+    qlora: bool,
+    dt: DType,
+) -> Result<Option<T<B>>, OomError> {
+    if !qlora {
+        return Ok(None);
+    }
+    let mut out = dev.alloc(numel, dt, Category::Temporaries)?;
+    dev.nf4_dequantize(&mut out, w);
+    Ok(Some(out))
 }
 
 /// A projection's weight and bias gradients, or none when it is frozen.

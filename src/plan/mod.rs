@@ -26,8 +26,8 @@ use crate::config::hardware::{HardwareProfile, load_hardware};
 use crate::config::profile::{load_model, looks_like_path, parse_yaml, value_location};
 use crate::engine::device::Roofline;
 use crate::engine::{
-    Attention, Checkpointing, Comm, Engine, Framework, Optimizer, OptimizerImpl, Precision,
-    Sharding, TrainConfig,
+    Attention, Checkpointing, Comm, Engine, Finetune, Framework, LoraConfig, Optimizer,
+    OptimizerImpl, Precision, Sharding, TrainConfig,
 };
 use crate::error::{Error, Result};
 use crate::memory::{Category, PeakBytes};
@@ -87,6 +87,16 @@ pub struct PlanRecipe {
     /// hf-eager points: `optimizer.zero_grad(set_to_none=...)`.
     #[serde(default = "yes")]
     pub set_to_none: bool,
+    /// LoRA points: rank, alpha, dropout (hf-eager) and targets, as the
+    /// `memfit run` flags take them; absent keys take PEFT's defaults.
+    #[serde(default)]
+    pub lora_rank: Option<usize>,
+    #[serde(default)]
+    pub lora_alpha: Option<f32>,
+    #[serde(default)]
+    pub lora_dropout: Option<f32>,
+    #[serde(default)]
+    pub lora_targets: Option<Vec<crate::engine::lora::Target>>,
 }
 
 impl PlanRecipe {
@@ -98,7 +108,21 @@ impl PlanRecipe {
             tc.optimizer_impl = self.optimizer_impl;
             tc.set_to_none = self.set_to_none;
         }
+        if p.finetune != Finetune::Full {
+            tc.lora = self.lora();
+        }
         tc
+    }
+
+    /// The recipe's LoRA knobs, PEFT's defaults where absent.
+    pub fn lora(&self) -> LoraConfig {
+        let d = LoraConfig::default();
+        LoraConfig {
+            rank: self.lora_rank.unwrap_or(d.rank),
+            alpha: self.lora_alpha.unwrap_or(d.alpha),
+            dropout: self.lora_dropout.unwrap_or(d.dropout),
+            targets: self.lora_targets.clone().unwrap_or(d.targets),
+        }
     }
 
     /// The capacity that decides what fits, and the runtime overhead on top
@@ -143,6 +167,9 @@ pub struct Grid {
     /// trials the engine runs.
     #[serde(default)]
     pub framework: Vec<Framework>,
+    /// full and/or lora.
+    #[serde(default = "default_finetune")]
+    pub finetune: Vec<Finetune>,
 }
 
 impl Grid {
@@ -157,6 +184,7 @@ impl Grid {
             self.sharding.len(),
             self.gpus.len(),
             self.framework.len().max(1),
+            self.finetune.len(),
         ]
         .into_iter()
         .try_fold(1usize, usize::checked_mul)
@@ -210,6 +238,7 @@ impl Grid {
         keep_first("sharding", &mut self.sharding, |v| name(*v), &mut r);
         keep_first("gpus", &mut self.gpus, usize::to_string, &mut r);
         keep_first("framework", &mut self.framework, |v| name(*v), &mut r);
+        keep_first("finetune", &mut self.finetune, |v| name(*v), &mut r);
         r
     }
 
@@ -232,8 +261,13 @@ impl Default for Grid {
             sharding: default_sharding(),
             gpus: one_usize(),
             framework: Vec::new(),
+            finetune: default_finetune(),
         }
     }
+}
+
+fn default_finetune() -> Vec<Finetune> {
+    vec![Finetune::Full]
 }
 
 fn one_usize() -> Vec<usize> {
@@ -270,6 +304,8 @@ pub struct Point {
     /// Reports from before framework profiles were memfit's.
     #[serde(default)]
     pub framework: Framework,
+    #[serde(default)]
+    pub finetune: Finetune,
 }
 
 impl Point {
@@ -301,6 +337,7 @@ impl Point {
             ranks: self.gpus,
             sharding: self.sharding,
             framework: self.framework,
+            finetune: self.finetune,
             ..TrainConfig::default()
         }
     }
@@ -310,8 +347,13 @@ impl Point {
             Framework::Memfit => "",
             Framework::HfEager => "hf-eager ",
         };
+        let ft = match self.finetune {
+            Finetune::Full => "",
+            Finetune::Lora => "lora ",
+            Finetune::Qlora => "qlora ",
+        };
         format!(
-            "{fw}mb{} x{} {} {} {} ckpt:{} {} {}",
+            "{fw}{ft}mb{} x{} {} {} {} ckpt:{} {} {}",
             self.micro_batch,
             self.gpus,
             name(self.sharding),
@@ -633,31 +675,35 @@ pub fn expand(r: &PlanRecipe) -> Vec<Point> {
         true => vec![Framework::Memfit],
         false => g.framework.clone(),
     };
-    for &framework in &frameworks {
-        for &gpus in &g.gpus {
-            for &sharding in &g.sharding {
-                for &optimizer in &g.optimizer {
-                    for &precision in &g.precision {
-                        for &checkpointing in &g.checkpointing {
-                            for &attention in &g.attention {
-                                for &micro_batch in &g.micro_batch {
-                                    let per_step = micro_batch * gpus;
-                                    let grad_accum = if r.global_batch.is_multiple_of(per_step) {
-                                        r.global_batch / per_step
-                                    } else {
-                                        0
-                                    };
-                                    out.push(Point {
-                                        micro_batch,
-                                        precision,
-                                        checkpointing,
-                                        attention,
-                                        optimizer,
-                                        sharding,
-                                        gpus,
-                                        grad_accum,
-                                        framework,
-                                    });
+    for &finetune in &g.finetune {
+        for &framework in &frameworks {
+            for &gpus in &g.gpus {
+                for &sharding in &g.sharding {
+                    for &optimizer in &g.optimizer {
+                        for &precision in &g.precision {
+                            for &checkpointing in &g.checkpointing {
+                                for &attention in &g.attention {
+                                    for &micro_batch in &g.micro_batch {
+                                        let per_step = micro_batch * gpus;
+                                        let grad_accum = if r.global_batch.is_multiple_of(per_step)
+                                        {
+                                            r.global_batch / per_step
+                                        } else {
+                                            0
+                                        };
+                                        out.push(Point {
+                                            micro_batch,
+                                            precision,
+                                            checkpointing,
+                                            attention,
+                                            optimizer,
+                                            sharding,
+                                            gpus,
+                                            grad_accum,
+                                            framework,
+                                            finetune,
+                                        });
+                                    }
                                 }
                             }
                         }
@@ -676,6 +722,12 @@ fn invalid_reason(r: &PlanRecipe, p: &Point) -> Option<String> {
             "global_batch {} is not a whole multiple of micro_batch {} x {} GPUs",
             r.global_batch, p.micro_batch, p.gpus
         ));
+    }
+    if p.finetune != Finetune::Full && (p.gpus > 1 || p.sharding != Sharding::None) {
+        return Some(
+            "lora runs on one GPU without sharding in memfit's engine (not yet with DDP or ZeRO)"
+                .into(),
+        );
     }
     if p.sharding == Sharding::None && p.gpus > 1 {
         return Some(format!(

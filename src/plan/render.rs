@@ -71,9 +71,10 @@ fn header(plan: &Plan, s: &mut String) {
     );
 }
 
-const COLS: [&str; 15] = [
+const COLS: [&str; 16] = [
     "#",
     "framework",
+    "tune",
     "gpus",
     "sharding",
     "prec",
@@ -89,7 +90,7 @@ const COLS: [&str; 15] = [
     "status",
 ];
 
-fn row(i: usize, p: &Prediction) -> [String; 15] {
+fn row(i: usize, p: &Prediction) -> [String; 16] {
     let pt = &p.point;
     let valid = !matches!(p.verdict, Verdict::Invalid { .. });
     let num = |x: f64, prec: usize| {
@@ -102,6 +103,7 @@ fn row(i: usize, p: &Prediction) -> [String; 15] {
     [
         i.to_string(),
         name(pt.framework),
+        name(pt.finetune),
         pt.gpus.to_string(),
         name(pt.sharding),
         name(pt.precision),
@@ -139,7 +141,7 @@ fn row(i: usize, p: &Prediction) -> [String; 15] {
 pub fn table(plan: &Plan, limit: usize) -> String {
     let mut s = String::new();
     header(plan, &mut s);
-    let rows: Vec<[String; 15]> = order(plan)
+    let rows: Vec<[String; 16]> = order(plan)
         .into_iter()
         .take(limit)
         .map(|i| row(i, &plan.points[i]))

@@ -97,6 +97,11 @@ pub fn trial_id(p: &Point) -> String {
         Framework::Memfit => "",
         Framework::HfEager => "hf_eager-",
     };
+    let fw = match p.finetune {
+        crate::engine::Finetune::Full => fw.to_string(),
+        crate::engine::Finetune::Lora => format!("{fw}lora-"),
+        crate::engine::Finetune::Qlora => format!("{fw}qlora-"),
+    };
     format!(
         "{fw}gpus{}-{}-{}-{}-ckpt_{}-{}-mb{}-accum{}",
         p.gpus,
@@ -175,6 +180,12 @@ fn check_measurable(recipe: &crate::plan::PlanRecipe, path: &std::path::Path) ->
         .as_ref()
         .is_none_or(|d| d.kind != DeviceKind::Meta);
     let g = &recipe.grid;
+    if computes && g.finetune.contains(&crate::engine::Finetune::Qlora) {
+        return Err(Error::Config {
+            location: path.display().to_string(),
+            message: "`grid.finetune` qlora is planned, not measured: the engine's kernels do not read 4-bit NF4 weights yet. Plan it with `memfit plan`, or sweep with --device meta".into(),
+        });
+    }
     if !computes || !g.framework.contains(&Framework::HfEager) {
         return Ok(());
     }
@@ -331,6 +342,12 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
         runtime_overhead_bytes: overhead,
         headroom: recipe.headroom,
         allow_numerics_change: recipe.allow_numerics_change,
+        lora: recipe
+            .grid
+            .finetune
+            .iter()
+            .any(|&f| f != crate::engine::Finetune::Full)
+            .then(|| recipe.lora()),
         seq_len: recipe.seq_len,
         global_batch: recipe.global_batch,
         grid_size: preds.len(),

@@ -13,7 +13,9 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
 
-use crate::engine::{Attention, Checkpointing, Optimizer, Precision, Sharding, TrainConfig};
+use crate::engine::{
+    Attention, Checkpointing, Finetune, Optimizer, Precision, Sharding, TrainConfig,
+};
 use crate::error::{Error, Result};
 use crate::plan::{Point, name};
 use crate::sweep::report::{SweepReport, TrialRecord};
@@ -357,8 +359,34 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord) -> String {
         ("optimizer", name(p.optimizer)),
         ("sharding", name(p.sharding)),
         ("gpus", p.gpus.to_string()),
+        ("finetune", name(p.finetune)),
     ] {
         s.push_str(&format!("  {k}: [{v}]\n"));
+    }
+    // A grid that named no framework measured memfit and planned the
+    // target as hf-eager; pin the key only when the sweep's grid named it
+    // (an hf-eager trial, or a target planned as memfit).
+    let named = p.framework == crate::engine::Framework::HfEager
+        || trial
+            .target
+            .as_ref()
+            .is_some_and(|t| t.framework == crate::engine::Framework::Memfit);
+    if named {
+        s.push_str(&format!("  framework: [{}]\n", name(p.framework)));
+    }
+    if let Some(l) = report
+        .lora
+        .as_ref()
+        .filter(|_| p.finetune != Finetune::Full)
+    {
+        s.push_str(&format!(
+            "lora_rank: {}\nlora_alpha: {:?}\n",
+            l.rank, l.alpha
+        ));
+        if !l.targets.is_empty() {
+            let t: Vec<String> = l.targets.iter().map(|t| name(*t)).collect();
+            s.push_str(&format!("lora_targets: [{}]\n", t.join(", ")));
+        }
     }
     s.push_str(&format!("headroom: {:?}\n", report.headroom));
     let usd = report.target.usd_per_gpu_hour;
@@ -384,6 +412,56 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord) -> String {
     s
 }
 
+/// For a LoRA or QLoRA recommendation: PEFT's `LoraConfig` (and, for QLoRA,
+/// transformers' `BitsAndBytesConfig` for 4-bit NF4 with double
+/// quantisation, the QLoRA paper's setting) with the knobs it was chosen at.
+pub fn peft_config(report: &SweepReport, trial: &TrialRecord) -> Option<String> {
+    let p = &trial.point;
+    if p.finetune == Finetune::Full {
+        return None;
+    }
+    let l = report.lora.clone().unwrap_or_default();
+    use crate::engine::lora::Target;
+    let wants = |ts: &[Target]| l.targets.is_empty() || ts.iter().any(|t| l.targets.contains(t));
+    let modules: Vec<String> = match report.model.contains("gpt2") {
+        true => [
+            ("c_attn", &[Target::Q, Target::K, Target::V][..]),
+            ("attn.c_proj", &[Target::O][..]),
+            ("c_fc", &[Target::Up][..]),
+            ("mlp.c_proj", &[Target::Down][..]),
+        ]
+        .iter()
+        .filter(|(_, ts)| wants(ts))
+        .map(|(m, _)| py_str(m))
+        .collect(),
+        false => {
+            let all = l.targets.is_empty();
+            crate::engine::lora::Target::ALL
+                .iter()
+                .filter(|t| all || l.targets.contains(t))
+                .map(|t| py_str(&format!("{}_proj", name(*t))))
+                .collect()
+        }
+    };
+    let mut s = String::new();
+    for line in provenance(report, trial) {
+        s.push_str(&format!("# {line}\n"));
+    }
+    s.push_str("from peft import LoraConfig\n");
+    if p.finetune == Finetune::Qlora {
+        s.push_str("import torch\nfrom transformers import BitsAndBytesConfig\n\n");
+        s.push_str("bnb_config = BitsAndBytesConfig(\n    load_in_4bit=True,\n    bnb_4bit_quant_type=\"nf4\",\n    bnb_4bit_use_double_quant=True,\n    bnb_4bit_compute_dtype=torch.bfloat16,\n)\n");
+    }
+    s.push_str(&format!(
+        "\nlora_config = LoraConfig(\n    r={},\n    lora_alpha={},\n    lora_dropout={},\n    target_modules=[{}],\n    bias=\"none\",\n    task_type=\"CAUSAL_LM\",\n)\n",
+        l.rank,
+        py_float(l.alpha as f64),
+        py_float(l.dropout as f64),
+        modules.join(", ")
+    ));
+    Some(s)
+}
+
 /// Writes `ds_config.json`, `training_args.py` and `recommended.yaml` for the
 /// report's recommendation into `dir`; writes nothing (and returns no paths)
 /// when there is none.
@@ -398,11 +476,14 @@ pub fn write_exports(report: &SweepReport, dir: &Path) -> Result<Vec<PathBuf>> {
     let mut ds = serde_json::to_string_pretty(&deepspeed_config(report, trial))
         .expect("a JSON value serializes");
     ds.push('\n');
-    let files = [
+    let mut files = vec![
         ("ds_config.json", ds),
         ("training_args.py", hf_training_args(report, trial)),
         ("recommended.yaml", pinned_recipe(report, trial)),
     ];
+    if let Some(peft) = peft_config(report, trial) {
+        files.push(("peft_config.py", peft));
+    }
     std::fs::create_dir_all(dir).map_err(|source| Error::Write {
         path: dir.to_path_buf(),
         source,
@@ -444,6 +525,7 @@ mod tests {
             gpus,
             grad_accum,
             framework: Default::default(),
+            finetune: Default::default(),
         }
     }
 
@@ -484,6 +566,7 @@ mod tests {
             runtime_overhead_bytes: 0,
             headroom: 0.05,
             allow_numerics_change: false,
+            lora: None,
             seq_len: 128,
             global_batch: 16,
             grid_size: trials.len(),

@@ -1677,6 +1677,7 @@ pub(crate) mod tests {
             gpus: 1,
             grad_accum: 16 / micro_batch,
             framework: Default::default(),
+            finetune: Default::default(),
         }
     }
 
@@ -1839,6 +1840,7 @@ pub(crate) mod tests {
             runtime_overhead_bytes: 0,
             headroom: 0.05,
             allow_numerics_change: true,
+            lora: None,
             seq_len: 128,
             global_batch: 16,
             grid_size: 12,

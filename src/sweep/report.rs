@@ -229,6 +229,9 @@ pub struct SweepReport {
     pub runtime_overhead_bytes: u64,
     pub headroom: f64,
     pub allow_numerics_change: bool,
+    /// The recipe's LoRA knobs, when its grid has LoRA or QLoRA points.
+    #[serde(default)]
+    pub lora: Option<crate::engine::LoraConfig>,
     pub seq_len: usize,
     pub global_batch: usize,
     /// Grid points, and how many of them ran as trials.
@@ -297,6 +300,7 @@ impl SweepReport {
             runtime_overhead_bytes: 0,
             headroom: 0.05,
             allow_numerics_change: true,
+            lora: None,
             seq_len: 128,
             global_batch: 16,
             grid_size: 0,

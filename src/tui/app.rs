@@ -912,6 +912,7 @@ pub(crate) mod testdata {
             gpus: 1,
             grad_accum: 16 / mb,
             framework: Default::default(),
+            finetune: Default::default(),
         }
     }
 
