@@ -929,6 +929,29 @@ pub fn render_table(r: &RunReport) -> String {
         c.threads
             .map_or(String::new(), |t| format!(", {t} threads")),
     );
+    let t = &c.train;
+    if t.framework != Framework::Memfit || t.finetune != Finetune::Full {
+        let mut what = vec![format!("framework {}", t.framework.name())];
+        if t.finetune != Finetune::Full {
+            let targets = match t.lora.targets.is_empty() {
+                true => "every projection".to_string(),
+                false => t
+                    .lora
+                    .targets
+                    .iter()
+                    .map(|x| crate::plan::name(*x))
+                    .collect::<Vec<_>>()
+                    .join(","),
+            };
+            what.push(format!(
+                "{} r={} alpha={} on {targets}",
+                crate::plan::name(t.finetune),
+                t.lora.rank,
+                t.lora.alpha
+            ));
+        }
+        let _ = writeln!(s, "{}", what.join(", "));
+    }
     if !r.steps.is_empty() {
         let _ = writeln!(
             s,
