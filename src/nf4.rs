@@ -117,6 +117,20 @@ impl Nf4 {
         self.absmax_codes[b] as f32 * self.absmax_scales[b / ABSMAX_BLOCK] + self.absmax_mean
     }
 
+    /// The layout as bytes, as a device buffer holds it: the packed codes,
+    /// the absmax codes, the group scales and the mean (little-endian
+    /// fp32); [`storage_bytes`]`(numel)` long. [`dequantize_bytes`] reads it.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.bytes() as usize);
+        out.extend_from_slice(&self.packed);
+        out.extend(self.absmax_codes.iter().map(|&c| c as u8));
+        for s in &self.absmax_scales {
+            out.extend_from_slice(&s.to_le_bytes());
+        }
+        out.extend_from_slice(&self.absmax_mean.to_le_bytes());
+        out
+    }
+
     /// Bytes this value's layout holds; equals [`storage_bytes`]`(numel)`.
     pub fn bytes(&self) -> u64 {
         (self.packed.len() + self.absmax_codes.len() + 4 * self.absmax_scales.len() + 4) as u64
@@ -196,6 +210,35 @@ pub fn dequantize_into(q: &Nf4, out: &mut [f32]) {
         let a = q.absmax(b);
         for (j, o) in chunk.iter_mut().enumerate() {
             *o = NF4[q.code(b * BLOCK + j) as usize] * a;
+        }
+    }
+}
+
+/// [`dequantize_into`] from [`Nf4::to_bytes`]'s layout: the same values,
+/// bit for bit.
+pub fn dequantize_bytes(bytes: &[u8], numel: usize, out: &mut [f32]) {
+    assert_eq!(
+        bytes.len() as u64,
+        storage_bytes(numel),
+        "not an NF4 layout of {numel} values"
+    );
+    assert_eq!(out.len(), numel, "dequantize_bytes: wrong output length");
+    let blocks = numel.div_ceil(BLOCK);
+    let (packed, rest) = bytes.split_at(numel.div_ceil(2));
+    let (codes, rest) = rest.split_at(blocks);
+    let f = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    let mean = f(&rest[rest.len() - 4..]);
+    for (b, chunk) in out.chunks_mut(BLOCK).enumerate() {
+        let scale = f(&rest[4 * (b / ABSMAX_BLOCK)..]);
+        let a = codes[b] as i8 as f32 * scale + mean;
+        for (j, o) in chunk.iter_mut().enumerate() {
+            let i = b * BLOCK + j;
+            let code = if i.is_multiple_of(2) {
+                packed[i / 2] >> 4
+            } else {
+                packed[i / 2] & 0x0f
+            };
+            *o = NF4[code as usize] * a;
         }
     }
 }
@@ -323,5 +366,20 @@ mod tests {
         assert!((overhead - 0.127).abs() < 5e-4, "overhead {overhead}");
         // small tensors pay more: a single block is 41 bytes for 64 values
         assert!((bits_per_param(64) - 41.0 * 8.0 / 64.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_byte_layout_dequantises_bit_for_bit() {
+        for n in [1usize, 63, 64, 1000, 64 * 256 + 5] {
+            let x: Vec<f32> = (0..n)
+                .map(|i| ((i * 7919) % 113) as f32 / 17.0 - 3.0)
+                .collect();
+            let q = quantize(&x);
+            let bytes = q.to_bytes();
+            assert_eq!(bytes.len() as u64, storage_bytes(n));
+            let mut out = vec![0.0; n];
+            dequantize_bytes(&bytes, n, &mut out);
+            assert_eq!(out, dequantize(&q), "{n} values");
+        }
     }
 }

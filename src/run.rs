@@ -281,10 +281,10 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
             format!("{} is outside [0, 1)", t.dropout),
         ));
     }
-    if t.finetune == Finetune::Qlora && opts.device.kind != DeviceKind::Meta {
+    if t.finetune == Finetune::Qlora && opts.device.kind == DeviceKind::Cuda {
         return Err(Error::invalid_arg(
             "--finetune",
-            "qlora is planned on meta only (the engine's kernels do not read 4-bit NF4 weights yet): use --device meta or `memfit plan`",
+            "qlora runs on cpu and is planned on meta; the cuda backend has no NF4 kernel yet",
         ));
     }
     if t.finetune != Finetune::Full {

@@ -52,6 +52,9 @@ impl Backend for MetaBackend {
     fn is_gpu(&self) -> bool {
         self.emulates == Emulates::Cuda
     }
+    fn reads_nf4(&self) -> bool {
+        true
+    }
     fn alloc(&mut self, _len: usize, _dtype: DType) {}
     fn free(&mut self, _buf: ()) {}
     fn workspace_bytes(&self, s: AttnShape, fused: bool, dtype: DType) -> usize {

@@ -180,6 +180,18 @@ pub trait Backend {
         );
         self.upload_f32(dst, &d);
     }
+    /// Whether this backend stores and dequantises QLoRA's NF4 weights
+    /// ([`Backend::upload_u8`], [`Backend::nf4_dequantize`]); the engine
+    /// asks no other backend to.
+    fn reads_nf4(&self) -> bool {
+        false
+    }
+    /// Raw bytes into a `U8` buffer (an NF4 weight in `nf4::Nf4::to_bytes`'s
+    /// layout). Only called where [`Backend::reads_nf4`].
+    fn upload_u8(&mut self, _dst: &mut Self::Buf, _src: &[u8]) {}
+    /// `out (numel)` = the NF4 weight in `src` dequantised, in `out`'s dtype
+    /// (rounded once). Only called where [`Backend::reads_nf4`].
+    fn nf4_dequantize(&mut self, _out: &mut Self::Buf, _src: &Self::Buf, _numel: usize) {}
     /// The buffer's contents, or `None` on a backend that holds no data.
     fn download_f32(&self, src: &Self::Buf) -> Option<Vec<f32>>;
 

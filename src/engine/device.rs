@@ -444,14 +444,12 @@ impl<B: Backend> Device<B> {
         });
     }
 
-    /// QLoRA's dequantisation of an NF4 weight into `out` (meta only: the
-    /// engine that plans it holds no data; priced as a streaming op).
+    /// QLoRA's dequantisation of an NF4 weight into `out` (a streaming op).
     pub fn nf4_dequantize(&mut self, out: &mut T<B>, w: &T<B>) {
-        debug_assert!(
-            !self.be.holds_data(),
-            "NF4 weights are planned on meta only"
-        );
-        self.timed("nf4_dequantize", 4 * out.len as u64, b(out) + b(w), |_| {});
+        let n = out.len;
+        self.timed("nf4_dequantize", 4 * n as u64, b(out) + b(w), |be| {
+            be.nf4_dequantize(&mut out.buf, &w.buf, n)
+        });
     }
 
     /// [`Backend::copy_cols`]: a column block between row-major matrices.

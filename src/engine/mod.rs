@@ -462,8 +462,8 @@ impl<B: Backend> Engine<B> {
         let base = specs.len();
         let qlora = train.finetune == Finetune::Qlora;
         assert!(
-            !qlora || !be.holds_data(),
-            "QLoRA is planned on meta only (run::validate says so)"
+            !qlora || be.reads_nf4(),
+            "this backend does not read NF4 weights (run::validate says so)"
         );
         let adapters = match train.finetune {
             Finetune::Full => Vec::new(),
@@ -613,7 +613,14 @@ impl<B: Backend> Engine<B> {
             };
             for (i, t) in params.iter_mut().enumerate() {
                 if !sharding.shards_parameters() && owned[i] {
-                    dev.be.upload_f32(&mut t.buf, part(i, false));
+                    if t.dtype == DType::U8 {
+                        // QLoRA: the weight quantised once, as bitsandbytes
+                        // does when the model is loaded in 4 bits.
+                        let q = crate::nf4::quantize(part(i, false)).to_bytes();
+                        dev.be.upload_u8(&mut t.buf, &q);
+                    } else {
+                        dev.be.upload_f32(&mut t.buf, part(i, false));
+                    }
                 }
             }
             if let Some(d) = &mut dist {

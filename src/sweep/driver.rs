@@ -180,10 +180,14 @@ fn check_measurable(recipe: &crate::plan::PlanRecipe, path: &std::path::Path) ->
         .as_ref()
         .is_none_or(|d| d.kind != DeviceKind::Meta);
     let g = &recipe.grid;
-    if computes && g.finetune.contains(&crate::engine::Finetune::Qlora) {
+    let on_cuda = recipe
+        .device
+        .as_ref()
+        .is_some_and(|d| d.kind == DeviceKind::Cuda);
+    if on_cuda && g.finetune.contains(&crate::engine::Finetune::Qlora) {
         return Err(Error::Config {
             location: path.display().to_string(),
-            message: "`grid.finetune` qlora is planned, not measured: the engine's kernels do not read 4-bit NF4 weights yet. Plan it with `memfit plan`, or sweep with --device meta".into(),
+            message: "`grid.finetune` qlora: the cuda backend has no NF4 kernel yet; sweep it on cpu or meta, or plan it with `memfit plan`".into(),
         });
     }
     if !computes || !g.framework.contains(&Framework::HfEager) {

@@ -843,6 +843,25 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn reads_nf4(&self) -> bool {
+        true
+    }
+
+    fn upload_u8(&mut self, dst: &mut CpuBuf, src: &[u8]) {
+        match dst {
+            CpuBuf::U8(d) => d[..src.len()].copy_from_slice(src),
+            other => dtype_mismatch(DType::U8, other.dtype()),
+        }
+    }
+
+    fn nf4_dequantize(&mut self, out: &mut CpuBuf, src: &CpuBuf, numel: usize) {
+        let CpuBuf::U8(bytes) = src else {
+            dtype_mismatch(DType::U8, src.dtype())
+        };
+        let mut wide = out.wide_mut();
+        crate::nf4::dequantize_bytes(bytes, numel, &mut wide[..numel]);
+    }
+
     fn upload_u32(&mut self, dst: &mut CpuBuf, src: &[u32]) {
         let dst = dst.as_u32_mut();
         assert!(
