@@ -401,3 +401,56 @@ fn the_24_gb_question() {
     assert_eq!(largest("qlora", "none"), None);
     assert_eq!(largest("qlora", "full"), Some(2));
 }
+
+/// A LoRA sweep measures what it predicts (the recipe's rank reaches the
+/// trials) and exports PEFT's LoraConfig with it.
+#[test]
+fn lora_sweep_measures_its_prediction_and_exports_peft() {
+    let dir = std::env::temp_dir().join(format!("memfit-lora-sweep-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let recipe = dir.join("lora.yaml");
+    std::fs::write(
+        &recipe,
+        "model: gpt2-tiny\nhardware: t4\ndevice: cpu:limit=64MiB\nseq_len: 32\nglobal_batch: 8\nlora_rank: 4\nlora_alpha: 8\nlora_targets: [q, down]\ngrid:\n  micro_batch: [4, 8]\n  precision: [fp32]\n  finetune: [lora]\n",
+    )
+    .unwrap();
+    let out_dir = dir.join("out");
+    let out = memfit(&[
+        "sweep",
+        recipe.to_str().unwrap(),
+        "--out",
+        out_dir.to_str().unwrap(),
+        "--steps",
+        "2",
+        "--max-steps",
+        "3",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out_dir.join("report.json")).unwrap())
+            .unwrap();
+    let trials = report["trials"].as_array().unwrap();
+    assert_eq!(trials.len(), 2);
+    for t in trials {
+        assert_eq!(
+            t["predicted"]["peak_bytes"], t["measured"]["peak_bytes"],
+            "{}",
+            t["id"]
+        );
+    }
+    let peft = std::fs::read_to_string(out_dir.join("peft_config.py")).unwrap();
+    assert!(
+        peft.contains("r=4,") && peft.contains("lora_alpha=8"),
+        "{peft}"
+    );
+    assert!(
+        peft.contains("target_modules=[\"c_attn\", \"mlp.c_proj\"]"),
+        "{peft}"
+    );
+    let pinned = std::fs::read_to_string(out_dir.join("recommended.yaml")).unwrap();
+    assert!(
+        pinned.contains("finetune: [lora]") && pinned.contains("lora_rank: 4"),
+        "{pinned}"
+    );
+}

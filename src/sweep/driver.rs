@@ -128,6 +128,8 @@ struct Ctx<'a> {
     opts: &'a SweepOptions,
     /// The recipe's hf-eager knobs trials receive (dropout is never measured).
     hf_knobs: (crate::engine::OptimizerImpl, bool),
+    /// The recipe's LoRA knobs.
+    lora: crate::engine::LoraConfig,
     report: SweepReport,
     journal: std::fs::File,
     done: HashMap<String, TrialRecord>,
@@ -482,6 +484,7 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         nvml,
         opts,
         hf_knobs: (recipe.optimizer_impl, recipe.set_to_none),
+        lora: recipe.lora(),
         report,
         journal,
         done,
@@ -1133,6 +1136,7 @@ impl Ctx<'_> {
             sample_ms: self.opts.hooks.as_ref().map(|h| h.sample_ms),
             optimizer_impl: self.hf_knobs.0,
             set_to_none: self.hf_knobs.1,
+            lora: self.lora.clone(),
         };
         let start = Instant::now();
         let hooks = self.opts.hooks.clone();

@@ -49,6 +49,9 @@ pub struct TrialSpec {
     /// hf-eager points: zero_grad(set_to_none=...).
     #[serde(default = "yes")]
     pub set_to_none: bool,
+    /// LoRA and QLoRA points: the recipe's LoRA knobs.
+    #[serde(default)]
+    pub lora: crate::engine::LoraConfig,
 }
 
 fn yes() -> bool {
@@ -121,6 +124,9 @@ pub fn run_trial(spec: &TrialSpec) -> Result<TrialOutput> {
             if tc.framework == crate::engine::Framework::HfEager {
                 tc.optimizer_impl = spec.optimizer_impl;
                 tc.set_to_none = spec.set_to_none;
+            }
+            if tc.finetune != crate::engine::Finetune::Full {
+                tc.lora = spec.lora.clone();
             }
             tc
         },
