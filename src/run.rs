@@ -20,7 +20,7 @@ use crate::config::profile::load_model;
 use crate::data::DataSource;
 use crate::engine::cluster::{Cluster, Links, links};
 use crate::engine::{
-    Comm, CostCounter, Engine, Finetune, Framework, Optimizer, Precision, Sharding, TrainConfig,
+    Comm, CostCounter, Engine, Finetune, Framework, Optimizer, Sharding, TrainConfig,
 };
 use crate::error::{Error, Result};
 use crate::memory::{ByCategory, Category, OomError, PeakBytes, Tracker};
@@ -318,7 +318,7 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
         // hf-eager holds PyTorch's tensors but computes with the engine's
         // kernels, which are fp32 or fully 16-bit (not autocast's fp32
         // weights with 16-bit activations) and have no dropout.
-        if t.precision != Precision::Fp32 {
+        if crate::engine::framework::is_autocast(t) {
             return Err(Error::invalid_arg(
                 "--framework",
                 format!(

@@ -272,3 +272,59 @@ fn hf_only_knobs_and_unmeasurable_points_are_refused() {
         stderr(&out)
     );
 }
+
+/// A pipeline's last stage holds the tied head but not the embedding: the
+/// head's gradient temporary must end with each backward there, so more
+/// micro-batches do not raise any stage's peak.
+#[test]
+fn hf_eager_pipeline_peaks_do_not_grow_with_micro_batches() {
+    let temps = |k: &str| {
+        let out = memfit(&[
+            "run",
+            "--model",
+            "gpt2-tiny",
+            "--device",
+            "meta",
+            "--framework",
+            "hf-eager",
+            "--pipeline-stages",
+            "2",
+            "--grad-accum",
+            k,
+            "--format",
+            "json",
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        json(&out)["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["peak_bytes"]["temporaries"].as_u64().unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(temps("1"), temps("4"));
+}
+
+/// Plan recipes' LoRA keys are checked where `memfit run`'s flags are.
+#[test]
+fn plan_recipe_lora_keys_are_checked() {
+    let dir = scratch("lora-keys");
+    for (key, bad) in [
+        ("lora_rank", "lora_rank: 0"),
+        ("lora_alpha", "lora_alpha: -1"),
+        ("lora_dropout", "lora_dropout: 1.5"),
+        ("lora_targets", "lora_targets: [gate]"),
+    ] {
+        let recipe = dir.join(format!("{key}.yaml"));
+        std::fs::write(
+            &recipe,
+            format!(
+                "model: gpt2\nhardware: t4\nseq_len: 64\nglobal_batch: 4\n{bad}\ngrid:\n  finetune: [lora]\n  optimizer: [adafactor]\n"
+            ),
+        )
+        .unwrap();
+        let out = memfit(&["plan", recipe.to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(2), "{key}: {}", stderr(&out));
+        assert!(stderr(&out).contains(key), "{key}: {}", stderr(&out));
+    }
+}

@@ -86,6 +86,19 @@ pub enum OptimizerImpl {
     Fused,
 }
 
+/// Whether hf-eager's 16-bit precision is autocast (fp32 parameters, 16-bit
+/// matmuls): without ZeRO (whose bf16/fp16 modes cast the module) and for
+/// full training (LoRA users load the frozen base in the 16-bit type,
+/// `torch_dtype=torch.bfloat16`, so its activations are a 16-bit module's
+/// whatever autocast adds). The engine's kernels cannot compute autocast:
+/// such a configuration is planned on meta only.
+pub fn is_autocast(train: &TrainConfig) -> bool {
+    train.framework == Framework::HfEager
+        && train.precision != super::Precision::Fp32
+        && !train.sharding.shards_optimizer()
+        && train.finetune == crate::engine::Finetune::Full
+}
+
 /// What `hf-eager` holds beyond the engine's own tensors, for one model and
 /// one set of knobs. Sizes are elements with their dtype.
 #[derive(Clone, Debug, PartialEq)]
@@ -148,12 +161,7 @@ impl HfRules {
         let f32 = DType::F32;
         let dt = train.precision.dtype();
         let sixteen = dt != f32;
-        // LoRA users load the frozen base in the 16-bit type
-        // (`torch_dtype=torch.bfloat16`): its activations are a 16-bit
-        // module's, whatever autocast adds.
-        let autocast = sixteen
-            && !train.sharding.shards_optimizer()
-            && train.finetune == crate::engine::Finetune::Full;
+        let autocast = is_autocast(train);
         let p = train.dropout;
         // Dropout's input is the probabilities or a projection's output,
         // both in `dt`; cuda saves a bool mask instead.

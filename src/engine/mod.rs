@@ -1406,6 +1406,9 @@ impl<B: Backend> Engine<B> {
             }
             (None, None) => unreachable!("without a pipeline every rank embeds"),
         }
+        // A pipeline's last stage has the tied head but not the embedding:
+        // the head's gradient temporary ends with this backward there.
+        dev.free_opt(head_dw.take());
         if let Some((w, b)) = scratch {
             dev.free(w);
             dev.free(b);

@@ -16,7 +16,7 @@ use super::report::{
 };
 use super::trial::{Fault, TrialOutput, TrialSpec};
 use crate::backend::{DeviceKind, DeviceSpec};
-use crate::engine::{Framework, Precision};
+use crate::engine::Framework;
 use crate::error::{Error, Result};
 use crate::plan::{Point, Prediction, Rates, Verdict, expand, load_recipe, name, predict};
 use rayon::prelude::*;
@@ -126,8 +126,8 @@ fn group_key(p: &Point) -> Point {
 
 struct Ctx<'a> {
     opts: &'a SweepOptions,
-    /// The recipe's hf-eager knobs trials receive (dropout is never measured).
-    hf_knobs: (crate::engine::OptimizerImpl, bool),
+    /// The recipe's hf-eager knobs trials receive (dropout runs on meta only).
+    hf_knobs: (crate::engine::OptimizerImpl, bool, f32),
     /// The recipe's LoRA knobs.
     lora: crate::engine::LoraConfig,
     report: SweepReport,
@@ -181,36 +181,49 @@ fn check_measurable(recipe: &crate::plan::PlanRecipe, path: &std::path::Path) ->
         .device
         .as_ref()
         .is_none_or(|d| d.kind != DeviceKind::Meta);
-    let g = &recipe.grid;
     let on_cuda = recipe
         .device
         .as_ref()
         .is_some_and(|d| d.kind == DeviceKind::Cuda);
-    if on_cuda && g.finetune.contains(&crate::engine::Finetune::Qlora) {
-        return Err(Error::Config {
+    if !computes {
+        return Ok(());
+    }
+    let refuse = |why: String| {
+        Err(Error::Config {
             location: path.display().to_string(),
-            message: "`grid.finetune` qlora: the cuda backend has no NF4 kernel yet; sweep it on cpu or meta, or plan it with `memfit plan`".into(),
-        });
-    }
-    if !computes || !g.framework.contains(&Framework::HfEager) {
-        return Ok(());
-    }
-    let why = if let Some(p) = g.precision.iter().find(|&&p| p != Precision::Fp32) {
-        format!(
-            "`grid.precision` {} is autocast under hf-eager (fp32 weights, 16-bit matmuls), which the engine's kernels do not compute",
-            crate::plan::name(*p)
-        )
-    } else if recipe.dropout > 0.0 {
-        "`dropout` is modelled, not computed: the engine's kernels have no dropout".to_string()
-    } else {
-        return Ok(());
+            message: format!(
+                "{why}. Plan such points with `memfit plan`, or sweep with --device meta"
+            ),
+        })
     };
-    Err(Error::Config {
-        location: path.display().to_string(),
-        message: format!(
-            "{why}; hf-eager trials measure on a computing device at fp32 without dropout only. Plan the rest with `memfit plan`, or sweep with --device meta"
-        ),
-    })
+    for p in expand(recipe) {
+        let t = recipe.train_config(&p);
+        if on_cuda && t.finetune == crate::engine::Finetune::Qlora {
+            return refuse("`grid.finetune` qlora: the cuda backend has no NF4 kernel yet".into());
+        }
+        if t.finetune != crate::engine::Finetune::Full && t.lora.dropout > 0.0 {
+            return refuse(
+                "`lora_dropout` is modelled, not computed: the engine's kernels have no dropout"
+                    .into(),
+            );
+        }
+        if t.framework != Framework::HfEager {
+            continue;
+        }
+        if crate::engine::framework::is_autocast(&t) {
+            return refuse(format!(
+                "point {}: {} is autocast under hf-eager (fp32 weights, 16-bit matmuls), which the engine's kernels do not compute",
+                p.label(),
+                crate::plan::name(t.precision)
+            ));
+        }
+        if t.dropout > 0.0 {
+            return refuse(
+                "`dropout` is modelled, not computed: the engine's kernels have no dropout".into(),
+            );
+        }
+    }
+    Ok(())
 }
 
 pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
@@ -354,6 +367,7 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
             .iter()
             .any(|&f| f != crate::engine::Finetune::Full)
             .then(|| recipe.lora()),
+        hf_knobs: Some((recipe.dropout, recipe.optimizer_impl, recipe.set_to_none)),
         seq_len: recipe.seq_len,
         global_batch: recipe.global_batch,
         grid_size: preds.len(),
@@ -483,7 +497,7 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
     let mut ctx = Ctx {
         nvml,
         opts,
-        hf_knobs: (recipe.optimizer_impl, recipe.set_to_none),
+        hf_knobs: (recipe.optimizer_impl, recipe.set_to_none, recipe.dropout),
         lora: recipe.lora(),
         report,
         journal,
@@ -1137,6 +1151,7 @@ impl Ctx<'_> {
             optimizer_impl: self.hf_knobs.0,
             set_to_none: self.hf_knobs.1,
             lora: self.lora.clone(),
+            dropout: self.hf_knobs.2,
         };
         let start = Instant::now();
         let hooks = self.opts.hooks.clone();

@@ -374,14 +374,22 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord) -> String {
     if named {
         s.push_str(&format!("  framework: [{}]\n", name(p.framework)));
     }
+    if let Some((dropout, opt_impl, set_to_none)) = report.hf_knobs
+        && p.framework == crate::engine::Framework::HfEager
+    {
+        s.push_str(&format!(
+            "dropout: {dropout:?}\noptimizer_impl: {}\nset_to_none: {set_to_none}\n",
+            name(opt_impl)
+        ));
+    }
     if let Some(l) = report
         .lora
         .as_ref()
         .filter(|_| p.finetune != Finetune::Full)
     {
         s.push_str(&format!(
-            "lora_rank: {}\nlora_alpha: {:?}\n",
-            l.rank, l.alpha
+            "lora_rank: {}\nlora_alpha: {:?}\nlora_dropout: {:?}\n",
+            l.rank, l.alpha, l.dropout
         ));
         if !l.targets.is_empty() {
             let t: Vec<String> = l.targets.iter().map(|t| name(*t)).collect();
@@ -423,7 +431,11 @@ pub fn peft_config(report: &SweepReport, trial: &TrialRecord) -> Option<String> 
     let l = report.lora.clone().unwrap_or_default();
     use crate::engine::lora::Target;
     let wants = |ts: &[Target]| l.targets.is_empty() || ts.iter().any(|t| l.targets.contains(t));
-    let modules: Vec<String> = match report.model.contains("gpt2") {
+    // The module names of the model's family (GPT-2's fused c_attn).
+    let gpt2 = crate::config::profile::load_model(&report.model)
+        .map(|m| m.family == crate::config::Family::Gpt2)
+        .unwrap_or_else(|_| report.model.contains("gpt2"));
+    let modules: Vec<String> = match gpt2 {
         true => [
             ("c_attn", &[Target::Q, Target::K, Target::V][..]),
             ("attn.c_proj", &[Target::O][..]),
@@ -567,6 +579,7 @@ mod tests {
             headroom: 0.05,
             allow_numerics_change: false,
             lora: None,
+            hf_knobs: None,
             seq_len: 128,
             global_batch: 16,
             grid_size: trials.len(),

@@ -1841,6 +1841,7 @@ pub(crate) mod tests {
             headroom: 0.05,
             allow_numerics_change: true,
             lora: None,
+            hf_knobs: None,
             seq_len: 128,
             global_batch: 16,
             grid_size: 12,

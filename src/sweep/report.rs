@@ -232,6 +232,10 @@ pub struct SweepReport {
     /// The recipe's LoRA knobs, when its grid has LoRA or QLoRA points.
     #[serde(default)]
     pub lora: Option<crate::engine::LoraConfig>,
+    /// The recipe's hf-eager knobs (dropout, AdamW implementation,
+    /// set_to_none), for the pinned recipe.
+    #[serde(default)]
+    pub hf_knobs: Option<(f32, crate::engine::OptimizerImpl, bool)>,
     pub seq_len: usize,
     pub global_batch: usize,
     /// Grid points, and how many of them ran as trials.
@@ -301,6 +305,7 @@ impl SweepReport {
             headroom: 0.05,
             allow_numerics_change: true,
             lora: None,
+            hf_knobs: None,
             seq_len: 128,
             global_batch: 16,
             grid_size: 0,

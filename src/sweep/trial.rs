@@ -52,6 +52,9 @@ pub struct TrialSpec {
     /// LoRA and QLoRA points: the recipe's LoRA knobs.
     #[serde(default)]
     pub lora: crate::engine::LoraConfig,
+    /// hf-eager points: the model's dropout (a sweep on meta models it).
+    #[serde(default)]
+    pub dropout: f32,
 }
 
 fn yes() -> bool {
@@ -124,6 +127,7 @@ pub fn run_trial(spec: &TrialSpec) -> Result<TrialOutput> {
             if tc.framework == crate::engine::Framework::HfEager {
                 tc.optimizer_impl = spec.optimizer_impl;
                 tc.set_to_none = spec.set_to_none;
+                tc.dropout = spec.dropout;
             }
             if tc.finetune != crate::engine::Finetune::Full {
                 tc.lora = spec.lora.clone();
