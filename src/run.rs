@@ -167,6 +167,10 @@ pub struct RunReport {
     /// kernels and libraries hold (measured at start-up, before any tensor).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpu: Option<GpuRecord>,
+    /// hf-eager on (or predicting) a GPU: PyTorch's caching allocator over
+    /// rank 0's tensors (`crate::caching`), as `torch.cuda` names its peaks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allocator: Option<crate::plan::AllocatorPeaks>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -691,6 +695,7 @@ where
         loss_scale: None,
         error: None,
         gpu: None,
+        allocator: None,
     };
     // Open the timeline file first, so a bad path fails before any training.
     let mut timeline_file = match &opts.timeline {
@@ -800,6 +805,14 @@ where
         report.tokens_per_s = Some(report.tokens_per_step as f64 / crate::stats::median(timed));
     }
     let e0 = &cluster.ranks[0];
+    report.allocator = e0
+        .dev
+        .caching
+        .as_ref()
+        .map(|c| crate::plan::AllocatorPeaks {
+            max_memory_allocated: c.peak_allocated,
+            max_memory_reserved: c.peak_reserved,
+        });
     report.skipped_steps = e0.skipped_steps();
     report.loss_scale = e0.loss_scale();
     let trackers: Vec<Tracker> = cluster
@@ -951,6 +964,14 @@ pub fn render_table(r: &RunReport) -> String {
             ));
         }
         let _ = writeln!(s, "{}", what.join(", "));
+    }
+    if let Some(a) = r.allocator {
+        let _ = writeln!(
+            s,
+            "PyTorch's caching allocator over these tensors: max_memory_allocated {}, max_memory_reserved {}",
+            fmt_bytes(a.max_memory_allocated),
+            fmt_bytes(a.max_memory_reserved)
+        );
     }
     if !r.steps.is_empty() {
         let _ = writeln!(

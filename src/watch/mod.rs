@@ -263,6 +263,13 @@ pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
     if t.ranks > 1 {
         knobs += &format!(", {} ranks {}", t.ranks, name(t.sharding));
     }
+    knobs += &format!(", {}", t.framework.name());
+    if let Some(a) = report.allocator {
+        knobs += &format!(
+            " (PyTorch's allocator would reserve {})",
+            crate::units::fmt_bytes(a.max_memory_reserved)
+        );
+    }
     Ok(Some(Prediction {
         model: opts.model.clone(),
         knobs,
