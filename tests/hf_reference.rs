@@ -328,3 +328,84 @@ fn plan_recipe_lora_keys_are_checked() {
         assert!(stderr(&out).contains(key), "{key}: {}", stderr(&out));
     }
 }
+
+/// Every profile and fine-tuning mode frees what it allocates: after two
+/// steps and `release`, nothing is live in any category.
+#[test]
+fn every_mode_releases_everything() {
+    use memfit::engine::{Finetune, Precision, Sharding};
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        let model = load_model(model).unwrap();
+        for (framework, finetune, precision, set_to_none, ckpt) in [
+            (
+                Framework::HfEager,
+                Finetune::Full,
+                Precision::Fp32,
+                true,
+                Checkpointing::None,
+            ),
+            (
+                Framework::HfEager,
+                Finetune::Full,
+                Precision::Bf16,
+                false,
+                Checkpointing::Full,
+            ),
+            (
+                Framework::HfEager,
+                Finetune::Lora,
+                Precision::Bf16,
+                true,
+                Checkpointing::None,
+            ),
+            (
+                Framework::Memfit,
+                Finetune::Qlora,
+                Precision::Bf16,
+                true,
+                Checkpointing::Full,
+            ),
+            (
+                Framework::HfEager,
+                Finetune::Qlora,
+                Precision::Bf16,
+                true,
+                Checkpointing::None,
+            ),
+        ] {
+            let tc = TrainConfig {
+                seq_len: 16,
+                micro_batch: 2,
+                grad_accum: 2,
+                framework,
+                finetune,
+                precision,
+                set_to_none,
+                checkpointing: ckpt,
+                sharding: Sharding::None,
+                ..TrainConfig::default()
+            };
+            for gpu in [false, true] {
+                let be = match gpu {
+                    true => MetaBackend::emulating_cuda(),
+                    false => MetaBackend::emulating_cpu(),
+                };
+                let mut e = Engine::new(model.clone(), tc.clone(), be, None).unwrap();
+                let start = e.dev.tracker.live();
+                for _ in 0..2 {
+                    e.step_from(2, || unreachable!()).unwrap();
+                    assert_eq!(
+                        e.dev.tracker.live(),
+                        start,
+                        "{tc:?}: a step left bytes live"
+                    );
+                }
+                let dev = e.release();
+                assert_eq!(dev.tracker.live().total(), 0, "{tc:?}");
+                if let Some(c) = &dev.caching {
+                    assert_eq!(c.allocated(), 0, "{tc:?}: the allocator model kept blocks");
+                }
+            }
+        }
+    }
+}
