@@ -299,16 +299,7 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
             ));
         }
         crate::engine::lora::check(model, &t.lora)
-            .map_err(|m| Error::invalid_arg("--lora-targets", m))?;
-        if !(t.lora.alpha.is_finite() && t.lora.alpha > 0.0) {
-            return Err(Error::invalid_arg("--lora-alpha", "must be positive"));
-        }
-        if !(0.0..1.0).contains(&t.lora.dropout) {
-            return Err(Error::invalid_arg(
-                "--lora-dropout",
-                format!("{} is outside [0, 1)", t.lora.dropout),
-            ));
-        }
+            .map_err(|(knob, m)| Error::invalid_arg(&format!("--lora-{knob}"), m))?;
         if t.lora.dropout > 0.0
             && (t.framework != Framework::HfEager || opts.device.kind != DeviceKind::Meta)
         {

@@ -142,14 +142,25 @@ pub struct Adapter {
 }
 
 /// Why a target list cannot work on this model, if it cannot.
-pub fn check(model: &ModelConfig, cfg: &LoraConfig) -> Result<(), String> {
+/// The error names the knob (`rank`, `alpha`, `dropout`, `targets`): the
+/// flag `--lora-<knob>` or the recipe key `lora_<knob>`.
+pub fn check(model: &ModelConfig, cfg: &LoraConfig) -> Result<(), (&'static str, String)> {
     if cfg.rank == 0 {
-        return Err("the LoRA rank must be at least 1".into());
+        return Err(("rank", "the LoRA rank must be at least 1".into()));
+    }
+    if !(cfg.alpha.is_finite() && cfg.alpha > 0.0) {
+        return Err(("alpha", format!("{} must be positive", cfg.alpha)));
+    }
+    if !(0.0..1.0).contains(&cfg.dropout) {
+        return Err(("dropout", format!("{} is outside [0, 1)", cfg.dropout)));
     }
     if model.family == Family::Gpt2 && cfg.targets.contains(&Target::Gate) {
-        return Err(format!(
-            "{} has no gate projection (GPT-2's MLP is c_fc, GELU, c_proj: up and down)",
-            model.name
+        return Err((
+            "targets",
+            format!(
+                "{} has no gate projection (GPT-2's MLP is c_fc, GELU, c_proj: up and down)",
+                model.name
+            ),
         ));
     }
     Ok(())

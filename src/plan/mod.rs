@@ -615,32 +615,10 @@ fn check_recipe(
         ));
     }
     if r.grid.finetune.iter().any(|&f| f != Finetune::Full) {
-        let l = r.lora();
-        crate::engine::lora::check(model, &l).map_err(|m| {
-            err(
-                if l.rank == 0 {
-                    "lora_rank"
-                } else {
-                    "lora_targets"
-                },
-                None,
-                m,
-            )
+        crate::engine::lora::check(model, &r.lora()).map_err(|(knob, m)| {
+            let key = format!("lora_{knob}");
+            err(&key, None, format!("`{key}`: {m}"))
         })?;
-        if !(l.alpha.is_finite() && l.alpha > 0.0) {
-            return Err(err(
-                "lora_alpha",
-                None,
-                format!("`lora_alpha` {} must be positive", l.alpha),
-            ));
-        }
-        if !(0.0..1.0).contains(&l.dropout) {
-            return Err(err(
-                "lora_dropout",
-                None,
-                format!("`lora_dropout` {} is outside [0, 1)", l.dropout),
-            ));
-        }
     }
     let g = &r.grid;
     for (key, empty) in [
