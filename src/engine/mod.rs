@@ -389,8 +389,6 @@ pub struct Engine<B: Backend> {
     adapters: Vec<Vec<Adapter>>,
     /// Which tensors train (LoRA freezes the base's).
     trainable: Vec<bool>,
-    /// QLoRA: every block projection is stored NF4 (`crate::nf4`).
-    qlora: bool,
 }
 
 /// `&mut v[i]` and, when given, `&mut v[j]` (i != j).
@@ -668,7 +666,6 @@ impl<B: Backend> Engine<B> {
             lazy_grads,
             adapters,
             trainable,
-            qlora,
         })
     }
 
@@ -919,10 +916,11 @@ impl<B: Backend> Engine<B> {
             pipe,
             hf,
             adapters,
-            qlora,
             ..
         } = self;
         let hf = hf.as_ref();
+        // QLoRA: every block projection is stored NF4 (`crate::nf4`).
+        let qlora = train.finetune == Finetune::Qlora;
         let block_extra = hf.map_or(&[][..], |h| &h.block_saved[..]);
         let (t, n, c) = (
             train.seq_len,
@@ -1006,7 +1004,7 @@ impl<B: Backend> Engine<B> {
                 (
                     adapters.get(l).map_or(&[][..], |v| &v[..]),
                     train.lora.scale(),
-                    *qlora,
+                    qlora,
                 ),
                 true,
             )?;
@@ -1101,10 +1099,10 @@ impl<B: Backend> Engine<B> {
             lazy_grads,
             adapters,
             trainable,
-            qlora,
             ..
         } = self;
         let (hf, lazy) = (hf.as_ref(), *lazy_grads);
+        let qlora = train.finetune == Finetune::Qlora;
         // LoRA freezes every base tensor: no weight gradients for them; the
         // norm kernels' weight gradients go to a discarded scratch.
         let frozen = !adapters.is_empty();
@@ -1197,7 +1195,7 @@ impl<B: Backend> Engine<B> {
             let lora = (
                 adapters.get(l).map_or(&[][..], |v| &v[..]),
                 train.lora.scale(),
-                *qlora,
+                qlora,
             );
             if lazy {
                 let ids: Vec<usize> = units[l + 1]
@@ -1232,7 +1230,7 @@ impl<B: Backend> Engine<B> {
             // MLP: dres is d(out) = d(mlp output)
             let mut dact = dev.alloc(n * dff, dt, tmp)?;
             let (dw, db) = wgrads(g, frozen, bi.down_w, bi.down_b);
-            let wq = dequant(dev, &p[bi.down_w], dff * c, *qlora, dt)?;
+            let wq = dequant(dev, &p[bi.down_w], dff * c, qlora, dt)?;
             let w = wq.as_ref().unwrap_or(&p[bi.down_w]);
             dev.matmul_backward(&mut dact, dw, db, &dres, &a.act, w, n, dff, c);
             dev.free_opt(wq);
@@ -1261,7 +1259,7 @@ impl<B: Backend> Engine<B> {
             };
             let mut dln2 = dev.alloc(n * c, dt, tmp)?;
             let (dw, db) = wgrads(g, frozen, bi.up_w, bi.up_b);
-            let wq = dequant(dev, &p[bi.up_w], upw * c, *qlora, dt)?;
+            let wq = dequant(dev, &p[bi.up_w], upw * c, qlora, dt)?;
             let w = wq.as_ref().unwrap_or(&p[bi.up_w]);
             dev.matmul_backward(&mut dln2, dw, db, &dup, &a.ln2, w, n, c, upw);
             dev.free_opt(wq);
@@ -1296,7 +1294,7 @@ impl<B: Backend> Engine<B> {
             // attention: dres is now d(res2) = d(o-proj output)
             let mut datty = dev.alloc(n * c, dt, tmp)?;
             let (dw, db) = wgrads(g, frozen, bi.o_w, bi.o_b);
-            let wq = dequant(dev, &p[bi.o_w], c * c, *qlora, dt)?;
+            let wq = dequant(dev, &p[bi.o_w], c * c, qlora, dt)?;
             let w = wq.as_ref().unwrap_or(&p[bi.o_w]);
             dev.matmul_backward(&mut datty, dw, db, &dres, &a.atty, w, n, c, c);
             dev.free_opt(wq);
@@ -1331,7 +1329,7 @@ impl<B: Backend> Engine<B> {
             }
             let mut dln1 = dev.alloc(n * c, dt, tmp)?;
             let (dw, db) = wgrads(g, frozen, bi.qkv_w, bi.qkv_b);
-            let wq = dequant(dev, &p[bi.qkv_w], qkvw * c, *qlora, dt)?;
+            let wq = dequant(dev, &p[bi.qkv_w], qkvw * c, qlora, dt)?;
             let w = wq.as_ref().unwrap_or(&p[bi.qkv_w]);
             dev.matmul_backward(&mut dln1, dw, db, &dqkv, &a.ln1, w, n, c, qkvw);
             dev.free_opt(wq);
@@ -1380,7 +1378,7 @@ impl<B: Backend> Engine<B> {
                 dev.tracker.set_phase(Phase::BackwardEmbed);
                 hook(dev, p, g, Stage::Embed, false)?;
                 if hf.is_some() && !frozen {
-                    hf_embed_grads(dev, g, specs, idx, lazy, head_dw.take())?;
+                    hf_embed_grads(dev, g, specs, trainable, idx, lazy, head_dw.take())?;
                 }
                 // A frozen embedding needs no gradient at all.
                 if !frozen {
@@ -1782,6 +1780,7 @@ fn hf_embed_grads<B: Backend>(
     dev: &mut Device<B>,
     g: &mut [T<B>],
     specs: &[ParamSpec],
+    trainable: &[bool],
     idx: &ParamIndex,
     lazy: bool,
     head_dw: Option<T<B>>,
@@ -1789,12 +1788,10 @@ fn hf_embed_grads<B: Backend>(
     let tmp = Category::Temporaries;
     let tied = idx.lm_head.is_none();
     if lazy {
-        // Called for full training only: everything trains.
-        let all = vec![true; specs.len()];
         let ids: Vec<usize> = idx.wpe.into_iter().collect();
-        make_grads(dev, g, specs, &all, &ids, Category::Gradients)?;
+        make_grads(dev, g, specs, trainable, &ids, Category::Gradients)?;
         if !tied {
-            make_grads(dev, g, specs, &all, &[idx.wte], Category::Gradients)?;
+            make_grads(dev, g, specs, trainable, &[idx.wte], Category::Gradients)?;
         }
     }
     let (numel, dt) = (specs[idx.wte].numel(), g[idx.wte].dtype);
