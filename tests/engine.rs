@@ -1,6 +1,8 @@
 //! Engine-level tests at the library boundary: meta == cpu, out-of-memory,
 //! learning, and determinism.
 
+mod common;
+
 use memfit::backend::cpu::CpuBackend;
 use memfit::backend::meta::MetaBackend;
 use memfit::config::ModelConfig;
@@ -56,13 +58,11 @@ fn meta_peaks_equal_cpu_peaks_byte_for_byte() {
             assert_eq!(cpu.at_peak(), meta.at_peak(), "{what}");
             assert_eq!(cf, mf, "{what}: counted FLOPs differ");
             // Stronger than the peaks: the same allocations in the same order and phases.
-            let strip = |t: &Tracker| {
-                t.timeline()
-                    .iter()
-                    .map(|e| (e.phase, e.category, e.bytes))
-                    .collect::<Vec<_>>()
-            };
-            assert_eq!(strip(&cpu), strip(&meta), "{what}: timelines differ");
+            assert_eq!(
+                common::events(&cpu),
+                common::events(&meta),
+                "{what}: timelines differ"
+            );
             assert!(cpu.peak_bytes().activations > 0 && cpu.peak_bytes().temporaries > 0);
         }
     }

@@ -6,7 +6,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{json, memfit, stderr};
+use common::{json, memfit, scratch, stderr};
 use memfit::backend::cpu::CpuBackend;
 use memfit::backend::meta::MetaBackend;
 use memfit::config::profile::load_model;
@@ -14,14 +14,6 @@ use memfit::data::DataSource;
 use memfit::engine::{Attention, Checkpointing, Engine, Framework, OptimizerImpl, TrainConfig};
 use memfit::memory::Tracker;
 use memfit::reference::{self, CATEGORY_TOLERANCE, TOTAL_TOLERANCE};
-
-/// A fresh directory for one test's files.
-fn scratch(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("memfit-hfref-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 fn fixture() -> reference::Fixture {
     reference::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/hf_memory.json"))
@@ -156,13 +148,11 @@ fn hf_eager_meta_equals_cpu_and_keeps_the_numerics() {
             let what = format!("{model} {attention:?} {opt_impl:?} set_to_none={set_to_none}");
             let (cpu, meta, hf_losses) = run_both(model, &hf_tc);
             assert_eq!(cpu.peak_bytes(), meta.peak_bytes(), "{what}");
-            let strip = |t: &Tracker| {
-                t.timeline()
-                    .iter()
-                    .map(|e| (e.category, e.bytes, e.phase))
-                    .collect::<Vec<_>>()
-            };
-            assert_eq!(strip(&cpu), strip(&meta), "{what}: timelines differ");
+            assert_eq!(
+                common::events(&cpu),
+                common::events(&meta),
+                "{what}: timelines differ"
+            );
             let (mcpu, _, memfit_losses) = run_both(model, &memfit_tc);
             // gpt2-tiny pads its vocabulary, which hf-eager does not: the
             // logits differ in padding columns only, which the loss ignores.
@@ -185,7 +175,7 @@ fn hf_eager_meta_equals_cpu_and_keeps_the_numerics() {
 /// a GPU; its peak less the hardware's runtime overhead is PyTorch's.
 #[test]
 fn plan_reproduces_the_issues_cuda_dropout_figure() {
-    let dir = scratch("plan");
+    let dir = scratch("hfref-plan");
     let recipe = dir.join("gpt2.yaml");
     std::fs::write(
         &recipe,
@@ -252,7 +242,7 @@ fn hf_only_knobs_and_unmeasurable_points_are_refused() {
         "json",
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let dir = scratch("sweep");
+    let dir = scratch("hfref-sweep");
     let recipe = dir.join("sweep.yaml");
     std::fs::write(
         &recipe,
@@ -308,7 +298,7 @@ fn hf_eager_pipeline_peaks_do_not_grow_with_micro_batches() {
 /// Plan recipes' LoRA keys are checked where `memfit run`'s flags are.
 #[test]
 fn plan_recipe_lora_keys_are_checked() {
-    let dir = scratch("lora-keys");
+    let dir = scratch("hfref-lora-keys");
     for (key, bad) in [
         ("lora_rank", "lora_rank: 0"),
         ("lora_alpha", "lora_alpha: -1"),

@@ -13,7 +13,6 @@ use memfit::engine::lora::{self, Target};
 use memfit::engine::{
     Attention, Checkpointing, Engine, Finetune, LoraConfig, Precision, Proj, TrainConfig,
 };
-use memfit::memory::Tracker;
 
 fn lora_tc(rank: usize) -> TrainConfig {
     TrainConfig {
@@ -164,13 +163,11 @@ fn lora_meta_equals_cpu_byte_for_byte() {
             let (c, m) = (&cpu.dev.tracker, &meta.dev.tracker);
             let what = format!("{name} {prec:?} {attn:?} {ckpt:?}");
             assert_eq!(c.peak_bytes(), m.peak_bytes(), "{what}");
-            let strip = |t: &Tracker| {
-                t.timeline()
-                    .iter()
-                    .map(|e| (e.category, e.bytes, e.phase))
-                    .collect::<Vec<_>>()
-            };
-            assert_eq!(strip(c), strip(m), "{what}: timelines differ");
+            assert_eq!(
+                common::events(c),
+                common::events(m),
+                "{what}: timelines differ"
+            );
             // Frozen weights hold no gradient and no optimizer state: the
             // gradients are the adapters', in the working precision.
             let p = c.peak_bytes();
@@ -339,14 +336,11 @@ fn qlora_trains_on_cpu_and_meta_predicts_it() {
     let first: f32 = losses[..5].iter().sum::<f32>() / 5.0;
     let last: f32 = losses[55..].iter().sum::<f32>() / 5.0;
     assert!(last < first - 0.15, "loss {first} -> {last}");
-    let strip = |t: &Tracker| {
-        t.timeline()
-            .iter()
-            .map(|e| (e.category, e.bytes, e.phase))
-            .collect::<Vec<_>>()
-    };
     assert_eq!(cpu.dev.tracker.peak_bytes(), meta.dev.tracker.peak_bytes());
-    assert_eq!(strip(&cpu.dev.tracker), strip(&meta.dev.tracker));
+    assert_eq!(
+        common::events(&cpu.dev.tracker),
+        common::events(&meta.dev.tracker)
+    );
     // The 4-bit base loses what NF4 rounds: the first loss is the base
     // model's within a few percent, not bit for bit.
     let full = TrainConfig {
@@ -372,8 +366,7 @@ fn qlora_trains_on_cpu_and_meta_predicts_it() {
 /// and without checkpointing (the README records the table).
 #[test]
 fn the_24_gb_question() {
-    let dir = std::env::temp_dir().join(format!("memfit-lora-4090-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch("lora-4090");
     let recipe = dir.join("l8.yaml");
     std::fs::write(
         &recipe,
@@ -406,9 +399,7 @@ fn the_24_gb_question() {
 /// trials) and exports PEFT's LoraConfig with it.
 #[test]
 fn lora_sweep_measures_its_prediction_and_exports_peft() {
-    let dir = std::env::temp_dir().join(format!("memfit-lora-sweep-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch("lora-sweep");
     let recipe = dir.join("lora.yaml");
     std::fs::write(
         &recipe,

@@ -4,6 +4,7 @@
 
 pub mod training;
 
+use std::path::PathBuf;
 use std::process::{Command, Output};
 
 use serde_json::Value;
@@ -29,4 +30,23 @@ pub fn json(out: &Output) -> Value {
 
 pub fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// A tracker's allocation events without their times: what meta and cpu
+/// must agree on, event for event.
+pub fn events(
+    t: &memfit::memory::Tracker,
+) -> Vec<(memfit::memory::Category, i64, memfit::memory::Phase)> {
+    t.timeline()
+        .iter()
+        .map(|e| (e.category, e.bytes, e.phase))
+        .collect()
+}
+
+/// A fresh directory for one test's files.
+pub fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("memfit-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
 }
