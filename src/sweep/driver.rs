@@ -126,10 +126,6 @@ fn group_key(p: &Point) -> Point {
 
 struct Ctx<'a> {
     opts: &'a SweepOptions,
-    /// The recipe's hf-eager knobs trials receive (dropout runs on meta only).
-    hf_knobs: (crate::engine::OptimizerImpl, bool, f32),
-    /// The recipe's LoRA knobs.
-    lora: crate::engine::LoraConfig,
     report: SweepReport,
     journal: std::fs::File,
     done: HashMap<String, TrialRecord>,
@@ -367,7 +363,11 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
             .iter()
             .any(|&f| f != crate::engine::Finetune::Full)
             .then(|| recipe.lora()),
-        hf_knobs: Some((recipe.dropout, recipe.optimizer_impl, recipe.set_to_none)),
+        hf_knobs: Some(crate::sweep::report::HfKnobs {
+            dropout: recipe.dropout,
+            optimizer_impl: recipe.optimizer_impl,
+            set_to_none: recipe.set_to_none,
+        }),
         seq_len: recipe.seq_len,
         global_batch: recipe.global_batch,
         grid_size: preds.len(),
@@ -497,8 +497,6 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
     let mut ctx = Ctx {
         nvml,
         opts,
-        hf_knobs: (recipe.optimizer_impl, recipe.set_to_none, recipe.dropout),
-        lora: recipe.lora(),
         report,
         journal,
         done,
@@ -1137,6 +1135,7 @@ impl Ctx<'_> {
             .fault
             .and_then(|(at, f)| (at == self.runs).then_some(f));
         self.runs += 1;
+        let hf = self.report.hf_knobs.unwrap_or_default();
         let spec = TrialSpec {
             model: self.model.clone(),
             seq_len: self.report.seq_len,
@@ -1148,10 +1147,11 @@ impl Ctx<'_> {
             seed: 1337,
             fault,
             sample_ms: self.opts.hooks.as_ref().map(|h| h.sample_ms),
-            optimizer_impl: self.hf_knobs.0,
-            set_to_none: self.hf_knobs.1,
-            lora: self.lora.clone(),
-            dropout: self.hf_knobs.2,
+            // The recipe's knobs, as the report keeps them.
+            optimizer_impl: hf.optimizer_impl,
+            set_to_none: hf.set_to_none,
+            lora: self.report.lora.clone().unwrap_or_default(),
+            dropout: hf.dropout,
         };
         let start = Instant::now();
         let hooks = self.opts.hooks.clone();

@@ -374,7 +374,11 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord) -> String {
     if named {
         s.push_str(&format!("  framework: [{}]\n", name(p.framework)));
     }
-    if let Some((dropout, opt_impl, set_to_none)) = report.hf_knobs
+    if let Some(crate::sweep::report::HfKnobs {
+        dropout,
+        optimizer_impl: opt_impl,
+        set_to_none,
+    }) = report.hf_knobs
         && p.framework == crate::engine::Framework::HfEager
     {
         s.push_str(&format!(

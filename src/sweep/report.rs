@@ -61,6 +61,25 @@ pub struct TargetPrediction {
     pub framework: crate::engine::Framework,
 }
 
+/// A plan recipe's hf-eager knobs (its keys of the same names).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HfKnobs {
+    pub dropout: f32,
+    pub optimizer_impl: crate::engine::OptimizerImpl,
+    pub set_to_none: bool,
+}
+
+impl Default for HfKnobs {
+    fn default() -> Self {
+        let d = crate::engine::TrainConfig::default();
+        HfKnobs {
+            dropout: d.dropout,
+            optimizer_impl: d.optimizer_impl,
+            set_to_none: d.set_to_none,
+        }
+    }
+}
+
 /// What a trial measured.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Measured {
@@ -235,7 +254,7 @@ pub struct SweepReport {
     /// The recipe's hf-eager knobs (dropout, AdamW implementation,
     /// set_to_none), for the pinned recipe.
     #[serde(default)]
-    pub hf_knobs: Option<(f32, crate::engine::OptimizerImpl, bool)>,
+    pub hf_knobs: Option<HfKnobs>,
     pub seq_len: usize,
     pub global_batch: usize,
     /// Grid points, and how many of them ran as trials.
