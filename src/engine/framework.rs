@@ -19,7 +19,7 @@
 //! packed q|k|v that stands for the three `bmm` operand copies, the
 //! attention probabilities, the attention output, the residual stream).
 
-use crate::backend::{AttnShape, DType};
+use crate::backend::DType;
 use crate::config::{Family, ModelConfig};
 
 use super::{Attention, TrainConfig};
@@ -137,13 +137,7 @@ impl HfRules {
     /// bernoulli(noise)` that saves the noise in the input's dtype, and sdpa
     /// with dropout falls back to its math path.
     pub fn new(model: &ModelConfig, train: &TrainConfig, cuda: bool) -> Self {
-        let s = AttnShape {
-            b: train.micro_batch,
-            t: train.seq_len,
-            n_head: model.n_head,
-            n_kv_head: model.n_kv_head(),
-            head_dim: model.head_dim(),
-        };
+        let s = super::attn_shape(model, train);
         let (n, c) = (s.b * s.t, model.d_model);
         let scores = s.b * s.n_head * s.t * s.t;
         let (q, kv) = (s.n_head * s.head_dim, s.n_kv_head * s.head_dim);
