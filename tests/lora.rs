@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{memfit, stderr};
+use common::{memfit, refused, stderr};
 use memfit::backend::cpu::CpuBackend;
 use memfit::backend::meta::MetaBackend;
 use memfit::config::profile::load_model;
@@ -196,33 +196,19 @@ fn llama_8b_rank_16_on_seven_projections_trains_41943040_parameters() {
 
 #[test]
 fn lora_flags_are_checked() {
-    let out = memfit(&["run", "--device", "meta", "--lora-rank", "4"]);
-    assert_eq!(out.status.code(), Some(2));
-    assert!(stderr(&out).contains("--finetune lora"), "{}", stderr(&out));
-    let out = memfit(&[
-        "run",
-        "--device",
-        "meta",
+    refused(
+        &["run", "--device", "meta", "--lora-rank", "4"],
+        "--finetune lora",
+    );
+    let lora = ["run", "--device", "meta", "--finetune", "lora"];
+    refused(
+        &[&lora[..], &["--lora-targets", "q,gate"]].concat(),
+        "no gate",
+    );
+    refused(
+        &[&lora[..], &["--ranks", "2", "--sharding", "zero2"]].concat(),
         "--finetune",
-        "lora",
-        "--lora-targets",
-        "q,gate",
-    ]);
-    assert_eq!(out.status.code(), Some(2));
-    assert!(stderr(&out).contains("no gate"), "{}", stderr(&out));
-    let out = memfit(&[
-        "run",
-        "--device",
-        "meta",
-        "--finetune",
-        "lora",
-        "--ranks",
-        "2",
-        "--sharding",
-        "zero2",
-    ]);
-    assert_eq!(out.status.code(), Some(2));
-    assert!(stderr(&out).contains("--finetune"), "{}", stderr(&out));
+    );
     let out = memfit(&[
         "run",
         "--model",

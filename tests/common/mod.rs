@@ -50,3 +50,16 @@ pub fn scratch(name: &str) -> PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d
 }
+
+/// Runs memfit with `args`, which must be refused as bad input (exit 2)
+/// with `needle` in the message; returns the message.
+pub fn refused(args: &[&str], needle: &str) -> String {
+    let out = memfit(args);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+    assert!(
+        err.contains(needle),
+        "{args:?}: {needle:?} missing from: {err}"
+    );
+    err
+}
