@@ -8,8 +8,8 @@ use crate::backend::DeviceSpec;
 use crate::config::profile::load_model;
 use crate::config::recipe::{RunRecipe, load_run_recipe};
 use crate::engine::{
-    Attention, Checkpointing, Finetune, Framework, LoraConfig, Optimizer, OptimizerImpl, Precision,
-    Schedule, Sharding, TrainConfig, lora::Target,
+    Attention, Checkpointing, Finetune, Framework, LoraConfig, Offload, Optimizer, OptimizerImpl,
+    Precision, Schedule, Sharding, TrainConfig, lora::Target,
 };
 use crate::error::{Error, Result};
 use crate::run::RunOptions;
@@ -328,6 +328,10 @@ fn threads(s: &str) -> std::result::Result<usize, String> {
     check_threads(s.parse().map_err(|e| format!("{e}"))?)
 }
 
+fn host_bytes(s: &str) -> std::result::Result<u64, String> {
+    crate::units::parse_bytes(s).and_then(crate::config::recipe::positive_bytes)
+}
+
 fn seconds(s: &str) -> std::result::Result<f64, String> {
     check_seconds(s.parse().map_err(|e| format!("{e}"))?)
 }
@@ -457,6 +461,10 @@ pub struct PredictArgs {
     /// hf-eager: optimizer.zero_grad(set_to_none=...) [default: true].
     #[arg(long, value_enum)]
     pub set_to_none: Option<SetToNone>,
+    /// DeepSpeed ZeRO-Offload of the watched job: none, optimizer or
+    /// optimizer+params; the prediction is then the device's part [default: none].
+    #[arg(long, value_enum)]
+    pub offload: Option<Offload>,
 }
 
 /// `optimizer.zero_grad(set_to_none=...)`.
@@ -637,6 +645,15 @@ pub struct RunArgs {
     /// gradient_as_bucket_view), so the buckets cost no extra memory.
     #[arg(long)]
     pub bucket_view: bool,
+    /// ZeRO-Offload: optimizer (fp32 master, optimizer state and gradient
+    /// shard in host memory, the update on the CPU; zero1-3) or
+    /// optimizer+params (and the weight shard; zero3) [default: none].
+    #[arg(long, value_enum)]
+    pub offload: Option<Offload>,
+    /// Host memory offloaded tensors may take, per rank, e.g. 64GiB
+    /// [default: this machine's available memory].
+    #[arg(long, value_parser = host_bytes)]
+    pub host_memory: Option<u64>,
     /// Pipeline stages: each a rank holding a contiguous run of blocks (the
     /// embedding with the first, the head with the last); --ranks is then
     /// stages x data-parallel replicas [default: 1; --ranks defaults to it].
@@ -789,6 +806,8 @@ impl RunArgs {
             key!(ranks),
             key!(sharding),
             ("bucket_view", flags.bucket_view, r.bucket_view.is_some()),
+            key!(offload),
+            key!(host_memory),
             key!(pipeline_stages),
             key!(schedule),
             key!(partition),
@@ -933,6 +952,11 @@ impl RunArgs {
                     .unwrap_or(d.set_to_none),
                 finetune,
                 lora,
+                offload: self.offload.or(r.offload).unwrap_or(d.offload),
+                host_memory: self
+                    .host_memory
+                    .or(r.host_memory.as_ref().map(|b| b.0))
+                    .or(d.host_memory),
                 ..d
             },
             steps: self.steps.or(r.steps).unwrap_or(20),

@@ -219,13 +219,16 @@ pub struct OomError {
     pub capacity: u64,
     pub live: ByCategory,
     pub phase: Phase,
+    /// Refused by the host memory offloaded tensors live in, not the device.
+    pub host: bool,
 }
 
 impl fmt::Display for OomError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "out of memory in {}: {} of {} requested with {} of {} capacity already live (",
+            "out of {}memory in {}: {} of {} requested with {} of {} capacity already live (",
+            if self.host { "host " } else { "" },
             self.phase,
             fmt_bytes(self.requested),
             self.category.name(),
@@ -263,6 +266,8 @@ pub struct Tracker {
     /// Whether events carry wall-clock times (off on meta, where nothing
     /// runs and reading the clock would dominate a plan's cost).
     clock: bool,
+    /// Tracks host memory (offload), which its out-of-memory errors say.
+    host: bool,
 }
 
 impl Tracker {
@@ -278,7 +283,14 @@ impl Tracker {
             timeline: Vec::new(),
             recording: true,
             clock: true,
+            host: false,
         }
+    }
+
+    /// A tracker of host memory (offloaded tensors).
+    pub fn for_host(mut self) -> Self {
+        self.host = true;
+        self
     }
 
     /// Stamps events with 0 instead of the time since creation.
@@ -313,6 +325,7 @@ impl Tracker {
                 capacity,
                 live: self.live,
                 phase: self.phase,
+                host: self.host,
             });
         }
         let i = category.index();

@@ -83,6 +83,24 @@ pub struct RankRecord {
     /// (ring algorithms; see `comm::wire_bytes`).
     pub sent_bytes_per_step: u64,
     pub received_bytes_per_step: u64,
+    /// Offload: this rank's peaks in host memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_peak_bytes: Option<PeakBytes>,
+}
+
+/// Offload: the host memory the ranks' offloaded tensors took, as
+/// DeepSpeed's estimators give it per GPU and "per CPU" (the node).
+#[derive(Clone, Debug, Serialize)]
+pub struct HostRecord {
+    /// Each rank's share of the node's host memory.
+    pub capacity_bytes: Option<u64>,
+    /// The highest of the ranks' host peaks.
+    pub peak_bytes: PeakBytes,
+    /// Every rank's host peak added up: the node's (all ranks of a run
+    /// are on this node).
+    pub node_bytes: u64,
+    /// Bytes rank 0 moved between device and host in the last step.
+    pub link_bytes_per_step: u64,
 }
 
 /// One pipeline stage: its blocks, and its peaks (the highest of its replicas').
@@ -171,6 +189,9 @@ pub struct RunReport {
     /// rank 0's tensors (`crate::caching`), as `torch.cuda` names its peaks.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub allocator: Option<crate::plan::AllocatorPeaks>,
+    /// Offload only: host memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host: Option<HostRecord>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -285,12 +306,6 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
             format!("{} is outside [0, 1)", t.dropout),
         ));
     }
-    if t.finetune == Finetune::Qlora && opts.device.kind == DeviceKind::Cuda {
-        return Err(Error::invalid_arg(
-            "--finetune",
-            "qlora runs on cpu and is planned on meta; the cuda backend has no NF4 kernel yet",
-        ));
-    }
     if t.finetune != Finetune::Full {
         if t.ranks > 1 || t.sharding != Sharding::None || t.pipeline_stages > 1 {
             return Err(Error::invalid_arg(
@@ -329,8 +344,35 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
             ));
         }
     }
+    if let Some(why) = t.offload.check(t.sharding) {
+        return Err(Error::invalid_arg("--offload", why));
+    }
+    if t.offload.optimizer() && opts.device.kind == DeviceKind::Cuda {
+        return Err(Error::invalid_arg(
+            "--offload",
+            "offload runs on cpu and is planned on meta; the cuda backend has no host-memory optimizer yet",
+        ));
+    }
+    if !t.offload.optimizer() && t.host_memory.is_some() {
+        return Err(Error::invalid_arg(
+            "--host-memory",
+            "applies to offload only; add --offload optimizer",
+        ));
+    }
     validate_pipeline(t, model)?;
     validate_sharding(t)
+}
+
+/// Offload: each rank's share of the node's host memory (`--host-memory`,
+/// or this machine's available memory), which is what its host tracker
+/// may hold. The ranks of a run are all on this node.
+fn host_share(t: &mut TrainConfig) {
+    if t.offload.optimizer() {
+        t.host_memory = t
+            .host_memory
+            .or_else(host_available_memory)
+            .map(|h| h / t.ranks as u64);
+    }
 }
 
 /// Checks `--pipeline-stages` and `--partition` against the model.
@@ -422,7 +464,9 @@ pub fn validate_sharding(t: &TrainConfig) -> Result<()> {
             ),
         ));
     }
-    if t.sharding.shards_optimizer() && t.data_ranks() < 2 {
+    // A single rank shards nothing, except that ZeRO with offload is how
+    // DeepSpeed offloads on one GPU.
+    if t.sharding.shards_optimizer() && t.data_ranks() < 2 && !t.offload.optimizer() {
         return Err(Error::invalid_arg(
             "--sharding",
             format!(
@@ -457,6 +501,9 @@ pub const MAX_RANKS: usize = 256;
 pub fn run(opts: &RunOptions) -> Result<(RunReport, Option<Error>)> {
     let model = load_model(&opts.model)?;
     validate(opts, &model)?;
+    let mut shared = opts.clone();
+    host_share(&mut shared.train);
+    let opts = &shared;
     let n = opts.train.ranks;
     match opts.device.kind {
         DeviceKind::Meta => run_meta(opts, model, MetaBackend::emulating_cpu()),
@@ -687,6 +734,7 @@ where
         error: None,
         gpu: None,
         allocator: None,
+        host: None,
     };
     // Open the timeline file first, so a bad path fails before any training.
     let mut timeline_file = match &opts.timeline {
@@ -708,9 +756,27 @@ where
                     t.alloc(c, b).expect("no capacity");
                 }
             }
-            fill_peaks(&mut report, std::slice::from_ref(&t), &[(0, 0)], &[None]);
+            // The device's view is lost with the engine when the host
+            // refused: only the host's is known then.
+            let empty = Tracker::new(None);
+            let device = if oom.host { &empty } else { &t };
+            fill_peaks(
+                &mut report,
+                std::slice::from_ref(device),
+                &[(0, 0)],
+                &[None],
+            );
             // The one entry is the rank that failed.
             report.ranks[0].rank = rank;
+            if oom.host {
+                report.ranks[0].host_peak_bytes = Some(t.peak_bytes());
+                report.host = Some(HostRecord {
+                    capacity_bytes: Some(oom.capacity),
+                    peak_bytes: t.peak_bytes(),
+                    node_bytes: t.peak_bytes().total,
+                    link_bytes_per_step: 0,
+                });
+            }
             return Ok((report, Some(Error::Oom(oom))));
         }
     };
@@ -736,6 +802,7 @@ where
             .iter_mut()
             .map(|e| {
                 e.dev.cost = CostCounter::default();
+                e.dev.link_bytes = 0;
                 (e.dev.sent, e.dev.received)
             })
             .collect();
@@ -813,6 +880,7 @@ where
         .collect();
     let stages: Vec<_> = cluster.ranks.iter().map(Engine::stage).collect();
     fill_peaks(&mut report, &trackers, &wire, &stages);
+    report.host = host_record(&mut report.ranks, &cluster.ranks);
     if opts.phase_peaks {
         report.phase_peaks = trackers[0].phase_peaks();
     }
@@ -825,6 +893,28 @@ where
 /// `MemAvailable` from /proc/meminfo, where there is one.
 pub fn host_available_memory() -> Option<u64> {
     crate::units::proc_bytes("/proc/meminfo", "MemAvailable")
+}
+
+/// Offload: each rank's host peaks, and the node's.
+fn host_record<B: Backend>(ranks: &mut [RankRecord], engines: &[Engine<B>]) -> Option<HostRecord> {
+    let first = engines.first()?.dev.host.as_ref()?;
+    let mut top = PeakBytes::default();
+    let mut node = 0;
+    for (r, e) in ranks.iter_mut().zip(engines) {
+        let pk = e.dev.host.as_ref().map(Tracker::peak_bytes)?;
+        for c in Category::ALL {
+            top.set(c, top.get(c).max(pk.get(c)));
+        }
+        top.total = top.total.max(pk.total);
+        node += pk.total;
+        r.host_peak_bytes = Some(pk);
+    }
+    Some(HostRecord {
+        capacity_bytes: first.capacity(),
+        peak_bytes: top,
+        node_bytes: node,
+        link_bytes_per_step: engines[0].dev.link_bytes,
+    })
 }
 
 /// Per-rank peaks and traffic; the top level is the maximum over ranks (the
@@ -848,6 +938,7 @@ fn fill_peaks(
             peak_breakdown: t.at_peak(),
             sent_bytes_per_step: sent,
             received_bytes_per_step: received,
+            host_peak_bytes: None,
         })
         .collect();
     let mut top = PeakBytes::default();
@@ -1059,6 +1150,40 @@ pub fn render_table(r: &RunReport) -> String {
         );
     }
     let _ = writeln!(s, "  {:<12} {:>12}", "total", fmt_bytes(r.peak_bytes.total));
+    if let Some(h) = &r.host {
+        let _ = writeln!(
+            s,
+            "\nhost memory (offload {}){}:",
+            c.train.offload.name(),
+            h.capacity_bytes.map_or(String::new(), |c| format!(
+                " (capacity {} per rank)",
+                fmt_bytes(c)
+            ))
+        );
+        for cat in Category::ALL
+            .into_iter()
+            .filter(|&c| h.peak_bytes.get(c) > 0)
+        {
+            let _ = writeln!(
+                s,
+                "  {:<12} {:>12}",
+                cat.name(),
+                fmt_bytes(h.peak_bytes.get(cat))
+            );
+        }
+        let _ = writeln!(
+            s,
+            "  {:<12} {:>12} per rank, {} for the node's {n} rank(s) (DeepSpeed's \"per CPU\")",
+            "total",
+            fmt_bytes(h.peak_bytes.total),
+            fmt_bytes(h.node_bytes)
+        );
+        let _ = writeln!(
+            s,
+            "  device <-> host: {} per step (rank 0)",
+            fmt_bytes(h.link_bytes_per_step)
+        );
+    }
     if n > 1 {
         let _ = writeln!(
             s,

@@ -8,8 +8,8 @@ use serde::Deserialize;
 use super::profile::{parse_yaml, value_location};
 use crate::backend::DeviceSpec;
 use crate::engine::{
-    Attention, Checkpointing, Finetune, Framework, Optimizer, OptimizerImpl, Precision, Schedule,
-    Sharding, lora::Target,
+    Attention, Checkpointing, Finetune, Framework, Offload, Optimizer, OptimizerImpl, Precision,
+    Schedule, Sharding, lora::Target,
 };
 use crate::error::{Error, Result};
 
@@ -47,6 +47,8 @@ pub struct RunRecipe {
     pub ranks: Option<usize>,
     pub sharding: Option<Sharding>,
     pub bucket_view: Option<bool>,
+    pub offload: Option<Offload>,
+    pub host_memory: Option<Bytes>,
     pub pipeline_stages: Option<usize>,
     pub microbatches: Option<usize>,
     pub schedule: Option<Schedule>,
@@ -92,6 +94,38 @@ impl<'de> Deserialize<'de> for DeviceSpec {
             }
         }
         d.deserialize_str(Visitor)
+    }
+}
+
+/// A byte size written as `--host-memory` takes it (`64GiB`, `512MiB`),
+/// checked as the scalar is read so that its error is located.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bytes(pub u64);
+
+impl<'de> Deserialize<'de> for Bytes {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Bytes;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a size such as 64GiB or 512MiB")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Bytes, E> {
+                crate::units::parse_bytes(v)
+                    .and_then(positive_bytes)
+                    .map(Bytes)
+                    .map_err(E::custom)
+            }
+        }
+        d.deserialize_str(Visitor)
+    }
+}
+
+/// A capacity of zero bytes holds nothing: refused where it is given.
+pub fn positive_bytes(b: u64) -> Result<u64, String> {
+    match b {
+        0 => Err("must be more than 0 bytes".into()),
+        b => Ok(b),
     }
 }
 

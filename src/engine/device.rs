@@ -25,6 +25,8 @@ pub struct Tensor<Buf> {
     pub category: Category,
     /// Its block in the modelled caching allocator (0: none).
     pub block: u64,
+    /// Offloaded: held in host memory (the host tracker), not on the device.
+    pub host: bool,
 }
 
 impl<Buf> Tensor<Buf> {
@@ -67,6 +69,25 @@ pub struct Roofline {
     pub op_overhead_s: f64,
 }
 
+/// Where offloaded work runs (ZeRO-Offload): the host's own roofline for
+/// the optimizer update on the CPU, and the host link (PCIe) every copy
+/// between device and host memory crosses, with its per-transfer latency.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HostRoofline {
+    pub cpu: Roofline,
+    pub link_bytes_per_s: f64,
+    pub link_latency_s: f64,
+}
+
+/// Which memory an op touches, for its price.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum At {
+    Device,
+    Host,
+    /// Between device and host: priced on the host link.
+    Link,
+}
+
 impl CostCounter {
     pub fn flops(&self) -> u128 {
         self.ops.values().map(|c| c.flops).sum()
@@ -104,6 +125,19 @@ pub struct Device<B: Backend> {
     /// hf-eager on a GPU: PyTorch's caching allocator, fed every allocation
     /// and free, for the bytes it would reserve.
     pub caching: Option<crate::caching::CachingAllocator>,
+    /// Offload: host memory, tracked as the device is (categories, peak,
+    /// capacity). `None` when nothing is offloaded.
+    pub host: Option<Tracker>,
+    /// While set, [`Device::alloc`] places tensors in host memory.
+    to_host: bool,
+    /// Prices host and host-link ops (the planner sets it with `roofline`).
+    pub host_roofline: Option<HostRoofline>,
+    /// Seconds of `cost` spent on the host and the host link, and the part
+    /// of that in the optimizer phase.
+    pub offload_s: f64,
+    pub offload_optimizer_s: f64,
+    /// Bytes moved over the host link.
+    pub link_bytes: u64,
 }
 
 /// A rank's collectives, as the engine holds them.
@@ -137,6 +171,51 @@ impl<B: Backend> Device<B> {
             received: 0,
             phase_secs: None,
             caching: None,
+            host: None,
+            to_host: false,
+            host_roofline: None,
+            offload_s: 0.0,
+            offload_optimizer_s: 0.0,
+            link_bytes: 0,
+        }
+    }
+
+    /// Gives the device a host memory to offload to, of `capacity` bytes.
+    pub fn add_host(&mut self, capacity: Option<u64>) {
+        let t = Tracker::new(capacity).for_host();
+        self.host = Some(match self.be.holds_data() {
+            true => t,
+            false => t.without_clock(),
+        });
+    }
+
+    /// Runs `f` with every allocation it makes placed in host memory.
+    pub fn on_host<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        assert!(
+            self.host.is_some(),
+            "offload needs a host (Device::add_host)"
+        );
+        let was = std::mem::replace(&mut self.to_host, true);
+        let r = f(self);
+        self.to_host = was;
+        r
+    }
+
+    /// The tracker that holds `t`'s bytes.
+    fn tracker_of(&mut self, host: bool) -> &mut Tracker {
+        match host {
+            true => self.host.as_mut().expect("a host tensor needs a host"),
+            false => &mut self.tracker,
+        }
+    }
+
+    /// Where an op on tensors placed at `host` runs: on the host when all
+    /// are there, across the link when some are.
+    fn at(host: &[bool]) -> At {
+        match (host.iter().all(|&h| h), host.iter().any(|&h| h)) {
+            (true, _) => At::Host,
+            (false, true) => At::Link,
+            (false, false) => At::Device,
         }
     }
 
@@ -148,20 +227,50 @@ impl<B: Backend> Device<B> {
         bytes: u64,
         f: impl FnOnce(&mut B) -> R,
     ) -> R {
+        self.timed_at(op, flops, bytes, At::Device, f)
+    }
+
+    /// [`Device::timed`] for an op that may touch host memory: on the host
+    /// it is priced on the host's roofline; across the link, `bytes` (what
+    /// crosses it) at the link's bandwidth plus its latency.
+    fn timed_at<R>(
+        &mut self,
+        op: &'static str,
+        flops: impl TryInto<u64>,
+        bytes: u64,
+        at: At,
+        f: impl FnOnce(&mut B) -> R,
+    ) -> R {
         // Meta runs nothing: skip the clock, whose reads would cost more
         // than the op itself.
         let start = self.be.holds_data().then(Instant::now);
         let r = f(&mut self.be);
         let flops = flops.try_into().unwrap_or(u64::MAX);
         let ns = start.map_or(0, |s| s.elapsed().as_nanos() as u64);
-        let secs = self.roofline.map_or(0.0, |rl| {
+        let price = |rl: Roofline| {
             let rate = if op.starts_with("matmul") {
                 rl.flops_per_s
             } else {
                 rl.kernel_flops_per_s
             };
             (flops as f64 / rate).max(bytes as f64 / rl.bytes_per_s) + rl.op_overhead_s
-        });
+        };
+        let secs = match at {
+            At::Device => self.roofline.map_or(0.0, price),
+            At::Host => self.host_roofline.map_or(0.0, |h| price(h.cpu)),
+            At::Link => self.host_roofline.map_or(0.0, |h| {
+                bytes as f64 / h.link_bytes_per_s + h.link_latency_s
+            }),
+        };
+        if at != At::Device {
+            if at == At::Link {
+                self.link_bytes += bytes;
+            }
+            self.offload_s += secs;
+            if self.tracker.phase() == Phase::Optimizer {
+                self.offload_optimizer_s += secs;
+            }
+        }
         self.cost.add(op, flops, bytes, ns, secs);
         if let Some(per_phase) = &mut self.phase_secs {
             let spent = match self.roofline {
@@ -184,9 +293,10 @@ impl<B: Backend> Device<B> {
         category: Category,
     ) -> Result<T<B>, OomError> {
         let bytes = (len * dtype.size()) as u64;
-        self.tracker.alloc(category, bytes)?;
+        let host = self.to_host;
+        self.tracker_of(host).alloc(category, bytes)?;
         let block = match &mut self.caching {
-            Some(c) if bytes > 0 => c.malloc(bytes),
+            Some(c) if bytes > 0 && !host => c.malloc(bytes),
             _ => 0,
         };
         Ok(Tensor {
@@ -195,6 +305,7 @@ impl<B: Backend> Device<B> {
             dtype,
             category,
             block,
+            host,
         })
     }
 
@@ -203,7 +314,7 @@ impl<B: Backend> Device<B> {
     }
 
     pub fn free(&mut self, t: T<B>) {
-        self.tracker.free(t.category, t.bytes());
+        self.tracker_of(t.host).free(t.category, t.bytes());
         if let Some(c) = &mut self.caching
             && t.block != 0
         {
@@ -219,7 +330,8 @@ impl<B: Backend> Device<B> {
     }
 
     pub fn fill(&mut self, t: &mut T<B>, value: f32) {
-        self.timed("fill", 0, b(t), |be| be.fill(&mut t.buf, value));
+        let at = Self::at(&[t.host]);
+        self.timed_at("fill", 0, b(t), at, |be| be.fill(&mut t.buf, value));
     }
 
     pub fn embed_forward(
@@ -621,8 +733,9 @@ impl<B: Backend> Device<B> {
     /// as PyTorch's `MemTracker` reclassifies a temporary once autograd
     /// hands it over as a parameter's gradient.
     pub fn retag(&mut self, t: &mut T<B>, category: Category) {
-        self.tracker.free(t.category, t.bytes());
-        self.tracker
+        let tracker = self.tracker_of(t.host);
+        tracker.free(t.category, t.bytes());
+        tracker
             .alloc(category, t.bytes())
             .expect("the same bytes were live a moment ago");
         t.category = category;
@@ -638,6 +751,7 @@ impl<B: Backend> Device<B> {
             dtype,
             category,
             block: 0,
+            host: false,
         }
     }
 
@@ -661,8 +775,17 @@ impl<B: Backend> Device<B> {
             dst_off + n <= dst.len && src_off + n <= src.len,
             "copy_slice out of range"
         );
-        let bytes = (n * (dst.dtype.size() * (1 + accumulate as usize) + src.dtype.size())) as u64;
-        self.timed("copy", n * accumulate as usize, bytes, |be| {
+        let (op, at, bytes) = match (src.host, dst.host) {
+            // What crosses the link: the device side's elements.
+            (false, true) => ("d2h", At::Link, n * src.dtype.size()),
+            (true, false) => ("h2d", At::Link, n * dst.dtype.size()),
+            (h, _) => (
+                if h { "host_copy" } else { "copy" },
+                Self::at(&[h]),
+                n * (dst.dtype.size() * (1 + accumulate as usize) + src.dtype.size()),
+            ),
+        };
+        self.timed_at(op, n * accumulate as usize, bytes as u64, at, |be| {
             be.copy_slice(&mut dst.buf, dst_off, &src.buf, src_off, n, accumulate)
         });
     }
@@ -733,13 +856,20 @@ impl<B: Backend> Device<B> {
             dst.len, src.len,
             "convert between tensors of different lengths"
         );
-        self.timed("convert", 0, b(dst) + b(src), |be| {
+        let (op, at, bytes) = match (src.host, dst.host) {
+            (false, true) => ("d2h", At::Link, b(src)),
+            (true, false) => ("h2d", At::Link, b(dst)),
+            (true, true) => ("host_convert", At::Host, b(dst) + b(src)),
+            (false, false) => ("convert", At::Device, b(dst) + b(src)),
+        };
+        self.timed_at(op, 0, bytes, at, |be| {
             be.convert(&mut dst.buf, &src.buf, src.len)
         });
     }
 
     pub fn sum_squares(&mut self, t: &T<B>) -> Option<f64> {
-        self.timed("sum_squares", (2 * t.len) as u64, b(t), |be| {
+        let at = Self::at(&[t.host]);
+        self.timed_at("sum_squares", (2 * t.len) as u64, b(t), at, |be| {
             be.sum_squares(&t.buf, t.len)
         })
     }
@@ -753,7 +883,8 @@ impl<B: Backend> Device<B> {
         h: AdamHyper,
     ) {
         let bytes = 2 * b(param) + b(grad) + 2 * b(m) + 2 * b(v);
-        self.timed("adamw", (12 * param.len) as u64, bytes, |be| {
+        let at = Self::at(&[param.host, grad.host, m.host]);
+        self.timed_at("adamw", (12 * param.len) as u64, bytes, at, |be| {
             be.adamw_update(
                 &mut param.buf,
                 &grad.buf,
@@ -820,7 +951,8 @@ impl<B: Backend> Device<B> {
         let bytes = 2 * (b(param) + b(m) + b(v) + b(m_absmax) + b(v_absmax)) + b(grad);
         let n = param.len;
         // AdamW's 12 plus de- and requantisation (a map lookup and a binary search each).
-        self.timed("adamw8bit", (28 * n) as u64, bytes, |be| {
+        let at = Self::at(&[param.host, grad.host, m.host]);
+        self.timed_at("adamw8bit", (28 * n) as u64, bytes, at, |be| {
             be.adamw8bit_update(
                 &mut param.buf,
                 &grad.buf,
@@ -843,7 +975,8 @@ impl<B: Backend> Device<B> {
     ) {
         let n = param.len;
         let bytes = 2 * b(param) + b(grad) + 2 * b(momentum_buf);
-        self.timed("sgd", (6 * n) as u64, bytes, |be| {
+        let at = Self::at(&[param.host, grad.host, momentum_buf.host]);
+        self.timed_at("sgd", (6 * n) as u64, bytes, at, |be| {
             be.sgd_update(&mut param.buf, &grad.buf, &mut momentum_buf.buf, n, h)
         });
     }
@@ -862,6 +995,7 @@ impl<B: Backend> Device<B> {
             AdafactorSecond::Full { v, .. } => b(v),
         } + ob(m.as_deref());
         let bytes = 2 * b(param) + 2 * b(grad) + 2 * state_bytes;
+        let at = Self::at(&[param.host, grad.host]);
         let second = match second {
             AdafactorSecond::Factored {
                 row,
@@ -880,7 +1014,7 @@ impl<B: Backend> Device<B> {
             second,
             m: m.map(|m| &mut m.buf),
         };
-        self.timed("adafactor", (20 * n) as u64, bytes, |be| {
+        self.timed_at("adafactor", (20 * n) as u64, bytes, at, |be| {
             be.adafactor_update(&mut param.buf, &grad.buf, st, h)
         });
     }

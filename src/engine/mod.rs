@@ -35,8 +35,8 @@ pub use lora::{Adapter, Finetune, LoraConfig, Proj};
 use optim::OptState;
 pub use optim::{OptConfig, Optimizer};
 pub use pipeline::{Pipe, Schedule};
-pub use shard::Sharding;
 use shard::{Dist, Stage};
+pub use shard::{Offload, Sharding};
 
 type T<B> = Tensor<<B as Backend>::Buf>;
 /// A norm's output, LayerNorm mean (gpt2 only) and reciprocal std.
@@ -102,6 +102,11 @@ pub struct TrainConfig {
     /// Full training, or LoRA adapters on frozen weights (`lora.rs`).
     pub finetune: Finetune,
     pub lora: LoraConfig,
+    /// ZeRO-Offload: what lives in host memory (`shard::Offload`).
+    pub offload: Offload,
+    /// The host memory offloaded tensors may take, per rank (`None`: no
+    /// limit).
+    pub host_memory: Option<u64>,
 }
 
 /// Storage precision of the working weights, activations and gradients.
@@ -237,6 +242,8 @@ impl Default for TrainConfig {
             set_to_none: true,
             finetune: Finetune::Full,
             lora: LoraConfig::default(),
+            offload: Offload::None,
+            host_memory: None,
         }
     }
 }
@@ -477,6 +484,14 @@ impl<B: Backend> Engine<B> {
             .map(|i| train.finetune == Finetune::Full || i >= base)
             .collect();
         let mut dev = Device::new(be, capacity);
+        let offload = train.offload;
+        assert!(
+            offload.check(train.sharding).is_none(),
+            "offload without the ZeRO stage it needs (run::validate says so)"
+        );
+        if offload.optimizer() {
+            dev.add_host(train.host_memory);
+        }
         if hf.is_some() && gpu {
             // What PyTorch's CUDA caching allocator reserves for these tensors.
             dev.caching = Some(crate::caching::CachingAllocator::new());
@@ -500,7 +515,9 @@ impl<B: Backend> Engine<B> {
                 train.data_ranks(),
                 "one communicator rank per replica"
             );
-            Dist::new(c, train.sharding, numel.clone(), &idx)
+            let mut d = Dist::new(c, train.sharding, numel.clone(), &idx);
+            d.grads_on_host = offload.optimizer();
+            d
         });
         assert!(
             dist.is_some() || (train.data_ranks() == 1 && train.sharding == Sharding::None),
@@ -542,7 +559,11 @@ impl<B: Backend> Engine<B> {
         };
         let mut params = if sharding.shards_parameters() {
             let d = dist.as_mut().expect("sharded");
-            d.param_shards = alloc_all(&mut dev, &shard_lens, wdt, Category::Parameters)?;
+            let cat = Category::Parameters;
+            d.param_shards = match offload.params() {
+                true => dev.on_host(|dev| alloc_all(dev, &shard_lens, wdt, cat))?,
+                false => alloc_all(&mut dev, &shard_lens, wdt, cat)?,
+            };
             placeholders(&mut dev, wdt, Category::Parameters)
         } else if qlora {
             // The block projections in NF4, exactly as many bytes as
@@ -568,7 +589,13 @@ impl<B: Backend> Engine<B> {
             placeholders(&mut dev, wdt, Category::Gradients)
         } else if sharding.shards_gradients() {
             let d = dist.as_mut().expect("sharded");
-            d.grad_shards = alloc_all(&mut dev, &shard_lens, wdt, Category::Gradients)?;
+            let cat = Category::Gradients;
+            // Offloaded: DeepSpeed accumulates the gradient shard in fp32
+            // on the host.
+            d.grad_shards = match offload.optimizer() {
+                true => dev.on_host(|dev| alloc_all(dev, &shard_lens, DType::F32, cat))?,
+                false => alloc_all(&mut dev, &shard_lens, wdt, cat)?,
+            };
             placeholders(&mut dev, wdt, Category::Gradients)
         } else {
             alloc_all(&mut dev, &tnumel, wdt, Category::Gradients)?
@@ -578,12 +605,22 @@ impl<B: Backend> Engine<B> {
         } else {
             &tnumel
         };
-        let mut master = if train.precision.has_master() && !autocast {
-            alloc_all(&mut dev, opt_lens, DType::F32, Category::Optimizer)?
+        // Offloaded, the host keeps an fp32 copy of the shard to update
+        // even under fp32 (the weights the device reads are a copy of it).
+        let cat = Category::Optimizer;
+        let mut master = if offload.optimizer() {
+            dev.on_host(|dev| alloc_all(dev, opt_lens, DType::F32, cat))?
+        } else if train.precision.has_master() && !autocast {
+            alloc_all(&mut dev, opt_lens, DType::F32, cat)?
         } else {
             Vec::new()
         };
-        let opt = optim::alloc_state(&mut dev, &specs, opt_lens, &train_owned, &train.opt())?;
+        let opt = match offload.optimizer() {
+            true => dev.on_host(|dev| {
+                optim::alloc_state(dev, &specs, opt_lens, &train_owned, &train.opt())
+            })?,
+            false => optim::alloc_state(&mut dev, &specs, opt_lens, &train_owned, &train.opt())?,
+        };
         if sharding == Sharding::Ddp {
             let d = dist.as_mut().expect("ddp");
             d.alloc_buckets(&mut dev, wdt, train.bucket_view)?;

@@ -72,6 +72,74 @@ impl Sharding {
     }
 }
 
+/// ZeRO-Offload (Ren et al., ZeRO-Offload: Democratizing Billion-Scale
+/// Model Training, 2021) and ZeRO-Infinity's parameter offload, as
+/// DeepSpeed's `offload_optimizer` / `offload_param` with `device: cpu` run
+/// them. With the optimizer offloaded, each rank's fp32 master shard, its
+/// optimizer state and an fp32 gradient shard live in host memory: gradients
+/// are reduce-scattered on the device and copied to the host shard (where
+/// micro-batches accumulate), the update runs on the CPU, and the new
+/// weights are copied back in the working dtype. With the parameters
+/// offloaded too (ZeRO-3 only), the weight shard lives on the host and each
+/// unit's all-gather first copies it up.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+pub enum Offload {
+    /// Everything on the device.
+    #[default]
+    #[serde(rename = "none")]
+    #[value(name = "none")]
+    None,
+    /// Master weights, optimizer state and the gradient shard on the host.
+    #[serde(rename = "optimizer")]
+    #[value(name = "optimizer")]
+    Optimizer,
+    /// And the weight shard (ZeRO-3).
+    #[serde(rename = "optimizer+params")]
+    #[value(name = "optimizer+params")]
+    OptimizerParams,
+}
+
+impl Offload {
+    pub fn optimizer(self) -> bool {
+        self != Offload::None
+    }
+    pub fn params(self) -> bool {
+        self == Offload::OptimizerParams
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Offload::None => "none",
+            Offload::Optimizer => "optimizer",
+            Offload::OptimizerParams => "optimizer+params",
+        }
+    }
+    /// Why `self` cannot run with `sharding`, if it cannot.
+    pub fn check(self, sharding: Sharding) -> Option<&'static str> {
+        match self {
+            Offload::Optimizer if !sharding.shards_optimizer() => Some(
+                "offloading the optimizer needs ZeRO (sharding zero1, zero2 or zero3), as DeepSpeed's offload_optimizer does",
+            ),
+            Offload::OptimizerParams if !sharding.shards_parameters() => Some(
+                "offloading the parameters needs ZeRO-3 (sharding zero3), as DeepSpeed's offload_param does",
+            ),
+            _ => None,
+        }
+    }
+}
+
 /// PyTorch DDP's bucket sizes: the first bucket is capped at 1 MiB
 /// (`dist._DEFAULT_FIRST_BUCKET_BYTES`) so that communication starts early,
 /// the others at `bucket_cap_mb = 25`.
@@ -165,6 +233,8 @@ pub struct Dist<B: Backend> {
     pub grad_shards: Vec<T<B>>,
     /// ddp: gradient buckets.
     pub buckets: Vec<Bucket<T<B>>>,
+    /// Offload: gradient shards live on the host, in fp32.
+    pub grads_on_host: bool,
     gathered: Vec<bool>,
     grads_live: Vec<bool>,
 }
@@ -207,6 +277,7 @@ impl<B: Backend> Dist<B> {
             param_shards: Vec::new(),
             grad_shards: Vec::new(),
             buckets: Vec::new(),
+            grads_on_host: false,
             gathered: vec![false; n_units],
             grads_live: vec![false; n_units],
         }
@@ -417,9 +488,12 @@ impl<B: Backend> Dist<B> {
         g: &mut [T<B>],
     ) -> Result<(), OomError> {
         self.grad_shards = Vec::with_capacity(self.numel.len());
-        for (i, s) in self.shard.iter().enumerate() {
-            self.grad_shards
-                .push(dev.alloc(*s, g[i].dtype, Category::Gradients)?);
+        for (i, &s) in self.shard.iter().enumerate() {
+            let t = match self.grads_on_host {
+                true => dev.on_host(|dev| dev.alloc(s, DType::F32, Category::Gradients))?,
+                false => dev.alloc(s, g[i].dtype, Category::Gradients)?,
+            };
+            self.grad_shards.push(t);
         }
         for u in 0..self.units.len() {
             self.reduce_scatter_unit(dev, g, u, false)?;

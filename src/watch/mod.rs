@@ -234,6 +234,8 @@ pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
         lora_alpha: None,
         lora_dropout: None,
         lora_targets: None,
+        offload: p.offload,
+        host_memory: None,
     };
     let mut opts = run.options()?;
     opts.device = crate::backend::DeviceSpec::new(crate::backend::DeviceKind::Meta, None);
