@@ -4,7 +4,8 @@
 //!    of several shapes (odd sizes included), per-op tolerances
 //!    (`backend::cuda::check`).
 //! 2. gpt2-tiny and llama-tiny trained on cpu and on cuda, with several knob
-//!    combinations; every step's loss must match.
+//!    combinations (QLoRA's NF4 base among them); every step's loss must
+//!    match.
 //! 3. The same runs on meta, emulating the cuda backend: the tracked peaks
 //!    (total and each category) must equal the cuda run's, byte for byte.
 //!
@@ -18,7 +19,9 @@ use crate::backend::cuda::check::{self, Harness, Row};
 use crate::backend::cuda::driver::Driver as _;
 use crate::backend::meta::MetaBackend;
 use crate::backend::{DeviceKind, DeviceSpec};
-use crate::engine::{Attention, Checkpointing, Optimizer, Precision, TrainConfig};
+use crate::engine::{
+    Attention, Checkpointing, Finetune, LoraConfig, Optimizer, Precision, TrainConfig,
+};
 use crate::error::{Error, Result};
 use crate::run::{RunOptions, RunReport};
 
@@ -119,6 +122,22 @@ fn trainings() -> Vec<(&'static str, TrainConfig, f64)> {
                 optimizer: Optimizer::Sgd,
                 momentum: 0.9,
                 grad_accum: 2,
+                ..base.clone()
+            },
+            3e-2,
+        ),
+        // QLoRA: the NF4 base dequantised on the GPU before every matmul.
+        (
+            "llama-tiny",
+            TrainConfig {
+                precision: Precision::Bf16,
+                attention: Attention::Fused,
+                finetune: Finetune::Qlora,
+                lora: LoraConfig {
+                    rank: 4,
+                    alpha: 8.0,
+                    ..LoraConfig::default()
+                },
                 ..base
             },
             3e-2,
@@ -127,11 +146,14 @@ fn trainings() -> Vec<(&'static str, TrainConfig, f64)> {
 }
 
 fn knobs(t: &TrainConfig) -> String {
-    format!(
+    let mut k = format!(
         "{:?} {:?} {:?} ckpt={:?} mb={} ga={}",
         t.precision, t.attention, t.optimizer, t.checkpointing, t.micro_batch, t.grad_accum
-    )
-    .to_lowercase()
+    );
+    if t.finetune != Finetune::Full {
+        k += &format!(" {:?}", t.finetune);
+    }
+    k.to_lowercase()
 }
 
 fn run_opts(model: &str, train: &TrainConfig, steps: usize, device: DeviceSpec) -> RunOptions {

@@ -177,10 +177,6 @@ fn check_measurable(recipe: &crate::plan::PlanRecipe, path: &std::path::Path) ->
         .device
         .as_ref()
         .is_none_or(|d| d.kind != DeviceKind::Meta);
-    let on_cuda = recipe
-        .device
-        .as_ref()
-        .is_some_and(|d| d.kind == DeviceKind::Cuda);
     if !computes {
         return Ok(());
     }
@@ -194,9 +190,6 @@ fn check_measurable(recipe: &crate::plan::PlanRecipe, path: &std::path::Path) ->
     };
     for p in expand(recipe) {
         let t = recipe.train_config(&p);
-        if on_cuda && t.finetune == crate::engine::Finetune::Qlora {
-            return refuse("`grid.finetune` qlora: the cuda backend has no NF4 kernel yet".into());
-        }
         if t.finetune != crate::engine::Finetune::Full && t.lora.dropout > 0.0 {
             return refuse(
                 "`lora_dropout` is modelled, not computed: the engine's kernels have no dropout"

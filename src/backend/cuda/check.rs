@@ -176,6 +176,54 @@ impl<D: Driver> Harness<D> {
         });
     }
 
+    /// Compares named outputs bit for bit (`-0.0` differs from `0.0`, NaNs
+    /// must have the same bits) and records one row: for ops that compute
+    /// nothing the two backends could round differently. A 16-bit output
+    /// widens to `f32` exactly, so equal bits here are equal bits there.
+    pub fn compare_exact(
+        &mut self,
+        op: &str,
+        shape: String,
+        dtype: DType,
+        names: &[&str],
+        cpu: &[Vec<f32>],
+        gpu: &[Vec<f32>],
+    ) {
+        let (mut max_abs, mut worst) = (0.0f64, 0.0f64);
+        let mut detail = String::new();
+        for ((name, c), g) in names.iter().zip(cpu).zip(gpu) {
+            if c.len() != g.len() {
+                let _ = write!(detail, "{name}: {} vs {} elements; ", c.len(), g.len());
+                worst = f64::INFINITY;
+                continue;
+            }
+            for (i, (&c, &g)) in c.iter().zip(g).enumerate() {
+                if c.to_bits() == g.to_bits() {
+                    continue;
+                }
+                let err = (g as f64 - c as f64).abs();
+                max_abs = max_abs.max(if err.is_nan() { f64::INFINITY } else { err });
+                if worst < f64::INFINITY {
+                    detail = format!(
+                        "{name}[{i}]: cpu {c:e} ({:#010x}), gpu {g:e} ({:#010x}), bit for bit",
+                        c.to_bits(),
+                        g.to_bits()
+                    );
+                }
+                worst = f64::INFINITY;
+            }
+        }
+        self.rows.push(Row {
+            op: op.to_string(),
+            shape,
+            dtype,
+            max_abs,
+            worst,
+            pass: worst == 0.0,
+            detail,
+        });
+    }
+
     /// The rows that failed.
     pub fn failures(&self) -> Vec<&Row> {
         self.rows.iter().filter(|r| !r.pass).collect()
@@ -376,6 +424,7 @@ pub fn all_cases<D: Driver>(h: &mut Harness<D>) {
     super::norm::check_cases(h);
     super::attention::check_cases(h);
     super::optim::check_cases(h);
+    super::nf4::check_cases(h);
 }
 
 #[cfg(test)]
@@ -430,6 +479,27 @@ pub(crate) mod tests {
             Tol::new(1.0, 1.0),
         );
         assert_eq!(h.failures().len(), 2, "{}", table(&h.rows));
+        assert!(h.rows[0].detail.contains("out[1]"), "{}", h.rows[0].detail);
+    }
+
+    /// An exact row fails on one unit in the last place, and on the sign of
+    /// a zero, which a tolerance would let through.
+    #[test]
+    fn an_exact_row_fails_on_any_bit() {
+        let mut h = harness(3);
+        let one_up = 1.0f32.next_up();
+        for (c, g) in [(1.0f32, one_up), (0.0, -0.0), (2.0, 2.0)] {
+            h.compare_exact(
+                "x",
+                "n=2".into(),
+                DType::F32,
+                &["out"],
+                &[vec![5.0, c]],
+                &[vec![5.0, g]],
+            );
+        }
+        let pass: Vec<bool> = h.rows.iter().map(|r| r.pass).collect();
+        assert_eq!(pass, [false, false, true], "{}", table(&h.rows));
         assert!(h.rows[0].detail.contains("out[1]"), "{}", h.rows[0].detail);
     }
 }

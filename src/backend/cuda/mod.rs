@@ -28,6 +28,7 @@ pub mod real;
 mod attention;
 pub mod check;
 mod matmul;
+mod nf4;
 mod norm;
 mod optim;
 
@@ -358,6 +359,30 @@ impl<D: Driver> Backend for CudaBackend<D> {
         );
         let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
         self.drv.upload(dst.ptr, &bytes);
+    }
+
+    fn reads_nf4(&self) -> bool {
+        true
+    }
+
+    fn upload_u8(&mut self, dst: &mut CudaBuf, src: &[u8]) {
+        assert_eq!(
+            dst.dtype,
+            DType::U8,
+            "upload_u8 into a {:?} buffer",
+            dst.dtype
+        );
+        assert!(
+            src.len() <= dst.len,
+            "upload of {} bytes into a buffer of {}",
+            src.len(),
+            dst.len
+        );
+        self.drv.upload(dst.ptr, src);
+    }
+
+    fn nf4_dequantize(&mut self, out: &mut CudaBuf, src: &CudaBuf, numel: usize) {
+        nf4::dequantize(self, out, src, numel)
     }
 
     fn convert(&mut self, dst: &mut CudaBuf, src: &CudaBuf, n: usize) {

@@ -77,6 +77,8 @@ inline T from_bits(unsigned long long b) {
 #define __noinline__
 #define __restrict__ __restrict
 #define __shared__ static thread_local
+// Constant memory is an ordinary global here (kernels only read it).
+#define __constant__
 #define __align__(n) alignas(n)
 #define __launch_bounds__(...)
 
