@@ -15,6 +15,8 @@
 //!   the buffers the collectives use (category `communication`) and counts
 //!   the bytes each rank sends and receives (see [`wire_bytes`]).
 
+pub mod topology;
+
 /// Which collective, for byte counting.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {

@@ -1,7 +1,13 @@
 //! Hardware profiles for the planner: one GPU's memory, peak throughput,
-//! interconnect and price. Built-in profiles are embedded in the binary (like
-//! the model profiles); a path to a YAML file with the same keys works too.
-//! Errors name `file:line[:column]` and suggest the closest known name.
+//! interconnect, the node it sits in and price. Built-in profiles are embedded
+//! in the binary (like the model profiles); a path to a YAML file with the same
+//! keys works too. Errors name `file:line[:column]` and suggest the closest
+//! known name.
+//!
+//! Network profiles (`profiles/networks/`) describe a cluster fabric on their
+//! own (a NIC's bandwidth and latency), to price the link between nodes with
+//! another network than the one a hardware profile assumes; they load the same
+//! way ([`load_network`]). [`crate::comm::topology`] prices collectives on both.
 
 use std::path::Path;
 
@@ -12,13 +18,15 @@ use crate::engine::Precision;
 use crate::units::parse_bytes;
 use crate::{Error, Result};
 
+/// `(name, text)` of each `profiles/<dir>/<name>.yaml`, embedded.
 macro_rules! builtin {
-    ($($name:literal),* $(,)?) => {
-        &[$(($name, include_str!(concat!("../../profiles/hardware/", $name, ".yaml")))),*]
+    ($dir:literal: $($name:literal),* $(,)?) => {
+        &[$(($name, include_str!(concat!("../../profiles/", $dir, "/", $name, ".yaml")))),*]
     };
 }
 
 static BUILTIN_HARDWARE: &[(&str, &str)] = builtin!(
+    "hardware":
     "h100-sxm-80gb",
     "h200-141gb",
     "a100-40gb",
@@ -30,6 +38,15 @@ static BUILTIN_HARDWARE: &[(&str, &str)] = builtin!(
     "rtx-4090",
     "rtx-3090",
     "t4",
+);
+
+static BUILTIN_NETWORKS: &[(&str, &str)] = builtin!(
+    "networks":
+    "ib-ndr-400",
+    "ib-hdr-200",
+    "roce-200",
+    "eth-100",
+    "eth-25",
 );
 
 /// One GPU, as the planner sees it. Throughputs are dense (no sparsity) peaks.
@@ -54,6 +71,28 @@ pub struct HardwareProfile {
     /// Bytes of `memory` that tensors cannot use: driver reservations, the
     /// CUDA context, library workspaces and communication buffers.
     pub runtime_overhead: u64,
+    // The node. `interconnect` and `interconnect_gbps` above are its
+    // intra-node link; the keys below are optional in a profile file, and a
+    // file without them gets the defaults named on each.
+    /// GPUs in one node (server), all joined by `interconnect`. Default 8.
+    pub gpus_per_node: u32,
+    /// Microseconds one step of a collective takes over `interconnect` for a
+    /// tiny message (NCCL's low-latency protocol). Default 0.6 for NVLink,
+    /// 1.0 otherwise (the per-hop figures of NCCL's tuning model).
+    pub intra_node_latency_us: f64,
+    /// Whether the node's NVSwitches reduce in the switch (NVLink SHARP,
+    /// third-generation NVSwitch: HGX H100/H200), which NCCL uses for
+    /// all-reduce inside a node. Default false.
+    pub intra_node_nvls: bool,
+    /// The network between nodes, e.g. `ib-ndr-400`. Default `eth-100`.
+    pub inter_node: String,
+    /// Per GPU, per direction, GB/s of network line rate: the node's NIC
+    /// bandwidth divided by `gpus_per_node`. Default 1.5625 (one 100 Gb/s
+    /// Ethernet port shared by 8 GPUs).
+    pub inter_node_gbps: f64,
+    /// Microseconds one step of a collective takes across the network for a
+    /// tiny message. Default 10 (TCP sockets).
+    pub inter_node_latency_us: f64,
 }
 
 impl HardwareProfile {
@@ -88,6 +127,58 @@ struct RawHardware {
     interconnect_gbps: f64,
     usd_per_hour: f64,
     runtime_overhead: Size,
+    gpus_per_node: Option<u32>,
+    intra_node_latency_us: Option<f64>,
+    intra_node_nvls: Option<bool>,
+    inter_node: Option<String>,
+    inter_node_gbps: Option<f64>,
+    inter_node_latency_us: Option<f64>,
+}
+
+/// Defaults of the node keys for a profile file without them: an 8-GPU
+/// server on one shared 100 Gb/s Ethernet port, talking TCP.
+const DEFAULT_GPUS_PER_NODE: u32 = 8;
+const DEFAULT_INTER_NODE: &str = "eth-100";
+const DEFAULT_INTER_NODE_GBPS: f64 = 12.5 / 8.0;
+const DEFAULT_INTER_NODE_LATENCY_US: f64 = 10.0;
+/// Largest `gpus_per_node` (or `nics_per_node`) accepted: a typo guard, well
+/// above any NVLink domain (GB200 NVL72 has 72).
+const MAX_PER_NODE: u32 = 1024;
+
+/// One network fabric, as a network profile file describes it.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct NetworkProfile {
+    pub name: String,
+    pub display_name: String,
+    /// GB/s of line rate per NIC (port), one direction.
+    pub nic_gbps: f64,
+    /// NICs in one node; `None`: one per GPU, as in rail-optimised clusters
+    /// (DGX/HGX nodes have one NIC per GPU).
+    pub nics_per_node: Option<u32>,
+    /// Microseconds one step of a collective takes across this network for a
+    /// tiny message.
+    pub latency_us: f64,
+}
+
+impl NetworkProfile {
+    /// GB/s per GPU, one direction, in a node of `gpus_per_node` GPUs: the
+    /// node's NICs shared evenly among its GPUs.
+    pub fn per_gpu_gbps(&self, gpus_per_node: u32) -> f64 {
+        match self.nics_per_node {
+            None => self.nic_gbps,
+            Some(nics) => self.nic_gbps * f64::from(nics) / f64::from(gpus_per_node.max(1)),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawNetwork {
+    name: String,
+    display_name: String,
+    nic_gbps: f64,
+    nics_per_node: Option<u32>,
+    latency_us: f64,
 }
 
 /// A size as written: "80GiB", or a bare number of bytes.
@@ -129,8 +220,53 @@ pub fn builtin_hardware() -> &'static [(&'static str, &'static str)] {
 /// `/`, ends in `.yaml`/`.yml`, or names an existing file (the same rules as
 /// `load_model`); otherwise an error that suggests the closest built-in name.
 pub fn load_hardware(spec: &str) -> Result<HardwareProfile> {
-    if let Some((name, text)) = BUILTIN_HARDWARE.iter().find(|(name, _)| *name == spec) {
-        return parse_hardware_yaml(text, &format!("profiles/hardware/{name}.yaml"));
+    load_named(spec, &HARDWARE_CATALOG, parse_hardware_yaml)
+}
+
+/// The built-in network profiles, `(name, yaml text)`, in a stable order.
+pub fn builtin_networks() -> &'static [(&'static str, &'static str)] {
+    BUILTIN_NETWORKS
+}
+
+/// Loads a network profile by built-in name, or from a YAML file, by the same
+/// rules as [`load_hardware`].
+pub fn load_network(spec: &str) -> Result<NetworkProfile> {
+    load_named(spec, &NETWORK_CATALOG, parse_network_yaml)
+}
+
+/// One kind of profile the loader knows: its built-ins and how errors name it.
+struct Catalog {
+    builtins: &'static [(&'static str, &'static str)],
+    /// Where the built-ins live, for error locations: `profiles/hardware`.
+    dir: &'static str,
+    /// The flag an unknown name is blamed on.
+    flag: &'static str,
+    /// "hardware profile".
+    noun: &'static str,
+    /// "hardware" in "known hardware: ...".
+    known: &'static str,
+}
+
+static HARDWARE_CATALOG: Catalog = Catalog {
+    builtins: BUILTIN_HARDWARE,
+    dir: "profiles/hardware",
+    flag: "hardware",
+    noun: "hardware profile",
+    known: "hardware",
+};
+
+static NETWORK_CATALOG: Catalog = Catalog {
+    builtins: BUILTIN_NETWORKS,
+    dir: "profiles/networks",
+    flag: "network",
+    noun: "network profile",
+    known: "networks",
+};
+
+fn load_named<T>(spec: &str, catalog: &Catalog, parse: fn(&str, &str) -> Result<T>) -> Result<T> {
+    let builtins = catalog.builtins;
+    if let Some((name, text)) = builtins.iter().find(|(name, _)| *name == spec) {
+        return parse(text, &format!("{}/{name}.yaml", catalog.dir));
     }
     let looks_like_path = spec.contains('/')
         || spec.contains(std::path::MAIN_SEPARATOR)
@@ -138,9 +274,9 @@ pub fn load_hardware(spec: &str) -> Result<HardwareProfile> {
         || spec.ends_with(".yml");
     if looks_like_path || Path::new(spec).is_file() {
         let text = super::input::read_text(Path::new(spec))?;
-        return parse_hardware_yaml(&text, spec);
+        return parse(&text, spec);
     }
-    let names: Vec<&str> = BUILTIN_HARDWARE.iter().map(|(name, _)| *name).collect();
+    let names: Vec<&str> = builtins.iter().map(|(name, _)| *name).collect();
     let suggestion = match suggest(spec, &names)[..] {
         [] => String::new(),
         [one] => format!(" (did you mean `{one}`?)"),
@@ -150,23 +286,80 @@ pub fn load_hardware(spec: &str) -> Result<HardwareProfile> {
     // location of its own, so a caller reading the name from a file (the
     // planner's recipes) can relocate it to that file's line.
     Err(Error::InvalidArg {
-        flag: "hardware".into(),
+        flag: catalog.flag.into(),
         message: format!(
-            "`{spec}` is not a built-in hardware profile{suggestion}; known hardware: {}. \
-             A path to a hardware profile YAML also works",
-            names.join(", ")
+            "`{spec}` is not a built-in {noun}{suggestion}; known {known}: {}. \
+             A path to a {noun} YAML also works",
+            names.join(", "),
+            noun = catalog.noun,
+            known = catalog.known,
         ),
     })
+}
+
+/// `Error::Config` at `key`'s line of `text`.
+fn invalid_key(text: &str, location: &str, key: &str, message: String) -> Error {
+    Error::Config {
+        location: key_location(text, location, key),
+        message: format!("`{key}`: {message}"),
+    }
+}
+
+/// Checks that each `(key, value)` is finite and greater than zero (or, with
+/// `allow_zero`, at least zero).
+fn check_numbers(
+    text: &str,
+    location: &str,
+    numbers: &[(&str, f64)],
+    allow_zero: bool,
+) -> Result<()> {
+    for &(key, value) in numbers {
+        let ok = value.is_finite() && (value > 0.0 || (allow_zero && value == 0.0));
+        if !ok {
+            let bound = if allow_zero {
+                "at least zero"
+            } else {
+                "greater than zero"
+            };
+            return Err(invalid_key(
+                text,
+                location,
+                key,
+                format!("must be a finite number {bound}, not {value}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks that each `(key, value)` is not blank.
+fn check_names(text: &str, location: &str, names: &[(&str, &str)]) -> Result<()> {
+    for &(key, value) in names {
+        if value.trim().is_empty() {
+            return Err(invalid_key(text, location, key, "must not be empty".into()));
+        }
+    }
+    Ok(())
+}
+
+/// Checks a per-node count: 1 to [`MAX_PER_NODE`].
+fn check_count(text: &str, location: &str, key: &str, value: u32) -> Result<()> {
+    if !(1..=MAX_PER_NODE).contains(&value) {
+        return Err(invalid_key(
+            text,
+            location,
+            key,
+            format!("must be between 1 and {MAX_PER_NODE}, not {value}"),
+        ));
+    }
+    Ok(())
 }
 
 /// Parses and validates one hardware profile. `location` names the file in errors.
 pub fn parse_hardware_yaml(text: &str, location: &str) -> Result<HardwareProfile> {
     let text = super::input::strip_bom(text);
     let raw: RawHardware = parse_yaml(text, location)?;
-    let invalid = |key: &str, message: String| Error::Config {
-        location: key_location(text, location, key),
-        message: format!("`{key}`: {message}"),
-    };
+    let invalid = |key: &str, message: String| invalid_key(text, location, key, message);
     let size = |key: &str, value: &Size| -> Result<u64> {
         let bytes = parse_bytes(&value.0).map_err(|m| invalid(key, m))?;
         if bytes == 0 {
@@ -174,29 +367,66 @@ pub fn parse_hardware_yaml(text: &str, location: &str) -> Result<HardwareProfile
         }
         Ok(bytes)
     };
-    for (key, value) in [
-        ("name", &raw.name),
-        ("display_name", &raw.display_name),
-        ("interconnect", &raw.interconnect),
-    ] {
-        if value.trim().is_empty() {
-            return Err(invalid(key, "must not be empty".into()));
-        }
-    }
-    for (key, value) in [
-        ("bf16_tflops", raw.bf16_tflops),
-        ("fp16_tflops", raw.fp16_tflops),
-        ("fp32_tflops", raw.fp32_tflops),
-        ("memory_bandwidth_gbps", raw.memory_bandwidth_gbps),
-        ("interconnect_gbps", raw.interconnect_gbps),
-        ("usd_per_hour", raw.usd_per_hour),
-    ] {
-        if !(value.is_finite() && value > 0.0) {
-            return Err(invalid(
-                key,
-                format!("must be a finite number greater than zero, not {value}"),
-            ));
-        }
+    // The same rule as `comm::topology::LinkKind::of_interconnect`.
+    let nvlink = raw
+        .interconnect
+        .trim()
+        .to_ascii_lowercase()
+        .starts_with("nvlink");
+    let gpus_per_node = raw.gpus_per_node.unwrap_or(DEFAULT_GPUS_PER_NODE);
+    let intra_node_latency_us = raw
+        .intra_node_latency_us
+        .unwrap_or(if nvlink { 0.6 } else { 1.0 });
+    let inter_node = raw
+        .inter_node
+        .unwrap_or_else(|| DEFAULT_INTER_NODE.to_string());
+    let inter_node_gbps = raw.inter_node_gbps.unwrap_or(DEFAULT_INTER_NODE_GBPS);
+    let inter_node_latency_us = raw
+        .inter_node_latency_us
+        .unwrap_or(DEFAULT_INTER_NODE_LATENCY_US);
+    check_names(
+        text,
+        location,
+        &[
+            ("name", &raw.name),
+            ("display_name", &raw.display_name),
+            ("interconnect", &raw.interconnect),
+            ("inter_node", &inter_node),
+        ],
+    )?;
+    check_numbers(
+        text,
+        location,
+        &[
+            ("bf16_tflops", raw.bf16_tflops),
+            ("fp16_tflops", raw.fp16_tflops),
+            ("fp32_tflops", raw.fp32_tflops),
+            ("memory_bandwidth_gbps", raw.memory_bandwidth_gbps),
+            ("interconnect_gbps", raw.interconnect_gbps),
+            ("usd_per_hour", raw.usd_per_hour),
+            ("inter_node_gbps", inter_node_gbps),
+        ],
+        false,
+    )?;
+    check_numbers(
+        text,
+        location,
+        &[
+            ("intra_node_latency_us", intra_node_latency_us),
+            ("inter_node_latency_us", inter_node_latency_us),
+        ],
+        true,
+    )?;
+    check_count(text, location, "gpus_per_node", gpus_per_node)?;
+    let intra_node_nvls = raw.intra_node_nvls.unwrap_or(false);
+    if intra_node_nvls && !nvlink {
+        return Err(invalid(
+            "intra_node_nvls",
+            format!(
+                "NVLink SHARP needs an NVLink interconnect, not `{}`",
+                raw.interconnect
+            ),
+        ));
     }
     let memory = size("memory", &raw.memory)?;
     let runtime_overhead = size("runtime_overhead", &raw.runtime_overhead)?;
@@ -222,6 +452,35 @@ pub fn parse_hardware_yaml(text: &str, location: &str) -> Result<HardwareProfile
         interconnect_gbps: raw.interconnect_gbps,
         usd_per_hour: raw.usd_per_hour,
         runtime_overhead,
+        gpus_per_node,
+        intra_node_latency_us,
+        intra_node_nvls,
+        inter_node,
+        inter_node_gbps,
+        inter_node_latency_us,
+    })
+}
+
+/// Parses and validates one network profile. `location` names the file in errors.
+pub fn parse_network_yaml(text: &str, location: &str) -> Result<NetworkProfile> {
+    let text = super::input::strip_bom(text);
+    let raw: RawNetwork = parse_yaml(text, location)?;
+    check_names(
+        text,
+        location,
+        &[("name", &raw.name), ("display_name", &raw.display_name)],
+    )?;
+    check_numbers(text, location, &[("nic_gbps", raw.nic_gbps)], false)?;
+    check_numbers(text, location, &[("latency_us", raw.latency_us)], true)?;
+    if let Some(nics) = raw.nics_per_node {
+        check_count(text, location, "nics_per_node", nics)?;
+    }
+    Ok(NetworkProfile {
+        name: raw.name,
+        display_name: raw.display_name,
+        nic_gbps: raw.nic_gbps,
+        nics_per_node: raw.nics_per_node,
+        latency_us: raw.latency_us,
     })
 }
 
@@ -452,6 +711,234 @@ mod tests {
         );
         let msg = load_hardware("zzzzzzzzzzzz").unwrap_err().to_string();
         assert!(!msg.contains("did you mean"), "{msg}");
+    }
+
+    /// The node keys a built-in profile must spell out rather than default.
+    const NODE_KEYS: [&str; 6] = [
+        "gpus_per_node",
+        "intra_node_latency_us",
+        "intra_node_nvls",
+        "inter_node",
+        "inter_node_gbps",
+        "inter_node_latency_us",
+    ];
+
+    #[test]
+    fn every_builtin_sets_its_node() {
+        for (name, text) in builtin_hardware() {
+            for key in NODE_KEYS {
+                assert!(
+                    text.lines().any(|l| l.starts_with(&format!("{key}:"))),
+                    "{name} does not set `{key}`"
+                );
+            }
+            let hw = load_hardware(name).unwrap();
+            assert!((1..=8).contains(&hw.gpus_per_node), "{name}");
+            assert!(hw.inter_node_gbps > 0.0 && hw.inter_node_gbps < hw.interconnect_gbps);
+            assert!(
+                hw.inter_node_latency_us > hw.intra_node_latency_us,
+                "{name}"
+            );
+            assert!(hw.intra_node_latency_us > 0.0, "{name}");
+            // NVLink SHARP is Hopper's NVSwitch only.
+            assert_eq!(hw.intra_node_nvls, name.starts_with("h"), "{name}");
+        }
+        let h100 = load_hardware("h100-sxm-80gb").unwrap();
+        assert_eq!(
+            (
+                h100.gpus_per_node,
+                h100.inter_node.as_str(),
+                h100.inter_node_gbps
+            ),
+            (8, "ib-ndr-400", 50.0)
+        );
+        let a100 = load_hardware("a100-40gb").unwrap();
+        assert_eq!(
+            (a100.inter_node.as_str(), a100.inter_node_gbps),
+            ("ib-hdr-200", 25.0)
+        );
+        let l4 = load_hardware("l4").unwrap();
+        assert_eq!((l4.gpus_per_node, l4.inter_node_gbps), (8, 12.5 / 8.0));
+    }
+
+    #[test]
+    fn node_keys_are_optional() {
+        let text: String = h100_text()
+            .lines()
+            .filter(|l| !NODE_KEYS.iter().any(|k| l.starts_with(&format!("{k}:"))))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let hw = parse_hardware_yaml(&text, "x.yaml").unwrap();
+        assert_eq!(hw.gpus_per_node, 8);
+        assert_eq!(hw.intra_node_latency_us, 0.6);
+        assert!(!hw.intra_node_nvls);
+        assert_eq!(hw.inter_node, "eth-100");
+        assert_eq!(hw.inter_node_gbps, 12.5 / 8.0);
+        assert_eq!(hw.inter_node_latency_us, 10.0);
+        // Everything else as before.
+        let full = load_hardware("h100-sxm-80gb").unwrap();
+        assert_eq!(
+            (hw.memory, hw.interconnect_gbps),
+            (full.memory, full.interconnect_gbps)
+        );
+        let pcie = text.replace("interconnect: nvlink4", "interconnect: pcie5");
+        let hw = parse_hardware_yaml(&pcie, "x.yaml").unwrap();
+        assert_eq!(hw.intra_node_latency_us, 1.0);
+    }
+
+    #[test]
+    fn bad_node_keys_name_the_key_and_line() {
+        located_error("gpus_per_node: 8", "gpus_per_node: 0", "gpus_per_node");
+        located_error("gpus_per_node: 8", "gpus_per_node: 5000", "gpus_per_node");
+        located_error(
+            "inter_node_gbps: 50",
+            "inter_node_gbps: -50",
+            "inter_node_gbps",
+        );
+        located_error(
+            "inter_node_latency_us: 2.7",
+            "inter_node_latency_us: .nan",
+            "inter_node_latency_us",
+        );
+        located_error("inter_node: ib-ndr-400", "inter_node: \" \"", "inter_node");
+        let text = h100_text().replace("interconnect: nvlink4", "interconnect: pcie5");
+        let line = line_of(&text, "intra_node_nvls:");
+        let msg = parse_hardware_yaml(&text, "x.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.starts_with(&format!("x.yaml:{line}: `intra_node_nvls`: ")),
+            "{msg}"
+        );
+        assert!(msg.contains("needs an NVLink interconnect"), "{msg}");
+        // Zero latency is allowed (an idealised link).
+        let text = h100_text().replace("intra_node_latency_us: 0.6", "intra_node_latency_us: 0");
+        assert_eq!(
+            parse_hardware_yaml(&text, "x.yaml")
+                .unwrap()
+                .intra_node_latency_us,
+            0.0
+        );
+    }
+
+    #[test]
+    fn every_builtin_network_parses() {
+        let names: Vec<&str> = builtin_networks().iter().map(|(n, _)| *n).collect();
+        assert_eq!(
+            names,
+            ["ib-ndr-400", "ib-hdr-200", "roce-200", "eth-100", "eth-25"]
+        );
+        for name in names {
+            let net = load_network(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(net.name, name);
+            assert!(net.nic_gbps > 0.0 && net.latency_us > 0.0, "{name}");
+        }
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("profiles/networks");
+        let mut files: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+            .map(|p| p.file_stem().unwrap().to_str().unwrap().to_string())
+            .collect();
+        files.sort();
+        let mut names: Vec<&str> = builtin_networks().iter().map(|(n, _)| *n).collect();
+        names.sort();
+        assert_eq!(files, names);
+
+        let ndr = load_network("ib-ndr-400").unwrap();
+        assert_eq!((ndr.nic_gbps, ndr.nics_per_node), (50.0, None));
+        assert_eq!(ndr.per_gpu_gbps(8), 50.0);
+        let eth = load_network("eth-100").unwrap();
+        assert_eq!(eth.per_gpu_gbps(8), 12.5 / 8.0);
+        let path = dir.join("eth-25.yaml");
+        assert_eq!(
+            load_network(path.to_str().unwrap()).unwrap(),
+            load_network("eth-25").unwrap()
+        );
+    }
+
+    #[test]
+    fn malformed_network_profiles_are_located() {
+        let ndr = builtin_networks()[0].1;
+        // A misspelled key: file, line and column, and a suggestion.
+        let text = ndr.replace("nic_gbps:", "nic_gpbs:");
+        let line = line_of(&text, "nic_gpbs:");
+        let msg = parse_network_yaml(&text, "net.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(msg.starts_with(&format!("net.yaml:{line}:")), "{msg}");
+        assert!(
+            msg.split(':').nth(2).unwrap().parse::<usize>().is_ok(),
+            "{msg}"
+        );
+        assert!(msg.contains("did you mean `nic_gbps`?"), "{msg}");
+        // A value of the wrong type.
+        let text = ndr.replace("nic_gbps: 50", "nic_gbps: fast");
+        let line = line_of(&text, "nic_gbps:");
+        let err = parse_network_yaml(&text, "net.yaml").unwrap_err();
+        assert!(matches!(err, Error::Config { .. }), "{err}");
+        assert!(
+            err.to_string().starts_with(&format!("net.yaml:{line}:")),
+            "{err}"
+        );
+        // Values that parse but cannot work name their key's line.
+        for (from, to, key) in [
+            ("nic_gbps: 50", "nic_gbps: 0", "nic_gbps"),
+            ("latency_us: 2.7", "latency_us: -1", "latency_us"),
+            ("name: ib-ndr-400", "name: \"\"", "name"),
+        ] {
+            let text = ndr.replace(from, to);
+            let line = line_of(&text, to);
+            let msg = parse_network_yaml(&text, "net.yaml")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                msg.starts_with(&format!("net.yaml:{line}: `{key}`: ")),
+                "{msg}"
+            );
+        }
+        let text = format!("{ndr}nics_per_node: 0\n");
+        let msg = parse_network_yaml(&text, "net.yaml")
+            .unwrap_err()
+            .to_string();
+        let line = line_of(&text, "nics_per_node:");
+        assert!(
+            msg.starts_with(&format!("net.yaml:{line}: `nics_per_node`: ")),
+            "{msg}"
+        );
+        // A missing key.
+        let text: String = ndr
+            .lines()
+            .filter(|l| !l.starts_with("latency_us:"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let msg = parse_network_yaml(&text, "net.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("missing field `latency_us`"), "{msg}");
+    }
+
+    #[test]
+    fn unknown_network_suggests_closest() {
+        let err = load_network("ib-ndr400").unwrap_err();
+        assert!(matches!(err, Error::InvalidArg { .. }), "{err}");
+        let msg = err.to_string();
+        assert!(
+            msg.starts_with("network: `ib-ndr400` is not a built-in network profile"),
+            "{msg}"
+        );
+        assert!(msg.contains("did you mean `ib-ndr-400`?"), "{msg}");
+        assert!(
+            msg.contains("known networks: ib-ndr-400, ib-hdr-200"),
+            "{msg}"
+        );
+        let msg = load_network("eth").unwrap_err().to_string();
+        assert!(
+            msg.contains("did you mean one of `eth-100`, `eth-25`?"),
+            "{msg}"
+        );
+        let err = load_network("no/such/net.yaml").unwrap_err();
+        assert!(matches!(err, Error::Io { .. }), "{err}");
     }
 
     #[test]
