@@ -29,6 +29,7 @@ fn main() {
             // What `memfit plan` plans by default.
             framework: vec![Framework::HfEager],
             finetune: vec![memfit::engine::Finetune::Full],
+            offload: vec![memfit::engine::Offload::None],
         },
         headroom: 0.05,
         cost: None,
@@ -42,6 +43,7 @@ fn main() {
         lora_alpha: None,
         lora_dropout: None,
         lora_targets: None,
+        host_memory: None,
     };
     let point = expand(&single)[0];
     let (cap, overhead) = single.capacity(&hw);
@@ -78,6 +80,7 @@ fn main() {
             gpus: vec![8, 16],
             framework: vec![Framework::HfEager],
             finetune: vec![memfit::engine::Finetune::Full],
+            offload: vec![memfit::engine::Offload::None],
         },
         ..single
     };

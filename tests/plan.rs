@@ -44,6 +44,7 @@ fn predictions_equal_cpu_measured_peaks() {
                 gpus: vec![1, 2],
                 framework: Vec::new(),
                 finetune: vec![memfit::engine::Finetune::Full],
+                offload: vec![memfit::engine::Offload::None],
             },
             headroom: 0.05,
             cost: None,
@@ -55,6 +56,7 @@ fn predictions_equal_cpu_measured_peaks() {
             lora_alpha: None,
             lora_dropout: None,
             lora_targets: None,
+            host_memory: None,
             allow_numerics_change: true,
             // A plan for the cpu backend (a GPU plan declares the cuda
             // backend's attention workspace; tests/cuda_cli.rs checks that one).
@@ -104,6 +106,7 @@ fn point(sharding: Sharding, gpus: usize) -> Point {
         grad_accum: 1,
         framework: Default::default(),
         finetune: Default::default(),
+        offload: Default::default(),
     }
 }
 
@@ -160,6 +163,7 @@ fn published_bytes_per_parameter_are_reproduced() {
         lora_alpha: None,
         lora_dropout: None,
         lora_targets: None,
+        host_memory: None,
         allow_numerics_change: true,
         device: None,
     };
@@ -296,6 +300,7 @@ fn allow_numerics_change_false_rules_out_fp16_and_8bit() {
         lora_alpha: None,
         lora_dropout: None,
         lora_targets: None,
+        host_memory: None,
         allow_numerics_change: false,
         device: None,
     };

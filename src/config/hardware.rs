@@ -93,6 +93,15 @@ pub struct HardwareProfile {
     /// Microseconds one step of a collective takes across the network for a
     /// tiny message. Default 10 (TCP sockets).
     pub inter_node_latency_us: f64,
+    // The host, for offload (ZeRO-Offload): optional keys too.
+    /// Per GPU, per direction, GB/s of its link to host memory (PCIe).
+    /// Default 32 (PCIe 4.0 x16).
+    pub host_link_gbps: f64,
+    /// GB/s of the node's CPU memory bandwidth, shared by its GPUs' CPU
+    /// optimizer updates. Default 204.8 (8 channels of DDR4-3200).
+    pub host_memory_bandwidth_gbps: f64,
+    /// The node's host memory; `None`: this machine's available memory.
+    pub host_memory: Option<u64>,
 }
 
 impl HardwareProfile {
@@ -133,6 +142,9 @@ struct RawHardware {
     inter_node: Option<String>,
     inter_node_gbps: Option<f64>,
     inter_node_latency_us: Option<f64>,
+    host_link_gbps: Option<f64>,
+    host_memory_bandwidth_gbps: Option<f64>,
+    host_memory: Option<Size>,
 }
 
 /// Defaults of the node keys for a profile file without them: an 8-GPU
@@ -384,6 +396,8 @@ pub fn parse_hardware_yaml(text: &str, location: &str) -> Result<HardwareProfile
     let inter_node_latency_us = raw
         .inter_node_latency_us
         .unwrap_or(DEFAULT_INTER_NODE_LATENCY_US);
+    let host_link_gbps = raw.host_link_gbps.unwrap_or(32.0);
+    let host_memory_bandwidth_gbps = raw.host_memory_bandwidth_gbps.unwrap_or(204.8);
     check_names(
         text,
         location,
@@ -405,6 +419,8 @@ pub fn parse_hardware_yaml(text: &str, location: &str) -> Result<HardwareProfile
             ("interconnect_gbps", raw.interconnect_gbps),
             ("usd_per_hour", raw.usd_per_hour),
             ("inter_node_gbps", inter_node_gbps),
+            ("host_link_gbps", host_link_gbps),
+            ("host_memory_bandwidth_gbps", host_memory_bandwidth_gbps),
         ],
         false,
     )?;
@@ -430,6 +446,10 @@ pub fn parse_hardware_yaml(text: &str, location: &str) -> Result<HardwareProfile
     }
     let memory = size("memory", &raw.memory)?;
     let runtime_overhead = size("runtime_overhead", &raw.runtime_overhead)?;
+    let host_memory = match &raw.host_memory {
+        Some(v) => Some(size("host_memory", v)?),
+        None => None,
+    };
     if runtime_overhead >= memory {
         return Err(invalid(
             "runtime_overhead",
@@ -458,6 +478,9 @@ pub fn parse_hardware_yaml(text: &str, location: &str) -> Result<HardwareProfile
         inter_node,
         inter_node_gbps,
         inter_node_latency_us,
+        host_link_gbps,
+        host_memory_bandwidth_gbps,
+        host_memory,
     })
 }
 

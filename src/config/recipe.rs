@@ -102,6 +102,12 @@ impl<'de> Deserialize<'de> for DeviceSpec {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Bytes(pub u64);
 
+impl serde::Serialize for Bytes {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(self.0)
+    }
+}
+
 impl<'de> Deserialize<'de> for Bytes {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct Visitor;
@@ -116,8 +122,11 @@ impl<'de> Deserialize<'de> for Bytes {
                     .map(Bytes)
                     .map_err(E::custom)
             }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Bytes, E> {
+                positive_bytes(v).map(Bytes).map_err(E::custom)
+            }
         }
-        d.deserialize_str(Visitor)
+        d.deserialize_any(Visitor)
     }
 }
 

@@ -136,8 +136,10 @@ pub struct Device<B: Backend> {
     /// of that in the optimizer phase.
     pub offload_s: f64,
     pub offload_optimizer_s: f64,
-    /// Bytes moved over the host link.
+    /// Bytes moved over the host link, and the part of that in the
+    /// optimizer phase.
     pub link_bytes: u64,
+    pub link_optimizer_bytes: u64,
 }
 
 /// A rank's collectives, as the engine holds them.
@@ -177,6 +179,7 @@ impl<B: Backend> Device<B> {
             offload_s: 0.0,
             offload_optimizer_s: 0.0,
             link_bytes: 0,
+            link_optimizer_bytes: 0,
         }
     }
 
@@ -263,11 +266,15 @@ impl<B: Backend> Device<B> {
             }),
         };
         if at != At::Device {
+            let optimizer = self.tracker.phase() == Phase::Optimizer;
             if at == At::Link {
                 self.link_bytes += bytes;
+                if optimizer {
+                    self.link_optimizer_bytes += bytes;
+                }
             }
             self.offload_s += secs;
-            if self.tracker.phase() == Phase::Optimizer {
+            if optimizer {
                 self.offload_optimizer_s += secs;
             }
         }

@@ -24,9 +24,9 @@ use crate::comm::MetaComm;
 use crate::config::ModelConfig;
 use crate::config::hardware::{HardwareProfile, load_hardware};
 use crate::config::profile::{load_model, looks_like_path, parse_yaml, value_location};
-use crate::engine::device::Roofline;
+use crate::engine::device::{HostRoofline, Roofline};
 use crate::engine::{
-    Attention, Checkpointing, Comm, Engine, Finetune, Framework, LoraConfig, Optimizer,
+    Attention, Checkpointing, Comm, Engine, Finetune, Framework, LoraConfig, Offload, Optimizer,
     OptimizerImpl, Precision, Sharding, TrainConfig,
 };
 use crate::error::{Error, Result};
@@ -44,6 +44,13 @@ pub const OP_OVERHEAD_S: f64 = 5e-6;
 /// Fraction of the per-direction link bandwidth that NCCL's ring collectives
 /// reach as bus bandwidth (nccl-tests on NVLink report about 80%).
 pub const COMM_EFFICIENCY: f64 = 0.8;
+/// Fraction of the PCIe link's nominal per-direction rate a pinned-memory
+/// copy reaches (Gen4/Gen5 x16 bandwidthTest results land near 80-85%:
+/// about 26 of 32 GB/s, 53 of 64).
+pub const HOST_LINK_EFFICIENCY: f64 = 0.8;
+/// Fixed cost of one host<->device copy: a cudaMemcpyAsync's launch and
+/// DMA set-up, about 10 us.
+pub const HOST_LINK_LATENCY_S: f64 = 10e-6;
 
 /// A planning recipe (recipes/*.yaml).
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -97,6 +104,11 @@ pub struct PlanRecipe {
     pub lora_dropout: Option<f32>,
     #[serde(default)]
     pub lora_targets: Option<Vec<crate::engine::lora::Target>>,
+    /// Offload points: each node's host memory, shared by its GPUs'
+    /// offloaded tensors (`64GiB`; default: this machine's available
+    /// memory, as `memfit run --host-memory` takes it).
+    #[serde(default)]
+    pub host_memory: Option<crate::config::recipe::Bytes>,
 }
 
 impl PlanRecipe {
@@ -170,6 +182,9 @@ pub struct Grid {
     /// full and/or lora.
     #[serde(default = "default_finetune")]
     pub finetune: Vec<Finetune>,
+    /// ZeRO-Offload: none, optimizer and/or optimizer+params.
+    #[serde(default = "default_offload")]
+    pub offload: Vec<Offload>,
 }
 
 impl Grid {
@@ -185,6 +200,7 @@ impl Grid {
             self.gpus.len(),
             self.framework.len().max(1),
             self.finetune.len(),
+            self.offload.len(),
         ]
         .into_iter()
         .try_fold(1usize, usize::checked_mul)
@@ -239,6 +255,7 @@ impl Grid {
         keep_first("gpus", &mut self.gpus, usize::to_string, &mut r);
         keep_first("framework", &mut self.framework, |v| name(*v), &mut r);
         keep_first("finetune", &mut self.finetune, |v| name(*v), &mut r);
+        keep_first("offload", &mut self.offload, |v| v.name().into(), &mut r);
         r
     }
 
@@ -262,12 +279,16 @@ impl Default for Grid {
             gpus: one_usize(),
             framework: Vec::new(),
             finetune: default_finetune(),
+            offload: default_offload(),
         }
     }
 }
 
 fn default_finetune() -> Vec<Finetune> {
     vec![Finetune::Full]
+}
+fn default_offload() -> Vec<Offload> {
+    vec![Offload::None]
 }
 
 fn one_usize() -> Vec<usize> {
@@ -306,6 +327,8 @@ pub struct Point {
     pub framework: Framework,
     #[serde(default)]
     pub finetune: Finetune,
+    #[serde(default)]
+    pub offload: Offload,
 }
 
 impl Point {
@@ -338,6 +361,7 @@ impl Point {
             sharding: self.sharding,
             framework: self.framework,
             finetune: self.finetune,
+            offload: self.offload,
             ..TrainConfig::default()
         }
     }
@@ -351,6 +375,10 @@ impl Point {
             Finetune::Full => "",
             Finetune::Lora => "lora ",
             Finetune::Qlora => "qlora ",
+        };
+        let ft = match self.offload {
+            Offload::None => ft.to_string(),
+            o => format!("{ft}offload:{} ", o.name()),
         };
         format!(
             "{fw}{ft}mb{} x{} {} {} {} ckpt:{} {} {}",
@@ -416,15 +444,42 @@ pub struct Prediction {
     pub margin_bytes: i64,
     pub compute_s: f64,
     pub comm_s: f64,
+    /// Offload: seconds per step on the host link (gradients down, weights
+    /// up) and in the CPU's optimizer update, not overlapped with compute.
+    pub offload_s: f64,
     pub step_s: f64,
     pub tokens_per_s: f64,
     pub usd_per_mtok: f64,
+    /// Offload points: host memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host: Option<HostPrediction>,
     /// The engine's (parameters + gradients + optimizer) peaks per parameter.
     pub engine_bytes_per_param: f64,
     pub closed_form: ClosedForm,
     pub numerics_changes: Vec<&'static str>,
     /// Excluded from the recommendation by `allow_numerics_change: false`.
     pub excluded: bool,
+}
+
+/// An offload point's host side: per rank, per node (DeepSpeed's "per
+/// CPU"), what the node has, and DeepSpeed's own estimate beside it.
+#[derive(Clone, Debug, Serialize)]
+pub struct HostPrediction {
+    /// One rank's host peaks (the engine's host tracker).
+    pub peak_bytes: PeakBytes,
+    /// GPUs (ranks) on one node.
+    pub ranks_per_node: usize,
+    /// `peak_bytes.total` x `ranks_per_node`.
+    pub node_bytes: u64,
+    /// The node's host memory (the recipe's `host_memory`, the hardware
+    /// profile's, or this machine's available memory).
+    pub capacity_bytes: u64,
+    pub margin_bytes: i64,
+    /// Bytes one rank moves between device and host per step.
+    pub link_bytes_per_step: u64,
+    /// DeepSpeed's estimator for the same stage and offload (ZeRO-2 or
+    /// ZeRO-3; `None` for ZeRO-1, which it has none for), zero_init on.
+    pub deepspeed: Option<deepspeed::Estimate>,
 }
 
 /// PyTorch's caching allocator's high-water marks, as `torch.cuda` names them.
@@ -655,12 +710,14 @@ fn check_recipe(
     }
     let most = *g.gpus.iter().max().expect("non-empty");
     for &s in &g.sharding {
-        if s.shards_optimizer() && most < 2 {
+        // One GPU shards nothing, unless it offloads (DeepSpeed's
+        // single-GPU ZeRO-Offload).
+        if s.shards_optimizer() && most < 2 && !g.offload.iter().any(|o| o.optimizer()) {
             return Err(err(
                 "sharding",
                 Some(&name(s)),
                 format!(
-                    "{} shards state over GPUs, but `grid.gpus` never exceeds 1; add a gpus value of 2 or more",
+                    "{} shards state over GPUs, but `grid.gpus` never exceeds 1; add a gpus value of 2 or more, or offload (`grid.offload`)",
                     name(s)
                 ),
             ));
@@ -681,34 +738,37 @@ pub fn expand(r: &PlanRecipe) -> Vec<Point> {
         true => vec![Framework::Memfit],
         false => g.framework.clone(),
     };
-    for &finetune in &g.finetune {
-        for &framework in &frameworks {
-            for &gpus in &g.gpus {
-                for &sharding in &g.sharding {
-                    for &optimizer in &g.optimizer {
-                        for &precision in &g.precision {
-                            for &checkpointing in &g.checkpointing {
-                                for &attention in &g.attention {
-                                    for &micro_batch in &g.micro_batch {
-                                        let per_step = micro_batch * gpus;
-                                        let grad_accum = if r.global_batch.is_multiple_of(per_step)
-                                        {
-                                            r.global_batch / per_step
-                                        } else {
-                                            0
-                                        };
-                                        out.push(Point {
-                                            micro_batch,
-                                            precision,
-                                            checkpointing,
-                                            attention,
-                                            optimizer,
-                                            sharding,
-                                            gpus,
-                                            grad_accum,
-                                            framework,
-                                            finetune,
-                                        });
+    for &offload in &g.offload {
+        for &finetune in &g.finetune {
+            for &framework in &frameworks {
+                for &gpus in &g.gpus {
+                    for &sharding in &g.sharding {
+                        for &optimizer in &g.optimizer {
+                            for &precision in &g.precision {
+                                for &checkpointing in &g.checkpointing {
+                                    for &attention in &g.attention {
+                                        for &micro_batch in &g.micro_batch {
+                                            let per_step = micro_batch * gpus;
+                                            let grad_accum =
+                                                if r.global_batch.is_multiple_of(per_step) {
+                                                    r.global_batch / per_step
+                                                } else {
+                                                    0
+                                                };
+                                            out.push(Point {
+                                                micro_batch,
+                                                precision,
+                                                checkpointing,
+                                                attention,
+                                                optimizer,
+                                                sharding,
+                                                gpus,
+                                                grad_accum,
+                                                framework,
+                                                finetune,
+                                                offload,
+                                            });
+                                        }
                                     }
                                 }
                             }
@@ -734,6 +794,9 @@ fn invalid_reason(r: &PlanRecipe, p: &Point) -> Option<String> {
             "lora runs on one GPU without sharding in memfit's engine (not yet with DDP or ZeRO)"
                 .into(),
         );
+    }
+    if let Some(why) = p.offload.check(p.sharding) {
+        return Some(why.into());
     }
     if p.sharding == Sharding::None && p.gpus > 1 {
         return Some(format!(
@@ -884,6 +947,12 @@ pub struct Rates {
     /// `usd_per_hour` is per GPU (a GPU job), or for the whole job (the
     /// host, which runs every rank).
     pub per_gpu: bool,
+    /// Where offloaded work runs: the node's CPU (its share per GPU) and
+    /// the host link.
+    pub host: HostRoofline,
+    /// The node's host memory and its GPUs (offload's capacity check).
+    pub host_memory: u64,
+    pub gpus_per_node: usize,
 }
 
 impl Rates {
@@ -894,6 +963,25 @@ impl Rates {
             link_bytes_per_s: hw.interconnect_gbps * 1e9 * COMM_EFFICIENCY,
             usd_per_hour: usd_per_gpu_hour,
             per_gpu: true,
+            host: HostRoofline {
+                // CPU Adam reads and writes about 30 bytes per 12 FLOPs:
+                // memory-bound on any CPU, so priced by bytes alone, at
+                // this GPU's share of the node's memory bandwidth.
+                cpu: Roofline {
+                    flops_per_s: f64::INFINITY,
+                    kernel_flops_per_s: f64::INFINITY,
+                    bytes_per_s: hw.host_memory_bandwidth_gbps * 1e9 * MEMORY_EFFICIENCY
+                        / hw.gpus_per_node.max(1) as f64,
+                    op_overhead_s: OP_OVERHEAD_S,
+                },
+                link_bytes_per_s: hw.host_link_gbps * 1e9 * HOST_LINK_EFFICIENCY,
+                link_latency_s: HOST_LINK_LATENCY_S,
+            },
+            host_memory: hw
+                .host_memory
+                .or_else(crate::run::host_available_memory)
+                .unwrap_or(u64::MAX),
+            gpus_per_node: hw.gpus_per_node.max(1) as usize,
         }
     }
 
@@ -905,6 +993,15 @@ impl Rates {
             link_bytes_per_s: c.bytes_per_s,
             usd_per_hour,
             per_gpu: false,
+            // The ranks are threads of this host: offloading copies within
+            // its memory, and the update runs on its cores.
+            host: HostRoofline {
+                cpu: c.roofline(Precision::Fp32),
+                link_bytes_per_s: c.bytes_per_s,
+                link_latency_s: c.op_overhead_s,
+            },
+            host_memory: crate::run::host_available_memory().unwrap_or(u64::MAX),
+            gpus_per_node: usize::MAX,
         }
     }
 
@@ -952,9 +1049,11 @@ pub fn predict(
         margin_bytes: 0,
         compute_s: 0.0,
         comm_s: 0.0,
+        offload_s: 0.0,
         step_s: 0.0,
         tokens_per_s: 0.0,
         usd_per_mtok: 0.0,
+        host: None,
         engine_bytes_per_param: 0.0,
         closed_form: closed_form(p),
         numerics_changes,
@@ -984,8 +1083,11 @@ pub fn predict(
         Err(oom) => unreachable!("meta without capacity cannot run out of memory: {oom}"),
     };
     e.dev.roofline = Some(rates.of(p.precision));
+    e.dev.host_roofline = Some(rates.host);
     e.dev.cost = Default::default();
     e.dev.optimizer_cost = Default::default();
+    (e.dev.offload_s, e.dev.offload_optimizer_s) = (0.0, 0.0);
+    (e.dev.link_bytes, e.dev.link_optimizer_bytes) = (0, 0);
     let (sent0, opt_sent0) = (e.dev.sent, e.dev.optimizer_sent);
     if let Err(oom) = e.step_from(1, || unreachable!("meta reads no data")) {
         unreachable!("meta without capacity cannot run out of memory: {oom}");
@@ -994,9 +1096,11 @@ pub fn predict(
     let (all, opt) = (e.dev.cost.roofline_s, e.dev.optimizer_cost.roofline_s);
     let sent = (e.dev.sent - sent0) as f64;
     let opt_sent = (e.dev.optimizer_sent - opt_sent0) as f64;
-    out.compute_s = k * (all - opt) + opt;
+    let (off, off_opt) = (e.dev.offload_s, e.dev.offload_optimizer_s);
+    out.offload_s = k * (off - off_opt) + off_opt;
+    out.compute_s = k * (all - opt) + opt - out.offload_s;
     out.comm_s = (k * (sent - opt_sent) + opt_sent) / rates.link_bytes_per_s;
-    out.step_s = out.compute_s + out.comm_s;
+    out.step_s = out.compute_s + out.comm_s + out.offload_s;
     let tokens = (r.global_batch * r.seq_len) as f64;
     out.tokens_per_s = tokens / out.step_s;
     out.usd_per_mtok = rates.usd_per_mtok(p.gpus, out.tokens_per_s);
@@ -1014,13 +1118,63 @@ pub fn predict(
     let held = out.allocator.map_or(pk.total, |a| a.max_memory_reserved);
     out.total_bytes = held + overhead;
     out.margin_bytes = usable as i64 - out.total_bytes as i64;
-    out.verdict = if out.total_bytes <= usable {
+    out.host = e.dev.host.as_ref().map(|h| {
+        let per_node = rates.gpus_per_node.min(p.gpus);
+        let node_bytes = h.peak_bytes().total * per_node as u64;
+        let capacity = r.host_memory.map_or(rates.host_memory, |b| b.0);
+        HostPrediction {
+            peak_bytes: h.peak_bytes(),
+            ranks_per_node: per_node,
+            node_bytes,
+            capacity_bytes: capacity,
+            margin_bytes: capacity as i64 - node_bytes as i64,
+            // Per micro-batch copies repeat; the optimizer's run once.
+            link_bytes_per_step: tc.grad_accum as u64
+                * (e.dev.link_bytes - e.dev.link_optimizer_bytes)
+                + e.dev.link_optimizer_bytes,
+            deepspeed: deepspeed_estimate(&e, p, per_node),
+        }
+    });
+    let host_fits = out.host.as_ref().is_none_or(|h| h.margin_bytes >= 0);
+    out.verdict = if out.total_bytes <= usable && host_fits {
         Verdict::Fits
     } else {
         Verdict::DoesNotFit
     };
     out.peak_bytes = Some(pk);
     out
+}
+
+/// DeepSpeed's estimator for point `p`'s stage and offload, from the
+/// engine's parameter list: its count (tied weights once) and its largest
+/// tensor as the largest layer (DeepSpeed sums a module's own parameters;
+/// a bias adds under 0.1% to the weight beside it).
+fn deepspeed_estimate<B: crate::backend::Backend>(
+    e: &Engine<B>,
+    p: &Point,
+    per_node: usize,
+) -> Option<deepspeed::Estimate> {
+    let specs = e.param_specs();
+    let total: u64 = specs.iter().map(|s| s.numel() as u64).sum();
+    let largest = specs.iter().map(|s| s.numel() as u64).max().unwrap_or(0);
+    let nodes = p.gpus.div_ceil(per_node) as u64;
+    match p.sharding {
+        Sharding::Zero2 => Some(deepspeed::zero2(
+            total,
+            per_node as u64,
+            nodes,
+            p.offload.optimizer(),
+        )),
+        Sharding::Zero3 => Some(deepspeed::zero3(
+            total,
+            largest,
+            per_node as u64,
+            nodes,
+            p.offload,
+            true,
+        )),
+        _ => None,
+    }
 }
 
 /// Dollars with three significant digits (tiny models cost fractions of a cent).
@@ -1097,4 +1251,5 @@ fn reasons(preds: &[Prediction], ranking: &[usize], r: &PlanRecipe) -> Vec<Strin
     v
 }
 
+pub mod deepspeed;
 pub mod render;

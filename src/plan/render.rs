@@ -9,6 +9,7 @@ fn status(p: &Prediction) -> String {
     match &p.verdict {
         Verdict::Fits if p.excluded => "fits (numerics)".into(),
         Verdict::Fits => "fits".into(),
+        Verdict::DoesNotFit if p.margin_bytes >= 0 => "OOM (host)".into(),
         Verdict::DoesNotFit => "OOM".into(),
         Verdict::Invalid { reason } => format!("invalid: {reason}"),
     }
@@ -71,10 +72,11 @@ fn header(plan: &Plan, s: &mut String) {
     );
 }
 
-const COLS: [&str; 16] = [
+const COLS: [&str; 18] = [
     "#",
     "framework",
     "tune",
+    "offload",
     "gpus",
     "sharding",
     "prec",
@@ -85,12 +87,13 @@ const COLS: [&str; 16] = [
     "accum",
     "peak GiB",
     "margin GiB",
+    "host/node",
     "tokens/s",
     "$/Mtok",
     "status",
 ];
 
-fn row(i: usize, p: &Prediction) -> [String; 16] {
+fn row(i: usize, p: &Prediction) -> [String; 18] {
     let pt = &p.point;
     let valid = !matches!(p.verdict, Verdict::Invalid { .. });
     let num = |x: f64, prec: usize| {
@@ -104,6 +107,7 @@ fn row(i: usize, p: &Prediction) -> [String; 16] {
         i.to_string(),
         name(pt.framework),
         name(pt.finetune),
+        pt.offload.name().into(),
         pt.gpus.to_string(),
         name(pt.sharding),
         name(pt.precision),
@@ -126,6 +130,9 @@ fn row(i: usize, p: &Prediction) -> [String; 16] {
         } else {
             "-".into()
         },
+        p.host
+            .as_ref()
+            .map_or("-".into(), |h| fmt_bytes(h.node_bytes)),
         num(p.tokens_per_s, 0),
         if valid {
             super::usd(p.usd_per_mtok)
@@ -141,7 +148,7 @@ fn row(i: usize, p: &Prediction) -> [String; 16] {
 pub fn table(plan: &Plan, limit: usize) -> String {
     let mut s = String::new();
     header(plan, &mut s);
-    let rows: Vec<[String; 16]> = order(plan)
+    let rows: Vec<[String; 18]> = order(plan)
         .into_iter()
         .take(limit)
         .map(|i| row(i, &plan.points[i]))
@@ -228,9 +235,45 @@ fn recommendation(plan: &Plan, s: &mut String, bullet: &str) {
                 "  {bullet}model states: closed form {}; engine {:.2} B/param (its peaks include the transient full gradients and gathered units)",
                 p.closed_form.formula, p.engine_bytes_per_param
             );
+            if let Some(h) = &p.host {
+                let _ = writeln!(
+                    s,
+                    "  {bullet}host memory (offload {}): {} per GPU ({}), {} for a node's {} GPU(s) of {} ({} to spare); {} over the host link per step",
+                    p.point.offload.name(),
+                    fmt_bytes(h.peak_bytes.total),
+                    crate::memory::Category::ALL
+                        .iter()
+                        .filter(|&&c| h.peak_bytes.get(c) > 0)
+                        .map(|&c| format!("{} {}", c.name(), fmt_bytes(h.peak_bytes.get(c))))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    fmt_bytes(h.node_bytes),
+                    h.ranks_per_node,
+                    fmt_bytes(h.capacity_bytes),
+                    fmt_bytes(h.margin_bytes.max(0) as u64),
+                    fmt_bytes(h.link_bytes_per_step)
+                );
+                if let Some(d) = h.deepspeed {
+                    let _ = writeln!(
+                        s,
+                        "  {bullet}DeepSpeed's estimator for these model states: {} per CPU (node), {} per GPU (with its 1.5x host buffer factor; no activations)",
+                        fmt_bytes(d.per_cpu),
+                        fmt_bytes(d.per_gpu)
+                    );
+                }
+            }
+            let offload = match p.host {
+                Some(_) => format!(
+                    " + offload {:.3} s (host link at {:.0}% of {} GB/s, CPU update at the node's memory bandwidth)",
+                    p.offload_s,
+                    super::HOST_LINK_EFFICIENCY * 100.0,
+                    plan.hardware.host_link_gbps
+                ),
+                None => String::new(),
+            };
             let _ = writeln!(
                 s,
-                "  {bullet}step {:.3} s = compute {:.3} s (roofline at {:.0}% of peak FLOP/s, {:.0}% of memory bandwidth) + communication {:.3} s ({:.0}% of {} GB/s, not overlapped)",
+                "  {bullet}step {:.3} s = compute {:.3} s (roofline at {:.0}% of peak FLOP/s, {:.0}% of memory bandwidth) + communication {:.3} s ({:.0}% of {} GB/s, not overlapped){offload}",
                 p.step_s,
                 p.compute_s,
                 plan.efficiency["compute"] * 100.0,

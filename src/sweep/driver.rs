@@ -102,6 +102,11 @@ pub fn trial_id(p: &Point) -> String {
         crate::engine::Finetune::Lora => format!("{fw}lora-"),
         crate::engine::Finetune::Qlora => format!("{fw}qlora-"),
     };
+    let fw = match p.offload {
+        crate::engine::Offload::None => fw,
+        crate::engine::Offload::Optimizer => format!("{fw}offload_opt-"),
+        crate::engine::Offload::OptimizerParams => format!("{fw}offload_opt_params-"),
+    };
     format!(
         "{fw}gpus{}-{}-{}-{}-ckpt_{}-{}-mb{}-accum{}",
         p.gpus,

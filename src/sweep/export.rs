@@ -62,8 +62,10 @@ pub fn zero_stage(s: Sharding) -> u8 {
 ///
 /// - `train_batch_size` = micro_batch x gradient_accumulation_steps x GPUs,
 ///   `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps`.
-/// - `zero_optimization.stage`: 0 for none and ddp, 1-3 for zero1-3; nothing
-///   else in that section, so DeepSpeed's defaults (buckets, overlap) apply.
+/// - `zero_optimization.stage`: 0 for none and ddp, 1-3 for zero1-3, and
+///   `offload_optimizer` / `offload_param` (`device: cpu`, pinned) when the
+///   point offloads; nothing else in that section, so DeepSpeed's defaults
+///   (buckets, overlap) apply.
 /// - `bf16.enabled` / `fp16.enabled`, both present. fp16 uses DeepSpeed's
 ///   dynamic scaler set up like memfit's: `loss_scale: 0` (dynamic),
 ///   `initial_scale_power: 16` (2^16), `loss_scale_window: 2000` (doubles
@@ -95,6 +97,14 @@ pub fn deepspeed_config(_report: &SweepReport, trial: &TrialRecord) -> Value {
         "zero_optimization": { "stage": zero_stage(p.sharding) },
         "bf16": { "enabled": p.precision == Precision::Bf16 },
     });
+    // ZeRO-Offload to CPU memory, pinned as DeepSpeed recommends.
+    if p.offload.optimizer() {
+        cfg["zero_optimization"]["offload_optimizer"] =
+            json!({ "device": "cpu", "pin_memory": true });
+    }
+    if p.offload.params() {
+        cfg["zero_optimization"]["offload_param"] = json!({ "device": "cpu", "pin_memory": true });
+    }
     cfg["fp16"] = if p.precision == Precision::Fp16 {
         json!({
             "enabled": true,
@@ -542,6 +552,7 @@ mod tests {
             grad_accum,
             framework: Default::default(),
             finetune: Default::default(),
+            offload: Default::default(),
         }
     }
 

@@ -1678,6 +1678,7 @@ pub(crate) mod tests {
             grad_accum: 16 / micro_batch,
             framework: Default::default(),
             finetune: Default::default(),
+            offload: Default::default(),
         }
     }
 

@@ -913,6 +913,7 @@ pub(crate) mod testdata {
             grad_accum: 16 / mb,
             framework: Default::default(),
             finetune: Default::default(),
+            offload: Default::default(),
         }
     }
 

@@ -1,0 +1,293 @@
+//! ZeRO-Offload: the host as a second tracked memory, trained for real on
+//! cpu, planned on meta, and DeepSpeed's estimators beside the engine.
+
+mod common;
+
+use common::{json, memfit, refused, scratch, stderr};
+use serde_json::Value;
+
+fn run(extra: &[&str]) -> Value {
+    let mut args = vec![
+        "run",
+        "--model",
+        "llama-tiny",
+        "--steps",
+        "3",
+        "--format",
+        "json",
+    ];
+    args.extend_from_slice(extra);
+    let out = memfit(&args);
+    assert!(out.status.success(), "{extra:?}: {}", stderr(&out));
+    json(&out)
+}
+
+fn losses(r: &Value) -> Vec<f64> {
+    r["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["loss"].as_f64().unwrap())
+        .collect()
+}
+
+#[test]
+fn offloading_fp32_state_trains_bit_for_bit_as_zero_without_it() {
+    for (sharding, offload) in [
+        ("zero1", "optimizer"),
+        ("zero2", "optimizer"),
+        ("zero3", "optimizer"),
+        ("zero3", "optimizer+params"),
+    ] {
+        let base = run(&["--ranks", "2", "--sharding", sharding]);
+        let off = run(&["--ranks", "2", "--sharding", sharding, "--offload", offload]);
+        // fp32: the host's copy of the shard is the weights the device
+        // updated in place before; the same arithmetic, the same bits.
+        assert_eq!(losses(&base), losses(&off), "{sharding} {offload}");
+        assert!(losses(&off)[2] < losses(&off)[0]);
+        // The state left the device for the host.
+        assert!(base["host"].is_null());
+        assert_eq!(off["peak_bytes"]["optimizer"], 0, "{sharding} {offload}");
+        let host = &off["host"]["peak_bytes"];
+        // m and v as before, plus the host's fp32 copy of the shard.
+        assert_eq!(
+            2 * host["optimizer"].as_u64().unwrap(),
+            3 * base["peak_bytes"]["optimizer"].as_u64().unwrap(),
+            "{sharding} {offload}"
+        );
+        assert!(off["host"]["link_bytes_per_step"].as_u64().unwrap() > 0);
+        let params_on_host = host["parameters"].as_u64().unwrap();
+        assert_eq!(params_on_host > 0, offload == "optimizer+params");
+    }
+}
+
+#[test]
+fn mixed_precision_offload_keeps_an_fp32_gradient_shard_on_the_host() {
+    // One GPU, ZeRO-2, bf16: what DeepSpeed's single-GPU offload runs.
+    let r = run(&[
+        "--sharding",
+        "zero2",
+        "--precision",
+        "bf16",
+        "--offload",
+        "optimizer",
+    ]);
+    let ps = r["config"]["offload"].as_str().unwrap();
+    assert_eq!(ps, "optimizer");
+    let l = losses(&r);
+    assert!(l[2] < l[0], "{l:?}");
+    let host = &r["host"]["peak_bytes"];
+    let dev = &r["peak_bytes"];
+    // Parameters stay on the device in bf16 (2 B each); the host holds the
+    // fp32 master, m and v (12 B) and the fp32 gradient shard (4 B): the
+    // ZeRO-Offload paper's 16 B per parameter on the CPU.
+    let p2 = dev["parameters"].as_u64().unwrap();
+    assert_eq!(host["gradients"].as_u64().unwrap(), 2 * p2);
+    assert_eq!(host["optimizer"].as_u64().unwrap(), 6 * p2);
+    assert_eq!(host["total"].as_u64().unwrap(), 8 * p2);
+    assert_eq!(r["host"]["node_bytes"], host["total"]);
+}
+
+#[test]
+fn meta_predicts_device_and_host_byte_for_byte() {
+    for (sharding, offload, precision) in [
+        ("zero2", "optimizer", "bf16"),
+        ("zero3", "optimizer+params", "bf16"),
+        ("zero1", "optimizer", "fp32"),
+    ] {
+        let flags = [
+            "--ranks",
+            "2",
+            "--sharding",
+            sharding,
+            "--offload",
+            offload,
+            "--precision",
+            precision,
+            "--grad-accum",
+            "2",
+        ];
+        let cpu = run(&flags);
+        let mut meta_flags = flags.to_vec();
+        meta_flags.extend(["--device", "meta"]);
+        let meta = run(&meta_flags);
+        assert_eq!(
+            cpu["peak_bytes"], meta["peak_bytes"],
+            "{sharding} {offload}"
+        );
+        for (c, m) in cpu["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(meta["ranks"].as_array().unwrap())
+        {
+            assert_eq!(
+                c["host_peak_bytes"], m["host_peak_bytes"],
+                "{sharding} {offload}"
+            );
+        }
+        assert_eq!(
+            cpu["host"]["link_bytes_per_step"],
+            meta["host"]["link_bytes_per_step"]
+        );
+    }
+}
+
+#[test]
+fn a_host_too_small_is_a_typed_out_of_memory() {
+    let out = memfit(&[
+        "run",
+        "--model",
+        "llama-tiny",
+        "--sharding",
+        "zero2",
+        "--offload",
+        "optimizer",
+        "--host-memory",
+        "256KiB",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("out of host memory"),
+        "{}",
+        stderr(&out)
+    );
+    let r = json(&out);
+    assert!(r["host"]["peak_bytes"]["total"].as_u64().unwrap() <= 256 << 10);
+}
+
+#[test]
+fn offload_without_its_zero_stage_is_refused() {
+    let m = ["run", "--model", "llama-tiny"];
+    let with = |extra: &[&'static str]| [&m[..], extra].concat();
+    refused(
+        &with(&[
+            "--ranks",
+            "2",
+            "--sharding",
+            "ddp",
+            "--offload",
+            "optimizer",
+        ]),
+        "--offload: offloading the optimizer needs ZeRO",
+    );
+    refused(
+        &with(&["--sharding", "zero2", "--offload", "optimizer+params"]),
+        "needs ZeRO-3",
+    );
+    refused(
+        &with(&["--host-memory", "1GiB"]),
+        "--host-memory: applies to offload only",
+    );
+    refused(
+        &with(&[
+            "--sharding",
+            "zero2",
+            "--offload",
+            "optimizer",
+            "--host-memory",
+            "0",
+        ]),
+        "--host-memory",
+    );
+    // One rank shards nothing unless it offloads.
+    refused(&with(&["--sharding", "zero2"]), "--sharding");
+}
+
+#[test]
+fn recipe_keys_offload_and_host_memory() {
+    let dir = scratch("offload-recipe");
+    let path = dir.join("r.yaml");
+    std::fs::write(
+        &path,
+        "model: llama-tiny\nsharding: zero3\noffload: optimizer+params\nhost_memory: 2GiB\nsteps: 1\n",
+    )
+    .unwrap();
+    let out = memfit(&[
+        "run",
+        "--recipe",
+        path.to_str().unwrap(),
+        "--format",
+        "json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let r = json(&out);
+    assert_eq!(r["host"]["capacity_bytes"], 2u64 << 30);
+    std::fs::write(
+        &path,
+        "model: llama-tiny\nsharding: zero3\noffload: optimizer\nhost_memory: lots\n",
+    )
+    .unwrap();
+    let out = memfit(&["run", "--recipe", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("r.yaml:4:14"), "{}", stderr(&out));
+}
+
+fn plan(recipe: &str) -> Value {
+    let dir = scratch("offload-plan");
+    let path = dir.join(format!("p{}.yaml", recipe.len()));
+    std::fs::write(&path, recipe).unwrap();
+    let out = memfit(&["plan", path.to_str().unwrap(), "--format", "json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    json(&out)
+}
+
+/// The point of `plan` whose offload is `offload` and sharding `sharding`.
+fn point<'a>(p: &'a Value, sharding: &str, offload: &str) -> &'a Value {
+    p["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["point"]["sharding"] == sharding && x["point"]["offload"] == offload)
+        .unwrap_or_else(|| panic!("{sharding} {offload}"))
+}
+
+#[test]
+fn full_finetuning_llama_8b_on_a_4090_fits_only_with_parameters_offloaded() {
+    let recipe = "model: llama-3.1-8b\nhardware: rtx-4090\nseq_len: 2048\nglobal_batch: 8\nhost_memory: 192GiB\ngrid:\n  checkpointing: [full]\n  sharding: [zero2, zero3]\n  offload: [optimizer, optimizer+params]\n";
+    let p = plan(recipe);
+    let z2 = point(&p, "zero2", "optimizer");
+    let z3 = point(&p, "zero3", "optimizer+params");
+    assert_eq!(
+        z2["status"], "does_not_fit",
+        "16 GB of bf16 weights stay on the GPU"
+    );
+    assert_eq!(z3["status"], "fits");
+    let host = &z3["host"];
+    // 2 + 4 + 12 B per parameter on the host (weights, fp32 gradients,
+    // master + Adam), the 18 B/param DeepSpeed's zero3 estimator divides
+    // by its 1.5 buffer factor.
+    let n = p["num_parameters"].as_f64().unwrap();
+    let per_param = host["peak_bytes"]["total"].as_f64().unwrap() / n;
+    assert!((17.9..18.1).contains(&per_param), "{per_param}");
+    let ds = host["deepspeed"]["per_cpu"].as_f64().unwrap();
+    assert!((ds / host["node_bytes"].as_f64().unwrap() - 1.5).abs() < 0.01);
+    assert!(z3["offload_s"].as_f64().unwrap() > z3["compute_s"].as_f64().unwrap());
+    // The same plan with too little host memory does not fit, on the host.
+    let small = plan(&recipe.replace("192GiB", "64GiB"));
+    let z3 = point(&small, "zero3", "optimizer+params");
+    assert_eq!(z3["status"], "does_not_fit");
+    assert!(z3["margin_bytes"].as_i64().unwrap() > 0);
+    assert!(z3["host"]["margin_bytes"].as_i64().unwrap() < 0);
+}
+
+#[test]
+fn offload_is_priced_on_the_host_link() {
+    // The same point on a PCIe 5 and a PCIe 3 node: the copies take four
+    // times as long (64 vs 16 GB/s); the CPU update, at a similar share of
+    // host memory bandwidth, does not.
+    let r = |hw: &str| {
+        plan(&format!(
+            "model: llama-3.2-1b\nhardware: {hw}\nseq_len: 512\nglobal_batch: 8\nhost_memory: 64GiB\ngrid:\n  sharding: [zero3]\n  offload: [optimizer+params]\n  precision: [fp16]\n"
+        ))
+    };
+    let fast = point(&r("h100-sxm-80gb"), "zero3", "optimizer+params")["offload_s"]
+        .as_f64()
+        .unwrap();
+    let slow = point(&r("t4"), "zero3", "optimizer+params")["offload_s"]
+        .as_f64()
+        .unwrap();
+    assert!(slow > 2.0 * fast, "{slow} vs {fast}");
+}
