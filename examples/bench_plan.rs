@@ -44,6 +44,7 @@ fn main() {
         lora_dropout: None,
         lora_targets: None,
         host_memory: None,
+        network: None,
     };
     let point = expand(&single)[0];
     let (cap, overhead) = single.capacity(&hw);

@@ -57,6 +57,7 @@ fn predictions_equal_cpu_measured_peaks() {
             lora_dropout: None,
             lora_targets: None,
             host_memory: None,
+            network: None,
             allow_numerics_change: true,
             // A plan for the cpu backend (a GPU plan declares the cuda
             // backend's attention workspace; tests/cuda_cli.rs checks that one).
@@ -164,6 +165,7 @@ fn published_bytes_per_parameter_are_reproduced() {
         lora_dropout: None,
         lora_targets: None,
         host_memory: None,
+        network: None,
         allow_numerics_change: true,
         device: None,
     };
@@ -301,6 +303,7 @@ fn allow_numerics_change_false_rules_out_fp16_and_8bit() {
         lora_dropout: None,
         lora_targets: None,
         host_memory: None,
+        network: None,
         allow_numerics_change: false,
         device: None,
     };

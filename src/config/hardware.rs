@@ -105,6 +105,13 @@ pub struct HardwareProfile {
 }
 
 impl HardwareProfile {
+    /// Puts this profile's nodes on `net` instead of the network they have.
+    pub fn use_network(&mut self, net: &NetworkProfile) {
+        self.inter_node = net.name.clone();
+        self.inter_node_gbps = net.per_gpu_gbps(self.gpus_per_node);
+        self.inter_node_latency_us = net.latency_us;
+    }
+
     /// Peak dense FLOP/s for matmuls at `precision`.
     pub fn peak_flops(&self, precision: Precision) -> f64 {
         let tflops = match precision {

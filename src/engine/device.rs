@@ -140,6 +140,20 @@ pub struct Device<B: Backend> {
     /// optimizer phase.
     pub link_bytes: u64,
     pub link_optimizer_bytes: u64,
+    /// When set (the planner), every collective this rank called, for
+    /// pricing on a cluster topology (`comm::topology`).
+    pub collectives: Option<Vec<Call>>,
+}
+
+/// One collective as the planner prices it: nccl-tests' `size` (one rank's
+/// full buffer), its group's size, and whether the optimizer phase (once
+/// per step) called it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Call {
+    pub op: Op,
+    pub bytes: u64,
+    pub world: usize,
+    pub optimizer: bool,
 }
 
 /// A rank's collectives, as the engine holds them.
@@ -180,6 +194,7 @@ impl<B: Backend> Device<B> {
             offload_optimizer_s: 0.0,
             link_bytes: 0,
             link_optimizer_bytes: 0,
+            collectives: None,
         }
     }
 
@@ -799,8 +814,17 @@ impl<B: Backend> Device<B> {
 
     fn count_wire(&mut self, comm: &dyn Collective<B::Buf>, op: Op, bytes: u64, root: usize) {
         let (s, r) = wire_bytes(op, bytes, comm.world(), comm.rank(), root);
-        if self.tracker.phase() == Phase::Optimizer {
+        let optimizer = self.tracker.phase() == Phase::Optimizer;
+        if optimizer {
             self.optimizer_sent += s;
+        }
+        if let Some(calls) = &mut self.collectives {
+            calls.push(Call {
+                op,
+                bytes,
+                world: comm.world(),
+                optimizer,
+            });
         }
         self.sent += s;
         self.received += r;

@@ -109,6 +109,11 @@ pub struct PlanRecipe {
     /// memory, as `memfit run --host-memory` takes it).
     #[serde(default)]
     pub host_memory: Option<crate::config::recipe::Bytes>,
+    /// The network between nodes, a network profile name or path
+    /// (`profiles/networks/`), in place of the one the hardware profile's
+    /// nodes have.
+    #[serde(default)]
+    pub network: Option<String>,
 }
 
 impl PlanRecipe {
@@ -453,6 +458,10 @@ pub struct Prediction {
     /// Offload points: host memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host: Option<HostPrediction>,
+    /// Which links the point's collectives cross (GPU plans): the
+    /// intra-node link, the network between nodes, or both.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub links: Option<crate::comm::topology::Links>,
     /// The engine's (parameters + gradients + optimizer) peaks per parameter.
     pub engine_bytes_per_param: f64,
     pub closed_form: ClosedForm,
@@ -583,7 +592,16 @@ pub fn load_recipe(path: &Path) -> Result<(PlanRecipe, ModelConfig, HardwareProf
         });
     }
     let model = load_model(&recipe.model).map_err(|e| relocate(e, at("model", None)))?;
-    let hw = load_hardware(&recipe.hardware).map_err(|e| relocate(e, at("hardware", None)))?;
+    let mut hw = load_hardware(&recipe.hardware).map_err(|e| relocate(e, at("hardware", None)))?;
+    if let Some(spec) = &recipe.network {
+        let spec = match looks_like_path(spec) && Path::new(spec.as_str()).is_relative() {
+            true => base.join(spec).display().to_string(),
+            false => spec.clone(),
+        };
+        let net = crate::config::hardware::load_network(&spec)
+            .map_err(|e| relocate(e, at("network", None)))?;
+        hw.use_network(&net);
+    }
     check_recipe(&recipe, &model, &at)?;
     Ok((recipe, model, hw))
 }
@@ -938,7 +956,7 @@ pub fn roofline(hw: &HardwareProfile, precision: Precision) -> Roofline {
 
 /// What a step is priced at: the rooflines per precision, the bandwidth
 /// collectives move at, and what an hour costs.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Rates {
     /// fp32, bf16, fp16.
     pub roofline: [Roofline; 3],
@@ -953,6 +971,10 @@ pub struct Rates {
     /// The node's host memory and its GPUs (offload's capacity check).
     pub host_memory: u64,
     pub gpus_per_node: usize,
+    /// GPU plans: the nodes, whose links price each collective as NCCL
+    /// runs it (`comm::topology`); `None` on the cpu host, whose ranks are
+    /// threads copying through shared memory at `link_bytes_per_s`.
+    pub nodes: Option<std::sync::Arc<HardwareProfile>>,
 }
 
 impl Rates {
@@ -982,6 +1004,7 @@ impl Rates {
                 .or_else(crate::run::host_available_memory)
                 .unwrap_or(u64::MAX),
             gpus_per_node: hw.gpus_per_node.max(1) as usize,
+            nodes: Some(std::sync::Arc::new(hw.clone())),
         }
     }
 
@@ -1002,6 +1025,7 @@ impl Rates {
             },
             host_memory: crate::run::host_available_memory().unwrap_or(u64::MAX),
             gpus_per_node: usize::MAX,
+            nodes: None,
         }
     }
 
@@ -1054,6 +1078,7 @@ pub fn predict(
         tokens_per_s: 0.0,
         usd_per_mtok: 0.0,
         host: None,
+        links: None,
         engine_bytes_per_param: 0.0,
         closed_form: closed_form(p),
         numerics_changes,
@@ -1088,6 +1113,7 @@ pub fn predict(
     e.dev.optimizer_cost = Default::default();
     (e.dev.offload_s, e.dev.offload_optimizer_s) = (0.0, 0.0);
     (e.dev.link_bytes, e.dev.link_optimizer_bytes) = (0, 0);
+    e.dev.collectives = Some(Vec::new());
     let (sent0, opt_sent0) = (e.dev.sent, e.dev.optimizer_sent);
     if let Err(oom) = e.step_from(1, || unreachable!("meta reads no data")) {
         unreachable!("meta without capacity cannot run out of memory: {oom}");
@@ -1099,7 +1125,14 @@ pub fn predict(
     let (off, off_opt) = (e.dev.offload_s, e.dev.offload_optimizer_s);
     out.offload_s = k * (off - off_opt) + off_opt;
     out.compute_s = k * (all - opt) + opt - out.offload_s;
-    out.comm_s = (k * (sent - opt_sent) + opt_sent) / rates.link_bytes_per_s;
+    match (&rates.nodes, e.dev.collectives.take()) {
+        (Some(hw), Some(calls)) if !calls.is_empty() => {
+            let (secs, links) = price_collectives(hw, p.gpus, &calls, k);
+            out.comm_s = secs;
+            out.links = links;
+        }
+        _ => out.comm_s = (k * (sent - opt_sent) + opt_sent) / rates.link_bytes_per_s,
+    }
     out.step_s = out.compute_s + out.comm_s + out.offload_s;
     let tokens = (r.global_batch * r.seq_len) as f64;
     out.tokens_per_s = tokens / out.step_s;
@@ -1143,6 +1176,35 @@ pub fn predict(
     };
     out.peak_bytes = Some(pk);
     out
+}
+
+/// Seconds of one step's collectives on `gpus` GPUs of `hw`'s nodes, each
+/// priced as NCCL would run it over the data-parallel group (every rank,
+/// nodes filled in order), the per-micro-batch ones `k` times; and the
+/// widest set of links they crossed.
+fn price_collectives(
+    hw: &HardwareProfile,
+    gpus: usize,
+    calls: &[crate::engine::device::Call],
+    k: f64,
+) -> (f64, Option<crate::comm::topology::Links>) {
+    use crate::comm::topology::{Links, Topology};
+    let Ok(topo) = Topology::new(hw, None, gpus) else {
+        return (0.0, None);
+    };
+    let group = topo.world_group();
+    let mut secs = 0.0;
+    let mut links = Links::None;
+    for c in calls {
+        let cost = topo.price(c.op, c.bytes, &group);
+        secs += if c.optimizer { 1.0 } else { k } * cost.seconds;
+        links = match (links, cost.links) {
+            (Links::None, l) | (l, Links::None) => l,
+            (a, b) if a == b => a,
+            _ => Links::IntraInter,
+        };
+    }
+    (secs, Some(links))
 }
 
 /// DeepSpeed's estimator for point `p`'s stage and offload, from the

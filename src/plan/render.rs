@@ -72,7 +72,7 @@ fn header(plan: &Plan, s: &mut String) {
     );
 }
 
-const COLS: [&str; 18] = [
+const COLS: [&str; 19] = [
     "#",
     "framework",
     "tune",
@@ -88,12 +88,13 @@ const COLS: [&str; 18] = [
     "peak GiB",
     "margin GiB",
     "host/node",
+    "links",
     "tokens/s",
     "$/Mtok",
     "status",
 ];
 
-fn row(i: usize, p: &Prediction) -> [String; 18] {
+fn row(plan: &Plan, i: usize, p: &Prediction) -> [String; 19] {
     let pt = &p.point;
     let valid = !matches!(p.verdict, Verdict::Invalid { .. });
     let num = |x: f64, prec: usize| {
@@ -133,6 +134,7 @@ fn row(i: usize, p: &Prediction) -> [String; 18] {
         p.host
             .as_ref()
             .map_or("-".into(), |h| fmt_bytes(h.node_bytes)),
+        links(plan, p),
         num(p.tokens_per_s, 0),
         if valid {
             super::usd(p.usd_per_mtok)
@@ -143,15 +145,28 @@ fn row(i: usize, p: &Prediction) -> [String; 18] {
     ]
 }
 
+/// The links a point's collectives cross, by name: the node's interconnect,
+/// the network between nodes, or both.
+fn links(plan: &Plan, p: &Prediction) -> String {
+    use crate::comm::topology::Links;
+    let hw = &plan.hardware;
+    match p.links {
+        None | Some(Links::None) => "-".into(),
+        Some(Links::Intra) => hw.interconnect.clone(),
+        Some(Links::Inter) => hw.inter_node.clone(),
+        Some(Links::IntraInter) => format!("{}+{}", hw.interconnect, hw.inter_node),
+    }
+}
+
 /// The terminal table: every point, the fitting ones cheapest first, then the
 /// recommendation and the bytes-per-parameter comparison.
 pub fn table(plan: &Plan, limit: usize) -> String {
     let mut s = String::new();
     header(plan, &mut s);
-    let rows: Vec<[String; 18]> = order(plan)
+    let rows: Vec<[String; 19]> = order(plan)
         .into_iter()
         .take(limit)
-        .map(|i| row(i, &plan.points[i]))
+        .map(|i| row(plan, i, &plan.points[i]))
         .collect();
     let mut w = COLS.map(str::len);
     for r in &rows {
@@ -271,16 +286,31 @@ fn recommendation(plan: &Plan, s: &mut String, bullet: &str) {
                 ),
                 None => String::new(),
             };
+            let hw = &plan.hardware;
+            let comm = match p.links {
+                Some(_) => format!(
+                    "NCCL's ring, tree or NVLS as its tuner would pick, over {} ({} GB/s per GPU) and between {}-GPU nodes {} ({} GB/s per GPU)",
+                    hw.interconnect,
+                    hw.interconnect_gbps,
+                    hw.gpus_per_node,
+                    hw.inter_node,
+                    hw.inter_node_gbps
+                ),
+                None => format!(
+                    "{:.0}% of {} GB/s",
+                    plan.efficiency["communication"] * 100.0,
+                    hw.interconnect_gbps
+                ),
+            };
             let _ = writeln!(
                 s,
-                "  {bullet}step {:.3} s = compute {:.3} s (roofline at {:.0}% of peak FLOP/s, {:.0}% of memory bandwidth) + communication {:.3} s ({:.0}% of {} GB/s, not overlapped){offload}",
+                "  {bullet}step {:.3} s = compute {:.3} s (roofline at {:.0}% of peak FLOP/s, {:.0}% of memory bandwidth) + communication {:.3} s ({comm}; crosses {}, not overlapped){offload}",
                 p.step_s,
                 p.compute_s,
                 plan.efficiency["compute"] * 100.0,
                 plan.efficiency["memory"] * 100.0,
                 p.comm_s,
-                plan.efficiency["communication"] * 100.0,
-                plan.hardware.interconnect_gbps
+                links(plan, p)
             );
         }
     }
@@ -293,7 +323,7 @@ pub fn markdown(plan: &Plan) -> String {
     let _ = writeln!(s, "\n| {} |", COLS.join(" | "));
     let _ = writeln!(s, "|{}|", COLS.map(|_| "---").join("|"));
     for i in order(plan) {
-        let cells = row(i, &plan.points[i]).map(|c| c.replace('|', "/"));
+        let cells = row(plan, i, &plan.points[i]).map(|c| c.replace('|', "/"));
         let _ = writeln!(s, "| {} |", cells.join(" | "));
     }
     let _ = writeln!(s, "\n## Recommendation");

@@ -279,7 +279,7 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
             },
         ),
         None => (
-            target_rates,
+            target_rates.clone(),
             Pricing {
                 basis: "target".into(),
                 usd_per_hour: Some(target_usd),

@@ -1,0 +1,98 @@
+//! Plans beyond one node: collectives priced on the nodes' links
+//! (`comm::topology`), the links each point crosses, and a recommendation
+//! that follows the network.
+
+mod common;
+
+use common::{json, memfit, scratch, stderr};
+use serde_json::Value;
+
+fn plan(name: &str, recipe: &str) -> Value {
+    let path = scratch(name).join("p.yaml");
+    std::fs::write(&path, recipe).unwrap();
+    let out = memfit(&["plan", path.to_str().unwrap(), "--format", "json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    json(&out)
+}
+
+/// llama-3.1-70b, ZeRO-3, either 8 GPUs in one DGX H100 with the states
+/// offloaded or 32 GPUs over four nodes without, on `network`.
+fn seventy_b(network: &str) -> Value {
+    plan(
+        &format!("cluster-{network}"),
+        &format!(
+            "model: llama-3.1-70b\nhardware: h100-sxm-80gb\nseq_len: 4096\nglobal_batch: 64\nnetwork: {network}\nhost_memory: 2TiB\ngrid:\n  micro_batch: [2]\n  checkpointing: [full]\n  sharding: [zero3]\n  gpus: [8, 32]\n  offload: [none, optimizer+params]\n"
+        ),
+    )
+}
+
+fn recommended(p: &Value) -> &Value {
+    &p["points"][p["recommendation"]["index"].as_u64().unwrap() as usize]
+}
+
+#[test]
+fn the_recommendation_follows_the_network_between_nodes() {
+    // On 400 Gb/s InfiniBand per GPU, four nodes without offload are the
+    // cheapest; on one 25 Gb/s Ethernet port per node, ZeRO-3's all-gathers
+    // across nodes cost more than offloading within one node.
+    let ib = seventy_b("ib-ndr-400");
+    let eth = seventy_b("eth-25");
+    let (a, b) = (recommended(&ib), recommended(&eth));
+    assert_eq!(a["point"]["gpus"], 32);
+    assert_eq!(a["point"]["offload"], "none");
+    assert_eq!(a["links"], "intra_inter");
+    assert_eq!(b["point"]["gpus"], 8);
+    assert_eq!(b["point"]["offload"], "optimizer+params");
+    assert_eq!(b["links"], "intra");
+    // Memory does not depend on the network; time does, and only where a
+    // point crosses it.
+    for (x, y) in ib["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(eth["points"].as_array().unwrap())
+    {
+        assert_eq!(x["peak_bytes"], y["peak_bytes"]);
+        let (cx, cy) = (x["comm_s"].as_f64().unwrap(), y["comm_s"].as_f64().unwrap());
+        if x["point"]["gpus"] == 8 {
+            assert_eq!(cx, cy);
+        } else {
+            assert!(cy > 10.0 * cx, "{cy} vs {cx}");
+        }
+    }
+}
+
+#[test]
+fn one_node_prices_nvlink_only_and_more_nodes_cost_more_per_gpu() {
+    let p = plan(
+        "cluster-scale",
+        "model: llama-3.1-8b\nhardware: h100-sxm-80gb\nseq_len: 2048\nglobal_batch: 64\ngrid:\n  sharding: [zero3]\n  gpus: [8, 16, 64]\n",
+    );
+    let pts = p["points"].as_array().unwrap();
+    let by = |g: u64| pts.iter().find(|x| x["point"]["gpus"] == g).unwrap();
+    assert_eq!(by(8)["links"], "intra");
+    assert_eq!(by(16)["links"], "intra_inter");
+    // Per micro-batch each rank gathers and scatters the whole model
+    // whatever the GPU count: across nodes that is slower.
+    let per_mb = |g: u64| {
+        let x = by(g);
+        x["comm_s"].as_f64().unwrap() / x["point"]["grad_accum"].as_f64().unwrap()
+    };
+    assert!(per_mb(16) > per_mb(8));
+    assert!(per_mb(64) > per_mb(16));
+}
+
+#[test]
+fn an_unknown_network_is_a_located_error() {
+    let path = scratch("cluster-bad").join("p.yaml");
+    std::fs::write(
+        &path,
+        "model: gpt2\nhardware: h100-sxm-80gb\nseq_len: 64\nglobal_batch: 8\nnetwork: ib-ndr-40\n",
+    )
+    .unwrap();
+    let out = memfit(&["plan", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(err.contains("p.yaml:5:"), "{err}");
+    assert!(err.contains("ib-ndr-400"), "{err}");
+}
