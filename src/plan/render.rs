@@ -288,6 +288,9 @@ fn recommendation(plan: &Plan, s: &mut String, bullet: &str) {
             };
             let hw = &plan.hardware;
             let comm = match p.links {
+                Some(crate::comm::topology::Links::None) => {
+                    "one GPU: no collective moves data".into()
+                }
                 Some(_) => format!(
                     "NCCL's ring, tree or NVLS as its tuner would pick, over {} ({} GB/s per GPU) and between {}-GPU nodes {} ({} GB/s per GPU)",
                     hw.interconnect,
