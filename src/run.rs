@@ -307,11 +307,11 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
         ));
     }
     if t.finetune != Finetune::Full {
-        if t.ranks > 1 || t.sharding != Sharding::None || t.pipeline_stages > 1 {
-            return Err(Error::invalid_arg(
-                "--finetune",
-                "lora runs on one rank without sharding or a pipeline (not yet with DDP, ZeRO or stages)",
-            ));
+        // Data parallelism trains the adapters alone (DDP buckets, ZeRO's
+        // gradient and optimizer partitions); pipelines and QLoRA under
+        // zero3 do not run yet.
+        if let Some((flag, why)) = crate::engine::lora::check_parallel(t) {
+            return Err(Error::invalid_arg(flag, why));
         }
         crate::engine::lora::check(model, &t.lora)
             .map_err(|(knob, m)| Error::invalid_arg(&format!("--lora-{knob}"), m))?;

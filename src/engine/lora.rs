@@ -14,6 +14,11 @@
 //! fused output (`Device::copy_cols`), as separate PEFT modules would.
 //! GPT-2's own `c_attn` is one fused module, so on GPT-2 q, k and v name one
 //! adapter over all three (PEFT's `target_modules=["c_attn"]`).
+//!
+//! Data parallelism (`engine::shard`) trains the adapters alone: each
+//! block's adapters join its FSDP unit, and only they have gradients,
+//! buckets, master weights and optimizer state on any rank. Pipelines are
+//! not supported yet, nor QLoRA under zero3 ([`check_parallel`]).
 
 use crate::config::model::{Init, ParamSpec};
 use crate::config::{Family, ModelConfig};
@@ -43,6 +48,40 @@ pub enum Finetune {
     /// matmul (Dettmers et al., QLoRA, 2023). cpu and meta (no cuda kernel
     /// yet).
     Qlora,
+}
+
+/// Why a fine-tuning run cannot be spread as `t` asks, if it cannot: the
+/// flag to name and the message. Full training runs everywhere. LoRA runs
+/// under ddp and zero1-3 (only the adapters have gradients, master weights
+/// and optimizer state; zero3 partitions the frozen base like any
+/// parameter), but not over pipeline stages yet. QLoRA does not run under
+/// zero3: ZeRO-3 cuts every parameter into flat per-tensor shards, but an
+/// NF4 tensor is stored as 64-value blocks, each with its own
+/// double-quantised absmax (`crate::nf4`), which a shard boundary would
+/// split from its codes; the engine shards flat elements, not NF4 blocks.
+pub fn check_parallel(t: &super::TrainConfig) -> Option<(&'static str, String)> {
+    if t.finetune == Finetune::Full {
+        return None;
+    }
+    let name = match t.finetune {
+        Finetune::Qlora => "qlora",
+        _ => "lora",
+    };
+    if t.pipeline_stages > 1 {
+        return Some((
+            "--pipeline-stages",
+            format!(
+                "--finetune {name} runs with data parallelism (ddp, zero1-3) but not with pipeline stages in memfit's engine; use --pipeline-stages 1"
+            ),
+        ));
+    }
+    if t.finetune == Finetune::Qlora && t.sharding.shards_parameters() {
+        return Some((
+            "--sharding",
+            "--finetune qlora does not run with zero3: zero3 partitions every parameter into per-tensor shards, and QLoRA's NF4 base is stored in 64-value blocks with their own quantised scales, which a shard would cut; use ddp, zero1 or zero2 (the NF4 base replicated on every rank) or --finetune lora".into(),
+        ));
+    }
+    None
 }
 
 /// A projection LoRA can adapt (PEFT's usual `target_modules`).

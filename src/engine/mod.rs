@@ -473,9 +473,10 @@ impl<B: Backend> Engine<B> {
         let adapters = match train.finetune {
             Finetune::Full => Vec::new(),
             Finetune::Lora | Finetune::Qlora => {
+                assert!(pipe.is_none(), "LoRA runs without a pipeline");
                 assert!(
-                    comm.is_none() && pipe.is_none(),
-                    "LoRA runs on one rank without a pipeline"
+                    !(qlora && train.sharding.shards_parameters()),
+                    "QLoRA's NF4 base is not partitioned by zero3 (run::validate says so)"
                 );
                 lora::layout(&model, &train.lora, &mut specs)
             }
@@ -515,7 +516,11 @@ impl<B: Backend> Engine<B> {
                 train.data_ranks(),
                 "one communicator rank per replica"
             );
-            let mut d = Dist::new(c, train.sharding, numel.clone(), &idx);
+            let ads: Vec<Vec<usize>> = adapters
+                .iter()
+                .map(|b| b.iter().flat_map(|a| [a.a, a.b]).collect())
+                .collect();
+            let mut d = Dist::new(c, train.sharding, numel.clone(), &idx, &ads, &trainable);
             d.grads_on_host = offload.optimizer();
             d
         });
@@ -535,8 +540,13 @@ impl<B: Backend> Engine<B> {
             .zip(&trainable)
             .map(|(&o, &t)| o && t)
             .collect();
-        // Elements of each tensor this rank keeps a copy of, per kind of state.
+        // Elements of each tensor this rank keeps a copy of, per kind of
+        // state: weights (`shard_lens`), and gradients, master and optimizer
+        // state, which only trainable tensors have (`tshard_lens`).
         let shard_lens = dist.as_ref().map_or(numel.clone(), |d| d.shard.clone());
+        let tshard_lens = dist
+            .as_ref()
+            .map_or(tnumel.clone(), |d| d.grad_shard.clone());
         let alloc_all = |dev: &mut Device<B>, lens: &[usize], dtype, cat| {
             lens.iter()
                 .zip(&owned)
@@ -593,15 +603,15 @@ impl<B: Backend> Engine<B> {
             // Offloaded: DeepSpeed accumulates the gradient shard in fp32
             // on the host.
             d.grad_shards = match offload.optimizer() {
-                true => dev.on_host(|dev| alloc_all(dev, &shard_lens, DType::F32, cat))?,
-                false => alloc_all(&mut dev, &shard_lens, wdt, cat)?,
+                true => dev.on_host(|dev| alloc_all(dev, &tshard_lens, DType::F32, cat))?,
+                false => alloc_all(&mut dev, &tshard_lens, wdt, cat)?,
             };
             placeholders(&mut dev, wdt, Category::Gradients)
         } else {
             alloc_all(&mut dev, &tnumel, wdt, Category::Gradients)?
         };
         let opt_lens = if sharding.shards_optimizer() {
-            &shard_lens
+            &tshard_lens
         } else {
             &tnumel
         };
@@ -673,8 +683,12 @@ impl<B: Backend> Engine<B> {
         if let Some(d) = &mut dist
             && sharding == Sharding::Ddp
         {
+            // QLoRA's NF4 bytes are not broadcast: every rank quantised the
+            // same seeded weights (the collectives move floats).
             for (t, _) in params.iter_mut().zip(&owned).filter(|(_, o)| **o) {
-                dev.broadcast(&mut *d.comm, t, 0);
+                if t.dtype != DType::U8 {
+                    dev.broadcast(&mut *d.comm, t, 0);
+                }
             }
         }
         let loss_scale = match train.precision {

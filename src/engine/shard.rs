@@ -26,6 +26,15 @@
 //! then copied out into the unit's full tensors (both flat buffers count as
 //! `communication`). The next unit's all-gather is issued before the current
 //! unit runs (prefetch), so two units are resident at the peak.
+//!
+//! LoRA (PEFT on PyTorch DDP or DeepSpeed): only trainable tensors (the
+//! adapters, which belong to their block's unit) have gradients, master
+//! weights and optimizer state, so DDP's buckets and the ZeRO gradient
+//! layout cover them alone (DDP registers hooks only for parameters that
+//! require grad; DeepSpeed's ZeRO-1/2 partition the optimizer's parameter
+//! groups, to which the HF Trainer gives the trainable parameters only). The
+//! frozen base is replicated under ddp and zero1/2 and, as every parameter,
+//! partitioned and all-gathered per unit under zero3.
 
 use super::T;
 use super::device::{Comm, Device};
@@ -179,6 +188,17 @@ pub struct Bucket<X> {
     pub buf: Option<X>,
 }
 
+/// The FSDP units of a model with LoRA adapters: each block's adapters
+/// (`adapters[l]`: their tensor indices) join block `l`'s unit, as PEFT
+/// wraps them inside the block's modules.
+pub fn units_with(idx: &ParamIndex, adapters: &[Vec<usize>]) -> Vec<Vec<usize>> {
+    let mut out = units(idx);
+    for (l, ids) in adapters.iter().enumerate() {
+        out[1 + l].extend_from_slice(ids);
+    }
+    out
+}
+
 /// The FSDP units of a model: `[embedding, block 0, ..., block L-1, head]`.
 pub fn units(idx: &ParamIndex) -> Vec<Vec<usize>> {
     let mut out = vec![std::iter::once(idx.wte).chain(idx.wpe).collect()];
@@ -226,6 +246,14 @@ pub struct Dist<B: Backend> {
     /// unit's flat shard length.
     unit_off: Vec<usize>,
     unit_len: Vec<usize>,
+    /// The gradients' part of all that: only trainable tensors have
+    /// gradients (LoRA freezes the base), so a frozen tensor's gradient
+    /// numel and shard are 0 and the gradient flat buffers of a unit lay out
+    /// its trainable tensors alone.
+    pub grad_numel: Vec<usize>,
+    pub grad_shard: Vec<usize>,
+    grad_off: Vec<usize>,
+    grad_len: Vec<usize>,
     tied: bool,
     /// zero3: this rank's shard of every weight (the working dtype).
     pub param_shards: Vec<T<B>>,
@@ -247,21 +275,52 @@ pub enum Stage {
     Head,
 }
 
-impl<B: Backend> Dist<B> {
-    pub fn new(comm: Comm<B>, sharding: Sharding, numel: Vec<usize>, idx: &ParamIndex) -> Self {
-        let (rank, world) = (comm.rank(), comm.world());
-        let shard: Vec<usize> = numel.iter().map(|n| n.div_ceil(world)).collect();
-        let units = units(idx);
-        let mut unit_off = vec![0; numel.len()];
-        let mut unit_len = Vec::with_capacity(units.len());
-        for u in &units {
-            let mut off = 0;
-            for &i in u {
-                unit_off[i] = off;
-                off += shard[i];
-            }
-            unit_len.push(off);
+/// Each tensor's offset in its unit's flat buffer of `len` (per tensor),
+/// and each unit's length.
+fn flat_layout(units: &[Vec<usize>], len: &[usize]) -> (Vec<usize>, Vec<usize>) {
+    let mut at = vec![0; len.len()];
+    let mut total = Vec::with_capacity(units.len());
+    for u in units {
+        let mut off = 0;
+        for &i in u {
+            at[i] = off;
+            off += len[i];
         }
+        total.push(off);
+    }
+    (at, total)
+}
+
+impl<B: Backend> Dist<B> {
+    /// `numel`: what this rank holds of each tensor before sharding;
+    /// `adapters[l]`: block `l`'s LoRA tensors (none for full training),
+    /// which join its unit ([`units_with`]); `trainable`: which tensors
+    /// have gradients.
+    pub fn new(
+        comm: Comm<B>,
+        sharding: Sharding,
+        numel: Vec<usize>,
+        idx: &ParamIndex,
+        adapters: &[Vec<usize>],
+        trainable: &[bool],
+    ) -> Self {
+        let (rank, world) = (comm.rank(), comm.world());
+        let units = units_with(idx, adapters);
+        assert_eq!(
+            units.iter().map(Vec::len).sum::<usize>(),
+            numel.len(),
+            "every tensor in exactly one unit"
+        );
+        let shard: Vec<usize> = numel.iter().map(|n| n.div_ceil(world)).collect();
+        let (unit_off, unit_len) = flat_layout(&units, &shard);
+        let masked = |v: &[usize]| -> Vec<usize> {
+            v.iter()
+                .zip(trainable)
+                .map(|(&n, &t)| if t { n } else { 0 })
+                .collect()
+        };
+        let (grad_numel, grad_shard) = (masked(&numel), masked(&shard));
+        let (grad_off, grad_len) = flat_layout(&units, &grad_shard);
         let n_units = units.len();
         Dist {
             comm,
@@ -273,6 +332,10 @@ impl<B: Backend> Dist<B> {
             units,
             unit_off,
             unit_len,
+            grad_numel,
+            grad_shard,
+            grad_off,
+            grad_len,
             tied: idx.lm_head.is_none(),
             param_shards: Vec::new(),
             grad_shards: Vec::new(),
@@ -452,8 +515,8 @@ impl<B: Backend> Dist<B> {
         if !self.sharding.shards_gradients() || self.grads_live[u] {
             return Ok(());
         }
-        for &i in &self.units[u] {
-            let full = dev.alloc(self.numel[i], g[i].dtype, Category::Gradients)?;
+        for &i in self.units[u].iter().filter(|&&i| self.grad_numel[i] > 0) {
+            let full = dev.alloc(self.grad_numel[i], g[i].dtype, Category::Gradients)?;
             let old = std::mem::replace(&mut g[i], full);
             dev.drop_placeholder(old);
         }
@@ -488,7 +551,7 @@ impl<B: Backend> Dist<B> {
         g: &mut [T<B>],
     ) -> Result<(), OomError> {
         self.grad_shards = Vec::with_capacity(self.numel.len());
-        for (i, &s) in self.shard.iter().enumerate() {
+        for (i, &s) in self.grad_shard.iter().enumerate() {
             let t = match self.grads_on_host {
                 true => dev.on_host(|dev| dev.alloc(s, DType::F32, Category::Gradients))?,
                 false => dev.alloc(s, g[i].dtype, Category::Gradients)?,
@@ -509,9 +572,10 @@ impl<B: Backend> Dist<B> {
     }
 
     /// Copies unit `u`'s full gradients into one flat buffer laid out rank by
-    /// rank (each tensor's shard padded), reduce-scatters it, and adds this
-    /// rank's part to the gradient shards. `free_full` frees the full
-    /// gradients as soon as they are copied (zero2/3).
+    /// rank (each trainable tensor's shard padded), reduce-scatters it, and
+    /// adds this rank's part to the gradient shards. `free_full` frees the
+    /// full gradients as soon as they are copied (zero2/3). A unit without
+    /// a gradient (another pipeline stage's, or a frozen one) sends nothing.
     fn reduce_scatter_unit(
         &mut self,
         dev: &mut Device<B>,
@@ -519,18 +583,22 @@ impl<B: Backend> Dist<B> {
         u: usize,
         free_full: bool,
     ) -> Result<(), OomError> {
-        let (su, world) = (self.unit_len[u], self.world);
+        let (su, world) = (self.grad_len[u], self.world);
         if su == 0 {
-            // A unit another pipeline stage holds.
             return Ok(());
         }
-        let dt = g[self.units[u][0]].dtype;
+        let with_grads: Vec<usize> = self.units[u]
+            .iter()
+            .copied()
+            .filter(|&i| self.grad_numel[i] > 0)
+            .collect();
+        let dt = g[with_grads[0]].dtype;
         let comm = Category::Communication;
         let mut send = dev.alloc(world * su, dt, comm)?;
-        for &i in &self.units[u] {
+        for &i in &with_grads {
             for r in 0..world {
                 let v = self.valid(i, r);
-                let dst = r * su + self.unit_off[i];
+                let dst = r * su + self.grad_off[i];
                 dev.copy_slice(&mut send, dst, &g[i], r * self.shard[i], v, false);
             }
             if free_full {
@@ -541,8 +609,8 @@ impl<B: Backend> Dist<B> {
         let mut recv = dev.alloc(su, dt, comm)?;
         dev.reduce_scatter(&mut *self.comm, &mut recv, &send);
         dev.free(send);
-        for &i in &self.units[u] {
-            let (off, s) = (self.unit_off[i], self.shard[i]);
+        for &i in &with_grads {
+            let (off, s) = (self.grad_off[i], self.grad_shard[i]);
             dev.copy_slice(&mut self.grad_shards[i], 0, &recv, off, s, true);
         }
         dev.free(recv);
@@ -577,19 +645,21 @@ impl<B: Backend> Dist<B> {
         }
     }
 
-    /// ddp: allocates the bucket buffers (none with `bucket_view`).
+    /// ddp: allocates the bucket buffers (none with `bucket_view`). Only
+    /// tensors with gradients are bucketed, as DDP hooks only parameters
+    /// that require grad.
     pub fn alloc_buckets(
         &mut self,
         dev: &mut Device<B>,
         dt: DType,
         bucket_view: bool,
     ) -> Result<(), OomError> {
-        let bytes: Vec<usize> = self.numel.iter().map(|n| n * dt.size()).collect();
+        let bytes: Vec<usize> = self.grad_numel.iter().map(|n| n * dt.size()).collect();
         for params in buckets(&bytes) {
             let buf = if bucket_view {
                 None
             } else {
-                let n = params.iter().map(|&i| self.numel[i]).sum();
+                let n = params.iter().map(|&i| self.grad_numel[i]).sum();
                 Some(dev.alloc(n, dt, Category::Communication)?)
             };
             self.buckets.push(Bucket { params, buf });

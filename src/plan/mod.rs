@@ -807,11 +807,9 @@ fn invalid_reason(r: &PlanRecipe, p: &Point) -> Option<String> {
             r.global_batch, p.micro_batch, p.gpus
         ));
     }
-    if p.finetune != Finetune::Full && (p.gpus > 1 || p.sharding != Sharding::None) {
-        return Some(
-            "lora runs on one GPU without sharding in memfit's engine (not yet with DDP or ZeRO)"
-                .into(),
-        );
+    let tc = r.train_config(p);
+    if let Some((_, why)) = crate::engine::lora::check_parallel(&tc) {
+        return Some(why);
     }
     if let Some(why) = p.offload.check(p.sharding) {
         return Some(why.into());
@@ -822,7 +820,6 @@ fn invalid_reason(r: &PlanRecipe, p: &Point) -> Option<String> {
             p.gpus
         ));
     }
-    let tc = r.train_config(p);
     crate::run::validate_sharding(&tc).err().map(|e| match e {
         Error::InvalidArg { message, .. } => message,
         other => other.to_string(),
