@@ -30,6 +30,7 @@ fn main() {
             framework: vec![Framework::HfEager],
             finetune: vec![memfit::engine::Finetune::Full],
             offload: vec![memfit::engine::Offload::None],
+            pipeline_stages: vec![1],
         },
         headroom: 0.05,
         cost: None,
@@ -82,6 +83,7 @@ fn main() {
             framework: vec![Framework::HfEager],
             finetune: vec![memfit::engine::Finetune::Full],
             offload: vec![memfit::engine::Offload::None],
+            pipeline_stages: vec![1],
         },
         ..single
     };

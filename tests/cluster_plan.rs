@@ -96,3 +96,64 @@ fn an_unknown_network_is_a_located_error() {
     assert!(err.contains("p.yaml:5:"), "{err}");
     assert!(err.contains("ib-ndr-400"), "{err}");
 }
+
+#[test]
+fn pipeline_stages_are_a_plan_axis_priced_stage_by_stage() {
+    // memfit's own engine, on the cpu backend's workspace, so that the
+    // plan's peak is comparable with `memfit run --device meta`.
+    let p = plan(
+        "cluster-pp",
+        "model: llama-tiny\nhardware: h100-sxm-80gb\nseq_len: 64\nglobal_batch: 8\ndevice: cpu\ngrid:\n  framework: [memfit]\n  precision: [fp32]\n  attention: [eager]\n  sharding: [ddp]\n  gpus: [4]\n  pipeline_stages: [1, 2, 4]\n",
+    );
+    let pts = p["points"].as_array().unwrap();
+    let by = |s: u64| {
+        pts.iter()
+            .find(|x| x["point"]["pipeline_stages"] == s)
+            .unwrap()
+    };
+    for s in [2u64, 4] {
+        let x = by(s);
+        assert_eq!(x["status"], "fits", "{x}");
+        // The plan's per-GPU peak is its fullest stage's, as a run shows it.
+        let accum = x["point"]["grad_accum"].as_u64().unwrap().to_string();
+        let out = memfit(&[
+            "run",
+            "--model",
+            "llama-tiny",
+            "--device",
+            "meta",
+            "--seq-len",
+            "64",
+            "--micro-batch",
+            "1",
+            "--ranks",
+            "4",
+            "--sharding",
+            "ddp",
+            "--pipeline-stages",
+            &s.to_string(),
+            "--grad-accum",
+            &accum,
+            "--format",
+            "json",
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let run = json(&out);
+        assert_eq!(
+            x["peak_bytes"]["total"], run["peak_bytes"]["total"],
+            "pp{s}"
+        );
+    }
+    // Fewer layers per GPU: less memory; a bubble: more time per token.
+    let peak = |s: u64| by(s)["peak_bytes"]["total"].as_u64().unwrap();
+    assert!(peak(4) < peak(2) && peak(2) < peak(1));
+    let invalid = plan(
+        "cluster-pp-bad",
+        "model: llama-tiny\nhardware: h100-sxm-80gb\nseq_len: 64\nglobal_batch: 8\ngrid:\n  sharding: [ddp]\n  gpus: [4]\n  pipeline_stages: [3]\n",
+    );
+    let reason = invalid["points"][0]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("cannot be split into 3 pipeline stages"),
+        "{reason}"
+    );
+}

@@ -45,6 +45,7 @@ fn predictions_equal_cpu_measured_peaks() {
                 framework: Vec::new(),
                 finetune: vec![memfit::engine::Finetune::Full],
                 offload: vec![memfit::engine::Offload::None],
+                pipeline_stages: vec![1],
             },
             headroom: 0.05,
             cost: None,
@@ -108,6 +109,7 @@ fn point(sharding: Sharding, gpus: usize) -> Point {
         framework: Default::default(),
         finetune: Default::default(),
         offload: Default::default(),
+        pipeline_stages: 1,
     }
 }
 

@@ -143,6 +143,9 @@ pub struct Device<B: Backend> {
     /// When set (the planner), every collective this rank called, for
     /// pricing on a cluster topology (`comm::topology`).
     pub collectives: Option<Vec<Call>>,
+    /// Bytes and messages sent to neighbouring pipeline stages.
+    pub p2p_sent: u64,
+    pub p2p_sends: u64,
 }
 
 /// One collective as the planner prices it: nccl-tests' `size` (one rank's
@@ -195,6 +198,8 @@ impl<B: Backend> Device<B> {
             link_bytes: 0,
             link_optimizer_bytes: 0,
             collectives: None,
+            p2p_sent: 0,
+            p2p_sends: 0,
         }
     }
 
@@ -872,6 +877,8 @@ impl<B: Backend> Device<B> {
     /// Sends `t` to a neighbouring pipeline stage.
     pub fn send(&mut self, link: &mut dyn PointToPoint<B::Buf>, to: Peer, t: &T<B>) {
         self.sent += t.bytes();
+        self.p2p_sent += t.bytes();
+        self.p2p_sends += 1;
         self.timed("send", 0, b(t), |_| link.send(to, &t.buf, t.len));
     }
 

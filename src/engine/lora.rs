@@ -45,8 +45,7 @@ pub enum Finetune {
     Lora,
     /// LoRA on a base whose block projections are stored in 4-bit
     /// NormalFloat (`crate::nf4`) and dequantised to the compute dtype per
-    /// matmul (Dettmers et al., QLoRA, 2023). cpu and meta (no cuda kernel
-    /// yet).
+    /// matmul (Dettmers et al., QLoRA, 2023). cpu, cuda and meta.
     Qlora,
 }
 

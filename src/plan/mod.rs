@@ -190,6 +190,9 @@ pub struct Grid {
     /// ZeRO-Offload: none, optimizer and/or optimizer+params.
     #[serde(default = "default_offload")]
     pub offload: Vec<Offload>,
+    /// Pipeline stages; `gpus` is then stages x data-parallel replicas.
+    #[serde(default = "one_usize")]
+    pub pipeline_stages: Vec<usize>,
 }
 
 impl Grid {
@@ -206,6 +209,7 @@ impl Grid {
             self.framework.len().max(1),
             self.finetune.len(),
             self.offload.len(),
+            self.pipeline_stages.len(),
         ]
         .into_iter()
         .try_fold(1usize, usize::checked_mul)
@@ -261,6 +265,12 @@ impl Grid {
         keep_first("framework", &mut self.framework, |v| name(*v), &mut r);
         keep_first("finetune", &mut self.finetune, |v| name(*v), &mut r);
         keep_first("offload", &mut self.offload, |v| v.name().into(), &mut r);
+        keep_first(
+            "pipeline_stages",
+            &mut self.pipeline_stages,
+            usize::to_string,
+            &mut r,
+        );
         r
     }
 
@@ -285,6 +295,7 @@ impl Default for Grid {
             framework: Vec::new(),
             finetune: default_finetune(),
             offload: default_offload(),
+            pipeline_stages: one_usize(),
         }
     }
 }
@@ -334,6 +345,13 @@ pub struct Point {
     pub finetune: Finetune,
     #[serde(default)]
     pub offload: Offload,
+    /// Pipeline stages (1: none); `gpus` is stages x replicas.
+    #[serde(default = "one")]
+    pub pipeline_stages: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl Point {
@@ -367,6 +385,7 @@ impl Point {
             framework: self.framework,
             finetune: self.finetune,
             offload: self.offload,
+            pipeline_stages: self.pipeline_stages,
             ..TrainConfig::default()
         }
     }
@@ -384,6 +403,10 @@ impl Point {
         let ft = match self.offload {
             Offload::None => ft.to_string(),
             o => format!("{ft}offload:{} ", o.name()),
+        };
+        let ft = match self.pipeline_stages {
+            1 => ft,
+            s => format!("{ft}pp{s} "),
         };
         format!(
             "{fw}{ft}mb{} x{} {} {} {} ckpt:{} {} {}",
@@ -750,57 +773,67 @@ fn check_recipe(
 pub fn expand(r: &PlanRecipe) -> Vec<Point> {
     let mut g = r.grid.clone();
     g.dedup();
-    let g = &g;
-    let mut out = Vec::new();
     let frameworks = match g.framework.is_empty() {
         true => vec![Framework::Memfit],
         false => g.framework.clone(),
     };
-    for &offload in &g.offload {
-        for &finetune in &g.finetune {
-            for &framework in &frameworks {
-                for &gpus in &g.gpus {
-                    for &sharding in &g.sharding {
-                        for &optimizer in &g.optimizer {
-                            for &precision in &g.precision {
-                                for &checkpointing in &g.checkpointing {
-                                    for &attention in &g.attention {
-                                        for &micro_batch in &g.micro_batch {
-                                            let per_step = micro_batch * gpus;
-                                            let grad_accum =
-                                                if r.global_batch.is_multiple_of(per_step) {
-                                                    r.global_batch / per_step
-                                                } else {
-                                                    0
-                                                };
-                                            out.push(Point {
-                                                micro_batch,
-                                                precision,
-                                                checkpointing,
-                                                attention,
-                                                optimizer,
-                                                sharding,
-                                                gpus,
-                                                grad_accum,
-                                                framework,
-                                                finetune,
-                                                offload,
-                                            });
-                                        }
-                                    }
-                                }
-                            }
-                        }
-                    }
-                }
+    // The product of every list, the last key varying fastest.
+    let mut out = vec![Point {
+        micro_batch: 1,
+        precision: Precision::Bf16,
+        checkpointing: Checkpointing::None,
+        attention: Attention::Fused,
+        optimizer: Optimizer::Adamw,
+        sharding: Sharding::None,
+        gpus: 1,
+        grad_accum: 0,
+        framework: Framework::Memfit,
+        finetune: Finetune::Full,
+        offload: Offload::None,
+        pipeline_stages: 1,
+    }];
+    fn axis<T: Copy>(out: Vec<Point>, values: &[T], set: impl Fn(&mut Point, T)) -> Vec<Point> {
+        let mut next = Vec::with_capacity(out.len() * values.len());
+        for p in out {
+            for &v in values {
+                let mut q = p;
+                set(&mut q, v);
+                next.push(q);
             }
         }
+        next
+    }
+    out = axis(out, &g.pipeline_stages, |p, v| p.pipeline_stages = v);
+    out = axis(out, &g.offload, |p, v| p.offload = v);
+    out = axis(out, &g.finetune, |p, v| p.finetune = v);
+    out = axis(out, &frameworks, |p, v| p.framework = v);
+    out = axis(out, &g.gpus, |p, v| p.gpus = v);
+    out = axis(out, &g.sharding, |p, v| p.sharding = v);
+    out = axis(out, &g.optimizer, |p, v| p.optimizer = v);
+    out = axis(out, &g.precision, |p, v| p.precision = v);
+    out = axis(out, &g.checkpointing, |p, v| p.checkpointing = v);
+    out = axis(out, &g.attention, |p, v| p.attention = v);
+    out = axis(out, &g.micro_batch, |p, v| p.micro_batch = v);
+    for p in &mut out {
+        // Each data-parallel replica (of every stage) takes a micro-batch.
+        let replicas = (p.gpus / p.pipeline_stages.max(1)).max(1);
+        let per_step = p.micro_batch * replicas;
+        p.grad_accum = match r.global_batch.is_multiple_of(per_step) {
+            true => r.global_batch / per_step,
+            false => 0,
+        };
     }
     out
 }
 
 /// Why a point cannot run, if it cannot.
 fn invalid_reason(r: &PlanRecipe, p: &Point) -> Option<String> {
+    if p.pipeline_stages == 0 || !p.gpus.is_multiple_of(p.pipeline_stages) {
+        return Some(format!(
+            "{} GPUs cannot be split into {} pipeline stages",
+            p.gpus, p.pipeline_stages
+        ));
+    }
     if p.grad_accum == 0 {
         return Some(format!(
             "global_batch {} is not a whole multiple of micro_batch {} x {} GPUs",
@@ -1086,50 +1119,111 @@ pub fn predict(
         return out;
     }
     let tc = r.train_config(p);
-    // Memory and the per-micro-batch costs do not depend on grad_accum: run
-    // one micro-batch and scale (the optimizer phase runs once per step).
-    let one = TrainConfig {
-        grad_accum: 1,
-        ..tc.clone()
-    };
-    let distributed = p.gpus > 1 || p.sharding != Sharding::None;
-    let comm = distributed.then(|| Box::new(MetaComm::new(0, p.gpus)) as Comm<MetaBackend>);
     // A plan for the cpu backend (a cpu sweep's run device) declares its
     // workspace; every other plan is for a GPU and declares the cuda one.
     let meta = match r.device.as_ref().map(|d| d.kind) {
         Some(crate::backend::DeviceKind::Cpu) => MetaBackend::emulating_cpu(),
         _ => MetaBackend::emulating_cuda(),
     };
-    let mut e = match Engine::new_rank(model.clone(), one, meta, None, comm) {
-        Ok(e) => e,
-        Err(oom) => unreachable!("meta without capacity cannot run out of memory: {oom}"),
-    };
-    e.dev.roofline = Some(rates.of(p.precision));
-    e.dev.host_roofline = Some(rates.host);
-    e.dev.cost = Default::default();
-    e.dev.optimizer_cost = Default::default();
-    (e.dev.offload_s, e.dev.offload_optimizer_s) = (0.0, 0.0);
-    (e.dev.link_bytes, e.dev.link_optimizer_bytes) = (0, 0);
-    e.dev.collectives = Some(Vec::new());
-    let (sent0, opt_sent0) = (e.dev.sent, e.dev.optimizer_sent);
-    if let Err(oom) = e.step_from(1, || unreachable!("meta reads no data")) {
-        unreachable!("meta without capacity cannot run out of memory: {oom}");
-    }
     let k = tc.grad_accum as f64;
-    let (all, opt) = (e.dev.cost.roofline_s, e.dev.optimizer_cost.roofline_s);
-    let sent = (e.dev.sent - sent0) as f64;
-    let opt_sent = (e.dev.optimizer_sent - opt_sent0) as f64;
-    let (off, off_opt) = (e.dev.offload_s, e.dev.offload_optimizer_s);
-    out.offload_s = k * (off - off_opt) + off_opt;
-    out.compute_s = k * (all - opt) + opt - out.offload_s;
-    match (&rates.nodes, e.dev.collectives.take()) {
-        (Some(hw), Some(calls)) if !calls.is_empty() => {
-            let (secs, links) = price_collectives(hw, p.gpus, &calls, k);
-            out.comm_s = secs;
-            out.links = links;
+    let stages = tc.pipeline_stages.max(1);
+    let replicas = tc.data_ranks();
+    let topo = rates
+        .nodes
+        .as_deref()
+        .and_then(|hw| crate::comm::topology::Topology::new(hw, None, p.gpus).ok());
+    let e = if stages == 1 {
+        // Memory and the per-micro-batch costs do not depend on grad_accum:
+        // run one micro-batch and scale (the optimizer phase runs once).
+        let one = TrainConfig {
+            grad_accum: 1,
+            ..tc.clone()
+        };
+        let distributed = p.gpus > 1 || p.sharding != Sharding::None;
+        let comm = distributed.then(|| Box::new(MetaComm::new(0, p.gpus)) as Comm<MetaBackend>);
+        let s = step_meta(model, one, meta, comm, None, rates, p.precision);
+        out.offload_s = k * (s.offload_s - s.offload_opt_s) + s.offload_opt_s;
+        out.compute_s = k * (s.all_s - s.opt_s) + s.opt_s - out.offload_s;
+        match (&topo, &s.calls) {
+            (Some(t), Some(calls)) if !calls.is_empty() => {
+                let (secs, links) = price_collectives(t, &t.world_group(), calls, k);
+                out.comm_s = secs;
+                out.links = links;
+            }
+            _ => out.comm_s = (k * (s.sent - s.opt_sent) + s.opt_sent) / rates.link_bytes_per_s,
         }
-        _ => out.comm_s = (k * (sent - opt_sent) + opt_sent) / rates.link_bytes_per_s,
-    }
+        s.e
+    } else {
+        // Every stage alone (its allocations depend only on its place),
+        // stepped through all K micro-batches, since its in-flight
+        // activations depend on K. The pipeline's step is then
+        // (K + S - 1) micro-batch slots of its slowest stage, plus the
+        // slowest optimizer step (GPipe's and 1F1B's bubble).
+        let wiring = TrainConfig {
+            ranks: stages,
+            ..tc.clone()
+        };
+        let mut links = crate::run::meta_links(model, &wiring);
+        let mut worst: Option<(u64, Engine<MetaBackend>)> = None;
+        let (mut slot, mut opt_s, mut off_s, mut comm_s) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+        let mut crossed = None;
+        for s in 0..stages {
+            let distributed = replicas > 1 || p.sharding != Sharding::None;
+            let comm =
+                distributed.then(|| Box::new(MetaComm::new(0, replicas)) as Comm<MetaBackend>);
+            let pipe = links[s].pipe.take();
+            let st = step_meta(
+                model,
+                tc.clone(),
+                meta.clone(),
+                comm,
+                pipe,
+                rates,
+                p.precision,
+            );
+            // Stage s's replicas are ranks s*D..: they talk among
+            // themselves, and replica d sends to rank (s+1)*D + d.
+            let (mut p2p_s, mut dp_s) = (0.0, 0.0);
+            if let Some(t) = &topo {
+                let gpn = t.gpus_per_node;
+                let crosses = (0..replicas)
+                    .any(|d| (s * replicas + d) / gpn != ((s + 1) * replicas + d) / gpn);
+                let link = match crosses {
+                    true => &t.inter,
+                    false => &t.intra,
+                };
+                if st.p2p_sends > 0 {
+                    p2p_s = st.p2p_sent as f64 / link.effective_bandwidth()
+                        + st.p2p_sends as f64 * link.latency;
+                    crossed = union(
+                        crossed,
+                        Some(match crosses {
+                            true => crate::comm::topology::Links::Inter,
+                            false => crate::comm::topology::Links::Intra,
+                        }),
+                    );
+                }
+                if let (Some(calls), Ok(g)) = (&st.calls, t.strided_group(replicas, 1)) {
+                    let (secs, l) = price_collectives(t, &g, calls, 1.0);
+                    dp_s = secs;
+                    crossed = union(crossed, l);
+                }
+            }
+            slot = slot.max((st.all_s - st.opt_s + p2p_s) / k);
+            opt_s = opt_s.max(st.opt_s);
+            off_s = off_s.max(st.offload_s);
+            comm_s = comm_s.max(dp_s);
+            let peak = st.e.dev.tracker.peak_bytes().total;
+            if worst.as_ref().is_none_or(|(w, _)| peak > *w) {
+                worst = Some((peak, st.e));
+            }
+        }
+        out.offload_s = off_s;
+        out.compute_s = (k + stages as f64 - 1.0) * slot + opt_s - off_s;
+        out.comm_s = comm_s;
+        out.links = crossed;
+        worst.expect("a stage").1
+    };
     out.step_s = out.compute_s + out.comm_s + out.offload_s;
     let tokens = (r.global_batch * r.seq_len) as f64;
     out.tokens_per_s = tokens / out.step_s;
@@ -1158,8 +1252,9 @@ pub fn predict(
             node_bytes,
             capacity_bytes: capacity,
             margin_bytes: capacity as i64 - node_bytes as i64,
-            // Per micro-batch copies repeat; the optimizer's run once.
-            link_bytes_per_step: tc.grad_accum as u64
+            // Per micro-batch copies repeat; the optimizer's run once (a
+            // pipeline stage already ran every micro-batch).
+            link_bytes_per_step: if stages == 1 { tc.grad_accum as u64 } else { 1 }
                 * (e.dev.link_bytes - e.dev.link_optimizer_bytes)
                 + e.dev.link_optimizer_bytes,
             deepspeed: deepspeed_estimate(&e, p, per_node),
@@ -1175,33 +1270,94 @@ pub fn predict(
     out
 }
 
-/// Seconds of one step's collectives on `gpus` GPUs of `hw`'s nodes, each
-/// priced as NCCL would run it over the data-parallel group (every rank,
-/// nodes filled in order), the per-micro-batch ones `k` times; and the
-/// widest set of links they crossed.
+/// One meta engine's step with the planner's rates, and what it cost.
+struct Stepped {
+    e: Engine<MetaBackend>,
+    all_s: f64,
+    opt_s: f64,
+    offload_s: f64,
+    offload_opt_s: f64,
+    sent: f64,
+    opt_sent: f64,
+    calls: Option<Vec<crate::engine::device::Call>>,
+    p2p_sent: u64,
+    p2p_sends: u64,
+}
+
+/// Builds one rank (or pipeline stage) on meta and runs one step of
+/// `train.grad_accum` micro-batches, priced with `rates`.
+fn step_meta(
+    model: &ModelConfig,
+    train: TrainConfig,
+    meta: MetaBackend,
+    comm: Option<Comm<MetaBackend>>,
+    pipe: Option<crate::engine::Pipe<MetaBackend>>,
+    rates: &Rates,
+    precision: Precision,
+) -> Stepped {
+    let k = train.grad_accum;
+    let mut e = match Engine::new_stage(model.clone(), train, meta, None, comm, pipe) {
+        Ok(e) => e,
+        Err(oom) => unreachable!("meta without capacity cannot run out of memory: {oom}"),
+    };
+    e.dev.roofline = Some(rates.of(precision));
+    e.dev.host_roofline = Some(rates.host);
+    e.dev.cost = Default::default();
+    e.dev.optimizer_cost = Default::default();
+    (e.dev.offload_s, e.dev.offload_optimizer_s) = (0.0, 0.0);
+    (e.dev.link_bytes, e.dev.link_optimizer_bytes) = (0, 0);
+    (e.dev.p2p_sent, e.dev.p2p_sends) = (0, 0);
+    e.dev.collectives = Some(Vec::new());
+    let (sent0, opt_sent0) = (e.dev.sent, e.dev.optimizer_sent);
+    if let Err(oom) = e.step_from(k, || unreachable!("meta reads no data")) {
+        unreachable!("meta without capacity cannot run out of memory: {oom}");
+    }
+    Stepped {
+        all_s: e.dev.cost.roofline_s,
+        opt_s: e.dev.optimizer_cost.roofline_s,
+        offload_s: e.dev.offload_s,
+        offload_opt_s: e.dev.offload_optimizer_s,
+        sent: (e.dev.sent - sent0) as f64,
+        opt_sent: (e.dev.optimizer_sent - opt_sent0) as f64,
+        calls: e.dev.collectives.take(),
+        p2p_sent: e.dev.p2p_sent,
+        p2p_sends: e.dev.p2p_sends,
+        e,
+    }
+}
+
+/// The links two sets of collectives crossed together.
+fn union(
+    a: Option<crate::comm::topology::Links>,
+    b: Option<crate::comm::topology::Links>,
+) -> Option<crate::comm::topology::Links> {
+    use crate::comm::topology::Links;
+    match (a, b) {
+        (None, x) | (x, None) => x,
+        (Some(Links::None), x) | (x, Some(Links::None)) => x,
+        (Some(x), Some(y)) if x == y => Some(x),
+        _ => Some(Links::IntraInter),
+    }
+}
+
+/// Seconds of one step's collectives, each priced as NCCL would run it over
+/// `group` of `topo`, the per-micro-batch ones `k` times; and the widest
+/// set of links they crossed.
 fn price_collectives(
-    hw: &HardwareProfile,
-    gpus: usize,
+    topo: &crate::comm::topology::Topology,
+    group: &crate::comm::topology::Group,
     calls: &[crate::engine::device::Call],
     k: f64,
 ) -> (f64, Option<crate::comm::topology::Links>) {
-    use crate::comm::topology::{Links, Topology};
-    let Ok(topo) = Topology::new(hw, None, gpus) else {
-        return (0.0, None);
-    };
-    let group = topo.world_group();
+    use crate::comm::topology::Links;
     let mut secs = 0.0;
-    let mut links = Links::None;
+    let mut links = Some(Links::None);
     for c in calls {
-        let cost = topo.price(c.op, c.bytes, &group);
+        let cost = topo.price(c.op, c.bytes, group);
         secs += if c.optimizer { 1.0 } else { k } * cost.seconds;
-        links = match (links, cost.links) {
-            (Links::None, l) | (l, Links::None) => l,
-            (a, b) if a == b => a,
-            _ => Links::IntraInter,
-        };
+        links = union(links, Some(cost.links)).or(Some(Links::None));
     }
-    (secs, Some(links))
+    (secs, links)
 }
 
 /// DeepSpeed's estimator for point `p`'s stage and offload, from the

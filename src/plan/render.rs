@@ -72,12 +72,13 @@ fn header(plan: &Plan, s: &mut String) {
     );
 }
 
-const COLS: [&str; 19] = [
+const COLS: [&str; 20] = [
     "#",
     "framework",
     "tune",
     "offload",
     "gpus",
+    "pp",
     "sharding",
     "prec",
     "optimizer",
@@ -94,7 +95,7 @@ const COLS: [&str; 19] = [
     "status",
 ];
 
-fn row(plan: &Plan, i: usize, p: &Prediction) -> [String; 19] {
+fn row(plan: &Plan, i: usize, p: &Prediction) -> [String; 20] {
     let pt = &p.point;
     let valid = !matches!(p.verdict, Verdict::Invalid { .. });
     let num = |x: f64, prec: usize| {
@@ -110,6 +111,7 @@ fn row(plan: &Plan, i: usize, p: &Prediction) -> [String; 19] {
         name(pt.finetune),
         pt.offload.name().into(),
         pt.gpus.to_string(),
+        pt.pipeline_stages.to_string(),
         name(pt.sharding),
         name(pt.precision),
         name(pt.optimizer),
@@ -163,7 +165,7 @@ fn links(plan: &Plan, p: &Prediction) -> String {
 pub fn table(plan: &Plan, limit: usize) -> String {
     let mut s = String::new();
     header(plan, &mut s);
-    let rows: Vec<[String; 19]> = order(plan)
+    let rows: Vec<[String; 20]> = order(plan)
         .into_iter()
         .take(limit)
         .map(|i| row(plan, i, &plan.points[i]))

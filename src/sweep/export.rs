@@ -553,6 +553,7 @@ mod tests {
             framework: Default::default(),
             finetune: Default::default(),
             offload: Default::default(),
+            pipeline_stages: 1,
         }
     }
 

@@ -1679,6 +1679,7 @@ pub(crate) mod tests {
             framework: Default::default(),
             finetune: Default::default(),
             offload: Default::default(),
+            pipeline_stages: 1,
         }
     }
 

@@ -914,6 +914,7 @@ pub(crate) mod testdata {
             framework: Default::default(),
             finetune: Default::default(),
             offload: Default::default(),
+            pipeline_stages: 1,
         }
     }
 
