@@ -107,6 +107,10 @@ pub fn trial_id(p: &Point) -> String {
         crate::engine::Offload::Optimizer => format!("{fw}offload_opt-"),
         crate::engine::Offload::OptimizerParams => format!("{fw}offload_opt_params-"),
     };
+    let fw = match p.pipeline_stages {
+        1 => fw,
+        s => format!("{fw}pp{s}-"),
+    };
     format!(
         "{fw}gpus{}-{}-{}-{}-ckpt_{}-{}-mb{}-accum{}",
         p.gpus,
