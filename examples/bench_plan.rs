@@ -31,6 +31,7 @@ fn main() {
             finetune: vec![memfit::engine::Finetune::Full],
             offload: vec![memfit::engine::Offload::None],
             pipeline_stages: vec![1],
+            shard_group: vec![0],
         },
         headroom: 0.05,
         cost: None,
@@ -84,6 +85,7 @@ fn main() {
             finetune: vec![memfit::engine::Finetune::Full],
             offload: vec![memfit::engine::Offload::None],
             pipeline_stages: vec![1],
+            shard_group: vec![0],
         },
         ..single
     };

@@ -650,6 +650,12 @@ pub struct RunArgs {
     /// optimizer+params (and the weight shard; zero3) [default: none].
     #[arg(long, value_enum)]
     pub offload: Option<Offload>,
+    /// Hybrid sharding (FSDP's HYBRID_SHARD): ZeRO shards over groups of
+    /// this many consecutive ranks (a node's GPUs) and replicates across
+    /// the groups, all-reducing gradient shards between them [default: all
+    /// ranks in one group].
+    #[arg(long)]
+    pub shard_group: Option<usize>,
     /// Host memory offloaded tensors may take, per rank, e.g. 64GiB
     /// [default: this machine's available memory].
     #[arg(long, value_parser = host_bytes)]
@@ -808,6 +814,7 @@ impl RunArgs {
             ("bucket_view", flags.bucket_view, r.bucket_view.is_some()),
             key!(offload),
             key!(host_memory),
+            key!(shard_group),
             key!(pipeline_stages),
             key!(schedule),
             key!(partition),
@@ -957,6 +964,7 @@ impl RunArgs {
                     .host_memory
                     .or(r.host_memory.as_ref().map(|b| b.0))
                     .or(d.host_memory),
+                shard_group: self.shard_group.or(r.shard_group).unwrap_or(d.shard_group),
                 ..d
             },
             steps: self.steps.or(r.steps).unwrap_or(20),

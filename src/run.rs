@@ -423,6 +423,24 @@ pub fn validate_pipeline(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
 
 /// Checks `--ranks`, `--sharding` and `--bucket-view` together.
 pub fn validate_sharding(t: &TrainConfig) -> Result<()> {
+    if t.shard_group > 0 {
+        let d = t.data_ranks();
+        let why = if !t.sharding.shards_optimizer() {
+            Some("hybrid sharding shards ZeRO state: use --sharding zero1, zero2 or zero3".into())
+        } else if t.pipeline_stages > 1 {
+            Some("hybrid sharding does not combine with pipeline stages here".into())
+        } else if t.shard_group >= d || !d.is_multiple_of(t.shard_group) {
+            Some(format!(
+                "{} must divide the {d} data-parallel ranks into two or more groups",
+                t.shard_group
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(Error::invalid_arg("--shard-group", why));
+        }
+    }
     if !(1..=MAX_RANKS).contains(&t.ranks) {
         return Err(Error::invalid_arg(
             "--ranks",

@@ -46,6 +46,7 @@ fn predictions_equal_cpu_measured_peaks() {
                 finetune: vec![memfit::engine::Finetune::Full],
                 offload: vec![memfit::engine::Offload::None],
                 pipeline_stages: vec![1],
+                shard_group: vec![0],
             },
             headroom: 0.05,
             cost: None,
@@ -110,6 +111,7 @@ fn point(sharding: Sharding, gpus: usize) -> Point {
         finetune: Default::default(),
         offload: Default::default(),
         pipeline_stages: 1,
+        shard_group: 0,
     }
 }
 

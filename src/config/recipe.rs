@@ -49,6 +49,7 @@ pub struct RunRecipe {
     pub bucket_view: Option<bool>,
     pub offload: Option<Offload>,
     pub host_memory: Option<Bytes>,
+    pub shard_group: Option<usize>,
     pub pipeline_stages: Option<usize>,
     pub microbatches: Option<usize>,
     pub schedule: Option<Schedule>,

@@ -31,6 +31,9 @@ pub struct Cluster<B: Backend> {
 pub struct Links<B: Backend> {
     pub comm: Option<Comm<B>>,
     pub pipe: Option<Pipe<B>>,
+    /// Hybrid sharding: the rank's replica group (its counterparts in the
+    /// other shard groups).
+    pub replicate: Option<Comm<B>>,
 }
 
 /// Every rank's links for `train`: `group(w)` makes a collective group of
@@ -47,9 +50,24 @@ pub fn links<B: Backend>(
     let replicas = train.data_ranks();
     let distributed = replicas > 1 || train.sharding != super::Sharding::None;
     let mut comms: Vec<Option<Comm<B>>> = Vec::with_capacity(train.ranks);
-    for _ in 0..stages {
+    // Hybrid sharding: shard groups of consecutive ranks, and replica
+    // groups of the ranks a shard group apart.
+    let g = train.shard_ranks();
+    let mut replicate: Vec<Option<Comm<B>>> = (0..train.ranks).map(|_| None).collect();
+    for s in 0..stages {
         match distributed {
-            true => comms.extend(group(replicas).into_iter().map(Some)),
+            true => {
+                for _ in 0..replicas / g {
+                    comms.extend(group(g).into_iter().map(Some));
+                }
+                if g < replicas {
+                    for j in 0..g {
+                        for (i, c) in group(replicas / g).into_iter().enumerate() {
+                            replicate[s * replicas + i * g + j] = Some(c);
+                        }
+                    }
+                }
+            }
             false => comms.extend((0..replicas).map(|_| None)),
         }
     }
@@ -78,7 +96,12 @@ pub fn links<B: Backend>(
     comms
         .into_iter()
         .zip(pipes)
-        .map(|(comm, pipe)| Links { comm, pipe })
+        .zip(replicate)
+        .map(|((comm, pipe), replicate)| Links {
+            comm,
+            pipe,
+            replicate,
+        })
         .collect()
 }
 
@@ -151,7 +174,12 @@ where
         let aborts: Vec<AbortHandle> = links
             .iter()
             .flat_map(|l| {
-                let mut v: Vec<AbortHandle> = l.comm.iter().map(|c| c.abort_handle()).collect();
+                let mut v: Vec<AbortHandle> = l
+                    .comm
+                    .iter()
+                    .chain(&l.replicate)
+                    .map(|c| c.abort_handle())
+                    .collect();
                 v.extend(l.pipe.iter().flat_map(Pipe::abort_handles));
                 v
             })
@@ -160,8 +188,13 @@ where
         let ranks = on_every_rank(
             items,
             |r, (be, l)| {
-                Engine::new_stage(model.clone(), train.clone(), be, capacity, l.comm, l.pipe)
-                    .map_err(|e| (r, e))
+                let mut e =
+                    Engine::new_stage(model.clone(), train.clone(), be, capacity, l.comm, l.pipe)
+                        .map_err(|e| (r, e))?;
+                if let Some(rep) = l.replicate {
+                    e.set_replicate(rep);
+                }
+                Ok(e)
             },
             |_| aborts.iter().for_each(|a| a()),
         )?;

@@ -143,6 +143,9 @@ pub struct Device<B: Backend> {
     /// When set (the planner), every collective this rank called, for
     /// pricing on a cluster topology (`comm::topology`).
     pub collectives: Option<Vec<Call>>,
+    /// How far apart the ranks of the group the next collectives run in are
+    /// (1: consecutive; hybrid sharding's replica groups: a shard group).
+    pub call_stride: usize,
     /// Bytes and messages sent to neighbouring pipeline stages.
     pub p2p_sent: u64,
     pub p2p_sends: u64,
@@ -156,6 +159,8 @@ pub struct Call {
     pub op: Op,
     pub bytes: u64,
     pub world: usize,
+    /// Ranks between two members of the group (`Device::call_stride`).
+    pub stride: usize,
     pub optimizer: bool,
 }
 
@@ -198,6 +203,7 @@ impl<B: Backend> Device<B> {
             link_bytes: 0,
             link_optimizer_bytes: 0,
             collectives: None,
+            call_stride: 1,
             p2p_sent: 0,
             p2p_sends: 0,
         }
@@ -828,6 +834,7 @@ impl<B: Backend> Device<B> {
                 op,
                 bytes,
                 world: comm.world(),
+                stride: self.call_stride,
                 optimizer,
             });
         }

@@ -107,6 +107,11 @@ pub struct TrainConfig {
     /// The host memory offloaded tensors may take, per rank (`None`: no
     /// limit).
     pub host_memory: Option<u64>,
+    /// Hybrid sharding (PyTorch FSDP's HYBRID_SHARD, DeepSpeed's MiCS):
+    /// ZeRO shards over groups of this many consecutive ranks (a node) and
+    /// replicates across the groups, all-reducing the gradient shards
+    /// between replicas at the step. 0: one group of every rank.
+    pub shard_group: usize,
 }
 
 /// Storage precision of the working weights, activations and gradients.
@@ -244,6 +249,7 @@ impl Default for TrainConfig {
             lora: LoraConfig::default(),
             offload: Offload::None,
             host_memory: None,
+            shard_group: 0,
         }
     }
 }
@@ -252,6 +258,15 @@ impl TrainConfig {
     /// Data-parallel replicas: ranks per pipeline stage.
     pub fn data_ranks(&self) -> usize {
         self.ranks / self.pipeline_stages.max(1)
+    }
+
+    /// Ranks the ZeRO state is sharded over: the hybrid shard group, or
+    /// every data-parallel rank.
+    pub fn shard_ranks(&self) -> usize {
+        match self.shard_group {
+            0 => self.data_ranks(),
+            g => g.min(self.data_ranks()),
+        }
     }
 
     /// Blocks per pipeline stage: the partition given, or an even split.
@@ -513,8 +528,8 @@ impl<B: Backend> Engine<B> {
         let mut dist = comm.map(|c| {
             assert_eq!(
                 c.world(),
-                train.data_ranks(),
-                "one communicator rank per replica"
+                train.shard_ranks(),
+                "one communicator rank per replica of the shard group"
             );
             let ads: Vec<Vec<usize>> = adapters
                 .iter()
@@ -799,7 +814,16 @@ impl<B: Backend> Engine<B> {
 
     /// Data-parallel replicas in the job (1 without data parallelism).
     pub fn world(&self) -> usize {
-        self.dist.as_ref().map_or(1, |d| d.world)
+        self.dist.as_ref().map_or(1, |d| {
+            d.world * d.replicate.as_ref().map_or(1, |r| r.world())
+        })
+    }
+
+    /// Hybrid sharding: the group of this rank's counterparts in the other
+    /// shard groups, whose gradient shards the step all-reduces.
+    pub fn set_replicate(&mut self, comm: Comm<B>) {
+        let d = self.dist.as_mut().expect("hybrid sharding shards");
+        d.replicate = Some(comm);
     }
 
     /// This rank's pipeline stage and block range (`None` without a pipeline).
@@ -1506,6 +1530,9 @@ impl<B: Backend> Engine<B> {
             Some(d) if d.sharding == Sharding::Ddp => d.all_reduce_grads(dev, grads),
             Some(d) if d.sharding == Sharding::Zero1 => d.scatter_full_grads(dev, grads)?,
             _ => {}
+        }
+        if let Some(d) = dist.as_mut() {
+            d.all_reduce_replicas(dev, owned);
         }
         let sharded = dist.as_ref().is_some_and(|d| d.sharding.shards_optimizer());
         let mut norm_sq = Some(0.0f64);

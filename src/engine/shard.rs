@@ -263,6 +263,8 @@ pub struct Dist<B: Backend> {
     pub buckets: Vec<Bucket<T<B>>>,
     /// Offload: gradient shards live on the host, in fp32.
     pub grads_on_host: bool,
+    /// Hybrid sharding: the same shard's ranks in the other shard groups.
+    pub replicate: Option<Comm<B>>,
     gathered: Vec<bool>,
     grads_live: Vec<bool>,
 }
@@ -341,6 +343,7 @@ impl<B: Backend> Dist<B> {
             grad_shards: Vec::new(),
             buckets: Vec::new(),
             grads_on_host: false,
+            replicate: None,
             gathered: vec![false; n_units],
             grads_live: vec![false; n_units],
         }
@@ -562,6 +565,21 @@ impl<B: Backend> Dist<B> {
             self.reduce_scatter_unit(dev, g, u, false)?;
         }
         Ok(())
+    }
+
+    /// Hybrid sharding: sums each gradient shard over the replicas (the same
+    /// shard in every shard group), so that every group updates with the
+    /// whole job's gradient. The network sees shards, not whole gradients.
+    pub fn all_reduce_replicas(&mut self, dev: &mut Device<B>, owned: &[bool]) {
+        let Some(rep) = self.replicate.as_mut() else {
+            return;
+        };
+        // These ranks are a shard group apart: priced on that placement.
+        dev.call_stride = self.world;
+        for (g, _) in self.grad_shards.iter_mut().zip(owned).filter(|(_, o)| **o) {
+            dev.all_reduce(&mut **rep, g);
+        }
+        dev.call_stride = 1;
     }
 
     /// zero1: frees the step's gradient shards.

@@ -193,6 +193,14 @@ pub struct Grid {
     /// Pipeline stages; `gpus` is then stages x data-parallel replicas.
     #[serde(default = "one_usize")]
     pub pipeline_stages: Vec<usize>,
+    /// Hybrid sharding: ZeRO over groups of this many GPUs (a node's, say),
+    /// replicated across groups; 0 shards over every GPU.
+    #[serde(default = "zero_usize")]
+    pub shard_group: Vec<usize>,
+}
+
+fn zero_usize() -> Vec<usize> {
+    vec![0]
 }
 
 impl Grid {
@@ -210,6 +218,7 @@ impl Grid {
             self.finetune.len(),
             self.offload.len(),
             self.pipeline_stages.len(),
+            self.shard_group.len(),
         ]
         .into_iter()
         .try_fold(1usize, usize::checked_mul)
@@ -271,6 +280,12 @@ impl Grid {
             usize::to_string,
             &mut r,
         );
+        keep_first(
+            "shard_group",
+            &mut self.shard_group,
+            usize::to_string,
+            &mut r,
+        );
         r
     }
 
@@ -296,6 +311,7 @@ impl Default for Grid {
             finetune: default_finetune(),
             offload: default_offload(),
             pipeline_stages: one_usize(),
+            shard_group: zero_usize(),
         }
     }
 }
@@ -348,6 +364,9 @@ pub struct Point {
     /// Pipeline stages (1: none); `gpus` is stages x replicas.
     #[serde(default = "one")]
     pub pipeline_stages: usize,
+    /// Hybrid sharding's group (0: none).
+    #[serde(default)]
+    pub shard_group: usize,
 }
 
 fn one() -> usize {
@@ -386,6 +405,7 @@ impl Point {
             finetune: self.finetune,
             offload: self.offload,
             pipeline_stages: self.pipeline_stages,
+            shard_group: self.shard_group,
             ..TrainConfig::default()
         }
     }
@@ -407,6 +427,10 @@ impl Point {
         let ft = match self.pipeline_stages {
             1 => ft,
             s => format!("{ft}pp{s} "),
+        };
+        let ft = match self.shard_group {
+            0 => ft,
+            g => format!("{ft}hybrid{g} "),
         };
         format!(
             "{fw}{ft}mb{} x{} {} {} {} ckpt:{} {} {}",
@@ -791,6 +815,7 @@ pub fn expand(r: &PlanRecipe) -> Vec<Point> {
         finetune: Finetune::Full,
         offload: Offload::None,
         pipeline_stages: 1,
+        shard_group: 0,
     }];
     fn axis<T: Copy>(out: Vec<Point>, values: &[T], set: impl Fn(&mut Point, T)) -> Vec<Point> {
         let mut next = Vec::with_capacity(out.len() * values.len());
@@ -803,6 +828,7 @@ pub fn expand(r: &PlanRecipe) -> Vec<Point> {
         }
         next
     }
+    out = axis(out, &g.shard_group, |p, v| p.shard_group = v);
     out = axis(out, &g.pipeline_stages, |p, v| p.pipeline_stages = v);
     out = axis(out, &g.offload, |p, v| p.offload = v);
     out = axis(out, &g.finetune, |p, v| p.finetune = v);
@@ -1140,13 +1166,16 @@ pub fn predict(
             ..tc.clone()
         };
         let distributed = p.gpus > 1 || p.sharding != Sharding::None;
-        let comm = distributed.then(|| Box::new(MetaComm::new(0, p.gpus)) as Comm<MetaBackend>);
-        let s = step_meta(model, one, meta, comm, None, rates, p.precision);
+        let g = tc.shard_ranks();
+        let comm = distributed.then(|| Box::new(MetaComm::new(0, g)) as Comm<MetaBackend>);
+        let replicate =
+            (g < p.gpus).then(|| Box::new(MetaComm::new(0, p.gpus / g)) as Comm<MetaBackend>);
+        let s = step_meta(model, one, meta, comm, None, replicate, rates, p.precision);
         out.offload_s = k * (s.offload_s - s.offload_opt_s) + s.offload_opt_s;
         out.compute_s = k * (s.all_s - s.opt_s) + s.opt_s - out.offload_s;
         match (&topo, &s.calls) {
             (Some(t), Some(calls)) if !calls.is_empty() => {
-                let (secs, links) = price_collectives(t, &t.world_group(), calls, k);
+                let (secs, links) = price_collectives(t, calls, k);
                 out.comm_s = secs;
                 out.links = links;
             }
@@ -1178,6 +1207,7 @@ pub fn predict(
                 meta.clone(),
                 comm,
                 pipe,
+                None,
                 rates,
                 p.precision,
             );
@@ -1203,8 +1233,8 @@ pub fn predict(
                         }),
                     );
                 }
-                if let (Some(calls), Ok(g)) = (&st.calls, t.strided_group(replicas, 1)) {
-                    let (secs, l) = price_collectives(t, &g, calls, 1.0);
+                if let Some(calls) = &st.calls {
+                    let (secs, l) = price_collectives(t, calls, 1.0);
                     dp_s = secs;
                     crossed = union(crossed, l);
                 }
@@ -1286,12 +1316,14 @@ struct Stepped {
 
 /// Builds one rank (or pipeline stage) on meta and runs one step of
 /// `train.grad_accum` micro-batches, priced with `rates`.
+#[allow(clippy::too_many_arguments)]
 fn step_meta(
     model: &ModelConfig,
     train: TrainConfig,
     meta: MetaBackend,
     comm: Option<Comm<MetaBackend>>,
     pipe: Option<crate::engine::Pipe<MetaBackend>>,
+    replicate: Option<Comm<MetaBackend>>,
     rates: &Rates,
     precision: Precision,
 ) -> Stepped {
@@ -1300,6 +1332,9 @@ fn step_meta(
         Ok(e) => e,
         Err(oom) => unreachable!("meta without capacity cannot run out of memory: {oom}"),
     };
+    if let Some(r) = replicate {
+        e.set_replicate(r);
+    }
     e.dev.roofline = Some(rates.of(precision));
     e.dev.host_roofline = Some(rates.host);
     e.dev.cost = Default::default();
@@ -1341,11 +1376,11 @@ fn union(
 }
 
 /// Seconds of one step's collectives, each priced as NCCL would run it over
-/// `group` of `topo`, the per-micro-batch ones `k` times; and the widest
-/// set of links they crossed.
+/// its group's placement in `topo` (its size, and how far apart its ranks
+/// are: consecutive, or a hybrid shard group apart), the per-micro-batch
+/// ones `k` times; and the widest set of links they crossed.
 fn price_collectives(
     topo: &crate::comm::topology::Topology,
-    group: &crate::comm::topology::Group,
     calls: &[crate::engine::device::Call],
     k: f64,
 ) -> (f64, Option<crate::comm::topology::Links>) {
@@ -1353,7 +1388,10 @@ fn price_collectives(
     let mut secs = 0.0;
     let mut links = Some(Links::None);
     for c in calls {
-        let cost = topo.price(c.op, c.bytes, group);
+        let Ok(group) = topo.strided_group(c.world, c.stride) else {
+            continue;
+        };
+        let cost = topo.price(c.op, c.bytes, &group);
         secs += if c.optimizer { 1.0 } else { k } * cost.seconds;
         links = union(links, Some(cost.links)).or(Some(Links::None));
     }

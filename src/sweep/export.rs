@@ -554,6 +554,7 @@ mod tests {
             finetune: Default::default(),
             offload: Default::default(),
             pipeline_stages: 1,
+            shard_group: 0,
         }
     }
 

@@ -1680,6 +1680,7 @@ pub(crate) mod tests {
             finetune: Default::default(),
             offload: Default::default(),
             pipeline_stages: 1,
+            shard_group: 0,
         }
     }
 

@@ -915,6 +915,7 @@ pub(crate) mod testdata {
             finetune: Default::default(),
             offload: Default::default(),
             pipeline_stages: 1,
+            shard_group: 0,
         }
     }
 

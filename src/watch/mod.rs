@@ -236,6 +236,7 @@ pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
         lora_targets: None,
         offload: p.offload,
         host_memory: None,
+        shard_group: None,
     };
     let mut opts = run.options()?;
     opts.device = crate::backend::DeviceSpec::new(crate::backend::DeviceKind::Meta, None);
