@@ -111,6 +111,10 @@ pub fn trial_id(p: &Point) -> String {
         1 => fw,
         s => format!("{fw}pp{s}-"),
     };
+    let fw = match p.shard_group {
+        0 => fw,
+        g => format!("{fw}hybrid{g}-"),
+    };
     format!(
         "{fw}gpus{}-{}-{}-{}-ckpt_{}-{}-mb{}-accum{}",
         p.gpus,

@@ -102,6 +102,11 @@ pub fn deepspeed_config(_report: &SweepReport, trial: &TrialRecord) -> Value {
         cfg["zero_optimization"]["offload_optimizer"] =
             json!({ "device": "cpu", "pin_memory": true });
     }
+    // Hybrid sharding is DeepSpeed's MiCS: ZeRO-3 within groups of this
+    // size, replicated across them.
+    if p.shard_group > 0 {
+        cfg["zero_optimization"]["mics_shard_size"] = json!(p.shard_group);
+    }
     if p.offload.params() {
         cfg["zero_optimization"]["offload_param"] = json!({ "device": "cpu", "pin_memory": true });
     }
