@@ -52,6 +52,9 @@ impl Backend for MetaBackend {
     fn is_gpu(&self) -> bool {
         self.emulates == Emulates::Cuda
     }
+    fn offloads(&self) -> bool {
+        true
+    }
     fn reads_nf4(&self) -> bool {
         true
     }

@@ -128,6 +128,18 @@ pub trait Backend {
     /// A zero-filled buffer of `len` elements.
     fn alloc(&mut self, len: usize, dtype: DType) -> Self::Buf;
     fn free(&mut self, buf: Self::Buf);
+    /// A buffer in host memory that this backend's ops can still read and
+    /// write (offload: master weights, optimizer state, gradient shards).
+    /// On cpu and meta host memory is where everything lives already.
+    fn alloc_host(&mut self, len: usize, dtype: DType) -> Self::Buf {
+        self.alloc(len, dtype)
+    }
+    /// Whether [`Backend::alloc_host`] gives host memory: a backend whose
+    /// buffers live elsewhere and cannot place one on the host says no,
+    /// and offload is refused on it.
+    fn offloads(&self) -> bool {
+        !self.is_gpu()
+    }
 
     /// Bytes of backend-internal scratch this backend needs for attention of
     /// shape `s` (`fused` or eager) on activations of type `dtype`; the engine

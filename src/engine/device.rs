@@ -332,8 +332,12 @@ impl<B: Backend> Device<B> {
             Some(c) if bytes > 0 && !host => c.malloc(bytes),
             _ => 0,
         };
+        let buf = match host {
+            true => self.be.alloc_host(len, dtype),
+            false => self.be.alloc(len, dtype),
+        };
         Ok(Tensor {
-            buf: self.be.alloc(len, dtype),
+            buf,
             len,
             dtype,
             category,

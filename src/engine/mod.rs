@@ -506,6 +506,10 @@ impl<B: Backend> Engine<B> {
             "offload without the ZeRO stage it needs (run::validate says so)"
         );
         if offload.optimizer() {
+            assert!(
+                dev.be.offloads(),
+                "this backend cannot place tensors in host memory (run::validate says so)"
+            );
             dev.add_host(train.host_memory);
         }
         if hf.is_some() && gpu {
