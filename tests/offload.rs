@@ -3,32 +3,22 @@
 
 mod common;
 
-use common::{json, memfit, refused, scratch, stderr};
+use common::{json, losses, memfit, ok_json, refused, scratch, stderr};
 use serde_json::Value;
 
 fn run(extra: &[&str]) -> Value {
-    let mut args = vec![
-        "run",
-        "--model",
-        "llama-tiny",
-        "--steps",
-        "3",
-        "--format",
-        "json",
-    ];
-    args.extend_from_slice(extra);
-    let out = memfit(&args);
-    assert!(out.status.success(), "{extra:?}: {}", stderr(&out));
-    json(&out)
-}
-
-fn losses(r: &Value) -> Vec<f64> {
-    r["steps"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["loss"].as_f64().unwrap())
-        .collect()
+    ok_json(
+        &[
+            "run",
+            "--model",
+            "llama-tiny",
+            "--steps",
+            "3",
+            "--format",
+            "json",
+        ],
+        extra,
+    )
 }
 
 #[test]

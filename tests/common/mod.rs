@@ -28,6 +28,25 @@ pub fn json(out: &Output) -> Value {
     })
 }
 
+/// Runs `memfit` with `args` then `extra`, which must succeed, and returns
+/// its JSON document.
+pub fn ok_json(args: &[&str], extra: &[&str]) -> Value {
+    let all = [args, extra].concat();
+    let out = memfit(&all);
+    assert!(out.status.success(), "{all:?}: {}", stderr(&out));
+    json(&out)
+}
+
+/// A run report's losses, step by step.
+pub fn losses(r: &Value) -> Vec<f64> {
+    r["steps"]
+        .as_array()
+        .expect("steps")
+        .iter()
+        .map(|s| s["loss"].as_f64().expect("a loss"))
+        .collect()
+}
+
 pub fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
