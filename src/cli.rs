@@ -270,6 +270,32 @@ pub struct SweepArgs {
     /// Test hook: make the N-th trial run fail (abort, sigkill or hang).
     #[arg(long, hide = true, value_parser = parse_fault)]
     pub test_fault: Option<(usize, crate::sweep::trial::Fault)>,
+    /// Where trials run. With slurm, each round of trials (every one that
+    /// does not wait on another's result) is one sbatch job array, one task
+    /// per trial; --out and this memfit binary must be on a filesystem the
+    /// compute nodes share.
+    #[arg(long, value_enum, default_value_t = crate::sweep::slurm::ExecutorKind::Local)]
+    pub executor: crate::sweep::slurm::ExecutorKind,
+    /// Slurm partition for the trials (sbatch --partition) [default: the
+    /// cluster's default partition].
+    #[arg(long, value_name = "NAME", value_parser = crate::sweep::slurm::partition)]
+    pub slurm_partition: Option<String>,
+    /// Slurm time limit per trial (sbatch --time: MINUTES, HOURS:MINUTES:SECONDS,
+    /// DAYS-HOURS:MINUTES:SECONDS) [default: --trial-timeout in whole minutes,
+    /// plus one].
+    #[arg(long, value_name = "TIME", value_parser = crate::sweep::slurm::time_limit)]
+    pub slurm_time: Option<String>,
+    /// One more sbatch option for the trials' job array, with its value
+    /// (--slurm-extra=--mem=16G --slurm-extra=--account=ml); repeatable,
+    /// passed after memfit's own (--nodes=1 --ntasks=1 --cpus-per-task=the
+    /// trial threads), so it wins.
+    #[arg(
+        long,
+        value_name = "ARG",
+        allow_hyphen_values = true,
+        value_parser = crate::sweep::slurm::extra_arg
+    )]
+    pub slurm_extra: Vec<String>,
 }
 
 #[derive(Debug, clap::Args)]

@@ -117,6 +117,13 @@ fn sweep_main(args: &memfit::cli::SweepArgs) -> i32 {
             return e.exit_code();
         }
     };
+    let executor = match memfit::sweep::slurm::executor(args) {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("memfit: {e}");
+            return e.exit_code();
+        }
+    };
     let opts = memfit::sweep::driver::SweepOptions {
         recipe: args.recipe.clone(),
         device: args.device.clone(),
@@ -130,6 +137,7 @@ fn sweep_main(args: &memfit::cli::SweepArgs) -> i32 {
         progress: std::io::stderr().is_terminal(),
         hooks: None,
         rerun: Vec::new(),
+        executor,
     };
     match memfit::sweep::driver::sweep(&opts) {
         Ok(report) => {

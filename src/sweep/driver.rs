@@ -45,6 +45,21 @@ pub struct SweepOptions {
     /// Grid indices to measure again even when the journal has them (the
     /// TUI's re-run); their new records replace the old ones.
     pub rerun: Vec<usize>,
+    /// Where trials run: child processes here, or a Slurm job array.
+    pub executor: Executor,
+}
+
+/// Where a sweep's trials run. Both record, journal and classify a trial
+/// the same way; they differ in how many trials one round hands them.
+#[derive(Clone, Debug, Default)]
+pub enum Executor {
+    /// One child process at a time on this host (`memfit trial`).
+    #[default]
+    Local,
+    /// Each round of the selection as one `sbatch` job array
+    /// ([`super::slurm`]): every trial it can decide without the others'
+    /// results, at once.
+    Slurm(super::slurm::SlurmOptions),
 }
 
 /// What the sweep tells a front end as it goes.
@@ -134,6 +149,99 @@ fn group_key(p: &Point) -> Point {
         micro_batch: 0,
         grad_accum: 0,
         ..*p
+    }
+}
+
+/// Where one group's search stands: the micro-batches that are measured
+/// next, given what is measured so far.
+struct Selection {
+    /// Valid points, by increasing micro-batch.
+    valid: Vec<usize>,
+    invalid: Vec<usize>,
+    stage: Stage,
+}
+
+/// Positions are into [`Selection::valid`].
+#[derive(Clone, Copy, Debug)]
+enum Stage {
+    /// The largest micro-batch predicted to fit, measured first.
+    First(usize),
+    /// Bisecting for the first micro-batch that does not fit: `hi` is known
+    /// not to fit; everything below `lo` fits.
+    Bisect {
+        lo: usize,
+        hi: usize,
+    },
+    /// Every position below this one fits (memory is monotone in the
+    /// micro-batch), but speed is not: each is measured for its tokens/s,
+    /// so the cheapest is found as an exhaustive sweep would find it.
+    Fill(usize),
+    Done,
+}
+
+impl Selection {
+    fn new(mut idx: Vec<usize>, preds: &[Prediction], exhaustive: bool) -> Self {
+        idx.sort_by_key(|&i| preds[i].point.micro_batch);
+        let (valid, invalid): (Vec<usize>, Vec<usize>) = idx
+            .into_iter()
+            .partition(|&i| !matches!(preds[i].verdict, Verdict::Invalid { .. }));
+        let stage = if exhaustive {
+            Stage::Fill(valid.len())
+        } else {
+            match valid
+                .iter()
+                .rposition(|&i| preds[i].verdict == Verdict::Fits)
+            {
+                Some(cand) => Stage::First(cand),
+                None => Stage::Done,
+            }
+        };
+        Selection {
+            valid,
+            invalid,
+            stage,
+        }
+    }
+
+    /// Moves past every step the records settle.
+    fn advance(&mut self, records: &[Option<TrialRecord>]) {
+        let fits = |pos: usize| records[self.valid[pos]].as_ref().map(|r| r.fits);
+        loop {
+            self.stage = match self.stage {
+                Stage::First(cand) => match fits(cand) {
+                    None => return,
+                    Some(true) => Stage::Fill(cand + 1),
+                    Some(false) => Stage::Bisect { lo: 0, hi: cand },
+                },
+                Stage::Bisect { lo, hi } if lo >= hi => Stage::Fill(hi),
+                Stage::Bisect { lo, hi } => {
+                    let mid = (lo + hi) / 2;
+                    match fits(mid) {
+                        None => return,
+                        Some(true) => Stage::Bisect { lo: mid + 1, hi },
+                        Some(false) => Stage::Bisect { lo, hi: mid },
+                    }
+                }
+                Stage::Fill(b) if self.valid[..b].iter().all(|&i| records[i].is_some()) => {
+                    Stage::Done
+                }
+                Stage::Fill(_) | Stage::Done => return,
+            }
+        }
+    }
+
+    /// The trials this group needs next, in the order a local sweep runs them.
+    fn wanted(&self, records: &[Option<TrialRecord>]) -> Vec<usize> {
+        match self.stage {
+            Stage::First(cand) => vec![self.valid[cand]],
+            Stage::Bisect { lo, hi } => vec![self.valid[(lo + hi) / 2]],
+            Stage::Fill(b) => self.valid[..b]
+                .iter()
+                .copied()
+                .filter(|&i| records[i].is_none())
+                .collect(),
+            Stage::Done => Vec::new(),
+        }
     }
 }
 
@@ -412,6 +520,9 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         report,
     } = prepare(opts)?;
     let capacity = report.capacity_bytes;
+    if let Executor::Slurm(_) = &opts.executor {
+        super::slurm::check_grid(preds.len())?;
+    }
     std::fs::create_dir_all(&opts.out).map_err(|source| Error::Write {
         path: opts.out.clone(),
         source,
@@ -445,6 +556,12 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         opts.resume,
         done.len(),
     )?;
+    // Jobs a killed sweep left in this directory (we hold its lock now).
+    if let Executor::Slurm(_) = &opts.executor
+        && let Some(note) = super::slurm::cancel_leftovers(&opts.out)
+    {
+        eprintln!("memfit: note: {note}");
+    }
     let journal = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -481,6 +598,10 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
     // it the sweep goes on with tracked peaks only, and the report says why.
     let mut report = report;
     let nvml = match trial_device.kind {
+        DeviceKind::Cuda if !matches!(opts.executor, Executor::Local) => {
+            report.nvml = Some("no NVML: trials ran on other hosts (the sweep samples NVML only for its own child processes)".into());
+            None
+        }
         DeviceKind::Cuda => match crate::telemetry::Telemetry::open() {
             Ok(t) => {
                 report.nvml = Some(match t.driver_version() {
@@ -527,71 +648,44 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         }
     }
     let mut records: Vec<Option<TrialRecord>> = vec![None; preds.len()];
-    'groups: for (_, mut idx) in groups {
-        idx.sort_by_key(|&i| preds[i].point.micro_batch);
-        let (valid, invalid): (Vec<usize>, Vec<usize>) = idx
-            .into_iter()
-            .partition(|&i| !matches!(preds[i].verdict, Verdict::Invalid { .. }));
-        for i in invalid {
-            let reason = match &preds[i].verdict {
-                Verdict::Invalid { reason } => reason.clone(),
-                _ => unreachable!(),
-            };
-            records[i] = Some(ctx.unrun(i, &preds[i], Outcome::Invalid, reason));
-        }
-        let fits = |r: &TrialRecord| r.fits;
-        if opts.exhaustive {
-            for &i in &valid {
-                let Some(r) = ctx.trial(i, &preds[i])? else {
-                    break 'groups;
-                };
-                records[i] = Some(r);
-            }
-            continue;
-        }
-        // The largest micro-batch predicted to fit is measured first.
-        let Some(cand) = valid
-            .iter()
-            .rposition(|&i| preds[i].verdict == Verdict::Fits)
-        else {
-            continue;
-        };
-        let Some(first) = ctx.trial(valid[cand], &preds[valid[cand]])? else {
-            break 'groups;
-        };
-        let first_fits = fits(&first);
-        records[valid[cand]] = Some(first);
-        // The boundary: every position below `boundary` fits.
-        let mut boundary = cand + 1;
-        if !first_fits {
-            // Bisect below it for the first micro-batch that does not fit:
-            // `hi` is known not to fit; everything below `lo` fits.
-            let (mut lo, mut hi) = (0usize, cand);
-            while lo < hi {
-                let mid = (lo + hi) / 2;
-                let Some(r) = ctx.trial(valid[mid], &preds[valid[mid]])? else {
-                    break 'groups;
-                };
-                let ok = fits(&r);
-                records[valid[mid]] = Some(r);
-                if ok {
-                    lo = mid + 1;
-                } else {
-                    hi = mid;
+    // Rounds: each asks every group for the trials it can decide without
+    // waiting for another result. The local executor takes the first one
+    // only (so groups run one after another, in order); Slurm takes them all
+    // as one job array.
+    let one_at_a_time = matches!(opts.executor, Executor::Local);
+    let mut selections: Vec<Selection> = groups
+        .into_iter()
+        .map(|(_, idx)| Selection::new(idx, preds, opts.exhaustive))
+        .collect();
+    let mut opened = 0;
+    loop {
+        let mut batch = Vec::new();
+        for (g, sel) in selections.iter_mut().enumerate() {
+            if g == opened {
+                // A group's invalid points are recorded as it is reached.
+                opened += 1;
+                for &i in &sel.invalid {
+                    let reason = match &preds[i].verdict {
+                        Verdict::Invalid { reason } => reason.clone(),
+                        _ => unreachable!(),
+                    };
+                    records[i] = Some(ctx.unrun(i, &preds[i], Outcome::Invalid, reason));
                 }
             }
-            boundary = hi;
-        }
-        // Below the boundary everything fits (memory is monotone in the
-        // micro-batch), but speed is not: measure each for its tokens/s, so
-        // the cheapest is found as an exhaustive sweep would find it.
-        for &i in &valid[..boundary] {
-            if records[i].is_none() {
-                let Some(r) = ctx.trial(i, &preds[i])? else {
-                    break 'groups;
-                };
-                records[i] = Some(r);
+            sel.advance(&records);
+            batch.extend(sel.wanted(&records));
+            if one_at_a_time && !batch.is_empty() {
+                break;
             }
+        }
+        if batch.is_empty() {
+            break;
+        }
+        let Some(done) = ctx.round(&batch, preds)? else {
+            break;
+        };
+        for (i, r) in done {
+            records[i] = Some(r);
         }
     }
     // Re-runs asked for points the selection did not visit this time.
@@ -836,6 +930,9 @@ fn check_options(opts: &SweepOptions) -> Result<()> {
     }
     if opts.hooks.as_ref().is_some_and(|h| h.sample_ms == 0) {
         return Err(Error::invalid_arg("--sample-ms", "must be at least 1"));
+    }
+    if let Executor::Slurm(_) = &opts.executor {
+        super::slurm::check_tools()?;
     }
     Ok(())
 }
@@ -1109,9 +1206,68 @@ impl Ctx<'_> {
         r
     }
 
-    /// The trial's record: from the journal under `--resume`, else measured
-    /// now (and journaled). `None` when the sweep was interrupted.
-    fn trial(&mut self, index: usize, p: &Prediction) -> Result<Option<TrialRecord>> {
+    /// One round's trials, by the executor: with the local one, each in
+    /// turn in a child process; with Slurm, as one job array. Each record
+    /// comes from the journal under `--resume`, else is measured now (and
+    /// journaled as it ends). `None` when the sweep was interrupted.
+    fn round(
+        &mut self,
+        batch: &[usize],
+        preds: &[Prediction],
+    ) -> Result<Option<Vec<(usize, TrialRecord)>>> {
+        let opts = self.opts;
+        let mut done = Vec::new();
+        let Executor::Slurm(slurm) = &opts.executor else {
+            for &i in batch {
+                let Some(r) = self.trial(i, &preds[i])? else {
+                    return Ok(None);
+                };
+                done.push((i, r));
+            }
+            return Ok(Some(done));
+        };
+        let mut tasks = Vec::new();
+        for &i in batch {
+            match self.begin(i, &preds[i]) {
+                Begin::Journaled(r) => done.push((i, *r)),
+                Begin::Stopped => return Ok(None),
+                Begin::Run(spec) => tasks.push(super::slurm::Task {
+                    index: i,
+                    spec: *spec,
+                }),
+            }
+        }
+        if tasks.is_empty() {
+            return Ok(Some(done));
+        }
+        let stop = self.stop.clone();
+        let threads = opts
+            .threads
+            .unwrap_or_else(crate::calibrate::default_threads);
+        let gpu = self.device.kind == DeviceKind::Cuda;
+        let bar = self.bar.clone();
+        let say = move |line: String| match bar.is_hidden() {
+            true => eprintln!("memfit: {line}"),
+            false => bar.println(line),
+        };
+        let array = super::slurm::Array {
+            options: slurm,
+            out: &opts.out,
+            threads,
+            gpu,
+            timeout: opts.timeout,
+        };
+        // Journaled as each task ends; after Ctrl-C the next round stops.
+        array.run(&tasks, &stop, &say, &mut |f| {
+            let r = self.finish(f.index, &preds[f.index], f.ended, f.elapsed_s, f.note)?;
+            done.push((f.index, r));
+            Ok(())
+        })?;
+        Ok(Some(done))
+    }
+
+    /// A trial up to where it runs: its journaled record, a stop, or its spec.
+    fn begin(&mut self, index: usize, p: &Prediction) -> Begin {
         let id = trial_id(&p.point);
         if let Some(r) = self
             .done
@@ -1123,7 +1279,7 @@ impl Ctx<'_> {
                 index,
                 record: Box::new(r.clone()),
             });
-            return Ok(Some(r.clone()));
+            return Begin::Journaled(Box::new(r.clone()));
         }
         if let Some(h) = &self.opts.hooks {
             while h.pause.load(Ordering::SeqCst) && !self.stop.load(Ordering::SeqCst) {
@@ -1131,7 +1287,7 @@ impl Ctx<'_> {
             }
         }
         if self.stop.load(Ordering::SeqCst) {
-            return Ok(None);
+            return Begin::Stopped;
         }
         self.emit(SweepEvent::TrialStarted { index });
         self.ran_now.insert(index);
@@ -1158,6 +1314,18 @@ impl Ctx<'_> {
             set_to_none: hf.set_to_none,
             lora: self.report.lora.clone().unwrap_or_default(),
             dropout: hf.dropout,
+        };
+        Begin::Run(Box::new(spec))
+    }
+
+    /// The trial's record: from the journal under `--resume`, else measured
+    /// now in a child process (and journaled). `None` when the sweep was
+    /// interrupted.
+    fn trial(&mut self, index: usize, p: &Prediction) -> Result<Option<TrialRecord>> {
+        let spec = match self.begin(index, p) {
+            Begin::Journaled(r) => return Ok(Some(*r)),
+            Begin::Stopped => return Ok(None),
+            Begin::Run(spec) => spec,
         };
         let start = Instant::now();
         let hooks = self.opts.hooks.clone();
@@ -1186,8 +1354,22 @@ impl Ctx<'_> {
             // not a result; `--resume` runs it again.
             return Ok(None);
         }
+        let elapsed_s = start.elapsed().as_secs_f64();
+        self.finish(index, p, ended, elapsed_s, None).map(Some)
+    }
+
+    /// Classifies how a trial ended, journals the record (flushed to disk)
+    /// and shows it. `note`, from the executor, replaces the default one.
+    fn finish(
+        &mut self,
+        index: usize,
+        p: &Prediction,
+        ended: Ended,
+        elapsed_s: f64,
+        note: Option<String>,
+    ) -> Result<TrialRecord> {
         let mut r = self.base_record(index, p, Outcome::Crash);
-        r.elapsed_s = start.elapsed().as_secs_f64();
+        r.elapsed_s = elapsed_s;
         match ended {
             Ended::Exited {
                 code,
@@ -1234,6 +1416,9 @@ impl Ctx<'_> {
                 });
             }
         }
+        if note.is_some() {
+            r.note = note;
+        }
         // Journaled (and flushed to disk) before it is shown.
         let line = serde_json::to_string(&r).expect("records serialise");
         let io = |source| Error::Write {
@@ -1260,7 +1445,7 @@ impl Ctx<'_> {
             },
             p.point.label()
         ));
-        Ok(Some(r))
+        Ok(r)
     }
 
     fn measure(
@@ -1380,7 +1565,8 @@ fn tail(s: &str) -> String {
     t[cut..].to_string()
 }
 
-enum Ended {
+/// How a trial ended, as either executor saw it.
+pub(super) enum Ended {
     Exited {
         /// The trial process's NVML peak, when NVML sampled it.
         nvml_peak: Option<u64>,
@@ -1395,6 +1581,13 @@ enum Ended {
     TimedOut {
         err: String,
     },
+}
+
+/// What [`Ctx::begin`] found.
+enum Begin {
+    Journaled(Box<TrialRecord>),
+    Stopped,
+    Run(Box<TrialSpec>),
 }
 
 /// NVML for a trial: the library, the GPU (`None`: all), how often to sample.

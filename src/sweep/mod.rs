@@ -6,4 +6,5 @@ pub mod html;
 pub mod markdown;
 pub mod plots;
 pub mod report;
+pub mod slurm;
 pub mod trial;

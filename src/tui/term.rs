@@ -182,6 +182,7 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
         progress: false,
         hooks: None,
         rerun: Vec::new(),
+        executor: Default::default(),
     };
     let mut app = super::new_app(&base, opts.sample_ms)?;
     app.header.no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
