@@ -347,12 +347,6 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
     if let Some(why) = t.offload.check(t.sharding) {
         return Err(Error::invalid_arg("--offload", why));
     }
-    if t.offload.optimizer() && opts.device.kind == DeviceKind::Cuda {
-        return Err(Error::invalid_arg(
-            "--offload",
-            "offload runs on cpu and is planned on meta; the cuda backend has no host-memory optimizer yet",
-        ));
-    }
     if !t.offload.optimizer() && t.host_memory.is_some() {
         return Err(Error::invalid_arg(
             "--host-memory",

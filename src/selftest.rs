@@ -20,7 +20,8 @@ use crate::backend::cuda::driver::Driver as _;
 use crate::backend::meta::MetaBackend;
 use crate::backend::{DeviceKind, DeviceSpec};
 use crate::engine::{
-    Attention, Checkpointing, Finetune, LoraConfig, Optimizer, Precision, TrainConfig,
+    Attention, Checkpointing, Finetune, LoraConfig, Offload, Optimizer, Precision, Sharding,
+    TrainConfig,
 };
 use crate::error::{Error, Result};
 use crate::run::{RunOptions, RunReport};
@@ -138,6 +139,19 @@ fn trainings() -> Vec<(&'static str, TrainConfig, f64)> {
                     alpha: 8.0,
                     ..LoraConfig::default()
                 },
+                ..base.clone()
+            },
+            3e-2,
+        ),
+        // ZeRO-Offload: master weights, optimizer state and the fp32
+        // gradient shards in pinned host memory the kernels address.
+        (
+            "llama-tiny",
+            TrainConfig {
+                precision: Precision::Bf16,
+                ranks: 2,
+                sharding: Sharding::Zero2,
+                offload: Offload::Optimizer,
                 ..base
             },
             3e-2,
@@ -152,6 +166,12 @@ fn knobs(t: &TrainConfig) -> String {
     );
     if t.finetune != Finetune::Full {
         k += &format!(" {:?}", t.finetune);
+    }
+    if t.ranks > 1 {
+        k += &format!(" ranks={} {:?}", t.ranks, t.sharding);
+    }
+    if t.offload != Offload::None {
+        k += &format!(" offload={}", t.offload.name());
     }
     k.to_lowercase()
 }
@@ -168,6 +188,10 @@ fn run_opts(model: &str, train: &TrainConfig, steps: usize, device: DeviceSpec) 
         phase_peaks: false,
         timing: None,
     }
+}
+
+fn host_peaks(r: &RunReport) -> Vec<Option<crate::memory::PeakBytes>> {
+    r.ranks.iter().map(|k| k.host_peak_bytes).collect()
 }
 
 fn finished(what: &str, r: Result<(RunReport, Option<Error>)>) -> Result<RunReport> {
@@ -252,7 +276,10 @@ pub fn selftest(device: &DeviceSpec, steps: usize, seed: u64) -> Result<Selftest
         peaks.push(PeakRow {
             model: model.into(),
             knobs: knobs(&train),
-            pass: meta.peak_bytes == cuda.peak_bytes && meta.peak_breakdown == cuda.peak_breakdown,
+            // Offload: each rank's host peaks too.
+            pass: meta.peak_bytes == cuda.peak_bytes
+                && meta.peak_breakdown == cuda.peak_breakdown
+                && host_peaks(&meta) == host_peaks(&cuda),
             meta: meta.peak_bytes,
             cuda: cuda.peak_bytes,
         });

@@ -192,6 +192,115 @@ fn emulated_gpu_runs_qlora_like_cpu_with_the_peaks_meta_predicts() {
     }
 }
 
+/// `memfit` on the emulated GPU of `capacity` bytes.
+fn emulated_with(capacity: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args(args)
+        .env("MEMFIT_CUDA_EMULATE", capacity)
+        .output()
+        .expect("memfit runs")
+}
+
+/// ZeRO-Offload on the cuda backend: master weights, optimizer state and
+/// gradient shards (and under zero3 the weight shard) in pinned,
+/// device-mapped host memory that the kernels read and write. Losses as the
+/// cpu backend's, device and host peaks (per rank and the node's) as meta
+/// predicts, and the host-mapped buffers take none of the device's memory:
+/// on a 3 MiB emulated GPU the run fits with its state on the host and not
+/// without offload, and device plus host would not fit the device.
+#[test]
+fn emulated_gpu_offloads_like_cpu_with_the_peaks_meta_predicts() {
+    for (sharding, offload, precision, capacity, tol) in [
+        ("zero2", "optimizer", "fp32", "3MiB", 1e-4),
+        ("zero3", "optimizer+params", "fp32", "3MiB", 1e-4),
+        ("zero2", "optimizer", "bf16", "2GiB", 2e-2),
+    ] {
+        let what = format!("{sharding} {offload} {precision}");
+        let args = |device: &'static str, offload: &'static str| {
+            vec![
+                "run",
+                "--model",
+                "llama-tiny",
+                "--seq-len",
+                "32",
+                "--micro-batch",
+                "2",
+                "--steps",
+                "3",
+                "--format",
+                "json",
+                "--ranks",
+                "2",
+                "--sharding",
+                sharding,
+                "--offload",
+                offload,
+                "--precision",
+                precision,
+                "--device",
+                device,
+            ]
+        };
+        let cpu = memfit(&args("cpu", offload));
+        assert!(cpu.status.success(), "{what} cpu: {}", stderr(&cpu));
+        let gpu = emulated_with(capacity, &args("cuda", offload));
+        assert!(gpu.status.success(), "{what} cuda: {}", stderr(&gpu));
+        let meta = memfit(&args("meta", offload));
+        assert!(meta.status.success(), "{what} meta: {}", stderr(&meta));
+        let (cpu, gpu, meta) = (json(&cpu), json(&gpu), json(&meta));
+        assert_eq!(gpu["device"], "cuda");
+        assert_eq!(gpu["config"]["offload"], offload);
+        let (lc, lg) = (losses(&cpu), losses(&gpu));
+        assert_eq!(lc.len(), 3);
+        assert_eq!(lc.len(), lg.len());
+        for (c, g) in lc.iter().zip(&lg) {
+            assert!(
+                (c - g).abs() <= tol * c.abs(),
+                "{what}: cpu {lc:?} cuda {lg:?}"
+            );
+        }
+        // Eager attention: no workspace, so meta's cpu prediction is cuda's.
+        assert_eq!(meta["peak_bytes"], gpu["peak_bytes"], "{what}");
+        assert_eq!(gpu["peak_bytes"]["optimizer"], 0, "{what}");
+        assert_eq!(
+            meta["host"]["peak_bytes"], gpu["host"]["peak_bytes"],
+            "{what}"
+        );
+        assert_eq!(
+            meta["host"]["link_bytes_per_step"], gpu["host"]["link_bytes_per_step"],
+            "{what}"
+        );
+        let ranks = gpu["ranks"].as_array().unwrap();
+        assert_eq!(ranks.len(), 2);
+        for (m, g) in meta["ranks"].as_array().unwrap().iter().zip(ranks) {
+            assert_eq!(m["host_peak_bytes"], g["host_peak_bytes"], "{what}");
+            assert_eq!(m["peak_bytes"], g["peak_bytes"], "{what}");
+        }
+        if capacity != "3MiB" {
+            continue;
+        }
+        // The tight GPU: the ranks' device peaks fit it, device and host
+        // together would not (so host-mapped memory took no device room),
+        // and without offload the state does not fit on the device.
+        let cap = 3u64 << 20;
+        let both: u64 = ranks
+            .iter()
+            .map(|r| {
+                r["peak_bytes"]["total"].as_u64().unwrap()
+                    + r["host_peak_bytes"]["total"].as_u64().unwrap()
+            })
+            .sum();
+        assert!(both > cap, "{what}: {both} bytes fit {cap} anyway");
+        let on_device = emulated_with(capacity, &args("cuda", "none"));
+        assert!(!on_device.status.success(), "{what}: fits without offload");
+        assert!(
+            stderr(&on_device).contains("out of memory"),
+            "{what}: {}",
+            stderr(&on_device)
+        );
+    }
+}
+
 #[test]
 fn selftest_passes_on_the_emulated_gpu() {
     let out = emulated(&["selftest", "--steps", "2"]);

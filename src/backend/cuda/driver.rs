@@ -7,7 +7,8 @@
 
 use crate::backend::DType;
 
-/// A device address (`CUdeviceptr` on a GPU, a host address in the emulator).
+/// A device address (`CUdeviceptr` on a GPU, a host address in the emulator);
+/// host-mapped memory has one too ([`Driver::alloc_host`]).
 pub type DevPtr = u64;
 
 /// The kind of one kernel parameter, read from its signature by build.rs.
@@ -180,6 +181,16 @@ pub trait Driver {
     fn alloc(&mut self, bytes: usize) -> Option<DevPtr>;
     /// Frees what [`Driver::alloc`] returned for the same `bytes`.
     fn free(&mut self, ptr: DevPtr, bytes: usize);
+    /// Pinned host memory mapped into the device's address space (offload:
+    /// `cuMemHostAlloc` with `CU_MEMHOSTALLOC_DEVICEMAP | PORTABLE`, then
+    /// `cuMemHostGetDevicePointer`): the address returned is the one kernels,
+    /// [`Driver::upload`], [`Driver::download`] and [`Driver::zero`] take,
+    /// and reads and writes through it cross the host link ("zero-copy").
+    /// It is not device memory: [`Driver::alloc`]'s room is unchanged.
+    /// `None` when the host cannot pin that much.
+    fn alloc_host(&mut self, bytes: usize) -> Option<DevPtr>;
+    /// Frees what [`Driver::alloc_host`] returned for the same `bytes`.
+    fn free_host(&mut self, ptr: DevPtr, bytes: usize);
     fn upload(&mut self, dst: DevPtr, src: &[u8]);
     fn download(&self, src: DevPtr, dst: &mut [u8]);
     fn zero(&mut self, dst: DevPtr, bytes: usize);

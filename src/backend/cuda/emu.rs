@@ -33,11 +33,14 @@ unsafe extern "C" {
     fn memfit_simt_free(p: *mut c_void, bytes: usize);
 }
 
-/// The emulated device. `capacity` is what it reports as total memory.
+/// The emulated device. `capacity` is what it reports as total memory;
+/// `live` is the device memory allocated, `host_live` the host-mapped
+/// memory ([`Driver::alloc_host`]), which the capacity does not cover.
 pub struct EmuDriver {
     pool: rayon::ThreadPool,
     capacity: u64,
     live: u64,
+    host_live: u64,
 }
 
 impl EmuDriver {
@@ -63,7 +66,18 @@ impl EmuDriver {
             pool,
             capacity,
             live: 0,
+            host_live: 0,
         }
+    }
+
+    /// Device memory allocated now (not host-mapped memory).
+    pub fn live_bytes(&self) -> u64 {
+        self.live
+    }
+
+    /// Host-mapped memory allocated now.
+    pub fn host_live_bytes(&self) -> u64 {
+        self.host_live
     }
 }
 
@@ -129,6 +143,24 @@ impl Driver for EmuDriver {
     fn free(&mut self, ptr: DevPtr, bytes: usize) {
         self.live -= bytes as u64;
         // SAFETY: ptr came from memfit_simt_alloc(bytes).
+        unsafe { memfit_simt_free(ptr as *mut c_void, bytes) }
+    }
+    fn alloc_host(&mut self, bytes: usize) -> Option<DevPtr> {
+        // Host memory the emulated kernels address as they address device
+        // memory (it is all host memory here), between guard pages as device
+        // buffers are, and counted apart: a GPU's host-mapped memory is
+        // pinned host pages, not device memory.
+        // SAFETY: returns fresh zeroed pages or null.
+        let p = unsafe { memfit_simt_alloc(bytes) };
+        if p.is_null() {
+            return None;
+        }
+        self.host_live += bytes as u64;
+        Some(p as DevPtr)
+    }
+    fn free_host(&mut self, ptr: DevPtr, bytes: usize) {
+        self.host_live -= bytes as u64;
+        // SAFETY: ptr came from memfit_simt_alloc(bytes) in alloc_host.
         unsafe { memfit_simt_free(ptr as *mut c_void, bytes) }
     }
     fn upload(&mut self, dst: DevPtr, src: &[u8]) {

@@ -18,6 +18,15 @@
 //! reported with the driver's own memory as [`CudaBackend::overhead_bytes`];
 //! attention scratch is declared through `workspace_bytes` so the meta backend
 //! predicts it byte for byte.
+//!
+//! Offload (ZeRO-Offload): [`Backend::alloc_host`] gives pinned host memory
+//! mapped into the device's address space ([`Driver::alloc_host`]), so the
+//! same kernels read and write the offloaded master weights, optimizer
+//! state and gradient shards over PCIe ("zero-copy"); the optimizer step
+//! runs on the GPU, where DeepSpeed runs its CPU Adam on the host, with the
+//! same placement of memory, which is what memfit measures. Host-mapped
+//! blocks are cached apart from device blocks and never count toward the
+//! device's memory.
 
 pub mod comm;
 pub mod driver;
@@ -64,12 +73,15 @@ pub fn rounded(bytes: usize) -> usize {
     }
 }
 
-/// A device buffer: `len` elements of `dtype` at `ptr`.
+/// A device buffer: `len` elements of `dtype` at `ptr` (a device address;
+/// for a host-mapped buffer, the device's address of the host pages).
 #[derive(Debug)]
 pub struct CudaBuf {
     pub(crate) ptr: DevPtr,
     pub(crate) len: usize,
     pub(crate) dtype: DType,
+    /// Pinned, device-mapped host memory ([`Backend::alloc_host`]).
+    pub(crate) host: bool,
 }
 
 impl CudaBuf {
@@ -81,6 +93,10 @@ impl CudaBuf {
     }
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+    /// Whether the buffer is host-mapped memory rather than device memory.
+    pub fn is_host(&self) -> bool {
+        self.host
     }
     fn bytes(&self) -> usize {
         self.len * self.dtype.size()
@@ -114,6 +130,10 @@ pub struct CudaBackend<D: Driver> {
     pub(crate) drv: D,
     cache: HashMap<usize, Vec<DevPtr>>,
     cached_bytes: usize,
+    /// Freed host-mapped blocks, by rounded size: apart from `cache`, since
+    /// they are no room on the device.
+    host_cache: HashMap<usize, Vec<DevPtr>>,
+    host_cached_bytes: usize,
     pub(crate) scratch: DevPtr,
 }
 
@@ -138,6 +158,8 @@ impl<D: Driver> CudaBackend<D> {
             drv,
             cache: HashMap::new(),
             cached_bytes: 0,
+            host_cache: HashMap::new(),
+            host_cached_bytes: 0,
             scratch,
         })
     }
@@ -152,13 +174,28 @@ impl<D: Driver> CudaBackend<D> {
         self.drv.overhead_bytes() + SCRATCH_BYTES as u64
     }
 
-    /// Bytes parked in the caching allocator's free lists.
+    /// Device bytes parked in the caching allocator's free lists.
     pub fn cached_bytes(&self) -> usize {
         self.cached_bytes
     }
 
-    /// Returns every cached block to the driver.
+    /// Host-mapped bytes parked in the host cache's free lists.
+    pub fn host_cached_bytes(&self) -> usize {
+        self.host_cached_bytes
+    }
+
+    /// Returns every cached block, device and host-mapped, to the driver.
     pub fn empty_cache(&mut self) {
+        self.empty_device_cache();
+        for (bytes, ptrs) in self.host_cache.drain() {
+            for p in ptrs {
+                self.drv.free_host(p, bytes);
+            }
+        }
+        self.host_cached_bytes = 0;
+    }
+
+    fn empty_device_cache(&mut self) {
         for (bytes, ptrs) in self.cache.drain() {
             for p in ptrs {
                 self.drv.free(p, bytes);
@@ -190,10 +227,34 @@ impl<D: Driver> CudaBackend<D> {
             return p;
         }
         // Out of memory with blocks parked: give them back and retry once.
-        self.empty_cache();
+        self.empty_device_cache();
         self.drv.alloc(rounded).unwrap_or_else(|| {
             panic!(
                 "cuda out of memory: could not allocate {} on {}",
+                crate::units::fmt_bytes(rounded as u64),
+                self.drv.describe()
+            )
+        })
+    }
+
+    fn raw_alloc_host(&mut self, bytes: usize) -> DevPtr {
+        let rounded = rounded(bytes);
+        if let Some(p) = self.host_cache.get_mut(&rounded).and_then(Vec::pop) {
+            self.host_cached_bytes -= rounded;
+            return p;
+        }
+        if let Some(p) = self.drv.alloc_host(rounded) {
+            return p;
+        }
+        for (bytes, ptrs) in std::mem::take(&mut self.host_cache) {
+            for p in ptrs {
+                self.drv.free_host(p, bytes);
+            }
+        }
+        self.host_cached_bytes = 0;
+        self.drv.alloc_host(rounded).unwrap_or_else(|| {
+            panic!(
+                "cuda: could not allocate {} of pinned, device-mapped host memory for {}",
                 crate::units::fmt_bytes(rounded as u64),
                 self.drv.describe()
             )
@@ -238,6 +299,12 @@ impl Driver for AnyDriver {
     }
     fn free(&mut self, ptr: DevPtr, bytes: usize) {
         each!(self, d => d.free(ptr, bytes))
+    }
+    fn alloc_host(&mut self, bytes: usize) -> Option<DevPtr> {
+        each!(self, d => d.alloc_host(bytes))
+    }
+    fn free_host(&mut self, ptr: DevPtr, bytes: usize) {
+        each!(self, d => d.free_host(ptr, bytes))
     }
     fn upload(&mut self, dst: DevPtr, src: &[u8]) {
         each!(self, d => d.upload(dst, src))
@@ -305,13 +372,42 @@ impl<D: Driver> Backend for CudaBackend<D> {
         let bytes = len * dtype.size();
         let ptr = self.raw_alloc(bytes);
         self.drv.zero(ptr, bytes);
-        CudaBuf { ptr, len, dtype }
+        CudaBuf {
+            ptr,
+            len,
+            dtype,
+            host: false,
+        }
     }
 
     fn free(&mut self, buf: CudaBuf) {
         let rounded = rounded(buf.bytes());
-        self.cache.entry(rounded).or_default().push(buf.ptr);
-        self.cached_bytes += rounded;
+        if buf.host {
+            self.host_cache.entry(rounded).or_default().push(buf.ptr);
+            self.host_cached_bytes += rounded;
+        } else {
+            self.cache.entry(rounded).or_default().push(buf.ptr);
+            self.cached_bytes += rounded;
+        }
+    }
+
+    /// Pinned host memory the kernels address directly over PCIe (see the
+    /// module's documentation): not device memory, so it neither takes the
+    /// device's room nor enters the device blocks' cache.
+    fn alloc_host(&mut self, len: usize, dtype: DType) -> CudaBuf {
+        let bytes = len * dtype.size();
+        let ptr = self.raw_alloc_host(bytes);
+        self.drv.zero(ptr, bytes);
+        CudaBuf {
+            ptr,
+            len,
+            dtype,
+            host: true,
+        }
+    }
+
+    fn offloads(&self) -> bool {
+        true
     }
 
     fn workspace_bytes(&self, s: AttnShape, fused: bool, dtype: DType) -> usize {
@@ -807,6 +903,82 @@ mod tests {
         be.free(c);
         be.empty_cache();
         assert_eq!(be.cached_bytes(), 0);
+    }
+
+    /// Offload's buffers: host-mapped memory outside the device's room and
+    /// its block cache, which uploads, downloads, kernels (copies and
+    /// conversions both ways, accumulating too) and fills address as they
+    /// address device buffers, in every dtype.
+    #[test]
+    fn host_mapped_buffers_stay_off_the_device_and_copy_both_ways() {
+        // 64 KiB of the 192 KiB device is the scratch: 1 MiB of host buffers
+        // fits only because it is not device memory.
+        let mut be = emu(192 << 10);
+        let live = be.drv.live_bytes();
+        let big = be.alloc_host(1 << 18, DType::F32);
+        assert!(big.is_host());
+        assert_eq!(be.drv.live_bytes(), live);
+        assert_eq!(be.drv.host_live_bytes(), 2 << 20);
+        be.free(big);
+        assert_eq!((be.cached_bytes(), be.host_cached_bytes()), (0, 2 << 20));
+
+        let n = 100;
+        let vals: Vec<f32> = (0..n).map(|i| (i as f32 - 40.0) * 0.25).collect();
+        let floats = [DType::F32, DType::Bf16, DType::F16];
+        for &ht in &floats {
+            for &dt in &floats {
+                let mut h = be.alloc_host(n, ht);
+                assert!(h.is_host());
+                assert!(be.download_f32(&h).unwrap().iter().all(|&v| v == 0.0));
+                be.upload_f32(&mut h, &vals);
+                assert_eq!(be.download_f32(&h).unwrap(), vals, "{ht:?}");
+                // host -> device, converting, then device -> host accumulating.
+                let mut d = be.alloc(n, dt);
+                assert!(!d.is_host());
+                be.convert(&mut d, &h, n);
+                assert_eq!(be.download_f32(&d).unwrap(), vals, "{ht:?} -> {dt:?}");
+                be.copy_slice(&mut h, 10, &d, 0, n - 10, true);
+                let want: Vec<f32> = (0..n)
+                    .map(|i| {
+                        if i < 10 {
+                            vals[i]
+                        } else {
+                            vals[i] + vals[i - 10]
+                        }
+                    })
+                    .collect();
+                assert_eq!(be.download_f32(&h).unwrap(), want, "{dt:?} += {ht:?}");
+                // A kernel writing host memory.
+                be.fill(&mut h, 1.5);
+                assert!(be.download_f32(&h).unwrap().iter().all(|&v| v == 1.5));
+                be.free(d);
+                be.free(h);
+            }
+        }
+        let mut t = be.alloc_host(7, DType::U32);
+        be.upload_u32(&mut t, &[1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(
+            be.download_f32(&t).unwrap(),
+            vec![1., 2., 3., 4., 5., 6., 7.]
+        );
+        let mut b = be.alloc_host(5, DType::U8);
+        be.upload_u8(&mut b, &[9, 8, 7, 6, 255]);
+        assert_eq!(be.download_f32(&b).unwrap(), vec![9., 8., 7., 6., 255.]);
+
+        // A freed host block is reused for its size, zeroed; the device
+        // cache never sees it.
+        let ptr = t.ptr;
+        be.free(t);
+        let again = be.alloc_host(7, DType::U32);
+        assert_eq!(again.ptr, ptr);
+        assert!(be.download_f32(&again).unwrap().iter().all(|&v| v == 0.0));
+        be.free(again);
+        be.free(b);
+        assert_eq!(be.drv.live_bytes(), live + be.cached_bytes() as u64);
+        be.empty_cache();
+        assert_eq!(be.host_cached_bytes(), 0);
+        assert_eq!(be.drv.host_live_bytes(), 0);
+        assert!(be.offloads());
     }
 
     #[test]

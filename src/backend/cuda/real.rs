@@ -41,6 +41,10 @@ pub struct CudaDriver {
     blas_ws: DevPtr,
     total: u64,
     overhead: u64,
+    /// Host-mapped allocations: device address to host address and bytes
+    /// (the addresses are the same under unified addressing; kept apart so
+    /// that nothing assumes it).
+    host_maps: std::collections::BTreeMap<DevPtr, (usize, usize)>,
 }
 
 // SAFETY: the handles are plain driver handles; every call makes the context
@@ -142,6 +146,7 @@ impl CudaDriver {
             blas_ws,
             total,
             overhead: 0,
+            host_maps: std::collections::BTreeMap::new(),
         };
         // cuBLAS loads its kernels lazily (CUDA 12's lazy module loading):
         // run one tiny GEMM per type first, so the overhead measured below
@@ -205,6 +210,14 @@ impl CudaDriver {
         unsafe { cu::ctx::set_current(self.ctx) }.expect("cuCtxSetCurrent");
     }
 
+    /// The host address of `bytes` bytes at device address `ptr` when they
+    /// lie in a host-mapped allocation ([`Driver::alloc_host`]).
+    fn host_address(&self, ptr: DevPtr, bytes: usize) -> Option<usize> {
+        let (&base, &(host, len)) = self.host_maps.range(..=ptr).next_back()?;
+        let off = (ptr - base) as usize;
+        (off + bytes <= len).then_some(host + off)
+    }
+
     fn sync_or_die(&self, what: &str) {
         // SAFETY: stream is live.
         if let Err(e) = unsafe { cu::stream::synchronize(self.stream) } {
@@ -265,8 +278,48 @@ impl Driver for CudaDriver {
             let _ = cu::free_sync(ptr);
         }
     }
+    fn alloc_host(&mut self, bytes: usize) -> Option<DevPtr> {
+        self.bind();
+        let flags = cu_sys::CU_MEMHOSTALLOC_DEVICEMAP | cu_sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: a plain pinned allocation, mapped into every context's
+        // address space (PORTABLE, since the ranks' drivers share the device).
+        let host = unsafe { cu::malloc_host(bytes.max(1), flags) }.ok()?;
+        let mut dev: cu_sys::CUdeviceptr = 0;
+        // SAFETY: host was just returned by cuMemHostAlloc with DEVICEMAP.
+        let r = unsafe { cu_sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) }.result();
+        if r.is_err() {
+            // SAFETY: host came from malloc_host and is freed once.
+            let _ = unsafe { cu::free_host(host) };
+            return None;
+        }
+        // Fresh pages, no work queued on them: zero them from the host.
+        // SAFETY: host holds `bytes` bytes.
+        unsafe { std::ptr::write_bytes(host as *mut u8, 0, bytes) };
+        self.host_maps.insert(dev, (host as usize, bytes));
+        Some(dev)
+    }
+    fn free_host(&mut self, ptr: DevPtr, _bytes: usize) {
+        // As `free`: never panic. Kernels queued on the stream may still
+        // read or write the pages, so wait for them first.
+        let Some((host, _)) = self.host_maps.remove(&ptr) else {
+            return;
+        };
+        // SAFETY: host came from cuMemHostAlloc and is freed once.
+        unsafe {
+            let _ = cu::ctx::set_current(self.ctx);
+            let _ = cu::stream::synchronize(self.stream);
+            let _ = cu::free_host(host as *mut c_void);
+        }
+    }
     fn upload(&mut self, dst: DevPtr, src: &[u8]) {
         self.bind();
+        if let Some(h) = self.host_address(dst, src.len()) {
+            // Host-mapped: a plain memcpy once the queued kernels are done.
+            self.sync_or_die("work before a host-mapped upload");
+            // SAFETY: h..h+len lies inside a live host-mapped allocation.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), h as *mut u8, src.len()) };
+            return;
+        }
         // SAFETY: dst holds at least src.len() bytes; the sync keeps src alive
         // until the copy is done.
         unsafe { cu::memcpy_htod_async(dst, src, self.stream) }.expect("cuMemcpyHtoDAsync");
@@ -274,12 +327,24 @@ impl Driver for CudaDriver {
     }
     fn download(&self, src: DevPtr, dst: &mut [u8]) {
         self.bind();
+        if let Some(h) = self.host_address(src, dst.len()) {
+            self.sync_or_die("work before a host-mapped download");
+            // SAFETY: h..h+len lies inside a live host-mapped allocation.
+            unsafe { std::ptr::copy_nonoverlapping(h as *const u8, dst.as_mut_ptr(), dst.len()) };
+            return;
+        }
         // SAFETY: src holds at least dst.len() bytes.
         unsafe { cu::memcpy_dtoh_async(dst, src, self.stream) }.expect("cuMemcpyDtoHAsync");
         self.sync_or_die("a download");
     }
     fn zero(&mut self, dst: DevPtr, bytes: usize) {
         self.bind();
+        if let Some(h) = self.host_address(dst, bytes) {
+            self.sync_or_die("work before zeroing host-mapped memory");
+            // SAFETY: h..h+bytes lies inside a live host-mapped allocation.
+            unsafe { std::ptr::write_bytes(h as *mut u8, 0, bytes) };
+            return;
+        }
         // SAFETY: dst holds `bytes` bytes.
         unsafe { cu::memset_d8_async(dst, 0, bytes, self.stream) }.expect("cuMemsetD8Async");
     }
