@@ -1192,15 +1192,15 @@ pub fn predict(
             ranks: stages,
             ..tc.clone()
         };
-        let mut links = crate::run::meta_links(model, &wiring);
+        let links = crate::run::meta_links(model, &wiring);
         let mut worst: Option<(u64, Engine<MetaBackend>)> = None;
         let (mut slot, mut opt_s, mut off_s, mut comm_s) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
         let mut crossed = None;
-        for s in 0..stages {
+        for (s, link) in links.into_iter().enumerate() {
             let distributed = replicas > 1 || p.sharding != Sharding::None;
             let comm =
                 distributed.then(|| Box::new(MetaComm::new(0, replicas)) as Comm<MetaBackend>);
-            let pipe = links[s].pipe.take();
+            let pipe = link.pipe;
             let st = step_meta(
                 model,
                 tc.clone(),
