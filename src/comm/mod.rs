@@ -15,6 +15,7 @@
 //!   the buffers the collectives use (category `communication`) and counts
 //!   the bytes each rank sends and receives (see [`wire_bytes`]).
 
+pub mod process;
 pub mod topology;
 
 /// Which collective, for byte counting.
