@@ -12,7 +12,12 @@
 #      (scripts/torch_gpt2_step.py) for a side-by-side ratio,
 #   6. when transformers is importable too, Hugging Face GPT-2 and
 #      Llama-3.2-1B steps (scripts/torch_hf_memory.py): max_memory_allocated
-#      and max_memory_reserved against memfit's hf-eager plan of each.
+#      and max_memory_reserved against memfit's hf-eager plan of each,
+#   7. ranks as processes on the GPU (`memfit launch`): a world of one
+#      through NCCL (ddp: its all-reduce; zero2 needs two ranks on cuda),
+#      then two ranks on cuda:0 with zero2 staged through the host
+#      (MEMFIT_DIST_BACKEND=tcp: NCCL refuses two ranks on one GPU), each
+#      against the same run on threads: losses and peaks must match.
 # Results go to $OUT (or ./gpu-check-out) as text and JSON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -81,6 +86,29 @@ if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
 else
     log "PyTorch with CUDA is not importable here: no side-by-side"
 fi
+
+log "memfit launch on the GPU: NCCL world of one (ddp), then 2 ranks zero2 staged through the host"
+LAUNCH_ARGS="--model llama-tiny --device cuda:0 --steps 3 --format json"
+timeout 120 "$BIN" launch --nproc 1 -- run $LAUNCH_ARGS --ranks 1 --sharding ddp \
+    >"$OUT/launch-nccl-1.json" 2>"$OUT/launch-nccl-1.err"
+echo "exit $?" >>"$OUT/launch-nccl-1.err"
+timeout 120 "$BIN" run $LAUNCH_ARGS --ranks 1 --sharding ddp >"$OUT/threads-ddp-1.json" 2>/dev/null
+MEMFIT_DIST_BACKEND=tcp timeout 120 "$BIN" launch --nproc 2 -- run $LAUNCH_ARGS --ranks 2 --sharding zero2 \
+    >"$OUT/launch-tcp-2.json" 2>"$OUT/launch-tcp-2.err"
+echo "exit $?" >>"$OUT/launch-tcp-2.err"
+timeout 120 "$BIN" run $LAUNCH_ARGS --ranks 2 --sharding zero2 >"$OUT/threads-zero2-2.json" 2>/dev/null
+python3 - "$OUT" <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
+import json, sys
+out = sys.argv[1]
+for launched, threaded in (("launch-nccl-1", "threads-ddp-1"), ("launch-tcp-2", "threads-zero2-2")):
+    try:
+        a, b = (json.load(open(f"{out}/{n}.json")) for n in (launched, threaded))
+        same_loss = [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]]
+        same_peaks = [r["peak_bytes"] for r in a["ranks"]] == [r["peak_bytes"] for r in b["ranks"]]
+        print(f"{launched}: losses as threads {same_loss}, per-rank peaks as threads {same_peaks}")
+    except Exception as e:
+        print(f"{launched}: no report ({e}); see {out}/{launched}.err")
+PY
 
 python3 - "$OUT" "$TORCH" <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
 import json, sys, statistics

@@ -89,6 +89,15 @@ pub enum Command {
     /// peak. Without NVML the command still runs; its host memory is reported
     /// instead. Exits with the command's exit code.
     Watch(Box<WatchArgs>),
+    /// Run `memfit run` as N processes, one rank each, like torchrun.
+    ///
+    /// Starts N copies of `memfit run` (the arguments after `--`) with the
+    /// variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK,
+    /// LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT); the ranks talk
+    /// over TCP (NCCL on GPUs) and rank 0 prints the job's report, as
+    /// `memfit run --ranks N` does with threads. When a rank fails, the
+    /// others are stopped and its exit code is this command's.
+    Launch(LaunchArgs),
     /// Runs one sweep trial (memfit re-executes itself; not for direct use).
     #[command(hide = true)]
     Trial {
@@ -96,6 +105,22 @@ pub enum Command {
         #[arg(long)]
         spec: String,
     },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct LaunchArgs {
+    /// Processes to start, one rank each; the run's --ranks must equal it.
+    #[arg(long)]
+    pub nproc: usize,
+    /// The port rank 0 listens on [default: a free one].
+    #[arg(long)]
+    pub master_port: Option<u16>,
+    /// Seconds the other ranks get to finish after one fails, before they are killed.
+    #[arg(long, default_value_t = 5.0)]
+    pub grace: f64,
+    /// The `memfit run` arguments, after `--` (`run` itself may be left out).
+    #[arg(last = true, required = true, value_name = "RUN_ARGS")]
+    pub run: Vec<String>,
 }
 
 #[derive(Debug, clap::Args)]

@@ -18,6 +18,7 @@ pub mod config;
 pub mod data;
 pub mod engine;
 pub mod error;
+pub mod launch;
 pub mod memory;
 pub mod nf4;
 pub mod plan;

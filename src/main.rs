@@ -10,6 +10,8 @@ use memfit::run::{render_table, run};
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let code = match cli.command {
+        Command::Run(args) if memfit::launch::is_rank() => memfit::launch::rank_main(&args),
+        Command::Launch(args) => memfit::launch::launch_main(&args),
         Command::Run(args) => match args.options().and_then(|o| run(&o)) {
             Ok((report, failure)) => {
                 match args.format {

@@ -671,6 +671,374 @@ pub fn meta_links(model: &ModelConfig, train: &TrainConfig) -> Vec<Links<MetaBac
     )
 }
 
+/// One rank of a multi-process job: its process group, and its own run.
+pub type ProcessRun = (
+    std::sync::Arc<crate::comm::process::ProcessGroup>,
+    Result<(RunReport, Option<Error>)>,
+);
+
+/// `memfit run` as rank `env.rank` of a job of `env.world` processes
+/// (`memfit launch`, torchrun): joins the process group, builds this rank's
+/// one engine linked to the others over it (TCP on cpu; NCCL, or TCP staged
+/// through the host, on cuda), and trains on its replica's share of each
+/// global batch, so losses and peaks are those of `memfit run --ranks N` in
+/// one process. The report is this rank's alone: `launch::rank_main`
+/// gathers the ranks' reports on rank 0. An `Err` means this rank never
+/// joined the job.
+pub fn run_process_rank(
+    opts: &RunOptions,
+    env: &crate::comm::process::DistEnv,
+) -> Result<ProcessRun> {
+    use crate::backend::cuda::AnyDriver;
+    use crate::backend::cuda::nccl::{BACKEND_ENV, NcclComm, Staged, unique_id};
+    use crate::comm::process::ProcessGroup;
+    let model = load_model(&opts.model)?;
+    validate(opts, &model)?;
+    if opts.train.ranks != env.world {
+        return Err(Error::invalid_arg(
+            "--ranks",
+            format!(
+                "{} but WORLD_SIZE is {}: a multi-process job runs one rank per process; pass --ranks {}",
+                opts.train.ranks, env.world, env.world
+            ),
+        ));
+    }
+    if opts.device.kind == DeviceKind::Meta {
+        return Err(Error::invalid_arg(
+            "--device",
+            "meta plans every rank in one process; run it without memfit launch (memfit run --ranks N)",
+        ));
+    }
+    if opts.timeline.is_some() {
+        return Err(Error::invalid_arg(
+            "--timeline",
+            "a multi-process run writes no timeline yet; run the ranks as threads (memfit run --ranks N, without launch) for one",
+        ));
+    }
+    let mut opts = opts.clone();
+    let t = &mut opts.train;
+    // Offload: this rank's share of its node's host memory.
+    if t.offload.optimizer() {
+        t.host_memory = t
+            .host_memory
+            .or_else(host_available_memory)
+            .map(|h| h / env.local_world as u64);
+    }
+    let (rank, replicas) = (env.rank, t.data_ranks());
+    let distributed = replicas > 1 || t.sharding != Sharding::None;
+    // This node's cores, shared by its ranks.
+    let threads = opts.threads.unwrap_or_else(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        (cores / env.local_world).max(1)
+    });
+    let mut data = host_data(&opts, &model)?;
+    match opts.device.kind {
+        DeviceKind::Meta => unreachable!("refused above"),
+        DeviceKind::Cpu => {
+            let backend = CpuBackend::new(threads).map_err(Error::Unavailable)?;
+            let (group, _) = ProcessGroup::connect(env, || Ok(Vec::new()))?;
+            let links = process_links(
+                &model,
+                &opts.train,
+                rank,
+                |ch, members| Box::new(group.comm(ch, members)) as Comm<CpuBackend>,
+                |ch, prev, next| Box::new(group.p2p(ch, prev, next)) as _,
+            )?;
+            let host = host_available_memory().map(|h| h / env.local_world as u64);
+            opts.device.limit = match (opts.device.limit, host) {
+                (Some(l), Some(h)) => Some(l.min(h)),
+                (l, h) => l.or(h),
+            };
+            crate::launch::test_fault(rank);
+            let failed = || group.failure().is_some();
+            let share = Share {
+                replica: rank % replicas,
+                replicas,
+                stopped: &failed,
+            };
+            let out = run_part(
+                &opts,
+                model,
+                vec![backend],
+                vec![links],
+                Some(&mut data),
+                Some(&share),
+            );
+            Ok((group, out))
+        }
+        DeviceKind::Cuda => {
+            let ordinal = opts.device.ordinal.unwrap_or(env.local_rank);
+            let backend =
+                crate::backend::cuda::open(ordinal, threads).map_err(Error::Unavailable)?;
+            let real = matches!(backend.driver(), AnyDriver::Real(_));
+            // NCCL on a real GPU; the emulated one, `tcp`, and pipelines
+            // (whose links NCCL is not wired for) stage through the host.
+            let use_nccl = match std::env::var(BACKEND_ENV).unwrap_or_default().as_str() {
+                "" => real && opts.train.pipeline_stages == 1,
+                "tcp" => false,
+                "nccl" if !real => {
+                    return Err(Error::invalid_arg(
+                        BACKEND_ENV,
+                        "nccl needs a real GPU; the emulated one (MEMFIT_CUDA_EMULATE) stages collectives through the host: unset it or use tcp",
+                    ));
+                }
+                "nccl" if opts.train.pipeline_stages > 1 => {
+                    return Err(Error::invalid_arg(
+                        BACKEND_ENV,
+                        "nccl carries data parallelism only; pipelines stage through the host: unset it or use tcp",
+                    ));
+                }
+                "nccl" => true,
+                other => {
+                    return Err(Error::invalid_arg(
+                        BACKEND_ENV,
+                        format!("`{other}` is not a backend: nccl or tcp"),
+                    ));
+                }
+            };
+            let (group, blob) = ProcessGroup::connect(env, || match use_nccl && distributed {
+                true => unique_id().map_err(Error::Unavailable),
+                false => Ok(Vec::new()),
+            })?;
+            let stager = backend.driver().stager();
+            // NCCL carries the group of every rank (made once, by all
+            // ranks together); other groups stage through the host.
+            let nccl_err = std::cell::RefCell::new(None);
+            let links = process_links(
+                &model,
+                &opts.train,
+                rank,
+                |ch, members| {
+                    let staged =
+                        || Box::new(Staged::new(group.comm(ch, members.clone()), stager.clone()));
+                    if !(use_nccl && members.len() == env.world) {
+                        return staged() as Comm<crate::backend::cuda::CudaBackend<AnyDriver>>;
+                    }
+                    match NcclComm::new(ordinal, &group, ch, &blob, env.timeout) {
+                        Ok(c) => Box::new(c),
+                        Err(e) => {
+                            nccl_err.borrow_mut().get_or_insert(e);
+                            staged()
+                        }
+                    }
+                },
+                |ch, prev, next| Box::new(Staged::new(group.p2p(ch, prev, next), stager.clone())),
+            )?;
+            if let Some(e) = nccl_err.into_inner() {
+                return Err(Error::Unavailable(e));
+            }
+            let backends = [backend];
+            let free = device_free_after_startup(&backends);
+            opts.device.limit = Some(opts.device.limit.map_or(free, |l| l.min(free)));
+            let [backend] = backends;
+            let gpu = GpuRecord {
+                description: backend.driver().describe(),
+                total_bytes: backend.driver().total_bytes(),
+                overhead_bytes: backend.overhead_bytes(),
+            };
+            crate::launch::test_fault(rank);
+            let failed = || group.failure().is_some();
+            let share = Share {
+                replica: rank % replicas,
+                replicas,
+                stopped: &failed,
+            };
+            let out = run_part(
+                &opts,
+                model,
+                vec![backend],
+                vec![links],
+                Some(&mut data),
+                Some(&share),
+            )
+            .map(|(mut report, err)| {
+                report.gpu = Some(gpu);
+                (report, err)
+            });
+            Ok((group, out))
+        }
+    }
+}
+
+/// A group (`false`) or chain (`true`) by its creation index, and a place in it.
+type ProbeSeen = std::sync::Arc<std::sync::Mutex<Option<((bool, usize), usize)>>>;
+
+/// Stands in for a group or chain in the first pass of [`process_links`]:
+/// calling its abort handle tells which one it is and at which position.
+struct Probe {
+    id: (bool, usize),
+    pos: usize,
+    seen: ProbeSeen,
+}
+
+impl Probe {
+    fn handle(&self) -> crate::comm::AbortHandle {
+        let (seen, me) = (self.seen.clone(), (self.id, self.pos));
+        std::sync::Arc::new(move || *seen.lock().unwrap_or_else(|e| e.into_inner()) = Some(me))
+    }
+}
+
+impl<Buf> crate::comm::Collective<Buf> for Probe {
+    fn rank(&self) -> usize {
+        self.pos
+    }
+    fn world(&self) -> usize {
+        unreachable!("a probe only tells where it is")
+    }
+    fn all_reduce_sum(&mut self, _: &mut Buf, _: usize) {}
+    fn reduce_scatter_sum(&mut self, _: &mut Buf, _: &Buf, _: usize) {}
+    fn all_gather(&mut self, _: &mut Buf, _: &Buf, _: usize) {}
+    fn broadcast(&mut self, _: &mut Buf, _: usize, _: usize) {}
+    fn all_reduce_scalar(&mut self, x: f64) -> f64 {
+        x
+    }
+    fn abort_handle(&self) -> crate::comm::AbortHandle {
+        self.handle()
+    }
+}
+
+impl<Buf> crate::comm::PointToPoint<Buf> for Probe {
+    fn send(&mut self, _: crate::comm::Peer, _: &Buf, _: usize) {}
+    fn recv(&mut self, _: crate::comm::Peer, _: &mut Buf, _: usize) {}
+    fn abort_handle(&self) -> crate::comm::AbortHandle {
+        self.handle()
+    }
+}
+
+/// Rank `rank`'s links, wired by [`links`] (the one place that decides who
+/// talks to whom) with groups and chains over processes. A first pass with
+/// [`Probe`]s learns which global ranks each group and chain `links` makes
+/// joins, in its own order; the second makes this rank's: `comm(channel,
+/// members)` its collective groups, `p2p(channel, prev, next)` its
+/// pipeline links (global ranks), each on a channel of its own. The other
+/// ranks' places get [`crate::comm::process::Elsewhere`] and are dropped.
+fn process_links<B: Backend>(
+    model: &ModelConfig,
+    train: &TrainConfig,
+    rank: usize,
+    comm: impl Fn(u32, Vec<usize>) -> Comm<B>,
+    p2p: impl Fn(u32, Option<usize>, Option<usize>) -> Box<dyn crate::comm::PointToPoint<B::Buf>>,
+) -> Result<Links<B>> {
+    use crate::comm::process::Elsewhere;
+    use std::cell::{Cell, RefCell};
+    use std::collections::HashMap;
+    type Id = (bool, usize);
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let (groups, chains) = (Cell::new(0), Cell::new(0));
+    let next = |c: &Cell<usize>| c.replace(c.get() + 1);
+    let probes = |id: Id, n: usize| -> Vec<Probe> {
+        (0..n)
+            .map(|pos| Probe {
+                id,
+                pos,
+                seen: seen.clone(),
+            })
+            .collect()
+    };
+    let probed = links::<B>(
+        model,
+        train,
+        |w| {
+            let id = (false, next(&groups));
+            probes(id, w)
+                .into_iter()
+                .map(|p| Box::new(p) as Comm<B>)
+                .collect()
+        },
+        |s| {
+            let id = (true, next(&chains));
+            probes(id, s)
+                .into_iter()
+                .map(|p| Box::new(p) as _)
+                .collect()
+        },
+    );
+    let mut members: HashMap<Id, Vec<Option<usize>>> = HashMap::new();
+    let mut place = |h: crate::comm::AbortHandle, r: usize| {
+        h();
+        let (id, pos) = seen
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .expect("a probe");
+        let m = members.entry(id).or_default();
+        if m.len() <= pos {
+            m.resize(pos + 1, None);
+        }
+        m[pos] = Some(r);
+    };
+    for (r, l) in probed.iter().enumerate() {
+        // Every field by name: a new kind of link must be placed here too.
+        let Links {
+            comm,
+            pipe,
+            replicate,
+        } = l;
+        for c in comm.iter().chain(replicate) {
+            place(c.abort_handle(), r);
+        }
+        if let Some(p) = pipe {
+            place(p.p2p.abort_handle(), r);
+            place(p.group.abort_handle(), r);
+            if let Some(e) = &p.embed {
+                place(e.abort_handle(), r);
+            }
+        }
+    }
+    drop(probed);
+    // Global ranks of group `id` of `n` places, if every place was found.
+    let ranks_of = |id: Id, n: usize| -> Option<Vec<usize>> {
+        let m = members.get(&id)?;
+        (m.len() == n).then(|| m.iter().copied().collect::<Option<Vec<_>>>())?
+    };
+    let unknown = RefCell::new(false);
+    // Channel 0 is unused; chains after every group.
+    let channel = |id: Id| 1 + id.1 as u32 + if id.0 { 1 << 20 } else { 0 };
+    let (groups, chains) = (Cell::new(0), Cell::new(0));
+    let mut all = links(
+        model,
+        train,
+        |w| {
+            let id = (false, next(&groups));
+            let Some(ranks) = ranks_of(id, w) else {
+                *unknown.borrow_mut() = true;
+                return (0..w).map(|_| Box::new(Elsewhere) as Comm<B>).collect();
+            };
+            ranks
+                .iter()
+                .map(|&r| match r == rank {
+                    true => comm(channel(id), ranks.clone()),
+                    false => Box::new(Elsewhere) as Comm<B>,
+                })
+                .collect()
+        },
+        |s| {
+            let id = (true, next(&chains));
+            let Some(ranks) = ranks_of(id, s) else {
+                *unknown.borrow_mut() = true;
+                return (0..s).map(|_| Box::new(Elsewhere) as _).collect();
+            };
+            (0..s)
+                .map(|i| match ranks[i] == rank {
+                    true => p2p(
+                        channel(id),
+                        i.checked_sub(1).map(|j| ranks[j]),
+                        ranks.get(i + 1).copied(),
+                    ),
+                    false => Box::new(Elsewhere) as _,
+                })
+                .collect()
+        },
+    );
+    if unknown.into_inner() {
+        return Err(Error::invalid_arg(
+            "--ranks",
+            "this layout has groups a multi-process run cannot wire yet; run its ranks as threads (memfit run --ranks N, without launch)",
+        ));
+    }
+    Ok(all.swap_remove(rank))
+}
+
 /// Every rank's links for `train` on cpu: ranks are threads, data moves
 /// through shared memory and channels (see [`links`]).
 pub fn cpu_links(model: &ModelConfig, train: &TrainConfig) -> Vec<Links<CpuBackend>> {
@@ -698,6 +1066,34 @@ fn run_on<B>(
     backends: Vec<B>,
     links: Vec<Links<B>>,
     data: Option<&mut DataSource>,
+) -> Result<(RunReport, Option<Error>)>
+where
+    B: Backend + Send,
+    B::Buf: Send,
+{
+    run_part(opts, model, backends, links, data, None)
+}
+
+/// What [`run_part`] needs when its one engine is one rank of a job whose
+/// other ranks run in other processes (see [`run_process_rank`]).
+struct Share<'a> {
+    /// The data-parallel replica this rank belongs to, of `replicas`: it
+    /// trains on micro-batches `replica*k .. (replica+1)*k` of each step's
+    /// global batch, as `Cluster::step_from` hands them out.
+    replica: usize,
+    replicas: usize,
+    /// Whether the job has failed elsewhere: stop stepping.
+    stopped: &'a (dyn Fn() -> bool + Sync),
+}
+
+/// [`run_on`], or with `share` one rank of a multi-process job.
+fn run_part<B>(
+    opts: &RunOptions,
+    model: ModelConfig,
+    backends: Vec<B>,
+    links: Vec<Links<B>>,
+    data: Option<&mut DataSource>,
+    share: Option<&Share<'_>>,
 ) -> Result<(RunReport, Option<Error>)>
 where
     B: Backend + Send,
@@ -808,6 +1204,12 @@ where
     let mut failure = None;
     let mut wire = vec![(0, 0); n];
     let (b, t) = (opts.train.micro_batch, opts.train.seq_len);
+    let k = opts.train.grad_accum;
+    // The other replicas' micro-batches, before and after this rank's.
+    let (skip_before, skip_after) = share.map_or((0, 0), |s| {
+        (s.replica * k, (s.replicas - 1 - s.replica) * k)
+    });
+    let stopped = || share.is_some_and(|s| (s.stopped)());
     for step in 0..steps {
         let before: Vec<(u64, u64)> = cluster
             .ranks
@@ -821,14 +1223,29 @@ where
         let start = Instant::now();
         // Batches are made one micro-batch at a time, after their device buffers
         // were granted, and never on meta.
+        let mut fed = 0;
         let next = || match data.as_deref_mut() {
-            Some(d) => d.next_batch(b, t),
+            Some(d) => {
+                if fed == 0 {
+                    (0..skip_before).for_each(|_| drop(d.next_batch(b, t)));
+                }
+                fed += 1;
+                d.next_batch(b, t)
+            }
             None => crate::data::Batch {
                 inputs: Vec::new(),
                 targets: Vec::new(),
             },
         };
-        let result = cluster.step_from(opts.train.grad_accum, next);
+        let result = cluster.step_from(k, next);
+        if let (true, Some(d)) = (fed > 0, data.as_deref_mut()) {
+            (0..skip_after).for_each(|_| drop(d.next_batch(b, t)));
+        }
+        if result.is_ok() && stopped() {
+            // Another rank failed: this step's collectives returned early
+            // (and, as on threads, this rank ran on to its own end of step).
+            break;
+        }
         // One replica's work: every stage of replica 0 (rank 0 alone
         // without a pipeline; replicas repeat the same work).
         let replicas = opts.train.data_ranks();
@@ -953,6 +1370,12 @@ fn fill_peaks(
             host_peak_bytes: None,
         })
         .collect();
+    summarise_ranks(report);
+}
+
+/// The top-level peaks (the maximum over `report.ranks`; the breakdown is
+/// the fullest rank's) and the per-stage records, from the rank records.
+pub(crate) fn summarise_ranks(report: &mut RunReport) {
     let mut top = PeakBytes::default();
     for r in &report.ranks {
         for c in Category::ALL {
