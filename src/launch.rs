@@ -493,6 +493,9 @@ fn launch(args: &LaunchArgs) -> crate::Result<i32> {
     for rank in 0..n {
         let child = Command::new(&exe)
             .args(&run_args)
+            // This job's port is MASTER_PORT, whatever this shell says.
+            .env_remove(crate::comm::process::PORT_ENV)
+            .env_remove(crate::comm::process::AGENT_STORE_ENV)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", n.to_string())
             .env("LOCAL_RANK", rank.to_string())

@@ -21,6 +21,8 @@ const DIST_VARS: &[&str] = &[
     "MEMFIT_DIST_TIMEOUT",
     "MEMFIT_TEST_RANK_FAULT",
     "MEMFIT_DIST_BACKEND",
+    "MEMFIT_MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
 ];
 
 /// memfit with `args` and exactly the distributed variables in `env`.
@@ -239,15 +241,20 @@ fn rank_0_prints_the_one_table() {
 }
 
 /// Two `memfit run` processes given the variables by hand, as torchrun
-/// `--no-python` or Slurm would: rank 0 prints the report, rank 1 nothing.
+/// `--no-python` does: rank 0 prints the report, rank 1 nothing. torchrun's
+/// agent hosts its own store on MASTER_PORT (and says so with
+/// TORCHELASTIC_USE_AGENT_STORE=True), so a listener holds it here too and
+/// memfit's rank 0 listens on the port after it.
 #[test]
 fn torchrun_style_environment() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    // A port held by the "agent" whose successor is free.
+    let (agent, port) = loop {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = l.local_addr().unwrap().port();
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            break (l, p.to_string());
+        }
+    };
     let run = run_args(&["--ranks", "2", "--sharding", "zero3"]);
     let spawn = |rank: &str| {
         let mut c = Command::new(env!("CARGO_BIN_EXE_memfit"));
@@ -261,6 +268,7 @@ fn torchrun_style_environment() {
                 ("LOCAL_RANK", rank),
                 ("MASTER_ADDR", "localhost"),
                 ("MASTER_PORT", port.as_str()),
+                ("TORCHELASTIC_USE_AGENT_STORE", "True"),
             ])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -275,6 +283,7 @@ fn torchrun_style_environment() {
         r0.wait_with_output().unwrap(),
         r1.wait_with_output().unwrap(),
     );
+    drop(agent);
     assert!(o0.status.success(), "{}", stderr(&o0));
     assert!(o1.status.success(), "{}", stderr(&o1));
     assert!(

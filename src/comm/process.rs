@@ -3,7 +3,9 @@
 //!
 //! * **Rendezvous** ([`ProcessGroup::connect`]), from the environment torchrun
 //!   sets ([`DistEnv`]: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
-//!   `MASTER_PORT`). Rank 0 listens on `MASTER_ADDR:MASTER_PORT`; every other
+//!   `MASTER_PORT`). Rank 0 listens on `MASTER_ADDR:MASTER_PORT` (the port
+//!   after it when torchrun's agent holds `MASTER_PORT` for its own store,
+//!   [`AGENT_STORE_ENV`]; or [`PORT_ENV`]); every other
 //!   rank connects to it (retrying until the deadline), opens a listener of
 //!   its own on the address it reached rank 0 from, and says hello (rank,
 //!   world, port). Once all have, rank 0 sends everyone the table of
@@ -52,6 +54,14 @@ use crate::error::{Error, Result};
 pub const TIMEOUT_ENV: &str = "MEMFIT_DIST_TIMEOUT";
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// The port rank 0 listens on, when it must not be `MASTER_PORT`.
+pub const PORT_ENV: &str = "MEMFIT_MASTER_PORT";
+
+/// torchrun sets this to `True` when its agent hosts its own store on
+/// `MASTER_PORT` (torch.distributed.elastic); memfit's rank 0 then listens on
+/// `MASTER_PORT + 1`.
+pub const AGENT_STORE_ENV: &str = "TORCHELASTIC_USE_AGENT_STORE";
+
 /// Exit code of a rank whose job lost another rank (its connection closed,
 /// or it sent nothing before the deadline).
 pub const EXIT_PEER_LOST: i32 = 4;
@@ -88,7 +98,12 @@ pub struct DistEnv {
     /// share its cores and memory.
     pub local_world: usize,
     pub master_addr: String,
+    /// The port rank 0 listens on: `MASTER_PORT`, `MASTER_PORT + 1` under
+    /// torchrun's agent store, or [`PORT_ENV`].
     pub master_port: u16,
+    /// The variable a bad port is blamed on, and how the port was chosen.
+    pub port_var: &'static str,
+    pub port_source: String,
     pub timeout: Duration,
 }
 
@@ -144,8 +159,9 @@ impl DistEnv {
         let local_rank = num("LOCAL_RANK")?.unwrap_or(rank);
         let local_world = num("LOCAL_WORLD_SIZE")?.unwrap_or(world).max(1);
         // A world of one talks to nobody: no address needed.
-        let (master_addr, master_port) = if world == 1 {
-            (var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()), 0)
+        let (master_addr, (master_port, port_var, port_source)) = if world == 1 {
+            let addr = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
+            (addr, (0, "MASTER_PORT", String::new()))
         } else {
             let addr = var("MASTER_ADDR").ok_or_else(|| {
                 Error::invalid_arg(
@@ -153,22 +169,48 @@ impl DistEnv {
                     "not set; rank 0's host name or address is needed for the rendezvous",
                 )
             })?;
-            let port = var("MASTER_PORT").ok_or_else(|| {
-                Error::invalid_arg(
+            let (port_var, port) = match var(PORT_ENV) {
+                Some(p) => (PORT_ENV, p),
+                None => (
                     "MASTER_PORT",
-                    "not set; the port rank 0 listens on is needed for the rendezvous",
-                )
-            })?;
+                    var("MASTER_PORT").ok_or_else(|| {
+                        Error::invalid_arg(
+                            "MASTER_PORT",
+                            "not set; the port rank 0 listens on is needed for the rendezvous",
+                        )
+                    })?,
+                ),
+            };
             let port = match port.trim().parse::<u16>() {
                 Ok(p) if p > 0 => p,
                 _ => {
                     return Err(Error::invalid_arg(
-                        "MASTER_PORT",
+                        port_var,
                         format!("`{port}` is not a port (1..=65535)"),
                     ));
                 }
             };
-            (addr.trim().to_string(), port)
+            let agent = port_var == "MASTER_PORT"
+                && var(AGENT_STORE_ENV).is_some_and(|v| v.trim() == "True");
+            let chosen = match agent {
+                false => (port, port_var, format!("{port_var}={port}")),
+                true => {
+                    let next = port.checked_add(1).ok_or_else(|| {
+                        Error::invalid_arg(
+                            PORT_ENV,
+                            "torchrun's agent holds MASTER_PORT=65535 and memfit listens on the port after it; set MEMFIT_MASTER_PORT to a free port",
+                        )
+                    })?;
+                    (
+                        next,
+                        "MASTER_PORT",
+                        format!(
+                            "MASTER_PORT+1={next}, as torchrun's agent holds MASTER_PORT={port} ({PORT_ENV} chooses another)"
+                        ),
+                    )
+                }
+            };
+            (addr.trim().to_string(), chosen)
         };
         let timeout = match var(TIMEOUT_ENV) {
             None => DEFAULT_TIMEOUT,
@@ -189,6 +231,8 @@ impl DistEnv {
             local_world,
             master_addr,
             master_port,
+            port_var,
+            port_source,
             timeout,
         }))
     }
@@ -444,13 +488,13 @@ impl ProcessGroup {
         let var = if e.kind() == ErrorKind::AddrNotAvailable {
             "MASTER_ADDR"
         } else {
-            "MASTER_PORT"
+            env.port_var
         };
         Err(Error::invalid_arg(
             var,
             format!(
-                "rank 0 cannot listen on {a} (MASTER_ADDR={}, MASTER_PORT={}): {e}",
-                env.master_addr, env.master_port
+                "rank 0 cannot listen on {a} (MASTER_ADDR={}, {}): {e}",
+                env.master_addr, env.port_source
             ),
         ))
     }
@@ -584,11 +628,11 @@ impl ProcessGroup {
             Ok(s) => s,
             Err(last) => {
                 return Err(Error::invalid_arg(
-                    "MASTER_PORT",
+                    env.port_var,
                     format!(
-                        "rank {rank} could not reach rank 0 at MASTER_ADDR={}, MASTER_PORT={} within {:.0} s ({}); is rank 0 running, and do all ranks have the same MASTER_ADDR and MASTER_PORT?",
+                        "rank {rank} could not reach rank 0 at MASTER_ADDR={}, {} within {:.0} s ({}); is rank 0 running, and do all ranks have the same MASTER_ADDR and MASTER_PORT?",
                         env.master_addr,
-                        env.master_port,
+                        env.port_source,
                         env.timeout.as_secs_f64(),
                         last
                     ),
@@ -1352,6 +1396,8 @@ mod tests {
             local_world: world,
             master_addr: "127.0.0.1".into(),
             master_port: port,
+            port_var: "MASTER_PORT",
+            port_source: format!("MASTER_PORT={port}"),
             timeout: Duration::from_secs(20),
         }
     }
@@ -1727,6 +1773,43 @@ mod tests {
             (2, 4, 0, 4, "node1", 29500)
         );
         assert_eq!(e.timeout, Duration::from_millis(2500));
+        // Under torchrun's agent store, MASTER_PORT is the agent's.
+        let port_of = |v: &'static [(&'static str, &'static str)]| {
+            let e = DistEnv::from_vars(vars(v)).unwrap().unwrap();
+            (e.master_port, e.port_var, e.port_source)
+        };
+        let base: &'static [(&str, &str)] = &[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "29500"),
+        ];
+        assert_eq!(port_of(base).0, 29500);
+        let agent: &'static [(&str, &str)] = &[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "29500"),
+            (AGENT_STORE_ENV, "True"),
+        ];
+        let (port, var, source) = port_of(agent);
+        assert_eq!((port, var), (29501, "MASTER_PORT"));
+        assert!(
+            source.contains("torchrun's agent holds MASTER_PORT=29500"),
+            "{source}"
+        );
+        let chosen: &'static [(&str, &str)] = &[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "29500"),
+            (AGENT_STORE_ENV, "True"),
+            (PORT_ENV, "31000"),
+        ];
+        assert_eq!(
+            port_of(chosen),
+            (31000, PORT_ENV, format!("{PORT_ENV}=31000"))
+        );
         // A world of one needs no address.
         let one = DistEnv::from_vars(vars(&[("RANK", "0"), ("WORLD_SIZE", "1")])).unwrap();
         assert_eq!(one.map(|e| e.world), Some(1));

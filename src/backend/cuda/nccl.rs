@@ -546,6 +546,8 @@ mod tests {
                     local_world: 1,
                     master_addr: "127.0.0.1".into(),
                     master_port: 0,
+                    port_var: "MASTER_PORT",
+                    port_source: String::new(),
                     timeout: Duration::from_secs(5),
                 };
                 let (g, _) = ProcessGroup::connect(&env, || Ok(Vec::new())).unwrap();
