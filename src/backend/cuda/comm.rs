@@ -57,25 +57,44 @@ fn to_device(st: &dyn Stager, host: &CpuBuf, b: &CudaBuf) {
     st.upload(b.ptr, &raw);
 }
 
-/// One rank's collectives, staged through the host.
-pub struct CudaComm {
-    inner: CpuComm,
+/// Any cpu collective or pipeline link, run on cuda buffers by staging them
+/// through the host: ranks simulated on one GPU (`CpuComm`, `CpuP2p`), or
+/// ranks as processes without NCCL (`comm::process`).
+pub struct Staged<C> {
+    inner: C,
     st: Arc<dyn Stager>,
 }
+
+impl<C> Staged<C> {
+    pub fn new(inner: C, st: Arc<dyn Stager>) -> Self {
+        Staged { inner, st }
+    }
+}
+
+/// One rank's collectives for ranks sharing one GPU.
+pub type CudaComm = Staged<CpuComm>;
+/// One stage's pipeline links for stages sharing one GPU.
+pub type CudaP2p = Staged<CpuP2p>;
 
 impl CudaComm {
     pub fn group(world: usize, st: Arc<dyn Stager>) -> Vec<CudaComm> {
         crate::backend::cpu::comm::cpu_group(world)
             .into_iter()
-            .map(|inner| CudaComm {
-                inner,
-                st: st.clone(),
-            })
+            .map(|inner| Staged::new(inner, st.clone()))
             .collect()
     }
 }
 
-impl Collective<CudaBuf> for CudaComm {
+impl CudaP2p {
+    pub fn chain(stages: usize, st: Arc<dyn Stager>) -> Vec<CudaP2p> {
+        crate::backend::cpu::comm::cpu_pipeline(stages)
+            .into_iter()
+            .map(|inner| Staged::new(inner, st.clone()))
+            .collect()
+    }
+}
+
+impl<C: Collective<CpuBuf>> Collective<CudaBuf> for Staged<C> {
     fn rank(&self) -> usize {
         self.inner.rank()
     }
@@ -114,25 +133,7 @@ impl Collective<CudaBuf> for CudaComm {
     }
 }
 
-/// One stage's pipeline links, staged through the host.
-pub struct CudaP2p {
-    inner: CpuP2p,
-    st: Arc<dyn Stager>,
-}
-
-impl CudaP2p {
-    pub fn chain(stages: usize, st: Arc<dyn Stager>) -> Vec<CudaP2p> {
-        crate::backend::cpu::comm::cpu_pipeline(stages)
-            .into_iter()
-            .map(|inner| CudaP2p {
-                inner,
-                st: st.clone(),
-            })
-            .collect()
-    }
-}
-
-impl PointToPoint<CudaBuf> for CudaP2p {
+impl<P: PointToPoint<CpuBuf>> PointToPoint<CudaBuf> for Staged<P> {
     fn send(&mut self, to: Peer, buf: &CudaBuf, n: usize) {
         let h = to_host(&*self.st, buf, n);
         self.inner.send(to, &h, n);

@@ -19,7 +19,7 @@
 //!   cpu collectives to rounding, not bit for bit.
 //! * [`Staged`]: any cpu collective or pipeline link (the TCP
 //!   [`crate::comm::process::ProcessComm`]) on cuda buffers, each call copying
-//!   the buffer to the host and back, as `comm::CudaComm` does for ranks on
+//!   the buffer to the host and back, as `comm::Staged` does for ranks on
 //!   one GPU: the emulated GPU (`MEMFIT_CUDA_EMULATE`), `MEMFIT_DIST_BACKEND=tcp`,
 //!   and pipelines, whose point-to-point links and sub-groups NCCL is not
 //!   wired for here. Its sums are the cpu's, bit for bit.
@@ -28,16 +28,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use super::CudaBuf;
+use crate::backend::DType;
+use crate::comm::process::{ProcessComm, ProcessGroup};
+use crate::comm::{AbortHandle, Collective};
 use cudarc::driver::{result as cu, sys as cu_sys};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
-use half::{bf16, f16};
-
-use super::CudaBuf;
-use super::comm::Stager;
-use crate::backend::DType;
-use crate::backend::cpu::CpuBuf;
-use crate::comm::process::{ProcessComm, ProcessGroup};
-use crate::comm::{AbortHandle, Collective, Peer, PointToPoint};
 
 /// `nccl` (the default on a real GPU) or `tcp` (staged through the host).
 pub const BACKEND_ENV: &str = "MEMFIT_DIST_BACKEND";
@@ -419,106 +415,7 @@ impl Drop for NcclComm {
     }
 }
 
-/// The device buffer's first `n` values on the host, in its own dtype.
-fn to_host(st: &dyn Stager, b: &CudaBuf, n: usize) -> CpuBuf {
-    let mut raw = vec![0u8; n * b.dtype.size()];
-    st.download(b.ptr, &mut raw);
-    match b.dtype {
-        DType::F32 => CpuBuf::F32(
-            raw.chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-                .collect(),
-        ),
-        DType::Bf16 => CpuBuf::Bf16(
-            raw.chunks_exact(2)
-                .map(|c| bf16::from_le_bytes(c.try_into().expect("2 bytes")))
-                .collect(),
-        ),
-        DType::F16 => CpuBuf::F16(
-            raw.chunks_exact(2)
-                .map(|c| f16::from_le_bytes(c.try_into().expect("2 bytes")))
-                .collect(),
-        ),
-        other => panic!("engine bug: a collective on a {other:?} buffer"),
-    }
-}
-
-fn to_device(st: &dyn Stager, host: &CpuBuf, b: &CudaBuf) {
-    let raw: Vec<u8> = match host {
-        CpuBuf::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        CpuBuf::Bf16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        CpuBuf::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        _ => unreachable!("to_host makes float buffers only"),
-    };
-    st.upload(b.ptr, &raw);
-}
-
-/// A cpu collective or pipeline link used on cuda buffers, staged through
-/// the host (see the module docs).
-pub struct Staged<C> {
-    inner: C,
-    st: Arc<dyn Stager>,
-}
-
-impl<C> Staged<C> {
-    pub fn new(inner: C, st: Arc<dyn Stager>) -> Self {
-        Staged { inner, st }
-    }
-}
-
-impl<C: Collective<CpuBuf>> Collective<CudaBuf> for Staged<C> {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world(&self) -> usize {
-        self.inner.world()
-    }
-    fn all_reduce_sum(&mut self, buf: &mut CudaBuf, n: usize) {
-        let mut h = to_host(&*self.st, buf, n);
-        self.inner.all_reduce_sum(&mut h, n);
-        to_device(&*self.st, &h, buf);
-    }
-    fn reduce_scatter_sum(&mut self, out: &mut CudaBuf, inp: &CudaBuf, shard: usize) {
-        let world = self.inner.world();
-        let h_in = to_host(&*self.st, inp, world * shard);
-        let mut h_out = to_host(&*self.st, out, shard);
-        self.inner.reduce_scatter_sum(&mut h_out, &h_in, shard);
-        to_device(&*self.st, &h_out, out);
-    }
-    fn all_gather(&mut self, out: &mut CudaBuf, inp: &CudaBuf, shard: usize) {
-        let world = self.inner.world();
-        let h_in = to_host(&*self.st, inp, shard);
-        let mut h_out = to_host(&*self.st, out, world * shard);
-        self.inner.all_gather(&mut h_out, &h_in, shard);
-        to_device(&*self.st, &h_out, out);
-    }
-    fn broadcast(&mut self, buf: &mut CudaBuf, n: usize, root: usize) {
-        let mut h = to_host(&*self.st, buf, n);
-        self.inner.broadcast(&mut h, n, root);
-        to_device(&*self.st, &h, buf);
-    }
-    fn all_reduce_scalar(&mut self, x: f64) -> f64 {
-        self.inner.all_reduce_scalar(x)
-    }
-    fn abort_handle(&self) -> AbortHandle {
-        self.inner.abort_handle()
-    }
-}
-
-impl<P: PointToPoint<CpuBuf>> PointToPoint<CudaBuf> for Staged<P> {
-    fn send(&mut self, to: Peer, buf: &CudaBuf, n: usize) {
-        let h = to_host(&*self.st, buf, n);
-        self.inner.send(to, &h, n);
-    }
-    fn recv(&mut self, from: Peer, buf: &mut CudaBuf, n: usize) {
-        let mut h = to_host(&*self.st, buf, n);
-        self.inner.recv(from, &mut h, n);
-        to_device(&*self.st, &h, buf);
-    }
-    fn abort_handle(&self) -> AbortHandle {
-        self.inner.abort_handle()
-    }
-}
+pub use super::comm::Staged;
 
 #[cfg(test)]
 mod tests {
