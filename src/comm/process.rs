@@ -26,7 +26,11 @@
 //!   [`ProcessGroup::abort`] (out of memory) marks the group failed: abort
 //!   frames tell every peer why, and every pending and later collective of
 //!   every rank returns at once, as the threaded `CpuComm`'s abortable
-//!   barrier does. The control plane ([`ProcessGroup::gather_to_root`],
+//!   barrier does. Once a rank knows of the failure it neither sends nor
+//!   reads collective data any more: the ranks learn of it at different
+//!   points (one mid-collective, with some sends done), so data still queued
+//!   or in flight may belong to another collective than the one a rank is
+//!   in, and reading it would mix collectives up. The control plane ([`ProcessGroup::gather_to_root`],
 //!   [`ProcessGroup::release`]) keeps working after a failure, so rank 0 can
 //!   still collect the ranks' reports and say which one failed.
 //!
@@ -804,11 +808,26 @@ impl ProcessGroup {
         })
     }
 
-    /// Sends one frame to `peer`; a failure aborts the group.
+    /// A message of the wrong size: the failure, if the group has failed
+    /// meanwhile (returns); an engine bug in a healthy group (panics).
+    fn wrong_size(&self, what: std::fmt::Arguments<'_>) {
+        if self.shared.lock().failure.is_none() {
+            panic!("engine bug: {what}");
+        }
+    }
+
+    /// Sends one data frame to `peer`; `false`, sending nothing, once the
+    /// group has failed (a peer still unaware of the failure must not get
+    /// data from a rank that has stopped following the collectives' order:
+    /// it waits, and the abort frame releases it); a failed send aborts the
+    /// group.
     fn send(&self, peer: usize, kind: u8, channel: u32, payload: &[u8]) -> bool {
         let w = self.writers[peer]
             .as_ref()
             .expect("engine bug: a process group message to this rank itself");
+        if self.shared.lock().failure.is_some() {
+            return false;
+        }
         let res = {
             let mut s = w.lock().unwrap_or_else(|e| e.into_inner());
             write_frame(&mut s, kind, channel, payload)
@@ -836,23 +855,24 @@ impl ProcessGroup {
     }
 
     /// The next message from `peer` on `channel`; `None` once the group has
-    /// failed (at once) or when nothing comes before the deadline (which
-    /// fails the group).
+    /// failed (at once, even with messages queued: after a failure the
+    /// ranks no longer agree on which collective a message belongs to) or
+    /// when nothing comes before the deadline (which fails the group).
     fn recv(&self, peer: usize, channel: u32) -> Option<Vec<u8>> {
         let deadline = Instant::now() + self.timeout;
         let mut st = self.shared.lock();
         loop {
+            if st.failure.is_some() {
+                return None;
+            }
             // A message that arrived is good even if its sender has gone
-            // since (it finished, or failed after sending).
+            // since (it finished: a peer closing then is no failure).
             if let Some(m) = st
                 .queues
                 .get_mut(&(peer, channel))
                 .and_then(VecDeque::pop_front)
             {
                 return Some(m);
-            }
-            if st.failure.is_some() {
-                return None;
             }
             let now = Instant::now();
             if now >= deadline {
@@ -1139,11 +1159,13 @@ impl ProcessComm {
                 continue;
             }
             let v = decode(&self.group.recv(peer, self.channel)?);
-            assert!(
-                v.len() == len,
-                "engine bug: process-group {op}: rank {peer} contributed {} elements, expected {len}",
-                v.len()
-            );
+            if v.len() != len {
+                self.group.wrong_size(format_args!(
+                    "process-group {op}: rank {peer} contributed {} elements, expected {len}",
+                    v.len()
+                ));
+                return None;
+            }
             out.push(Some(v));
         }
         Some(out)
@@ -1241,11 +1263,13 @@ impl Collective<CpuBuf> for ProcessComm {
             return;
         };
         let v = decode(&m);
-        assert!(
-            v.len() == n,
-            "engine bug: process-group {OP}: the root sent {} elements, expected {n}",
-            v.len()
-        );
+        if v.len() != n {
+            self.group.wrong_size(format_args!(
+                "process-group {OP}: the root sent {} elements, expected {n}",
+                v.len()
+            ));
+            return;
+        }
         buf.wide_mut()[..n].copy_from_slice(&v);
     }
 
@@ -1261,9 +1285,14 @@ impl Collective<CpuBuf> for ProcessComm {
                 let Some(m) = self.group.recv(peer, self.channel) else {
                     return x;
                 };
-                f64::from_le_bytes(m.as_slice().try_into().unwrap_or_else(|_| {
-                    panic!("engine bug: process-group all_reduce_scalar: rank {peer} sent {} bytes, not 8", m.len())
-                }))
+                let Ok(b) = <[u8; 8]>::try_from(m.as_slice()) else {
+                    self.group.wrong_size(format_args!(
+                        "process-group all_reduce_scalar: rank {peer} sent {} bytes, not 8",
+                        m.len()
+                    ));
+                    return x;
+                };
+                f64::from_le_bytes(b)
             };
             // From rank 0's value rather than 0.0, as CpuComm: one rank returns `x` itself.
             acc = Some(acc.map_or(v, |a| a + v));
@@ -1320,7 +1349,13 @@ impl PointToPoint<CpuBuf> for ProcessP2p {
             return;
         };
         let v = decode(&m);
-        assert_eq!(v.len(), n, "point-to-point message size");
+        if v.len() != n {
+            self.group.wrong_size(format_args!(
+                "process-group point-to-point: rank {peer} sent {} elements, expected {n}",
+                v.len()
+            ));
+            return;
+        }
         buf.write_range(0, &v, false);
     }
 
@@ -1642,6 +1677,10 @@ mod tests {
             c.all_reduce_sum(&mut b, 4);
             let f = g.failure();
             let reports = g.gather_to_root(Vec::new());
+            // As a job ends: rank 1 keeps its connections open until rank 0
+            // has heard from everyone, or rank 1 closing them could be the
+            // first failure a slow rank 0 notices.
+            g.release(0);
             if r == 0 {
                 let reports = reports.unwrap();
                 assert!(reports[1].is_ok());
