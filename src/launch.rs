@@ -533,10 +533,13 @@ fn launch(args: &LaunchArgs) -> crate::Result<i32> {
             if !status.success() {
                 let (code, how) = describe(status);
                 eprintln!("memfit launch: rank {rank} (pid {pid}) {how}");
-                if first.is_none() {
+                // EXIT_PEER_LOST (a rank lost a peer) is the consequence of another
+                // rank's failure: the job's code is the cause's when one is
+                // seen, whichever exited first.
+                if first.is_none() || (first == Some(EXIT_PEER_LOST) && code != EXIT_PEER_LOST) {
                     first = Some(code);
-                    deadline = Some(Instant::now() + grace);
                 }
+                deadline.get_or_insert(Instant::now() + grace);
             }
         }
         if children.iter().all(Option::is_none) {
