@@ -534,11 +534,7 @@ pub fn run(opts: &RunOptions) -> Result<(RunReport, Option<Error>)> {
             // Without a limit, each rank's capacity is its share of the host's
             // available memory, so a model too big for this machine is a typed
             // out-of-memory, not an abort; a larger limit is capped there too.
-            let host = host_available_memory().map(|h| h / n as u64);
-            opts.device.limit = match (opts.device.limit, host) {
-                (Some(l), Some(h)) => Some(l.min(h)),
-                (l, h) => l.or(h),
-            };
+            opts.device.limit = capped_by_host(opts.device.limit, n);
             run_on(&opts, model, backends, links, Some(&mut data))
         }
         DeviceKind::Cuda => {
@@ -744,25 +740,9 @@ pub fn run_process_rank(
                 |ch, members| Box::new(group.comm(ch, members)) as Comm<CpuBackend>,
                 |ch, prev, next| Box::new(group.p2p(ch, prev, next)) as _,
             )?;
-            let host = host_available_memory().map(|h| h / env.local_world as u64);
-            opts.device.limit = match (opts.device.limit, host) {
-                (Some(l), Some(h)) => Some(l.min(h)),
-                (l, h) => l.or(h),
-            };
-            crate::launch::test_fault(rank);
-            let failed = || group.failure().is_some();
-            let share = Share {
-                replica: rank % replicas,
-                replicas,
-                stopped: &failed,
-            };
-            let out = run_part(
-                &opts,
-                model,
-                vec![backend],
-                vec![links],
-                Some(&mut data),
-                Some(&share),
+            opts.device.limit = capped_by_host(opts.device.limit, env.local_world);
+            let out = rank_part(
+                &opts, model, backend, links, &mut data, &group, rank, replicas,
             );
             Ok((group, out))
         }
@@ -836,20 +816,8 @@ pub fn run_process_rank(
                 total_bytes: backend.driver().total_bytes(),
                 overhead_bytes: backend.overhead_bytes(),
             };
-            crate::launch::test_fault(rank);
-            let failed = || group.failure().is_some();
-            let share = Share {
-                replica: rank % replicas,
-                replicas,
-                stopped: &failed,
-            };
-            let out = run_part(
-                &opts,
-                model,
-                vec![backend],
-                vec![links],
-                Some(&mut data),
-                Some(&share),
+            let out = rank_part(
+                &opts, model, backend, links, &mut data, &group, rank, replicas,
             )
             .map(|(mut report, err)| {
                 report.gpu = Some(gpu);
@@ -858,6 +826,51 @@ pub fn run_process_rank(
             Ok((group, out))
         }
     }
+}
+
+/// A cpu rank's capacity: `limit`, capped at its share of the host's
+/// available memory among `ranks` ranks (the whole share without a limit),
+/// so a model too big for this machine is a typed out-of-memory.
+fn capped_by_host(limit: Option<u64>, ranks: usize) -> Option<u64> {
+    let host = host_available_memory().map(|h| h / ranks as u64);
+    match (limit, host) {
+        (Some(l), Some(h)) => Some(l.min(h)),
+        (l, h) => l.or(h),
+    }
+}
+
+/// One process rank's training: its replica's share of every batch, until
+/// the group fails.
+#[allow(clippy::too_many_arguments)]
+fn rank_part<B>(
+    opts: &RunOptions,
+    model: ModelConfig,
+    backend: B,
+    links: Links<B>,
+    data: &mut DataSource,
+    group: &crate::comm::process::ProcessGroup,
+    rank: usize,
+    replicas: usize,
+) -> Result<(RunReport, Option<Error>)>
+where
+    B: Backend + Send,
+    B::Buf: Send,
+{
+    crate::launch::test_fault(rank);
+    let failed = || group.failure().is_some();
+    let share = Share {
+        replica: rank % replicas,
+        replicas,
+        stopped: &failed,
+    };
+    run_part(
+        opts,
+        model,
+        vec![backend],
+        vec![links],
+        Some(data),
+        Some(&share),
+    )
 }
 
 /// A group (`false`) or chain (`true`) by its creation index, and a place in it.
