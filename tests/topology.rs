@@ -189,35 +189,211 @@ fn h200_at_248_nodes() {
     assert_within(busbw, 350.0, 0.20, "248 x 8 H200 all-reduce");
 }
 
-/// Small messages are latency: a few steps of a few microseconds each.
-/// Published: Azure's ND H100 v5 table gives 0.07 GB/s bus bandwidth for a 1
-/// KB all-reduce on 8 GPUs, i.e. 1024 x 1.75 / 0.07e9 = about 26 us. The
-/// model gives about 15 us (NCCL's own tuning model prices this at 6.6 + 14 x
-/// 0.6 us with LL). Small-message times in nccl-tests vary by 2x with launch
-/// mode and NCCL version (the same Azure guide's A100 table implies ~45 us),
-/// so the check is within a factor of 2, and "tens of microseconds".
+/// All-reduce time in microseconds over the whole job.
+fn all_reduce_us(t: &Topology, bytes: u64) -> f64 {
+    t.price(Op::AllReduce, bytes, &t.world_group()).seconds * 1e6
+}
+
+/// Checks a published nccl-tests table of (size, in-place time in us) to 30%.
+fn assert_times(t: &Topology, published: &[(u64, f64)], what: &str) {
+    for &(bytes, us) in published {
+        assert_within(
+            all_reduce_us(t, bytes),
+            us,
+            0.30,
+            &format!("{what}, {bytes} B"),
+        );
+    }
+}
+
+/// Small messages are latency, composed as NCCL's tuning model composes it
+/// (src/comm/topology.rs): a base latency per algorithm and protocol plus a
+/// hop latency per step. The published figures below are nccl-tests'
+/// in-place all-reduce times, one process per GPU (`mpirun -np N ...
+/// all_reduce_perf -g 1`), NCCL's default tuning. What the model achieves:
+/// within 25% of every one of them from 8 bytes to 64 KB, on one 8-GPU
+/// NVLink node (-16% to +15%), on two nodes over InfiniBand or RoCE (-25%
+/// to 0%) and on four over InfiniBand (-18% to +10%); each is checked to 30%.
+/// It tends to be low at 8-64 KB across nodes, where NCCL still runs a
+/// message on few channels. No published table for 8 or 16 nodes was found
+/// (`small_messages_are_latency_bound` checks the model's structure there).
+///
+/// Before it followed NCCL's tables the model priced every hop at the
+/// ring's LL figure and sat up to 2x below published times across nodes
+/// (20 us for 1 KB on two A100 nodes against 35.85; 27 us for 64 KB on four
+/// H100 nodes against 56.42), and it was compared with Azure's one-node
+/// figures, which are not default runs (`azure_tables_force_nvls_in_one_process`).
+///
+/// One 8-GPU node, DGX H100: NVIDIA's sample output in
+/// github.com/NVIDIA/dgxc-benchmarking, nccl/README.md (8 ranks on one
+/// node): 13.03 us at 8 B, 16.17 at 1 KB ... 18.85 at 64 KB. The model's
+/// ring LL: 6.6 + 14 x 0.6 = 15.0 us, plus the bytes.
+#[test]
+fn one_node_small_messages() {
+    let t = topo("h100-sxm-80gb", 8);
+    let h100 = [
+        (8, 13.03),
+        (1 << 10, 16.17),
+        (4 << 10, 16.46),
+        (8 << 10, 16.83),
+        (16 << 10, 17.24),
+        (32 << 10, 18.68),
+        (64 << 10, 18.85),
+    ];
+    assert_times(&t, &h100, "8 x H100");
+    let c = t.price(Op::AllReduce, 8, &t.world_group());
+    assert_eq!((c.algorithm, c.protocol), (Algorithm::Ring, Protocol::Ll));
+    // 8 x A100 80GB, NCCL 2.17.1: 16.96 us at 1 KB (Microsoft's NDm A100 v4
+    // figures, github.com/microsoft/mscclpp, docs/performance-ndmv4.md).
+    assert_times(&topo("a100-80gb", 8), &[(1 << 10, 16.96)], "8 x A100");
+}
+
+/// Two nodes over InfiniBand HDR. The tree (a chain of 8 GPUs in each node,
+/// one network level) wins: 6.8 + 2(7 x 0.6 x 1.8 + 5.0) = 32 us.
+/// Published, NDm A100 v4 (8 x A100 80GB and 8 x HDR per node), NCCL
+/// 2.17.1, github.com/microsoft/mscclpp docs/performance-ndmv4.md: 35.85 us
+/// at 1 KB with 8 GPUs per node, 21.27 with one. With one A100 per node on
+/// HDR: 18.96 us at 8 B and 19.07 at 64 B (github.com/NVIDIA/nccl-tests/issues/150).
+#[test]
+fn two_nodes_small_messages() {
+    let t = topo("a100-80gb", 16);
+    assert_times(&t, &[(1 << 10, 35.85)], "2 x 8 A100");
+    let c = t.price(Op::AllReduce, 1 << 10, &t.world_group());
+    assert_eq!((c.algorithm, c.protocol), (Algorithm::Tree, Protocol::Ll));
+    let pair = t.strided_group(2, 8).unwrap();
+    for (bytes, us) in [(8, 18.96), (64, 19.07), (1 << 10, 21.27)] {
+        let model = t.price(Op::AllReduce, bytes, &pair).seconds * 1e6;
+        assert_within(model, us, 0.30, &format!("2 x 1 A100, {bytes} B"));
+    }
+}
+
+/// Two nodes over RoCE: Oracle's example output for two BM.GPU4.8 nodes (8 x
+/// A100 40GB each, RDMA over converged Ethernet), github.com/oracle-quickstart/oci-hpc-oke,
+/// README.md: 34.74 us at 8 B to 50.09 at 64 KB. The model on the `roce-200`
+/// profile (3.5 us a hop where InfiniBand has 2.7). Its growth with size is
+/// LL's capped network rate (20 GB/s); the published times grow faster from
+/// 8 KB, where NCCL still runs the message on few channels.
+#[test]
+fn two_nodes_over_roce_small_messages() {
+    let hw = load_hardware("a100-40gb").unwrap();
+    let t = Topology::new(&hw, Some(&load_network("roce-200").unwrap()), 16).unwrap();
+    let oci = [
+        (8, 34.74),
+        (1 << 10, 40.56),
+        (4 << 10, 43.36),
+        (8 << 10, 46.51),
+        (16 << 10, 48.00),
+        (32 << 10, 49.17),
+        (64 << 10, 50.09),
+    ];
+    assert_times(&t, &oci, "2 x 8 A100 over RoCE");
+}
+
+/// Four nodes of 8 x H100 over NDR InfiniBand (3.2 Tb/s a node), NCCL
+/// 2.24.3: Voltage Park's cluster as benchmarked by AI @ Georgia Tech,
+/// github.com/ZiyanIshani/vpbenchmarking,
+/// results/nccl/nccl_multinode/nccl_allreduce_20260224_225706.txt: 38.27 us
+/// at 8 B to 56.42 at 64 KB. The model's tree: 6.8 + 2(7 x 1.08 + 2 x 5.0)
+/// = 41.9 us, plus the bytes.
+#[test]
+fn four_nodes_small_messages() {
+    let t = topo("h100-sxm-80gb", 32);
+    let vp = [
+        (8, 38.27),
+        (1 << 10, 39.02),
+        (4 << 10, 43.37),
+        (8 << 10, 51.49),
+        (16 << 10, 53.44),
+        (32 << 10, 55.46),
+        (64 << 10, 56.42),
+    ];
+    assert_times(&t, &vp, "4 x 8 H100");
+    let c = t.price(Op::AllReduce, 64 << 10, &t.world_group());
+    assert_eq!((c.algorithm, c.protocol), (Algorithm::Tree, Protocol::Ll));
+}
+
+/// Azure's AI benchmarking guide (github.com/Azure/AI-benchmarking-guide)
+/// reports 0.07 GB/s of bus bandwidth for a 1 KB all-reduce on 8 H100s, i.e.
+/// 25.6 us, and 0.04 GB/s (44.8 us) on 8 A100s: 1.5-2.6x the default times
+/// above. Its Benchmarks/NVIDIA/NCCLBandwidth.py runs
+/// `NCCL_ALGO=NVLS all_reduce_perf -g 8`: NVLS forced (which A100s lack, so
+/// NCCL falls back), and all 8 GPUs driven from one thread, which launches
+/// their kernels one after another. That launch mode alone makes the same
+/// H100 node read 32.5-33.5 us flat up to 64 KB (vpbenchmarking,
+/// results/nccl/nccl_allreduce_20260224_223444.txt, `-g 8`) against 13-19 us
+/// with a process per GPU. Forced NVLS is what the model can check: its one
+/// 25 us NVLS hop against Azure's H100 (ND H100 v5, NCCL 2.18.5) and H200
+/// (ND H200 v5, 2.20.5) tables, 1-8 KB, where the times are flat.
+#[test]
+fn azure_tables_force_nvls_in_one_process() {
+    for (hw, table) in [
+        (
+            "h100-sxm-80gb",
+            [
+                (1 << 10, 0.07),
+                (2 << 10, 0.14),
+                (4 << 10, 0.27),
+                (8 << 10, 0.53),
+            ],
+        ),
+        (
+            "h200-141gb",
+            [
+                (1 << 10, 0.06),
+                (2 << 10, 0.12),
+                (4 << 10, 0.23),
+                (8 << 10, 0.47),
+            ],
+        ),
+    ] {
+        let t = topo(hw, 8);
+        let g = t.world_group();
+        for (bytes, busbw) in table {
+            let published = bytes as f64 * 1.75 / (busbw * GB) * 1e6;
+            let nvls = t
+                .price_with(Op::AllReduce, bytes, &g, Algorithm::Nvls, Protocol::Simple)
+                .unwrap();
+            assert_within(
+                nvls.seconds * 1e6,
+                published,
+                0.30,
+                &format!("{hw} NVLS, {bytes} B"),
+            );
+            // NCCL's default picks the ring with LL instead, faster.
+            assert!(t.price(Op::AllReduce, bytes, &g).seconds < nvls.seconds);
+        }
+    }
+}
+
+/// Small messages are latency: more nodes add network hops. With NCCL's
+/// tree each doubling of the nodes adds one level, two network hops (up and
+/// down) of 5.0 us each. No published small-message table for 8 or 16 nodes
+/// was found; the model gives about 52 and 62 us for 8 B on 8 and 16 DGX
+/// H100s.
 #[test]
 fn small_messages_are_latency_bound() {
     let t = topo("h100-sxm-80gb", 8);
-    let one_node = t.price(Op::AllReduce, 1024, &t.world_group()).seconds * 1e6;
-    assert!(
-        (26.0 / 2.0..=26.0 * 2.0).contains(&one_node),
-        "{one_node} us"
-    );
     let tiny = t.price(Op::AllReduce, 8, &t.world_group());
     assert_eq!(tiny.protocol, Protocol::Ll);
-    let us = tiny.seconds * 1e6;
-    assert!((5.0..50.0).contains(&us), "{us} us");
-    // More across nodes: every extra level of the tree, or step of the ring,
-    // pays a network hop.
-    let mut last = us;
-    for nodes in [2, 8, 64] {
+    let mut last = tiny.seconds * 1e6;
+    assert!((5.0..50.0).contains(&last), "{last} us");
+    let mut last_nodes = 1;
+    for nodes in [2, 4, 8, 16, 64] {
         let t = topo("h100-sxm-80gb", 8 * nodes);
         let c = t.price(Op::AllReduce, 8, &t.world_group());
         let us = c.seconds * 1e6;
         assert!(us > last, "{nodes} nodes: {us} us after {last}");
         assert!(c.links.crosses_network());
-        last = us;
+        assert_eq!(c.algorithm, Algorithm::Tree);
+        if last_nodes > 1 {
+            let levels = (nodes / last_nodes).trailing_zeros() as f64;
+            let added = us - last;
+            assert!(
+                (added - 10.0 * levels).abs() < 0.1,
+                "{nodes} nodes: +{added} us"
+            );
+        }
+        (last, last_nodes) = (us, nodes);
     }
     assert!(last < 200.0, "{last} us");
 }

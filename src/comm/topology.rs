@@ -36,18 +36,30 @@
 //!   chain sends `2S`; a node sends `S` across the network with two nodes (each
 //!   node is the other's parent in one of the two trees) and `2S` with more.
 //!   Latency: `2((g-1)` intra hops `+ ceil(log2(nodes))` network hops`)`. It
-//!   wins for small messages across many nodes, and for large ones on two
+//!   wins for small messages across nodes, and for large ones on two
 //!   nodes whose network is the bottleneck (the case where nccl-tests' tree
 //!   bus bandwidth exceeds the NICs' line rate).
 //! * NVLS (all-reduce inside one node whose NVSwitches reduce, H100/H200):
 //!   each GPU sends and receives `S` once and the switch does the sums. Its
 //!   bandwidth is calibrated to NVIDIA's published figure (below).
 //!
+//! Latency is composed the way NCCL's own tuning model composes it
+//! (src/graph/tuning.cc in github.com/NVIDIA/nccl; figures from 2.28): a base
+//! latency per algorithm and protocol, plus a hop latency per step whose
+//! figure depends on the link (NVLink, PCIe, network), the algorithm and the
+//! protocol. A profile's `*_latency_us` is NCCL's ring LL hop for its link;
+//! the other algorithms and protocols scale from it as NCCL's table does
+//! ([`Link`]). Calibrated this way the model lands within 25% of published
+//! nccl-tests all-reduce times from 8 bytes to 64 KB on one 8-GPU NVLink
+//! node and on 2 and 4 nodes (tests/topology.rs).
+//!
 //! Not modelled: NVLS-Tree and CollNet/SHARP across nodes (NCCL uses them on
 //! H100 clusters and InfiniBand SHARP switches; this model prices those
 //! clusters with ring and tree, a little pessimistically), PXN, uneven NIC
 //! placement, congestion between concurrent groups beyond their share of the
-//! NICs, and NCCL's per-size tree corrections.
+//! NICs, the fewer channels NCCL gives a small message, NCCL's per-size tree
+//! corrections, and CUDA-graph launches (which take several microseconds off
+//! every small call).
 
 use crate::comm::Op;
 use crate::config::hardware::{HardwareProfile, NetworkProfile};
@@ -100,7 +112,9 @@ pub struct Link {
     pub kind: LinkKind,
     /// Line rate per GPU, per direction, bytes/s.
     pub bandwidth: f64,
-    /// Seconds per step of a collective for a tiny message (NCCL's LL protocol).
+    /// Seconds per step of a ring collective for a tiny message (NCCL's LL
+    /// protocol): NCCL's tuning model has 0.6 us for NVLink, 1.0 for PCIe and
+    /// 2.7 for the network. Other algorithms and protocols scale from it.
     pub latency: f64,
 }
 
@@ -108,6 +122,15 @@ impl Link {
     /// Bytes/s per GPU and direction that NCCL's Simple protocol gets.
     pub fn effective_bandwidth(&self) -> f64 {
         self.bandwidth * self.kind.efficiency()
+    }
+
+    /// Seconds one step of `algorithm` with `protocol` spends on this link:
+    /// NCCL's hop latency for the link's kind ([`nccl_hop_us`]), scaled by
+    /// this link's [`Link::latency`] over NCCL's ring LL figure for that
+    /// kind. With a profile's default latencies that is NCCL's figure itself.
+    fn hop(&self, algorithm: Algorithm, protocol: Protocol) -> f64 {
+        let reference = nccl_hop_us(self.kind, Algorithm::Ring, Protocol::Ll);
+        self.latency * nccl_hop_us(self.kind, algorithm, protocol) / reference
     }
 }
 
@@ -202,30 +225,6 @@ pub enum Protocol {
 impl Protocol {
     const ALL: [Protocol; 3] = [Protocol::Ll, Protocol::Ll128, Protocol::Simple];
 
-    /// Fixed start-up cost of one call, seconds. The figures of NCCL's tuning
-    /// model (src/graph/tuning.cc, base latencies): about 6.6 us for LL, 14
-    /// for LL128 and 8.4 for Simple.
-    fn base_latency(self) -> f64 {
-        1e-6 * match self {
-            Protocol::Ll => 6.6,
-            Protocol::Ll128 => 14.0,
-            Protocol::Simple => 8.4,
-        }
-    }
-
-    /// One hop's latency relative to the link's LL latency. NCCL's tuning
-    /// model prices a ring hop at 0.6 / 1.9 / 3.4 us (LL / LL128 / Simple) on
-    /// NVLink, 1.0 / 2.5 / 5.7 on PCIe and 2.7 / 4.0 / 14 over the network:
-    /// LL128 about 3x LL on a GPU link and 1.5x on the network, Simple 5.5x.
-    fn hop_factor(self, kind: LinkKind) -> f64 {
-        match (self, kind) {
-            (Protocol::Ll, _) => 1.0,
-            (Protocol::Ll128, LinkKind::Network) => 1.5,
-            (Protocol::Ll128, _) => 3.0,
-            (Protocol::Simple, _) => 5.5,
-        }
-    }
-
     /// Fraction of the Simple protocol's bandwidth. NCCL's tuner takes a
     /// quarter for LL (half of each 8-byte store is a flag, and the receiver
     /// polls) and 120/128 (0.92 in the tuner) for LL128.
@@ -237,6 +236,68 @@ impl Protocol {
         }
     }
 }
+
+/// NCCL's fixed start-up latency of one call, seconds, by algorithm and
+/// protocol: `baseLatencies` in NCCL 2.28's src/graph/tuning.cc, 6.6 / 14 /
+/// 8.4 us (LL / LL128 / Simple) for the ring and 6.8 / 14 / 8.4 for the
+/// tree. NVLS has none besides its one hop ([`NVLS_LATENCY`]).
+fn base_latency(algorithm: Algorithm, protocol: Protocol) -> f64 {
+    1e-6 * match (algorithm, protocol) {
+        (Algorithm::Nvls, _) => 0.0,
+        (Algorithm::Ring, Protocol::Ll) => 6.6,
+        (Algorithm::Tree, Protocol::Ll) => 6.8,
+        (_, Protocol::Ll128) => 14.0,
+        (_, Protocol::Simple) => 8.4,
+    }
+}
+
+/// NCCL's latency of one hop, microseconds, by the link it crosses, the
+/// algorithm and the protocol: `hwLatencies` in NCCL 2.28's
+/// src/graph/tuning.cc.
+///
+/// | link    | ring LL | LL128 | Simple | tree LL | LL128 | Simple |
+/// |---------|---------|-------|--------|---------|-------|--------|
+/// | NVLink  | 0.6     | 1.9   | 3.4    | 0.6     | 1.25  | 4.0    |
+/// | PCIe    | 1.0     | 2.5   | 5.7    | 1.0     | 1.9   | 4.0    |
+/// | network | 2.7     | 4.0   | 14     | 5.0     | 8.5   | 14     |
+///
+/// A tree's network hop is almost twice a ring's. NCCL 2.28 also prices a
+/// ring's network hops at the tree's figure when the group has one rank per
+/// node ("with ppn=1 latencies are fully exposed"), which
+/// [`Topology::price_with`] follows. NVLS is priced by [`NVLS_LATENCY`].
+fn nccl_hop_us(kind: LinkKind, algorithm: Algorithm, protocol: Protocol) -> f64 {
+    // (ring, tree) for LL, LL128 and Simple.
+    let [ll, ll128, simple] = match kind {
+        LinkKind::Nvlink => [(0.6, 0.6), (1.9, 1.25), (3.4, 4.0)],
+        LinkKind::Pcie => [(1.0, 1.0), (2.5, 1.9), (5.7, 4.0)],
+        LinkKind::Network => [(2.7, 5.0), (4.0, 8.5), (14.0, 14.0)],
+    };
+    let (ring, tree) = match protocol {
+        Protocol::Ll => ll,
+        Protocol::Ll128 => ll128,
+        Protocol::Simple => simple,
+    };
+    if algorithm == Algorithm::Tree {
+        tree
+    } else {
+        ring
+    }
+}
+
+/// How much longer an intra-node LL hop takes once the group spans nodes:
+/// NCCL's tuning model through 2.18 multiplied it by 1.8 (`intraLat *= 1.8`
+/// for LL when `nNodes > 1`, src/graph/tuning.cc); its rings now use a
+/// floor of 1-2 us a step instead. The figure reproduces the 15 us that the
+/// 8-GPU chain adds to a two-node all-reduce (35.85 us with 8 GPUs per
+/// node, 21.27 with one, in the NDm A100 v4 figures of tests/topology.rs).
+const LL_INTRA_HOP_ACROSS_NODES: f64 = 1.8;
+
+/// The LL protocol's bus bandwidth once a collective crosses the network,
+/// bytes/s: NCCL caps it at 39 GB/s on two nodes and 20.4 on more with Intel
+/// hosts, 22.5 and 19 with AMD ones (`llMaxBws` in NCCL 2.28's
+/// src/graph/tuning.cc). One figure here for both: published small-message
+/// times across nodes grow with size at about this rate (tests/topology.rs).
+const LL_NETWORK_BUSBW: f64 = 20e9;
 
 /// The fraction of the bandwidth a ring would get that the tree reaches:
 /// NCCL's tuner discounts tree bus bandwidth by 0.9 (src/graph/tuning.cc).
@@ -251,8 +312,10 @@ const TREE_EFFICIENCY: f64 = 0.9;
 /// the ring on 2 to 4), which this constant overstates for 4-GPU groups.
 const NVLS_EFFICIENCY: f64 = 0.61;
 
-/// NVLS's latency, seconds: NCCL's tuning model gives it about 25 us (it is
-/// never chosen for small messages).
+/// NVLS's latency, seconds: NCCL's tuning model has one NVLS hop over NVLink
+/// at 25 us in 2.28 (23 in 2.19) and no base latency, so NCCL never picks it
+/// for small messages. Azure's tables, which force NVLS, read 25.6 us for a
+/// 1 KB all-reduce on 8 H100s (tests/topology.rs).
 const NVLS_LATENCY: f64 = 25e-6;
 
 /// nccl-tests' bus bandwidth factor: `busbw = algbw * factor`. From
@@ -471,22 +534,38 @@ impl Topology {
             return Some(cost(0.0));
         }
         let s = bytes as f64;
-        let intra_hop = self.intra.latency * protocol.hop_factor(self.intra.kind);
-        let inter_hop = self.inter.latency * protocol.hop_factor(self.inter.kind);
+        // Intra-node LL hops take longer once the group spans nodes.
+        let stretch = if nodes > 1 && protocol == Protocol::Ll {
+            LL_INTRA_HOP_ACROSS_NODES
+        } else {
+            1.0
+        };
+        let intra_hop = |a: Algorithm| self.intra.hop(a, protocol) * stretch;
+        let inter_hop = |a: Algorithm| self.inter.hop(a, protocol);
         let fraction = protocol.bandwidth_fraction();
         let intra_bw = self.intra.effective_bandwidth() * fraction;
-        // The group's share of the NICs of its least-filled node.
-        let network_bw =
+        // The group's share of the NICs of its least-filled node; LL's is
+        // capped (NCCL's `llMaxBws`).
+        let mut network_bw =
             self.inter.effective_bandwidth() * group.fewest_ranks_per_node() as f64 * fraction;
+        if protocol == Protocol::Ll {
+            network_bw = network_bw.min(LL_NETWORK_BUSBW);
+        }
         let seconds = match algorithm {
             Algorithm::Ring => {
                 let (steps, network_steps) = match op {
                     Op::AllReduce => (2 * (n - 1), 2 * (nodes - 1)),
                     Op::ReduceScatter | Op::AllGather | Op::Broadcast => (n - 1, nodes - 1),
                 };
-                let latency = protocol.base_latency()
-                    + (steps - network_steps) as f64 * intra_hop
-                    + network_steps as f64 * inter_hop;
+                // One rank per node: every step waits on the network in full,
+                // and NCCL prices those hops at the tree's network figure.
+                let network_hop = match group.ranks_per_node {
+                    1 => inter_hop(Algorithm::Tree),
+                    _ => inter_hop(Algorithm::Ring),
+                };
+                let latency = base_latency(Algorithm::Ring, protocol)
+                    + (steps - network_steps) as f64 * intra_hop(Algorithm::Ring)
+                    + network_steps as f64 * network_hop;
                 let mut bw = f64::INFINITY;
                 if group.ranks_per_node > 1 {
                     bw = bw.min(intra_bw);
@@ -503,8 +582,10 @@ impl Topology {
             Algorithm::Tree => {
                 let g = group.ranks_per_node;
                 let depth = nodes.next_power_of_two().trailing_zeros() as f64;
-                let latency = protocol.base_latency()
-                    + 2.0 * ((g - 1) as f64 * intra_hop + depth * inter_hop);
+                let latency = base_latency(Algorithm::Tree, protocol)
+                    + 2.0
+                        * ((g - 1) as f64 * intra_hop(Algorithm::Tree)
+                            + depth * inter_hop(Algorithm::Tree));
                 let chain = if g > 1 { 2.0 * s / intra_bw } else { 0.0 };
                 let network = match nodes {
                     1 => 0.0,
@@ -729,6 +810,39 @@ mod tests {
             a100.price_with(Op::AllReduce, 64, &g, Algorithm::Nvls, Protocol::Simple)
                 .is_none()
         );
+    }
+
+    #[test]
+    fn hops_follow_nccls_table() {
+        let t = topo("h100-sxm-80gb", 16);
+        let us = |l: &Link, a, p| l.hop(a, p) * 1e6;
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        assert!(close(us(&t.intra, Algorithm::Ring, Protocol::Ll), 0.6));
+        assert!(close(us(&t.intra, Algorithm::Tree, Protocol::Simple), 4.0));
+        assert!(close(us(&t.inter, Algorithm::Ring, Protocol::Ll), 2.7));
+        assert!(close(us(&t.inter, Algorithm::Tree, Protocol::Ll), 5.0));
+        assert!(close(us(&t.inter, Algorithm::Ring, Protocol::Simple), 14.0));
+        // A link twice as slow as NCCL's reference doubles every figure.
+        let mut slow = t.inter.clone();
+        slow.latency *= 2.0;
+        assert!(close(us(&slow, Algorithm::Tree, Protocol::Ll), 10.0));
+        // One node, ring LL: 6.6 + 14 x 0.6 us and the bytes.
+        let node = t.group(8, 8).unwrap();
+        let c = t.price_with(Op::AllReduce, 8, &node, Algorithm::Ring, Protocol::Ll);
+        assert!((c.unwrap().seconds * 1e6 - 15.0).abs() < 0.01);
+        // Two nodes, tree LL: 6.8 + 2 (7 x 0.6 x 1.8 + 5.0).
+        let c = t.price_with(
+            Op::AllReduce,
+            8,
+            &t.world_group(),
+            Algorithm::Tree,
+            Protocol::Ll,
+        );
+        assert!((c.unwrap().seconds * 1e6 - 32.0).abs() < 0.1);
+        // One rank per node: the ring's network hops take the tree's figure.
+        let pair = t.strided_group(2, 8).unwrap();
+        let c = t.price_with(Op::AllReduce, 8, &pair, Algorithm::Ring, Protocol::Ll);
+        assert!((c.unwrap().seconds * 1e6 - 16.6).abs() < 0.01);
     }
 
     #[test]
