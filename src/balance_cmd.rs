@@ -235,7 +235,7 @@ pub fn stage_peak(
     if let Some(p) = &mut link.pipe {
         p.layers = blocks;
     }
-    let mut e = Engine::new_stage(model.clone(), one, meta.clone(), None, link.comm, link.pipe)
+    let mut e = Engine::new_linked(model.clone(), one, meta.clone(), None, link)
         .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
     e.step_from(train.grad_accum, || unreachable!("meta reads no data"))
         .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));

@@ -684,8 +684,9 @@ pub struct RunArgs {
     #[arg(long, value_enum, value_delimiter = ',')]
     pub lora_targets: Option<Vec<Target>>,
     /// Ranks (simulated GPUs), each with its own device and memory: pipeline
-    /// stages x data-parallel replicas; the global batch is micro-batch x
-    /// grad-accum x replicas [default: 1, or the pipeline stages].
+    /// stages x data-parallel replicas x tensor-parallel ranks; the global
+    /// batch is micro-batch x grad-accum x replicas [default: stages x
+    /// tensor-parallel ranks].
     #[arg(long)]
     pub ranks: Option<usize>,
     /// How state is spread over the ranks: none (one rank), ddp, zero1
@@ -707,6 +708,12 @@ pub struct RunArgs {
     /// ranks in one group].
     #[arg(long)]
     pub shard_group: Option<usize>,
+    /// Tensor parallelism (Megatron-LM): groups of this many adjacent ranks
+    /// split every block's attention heads and MLP width between them,
+    /// all-reducing activations; --ranks is then stages x data-parallel
+    /// replicas x this [default: 1].
+    #[arg(long)]
+    pub tensor_parallel: Option<usize>,
     /// Host memory offloaded tensors may take, per rank, e.g. 64GiB
     /// [default: this machine's available memory].
     #[arg(long, value_parser = host_bytes)]
@@ -866,6 +873,7 @@ impl RunArgs {
             key!(offload),
             key!(host_memory),
             key!(shard_group),
+            key!(tensor_parallel),
             key!(pipeline_stages),
             key!(schedule),
             key!(partition),
@@ -888,6 +896,10 @@ impl RunArgs {
             .pipeline_stages
             .or(r.pipeline_stages)
             .unwrap_or(d.pipeline_stages);
+        let tensor_parallel = self
+            .tensor_parallel
+            .or(r.tensor_parallel)
+            .unwrap_or(d.tensor_parallel);
         let framework = self.framework.or(r.framework).unwrap_or(d.framework);
         let finetune = self.finetune.or(r.finetune).unwrap_or(d.finetune);
         let lora_given = [
@@ -988,7 +1000,7 @@ impl RunArgs {
                     .unwrap_or(d.checkpointing),
                 attention: self.attention.or(r.attention).unwrap_or(d.attention),
                 precision: self.precision.or(r.precision).unwrap_or(d.precision),
-                ranks: self.ranks.or(r.ranks).unwrap_or(stages),
+                ranks: self.ranks.or(r.ranks).unwrap_or(stages * tensor_parallel),
                 sharding: self.sharding.or(r.sharding).unwrap_or(d.sharding),
                 bucket_view: self.bucket_view || r.bucket_view.unwrap_or(d.bucket_view),
                 pipeline_stages: stages,
@@ -1016,6 +1028,7 @@ impl RunArgs {
                     .or(r.host_memory.as_ref().map(|b| b.0))
                     .or(d.host_memory),
                 shard_group: self.shard_group.or(r.shard_group).unwrap_or(d.shard_group),
+                tensor_parallel,
                 ..d
             },
             steps: self.steps.or(r.steps).unwrap_or(20),

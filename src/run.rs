@@ -354,7 +354,36 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
         ));
     }
     validate_pipeline(t, model)?;
+    validate_tensor_parallel(t, model)?;
     validate_sharding(t)
+}
+
+/// Checks `--tensor-parallel` against the model and the other knobs.
+pub fn validate_tensor_parallel(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
+    let tp = t.tensor_parallel;
+    let flag = "--tensor-parallel";
+    if tp == 0 {
+        return Err(Error::invalid_arg(flag, "must be at least 1"));
+    }
+    if tp == 1 {
+        return Ok(());
+    }
+    if let Some(why) = crate::engine::tensor::check(model, tp) {
+        return Err(Error::invalid_arg(flag, format!("{why} ({})", model.name)));
+    }
+    if t.finetune != Finetune::Full {
+        return Err(Error::invalid_arg(
+            flag,
+            "LoRA adapters are laid out over whole projections, which tensor parallelism splits; fine-tune with data parallelism (--sharding) instead",
+        ));
+    }
+    if t.framework != Framework::Memfit {
+        return Err(Error::invalid_arg(
+            flag,
+            "hf-eager models Hugging Face's single-GPU tensors; tensor parallelism is Megatron's layout, with --framework memfit",
+        ));
+    }
+    Ok(())
 }
 
 /// Offload: each rank's share of the node's host memory (`--host-memory`,
@@ -447,6 +476,16 @@ pub fn validate_sharding(t: &TrainConfig) -> Result<()> {
             "--ranks",
             format!(
                 "{} ranks cannot be split into {stages} pipeline stages; --ranks is stages x data-parallel replicas",
+                t.ranks
+            ),
+        ));
+    }
+    let tp = t.tensor_parallel.max(1);
+    if !t.ranks.is_multiple_of(stages * tp) {
+        return Err(Error::invalid_arg(
+            "--ranks",
+            format!(
+                "{} ranks cannot be split into {stages} pipeline stage(s) of tensor-parallel groups of {tp}; --ranks is stages x data-parallel replicas x --tensor-parallel",
                 t.ranks
             ),
         ));
@@ -859,7 +898,7 @@ where
     crate::launch::test_fault(rank);
     let failed = || group.failure().is_some();
     let share = Share {
-        replica: rank % replicas,
+        replica: opts.train.place(rank).1,
         replicas,
         stopped: &failed,
     };
@@ -986,8 +1025,9 @@ fn process_links<B: Backend>(
             comm,
             pipe,
             replicate,
+            tp,
         } = l;
-        for c in comm.iter().chain(replicate) {
+        for c in comm.iter().chain(replicate).chain(tp) {
             place(c.abort_handle(), r);
         }
         if let Some(p) = pipe {
@@ -1259,10 +1299,13 @@ where
             // (and, as on threads, this rank ran on to its own end of step).
             break;
         }
-        // One replica's work: every stage of replica 0 (rank 0 alone
-        // without a pipeline; replicas repeat the same work).
-        let replicas = opts.train.data_ranks();
-        let replica0 = cluster.ranks.iter().step_by(replicas);
+        // One replica's work: every stage and tensor-parallel rank of
+        // replica 0 (rank 0 alone without either; replicas repeat the same
+        // work).
+        let t = &opts.train;
+        let replica0 = (cluster.ranks.iter().enumerate())
+            .filter(|(r, _)| cluster.ranks.len() == 1 || t.place(*r).1 == 0)
+            .map(|(_, e)| e);
         report.flops_per_step = replica0.clone().map(|e| e.dev.cost.flops()).sum();
         report.bytes_moved_per_step = replica0.map(|e| e.dev.cost.bytes()).sum();
         let e0 = &cluster.ranks[0];

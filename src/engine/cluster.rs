@@ -19,27 +19,56 @@ use crate::memory::OomError;
 pub type RankError = (usize, OomError);
 
 pub struct Cluster<B: Backend> {
-    /// Rank `r` is replica `r % replicas` of pipeline stage `r / replicas`.
+    /// Placed as [`TrainConfig::place`] says.
     pub ranks: Vec<Engine<B>>,
-    stages: usize,
+    train: TrainConfig,
     /// Every group's abort: any rank's failure stops the whole job.
     aborts: Vec<AbortHandle>,
 }
 
 /// How one rank talks to the others: its data-parallel group (the replicas
-/// of its stage) and its pipeline links.
+/// of its stage), its pipeline links and its tensor-parallel group.
 pub struct Links<B: Backend> {
     pub comm: Option<Comm<B>>,
     pub pipe: Option<Pipe<B>>,
     /// Hybrid sharding: the rank's replica group (its counterparts in the
     /// other shard groups).
     pub replicate: Option<Comm<B>>,
+    /// Tensor parallelism: the ranks that split this rank's blocks with it.
+    pub tp: Option<Comm<B>>,
+}
+
+impl<B: Backend> Links<B> {
+    /// A rank alone, or one whose only link is its data-parallel group.
+    pub fn data(comm: Option<Comm<B>>) -> Self {
+        Links {
+            comm,
+            pipe: None,
+            replicate: None,
+            tp: None,
+        }
+    }
+
+    /// Every link's abort.
+    pub fn abort_handles(&self) -> Vec<AbortHandle> {
+        let mut v: Vec<AbortHandle> = [&self.comm, &self.replicate, &self.tp]
+            .into_iter()
+            .flatten()
+            .map(|c| c.abort_handle())
+            .collect();
+        v.extend(self.pipe.iter().flat_map(Pipe::abort_handles));
+        v
+    }
 }
 
 /// Every rank's links for `train`: `group(w)` makes a collective group of
-/// `w` ranks, `chain(s)` the point-to-point links of `s` stages. Stage `s`'s
-/// replicas form one data-parallel group; the stages of replica `d` form one
-/// pipeline (with a two-rank group for a tied embedding's gradient).
+/// `w` ranks, `chain(s)` the point-to-point links of `s` stages. Ranks are
+/// placed as [`TrainConfig::place`] says. The replicas at one stage and
+/// tensor-parallel position form one data-parallel group (or, under hybrid
+/// sharding, shard groups of consecutive replicas and the replica groups
+/// across them); the stages of one replica and position form one pipeline
+/// (with a two-rank group for a tied embedding's gradient); the positions
+/// of one replica and stage form one tensor-parallel group.
 pub fn links<B: Backend>(
     model: &ModelConfig,
     train: &TrainConfig,
@@ -47,62 +76,77 @@ pub fn links<B: Backend>(
     chain: impl Fn(usize) -> Vec<Box<dyn PointToPoint<B::Buf>>>,
 ) -> Vec<Links<B>> {
     let stages = train.pipeline_stages.max(1);
+    let tps = train.tensor_parallel.max(1);
     let replicas = train.data_ranks();
+    let rank = |s: usize, d: usize, t: usize| (s * replicas + d) * tps + t;
     let distributed = replicas > 1 || train.sharding != super::Sharding::None;
-    let mut comms: Vec<Option<Comm<B>>> = Vec::with_capacity(train.ranks);
-    // Hybrid sharding: shard groups of consecutive ranks, and replica
-    // groups of the ranks a shard group apart.
+    let none = || (0..train.ranks).map(|_| None).collect::<Vec<Option<_>>>();
+    let (mut comms, mut replicate, mut tp) = (none(), none(), none());
+    // Hybrid sharding: shard groups of consecutive replicas, and replica
+    // groups of the replicas a shard group apart.
     let g = train.shard_ranks();
-    let mut replicate: Vec<Option<Comm<B>>> = (0..train.ranks).map(|_| None).collect();
     for s in 0..stages {
-        match distributed {
-            true => {
-                for _ in 0..replicas / g {
-                    comms.extend(group(g).into_iter().map(Some));
+        for t in 0..tps {
+            if !distributed {
+                continue;
+            }
+            for i in 0..replicas / g {
+                for (j, c) in group(g).into_iter().enumerate() {
+                    comms[rank(s, i * g + j, t)] = Some(c);
                 }
-                if g < replicas {
-                    for j in 0..g {
-                        for (i, c) in group(replicas / g).into_iter().enumerate() {
-                            replicate[s * replicas + i * g + j] = Some(c);
-                        }
+            }
+            if g < replicas {
+                for j in 0..g {
+                    for (i, c) in group(replicas / g).into_iter().enumerate() {
+                        replicate[rank(s, i * g + j, t)] = Some(c);
                     }
                 }
             }
-            false => comms.extend((0..replicas).map(|_| None)),
         }
     }
-    let mut pipes: Vec<Option<Pipe<B>>> = (0..stages * replicas).map(|_| None).collect();
+    let mut pipes: Vec<Option<Pipe<B>>> = (0..train.ranks).map(|_| None).collect();
     if stages > 1 {
         let balance = train.balance(model.n_layer);
         let tied = model.param_layout().1.lm_head.is_none();
         for d in 0..replicas {
-            let mut p2p = chain(stages).into_iter();
-            let mut grp = group(stages).into_iter();
-            let mut embed = if tied { group(2) } else { Vec::new() }.into_iter();
-            for s in 0..stages {
-                let is_end = s == 0 || s + 1 == stages;
-                pipes[s * replicas + d] = Some(Pipe {
-                    stage: s,
-                    stages,
-                    layers: stage_layers(&balance, s),
-                    schedule: train.schedule,
-                    p2p: p2p.next().expect("one link per stage"),
-                    group: grp.next().expect("one rank per stage"),
-                    embed: if is_end { embed.next() } else { None },
-                });
+            for t in 0..tps {
+                let mut p2p = chain(stages).into_iter();
+                let mut grp = group(stages).into_iter();
+                let mut embed = if tied { group(2) } else { Vec::new() }.into_iter();
+                for s in 0..stages {
+                    let is_end = s == 0 || s + 1 == stages;
+                    pipes[rank(s, d, t)] = Some(Pipe {
+                        stage: s,
+                        stages,
+                        layers: stage_layers(&balance, s),
+                        schedule: train.schedule,
+                        p2p: p2p.next().expect("one link per stage"),
+                        group: grp.next().expect("one rank per stage"),
+                        embed: if is_end { embed.next() } else { None },
+                    });
+                }
             }
         }
     }
-    comms
-        .into_iter()
-        .zip(pipes)
-        .zip(replicate)
-        .map(|((comm, pipe), replicate)| Links {
+    if tps > 1 {
+        for s in 0..stages {
+            for d in 0..replicas {
+                for (t, c) in group(tps).into_iter().enumerate() {
+                    tp[rank(s, d, t)] = Some(c);
+                }
+            }
+        }
+    }
+    let mut out = Vec::with_capacity(train.ranks);
+    for (((comm, pipe), replicate), tp) in comms.into_iter().zip(pipes).zip(replicate).zip(tp) {
+        out.push(Links {
             comm,
             pipe,
             replicate,
-        })
-        .collect()
+            tp,
+        });
+    }
+    out
 }
 
 /// Runs `f(rank, item)` for every rank, in parallel when there is more than
@@ -171,36 +215,19 @@ where
         capacity: Option<u64>,
     ) -> Result<Self, RankError> {
         assert_eq!(backends.len(), links.len());
-        let aborts: Vec<AbortHandle> = links
-            .iter()
-            .flat_map(|l| {
-                let mut v: Vec<AbortHandle> = l
-                    .comm
-                    .iter()
-                    .chain(&l.replicate)
-                    .map(|c| c.abort_handle())
-                    .collect();
-                v.extend(l.pipe.iter().flat_map(Pipe::abort_handles));
-                v
-            })
-            .collect();
+        let aborts: Vec<AbortHandle> = links.iter().flat_map(Links::abort_handles).collect();
         let items: Vec<(B, Links<B>)> = backends.into_iter().zip(links).collect();
         let ranks = on_every_rank(
             items,
             |r, (be, l)| {
-                let mut e =
-                    Engine::new_stage(model.clone(), train.clone(), be, capacity, l.comm, l.pipe)
-                        .map_err(|e| (r, e))?;
-                if let Some(rep) = l.replicate {
-                    e.set_replicate(rep);
-                }
-                Ok(e)
+                Engine::new_linked(model.clone(), train.clone(), be, capacity, l)
+                    .map_err(|e| (r, e))
             },
             |_| aborts.iter().for_each(|a| a()),
         )?;
         Ok(Cluster {
             ranks,
-            stages: train.pipeline_stages.max(1),
+            train: train.clone(),
             aborts,
         })
     }
@@ -227,10 +254,12 @@ where
         // Each rank asks for its micro-batches once its token buffers are
         // granted (as one rank does); batch `i` of the step is always the
         // i-th that `next` yields, whichever rank asks first.
-        let stages = self.stages;
-        let replicas = n / stages;
-        // Readers of each batch: the first and the last stage.
-        let readers = if stages > 1 { 2 } else { 1 };
+        let train = &self.train;
+        let stages = train.pipeline_stages.max(1);
+        let replicas = train.data_ranks();
+        // Readers of each batch: the first and the last stage, each with
+        // every rank of its tensor-parallel group.
+        let readers = if stages > 1 { 2 } else { 1 } * train.tensor_parallel.max(1);
         let feed = Mutex::new((0usize, BTreeMap::new(), next));
         let batch = |i: usize| {
             let mut f = feed.lock().unwrap_or_else(|e| e.into_inner());
@@ -253,7 +282,7 @@ where
         let reports = on_every_rank(
             items,
             |r, e| {
-                let (d, mut j) = (r % replicas, 0);
+                let (d, mut j) = (train.place(r).1, 0);
                 e.step_from(k, || {
                     j += 1;
                     batch(d * k + j - 1)
@@ -263,8 +292,11 @@ where
             |_| self.aborts.iter().for_each(|a| a()),
         )?;
         // Every stage reports its replica's loss; the last stage's ranks count.
-        let last = &reports[(stages - 1) * replicas..];
-        let losses: Option<Vec<f32>> = last.iter().map(|r| r.loss).collect();
+        // (Tensor-parallel ranks compute the same loss: the first counts.)
+        let per_stage = replicas * train.tensor_parallel.max(1);
+        let last = &reports[(stages - 1) * per_stage..];
+        let tps = train.tensor_parallel.max(1);
+        let losses: Option<Vec<f32>> = last.iter().step_by(tps).map(|r| r.loss).collect();
         Ok(StepReport {
             loss: losses.map(|l| l.iter().map(|&x| x as f64).sum::<f64>() as f32 / replicas as f32),
             ..reports[0]

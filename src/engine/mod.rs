@@ -20,6 +20,7 @@ pub mod lora;
 pub mod optim;
 pub mod pipeline;
 pub mod shard;
+pub mod tensor;
 
 use crate::backend::{AttnShape, Backend, DType};
 use crate::comm::Peer;
@@ -29,6 +30,7 @@ use crate::data::Batch;
 use crate::memory::{Category, OomError, Phase};
 use crate::rng::Rng;
 
+use cluster::Links;
 pub use device::{Comm, CostCounter, Device, OpCost, Tensor};
 pub use framework::{Framework, HfRules, OptimizerImpl};
 pub use lora::{Adapter, Finetune, LoraConfig, Proj};
@@ -37,6 +39,7 @@ pub use optim::{OptConfig, Optimizer};
 pub use pipeline::{Pipe, Schedule};
 use shard::{Dist, Stage};
 pub use shard::{Offload, Sharding};
+use tensor::Tp;
 
 type T<B> = Tensor<<B as Backend>::Buf>;
 /// A norm's output, LayerNorm mean (gpt2 only) and reciprocal std.
@@ -112,6 +115,10 @@ pub struct TrainConfig {
     /// replicates across the groups, all-reducing the gradient shards
     /// between replicas at the step. 0: one group of every rank.
     pub shard_group: usize,
+    /// Tensor parallelism (`tensor.rs`): ranks that split every block's
+    /// projections between them (1: none). `ranks` is then pipeline stages
+    /// x data-parallel replicas x this.
+    pub tensor_parallel: usize,
 }
 
 /// Storage precision of the working weights, activations and gradients.
@@ -250,14 +257,25 @@ impl Default for TrainConfig {
             offload: Offload::None,
             host_memory: None,
             shard_group: 0,
+            tensor_parallel: 1,
         }
     }
 }
 
 impl TrainConfig {
-    /// Data-parallel replicas: ranks per pipeline stage.
+    /// Data-parallel replicas: ranks per pipeline stage and tensor-parallel
+    /// position.
     pub fn data_ranks(&self) -> usize {
-        self.ranks / self.pipeline_stages.max(1)
+        self.ranks / (self.pipeline_stages.max(1) * self.tensor_parallel.max(1))
+    }
+
+    /// Where global rank `r` sits, Megatron's order (tensor-parallel ranks
+    /// adjacent, then data-parallel replicas, then pipeline stages):
+    /// `(stage, replica, tensor-parallel rank)`.
+    pub fn place(&self, r: usize) -> (usize, usize, usize) {
+        let t = self.tensor_parallel.max(1);
+        let per_stage = self.data_ranks() * t;
+        (r / per_stage, (r % per_stage) / t, r % t)
     }
 
     /// Ranks the ZeRO state is sharded over: the hybrid shard group, or
@@ -411,6 +429,12 @@ pub struct Engine<B: Backend> {
     adapters: Vec<Vec<Adapter>>,
     /// Which tensors train (LoRA freezes the base's).
     trainable: Vec<bool>,
+    /// This rank's tensor-parallel group and slices (`None`: no tensor
+    /// parallelism).
+    tp: Option<Tp<B>>,
+    /// This rank's widths of the split projections (the model's without
+    /// tensor parallelism).
+    widths: tensor::Widths,
 }
 
 /// `&mut v[i]` and, when given, `&mut v[j]` (i != j).
@@ -455,20 +479,27 @@ impl<B: Backend> Engine<B> {
         capacity: Option<u64>,
         comm: Option<Comm<B>>,
     ) -> Result<Self, OomError> {
-        Self::new_stage(model, train, be, capacity, comm, None)
+        Self::new_linked(model, train, be, capacity, Links::data(comm))
     }
 
-    /// One rank of a job that may also be pipelined: `pipe` says which stage
-    /// (`None` without a pipeline), `comm` links the rank to the other
-    /// replicas of its stage. A stage allocates only the tensors it holds.
-    pub fn new_stage(
+    /// One rank of a job that may also be pipelined and tensor-parallel:
+    /// `links.pipe` says which stage (`None` without a pipeline), `comm`
+    /// links the rank to the other replicas of its stage, `tp` to the ranks
+    /// it splits its blocks with (`tensor.rs`). A stage allocates only the
+    /// tensors it holds, a tensor-parallel rank only its slices.
+    pub fn new_linked(
         model: ModelConfig,
         train: TrainConfig,
         be: B,
         capacity: Option<u64>,
-        comm: Option<Comm<B>>,
-        pipe: Option<Pipe<B>>,
+        links: Links<B>,
     ) -> Result<Self, OomError> {
+        let Links {
+            comm,
+            pipe,
+            replicate,
+            tp,
+        } = links;
         let mut model = model;
         let hf = (train.framework == Framework::HfEager).then(|| {
             // Hugging Face models do not pad the vocabulary.
@@ -496,6 +527,16 @@ impl<B: Backend> Engine<B> {
                 lora::layout(&model, &train.lora, &mut specs)
             }
         };
+        // Tensor parallelism: the full shapes seed the weights, each rank
+        // keeps its slices.
+        let full_specs = specs.clone();
+        let tp = tp.map(|comm| {
+            assert_eq!(comm.world(), train.tensor_parallel, "one rank per split");
+            let (size, rank) = (comm.world(), comm.rank());
+            let splits = tensor::split_layout(&model, &mut specs, &idx, size, rank);
+            Tp { comm, splits }
+        });
+        let widths = tensor::widths(&model, tp.as_ref().map_or(1, Tp::size));
         let trainable: Vec<bool> = (0..specs.len())
             .map(|i| train.finetune == Finetune::Full || i >= base)
             .collect();
@@ -660,7 +701,14 @@ impl<B: Backend> Engine<B> {
             .workspace_bytes(shape, train.attention == Attention::Fused, wdt);
         let workspace = dev.alloc_f32(ws_bytes.div_ceil(4), Category::Workspace)?;
         if dev.be.holds_data() {
-            let host = init_weights(&specs, train.seed);
+            let mut host = init_weights(&full_specs, train.seed);
+            if let Some(tp) = &tp {
+                for (h, split) in host.iter_mut().zip(&tp.splits) {
+                    if let Some(s) = split {
+                        *h = s.take(h);
+                    }
+                }
+            }
             // The elements of each tensor this rank owns under sharding.
             let extent: Vec<(usize, usize)> = match &dist {
                 Some(d) => (0..numel.len())
@@ -714,6 +762,13 @@ impl<B: Backend> Engine<B> {
             Precision::Fp16 => train.initial_loss_scale,
             _ => 1.0,
         };
+        if let Some(rep) = replicate {
+            dist.as_mut().expect("hybrid sharding shards").replicate = Some(rep);
+        }
+        if tp.is_some() {
+            // Data-parallel groups are the ranks a tensor-parallel group apart.
+            dev.call_stride = train.tensor_parallel;
+        }
         Ok(Engine {
             model,
             train,
@@ -736,6 +791,8 @@ impl<B: Backend> Engine<B> {
             lazy_grads,
             adapters,
             trainable,
+            tp,
+            widths,
         })
     }
 
@@ -823,16 +880,15 @@ impl<B: Backend> Engine<B> {
         })
     }
 
-    /// Hybrid sharding: the group of this rank's counterparts in the other
-    /// shard groups, whose gradient shards the step all-reduces.
-    pub fn set_replicate(&mut self, comm: Comm<B>) {
-        let d = self.dist.as_mut().expect("hybrid sharding shards");
-        d.replicate = Some(comm);
-    }
-
     /// This rank's pipeline stage and block range (`None` without a pipeline).
     pub fn stage(&self) -> Option<(usize, std::ops::Range<usize>)> {
         self.pipe.as_ref().map(|p| (p.stage, p.layers.clone()))
+    }
+
+    /// How tensor parallelism split tensor `i` on this rank (`None`:
+    /// replicated, or no tensor parallelism).
+    pub fn tp_split(&self, i: usize) -> Option<&tensor::Split> {
+        self.tp.as_ref().and_then(|tp| tp.splits[i].as_ref())
     }
 
     /// Whether this rank holds tensor `i` (pipeline stages hold their own layers').
@@ -995,6 +1051,8 @@ impl<B: Backend> Engine<B> {
             pipe,
             hf,
             adapters,
+            tp,
+            widths,
             ..
         } = self;
         let hf = hf.as_ref();
@@ -1086,6 +1144,7 @@ impl<B: Backend> Engine<B> {
                     qlora,
                 ),
                 true,
+                (*widths, tp.as_mut()),
             )?;
             hook(dev, p, Stage::Block(l), true)?;
             resid.push(out.expect("asked for the block output"));
@@ -1178,6 +1237,8 @@ impl<B: Backend> Engine<B> {
             lazy_grads,
             adapters,
             trainable,
+            tp,
+            widths,
             ..
         } = self;
         let (hf, lazy) = (hf.as_ref(), *lazy_grads);
@@ -1214,7 +1275,8 @@ impl<B: Backend> Engine<B> {
             model.d_model,
         );
         let (v, vp) = (model.vocab_size, model.padded_vocab());
-        let (qkvw, upw, dff) = (model.qkv_width(), model.up_width(), model.d_ff());
+        let wd = *widths;
+        let (qkvw, upw, dff, aw) = (wd.qkv, wd.up, wd.dff, wd.attn);
         let gpt2 = model.family == Family::Gpt2;
         let tmp = Category::Temporaries;
         let dt = train.precision.dtype();
@@ -1301,6 +1363,7 @@ impl<B: Backend> Engine<B> {
                         block_extra,
                         lora,
                         false,
+                        (wd, tp.as_mut()),
                     )?;
                     dev.tracker.set_phase(Phase::Backward(l));
                     a
@@ -1356,6 +1419,11 @@ impl<B: Backend> Engine<B> {
                 n,
             )?;
             dev.free(dup);
+            // Each rank's up projection saw a slice of the MLP: the norm's
+            // output gradient is the sum over the group.
+            if let Some(tp) = tp.as_mut() {
+                tp.all_reduce(dev, &mut dln2);
+            }
             let (dw, db) = norm_grads(g, &mut scratch, bi.ln2_w, bi.ln2_b);
             dev.norm_backward(
                 &mut dres,
@@ -1371,11 +1439,11 @@ impl<B: Backend> Engine<B> {
             );
             dev.free(dln2);
             // attention: dres is now d(res2) = d(o-proj output)
-            let mut datty = dev.alloc(n * c, dt, tmp)?;
+            let mut datty = dev.alloc(n * aw, dt, tmp)?;
             let (dw, db) = wgrads(g, frozen, bi.o_w, bi.o_b);
-            let wq = dequant(dev, &p[bi.o_w], c * c, qlora, dt)?;
+            let wq = dequant(dev, &p[bi.o_w], c * aw, qlora, dt)?;
             let w = wq.as_ref().unwrap_or(&p[bi.o_w]);
-            dev.matmul_backward(&mut datty, dw, db, &dres, &a.atty, w, n, c, c);
+            dev.matmul_backward(&mut datty, dw, db, &dres, &a.atty, w, n, aw, c);
             dev.free_opt(wq);
             lora_backward(
                 dev,
@@ -1426,6 +1494,9 @@ impl<B: Backend> Engine<B> {
                 n,
             )?;
             dev.free(dqkv);
+            if let Some(tp) = tp.as_mut() {
+                tp.all_reduce(dev, &mut dln1);
+            }
             let (dw, db) = norm_grads(g, &mut scratch, bi.ln1_w, bi.ln1_b);
             dev.norm_backward(
                 &mut dres,
@@ -1514,6 +1585,7 @@ impl<B: Backend> Engine<B> {
             idx,
             hf,
             trainable,
+            tp,
             ..
         } = self;
         dev.tracker.set_phase(Phase::Optimizer);
@@ -1547,11 +1619,22 @@ impl<B: Backend> Engine<B> {
         // The last stage's copy of a tied embedding counts once, on the first.
         let counted =
             |i: usize| owned[i] && !(pipe.as_ref().is_some_and(|p| p.stage > 0) && i == idx.wte);
+        // Tensor parallelism: the slices of a split tensor add up over the
+        // group; a replicated one is the same on every rank and counts once.
+        let mut split_sq = Some(0.0f64);
         for (i, g) in local.iter().enumerate() {
             if counted(i) {
-                norm_sq = norm_sq.zip(dev.sum_squares(g)).map(|(a, b)| a + b);
+                let sum = match tp.as_ref().is_some_and(|tp| tp.splits[i].is_some()) {
+                    true => &mut split_sq,
+                    false => &mut norm_sq,
+                };
+                *sum = sum.zip(dev.sum_squares(g)).map(|(a, b)| a + b);
             }
         }
+        if let Some(tp) = tp.as_mut() {
+            split_sq = split_sq.map(|s| tp.comm.all_reduce_scalar(s));
+        }
+        norm_sq = norm_sq.zip(split_sq).map(|(a, b)| a + b);
         if let Some(d) = dist.as_mut()
             && sharded
         {
@@ -1914,10 +1997,15 @@ fn block_forward<B: Backend>(
     extra: &[(usize, DType)],
     lora: (&[Adapter], f32, bool),
     with_out: bool,
+    (wd, mut tp): (tensor::Widths, Option<&mut Tp<B>>),
 ) -> Result<BlockOut<B>, OomError> {
     let (t, n, c) = (s.t, s.b * s.t, model.d_model);
     let eps = model.norm_eps();
-    let (qkvw, upw, dff) = (model.qkv_width(), model.up_width(), model.d_ff());
+    let (qkvw, upw, dff, aw) = (wd.qkv, wd.up, wd.dff, wd.attn);
+    // A row-parallel projection's bias is added once, on the group's first
+    // rank, before its partial sums are all-reduced.
+    let first = tp.as_ref().is_none_or(|tp| tp.rank() == 0);
+    let once = |i: Option<usize>| i.filter(|_| first);
     let gpt2 = model.family == Family::Gpt2;
     let opt = |i: Option<usize>| i.map(|i| &p[i]);
     let act = Category::Activations;
@@ -1945,7 +2033,7 @@ fn block_forward<B: Backend>(
     if !gpt2 {
         dev.rope_forward(&mut qkv, s, model.rope_theta());
     }
-    let mut atty = dev.alloc(n * c, dt, act)?;
+    let mut atty = dev.alloc(n * aw, dt, act)?;
     let att = match attention {
         Attention::Eager => {
             let mut att = dev.alloc(s.b * s.n_head * t * t, dt, act)?;
@@ -1959,9 +2047,9 @@ fn block_forward<B: Backend>(
         }
     };
     let mut proj = dev.alloc(n * c, dt, Category::Temporaries)?;
-    let wq = dequant(dev, &p[bi.o_w], c * c, lora.2, dt)?;
+    let wq = dequant(dev, &p[bi.o_w], c * aw, lora.2, dt)?;
     let w = wq.as_ref().unwrap_or(&p[bi.o_w]);
-    dev.matmul_forward(&mut proj, &atty, w, opt(bi.o_b), n, c, c);
+    dev.matmul_forward(&mut proj, &atty, w, opt(once(bi.o_b)), n, aw, c);
     dev.free_opt(wq);
     lora_forward(
         dev,
@@ -1973,6 +2061,9 @@ fn block_forward<B: Backend>(
         n,
         &mut lora_t,
     )?;
+    if let Some(tp) = tp.as_deref_mut() {
+        tp.all_reduce(dev, &mut proj);
+    }
     let mut res2 = dev.alloc(n * c, dt, act)?;
     dev.add(&mut res2, x, &proj, n * c);
     dev.free(proj);
@@ -2007,7 +2098,7 @@ fn block_forward<B: Backend>(
         let mut mlp = dev.alloc(n * c, dt, Category::Temporaries)?;
         let wq = dequant(dev, &p[bi.down_w], dff * c, lora.2, dt)?;
         let w = wq.as_ref().unwrap_or(&p[bi.down_w]);
-        dev.matmul_forward(&mut mlp, &a, w, opt(bi.down_b), n, dff, c);
+        dev.matmul_forward(&mut mlp, &a, w, opt(once(bi.down_b)), n, dff, c);
         dev.free_opt(wq);
         lora_forward(
             dev,
@@ -2019,6 +2110,9 @@ fn block_forward<B: Backend>(
             n,
             &mut lora_t,
         )?;
+        if let Some(tp) = tp {
+            tp.all_reduce(dev, &mut mlp);
+        }
         let mut out = dev.alloc(n * c, dt, act)?;
         dev.add(&mut out, &res2, &mlp, n * c);
         dev.free(mlp);
@@ -2073,12 +2167,14 @@ fn norm_layer<B: Backend>(
     Ok((out, mean, rstd))
 }
 
+/// The attention one rank computes: its own heads under tensor parallelism.
 fn attn_shape(model: &ModelConfig, train: &TrainConfig) -> AttnShape {
+    let tp = train.tensor_parallel.max(1);
     AttnShape {
         b: train.micro_batch,
         t: train.seq_len,
-        n_head: model.n_head,
-        n_kv_head: model.n_kv_head(),
+        n_head: model.n_head / tp,
+        n_kv_head: model.n_kv_head() / tp,
         head_dim: model.head_dim(),
     }
 }

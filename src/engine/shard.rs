@@ -575,11 +575,12 @@ impl<B: Backend> Dist<B> {
             return;
         };
         // These ranks are a shard group apart: priced on that placement.
-        dev.call_stride = self.world;
+        let stride = dev.call_stride;
+        dev.call_stride = stride * self.world;
         for (g, _) in self.grad_shards.iter_mut().zip(owned).filter(|(_, o)| **o) {
             dev.all_reduce(&mut **rep, g);
         }
-        dev.call_stride = 1;
+        dev.call_stride = stride;
     }
 
     /// zero1: frees the step's gradient shards.

@@ -1328,13 +1328,16 @@ fn step_meta(
     precision: Precision,
 ) -> Stepped {
     let k = train.grad_accum;
-    let mut e = match Engine::new_stage(model.clone(), train, meta, None, comm, pipe) {
+    let links = crate::engine::cluster::Links {
+        comm,
+        pipe,
+        replicate,
+        tp: None,
+    };
+    let mut e = match Engine::new_linked(model.clone(), train, meta, None, links) {
         Ok(e) => e,
         Err(oom) => unreachable!("meta without capacity cannot run out of memory: {oom}"),
     };
-    if let Some(r) = replicate {
-        e.set_replicate(r);
-    }
     e.dev.roofline = Some(rates.of(precision));
     e.dev.host_roofline = Some(rates.host);
     e.dev.cost = Default::default();

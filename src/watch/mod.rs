@@ -237,6 +237,7 @@ pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
         offload: p.offload,
         host_memory: None,
         shard_group: None,
+        tensor_parallel: None,
     };
     let mut opts = run.options()?;
     opts.device = crate::backend::DeviceSpec::new(crate::backend::DeviceKind::Meta, None);

@@ -20,6 +20,7 @@ pub fn train_single(
         sharding: Sharding::None,
         pipeline_stages: 1,
         partition: None,
+        tensor_parallel: 1,
         ..tc.clone()
     };
     let mut e = Engine::new(
