@@ -109,10 +109,24 @@ pub enum Command {
 
 #[derive(Debug, clap::Args)]
 pub struct LaunchArgs {
-    /// Processes to start, one rank each; the run's --ranks must equal it.
-    #[arg(long)]
+    /// Processes to start on this node, one rank each; the run's --ranks
+    /// must equal --nnodes x --nproc.
+    #[arg(long, visible_alias = "nproc-per-node")]
     pub nproc: usize,
-    /// The port rank 0 listens on [default: a free one].
+    /// Nodes (machines) in the job, each running this command with its own
+    /// --node-rank and the same other flags.
+    #[arg(long, default_value_t = 1)]
+    pub nnodes: usize,
+    /// This node's index, 0..nnodes: its ranks are node-rank x nproc and up;
+    /// node 0 runs rank 0, which prints the report.
+    #[arg(long, default_value_t = 0)]
+    pub node_rank: usize,
+    /// Node 0's address or host name, as every node reaches it [default:
+    /// 127.0.0.1; required with --nnodes above 1].
+    #[arg(long)]
+    pub master_addr: Option<String>,
+    /// The port rank 0 listens on [default: a free one; required with
+    /// --nnodes above 1].
     #[arg(long)]
     pub master_port: Option<u16>,
     /// Seconds the other ranks get to finish after one fails, before they are killed.

@@ -1,13 +1,19 @@
-//! `memfit launch`: a job of N `memfit run` processes, one rank each, on
-//! this machine (a local torchrun); and the rank side of any such job.
+//! `memfit launch`: a job of `memfit run` processes, one rank each, on this
+//! machine or on several (a torchrun); and the rank side of any such job.
 //!
-//! The launcher starts N copies of this binary's `memfit run` with the
-//! environment torchrun sets (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-//! `LOCAL_WORLD_SIZE`, `MASTER_ADDR=127.0.0.1`, `MASTER_PORT`: given, or a
-//! free port), waits for them, and when one fails gives the others
-//! `--grace` seconds to finish (rank 0 prints the job's report) before
-//! killing them; its exit code is the first failing rank's (128 + the
-//! signal for a killed one), 0 when every rank succeeded.
+//! The launcher starts `--nproc` copies of this binary's `memfit run` with
+//! the environment torchrun sets (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+//! `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `GROUP_WORLD_SIZE`, `MASTER_ADDR`:
+//! `--master-addr` or 127.0.0.1, `MASTER_PORT`: given, or a free port),
+//! waits for them, and when one fails gives the others `--grace` seconds to
+//! finish (rank 0 prints the job's report) before killing them; its exit
+//! code is the first failing rank's (128 + the signal for a killed one), 0
+//! when every rank succeeded. A job of `--nnodes N` machines runs one
+//! launcher on each, with the same flags but its own `--node-rank R`: it
+//! starts ranks `R x nproc ..`, of a world of `N x nproc`, and every rank
+//! meets rank 0 (on node 0) at `--master-addr:--master-port`. A launcher
+//! sees only its own node's ranks: a failure elsewhere reaches it through
+//! them (they lose a peer: exit 4). The ranks die with their launcher.
 //!
 //! A `memfit run` started under those variables (by the launcher, torchrun
 //! `--no-python`, or Slurm) is one rank ([`rank_main`]): it trains its one
@@ -422,15 +428,153 @@ fn describe(status: ExitStatus) -> (i32, String) {
     }
 }
 
+/// Where the job's rank 0 is, and which ranks this node runs.
+struct Placement {
+    /// This node's first global rank.
+    base: usize,
+    world: usize,
+    master_addr: String,
+    master_port: Option<u16>,
+}
+
+/// The job's shape from the launcher's flags, or the flag at fault.
+fn placement(args: &LaunchArgs) -> crate::Result<Placement> {
+    let (n, nnodes, node) = (args.nproc, args.nnodes, args.node_rank);
+    let max = crate::run::MAX_RANKS;
+    if !(1..=max).contains(&n) {
+        return Err(Error::invalid_arg(
+            "--nproc",
+            format!("{n} is outside 1..={max}"),
+        ));
+    }
+    if !(1..=max).contains(&nnodes) {
+        return Err(Error::invalid_arg(
+            "--nnodes",
+            format!("{nnodes} is outside 1..={max}"),
+        ));
+    }
+    let world = n * nnodes;
+    if world > max {
+        return Err(Error::invalid_arg(
+            "--nnodes",
+            format!(
+                "{nnodes} nodes of --nproc {n} are {world} ranks, more than the {max} a run takes"
+            ),
+        ));
+    }
+    if node >= nnodes {
+        return Err(Error::invalid_arg(
+            "--node-rank",
+            format!(
+                "{node} is outside 0..{nnodes} (--nnodes is {nnodes}); nodes are numbered from 0, and node 0 runs rank 0"
+            ),
+        ));
+    }
+    let master_addr = match &args.master_addr {
+        Some(a) if a.trim().is_empty() => {
+            return Err(Error::invalid_arg(
+                "--master-addr",
+                "is empty; give node 0's address or host name",
+            ));
+        }
+        Some(a) => a.trim().to_string(),
+        None if nnodes > 1 => {
+            return Err(Error::invalid_arg(
+                "--master-addr",
+                format!(
+                    "required with --nnodes {nnodes}: node 0's address or host name, as every node reaches it (rank 0 listens there); give every node the same --master-addr and --master-port"
+                ),
+            ));
+        }
+        None => "127.0.0.1".to_string(),
+    };
+    match args.master_port {
+        Some(0) => {
+            return Err(Error::invalid_arg(
+                "--master-port",
+                "0 is not a port; give one in 1..=65535, or leave it out on one node for a free one",
+            ));
+        }
+        None if nnodes > 1 => {
+            return Err(Error::invalid_arg(
+                "--master-port",
+                format!(
+                    "required with --nnodes {nnodes}: the port rank 0 listens on, free on node 0 and the same on every node"
+                ),
+            ));
+        }
+        _ => {}
+    }
+    // The ranks other than rank 0 connect to the address: say it once here
+    // if it does not resolve, rather than once per rank.
+    if world > 1 && (node > 0 || n > 1) {
+        use std::net::ToSocketAddrs as _;
+        let found = (master_addr.as_str(), args.master_port.unwrap_or(1))
+            .to_socket_addrs()
+            .map_err(|e| {
+                Error::invalid_arg(
+                    "--master-addr",
+                    format!("cannot resolve `{master_addr}` on this node: {e}"),
+                )
+            })?;
+        if found.count() == 0 {
+            return Err(Error::invalid_arg(
+                "--master-addr",
+                format!("`{master_addr}` resolves to no address on this node"),
+            ));
+        }
+    }
+    Ok(Placement {
+        base: node * n,
+        world,
+        master_addr,
+        master_port: args.master_port,
+    })
+}
+
+/// The ranks die with their launcher: one killed outright (SIGKILL, the
+/// OOM killer, a lost node's cleanup) cannot stop them itself, and ranks
+/// left behind would keep their peers on the other nodes waiting out the
+/// timeout, and keep their cores.
+#[cfg(target_os = "linux")]
+fn die_with_launcher(c: &mut Command) {
+    use std::os::unix::process::CommandExt as _;
+    unsafe extern "C" {
+        fn prctl(option: std::ffi::c_int, ...) -> std::ffi::c_int;
+    }
+    const PR_SET_PDEATHSIG: std::ffi::c_int = 1;
+    const SIGKILL: std::ffi::c_ulong = 9;
+    const ESRCH: i32 = 3;
+    let launcher = std::process::id();
+    // SAFETY: the closure runs between fork and exec, where only
+    // async-signal-safe calls are allowed: it makes two system calls and
+    // allocates nothing (an `io::Error` from an OS code holds no box).
+    unsafe {
+        c.pre_exec(move || {
+            if prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // Gone before the request: then nobody would send the signal.
+            if std::os::unix::process::parent_id() != launcher {
+                return Err(std::io::Error::from_raw_os_error(ESRCH));
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn die_with_launcher(_: &mut Command) {}
+
 fn launch(args: &LaunchArgs) -> crate::Result<i32> {
     use clap::Parser as _;
     let n = args.nproc;
-    if !(1..=crate::run::MAX_RANKS).contains(&n) {
-        return Err(Error::invalid_arg(
-            "--nproc",
-            format!("{n} is outside 1..={}", crate::run::MAX_RANKS),
-        ));
-    }
+    let Placement {
+        base,
+        world,
+        master_addr,
+        master_port,
+    } = placement(args)?;
     if !(args.grace.is_finite() && args.grace >= 0.0) {
         return Err(Error::invalid_arg(
             "--grace",
@@ -464,18 +608,26 @@ fn launch(args: &LaunchArgs) -> crate::Result<i32> {
         unreachable!("the first argument is run");
     };
     let opts = run.options()?;
-    if opts.train.ranks != n {
+    if opts.train.ranks != world {
+        let job = match args.nnodes {
+            1 => format!("--nproc is {n}"),
+            m => format!("the job has --nnodes {m} x --nproc {n} = {world} ranks"),
+        };
         return Err(Error::invalid_arg(
             "--ranks",
             format!(
-                "the run has --ranks {} but --nproc is {n}: one process per rank; pass --ranks {n}",
+                "the run has --ranks {} but {job}: one process per rank; pass --ranks {world}",
                 opts.train.ranks
             ),
         ));
     }
-    let port = match args.master_port {
+    let port = match master_port {
         Some(p) => p,
-        None => std::net::TcpListener::bind("127.0.0.1:0")
+        // One node: a port free on every interface, where rank 0 listens.
+        None => crate::comm::process::wildcard(0)
+            .iter()
+            .find_map(|a| std::net::TcpListener::bind(a).ok())
+            .ok_or_else(|| std::io::Error::other("no address to bind"))
             .and_then(|l| l.local_addr())
             .map_err(|e| Error::Unavailable(format!("no free port for MASTER_PORT: {e}")))?
             .port(),
@@ -489,21 +641,28 @@ fn launch(args: &LaunchArgs) -> crate::Result<i32> {
         // sure none is left behind.
         let _ = ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst));
     }
+    let who = match args.nnodes {
+        1 => "memfit launch".to_string(),
+        m => format!("memfit launch (node {} of {m})", args.node_rank),
+    };
     let mut children: Vec<Option<Child>> = Vec::with_capacity(n);
-    for rank in 0..n {
-        let child = Command::new(&exe)
-            .args(&run_args)
+    for local in 0..n {
+        let rank = base + local;
+        let mut cmd = Command::new(&exe);
+        cmd.args(&run_args)
             // This job's port is MASTER_PORT, whatever this shell says.
             .env_remove(crate::comm::process::PORT_ENV)
             .env_remove(crate::comm::process::AGENT_STORE_ENV)
             .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", n.to_string())
-            .env("LOCAL_RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", local.to_string())
             .env("LOCAL_WORLD_SIZE", n.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .spawn();
-        match child {
+            .env("GROUP_RANK", args.node_rank.to_string())
+            .env("GROUP_WORLD_SIZE", args.nnodes.to_string())
+            .env("MASTER_ADDR", &master_addr)
+            .env("MASTER_PORT", port.to_string());
+        die_with_launcher(&mut cmd);
+        match cmd.spawn() {
             Ok(c) => children.push(Some(c)),
             Err(e) => {
                 kill_all(&mut children);
@@ -517,13 +676,14 @@ fn launch(args: &LaunchArgs) -> crate::Result<i32> {
     let mut first: Option<i32> = None;
     let mut deadline: Option<Instant> = None;
     loop {
-        for (rank, slot) in children.iter_mut().enumerate() {
+        for (local, slot) in children.iter_mut().enumerate() {
+            let rank = base + local;
             let Some(c) = slot else { continue };
             let status = match c.try_wait() {
                 Ok(Some(s)) => s,
                 Ok(None) => continue,
                 Err(e) => {
-                    eprintln!("memfit launch: waiting for rank {rank}: {e}");
+                    eprintln!("{who}: waiting for rank {rank}: {e}");
                     let _ = c.kill();
                     c.wait().unwrap_or_else(|_| ExitStatus::default())
                 }
@@ -532,7 +692,7 @@ fn launch(args: &LaunchArgs) -> crate::Result<i32> {
             *slot = None;
             if !status.success() {
                 let (code, how) = describe(status);
-                eprintln!("memfit launch: rank {rank} (pid {pid}) {how}");
+                eprintln!("{who}: rank {rank} (pid {pid}) {how}");
                 // EXIT_PEER_LOST (a rank lost a peer) is the consequence of another
                 // rank's failure: the job's code is the cause's when one is
                 // seen, whichever exited first.
@@ -546,7 +706,7 @@ fn launch(args: &LaunchArgs) -> crate::Result<i32> {
             return Ok(first.unwrap_or(0));
         }
         if stop.load(Ordering::SeqCst) {
-            eprintln!("memfit launch: interrupted; stopping the ranks");
+            eprintln!("{who}: interrupted; stopping the ranks");
             kill_all(&mut children);
             return Ok(130);
         }
@@ -555,10 +715,10 @@ fn launch(args: &LaunchArgs) -> crate::Result<i32> {
                 .iter()
                 .enumerate()
                 .filter(|(_, c)| c.is_some())
-                .map(|(r, _)| r.to_string())
+                .map(|(r, _)| (base + r).to_string())
                 .collect();
             eprintln!(
-                "memfit launch: stopping rank {} ({} s after the first failure)",
+                "{who}: stopping rank {} ({} s after the first failure)",
                 left.join(", "),
                 args.grace
             );

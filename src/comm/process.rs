@@ -3,14 +3,17 @@
 //!
 //! * **Rendezvous** ([`ProcessGroup::connect`]), from the environment torchrun
 //!   sets ([`DistEnv`]: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
-//!   `MASTER_PORT`). Rank 0 listens on `MASTER_ADDR:MASTER_PORT` (the port
-//!   after it when torchrun's agent holds `MASTER_PORT` for its own store,
-//!   [`AGENT_STORE_ENV`]; or [`PORT_ENV`]); every other
-//!   rank connects to it (retrying until the deadline), opens a listener of
-//!   its own on the address it reached rank 0 from, and says hello (rank,
-//!   world, port). Once all have, rank 0 sends everyone the table of
-//!   addresses and an opaque blob (how an NCCL unique id travels), and the
-//!   ranks complete a full mesh: rank `j` connects to ranks `1..j` and
+//!   `MASTER_PORT`). Rank 0 listens on `MASTER_PORT` (the port after it when
+//!   torchrun's agent holds `MASTER_PORT` for its own store,
+//!   [`AGENT_STORE_ENV`]; or [`PORT_ENV`]) on every interface of its host,
+//!   as torch's TCPStore does, so ranks on other hosts reach it at
+//!   `MASTER_ADDR`; every other rank connects to `MASTER_ADDR` (retrying
+//!   until the deadline), opens a listener of its own on the address it
+//!   reached rank 0 from, and says hello (rank, world, port). Once all have,
+//!   rank 0 sends everyone the table of addresses (each rank's as rank 0
+//!   saw it, so its real address on its host's network, which the other
+//!   hosts reach) and an opaque blob (how an NCCL unique id travels), and
+//!   the ranks complete a full mesh: rank `j` connects to ranks `1..j` and
 //!   accepts ranks `j+1..`. Every step has a deadline ([`TIMEOUT_ENV`]) and
 //!   its error names the variable or the address at fault.
 //! * **Transport**: one TCP connection per pair of ranks. Frames are `kind
@@ -458,6 +461,39 @@ fn accept_until(l: &TcpListener, deadline: Instant) -> io::Result<Option<TcpStre
     }
 }
 
+/// The wildcard addresses rank 0 listens on `port` at, in the order it
+/// tries them ([`ProcessGroup::listen`]): IPv6's (dual-stack), then IPv4's.
+pub fn wildcard(port: u16) -> [SocketAddr; 2] {
+    use std::net::{Ipv4Addr, Ipv6Addr};
+    [
+        SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), port),
+        SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port),
+    ]
+}
+
+/// Why the table cannot work, if it has: ranks on rank 0's host that
+/// reached it over loopback (`MASTER_ADDR` 127.0.0.1, `localhost`, or a
+/// host name `/etc/hosts` maps to 127.0.1.1) listen on loopback, where the
+/// ranks on other hosts cannot reach them.
+fn unreachable_ranks(addrs: &[Option<SocketAddr>], env: &DistEnv) -> Option<String> {
+    let on = |lo: bool| -> Vec<(usize, SocketAddr)> {
+        addrs
+            .iter()
+            .enumerate()
+            .filter_map(|(r, a)| a.map(|a| (r, a)))
+            .filter(|(_, a)| a.ip().is_loopback() == lo)
+            .collect()
+    };
+    let (lo, remote) = (on(true), on(false));
+    let ((l, la), (r, ra)) = (lo.first()?, remote.first()?);
+    Some(format!(
+        "rank {l} reached rank 0 over loopback ({}, with MASTER_ADDR={}) but rank {r} joined from another host ({}), which cannot reach rank {l} there; give every rank the same MASTER_ADDR, an address or name of rank 0's host that every host reaches (not 127.0.0.1, localhost, or a host name that /etc/hosts maps to a loopback address)",
+        la.ip(),
+        env.master_addr,
+        ra.ip()
+    ))
+}
+
 fn ranks_list(v: impl Iterator<Item = usize>) -> String {
     v.map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
 }
@@ -478,27 +514,29 @@ impl ProcessGroup {
         Self::connect_with(env, listener, blob)
     }
 
-    /// Rank 0's listener on `MASTER_ADDR:MASTER_PORT`.
+    /// Rank 0's listener: `MASTER_PORT` on every interface of this host.
+    ///
+    /// torch's TCPStore (c10d `SocketListenOp`) listens the same way: on
+    /// the wildcard address (`getaddrinfo(NULL, port, AI_PASSIVE)`), IPv6
+    /// first (a dual-stack socket, which takes IPv4 connections too), then
+    /// IPv4. Binding `MASTER_ADDR` itself would refuse every other host when
+    /// it is 127.0.0.1, and rank 0 need not resolve its own name (a
+    /// Kubernetes service, say, may not resolve until the pod is ready);
+    /// the other ranks connect to `MASTER_ADDR`.
     pub fn listen(env: &DistEnv) -> Result<TcpListener> {
-        let addrs = Self::master_addrs(env)?;
         let mut last = None;
-        for a in &addrs {
+        for a in wildcard(env.master_port) {
             match TcpListener::bind(a) {
                 Ok(l) => return Ok(l),
-                Err(e) => last = Some((a, e)),
+                Err(e) => last = Some(e),
             }
         }
-        let (a, e) = last.expect("at least one address");
-        let var = if e.kind() == ErrorKind::AddrNotAvailable {
-            "MASTER_ADDR"
-        } else {
-            env.port_var
-        };
+        let e = last.expect("two addresses tried");
         Err(Error::invalid_arg(
-            var,
+            env.port_var,
             format!(
-                "rank 0 cannot listen on {a} (MASTER_ADDR={}, {}): {e}",
-                env.master_addr, env.port_source
+                "rank 0 cannot listen on port {} (MASTER_ADDR={}, {}): {e}",
+                env.master_port, env.master_addr, env.port_source
             ),
         ))
     }
@@ -601,9 +639,20 @@ impl ProcessGroup {
                     ),
                 ));
             }
-            addrs[r] = Some(SocketAddr::new(peer.ip(), port));
+            // A dual-stack listener sees IPv4 peers as ::ffff:a.b.c.d.
+            addrs[r] = Some(SocketAddr::new(peer.ip().to_canonical(), port));
             streams[r] = Some(s);
             joined += 1;
+        }
+        if let Some(why) = unreachable_ranks(&addrs, env) {
+            // Tell the ranks why, rather than let them wait for a table.
+            let mut p = vec![2u8];
+            p.extend_from_slice(why.as_bytes());
+            for s in streams.iter_mut().flatten() {
+                let _ = s.set_write_timeout(Some(Duration::from_secs(5)));
+                let _ = write_frame(s, ABORT, 0, &p);
+            }
+            return Err(Error::invalid_arg("MASTER_ADDR", why));
         }
         let blob = blob()?;
         let table = encode_table(&addrs, &blob);
@@ -675,6 +724,12 @@ impl ProcessGroup {
         })?;
         let (addrs, blob) = match (kind, decode_table(&p)) {
             (TABLE, Some((a, b))) if a.len() == world => (a, b),
+            (ABORT, _) => {
+                return Err(Error::Unavailable(format!(
+                    "rank 0 stopped the rendezvous: {}",
+                    String::from_utf8_lossy(p.get(1..).unwrap_or_default())
+                )));
+            }
             _ => {
                 return Err(Error::Unavailable(format!(
                     "rank {rank}: rank 0 sent no valid rendezvous table; run the same memfit binary on every rank"
@@ -1757,6 +1812,53 @@ mod tests {
             err.starts_with("MASTER_PORT:")
                 && err.contains(&format!("127.0.0.1, MASTER_PORT={port}")),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn rank_0_listens_on_every_interface() {
+        // Port 0: any free one.
+        let l = ProcessGroup::listen(&env(0, 2, 0)).unwrap();
+        let at = l.local_addr().unwrap();
+        assert!(at.ip().is_unspecified(), "{at}");
+        // Reached at an address of this host, not only the one named.
+        let port = at.port();
+        std::thread::scope(|s| {
+            s.spawn(|| TcpStream::connect(("127.0.0.1", port)).unwrap());
+            l.set_nonblocking(true).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(5);
+            assert!(accept_until(&l, deadline).unwrap().is_some());
+        });
+    }
+
+    #[test]
+    fn loopback_ranks_beside_other_hosts_are_refused() {
+        let a = |s: &str| Some(s.parse::<SocketAddr>().unwrap());
+        let e = env(0, 4, 29500);
+        // One host, or several each reached by its address: fine.
+        assert_eq!(
+            unreachable_ranks(&[None, a("127.0.0.1:4000"), a("127.0.0.1:4001")], &e),
+            None
+        );
+        assert_eq!(
+            unreachable_ranks(&[None, a("10.0.0.1:4000"), a("10.0.0.2:4001")], &e),
+            None
+        );
+        // Rank 1 listens on rank 0's loopback, rank 2 is on another host.
+        let why = unreachable_ranks(
+            &[
+                None,
+                a("127.0.1.1:4000"),
+                a("10.0.0.2:4001"),
+                a("10.0.0.2:4002"),
+            ],
+            &e,
+        )
+        .expect("refused");
+        assert!(
+            why.contains("rank 1 reached rank 0 over loopback (127.0.1.1")
+                && why.contains("rank 2 joined from another host (10.0.0.2)"),
+            "{why}"
         );
     }
 
