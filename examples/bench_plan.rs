@@ -32,6 +32,7 @@ fn main() {
             offload: vec![memfit::engine::Offload::None],
             pipeline_stages: vec![1],
             shard_group: vec![0],
+            tensor_parallel: vec![1],
         },
         headroom: 0.05,
         cost: None,
@@ -86,6 +87,7 @@ fn main() {
             offload: vec![memfit::engine::Offload::None],
             pipeline_stages: vec![1],
             shard_group: vec![0],
+            tensor_parallel: vec![1],
         },
         ..single
     };

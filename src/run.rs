@@ -521,7 +521,7 @@ pub fn validate_sharding(t: &TrainConfig) -> Result<()> {
         return Err(Error::invalid_arg(
             "--sharding",
             format!(
-                "{} shards state over data-parallel replicas, so it needs --ranks of 2 or more per pipeline stage",
+                "{} shards state over data-parallel replicas, so it needs 2 or more of them: --ranks of 2 or more per pipeline stage and tensor-parallel rank",
                 crate::plan::name(t.sharding)
             ),
         ));

@@ -47,6 +47,7 @@ fn predictions_equal_cpu_measured_peaks() {
                 offload: vec![memfit::engine::Offload::None],
                 pipeline_stages: vec![1],
                 shard_group: vec![0],
+                tensor_parallel: vec![1],
             },
             headroom: 0.05,
             cost: None,
@@ -112,6 +113,7 @@ fn point(sharding: Sharding, gpus: usize) -> Point {
         offload: Default::default(),
         pipeline_stages: 1,
         shard_group: 0,
+        tensor_parallel: 1,
     }
 }
 

@@ -5,7 +5,7 @@
 
 mod common;
 use common::training::{tolerance, train_single};
-use common::{losses, ok_json, refused};
+use common::{json, losses, memfit, ok_json, refused, scratch, stderr};
 
 use memfit::backend::Backend;
 use memfit::backend::cpu::CpuBackend;
@@ -321,4 +321,122 @@ fn the_cli_runs_tensor_parallel_groups_and_refuses_what_cannot_split() {
         &with(&["--tensor-parallel", "2", "--framework", "hf-eager"]),
         "Megatron",
     );
+}
+
+fn plan(name: &str, recipe: &str) -> serde_json::Value {
+    let path = scratch(name).join("p.yaml");
+    std::fs::write(&path, recipe).unwrap();
+    let out = memfit(&["plan", path.to_str().unwrap(), "--format", "json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    json(&out)
+}
+
+/// The planner's tensor-parallel points are the engine's: the per-GPU peak
+/// is what `memfit run --device meta` shows for the same layout, with
+/// pipelines and data parallelism around the group.
+#[test]
+fn the_plan_puts_tensor_parallel_ranks_where_run_does() {
+    let p = plan(
+        "tp-plan-tiny",
+        "model: llama-tiny\nhardware: h100-sxm-80gb\nseq_len: 64\nglobal_batch: 8\ndevice: cpu\ngrid:\n  framework: [memfit]\n  precision: [bf16]\n  attention: [eager]\n  sharding: [zero1]\n  gpus: [8]\n  tensor_parallel: [1, 2]\n  pipeline_stages: [1, 2]\n",
+    );
+    let pts = p["points"].as_array().unwrap();
+    assert_eq!(pts.len(), 4);
+    for x in pts {
+        assert_eq!(x["status"], "fits", "{x}");
+        let (s, t) = (
+            x["point"]["pipeline_stages"].to_string(),
+            x["point"]["tensor_parallel"].to_string(),
+        );
+        let accum = x["point"]["grad_accum"].as_u64().unwrap().to_string();
+        let run = ok_json(
+            &[
+                "run",
+                "--model",
+                "llama-tiny",
+                "--device",
+                "meta",
+                "--seq-len",
+                "64",
+                "--micro-batch",
+                "1",
+                "--precision",
+                "bf16",
+                "--ranks",
+                "8",
+                "--sharding",
+                "zero1",
+                "--format",
+                "json",
+            ],
+            &[
+                "--pipeline-stages",
+                &s,
+                "--tensor-parallel",
+                &t,
+                "--grad-accum",
+                &accum,
+            ],
+        );
+        assert_eq!(
+            x["peak_bytes"]["total"], run["peak_bytes"]["total"],
+            "pp{s} tp{t}"
+        );
+    }
+    // One replica fewer per doubling of the group: twice the micro-batches.
+    let accum = |t: u64| {
+        pts.iter()
+            .find(|x| x["point"]["tensor_parallel"] == t && x["point"]["pipeline_stages"] == 1)
+            .unwrap()["point"]["grad_accum"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(accum(2), 2 * accum(1));
+}
+
+/// Llama-3.1-70B on 32 H100s with Megatron's distributed optimizer (zero1):
+/// no layout fits without splitting the model; tensor parallelism within a
+/// node, with pipeline stages, does, and its all-reduces stay on NVLink.
+/// On nodes of 4 GPUs the same 8-wide group crosses the network.
+#[test]
+fn planning_llama_70b_takes_a_tensor_and_pipeline_parallel_layout() {
+    let recipe = |hw: &str| {
+        format!(
+            "model: llama-3.1-70b\nhardware: {hw}\nseq_len: 4096\nglobal_batch: 64\ngrid:\n  framework: [memfit]\n  checkpointing: [full]\n  sharding: [zero1]\n  gpus: [32]\n  tensor_parallel: [1, 4, 8]\n  pipeline_stages: [1, 2]\n"
+        )
+    };
+    let p = plan("tp-plan-70b", &recipe("h100-sxm-80gb"));
+    let pts = p["points"].as_array().unwrap();
+    let at = |pts: &[serde_json::Value], t: u64, s: u64| {
+        pts.iter()
+            .find(|x| x["point"]["tensor_parallel"] == t && x["point"]["pipeline_stages"] == s)
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(at(pts, 1, 1)["status"], "does_not_fit");
+    let rec = &pts[p["recommendation"]["index"].as_u64().unwrap() as usize]["point"];
+    assert!(rec["tensor_parallel"].as_u64().unwrap() > 1, "{rec}");
+    // Per-GPU weights shrink with the group.
+    let params = |x: &serde_json::Value| x["peak_bytes"]["parameters"].as_f64().unwrap();
+    assert!(params(&at(pts, 8, 1)) < params(&at(pts, 4, 1)));
+    assert!(params(&at(pts, 4, 1)) < params(&at(pts, 1, 1)));
+    // The same H100s four to a node: an 8-wide group spans two nodes, its
+    // activations' all-reduces cross the network, and the step pays.
+    let hw = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("profiles/hardware/h100-sxm-80gb.yaml"),
+    )
+    .unwrap()
+    .replace("gpus_per_node: 8", "gpus_per_node: 4");
+    let dir = scratch("tp-plan-4-per-node");
+    let hw_path = dir.join("h100-4.yaml");
+    std::fs::write(&hw_path, hw).unwrap();
+    let q = plan("tp-plan-70b-4", &recipe(hw_path.to_str().unwrap()));
+    let qs = q["points"].as_array().unwrap();
+    let comm = |x: &serde_json::Value| x["comm_s"].as_f64().unwrap();
+    let (near, far) = (comm(&at(pts, 8, 2)), comm(&at(qs, 8, 2)));
+    // (Both also carry the data-parallel gradients over the network.)
+    assert!(far > 1.5 * near, "{far} vs {near}");
+    // A 4-wide group still fits in those nodes.
+    assert!(comm(&at(qs, 4, 2)) < far);
 }

@@ -24,6 +24,7 @@ use crate::comm::MetaComm;
 use crate::config::ModelConfig;
 use crate::config::hardware::{HardwareProfile, load_hardware};
 use crate::config::profile::{load_model, looks_like_path, parse_yaml, value_location};
+use crate::engine::cluster::Links;
 use crate::engine::device::{HostRoofline, Roofline};
 use crate::engine::{
     Attention, Checkpointing, Comm, Engine, Finetune, Framework, LoraConfig, Offload, Optimizer,
@@ -197,6 +198,10 @@ pub struct Grid {
     /// replicated across groups; 0 shards over every GPU.
     #[serde(default = "zero_usize")]
     pub shard_group: Vec<usize>,
+    /// Tensor parallelism (Megatron-LM): GPUs per group that split every
+    /// block; `gpus` is then stages x data-parallel replicas x this.
+    #[serde(default = "one_usize")]
+    pub tensor_parallel: Vec<usize>,
 }
 
 fn zero_usize() -> Vec<usize> {
@@ -219,6 +224,7 @@ impl Grid {
             self.offload.len(),
             self.pipeline_stages.len(),
             self.shard_group.len(),
+            self.tensor_parallel.len(),
         ]
         .into_iter()
         .try_fold(1usize, usize::checked_mul)
@@ -286,6 +292,12 @@ impl Grid {
             usize::to_string,
             &mut r,
         );
+        keep_first(
+            "tensor_parallel",
+            &mut self.tensor_parallel,
+            usize::to_string,
+            &mut r,
+        );
         r
     }
 
@@ -312,6 +324,7 @@ impl Default for Grid {
             offload: default_offload(),
             pipeline_stages: one_usize(),
             shard_group: zero_usize(),
+            tensor_parallel: one_usize(),
         }
     }
 }
@@ -367,6 +380,9 @@ pub struct Point {
     /// Hybrid sharding's group (0: none).
     #[serde(default)]
     pub shard_group: usize,
+    /// Tensor-parallel group (1: none).
+    #[serde(default = "one")]
+    pub tensor_parallel: usize,
 }
 
 fn one() -> usize {
@@ -406,6 +422,7 @@ impl Point {
             offload: self.offload,
             pipeline_stages: self.pipeline_stages,
             shard_group: self.shard_group,
+            tensor_parallel: self.tensor_parallel,
             ..TrainConfig::default()
         }
     }
@@ -431,6 +448,10 @@ impl Point {
         let ft = match self.shard_group {
             0 => ft,
             g => format!("{ft}hybrid{g} "),
+        };
+        let ft = match self.tensor_parallel {
+            1 => ft,
+            t => format!("{ft}tp{t} "),
         };
         format!(
             "{fw}{ft}mb{} x{} {} {} {} ckpt:{} {} {}",
@@ -816,6 +837,7 @@ pub fn expand(r: &PlanRecipe) -> Vec<Point> {
         offload: Offload::None,
         pipeline_stages: 1,
         shard_group: 0,
+        tensor_parallel: 1,
     }];
     fn axis<T: Copy>(out: Vec<Point>, values: &[T], set: impl Fn(&mut Point, T)) -> Vec<Point> {
         let mut next = Vec::with_capacity(out.len() * values.len());
@@ -828,6 +850,7 @@ pub fn expand(r: &PlanRecipe) -> Vec<Point> {
         }
         next
     }
+    out = axis(out, &g.tensor_parallel, |p, v| p.tensor_parallel = v);
     out = axis(out, &g.shard_group, |p, v| p.shard_group = v);
     out = axis(out, &g.pipeline_stages, |p, v| p.pipeline_stages = v);
     out = axis(out, &g.offload, |p, v| p.offload = v);
@@ -841,8 +864,9 @@ pub fn expand(r: &PlanRecipe) -> Vec<Point> {
     out = axis(out, &g.attention, |p, v| p.attention = v);
     out = axis(out, &g.micro_batch, |p, v| p.micro_batch = v);
     for p in &mut out {
-        // Each data-parallel replica (of every stage) takes a micro-batch.
-        let replicas = (p.gpus / p.pipeline_stages.max(1)).max(1);
+        // Each data-parallel replica (of every stage and tensor-parallel
+        // group) takes a micro-batch.
+        let replicas = (p.gpus / (p.pipeline_stages.max(1) * p.tensor_parallel.max(1))).max(1);
         let per_step = p.micro_batch * replicas;
         p.grad_accum = match r.global_batch.is_multiple_of(per_step) {
             true => r.global_batch / per_step,
@@ -853,12 +877,18 @@ pub fn expand(r: &PlanRecipe) -> Vec<Point> {
 }
 
 /// Why a point cannot run, if it cannot.
-fn invalid_reason(r: &PlanRecipe, p: &Point) -> Option<String> {
+fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<String> {
     if p.pipeline_stages == 0 || !p.gpus.is_multiple_of(p.pipeline_stages) {
         return Some(format!(
             "{} GPUs cannot be split into {} pipeline stages",
             p.gpus, p.pipeline_stages
         ));
+    }
+    if let Err(e) = crate::run::validate_tensor_parallel(&r.train_config(p), model) {
+        return Some(match e {
+            Error::InvalidArg { message, .. } => message,
+            other => other.to_string(),
+        });
     }
     if p.grad_accum == 0 {
         return Some(format!(
@@ -873,7 +903,7 @@ fn invalid_reason(r: &PlanRecipe, p: &Point) -> Option<String> {
     if let Some(why) = p.offload.check(p.sharding) {
         return Some(why.into());
     }
-    if p.sharding == Sharding::None && p.gpus > 1 {
+    if p.sharding == Sharding::None && tc.data_ranks() > 1 {
         return Some(format!(
             "{} GPUs need a data-parallel scheme (ddp or zero1-3), not none",
             p.gpus
@@ -1140,7 +1170,7 @@ pub fn predict(
         numerics_changes,
         excluded,
     };
-    if let Some(reason) = invalid_reason(r, p) {
+    if let Some(reason) = invalid_reason(r, model, p) {
         out.verdict = Verdict::Invalid { reason };
         return out;
     }
@@ -1165,12 +1195,18 @@ pub fn predict(
             grad_accum: 1,
             ..tc.clone()
         };
-        let distributed = p.gpus > 1 || p.sharding != Sharding::None;
+        let distributed = replicas > 1 || p.sharding != Sharding::None;
         let g = tc.shard_ranks();
         let comm = distributed.then(|| Box::new(MetaComm::new(0, g)) as Comm<MetaBackend>);
         let replicate =
-            (g < p.gpus).then(|| Box::new(MetaComm::new(0, p.gpus / g)) as Comm<MetaBackend>);
-        let s = step_meta(model, one, meta, comm, None, replicate, rates, p.precision);
+            (g < replicas).then(|| Box::new(MetaComm::new(0, replicas / g)) as Comm<MetaBackend>);
+        let links = Links {
+            comm,
+            pipe: None,
+            replicate,
+            tp: tp_comm(&tc),
+        };
+        let s = step_meta(model, one, meta, links, rates, p.precision);
         out.offload_s = k * (s.offload_s - s.offload_opt_s) + s.offload_opt_s;
         out.compute_s = k * (s.all_s - s.opt_s) + s.opt_s - out.offload_s;
         match (&topo, &s.calls) {
@@ -1188,11 +1224,16 @@ pub fn predict(
         // activations depend on K. The pipeline's step is then
         // (K + S - 1) micro-batch slots of its slowest stage, plus the
         // slowest optimizer step (GPipe's and 1F1B's bubble).
+        let tps = tc.tensor_parallel.max(1);
         let wiring = TrainConfig {
-            ranks: stages,
+            ranks: stages * tps,
+            sharding: Sharding::None,
             ..tc.clone()
         };
-        let links = crate::run::meta_links(model, &wiring);
+        // Each stage's first tensor-parallel rank (ranks s*T).
+        let links = crate::run::meta_links(model, &wiring)
+            .into_iter()
+            .step_by(tps);
         let mut worst: Option<(u64, Engine<MetaBackend>)> = None;
         let (mut slot, mut opt_s, mut off_s, mut comm_s) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
         let mut crossed = None;
@@ -1200,24 +1241,20 @@ pub fn predict(
             let distributed = replicas > 1 || p.sharding != Sharding::None;
             let comm =
                 distributed.then(|| Box::new(MetaComm::new(0, replicas)) as Comm<MetaBackend>);
-            let pipe = link.pipe;
-            let st = step_meta(
-                model,
-                tc.clone(),
-                meta.clone(),
+            let links = Links {
                 comm,
-                pipe,
-                None,
-                rates,
-                p.precision,
-            );
-            // Stage s's replicas are ranks s*D..: they talk among
-            // themselves, and replica d sends to rank (s+1)*D + d.
+                pipe: link.pipe,
+                replicate: None,
+                tp: link.tp,
+            };
+            let st = step_meta(model, tc.clone(), meta.clone(), links, rates, p.precision);
+            // Stage s's replicas are ranks (s*D + d)*T + t: they talk among
+            // themselves, and each sends to its counterpart in stage s+1.
             let (mut p2p_s, mut dp_s) = (0.0, 0.0);
             if let Some(t) = &topo {
                 let gpn = t.gpus_per_node;
-                let crosses = (0..replicas)
-                    .any(|d| (s * replicas + d) / gpn != ((s + 1) * replicas + d) / gpn);
+                let at = |s: usize, d: usize| (s * replicas + d) * tps / gpn;
+                let crosses = (0..replicas).any(|d| at(s, d) != at(s + 1, d));
                 let link = match crosses {
                     true => &t.inter,
                     false => &t.intra,
@@ -1314,6 +1351,12 @@ struct Stepped {
     p2p_sends: u64,
 }
 
+/// Rank 0's tensor-parallel group, on meta (`None` without one).
+fn tp_comm(tc: &TrainConfig) -> Option<Comm<MetaBackend>> {
+    (tc.tensor_parallel > 1)
+        .then(|| Box::new(MetaComm::new(0, tc.tensor_parallel)) as Comm<MetaBackend>)
+}
+
 /// Builds one rank (or pipeline stage) on meta and runs one step of
 /// `train.grad_accum` micro-batches, priced with `rates`.
 #[allow(clippy::too_many_arguments)]
@@ -1321,19 +1364,11 @@ fn step_meta(
     model: &ModelConfig,
     train: TrainConfig,
     meta: MetaBackend,
-    comm: Option<Comm<MetaBackend>>,
-    pipe: Option<crate::engine::Pipe<MetaBackend>>,
-    replicate: Option<Comm<MetaBackend>>,
+    links: Links<MetaBackend>,
     rates: &Rates,
     precision: Precision,
 ) -> Stepped {
     let k = train.grad_accum;
-    let links = crate::engine::cluster::Links {
-        comm,
-        pipe,
-        replicate,
-        tp: None,
-    };
     let mut e = match Engine::new_linked(model.clone(), train, meta, None, links) {
         Ok(e) => e,
         Err(oom) => unreachable!("meta without capacity cannot run out of memory: {oom}"),
@@ -1414,6 +1449,11 @@ fn deepspeed_estimate<B: crate::backend::Backend>(
     let total: u64 = specs.iter().map(|s| s.numel() as u64).sum();
     let largest = specs.iter().map(|s| s.numel() as u64).max().unwrap_or(0);
     let nodes = p.gpus.div_ceil(per_node) as u64;
+    if p.tensor_parallel > 1 {
+        // DeepSpeed's estimators count one model over the data-parallel
+        // ranks; a tensor-parallel rank's share is not what they take.
+        return None;
+    }
     match p.sharding {
         Sharding::Zero2 => Some(deepspeed::zero2(
             total,

@@ -72,13 +72,14 @@ fn header(plan: &Plan, s: &mut String) {
     );
 }
 
-const COLS: [&str; 20] = [
+const COLS: [&str; 21] = [
     "#",
     "framework",
     "tune",
     "offload",
     "gpus",
     "pp",
+    "tp",
     "sharding",
     "prec",
     "optimizer",
@@ -95,7 +96,7 @@ const COLS: [&str; 20] = [
     "status",
 ];
 
-fn row(plan: &Plan, i: usize, p: &Prediction) -> [String; 20] {
+fn row(plan: &Plan, i: usize, p: &Prediction) -> [String; 21] {
     let pt = &p.point;
     let valid = !matches!(p.verdict, Verdict::Invalid { .. });
     let num = |x: f64, prec: usize| {
@@ -112,6 +113,7 @@ fn row(plan: &Plan, i: usize, p: &Prediction) -> [String; 20] {
         pt.offload.name().into(),
         pt.gpus.to_string(),
         pt.pipeline_stages.to_string(),
+        pt.tensor_parallel.to_string(),
         name(pt.sharding),
         name(pt.precision),
         name(pt.optimizer),
@@ -165,7 +167,7 @@ fn links(plan: &Plan, p: &Prediction) -> String {
 pub fn table(plan: &Plan, limit: usize) -> String {
     let mut s = String::new();
     header(plan, &mut s);
-    let rows: Vec<[String; 20]> = order(plan)
+    let rows: Vec<[String; 21]> = order(plan)
         .into_iter()
         .take(limit)
         .map(|i| row(plan, i, &plan.points[i]))

@@ -130,6 +130,10 @@ pub fn trial_id(p: &Point) -> String {
         0 => fw,
         g => format!("{fw}hybrid{g}-"),
     };
+    let fw = match p.tensor_parallel {
+        1 => fw,
+        t => format!("{fw}tp{t}-"),
+    };
     format!(
         "{fw}gpus{}-{}-{}-{}-ckpt_{}-{}-mb{}-accum{}",
         p.gpus,

@@ -42,8 +42,11 @@ fn train_config(p: &Point) -> TrainConfig {
     }
 }
 
+/// Sequences per step: every data-parallel replica's (a pipeline's stages
+/// and a tensor-parallel group's ranks share theirs).
 fn global_batch(p: &Point) -> usize {
-    p.micro_batch * p.grad_accum.max(1) * p.gpus
+    let replicas = p.gpus / (p.pipeline_stages.max(1) * p.tensor_parallel.max(1));
+    p.micro_batch * p.grad_accum.max(1) * replicas.max(1)
 }
 
 /// The ZeRO stage of a sharding: none and ddp are stage 0 (plain data
@@ -378,6 +381,17 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord) -> String {
     ] {
         s.push_str(&format!("  {k}: [{v}]\n"));
     }
+    // The parallel layout, where it is not the default.
+    for (k, v, default) in [
+        ("offload", p.offload.name().to_string(), "none"),
+        ("pipeline_stages", p.pipeline_stages.to_string(), "1"),
+        ("shard_group", p.shard_group.to_string(), "0"),
+        ("tensor_parallel", p.tensor_parallel.to_string(), "1"),
+    ] {
+        if v != default {
+            s.push_str(&format!("  {k}: [{v}]\n"));
+        }
+    }
     // A grid that named no framework measured memfit and planned the
     // target as hf-eager; pin the key only when the sweep's grid named it
     // (an hf-eager trial, or a target planned as memfit).
@@ -560,6 +574,7 @@ mod tests {
             offload: Default::default(),
             pipeline_stages: 1,
             shard_group: 0,
+            tensor_parallel: 1,
         }
     }
 

@@ -1681,6 +1681,7 @@ pub(crate) mod tests {
             offload: Default::default(),
             pipeline_stages: 1,
             shard_group: 0,
+            tensor_parallel: 1,
         }
     }
 

@@ -916,6 +916,7 @@ pub(crate) mod testdata {
             offload: Default::default(),
             pipeline_stages: 1,
             shard_group: 0,
+            tensor_parallel: 1,
         }
     }
 
