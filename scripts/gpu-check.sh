@@ -16,8 +16,9 @@
 #   7. ranks as processes on the GPU (`memfit launch`): a world of one
 #      through NCCL (ddp: its all-reduce; zero2 needs two ranks on cuda),
 #      then two ranks on cuda:0 with zero2 staged through the host
-#      (MEMFIT_DIST_BACKEND=tcp: NCCL refuses two ranks on one GPU), each
-#      against the same run on threads: losses and peaks must match.
+#      (MEMFIT_DIST_BACKEND=tcp: NCCL refuses two ranks on one GPU), and a
+#      tensor-parallel pair the same way, each against the same run on
+#      threads: losses and peaks must match.
 # Results go to $OUT (or ./gpu-check-out) as text and JSON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -97,10 +98,15 @@ MEMFIT_DIST_BACKEND=tcp timeout 120 "$BIN" launch --nproc 2 -- run $LAUNCH_ARGS 
     >"$OUT/launch-tcp-2.json" 2>"$OUT/launch-tcp-2.err"
 echo "exit $?" >>"$OUT/launch-tcp-2.err"
 timeout 120 "$BIN" run $LAUNCH_ARGS --ranks 2 --sharding zero2 >"$OUT/threads-zero2-2.json" 2>/dev/null
+MEMFIT_DIST_BACKEND=tcp timeout 120 "$BIN" launch --nproc 2 -- run $LAUNCH_ARGS --ranks 2 --tensor-parallel 2 \
+    >"$OUT/launch-tcp-tp2.json" 2>"$OUT/launch-tcp-tp2.err"
+echo "exit $?" >>"$OUT/launch-tcp-tp2.err"
+timeout 120 "$BIN" run $LAUNCH_ARGS --ranks 2 --tensor-parallel 2 >"$OUT/threads-tp2.json" 2>/dev/null
 python3 - "$OUT" <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
 import json, sys
 out = sys.argv[1]
-for launched, threaded in (("launch-nccl-1", "threads-ddp-1"), ("launch-tcp-2", "threads-zero2-2")):
+for launched, threaded in (("launch-nccl-1", "threads-ddp-1"), ("launch-tcp-2", "threads-zero2-2"),
+                           ("launch-tcp-tp2", "threads-tp2")):
     try:
         a, b = (json.load(open(f"{out}/{n}.json")) for n in (launched, threaded))
         same_loss = [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]]

@@ -368,20 +368,24 @@ fn combine(
         h.peak_bytes = top;
         h.node_bytes = node;
     }
-    // One replica's work: every stage of replica 0.
+    // One replica's work: every stage and tensor-parallel rank of replica 0.
     let sum = |f: fn(&Part) -> &String| -> u128 {
         parts
             .iter()
-            .filter(|p| p.rank % replicas == 0)
+            .filter(|p| train.place(p.rank).1 == 0)
             .map(|p| f(p).parse::<u128>().unwrap_or(0))
             .sum()
     };
     report.flops_per_step = sum(|p| &p.flops);
     report.bytes_moved_per_step = sum(|p| &p.bytes_moved);
-    // The loss: the mean over the last stage's replicas (Cluster::step_from).
+    // The loss: the mean over the last stage's replicas, one rank of each
+    // tensor-parallel group (Cluster::step_from).
     let last: Vec<&Part> = parts
         .iter()
-        .filter(|p| p.rank >= (stages - 1) * replicas)
+        .filter(|p| {
+            let (s, _, t) = train.place(p.rank);
+            s == stages - 1 && t == 0
+        })
         .collect();
     if world > 1
         && last.len() == replicas

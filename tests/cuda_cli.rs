@@ -95,12 +95,13 @@ fn without_a_gpu_cuda_is_one_clear_error() {
 }
 
 /// Losses as the cpu backend's to rounding, tracked peaks exactly as meta
-/// predicts for the cuda backend, in fp32 and bf16, eager and fused, one rank
-/// and ZeRO-2 over two ranks sharing the GPU.
+/// predicts for the cuda backend, in fp32 and bf16, eager and fused, one rank,
+/// ZeRO-2 over two ranks sharing the GPU, and a tensor-parallel pair.
 #[test]
 fn emulated_gpu_trains_like_cpu_with_the_peaks_meta_predicts() {
     for (extra, tol) in [
         (&[][..], 1e-4),
+        (&["--tensor-parallel", "2", "--precision", "bf16"][..], 2e-2),
         (&["--precision", "bf16", "--attention", "fused"][..], 2e-2),
         (
             &[

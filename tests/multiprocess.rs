@@ -127,6 +127,15 @@ fn launched_ranks_train_as_threaded_ranks_do() {
         &["--ranks", "4", "--sharding", "zero3", "--shard-group", "2"],
         &[],
     );
+    // Tensor parallelism: pairs of adjacent ranks split each block, the
+    // pairs zero2 replicas of each other; and pairs as pipeline stages.
+    for layout in [
+        &["--tensor-parallel", "2", "--sharding", "zero2"][..],
+        &["--tensor-parallel", "2", "--pipeline-stages", "2"][..],
+    ] {
+        let args = [&["--ranks", "4"][..], layout].concat();
+        assert_same(4, &args, &[]);
+    }
 }
 
 #[test]
