@@ -79,7 +79,8 @@ pub struct TrainConfig {
     /// fp16 only: steps without an overflow before the scale doubles
     /// (`GradScaler`'s growth_interval, 2000).
     pub loss_scale_window: u32,
-    /// Ranks in all: pipeline stages x data-parallel replicas. The global
+    /// Ranks in all: pipeline stages x data-parallel replicas x tensor-parallel
+    /// ranks (placed as [`TrainConfig::place`] says). The global
     /// batch is micro_batch x grad_accum x replicas.
     pub ranks: usize,
     pub sharding: Sharding,
