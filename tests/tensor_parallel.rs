@@ -160,6 +160,48 @@ fn a_tensor_parallel_group_trains_as_one_rank() {
     }
 }
 
+/// A vocabulary of 90 padded to 128 over 4 ranks: the last rank's rows are
+/// all padding, the third's partly; the group still trains as one rank.
+#[test]
+fn vocabulary_parts_of_padding_train_as_one_rank() {
+    let model = ModelConfig {
+        vocab_size: 90,
+        pad_vocab_to: 128,
+        n_kv_head: Some(4),
+        ..load_model("llama-tiny").unwrap()
+    };
+    for optimizer in [Optimizer::Sgd, Optimizer::Adamw] {
+        let tc = TrainConfig {
+            seq_len: 16,
+            micro_batch: 2,
+            grad_accum: 2,
+            lr: Some(1e-3),
+            optimizer,
+            ranks: 4,
+            tensor_parallel: 4,
+            ..TrainConfig::default()
+        };
+        let (want, want_losses) = train_single(&model, &tc, 3);
+        let mut c = cpu_cluster(&model, &tc);
+        let mut data = DataSource::synthetic(model.vocab_size, 11);
+        for want_loss in want_losses {
+            let r = c
+                .step_from(tc.grad_accum, || data.next_batch(2, 16))
+                .unwrap();
+            assert!((r.loss.unwrap() - want_loss).abs() < 1e-5, "{optimizer:?}");
+        }
+        let d = max_diff(&full_params(&c, &want), &want);
+        eprintln!("vocab 90/128 over 4, {optimizer:?}: max |diff| {d:e}");
+        assert!(
+            d <= if optimizer == Optimizer::Sgd {
+                1e-7
+            } else {
+                3e-5
+            }
+        );
+    }
+}
+
 #[test]
 fn meta_predicts_every_tensor_parallel_rank() {
     for name in ["gpt2-tiny", "llama-tiny"] {
@@ -208,10 +250,14 @@ fn meta_predicts_every_tensor_parallel_rank() {
     }
 }
 
-/// Each rank keeps 1/T of every block projection and the whole of the
-/// rest; every block all-reduces one N x C activation after attention and
-/// one after the MLP in the forward, and the two norm-input gradients in
-/// the backward (the recomputed forward adds the attention's again).
+/// Each rank keeps 1/T of every block projection and of the embedding and
+/// head's vocabulary rows, and the whole of the rest. Every block
+/// all-reduces one N x C activation after attention and one after the MLP
+/// in the forward, and the two norm-input gradients in the backward (the
+/// recomputed forward adds the attention's again). Per micro-batch the
+/// vocabulary-parallel embedding all-reduces its output, the loss gathers
+/// each token's (max, sum of exponentials) and all-reduces the target's
+/// logit, and the head all-reduces its input's gradient.
 #[test]
 fn weights_split_and_activations_all_reduce_as_megatron() {
     // llama-tiny with as many key/value heads as query heads (4), so that
@@ -221,13 +267,15 @@ fn weights_split_and_activations_all_reduce_as_megatron() {
         ..load_model("llama-tiny").unwrap()
     };
     let (specs, idx) = model.param_layout();
-    let projections: usize = idx
+    let split: usize = idx
         .blocks
         .iter()
         .flat_map(|b| [b.qkv_w, b.o_w, b.up_w, b.down_w])
+        .chain(std::iter::once(idx.wte).chain(idx.lm_head))
         .map(|i| specs[i].numel())
         .sum();
     let all: usize = specs.iter().map(|s| s.numel()).sum();
+    let (n, c) = (2 * 16, model.d_model);
     for (tps, checkpointing, per_block) in [
         (2, Checkpointing::None, 4),
         (4, Checkpointing::None, 4),
@@ -251,21 +299,30 @@ fn weights_split_and_activations_all_reduce_as_megatron() {
             let params = e.dev.tracker.peak_bytes().parameters;
             assert_eq!(
                 params as usize,
-                4 * (all - projections + projections / tps),
+                4 * (all - split + split / tps),
                 "TP={tps}: fp32 weights"
             );
             let calls = e.dev.collectives.as_ref().unwrap();
-            let (n, c) = (2 * 16, model.d_model);
-            assert_eq!(
-                calls.len(),
-                per_block * model.n_layer * 3,
-                "TP={tps} {checkpointing:?}: one step of 3 micro-batches"
-            );
             for call in calls {
-                assert_eq!(call.op, Op::AllReduce);
                 assert_eq!((call.world, call.stride), (tps, 1));
-                assert_eq!(call.bytes, (4 * n * c) as u64);
             }
+            let count = |op: Op, bytes: usize| {
+                calls
+                    .iter()
+                    .filter(|x| x.op == op && x.bytes == bytes as u64)
+                    .count()
+            };
+            let what = format!("TP={tps} {checkpointing:?}: a step of 3 micro-batches");
+            // Blocks, the embedding's output and the head input's gradient.
+            let activations = (per_block * model.n_layer + 2) * 3;
+            assert_eq!(count(Op::AllReduce, 4 * n * c), activations, "{what}");
+            assert_eq!(count(Op::AllReduce, 4 * n), 3, "{what}: target logits");
+            assert_eq!(
+                count(Op::AllGather, 4 * 2 * n * tps),
+                3,
+                "{what}: statistics"
+            );
+            assert_eq!(calls.len(), activations + 6, "{what}: nothing else");
         }
     }
 }

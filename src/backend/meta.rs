@@ -195,6 +195,56 @@ impl Backend for MetaBackend {
     fn attention_backward(&mut self, _: &mut (), _: &mut (), _: &(), _: &(), _: &(), _: AttnShape) {
     }
     fn crossentropy_forward(&mut self, _: &mut (), _: &(), _: &(), _: usize, _: usize, _: usize) {}
+    fn crossentropy_part_stats(
+        &mut self,
+        _: &mut (),
+        _: &mut (),
+        _: &(),
+        _: &(),
+        _: usize,
+        _: usize,
+        _: usize,
+        _: usize,
+    ) {
+    }
+    fn crossentropy_combine(&mut self, _: &mut (), _: &mut (), _: &(), _: &(), _: usize, _: usize) {
+    }
+    fn crossentropy_part_backward(
+        &mut self,
+        _: &mut (),
+        _: &(),
+        _: &(),
+        _: f32,
+        _: usize,
+        _: usize,
+        _: usize,
+        _: usize,
+    ) {
+    }
+    fn embed_forward_part(
+        &mut self,
+        _: &mut (),
+        _: &(),
+        _: &(),
+        _: Option<&()>,
+        _: usize,
+        _: usize,
+        _: usize,
+        _: usize,
+    ) {
+    }
+    fn embed_backward_part(
+        &mut self,
+        _: &mut (),
+        _: Option<&mut ()>,
+        _: &(),
+        _: &(),
+        _: usize,
+        _: usize,
+        _: usize,
+        _: usize,
+    ) {
+    }
     fn crossentropy_backward(&mut self, _: &mut (), _: &(), _: f32, _: usize, _: usize, _: usize) {}
     fn sum_squares(&mut self, _: &(), _: usize) -> Option<f64> {
         None

@@ -232,6 +232,37 @@ pub trait Backend {
         t: usize,
         c: usize,
     );
+    /// A vocabulary-parallel embedding's part (Megatron's
+    /// `VocabParallelEmbedding`): `wte` holds the table's rows `lo ..
+    /// lo + rows`; `out (N,C) = wte[tokens - lo]` for the tokens in that
+    /// range, 0 for the others (the group's all-reduce adds the parts), plus
+    /// `wpe[pos]` when given.
+    #[allow(clippy::too_many_arguments)]
+    fn embed_forward_part(
+        &mut self,
+        out: &mut Self::Buf,
+        tokens: &Self::Buf,
+        wte: &Self::Buf,
+        wpe: Option<&Self::Buf>,
+        n: usize,
+        t: usize,
+        c: usize,
+        lo: usize,
+    );
+    /// The part's backward: `dwte[tokens - lo] += dout` for the tokens in
+    /// its rows (others skipped), `dwpe[pos] += dout` when given.
+    #[allow(clippy::too_many_arguments)]
+    fn embed_backward_part(
+        &mut self,
+        dwte: &mut Self::Buf,
+        dwpe: Option<&mut Self::Buf>,
+        dout: &Self::Buf,
+        tokens: &Self::Buf,
+        n: usize,
+        t: usize,
+        c: usize,
+        lo: usize,
+    );
 
     /// LayerNorm over the last dim: `out (N,C)`, saves `mean (N)`, `rstd (N)`; `b` is optional.
     #[allow(clippy::too_many_arguments)]
@@ -406,6 +437,52 @@ pub trait Backend {
         targets: &Self::Buf,
         dloss: f32,
         n: usize,
+        v: usize,
+        vp: usize,
+    );
+
+    /// Vocabulary-parallel cross-entropy (Megatron's
+    /// `vocab_parallel_cross_entropy`), step 1 on one part: `logits (N,Vp)`
+    /// are the columns `lo ..` of the vocabulary, the first `v` of them real
+    /// (`v` may be 0). Per row: `stats (N,2) = [max, sum exp(x - max)]` over
+    /// the real columns (`[-inf, 0]` without any), and `tgt (N)` = the
+    /// target's logit when the target is in this part, else 0. All fp32.
+    #[allow(clippy::too_many_arguments)]
+    fn crossentropy_part_stats(
+        &mut self,
+        stats: &mut Self::Buf,
+        tgt: &mut Self::Buf,
+        logits: &Self::Buf,
+        targets: &Self::Buf,
+        n: usize,
+        lo: usize,
+        v: usize,
+        vp: usize,
+    );
+    /// Step 2: from every part's stats, gathered rank after rank into
+    /// `stats (parts,N,2)`, and the summed target logits `tgt (N)`:
+    /// `lse (N) = M + ln(sum_r s_r exp(m_r - M))` with `M = max_r m_r`, and
+    /// `losses (N) = lse - tgt` (the sum in f64).
+    fn crossentropy_combine(
+        &mut self,
+        losses: &mut Self::Buf,
+        lse: &mut Self::Buf,
+        stats: &Self::Buf,
+        tgt: &Self::Buf,
+        n: usize,
+        parts: usize,
+    );
+    /// Step 3, in place on the part: `logits := dloss * exp(logits - lse) -
+    /// dloss * [lo + j == target]` over the real columns, padding 0.
+    #[allow(clippy::too_many_arguments)]
+    fn crossentropy_part_backward(
+        &mut self,
+        logits: &mut Self::Buf,
+        lse: &Self::Buf,
+        targets: &Self::Buf,
+        dloss: f32,
+        n: usize,
+        lo: usize,
         v: usize,
         vp: usize,
     );

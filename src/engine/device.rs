@@ -430,6 +430,52 @@ impl<B: Backend> Device<B> {
         );
     }
 
+    /// A vocabulary-parallel embedding's part: `wte` holds rows `lo..`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn embed_forward_part(
+        &mut self,
+        out: &mut T<B>,
+        tokens: &T<B>,
+        wte: &T<B>,
+        wpe: Option<&T<B>>,
+        (n, t, c): (usize, usize, usize),
+        lo: usize,
+    ) {
+        let rows = (n * c * 4) as u64;
+        self.timed(
+            "embed",
+            (n * c) as u64 * wpe.is_some() as u64,
+            b(out) + b(tokens) + rows * (1 + wpe.is_some() as u64),
+            |be| {
+                let wpe = wpe.map(|w| &w.buf);
+                be.embed_forward_part(&mut out.buf, &tokens.buf, &wte.buf, wpe, n, t, c, lo)
+            },
+        );
+    }
+
+    /// The part's backward: only the tokens in its rows reach `dwte`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn embed_backward_part(
+        &mut self,
+        dwte: &mut T<B>,
+        dwpe: Option<&mut T<B>>,
+        dout: &T<B>,
+        tokens: &T<B>,
+        (n, t, c): (usize, usize, usize),
+        lo: usize,
+    ) {
+        let k = 1 + dwpe.is_some() as u64;
+        self.timed(
+            "embed_backward",
+            (n * c) as u64 * k,
+            b(dout) + b(tokens) + 2 * k * (n * c * 4) as u64,
+            |be| {
+                let dwpe = dwpe.map(|w| &mut w.buf);
+                be.embed_backward_part(&mut dwte.buf, dwpe, &dout.buf, &tokens.buf, n, t, c, lo)
+            },
+        );
+    }
+
     /// LayerNorm when `mean` is given (gpt2), RMSNorm otherwise (llama).
     #[allow(clippy::too_many_arguments)]
     pub fn norm_forward(
@@ -762,6 +808,71 @@ impl<B: Backend> Device<B> {
             (5 * n * v) as u64,
             2 * b(logits) + b(targets),
             |be| be.crossentropy_backward(&mut logits.buf, &targets.buf, dloss, n, v, vp),
+        );
+    }
+
+    /// Vocabulary-parallel cross-entropy, step 1 on this rank's columns.
+    #[allow(clippy::too_many_arguments)]
+    pub fn crossentropy_part_stats(
+        &mut self,
+        stats: &mut T<B>,
+        tgt: &mut T<B>,
+        logits: &T<B>,
+        targets: &T<B>,
+        n: usize,
+        (lo, v, vp): (usize, usize, usize),
+    ) {
+        self.timed(
+            "crossentropy",
+            (3 * n * v) as u64,
+            b(stats) + b(tgt) + b(logits) + b(targets),
+            |be| {
+                let (s, g) = (&mut stats.buf, &mut tgt.buf);
+                be.crossentropy_part_stats(s, g, &logits.buf, &targets.buf, n, lo, v, vp)
+            },
+        );
+    }
+
+    /// Step 2: the loss from every rank's gathered statistics.
+    pub fn crossentropy_combine(
+        &mut self,
+        losses: &mut T<B>,
+        lse: &mut T<B>,
+        stats: &T<B>,
+        tgt: &T<B>,
+        n: usize,
+        parts: usize,
+    ) {
+        self.timed(
+            "crossentropy",
+            (4 * n * parts) as u64,
+            b(losses) + b(lse) + b(stats) + b(tgt),
+            |be| {
+                let (l, s) = (&mut losses.buf, &mut lse.buf);
+                be.crossentropy_combine(l, s, &stats.buf, &tgt.buf, n, parts)
+            },
+        );
+    }
+
+    /// Step 3: this rank's columns of the logits' gradient, in place.
+    #[allow(clippy::too_many_arguments)]
+    pub fn crossentropy_part_backward(
+        &mut self,
+        logits: &mut T<B>,
+        lse: &T<B>,
+        targets: &T<B>,
+        dloss: f32,
+        n: usize,
+        (lo, v, vp): (usize, usize, usize),
+    ) {
+        self.timed(
+            "crossentropy_backward",
+            (3 * n * v) as u64,
+            2 * b(logits) + b(lse) + b(targets),
+            |be| {
+                let (x, l, tg) = (&mut logits.buf, &lse.buf, &targets.buf);
+                be.crossentropy_part_backward(x, l, tg, dloss, n, lo, v, vp)
+            },
         );
     }
 

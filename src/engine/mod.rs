@@ -383,9 +383,13 @@ struct HeadActs<X> {
     lnf: X,
     lnf_mean: Option<X>,
     lnf_rstd: X,
-    /// (N,Vp); becomes its own gradient in the backward pass.
+    /// (N,Vp) (a tensor-parallel rank: its Vp/T columns); becomes its own
+    /// gradient in the backward pass.
     logits: X,
     losses: X,
+    /// Tensor parallelism: each token's logsumexp over the whole vocabulary,
+    /// which the backward of this rank's columns needs.
+    lse: Option<X>,
     /// The framework profile's tensors saved by the final norm and the head.
     extra: Vec<X>,
     /// ... and with the log_softmax output.
@@ -1035,6 +1039,7 @@ impl<B: Backend> Engine<B> {
                 dev.free(t);
             }
             dev.free_opt(h.lnf_mean);
+            dev.free_opt(h.lse);
         }
     }
 
@@ -1106,7 +1111,16 @@ impl<B: Backend> Engine<B> {
             (Some(tokens), _) => {
                 let mut emb = dev.alloc(n * c, dt, act)?;
                 let wpe = idx.wpe.map(|i| &p[i]);
-                dev.embed_forward(&mut emb, tokens, &p[idx.wte], wpe, n, t, c);
+                match tp.as_mut() {
+                    None => dev.embed_forward(&mut emb, tokens, &p[idx.wte], wpe, n, t, c),
+                    Some(tp) => {
+                        // Each rank's rows; the positions added once.
+                        let (lo, ..) = tp.vocab(model);
+                        let wpe = wpe.filter(|_| tp.rank() == 0);
+                        dev.embed_forward_part(&mut emb, tokens, &p[idx.wte], wpe, (n, t, c), lo);
+                        tp.all_reduce(dev, &mut emb);
+                    }
+                }
                 hook(dev, p, Stage::Embed, true)?;
                 emb
             }
@@ -1186,7 +1200,9 @@ impl<B: Backend> Engine<B> {
             None => Vec::new(),
         };
         let head = idx.lm_head.unwrap_or(idx.wte);
-        let mut logits = dev.alloc(n * vp, dt, act)?;
+        // Tensor parallelism: this rank's columns of the vocabulary.
+        let (lo, vl, vpl) = tp.as_ref().map_or((0, v, vp), |tp| tp.vocab(model));
+        let mut logits = dev.alloc(n * vpl, dt, act)?;
         // hf-eager: the engine's logits buffer stands for the saved
         // log_softmax output (ForCausalLMLoss -> cross_entropy ->
         // log_softmax + nll_loss, transformers/loss/loss_utils.py); the
@@ -1194,10 +1210,32 @@ impl<B: Backend> Engine<B> {
         // the end of the forward.
         let hf_logits = alloc_saved(dev, hf.map_or(&[][..], |h| &h.logits[..]))?;
         let loss_extra = alloc_saved(dev, hf.map_or(&[][..], |h| &h.loss_saved[..]))?;
-        dev.matmul_forward(&mut logits, &lnf, &p[head], None, n, c, vp);
+        dev.matmul_forward(&mut logits, &lnf, &p[head], None, n, c, vpl);
         let mut losses = dev.alloc_f32(n, act)?;
         let tg = targets.as_ref().expect("the last stage reads the targets");
-        dev.crossentropy_forward(&mut losses, &logits, tg, n, v, vp);
+        let lse = match tp.as_mut() {
+            None => {
+                dev.crossentropy_forward(&mut losses, &logits, tg, n, v, vp);
+                None
+            }
+            Some(tp) => {
+                // Per token: this part's max and sum of exponentials, every
+                // part's gathered; the target's logit from the part holding it.
+                let tmp = Category::Temporaries;
+                let mut stats = dev.alloc_f32(2 * n, tmp)?;
+                let mut tgt = dev.alloc_f32(n, tmp)?;
+                dev.crossentropy_part_stats(&mut stats, &mut tgt, &logits, tg, n, (lo, vl, vpl));
+                let mut all = dev.alloc_f32(2 * n * tp.size(), tmp)?;
+                tp.all_gather(dev, &mut all, &stats);
+                tp.all_reduce(dev, &mut tgt);
+                let mut lse = dev.alloc_f32(n, act)?;
+                dev.crossentropy_combine(&mut losses, &mut lse, &all, &tgt, n, tp.size());
+                for x in [stats, tgt, all] {
+                    dev.free(x);
+                }
+                Some(lse)
+            }
+        };
         for t in hf_logits {
             dev.free(t);
         }
@@ -1213,6 +1251,7 @@ impl<B: Backend> Engine<B> {
                 lnf_rstd,
                 logits,
                 losses,
+                lse,
                 extra: head_extra,
                 loss_extra,
             }),
@@ -1295,6 +1334,7 @@ impl<B: Backend> Engine<B> {
         let mut head_dw = None;
         let layers = pipe.as_ref().map_or(0..model.n_layer, |p| p.layers.clone());
         // dres: gradient of the residual stream, carried down through the blocks.
+        let part = tp.as_ref().map_or((0, v, vp), |tp| tp.vocab(model));
         let mut dres = match head_acts {
             Some(h) => head_backward(
                 dev,
@@ -1306,6 +1346,7 @@ impl<B: Backend> Engine<B> {
                 resid.last().expect("embedding output"),
                 dloss,
                 (n, c, v, vp),
+                (tp.as_mut(), part),
                 hf.map(|h| HfHead {
                     rules: h,
                     lazy,
@@ -1534,7 +1575,13 @@ impl<B: Backend> Engine<B> {
                 // A frozen embedding needs no gradient at all.
                 if !frozen {
                     let (dwte, dwpe) = pair_mut(g, idx.wte, idx.wpe);
-                    dev.embed_backward(dwte, dwpe, &dres, &tokens, n, t, c);
+                    match tp.as_ref() {
+                        None => dev.embed_backward(dwte, dwpe, &dres, &tokens, n, t, c),
+                        Some(tp) => {
+                            let lo = tp.vocab(model).0;
+                            dev.embed_backward_part(dwte, dwpe, &dres, &tokens, (n, t, c), lo);
+                        }
+                    }
                 }
                 dev.free(dres);
                 dev.free_opt(input);
@@ -1840,6 +1887,7 @@ fn head_backward<B: Backend>(
     x: &T<B>,
     dloss: f32,
     (n, c, v, vp): (usize, usize, usize, usize),
+    (tp, (lo, vl, vpl)): (Option<&mut Tp<B>>, (usize, usize, usize)),
     mut hf: Option<HfHead<'_, B>>,
     (frozen, scratch): (bool, &mut NormScratch<B>),
     hook: &mut HeadHook<'_, B>,
@@ -1852,6 +1900,7 @@ fn head_backward<B: Backend>(
         lnf_rstd,
         mut logits,
         losses,
+        lse,
         extra,
         loss_extra,
     } = h;
@@ -1869,7 +1918,14 @@ fn head_backward<B: Backend>(
         ],
         None => Vec::new(),
     };
-    dev.crossentropy_backward(&mut logits, &targets, dloss, n, v, vp);
+    match lse {
+        None => dev.crossentropy_backward(&mut logits, &targets, dloss, n, v, vp),
+        Some(lse) => {
+            let part = (lo, vl, vpl);
+            dev.crossentropy_part_backward(&mut logits, &lse, &targets, dloss, n, part);
+            dev.free(lse);
+        }
+    }
     for t in loss_grads.into_iter().chain(loss_extra) {
         dev.free(t);
     }
@@ -1903,8 +1959,13 @@ fn head_backward<B: Backend>(
         true => None,
         false => Some(&mut g[head]),
     };
-    dev.matmul_backward(&mut dlnf, dw, None, &logits, &lnf, &p[head], n, c, vp);
+    dev.matmul_backward(&mut dlnf, dw, None, &logits, &lnf, &p[head], n, c, vpl);
     dev.free(logits);
+    // Each rank's columns of the head saw the whole input: its gradient is
+    // the sum over the group.
+    if let Some(tp) = tp {
+        tp.all_reduce(dev, &mut dlnf);
+    }
     let mut dres = dev.alloc(n * c, dt, tmp)?;
     let (dw, db) = norm_grads(g, scratch, idx.lnf_w, idx.lnf_b);
     dev.norm_backward(

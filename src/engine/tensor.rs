@@ -16,10 +16,19 @@
 //!   (Megatron's `f` operator), so two all-reduces of `N x C` per block each
 //!   way, four per block and step (six with the forward recomputed).
 //!
-//! Norms, the embedding and the head are replicated, as in Megatron without
-//! sequence parallelism and without a vocabulary-parallel embedding: their
-//! gradients come out identical on every rank of the group, so they need no
-//! communication and the global gradient norm counts them once.
+//! The embedding and the head are vocabulary-parallel (Megatron's
+//! `VocabParallelEmbedding` and `vocab_parallel_cross_entropy`): each rank
+//! holds `V/T` rows of the padded table; the embedding looks up the tokens
+//! in its rows (0 for the others) and the group all-reduces the parts; the
+//! head computes its columns of the logits, and the loss combines every
+//! rank's per-token max and sum of exponentials (all-gathered, `N x 2` floats
+//! each) with the target's logit (all-reduced), so the full logits are never
+//! built; the gradient of the head's input is all-reduced.
+//!
+//! Norms (and gpt2's position embedding) are replicated, as in Megatron
+//! without sequence parallelism: their gradients come out identical on
+//! every rank of the group, so they need no communication and the global
+//! gradient norm counts them once.
 //!
 //! Every rank initialises the full seeded tensors and keeps its slice, so a
 //! `T`-way job starts from the weights one rank starts from and trains as it
@@ -51,6 +60,27 @@ impl<B: Backend> Tp<B> {
         let stride = std::mem::replace(&mut dev.call_stride, 1);
         dev.all_reduce(&mut *self.comm, t);
         dev.call_stride = stride;
+    }
+
+    /// `out` = every rank's `inp`, rank after rank, among adjacent ranks.
+    pub fn all_gather(
+        &mut self,
+        dev: &mut Device<B>,
+        out: &mut Tensor<B::Buf>,
+        inp: &Tensor<B::Buf>,
+    ) {
+        let stride = std::mem::replace(&mut dev.call_stride, 1);
+        dev.all_gather(&mut *self.comm, out, inp);
+        dev.call_stride = stride;
+    }
+
+    /// This rank's part of the (padded) vocabulary: `(lo, real, padded)`,
+    /// its first row, how many of its rows are real tokens (the last ranks
+    /// may hold only padding) and how many it holds.
+    pub fn vocab(&self, model: &ModelConfig) -> (usize, usize, usize) {
+        let rows = model.padded_vocab() / self.size();
+        let lo = self.rank() * rows;
+        (lo, model.vocab_size.saturating_sub(lo).min(rows), rows)
     }
 }
 
@@ -164,6 +194,10 @@ pub fn check(model: &ModelConfig, size: usize) -> Option<String> {
         ("attention heads (n_head)", model.n_head),
         ("key/value heads (n_kv_head)", model.n_kv_head()),
         ("MLP width (d_ff)", model.d_ff()),
+        (
+            "vocabulary rows (vocab_size padded to pad_vocab_to)",
+            model.padded_vocab(),
+        ),
     ];
     dims.iter().find(|(_, d)| d % size != 0).map(|(what, d)| {
         format!(
@@ -226,6 +260,11 @@ pub fn split_layout(
             start: rank * il,
             len: il,
         });
+    }
+    // The vocabulary-parallel embedding and head: rows of the padded table.
+    let vrows = model.padded_vocab() / size;
+    for i in std::iter::once(idx.wte).chain(idx.lm_head) {
+        splits[i] = Some(rows(c, &[(rank * vrows, vrows)]));
     }
     for (spec, split) in specs.iter_mut().zip(&splits) {
         match split {

@@ -289,6 +289,131 @@ impl std::fmt::Debug for CpuBackend {
 }
 
 impl CpuBackend {
+    /// `embed_forward` (`part: None`: every token must be in the table)
+    /// or a vocabulary-parallel part's (`Some(lo)`: the table holds rows
+    /// `lo..`, other tokens give 0).
+    #[allow(clippy::too_many_arguments)]
+    fn embed_rows(
+        &mut self,
+        out: &mut CpuBuf,
+        tokens: &CpuBuf,
+        wte: &CpuBuf,
+        wpe: Option<&CpuBuf>,
+        n: usize,
+        t: usize,
+        c: usize,
+        part: Option<usize>,
+    ) {
+        if n == 0 || c == 0 {
+            return;
+        }
+        let out = &mut out.wide_mut()[..n * c];
+        let tokens = &tokens.as_u32()[..n];
+        let wte = wte.wide();
+        let vocab = wte.len() / c;
+        let wpe = wpe.map(|p| p.wide());
+        let wpe = wpe.as_deref().map(|p| &p[..t * c]);
+        let rows = rows_per_task(c);
+        self.pool.install(|| {
+            out.par_chunks_mut(c * rows)
+                .enumerate()
+                .for_each(|(ci, blk)| {
+                    for (ri, o) in blk.chunks_exact_mut(c).enumerate() {
+                        let r = ci * rows + ri;
+                        let tok = tokens[r] as usize;
+                        let row = match part {
+                            None => {
+                                assert!(tok < vocab, "token id {tok} >= embedding rows {vocab}");
+                                Some(tok)
+                            }
+                            Some(lo) => (lo..lo + vocab).contains(&tok).then(|| tok - lo),
+                        };
+                        match (row, wpe) {
+                            (Some(row), Some(wpe)) => {
+                                let e = &wte[row * c..][..c];
+                                let p = &wpe[(r % t) * c..][..c];
+                                for ((o, a), b) in o.iter_mut().zip(e).zip(p) {
+                                    *o = a + b;
+                                }
+                            }
+                            (Some(row), None) => o.copy_from_slice(&wte[row * c..][..c]),
+                            (None, Some(wpe)) => o.copy_from_slice(&wpe[(r % t) * c..][..c]),
+                            (None, None) => o.fill(0.0),
+                        }
+                    }
+                })
+        });
+    }
+
+    /// `embed_backward`, or a vocabulary-parallel part's (`Some(lo)`: the
+    /// table holds rows `lo..`, other tokens are skipped).
+    #[allow(clippy::too_many_arguments)]
+    fn embed_rows_backward(
+        &mut self,
+        dwte: &mut CpuBuf,
+        dwpe: Option<&mut CpuBuf>,
+        dout: &CpuBuf,
+        tokens: &CpuBuf,
+        n: usize,
+        t: usize,
+        c: usize,
+        part: Option<usize>,
+    ) {
+        if n == 0 || c == 0 {
+            return;
+        }
+        let mut dwte = dwte.wide_mut();
+        let vocab = dwte.len() / c;
+        let dwte = &mut dwte[..vocab * c];
+        let dout = &dout.wide()[..n * c];
+        let tokens = &tokens.as_u32()[..n];
+        if part.is_none()
+            && let Some(&bad) = tokens.iter().find(|&&tok| tok as usize >= vocab)
+        {
+            panic!("token id {bad} >= embedding rows {vocab}");
+        }
+        let lo = part.unwrap_or(0);
+        self.pool.install(|| {
+            // Several rows may hit the same token, so the scatter is partitioned
+            // over the output: each task owns a range of table rows and scans all
+            // tokens in order, adding the ones that land in its range. Every
+            // element is summed in row order whatever the thread count.
+            dwte.par_chunks_mut(c * VOCAB_ROWS_PER_TASK)
+                .enumerate()
+                .for_each(|(ci, blk)| {
+                    let v0 = ci * VOCAB_ROWS_PER_TASK;
+                    let v1 = v0 + blk.len() / c;
+                    for (r, &tok) in tokens.iter().enumerate() {
+                        let Some(tok) = (tok as usize).checked_sub(lo) else {
+                            continue;
+                        };
+                        if (v0..v1).contains(&tok) {
+                            add_assign(&mut blk[(tok - v0) * c..][..c], &dout[r * c..][..c]);
+                        }
+                    }
+                });
+            if let Some(dwpe) = dwpe {
+                assert!(
+                    n.is_multiple_of(t),
+                    "n = {n} rows is not a multiple of t = {t}"
+                );
+                // Each task owns a range of positions and sums the B sequences in order.
+                let dwpe = &mut dwpe.wide_mut()[..t * c];
+                let rows = rows_per_task(c);
+                dwpe.par_chunks_mut(c * rows)
+                    .enumerate()
+                    .for_each(|(ci, blk)| {
+                        for (pi, d) in blk.chunks_exact_mut(c).enumerate() {
+                            let pos = ci * rows + pi;
+                            for b in 0..n / t {
+                                add_assign(d, &dout[(b * t + pos) * c..][..c]);
+                            }
+                        }
+                    });
+            }
+        });
+    }
+
     pub fn new(threads: usize) -> Result<Self, String> {
         if threads == 0 {
             return Err("the cpu backend needs at least 1 thread".to_string());
@@ -926,37 +1051,21 @@ impl Backend for CpuBackend {
         t: usize,
         c: usize,
     ) {
-        if n == 0 || c == 0 {
-            return;
-        }
-        let out = &mut out.wide_mut()[..n * c];
-        let tokens = &tokens.as_u32()[..n];
-        let wte = wte.wide();
-        let vocab = wte.len() / c;
-        let wpe = wpe.map(|p| p.wide());
-        let wpe = wpe.as_deref().map(|p| &p[..t * c]);
-        let rows = rows_per_task(c);
-        self.pool.install(|| {
-            out.par_chunks_mut(c * rows)
-                .enumerate()
-                .for_each(|(ci, blk)| {
-                    for (ri, o) in blk.chunks_exact_mut(c).enumerate() {
-                        let r = ci * rows + ri;
-                        let tok = tokens[r] as usize;
-                        assert!(tok < vocab, "token id {tok} >= embedding rows {vocab}");
-                        let e = &wte[tok * c..][..c];
-                        match wpe {
-                            Some(wpe) => {
-                                let p = &wpe[(r % t) * c..][..c];
-                                for ((o, a), b) in o.iter_mut().zip(e).zip(p) {
-                                    *o = a + b;
-                                }
-                            }
-                            None => o.copy_from_slice(e),
-                        }
-                    }
-                })
-        });
+        self.embed_rows(out, tokens, wte, wpe, n, t, c, None);
+    }
+
+    fn embed_forward_part(
+        &mut self,
+        out: &mut CpuBuf,
+        tokens: &CpuBuf,
+        wte: &CpuBuf,
+        wpe: Option<&CpuBuf>,
+        n: usize,
+        t: usize,
+        c: usize,
+        lo: usize,
+    ) {
+        self.embed_rows(out, tokens, wte, wpe, n, t, c, Some(lo));
     }
 
     // dwte (V,C) += scatter of dout (N,C) by tokens (N); dwpe (maxT,C) += dout by position.
@@ -970,54 +1079,21 @@ impl Backend for CpuBackend {
         t: usize,
         c: usize,
     ) {
-        if n == 0 || c == 0 {
-            return;
-        }
-        let mut dwte = dwte.wide_mut();
-        let vocab = dwte.len() / c;
-        let dwte = &mut dwte[..vocab * c];
-        let dout = &dout.wide()[..n * c];
-        let tokens = &tokens.as_u32()[..n];
-        if let Some(&bad) = tokens.iter().find(|&&tok| tok as usize >= vocab) {
-            panic!("token id {bad} >= embedding rows {vocab}");
-        }
-        self.pool.install(|| {
-            // Several rows may hit the same token, so the scatter is partitioned
-            // over the output: each task owns a range of table rows and scans all
-            // tokens in order, adding the ones that land in its range. Every
-            // element is summed in row order whatever the thread count.
-            dwte.par_chunks_mut(c * VOCAB_ROWS_PER_TASK)
-                .enumerate()
-                .for_each(|(ci, blk)| {
-                    let v0 = ci * VOCAB_ROWS_PER_TASK;
-                    let v1 = v0 + blk.len() / c;
-                    for (r, &tok) in tokens.iter().enumerate() {
-                        let tok = tok as usize;
-                        if (v0..v1).contains(&tok) {
-                            add_assign(&mut blk[(tok - v0) * c..][..c], &dout[r * c..][..c]);
-                        }
-                    }
-                });
-            if let Some(dwpe) = dwpe {
-                assert!(
-                    n.is_multiple_of(t),
-                    "n = {n} rows is not a multiple of t = {t}"
-                );
-                // Each task owns a range of positions and sums the B sequences in order.
-                let dwpe = &mut dwpe.wide_mut()[..t * c];
-                let rows = rows_per_task(c);
-                dwpe.par_chunks_mut(c * rows)
-                    .enumerate()
-                    .for_each(|(ci, blk)| {
-                        for (pi, d) in blk.chunks_exact_mut(c).enumerate() {
-                            let pos = ci * rows + pi;
-                            for b in 0..n / t {
-                                add_assign(d, &dout[(b * t + pos) * c..][..c]);
-                            }
-                        }
-                    });
-            }
-        });
+        self.embed_rows_backward(dwte, dwpe, dout, tokens, n, t, c, None);
+    }
+
+    fn embed_backward_part(
+        &mut self,
+        dwte: &mut CpuBuf,
+        dwpe: Option<&mut CpuBuf>,
+        dout: &CpuBuf,
+        tokens: &CpuBuf,
+        n: usize,
+        t: usize,
+        c: usize,
+        lo: usize,
+    ) {
+        self.embed_rows_backward(dwte, dwpe, dout, tokens, n, t, c, Some(lo));
     }
 
     // out (N,C), mean (N), rstd (N), inp (N,C), w (C), b (C).
@@ -1842,6 +1918,126 @@ impl Backend for CpuBackend {
                         },
                     )
                 })
+        });
+    }
+
+    // stats (N,2) = [max, sum exp(x - max)] over the part's real columns,
+    // tgt (N) = the target's logit when it falls in this part, else 0.
+    fn crossentropy_part_stats(
+        &mut self,
+        stats: &mut CpuBuf,
+        tgt: &mut CpuBuf,
+        logits: &CpuBuf,
+        targets: &CpuBuf,
+        n: usize,
+        lo: usize,
+        v: usize,
+        vp: usize,
+    ) {
+        if n == 0 {
+            return;
+        }
+        assert!(
+            v <= vp,
+            "cross-entropy part needs v <= vp, got v={v} vp={vp}"
+        );
+        let stats = &mut stats.wide_mut()[..2 * n];
+        let tgt = &mut tgt.wide_mut()[..n];
+        let logits = &logits.wide()[..n * vp];
+        let targets = &targets.as_u32()[..n];
+        self.pool.install(|| {
+            stats
+                .par_chunks_mut(2)
+                .zip(tgt.par_iter_mut())
+                .enumerate()
+                .for_each(|(r, (st, tg))| {
+                    let x = &logits[r * vp..][..v];
+                    let (m, sum) = match v {
+                        0 => (f32::NEG_INFINITY, 0.0),
+                        _ => {
+                            let m = max(x);
+                            (m, sum_exp_f64(x, m) as f32)
+                        }
+                    };
+                    st[0] = m;
+                    st[1] = sum;
+                    let t = targets[r] as usize;
+                    *tg = match t.checked_sub(lo) {
+                        Some(j) if j < v => x[j],
+                        _ => 0.0,
+                    };
+                })
+        });
+    }
+
+    // lse = M + ln(sum_r s_r exp(m_r - M)) over the parts, losses = lse - tgt.
+    fn crossentropy_combine(
+        &mut self,
+        losses: &mut CpuBuf,
+        lse: &mut CpuBuf,
+        stats: &CpuBuf,
+        tgt: &CpuBuf,
+        n: usize,
+        parts: usize,
+    ) {
+        if n == 0 {
+            return;
+        }
+        let losses = &mut losses.wide_mut()[..n];
+        let lse = &mut lse.wide_mut()[..n];
+        let stats = &stats.wide()[..2 * n * parts];
+        let tgt = &tgt.wide()[..n];
+        for r in 0..n {
+            let part = |p: usize| (stats[(p * n + r) * 2], stats[(p * n + r) * 2 + 1]);
+            let m = (0..parts)
+                .map(|p| part(p).0)
+                .fold(f32::NEG_INFINITY, f32::max);
+            let sum: f64 = (0..parts)
+                .map(|p| {
+                    let (mp, sp) = part(p);
+                    match sp {
+                        0.0 => 0.0,
+                        _ => sp as f64 * ((mp - m) as f64).exp(),
+                    }
+                })
+                .sum();
+            let l = m as f64 + sum.ln();
+            lse[r] = l as f32;
+            losses[r] = (l - tgt[r] as f64) as f32;
+        }
+    }
+
+    // logits := dloss * exp(logits - lse) - dloss * onehot(target - lo), padding 0.
+    fn crossentropy_part_backward(
+        &mut self,
+        logits: &mut CpuBuf,
+        lse: &CpuBuf,
+        targets: &CpuBuf,
+        dloss: f32,
+        n: usize,
+        lo: usize,
+        v: usize,
+        vp: usize,
+    ) {
+        if n == 0 {
+            return;
+        }
+        let logits = &mut logits.wide_mut()[..n * vp];
+        let lse = &lse.wide()[..n];
+        let targets = &targets.as_u32()[..n];
+        self.pool.install(|| {
+            logits.par_chunks_mut(vp).enumerate().for_each(|(r, row)| {
+                let (x, pad) = row.split_at_mut(v);
+                for e in x.iter_mut() {
+                    *e = dloss * (*e - lse[r]).exp();
+                }
+                if let Some(j) = (targets[r] as usize).checked_sub(lo)
+                    && j < v
+                {
+                    x[j] -= dloss;
+                }
+                pad.fill(0.0);
+            })
         });
     }
 

@@ -563,7 +563,35 @@ impl<D: Driver> Backend for CudaBackend<D> {
         t: usize,
         c: usize,
     ) {
-        norm::embed_forward(self, out, tokens, wte, wpe, n, t, c)
+        norm::embed_forward(self, out, tokens, wte, wpe, n, t, c, None)
+    }
+
+    fn embed_forward_part(
+        &mut self,
+        out: &mut CudaBuf,
+        tokens: &CudaBuf,
+        wte: &CudaBuf,
+        wpe: Option<&CudaBuf>,
+        n: usize,
+        t: usize,
+        c: usize,
+        lo: usize,
+    ) {
+        norm::embed_forward(self, out, tokens, wte, wpe, n, t, c, Some(lo))
+    }
+
+    fn embed_backward_part(
+        &mut self,
+        dwte: &mut CudaBuf,
+        dwpe: Option<&mut CudaBuf>,
+        dout: &CudaBuf,
+        tokens: &CudaBuf,
+        n: usize,
+        t: usize,
+        c: usize,
+        lo: usize,
+    ) {
+        norm::embed_backward(self, dwte, dwpe, dout, tokens, n, t, c, lo)
     }
 
     fn embed_backward(
@@ -576,7 +604,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         t: usize,
         c: usize,
     ) {
-        norm::embed_backward(self, dwte, dwpe, dout, tokens, n, t, c)
+        norm::embed_backward(self, dwte, dwpe, dout, tokens, n, t, c, 0)
     }
 
     fn layernorm_forward(
@@ -820,6 +848,46 @@ impl<D: Driver> Backend for CudaBackend<D> {
         vp: usize,
     ) {
         norm::crossentropy_backward(self, logits, targets, dloss, n, v, vp)
+    }
+
+    fn crossentropy_part_stats(
+        &mut self,
+        stats: &mut CudaBuf,
+        tgt: &mut CudaBuf,
+        logits: &CudaBuf,
+        targets: &CudaBuf,
+        n: usize,
+        lo: usize,
+        v: usize,
+        vp: usize,
+    ) {
+        norm::crossentropy_part_stats(self, stats, tgt, logits, targets, n, lo, v, vp)
+    }
+
+    fn crossentropy_combine(
+        &mut self,
+        losses: &mut CudaBuf,
+        lse: &mut CudaBuf,
+        stats: &CudaBuf,
+        tgt: &CudaBuf,
+        n: usize,
+        parts: usize,
+    ) {
+        norm::crossentropy_combine(self, losses, lse, stats, tgt, n, parts)
+    }
+
+    fn crossentropy_part_backward(
+        &mut self,
+        logits: &mut CudaBuf,
+        lse: &CudaBuf,
+        targets: &CudaBuf,
+        dloss: f32,
+        n: usize,
+        lo: usize,
+        v: usize,
+        vp: usize,
+    ) {
+        norm::crossentropy_part_backward(self, logits, lse, targets, dloss, n, lo, v, vp)
     }
 
     fn sum_squares(&mut self, buf: &CudaBuf, n: usize) -> Option<f64> {

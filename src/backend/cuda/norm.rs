@@ -56,6 +56,7 @@ pub(crate) fn embed_forward<D: Driver>(
     n: usize,
     t: usize,
     c: usize,
+    part: Option<usize>,
 ) {
     if n == 0 || c == 0 {
         return;
@@ -80,6 +81,8 @@ pub(crate) fn embed_forward<D: Driver>(
             n64(t),
             n64(c),
             n64(vocab),
+            n64(part.unwrap_or(0)),
+            Arg::I32(part.is_some() as i32),
         ],
     );
 }
@@ -94,6 +97,7 @@ pub(crate) fn embed_backward<D: Driver>(
     n: usize,
     t: usize,
     c: usize,
+    lo: usize,
 ) {
     if n == 0 || c == 0 {
         return;
@@ -124,6 +128,7 @@ pub(crate) fn embed_backward<D: Driver>(
                 n64(n),
                 n64(c),
                 n64(vocab),
+                n64(lo),
             ],
         );
     }
@@ -474,6 +479,100 @@ pub(crate) fn crossentropy_backward<D: Driver>(
     );
 }
 
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn crossentropy_part_stats<D: Driver>(
+    be: &mut CudaBackend<D>,
+    stats: &mut CudaBuf,
+    tgt: &mut CudaBuf,
+    logits: &CudaBuf,
+    targets: &CudaBuf,
+    n: usize,
+    lo: usize,
+    v: usize,
+    vp: usize,
+) {
+    if n == 0 {
+        return;
+    }
+    assert!(
+        v <= vp,
+        "cross-entropy part needs v <= vp, got v={v} vp={vp}"
+    );
+    be.launch(
+        "crossentropy_part_stats_kernel",
+        per_row(n, row_threads(v.max(1), 512)),
+        &[
+            stats.arg(),
+            tgt.arg(),
+            logits.arg(),
+            logits.dt(),
+            targets.arg(),
+            n64(n),
+            n64(lo),
+            n64(v),
+            n64(vp),
+        ],
+    );
+}
+
+pub(crate) fn crossentropy_combine<D: Driver>(
+    be: &mut CudaBackend<D>,
+    losses: &mut CudaBuf,
+    lse: &mut CudaBuf,
+    stats: &CudaBuf,
+    tgt: &CudaBuf,
+    n: usize,
+    parts: usize,
+) {
+    if n == 0 {
+        return;
+    }
+    be.launch(
+        "crossentropy_combine_kernel",
+        LaunchCfg::elementwise(n),
+        &[
+            losses.arg(),
+            lse.arg(),
+            stats.arg(),
+            tgt.arg(),
+            n64(n),
+            n64(parts),
+        ],
+    );
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn crossentropy_part_backward<D: Driver>(
+    be: &mut CudaBackend<D>,
+    logits: &mut CudaBuf,
+    lse: &CudaBuf,
+    targets: &CudaBuf,
+    dloss: f32,
+    n: usize,
+    lo: usize,
+    v: usize,
+    vp: usize,
+) {
+    if n == 0 {
+        return;
+    }
+    be.launch(
+        "crossentropy_part_backward_kernel",
+        per_row(n, row_threads(vp.max(1), 512)),
+        &[
+            logits.arg(),
+            logits.dt(),
+            lse.arg(),
+            targets.arg(),
+            Arg::F32(dloss),
+            n64(n),
+            n64(lo),
+            n64(v),
+            n64(vp),
+        ],
+    );
+}
+
 pub(crate) fn sum_squares<D: Driver>(be: &mut CudaBackend<D>, buf: &CudaBuf, n: usize) -> f64 {
     if n == 0 {
         return 0.0;
@@ -639,6 +738,66 @@ fn crossentropy<B: Backend>(
     let mut g = up(be, logits, dt);
     be.crossentropy_backward(&mut g, &tb, 1.0 / n as f32, n, v, vp);
     vec![down(be, &losses), down(be, &g)]
+}
+
+/// The vocabulary-parallel embedding and cross-entropy of a group of
+/// `parts` ranks, run part by part on one backend, the collectives done on
+/// the host: `[embedding (parts summed), dwte parts stitched, losses,
+/// dlogits parts stitched]` (`vp` divisible by `parts`).
+#[allow(clippy::too_many_arguments)]
+fn vocab_parallel<B: Backend>(
+    be: &mut B,
+    tokens: &[u32],
+    wte: &[f32],
+    dout: &[f32],
+    logits: &[f32],
+    (n, c, v, vp): (usize, usize, usize, usize),
+    parts: usize,
+    dt: DType,
+) -> Vec<Vec<f32>> {
+    let rows = vp / parts;
+    let tb = up_u32(be, tokens);
+    let (mut emb, mut dwte) = (vec![0.0f32; n * c], Vec::new());
+    let (mut stats, mut tgt) = (Vec::new(), vec![0.0f32; n]);
+    let mut bufs = Vec::new();
+    for p in 0..parts {
+        let lo = p * rows;
+        let real = v.saturating_sub(lo).min(rows);
+        let w = up(be, &wte[lo * c..(lo + rows) * c], dt);
+        let mut out = up(be, &vec![f32::NAN; n * c], dt);
+        be.embed_forward_part(&mut out, &tb, &w, None, n, n, c, lo);
+        for (e, x) in emb.iter_mut().zip(down(be, &out)) {
+            *e += x;
+        }
+        let mut dw = up(be, &vec![0.0; rows * c], dt);
+        let db = up(be, dout, dt);
+        be.embed_backward_part(&mut dw, None, &db, &tb, n, n, c, lo);
+        dwte.extend(down(be, &dw));
+        let part: Vec<f32> = (0..n)
+            .flat_map(|r| logits[r * vp + lo..][..rows].to_vec())
+            .collect();
+        let lb = up(be, &part, dt);
+        let mut st = up(be, &vec![f32::NAN; 2 * n], DType::F32);
+        let mut tg = up(be, &vec![f32::NAN; n], DType::F32);
+        be.crossentropy_part_stats(&mut st, &mut tg, &lb, &tb, n, lo, real, rows);
+        stats.extend(down(be, &st));
+        for (a, b) in tgt.iter_mut().zip(down(be, &tg)) {
+            *a += b;
+        }
+        bufs.push((lb, lo, real));
+    }
+    let mut losses = up(be, &vec![f32::NAN; n], DType::F32);
+    let mut lse = up(be, &vec![f32::NAN; n], DType::F32);
+    let (sb, tb2) = (up(be, &stats, DType::F32), up(be, &tgt, DType::F32));
+    be.crossentropy_combine(&mut losses, &mut lse, &sb, &tb2, n, parts);
+    let mut dlogits = vec![0.0f32; n * vp];
+    for (mut lb, lo, real) in bufs {
+        be.crossentropy_part_backward(&mut lb, &lse, &tb, 1.0 / n as f32, n, lo, real, rows);
+        for (r, row) in down(be, &lb).chunks(rows).enumerate() {
+            dlogits[r * vp + lo..][..rows].copy_from_slice(row);
+        }
+    }
+    vec![emb, dwte, down(be, &losses), dlogits]
 }
 
 fn sumsq<B: Backend>(be: &mut B, x: &[f32], dt: DType) -> Vec<Vec<f32>> {
@@ -815,6 +974,32 @@ pub(crate) fn check_cases<D: Driver>(h: &mut Harness<D>) {
             );
         }
 
+        // The vocabulary-parallel embedding and loss: 2 and 4 parts, the
+        // last holding some padding or only padding.
+        for (n, c, v, vp, parts) in [
+            (6usize, 8usize, 10usize, 12usize, 2usize),
+            (37, 40, 90, 128, 4),
+            (64, 16, 257, 260, 4),
+        ] {
+            let tokens = h.tokens(n, v);
+            let wte = h.randn(vp * c, 1.0);
+            let dout = h.randn(n * c, 1.0);
+            let logits = h.randn(n * vp, 4.0);
+            let (cr, gr) = both!(
+                h,
+                vocab_parallel(&tokens, &wte, &dout, &logits, (n, c, v, vp), parts, dt)
+            );
+            h.compare(
+                "vocab-parallel embed + crossentropy",
+                format!("n={n} c={c} v={v} vp={vp} parts={parts}"),
+                dt,
+                &["embed", "dwte", "losses", "dlogits"],
+                &cr,
+                &gr,
+                Tol::new(1e-5, 1e-4),
+            );
+        }
+
         // One element; one block; the most blocks (PARTIALS) with a tail.
         for n in [2usize, 5000, PARTIALS * SUMSQ_PER_BLOCK + 777] {
             let x = h.randn(n, 1.0);
@@ -834,7 +1019,7 @@ pub(crate) fn check_cases<D: Driver>(h: &mut Harness<D>) {
 
 #[cfg(test)]
 mod tests {
-    use super::{embed, norm_bwd, sumsq};
+    use super::{crossentropy, embed, norm_bwd, sumsq, vocab_parallel};
     use crate::backend::DType;
     use crate::backend::cuda::CudaBackend;
     use crate::backend::cuda::check::{table, tests};
@@ -883,6 +1068,61 @@ mod tests {
         let first = run(&mut h.gpu);
         for _ in 0..3 {
             assert!(run(&mut h.gpu) == first, "a cross-block reduction changed");
+        }
+    }
+
+    /// On the cpu backend, the vocabulary-parallel parts put together are
+    /// the whole embedding and cross-entropy, whether a part holds real
+    /// rows, some padding or only padding.
+    #[test]
+    fn vocab_parallel_parts_make_the_whole() {
+        let mut be = crate::backend::cpu::CpuBackend::new(2).unwrap();
+        let mut h = tests::harness(6);
+        for (n, c, v, vp, parts) in [
+            (6usize, 8usize, 10usize, 12usize, 2usize),
+            (37, 40, 90, 128, 4),
+        ] {
+            let tokens = h.tokens(n, v);
+            let wte = h.randn(vp * c, 1.0);
+            let dout = h.randn(n * c, 1.0);
+            let mut logits = h.randn(n * vp, 4.0);
+            for r in 0..n {
+                logits[r * vp + v..][..vp - v].fill(0.0);
+            }
+            let got = vocab_parallel(
+                &mut be,
+                &tokens,
+                &wte,
+                &dout,
+                &logits,
+                (n, c, v, vp),
+                parts,
+                DType::F32,
+            );
+            let whole = embed(
+                &mut be,
+                &tokens,
+                &wte,
+                None,
+                &dout,
+                (&vec![0.0; vp * c], &[]),
+                (n, n, c),
+                DType::F32,
+            );
+            let ce = crossentropy(&mut be, &logits, &tokens, (n, v, vp), DType::F32);
+            let close = |a: &[f32], b: &[f32], tol: f32, what: &str| {
+                assert_eq!(a.len(), b.len(), "{what}");
+                for (x, y) in a.iter().zip(b) {
+                    assert!((x - y).abs() <= tol * (1.0 + y.abs()), "{what}: {x} vs {y}");
+                }
+            };
+            assert_eq!(
+                got[0], whole[0],
+                "embedding: one part adds a row, the others 0"
+            );
+            assert_eq!(got[1], whole[1], "dwte: each part's rows");
+            close(&got[2], &ce[0], 1e-6, "losses");
+            close(&got[3], &ce[1], 1e-6, "dlogits");
         }
     }
 

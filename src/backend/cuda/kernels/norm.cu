@@ -48,15 +48,17 @@ __device__ __forceinline__ int norm_ctz(unsigned m) {
 
 // out (N,C) = wte[tokens[r]] (+ wpe[r % t]). Block per row, threads over
 // columns. A token id past the table (vocab rows) writes NaN instead of
-// reading out of bounds (the cpu backend panics there).
+// reading out of bounds (the cpu backend panics there). A vocabulary-parallel
+// part (`part`) holds rows lo .. lo + vocab: other tokens give 0.
 extern "C" __global__ void embed_forward_kernel(void* out, int odt, const u32* tokens, const void* wte, int edt,
                                                 const void* wpe, int pdt, int has_wpe, i64 n, i64 t, i64 c,
-                                                i64 vocab) {
+                                                i64 vocab, i64 lo, int part) {
     for (i64 r = blockIdx.x; r < n; r += gridDim.x) {
-        const i64 tok = tokens[r];
+        const i64 tok = (i64)tokens[r] - lo;
+        const bool in = tok >= 0 && tok < vocab;
         const i64 pos = r % t;
         for (i64 j = threadIdx.x; j < c; j += blockDim.x) {
-            float v = tok < vocab ? ld(wte, edt, tok * c + j) : NORM_NAN;
+            float v = in ? ld(wte, edt, tok * c + j) : (part ? 0.0f : NORM_NAN);
             if (has_wpe) v += ld(wpe, pdt, pos * c + j);
             st(out, odt, r * c + j, v);
         }
@@ -82,7 +84,7 @@ extern "C" __global__ void embed_forward_kernel(void* out, int odt, const u32* t
 // ballot per warp per 32 ids, and the adds (N*C in all) are spread over the
 // blocks that own the hit rows.
 extern "C" __global__ void embed_backward_wte_kernel(void* dwte, int wdt, const void* dout, int odt,
-                                                     const u32* tokens, i64 n, i64 c, i64 vocab) {
+                                                     const u32* tokens, i64 n, i64 c, i64 vocab, i64 lo) {
     DYNAMIC_SHARED(float, acc);
     __shared__ unsigned masks[2][32];
     const int tid = threadIdx.x, bd = blockDim.x, nw = blockDim.x / 32;
@@ -94,7 +96,8 @@ extern "C" __global__ void embed_backward_wte_kernel(void* dwte, int wdt, const 
     int tile = 0;
     for (i64 base = 0; base < n; base += bd, tile ^= 1) {
         const i64 r = base + tid;
-        const i64 tok = r < n ? (i64)tokens[r] : -1;
+        // A vocabulary-parallel part's rows start at token lo.
+        const i64 tok = r < n ? (i64)tokens[r] - lo : -1;
         const unsigned m = norm_ballot(tok >= v0 && tok < v0 + rows);
         // Double-buffered: a thread writes masks[tile] again two tiles later,
         // past the next tile's barrier, which a thread reaches only after it
@@ -107,7 +110,7 @@ extern "C" __global__ void embed_backward_wte_kernel(void* dwte, int wdt, const 
                 const int j = norm_ctz(mm);
                 mm &= mm - 1;
                 const i64 rr = base + w * 32 + j;
-                const i64 k = (i64)tokens[rr] - v0;
+                const i64 k = (i64)tokens[rr] - lo - v0;
                 if (active) acc[k * bd + tid] += ld(dout, odt, rr * c + col);
             }
         }
@@ -371,6 +374,64 @@ extern "C" __global__ void crossentropy_backward_kernel(void* logits, int xdt, c
                 if (j == tgt) g -= dloss;
             }
             if (tgt >= v) g = NORM_NAN;
+            st(logits, xdt, off + j, g);
+        }
+    }
+}
+
+// Vocabulary-parallel cross-entropy on one part (columns lo.., the first v
+// real). Step 1: stats (N,2) = [max, sum exp(x - max)] (the sum in f64,
+// stored fp32), tgt (N) = the target's logit when it is in the part, else 0.
+extern "C" __global__ void crossentropy_part_stats_kernel(float* stats, float* tgt, const void* logits, int xdt,
+                                                          const u32* targets, i64 n, i64 lo, i64 v, i64 vp) {
+    __shared__ float redf[32];
+    __shared__ double redd[32];
+    for (i64 r = blockIdx.x; r < n; r += gridDim.x) {
+        float m;
+        double s;
+        norm_row_softmax_stats(logits, xdt, r * vp, v, redf, redd, &m, &s);
+        if (threadIdx.x == 0) {
+            stats[2 * r] = m;
+            stats[2 * r + 1] = (float)s;
+            const i64 j = (i64)targets[r] - lo;
+            tgt[r] = (j >= 0 && j < v) ? ld(logits, xdt, r * vp + j) : 0.0f;
+        }
+    }
+}
+
+// Step 2, thread per row: lse = M + ln(sum_p s_p exp(m_p - M)) over the parts'
+// stats (parts,N,2), in f64, and losses = lse - tgt.
+extern "C" __global__ void crossentropy_combine_kernel(float* losses, float* lse, const float* stats,
+                                                       const float* tgt, i64 n, i64 parts) {
+    FOR_EACH(r, n) {
+        float m = F32_NEG_INF;
+        for (i64 p = 0; p < parts; p++) m = fmaxf(m, stats[(p * n + r) * 2]);
+        double s = 0.0;
+        for (i64 p = 0; p < parts; p++) {
+            const float sp = stats[(p * n + r) * 2 + 1];
+            if (sp != 0.0f) s += (double)sp * exp((double)(stats[(p * n + r) * 2] - m));
+        }
+        const double l = (double)m + log(s);
+        lse[r] = (float)l;
+        losses[r] = (float)(l - (double)tgt[r]);
+    }
+}
+
+// Step 3, in place: logits[r, j] := dloss * exp(x - lse[r]) - dloss * [lo + j
+// == target] over the real columns, padding 0. Each thread rewrites only the
+// elements it read.
+extern "C" __global__ void crossentropy_part_backward_kernel(void* logits, int xdt, const float* lse,
+                                                             const u32* targets, float dloss, i64 n, i64 lo,
+                                                             i64 v, i64 vp) {
+    for (i64 r = blockIdx.x; r < n; r += gridDim.x) {
+        const i64 off = r * vp;
+        const i64 tgt = (i64)targets[r] - lo;
+        for (i64 j = threadIdx.x; j < vp; j += blockDim.x) {
+            float g = 0.0f;
+            if (j < v) {
+                g = dloss * expf(ld(logits, xdt, off + j) - lse[r]);
+                if (j == tgt) g -= dloss;
+            }
             st(logits, xdt, off + j, g);
         }
     }
