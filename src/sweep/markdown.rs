@@ -67,6 +67,16 @@ fn outcome_cell(r: &TrialRecord) -> String {
     }
 }
 
+/// The point's framework, fine-tuning and parallel layout as its label
+/// words them (`hf-eager lora pp2 tp4 `), empty for the defaults.
+fn layout_tags(p: &crate::plan::Point) -> String {
+    let label = p.label();
+    let at = label
+        .find(&format!("mb{} x{}", p.micro_batch, p.gpus))
+        .unwrap_or(0);
+    label[..at].to_string()
+}
+
 /// One row per trial: knobs, outcome, predicted and measured peaks, speed.
 pub fn rows(report: &SweepReport) -> Vec<[String; 13]> {
     report
@@ -84,7 +94,8 @@ pub fn rows(report: &SweepReport) -> Vec<[String; 13]> {
             [
                 format!("{i}{mark}"),
                 format!(
-                    "x{} {} {} {}{}",
+                    "{}x{} {} {} {}{}",
+                    layout_tags(p),
                     p.gpus,
                     name(p.sharding),
                     name(p.precision),
