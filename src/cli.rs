@@ -711,6 +711,11 @@ pub struct RunArgs {
     /// gradient_as_bucket_view), so the buckets cost no extra memory.
     #[arg(long)]
     pub bucket_view: bool,
+    /// With --tensor-parallel: Megatron's sequence parallelism; norms and
+    /// the residual stream keep 1/T of the tokens on each rank, gathered
+    /// before and reduce-scattered after each split projection.
+    #[arg(long)]
+    pub sequence_parallel: bool,
     /// ZeRO-Offload: optimizer (fp32 master, optimizer state and gradient
     /// shard in host memory, the update on the CPU; zero1-3) or
     /// optimizer+params (and the weight shard; zero3) [default: none].
@@ -889,6 +894,11 @@ impl RunArgs {
             key!(shard_group),
             key!(tensor_parallel),
             key!(pipeline_stages),
+            (
+                "sequence_parallel",
+                flags.sequence_parallel,
+                r.sequence_parallel.is_some(),
+            ),
             key!(schedule),
             key!(partition),
             key!(threads),
@@ -1017,6 +1027,8 @@ impl RunArgs {
                 ranks: self.ranks.or(r.ranks).unwrap_or(stages * tensor_parallel),
                 sharding: self.sharding.or(r.sharding).unwrap_or(d.sharding),
                 bucket_view: self.bucket_view || r.bucket_view.unwrap_or(d.bucket_view),
+                sequence_parallel: self.sequence_parallel
+                    || r.sequence_parallel.unwrap_or(d.sequence_parallel),
                 pipeline_stages: stages,
                 schedule: self.schedule.or(r.schedule).unwrap_or(d.schedule),
                 partition: match self.partition.as_ref().or(r.partition.as_ref()) {

@@ -365,6 +365,23 @@ pub fn validate_tensor_parallel(t: &TrainConfig, model: &ModelConfig) -> Result<
     if tp == 0 {
         return Err(Error::invalid_arg(flag, "must be at least 1"));
     }
+    if t.sequence_parallel {
+        let n = t.micro_batch * t.seq_len;
+        if tp < 2 {
+            return Err(Error::invalid_arg(
+                "--sequence-parallel",
+                "splits tokens over a tensor-parallel group; add --tensor-parallel 2 or more",
+            ));
+        }
+        if !n.is_multiple_of(tp) {
+            return Err(Error::invalid_arg(
+                "--sequence-parallel",
+                format!(
+                    "a micro-batch's {n} tokens (--micro-batch x --seq-len) do not split evenly over {tp} ranks"
+                ),
+            ));
+        }
+    }
     if tp == 1 {
         return Ok(());
     }

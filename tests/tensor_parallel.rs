@@ -105,14 +105,18 @@ fn a_tensor_parallel_group_trains_as_one_rank() {
             (Precision::Fp32, Optimizer::Adamw),
             (Precision::Bf16, Optimizer::Adamw),
         ] {
-            for (ranks, sharding) in [
-                (2, Sharding::None),
-                (4, Sharding::Ddp),
-                (4, Sharding::Zero1),
-                (4, Sharding::Zero2),
-                (4, Sharding::Zero3),
+            for (ranks, sharding, sequence_parallel) in [
+                (2, Sharding::None, false),
+                (2, Sharding::None, true),
+                (4, Sharding::Ddp, false),
+                (4, Sharding::Zero1, true),
+                (4, Sharding::Zero2, false),
+                (4, Sharding::Zero2, true),
+                (4, Sharding::Zero3, false),
+                (4, Sharding::Zero3, true),
             ] {
                 let tc = TrainConfig {
+                    sequence_parallel,
                     seq_len: 16,
                     micro_batch: 2,
                     grad_accum: 2,
@@ -141,7 +145,7 @@ fn a_tensor_parallel_group_trains_as_one_rank() {
                 let got = full_params(&c, &want);
                 let d = max_diff(&got, &want);
                 eprintln!(
-                    "{name} {precision:?} {optimizer:?} TP=2 x {sharding:?}: max |diff| {d:e}"
+                    "{name} {precision:?} {optimizer:?} TP=2 (SP {sequence_parallel}) x {sharding:?}: max |diff| {d:e}"
                 );
                 // SGD is linear in the gradient, so its drift is the
                 // gradients' rounding (we see 3.7e-9). AdamW divides by
@@ -206,14 +210,18 @@ fn vocabulary_parts_of_padding_train_as_one_rank() {
 fn meta_predicts_every_tensor_parallel_rank() {
     for name in ["gpt2-tiny", "llama-tiny"] {
         let model = load_model(name).unwrap();
-        for (ranks, stages, sharding, precision, checkpointing) in [
+        for ((ranks, stages, sharding, precision, checkpointing), sequence_parallel) in [
             (2, 1, Sharding::None, Precision::Fp32, Checkpointing::None),
             (4, 1, Sharding::Zero3, Precision::Bf16, Checkpointing::Full),
             (4, 1, Sharding::Ddp, Precision::Fp16, Checkpointing::None),
             (4, 2, Sharding::None, Precision::Bf16, Checkpointing::Full),
             (8, 2, Sharding::Zero1, Precision::Fp32, Checkpointing::None),
-        ] {
+        ]
+        .into_iter()
+        .flat_map(|c| [(c, false), (c, true)])
+        {
             let tc = TrainConfig {
+                sequence_parallel,
                 seq_len: 16,
                 micro_batch: 2,
                 grad_accum: 2,
@@ -225,7 +233,9 @@ fn meta_predicts_every_tensor_parallel_rank() {
                 tensor_parallel: 2,
                 ..TrainConfig::default()
             };
-            let what = format!("{name} N={ranks} S={stages} {sharding:?} {precision:?}");
+            let what = format!(
+                "{name} N={ranks} S={stages} {sharding:?} {precision:?} SP {sequence_parallel}"
+            );
             let mut cpu = cpu_cluster(&model, &tc);
             let mut meta = meta_cluster(&model, &tc);
             let mut data = DataSource::synthetic(model.vocab_size, 5);
@@ -366,6 +376,19 @@ fn the_cli_runs_tensor_parallel_groups_and_refuses_what_cannot_split() {
     let with = |extra: &[&'static str]| [&r[..], extra].concat();
     refused(&with(&["--tensor-parallel", "4"]), "n_kv_head");
     refused(&with(&["--tensor-parallel", "0"]), "--tensor-parallel");
+    refused(&with(&["--sequence-parallel"]), "add --tensor-parallel");
+    refused(
+        &with(&[
+            "--tensor-parallel",
+            "2",
+            "--sequence-parallel",
+            "--micro-batch",
+            "1",
+            "--seq-len",
+            "7",
+        ]),
+        "do not split evenly",
+    );
     refused(
         &with(&["--tensor-parallel", "2", "--ranks", "3"]),
         "tensor-parallel groups of 2",
@@ -496,4 +519,61 @@ fn planning_llama_70b_takes_a_tensor_and_pipeline_parallel_layout() {
     assert!(far > 1.5 * near, "{far} vs {near}");
     // A 4-wide group still fits in those nodes.
     assert!(comm(&at(qs, 4, 2)) < far);
+}
+
+/// Megatron's sequence parallelism: the norms and residual stream keep half
+/// the tokens on each of 2 ranks, so the activations shrink; each
+/// column-parallel projection's input is all-gathered (again in the
+/// backward) and each row-parallel output reduce-scattered, and the norms'
+/// gradients are all-reduced once a step.
+#[test]
+fn sequence_parallelism_splits_the_tokens_between_the_projections() {
+    let model = load_model("llama-tiny").unwrap();
+    let l = model.n_layer;
+    let (n, c) = (2 * 16, model.d_model);
+    let base = TrainConfig {
+        seq_len: 16,
+        micro_batch: 2,
+        grad_accum: 3,
+        ranks: 2,
+        tensor_parallel: 2,
+        checkpointing: Checkpointing::Full,
+        ..TrainConfig::default()
+    };
+    let peaks = |sp: bool| {
+        let tc = TrainConfig {
+            sequence_parallel: sp,
+            ..base.clone()
+        };
+        let mut meta = meta_cluster(&model, &tc);
+        for e in &mut meta.ranks {
+            e.dev.collectives = Some(Vec::new());
+        }
+        meta.step_from(3, || unreachable!()).unwrap();
+        let e = meta.ranks.swap_remove(0);
+        (e.dev.tracker.peak_bytes(), e.dev.collectives.unwrap())
+    };
+    let (tp, _) = peaks(false);
+    let (sp, calls) = peaks(true);
+    assert_eq!(sp.parameters, tp.parameters);
+    assert!(sp.activations < tp.activations, "{sp:?} vs {tp:?}");
+    let count = |op: Op, bytes: usize| {
+        calls
+            .iter()
+            .filter(|x| x.op == op && x.bytes == bytes as u64)
+            .count()
+    };
+    let act = 4 * n * c;
+    // Per micro-batch, with the forward recomputed: each block gathers
+    // ln1 and ln2 and scatters the o and down outputs (the recompute skips
+    // the down projection), then in the backward gathers d(out) twice and
+    // ln1 and ln2 again, and scatters the two norm-input gradients; the
+    // embedding scatters its output and gathers its gradient; the head
+    // gathers its input twice and scatters its input's gradient.
+    let gathers = (2 + 2 + 4) * l + 1 + 2;
+    let scatters = (2 + 1 + 2) * l + 1 + 1;
+    assert_eq!(count(Op::AllGather, act), 3 * gathers);
+    assert_eq!(count(Op::ReduceScatter, act), 3 * scatters);
+    // Once a step: every norm weight's gradient (llama: 2 a block + ln_f).
+    assert_eq!(count(Op::AllReduce, 4 * c), 2 * l + 1);
 }

@@ -47,6 +47,7 @@ pub struct RunRecipe {
     pub ranks: Option<usize>,
     pub sharding: Option<Sharding>,
     pub bucket_view: Option<bool>,
+    pub sequence_parallel: Option<bool>,
     pub offload: Option<Offload>,
     pub host_memory: Option<Bytes>,
     pub shard_group: Option<usize>,

@@ -90,6 +90,11 @@ pub struct TrainConfig {
     /// Pipeline stages (1: no pipeline). `grad_accum` is then the number of
     /// micro-batches each step pushes through the pipeline.
     pub pipeline_stages: usize,
+    /// Megatron's sequence parallelism (with `tensor_parallel` > 1): the
+    /// norms and residual stream keep `1/T` of the tokens on each rank,
+    /// all-gathered before each column-parallel projection and
+    /// reduce-scattered after each row-parallel one.
+    pub sequence_parallel: bool,
     pub schedule: Schedule,
     /// Blocks per stage; `None` splits them evenly.
     pub partition: Option<Vec<usize>>,
@@ -247,6 +252,7 @@ impl Default for TrainConfig {
             sharding: Sharding::None,
             bucket_view: false,
             pipeline_stages: 1,
+            sequence_parallel: false,
             schedule: Schedule::OneFOneB,
             partition: None,
             framework: Framework::Memfit,
@@ -539,7 +545,8 @@ impl<B: Backend> Engine<B> {
             assert_eq!(comm.world(), train.tensor_parallel, "one rank per split");
             let (size, rank) = (comm.world(), comm.rank());
             let splits = tensor::split_layout(&model, &mut specs, &idx, size, rank);
-            Tp { comm, splits }
+            let sp = train.sequence_parallel;
+            Tp { comm, splits, sp }
         });
         let widths = tensor::widths(&model, tp.as_ref().map_or(1, Tp::size));
         let trainable: Vec<bool> = (0..specs.len())
@@ -1107,27 +1114,33 @@ impl<B: Backend> Engine<B> {
                 dev.be.upload_u32(&mut x.buf, &batch.targets);
             }
         }
+        // The tokens of the residual stream this rank holds (its share
+        // under sequence parallelism).
+        let nl = tp.as_ref().map_or(n, |tp| tp.rows(n));
         let input = match (&tokens, pipe.as_mut()) {
             (Some(tokens), _) => {
                 let mut emb = dev.alloc(n * c, dt, act)?;
                 let wpe = idx.wpe.map(|i| &p[i]);
-                match tp.as_mut() {
-                    None => dev.embed_forward(&mut emb, tokens, &p[idx.wte], wpe, n, t, c),
+                let emb = match tp.as_mut() {
+                    None => {
+                        dev.embed_forward(&mut emb, tokens, &p[idx.wte], wpe, n, t, c);
+                        emb
+                    }
                     Some(tp) => {
                         // Each rank's rows; the positions added once.
                         let (lo, ..) = tp.vocab(model);
                         let wpe = wpe.filter(|_| tp.rank() == 0);
                         dev.embed_forward_part(&mut emb, tokens, &p[idx.wte], wpe, (n, t, c), lo);
-                        tp.all_reduce(dev, &mut emb);
+                        tp.reduce(dev, emb)?
                     }
-                }
+                };
                 hook(dev, p, Stage::Embed, true)?;
                 emb
             }
             // The previous stage's output, kept in its receive buffer
             // until this micro-batch's backward.
             (None, Some(pp)) => {
-                let mut x = dev.alloc(n * c, dt, Category::Communication)?;
+                let mut x = dev.alloc(nl * c, dt, Category::Communication)?;
                 dev.recv(&mut *pp.p2p, Peer::Prev, &mut x);
                 x
             }
@@ -1194,7 +1207,8 @@ impl<B: Backend> Engine<B> {
         hook(dev, p, Stage::Head, false)?;
         let x = resid.last().expect("embedding output");
         let lnf_b = idx.lnf_b.map(|i| &p[i]);
-        let (lnf, lnf_mean, lnf_rstd) = norm_layer(dev, x, &p[idx.lnf_w], lnf_b, gpt2, n, c, eps)?;
+        let (lnf, lnf_mean, lnf_rstd) =
+            norm_layer(dev, x, &p[idx.lnf_w], lnf_b, gpt2, nl, c, eps)?;
         let head_extra = match hf {
             Some(h) => alloc_saved(dev, &h.head_saved)?,
             None => Vec::new(),
@@ -1210,7 +1224,10 @@ impl<B: Backend> Engine<B> {
         // the end of the forward.
         let hf_logits = alloc_saved(dev, hf.map_or(&[][..], |h| &h.logits[..]))?;
         let loss_extra = alloc_saved(dev, hf.map_or(&[][..], |h| &h.loss_saved[..]))?;
-        dev.matmul_forward(&mut logits, &lnf, &p[head], None, n, c, vpl);
+        let gathered = gather(dev, tp.as_mut(), &lnf)?;
+        let inp = gathered.as_ref().unwrap_or(&lnf);
+        dev.matmul_forward(&mut logits, inp, &p[head], None, n, c, vpl);
+        dev.free_opt(gathered);
         let mut losses = dev.alloc_f32(n, act)?;
         let tg = targets.as_ref().expect("the last stage reads the targets");
         let lse = match tp.as_mut() {
@@ -1365,7 +1382,8 @@ impl<B: Backend> Engine<B> {
                     false => Phase::Backward(layers.end - 1),
                 });
                 let pp = pipe.as_mut().expect("a stage before the last");
-                let mut d = dev.alloc(n * c, dt, Category::Communication)?;
+                let nl = tp.as_ref().map_or(n, |tp| tp.rows(n));
+                let mut d = dev.alloc(nl * c, dt, Category::Communication)?;
                 dev.recv(&mut *pp.p2p, Peer::Next, &mut d);
                 d
             }
@@ -1411,12 +1429,18 @@ impl<B: Backend> Engine<B> {
                     a
                 }
             };
-            // MLP: dres is d(out) = d(mlp output)
+            // MLP: dres is d(out) = d(mlp output); under sequence
+            // parallelism this rank's tokens of it, gathered for the down
+            // projection's backward.
+            let nl = tp.as_ref().map_or(n, |tp| tp.rows(n));
             let mut dact = dev.alloc(n * dff, dt, tmp)?;
             let (dw, db) = wgrads(g, frozen, bi.down_w, bi.down_b);
             let wq = dequant(dev, &p[bi.down_w], dff * c, qlora, dt)?;
             let w = wq.as_ref().unwrap_or(&p[bi.down_w]);
-            dev.matmul_backward(&mut dact, dw, db, &dres, &a.act, w, n, dff, c);
+            let gathered = gather(dev, tp.as_mut(), &dres)?;
+            let dout = gathered.as_ref().unwrap_or(&dres);
+            dev.matmul_backward(&mut dact, dw, db, dout, &a.act, w, n, dff, c);
+            dev.free_opt(gathered);
             dev.free_opt(wq);
             let ts = &a.lora_t;
             lora_backward(
@@ -1445,7 +1469,12 @@ impl<B: Backend> Engine<B> {
             let (dw, db) = wgrads(g, frozen, bi.up_w, bi.up_b);
             let wq = dequant(dev, &p[bi.up_w], upw * c, qlora, dt)?;
             let w = wq.as_ref().unwrap_or(&p[bi.up_w]);
-            dev.matmul_backward(&mut dln2, dw, db, &dup, &a.ln2, w, n, c, upw);
+            // Sequence parallelism gathers the norm's output again (Megatron
+            // saves only this rank's tokens of it).
+            let gathered = gather(dev, tp.as_mut(), &a.ln2)?;
+            let inp = gathered.as_ref().unwrap_or(&a.ln2);
+            dev.matmul_backward(&mut dln2, dw, db, &dup, inp, w, n, c, upw);
+            dev.free_opt(gathered);
             dev.free_opt(wq);
             lora_backward(
                 dev,
@@ -1462,10 +1491,12 @@ impl<B: Backend> Engine<B> {
             )?;
             dev.free(dup);
             // Each rank's up projection saw a slice of the MLP: the norm's
-            // output gradient is the sum over the group.
-            if let Some(tp) = tp.as_mut() {
-                tp.all_reduce(dev, &mut dln2);
-            }
+            // output gradient is the sum over the group (this rank's tokens
+            // of it under sequence parallelism).
+            let dln2 = match tp.as_mut() {
+                Some(tp) => tp.reduce(dev, dln2)?,
+                None => dln2,
+            };
             let (dw, db) = norm_grads(g, &mut scratch, bi.ln2_w, bi.ln2_b);
             dev.norm_backward(
                 &mut dres,
@@ -1476,7 +1507,7 @@ impl<B: Backend> Engine<B> {
                 &p[bi.ln2_w],
                 a.ln2_mean.as_ref(),
                 &a.ln2_rstd,
-                n,
+                nl,
                 c,
             );
             dev.free(dln2);
@@ -1485,7 +1516,10 @@ impl<B: Backend> Engine<B> {
             let (dw, db) = wgrads(g, frozen, bi.o_w, bi.o_b);
             let wq = dequant(dev, &p[bi.o_w], c * aw, qlora, dt)?;
             let w = wq.as_ref().unwrap_or(&p[bi.o_w]);
-            dev.matmul_backward(&mut datty, dw, db, &dres, &a.atty, w, n, aw, c);
+            let gathered = gather(dev, tp.as_mut(), &dres)?;
+            let dout = gathered.as_ref().unwrap_or(&dres);
+            dev.matmul_backward(&mut datty, dw, db, dout, &a.atty, w, n, aw, c);
+            dev.free_opt(gathered);
             dev.free_opt(wq);
             lora_backward(
                 dev,
@@ -1520,7 +1554,10 @@ impl<B: Backend> Engine<B> {
             let (dw, db) = wgrads(g, frozen, bi.qkv_w, bi.qkv_b);
             let wq = dequant(dev, &p[bi.qkv_w], qkvw * c, qlora, dt)?;
             let w = wq.as_ref().unwrap_or(&p[bi.qkv_w]);
-            dev.matmul_backward(&mut dln1, dw, db, &dqkv, &a.ln1, w, n, c, qkvw);
+            let gathered = gather(dev, tp.as_mut(), &a.ln1)?;
+            let inp = gathered.as_ref().unwrap_or(&a.ln1);
+            dev.matmul_backward(&mut dln1, dw, db, &dqkv, inp, w, n, c, qkvw);
+            dev.free_opt(gathered);
             dev.free_opt(wq);
             lora_backward(
                 dev,
@@ -1536,9 +1573,10 @@ impl<B: Backend> Engine<B> {
                 n,
             )?;
             dev.free(dqkv);
-            if let Some(tp) = tp.as_mut() {
-                tp.all_reduce(dev, &mut dln1);
-            }
+            let dln1 = match tp.as_mut() {
+                Some(tp) => tp.reduce(dev, dln1)?,
+                None => dln1,
+            };
             let (dw, db) = norm_grads(g, &mut scratch, bi.ln1_w, bi.ln1_b);
             dev.norm_backward(
                 &mut dres,
@@ -1549,7 +1587,7 @@ impl<B: Backend> Engine<B> {
                 &p[bi.ln1_w],
                 a.ln1_mean.as_ref(),
                 &a.ln1_rstd,
-                n,
+                nl,
                 c,
             );
             dev.free(dln1);
@@ -1574,12 +1612,19 @@ impl<B: Backend> Engine<B> {
                 }
                 // A frozen embedding needs no gradient at all.
                 if !frozen {
-                    let (dwte, dwpe) = pair_mut(g, idx.wte, idx.wpe);
-                    match tp.as_ref() {
-                        None => dev.embed_backward(dwte, dwpe, &dres, &tokens, n, t, c),
+                    match tp.as_mut() {
+                        None => {
+                            let (dwte, dwpe) = pair_mut(g, idx.wte, idx.wpe);
+                            dev.embed_backward(dwte, dwpe, &dres, &tokens, n, t, c);
+                        }
                         Some(tp) => {
+                            // Every token's gradient reaches this rank's rows.
                             let lo = tp.vocab(model).0;
-                            dev.embed_backward_part(dwte, dwpe, &dres, &tokens, (n, t, c), lo);
+                            let gathered = tp.gather(dev, &dres)?;
+                            let dout = gathered.as_ref().unwrap_or(&dres);
+                            let (dwte, dwpe) = pair_mut(g, idx.wte, idx.wpe);
+                            dev.embed_backward_part(dwte, dwpe, dout, &tokens, (n, t, c), lo);
+                            dev.free_opt(gathered);
                         }
                     }
                 }
@@ -1659,6 +1704,26 @@ impl<B: Backend> Engine<B> {
             d.all_reduce_replicas(dev, owned);
         }
         let sharded = dist.as_ref().is_some_and(|d| d.sharding.shards_optimizer());
+        // Sequence parallelism: each rank's norms saw only its tokens, so
+        // their gradients (whole or sharded alike) are summed over the
+        // group, as Megatron all-reduces them before the step.
+        if let Some(tp) = tp.as_mut().filter(|tp| tp.sp) {
+            let norms: Vec<usize> = idx
+                .blocks
+                .iter()
+                .flat_map(|b| [Some(b.ln1_w), b.ln1_b, Some(b.ln2_w), b.ln2_b])
+                .chain([Some(idx.lnf_w), idx.lnf_b])
+                .flatten()
+                .filter(|&i| owned[i])
+                .collect();
+            let local = match dist.as_mut() {
+                Some(d) if sharded => &mut d.grad_shards,
+                _ => &mut *grads,
+            };
+            for i in norms {
+                tp.all_reduce(dev, &mut local[i]);
+            }
+        }
         let mut norm_sq = Some(0.0f64);
         let local = match dist.as_ref() {
             Some(d) if sharded => &d.grad_shards,
@@ -1955,18 +2020,25 @@ fn head_backward<B: Backend>(
         }
     }
     let mut dlnf = dev.alloc(n * c, dt, tmp)?;
+    let mut tp = tp;
+    let gathered = gather(dev, tp.as_deref_mut(), &lnf)?;
+    let inp = gathered.as_ref().unwrap_or(&lnf);
     let dw = match frozen {
         true => None,
         false => Some(&mut g[head]),
     };
-    dev.matmul_backward(&mut dlnf, dw, None, &logits, &lnf, &p[head], n, c, vpl);
+    dev.matmul_backward(&mut dlnf, dw, None, &logits, inp, &p[head], n, c, vpl);
+    dev.free_opt(gathered);
     dev.free(logits);
     // Each rank's columns of the head saw the whole input: its gradient is
-    // the sum over the group.
-    if let Some(tp) = tp {
-        tp.all_reduce(dev, &mut dlnf);
-    }
-    let mut dres = dev.alloc(n * c, dt, tmp)?;
+    // the sum over the group (this rank's tokens of it under sequence
+    // parallelism).
+    let nl = tp.as_ref().map_or(n, |tp| tp.rows(n));
+    let dlnf = match tp {
+        Some(tp) => tp.reduce(dev, dlnf)?,
+        None => dlnf,
+    };
+    let mut dres = dev.alloc(nl * c, dt, tmp)?;
     let (dw, db) = norm_grads(g, scratch, idx.lnf_w, idx.lnf_b);
     dev.norm_backward(
         &mut dres,
@@ -1977,7 +2049,7 @@ fn head_backward<B: Backend>(
         &p[idx.lnf_w],
         lnf_mean.as_ref(),
         &lnf_rstd,
-        n,
+        nl,
         c,
     );
     for x in [dlnf, lnf, lnf_rstd].into_iter().chain(extra) {
@@ -2062,6 +2134,8 @@ fn block_forward<B: Backend>(
     (wd, mut tp): (tensor::Widths, Option<&mut Tp<B>>),
 ) -> Result<BlockOut<B>, OomError> {
     let (t, n, c) = (s.t, s.b * s.t, model.d_model);
+    // The tokens this rank's norms and residual stream hold.
+    let nl = tp.as_ref().map_or(n, |tp| tp.rows(n));
     let eps = model.norm_eps();
     let (qkvw, upw, dff, aw) = (wd.qkv, wd.up, wd.dff, wd.attn);
     // A row-parallel projection's bias is added once, on the group's first
@@ -2075,11 +2149,14 @@ fn block_forward<B: Backend>(
     let dt = x.dtype;
     // attention: ln1 -> qkv (-> rope) -> attention -> o-proj, + residual
     let (ln1, ln1_mean, ln1_rstd) =
-        norm_layer(dev, x, &p[bi.ln1_w], opt(bi.ln1_b), gpt2, n, c, eps)?;
+        norm_layer(dev, x, &p[bi.ln1_w], opt(bi.ln1_b), gpt2, nl, c, eps)?;
     let mut qkv = dev.alloc(n * qkvw, dt, act)?;
     let wq = dequant(dev, &p[bi.qkv_w], qkvw * c, lora.2, dt)?;
     let w = wq.as_ref().unwrap_or(&p[bi.qkv_w]);
-    dev.matmul_forward(&mut qkv, &ln1, w, opt(bi.qkv_b), n, c, qkvw);
+    let gathered = gather(dev, tp.as_deref_mut(), &ln1)?;
+    let inp = gathered.as_ref().unwrap_or(&ln1);
+    dev.matmul_forward(&mut qkv, inp, w, opt(bi.qkv_b), n, c, qkvw);
+    dev.free_opt(gathered);
     dev.free_opt(wq);
     let mut lora_t = Vec::new();
     lora_forward(
@@ -2123,19 +2200,23 @@ fn block_forward<B: Backend>(
         n,
         &mut lora_t,
     )?;
-    if let Some(tp) = tp.as_deref_mut() {
-        tp.all_reduce(dev, &mut proj);
-    }
-    let mut res2 = dev.alloc(n * c, dt, act)?;
-    dev.add(&mut res2, x, &proj, n * c);
+    let proj = match tp.as_deref_mut() {
+        Some(tp) => tp.reduce(dev, proj)?,
+        None => proj,
+    };
+    let mut res2 = dev.alloc(nl * c, dt, act)?;
+    dev.add(&mut res2, x, &proj, nl * c);
     dev.free(proj);
     // MLP: ln2 -> up -> gelu | swiglu -> down, + residual
     let (ln2, ln2_mean, ln2_rstd) =
-        norm_layer(dev, &res2, &p[bi.ln2_w], opt(bi.ln2_b), gpt2, n, c, eps)?;
+        norm_layer(dev, &res2, &p[bi.ln2_w], opt(bi.ln2_b), gpt2, nl, c, eps)?;
     let mut up = dev.alloc(n * upw, dt, act)?;
     let wq = dequant(dev, &p[bi.up_w], upw * c, lora.2, dt)?;
     let w = wq.as_ref().unwrap_or(&p[bi.up_w]);
-    dev.matmul_forward(&mut up, &ln2, w, opt(bi.up_b), n, c, upw);
+    let gathered = gather(dev, tp.as_deref_mut(), &ln2)?;
+    let inp = gathered.as_ref().unwrap_or(&ln2);
+    dev.matmul_forward(&mut up, inp, w, opt(bi.up_b), n, c, upw);
+    dev.free_opt(gathered);
     dev.free_opt(wq);
     lora_forward(
         dev,
@@ -2172,11 +2253,12 @@ fn block_forward<B: Backend>(
             n,
             &mut lora_t,
         )?;
-        if let Some(tp) = tp {
-            tp.all_reduce(dev, &mut mlp);
-        }
-        let mut out = dev.alloc(n * c, dt, act)?;
-        dev.add(&mut out, &res2, &mlp, n * c);
+        let mlp = match tp {
+            Some(tp) => tp.reduce(dev, mlp)?,
+            None => mlp,
+        };
+        let mut out = dev.alloc(nl * c, dt, act)?;
+        dev.add(&mut out, &res2, &mlp, nl * c);
         dev.free(mlp);
         Some(out)
     } else {
@@ -2201,6 +2283,19 @@ fn block_forward<B: Backend>(
         lora_t,
     };
     Ok((a, out))
+}
+
+/// Sequence parallelism: `local` gathered over the tensor-parallel group
+/// (`None` without it: `local` already holds every token).
+fn gather<B: Backend>(
+    dev: &mut Device<B>,
+    tp: Option<&mut Tp<B>>,
+    local: &T<B>,
+) -> Result<Option<T<B>>, OomError> {
+    match tp {
+        Some(tp) => tp.gather(dev, local),
+        None => Ok(None),
+    }
 }
 
 /// A norm's output and what its backward needs (`mean` for LayerNorm only),

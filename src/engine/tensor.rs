@@ -38,12 +38,16 @@ use super::device::{Comm, Device, Tensor};
 use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::config::model::{ParamIndex, ParamSpec};
+use crate::memory::{Category, OomError};
 
 /// One rank's place in its tensor-parallel group.
 pub struct Tp<B: Backend> {
     pub comm: Comm<B>,
     /// How each tensor is split (`None`: replicated).
     pub splits: Vec<Option<Split>>,
+    /// Sequence parallelism: between the split projections, each rank keeps
+    /// only its `1/T` of the tokens.
+    pub sp: bool,
 }
 
 impl<B: Backend> Tp<B> {
@@ -72,6 +76,56 @@ impl<B: Backend> Tp<B> {
         let stride = std::mem::replace(&mut dev.call_stride, 1);
         dev.all_gather(&mut *self.comm, out, inp);
         dev.call_stride = stride;
+    }
+
+    /// Tokens this rank keeps of a micro-batch's `n` between the split
+    /// projections: `n / T` under sequence parallelism, else all.
+    pub fn rows(&self, n: usize) -> usize {
+        match self.sp {
+            true => n / self.size(),
+            false => n,
+        }
+    }
+
+    /// Sequence parallelism: `local` (this rank's tokens) gathered into a
+    /// new buffer of every rank's (Megatron's `g`), which the caller frees;
+    /// `None` without it (every rank already has every token).
+    pub fn gather(
+        &mut self,
+        dev: &mut Device<B>,
+        local: &Tensor<B::Buf>,
+    ) -> Result<Option<Tensor<B::Buf>>, OomError> {
+        if !self.sp {
+            return Ok(None);
+        }
+        let mut full = dev.alloc(
+            local.len * self.size(),
+            local.dtype,
+            Category::Communication,
+        )?;
+        self.all_gather(dev, &mut full, local);
+        Ok(Some(full))
+    }
+
+    /// A row-parallel output's partial sums over every token, summed over
+    /// the group: all-reduced in place, or under sequence parallelism
+    /// reduce-scattered into this rank's tokens (a new buffer of `t`'s
+    /// category; `t` is freed).
+    pub fn reduce(
+        &mut self,
+        dev: &mut Device<B>,
+        mut t: Tensor<B::Buf>,
+    ) -> Result<Tensor<B::Buf>, OomError> {
+        if !self.sp {
+            self.all_reduce(dev, &mut t);
+            return Ok(t);
+        }
+        let mut out = dev.alloc(t.len / self.size(), t.dtype, t.category)?;
+        let stride = std::mem::replace(&mut dev.call_stride, 1);
+        dev.reduce_scatter(&mut *self.comm, &mut out, &t);
+        dev.call_stride = stride;
+        dev.free(t);
+        Ok(out)
     }
 
     /// This rank's part of the (padded) vocabulary: `(lo, real, padded)`,

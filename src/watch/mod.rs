@@ -206,6 +206,7 @@ pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
         ranks: p.ranks,
         sharding: p.sharding,
         bucket_view: false,
+        sequence_parallel: false,
         pipeline_stages: p.pipeline_stages,
         microbatches: None,
         schedule: None,
