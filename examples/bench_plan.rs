@@ -33,6 +33,7 @@ fn main() {
             pipeline_stages: vec![1],
             shard_group: vec![0],
             tensor_parallel: vec![1],
+            hpz_group: vec![0],
         },
         headroom: 0.05,
         cost: None,
@@ -88,6 +89,7 @@ fn main() {
             pipeline_stages: vec![1],
             shard_group: vec![0],
             tensor_parallel: vec![1],
+            hpz_group: vec![0],
         },
         ..single
     };

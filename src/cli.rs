@@ -733,6 +733,13 @@ pub struct RunArgs {
     /// replicas x this [default: 1].
     #[arg(long)]
     pub tensor_parallel: Option<usize>,
+    /// ZeRO++ hpZ (zero3): each rank also keeps a secondary copy of the
+    /// weights sharded over its group of this many consecutive ranks (a
+    /// node's GPUs), so the backward's all-gathers stay within the group;
+    /// costs 1/G of the weights per rank (DeepSpeed's
+    /// zero_hpz_partition_size) [default: 0, off].
+    #[arg(long)]
+    pub hpz_group: Option<usize>,
     /// Host memory offloaded tensors may take, per rank, e.g. 64GiB
     /// [default: this machine's available memory].
     #[arg(long, value_parser = host_bytes)]
@@ -893,6 +900,7 @@ impl RunArgs {
             key!(host_memory),
             key!(shard_group),
             key!(tensor_parallel),
+            key!(hpz_group),
             key!(pipeline_stages),
             (
                 "sequence_parallel",
@@ -1055,6 +1063,7 @@ impl RunArgs {
                     .or(d.host_memory),
                 shard_group: self.shard_group.or(r.shard_group).unwrap_or(d.shard_group),
                 tensor_parallel,
+                hpz_group: self.hpz_group.or(r.hpz_group).unwrap_or(d.hpz_group),
                 ..d
             },
             steps: self.steps.or(r.steps).unwrap_or(20),

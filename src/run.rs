@@ -461,7 +461,8 @@ pub fn validate_pipeline(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
     Ok(())
 }
 
-/// Checks `--ranks`, `--sharding` and `--bucket-view` together.
+/// Checks `--ranks`, `--sharding`, `--bucket-view`, `--shard-group` and
+/// `--hpz-group` together.
 pub fn validate_sharding(t: &TrainConfig) -> Result<()> {
     if t.shard_group > 0 {
         let d = t.data_ranks();
@@ -506,6 +507,9 @@ pub fn validate_sharding(t: &TrainConfig) -> Result<()> {
                 t.ranks
             ),
         ));
+    }
+    if let Some(why) = hpz_refusal(t) {
+        return Err(Error::invalid_arg("--hpz-group", why));
     }
     if t.data_ranks() > 1 && t.sharding == Sharding::None {
         return Err(Error::invalid_arg(
@@ -559,6 +563,30 @@ pub fn validate_sharding(t: &TrainConfig) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// Why `--hpz-group` (ZeRO++ hpZ) cannot run with the other knobs of `t`,
+/// if it cannot.
+fn hpz_refusal(t: &TrainConfig) -> Option<String> {
+    let (g, d) = (t.hpz_group, t.data_ranks());
+    if g == 0 {
+        return None;
+    }
+    Some(if t.sharding != Sharding::Zero3 {
+        "hpZ keeps a secondary copy of ZeRO-3's partitioned weights for the backward's gathers: use --sharding zero3".into()
+    } else if t.pipeline_stages > 1 {
+        "hpZ does not combine with pipeline stages (neither does zero3)".into()
+    } else if t.shard_group > 0 {
+        "hybrid sharding (--shard-group) already gathers within its groups; hpZ is for ZeRO-3 over every rank, so use one or the other".into()
+    } else if t.offload.params() {
+        "with --offload optimizer+params DeepSpeed keeps hpZ's secondary copy in host memory beside the offloaded weights, which memfit does not model; use --offload optimizer, or no hpZ".into()
+    } else if g == 1 || g >= d || !d.is_multiple_of(g) {
+        format!(
+            "{g} must divide the {d} data-parallel ranks into two or more groups of 2 or more (a node's GPUs each; 0 turns hpZ off)"
+        )
+    } else {
+        return None;
+    })
 }
 
 /// Ranks one run may simulate (threads on cpu).
@@ -1043,8 +1071,9 @@ fn process_links<B: Backend>(
             pipe,
             replicate,
             tp,
+            hpz,
         } = l;
-        for c in comm.iter().chain(replicate).chain(tp) {
+        for c in comm.iter().chain(replicate).chain(tp).chain(hpz) {
             place(c.abort_handle(), r);
         }
         if let Some(p) = pipe {

@@ -48,6 +48,7 @@ fn predictions_equal_cpu_measured_peaks() {
                 pipeline_stages: vec![1],
                 shard_group: vec![0],
                 tensor_parallel: vec![1],
+                hpz_group: vec![0],
             },
             headroom: 0.05,
             cost: None,
@@ -114,6 +115,7 @@ fn point(sharding: Sharding, gpus: usize) -> Point {
         pipeline_stages: 1,
         shard_group: 0,
         tensor_parallel: 1,
+        hpz_group: 0,
     }
 }
 

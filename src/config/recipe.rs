@@ -52,6 +52,7 @@ pub struct RunRecipe {
     pub host_memory: Option<Bytes>,
     pub shard_group: Option<usize>,
     pub tensor_parallel: Option<usize>,
+    pub hpz_group: Option<usize>,
     pub pipeline_stages: Option<usize>,
     pub microbatches: Option<usize>,
     pub schedule: Option<Schedule>,

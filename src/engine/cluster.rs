@@ -36,6 +36,9 @@ pub struct Links<B: Backend> {
     pub replicate: Option<Comm<B>>,
     /// Tensor parallelism: the ranks that split this rank's blocks with it.
     pub tp: Option<Comm<B>>,
+    /// ZeRO++ hpZ: the rank's group of consecutive data-parallel ranks (a
+    /// node), in which zero3's backward gathers run (`shard.rs`).
+    pub hpz: Option<Comm<B>>,
 }
 
 impl<B: Backend> Links<B> {
@@ -46,12 +49,13 @@ impl<B: Backend> Links<B> {
             pipe: None,
             replicate: None,
             tp: None,
+            hpz: None,
         }
     }
 
     /// Every link's abort.
     pub fn abort_handles(&self) -> Vec<AbortHandle> {
-        let mut v: Vec<AbortHandle> = [&self.comm, &self.replicate, &self.tp]
+        let mut v: Vec<AbortHandle> = [&self.comm, &self.replicate, &self.tp, &self.hpz]
             .into_iter()
             .flatten()
             .map(|c| c.abort_handle())
@@ -68,7 +72,8 @@ impl<B: Backend> Links<B> {
 /// sharding, shard groups of consecutive replicas and the replica groups
 /// across them); the stages of one replica and position form one pipeline
 /// (with a two-rank group for a tied embedding's gradient); the positions
-/// of one replica and stage form one tensor-parallel group.
+/// of one replica and stage form one tensor-parallel group. Under hpZ,
+/// groups of `hpz_group` consecutive replicas also form a group each.
 pub fn links<B: Backend>(
     model: &ModelConfig,
     train: &TrainConfig,
@@ -81,7 +86,7 @@ pub fn links<B: Backend>(
     let rank = |s: usize, d: usize, t: usize| (s * replicas + d) * tps + t;
     let distributed = replicas > 1 || train.sharding != super::Sharding::None;
     let none = || (0..train.ranks).map(|_| None).collect::<Vec<Option<_>>>();
-    let (mut comms, mut replicate, mut tp) = (none(), none(), none());
+    let (mut comms, mut replicate, mut tp, mut hpz) = (none(), none(), none(), none());
     // Hybrid sharding: shard groups of consecutive replicas, and replica
     // groups of the replicas a shard group apart.
     let g = train.shard_ranks();
@@ -137,13 +142,28 @@ pub fn links<B: Backend>(
             }
         }
     }
+    // ZeRO++ hpZ: groups of consecutive replicas (a node's ranks).
+    let h = train.hpz_group;
+    if distributed && h > 1 {
+        for s in 0..stages {
+            for t in 0..tps {
+                for i in 0..replicas / h {
+                    for (j, c) in group(h).into_iter().enumerate() {
+                        hpz[rank(s, i * h + j, t)] = Some(c);
+                    }
+                }
+            }
+        }
+    }
     let mut out = Vec::with_capacity(train.ranks);
-    for (((comm, pipe), replicate), tp) in comms.into_iter().zip(pipes).zip(replicate).zip(tp) {
+    let all = comms.into_iter().zip(pipes).zip(replicate).zip(tp).zip(hpz);
+    for ((((comm, pipe), replicate), tp), hpz) in all {
         out.push(Links {
             comm,
             pipe,
             replicate,
             tp,
+            hpz,
         });
     }
     out

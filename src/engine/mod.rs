@@ -125,6 +125,10 @@ pub struct TrainConfig {
     /// projections between them (1: none). `ranks` is then pipeline stages
     /// x data-parallel replicas x this.
     pub tensor_parallel: usize,
+    /// ZeRO++ hpZ (zero3, `shard.rs`): backward gathers run within groups
+    /// of this many consecutive data-parallel ranks (a node), from a
+    /// secondary copy of the weights sharded over the group. 0: off.
+    pub hpz_group: usize,
 }
 
 /// Storage precision of the working weights, activations and gradients.
@@ -265,6 +269,7 @@ impl Default for TrainConfig {
             host_memory: None,
             shard_group: 0,
             tensor_parallel: 1,
+            hpz_group: 0,
         }
     }
 }
@@ -510,6 +515,7 @@ impl<B: Backend> Engine<B> {
             pipe,
             replicate,
             tp,
+            hpz,
         } = links;
         let mut model = model;
         let hf = (train.framework == Framework::HfEager).then(|| {
@@ -776,6 +782,11 @@ impl<B: Backend> Engine<B> {
         };
         if let Some(rep) = replicate {
             dist.as_mut().expect("hybrid sharding shards").replicate = Some(rep);
+        }
+        if let Some(h) = hpz {
+            dist.as_mut()
+                .expect("hpZ partitions zero3's shards")
+                .set_hpz(h);
         }
         if tp.is_some() {
             // Data-parallel groups are the ranks a tensor-parallel group apart.

@@ -35,6 +35,46 @@
 //! groups, to which the HF Trainer gives the trainable parameters only). The
 //! frozen base is replicated under ddp and zero1/2 and, as every parameter,
 //! partitioned and all-gathered per unit under zero3.
+//!
+//! ## ZeRO++ hierarchical weight partitioning (hpZ)
+//!
+//! Wang et al., ZeRO++: Extremely Efficient Collective Communication for
+//! Giant Model Training, 2023, section 3.2; DeepSpeed's
+//! `zero_optimization.zero_hpz_partition_size`. Under zero3 with
+//! `hpz_group = G` (G divides the N data-parallel ranks, 1 < G < N; G is a
+//! node's GPUs), the primary shards stay `ceil(n/N)` per tensor over all N
+//! ranks, the forward gathers over all N as above, and gradients are
+//! reduce-scattered over all N. What changes is the backward: when a unit's
+//! gathered weights are released, the rank first copies its *secondary*
+//! shard out of them, the unit sharded over its group of G consecutive
+//! ranks (`Dist::hpz`), and the unit's backward all-gather then runs within
+//! that group (world G, intra-node) from those secondary shards. The same
+//! weights are gathered, so training is bit for bit zero3's.
+//!
+//! Layout and lifetime are DeepSpeed's (deepspeed/runtime/zero/
+//! partition_parameters.py): `Init._partition` calls `_partition_param_sec`
+//! before freeing a gathered parameter; it allocates `ds_secondary_tensor`
+//! once, `aligned_numel / G` elements in the working dtype (here
+//! `ceil(n/N) * N/G`: group rank j holds the primary shards of ranks
+//! `j*N/G ..`), and copies the full weight's slice into it at every release,
+//! forward or backward; backward gathers (`all_gather_coalesced` with
+//! `forward=False`) read it over the intra-node group. The copies persist
+//! until `DeepSpeedZeroOptimizer_Stage3._post_step` drops them
+//! (`invalidate_secondary_tensor`) after the update. So memfit allocates a
+//! unit's secondary shard (category `parameters`) at its first release in a
+//! step (the embedding and the blocks after their forward, the head, which
+//! stays gathered into its backward, after that), keeps it across the
+//! step's micro-batches and through the update, and frees it before the
+//! next step gathers anything: the step marks them stale
+//! (`all_reduce_replicas`, the call every optimizer step makes), the next
+//! `before` frees them. Every phase thus holds what DeepSpeed holds: by the
+//! head's backward, the secondary shards of every unit, `sum ceil(n/N) *
+//! N/G` elements per rank (1/G of the model, as the paper's memory
+//! overhead). A backward gather needs no send buffer (the secondary shard
+//! is one flat buffer per unit, gathered in place of FSDP's copy-in);
+//! activation checkpointing's recompute runs inside the block's backward,
+//! on the weights that gather brought. Values written again at later
+//! releases are the same weights, so memfit writes each copy once.
 
 use super::T;
 use super::device::{Comm, Device};
@@ -265,6 +305,14 @@ pub struct Dist<B: Backend> {
     pub grads_on_host: bool,
     /// Hybrid sharding: the same shard's ranks in the other shard groups.
     pub replicate: Option<Comm<B>>,
+    /// ZeRO++ hpZ: this rank's group of consecutive data-parallel ranks,
+    /// in which the backward gathers run (set by [`Dist::set_hpz`]).
+    hpz: Option<Comm<B>>,
+    /// hpZ: each unit's secondary shard once written this step (tensor
+    /// `i`'s part at `unit_off[i] * N/G`, `shard[i] * N/G` long).
+    secondary: Vec<Option<T<B>>>,
+    /// hpZ: an update has begun since the secondary shards were written.
+    secondary_stale: bool,
     gathered: Vec<bool>,
     grads_live: Vec<bool>,
 }
@@ -344,6 +392,9 @@ impl<B: Backend> Dist<B> {
             buckets: Vec::new(),
             grads_on_host: false,
             replicate: None,
+            hpz: None,
+            secondary: Vec::new(),
+            secondary_stale: false,
             gathered: vec![false; n_units],
             grads_live: vec![false; n_units],
         }
@@ -359,6 +410,37 @@ impl<B: Backend> Dist<B> {
     /// The first element of tensor `i` this rank owns.
     pub fn offset(&self, i: usize) -> usize {
         self.rank * self.shard[i]
+    }
+
+    /// ZeRO++ hpZ: backward gathers run in `group`, this rank's group of
+    /// consecutive data-parallel ranks, from secondary shards.
+    pub fn set_hpz(&mut self, group: Comm<B>) {
+        let g = group.world();
+        assert!(
+            self.sharding.shards_parameters(),
+            "hpZ partitions zero3's weights (run::validate says so)"
+        );
+        assert!(
+            g > 1 && g < self.world && self.world.is_multiple_of(g),
+            "hpZ groups of {g} must split {} ranks into two or more",
+            self.world
+        );
+        self.secondary = (0..self.units.len()).map(|_| None).collect();
+        self.hpz = Some(group);
+    }
+
+    /// hpZ: primary shards per secondary shard (`N / G`), and this rank's
+    /// place in its group.
+    fn hpz_place(&self) -> Option<(usize, usize)> {
+        let h = self.hpz.as_ref()?;
+        Some((self.world / h.world(), h.rank()))
+    }
+
+    /// hpZ: elements of tensor `i` that group rank `j`'s secondary shard
+    /// holds (the rest of it is padding), from `j * shard * k`.
+    fn secondary_valid(&self, i: usize, j: usize, k: usize) -> usize {
+        let s = self.shard[i] * k;
+        self.numel[i].saturating_sub(j * s).min(s)
     }
 
     fn embed(&self) -> usize {
@@ -406,12 +488,20 @@ impl<B: Backend> Dist<B> {
         s: Stage,
         backward: bool,
     ) -> Result<(), OomError> {
+        if self.secondary_stale {
+            // hpZ: the last update rewrote the weights these were copied
+            // from; DeepSpeed drops them after it (`_post_step`).
+            for t in self.secondary.iter_mut().filter_map(Option::take) {
+                dev.free(t);
+            }
+            self.secondary_stale = false;
+        }
         for u in self.param_units(s, backward) {
-            self.gather(dev, p, u)?;
+            self.gather(dev, p, u, backward)?;
         }
         if let Some(n) = self.next(s, backward) {
             for u in self.param_units(n, backward) {
-                self.gather(dev, p, u)?;
+                self.gather(dev, p, u, backward)?;
             }
         }
         if backward {
@@ -453,16 +543,27 @@ impl<B: Backend> Dist<B> {
             .unwrap_or_default();
         for u in self.param_units(s, backward) {
             if !keep.contains(&u) {
-                self.release(dev, p, u);
+                self.release(dev, p, u)?;
             }
         }
         Ok(())
     }
 
-    /// zero3: all-gathers unit `u`'s weights into full tensors.
-    fn gather(&mut self, dev: &mut Device<B>, p: &mut [T<B>], u: usize) -> Result<(), OomError> {
+    /// zero3: all-gathers unit `u`'s weights into full tensors: over every
+    /// rank from the primary shards, or, for a backward under hpZ, within
+    /// the group from the secondary shards.
+    fn gather(
+        &mut self,
+        dev: &mut Device<B>,
+        p: &mut [T<B>],
+        u: usize,
+        backward: bool,
+    ) -> Result<(), OomError> {
         if !self.sharding.shards_parameters() || self.gathered[u] {
             return Ok(());
+        }
+        if backward && self.secondary.get(u).is_some_and(Option::is_some) {
+            return self.gather_secondary(dev, p, u);
         }
         let (su, world) = (self.unit_len[u], self.world);
         let dt = self.param_shards[self.units[u][0]].dtype;
@@ -496,16 +597,62 @@ impl<B: Backend> Dist<B> {
         Ok(())
     }
 
-    /// zero3: frees unit `u`'s full weights.
-    fn release(&mut self, dev: &mut Device<B>, p: &mut [T<B>], u: usize) {
+    /// hpZ: all-gathers unit `u`'s weights within the group, each rank
+    /// sending its secondary shard as it is (no copy-in buffer).
+    fn gather_secondary(
+        &mut self,
+        dev: &mut Device<B>,
+        p: &mut [T<B>],
+        u: usize,
+    ) -> Result<(), OomError> {
+        let (k, _) = self.hpz_place().expect("hpZ");
+        let group = self.hpz.as_mut().expect("hpZ");
+        let sec = self.secondary[u].as_ref().expect("written at the release");
+        let (g, len, dt) = (group.world(), sec.len, sec.dtype);
+        let mut recv = dev.alloc(g * len, dt, Category::Communication)?;
+        // Consecutive data-parallel ranks: `call_stride` already says how
+        // far apart they are (a tensor-parallel group).
+        dev.all_gather(&mut **group, &mut recv, sec);
+        for &i in &self.units[u] {
+            let mut full = dev.alloc(self.numel[i], dt, Category::Parameters)?;
+            let s = self.shard[i] * k;
+            for j in 0..g {
+                let v = self.secondary_valid(i, j, k);
+                let src = j * len + self.unit_off[i] * k;
+                dev.copy_slice(&mut full, j * s, &recv, src, v, false);
+            }
+            let old = std::mem::replace(&mut p[i], full);
+            dev.drop_placeholder(old);
+        }
+        dev.free(recv);
+        self.gathered[u] = true;
+        Ok(())
+    }
+
+    /// zero3: frees unit `u`'s full weights; under hpZ, the first release
+    /// in a step first copies the unit's secondary shard out of them.
+    fn release(&mut self, dev: &mut Device<B>, p: &mut [T<B>], u: usize) -> Result<(), OomError> {
         if !self.sharding.shards_parameters() || !self.gathered[u] {
-            return;
+            return Ok(());
+        }
+        if let Some((k, j)) = self.hpz_place()
+            && self.secondary[u].is_none()
+        {
+            let dt = p[self.units[u][0]].dtype;
+            let mut sec = dev.alloc(self.unit_len[u] * k, dt, Category::Parameters)?;
+            for &i in &self.units[u] {
+                let v = self.secondary_valid(i, j, k);
+                let from = j * self.shard[i] * k;
+                dev.copy_slice(&mut sec, self.unit_off[i] * k, &p[i], from, v, false);
+            }
+            self.secondary[u] = Some(sec);
         }
         for &i in &self.units[u] {
             let ph = dev.placeholder(p[i].dtype, Category::Parameters);
             dev.free(std::mem::replace(&mut p[i], ph));
         }
         self.gathered[u] = false;
+        Ok(())
     }
 
     /// zero2/3: allocates unit `u`'s full gradients (zero-filled) for its backward.
@@ -570,7 +717,12 @@ impl<B: Backend> Dist<B> {
     /// Hybrid sharding: sums each gradient shard over the replicas (the same
     /// shard in every shard group), so that every group updates with the
     /// whole job's gradient. The network sees shards, not whole gradients.
+    ///
+    /// Every optimizer step makes this call before its update, so it also
+    /// marks hpZ's secondary shards stale: the update rewrites the weights
+    /// they copy, and the next gather frees them (module comment).
     pub fn all_reduce_replicas(&mut self, dev: &mut Device<B>, owned: &[bool]) {
+        self.secondary_stale = self.hpz.is_some();
         let Some(rep) = self.replicate.as_mut() else {
             return;
         };
@@ -688,7 +840,13 @@ impl<B: Backend> Dist<B> {
 
     /// Frees everything this rank's sharding holds.
     pub fn release_all(self, dev: &mut Device<B>) {
-        for t in self.param_shards.into_iter().chain(self.grad_shards) {
+        let secondary = self.secondary.into_iter().flatten();
+        for t in self
+            .param_shards
+            .into_iter()
+            .chain(self.grad_shards)
+            .chain(secondary)
+        {
             dev.free(t);
         }
         for b in self.buckets {

@@ -202,6 +202,10 @@ pub struct Grid {
     /// block; `gpus` is then stages x data-parallel replicas x this.
     #[serde(default = "one_usize")]
     pub tensor_parallel: Vec<usize>,
+    /// ZeRO++ hpZ (zero3): backward gathers within groups of this many
+    /// GPUs (a node's), from a secondary copy of the weights; 0: off.
+    #[serde(default = "zero_usize")]
+    pub hpz_group: Vec<usize>,
 }
 
 fn zero_usize() -> Vec<usize> {
@@ -225,6 +229,7 @@ impl Grid {
             self.pipeline_stages.len(),
             self.shard_group.len(),
             self.tensor_parallel.len(),
+            self.hpz_group.len(),
         ]
         .into_iter()
         .try_fold(1usize, usize::checked_mul)
@@ -298,6 +303,7 @@ impl Grid {
             usize::to_string,
             &mut r,
         );
+        keep_first("hpz_group", &mut self.hpz_group, usize::to_string, &mut r);
         r
     }
 
@@ -325,6 +331,7 @@ impl Default for Grid {
             pipeline_stages: one_usize(),
             shard_group: zero_usize(),
             tensor_parallel: one_usize(),
+            hpz_group: zero_usize(),
         }
     }
 }
@@ -383,6 +390,9 @@ pub struct Point {
     /// Tensor-parallel group (1: none).
     #[serde(default = "one")]
     pub tensor_parallel: usize,
+    /// ZeRO++ hpZ's group (0: none).
+    #[serde(default)]
+    pub hpz_group: usize,
 }
 
 fn one() -> usize {
@@ -423,6 +433,7 @@ impl Point {
             pipeline_stages: self.pipeline_stages,
             shard_group: self.shard_group,
             tensor_parallel: self.tensor_parallel,
+            hpz_group: self.hpz_group,
             ..TrainConfig::default()
         }
     }
@@ -452,6 +463,10 @@ impl Point {
         let ft = match self.tensor_parallel {
             1 => ft,
             t => format!("{ft}tp{t} "),
+        };
+        let ft = match self.hpz_group {
+            0 => ft,
+            g => format!("{ft}hpz{g} "),
         };
         format!(
             "{fw}{ft}mb{} x{} {} {} {} ckpt:{} {} {}",
@@ -838,6 +853,7 @@ pub fn expand(r: &PlanRecipe) -> Vec<Point> {
         pipeline_stages: 1,
         shard_group: 0,
         tensor_parallel: 1,
+        hpz_group: 0,
     }];
     fn axis<T: Copy>(out: Vec<Point>, values: &[T], set: impl Fn(&mut Point, T)) -> Vec<Point> {
         let mut next = Vec::with_capacity(out.len() * values.len());
@@ -850,6 +866,7 @@ pub fn expand(r: &PlanRecipe) -> Vec<Point> {
         }
         next
     }
+    out = axis(out, &g.hpz_group, |p, v| p.hpz_group = v);
     out = axis(out, &g.tensor_parallel, |p, v| p.tensor_parallel = v);
     out = axis(out, &g.shard_group, |p, v| p.shard_group = v);
     out = axis(out, &g.pipeline_stages, |p, v| p.pipeline_stages = v);
@@ -1200,11 +1217,15 @@ pub fn predict(
         let comm = distributed.then(|| Box::new(MetaComm::new(0, g)) as Comm<MetaBackend>);
         let replicate =
             (g < replicas).then(|| Box::new(MetaComm::new(0, replicas / g)) as Comm<MetaBackend>);
+        // ZeRO++ hpZ: the backward gathers' group, a node's GPUs.
+        let hpz = (tc.hpz_group > 1)
+            .then(|| Box::new(MetaComm::new(0, tc.hpz_group)) as Comm<MetaBackend>);
         let links = Links {
             comm,
             pipe: None,
             replicate,
             tp: tp_comm(&tc),
+            hpz,
         };
         let s = step_meta(model, one, meta, links, rates, p.precision);
         out.offload_s = k * (s.offload_s - s.offload_opt_s) + s.offload_opt_s;
@@ -1246,6 +1267,7 @@ pub fn predict(
                 pipe: link.pipe,
                 replicate: None,
                 tp: link.tp,
+                hpz: None,
             };
             let st = step_meta(model, tc.clone(), meta.clone(), links, rates, p.precision);
             // Stage s's replicas are ranks (s*D + d)*T + t: they talk among

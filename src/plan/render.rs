@@ -114,7 +114,10 @@ fn row(plan: &Plan, i: usize, p: &Prediction) -> [String; 21] {
         pt.gpus.to_string(),
         pt.pipeline_stages.to_string(),
         pt.tensor_parallel.to_string(),
-        name(pt.sharding),
+        match pt.hpz_group {
+            0 => name(pt.sharding),
+            g => format!("{}+hpz{g}", name(pt.sharding)),
+        },
         name(pt.precision),
         name(pt.optimizer),
         name(pt.checkpointing),

@@ -134,6 +134,10 @@ pub fn trial_id(p: &Point) -> String {
         1 => fw,
         t => format!("{fw}tp{t}-"),
     };
+    let fw = match p.hpz_group {
+        0 => fw,
+        g => format!("{fw}hpz{g}-"),
+    };
     format!(
         "{fw}gpus{}-{}-{}-{}-ckpt_{}-{}-mb{}-accum{}",
         p.gpus,

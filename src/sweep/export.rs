@@ -67,8 +67,9 @@ pub fn zero_stage(s: Sharding) -> u8 {
 ///   `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps`.
 /// - `zero_optimization.stage`: 0 for none and ddp, 1-3 for zero1-3, and
 ///   `offload_optimizer` / `offload_param` (`device: cpu`, pinned) when the
-///   point offloads; nothing else in that section, so DeepSpeed's defaults
-///   (buckets, overlap) apply.
+///   point offloads, `mics_shard_size` under hybrid sharding and
+///   `zero_hpz_partition_size` under ZeRO++ hpZ; nothing else in that
+///   section, so DeepSpeed's defaults (buckets, overlap) apply.
 /// - `bf16.enabled` / `fp16.enabled`, both present. fp16 uses DeepSpeed's
 ///   dynamic scaler set up like memfit's: `loss_scale: 0` (dynamic),
 ///   `initial_scale_power: 16` (2^16), `loss_scale_window: 2000` (doubles
@@ -109,6 +110,10 @@ pub fn deepspeed_config(_report: &SweepReport, trial: &TrialRecord) -> Value {
     // size, replicated across them.
     if p.shard_group > 0 {
         cfg["zero_optimization"]["mics_shard_size"] = json!(p.shard_group);
+    }
+    // ZeRO++'s hierarchical partitioning: the secondary copy's group.
+    if p.hpz_group > 0 {
+        cfg["zero_optimization"]["zero_hpz_partition_size"] = json!(p.hpz_group);
     }
     if p.offload.params() {
         cfg["zero_optimization"]["offload_param"] = json!({ "device": "cpu", "pin_memory": true });
@@ -387,6 +392,7 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord) -> String {
         ("pipeline_stages", p.pipeline_stages.to_string(), "1"),
         ("shard_group", p.shard_group.to_string(), "0"),
         ("tensor_parallel", p.tensor_parallel.to_string(), "1"),
+        ("hpz_group", p.hpz_group.to_string(), "0"),
     ] {
         if v != default {
             s.push_str(&format!("  {k}: [{v}]\n"));
@@ -575,6 +581,7 @@ mod tests {
             pipeline_stages: 1,
             shard_group: 0,
             tensor_parallel: 1,
+            hpz_group: 0,
         }
     }
 
@@ -890,6 +897,30 @@ mod tests {
         assert!(!back.allow_numerics_change);
         let points = crate::plan::expand(&back);
         assert_eq!(points, vec![t.point]);
+    }
+
+    #[test]
+    fn hpz_exports_deepspeeds_partition_size_and_pins_its_group() {
+        let mut p = point(1, Precision::Bf16, Optimizer::Adamw, Sharding::Zero3, 16, 1);
+        p.hpz_group = 8;
+        let t = trial(p);
+        let r = report(vec![t.clone()]);
+        let ds = deepspeed_config(&r, &t);
+        assert_eq!(
+            ds["zero_optimization"],
+            json!({ "stage": 3, "zero_hpz_partition_size": 8 })
+        );
+        let yaml = pinned_recipe(&r, &t);
+        assert!(yaml.contains("  hpz_group: [8]\n"), "{yaml}");
+        let back: PlanRecipe = serde_yaml_ng::from_str(&yaml).expect(&yaml);
+        assert_eq!(crate::plan::expand(&back), vec![t.point]);
+        let id = crate::sweep::driver::trial_id(&t.point);
+        assert!(id.starts_with("hpz8-gpus16-zero3-"), "{id}");
+        assert!(t.point.label().starts_with("hpz8 mb1 x16 zero3"));
+        // Off, none of it appears.
+        let (r, t) = zero2_bf16();
+        assert!(!pinned_recipe(&r, &t).contains("hpz"));
+        assert!(!crate::sweep::driver::trial_id(&t.point).contains("hpz"));
     }
 
     #[test]

@@ -1682,6 +1682,7 @@ pub(crate) mod tests {
             pipeline_stages: 1,
             shard_group: 0,
             tensor_parallel: 1,
+            hpz_group: 0,
         }
     }
 

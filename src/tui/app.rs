@@ -917,6 +917,7 @@ pub(crate) mod testdata {
             pipeline_stages: 1,
             shard_group: 0,
             tensor_parallel: 1,
+            hpz_group: 0,
         }
     }
 

@@ -239,6 +239,7 @@ pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
         host_memory: None,
         shard_group: None,
         tensor_parallel: None,
+        hpz_group: None,
     };
     let mut opts = run.options()?;
     opts.device = crate::backend::DeviceSpec::new(crate::backend::DeviceKind::Meta, None);
