@@ -34,6 +34,7 @@ fn main() {
             shard_group: vec![0],
             tensor_parallel: vec![1],
             hpz_group: vec![0],
+            sequence_parallel: vec![false],
         },
         headroom: 0.05,
         cost: None,
@@ -90,6 +91,7 @@ fn main() {
             shard_group: vec![0],
             tensor_parallel: vec![1],
             hpz_group: vec![0],
+            sequence_parallel: vec![false],
         },
         ..single
     };

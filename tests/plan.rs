@@ -49,6 +49,7 @@ fn predictions_equal_cpu_measured_peaks() {
                 shard_group: vec![0],
                 tensor_parallel: vec![1],
                 hpz_group: vec![0],
+                sequence_parallel: vec![false],
             },
             headroom: 0.05,
             cost: None,
@@ -116,6 +117,7 @@ fn point(sharding: Sharding, gpus: usize) -> Point {
         shard_group: 0,
         tensor_parallel: 1,
         hpz_group: 0,
+        sequence_parallel: false,
     }
 }
 

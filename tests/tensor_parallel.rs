@@ -418,11 +418,16 @@ fn plan(name: &str, recipe: &str) -> serde_json::Value {
 fn the_plan_puts_tensor_parallel_ranks_where_run_does() {
     let p = plan(
         "tp-plan-tiny",
-        "model: llama-tiny\nhardware: h100-sxm-80gb\nseq_len: 64\nglobal_batch: 8\ndevice: cpu\ngrid:\n  framework: [memfit]\n  precision: [bf16]\n  attention: [eager]\n  sharding: [zero1]\n  gpus: [8]\n  tensor_parallel: [1, 2]\n  pipeline_stages: [1, 2]\n",
+        "model: llama-tiny\nhardware: h100-sxm-80gb\nseq_len: 64\nglobal_batch: 8\ndevice: cpu\ngrid:\n  framework: [memfit]\n  precision: [bf16]\n  attention: [eager]\n  sharding: [zero1]\n  gpus: [8]\n  tensor_parallel: [1, 2]\n  pipeline_stages: [1, 2]\n  sequence_parallel: [false, true]\n",
     );
     let pts = p["points"].as_array().unwrap();
-    assert_eq!(pts.len(), 4);
+    assert_eq!(pts.len(), 8);
     for x in pts {
+        let sp = x["point"]["sequence_parallel"] == true;
+        if sp && x["point"]["tensor_parallel"] == 1 {
+            assert_eq!(x["status"], "invalid", "{x}");
+            continue;
+        }
         assert_eq!(x["status"], "fits", "{x}");
         let (s, t) = (
             x["point"]["pipeline_stages"].to_string(),
@@ -456,17 +461,26 @@ fn the_plan_puts_tensor_parallel_ranks_where_run_does() {
                 &t,
                 "--grad-accum",
                 &accum,
+                if sp {
+                    "--sequence-parallel"
+                } else {
+                    "--seed=1337"
+                },
             ],
         );
         assert_eq!(
             x["peak_bytes"]["total"], run["peak_bytes"]["total"],
-            "pp{s} tp{t}"
+            "pp{s} tp{t} sp {sp}"
         );
     }
     // One replica fewer per doubling of the group: twice the micro-batches.
     let accum = |t: u64| {
         pts.iter()
-            .find(|x| x["point"]["tensor_parallel"] == t && x["point"]["pipeline_stages"] == 1)
+            .find(|x| {
+                x["point"]["tensor_parallel"] == t
+                    && x["point"]["pipeline_stages"] == 1
+                    && x["point"]["sequence_parallel"] == false
+            })
             .unwrap()["point"]["grad_accum"]
             .as_u64()
             .unwrap()

@@ -206,6 +206,13 @@ pub struct Grid {
     /// GPUs (a node's), from a secondary copy of the weights; 0: off.
     #[serde(default = "zero_usize")]
     pub hpz_group: Vec<usize>,
+    /// Megatron's sequence parallelism, with tensor parallelism.
+    #[serde(default = "no_bool")]
+    pub sequence_parallel: Vec<bool>,
+}
+
+fn no_bool() -> Vec<bool> {
+    vec![false]
 }
 
 fn zero_usize() -> Vec<usize> {
@@ -230,6 +237,7 @@ impl Grid {
             self.shard_group.len(),
             self.tensor_parallel.len(),
             self.hpz_group.len(),
+            self.sequence_parallel.len(),
         ]
         .into_iter()
         .try_fold(1usize, usize::checked_mul)
@@ -304,6 +312,12 @@ impl Grid {
             &mut r,
         );
         keep_first("hpz_group", &mut self.hpz_group, usize::to_string, &mut r);
+        keep_first(
+            "sequence_parallel",
+            &mut self.sequence_parallel,
+            bool::to_string,
+            &mut r,
+        );
         r
     }
 
@@ -332,6 +346,7 @@ impl Default for Grid {
             shard_group: zero_usize(),
             tensor_parallel: one_usize(),
             hpz_group: zero_usize(),
+            sequence_parallel: no_bool(),
         }
     }
 }
@@ -393,6 +408,9 @@ pub struct Point {
     /// ZeRO++ hpZ's group (0: none).
     #[serde(default)]
     pub hpz_group: usize,
+    /// Sequence parallelism (with tensor parallelism).
+    #[serde(default)]
+    pub sequence_parallel: bool,
 }
 
 fn one() -> usize {
@@ -434,6 +452,7 @@ impl Point {
             shard_group: self.shard_group,
             tensor_parallel: self.tensor_parallel,
             hpz_group: self.hpz_group,
+            sequence_parallel: self.sequence_parallel,
             ..TrainConfig::default()
         }
     }
@@ -467,6 +486,10 @@ impl Point {
         let ft = match self.hpz_group {
             0 => ft,
             g => format!("{ft}hpz{g} "),
+        };
+        let ft = match self.sequence_parallel {
+            false => ft,
+            true => format!("{ft}sp "),
         };
         format!(
             "{fw}{ft}mb{} x{} {} {} {} ckpt:{} {} {}",
@@ -854,6 +877,7 @@ pub fn expand(r: &PlanRecipe) -> Vec<Point> {
         shard_group: 0,
         tensor_parallel: 1,
         hpz_group: 0,
+        sequence_parallel: false,
     }];
     fn axis<T: Copy>(out: Vec<Point>, values: &[T], set: impl Fn(&mut Point, T)) -> Vec<Point> {
         let mut next = Vec::with_capacity(out.len() * values.len());
@@ -867,6 +891,7 @@ pub fn expand(r: &PlanRecipe) -> Vec<Point> {
         next
     }
     out = axis(out, &g.hpz_group, |p, v| p.hpz_group = v);
+    out = axis(out, &g.sequence_parallel, |p, v| p.sequence_parallel = v);
     out = axis(out, &g.tensor_parallel, |p, v| p.tensor_parallel = v);
     out = axis(out, &g.shard_group, |p, v| p.shard_group = v);
     out = axis(out, &g.pipeline_stages, |p, v| p.pipeline_stages = v);

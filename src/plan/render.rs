@@ -113,7 +113,10 @@ fn row(plan: &Plan, i: usize, p: &Prediction) -> [String; 21] {
         pt.offload.name().into(),
         pt.gpus.to_string(),
         pt.pipeline_stages.to_string(),
-        pt.tensor_parallel.to_string(),
+        match pt.sequence_parallel {
+            true => format!("{}+sp", pt.tensor_parallel),
+            false => pt.tensor_parallel.to_string(),
+        },
         match pt.hpz_group {
             0 => name(pt.sharding),
             g => format!("{}+hpz{g}", name(pt.sharding)),

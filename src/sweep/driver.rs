@@ -134,6 +134,10 @@ pub fn trial_id(p: &Point) -> String {
         1 => fw,
         t => format!("{fw}tp{t}-"),
     };
+    let fw = match p.sequence_parallel {
+        false => fw,
+        true => format!("{fw}sp-"),
+    };
     let fw = match p.hpz_group {
         0 => fw,
         g => format!("{fw}hpz{g}-"),

@@ -393,6 +393,11 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord) -> String {
         ("shard_group", p.shard_group.to_string(), "0"),
         ("tensor_parallel", p.tensor_parallel.to_string(), "1"),
         ("hpz_group", p.hpz_group.to_string(), "0"),
+        (
+            "sequence_parallel",
+            p.sequence_parallel.to_string(),
+            "false",
+        ),
     ] {
         if v != default {
             s.push_str(&format!("  {k}: [{v}]\n"));
@@ -582,6 +587,7 @@ mod tests {
             shard_group: 0,
             tensor_parallel: 1,
             hpz_group: 0,
+            sequence_parallel: false,
         }
     }
 

@@ -1683,6 +1683,7 @@ pub(crate) mod tests {
             shard_group: 0,
             tensor_parallel: 1,
             hpz_group: 0,
+            sequence_parallel: false,
         }
     }
 

@@ -918,6 +918,7 @@ pub(crate) mod testdata {
             shard_group: 0,
             tensor_parallel: 1,
             hpz_group: 0,
+            sequence_parallel: false,
         }
     }
 
