@@ -1218,8 +1218,7 @@ impl<B: Backend> Engine<B> {
         hook(dev, p, Stage::Head, false)?;
         let x = resid.last().expect("embedding output");
         let lnf_b = idx.lnf_b.map(|i| &p[i]);
-        let (lnf, lnf_mean, lnf_rstd) =
-            norm_layer(dev, x, &p[idx.lnf_w], lnf_b, gpt2, nl, c, eps)?;
+        let (lnf, lnf_mean, lnf_rstd) = norm_layer(dev, x, &p[idx.lnf_w], lnf_b, gpt2, nl, c, eps)?;
         let head_extra = match hf {
             Some(h) => alloc_saved(dev, &h.head_saved)?,
             None => Vec::new(),
