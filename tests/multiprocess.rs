@@ -128,10 +128,19 @@ fn launched_ranks_train_as_threaded_ranks_do() {
         &[],
     );
     // Tensor parallelism: pairs of adjacent ranks split each block, the
-    // pairs zero2 replicas of each other; and pairs as pipeline stages.
+    // pairs zero2 replicas of each other; pairs (sequence-parallel) as
+    // pipeline stages; and ZeRO++ hpZ, zero3 with the backward's gathers
+    // within pairs.
     for layout in [
         &["--tensor-parallel", "2", "--sharding", "zero2"][..],
-        &["--tensor-parallel", "2", "--pipeline-stages", "2"][..],
+        &[
+            "--tensor-parallel",
+            "2",
+            "--sequence-parallel",
+            "--pipeline-stages",
+            "2",
+        ][..],
+        &["--sharding", "zero3", "--hpz-group", "2"][..],
     ] {
         let args = [&["--ranks", "4"][..], layout].concat();
         assert_same(4, &args, &[]);
