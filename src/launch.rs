@@ -172,6 +172,8 @@ struct RecordPart {
     sent: u64,
     received: u64,
     host_peak: Option<PeakBytes>,
+    predicted: Option<u64>,
+    nvml: Option<u64>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -205,6 +207,8 @@ impl Part {
             sent: r.sent_bytes_per_step,
             received: r.received_bytes_per_step,
             host_peak: r.host_peak_bytes,
+            predicted: r.predicted_peak_bytes,
+            nvml: r.nvml_peak_bytes,
         });
         let oom = report.and_then(|r| r.error.as_ref()).map(|e| OomPart {
             message: e.message.clone(),
@@ -351,6 +355,8 @@ fn combine(
                 sent_bytes_per_step: r.sent,
                 received_bytes_per_step: r.received,
                 host_peak_bytes: r.host_peak,
+                predicted_peak_bytes: r.predicted,
+                nvml_peak_bytes: r.nvml,
             })
         })
         .collect();

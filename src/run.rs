@@ -86,6 +86,15 @@ pub struct RankRecord {
     /// Offload: this rank's peaks in host memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host_peak_bytes: Option<PeakBytes>,
+    /// What the meta backend predicts for this rank's peak (runs that
+    /// compute only): the same engine, rank and step, computing nothing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted_peak_bytes: Option<u64>,
+    /// On a GPU, with NVML: the peak device memory NVML saw this rank's
+    /// process use (a rank process of `memfit launch`, or a run of one
+    /// rank), driver and library overhead included.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nvml_peak_bytes: Option<u64>,
 }
 
 /// Offload: the host memory the ranks' offloaded tensors took, as
@@ -400,6 +409,12 @@ pub fn validate_tensor_parallel(t: &TrainConfig, model: &ModelConfig) -> Result<
             "hf-eager models Hugging Face's single-GPU tensors; tensor parallelism is Megatron's layout, with --framework memfit",
         ));
     }
+    if t.optimizer == Optimizer::Adafactor {
+        return Err(Error::invalid_arg(
+            flag,
+            "adafactor factors each matrix's second moment over whole rows and columns, which tensor parallelism splits; use an elementwise optimizer (adamw, adamw8bit, sgd)",
+        ));
+    }
     Ok(())
 }
 
@@ -647,8 +662,15 @@ pub fn run(opts: &RunOptions) -> Result<(RunReport, Option<Error>)> {
                     .max()
                     .unwrap_or(0),
             };
+            let nvml = NvmlWatch::start(ordinal);
             let (mut report, err) = run_on(&opts, model, backends, links, Some(&mut data))?;
             report.gpu = Some(gpu);
+            // The process is every rank's: its NVML peak is one rank's only
+            // when it runs one.
+            let peak = nvml.and_then(NvmlWatch::peak);
+            if let [r] = &mut report.ranks[..] {
+                r.nvml_peak_bytes = peak;
+            }
             Ok((report, err))
         }
     }
@@ -900,16 +922,66 @@ pub fn run_process_rank(
                 total_bytes: backend.driver().total_bytes(),
                 overhead_bytes: backend.overhead_bytes(),
             };
+            let nvml = NvmlWatch::start(ordinal);
             let out = rank_part(
                 &opts, model, backend, links, &mut data, &group, rank, replicas,
             )
             .map(|(mut report, err)| {
                 report.gpu = Some(gpu);
+                let peak = nvml.and_then(NvmlWatch::peak);
+                for r in &mut report.ranks {
+                    r.nvml_peak_bytes = peak;
+                }
                 (report, err)
             });
             Ok((group, out))
         }
     }
+}
+
+/// NVML sampling this process's device memory on one GPU while it trains
+/// (`None` without NVML: no driver, no GPU, the emulated one).
+struct NvmlWatch(crate::telemetry::Sampler);
+
+impl NvmlWatch {
+    fn start(ordinal: usize) -> Option<NvmlWatch> {
+        let t = crate::telemetry::Telemetry::open().ok()?;
+        let pid = std::process::id();
+        let watch = std::sync::Arc::new(std::sync::Mutex::new(vec![pid]));
+        let every = std::time::Duration::from_millis(20);
+        Some(NvmlWatch(crate::telemetry::Sampler::start(
+            t,
+            every,
+            Some(ordinal as u32),
+            watch,
+        )))
+    }
+
+    /// The highest memory NVML reported for this process, if it ever did.
+    fn peak(self) -> Option<u64> {
+        let seen = self.0.stop();
+        let pid = std::process::id();
+        seen.watched
+            .iter()
+            .find(|w| w.pid == pid && !w.samples.is_empty())
+            .map(|w| w.peak_bytes)
+    }
+}
+
+/// What the meta backend predicts for global rank `rank`'s peak: its
+/// links, engine and one step of `train`, on meta emulating this run's
+/// device.
+fn predicted_peak(model: &ModelConfig, train: &TrainConfig, rank: usize, gpu: bool) -> u64 {
+    let meta = match gpu {
+        true => MetaBackend::emulating_cuda(),
+        false => MetaBackend::emulating_cpu(),
+    };
+    let link = meta_links(model, train).swap_remove(rank);
+    let mut e = Engine::new_linked(model.clone(), train.clone(), meta, None, link)
+        .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
+    e.step_from(train.grad_accum, || unreachable!("meta reads no data"))
+        .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
+    e.dev.tracker.peak_bytes().total
 }
 
 /// A cpu rank's capacity: `limit`, capped at its share of the host's
@@ -943,6 +1015,7 @@ where
     crate::launch::test_fault(rank);
     let failed = || group.failure().is_some();
     let share = Share {
+        rank,
         replica: opts.train.place(rank).1,
         replicas,
         stopped: &failed,
@@ -1181,6 +1254,8 @@ struct Share<'a> {
     /// global batch, as `Cluster::step_from` hands them out.
     replica: usize,
     replicas: usize,
+    /// This process's rank in the job.
+    rank: usize,
     /// Whether the job has failed elsewhere: stop stepping.
     stopped: &'a (dyn Fn() -> bool + Sync),
 }
@@ -1411,6 +1486,14 @@ where
         .collect();
     let stages: Vec<_> = cluster.ranks.iter().map(Engine::stage).collect();
     fill_peaks(&mut report, &trackers, &wire, &stages);
+    if !meta {
+        // Beside what each rank tracked, what meta predicts for it.
+        let gpu = cluster.ranks[0].dev.be.is_gpu();
+        for (i, r) in report.ranks.iter_mut().enumerate() {
+            let rank = share.map_or(i, |s| s.rank);
+            r.predicted_peak_bytes = Some(predicted_peak(&model, &opts.train, rank, gpu));
+        }
+    }
     report.host = host_record(&mut report.ranks, &cluster.ranks);
     if opts.phase_peaks {
         report.phase_peaks = trackers[0].phase_peaks();
@@ -1470,6 +1553,8 @@ fn fill_peaks(
             sent_bytes_per_step: sent,
             received_bytes_per_step: received,
             host_peak_bytes: None,
+            predicted_peak_bytes: None,
+            nvml_peak_bytes: None,
         })
         .collect();
     summarise_ranks(report);
@@ -1721,18 +1806,24 @@ pub fn render_table(r: &RunReport) -> String {
             fmt_bytes(h.link_bytes_per_step)
         );
     }
-    if n > 1 {
+    // Per rank: beside the tracked peak, meta's prediction and NVML's
+    // process peak when the run has them.
+    let nvml = r.ranks.iter().any(|x| x.nvml_peak_bytes.is_some());
+    if n > 1 || nvml {
+        let opt = |b: Option<u64>| b.map_or("-".into(), fmt_bytes);
         let _ = writeln!(
             s,
-            "\n  {:<6} {:>12} {:>14} {:>14}",
-            "rank", "peak", "sent/step", "received/step"
+            "\n  {:<6} {:>12} {:>12} {:>12} {:>14} {:>14}",
+            "rank", "peak", "predicted", "nvml", "sent/step", "received/step"
         );
         for rr in &r.ranks {
             let _ = writeln!(
                 s,
-                "  {:<6} {:>12} {:>14} {:>14}",
+                "  {:<6} {:>12} {:>12} {:>12} {:>14} {:>14}",
                 rr.rank,
                 fmt_bytes(rr.peak_bytes.total),
+                opt(rr.predicted_peak_bytes),
+                opt(rr.nvml_peak_bytes),
                 fmt_bytes(rr.sent_bytes_per_step),
                 fmt_bytes(rr.received_bytes_per_step)
             );

@@ -474,3 +474,86 @@ fn gpu_sweep_records_each_trials_nvml_peak() {
     assert!(report["trials"][0]["measured"]["nvml_peak_bytes"].is_null());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Every rank's report carries what it tracked, what meta predicts for it
+/// and, on a GPU with NVML, what NVML saw its process use: a run of one
+/// rank, and each rank process of `memfit launch` (NVML is the scripted
+/// double, which lists each process that loads it with the bytes given).
+#[test]
+fn each_rank_reports_tracked_predicted_and_nvml_peaks() {
+    let double = env!("MEMFIT_NVML_DOUBLE");
+    assert!(
+        !double.is_empty(),
+        "build.rs could not build the NVML double"
+    );
+    let dir = std::env::temp_dir().join(format!("memfit-rank-nvml-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = dir.join("nvml.script");
+    std::fs::write(
+        &script,
+        // Rank r of a launched job runs on GPU r (LOCAL_RANK).
+        "gpu 0 name \"NVIDIA H200\" total 150000000000\ngpu 1 name \"NVIDIA H200\" total 150000000000\nself 0 734003200\nself 1 734003200\n",
+    )
+    .unwrap();
+    let run = [
+        "run",
+        "--model",
+        "gpt2-tiny",
+        "--device",
+        "cuda",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "2",
+        "--steps",
+        "2",
+        "--format",
+        "json",
+    ];
+    let go = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
+            .args(args)
+            .env("MEMFIT_CUDA_EMULATE", "2GiB")
+            .env("MEMFIT_NVML_LIB", double)
+            .env("NVML_DOUBLE_SCRIPT", &script)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", stderr(&out));
+        json(&out)
+    };
+    let one = go(&run);
+    let launched = go(&[
+        &["launch", "--nproc", "2", "--"][..],
+        &run[..],
+        &["--ranks", "2", "--sharding", "zero2"],
+    ]
+    .concat());
+    for (doc, ranks) in [(&one, 1), (&launched, 2)] {
+        let rs = doc["ranks"].as_array().unwrap();
+        assert_eq!(rs.len(), ranks);
+        for r in rs {
+            assert_eq!(r["predicted_peak_bytes"], r["peak_bytes"]["total"], "{r}");
+            assert_eq!(r["nvml_peak_bytes"], 734003200u64, "{r}");
+        }
+    }
+    // Without NVML (the cpu): tracked and predicted only.
+    let cpu = json(&memfit(&[
+        "run",
+        "--model",
+        "gpt2-tiny",
+        "--steps",
+        "1",
+        "--ranks",
+        "2",
+        "--sharding",
+        "zero3",
+        "--format",
+        "json",
+    ]));
+    for r in cpu["ranks"].as_array().unwrap() {
+        assert_eq!(r["predicted_peak_bytes"], r["peak_bytes"]["total"], "{r}");
+        assert!(r.get("nvml_peak_bytes").is_none(), "{r}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1703,7 +1703,13 @@ impl<B: Backend> Engine<B> {
         // A tied embedding: the first and the last stage each hold part of
         // its gradient (the embedding's, the head's).
         if let Some(e) = pipe.as_mut().and_then(|p| p.embed.as_mut()) {
+            // The first and the last stage: (S-1) stages of D x T ranks apart.
+            let apart = (train.pipeline_stages.max(1) - 1)
+                * train.data_ranks()
+                * train.tensor_parallel.max(1);
+            let stride = std::mem::replace(&mut dev.call_stride, apart.max(1));
             dev.all_reduce(&mut **e, &mut grads[idx.wte]);
+            dev.call_stride = stride;
         }
         match dist.as_mut() {
             Some(d) if d.sharding == Sharding::Ddp => d.all_reduce_grads(dev, grads),

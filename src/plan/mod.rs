@@ -958,7 +958,7 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
 }
 
 /// The closed form for a point: `w + g + k` bytes per parameter, divided
-/// over the GPUs as the ZeRO stage shards them (ZeRO paper, Figure 1:
+/// over the data-parallel GPUs as the ZeRO stage shards them (ZeRO paper, Figure 1:
 /// `(2 + 2 + K)Ψ`, `2Ψ + 2Ψ + KΨ/N`, `2Ψ + (2 + K)Ψ/N`, `(2 + 2 + K)Ψ/N`).
 pub fn closed_form(p: &Point) -> ClosedForm {
     let mixed = p.precision != Precision::Fp32;
@@ -973,7 +973,15 @@ pub fn closed_form(p: &Point) -> ClosedForm {
         Optimizer::Sgd => (4.0, "SGD+momentum"),
     };
     let k = master + state;
-    let n = p.gpus as f64;
+    // ZeRO shards over the data-parallel ranks (a hybrid group's), and the
+    // bytes are per parameter a GPU holds: 1/T of each block under tensor
+    // parallelism, a stage's blocks under a pipeline.
+    let split = p.pipeline_stages.max(1) * p.tensor_parallel.max(1);
+    let d = match p.shard_group {
+        0 => (p.gpus / split).max(1),
+        g => g,
+    };
+    let n = d as f64;
     let fmt = |x: f64| {
         if x.fract() == 0.0 {
             format!("{x:.0}")
@@ -992,31 +1000,23 @@ pub fn closed_form(p: &Point) -> ClosedForm {
         Sharding::None | Sharding::Ddp => (w + w + k, String::new()),
         Sharding::Zero1 => (
             w + w + k / n,
-            format!(
-                "; ZeRO-1 over {}: {} + {}/{}",
-                p.gpus,
-                fmt(2.0 * w),
-                fmt(k),
-                p.gpus
-            ),
+            format!("; ZeRO-1 over {}: {} + {}/{}", d, fmt(2.0 * w), fmt(k), d),
         ),
         Sharding::Zero2 => (
             w + (w + k) / n,
-            format!(
-                "; ZeRO-2 over {}: {} + {}/{}",
-                p.gpus,
-                fmt(w),
-                fmt(w + k),
-                p.gpus
-            ),
+            format!("; ZeRO-2 over {}: {} + {}/{}", d, fmt(w), fmt(w + k), d),
         ),
         Sharding::Zero3 => (
             (2.0 * w + k) / n,
-            format!("; ZeRO-3 over {}: {}/{}", p.gpus, fmt(2.0 * w + k), p.gpus),
+            format!("; ZeRO-3 over {d}: {}/{d}", fmt(2.0 * w + k)),
         ),
     };
+    let held = match split {
+        1 => "",
+        _ => " held (the GPU's share of the split model)",
+    };
     ClosedForm {
-        formula: format!("{head}{shard} = {} B/param", fmt(value)),
+        formula: format!("{head}{shard} = {} B/param{held}", fmt(value)),
         bytes_per_param: value,
     }
 }
@@ -1344,7 +1344,11 @@ pub fn predict(
     out.usd_per_mtok = rates.usd_per_mtok(p.gpus, out.tokens_per_s);
     let pk = e.dev.tracker.peak_bytes();
     out.peak_split = Some(PeakBytes::from(e.dev.tracker.at_peak()));
-    let psi: u64 = e.param_specs().iter().map(|s| s.numel() as u64).sum();
+    // The parameters this GPU holds (its stage's, its tensor-parallel slices).
+    let psi: u64 = (e.param_specs().iter().enumerate())
+        .filter(|(i, _)| e.holds(*i))
+        .map(|(_, s)| s.numel() as u64)
+        .sum();
     out.engine_bytes_per_param = (pk.get(Category::Parameters)
         + pk.get(Category::Gradients)
         + pk.get(Category::Optimizer)) as f64

@@ -41,6 +41,9 @@
  *                        more processes on GPU I, read from PATH on every
  *                        call: lines "PID BYTES"; a missing file means none.
  *                        Lets a child process publish its own pid and bytes.
+ *   self I BYTES         the process that loaded the library is a compute
+ *                        process on GPU I with BYTES (each rank of a
+ *                        launched job, loading it itself, sees only itself)
  *   children I BYTES     every child process of the process that loaded
  *                        the library (found in /proc) is a compute process
  *                        on GPU I with BYTES: a sweep's trial processes,
@@ -378,6 +381,12 @@ static void reload(void) {
             char *p = token(&line);
             if (i >= 0 && p && sc.gpu[i].nfiles < MAX_FILES)
                 snprintf(sc.gpu[i].files[sc.gpu[i].nfiles++], 512, "%s", p);
+        } else if (strcmp(t, "self") == 0) {
+            int i = gpu_index(token(&line), &highest);
+            char *bytes = token(&line);
+            char pid[32];
+            snprintf(pid, sizeof pid, "%ld", (long)getpid());
+            if (i >= 0 && bytes) add_proc(&sc.gpu[i], pid, bytes);
         } else if (strcmp(t, "children") == 0) {
             int i = gpu_index(token(&line), &highest);
             char *bytes = token(&line);
