@@ -67,6 +67,14 @@ pub(crate) fn test_fault(rank: usize) {
     }
 }
 
+/// One line on stderr in one write: the ranks of a job share the
+/// terminal, and `eprintln!` may write a line in pieces that another
+/// process's line then splits.
+fn say(line: String) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
 /// Whether this `memfit run` is a rank of a multi-process job (or was
 /// given a rank's environment that needs an error).
 pub fn is_rank() -> bool {
@@ -80,7 +88,7 @@ pub fn rank_main(args: &RunArgs) -> i32 {
         Ok(Some(e)) => e,
         Ok(None) => unreachable!("is_rank said this is a rank"),
         Err(e) => {
-            eprintln!("memfit: {e}");
+            say(format!("memfit: {e}"));
             return e.exit_code();
         }
     };
@@ -88,14 +96,14 @@ pub fn rank_main(args: &RunArgs) -> i32 {
     let opts = match args.options() {
         Ok(o) => o,
         Err(e) => {
-            eprintln!("memfit: {who}: {e}");
+            say(format!("memfit: {who}: {e}"));
             return e.exit_code();
         }
     };
     let (group, out) = match run_process_rank(&opts, &env) {
         Ok(x) => x,
         Err(e) => {
-            eprintln!("memfit: {who}: {e}");
+            say(format!("memfit: {who}: {e}"));
             return e.exit_code();
         }
     };
@@ -120,8 +128,8 @@ pub fn rank_main(args: &RunArgs) -> i32 {
                     (None, None) => (EXIT_PEER_LOST, "rank 0 is gone".to_string()),
                 };
                 match why.starts_with("rank ") {
-                    true => eprintln!("memfit: {why}"),
-                    false => eprintln!("memfit: {who}: {why}"),
+                    true => say(format!("memfit: {why}")),
+                    false => say(format!("memfit: {who}: {why}")),
                 }
                 code
             }
@@ -138,7 +146,7 @@ pub fn rank_main(args: &RunArgs) -> i32 {
         }
     }
     if let Some(why) = &job.message {
-        eprintln!("memfit: {why}");
+        say(format!("memfit: {why}"));
     }
     use std::io::Write as _;
     let _ = std::io::stdout().flush();
@@ -413,7 +421,7 @@ pub fn launch_main(args: &LaunchArgs) -> i32 {
     match launch(args) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("memfit launch: {e}");
+            say(format!("memfit launch: {e}"));
             e.exit_code()
         }
     }
@@ -693,7 +701,7 @@ fn launch(args: &LaunchArgs) -> crate::Result<i32> {
                 Ok(Some(s)) => s,
                 Ok(None) => continue,
                 Err(e) => {
-                    eprintln!("{who}: waiting for rank {rank}: {e}");
+                    say(format!("{who}: waiting for rank {rank}: {e}"));
                     let _ = c.kill();
                     c.wait().unwrap_or_else(|_| ExitStatus::default())
                 }
@@ -702,7 +710,7 @@ fn launch(args: &LaunchArgs) -> crate::Result<i32> {
             *slot = None;
             if !status.success() {
                 let (code, how) = describe(status);
-                eprintln!("{who}: rank {rank} (pid {pid}) {how}");
+                say(format!("{who}: rank {rank} (pid {pid}) {how}"));
                 // EXIT_PEER_LOST (a rank lost a peer) is the consequence of another
                 // rank's failure: the job's code is the cause's when one is
                 // seen, whichever exited first.
@@ -716,7 +724,7 @@ fn launch(args: &LaunchArgs) -> crate::Result<i32> {
             return Ok(first.unwrap_or(0));
         }
         if stop.load(Ordering::SeqCst) {
-            eprintln!("{who}: interrupted; stopping the ranks");
+            say(format!("{who}: interrupted; stopping the ranks"));
             kill_all(&mut children);
             return Ok(130);
         }
@@ -727,11 +735,11 @@ fn launch(args: &LaunchArgs) -> crate::Result<i32> {
                 .filter(|(_, c)| c.is_some())
                 .map(|(r, _)| (base + r).to_string())
                 .collect();
-            eprintln!(
+            say(format!(
                 "{who}: stopping rank {} ({} s after the first failure)",
                 left.join(", "),
                 args.grace
-            );
+            ));
             kill_all(&mut children);
             return Ok(first.unwrap_or(1));
         }
