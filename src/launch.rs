@@ -135,7 +135,7 @@ pub fn rank_main(args: &RunArgs) -> i32 {
             }
         };
     };
-    let job = merge(&opts.train, report, parts, group.failure());
+    let job = merge(&opts.train, env.local_world, report, parts, group.failure());
     if let Some(r) = &job.report {
         match args.format {
             Format::Json => println!(
@@ -252,6 +252,7 @@ struct Job {
 /// Rank 0: every rank's part into the report a threaded run prints.
 fn merge(
     train: &crate::engine::TrainConfig,
+    per_node: usize,
     mine: Option<RunReport>,
     parts: Vec<Result<Vec<u8>, String>>,
     failure: Option<(i32, String)>,
@@ -293,7 +294,7 @@ fn merge(
         // that failed, as a threaded run does.
         let only = (oom.phase == "init").then_some(p.rank);
         let report = mine.map(|r| {
-            let mut r = combine(r, &got, train, only);
+            let mut r = combine(r, &got, (train, per_node), only);
             r.error = Some(record);
             r
         });
@@ -333,7 +334,7 @@ fn merge(
         };
     };
     Job {
-        report: Some(combine(mine, &got, train, None)),
+        report: Some(combine(mine, &got, (train, per_node), None)),
         message: None,
         code: 0,
     }
@@ -341,10 +342,12 @@ fn merge(
 
 /// Rank 0's report with every rank's peaks, the job's losses and one
 /// replica's work, computed as `run::run_on` and `Cluster` compute them.
+/// `per_node` ranks share a node (LOCAL_WORLD_SIZE): the host record's
+/// node figure is the fullest node's.
 fn combine(
     mut report: RunReport,
     parts: &[Part],
-    train: &crate::engine::TrainConfig,
+    (train, per_node): (&crate::engine::TrainConfig, usize),
     only: Option<usize>,
 ) -> RunReport {
     let world = parts.len();
@@ -371,16 +374,19 @@ fn combine(
     crate::run::summarise_ranks(&mut report);
     if let Some(h) = &mut report.host {
         let mut top = PeakBytes::default();
-        let mut node = 0;
-        for pk in report.ranks.iter().filter_map(|r| r.host_peak_bytes) {
+        let mut nodes = std::collections::BTreeMap::<usize, u64>::new();
+        for r in &report.ranks {
+            let Some(pk) = r.host_peak_bytes else {
+                continue;
+            };
             for c in Category::ALL {
                 top.set(c, top.get(c).max(pk.get(c)));
             }
             top.total = top.total.max(pk.total);
-            node += pk.total;
+            *nodes.entry(r.rank / per_node.max(1)).or_default() += pk.total;
         }
         h.peak_bytes = top;
-        h.node_bytes = node;
+        h.node_bytes = nodes.values().copied().max().unwrap_or(0);
     }
     // One replica's work: every stage and tensor-parallel rank of replica 0.
     let sum = |f: fn(&Part) -> &String| -> u128 {

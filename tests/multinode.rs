@@ -633,6 +633,47 @@ fn two_nodes_on_one_host_over_loopback() {
     .assert_same_as_threads(&["--sharding", "zero2"]);
 }
 
+/// Offload on two nodes of two ranks: the host record's node figure is one
+/// node's ranks' host memory (the fullest node's), not the job's.
+#[test]
+fn offloaded_host_memory_is_counted_per_node() {
+    let port = std::net::TcpListener::bind("0.0.0.0:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let job = Job {
+        hosts: None,
+        master: "127.0.0.1",
+        port: &port,
+        nproc: 2,
+    };
+    let run = run_args(&[
+        "--sharding",
+        "zero2",
+        "--offload",
+        "optimizer",
+        "--host-memory",
+        "8GiB",
+    ]);
+    let start = Instant::now();
+    let [n0, n1] = job.run(&run, [&[], &[]]);
+    let limit = Duration::from_secs(120);
+    let ((o0, _), (o1, _)) = (n0.finish(start, limit), n1.finish(start, limit));
+    assert!(o0.status.success(), "node 0: {}", stderr(&o0));
+    assert!(o1.status.success(), "node 1: {}", stderr(&o1));
+    let doc: Value = serde_json::from_slice(&o0.stdout).unwrap();
+    let host = |r: usize| {
+        doc["ranks"][r]["host_peak_bytes"]["total"]
+            .as_u64()
+            .unwrap()
+    };
+    let per_node = (host(0) + host(1)).max(host(2) + host(3));
+    assert_eq!(doc["host"]["node_bytes"], per_node, "{}", doc["host"]);
+    assert!(per_node < (0..4).map(host).sum::<u64>());
+}
+
 #[test]
 fn multi_node_flags_are_checked() {
     let refused = |flags: &[&str], needle: &str| {
