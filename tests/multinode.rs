@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use common::{json, stderr};
+use common::{comparable, json, stderr};
 use serde_json::Value;
 
 /// The variables that make `memfit run` a rank (none may leak in).
@@ -222,45 +222,6 @@ fn run_args(extra: &[&str]) -> Vec<String> {
     }
     v.extend(extra.iter().map(|s| s.to_string()));
     v
-}
-
-/// What must agree between a threaded and a launched run (as in
-/// tests/multiprocess.rs): losses, norms and skips as JSON numbers (which
-/// round-trip f32 bits), each rank's peaks and traffic, the work and the
-/// host memory. Capacities, times and thread counts are the machine's.
-fn comparable(doc: &Value) -> Value {
-    let steps: Vec<Value> = doc["steps"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| {
-            serde_json::json!([
-                s["step"],
-                s["loss"].to_string(),
-                s["grad_norm"].to_string(),
-                s["skipped"],
-                s["loss_scale"]
-            ])
-        })
-        .collect();
-    let mut host = doc["host"].clone();
-    if let Some(h) = host.as_object_mut() {
-        h.remove("capacity_bytes");
-    }
-    serde_json::json!({
-        "steps": steps,
-        "ranks": doc["ranks"],
-        "stages": doc["stages"],
-        "peak_bytes": doc["peak_bytes"],
-        "peak_breakdown": doc["peak_breakdown"],
-        "flops_per_step": doc["flops_per_step"],
-        "bytes_moved_per_step": doc["bytes_moved_per_step"],
-        "tokens_per_step": doc["tokens_per_step"],
-        "skipped_steps": doc["skipped_steps"],
-        "loss_scale": doc["loss_scale"],
-        "error": doc["error"],
-        "host": host,
-    })
 }
 
 /// One node's launcher, running.

@@ -7,7 +7,7 @@ mod common;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{json, stderr};
+use common::{comparable, json, stderr};
 use serde_json::Value;
 
 /// The variables that make `memfit run` a rank.
@@ -61,46 +61,6 @@ fn both(n: usize, extra: &[&str], env: &[(&str, &str)]) -> (Output, Output) {
     launch.extend(refs(&run));
     let launched = memfit_with(&launch, env);
     (threaded, launched)
-}
-
-/// What must agree between a threaded and a launched run: every step's loss,
-/// gradient norm and skip (as the JSON numbers, which round-trip f32 bits),
-/// each rank's peaks, breakdown and traffic, the top-level peaks, the work
-/// per step, the stages and the host memory. Capacities, times and the
-/// thread count are the machine's.
-fn comparable(doc: &Value) -> Value {
-    let steps: Vec<Value> = doc["steps"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| {
-            serde_json::json!([
-                s["step"],
-                s["loss"].to_string(),
-                s["grad_norm"].to_string(),
-                s["skipped"],
-                s["loss_scale"]
-            ])
-        })
-        .collect();
-    let mut host = doc["host"].clone();
-    if let Some(h) = host.as_object_mut() {
-        h.remove("capacity_bytes");
-    }
-    serde_json::json!({
-        "steps": steps,
-        "ranks": doc["ranks"],
-        "stages": doc["stages"],
-        "peak_bytes": doc["peak_bytes"],
-        "peak_breakdown": doc["peak_breakdown"],
-        "flops_per_step": doc["flops_per_step"],
-        "bytes_moved_per_step": doc["bytes_moved_per_step"],
-        "tokens_per_step": doc["tokens_per_step"],
-        "skipped_steps": doc["skipped_steps"],
-        "loss_scale": doc["loss_scale"],
-        "error": doc["error"],
-        "host": host,
-    })
 }
 
 fn assert_same(n: usize, extra: &[&str], env: &[(&str, &str)]) -> Value {
