@@ -74,28 +74,6 @@ impl Backend for MetaBackend {
         None
     }
     fn fill(&mut self, _buf: &mut (), _value: f32) {}
-    fn embed_forward(
-        &mut self,
-        _: &mut (),
-        _: &(),
-        _: &(),
-        _: Option<&()>,
-        _: usize,
-        _: usize,
-        _: usize,
-    ) {
-    }
-    fn embed_backward(
-        &mut self,
-        _: &mut (),
-        _: Option<&mut ()>,
-        _: &(),
-        _: &(),
-        _: usize,
-        _: usize,
-        _: usize,
-    ) {
-    }
     fn layernorm_forward(
         &mut self,
         _: &mut (),
@@ -221,7 +199,7 @@ impl Backend for MetaBackend {
         _: usize,
     ) {
     }
-    fn embed_forward_part(
+    fn embed_forward_rows(
         &mut self,
         _: &mut (),
         _: &(),
@@ -230,10 +208,10 @@ impl Backend for MetaBackend {
         _: usize,
         _: usize,
         _: usize,
-        _: usize,
+        _: Option<usize>,
     ) {
     }
-    fn embed_backward_part(
+    fn embed_backward_rows(
         &mut self,
         _: &mut (),
         _: Option<&mut ()>,
@@ -242,7 +220,7 @@ impl Backend for MetaBackend {
         _: usize,
         _: usize,
         _: usize,
-        _: usize,
+        _: Option<usize>,
     ) {
     }
     fn crossentropy_backward(&mut self, _: &mut (), _: &(), _: f32, _: usize, _: usize, _: usize) {}

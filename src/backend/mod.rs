@@ -210,6 +210,7 @@ pub trait Backend {
     fn fill(&mut self, buf: &mut Self::Buf, value: f32);
 
     /// `out (N,C) = wte[tokens] (+ wpe[pos])`, tokens `(B,T)` flattened to N, wte `(V,C)`, wpe `(maxT,C)`.
+    #[allow(clippy::too_many_arguments)]
     fn embed_forward(
         &mut self,
         out: &mut Self::Buf,
@@ -219,7 +220,9 @@ pub trait Backend {
         n: usize,
         t: usize,
         c: usize,
-    );
+    ) {
+        self.embed_forward_rows(out, tokens, wte, wpe, n, t, c, None);
+    }
     /// Accumulates `dwte[tokens] += dout` and `dwpe[pos] += dout`.
     #[allow(clippy::too_many_arguments)]
     fn embed_backward(
@@ -231,14 +234,17 @@ pub trait Backend {
         n: usize,
         t: usize,
         c: usize,
-    );
-    /// A vocabulary-parallel embedding's part (Megatron's
+    ) {
+        self.embed_backward_rows(dwte, dwpe, dout, tokens, n, t, c, None);
+    }
+    /// [`Backend::embed_forward`], or with `part: Some(lo)` a
+    /// vocabulary-parallel embedding's part (Megatron's
     /// `VocabParallelEmbedding`): `wte` holds the table's rows `lo ..
     /// lo + rows`; `out (N,C) = wte[tokens - lo]` for the tokens in that
     /// range, 0 for the others (the group's all-reduce adds the parts), plus
-    /// `wpe[pos]` when given.
+    /// `wpe[pos]` when given. Without a part every token must be in `wte`.
     #[allow(clippy::too_many_arguments)]
-    fn embed_forward_part(
+    fn embed_forward_rows(
         &mut self,
         out: &mut Self::Buf,
         tokens: &Self::Buf,
@@ -247,12 +253,13 @@ pub trait Backend {
         n: usize,
         t: usize,
         c: usize,
-        lo: usize,
+        part: Option<usize>,
     );
-    /// The part's backward: `dwte[tokens - lo] += dout` for the tokens in
-    /// its rows (others skipped), `dwpe[pos] += dout` when given.
+    /// [`Backend::embed_backward`], or a part's: `dwte[tokens - lo] +=
+    /// dout` for the tokens in its rows (others skipped), `dwpe[pos] +=
+    /// dout` when given.
     #[allow(clippy::too_many_arguments)]
-    fn embed_backward_part(
+    fn embed_backward_rows(
         &mut self,
         dwte: &mut Self::Buf,
         dwpe: Option<&mut Self::Buf>,
@@ -261,7 +268,7 @@ pub trait Backend {
         n: usize,
         t: usize,
         c: usize,
-        lo: usize,
+        part: Option<usize>,
     );
 
     /// LayerNorm over the last dim: `out (N,C)`, saves `mean (N)`, `rstd (N)`; `b` is optional.

@@ -371,75 +371,16 @@ impl<B: Backend> Device<B> {
         self.timed_at("fill", 0, b(t), at, |be| be.fill(&mut t.buf, value));
     }
 
+    /// The embedding; `part: Some(lo)`: a vocabulary-parallel part whose
+    /// `wte` holds rows `lo..` (`Backend::embed_forward_rows`).
     pub fn embed_forward(
         &mut self,
         out: &mut T<B>,
         tokens: &T<B>,
         wte: &T<B>,
         wpe: Option<&T<B>>,
-        n: usize,
-        t: usize,
-        c: usize,
-    ) {
-        let rows = (n * c * 4) as u64;
-        self.timed(
-            "embed",
-            (n * c) as u64 * wpe.is_some() as u64,
-            b(out) + b(tokens) + rows * (1 + wpe.is_some() as u64),
-            |be| {
-                be.embed_forward(
-                    &mut out.buf,
-                    &tokens.buf,
-                    &wte.buf,
-                    wpe.map(|w| &w.buf),
-                    n,
-                    t,
-                    c,
-                )
-            },
-        );
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    pub fn embed_backward(
-        &mut self,
-        dwte: &mut T<B>,
-        dwpe: Option<&mut T<B>>,
-        dout: &T<B>,
-        tokens: &T<B>,
-        n: usize,
-        t: usize,
-        c: usize,
-    ) {
-        let k = 1 + dwpe.is_some() as u64;
-        self.timed(
-            "embed_backward",
-            (n * c) as u64 * k,
-            b(dout) + b(tokens) + 2 * k * (n * c * 4) as u64,
-            |be| {
-                be.embed_backward(
-                    &mut dwte.buf,
-                    dwpe.map(|w| &mut w.buf),
-                    &dout.buf,
-                    &tokens.buf,
-                    n,
-                    t,
-                    c,
-                )
-            },
-        );
-    }
-
-    /// A vocabulary-parallel embedding's part: `wte` holds rows `lo..`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn embed_forward_part(
-        &mut self,
-        out: &mut T<B>,
-        tokens: &T<B>,
-        wte: &T<B>,
-        wpe: Option<&T<B>>,
         (n, t, c): (usize, usize, usize),
-        lo: usize,
+        part: Option<usize>,
     ) {
         let rows = (n * c * 4) as u64;
         self.timed(
@@ -448,21 +389,21 @@ impl<B: Backend> Device<B> {
             b(out) + b(tokens) + rows * (1 + wpe.is_some() as u64),
             |be| {
                 let wpe = wpe.map(|w| &w.buf);
-                be.embed_forward_part(&mut out.buf, &tokens.buf, &wte.buf, wpe, n, t, c, lo)
+                be.embed_forward_rows(&mut out.buf, &tokens.buf, &wte.buf, wpe, n, t, c, part)
             },
         );
     }
 
-    /// The part's backward: only the tokens in its rows reach `dwte`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn embed_backward_part(
+    /// The embedding's backward (a part's: only the tokens in its rows
+    /// reach `dwte`).
+    pub fn embed_backward(
         &mut self,
         dwte: &mut T<B>,
         dwpe: Option<&mut T<B>>,
         dout: &T<B>,
         tokens: &T<B>,
         (n, t, c): (usize, usize, usize),
-        lo: usize,
+        part: Option<usize>,
     ) {
         let k = 1 + dwpe.is_some() as u64;
         self.timed(
@@ -471,7 +412,7 @@ impl<B: Backend> Device<B> {
             b(dout) + b(tokens) + 2 * k * (n * c * 4) as u64,
             |be| {
                 let dwpe = dwpe.map(|w| &mut w.buf);
-                be.embed_backward_part(&mut dwte.buf, dwpe, &dout.buf, &tokens.buf, n, t, c, lo)
+                be.embed_backward_rows(&mut dwte.buf, dwpe, &dout.buf, &tokens.buf, n, t, c, part)
             },
         );
     }

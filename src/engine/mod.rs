@@ -1131,19 +1131,15 @@ impl<B: Backend> Engine<B> {
         let input = match (&tokens, pipe.as_mut()) {
             (Some(tokens), _) => {
                 let mut emb = dev.alloc(n * c, dt, act)?;
-                let wpe = idx.wpe.map(|i| &p[i]);
+                // Tensor parallelism: each rank's rows of the table, the
+                // positions added once, the parts summed over the group.
+                let part = tp.as_ref().map(|tp| tp.vocab(model).0);
+                let wpe = (idx.wpe.map(|i| &p[i]))
+                    .filter(|_| tp.as_ref().is_none_or(|tp| tp.rank() == 0));
+                dev.embed_forward(&mut emb, tokens, &p[idx.wte], wpe, (n, t, c), part);
                 let emb = match tp.as_mut() {
-                    None => {
-                        dev.embed_forward(&mut emb, tokens, &p[idx.wte], wpe, n, t, c);
-                        emb
-                    }
-                    Some(tp) => {
-                        // Each rank's rows; the positions added once.
-                        let (lo, ..) = tp.vocab(model);
-                        let wpe = wpe.filter(|_| tp.rank() == 0);
-                        dev.embed_forward_part(&mut emb, tokens, &p[idx.wte], wpe, (n, t, c), lo);
-                        tp.reduce(dev, emb)?
-                    }
+                    Some(tp) => tp.reduce(dev, emb)?,
+                    None => emb,
                 };
                 hook(dev, p, Stage::Embed, true)?;
                 emb
@@ -1622,21 +1618,13 @@ impl<B: Backend> Engine<B> {
                 }
                 // A frozen embedding needs no gradient at all.
                 if !frozen {
-                    match tp.as_mut() {
-                        None => {
-                            let (dwte, dwpe) = pair_mut(g, idx.wte, idx.wpe);
-                            dev.embed_backward(dwte, dwpe, &dres, &tokens, n, t, c);
-                        }
-                        Some(tp) => {
-                            // Every token's gradient reaches this rank's rows.
-                            let lo = tp.vocab(model).0;
-                            let gathered = tp.gather(dev, &dres)?;
-                            let dout = gathered.as_ref().unwrap_or(&dres);
-                            let (dwte, dwpe) = pair_mut(g, idx.wte, idx.wpe);
-                            dev.embed_backward_part(dwte, dwpe, dout, &tokens, (n, t, c), lo);
-                            dev.free_opt(gathered);
-                        }
-                    }
+                    // Every token's gradient reaches this rank's rows.
+                    let part = tp.as_ref().map(|tp| tp.vocab(model).0);
+                    let gathered = gather(dev, tp.as_mut(), &dres)?;
+                    let dout = gathered.as_ref().unwrap_or(&dres);
+                    let (dwte, dwpe) = pair_mut(g, idx.wte, idx.wpe);
+                    dev.embed_backward(dwte, dwpe, dout, &tokens, (n, t, c), part);
+                    dev.free_opt(gathered);
                 }
                 dev.free(dres);
                 dev.free_opt(input);

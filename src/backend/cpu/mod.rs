@@ -289,131 +289,6 @@ impl std::fmt::Debug for CpuBackend {
 }
 
 impl CpuBackend {
-    /// `embed_forward` (`part: None`: every token must be in the table)
-    /// or a vocabulary-parallel part's (`Some(lo)`: the table holds rows
-    /// `lo..`, other tokens give 0).
-    #[allow(clippy::too_many_arguments)]
-    fn embed_rows(
-        &mut self,
-        out: &mut CpuBuf,
-        tokens: &CpuBuf,
-        wte: &CpuBuf,
-        wpe: Option<&CpuBuf>,
-        n: usize,
-        t: usize,
-        c: usize,
-        part: Option<usize>,
-    ) {
-        if n == 0 || c == 0 {
-            return;
-        }
-        let out = &mut out.wide_mut()[..n * c];
-        let tokens = &tokens.as_u32()[..n];
-        let wte = wte.wide();
-        let vocab = wte.len() / c;
-        let wpe = wpe.map(|p| p.wide());
-        let wpe = wpe.as_deref().map(|p| &p[..t * c]);
-        let rows = rows_per_task(c);
-        self.pool.install(|| {
-            out.par_chunks_mut(c * rows)
-                .enumerate()
-                .for_each(|(ci, blk)| {
-                    for (ri, o) in blk.chunks_exact_mut(c).enumerate() {
-                        let r = ci * rows + ri;
-                        let tok = tokens[r] as usize;
-                        let row = match part {
-                            None => {
-                                assert!(tok < vocab, "token id {tok} >= embedding rows {vocab}");
-                                Some(tok)
-                            }
-                            Some(lo) => (lo..lo + vocab).contains(&tok).then(|| tok - lo),
-                        };
-                        match (row, wpe) {
-                            (Some(row), Some(wpe)) => {
-                                let e = &wte[row * c..][..c];
-                                let p = &wpe[(r % t) * c..][..c];
-                                for ((o, a), b) in o.iter_mut().zip(e).zip(p) {
-                                    *o = a + b;
-                                }
-                            }
-                            (Some(row), None) => o.copy_from_slice(&wte[row * c..][..c]),
-                            (None, Some(wpe)) => o.copy_from_slice(&wpe[(r % t) * c..][..c]),
-                            (None, None) => o.fill(0.0),
-                        }
-                    }
-                })
-        });
-    }
-
-    /// `embed_backward`, or a vocabulary-parallel part's (`Some(lo)`: the
-    /// table holds rows `lo..`, other tokens are skipped).
-    #[allow(clippy::too_many_arguments)]
-    fn embed_rows_backward(
-        &mut self,
-        dwte: &mut CpuBuf,
-        dwpe: Option<&mut CpuBuf>,
-        dout: &CpuBuf,
-        tokens: &CpuBuf,
-        n: usize,
-        t: usize,
-        c: usize,
-        part: Option<usize>,
-    ) {
-        if n == 0 || c == 0 {
-            return;
-        }
-        let mut dwte = dwte.wide_mut();
-        let vocab = dwte.len() / c;
-        let dwte = &mut dwte[..vocab * c];
-        let dout = &dout.wide()[..n * c];
-        let tokens = &tokens.as_u32()[..n];
-        if part.is_none()
-            && let Some(&bad) = tokens.iter().find(|&&tok| tok as usize >= vocab)
-        {
-            panic!("token id {bad} >= embedding rows {vocab}");
-        }
-        let lo = part.unwrap_or(0);
-        self.pool.install(|| {
-            // Several rows may hit the same token, so the scatter is partitioned
-            // over the output: each task owns a range of table rows and scans all
-            // tokens in order, adding the ones that land in its range. Every
-            // element is summed in row order whatever the thread count.
-            dwte.par_chunks_mut(c * VOCAB_ROWS_PER_TASK)
-                .enumerate()
-                .for_each(|(ci, blk)| {
-                    let v0 = ci * VOCAB_ROWS_PER_TASK;
-                    let v1 = v0 + blk.len() / c;
-                    for (r, &tok) in tokens.iter().enumerate() {
-                        let Some(tok) = (tok as usize).checked_sub(lo) else {
-                            continue;
-                        };
-                        if (v0..v1).contains(&tok) {
-                            add_assign(&mut blk[(tok - v0) * c..][..c], &dout[r * c..][..c]);
-                        }
-                    }
-                });
-            if let Some(dwpe) = dwpe {
-                assert!(
-                    n.is_multiple_of(t),
-                    "n = {n} rows is not a multiple of t = {t}"
-                );
-                // Each task owns a range of positions and sums the B sequences in order.
-                let dwpe = &mut dwpe.wide_mut()[..t * c];
-                let rows = rows_per_task(c);
-                dwpe.par_chunks_mut(c * rows)
-                    .enumerate()
-                    .for_each(|(ci, blk)| {
-                        for (pi, d) in blk.chunks_exact_mut(c).enumerate() {
-                            let pos = ci * rows + pi;
-                            for b in 0..n / t {
-                                add_assign(d, &dout[(b * t + pos) * c..][..c]);
-                            }
-                        }
-                    });
-            }
-        });
-    }
-
     pub fn new(threads: usize) -> Result<Self, String> {
         if threads == 0 {
             return Err("the cpu backend needs at least 1 thread".to_string());
@@ -1041,7 +916,7 @@ impl Backend for CpuBackend {
     }
 
     // out (N,C), tokens (N), wte (V,C), wpe (maxT,C); row r is position r % t.
-    fn embed_forward(
+    fn embed_forward_rows(
         &mut self,
         out: &mut CpuBuf,
         tokens: &CpuBuf,
@@ -1050,26 +925,51 @@ impl Backend for CpuBackend {
         n: usize,
         t: usize,
         c: usize,
+        part: Option<usize>,
     ) {
-        self.embed_rows(out, tokens, wte, wpe, n, t, c, None);
-    }
-
-    fn embed_forward_part(
-        &mut self,
-        out: &mut CpuBuf,
-        tokens: &CpuBuf,
-        wte: &CpuBuf,
-        wpe: Option<&CpuBuf>,
-        n: usize,
-        t: usize,
-        c: usize,
-        lo: usize,
-    ) {
-        self.embed_rows(out, tokens, wte, wpe, n, t, c, Some(lo));
+        if n == 0 || c == 0 {
+            return;
+        }
+        let out = &mut out.wide_mut()[..n * c];
+        let tokens = &tokens.as_u32()[..n];
+        let wte = wte.wide();
+        let vocab = wte.len() / c;
+        let wpe = wpe.map(|p| p.wide());
+        let wpe = wpe.as_deref().map(|p| &p[..t * c]);
+        let rows = rows_per_task(c);
+        self.pool.install(|| {
+            out.par_chunks_mut(c * rows)
+                .enumerate()
+                .for_each(|(ci, blk)| {
+                    for (ri, o) in blk.chunks_exact_mut(c).enumerate() {
+                        let r = ci * rows + ri;
+                        let tok = tokens[r] as usize;
+                        let row = match part {
+                            None => {
+                                assert!(tok < vocab, "token id {tok} >= embedding rows {vocab}");
+                                Some(tok)
+                            }
+                            Some(lo) => (lo..lo + vocab).contains(&tok).then(|| tok - lo),
+                        };
+                        match (row, wpe) {
+                            (Some(row), Some(wpe)) => {
+                                let e = &wte[row * c..][..c];
+                                let p = &wpe[(r % t) * c..][..c];
+                                for ((o, a), b) in o.iter_mut().zip(e).zip(p) {
+                                    *o = a + b;
+                                }
+                            }
+                            (Some(row), None) => o.copy_from_slice(&wte[row * c..][..c]),
+                            (None, Some(wpe)) => o.copy_from_slice(&wpe[(r % t) * c..][..c]),
+                            (None, None) => o.fill(0.0),
+                        }
+                    }
+                })
+        });
     }
 
     // dwte (V,C) += scatter of dout (N,C) by tokens (N); dwpe (maxT,C) += dout by position.
-    fn embed_backward(
+    fn embed_backward_rows(
         &mut self,
         dwte: &mut CpuBuf,
         dwpe: Option<&mut CpuBuf>,
@@ -1078,22 +978,61 @@ impl Backend for CpuBackend {
         n: usize,
         t: usize,
         c: usize,
+        part: Option<usize>,
     ) {
-        self.embed_rows_backward(dwte, dwpe, dout, tokens, n, t, c, None);
-    }
-
-    fn embed_backward_part(
-        &mut self,
-        dwte: &mut CpuBuf,
-        dwpe: Option<&mut CpuBuf>,
-        dout: &CpuBuf,
-        tokens: &CpuBuf,
-        n: usize,
-        t: usize,
-        c: usize,
-        lo: usize,
-    ) {
-        self.embed_rows_backward(dwte, dwpe, dout, tokens, n, t, c, Some(lo));
+        if n == 0 || c == 0 {
+            return;
+        }
+        let mut dwte = dwte.wide_mut();
+        let vocab = dwte.len() / c;
+        let dwte = &mut dwte[..vocab * c];
+        let dout = &dout.wide()[..n * c];
+        let tokens = &tokens.as_u32()[..n];
+        if part.is_none()
+            && let Some(&bad) = tokens.iter().find(|&&tok| tok as usize >= vocab)
+        {
+            panic!("token id {bad} >= embedding rows {vocab}");
+        }
+        let lo = part.unwrap_or(0);
+        self.pool.install(|| {
+            // Several rows may hit the same token, so the scatter is partitioned
+            // over the output: each task owns a range of table rows and scans all
+            // tokens in order, adding the ones that land in its range. Every
+            // element is summed in row order whatever the thread count.
+            dwte.par_chunks_mut(c * VOCAB_ROWS_PER_TASK)
+                .enumerate()
+                .for_each(|(ci, blk)| {
+                    let v0 = ci * VOCAB_ROWS_PER_TASK;
+                    let v1 = v0 + blk.len() / c;
+                    for (r, &tok) in tokens.iter().enumerate() {
+                        let Some(tok) = (tok as usize).checked_sub(lo) else {
+                            continue;
+                        };
+                        if (v0..v1).contains(&tok) {
+                            add_assign(&mut blk[(tok - v0) * c..][..c], &dout[r * c..][..c]);
+                        }
+                    }
+                });
+            if let Some(dwpe) = dwpe {
+                assert!(
+                    n.is_multiple_of(t),
+                    "n = {n} rows is not a multiple of t = {t}"
+                );
+                // Each task owns a range of positions and sums the B sequences in order.
+                let dwpe = &mut dwpe.wide_mut()[..t * c];
+                let rows = rows_per_task(c);
+                dwpe.par_chunks_mut(c * rows)
+                    .enumerate()
+                    .for_each(|(ci, blk)| {
+                        for (pi, d) in blk.chunks_exact_mut(c).enumerate() {
+                            let pos = ci * rows + pi;
+                            for b in 0..n / t {
+                                add_assign(d, &dout[(b * t + pos) * c..][..c]);
+                            }
+                        }
+                    });
+            }
+        });
     }
 
     // out (N,C), mean (N), rstd (N), inp (N,C), w (C), b (C).

@@ -553,7 +553,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         );
     }
 
-    fn embed_forward(
+    fn embed_forward_rows(
         &mut self,
         out: &mut CudaBuf,
         tokens: &CudaBuf,
@@ -562,25 +562,12 @@ impl<D: Driver> Backend for CudaBackend<D> {
         n: usize,
         t: usize,
         c: usize,
+        part: Option<usize>,
     ) {
-        norm::embed_forward(self, out, tokens, wte, wpe, n, t, c, None)
+        norm::embed_forward(self, out, tokens, wte, wpe, n, t, c, part)
     }
 
-    fn embed_forward_part(
-        &mut self,
-        out: &mut CudaBuf,
-        tokens: &CudaBuf,
-        wte: &CudaBuf,
-        wpe: Option<&CudaBuf>,
-        n: usize,
-        t: usize,
-        c: usize,
-        lo: usize,
-    ) {
-        norm::embed_forward(self, out, tokens, wte, wpe, n, t, c, Some(lo))
-    }
-
-    fn embed_backward_part(
+    fn embed_backward_rows(
         &mut self,
         dwte: &mut CudaBuf,
         dwpe: Option<&mut CudaBuf>,
@@ -589,22 +576,9 @@ impl<D: Driver> Backend for CudaBackend<D> {
         n: usize,
         t: usize,
         c: usize,
-        lo: usize,
+        part: Option<usize>,
     ) {
-        norm::embed_backward(self, dwte, dwpe, dout, tokens, n, t, c, lo)
-    }
-
-    fn embed_backward(
-        &mut self,
-        dwte: &mut CudaBuf,
-        dwpe: Option<&mut CudaBuf>,
-        dout: &CudaBuf,
-        tokens: &CudaBuf,
-        n: usize,
-        t: usize,
-        c: usize,
-    ) {
-        norm::embed_backward(self, dwte, dwpe, dout, tokens, n, t, c, 0)
+        norm::embed_backward(self, dwte, dwpe, dout, tokens, n, t, c, part.unwrap_or(0))
     }
 
     fn layernorm_forward(

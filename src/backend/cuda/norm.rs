@@ -765,13 +765,13 @@ fn vocab_parallel<B: Backend>(
         let real = v.saturating_sub(lo).min(rows);
         let w = up(be, &wte[lo * c..(lo + rows) * c], dt);
         let mut out = up(be, &vec![f32::NAN; n * c], dt);
-        be.embed_forward_part(&mut out, &tb, &w, None, n, n, c, lo);
+        be.embed_forward_rows(&mut out, &tb, &w, None, n, n, c, Some(lo));
         for (e, x) in emb.iter_mut().zip(down(be, &out)) {
             *e += x;
         }
         let mut dw = up(be, &vec![0.0; rows * c], dt);
         let db = up(be, dout, dt);
-        be.embed_backward_part(&mut dw, None, &db, &tb, n, n, c, lo);
+        be.embed_backward_rows(&mut dw, None, &db, &tb, n, n, c, Some(lo));
         dwte.extend(down(be, &dw));
         let part: Vec<f32> = (0..n)
             .flat_map(|r| logits[r * vp + lo..][..rows].to_vec())
