@@ -230,6 +230,15 @@ impl<B: Backend> Device<B> {
         r
     }
 
+    /// Runs `f` with the collectives it calls recorded as a group whose
+    /// members are `stride` ranks apart (`Call::stride`).
+    pub fn with_stride<R>(&mut self, stride: usize, f: impl FnOnce(&mut Self) -> R) -> R {
+        let was = std::mem::replace(&mut self.call_stride, stride);
+        let r = f(self);
+        self.call_stride = was;
+        r
+    }
+
     /// The tracker that holds `t`'s bytes.
     fn tracker_of(&mut self, host: bool) -> &mut Tracker {
         match host {

@@ -1695,9 +1695,9 @@ impl<B: Backend> Engine<B> {
             let apart = (train.pipeline_stages.max(1) - 1)
                 * train.data_ranks()
                 * train.tensor_parallel.max(1);
-            let stride = std::mem::replace(&mut dev.call_stride, apart.max(1));
-            dev.all_reduce(&mut **e, &mut grads[idx.wte]);
-            dev.call_stride = stride;
+            dev.with_stride(apart.max(1), |dev| {
+                dev.all_reduce(&mut **e, &mut grads[idx.wte])
+            });
         }
         match dist.as_mut() {
             Some(d) if d.sharding == Sharding::Ddp => d.all_reduce_grads(dev, grads),

@@ -727,12 +727,12 @@ impl<B: Backend> Dist<B> {
             return;
         };
         // These ranks are a shard group apart: priced on that placement.
-        let stride = dev.call_stride;
-        dev.call_stride = stride * self.world;
-        for (g, _) in self.grad_shards.iter_mut().zip(owned).filter(|(_, o)| **o) {
-            dev.all_reduce(&mut **rep, g);
-        }
-        dev.call_stride = stride;
+        let grads = self.grad_shards.iter_mut().zip(owned).filter(|(_, o)| **o);
+        dev.with_stride(dev.call_stride * self.world, |dev| {
+            for (g, _) in grads {
+                dev.all_reduce(&mut **rep, g);
+            }
+        });
     }
 
     /// zero1: frees the step's gradient shards.

@@ -61,9 +61,7 @@ impl<B: Backend> Tp<B> {
     /// `t = the sum of t over the group`, priced as a collective among
     /// adjacent ranks (the group is placed first, Megatron's order).
     pub fn all_reduce(&mut self, dev: &mut Device<B>, t: &mut Tensor<B::Buf>) {
-        let stride = std::mem::replace(&mut dev.call_stride, 1);
-        dev.all_reduce(&mut *self.comm, t);
-        dev.call_stride = stride;
+        dev.with_stride(1, |dev| dev.all_reduce(&mut *self.comm, t));
     }
 
     /// `out` = every rank's `inp`, rank after rank, among adjacent ranks.
@@ -73,9 +71,7 @@ impl<B: Backend> Tp<B> {
         out: &mut Tensor<B::Buf>,
         inp: &Tensor<B::Buf>,
     ) {
-        let stride = std::mem::replace(&mut dev.call_stride, 1);
-        dev.all_gather(&mut *self.comm, out, inp);
-        dev.call_stride = stride;
+        dev.with_stride(1, |dev| dev.all_gather(&mut *self.comm, out, inp));
     }
 
     /// Tokens this rank keeps of a micro-batch's `n` between the split
@@ -121,9 +117,7 @@ impl<B: Backend> Tp<B> {
             return Ok(t);
         }
         let mut out = dev.alloc(t.len / self.size(), t.dtype, t.category)?;
-        let stride = std::mem::replace(&mut dev.call_stride, 1);
-        dev.reduce_scatter(&mut *self.comm, &mut out, &t);
-        dev.call_stride = stride;
+        dev.with_stride(1, |dev| dev.reduce_scatter(&mut *self.comm, &mut out, &t));
         dev.free(t);
         Ok(out)
     }
