@@ -102,10 +102,29 @@ fn main() {
     for f in &files {
         writeln!(inc, "#include \"{}\"", f.display()).unwrap();
     }
-    inc.push_str("struct KernelEntry { const char* name; void (*run)(void**); };\n");
+    inc.push_str(
+        "struct KernelEntry { const char* name; void (*run)(void**); const char* args; };\n",
+    );
     inc.push_str("static const KernelEntry KERNELS[] = {\n");
     for k in &kernels {
-        writeln!(inc, "    {{\"{0}\", &simt::thunk<&{0}>}},", k.name).unwrap();
+        // Argument kinds, one letter each: Ptr, I64 (L), I32, U32, F32.
+        let kinds: String = k
+            .args
+            .iter()
+            .map(|a| match *a {
+                "Ptr" => 'P',
+                "I64" => 'L',
+                "I32" => 'I',
+                "U32" => 'U',
+                _ => 'F',
+            })
+            .collect();
+        writeln!(
+            inc,
+            "    {{\"{0}\", &simt::thunk<&{0}>, \"{kinds}\"}},",
+            k.name
+        )
+        .unwrap();
     }
     inc.push_str("};\n");
     std::fs::write(out.join("kernels.inc"), inc).unwrap();
@@ -148,6 +167,75 @@ fn main() {
         .compile("memfit_simt");
 
     build_nvml_double(&root, &out);
+    build_cuda_double(&root, &out);
+}
+
+/// Compiles the C-level CUDA driver/cuBLAS/NCCL double
+/// (`tests/cuda_double/cuda_double.cpp`, with the SIMT emulator and every
+/// kernel) to `$OUT_DIR/cuda_double/libcuda.so.1`, gives it the names an
+/// NVIDIA install has (`libcublas.so.13`, `libcublasLt.so.13`,
+/// `libnccl.so.2`, links to the same file) and exports the folder as the
+/// compile-time env `MEMFIT_CUDA_DOUBLE` (empty, with a warning, where it
+/// cannot be built).
+fn build_cuda_double(root: &Path, out: &Path) {
+    const SRC: &str = "tests/cuda_double/cuda_double.cpp";
+    println!("cargo:rerun-if-changed={SRC}");
+    let dir = out.join("cuda_double");
+    let lib = dir.join("libcuda.so.1");
+    let built = (|| -> Result<(), String> {
+        if std::env::var("CARGO_CFG_TARGET_OS").as_deref() != Ok("linux") {
+            return Err("the CUDA double is built for Linux targets only".into());
+        }
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let cxx = cc::Build::new()
+            .cpp(true)
+            .cargo_metadata(false)
+            .try_get_compiler()
+            .map_err(|e| format!("no C++ compiler: {e}"))?;
+        let output = cxx
+            .to_command()
+            .args([
+                "-std=c++17",
+                "-O2",
+                "-shared",
+                "-fPIC",
+                "-fvisibility=hidden",
+                "-fno-strict-aliasing",
+                "-w",
+                "-Wl,-soname,libcuda.so.1",
+                "-Wl,-Bsymbolic",
+            ])
+            .arg("-I")
+            .arg(out)
+            .arg("-I")
+            .arg(root.join(SIMT_DIR))
+            .arg("-o")
+            .arg(&lib)
+            .arg(root.join(SIMT_DIR).join("simt.cpp"))
+            .arg(root.join(SRC))
+            .args(["-lpthread", "-lrt"])
+            .output()
+            .map_err(|e| format!("{}: {e}", cxx.path().display()))?;
+        if !output.status.success() {
+            return Err(String::from_utf8_lossy(&output.stderr).into_owned());
+        }
+        for name in ["libcublas.so.13", "libcublasLt.so.13", "libnccl.so.2"] {
+            let link = dir.join(name);
+            let _ = std::fs::remove_file(&link);
+            std::os::unix::fs::symlink("libcuda.so.1", &link)
+                .map_err(|e| format!("{}: {e}", link.display()))?;
+        }
+        Ok(())
+    })();
+    match built {
+        Ok(()) => println!("cargo:rustc-env=MEMFIT_CUDA_DOUBLE={}", dir.display()),
+        Err(why) => {
+            for line in why.lines().take(20) {
+                println!("cargo:warning=CUDA double not built: {line}");
+            }
+            println!("cargo:rustc-env=MEMFIT_CUDA_DOUBLE=");
+        }
+    }
 }
 
 /// Compiles the scripted NVML double (`tests/nvml_double/nvml_double.c`) to

@@ -78,6 +78,16 @@ pub enum Command {
     /// matching losses, then meta's predicted peaks equal to cuda's measured
     /// ones, byte for byte. Exits 1 on any mismatch.
     Selftest(SelftestArgs),
+    /// What of the NVIDIA stack this machine has, as --device cuda sees it.
+    ///
+    /// The driver and the CUDA version it supports; each GPU's name, memory,
+    /// compute capability and MIG mode; for NVRTC, cuBLAS, cuBLASLt, NCCL and
+    /// NVML the file found (searched in MEMFIT_CUDA_LIBS, LD_LIBRARY_PATH,
+    /// the ld.so cache, CUDA_HOME/CUDA_PATH, /usr/local/cuda*/lib64 and
+    /// python3's nvidia wheels), its version, or why not and the fix; and
+    /// PyTorch's CUDA. Exits 0 when --device cuda has what it needs, 1 when
+    /// something is missing.
+    Doctor(DoctorArgs),
     /// Watch a training job's GPU memory live (NVML): peak, warnings, timeline.
     ///
     /// Starts a command (after `--`) or attaches to a running process
@@ -238,6 +248,13 @@ pub struct SelftestArgs {
     /// Seed of the random op inputs.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct DoctorArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,

@@ -16,6 +16,7 @@ pub mod cli;
 pub mod comm;
 pub mod config;
 pub mod data;
+pub mod doctor;
 pub mod engine;
 pub mod error;
 pub mod launch;

@@ -7,9 +7,35 @@ use memfit::config::hardware::{builtin_hardware, load_hardware};
 use memfit::config::profile::{builtin_models, load_model};
 use memfit::run::{render_table, run};
 
+/// Whether this command may open the cuda backend: then the NVIDIA
+/// libraries are found and made loadable first (which may execute memfit
+/// again, once). Commands that never touch CUDA skip the search; `watch`
+/// does too, so the job it starts keeps the user's LD_LIBRARY_PATH.
+fn may_use_cuda(cmd: &Command) -> bool {
+    let mentions_cuda = || std::env::args().skip(1).any(|a| a.contains("cuda"));
+    match cmd {
+        Command::Doctor(_) | Command::Selftest(_) => true,
+        Command::Run(args) => {
+            mentions_cuda()
+                || args
+                    .options()
+                    .is_ok_and(|o| o.device.to_string().starts_with("cuda"))
+        }
+        Command::Trial { .. }
+        | Command::Calibrate(_)
+        | Command::Balance(_)
+        | Command::Launch(_) => mentions_cuda(),
+        _ => false,
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if may_use_cuda(&cli.command) {
+        memfit::backend::cuda::libs::prepare();
+    }
     let code = match cli.command {
+        Command::Doctor(args) => memfit::doctor::doctor_main(args.format == Format::Json),
         Command::Run(args) if memfit::launch::is_rank() => memfit::launch::rank_main(&args),
         Command::Launch(args) => memfit::launch::launch_main(&args),
         Command::Run(args) => match args.options().and_then(|o| run(&o)) {

@@ -31,6 +31,7 @@
 pub mod comm;
 pub mod driver;
 pub mod emu;
+pub mod libs;
 pub mod nccl;
 pub mod nvrtc;
 pub mod real;

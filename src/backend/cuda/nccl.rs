@@ -55,7 +55,8 @@ pub fn nccl_available() -> Result<i32, String> {
     // SAFETY: only attempts to dlopen the library.
     if !unsafe { nccl_sys::is_culib_present() } {
         return Err(format!(
-            "NCCL (libnccl.so.2) could not be loaded; install NCCL (the nvidia-nccl-cu12 wheel or the libnccl2 package) where the loader finds it (LD_LIBRARY_PATH), or set {BACKEND_ENV}=tcp to stage the collectives through the host"
+            "NCCL could not be loaded ({}), or set {BACKEND_ENV}=tcp to stage the collectives through the host",
+            super::libs::explain(super::libs::Lib::Nccl)
         ));
     }
     let v = nccl::get_nccl_version().map_err(|e| format!("ncclGetVersion failed: {:?}", e.0))?;

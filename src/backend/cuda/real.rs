@@ -61,7 +61,7 @@ impl CudaDriver {
     pub fn open(ordinal: usize) -> Result<Self, String> {
         if !driver_present() {
             return Err(
-                "no CUDA driver on this machine (libcuda.so could not be loaded): --device cuda needs an NVIDIA GPU with its driver; use --device cpu, or --device meta to predict".into(),
+                "no CUDA driver on this machine (libcuda.so.1 could not be loaded): --device cuda needs an NVIDIA GPU with its driver (`memfit doctor` shows what was found); use --device cpu, or --device meta to predict".into(),
             );
         }
         cu::init().map_err(|e| err("cuInit", e))?;
@@ -98,10 +98,25 @@ impl CudaDriver {
         let total =
             unsafe { cu::device::total_mem(dev) }.map_err(|e| err("cuDeviceTotalMem", e))? as u64;
 
-        // Machine code for this GPU, so no PTX JIT (which would tie the
-        // NVRTC version to the driver's); see `nvrtc::compile_cubin`.
-        let image = super::nvrtc::compile_cubin(&format!("sm_{}{}", cc.0, cc.1))?;
-        // SAFETY: image is a complete CUBIN produced by NVRTC for this device.
+        // Machine code for this GPU where NVRTC knows it, so the driver
+        // never JIT-compiles; PTX the driver accepts where it does not
+        // (`nvrtc::choose_target`).
+        let mut driver = 0;
+        // SAFETY: writes one int.
+        unsafe { cu_sys::cuDriverGetVersion(&mut driver) }
+            .result()
+            .map_err(|e| err("cuDriverGetVersion", e))?;
+        let nvrtc_version =
+            super::nvrtc::version().ok_or_else(|| super::libs::explain(super::libs::Lib::Nvrtc))?;
+        let target = super::nvrtc::choose_target(
+            cc.0 * 10 + cc.1,
+            nvrtc_version,
+            &super::nvrtc::supported_archs(),
+            driver,
+        )?;
+        let image = super::nvrtc::compile_image(&target)?;
+        // SAFETY: image is a complete CUBIN, or NUL-terminated PTX, that
+        // NVRTC produced for this device.
         let module = unsafe { cu::module::load_data(image.as_ptr() as *const c_void) }
             .map_err(|e| err("loading the kernel module", e))?;
         let funcs = KERNELS
@@ -117,7 +132,10 @@ impl CudaDriver {
 
         // SAFETY: only attempts to dlopen the library.
         if !unsafe { blas_sys::is_culib_present() } {
-            return Err("cuda: cuBLAS (libcublas.so.12) could not be loaded; install the CUDA 12 runtime libraries".into());
+            return Err(format!(
+                "cuda: cuBLAS could not be loaded: {}",
+                super::libs::explain(super::libs::Lib::Cublas)
+            ));
         }
         let handle = blas::create_handle().map_err(|e| err("cublasCreate", e))?;
         // SAFETY: handle and stream are live; the workspace is ours for the

@@ -8,8 +8,12 @@
 #include <ucontext.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -188,6 +192,80 @@ void thunk(void** args) {
     call_with(F, args, std::make_index_sequence<Arity<decltype(F)>::n>{});
 }
 
+// Runs f(0..n) on `workers` threads: the caller and workers-1 helpers kept
+// by the calling thread (thread_local, so ranks launching from their own
+// threads never share a pool), handing out indices one at a time.
+class Pool {
+   public:
+    ~Pool() {
+        {
+            std::lock_guard<std::mutex> g(m_);
+            stop_ = true;
+        }
+        wake_.notify_all();
+        for (auto& t : helpers_) t.join();
+    }
+    void run(unsigned workers, unsigned long long n, const std::function<void(unsigned long long)>& f) {
+        if (workers <= 1 || n <= 1) {
+            for (unsigned long long i = 0; i < n; i++) f(i);
+            return;
+        }
+        while (helpers_.size() + 1 < workers) helpers_.emplace_back([this, g0 = gen_] { serve(g0); });
+        {
+            std::lock_guard<std::mutex> g(m_);
+            job_ = &f;
+            n_ = n;
+            next_ = 0;
+            busy_ = helpers_.size();
+            gen_++;
+        }
+        wake_.notify_all();
+        drain(f, n);
+        std::unique_lock<std::mutex> g(m_);
+        done_.wait(g, [this] { return busy_ == 0; });
+        job_ = nullptr;
+    }
+
+   private:
+    void drain(const std::function<void(unsigned long long)>& f, unsigned long long n) {
+        for (;;) {
+            unsigned long long i = __atomic_fetch_add(&next_, 1ull, __ATOMIC_RELAXED);
+            if (i >= n) return;
+            f(i);
+        }
+    }
+    // `seen`: the generation when this helper was made (not its job).
+    void serve(unsigned long long seen) {
+        for (;;) {
+            const std::function<void(unsigned long long)>* f;
+            unsigned long long n;
+            {
+                std::unique_lock<std::mutex> g(m_);
+                wake_.wait(g, [&] { return stop_ || gen_ != seen; });
+                if (stop_) return;
+                seen = gen_;
+                f = job_;
+                n = n_;
+            }
+            drain(*f, n);
+            std::lock_guard<std::mutex> g(m_);
+            if (--busy_ == 0) done_.notify_all();
+        }
+    }
+    std::mutex m_;
+    std::condition_variable wake_, done_;
+    std::vector<std::thread> helpers_;
+    const std::function<void(unsigned long long)>* job_ = nullptr;
+    unsigned long long n_ = 0, next_ = 0, gen_ = 0;
+    size_t busy_ = 0;
+    bool stop_ = false;
+};
+
+void parallel_for(unsigned workers, unsigned long long n, const std::function<void(unsigned long long)>& f) {
+    static thread_local Pool pool;
+    pool.run(workers, n, f);
+}
+
 }  // namespace simt
 
 #define MEMFIT_SIMT 1
@@ -198,10 +276,132 @@ extern "C" {
 unsigned int memfit_simt_kernel_count() { return sizeof(KERNELS) / sizeof(KERNELS[0]); }
 const char* memfit_simt_kernel_name(unsigned int i) { return KERNELS[i].name; }
 
-// Runs blocks [begin, end) of a launch of kernel `k` on the calling thread.
-int memfit_simt_run(unsigned int k, const unsigned* grid, const unsigned* block, size_t shmem, void** args,
-                    unsigned long long begin, unsigned long long end, char* err, size_t errlen) {
-    return simt::run_blocks(KERNELS[k].run, grid, block, shmem, args, begin, end, err, errlen);
+const char* memfit_simt_kernel_args(unsigned int i) { return KERNELS[i].args; }
+
+// Index of the kernel named `name`, or -1.
+int memfit_simt_kernel_index(const char* name) {
+    for (unsigned i = 0; i < memfit_simt_kernel_count(); i++)
+        if (std::strcmp(KERNELS[i].name, name) == 0) return (int)i;
+    return -1;
+}
+
+// One launch of kernel `k`, as cuLaunchKernel takes it: `args[i]` points at
+// parameter i's value. First the limits every GPU memfit supports (sm_80 and
+// newer) enforces, so a launch the hardware would refuse fails here too
+// (return 1, `err` says which); then the blocks, spread over `threads` host
+// threads (return 2 on a fault the emulation detects, such as a deadlock).
+// The emulated driver (emu.rs) and the C-level CUDA double
+// (tests/cuda_double) both launch through here.
+int memfit_simt_launch(unsigned int k, const unsigned* grid, const unsigned* block, size_t shmem, void** args,
+                       unsigned threads, char* err, size_t errlen) {
+    const char* name = KERNELS[k].name;
+    unsigned long long nthreads = (unsigned long long)block[0] * block[1] * block[2];
+    if (block[0] == 0 || block[1] == 0 || block[2] == 0 || grid[0] == 0 || grid[1] == 0 || grid[2] == 0) {
+        std::snprintf(err, errlen, "kernel `%s`: empty launch, grid (%u,%u,%u) block (%u,%u,%u)", name, grid[0],
+                      grid[1], grid[2], block[0], block[1], block[2]);
+        return 1;
+    }
+    if (nthreads > 1024) {
+        std::snprintf(err, errlen, "kernel `%s`: %llu threads a block (the limit is 1024)", name, nthreads);
+        return 1;
+    }
+    if (block[2] > 64) {
+        std::snprintf(err, errlen, "kernel `%s`: block z is %u (the limit is 64)", name, block[2]);
+        return 1;
+    }
+    if (grid[0] > 0x7fffffffu || grid[1] > 65535 || grid[2] > 65535) {
+        std::snprintf(err, errlen, "kernel `%s`: grid (%u,%u,%u) (x is at most 2^31-1, y and z at most 65535)",
+                      name, grid[0], grid[1], grid[2]);
+        return 1;
+    }
+    if (shmem > (48u << 10)) {
+        std::snprintf(err, errlen,
+                      "kernel `%s`: %zu bytes of dynamic shared memory (over 48 KiB needs an opt-in the backend "
+                      "does not make)",
+                      name, shmem);
+        return 1;
+    }
+    unsigned long long blocks = (unsigned long long)grid[0] * grid[1] * grid[2];
+    unsigned workers = threads ? threads : 1;
+    unsigned long long per = (blocks + workers * 4ull - 1) / (workers * 4ull);
+    if (per == 0) per = 1;
+    unsigned long long chunks = (blocks + per - 1) / per;
+    std::mutex m;
+    int rc = 0;
+    simt::parallel_for(workers, chunks, [&](unsigned long long c) {
+        char e[512];
+        unsigned long long b = c * per, end = b + per < blocks ? b + per : blocks;
+        if (simt::run_blocks(KERNELS[k].run, grid, block, shmem, args, b, end, e, sizeof e)) {
+            std::lock_guard<std::mutex> g(m);
+            if (rc == 0) {
+                rc = 2;
+                std::snprintf(err, errlen, "kernel `%s`: %s", name, e);
+            }
+        }
+    });
+    return rc;
+}
+
+// The reference GEMM with cuBLAS's column-major conventions (see
+// `driver::Gemm`): products accumulated in fp32 in order of k, C rounded
+// once to its type. Types are the DT_* codes of prelude.cuh.
+struct MemfitGemm {
+    int transa, transb;
+    long long m, n, k;
+    float alpha;
+    const void* a;
+    long long lda, stride_a;
+    const void* b;
+    long long ldb, stride_b;
+    int ab_type;
+    float beta;
+    void* c;
+    long long ldc, stride_c;
+    int c_type;
+    long long batch;
+};
+
+static float gemm_load(const void* p, int t, long long i) {
+    switch (t) {
+        case DT_F32: return static_cast<const float*>(p)[i];
+        case DT_BF16: return bf16_to_f32(static_cast<const u16*>(p)[i]);
+        default: return f16_to_f32(static_cast<const u16*>(p)[i]);
+    }
+}
+
+static void gemm_store(void* p, int t, long long i, float v) {
+    switch (t) {
+        case DT_F32: static_cast<float*>(p)[i] = v; break;
+        case DT_BF16: static_cast<u16*>(p)[i] = f32_to_bf16(v); break;
+        default: static_cast<u16*>(p)[i] = f32_to_f16(v); break;
+    }
+}
+
+float memfit_simt_to_f32(const void* p, int t, long long i) { return gemm_load(p, t, i); }
+void memfit_simt_from_f32(void* p, int t, long long i, float v) { gemm_store(p, t, i, v); }
+
+static long long dt_size(int t) { return t == DT_F32 ? 4 : 2; }
+
+void memfit_simt_gemm(const MemfitGemm* gp, unsigned threads) {
+    const MemfitGemm g = *gp;
+    simt::parallel_for(threads ? threads : 1, (unsigned long long)(g.batch * g.n), [&](unsigned long long bj) {
+        long long bi = (long long)bj / g.n, j = (long long)bj % g.n;
+        const char* a = static_cast<const char*>(g.a) + bi * g.stride_a * dt_size(g.ab_type);
+        const char* b = static_cast<const char*>(g.b) + bi * g.stride_b * dt_size(g.ab_type);
+        char* c = static_cast<char*>(g.c) + bi * g.stride_c * dt_size(g.c_type);
+        for (long long i = 0; i < g.m; i++) {
+            float acc = 0.0f;
+            for (long long p = 0; p < g.k; p++) {
+                float av = g.transa ? gemm_load(a, g.ab_type, p + i * g.lda) : gemm_load(a, g.ab_type, i + p * g.lda);
+                float bv = g.transb ? gemm_load(b, g.ab_type, j + p * g.ldb) : gemm_load(b, g.ab_type, p + j * g.ldb);
+                acc += av * bv;
+            }
+            long long idx = i + j * g.ldc;
+            float v = g.alpha * acc;
+            if (g.beta != 0.0f) v += g.beta * gemm_load(c, g.c_type, idx);
+            gemm_store(c, g.c_type, idx, v);
+        }
+    });
 }
 
 // Device memory of the emulated GPU: each buffer ends at an inaccessible page
