@@ -38,6 +38,14 @@ fn every_kernel_compiles_and_assembles_for_sm80_and_sm90() {
         eprintln!("skipped: NVRTC not found (set LD_LIBRARY_PATH; see .ci/run)");
         return;
     }
+    if let Ok(major) = std::env::var("MEMFIT_EXPECT_NVRTC") {
+        let v = nvrtc::version().expect("NVRTC reports its version");
+        assert_eq!(
+            v.0.to_string(),
+            major,
+            "NVRTC {v:?} loaded, {major} expected"
+        );
+    }
     let ptxas = ptxas();
     assert!(
         ptxas.is_some() || !required(),
@@ -96,4 +104,70 @@ fn every_kernel_compiles_and_assembles_for_sm80_and_sm90() {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The same compile and assembly with each NVRTC the wheels installed, CUDA
+/// 12 (`nvidia/cuda_nvrtc/lib`, ptxas from `nvidia/cuda_nvcc/bin`) and CUDA
+/// 13 (`nvidia/cu13/lib` and `nvidia/cu13/bin`): the test above, run again
+/// in a process whose loader finds that NVRTC first, as `memfit` arranges it
+/// for itself (`libs::make_links`).
+#[test]
+fn kernels_compile_with_nvrtc_12_and_13() {
+    use memfit::backend::cuda::libs::{self, Found, Lib};
+    let mut layouts = 0;
+    for sp in libs::python_site_packages() {
+        let nv = sp.join("nvidia");
+        for (lib, file, ptxas, major) in [
+            (
+                "cuda_nvrtc/lib",
+                "libnvrtc.so.12",
+                "cuda_nvcc/bin/ptxas",
+                "12",
+            ),
+            ("cu13/lib", "libnvrtc.so.13", "cu13/bin/ptxas", "13"),
+        ] {
+            let path = nv.join(lib).join(file);
+            if !path.is_file() {
+                continue;
+            }
+            layouts += 1;
+            let found = [Found {
+                lib: Lib::Nvrtc,
+                path: Some(path.clone()),
+                source: None,
+                skipped: Vec::new(),
+            }];
+            let links = libs::make_links(&found).unwrap();
+            let out = Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "every_kernel_compiles_and_assembles_for_sm80_and_sm90",
+                    "--nocapture",
+                ])
+                .env(
+                    "LD_LIBRARY_PATH",
+                    format!("{}:{}", links.display(), nv.join(lib).display()),
+                )
+                .env("MEMFIT_PTXAS", nv.join(ptxas))
+                .env("MEMFIT_REQUIRE_NVRTC", "1")
+                .env("MEMFIT_EXPECT_NVRTC", major)
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success() && text.contains("1 passed"),
+                "NVRTC {major} ({}):\n{text}\n{}",
+                path.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+    if std::env::var_os("MEMFIT_REQUIRE_NVRTC").is_some() {
+        assert_eq!(
+            layouts, 2,
+            "MEMFIT_REQUIRE_NVRTC: CI installs both NVRTC wheels"
+        );
+    } else if layouts == 0 {
+        eprintln!("skipped: no NVRTC wheel in python3's site-packages");
+    }
 }

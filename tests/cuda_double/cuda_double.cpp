@@ -67,6 +67,8 @@ unsigned int memfit_simt_kernel_count();
 const char* memfit_simt_kernel_name(unsigned int i);
 const char* memfit_simt_kernel_args(unsigned int i);
 int memfit_simt_kernel_index(const char* name);
+int memfit_simt_check(unsigned int k, const unsigned* grid, const unsigned* block, size_t shmem, char* err,
+                      size_t errlen);
 int memfit_simt_launch(unsigned int k, const unsigned* grid, const unsigned* block, size_t shmem, void** args,
                        unsigned threads, char* err, size_t errlen);
 void* memfit_simt_alloc(size_t bytes);
@@ -665,6 +667,13 @@ API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
         if (!stream_ok(st, "cuLaunchKernel")) return CUDA_ERROR_INVALID_HANDLE;
         if (extra != nullptr || params == nullptr) {
             say("cuLaunchKernel: `%s` needs its parameters in kernelParams", name);
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        // The hardware's limits first, before any parameter is read.
+        unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
+        char err[512];
+        if (memfit_simt_check((unsigned)k, grid, block, shmem, err, sizeof err)) {
+            say("cuLaunchKernel: %s", err);
             return CUDA_ERROR_INVALID_VALUE;
         }
         // Every pointer parameter must be memory this device may use.

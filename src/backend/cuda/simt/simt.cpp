@@ -292,8 +292,9 @@ int memfit_simt_kernel_index(const char* name) {
 // threads (return 2 on a fault the emulation detects, such as a deadlock).
 // The emulated driver (emu.rs) and the C-level CUDA double
 // (tests/cuda_double) both launch through here.
-int memfit_simt_launch(unsigned int k, const unsigned* grid, const unsigned* block, size_t shmem, void** args,
-                       unsigned threads, char* err, size_t errlen) {
+// The launch limits alone (0, or 1 with `err` filled).
+int memfit_simt_check(unsigned int k, const unsigned* grid, const unsigned* block, size_t shmem, char* err,
+                      size_t errlen) {
     const char* name = KERNELS[k].name;
     unsigned long long nthreads = (unsigned long long)block[0] * block[1] * block[2];
     if (block[0] == 0 || block[1] == 0 || block[2] == 0 || grid[0] == 0 || grid[1] == 0 || grid[2] == 0) {
@@ -321,6 +322,13 @@ int memfit_simt_launch(unsigned int k, const unsigned* grid, const unsigned* blo
                       name, shmem);
         return 1;
     }
+    return 0;
+}
+
+int memfit_simt_launch(unsigned int k, const unsigned* grid, const unsigned* block, size_t shmem, void** args,
+                       unsigned threads, char* err, size_t errlen) {
+    if (memfit_simt_check(k, grid, block, shmem, err, errlen)) return 1;
+    const char* name = KERNELS[k].name;
     unsigned long long blocks = (unsigned long long)grid[0] * grid[1] * grid[2];
     unsigned workers = threads ? threads : 1;
     unsigned long long per = (blocks + workers * 4ull - 1) / (workers * 4ull);
