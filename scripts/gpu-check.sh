@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # One call that proves the cuda backend on a real NVIDIA GPU (under 8 minutes
-# on one H200):
-#   1. build memfit (or use target/release/memfit when it is already built),
+# on one H200). The GPU machine may have no Rust toolchain and no network:
+# build elsewhere (`cargo build --release && strip -o memfit-stripped
+# target/release/memfit`, about 10 MB), copy the binary and this checkout,
+# and run `MEMFIT_BIN=./memfit-stripped bash scripts/gpu-check.sh`.
+#   0. `memfit doctor`: driver, GPUs, the NVRTC/cuBLAS/NCCL/NVML files found
+#      and their versions, PyTorch's CUDA (it stops here when --device cuda
+#      lacks something),
+#   1. the binary: $MEMFIT_BIN, else target/release/memfit, else a build,
 #   2. `memfit selftest --device cuda`: every op against the cpu backend,
 #      gpt2-tiny and llama-tiny trained on both, meta == cuda peaks,
 #   3. GPT-2 124M, bf16, B=16, T=1024, fused attention, AdamW: tokens/s and
@@ -19,40 +25,63 @@
 #      (MEMFIT_DIST_BACKEND=tcp: NCCL refuses two ranks on one GPU), and a
 #      tensor-parallel pair the same way, each against the same run on
 #      threads: losses and peaks must match.
-# Results go to $OUT (or ./gpu-check-out) as text and JSON.
+# At most 8 files reach $OUT (or ./gpu-check-out): summary.txt, doctor.json,
+# selftest.json, gpu-check.json and logs.tar.gz (every other report and log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-check-out}"
 mkdir -p "$OUT"
-log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
+W="$(mktemp -d)"
+log() { echo "== $*" | tee -a "$W/summary.txt"; }
+finish() {
+    cp "$W/summary.txt" "$OUT/" 2>/dev/null
+    for f in doctor.json selftest.json gpu-check.json; do
+        [ -f "$W/$f" ] && cp "$W/$f" "$OUT/"
+    done
+    tar -czf "$OUT/logs.tar.gz" -C "$W" . 2>/dev/null
+}
+trap finish EXIT
 
 log "gpu-check $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader 2>&1 | tee -a "$OUT/summary.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader 2>&1 | tee -a "$W/summary.txt"
 
-BIN=target/release/memfit
+BIN="${MEMFIT_BIN:-target/release/memfit}"
 if [ ! -x "$BIN" ]; then
+    if ! command -v cargo >/dev/null 2>&1; then
+        log "no memfit binary at $BIN and no cargo to build one: set MEMFIT_BIN"
+        exit 2
+    fi
     log "building memfit"
     cargo build --release 2>&1 | tail -3
 fi
-"$BIN" --version | tee -a "$OUT/summary.txt"
+"$BIN" --version | tee -a "$W/summary.txt"
+
+log "doctor"
+"$BIN" doctor --format json >"$W/doctor.json" 2>/dev/null
+DOCTOR_RC=$?
+"$BIN" doctor 2>&1 | tee -a "$W/summary.txt"
+if [ "$DOCTOR_RC" != 0 ]; then
+    log "memfit doctor says --device cuda lacks something (above): stopping"
+    exit 1
+fi
 
 log "selftest"
-timeout 300 "$BIN" selftest --device cuda --format json >"$OUT/selftest.json" 2>"$OUT/selftest.err"
+timeout 300 "$BIN" selftest --device cuda --format json >"$W/selftest.json" 2>"$W/selftest.err"
 SELFTEST_RC=$?
-timeout 120 "$BIN" selftest --device cuda --steps 5 >"$OUT/selftest.txt" 2>&1 || true
-tail -n 25 "$OUT/selftest.txt" | tee -a "$OUT/summary.txt"
+timeout 120 "$BIN" selftest --device cuda --steps 5 >"$W/selftest.txt" 2>&1 || true
+tail -n 25 "$W/selftest.txt" | tee -a "$W/summary.txt"
 log "selftest exit code $SELFTEST_RC (0 = every comparison passed)"
 
 for ATTN in eager fused; do
     log "GPT-2 124M bf16 B=16 T=1024 $ATTN attention (memfit, cuda)"
     timeout 150 "$BIN" run --model gpt2 --device cuda --precision bf16 --micro-batch 16 --seq-len 1024 \
         --attention "$ATTN" --optimizer adamw --steps 12 --format json \
-        >"$OUT/gpt2-memfit-$ATTN.json" 2>"$OUT/gpt2-memfit-$ATTN.err"
-    echo "exit $?" >>"$OUT/gpt2-memfit-$ATTN.err"
+        >"$W/gpt2-memfit-$ATTN.json" 2>"$W/gpt2-memfit-$ATTN.err"
+    echo "exit $?" >>"$W/gpt2-memfit-$ATTN.err"
 done
 
 log "NVML per-process peak against the tracked peak (gpt2 bf16, a one-trial sweep)"
-cat >"$OUT/nvml-check.yaml" <<'YAML'
+cat >"$W/nvml-check.yaml" <<'YAML'
 model: gpt2
 hardware: h200-141gb
 device: cuda
@@ -67,20 +96,20 @@ grid:
   sharding: [none]
   gpus: [1]
 YAML
-timeout 150 "$BIN" sweep "$OUT/nvml-check.yaml" --out "$OUT/nvml-sweep" --exhaustive --steps 3 --max-steps 5 \
-    >"$OUT/nvml-sweep.log" 2>&1
-echo "exit $?" >>"$OUT/nvml-sweep.log"
+timeout 150 "$BIN" sweep "$W/nvml-check.yaml" --out "$W/nvml-sweep" --exhaustive --steps 3 --max-steps 5 \
+    >"$W/nvml-sweep.log" 2>&1
+echo "exit $?" >>"$W/nvml-sweep.log"
 
 TORCH=none
 if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
     log "GPT-2 124M bf16 B=16 T=1024 (PyTorch eager)"
-    timeout 180 python3 scripts/torch_gpt2_step.py --batch 16 --seq 1024 --steps 12 >"$OUT/gpt2-torch.json" 2>"$OUT/gpt2-torch.err"
+    timeout 180 python3 scripts/torch_gpt2_step.py --batch 16 --seq 1024 --steps 12 >"$W/gpt2-torch.json" 2>"$W/gpt2-torch.err"
     TORCH=ran
     if python3 -c "import transformers" 2>/dev/null; then
         log "hf-eager against torch.cuda.max_memory_allocated/reserved (Hugging Face models, step 2)"
-        MEMFIT_BIN="$BIN" timeout 240 python3 scripts/torch_hf_memory.py >"$OUT/hf-memory.json" 2>"$OUT/hf-memory.err"
-        echo "exit $?" >>"$OUT/hf-memory.err"
-        tail -n 7 "$OUT/hf-memory.err" | tee -a "$OUT/summary.txt"
+        MEMFIT_BIN="$BIN" timeout 240 python3 scripts/torch_hf_memory.py >"$W/hf-memory.json" 2>"$W/hf-memory.err"
+        echo "exit $?" >>"$W/hf-memory.err"
+        tail -n 7 "$W/hf-memory.err" | tee -a "$W/summary.txt"
     else
         log "transformers is not importable here: no hf-eager check on the GPU"
     fi
@@ -91,18 +120,18 @@ fi
 log "memfit launch on the GPU: NCCL world of one (ddp), then 2 ranks zero2 staged through the host"
 LAUNCH_ARGS="--model llama-tiny --device cuda:0 --steps 3 --format json"
 timeout 120 "$BIN" launch --nproc 1 -- run $LAUNCH_ARGS --ranks 1 --sharding ddp \
-    >"$OUT/launch-nccl-1.json" 2>"$OUT/launch-nccl-1.err"
-echo "exit $?" >>"$OUT/launch-nccl-1.err"
-timeout 120 "$BIN" run $LAUNCH_ARGS --ranks 1 --sharding ddp >"$OUT/threads-ddp-1.json" 2>/dev/null
+    >"$W/launch-nccl-1.json" 2>"$W/launch-nccl-1.err"
+echo "exit $?" >>"$W/launch-nccl-1.err"
+timeout 120 "$BIN" run $LAUNCH_ARGS --ranks 1 --sharding ddp >"$W/threads-ddp-1.json" 2>/dev/null
 MEMFIT_DIST_BACKEND=tcp timeout 120 "$BIN" launch --nproc 2 -- run $LAUNCH_ARGS --ranks 2 --sharding zero2 \
-    >"$OUT/launch-tcp-2.json" 2>"$OUT/launch-tcp-2.err"
-echo "exit $?" >>"$OUT/launch-tcp-2.err"
-timeout 120 "$BIN" run $LAUNCH_ARGS --ranks 2 --sharding zero2 >"$OUT/threads-zero2-2.json" 2>/dev/null
+    >"$W/launch-tcp-2.json" 2>"$W/launch-tcp-2.err"
+echo "exit $?" >>"$W/launch-tcp-2.err"
+timeout 120 "$BIN" run $LAUNCH_ARGS --ranks 2 --sharding zero2 >"$W/threads-zero2-2.json" 2>/dev/null
 MEMFIT_DIST_BACKEND=tcp timeout 120 "$BIN" launch --nproc 2 -- run $LAUNCH_ARGS --ranks 2 --tensor-parallel 2 \
-    >"$OUT/launch-tcp-tp2.json" 2>"$OUT/launch-tcp-tp2.err"
-echo "exit $?" >>"$OUT/launch-tcp-tp2.err"
-timeout 120 "$BIN" run $LAUNCH_ARGS --ranks 2 --tensor-parallel 2 >"$OUT/threads-tp2.json" 2>/dev/null
-python3 - "$OUT" <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
+    >"$W/launch-tcp-tp2.json" 2>"$W/launch-tcp-tp2.err"
+echo "exit $?" >>"$W/launch-tcp-tp2.err"
+timeout 120 "$BIN" run $LAUNCH_ARGS --ranks 2 --tensor-parallel 2 >"$W/threads-tp2.json" 2>/dev/null
+python3 - "$W" <<'PY' 2>&1 | tee -a "$W/summary.txt"
 import json, sys
 out = sys.argv[1]
 for launched, threaded in (("launch-nccl-1", "threads-ddp-1"), ("launch-tcp-2", "threads-zero2-2"),
@@ -116,7 +145,7 @@ for launched, threaded in (("launch-nccl-1", "threads-ddp-1"), ("launch-tcp-2", 
         print(f"{launched}: no report ({e}); see {out}/{launched}.err")
 PY
 
-python3 - "$OUT" "$TORCH" <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
+python3 - "$W" "$TORCH" <<'PY' 2>&1 | tee -a "$W/summary.txt"
 import json, sys, statistics
 out, torch = sys.argv[1], sys.argv[2]
 # Dense bf16 tensor-core peaks (NVIDIA datasheets): H100/H200 SXM 989.4 TFLOP/s,
