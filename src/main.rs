@@ -12,6 +12,13 @@ use memfit::run::{render_table, run};
 /// again, once). Commands that never touch CUDA skip the search; `watch`
 /// does too, so the job it starts keeps the user's LD_LIBRARY_PATH.
 fn may_use_cuda(cmd: &Command) -> bool {
+    if matches!(cmd, Command::Doctor(_)) {
+        return true;
+    }
+    // The emulated GPU loads no NVIDIA library.
+    if std::env::var_os(memfit::backend::cuda::EMULATE_ENV).is_some_and(|v| !v.is_empty()) {
+        return false;
+    }
     let mentions_cuda = || std::env::args().skip(1).any(|a| a.contains("cuda"));
     match cmd {
         Command::Doctor(_) | Command::Selftest(_) => true,

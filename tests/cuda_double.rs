@@ -201,11 +201,19 @@ fn wheels() -> (Option<PathBuf>, Option<PathBuf>, Option<PathBuf>) {
     out
 }
 
-/// The issue's layouts: the CUDA 13 NVRTC wheel's and the NCCL wheel's lib
-/// folders on LD_LIBRARY_PATH, the same through MEMFIT_CUDA_LIBS, and the
-/// CUDA 12 layout: each found, from that folder, with its version.
-#[test]
-fn doctor_finds_the_wheels_layouts_with_their_versions() {
+/// Which wheel folder a layout puts first.
+#[derive(Clone, Copy)]
+enum Layout {
+    Cu13OnLdLibraryPath,
+    Cu13InMemfitCudaLibs,
+    Cu12OnLdLibraryPath,
+}
+
+/// One layout of the issue: the CUDA 13 (or 12) NVRTC wheel's lib folder
+/// and the NCCL wheel's, on LD_LIBRARY_PATH or in MEMFIT_CUDA_LIBS; doctor
+/// finds each from that folder, says so, names its version, and cudarc
+/// then loads it.
+fn doctor_layout(layout: Layout) {
     let (cu13, cu12, nccl) = wheels();
     if cu13.is_none() || cu12.is_none() || nccl.is_none() {
         assert!(
@@ -217,54 +225,155 @@ fn doctor_finds_the_wheels_layouts_with_their_versions() {
         return;
     }
     let (cu13, cu12, nccl) = (cu13.unwrap(), cu12.unwrap(), nccl.unwrap());
-    let join = |a: &Path, b: &Path| format!("{}:{}", a.display(), b.display());
-    for (var, dir, major) in [
-        ("LD_LIBRARY_PATH", &cu13, "13."),
-        (libs::LIBS_ENV, &cu13, "13."),
-        ("LD_LIBRARY_PATH", &cu12, "12."),
-    ] {
-        let unset = if var == "LD_LIBRARY_PATH" {
-            libs::LIBS_ENV
-        } else {
-            "LD_LIBRARY_PATH"
-        };
-        let value = join(dir, &nccl);
-        let (code, doc) = doctor(&[(var, &value)], &[unset]);
-        let nvrtc = lib(&doc, "NVRTC");
-        let path = nvrtc["path"].as_str().unwrap_or_default();
-        assert!(
-            path.starts_with(&dir.display().to_string()),
-            "{var}: {nvrtc}"
-        );
-        assert_eq!(nvrtc["source"], var, "{nvrtc}");
-        assert!(
-            nvrtc["version"]
-                .as_str()
-                .unwrap_or_default()
-                .starts_with(major),
-            "{var}: {nvrtc}"
-        );
-        assert_eq!(nvrtc["loads"], true, "{var}: {nvrtc}");
-        let n = lib(&doc, "NCCL");
-        assert!(
-            n["path"]
-                .as_str()
-                .unwrap_or_default()
-                .ends_with("libnccl.so.2"),
-            "{n}"
-        );
-        assert!(
-            n["version"].as_str().unwrap_or_default().starts_with("2."),
-            "{n}"
-        );
-        assert_eq!(n["loads"], true, "{var}: {n}");
-        // No driver on a CI machine: not ready, and it says so.
-        if !memfit::backend::cuda::real::driver_present() {
-            assert_eq!(code, Some(1), "{doc}");
-            let missing = doc["missing"].to_string();
-            assert!(missing.contains("libcuda.so.1"), "{missing}");
-        }
+    let (var, dir, major) = match layout {
+        Layout::Cu13OnLdLibraryPath => ("LD_LIBRARY_PATH", &cu13, "13."),
+        Layout::Cu13InMemfitCudaLibs => (libs::LIBS_ENV, &cu13, "13."),
+        Layout::Cu12OnLdLibraryPath => ("LD_LIBRARY_PATH", &cu12, "12."),
+    };
+    let unset = if var == "LD_LIBRARY_PATH" {
+        libs::LIBS_ENV
+    } else {
+        "LD_LIBRARY_PATH"
+    };
+    let value = format!("{}:{}", dir.display(), nccl.display());
+    let (code, doc) = doctor(&[(var, &value)], &[unset]);
+    let nvrtc = lib(&doc, "NVRTC");
+    let path = nvrtc["path"].as_str().unwrap_or_default();
+    assert!(
+        path.starts_with(&dir.display().to_string()),
+        "{var}: {nvrtc}"
+    );
+    assert_eq!(nvrtc["source"], var, "{nvrtc}");
+    assert!(
+        nvrtc["version"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with(major),
+        "{var}: {nvrtc}"
+    );
+    assert_eq!(nvrtc["loads"], true, "{var}: {nvrtc}");
+    let n = lib(&doc, "NCCL");
+    assert!(
+        n["path"]
+            .as_str()
+            .unwrap_or_default()
+            .ends_with("libnccl.so.2"),
+        "{n}"
+    );
+    assert_eq!(n["source"], var, "{n}");
+    assert!(
+        n["version"].as_str().unwrap_or_default().starts_with("2."),
+        "{n}"
+    );
+    assert_eq!(n["loads"], true, "{var}: {n}");
+    // No driver on a CI machine: not ready, and it says so.
+    if !memfit::backend::cuda::real::driver_present() {
+        assert_eq!(code, Some(1), "{doc}");
+        let missing = doc["missing"].to_string();
+        assert!(missing.contains("libcuda.so.1"), "{missing}");
     }
+}
+
+#[test]
+fn doctor_finds_the_cuda_13_wheels_on_ld_library_path() {
+    doctor_layout(Layout::Cu13OnLdLibraryPath);
+}
+
+#[test]
+fn doctor_finds_the_cuda_13_wheels_through_memfit_cuda_libs() {
+    doctor_layout(Layout::Cu13InMemfitCudaLibs);
+}
+
+#[test]
+fn doctor_finds_the_cuda_12_wheels_on_ld_library_path() {
+    doctor_layout(Layout::Cu12OnLdLibraryPath);
+}
+
+/// A CUDA 12.4 driver: NVRTC 13 is passed over (its code would not load)
+/// for NVRTC 12, and doctor says which file it passed over.
+#[test]
+fn a_cuda_12_driver_gets_nvrtc_12() {
+    let (Some(cu13), Some(cu12), _) = wheels() else {
+        assert!(
+            !required(),
+            "MEMFIT_REQUIRE_NVRTC: the NVRTC wheels are missing"
+        );
+        return;
+    };
+    if double().is_none() {
+        return;
+    }
+    let dirs = format!("{DOUBLE}:{}:{}", cu13.display(), cu12.display());
+    let out = on_double(
+        &["doctor", "--format", "json"],
+        &[
+            (libs::LIBS_ENV, &dirs),
+            ("MEMFIT_CUDA_DOUBLE_DRIVER", "12040"),
+        ],
+    );
+    let doc = json(&out);
+    assert_eq!(doc["driver_cuda"], "12.4", "{doc}");
+    let nvrtc = lib(&doc, "NVRTC");
+    assert!(
+        nvrtc["version"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("12."),
+        "{nvrtc}"
+    );
+    assert!(
+        nvrtc["path"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with(&cu12.display().to_string()),
+        "{nvrtc}"
+    );
+}
+
+/// A GPU newer than NVRTC knows (the double as sm_150): the kernels go to
+/// the driver as PTX for the newest architecture NVRTC has, which a CUDA 13
+/// driver accepts from NVRTC 12, and training runs on it.
+#[test]
+fn a_gpu_newer_than_nvrtc_trains_from_ptx() {
+    let (_, Some(cu12), _) = wheels() else {
+        assert!(
+            !required(),
+            "MEMFIT_REQUIRE_NVRTC: the CUDA 12 NVRTC wheel is missing"
+        );
+        return;
+    };
+    if double().is_none() {
+        return;
+    }
+    let dirs = format!("{DOUBLE}:{}", cu12.display());
+    let args = [
+        "run",
+        "--model",
+        "gpt2-tiny",
+        "--device",
+        "cuda",
+        "--steps",
+        "1",
+        "--micro-batch",
+        "1",
+        "--seq-len",
+        "16",
+        "--format",
+        "json",
+    ];
+    let out = on_double(
+        &args,
+        &[(libs::LIBS_ENV, &dirs), ("MEMFIT_CUDA_DOUBLE_CC", "15.0")],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let doc = json(&out);
+    assert!(
+        doc["gpu"]["description"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("sm_150"),
+        "{doc}"
+    );
 }
 
 /// With the double as the driver, doctor lists its GPU and is ready.

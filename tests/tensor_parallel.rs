@@ -152,10 +152,12 @@ fn a_tensor_parallel_group_trains_as_one_rank() {
                 // sqrt(v): a weight whose gradient is near zero moves by
                 // about lr whichever way rounding tips it, and splitting
                 // every GEMM's sum changes more roundings than data
-                // parallelism does (we see up to 1.6e-5, 1.6% of one step).
+                // parallelism does (we see up to 1.6e-5 with the gemm
+                // crate's AVX-512 kernels and 3.2e-5 with its AVX2 ones,
+                // whose sums split differently: 3% of one step of lr 1e-3).
                 let tol = match (precision, optimizer) {
                     (Precision::Fp32, Optimizer::Sgd) => 1e-7,
-                    (Precision::Fp32, _) => 3e-5,
+                    (Precision::Fp32, _) => 1e-4,
                     _ => tolerance(precision),
                 };
                 assert!(d <= tol, "{name} {precision:?} {sharding:?}: {d}");

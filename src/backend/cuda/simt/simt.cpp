@@ -25,18 +25,90 @@ namespace {
 
 enum State : unsigned char { RUN, WAIT_BLOCK, WAIT_WARP, DONE };
 
+#if defined(__x86_64__)
+// A fiber switch that saves what the System V ABI says a call preserves
+// (rbx, rbp, r12-r15, the SSE and x87 control words) and the stack pointer,
+// and nothing else. swapcontext also saves and restores the signal mask, a
+// system call each way, which made the system calls most of the
+// emulation's time (and they are slow under a sandboxing kernel).
+extern "C" void memfit_simt_switch(void** save_sp, void* load_sp);
+asm(R"(
+    .text
+    .p2align 4
+    .type memfit_simt_switch,@function
+memfit_simt_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size memfit_simt_switch, .-memfit_simt_switch
+    .section .note.GNU-stack,"",@progbits
+    .text
+)");
+
+struct Ctx {
+    void* sp = nullptr;
+};
+
+inline void ctx_switch(Ctx* from, Ctx* to) { memfit_simt_switch(&from->sp, to->sp); }
+
+// A context that starts `fn` (which never returns) on `stack`: the frame
+// memfit_simt_switch pops, with `fn` as its return address.
+void ctx_make(Ctx* c, char* stack, size_t size, void (*fn)()) {
+    void** sp = reinterpret_cast<void**>(reinterpret_cast<uintptr_t>(stack + size) & ~uintptr_t(15));
+    *--sp = nullptr;                       // fn's return address: it never returns
+    *--sp = reinterpret_cast<void*>(fn);   // where the first switch returns to
+    for (int i = 0; i < 6; i++) *--sp = nullptr;  // rbp, rbx, r12-r15
+    --sp;
+    uint32_t cw[2] = {0x1F80, 0x037F};  // MXCSR and x87 control word at reset
+    std::memcpy(sp, cw, sizeof cw);
+    c->sp = sp;
+}
+#else
+struct Ctx {
+    ucontext_t uc;
+};
+
+inline void ctx_switch(Ctx* from, Ctx* to) { swapcontext(&from->uc, &to->uc); }
+
+void ctx_make(Ctx* c, char* stack, size_t size, void (*fn)()) {
+    getcontext(&c->uc);
+    c->uc.uc_stack.ss_sp = stack;
+    c->uc.uc_stack.ss_size = size;
+    c->uc.uc_link = nullptr;
+    makecontext(&c->uc, fn, 0);
+}
+#endif
+
 // Kernels keep small per-thread arrays; 64 KiB leaves room for libm.
 constexpr size_t STACK_BYTES = 64 * 1024;
 
 struct Fiber {
-    ucontext_t ctx;
+    Ctx ctx;
     Thread t;
     State st;
     unsigned long long slot;
 };
 
 struct Worker {
-    ucontext_t main;
+    Ctx main;
     std::vector<Fiber> fibers;
     std::vector<char*> stacks;
     std::vector<unsigned char> dyn;
@@ -54,14 +126,14 @@ void entry() {
     Worker& w = W;
     w.run(w.args);
     w.running->st = DONE;
-    swapcontext(&w.running->ctx, &w.main);
+    ctx_switch(&w.running->ctx, &w.main);
     std::abort();  // a finished fiber is never resumed
 }
 
 void yield(State s) {
     Fiber* f = W.running;
     f->st = s;
-    swapcontext(&f->ctx, &W.main);
+    ctx_switch(&f->ctx, &W.main);
 }
 
 // Runs one block to completion. Returns 0, or 1 with `err` filled.
@@ -88,11 +160,7 @@ int run_block(uint3 bid, dim3 bdim, dim3 gdim, size_t shmem, char* err, size_t e
         f.t.gdim = gdim;
         f.t.linear = i;
         f.st = RUN;
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = w.stacks[i];
-        f.ctx.uc_stack.ss_size = STACK_BYTES;
-        f.ctx.uc_link = nullptr;
-        makecontext(&f.ctx, entry, 0);
+        ctx_make(&f.ctx, w.stacks[i], STACK_BYTES, entry);
     }
     const unsigned nwarps = (n + 31) / 32;
     for (;;) {
@@ -101,7 +169,7 @@ int run_block(uint3 bid, dim3 bdim, dim3 gdim, size_t shmem, char* err, size_t e
             if (f.st == RUN) {
                 w.running = &f;
                 cur = &f.t;
-                swapcontext(&w.main, &f.ctx);
+                ctx_switch(&w.main, &f.ctx);
             }
         }
         bool released = false;

@@ -2,12 +2,13 @@
 //
 // The kernel sources under ../kernels are compiled twice: by NVRTC for the GPU,
 // and by the host C++ compiler with this header included first. Here a CUDA
-// block is a set of fibers (ucontext coroutines) on one OS thread, one fiber per
+// block is a set of fibers (coroutines; a few lines of assembly switch them on
+// x86-64, ucontext elsewhere) on one OS thread, one fiber per
 // CUDA thread; `__syncthreads()` and the warp-level primitives are scheduling
 // points. A fiber runs until it reaches a barrier, then the next one runs, so a
 // block behaves as if its threads ran in lock-step between barriers, which is
 // the only guarantee CUDA gives. Blocks of one launch run on several OS threads
-// (the caller's rayon pool), so shared memory is `static thread_local`.
+// (`memfit_simt_launch`), so shared memory is `static thread_local`.
 //
 // What it checks that a GPU would not report: a barrier some threads of a block
 // never reach (a deadlock on the GPU) and warp shuffles executed by only part of
