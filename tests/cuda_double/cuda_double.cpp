@@ -62,36 +62,7 @@
 #define API extern "C" __attribute__((visibility("default")))
 
 // The SIMT emulator, compiled into this object (see build.rs).
-extern "C" {
-unsigned int memfit_simt_kernel_count();
-const char* memfit_simt_kernel_name(unsigned int i);
-const char* memfit_simt_kernel_args(unsigned int i);
-int memfit_simt_kernel_index(const char* name);
-int memfit_simt_check(unsigned int k, const unsigned* grid, const unsigned* block, size_t shmem, char* err,
-                      size_t errlen);
-int memfit_simt_launch(unsigned int k, const unsigned* grid, const unsigned* block, size_t shmem, void** args,
-                       unsigned threads, char* err, size_t errlen);
-void* memfit_simt_alloc(size_t bytes);
-void memfit_simt_free(void* p, size_t bytes);
-struct MemfitGemm {
-    int transa, transb;
-    long long m, n, k;
-    float alpha;
-    const void* a;
-    long long lda, stride_a;
-    const void* b;
-    long long ldb, stride_b;
-    int ab_type;
-    float beta;
-    void* c;
-    long long ldc, stride_c;
-    int c_type;
-    long long batch;
-};
-void memfit_simt_gemm(const MemfitGemm* g, unsigned threads);
-float memfit_simt_to_f32(const void* p, int t, long long i);
-void memfit_simt_from_f32(void* p, int t, long long i, float v);
-}
+#include "simt_api.h"
 
 namespace {
 
@@ -1091,112 +1062,121 @@ API int ncclCommCuDevice(Comm* c, int* d) {
 API int ncclGroupStart() { return ncclSuccess; }
 API int ncclGroupEnd() { return ncclSuccess; }
 
+// What every collective checks first: a live communicator on the current
+// device, a type memfit sends (ncclSum where it reduces), a live stream.
+// The element code, or -1 with `*rc` set.
+int begin(Comm* c, const char* fn, int dt, int op, bool reduces, void* stream, int* rc) {
+    if ((*rc = check_comm(c, fn))) return -1;
+    int e = elem(dt);
+    if (e < 0 || (reduces && op != 0)) {
+        say("%s: only ncclSum on float32, float16 and bfloat16 is supported here (type %d, op %d)", fn, dt, op);
+        *rc = ncclInvalidArgument;
+        return -1;
+    }
+    if (!stream_live(stream, fn)) {
+        *rc = ncclInvalidArgument;
+        return -1;
+    }
+    return e;
+}
+
+// The shape of every collective here: `count` elements in steps of at most
+// `per`; each step, `put` stages this rank's part in its slot, every rank
+// waits for the others, `take` reads what it needs from the slots, and
+// every rank waits again before a slot is reused.
+template <class Put, class Take>
+int staged(Comm* c, size_t count, size_t per, Put put, Take take) {
+    for (size_t off = 0; off < count; off += per) {
+        size_t n = count - off < per ? count - off : per;
+        put(off, n);
+        int rc = barrier(c);
+        if (rc) return fail(c, rc);
+        take(off, n);
+        if ((rc = barrier(c))) return fail(c, rc);
+    }
+    return ncclSuccess;
+}
+
+// Element `at` summed over the ranks' slots, in rank order, in fp32.
+float sum_slots(Comm* c, int e, size_t at) {
+    float acc = ld(c->slot(0), e, at);
+    for (int r = 1; r < c->nranks; r++) acc += ld(c->slot(r), e, at);
+    return acc;
+}
+
 // Sums are taken in rank order in fp32 and rounded once to the buffer's
 // type; with two ranks that is every order NCCL could use.
 API int ncclAllReduce(const void* send, void* recv, size_t count, int dt, int op, Comm* c, void* stream) {
     const char* fn = "ncclAllReduce";
-    int rc = check_comm(c, fn);
-    if (rc) return rc;
-    int e = elem(dt);
-    if (e < 0 || op != 0) {
-        say("%s: only ncclSum on float32, float16 and bfloat16 is supported here (type %d, op %d)", fn, dt, op);
-        return ncclInvalidArgument;
-    }
+    int rc, e = begin(c, fn, dt, op, true, stream, &rc);
+    if (e < 0) return rc;
     size_t es = esize(e);
-    if (!stream_live(stream, fn) || !buf_ok(send, count * es, c, fn, "send buffer") ||
-        !buf_ok(recv, count * es, c, fn, "receive buffer"))
+    if (!buf_ok(send, count * es, c, fn, "send buffer") || !buf_ok(recv, count * es, c, fn, "receive buffer"))
         return ncclInvalidArgument;
-    size_t per = SLOT / es;
-    for (size_t off = 0; off < count; off += per) {
-        size_t n = count - off < per ? count - off : per;
-        std::memcpy(c->slot(c->rank), static_cast<const unsigned char*>(send) + off * es, n * es);
-        if ((rc = barrier(c))) return fail(c, rc);
-        for (size_t i = 0; i < n; i++) {
-            float acc = ld(c->slot(0), e, i);
-            for (int r = 1; r < c->nranks; r++) acc += ld(c->slot(r), e, i);
-            st(static_cast<unsigned char*>(recv) + off * es, e, i, acc);
-        }
-        if ((rc = barrier(c))) return fail(c, rc);
-    }
-    return ncclSuccess;
+    auto in = static_cast<const unsigned char*>(send);
+    auto out = static_cast<unsigned char*>(recv);
+    return staged(
+        c, count, SLOT / es, [&](size_t off, size_t n) { std::memcpy(c->slot(c->rank), in + off * es, n * es); },
+        [&](size_t off, size_t n) {
+            for (size_t i = 0; i < n; i++) st(out + off * es, e, i, sum_slots(c, e, i));
+        });
 }
 
 API int ncclReduceScatter(const void* send, void* recv, size_t count, int dt, int op, Comm* c, void* stream) {
     const char* fn = "ncclReduceScatter";
-    int rc = check_comm(c, fn);
-    if (rc) return rc;
-    int e = elem(dt);
-    if (e < 0 || op != 0) {
-        say("%s: only ncclSum on float32, float16 and bfloat16 is supported here", fn);
-        return ncclInvalidArgument;
-    }
+    int rc, e = begin(c, fn, dt, op, true, stream, &rc);
+    if (e < 0) return rc;
     size_t es = esize(e), N = (size_t)c->nranks;
-    if (!stream_live(stream, fn) || !buf_ok(send, count * N * es, c, fn, "send buffer") ||
-        !buf_ok(recv, count * es, c, fn, "receive buffer"))
+    if (!buf_ok(send, count * N * es, c, fn, "send buffer") || !buf_ok(recv, count * es, c, fn, "receive buffer"))
         return ncclInvalidArgument;
-    size_t per = SLOT / es / N;
-    for (size_t off = 0; off < count; off += per) {
-        size_t n = count - off < per ? count - off : per;
-        for (size_t d = 0; d < N; d++)
-            std::memcpy(c->slot(c->rank) + d * n * es,
-                        static_cast<const unsigned char*>(send) + (d * count + off) * es, n * es);
-        if ((rc = barrier(c))) return fail(c, rc);
-        for (size_t i = 0; i < n; i++) {
-            size_t at = (size_t)c->rank * n + i;
-            float acc = ld(c->slot(0), e, at);
-            for (int r = 1; r < c->nranks; r++) acc += ld(c->slot(r), e, at);
-            st(static_cast<unsigned char*>(recv) + off * es, e, i, acc);
-        }
-        if ((rc = barrier(c))) return fail(c, rc);
-    }
-    return ncclSuccess;
+    auto in = static_cast<const unsigned char*>(send);
+    auto out = static_cast<unsigned char*>(recv);
+    // Each step stages n elements for every destination rank.
+    return staged(
+        c, count, SLOT / es / N,
+        [&](size_t off, size_t n) {
+            for (size_t d = 0; d < N; d++)
+                std::memcpy(c->slot(c->rank) + d * n * es, in + (d * count + off) * es, n * es);
+        },
+        [&](size_t off, size_t n) {
+            for (size_t i = 0; i < n; i++) st(out + off * es, e, i, sum_slots(c, e, (size_t)c->rank * n + i));
+        });
 }
 
 API int ncclAllGather(const void* send, void* recv, size_t count, int dt, Comm* c, void* stream) {
     const char* fn = "ncclAllGather";
-    int rc = check_comm(c, fn);
-    if (rc) return rc;
-    int e = elem(dt);
-    if (e < 0) {
-        say("%s: type %d is not supported here", fn, dt);
-        return ncclInvalidArgument;
-    }
+    int rc, e = begin(c, fn, dt, 0, false, stream, &rc);
+    if (e < 0) return rc;
     size_t es = esize(e), N = (size_t)c->nranks;
-    if (!stream_live(stream, fn) || !buf_ok(send, count * es, c, fn, "send buffer") ||
-        !buf_ok(recv, count * N * es, c, fn, "receive buffer"))
+    if (!buf_ok(send, count * es, c, fn, "send buffer") || !buf_ok(recv, count * N * es, c, fn, "receive buffer"))
         return ncclInvalidArgument;
-    size_t per = SLOT / es;
-    for (size_t off = 0; off < count; off += per) {
-        size_t n = count - off < per ? count - off : per;
-        std::memcpy(c->slot(c->rank), static_cast<const unsigned char*>(send) + off * es, n * es);
-        if ((rc = barrier(c))) return fail(c, rc);
-        for (size_t r = 0; r < N; r++)
-            std::memcpy(static_cast<unsigned char*>(recv) + (r * count + off) * es, c->slot((int)r), n * es);
-        if ((rc = barrier(c))) return fail(c, rc);
-    }
-    return ncclSuccess;
+    auto in = static_cast<const unsigned char*>(send);
+    auto out = static_cast<unsigned char*>(recv);
+    return staged(
+        c, count, SLOT / es, [&](size_t off, size_t n) { std::memcpy(c->slot(c->rank), in + off * es, n * es); },
+        [&](size_t off, size_t n) {
+            for (size_t r = 0; r < N; r++) std::memcpy(out + (r * count + off) * es, c->slot((int)r), n * es);
+        });
 }
 
 API int ncclBroadcast(const void* send, void* recv, size_t count, int dt, int root, Comm* c, void* stream) {
     const char* fn = "ncclBroadcast";
-    int rc = check_comm(c, fn);
-    if (rc) return rc;
-    int e = elem(dt);
-    if (e < 0 || root < 0 || root >= c->nranks) {
-        say("%s: type %d, root %d of %d", fn, dt, root, c->nranks);
+    int rc, e = begin(c, fn, dt, 0, false, stream, &rc);
+    if (e < 0) return rc;
+    size_t es = esize(e);
+    if (root < 0 || root >= c->nranks) {
+        say("%s: root %d of %d ranks", fn, root, c->nranks);
         return ncclInvalidArgument;
     }
-    size_t es = esize(e);
-    if (!stream_live(stream, fn) || (c->rank == root && !buf_ok(send, count * es, c, fn, "send buffer")) ||
+    if ((c->rank == root && !buf_ok(send, count * es, c, fn, "send buffer")) ||
         !buf_ok(recv, count * es, c, fn, "receive buffer"))
         return ncclInvalidArgument;
-    size_t per = SLOT / es;
-    for (size_t off = 0; off < count; off += per) {
-        size_t n = count - off < per ? count - off : per;
-        if (c->rank == root) std::memcpy(c->slot(root), static_cast<const unsigned char*>(send) + off * es, n * es);
-        if ((rc = barrier(c))) return fail(c, rc);
-        std::memcpy(static_cast<unsigned char*>(recv) + off * es, c->slot(root), n * es);
-        if ((rc = barrier(c))) return fail(c, rc);
-    }
-    return ncclSuccess;
+    auto in = static_cast<const unsigned char*>(send);
+    auto out = static_cast<unsigned char*>(recv);
+    return staged(
+        c, count, SLOT / es,
+        [&](size_t off, size_t n) {
+            if (c->rank == root) std::memcpy(c->slot(root), in + off * es, n * es);
+        },
+        [&](size_t off, size_t n) { std::memcpy(out + off * es, c->slot(root), n * es); });
 }

@@ -3,6 +3,7 @@
 // generated table of the kernels, into a static library the emulated cuda
 // driver (src/backend/cuda/emu.rs) calls.
 #include "simt.h"
+#include "simt_api.h"
 
 #include <sys/mman.h>
 #include <ucontext.h>
@@ -418,25 +419,8 @@ int memfit_simt_launch(unsigned int k, const unsigned* grid, const unsigned* blo
     return rc;
 }
 
-// The reference GEMM with cuBLAS's column-major conventions (see
-// `driver::Gemm`): products accumulated in fp32 in order of k, C rounded
-// once to its type. Types are the DT_* codes of prelude.cuh.
-struct MemfitGemm {
-    int transa, transb;
-    long long m, n, k;
-    float alpha;
-    const void* a;
-    long long lda, stride_a;
-    const void* b;
-    long long ldb, stride_b;
-    int ab_type;
-    float beta;
-    void* c;
-    long long ldc, stride_c;
-    int c_type;
-    long long batch;
-};
-
+// The reference GEMM: products accumulated in fp32 in order of k, C
+// rounded once to its type.
 static float gemm_load(const void* p, int t, long long i) {
     switch (t) {
         case DT_F32: return static_cast<const float*>(p)[i];
