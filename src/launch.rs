@@ -560,35 +560,9 @@ fn placement(args: &LaunchArgs) -> crate::Result<Placement> {
 /// OOM killer, a lost node's cleanup) cannot stop them itself, and ranks
 /// left behind would keep their peers on the other nodes waiting out the
 /// timeout, and keep their cores.
-#[cfg(target_os = "linux")]
 fn die_with_launcher(c: &mut Command) {
-    use std::os::unix::process::CommandExt as _;
-    unsafe extern "C" {
-        fn prctl(option: std::ffi::c_int, ...) -> std::ffi::c_int;
-    }
-    const PR_SET_PDEATHSIG: std::ffi::c_int = 1;
-    const SIGKILL: std::ffi::c_ulong = 9;
-    const ESRCH: i32 = 3;
-    let launcher = std::process::id();
-    // SAFETY: the closure runs between fork and exec, where only
-    // async-signal-safe calls are allowed: it makes two system calls and
-    // allocates nothing (an `io::Error` from an OS code holds no box).
-    unsafe {
-        c.pre_exec(move || {
-            if prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // Gone before the request: then nobody would send the signal.
-            if std::os::unix::process::parent_id() != launcher {
-                return Err(std::io::Error::from_raw_os_error(ESRCH));
-            }
-            Ok(())
-        });
-    }
+    crate::signals::die_with_parent(c);
 }
-
-#[cfg(not(target_os = "linux"))]
-fn die_with_launcher(_: &mut Command) {}
 
 fn launch(args: &LaunchArgs) -> crate::Result<i32> {
     use clap::Parser as _;

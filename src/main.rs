@@ -153,7 +153,11 @@ fn sweep_main(args: &memfit::cli::SweepArgs) -> i32 {
                     println!("reports in {}", args.out.display());
                 }
             }
-            if report.interrupted { 130 } else { 0 }
+            if report.interrupted {
+                memfit::signals::stopped_exit_code()
+            } else {
+                0
+            }
         }
         Err(e) => {
             eprintln!("memfit: {e}");

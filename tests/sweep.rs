@@ -417,6 +417,100 @@ fn ctrl_c_releases_the_lock() {
     assert!(!lock.exists(), "released on Ctrl-C");
 }
 
+/// Starts a meta sweep of `recipe()` into `dir` whose trial run number
+/// `hang` hangs, its output discarded.
+fn hanging_sweep(dir: &Path, hang: usize, extra: &[&str]) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args(["sweep", recipe(), "--out", dir.to_str().unwrap()])
+        .args(["--device", "meta", "--trial-timeout", "60", "--test-fault"])
+        .arg(format!("{hang}:hang"))
+        .args(extra)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// The pids whose parent is `pid` (from /proc), and live: not zombies.
+fn children_of(pid: u32) -> Vec<u32> {
+    let mut kids = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(p) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid ...: the comm may hold spaces and parentheses.
+        let rest = &stat[stat.rfind(')').unwrap() + 2..];
+        let mut f = rest.split(' ');
+        let (state, ppid) = (f.next().unwrap(), f.next().unwrap());
+        if ppid == pid.to_string() && state != "Z" {
+            kids.push(p);
+        }
+    }
+    kids
+}
+
+/// Whether `pid` runs (a zombie waiting for a reaper does not).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| !s[s.rfind(')').unwrap() + 2..].starts_with('Z'))
+}
+
+/// Polls `f` every 20 ms for up to `secs` seconds.
+fn wait_for<T>(secs: u64, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(t) = f() {
+            return Some(t);
+        }
+        if start.elapsed().as_secs() >= secs {
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Issue 26: kill -9, SIGTERM or SIGHUP of the sweep left its `memfit
+/// trial` running, reparented to init. SIGTERM and SIGHUP now stop the
+/// sweep as Ctrl-C does (reports written, exit 128 + the signal), and a
+/// sweep killed outright takes its trial along (PR_SET_PDEATHSIG).
+#[test]
+fn no_trial_outlives_its_sweep() {
+    let _one = serial();
+    for (sig, code) in [("TERM", Some(143)), ("HUP", Some(129)), ("KILL", None)] {
+        let dir = out_dir(&format!("signal-{sig}"));
+        let mut child = hanging_sweep(&dir, 0, &[]);
+        let pid = child.id();
+        let trial = wait_for(30, || children_of(pid).first().copied())
+            .unwrap_or_else(|| panic!("SIG{sig}: no trial process started"));
+        // Past the set-up: the handlers are in place before the first trial.
+        let sent = Command::new("kill")
+            .args([&format!("-{sig}"), &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+        let status = child.wait().unwrap();
+        assert_eq!(status.code(), code, "SIG{sig}: {status:?}");
+        assert!(
+            wait_for(10, || (!alive(trial)).then_some(())).is_some(),
+            "SIG{sig}: trial {trial} outlived its sweep"
+        );
+        assert!(children_of(pid).is_empty(), "SIG{sig}");
+        if code.is_some() {
+            let r: SweepReport =
+                serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap())
+                    .unwrap();
+            assert!(r.interrupted, "SIG{sig}");
+            assert!(
+                !dir.join(".memfit.lock").exists(),
+                "SIG{sig}: lock released"
+            );
+        }
+    }
+}
+
 #[test]
 fn resume_without_sweep_json_does_not_adopt_the_journal() {
     // It adopted whatever trials.jsonl was there, another sweep's included.

@@ -587,9 +587,9 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         None => {
             let stop = Arc::new(AtomicBool::new(false));
             let flag = stop.clone();
-            // Only one handler per process can be installed: a second sweep
-            // in the same process (library use) does not get Ctrl-C.
-            let _ = ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst));
+            // Ctrl-C, a scheduler's SIGTERM and a lost terminal's SIGHUP all
+            // stop the sweep the same way: reports written, trial killed.
+            crate::signals::on_stop(flag);
             stop
         }
     };
@@ -1621,7 +1621,11 @@ fn run_child(
     })?;
     let json = serde_json::to_string(spec).expect("spec serialises");
     use std::os::unix::process::CommandExt;
-    let mut child = Command::new(exe)
+    let mut cmd = Command::new(exe);
+    // A sweep killed outright (kill -9, the OOM killer) runs no handler:
+    // the kernel then kills the trial, which would otherwise run on.
+    crate::signals::die_with_parent(&mut cmd);
+    let mut child = cmd
         .args(["trial", "--spec", &json])
         // Its own process group: the terminal's Ctrl-C reaches the sweep,
         // which kills the trial and does not mistake it for a crash.
