@@ -472,6 +472,38 @@ fn wait_for<T>(secs: u64, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     }
 }
 
+/// Issue 26: Ctrl-C in the middle of a round (here the exhaustive sweep's
+/// first group, one round of five trials) dropped the trials the round had
+/// finished from report.json, though trials.jsonl held them.
+#[test]
+fn an_interrupted_report_holds_every_journaled_trial() {
+    let _one = serial();
+    let dir = out_dir("interrupted-round");
+    let mut child = hanging_sweep(&dir, 2, &["--exhaustive"]);
+    let pid = child.id();
+    // Two trials journaled, the third (hung) running.
+    wait_for(30, || {
+        let n = std::fs::read_to_string(dir.join("trials.jsonl")).map_or(0, |s| s.lines().count());
+        (n == 2 && !children_of(pid).is_empty()).then_some(())
+    })
+    .expect("two trials journaled and the third running");
+    let sent = Command::new("kill")
+        .args(["-INT", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    assert_eq!(child.wait().unwrap().code(), Some(130));
+    let journaled = ids_in_journal(&dir);
+    assert_eq!(journaled.len(), 2, "{journaled:?}");
+    let r: SweepReport =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap();
+    assert!(r.interrupted);
+    let reported: Vec<&str> = r.trials.iter().map(|t| t.id.as_str()).collect();
+    for id in &journaled {
+        assert!(reported.contains(&id.as_str()), "{id} not in {reported:?}");
+    }
+}
+
 /// Issue 26: kill -9, SIGTERM or SIGHUP of the sweep left its `memfit
 /// trial` running, reparented to init. SIGTERM and SIGHUP now stop the
 /// sweep as Ctrl-C does (reports written, exit 128 + the signal), and a

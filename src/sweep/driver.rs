@@ -693,11 +693,14 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         if batch.is_empty() {
             break;
         }
-        let Some(done) = ctx.round(&batch, preds)? else {
-            break;
-        };
+        // A round stopped part-way still keeps the trials it finished: they
+        // are journaled, so the report must hold them too.
+        let (done, stopped) = ctx.round(&batch, preds)?;
         for (i, r) in done {
             records[i] = Some(r);
+        }
+        if stopped {
+            break;
         }
     }
     // Re-runs asked for points the selection did not visit this time.
@@ -1221,28 +1224,29 @@ impl Ctx<'_> {
     /// One round's trials, by the executor: with the local one, each in
     /// turn in a child process; with Slurm, as one job array. Each record
     /// comes from the journal under `--resume`, else is measured now (and
-    /// journaled as it ends). `None` when the sweep was interrupted.
+    /// journaled as it ends), with whether the sweep was interrupted: the
+    /// trials the round finished before that are returned all the same.
     fn round(
         &mut self,
         batch: &[usize],
         preds: &[Prediction],
-    ) -> Result<Option<Vec<(usize, TrialRecord)>>> {
+    ) -> Result<(Vec<(usize, TrialRecord)>, bool)> {
         let opts = self.opts;
         let mut done = Vec::new();
         let Executor::Slurm(slurm) = &opts.executor else {
             for &i in batch {
                 let Some(r) = self.trial(i, &preds[i])? else {
-                    return Ok(None);
+                    return Ok((done, true));
                 };
                 done.push((i, r));
             }
-            return Ok(Some(done));
+            return Ok((done, false));
         };
         let mut tasks = Vec::new();
         for &i in batch {
             match self.begin(i, &preds[i]) {
                 Begin::Journaled(r) => done.push((i, *r)),
-                Begin::Stopped => return Ok(None),
+                Begin::Stopped => return Ok((done, true)),
                 Begin::Run(spec) => tasks.push(super::slurm::Task {
                     index: i,
                     spec: *spec,
@@ -1250,7 +1254,7 @@ impl Ctx<'_> {
             }
         }
         if tasks.is_empty() {
-            return Ok(Some(done));
+            return Ok((done, false));
         }
         let stop = self.stop.clone();
         let threads = opts
@@ -1275,7 +1279,8 @@ impl Ctx<'_> {
             done.push((f.index, r));
             Ok(())
         })?;
-        Ok(Some(done))
+        let stopped = self.stop.load(Ordering::SeqCst);
+        Ok((done, stopped))
     }
 
     /// A trial up to where it runs: its journaled record, a stop, or its spec.
