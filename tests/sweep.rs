@@ -543,6 +543,61 @@ fn no_trial_outlives_its_sweep() {
     }
 }
 
+/// Issue 26: `recommended.yaml` named a model read from a file by its
+/// profile name (`model: small-gpt2`, or `model: config` for a config.json),
+/// so it could not be swept again.
+#[test]
+fn recommended_yaml_names_the_model_file_it_was_swept_with() {
+    let _one = serial();
+    let root = out_dir("model-file");
+    let recipes = root.join("recipes");
+    std::fs::create_dir_all(recipes.join("models")).unwrap();
+    let tiny = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/profiles/models/gpt2-tiny.yaml"
+    );
+    let profile = std::fs::read_to_string(tiny)
+        .unwrap()
+        .replace("name: gpt2-tiny", "name: small-gpt2");
+    std::fs::write(recipes.join("models/small.yaml"), profile).unwrap();
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf/gpt2.json");
+    std::fs::copy(config, recipes.join("config.json")).unwrap();
+    for (model, want) in [
+        ("models/small.yaml", "model: ../recipes/models/small.yaml\n"),
+        ("config.json", "model: ../recipes/config.json\n"),
+    ] {
+        let recipe = recipes.join("r.yaml");
+        std::fs::write(
+            &recipe,
+            format!(
+                "model: {model}\nhardware: t4\ndevice: meta\nseq_len: 64\nglobal_batch: 4\n\
+                 grid:\n  micro_batch: [1, 2]\n  precision: [bf16]\n"
+            ),
+        )
+        .unwrap();
+        let out = root.join("out");
+        let _ = std::fs::remove_dir_all(&out);
+        let o = memfit(&[
+            "sweep",
+            recipe.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{model}: {}", err(&o));
+        let pinned = std::fs::read_to_string(out.join("recommended.yaml")).unwrap();
+        assert!(pinned.contains(want), "{model}: {pinned}");
+        // Swept again, from another directory: it finds the same file.
+        let again = root.join("again");
+        let _ = std::fs::remove_dir_all(&again);
+        let o = Command::new(env!("CARGO_BIN_EXE_memfit"))
+            .args(["sweep", "out/recommended.yaml", "--out", "again"])
+            .current_dir(&root)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{model}: {}", err(&o));
+    }
+}
+
 #[test]
 fn resume_without_sweep_json_does_not_adopt_the_journal() {
     // It adopted whatever trials.jsonl was there, another sweep's included.

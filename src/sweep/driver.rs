@@ -298,6 +298,14 @@ pub struct Prepared {
     pub report: SweepReport,
 }
 
+/// A recipe's model or hardware spec as an absolute path, when it names a
+/// file rather than a built-in profile.
+fn file_of(spec: &str) -> Option<String> {
+    crate::config::profile::looks_like_path(spec).then(|| {
+        std::path::absolute(spec).map_or_else(|_| spec.to_string(), |p| p.display().to_string())
+    })
+}
+
 /// Loads the recipe, settles the run device (calibrating the host's
 /// roofline on cpu, cached) and plans the grid twice: on the run device,
 /// which trials are compared with, and on the target GPU.
@@ -455,7 +463,9 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
         memfit_version: env!("CARGO_PKG_VERSION").into(),
         recipe: opts.recipe.display().to_string(),
         model: model.name.clone(),
+        model_file: file_of(&recipe.model),
         hardware: hw.name.clone(),
+        hardware_file: file_of(&recipe.hardware),
         device: trial_device.to_string(),
         run_device: run_device(
             &device,
