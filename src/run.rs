@@ -288,7 +288,7 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
     .max()
     .unwrap_or(0) as u128;
     let biggest = (b * tt * widest).max(b * model.n_head as u128 * tt * tt) * 4;
-    if biggest > 1 << 60 || b * tt * t.grad_accum as u128 > 1 << 50 {
+    if biggest > 1 << 60 || b * tt * t.grad_accum as u128 > crate::plan::MAX_TOKENS_PER_STEP {
         return Err(Error::invalid_arg(
             "--micro-batch",
             format!(

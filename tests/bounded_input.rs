@@ -334,3 +334,34 @@ fn a_huge_thread_count_is_refused_instead_of_starting_for_minutes() {
         &["--threads", "at most 4096"],
     );
 }
+
+/// Issue 26: `global_batch: 2^63` was planned, and recommended at $inf per
+/// million tokens, "beating the runner-up by NaN%".
+#[test]
+fn a_global_batch_past_run_bounds_is_refused_not_priced_at_infinity() {
+    let dir = temp_dir("huge-batch");
+    let recipe = dir.join("plan.yaml");
+    std::fs::write(
+        &recipe,
+        PLAN_HEAD.replace("global_batch: 8", "global_batch: 9223372036854775808"),
+    )
+    .unwrap();
+    let err = bad_input(
+        &quick(&["plan", s(&recipe)]),
+        &["plan.yaml:4:1:", "`global_batch`", "2^50 tokens"],
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+    // Just inside the bound it plans, with finite prices only.
+    let inside = (1u64 << 50) / 16;
+    std::fs::write(
+        &recipe,
+        PLAN_HEAD.replace("global_batch: 8", &format!("global_batch: {inside}")),
+    )
+    .unwrap();
+    let o = quick(&["plan", s(&recipe), "--format", "json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    for bad in ["inf", "NaN", "null"] {
+        assert!(!out.contains(bad), "{bad} in {out}");
+    }
+}

@@ -53,6 +53,10 @@ pub const HOST_LINK_EFFICIENCY: f64 = 0.8;
 /// DMA set-up, about 10 us.
 pub const HOST_LINK_LATENCY_S: f64 = 10e-6;
 
+/// The most tokens one optimizer step may take (`memfit run` refuses more
+/// too): beyond it a step's time and price overflow what a report can carry.
+pub const MAX_TOKENS_PER_STEP: u128 = 1 << 50;
+
 /// A planning recipe (recipes/*.yaml).
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -768,6 +772,19 @@ fn check_recipe(
             "global_batch",
             None,
             "`global_batch` must be at least 1".into(),
+        ));
+    }
+    // `memfit run`'s bound on the tokens of one optimizer step: past it, a
+    // step's time and price are not numbers a report can carry.
+    if r.global_batch as u128 * r.seq_len as u128 > MAX_TOKENS_PER_STEP {
+        return Err(err(
+            "global_batch",
+            None,
+            format!(
+                "`global_batch` {} x `seq_len` {} is more than 2^50 tokens per optimizer step, \
+                 which no training run takes; use a smaller global batch",
+                r.global_batch, r.seq_len
+            ),
         ));
     }
     if !(0.0..1.0).contains(&r.headroom) {
@@ -1548,12 +1565,20 @@ fn reasons(preds: &[Prediction], ranking: &[usize], r: &PlanRecipe) -> Vec<Strin
     )];
     if let Some(&j) = ranking.get(1) {
         let ru = &preds[j];
-        v.push(format!(
-            "beats the runner-up ({}) by {:.1}%: ${} per million tokens",
-            ru.point.label(),
-            (ru.usd_per_mtok / best.usd_per_mtok - 1.0) * 100.0,
-            usd(ru.usd_per_mtok)
-        ));
+        let by = (ru.usd_per_mtok / best.usd_per_mtok - 1.0) * 100.0;
+        v.push(if !by.is_finite() {
+            format!(
+                "runner-up: {} at ${} per million tokens",
+                ru.point.label(),
+                usd(ru.usd_per_mtok)
+            )
+        } else {
+            format!(
+                "beats the runner-up ({}) by {by:.1}%: ${} per million tokens",
+                ru.point.label(),
+                usd(ru.usd_per_mtok)
+            )
+        });
     }
     // The cheapest point that was not allowed, and why.
     let cheaper_misfit = preds
