@@ -297,6 +297,23 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
             ),
         ));
     }
+    // The whole step, not one buffer: every layer keeps a few activations of
+    // each width, so many layers of large buffers pass 2^64 bytes together
+    // (and meta's peaks wrapped around). A generous over-estimate: sixteen
+    // of the widest per token, per layer and the head, plus eager
+    // attention's two T x T tensors per layer; no machine holds 2^62 bytes.
+    let layers = model.n_layer as u128 + 1;
+    let step =
+        b * tt * widest * 4 * 16 * layers + b * model.n_head as u128 * tt * tt * 4 * 2 * layers;
+    if step > 1 << 62 {
+        return Err(Error::invalid_arg(
+            "--micro-batch",
+            format!(
+                "{} sequences of {} tokens through {} layers hold over 2^62 bytes of activations; nothing can hold that",
+                t.micro_batch, t.seq_len, model.n_layer
+            ),
+        ));
+    }
     if t.optimizer != Optimizer::Sgd && t.momentum != TrainConfig::default().momentum {
         return Err(Error::invalid_arg("--momentum", "only sgd uses momentum"));
     }

@@ -365,3 +365,44 @@ fn a_global_batch_past_run_bounds_is_refused_not_priced_at_infinity() {
         assert!(!out.contains(bad), "{bad} in {out}");
     }
 }
+
+/// Issue 26: meta's peaks for llama-3.1-70b passed 2^64 bytes and wrapped,
+/// so micro-batch 1e10 reported a smaller total than 8e9, with exit 0.
+#[test]
+fn a_step_past_two_to_the_64_bytes_is_refused_not_wrapped() {
+    for mb in ["7000000000", "8000000000", "10000000000"] {
+        let args = [
+            "run",
+            "--model",
+            "llama-3.1-70b",
+            "--device",
+            "meta",
+            "--seq-len",
+            "64",
+            "--micro-batch",
+            mb,
+        ];
+        let err = bad_input(&quick(&args), &["--micro-batch", "nothing can hold that"]);
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+    // Large but addressable: planned, with a peak that grows with the batch.
+    let peak = |mb: &str| {
+        let o = quick(&[
+            "run",
+            "--model",
+            "llama-3.1-70b",
+            "--device",
+            "meta",
+            "--seq-len",
+            "64",
+            "--micro-batch",
+            mb,
+            "--format",
+            "json",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["peak_bytes"]["total"].as_u64().unwrap()
+    };
+    assert!(peak("2000") < peak("4000"));
+}
