@@ -687,9 +687,17 @@ impl RawReport {
         } else {
             path.to_path_buf()
         };
-        let text = std::fs::read_to_string(&file).map_err(|source| Error::Io {
-            path: file.clone(),
-            source,
+        let bytes = crate::config::input::read_bounded(
+            &file,
+            crate::config::input::MAX_DATA_BYTES,
+            "sweep reports",
+        )?;
+        let text = String::from_utf8(bytes).map_err(|e| Error::Config {
+            location: file.display().to_string(),
+            message: format!(
+                "not UTF-8 text (at byte {}), so not a report memfit wrote",
+                e.utf8_error().valid_up_to()
+            ),
         })?;
         let value =
             serde_json::from_str(&text).map_err(|e| located(&file, &e, "malformed JSON"))?;

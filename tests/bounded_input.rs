@@ -406,3 +406,28 @@ fn a_step_past_two_to_the_64_bytes_is_refused_not_wrapped() {
     };
     assert!(peak("2000") < peak("4000"));
 }
+
+/// Issue 26: `--data /dev/zero` (or a recipe's `data:`, or `check
+/// /dev/zero`) read until memory ran out: 2.1 GB in 4 s under a cap.
+#[test]
+fn data_and_reports_from_devices_are_refused_instead_of_read_forever() {
+    let dir = temp_dir("data-dev");
+    let tiny = ["--model", "gpt2-tiny", "--seq-len", "16", "--steps", "1"];
+    for dev in ["/dev/zero", "/dev/urandom"] {
+        let mut args = vec!["run", "--data", dev];
+        args.extend(tiny);
+        let err = bad_input(&quick(&args), &[dev, "not a regular file (a device)"]);
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+    let recipe = dir.join("run.yaml");
+    std::fs::write(&recipe, "model: gpt2-tiny\nseq_len: 16\ndata: /dev/zero\n").unwrap();
+    bad_input(
+        &quick(&["run", "--recipe", s(&recipe), "--steps", "1"]),
+        &["/dev/zero", "not a regular file"],
+    );
+    let err = bad_input(
+        &quick(&["check", "/dev/zero", "--baseline", "/dev/zero"]),
+        &["/dev/zero", "not a regular file", "sweep reports"],
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}

@@ -1,7 +1,10 @@
 //! Reading what users hand memfit (profiles, recipes, config.json) within
 //! bounds: regular files only, at most [`MAX_INPUT_BYTES`], a UTF-8 byte
 //! order mark dropped, and YAML nesting capped before the parser sees it.
-//! A `/dev/zero` or a FIFO is refused instead of read forever.
+//! A `/dev/zero` or a FIFO is refused instead of read forever; training
+//! text and sweep reports are read the same way ([`read_bounded`]), with a
+//! larger bound, and a FIFO is written only when a reader is waiting
+//! ([`create_output`]).
 
 use std::io::Read;
 use std::path::Path;
@@ -18,8 +21,16 @@ pub const MAX_INPUT_BYTES: u64 = 4 << 20;
 /// depth is checked before the text reaches it.
 pub const MAX_YAML_DEPTH: usize = 64;
 
-/// Reads a text file of at most [`MAX_INPUT_BYTES`], without its byte order mark.
-pub fn read_text(path: &Path) -> Result<String> {
+/// The most memfit reads as training text (`--data`, all files together)
+/// or as one sweep report (`memfit check`): a report of the largest grid is
+/// a few hundred MiB, and text is held in memory whole.
+pub const MAX_DATA_BYTES: u64 = 1 << 30;
+
+/// Reads a regular file of at most `max` bytes. `what` names what memfit
+/// reads from such files ("sweep reports"), for the errors: a device, a
+/// FIFO or a directory is refused before it is opened, since `/dev/zero`
+/// never ends and opening a FIFO waits for a writer.
+pub fn read_bounded(path: &Path, max: u64, what: &str) -> Result<Vec<u8>> {
     let io = |source: std::io::Error| Error::Io {
         path: path.to_path_buf(),
         source,
@@ -29,28 +40,32 @@ pub fn read_text(path: &Path) -> Result<String> {
     let meta = std::fs::metadata(path).map_err(io)?;
     if !meta.is_file() {
         return Err(refuse(format!(
-            "it is not a regular file ({}); memfit reads profiles, recipes and config.json from files",
+            "it is not a regular file ({}); memfit reads {what} from files",
             kind_of(&meta)
         )));
     }
     let too_big = || {
         refuse(format!(
-            "it is larger than {}, the most memfit reads from a profile, recipe or config.json",
-            crate::units::fmt_bytes(MAX_INPUT_BYTES)
+            "it is larger than {}, the most memfit reads as {what}",
+            crate::units::fmt_bytes(max)
         ))
     };
-    if meta.len() > MAX_INPUT_BYTES {
+    if meta.len() > max {
         return Err(too_big());
     }
     let file = std::fs::File::open(path).map_err(io)?;
     let mut bytes = Vec::with_capacity(meta.len() as usize);
     // The file may grow after the stat: read one byte past the cap to tell.
-    file.take(MAX_INPUT_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(io)?;
-    if bytes.len() as u64 > MAX_INPUT_BYTES {
+    file.take(max + 1).read_to_end(&mut bytes).map_err(io)?;
+    if bytes.len() as u64 > max {
         return Err(too_big());
     }
+    Ok(bytes)
+}
+
+/// Reads a text file of at most [`MAX_INPUT_BYTES`], without its byte order mark.
+pub fn read_text(path: &Path) -> Result<String> {
+    let bytes = read_bounded(path, MAX_INPUT_BYTES, "profiles, recipes and config.json")?;
     match String::from_utf8(bytes) {
         Ok(text) => Ok(strip_bom(&text).to_string()),
         Err(e) => {
