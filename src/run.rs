@@ -1337,10 +1337,7 @@ where
     };
     // Open the timeline file first, so a bad path fails before any training.
     let mut timeline_file = match &opts.timeline {
-        Some(path) => Some(std::fs::File::create(path).map_err(|source| Error::Write {
-            path: path.clone(),
-            source,
-        })?),
+        Some(path) => Some(crate::config::input::create_output(path)?),
         None => None,
     };
     let capacity = report.capacity_bytes;

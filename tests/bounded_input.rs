@@ -431,3 +431,37 @@ fn data_and_reports_from_devices_are_refused_instead_of_read_forever() {
     );
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// Issue 26: a FIFO blocked `check`, `run --data` and `run --timeline`
+/// forever, waiting for a writer (or a reader) that never came.
+#[test]
+fn fifos_are_refused_instead_of_waiting_forever() {
+    let dir = temp_dir("fifo-io");
+    let fifo = dir.join("pipe");
+    assert!(
+        Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
+    );
+    bad_input(
+        &quick(&["check", s(&fifo), "--baseline", s(&fifo)]),
+        &["a FIFO"],
+    );
+    let tiny = ["--model", "gpt2-tiny", "--seq-len", "16", "--steps", "1"];
+    let mut args = vec!["run", "--data", s(&fifo)];
+    args.extend(tiny);
+    bad_input(&quick(&args), &["a FIFO"]);
+    let mut args = vec!["run", "--timeline", s(&fifo), "--device", "meta"];
+    args.extend(tiny);
+    bad_input(&quick(&args), &["FIFO that no process is reading"]);
+    // With a reader waiting, the timeline goes down the FIFO.
+    let path = fifo.clone();
+    let reader = std::thread::spawn(move || std::fs::read_to_string(path).unwrap());
+    std::thread::sleep(Duration::from_millis(200));
+    let o = quick(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let csv = reader.join().unwrap();
+    assert!(csv.lines().count() > 10, "{csv}");
+}

@@ -81,6 +81,43 @@ pub fn read_text(path: &Path) -> Result<String> {
     }
 }
 
+/// Creates (or truncates) a file memfit writes, such as `--timeline`. A
+/// FIFO is opened only when a process reads it: opening one without a
+/// reader would wait forever, so then it is an error instead. Devices
+/// (`/dev/null`, `/dev/stdout`) are written as asked.
+pub fn create_output(path: &Path) -> Result<std::fs::File> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let write = |source: std::io::Error| Error::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    if std::fs::metadata(path).is_ok_and(|m| m.file_type().is_fifo()) {
+        const O_NONBLOCK: i32 = 0o4000;
+        const ENXIO: i32 = 6;
+        // Without a reader, a non-blocking open for writing fails (ENXIO).
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(O_NONBLOCK)
+            .open(path)
+        {
+            Err(e) if e.raw_os_error() == Some(ENXIO) => {
+                return Err(write(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "it is a FIFO that no process is reading; start the reader first, or name a regular file",
+                )));
+            }
+            Err(e) => return Err(write(e)),
+            // A reader is there: reopen for plain blocking writes.
+            Ok(_) => {}
+        }
+        return std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map_err(write);
+    }
+    std::fs::File::create(path).map_err(write)
+}
+
 fn kind_of(meta: &std::fs::Metadata) -> &'static str {
     use std::os::unix::fs::FileTypeExt;
     let t = meta.file_type();
