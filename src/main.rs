@@ -132,6 +132,7 @@ fn sweep_main(args: &memfit::cli::SweepArgs) -> i32 {
         out: args.out.clone(),
         resume: args.resume,
         exhaustive: args.exhaustive,
+        break_lock: args.break_lock,
         timing,
         timeout: std::time::Duration::from_secs_f64(args.trial_timeout),
         threads: args.threads,

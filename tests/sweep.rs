@@ -381,6 +381,61 @@ fn a_stale_lock_from_a_dead_process_is_taken_over_with_a_note() {
     assert!(!dir.join(".memfit.lock").exists());
 }
 
+/// Issue 26: a lock naming another host was taken over unchecked, so on a
+/// shared filesystem a live sweep on another node would be trampled. Now
+/// its lease (the file's mtime, renewed every 60 s) must be 300 s old, or
+/// the user must say --break-lock.
+#[test]
+fn a_lock_held_from_another_host_is_refused_until_its_lease_lapses() {
+    let _one = serial();
+    let dir = out_dir("foreign-lock");
+    let lock = dir.join(".memfit.lock");
+    let plant = |age_s: u64| {
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            &lock,
+            r#"{"command":"memfit sweep","pid":4242,"host":"node-17","started_unix_s":1700000000}"#,
+        )
+        .unwrap();
+        let f = std::fs::File::options().write(true).open(&lock).unwrap();
+        let when = std::time::SystemTime::now() - std::time::Duration::from_secs(age_s);
+        f.set_modified(when).unwrap();
+    };
+    plant(5);
+    let o = meta_sweep(&dir, &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", err(&o));
+    let e = err(&o);
+    assert!(
+        e.contains("memfit sweep pid 4242 on host node-17")
+            && e.contains("renewed 5 s ago")
+            && e.contains("--break-lock"),
+        "{e}"
+    );
+    assert_eq!(e.lines().count(), 1, "{e}");
+    assert!(!dir.join("trials.jsonl").exists(), "it ran nothing");
+    assert!(lock.exists(), "the other host's lock is left alone");
+
+    let o = meta_sweep(&dir, &["--break-lock"]);
+    assert!(o.status.success(), "{}", err(&o));
+    assert!(
+        err(&o).contains("--break-lock says it is gone"),
+        "{}",
+        err(&o)
+    );
+
+    let _ = std::fs::remove_dir_all(&dir);
+    plant(400);
+    let o = meta_sweep(&dir, &[]);
+    assert!(o.status.success(), "{}", err(&o));
+    assert!(
+        err(&o).contains("last renewed its lease 40")
+            && err(&o).contains("s ago (it lapses after 300 s); taking it over"),
+        "{}",
+        err(&o)
+    );
+    assert!(!lock.exists(), "released when done");
+}
+
 #[test]
 fn ctrl_c_releases_the_lock() {
     let _one = serial();

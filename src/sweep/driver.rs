@@ -47,6 +47,9 @@ pub struct SweepOptions {
     pub rerun: Vec<usize>,
     /// Where trials run: child processes here, or a Slurm job array.
     pub executor: Executor,
+    /// Take over `--out`'s lock even when it names a live-looking sweep
+    /// on another host (`--break-lock`).
+    pub break_lock: bool,
 }
 
 /// Where a sweep's trials run. Both record, journal and classify a trial
@@ -555,7 +558,7 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
     } else {
         "memfit sweep"
     };
-    let (_lock, note) = OutLock::take(&opts.out, command)?;
+    let (_lock, note) = OutLock::take_or_break(&opts.out, command, opts.break_lock)?;
     if let Some(note) = note
         && opts.hooks.is_none()
     {
@@ -994,12 +997,27 @@ pub const LOCK_FILE: &str = ".memfit.lock";
 /// locked with `flock` (so the kernel releases it however the process ends)
 /// and naming its holder for the error a second sweep gets. Dropping it
 /// removes the file and releases the lock.
+///
+/// On a filesystem several hosts share (which the Slurm executor needs),
+/// `flock` may not reach across them, and a pid means nothing on another
+/// host; so the holder renews the file's modification time every
+/// [`LOCK_RENEW`] as its lease, and a lock naming another host is taken
+/// over only once the lease is [`LOCK_LEASE`] old, or with `--break-lock`.
 #[derive(Debug)]
 pub struct OutLock {
     path: PathBuf,
     // Held open: closing it releases the lock.
     _file: std::fs::File,
+    /// Stops the lease's renewal thread.
+    renew: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
 }
+
+/// How often a sweep renews its lock's lease (the file's mtime).
+pub const LOCK_RENEW: Duration = Duration::from_secs(60);
+/// How old a lease naming another host must be before a sweep takes the
+/// lock over without `--break-lock`: five renewals, which leaves room for
+/// clocks that differ between hosts.
+pub const LOCK_LEASE: Duration = Duration::from_secs(300);
 
 /// Who holds a lock, as its file says.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -1031,6 +1049,17 @@ impl OutLock {
     /// file left by a process that no longer holds it (killed, or on a
     /// machine that went down) is taken over; the note says so.
     pub fn take(dir: &Path, command: &str) -> Result<(OutLock, Option<String>)> {
+        Self::take_or_break(dir, command, false)
+    }
+
+    /// [`OutLock::take`]; with `break_lock`, a lock whose lease another
+    /// host renewed recently is taken over too (the user says that host's
+    /// sweep is gone).
+    pub fn take_or_break(
+        dir: &Path,
+        command: &str,
+        break_lock: bool,
+    ) -> Result<(OutLock, Option<String>)> {
         use std::fs::TryLockError;
         use std::os::unix::fs::MetadataExt;
         let path = dir.join(LOCK_FILE);
@@ -1057,13 +1086,39 @@ impl OutLock {
                 // No flock here (some network filesystems): trust a live pid.
                 Err(TryLockError::Error(_)) => {
                     if let Some(h) = &previous
-                        && (h.host != hostname() || pid_alive(h.pid))
+                        && h.host == hostname()
+                        && pid_alive(h.pid)
                     {
                         return Err(Error::invalid_arg("--out", in_use(dir, Some(h))));
                     }
                     false
                 }
             };
+            // Another host's sweep: our flock proves nothing (it may not
+            // reach across hosts), its pid is not ours to check; its lease is.
+            let mut lapsed = None;
+            if let Some(h) = previous.as_ref().filter(|h| h.host != hostname()) {
+                let age = file
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .unwrap_or_default();
+                if age < LOCK_LEASE && !break_lock {
+                    return Err(Error::invalid_arg(
+                        "--out",
+                        format!(
+                            "{} is in use by {}, whose lease on it was renewed {} s ago (a running sweep renews it every {} s; it lapses after {} s). Wait for that sweep, choose another --out, or pass --break-lock if it is gone (its host went down)",
+                            dir.display(),
+                            h.describe(),
+                            age.as_secs(),
+                            LOCK_RENEW.as_secs(),
+                            LOCK_LEASE.as_secs()
+                        ),
+                    ));
+                }
+                lapsed = Some(age);
+            }
             let same = match (file.metadata(), std::fs::metadata(&path)) {
                 (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
                 _ => false,
@@ -1076,10 +1131,18 @@ impl OutLock {
                     "{} was left by {}, which {}; taking it over",
                     path.display(),
                     h.describe(),
-                    if h.host == hostname() && pid_alive(h.pid) {
-                        "no longer holds it"
-                    } else {
-                        "is no longer running"
+                    match lapsed {
+                        Some(age) if age >= LOCK_LEASE => format!(
+                            "last renewed its lease {} s ago (it lapses after {} s)",
+                            age.as_secs(),
+                            LOCK_LEASE.as_secs()
+                        ),
+                        Some(age) => format!(
+                            "renewed its lease {} s ago, but --break-lock says it is gone",
+                            age.as_secs()
+                        ),
+                        None if pid_alive(h.pid) => "no longer holds it".into(),
+                        None => "is no longer running".into(),
                     }
                 )
             });
@@ -1096,7 +1159,32 @@ impl OutLock {
             std::io::Seek::rewind(&mut file).map_err(io)?;
             file.write_all(text.as_bytes()).map_err(io)?;
             file.sync_data().map_err(io)?;
-            return Ok((OutLock { path, _file: file }, note));
+            let renew = file.try_clone().ok().and_then(|f| {
+                let stop = Arc::new(AtomicBool::new(false));
+                let flag = stop.clone();
+                std::thread::Builder::new()
+                    .name("memfit-lock-lease".into())
+                    .spawn(move || {
+                        let mut last = Instant::now();
+                        while !flag.load(Ordering::SeqCst) {
+                            std::thread::sleep(Duration::from_millis(100));
+                            if last.elapsed() >= LOCK_RENEW {
+                                let _ = f.set_modified(std::time::SystemTime::now());
+                                last = Instant::now();
+                            }
+                        }
+                    })
+                    .ok()
+                    .map(|t| (stop, t))
+            });
+            return Ok((
+                OutLock {
+                    path,
+                    _file: file,
+                    renew,
+                },
+                note,
+            ));
         }
         Err(Error::invalid_arg(
             "--out",
@@ -1110,6 +1198,10 @@ impl OutLock {
 
 impl Drop for OutLock {
     fn drop(&mut self) {
+        if let Some((stop, thread)) = self.renew.take() {
+            stop.store(true, Ordering::SeqCst);
+            let _ = thread.join();
+        }
         let _ = std::fs::remove_file(&self.path);
     }
 }
