@@ -436,6 +436,50 @@ fn a_lock_held_from_another_host_is_refused_until_its_lease_lapses() {
     assert!(!lock.exists(), "released when done");
 }
 
+/// Issue 26: a full disk left a torn line at the end of trials.jsonl
+/// (resume dropped it, but the file stayed corrupt until then), and
+/// nothing said which trial was lost.
+#[test]
+fn a_full_disk_leaves_no_torn_journal_line_and_names_the_lost_trial() {
+    let _one = serial();
+    let dir = out_dir("full-disk");
+    // The shell's file-size limit stands in for a full disk: a write that
+    // crosses 5 x 512 B is cut short, then fails (EFBIG), as one that
+    // reaches a disk's end does (ENOSPC). The first record (about 2 KiB)
+    // fits; the second is cut. SIGXFSZ is ignored so the write fails
+    // instead of killing the sweep.
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg(r#"trap '' XFSZ; ulimit -f 5; exec "$0" "$@""#)
+        .arg(env!("CARGO_BIN_EXE_memfit"))
+        .args([
+            "sweep",
+            recipe(),
+            "--out",
+            dir.to_str().unwrap(),
+            "--device",
+            "meta",
+        ])
+        .output()
+        .unwrap();
+    let e = err(&o);
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("could not be journaled") && e.contains("cut back to its last whole record"),
+        "{e}"
+    );
+    let text = std::fs::read_to_string(dir.join("trials.jsonl")).unwrap();
+    assert!(text.ends_with('\n'), "torn: {text}");
+    let journaled = ids_in_journal(&dir);
+    assert_eq!(journaled.len(), 1, "{journaled:?}");
+    let lost = e.split('`').nth(1).expect("the lost trial's id, quoted");
+    assert!(!journaled.iter().any(|id| id == lost), "{lost}");
+    // With room again, --resume runs the lost trial.
+    let o = meta_sweep(&dir, &["--resume"]);
+    assert!(o.status.success(), "{}", err(&o));
+    assert!(ids_in_journal(&dir).iter().any(|id| id == lost));
+}
+
 #[test]
 fn ctrl_c_releases_the_lock() {
     let _one = serial();

@@ -1538,16 +1538,38 @@ impl Ctx<'_> {
         if note.is_some() {
             r.note = note;
         }
-        // Journaled (and flushed to disk) before it is shown.
-        let line = serde_json::to_string(&r).expect("records serialise");
-        let io = |source| Error::Write {
-            path: self.opts.out.join("trials.jsonl"),
-            source,
-        };
-        self.journal
-            .write_all(format!("{line}\n").as_bytes())
-            .map_err(io)?;
-        self.journal.sync_data().map_err(io)?;
+        // Journaled (and flushed to disk) before it is shown: one write of
+        // the whole line, and on failure (a full disk) the file is cut
+        // back to its last whole record, so no torn line remains.
+        let line = serde_json::to_string(&r).expect("records serialise") + "\n";
+        let before = self.journal.metadata().map(|m| m.len());
+        let written = self
+            .journal
+            .write_all(line.as_bytes())
+            .and_then(|()| self.journal.sync_data());
+        if let Err(e) = written {
+            let cut = before.and_then(|len| {
+                self.journal.set_len(len)?;
+                self.journal.sync_data()
+            });
+            let state = match cut {
+                Ok(()) => "the journal is cut back to its last whole record".to_string(),
+                Err(c) => format!(
+                    "cutting the journal back failed too ({c}); --resume drops its torn last line"
+                ),
+            };
+            return Err(Error::Write {
+                path: self.opts.out.join("trials.jsonl"),
+                source: std::io::Error::new(
+                    e.kind(),
+                    format!(
+                        "{e}: trial `{}` ({}) ran but could not be journaled, so its result is lost; {state}, and `--resume` runs it again once the disk has room",
+                        r.id,
+                        p.point.label()
+                    ),
+                ),
+            });
+        }
         self.bar.inc(1);
         self.emit(SweepEvent::TrialFinished {
             index,
