@@ -465,3 +465,138 @@ fn fifos_are_refused_instead_of_waiting_forever() {
     let csv = reader.join().unwrap();
     assert!(csv.lines().count() > 10, "{csv}");
 }
+
+/// Issue 26, the smaller ones: each was accepted, or ran, or printed, as
+/// if nothing were wrong.
+#[test]
+fn small_hostile_values_are_refused_or_shown_plainly() {
+    // A calibration cache of 1e308 FLOP/s made every predicted step time
+    // vanish: such a cache is measured again.
+    let good = memfit::calibrate::Calibration {
+        host: "test cpu".into(),
+        threads: 2,
+        fp32_flops_per_s: 5e10,
+        bf16_flops_per_s: 2e10,
+        fp16_flops_per_s: 2e10,
+        fp32_kernel_flops_per_s: 1e10,
+        bf16_kernel_flops_per_s: 5e9,
+        bytes_per_s: 1e10,
+        op_overhead_s: 2e-6,
+        memfit_version: "0".into(),
+        measured_unix_s: 0,
+        elapsed_s: 3.0,
+    };
+    assert!(good.plausible());
+    for bad in [
+        memfit::calibrate::Calibration {
+            fp32_flops_per_s: 1e308,
+            ..good.clone()
+        },
+        memfit::calibrate::Calibration {
+            bytes_per_s: f64::INFINITY,
+            ..good.clone()
+        },
+        memfit::calibrate::Calibration {
+            op_overhead_s: -1.0,
+            ..good.clone()
+        },
+        memfit::calibrate::Calibration {
+            bf16_kernel_flops_per_s: 0.0,
+            ..good.clone()
+        },
+    ] {
+        assert!(!bad.plausible(), "{bad:?}");
+    }
+
+    // 2^64 bytes saturated into "no limit" while 2^65 was refused.
+    use memfit::units::parse_bytes;
+    assert_eq!(parse_bytes("18446744073709551615B"), Ok(u64::MAX));
+    for over in [
+        "18446744073709551616B",
+        "36893488147419103232",
+        "16777216TiB",
+        "1e30",
+    ] {
+        assert!(parse_bytes(over).is_err(), "{over}");
+    }
+    assert_eq!(parse_bytes("1.5GiB"), Ok(3 << 29));
+    let o = quick(&[
+        "run",
+        "--model",
+        "gpt2-tiny",
+        "--seq-len",
+        "16",
+        "--device",
+        "meta:limit=18446744073709551616B",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("out of range"), "{}", stderr(&o));
+
+    // `seq_len: !!str 64` was read as 64.
+    let dir = temp_dir("small-hostile");
+    let recipe = dir.join("plan.yaml");
+    std::fs::write(
+        &recipe,
+        PLAN_HEAD.replace("seq_len: 16", "seq_len: !!str 16"),
+    )
+    .unwrap();
+    let err = bad_input(
+        &quick(&["plan", s(&recipe)]),
+        &["plan.yaml:3:10:", "YAML tag"],
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+
+    // balance --by time with K = 2^20 ran for minutes without a word.
+    let err = bad_input(
+        &quick(&[
+            "balance",
+            "--model",
+            "llama-tiny",
+            "--stages",
+            "2",
+            "--microbatches",
+            "1048576",
+            "--by",
+            "time",
+        ]),
+        &["--microbatches", "more than 4096"],
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+
+    // The plan said "0.0 GiB of 0.0 GiB usable" for a 24 MiB device.
+    std::fs::write(
+        &recipe,
+        format!("{PLAN_HEAD}device: meta:limit=24MiB\ngrid:\n  micro_batch: [1, 2]\n"),
+    )
+    .unwrap();
+    let o = quick(&["plan", s(&recipe)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains(" MiB usable per GPU"), "{out}");
+    assert!(!out.contains("0.0 GiB"), "{out}");
+
+    // A model's name went into report.md as raw HTML.
+    let tiny = fixture("../../profiles/models/gpt2-tiny.yaml");
+    let evil = std::fs::read_to_string(tiny).unwrap().replace(
+        "name: gpt2-tiny",
+        "name: \"<script>alert(1)</script> *x* | y\"",
+    );
+    std::fs::write(dir.join("evil.yaml"), evil).unwrap();
+    std::fs::write(
+        &recipe,
+        format!(
+            "{}device: meta\ngrid:\n  micro_batch: [1, 2]\n",
+            PLAN_HEAD.replace("gpt2-tiny", "evil.yaml")
+        ),
+    )
+    .unwrap();
+    let out = dir.join("out");
+    let o = quick(&["sweep", s(&recipe), "--out", s(&out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(!md.contains("<script>"), "{md}");
+    assert!(
+        md.contains("&lt;script&gt;alert(1)&lt;/script&gt; \\*x\\* \\| y"),
+        "{md}"
+    );
+}

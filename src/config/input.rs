@@ -149,6 +149,9 @@ pub fn strip_bom(text: &str) -> &str {
 /// This follows libyaml's tokens far enough to know where a node starts:
 /// only there do a quote and, outside a flow collection, a bracket open
 /// something; elsewhere they are part of a plain scalar.
+///
+/// It also refuses YAML tags (`!!str 64`), which no memfit file needs and
+/// which serde would otherwise read past.
 pub fn check_yaml_depth(text: &str, location: &str) -> Result<()> {
     let mut flow = 0usize;
     // Inside a quoted scalar, and which quote ends it.
@@ -222,8 +225,17 @@ pub fn check_yaml_depth(text: &str, location: &str) -> Result<()> {
                     quote = Some(c);
                     in_plain = false;
                 }
-                // An anchor or a tag: the node starts after it.
-                '&' | '!' if node_start => {
+                // A tag (`!!str 64`) would make a number key's value a
+                // string that serde still reads as the number: memfit's
+                // values take their type from their key, so none is used.
+                '!' if node_start => {
+                    return Err(Error::Config {
+                        location: format!("{location}:{}:{col}", n + 1),
+                        message: "a YAML tag (such as `!!str`): memfit's files use none, each value's type comes from its key; remove the tag".into(),
+                    });
+                }
+                // An anchor: the node starts after it.
+                '&' if node_start => {
                     while let Some(&c) = chars.peek() {
                         if c == ' ' || c == '\t' || (flow > 0 && ",[]{}".contains(c)) {
                             break;

@@ -1553,15 +1553,16 @@ pub fn usd(x: f64) -> String {
 
 fn reasons(preds: &[Prediction], ranking: &[usize], r: &PlanRecipe) -> Vec<String> {
     let best = &preds[ranking[0]];
-    let gib = |b: i64| b as f64 / (1u64 << 30) as f64;
+    // In the unit that fits: a 24 MiB device is not "0.0 GiB of 0.0 GiB".
+    let bytes = |b: i64| crate::units::fmt_bytes(b.unsigned_abs());
     let mut v = vec![format!(
-        "cheapest fitting point: ${} per million tokens at {:.0} tokens/s on {} GPU(s), {:.1} GiB of {:.1} GiB usable per GPU ({:.1} GiB to spare)",
+        "cheapest fitting point: ${} per million tokens at {:.0} tokens/s on {} GPU(s), {} of {} usable per GPU ({} to spare)",
         usd(best.usd_per_mtok),
         best.tokens_per_s,
         best.point.gpus,
-        gib(best.total_bytes as i64),
-        gib(best.usable_bytes as i64),
-        gib(best.margin_bytes)
+        bytes(best.total_bytes as i64),
+        bytes(best.usable_bytes as i64),
+        bytes(best.margin_bytes)
     )];
     if let Some(&j) = ranking.get(1) {
         let ru = &preds[j];
@@ -1587,11 +1588,11 @@ fn reasons(preds: &[Prediction], ranking: &[usize], r: &PlanRecipe) -> Vec<Strin
         .min_by(|a, b| a.usd_per_mtok.total_cmp(&b.usd_per_mtok));
     if let Some(m) = cheaper_misfit {
         v.push(format!(
-            "cheaper but out of memory: {} would cost ${} per million tokens but needs {:.1} GiB per GPU, {:.1} GiB over",
+            "cheaper but out of memory: {} would cost ${} per million tokens but needs {} per GPU, {} over",
             m.point.label(),
             usd(m.usd_per_mtok),
-            gib(m.total_bytes as i64),
-            gib(-m.margin_bytes)
+            bytes(m.total_bytes as i64),
+            bytes(-m.margin_bytes)
         ));
     }
     if let Some(x) = preds
