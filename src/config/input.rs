@@ -107,13 +107,29 @@ pub fn create_output(path: &Path) -> Result<std::fs::File> {
                 )));
             }
             Err(e) => return Err(write(e)),
-            // A reader is there: reopen for plain blocking writes.
-            Ok(_) => {}
+            // A reader is there: keep this very descriptor (closing it
+            // would hand the reader an end of file) and make its writes
+            // blocking, as a regular file's are.
+            Ok(file) => {
+                use std::os::fd::AsRawFd;
+                unsafe extern "C" {
+                    fn fcntl(fd: i32, cmd: i32, ...) -> i32;
+                }
+                const F_GETFL: i32 = 3;
+                const F_SETFL: i32 = 4;
+                let fd = file.as_raw_fd();
+                // SAFETY: fcntl(2) on a descriptor this function owns;
+                // F_GETFL/F_SETFL read and set its status flags only.
+                let ok = unsafe {
+                    let flags = fcntl(fd, F_GETFL);
+                    flags >= 0 && fcntl(fd, F_SETFL, flags & !O_NONBLOCK) == 0
+                };
+                if !ok {
+                    return Err(write(std::io::Error::last_os_error()));
+                }
+                return Ok(file);
+            }
         }
-        return std::fs::OpenOptions::new()
-            .write(true)
-            .open(path)
-            .map_err(write);
     }
     std::fs::File::create(path).map_err(write)
 }
