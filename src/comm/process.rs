@@ -1890,9 +1890,17 @@ mod tests {
     }
 
     #[test]
-    fn rank_0_listens_on_every_interface() {
-        // Port 0: any free one.
+    fn rank_0_listens_on_every_interface_when_ranks_are_on_other_hosts() {
+        // Every rank on this host, at a loopback MASTER_ADDR: loopback only.
         let l = ProcessGroup::listen(&env(0, 2, 0)).unwrap();
+        assert!(l.local_addr().unwrap().ip().is_loopback());
+        drop(l);
+        // Ranks elsewhere (one of two on this host). Port 0: any free one.
+        let l = ProcessGroup::listen(&DistEnv {
+            local_world: 1,
+            ..env(0, 2, 0)
+        })
+        .unwrap();
         let at = l.local_addr().unwrap();
         assert!(at.ip().is_unspecified(), "{at}");
         // Reached at an address of this host, not only the one named.
