@@ -333,6 +333,9 @@ fn time_layers<B: crate::backend::Backend>(
 }
 
 /// Runs `memfit balance`.
+/// The most micro-batches per step `memfit balance` prices (`--microbatches`).
+pub const MAX_MICROBATCHES: usize = 4096;
+
 pub fn balance(opts: &BalanceOptions) -> Result<BalanceReport> {
     let model = load_model(&opts.model)?;
     let t = &opts.train;
@@ -367,6 +370,16 @@ pub fn balance(opts: &BalanceOptions) -> Result<BalanceReport> {
         },
         e => e,
     })?;
+    // Every stage is priced by a meta step of K micro-batches, many times
+    // over in the search: K = 2^20 ran for minutes without a word.
+    if k > MAX_MICROBATCHES {
+        return Err(Error::invalid_arg(
+            "--microbatches",
+            format!(
+                "{k} is more than {MAX_MICROBATCHES}, the most balance prices (each stage's peak is a meta step of every micro-batch); under 1F1B a stage's peak stops growing once K passes the stage count, so a smaller K gives the same partitions"
+            ),
+        ));
+    }
     if stages < 2 {
         return Err(Error::invalid_arg(
             "--stages",

@@ -59,6 +59,25 @@ pub enum Source {
 }
 
 impl Calibration {
+    /// Whether every figure is one a host can have: finite, and within
+    /// bounds no CPU leaves (1e6..1e17 FLOP/s, 1e6..1e15 B/s, an op
+    /// overhead under a second). A cache file edited to `1e308` would
+    /// otherwise make every predicted step time vanish.
+    pub fn plausible(&self) -> bool {
+        let within = |v: f64, lo: f64, hi: f64| v.is_finite() && (lo..=hi).contains(&v);
+        [
+            self.fp32_flops_per_s,
+            self.bf16_flops_per_s,
+            self.fp16_flops_per_s,
+            self.fp32_kernel_flops_per_s,
+            self.bf16_kernel_flops_per_s,
+        ]
+        .iter()
+        .all(|&v| within(v, 1e6, 1e17))
+            && within(self.bytes_per_s, 1e6, 1e15)
+            && within(self.op_overhead_s, 0.0, 1.0)
+    }
+
     /// The roofline a trial at `precision` runs at on this host.
     pub fn roofline(&self, precision: Precision) -> Roofline {
         Roofline {
@@ -274,16 +293,7 @@ pub fn load_or_measure(threads: usize, force: bool) -> Result<(Calibration, Sour
         && c.host == host_name()
         && c.threads == threads
         && c.memfit_version == env!("CARGO_PKG_VERSION")
-        && [
-            c.fp32_flops_per_s,
-            c.bf16_flops_per_s,
-            c.fp16_flops_per_s,
-            c.fp32_kernel_flops_per_s,
-            c.bf16_kernel_flops_per_s,
-            c.bytes_per_s,
-        ]
-        .iter()
-        .all(|v| v.is_finite() && *v > 0.0)
+        && c.plausible()
     {
         return Ok((c, Source::Cached(p.clone())));
     }

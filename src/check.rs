@@ -20,8 +20,10 @@
 //! The check refuses to give a verdict (exit 2) rather than pass by accident:
 //! reports of another schema version, reports of different setups (model,
 //! hardware, device, seq_len, global_batch), a report without trials or two
-//! reports with no config in common. An interrupted sweep on either side, or
-//! configs present in one report only, are refused too unless
+//! reports with no config in common, a report that lists a config twice, or
+//! a check that compared no config at all. An interrupted sweep on either
+//! side, configs present in one report only, or configs the baseline
+//! measured and the current report did not, are refused too unless
 //! `--allow-missing` turns them into warnings.
 //!
 //! Exit codes: 0 no regression, 1 at least one regression, 2 the check could
@@ -62,9 +64,11 @@ pub struct CheckArgs {
     /// by at least 64 KiB while the total did not; without it that is a warning.
     #[arg(long)]
     pub per_category: bool,
-    /// Accept configs present in one report only, and an interrupted sweep:
+    /// Accept configs present in one report only, configs the baseline
+    /// measured and the current report did not, and an interrupted sweep:
     /// list them as warnings instead of refusing (exit 2). A report without
-    /// trials, or two reports with no config in common, are refused anyway.
+    /// trials, two reports with no config in common, duplicate trial ids, or
+    /// a check that compared no config are refused anyway.
     #[arg(long)]
     pub allow_missing: bool,
     /// Which peak to gate on: `tracked` (the engine's tracker: deterministic,
@@ -386,6 +390,30 @@ pub fn gate(
             }
         }
     }
+    // A report that lists one config twice was written by something other
+    // than a sweep (or two reports were spliced): which of the two copies
+    // would be compared is arbitrary, so neither is.
+    for (side, r, file) in [("current", cur, &cur_file), ("baseline", base, &base_file)] {
+        let mut seen = HashSet::new();
+        let mut twice: Vec<&str> = Vec::new();
+        for t in &r.trials {
+            if !seen.insert(t.id.as_str()) && !twice.contains(&t.id.as_str()) {
+                twice.push(t.id.as_str());
+            }
+        }
+        if !twice.is_empty() {
+            errors.push(problem(
+                file,
+                format!(
+                    "the {side} report lists {} more than once ({}), so which of the copies \
+                     to compare is a guess. A sweep writes each grid point once: rerun it, \
+                     or remove the duplicate trials",
+                    configs(twice.len()),
+                    id_list(twice.iter().copied())
+                ),
+            ));
+        }
+    }
     if !errors.is_empty() {
         return Err(errors);
     }
@@ -438,6 +466,39 @@ pub fn gate(
             "Sweep the baseline's grid".into(),
         ));
     }
+    // Measured in the baseline, not in the current report (a trial whose
+    // measurement was lost, or that ran without one): its peak is unknown,
+    // so it cannot count as checked.
+    let unmeasured: Vec<&str> = report
+        .not_compared
+        .iter()
+        .filter(|n| {
+            let b = base.trials.iter().find(|t| t.id == n.id);
+            let c = cur.trials.iter().find(|t| t.id == n.id);
+            match (b, c) {
+                (Some(b), Some(c)) => {
+                    !measured(c, opts.metric)
+                        && (measured(b, opts.metric) || c.outcome == Outcome::Ran)
+                }
+                _ => false,
+            }
+        })
+        .map(|n| n.id.as_str())
+        .collect();
+    if !unmeasured.is_empty() {
+        incomplete.push((
+            &cur_file,
+            format!(
+                "the current report has no {} for {} that baseline report {base_file} measured ({}), \
+                 so {} not checked",
+                opts.metric.words(),
+                configs(unmeasured.len()),
+                id_list(unmeasured.iter().copied()),
+                it_is(unmeasured.len()),
+            ),
+            "Rerun the sweep so that every config the baseline measured is measured again".into(),
+        ));
+    }
     if !report.only_in_current.is_empty() {
         incomplete.push((
             &cur_file,
@@ -449,6 +510,36 @@ pub fn gate(
             ),
             "Regenerate the baseline with this grid".into(),
         ));
+    }
+    // Whatever was accepted as missing, a check that compared nothing has
+    // checked nothing: passing it would let any change through.
+    if report.compared.is_empty() {
+        return Err(vec![problem(
+            &cur_file,
+            format!(
+                "no config was compared: none of the {} the current report shares with baseline \
+                 report {base_file} was measured on both sides or changed fit, so nothing was \
+                 checked{}. Rerun the sweep",
+                configs(
+                    cur.trials
+                        .iter()
+                        .filter(|t| base_ids.contains(t.id.as_str()))
+                        .count()
+                ),
+                if incomplete.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        " ({})",
+                        incomplete
+                            .iter()
+                            .map(|(_, what, _)| what.as_str())
+                            .collect::<Vec<_>>()
+                            .join("; ")
+                    )
+                }
+            ),
+        )]);
     }
     if opts.allow_missing {
         // First: they qualify everything else the report says.
@@ -516,13 +607,15 @@ fn it_is(n: usize) -> &'static str {
 
 /// Up to `IDS_SHOWN` ids, then how many more.
 fn ids(list: &[OneSided]) -> String {
-    let mut s: Vec<String> = list
-        .iter()
-        .take(IDS_SHOWN)
-        .map(|o| format!("`{}`", o.id))
-        .collect();
-    if list.len() > IDS_SHOWN {
-        s.push(format!("{} more", list.len() - IDS_SHOWN));
+    id_list(list.iter().map(|o| o.id.as_str()))
+}
+
+/// Up to `IDS_SHOWN` ids, quoted, then how many more.
+fn id_list<'a>(list: impl ExactSizeIterator<Item = &'a str>) -> String {
+    let n = list.len();
+    let mut s: Vec<String> = list.take(IDS_SHOWN).map(|id| format!("`{id}`")).collect();
+    if n > IDS_SHOWN {
+        s.push(format!("{} more", n - IDS_SHOWN));
     }
     join_and(&s)
 }
@@ -594,9 +687,17 @@ impl RawReport {
         } else {
             path.to_path_buf()
         };
-        let text = std::fs::read_to_string(&file).map_err(|source| Error::Io {
-            path: file.clone(),
-            source,
+        let bytes = crate::config::input::read_bounded(
+            &file,
+            crate::config::input::MAX_DATA_BYTES,
+            "sweep reports",
+        )?;
+        let text = String::from_utf8(bytes).map_err(|e| Error::Config {
+            location: file.display().to_string(),
+            message: format!(
+                "not UTF-8 text (at byte {}), so not a report memfit wrote",
+                e.utf8_error().valid_up_to()
+            ),
         })?;
         let value =
             serde_json::from_str(&text).map_err(|e| located(&file, &e, "malformed JSON"))?;
@@ -718,6 +819,14 @@ pub fn load_pair(
             },
         )),
         (c, b) => Err([c.err(), b.err()].into_iter().flatten().collect()),
+    }
+}
+
+/// Whether `t` carries the peak `metric` compares.
+fn measured(t: &TrialRecord, metric: Metric) -> bool {
+    match metric {
+        Metric::Tracked => t.measured.is_some(),
+        Metric::Nvml => nvml_of(t).is_some(),
     }
 }
 

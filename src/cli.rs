@@ -312,6 +312,11 @@ pub struct SweepArgs {
     /// Run every valid grid point instead of bisecting each fit boundary.
     #[arg(long)]
     pub exhaustive: bool,
+    /// Take over --out's lock even when it names a sweep on another host
+    /// whose lease is fresh (renewed every 60 s, lapsing after 300 s): for
+    /// when that host went down. Without it such a lock is refused.
+    #[arg(long)]
+    pub break_lock: bool,
     #[command(flatten)]
     pub timing: TimingArgs,
     /// Seconds before a trial is killed and recorded as a timeout.

@@ -58,12 +58,17 @@ impl DataSource {
         } else {
             files.push(path.to_path_buf());
         }
+        // Regular files only (a device never ends, a FIFO waits for a
+        // writer), and at most MAX_DATA_BYTES in all: the text is held whole.
+        let max = crate::config::input::MAX_DATA_BYTES;
         let mut bytes = Vec::new();
         for f in &files {
-            let mut b = std::fs::read(f).map_err(|source| Error::Io {
-                path: f.clone(),
-                source,
-            })?;
+            let what = match files.len() {
+                1 => "training text (--data)",
+                _ => "training text (--data, what is left of it for this file)",
+            };
+            let left = max - bytes.len() as u64;
+            let mut b = crate::config::input::read_bounded(f, left, what)?;
             bytes.append(&mut b);
         }
         Ok(DataSource::Text {

@@ -14,6 +14,9 @@
 //! meets rank 0 (on node 0) at `--master-addr:--master-port`. A launcher
 //! sees only its own node's ranks: a failure elsewhere reaches it through
 //! them (they lose a peer: exit 4). The ranks die with their launcher.
+//! Each rank is handed the job's secret (`MEMFIT_LAUNCH_TOKEN`: the
+//! launcher's own, required across nodes, or a random one on one node),
+//! which it presents in its hello; a connection without it is dropped.
 //!
 //! A `memfit run` started under those variables (by the launcher, torchrun
 //! `--no-python`, or Slurm) is one rank ([`rank_main`]): it trains its one
@@ -560,35 +563,38 @@ fn placement(args: &LaunchArgs) -> crate::Result<Placement> {
 /// OOM killer, a lost node's cleanup) cannot stop them itself, and ranks
 /// left behind would keep their peers on the other nodes waiting out the
 /// timeout, and keep their cores.
-#[cfg(target_os = "linux")]
 fn die_with_launcher(c: &mut Command) {
-    use std::os::unix::process::CommandExt as _;
-    unsafe extern "C" {
-        fn prctl(option: std::ffi::c_int, ...) -> std::ffi::c_int;
-    }
-    const PR_SET_PDEATHSIG: std::ffi::c_int = 1;
-    const SIGKILL: std::ffi::c_ulong = 9;
-    const ESRCH: i32 = 3;
-    let launcher = std::process::id();
-    // SAFETY: the closure runs between fork and exec, where only
-    // async-signal-safe calls are allowed: it makes two system calls and
-    // allocates nothing (an `io::Error` from an OS code holds no box).
-    unsafe {
-        c.pre_exec(move || {
-            if prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // Gone before the request: then nobody would send the signal.
-            if std::os::unix::process::parent_id() != launcher {
-                return Err(std::io::Error::from_raw_os_error(ESRCH));
-            }
-            Ok(())
-        });
-    }
+    crate::signals::die_with_parent(c);
 }
 
-#[cfg(not(target_os = "linux"))]
-fn die_with_launcher(_: &mut Command) {}
+/// The secret this job's ranks present to each other: the launcher's own
+/// `MEMFIT_LAUNCH_TOKEN`, else, on one node, a fresh random one. Launchers
+/// on several nodes cannot agree on a random one, so there it is required.
+fn launch_token(nnodes: usize) -> crate::Result<String> {
+    use crate::comm::process::TOKEN_ENV;
+    if let Some(t) = std::env::var(TOKEN_ENV)
+        .ok()
+        .filter(|t| !t.trim().is_empty())
+    {
+        return Ok(t);
+    }
+    if nnodes > 1 {
+        return Err(Error::invalid_arg(
+            TOKEN_ENV,
+            format!(
+                "not set; with --nnodes {nnodes} every node's launcher needs the same secret, which its ranks present to each other so that no other process on the network can join the job: set it to one random string on every node, e.g. `export {TOKEN_ENV}=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \\n')`"
+            ),
+        ));
+    }
+    // 128 bits from the OS's randomness (std seeds each RandomState from it).
+    use std::hash::{BuildHasher as _, Hasher as _};
+    let part = || {
+        std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish()
+    };
+    Ok(format!("{:016x}{:016x}", part(), part()))
+}
 
 fn launch(args: &LaunchArgs) -> crate::Result<i32> {
     use clap::Parser as _;
@@ -656,6 +662,7 @@ fn launch(args: &LaunchArgs) -> crate::Result<i32> {
             .map_err(|e| Error::Unavailable(format!("no free port for MASTER_PORT: {e}")))?
             .port(),
     };
+    let token = launch_token(args.nnodes)?;
     let exe = std::env::current_exe()
         .map_err(|e| Error::Unavailable(format!("cannot find the memfit binary: {e}")))?;
     let stop = Arc::new(AtomicBool::new(false));
@@ -684,6 +691,7 @@ fn launch(args: &LaunchArgs) -> crate::Result<i32> {
             .env("GROUP_RANK", args.node_rank.to_string())
             .env("GROUP_WORLD_SIZE", args.nnodes.to_string())
             .env("MASTER_ADDR", &master_addr)
+            .env(crate::comm::process::TOKEN_ENV, &token)
             .env("MASTER_PORT", port.to_string());
         die_with_launcher(&mut cmd);
         match cmd.spawn() {

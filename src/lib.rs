@@ -27,6 +27,7 @@ pub mod reference;
 pub mod rng;
 pub mod run;
 pub mod selftest;
+pub mod signals;
 pub mod stats;
 pub mod sweep;
 pub mod telemetry;

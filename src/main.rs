@@ -165,6 +165,7 @@ fn sweep_main(args: &memfit::cli::SweepArgs) -> i32 {
         out: args.out.clone(),
         resume: args.resume,
         exhaustive: args.exhaustive,
+        break_lock: args.break_lock,
         timing,
         timeout: std::time::Duration::from_secs_f64(args.trial_timeout),
         threads: args.threads,
@@ -186,7 +187,11 @@ fn sweep_main(args: &memfit::cli::SweepArgs) -> i32 {
                     println!("reports in {}", args.out.display());
                 }
             }
-            if report.interrupted { 130 } else { 0 }
+            if report.interrupted {
+                memfit::signals::stopped_exit_code()
+            } else {
+                0
+            }
         }
         Err(e) => {
             eprintln!("memfit: {e}");

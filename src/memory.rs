@@ -315,9 +315,16 @@ impl Tracker {
     }
 
     /// Records an allocation, or refuses it when it would exceed the capacity.
+    ///
+    /// Without a capacity, 2^64 bytes is one: live bytes past it would
+    /// wrap around and report a smaller peak for a larger step.
     pub fn alloc(&mut self, category: Category, bytes: u64) -> Result<(), OomError> {
-        if let Some(capacity) = self.capacity
-            && self.live.total() + bytes > capacity
+        let capacity = self.capacity.unwrap_or(u64::MAX);
+        if self
+            .live
+            .total()
+            .checked_add(bytes)
+            .is_none_or(|t| t > capacity)
         {
             return Err(OomError {
                 category,
@@ -423,6 +430,19 @@ impl Tracker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 26: live bytes past 2^64 wrapped, so a larger step reported a
+    /// smaller peak.
+    #[test]
+    fn live_bytes_past_two_to_the_64_are_refused_not_wrapped() {
+        let mut t = Tracker::new(None);
+        t.alloc(Category::Activations, u64::MAX - 10).unwrap();
+        let e = t.alloc(Category::Temporaries, 11).unwrap_err();
+        assert_eq!(e.capacity, u64::MAX);
+        assert_eq!(t.peak_bytes().total, u64::MAX - 10);
+        t.alloc(Category::Temporaries, 10).unwrap();
+        assert_eq!(t.peak_bytes().total, u64::MAX);
+    }
 
     #[test]
     fn phase_peaks_keep_each_phase_highest_in_first_run_order() {

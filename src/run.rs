@@ -288,12 +288,29 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
     .max()
     .unwrap_or(0) as u128;
     let biggest = (b * tt * widest).max(b * model.n_head as u128 * tt * tt) * 4;
-    if biggest > 1 << 60 || b * tt * t.grad_accum as u128 > 1 << 50 {
+    if biggest > 1 << 60 || b * tt * t.grad_accum as u128 > crate::plan::MAX_TOKENS_PER_STEP {
         return Err(Error::invalid_arg(
             "--micro-batch",
             format!(
                 "{} sequences of {} tokens need buffers beyond 2^60 bytes; nothing can hold that",
                 t.micro_batch, t.seq_len
+            ),
+        ));
+    }
+    // The whole step, not one buffer: every layer keeps a few activations of
+    // each width, so many layers of large buffers pass 2^64 bytes together
+    // (and meta's peaks wrapped around). A generous over-estimate: sixteen
+    // of the widest per token, per layer and the head, plus eager
+    // attention's two T x T tensors per layer; no machine holds 2^62 bytes.
+    let layers = model.n_layer as u128 + 1;
+    let step =
+        b * tt * widest * 4 * 16 * layers + b * model.n_head as u128 * tt * tt * 4 * 2 * layers;
+    if step > 1 << 62 {
+        return Err(Error::invalid_arg(
+            "--micro-batch",
+            format!(
+                "{} sequences of {} tokens through {} layers hold over 2^62 bytes of activations; nothing can hold that",
+                t.micro_batch, t.seq_len, model.n_layer
             ),
         ));
     }
@@ -1320,10 +1337,7 @@ where
     };
     // Open the timeline file first, so a bad path fails before any training.
     let mut timeline_file = match &opts.timeline {
-        Some(path) => Some(std::fs::File::create(path).map_err(|source| Error::Write {
-            path: path.clone(),
-            source,
-        })?),
+        Some(path) => Some(crate::config::input::create_output(path)?),
         None => None,
     };
     let capacity = report.capacity_bytes;

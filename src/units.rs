@@ -41,9 +41,19 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
             ));
         }
     };
+    let out_of_range = || format!("`{text}` is out of range: a size is below 2^64 bytes (16 EiB)");
+    // Whole numbers exactly: an f64 rounds 2^64 - 1 up to 2^64, which
+    // `as u64` would then saturate into "no limit" instead of refusing.
+    if let Ok(whole) = num.parse::<u128>() {
+        return whole
+            .checked_mul(mult as u128)
+            .and_then(|b| u64::try_from(b).ok())
+            .ok_or_else(out_of_range);
+    }
     let bytes = value * mult;
-    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
-        return Err(format!("`{text}` is out of range"));
+    // 2^64 as f64: `u64::MAX as f64` is 2^64 too, so compare with >=.
+    if !bytes.is_finite() || !(0.0..18_446_744_073_709_551_616.0).contains(&bytes) {
+        return Err(out_of_range());
     }
     Ok(bytes.round() as u64)
 }

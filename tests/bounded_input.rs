@@ -334,3 +334,269 @@ fn a_huge_thread_count_is_refused_instead_of_starting_for_minutes() {
         &["--threads", "at most 4096"],
     );
 }
+
+/// Issue 26: `global_batch: 2^63` was planned, and recommended at $inf per
+/// million tokens, "beating the runner-up by NaN%".
+#[test]
+fn a_global_batch_past_run_bounds_is_refused_not_priced_at_infinity() {
+    let dir = temp_dir("huge-batch");
+    let recipe = dir.join("plan.yaml");
+    std::fs::write(
+        &recipe,
+        PLAN_HEAD.replace("global_batch: 8", "global_batch: 9223372036854775808"),
+    )
+    .unwrap();
+    let err = bad_input(
+        &quick(&["plan", s(&recipe)]),
+        &["plan.yaml:4:1:", "`global_batch`", "2^50 tokens"],
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+    // Just inside the bound it plans, with finite prices only.
+    let inside = (1u64 << 50) / 16;
+    std::fs::write(
+        &recipe,
+        PLAN_HEAD.replace("global_batch: 8", &format!("global_batch: {inside}")),
+    )
+    .unwrap();
+    let o = quick(&["plan", s(&recipe), "--format", "json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    for bad in ["inf", "NaN", "null"] {
+        assert!(!out.contains(bad), "{bad} in {out}");
+    }
+}
+
+/// Issue 26: meta's peaks for llama-3.1-70b passed 2^64 bytes and wrapped,
+/// so micro-batch 1e10 reported a smaller total than 8e9, with exit 0.
+#[test]
+fn a_step_past_two_to_the_64_bytes_is_refused_not_wrapped() {
+    for mb in ["7000000000", "8000000000", "10000000000"] {
+        let args = [
+            "run",
+            "--model",
+            "llama-3.1-70b",
+            "--device",
+            "meta",
+            "--seq-len",
+            "64",
+            "--micro-batch",
+            mb,
+        ];
+        let err = bad_input(&quick(&args), &["--micro-batch", "nothing can hold that"]);
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+    // Large but addressable: planned, with a peak that grows with the batch.
+    let peak = |mb: &str| {
+        let o = quick(&[
+            "run",
+            "--model",
+            "llama-3.1-70b",
+            "--device",
+            "meta",
+            "--seq-len",
+            "64",
+            "--micro-batch",
+            mb,
+            "--format",
+            "json",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["peak_bytes"]["total"].as_u64().unwrap()
+    };
+    assert!(peak("2000") < peak("4000"));
+}
+
+/// Issue 26: `--data /dev/zero` (or a recipe's `data:`, or `check
+/// /dev/zero`) read until memory ran out: 2.1 GB in 4 s under a cap.
+#[test]
+fn data_and_reports_from_devices_are_refused_instead_of_read_forever() {
+    let dir = temp_dir("data-dev");
+    let tiny = ["--model", "gpt2-tiny", "--seq-len", "16", "--steps", "1"];
+    for dev in ["/dev/zero", "/dev/urandom"] {
+        let mut args = vec!["run", "--data", dev];
+        args.extend(tiny);
+        let err = bad_input(&quick(&args), &[dev, "not a regular file (a device)"]);
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+    let recipe = dir.join("run.yaml");
+    std::fs::write(&recipe, "model: gpt2-tiny\nseq_len: 16\ndata: /dev/zero\n").unwrap();
+    bad_input(
+        &quick(&["run", "--recipe", s(&recipe), "--steps", "1"]),
+        &["/dev/zero", "not a regular file"],
+    );
+    let err = bad_input(
+        &quick(&["check", "/dev/zero", "--baseline", "/dev/zero"]),
+        &["/dev/zero", "not a regular file", "sweep reports"],
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+/// Issue 26: a FIFO blocked `check`, `run --data` and `run --timeline`
+/// forever, waiting for a writer (or a reader) that never came.
+#[test]
+fn fifos_are_refused_instead_of_waiting_forever() {
+    let dir = temp_dir("fifo-io");
+    let fifo = dir.join("pipe");
+    assert!(
+        Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
+    );
+    bad_input(
+        &quick(&["check", s(&fifo), "--baseline", s(&fifo)]),
+        &["a FIFO"],
+    );
+    let tiny = ["--model", "gpt2-tiny", "--seq-len", "16", "--steps", "1"];
+    let mut args = vec!["run", "--data", s(&fifo)];
+    args.extend(tiny);
+    bad_input(&quick(&args), &["a FIFO"]);
+    let mut args = vec!["run", "--timeline", s(&fifo), "--device", "meta"];
+    args.extend(tiny);
+    bad_input(&quick(&args), &["FIFO that no process is reading"]);
+    // With a reader waiting, the timeline goes down the FIFO.
+    let path = fifo.clone();
+    let reader = std::thread::spawn(move || std::fs::read_to_string(path).unwrap());
+    std::thread::sleep(Duration::from_millis(200));
+    let o = quick(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let csv = reader.join().unwrap();
+    assert!(csv.lines().count() > 10, "{csv}");
+}
+
+/// Issue 26, the smaller ones: each was accepted, or ran, or printed, as
+/// if nothing were wrong.
+#[test]
+fn small_hostile_values_are_refused_or_shown_plainly() {
+    // A calibration cache of 1e308 FLOP/s made every predicted step time
+    // vanish: such a cache is measured again.
+    let good = memfit::calibrate::Calibration {
+        host: "test cpu".into(),
+        threads: 2,
+        fp32_flops_per_s: 5e10,
+        bf16_flops_per_s: 2e10,
+        fp16_flops_per_s: 2e10,
+        fp32_kernel_flops_per_s: 1e10,
+        bf16_kernel_flops_per_s: 5e9,
+        bytes_per_s: 1e10,
+        op_overhead_s: 2e-6,
+        memfit_version: "0".into(),
+        measured_unix_s: 0,
+        elapsed_s: 3.0,
+    };
+    assert!(good.plausible());
+    for bad in [
+        memfit::calibrate::Calibration {
+            fp32_flops_per_s: 1e308,
+            ..good.clone()
+        },
+        memfit::calibrate::Calibration {
+            bytes_per_s: f64::INFINITY,
+            ..good.clone()
+        },
+        memfit::calibrate::Calibration {
+            op_overhead_s: -1.0,
+            ..good.clone()
+        },
+        memfit::calibrate::Calibration {
+            bf16_kernel_flops_per_s: 0.0,
+            ..good.clone()
+        },
+    ] {
+        assert!(!bad.plausible(), "{bad:?}");
+    }
+
+    // 2^64 bytes saturated into "no limit" while 2^65 was refused.
+    use memfit::units::parse_bytes;
+    assert_eq!(parse_bytes("18446744073709551615B"), Ok(u64::MAX));
+    for over in [
+        "18446744073709551616B",
+        "36893488147419103232",
+        "16777216TiB",
+        "1e30",
+    ] {
+        assert!(parse_bytes(over).is_err(), "{over}");
+    }
+    assert_eq!(parse_bytes("1.5GiB"), Ok(3 << 29));
+    let o = quick(&[
+        "run",
+        "--model",
+        "gpt2-tiny",
+        "--seq-len",
+        "16",
+        "--device",
+        "meta:limit=18446744073709551616B",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("out of range"), "{}", stderr(&o));
+
+    // `seq_len: !!str 64` was read as 64.
+    let dir = temp_dir("small-hostile");
+    let recipe = dir.join("plan.yaml");
+    std::fs::write(
+        &recipe,
+        PLAN_HEAD.replace("seq_len: 16", "seq_len: !!str 16"),
+    )
+    .unwrap();
+    let err = bad_input(
+        &quick(&["plan", s(&recipe)]),
+        &["plan.yaml:3:10:", "YAML tag"],
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+
+    // balance --by time with K = 2^20 ran for minutes without a word.
+    let err = bad_input(
+        &quick(&[
+            "balance",
+            "--model",
+            "llama-tiny",
+            "--stages",
+            "2",
+            "--microbatches",
+            "1048576",
+            "--by",
+            "time",
+        ]),
+        &["--microbatches", "more than 4096"],
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+
+    // The plan said "0.0 GiB of 0.0 GiB usable" for a 24 MiB device.
+    std::fs::write(
+        &recipe,
+        format!("{PLAN_HEAD}device: meta:limit=24MiB\ngrid:\n  micro_batch: [1, 2]\n"),
+    )
+    .unwrap();
+    let o = quick(&["plan", s(&recipe)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains(" MiB usable per GPU"), "{out}");
+    assert!(!out.contains("0.0 GiB"), "{out}");
+
+    // A model's name went into report.md as raw HTML.
+    let tiny = fixture("../../profiles/models/gpt2-tiny.yaml");
+    let evil = std::fs::read_to_string(tiny).unwrap().replace(
+        "name: gpt2-tiny",
+        "name: \"<script>alert(1)</script> *x* | y\"",
+    );
+    std::fs::write(dir.join("evil.yaml"), evil).unwrap();
+    std::fs::write(
+        &recipe,
+        format!(
+            "{}device: meta\ngrid:\n  micro_batch: [1, 2]\n",
+            PLAN_HEAD.replace("gpt2-tiny", "evil.yaml")
+        ),
+    )
+    .unwrap();
+    let out = dir.join("out");
+    let o = quick(&["sweep", s(&recipe), "--out", s(&out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(!md.contains("<script>"), "{md}");
+    assert!(
+        md.contains("&lt;script&gt;alert(1)&lt;/script&gt; \\*x\\* \\| y"),
+        "{md}"
+    );
+}

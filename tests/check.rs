@@ -443,6 +443,72 @@ fn missing_configs_passed_the_gate() {
     assert!(e.contains("no config in common"), "{e}");
 }
 
+/// Issue 26: a current report whose trials carried `"measured": null`
+/// printed `PASS: 0 config(s) compared` (exit 0), and with some of them
+/// nulled it passed on the rest, listing the nulled ones as "not compared".
+#[test]
+fn unmeasured_current_trials_passed_the_gate() {
+    let (fits, _) = fitting();
+    let mut v = baseline_json();
+    for t in v["trials"].as_array_mut().unwrap() {
+        t["measured"] = serde_json::Value::Null;
+    }
+    let file = write_json(&v, "all-null");
+    // Nothing compared: refused whatever the flags say.
+    for flags in [&[][..], &["--allow-missing"]] {
+        let (code, out, err) = check(&file, flags);
+        assert_eq!(code, 2, "{flags:?}: {out}{err}");
+        assert!(out.is_empty(), "{out}");
+        assert!(err.contains("no config was compared"), "{err}");
+    }
+
+    let mut one = baseline();
+    trial_mut(&mut one, &fits).measured = None;
+    let file = write(&one, "one-null");
+    let (code, out, err) = check(&file, &[]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(out.is_empty(), "{out}");
+    let e = refusal(&file, false);
+    assert!(
+        e.contains("has no tracked peak for 1 config") && e.contains(&format!("`{fits}`")),
+        "{e}"
+    );
+    assert!(e.contains("--allow-missing"), "{e}");
+    // Accepted on request, and then said.
+    let (code, out, _) = check(&file, &["--allow-missing"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("warning: ") && l.contains(&fits)),
+        "{out}"
+    );
+}
+
+/// Issue 26: two trials with one id were accepted, and one of them silently
+/// compared.
+#[test]
+fn duplicate_trial_ids_passed_the_gate() {
+    let (fits, _) = fitting();
+    let mut cur = planted(10.0, &fits);
+    let copy = baseline()
+        .trials
+        .into_iter()
+        .find(|t| t.id == fits)
+        .unwrap();
+    cur.trials.push(copy);
+    let file = write(&cur, "duplicate");
+    for flags in [&[][..], &["--allow-missing"]] {
+        let (code, out, err) = check(&file, flags);
+        assert_eq!(code, 2, "{flags:?}: {out}{err}");
+        assert!(
+            err.contains("more than once") && err.contains(&format!("`{fits}`")),
+            "{err}"
+        );
+    }
+    // In the baseline too.
+    assert_eq!(check_against(&fixture(), &file, &[]).0, 2);
+}
+
 #[test]
 fn mismatched_setup_passed_the_gate() {
     type Edit = fn(&mut SweepReport);

@@ -45,8 +45,12 @@ fn memfit() -> Command {
     for v in DIST_VARS {
         c.env_remove(v);
     }
+    c.env("MEMFIT_LAUNCH_TOKEN", TOKEN);
     c
 }
+
+/// The secret every node's launcher shares (required across nodes).
+const TOKEN: &str = "multinode-test-secret";
 
 /// `ip ARGS`, which must succeed; why not, otherwise.
 fn ip(args: &[&str]) -> Result<String, String> {
@@ -269,6 +273,7 @@ impl<'a> Job<'a> {
                 for v in DIST_VARS {
                     c.env_remove(v);
                 }
+                c.env("MEMFIT_LAUNCH_TOKEN", TOKEN);
                 // `ip netns exec` execs memfit: the child is the launcher.
                 c.args(["netns", "exec", h.ns(node), env!("CARGO_BIN_EXE_memfit")]);
                 c

@@ -23,6 +23,7 @@ const DIST_VARS: &[&str] = &[
     "MEMFIT_DIST_BACKEND",
     "MEMFIT_MASTER_PORT",
     "TORCHELASTIC_USE_AGENT_STORE",
+    "MEMFIT_LAUNCH_TOKEN",
 ];
 
 /// memfit with `args` and exactly the distributed variables in `env`.
@@ -455,5 +456,136 @@ fn ranks_must_equal_the_world() {
         stderr(&out).contains("starts `memfit run` ranks"),
         "{}",
         stderr(&out)
+    );
+}
+
+/// A port free on loopback now.
+fn free_port() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port().to_string()
+}
+
+/// Issue 26: `memfit launch` listened on every interface with no
+/// authentication, even on one node, and a peer that connected and stayed
+/// silent stalled start-up for 10 s without a word. Rank 0 of a job whose
+/// ranks all run on this host now listens on loopback only; a connection
+/// without the job's launch token, or one that says nothing for 3 s, is
+/// dropped with its address named, and the job goes on.
+#[test]
+fn strangers_at_master_port_are_dropped_and_named() {
+    use memfit::comm::process::{DistEnv, ProcessGroup};
+    let port = free_port();
+    let env_of = |local_world: &str| {
+        let vars = [
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_WORLD_SIZE", local_world),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", port.as_str()),
+        ];
+        DistEnv::from_vars(|k| {
+            vars.iter()
+                .find(|(v, _)| *v == k)
+                .map(|(_, x)| x.to_string())
+        })
+        .unwrap()
+        .unwrap()
+    };
+    let one_host = ProcessGroup::listen(&env_of("2")).unwrap();
+    assert!(one_host.local_addr().unwrap().ip().is_loopback());
+    drop(one_host);
+    // Ranks on other hosts must reach it: every interface.
+    let spread = ProcessGroup::listen(&env_of("1")).unwrap();
+    assert!(spread.local_addr().unwrap().ip().is_unspecified());
+    drop(spread);
+
+    let run = run_args(&["--ranks", "2", "--sharding", "ddp", "--steps", "1"]);
+    let spawn = |rank: &str, token: &str| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_memfit"));
+        for v in DIST_VARS {
+            c.env_remove(v);
+        }
+        c.args(refs(&run))
+            .envs([
+                ("RANK", rank),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", port.as_str()),
+                ("MEMFIT_DIST_TIMEOUT", "30"),
+                ("MEMFIT_LAUNCH_TOKEN", token),
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let start = Instant::now();
+    let r0 = spawn("0", "s3cret");
+    let connect = || loop {
+        match std::net::TcpStream::connect(("127.0.0.1", port.parse::<u16>().unwrap())) {
+            Ok(s) => break s,
+            Err(_) if start.elapsed() < Duration::from_secs(20) => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => panic!("rank 0 never listened: {e}"),
+        }
+    };
+    // One stranger says nothing; another says a rank's hello without the token.
+    let silent = connect();
+    let mut tokenless = connect();
+    let mut hello = b"memfitpg".to_vec();
+    for v in [1u32, 1, 2] {
+        hello.extend_from_slice(&v.to_le_bytes());
+    }
+    hello.extend_from_slice(&1u16.to_le_bytes());
+    let mut frame = vec![1u8];
+    frame.extend_from_slice(&0u32.to_le_bytes());
+    frame.extend_from_slice(&(hello.len() as u64).to_le_bytes());
+    frame.extend_from_slice(&hello);
+    std::io::Write::write_all(&mut tokenless, &frame).unwrap();
+    let r1 = spawn("1", "s3cret");
+    let (o0, o1) = (
+        r0.wait_with_output().unwrap(),
+        r1.wait_with_output().unwrap(),
+    );
+    drop((silent, tokenless));
+    let took = start.elapsed();
+    let e0 = stderr(&o0);
+    assert!(o0.status.success(), "{e0}");
+    assert!(o1.status.success(), "{}", stderr(&o1));
+    assert!(
+        e0.contains("rank 0: dropped a connection from 127.0.0.1:")
+            && e0.contains("it sent no hello within 3 s"),
+        "{e0}"
+    );
+    assert!(
+        e0.contains("it presented no launch token (MEMFIT_LAUNCH_TOKEN)"),
+        "{e0}"
+    );
+    assert!(took < Duration::from_secs(20), "{took:?}");
+
+    // Across nodes the launchers must share a secret: refused without one.
+    let mut launch = vec![
+        "launch",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--nproc",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        &port,
+        "--",
+    ];
+    let two = run_args(&["--ranks", "2", "--sharding", "ddp"]);
+    launch.extend(refs(&two));
+    let o = memfit_with(&launch, &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("MEMFIT_LAUNCH_TOKEN: not set"),
+        "{}",
+        stderr(&o)
     );
 }

@@ -381,6 +381,105 @@ fn a_stale_lock_from_a_dead_process_is_taken_over_with_a_note() {
     assert!(!dir.join(".memfit.lock").exists());
 }
 
+/// Issue 26: a lock naming another host was taken over unchecked, so on a
+/// shared filesystem a live sweep on another node would be trampled. Now
+/// its lease (the file's mtime, renewed every 60 s) must be 300 s old, or
+/// the user must say --break-lock.
+#[test]
+fn a_lock_held_from_another_host_is_refused_until_its_lease_lapses() {
+    let _one = serial();
+    let dir = out_dir("foreign-lock");
+    let lock = dir.join(".memfit.lock");
+    let plant = |age_s: u64| {
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            &lock,
+            r#"{"command":"memfit sweep","pid":4242,"host":"node-17","started_unix_s":1700000000}"#,
+        )
+        .unwrap();
+        let f = std::fs::File::options().write(true).open(&lock).unwrap();
+        let when = std::time::SystemTime::now() - std::time::Duration::from_secs(age_s);
+        f.set_modified(when).unwrap();
+    };
+    plant(5);
+    let o = meta_sweep(&dir, &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", err(&o));
+    let e = err(&o);
+    assert!(
+        e.contains("memfit sweep pid 4242 on host node-17")
+            && e.contains("renewed 5 s ago")
+            && e.contains("--break-lock"),
+        "{e}"
+    );
+    assert_eq!(e.lines().count(), 1, "{e}");
+    assert!(!dir.join("trials.jsonl").exists(), "it ran nothing");
+    assert!(lock.exists(), "the other host's lock is left alone");
+
+    let o = meta_sweep(&dir, &["--break-lock"]);
+    assert!(o.status.success(), "{}", err(&o));
+    assert!(
+        err(&o).contains("--break-lock says it is gone"),
+        "{}",
+        err(&o)
+    );
+
+    let _ = std::fs::remove_dir_all(&dir);
+    plant(400);
+    let o = meta_sweep(&dir, &[]);
+    assert!(o.status.success(), "{}", err(&o));
+    assert!(
+        err(&o).contains("last renewed its lease 40")
+            && err(&o).contains("s ago (it lapses after 300 s); taking it over"),
+        "{}",
+        err(&o)
+    );
+    assert!(!lock.exists(), "released when done");
+}
+
+/// Issue 26: a full disk left a torn line at the end of trials.jsonl
+/// (resume dropped it, but the file stayed corrupt until then), and
+/// nothing said which trial was lost.
+#[test]
+fn a_full_disk_leaves_no_torn_journal_line_and_names_the_lost_trial() {
+    let _one = serial();
+    let dir = out_dir("full-disk");
+    // The shell's file-size limit stands in for a full disk: a write that
+    // crosses 5 x 512 B is cut short, then fails (EFBIG), as one that
+    // reaches a disk's end does (ENOSPC). The first record (about 2 KiB)
+    // fits; the second is cut. SIGXFSZ is ignored so the write fails
+    // instead of killing the sweep.
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg(r#"trap '' XFSZ; ulimit -f 5; exec "$0" "$@""#)
+        .arg(env!("CARGO_BIN_EXE_memfit"))
+        .args([
+            "sweep",
+            recipe(),
+            "--out",
+            dir.to_str().unwrap(),
+            "--device",
+            "meta",
+        ])
+        .output()
+        .unwrap();
+    let e = err(&o);
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("could not be journaled") && e.contains("cut back to its last whole record"),
+        "{e}"
+    );
+    let text = std::fs::read_to_string(dir.join("trials.jsonl")).unwrap();
+    assert!(text.ends_with('\n'), "torn: {text}");
+    let journaled = ids_in_journal(&dir);
+    assert_eq!(journaled.len(), 1, "{journaled:?}");
+    let lost = e.split('`').nth(1).expect("the lost trial's id, quoted");
+    assert!(!journaled.iter().any(|id| id == lost), "{lost}");
+    // With room again, --resume runs the lost trial.
+    let o = meta_sweep(&dir, &["--resume"]);
+    assert!(o.status.success(), "{}", err(&o));
+    assert!(ids_in_journal(&dir).iter().any(|id| id == lost));
+}
+
 #[test]
 fn ctrl_c_releases_the_lock() {
     let _one = serial();
@@ -415,6 +514,187 @@ fn ctrl_c_releases_the_lock() {
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(130), "interrupted");
     assert!(!lock.exists(), "released on Ctrl-C");
+}
+
+/// Starts a meta sweep of `recipe()` into `dir` whose trial run number
+/// `hang` hangs, its output discarded.
+fn hanging_sweep(dir: &Path, hang: usize, extra: &[&str]) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args(["sweep", recipe(), "--out", dir.to_str().unwrap()])
+        .args(["--device", "meta", "--trial-timeout", "60", "--test-fault"])
+        .arg(format!("{hang}:hang"))
+        .args(extra)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// The pids whose parent is `pid` (from /proc), and live: not zombies.
+fn children_of(pid: u32) -> Vec<u32> {
+    let mut kids = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(p) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid ...: the comm may hold spaces and parentheses.
+        let rest = &stat[stat.rfind(')').unwrap() + 2..];
+        let mut f = rest.split(' ');
+        let (state, ppid) = (f.next().unwrap(), f.next().unwrap());
+        if ppid == pid.to_string() && state != "Z" {
+            kids.push(p);
+        }
+    }
+    kids
+}
+
+/// Whether `pid` runs (a zombie waiting for a reaper does not).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| !s[s.rfind(')').unwrap() + 2..].starts_with('Z'))
+}
+
+/// Polls `f` every 20 ms for up to `secs` seconds.
+fn wait_for<T>(secs: u64, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(t) = f() {
+            return Some(t);
+        }
+        if start.elapsed().as_secs() >= secs {
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Issue 26: Ctrl-C in the middle of a round (here the exhaustive sweep's
+/// first group, one round of five trials) dropped the trials the round had
+/// finished from report.json, though trials.jsonl held them.
+#[test]
+fn an_interrupted_report_holds_every_journaled_trial() {
+    let _one = serial();
+    let dir = out_dir("interrupted-round");
+    let mut child = hanging_sweep(&dir, 2, &["--exhaustive"]);
+    let pid = child.id();
+    // Two trials journaled, the third (hung) running.
+    wait_for(30, || {
+        let n = std::fs::read_to_string(dir.join("trials.jsonl")).map_or(0, |s| s.lines().count());
+        (n == 2 && !children_of(pid).is_empty()).then_some(())
+    })
+    .expect("two trials journaled and the third running");
+    let sent = Command::new("kill")
+        .args(["-INT", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    assert_eq!(child.wait().unwrap().code(), Some(130));
+    let journaled = ids_in_journal(&dir);
+    assert_eq!(journaled.len(), 2, "{journaled:?}");
+    let r: SweepReport =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap();
+    assert!(r.interrupted);
+    let reported: Vec<&str> = r.trials.iter().map(|t| t.id.as_str()).collect();
+    for id in &journaled {
+        assert!(reported.contains(&id.as_str()), "{id} not in {reported:?}");
+    }
+}
+
+/// Issue 26: kill -9, SIGTERM or SIGHUP of the sweep left its `memfit
+/// trial` running, reparented to init. SIGTERM and SIGHUP now stop the
+/// sweep as Ctrl-C does (reports written, exit 128 + the signal), and a
+/// sweep killed outright takes its trial along (PR_SET_PDEATHSIG).
+#[test]
+fn no_trial_outlives_its_sweep() {
+    let _one = serial();
+    for (sig, code) in [("TERM", Some(143)), ("HUP", Some(129)), ("KILL", None)] {
+        let dir = out_dir(&format!("signal-{sig}"));
+        let mut child = hanging_sweep(&dir, 0, &[]);
+        let pid = child.id();
+        let trial = wait_for(30, || children_of(pid).first().copied())
+            .unwrap_or_else(|| panic!("SIG{sig}: no trial process started"));
+        // Past the set-up: the handlers are in place before the first trial.
+        let sent = Command::new("kill")
+            .args([&format!("-{sig}"), &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+        let status = child.wait().unwrap();
+        assert_eq!(status.code(), code, "SIG{sig}: {status:?}");
+        assert!(
+            wait_for(10, || (!alive(trial)).then_some(())).is_some(),
+            "SIG{sig}: trial {trial} outlived its sweep"
+        );
+        assert!(children_of(pid).is_empty(), "SIG{sig}");
+        if code.is_some() {
+            let r: SweepReport =
+                serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap())
+                    .unwrap();
+            assert!(r.interrupted, "SIG{sig}");
+            assert!(
+                !dir.join(".memfit.lock").exists(),
+                "SIG{sig}: lock released"
+            );
+        }
+    }
+}
+
+/// Issue 26: `recommended.yaml` named a model read from a file by its
+/// profile name (`model: small-gpt2`, or `model: config` for a config.json),
+/// so it could not be swept again.
+#[test]
+fn recommended_yaml_names_the_model_file_it_was_swept_with() {
+    let _one = serial();
+    let root = out_dir("model-file");
+    let recipes = root.join("recipes");
+    std::fs::create_dir_all(recipes.join("models")).unwrap();
+    let tiny = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/profiles/models/gpt2-tiny.yaml"
+    );
+    let profile = std::fs::read_to_string(tiny)
+        .unwrap()
+        .replace("name: gpt2-tiny", "name: small-gpt2");
+    std::fs::write(recipes.join("models/small.yaml"), profile).unwrap();
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf/gpt2.json");
+    std::fs::copy(config, recipes.join("config.json")).unwrap();
+    for (model, want) in [
+        ("models/small.yaml", "model: ../recipes/models/small.yaml\n"),
+        ("config.json", "model: ../recipes/config.json\n"),
+    ] {
+        let recipe = recipes.join("r.yaml");
+        std::fs::write(
+            &recipe,
+            format!(
+                "model: {model}\nhardware: t4\ndevice: meta\nseq_len: 64\nglobal_batch: 4\n\
+                 grid:\n  micro_batch: [1, 2]\n  precision: [bf16]\n"
+            ),
+        )
+        .unwrap();
+        let out = root.join("out");
+        let _ = std::fs::remove_dir_all(&out);
+        let o = memfit(&[
+            "sweep",
+            recipe.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{model}: {}", err(&o));
+        let pinned = std::fs::read_to_string(out.join("recommended.yaml")).unwrap();
+        assert!(pinned.contains(want), "{model}: {pinned}");
+        // Swept again, from another directory: it finds the same file.
+        let again = root.join("again");
+        let _ = std::fs::remove_dir_all(&again);
+        let o = Command::new(env!("CARGO_BIN_EXE_memfit"))
+            .args(["sweep", "out/recommended.yaml", "--out", "again"])
+            .current_dir(&root)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{model}: {}", err(&o));
+    }
 }
 
 #[test]

@@ -61,6 +61,34 @@ use crate::error::{Error, Result};
 pub const TIMEOUT_ENV: &str = "MEMFIT_DIST_TIMEOUT";
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// The job's shared secret: `memfit launch` hands its ranks a random one
+/// (or the one in its own environment, which every node of a multi-node
+/// job must share). When set, rank 0 and every rank's listener drop a
+/// connection whose hello does not carry it, naming its address.
+pub const TOKEN_ENV: &str = "MEMFIT_LAUNCH_TOKEN";
+
+/// How long a new connection has to say hello before it is dropped.
+pub const HELLO_WAIT: Duration = Duration::from_secs(3);
+
+/// This process's launch token, if it was given one.
+fn launch_token() -> Option<String> {
+    std::env::var(TOKEN_ENV).ok().filter(|t| !t.is_empty())
+}
+
+/// Why a hello cannot join this job: its token is not ours (`None`: it may).
+fn token_refused(mine: Option<&str>, theirs: &[u8]) -> Option<&'static str> {
+    let mine = mine?;
+    // Compared in full whatever differs first, so the time taken tells
+    // nothing about the secret.
+    let same = mine.len() == theirs.len()
+        && mine.bytes().zip(theirs).fold(0u8, |d, (a, b)| d | (a ^ b)) == 0;
+    match (same, theirs.is_empty()) {
+        (true, _) => None,
+        (false, true) => Some("it presented no launch token"),
+        (false, false) => Some("it presented another job's launch token"),
+    }
+}
+
 /// The port rank 0 listens on, when it must not be `MASTER_PORT`.
 pub const PORT_ENV: &str = "MEMFIT_MASTER_PORT";
 
@@ -362,18 +390,26 @@ fn read_frame_by(s: &mut TcpStream, deadline: Instant) -> io::Result<(u8, u32, V
     read_frame(s, &|| Instant::now() < deadline)
 }
 
-fn hello(rank: usize, world: usize, port: u16) -> Vec<u8> {
+/// A hello: magic, version, rank, world, listening port, then the launch
+/// token (the rest of the payload; empty without one).
+fn hello(rank: usize, world: usize, port: u16, token: Option<&str>) -> Vec<u8> {
     let mut v = MAGIC.to_vec();
     v.extend_from_slice(&VERSION.to_le_bytes());
     v.extend_from_slice(&(rank as u32).to_le_bytes());
     v.extend_from_slice(&(world as u32).to_le_bytes());
     v.extend_from_slice(&port.to_le_bytes());
+    v.extend_from_slice(token.unwrap_or_default().as_bytes());
     v
 }
 
-/// `(rank, world, port)` from a hello, or why it is not one.
-fn parse_hello(kind: u8, p: &[u8]) -> std::result::Result<(usize, usize, u16), String> {
-    if kind != HELLO || p.len() != 22 || &p[..8] != MAGIC {
+/// `(rank, world, port)` from a hello whose token is `mine` (if this
+/// process has one), or why it is not one.
+fn parse_hello(
+    kind: u8,
+    p: &[u8],
+    mine: Option<&str>,
+) -> std::result::Result<(usize, usize, u16), String> {
+    if kind != HELLO || p.len() < 22 || &p[..8] != MAGIC {
         return Err("not a memfit rank".into());
     }
     let u32_at = |i: usize| u32::from_le_bytes(p[i..i + 4].try_into().expect("4 bytes"));
@@ -382,6 +418,9 @@ fn parse_hello(kind: u8, p: &[u8]) -> std::result::Result<(usize, usize, u16), S
             "a memfit rank speaking protocol version {} (this is {VERSION}): run the same memfit binary on every rank",
             u32_at(8)
         ));
+    }
+    if let Some(why) = token_refused(mine, &p[22..]) {
+        return Err(format!("{why} ({TOKEN_ENV})"));
     }
     let port = u16::from_le_bytes(p[20..22].try_into().expect("2 bytes"));
     Ok((u32_at(12) as usize, u32_at(16) as usize, port))
@@ -514,7 +553,10 @@ impl ProcessGroup {
         Self::connect_with(env, listener, blob)
     }
 
-    /// Rank 0's listener: `MASTER_PORT` on every interface of this host.
+    /// Rank 0's listener: `MASTER_PORT` on every interface of this host,
+    /// or on loopback only when every rank runs on this host and reaches
+    /// it at a loopback `MASTER_ADDR` (`memfit launch` on one node): then
+    /// nothing outside the host can connect at all.
     ///
     /// torch's TCPStore (c10d `SocketListenOp`) listens the same way: on
     /// the wildcard address (`getaddrinfo(NULL, port, AI_PASSIVE)`), IPv6
@@ -525,7 +567,11 @@ impl ProcessGroup {
     /// the other ranks connect to `MASTER_ADDR`.
     pub fn listen(env: &DistEnv) -> Result<TcpListener> {
         let mut last = None;
-        for a in wildcard(env.master_port) {
+        let local = Self::master_addrs(env)
+            .ok()
+            .filter(|a| env.local_world >= env.world && a.iter().all(|a| a.ip().is_loopback()));
+        let addrs = local.unwrap_or_else(|| wildcard(env.master_port).to_vec());
+        for a in addrs {
             match TcpListener::bind(a) {
                 Ok(l) => return Ok(l),
                 Err(e) => last = Some(e),
@@ -595,6 +641,7 @@ impl ProcessGroup {
             ))
         };
         l.set_nonblocking(true).map_err(io)?;
+        let token = launch_token();
         let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
         let mut addrs: Vec<Option<SocketAddr>> = vec![None; world];
         let mut joined = 1;
@@ -609,16 +656,20 @@ impl ProcessGroup {
                 )));
             };
             // A connection that does not say hello in time is not a rank.
-            let hello_by = (Instant::now() + Duration::from_secs(10)).min(deadline);
+            let peer = s.peer_addr().map_err(io)?;
+            let hello_by = (Instant::now() + HELLO_WAIT).min(deadline);
             let Ok((kind, _, p)) = read_frame_by(&mut s, hello_by) else {
+                eprintln!(
+                    "memfit: rank 0: dropped a connection from {peer} to MASTER_PORT: it sent no hello within {} s",
+                    HELLO_WAIT.as_secs()
+                );
                 continue;
             };
-            let peer = s.peer_addr().map_err(io)?;
-            let (r, w, port) = match parse_hello(kind, &p) {
+            let (r, w, port) = match parse_hello(kind, &p, token.as_deref()) {
                 Ok(h) => h,
                 Err(why) => {
                     eprintln!(
-                        "memfit: rank 0: ignoring a connection from {peer} to MASTER_PORT: {why}"
+                        "memfit: rank 0: dropped a connection from {peer} to MASTER_PORT: {why}"
                     );
                     continue;
                 }
@@ -676,6 +727,7 @@ impl ProcessGroup {
         deadline: Instant,
     ) -> Result<(Vec<Option<TcpStream>>, Vec<u8>)> {
         let (rank, world) = (env.rank, env.world);
+        let token = launch_token();
         let master = Self::master_addrs(env)?;
         let mut root = match connect_until(&master, deadline) {
             Ok(s) => s,
@@ -707,8 +759,13 @@ impl ProcessGroup {
             .port();
         root.set_write_timeout(Some(env.timeout))
             .map_err(|e| io("configuring the connection", e))?;
-        write_frame(&mut root, HELLO, 0, &hello(rank, world, port))
-            .map_err(|e| io("greeting rank 0", e))?;
+        write_frame(
+            &mut root,
+            HELLO,
+            0,
+            &hello(rank, world, port, token.as_deref()),
+        )
+        .map_err(|e| io("greeting rank 0", e))?;
         let (kind, _, p) = read_frame_by(&mut root, deadline).map_err(|e| {
             let e = if e.kind() == ErrorKind::TimedOut {
                 format!(
@@ -748,8 +805,13 @@ impl ProcessGroup {
                 .map_err(|e| io(&format!("connecting to rank {r} at {addr}"), e))?;
             s.set_write_timeout(Some(env.timeout))
                 .map_err(|e| io("configuring a connection", e))?;
-            write_frame(&mut s, HELLO, 0, &hello(rank, world, port))
-                .map_err(|e| io(&format!("greeting rank {r}"), e))?;
+            write_frame(
+                &mut s,
+                HELLO,
+                0,
+                &hello(rank, world, port, token.as_deref()),
+            )
+            .map_err(|e| io(&format!("greeting rank {r}"), e))?;
             streams[r] = Some(s);
         }
         mine.set_nonblocking(true)
@@ -763,14 +825,26 @@ impl ProcessGroup {
                     env.timeout.as_secs_f64()
                 )));
             };
-            let Ok((kind, _, p)) = read_frame_by(&mut s, deadline) else {
+            let peer = s
+                .peer_addr()
+                .map_or_else(|_| "an unknown address".into(), |a| a.to_string());
+            let hello_by = (Instant::now() + HELLO_WAIT).min(deadline);
+            let Ok((kind, _, p)) = read_frame_by(&mut s, hello_by) else {
+                eprintln!(
+                    "memfit: rank {rank}: dropped a connection from {peer}: it sent no hello within {} s",
+                    HELLO_WAIT.as_secs()
+                );
                 continue;
             };
-            match parse_hello(kind, &p) {
+            match parse_hello(kind, &p, token.as_deref()) {
                 Ok((r, w, _)) if w == world && r > rank && r < world && streams[r].is_none() => {
                     streams[r] = Some(s);
                 }
-                _ => continue,
+                Ok(_) => continue,
+                Err(why) => {
+                    eprintln!("memfit: rank {rank}: dropped a connection from {peer}: {why}");
+                    continue;
+                }
             }
         }
         Ok((streams, blob))
@@ -1816,9 +1890,17 @@ mod tests {
     }
 
     #[test]
-    fn rank_0_listens_on_every_interface() {
-        // Port 0: any free one.
+    fn rank_0_listens_on_every_interface_when_ranks_are_on_other_hosts() {
+        // Every rank on this host, at a loopback MASTER_ADDR: loopback only.
         let l = ProcessGroup::listen(&env(0, 2, 0)).unwrap();
+        assert!(l.local_addr().unwrap().ip().is_loopback());
+        drop(l);
+        // Ranks elsewhere (one of two on this host). Port 0: any free one.
+        let l = ProcessGroup::listen(&DistEnv {
+            local_world: 1,
+            ..env(0, 2, 0)
+        })
+        .unwrap();
         let at = l.local_addr().unwrap();
         assert!(at.ip().is_unspecified(), "{at}");
         // Reached at an address of this host, not only the one named.

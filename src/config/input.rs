@@ -1,7 +1,10 @@
 //! Reading what users hand memfit (profiles, recipes, config.json) within
 //! bounds: regular files only, at most [`MAX_INPUT_BYTES`], a UTF-8 byte
 //! order mark dropped, and YAML nesting capped before the parser sees it.
-//! A `/dev/zero` or a FIFO is refused instead of read forever.
+//! A `/dev/zero` or a FIFO is refused instead of read forever; training
+//! text and sweep reports are read the same way ([`read_bounded`]), with a
+//! larger bound, and a FIFO is written only when a reader is waiting
+//! ([`create_output`]).
 
 use std::io::Read;
 use std::path::Path;
@@ -18,8 +21,16 @@ pub const MAX_INPUT_BYTES: u64 = 4 << 20;
 /// depth is checked before the text reaches it.
 pub const MAX_YAML_DEPTH: usize = 64;
 
-/// Reads a text file of at most [`MAX_INPUT_BYTES`], without its byte order mark.
-pub fn read_text(path: &Path) -> Result<String> {
+/// The most memfit reads as training text (`--data`, all files together)
+/// or as one sweep report (`memfit check`): a report of the largest grid is
+/// a few hundred MiB, and text is held in memory whole.
+pub const MAX_DATA_BYTES: u64 = 1 << 30;
+
+/// Reads a regular file of at most `max` bytes. `what` names what memfit
+/// reads from such files ("sweep reports"), for the errors: a device, a
+/// FIFO or a directory is refused before it is opened, since `/dev/zero`
+/// never ends and opening a FIFO waits for a writer.
+pub fn read_bounded(path: &Path, max: u64, what: &str) -> Result<Vec<u8>> {
     let io = |source: std::io::Error| Error::Io {
         path: path.to_path_buf(),
         source,
@@ -29,28 +40,32 @@ pub fn read_text(path: &Path) -> Result<String> {
     let meta = std::fs::metadata(path).map_err(io)?;
     if !meta.is_file() {
         return Err(refuse(format!(
-            "it is not a regular file ({}); memfit reads profiles, recipes and config.json from files",
+            "it is not a regular file ({}); memfit reads {what} from files",
             kind_of(&meta)
         )));
     }
     let too_big = || {
         refuse(format!(
-            "it is larger than {}, the most memfit reads from a profile, recipe or config.json",
-            crate::units::fmt_bytes(MAX_INPUT_BYTES)
+            "it is larger than {}, the most memfit reads as {what}",
+            crate::units::fmt_bytes(max)
         ))
     };
-    if meta.len() > MAX_INPUT_BYTES {
+    if meta.len() > max {
         return Err(too_big());
     }
     let file = std::fs::File::open(path).map_err(io)?;
     let mut bytes = Vec::with_capacity(meta.len() as usize);
     // The file may grow after the stat: read one byte past the cap to tell.
-    file.take(MAX_INPUT_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(io)?;
-    if bytes.len() as u64 > MAX_INPUT_BYTES {
+    file.take(max + 1).read_to_end(&mut bytes).map_err(io)?;
+    if bytes.len() as u64 > max {
         return Err(too_big());
     }
+    Ok(bytes)
+}
+
+/// Reads a text file of at most [`MAX_INPUT_BYTES`], without its byte order mark.
+pub fn read_text(path: &Path) -> Result<String> {
+    let bytes = read_bounded(path, MAX_INPUT_BYTES, "profiles, recipes and config.json")?;
     match String::from_utf8(bytes) {
         Ok(text) => Ok(strip_bom(&text).to_string()),
         Err(e) => {
@@ -64,6 +79,59 @@ pub fn read_text(path: &Path) -> Result<String> {
             })
         }
     }
+}
+
+/// Creates (or truncates) a file memfit writes, such as `--timeline`. A
+/// FIFO is opened only when a process reads it: opening one without a
+/// reader would wait forever, so then it is an error instead. Devices
+/// (`/dev/null`, `/dev/stdout`) are written as asked.
+pub fn create_output(path: &Path) -> Result<std::fs::File> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let write = |source: std::io::Error| Error::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    if std::fs::metadata(path).is_ok_and(|m| m.file_type().is_fifo()) {
+        const O_NONBLOCK: i32 = 0o4000;
+        const ENXIO: i32 = 6;
+        // Without a reader, a non-blocking open for writing fails (ENXIO).
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(O_NONBLOCK)
+            .open(path)
+        {
+            Err(e) if e.raw_os_error() == Some(ENXIO) => {
+                return Err(write(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "it is a FIFO that no process is reading; start the reader first, or name a regular file",
+                )));
+            }
+            Err(e) => return Err(write(e)),
+            // A reader is there: keep this very descriptor (closing it
+            // would hand the reader an end of file) and make its writes
+            // blocking, as a regular file's are.
+            Ok(file) => {
+                use std::os::fd::AsRawFd;
+                unsafe extern "C" {
+                    fn fcntl(fd: i32, cmd: i32, ...) -> i32;
+                }
+                const F_GETFL: i32 = 3;
+                const F_SETFL: i32 = 4;
+                let fd = file.as_raw_fd();
+                // SAFETY: fcntl(2) on a descriptor this function owns;
+                // F_GETFL/F_SETFL read and set its status flags only.
+                let ok = unsafe {
+                    let flags = fcntl(fd, F_GETFL);
+                    flags >= 0 && fcntl(fd, F_SETFL, flags & !O_NONBLOCK) == 0
+                };
+                if !ok {
+                    return Err(write(std::io::Error::last_os_error()));
+                }
+                return Ok(file);
+            }
+        }
+    }
+    std::fs::File::create(path).map_err(write)
 }
 
 fn kind_of(meta: &std::fs::Metadata) -> &'static str {
@@ -97,6 +165,9 @@ pub fn strip_bom(text: &str) -> &str {
 /// This follows libyaml's tokens far enough to know where a node starts:
 /// only there do a quote and, outside a flow collection, a bracket open
 /// something; elsewhere they are part of a plain scalar.
+///
+/// It also refuses YAML tags (`!!str 64`), which no memfit file needs and
+/// which serde would otherwise read past.
 pub fn check_yaml_depth(text: &str, location: &str) -> Result<()> {
     let mut flow = 0usize;
     // Inside a quoted scalar, and which quote ends it.
@@ -170,8 +241,17 @@ pub fn check_yaml_depth(text: &str, location: &str) -> Result<()> {
                     quote = Some(c);
                     in_plain = false;
                 }
-                // An anchor or a tag: the node starts after it.
-                '&' | '!' if node_start => {
+                // A tag (`!!str 64`) would make a number key's value a
+                // string that serde still reads as the number: memfit's
+                // values take their type from their key, so none is used.
+                '!' if node_start => {
+                    return Err(Error::Config {
+                        location: format!("{location}:{}:{col}", n + 1),
+                        message: "a YAML tag (such as `!!str`): memfit's files use none, each value's type comes from its key; remove the tag".into(),
+                    });
+                }
+                // An anchor: the node starts after it.
+                '&' if node_start => {
                     while let Some(&c) = chars.peek() {
                         if c == ' ' || c == '\t' || (flow > 0 && ",[]{}".contains(c)) {
                             break;

@@ -53,6 +53,10 @@ pub const HOST_LINK_EFFICIENCY: f64 = 0.8;
 /// DMA set-up, about 10 us.
 pub const HOST_LINK_LATENCY_S: f64 = 10e-6;
 
+/// The most tokens one optimizer step may take (`memfit run` refuses more
+/// too): beyond it a step's time and price overflow what a report can carry.
+pub const MAX_TOKENS_PER_STEP: u128 = 1 << 50;
+
 /// A planning recipe (recipes/*.yaml).
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -768,6 +772,19 @@ fn check_recipe(
             "global_batch",
             None,
             "`global_batch` must be at least 1".into(),
+        ));
+    }
+    // `memfit run`'s bound on the tokens of one optimizer step: past it, a
+    // step's time and price are not numbers a report can carry.
+    if r.global_batch as u128 * r.seq_len as u128 > MAX_TOKENS_PER_STEP {
+        return Err(err(
+            "global_batch",
+            None,
+            format!(
+                "`global_batch` {} x `seq_len` {} is more than 2^50 tokens per optimizer step, \
+                 which no training run takes; use a smaller global batch",
+                r.global_batch, r.seq_len
+            ),
         ));
     }
     if !(0.0..1.0).contains(&r.headroom) {
@@ -1536,24 +1553,33 @@ pub fn usd(x: f64) -> String {
 
 fn reasons(preds: &[Prediction], ranking: &[usize], r: &PlanRecipe) -> Vec<String> {
     let best = &preds[ranking[0]];
-    let gib = |b: i64| b as f64 / (1u64 << 30) as f64;
+    // In the unit that fits: a 24 MiB device is not "0.0 GiB of 0.0 GiB".
+    let bytes = |b: i64| crate::units::fmt_bytes(b.unsigned_abs());
     let mut v = vec![format!(
-        "cheapest fitting point: ${} per million tokens at {:.0} tokens/s on {} GPU(s), {:.1} GiB of {:.1} GiB usable per GPU ({:.1} GiB to spare)",
+        "cheapest fitting point: ${} per million tokens at {:.0} tokens/s on {} GPU(s), {} of {} usable per GPU ({} to spare)",
         usd(best.usd_per_mtok),
         best.tokens_per_s,
         best.point.gpus,
-        gib(best.total_bytes as i64),
-        gib(best.usable_bytes as i64),
-        gib(best.margin_bytes)
+        bytes(best.total_bytes as i64),
+        bytes(best.usable_bytes as i64),
+        bytes(best.margin_bytes)
     )];
     if let Some(&j) = ranking.get(1) {
         let ru = &preds[j];
-        v.push(format!(
-            "beats the runner-up ({}) by {:.1}%: ${} per million tokens",
-            ru.point.label(),
-            (ru.usd_per_mtok / best.usd_per_mtok - 1.0) * 100.0,
-            usd(ru.usd_per_mtok)
-        ));
+        let by = (ru.usd_per_mtok / best.usd_per_mtok - 1.0) * 100.0;
+        v.push(if !by.is_finite() {
+            format!(
+                "runner-up: {} at ${} per million tokens",
+                ru.point.label(),
+                usd(ru.usd_per_mtok)
+            )
+        } else {
+            format!(
+                "beats the runner-up ({}) by {by:.1}%: ${} per million tokens",
+                ru.point.label(),
+                usd(ru.usd_per_mtok)
+            )
+        });
     }
     // The cheapest point that was not allowed, and why.
     let cheaper_misfit = preds
@@ -1562,11 +1588,11 @@ fn reasons(preds: &[Prediction], ranking: &[usize], r: &PlanRecipe) -> Vec<Strin
         .min_by(|a, b| a.usd_per_mtok.total_cmp(&b.usd_per_mtok));
     if let Some(m) = cheaper_misfit {
         v.push(format!(
-            "cheaper but out of memory: {} would cost ${} per million tokens but needs {:.1} GiB per GPU, {:.1} GiB over",
+            "cheaper but out of memory: {} would cost ${} per million tokens but needs {} per GPU, {} over",
             m.point.label(),
             usd(m.usd_per_mtok),
-            gib(m.total_bytes as i64),
-            gib(-m.margin_bytes)
+            bytes(m.total_bytes as i64),
+            bytes(-m.margin_bytes)
         ));
     }
     if let Some(x) = preds

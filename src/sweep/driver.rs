@@ -47,6 +47,9 @@ pub struct SweepOptions {
     pub rerun: Vec<usize>,
     /// Where trials run: child processes here, or a Slurm job array.
     pub executor: Executor,
+    /// Take over `--out`'s lock even when it names a live-looking sweep
+    /// on another host (`--break-lock`).
+    pub break_lock: bool,
 }
 
 /// Where a sweep's trials run. Both record, journal and classify a trial
@@ -298,6 +301,14 @@ pub struct Prepared {
     pub report: SweepReport,
 }
 
+/// A recipe's model or hardware spec as an absolute path, when it names a
+/// file rather than a built-in profile.
+fn file_of(spec: &str) -> Option<String> {
+    crate::config::profile::looks_like_path(spec).then(|| {
+        std::path::absolute(spec).map_or_else(|_| spec.to_string(), |p| p.display().to_string())
+    })
+}
+
 /// Loads the recipe, settles the run device (calibrating the host's
 /// roofline on cpu, cached) and plans the grid twice: on the run device,
 /// which trials are compared with, and on the target GPU.
@@ -455,7 +466,9 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
         memfit_version: env!("CARGO_PKG_VERSION").into(),
         recipe: opts.recipe.display().to_string(),
         model: model.name.clone(),
+        model_file: file_of(&recipe.model),
         hardware: hw.name.clone(),
+        hardware_file: file_of(&recipe.hardware),
         device: trial_device.to_string(),
         run_device: run_device(
             &device,
@@ -545,7 +558,7 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
     } else {
         "memfit sweep"
     };
-    let (_lock, note) = OutLock::take(&opts.out, command)?;
+    let (_lock, note) = OutLock::take_or_break(&opts.out, command, opts.break_lock)?;
     if let Some(note) = note
         && opts.hooks.is_none()
     {
@@ -587,9 +600,9 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         None => {
             let stop = Arc::new(AtomicBool::new(false));
             let flag = stop.clone();
-            // Only one handler per process can be installed: a second sweep
-            // in the same process (library use) does not get Ctrl-C.
-            let _ = ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst));
+            // Ctrl-C, a scheduler's SIGTERM and a lost terminal's SIGHUP all
+            // stop the sweep the same way: reports written, trial killed.
+            crate::signals::on_stop(flag);
             stop
         }
     };
@@ -693,11 +706,14 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         if batch.is_empty() {
             break;
         }
-        let Some(done) = ctx.round(&batch, preds)? else {
-            break;
-        };
+        // A round stopped part-way still keeps the trials it finished: they
+        // are journaled, so the report must hold them too.
+        let (done, stopped) = ctx.round(&batch, preds)?;
         for (i, r) in done {
             records[i] = Some(r);
+        }
+        if stopped {
+            break;
         }
     }
     // Re-runs asked for points the selection did not visit this time.
@@ -981,12 +997,27 @@ pub const LOCK_FILE: &str = ".memfit.lock";
 /// locked with `flock` (so the kernel releases it however the process ends)
 /// and naming its holder for the error a second sweep gets. Dropping it
 /// removes the file and releases the lock.
+///
+/// On a filesystem several hosts share (which the Slurm executor needs),
+/// `flock` may not reach across them, and a pid means nothing on another
+/// host; so the holder renews the file's modification time every
+/// [`LOCK_RENEW`] as its lease, and a lock naming another host is taken
+/// over only once the lease is [`LOCK_LEASE`] old, or with `--break-lock`.
 #[derive(Debug)]
 pub struct OutLock {
     path: PathBuf,
     // Held open: closing it releases the lock.
     _file: std::fs::File,
+    /// Stops the lease's renewal thread.
+    renew: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
 }
+
+/// How often a sweep renews its lock's lease (the file's mtime).
+pub const LOCK_RENEW: Duration = Duration::from_secs(60);
+/// How old a lease naming another host must be before a sweep takes the
+/// lock over without `--break-lock`: five renewals, which leaves room for
+/// clocks that differ between hosts.
+pub const LOCK_LEASE: Duration = Duration::from_secs(300);
 
 /// Who holds a lock, as its file says.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -1018,6 +1049,17 @@ impl OutLock {
     /// file left by a process that no longer holds it (killed, or on a
     /// machine that went down) is taken over; the note says so.
     pub fn take(dir: &Path, command: &str) -> Result<(OutLock, Option<String>)> {
+        Self::take_or_break(dir, command, false)
+    }
+
+    /// [`OutLock::take`]; with `break_lock`, a lock whose lease another
+    /// host renewed recently is taken over too (the user says that host's
+    /// sweep is gone).
+    pub fn take_or_break(
+        dir: &Path,
+        command: &str,
+        break_lock: bool,
+    ) -> Result<(OutLock, Option<String>)> {
         use std::fs::TryLockError;
         use std::os::unix::fs::MetadataExt;
         let path = dir.join(LOCK_FILE);
@@ -1044,13 +1086,39 @@ impl OutLock {
                 // No flock here (some network filesystems): trust a live pid.
                 Err(TryLockError::Error(_)) => {
                     if let Some(h) = &previous
-                        && (h.host != hostname() || pid_alive(h.pid))
+                        && h.host == hostname()
+                        && pid_alive(h.pid)
                     {
                         return Err(Error::invalid_arg("--out", in_use(dir, Some(h))));
                     }
                     false
                 }
             };
+            // Another host's sweep: our flock proves nothing (it may not
+            // reach across hosts), its pid is not ours to check; its lease is.
+            let mut lapsed = None;
+            if let Some(h) = previous.as_ref().filter(|h| h.host != hostname()) {
+                let age = file
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .unwrap_or_default();
+                if age < LOCK_LEASE && !break_lock {
+                    return Err(Error::invalid_arg(
+                        "--out",
+                        format!(
+                            "{} is in use by {}, whose lease on it was renewed {} s ago (a running sweep renews it every {} s; it lapses after {} s). Wait for that sweep, choose another --out, or pass --break-lock if it is gone (its host went down)",
+                            dir.display(),
+                            h.describe(),
+                            age.as_secs(),
+                            LOCK_RENEW.as_secs(),
+                            LOCK_LEASE.as_secs()
+                        ),
+                    ));
+                }
+                lapsed = Some(age);
+            }
             let same = match (file.metadata(), std::fs::metadata(&path)) {
                 (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
                 _ => false,
@@ -1063,10 +1131,18 @@ impl OutLock {
                     "{} was left by {}, which {}; taking it over",
                     path.display(),
                     h.describe(),
-                    if h.host == hostname() && pid_alive(h.pid) {
-                        "no longer holds it"
-                    } else {
-                        "is no longer running"
+                    match lapsed {
+                        Some(age) if age >= LOCK_LEASE => format!(
+                            "last renewed its lease {} s ago (it lapses after {} s)",
+                            age.as_secs(),
+                            LOCK_LEASE.as_secs()
+                        ),
+                        Some(age) => format!(
+                            "renewed its lease {} s ago, but --break-lock says it is gone",
+                            age.as_secs()
+                        ),
+                        None if pid_alive(h.pid) => "no longer holds it".into(),
+                        None => "is no longer running".into(),
                     }
                 )
             });
@@ -1083,7 +1159,32 @@ impl OutLock {
             std::io::Seek::rewind(&mut file).map_err(io)?;
             file.write_all(text.as_bytes()).map_err(io)?;
             file.sync_data().map_err(io)?;
-            return Ok((OutLock { path, _file: file }, note));
+            let renew = file.try_clone().ok().and_then(|f| {
+                let stop = Arc::new(AtomicBool::new(false));
+                let flag = stop.clone();
+                std::thread::Builder::new()
+                    .name("memfit-lock-lease".into())
+                    .spawn(move || {
+                        let mut last = Instant::now();
+                        while !flag.load(Ordering::SeqCst) {
+                            std::thread::sleep(Duration::from_millis(100));
+                            if last.elapsed() >= LOCK_RENEW {
+                                let _ = f.set_modified(std::time::SystemTime::now());
+                                last = Instant::now();
+                            }
+                        }
+                    })
+                    .ok()
+                    .map(|t| (stop, t))
+            });
+            return Ok((
+                OutLock {
+                    path,
+                    _file: file,
+                    renew,
+                },
+                note,
+            ));
         }
         Err(Error::invalid_arg(
             "--out",
@@ -1097,6 +1198,10 @@ impl OutLock {
 
 impl Drop for OutLock {
     fn drop(&mut self) {
+        if let Some((stop, thread)) = self.renew.take() {
+            stop.store(true, Ordering::SeqCst);
+            let _ = thread.join();
+        }
         let _ = std::fs::remove_file(&self.path);
     }
 }
@@ -1221,28 +1326,29 @@ impl Ctx<'_> {
     /// One round's trials, by the executor: with the local one, each in
     /// turn in a child process; with Slurm, as one job array. Each record
     /// comes from the journal under `--resume`, else is measured now (and
-    /// journaled as it ends). `None` when the sweep was interrupted.
+    /// journaled as it ends), with whether the sweep was interrupted: the
+    /// trials the round finished before that are returned all the same.
     fn round(
         &mut self,
         batch: &[usize],
         preds: &[Prediction],
-    ) -> Result<Option<Vec<(usize, TrialRecord)>>> {
+    ) -> Result<(Vec<(usize, TrialRecord)>, bool)> {
         let opts = self.opts;
         let mut done = Vec::new();
         let Executor::Slurm(slurm) = &opts.executor else {
             for &i in batch {
                 let Some(r) = self.trial(i, &preds[i])? else {
-                    return Ok(None);
+                    return Ok((done, true));
                 };
                 done.push((i, r));
             }
-            return Ok(Some(done));
+            return Ok((done, false));
         };
         let mut tasks = Vec::new();
         for &i in batch {
             match self.begin(i, &preds[i]) {
                 Begin::Journaled(r) => done.push((i, *r)),
-                Begin::Stopped => return Ok(None),
+                Begin::Stopped => return Ok((done, true)),
                 Begin::Run(spec) => tasks.push(super::slurm::Task {
                     index: i,
                     spec: *spec,
@@ -1250,7 +1356,7 @@ impl Ctx<'_> {
             }
         }
         if tasks.is_empty() {
-            return Ok(Some(done));
+            return Ok((done, false));
         }
         let stop = self.stop.clone();
         let threads = opts
@@ -1275,7 +1381,8 @@ impl Ctx<'_> {
             done.push((f.index, r));
             Ok(())
         })?;
-        Ok(Some(done))
+        let stopped = self.stop.load(Ordering::SeqCst);
+        Ok((done, stopped))
     }
 
     /// A trial up to where it runs: its journaled record, a stop, or its spec.
@@ -1431,16 +1538,38 @@ impl Ctx<'_> {
         if note.is_some() {
             r.note = note;
         }
-        // Journaled (and flushed to disk) before it is shown.
-        let line = serde_json::to_string(&r).expect("records serialise");
-        let io = |source| Error::Write {
-            path: self.opts.out.join("trials.jsonl"),
-            source,
-        };
-        self.journal
-            .write_all(format!("{line}\n").as_bytes())
-            .map_err(io)?;
-        self.journal.sync_data().map_err(io)?;
+        // Journaled (and flushed to disk) before it is shown: one write of
+        // the whole line, and on failure (a full disk) the file is cut
+        // back to its last whole record, so no torn line remains.
+        let line = serde_json::to_string(&r).expect("records serialise") + "\n";
+        let before = self.journal.metadata().map(|m| m.len());
+        let written = self
+            .journal
+            .write_all(line.as_bytes())
+            .and_then(|()| self.journal.sync_data());
+        if let Err(e) = written {
+            let cut = before.and_then(|len| {
+                self.journal.set_len(len)?;
+                self.journal.sync_data()
+            });
+            let state = match cut {
+                Ok(()) => "the journal is cut back to its last whole record".to_string(),
+                Err(c) => format!(
+                    "cutting the journal back failed too ({c}); --resume drops its torn last line"
+                ),
+            };
+            return Err(Error::Write {
+                path: self.opts.out.join("trials.jsonl"),
+                source: std::io::Error::new(
+                    e.kind(),
+                    format!(
+                        "{e}: trial `{}` ({}) ran but could not be journaled, so its result is lost; {state}, and `--resume` runs it again once the disk has room",
+                        r.id,
+                        p.point.label()
+                    ),
+                ),
+            });
+        }
         self.bar.inc(1);
         self.emit(SweepEvent::TrialFinished {
             index,
@@ -1621,7 +1750,11 @@ fn run_child(
     })?;
     let json = serde_json::to_string(spec).expect("spec serialises");
     use std::os::unix::process::CommandExt;
-    let mut child = Command::new(exe)
+    let mut cmd = Command::new(exe);
+    // A sweep killed outright (kill -9, the OOM killer) runs no handler:
+    // the kernel then kills the trial, which would otherwise run on.
+    crate::signals::die_with_parent(&mut cmd);
+    let mut child = cmd
         .args(["trial", "--spec", &json])
         // Its own process group: the terminal's Ctrl-C reaches the sweep,
         // which kills the trial and does not mistake it for a crash.

@@ -354,10 +354,35 @@ fn yaml_str(s: &str) -> String {
         .unwrap_or_else(|_| py_str(s))
 }
 
+/// A model or hardware file the sweep read, as a recipe in `dir` must name
+/// it: relative to `dir` (a recipe's relative paths resolve against its own
+/// folder), so the output directory and the recipes can move together; as
+/// the report has it when either path cannot be resolved.
+fn file_seen_from(dir: &Path, file: &str) -> String {
+    let (Ok(target), Ok(base)) = (Path::new(file).canonicalize(), dir.canonicalize()) else {
+        return file.to_string();
+    };
+    let (from, to): (Vec<_>, Vec<_>) = (base.components().collect(), target.components().collect());
+    let common = from.iter().zip(&to).take_while(|(a, b)| a == b).count();
+    let mut rel = PathBuf::new();
+    for _ in common..from.len() {
+        rel.push("..");
+    }
+    rel.extend(&to[common..]);
+    // A bare name would read as a built-in profile's.
+    let rel = rel.display().to_string();
+    match crate::config::profile::looks_like_path(&rel) {
+        true => rel,
+        false => format!("./{rel}"),
+    }
+}
+
 /// The recipe pinned to `trial`'s point: the report's model, hardware,
 /// seq_len, global_batch, headroom, price and numerics policy, and a grid of
 /// one-value lists. `memfit plan recommended.yaml` replans exactly that point.
-pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord) -> String {
+/// `dir` is where it is written: a model or hardware file the sweep read
+/// is named from there.
+pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> String {
     let p = &trial.point;
     let mut s = String::new();
     for line in provenance(report, trial) {
@@ -369,8 +394,16 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord) -> String {
             report.recipe.replace(['\n', '\r'], " ")
         ));
     }
-    s.push_str(&format!("model: {}\n", yaml_str(&report.model)));
-    s.push_str(&format!("hardware: {}\n", yaml_str(&report.hardware)));
+    let model = match &report.model_file {
+        Some(f) => file_seen_from(dir, f),
+        None => report.model.clone(),
+    };
+    let hardware = match &report.hardware_file {
+        Some(f) => file_seen_from(dir, f),
+        None => report.hardware.clone(),
+    };
+    s.push_str(&format!("model: {}\n", yaml_str(&model)));
+    s.push_str(&format!("hardware: {}\n", yaml_str(&hardware)));
     s.push_str(&format!("seq_len: {}\n", report.seq_len));
     s.push_str(&format!("global_batch: {}\n", report.global_batch));
     s.push_str("grid:\n");
@@ -529,21 +562,21 @@ pub fn write_exports(report: &SweepReport, dir: &Path) -> Result<Vec<PathBuf>> {
     else {
         return Ok(Vec::new());
     };
+    std::fs::create_dir_all(dir).map_err(|source| Error::Write {
+        path: dir.to_path_buf(),
+        source,
+    })?;
     let mut ds = serde_json::to_string_pretty(&deepspeed_config(report, trial))
         .expect("a JSON value serializes");
     ds.push('\n');
     let mut files = vec![
         ("ds_config.json", ds),
         ("training_args.py", hf_training_args(report, trial)),
-        ("recommended.yaml", pinned_recipe(report, trial)),
+        ("recommended.yaml", pinned_recipe(report, trial, dir)),
     ];
     if let Some(peft) = peft_config(report, trial) {
         files.push(("peft_config.py", peft));
     }
-    std::fs::create_dir_all(dir).map_err(|source| Error::Write {
-        path: dir.to_path_buf(),
-        source,
-    })?;
     let mut written = Vec::new();
     for (file, text) in files {
         let path = dir.join(file);
@@ -622,7 +655,9 @@ mod tests {
             memfit_version: "0.1.0".into(),
             recipe: "recipes/tiny.yaml".into(),
             model: "gpt2-tiny".into(),
+            model_file: None,
             hardware: "t4".into(),
+            hardware_file: None,
             device: "cpu:limit=64MiB".into(),
             capacity_bytes: 64 << 20,
             runtime_overhead_bytes: 0,
@@ -884,7 +919,7 @@ mod tests {
     #[test]
     fn pinned_recipe_round_trips() {
         let (r, t) = zero2_bf16();
-        let yaml = pinned_recipe(&r, &t);
+        let yaml = pinned_recipe(&r, &t, Path::new("."));
         let back: PlanRecipe = serde_yaml_ng::from_str(&yaml).expect(&yaml);
         assert_eq!(back.model, "gpt2-tiny");
         assert_eq!(back.hardware, "t4");
@@ -916,7 +951,7 @@ mod tests {
             ds["zero_optimization"],
             json!({ "stage": 3, "zero_hpz_partition_size": 8 })
         );
-        let yaml = pinned_recipe(&r, &t);
+        let yaml = pinned_recipe(&r, &t, Path::new("."));
         assert!(yaml.contains("  hpz_group: [8]\n"), "{yaml}");
         let back: PlanRecipe = serde_yaml_ng::from_str(&yaml).expect(&yaml);
         assert_eq!(crate::plan::expand(&back), vec![t.point]);
@@ -925,7 +960,7 @@ mod tests {
         assert!(t.point.label().starts_with("hpz8 mb1 x16 zero3"));
         // Off, none of it appears.
         let (r, t) = zero2_bf16();
-        assert!(!pinned_recipe(&r, &t).contains("hpz"));
+        assert!(!pinned_recipe(&r, &t, Path::new(".")).contains("hpz"));
         assert!(!crate::sweep::driver::trial_id(&t.point).contains("hpz"));
     }
 
@@ -935,7 +970,7 @@ mod tests {
         r.model = "models/my: model.yaml".into();
         r.hardware = "yes".into();
         t.point.optimizer = Optimizer::Adamw8bit;
-        let yaml = pinned_recipe(&r, &t);
+        let yaml = pinned_recipe(&r, &t, Path::new("."));
         let back: PlanRecipe = serde_yaml_ng::from_str(&yaml).expect(&yaml);
         assert_eq!(back.model, "models/my: model.yaml");
         assert_eq!(back.hardware, "yes");

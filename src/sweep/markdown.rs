@@ -192,15 +192,39 @@ pub fn pricing_line(report: &SweepReport) -> String {
     }
 }
 
+/// Text from a user's file (a model or hardware name, a note) as Markdown
+/// shows it: no HTML (`<script>` is `&lt;script&gt;`) and no markup
+/// (`*`, `_`, backticks, links, table pipes, headings are literal).
+pub fn md_text(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in no_html(text).chars() {
+        if matches!(c, '\\' | '`' | '*' | '_' | '[' | ']' | '|' | '#' | '~') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// `text` with `&`, `<` and `>` as entities: a line memfit wrote whose
+/// Markdown (code spans) stays, but whose names cannot be HTML.
+fn no_html(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
 pub fn render(report: &SweepReport) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
         "# memfit sweep: {}, run on {}, target {}\n",
-        report.model, report.run_device.kind, report.target.display_name
+        md_text(&report.model),
+        md_text(&report.run_device.kind),
+        md_text(&report.target.display_name)
     );
-    let _ = writeln!(s, "{}\n", devices_line(report));
-    let _ = writeln!(s, "{}\n", pricing_line(report));
+    let _ = writeln!(s, "{}\n", no_html(&devices_line(report)));
+    let _ = writeln!(s, "{}\n", no_html(&pricing_line(report)));
     if let Some(c) = &report.calibration {
         let _ = writeln!(
             s,
@@ -230,7 +254,7 @@ pub fn render(report: &SweepReport) -> String {
             let r = &report.trials[rec.trial];
             let _ = writeln!(s, "**#{} {}**\n", rec.trial, r.point.label());
             for reason in &rec.reasons {
-                let _ = writeln!(s, "- {reason}");
+                let _ = writeln!(s, "- {}", no_html(reason));
             }
             if !report.pareto.is_empty() {
                 let list: Vec<String> = report.pareto.iter().map(|i| format!("#{i}")).collect();
@@ -263,16 +287,16 @@ pub fn render(report: &SweepReport) -> String {
             .join("|")
     );
     for (row, r) in rows(report).iter().zip(&report.trials) {
-        let mut cells: Vec<String> = row.iter().map(|c| c.replace('|', "/")).collect();
+        let mut cells: Vec<String> = row.iter().map(|c| md_text(c)).collect();
         if let Some(n) = r.note.as_ref().filter(|_| r.outcome != Outcome::Invalid) {
-            cells[4] = format!("{} ({})", cells[4], n.replace('|', "/"));
+            cells[4] = format!("{} ({})", cells[4], md_text(n));
         }
         let _ = writeln!(s, "| {} |", cells.join(" | "));
     }
     let _ = writeln!(
         s,
         "\n`*` marks the recommendation and `=` the configurations tied with it. *predicted* and *tracked* are the peak per device (engine plus runtime overhead) from the meta engine and as the trial's tracker measured it; *mem err* is their difference (0% is the meta == cpu invariant). *tokens/s* is the median with half its 95% interval. *time x* is measured / predicted step time on the run device. *on target* is the plan's peak per GPU on {}. *host RSS* is the trial process's resident-set high-water mark: host memory, including the process itself (about {} before the engine allocated), never compared with the device capacity.",
-        report.target.display_name,
+        md_text(&report.target.display_name),
         report
             .trials
             .iter()
@@ -293,8 +317,9 @@ pub fn nvml_section(report: &SweepReport) -> String {
         "
 ## GPU memory: predicted, tracked and NVML
 
-{state}.
-"
+{}.
+",
+        no_html(state)
     );
     let rows: Vec<(usize, &TrialRecord, u64)> = report
         .trials

@@ -230,8 +230,16 @@ pub struct SweepReport {
     pub memfit_version: String,
     pub recipe: String,
     pub model: String,
+    /// The model's file, absolute, when the recipe named a file rather than
+    /// a built-in profile (a profile YAML or a Hugging Face config.json);
+    /// `recommended.yaml` names it relative to its own folder.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_file: Option<String>,
     /// The target GPU's profile name (`target.name`).
     pub hardware: String,
+    /// The hardware profile's file, as `model_file`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hardware_file: Option<String>,
     /// The device the trials ran on, e.g. `cpu:limit=64MiB` (`run_device.spec`).
     pub device: String,
     pub run_device: RunDevice,
@@ -291,7 +299,9 @@ impl SweepReport {
             memfit_version: "0.1.0".into(),
             recipe: "recipes/tiny.yaml".into(),
             model: "tiny-gpt".into(),
+            model_file: None,
             hardware: "t4".into(),
+            hardware_file: None,
             device: "cpu:limit=64MiB".into(),
             run_device: RunDevice {
                 spec: "cpu:limit=64MiB".into(),

@@ -175,6 +175,7 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
         out: opts.out.clone(),
         resume: true,
         exhaustive: false,
+        break_lock: false,
         timing: opts.timing,
         timeout: opts.timeout,
         threads: opts.threads,
