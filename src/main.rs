@@ -21,7 +21,7 @@ fn may_use_cuda(cmd: &Command) -> bool {
     }
     let mentions_cuda = || std::env::args().skip(1).any(|a| a.contains("cuda"));
     match cmd {
-        Command::Doctor(_) | Command::Selftest(_) => true,
+        Command::Selftest(_) => true,
         Command::Run(args) => {
             mentions_cuda()
                 || args
