@@ -602,6 +602,12 @@ pub struct PlanArgs {
     /// Rows the table shows (fitting points cheapest first).
     #[arg(long, default_value_t = 40)]
     pub top: usize,
+    /// Plan again each time the recipe file changes, until Ctrl-C: at a
+    /// terminal the screen is redrawn; otherwise each plan follows the last
+    /// (JSON: one document each). A recipe that does not parse is reported
+    /// and watched until it does.
+    #[arg(long)]
+    pub watch: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -36,6 +36,67 @@ fn may_use_cuda(cmd: &Command) -> bool {
     }
 }
 
+fn render_plan(plan: &memfit::plan::Plan, args: &memfit::cli::PlanArgs) -> String {
+    match args.format {
+        PlanFormat::Json => format!(
+            "{}\n",
+            serde_json::to_string_pretty(plan).expect("plan serialises")
+        ),
+        PlanFormat::Table => memfit::plan::render::table(plan, args.top),
+        PlanFormat::Md => memfit::plan::render::markdown(plan),
+    }
+}
+
+/// `memfit plan --watch`: plans, then plans again whenever the recipe
+/// changes (its modification time or size, polled every 200 ms), until
+/// Ctrl-C, SIGTERM or SIGHUP (exit 128 + the signal) or the file is gone
+/// for good (exit 2).
+fn plan_watch(args: &memfit::cli::PlanArgs) -> i32 {
+    use std::io::{IsTerminal, Write};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = Arc::new(AtomicBool::new(false));
+    memfit::signals::on_stop(stop.clone());
+    let tty = std::io::stdout().is_terminal();
+    let stamp = |p: &std::path::Path| {
+        std::fs::metadata(p)
+            .ok()
+            .map(|m| (m.modified().ok(), m.len()))
+    };
+    let mut seen = None;
+    let mut missing_since: Option<std::time::Instant> = None;
+    while !stop.load(Ordering::SeqCst) {
+        let now = stamp(&args.recipe);
+        if now.is_none() {
+            // An editor may replace the file (write, rename): wait a moment.
+            let since = *missing_since.get_or_insert_with(std::time::Instant::now);
+            if since.elapsed() > std::time::Duration::from_secs(5) {
+                eprintln!("memfit: {}: the recipe is gone", args.recipe.display());
+                return 2;
+            }
+        } else if now != seen {
+            missing_since = None;
+            seen = now;
+            let text = match memfit::plan::plan_file(&args.recipe) {
+                Ok(plan) => render_plan(&plan, args),
+                Err(e) => format!("memfit: {e}\n"),
+            };
+            let mut out = std::io::stdout().lock();
+            if tty {
+                // Clear the screen and home the cursor, then the new plan.
+                let _ = write!(out, "\x1b[2J\x1b[H");
+            }
+            let _ = write!(out, "{text}");
+            if tty {
+                let _ = writeln!(out, "\nwatching {} (Ctrl-C to stop)", args.recipe.display());
+            }
+            let _ = out.flush();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    memfit::signals::stopped_exit_code()
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if may_use_cuda(&cli.command) {
@@ -67,16 +128,10 @@ fn main() -> ExitCode {
                 e.exit_code()
             }
         },
+        Command::Plan(args) if args.watch => plan_watch(&args),
         Command::Plan(args) => match memfit::plan::plan_file(&args.recipe) {
             Ok(plan) => {
-                match args.format {
-                    PlanFormat::Json => println!(
-                        "{}",
-                        serde_json::to_string_pretty(&plan).expect("plan serialises")
-                    ),
-                    PlanFormat::Table => print!("{}", memfit::plan::render::table(&plan, args.top)),
-                    PlanFormat::Md => print!("{}", memfit::plan::render::markdown(&plan)),
-                }
+                print!("{}", render_plan(&plan, &args));
                 0
             }
             Err(e) => {

@@ -351,3 +351,90 @@ fn shipped_plan_recipes_plan_and_recommend() {
     }
     assert!(n >= 4, "{n} plan recipes");
 }
+
+/// `memfit plan --watch`: a plan at start, another each time the recipe
+/// changes (here its global batch, which the second plan must show), a
+/// recipe that stops parsing reported without ending the watch, and
+/// SIGTERM ending it with 143.
+#[test]
+fn plan_watch_replans_when_the_recipe_changes() {
+    use std::io::Read;
+    let dir = common::scratch("plan-watch");
+    let recipe = dir.join("watch.yaml");
+    let text = |batch: u32| {
+        format!(
+            "model: gpt2-tiny\nhardware: t4\nseq_len: 64\nglobal_batch: {batch}\ngrid:\n  micro_batch: [1, 2]\n  precision: [fp32]\n"
+        )
+    };
+    std::fs::write(&recipe, text(8)).unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args(["plan", "--watch", "--format", "json"])
+        .arg(&recipe)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    // Read what the watcher printed so far, on a thread, until it closes.
+    let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 65536];
+        while let Ok(n) = stdout.read(&mut buf) {
+            if n == 0 || tx.send(buf[..n].to_vec()).is_err() {
+                break;
+            }
+        }
+    });
+    // Bytes, decoded whole: a chunk may end inside a UTF-8 character.
+    let mut seen: Vec<u8> = Vec::new();
+    let mut wait_for = |pred: &dyn Fn(&str) -> bool| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !pred(&String::from_utf8_lossy(&seen)) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            assert!(
+                !left.is_zero(),
+                "timed out; the watcher printed:\n{}",
+                String::from_utf8_lossy(&seen)
+            );
+            if let Ok(chunk) = rx.recv_timeout(left) {
+                seen.extend(chunk);
+            }
+        }
+        String::from_utf8_lossy(&seen).into_owned()
+    };
+    // The plans, less the error lines printed between them.
+    let docs = |s: &str| -> Vec<serde_json::Value> {
+        let json: String = s
+            .lines()
+            .filter(|l| !l.starts_with("memfit: "))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        serde_json::Deserializer::from_str(&json)
+            .into_iter::<serde_json::Value>()
+            .filter_map(|d| d.ok())
+            .collect()
+    };
+    wait_for(&|s| docs(s).len() == 1);
+    // A new modification time may not differ within the clock's step:
+    // change the size too.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    std::fs::write(&recipe, text(16)).unwrap();
+    let out = wait_for(&|s| docs(s).len() == 2);
+    let plans = docs(&out);
+    assert_eq!(plans[0]["global_batch"], 8);
+    assert_eq!(plans[1]["global_batch"], 16);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    std::fs::write(&recipe, "model: gpt2-tiny\nseq_len: [\n").unwrap();
+    wait_for(&|s| s.contains("memfit: "));
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    std::fs::write(&recipe, text(32)).unwrap();
+    let out = wait_for(&|s| docs(s).len() == 3);
+    assert_eq!(docs(&out)[2]["global_batch"], 32);
+    // SAFETY: signalling our own child.
+    unsafe extern "C" {
+        fn kill(pid: i32, sig: i32) -> i32;
+    }
+    assert_eq!(unsafe { kill(child.id() as i32, 15) }, 0);
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(143));
+}
