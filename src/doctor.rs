@@ -250,6 +250,16 @@ pub fn diagnose() -> Report {
         missing.push("the CUDA driver reports no GPU".into());
     }
     let mut driver_version = None;
+    if let Some(lib) = libraries.iter_mut().find(|l| l.name == Lib::Nvml.label()) {
+        // The NVML that `watch` and sweeps would load, when named.
+        if let Some(named) =
+            std::env::var_os(crate::telemetry::NVML_LIB_ENV).filter(|v| !v.is_empty())
+        {
+            lib.path = Some(PathBuf::from(named));
+            lib.source = Some(crate::telemetry::NVML_LIB_ENV);
+            lib.problem = None;
+        }
+    }
     if let Some(lib) = libraries.iter_mut().find(|l| l.name == Lib::Nvml.label())
         && let Some(path) = lib.path.clone()
     {

@@ -34,6 +34,8 @@
  *                          util PCT memutil PCT   (default 0, 0)
  *                          power_mw MW limit_mw MW (default 100000, 700000)
  *                          sm_mhz MHZ temp C      (default 1980, 40)
+ *                          mig 0|1                (MIG mode, current and
+ *                                                  pending; default 0)
  *                        several gpu lines for one GPU add up (later wins).
  *   proc I PID BYTES     a compute process on GPU I; BYTES may be "na"
  *                        (NVML_VALUE_NOT_AVAILABLE, e.g. under WDDM)
@@ -57,7 +59,7 @@
  *   lost I               every query on GPU I returns NVML_ERROR_GPU_IS_LOST
  *                        (15), the handle lookup included
  *                        WHAT is one of: handle name memory util power limit
- *                        clock temp procs all
+ *                        clock temp procs mig all
  *   init_error CODE      nvmlInit_v2/nvmlInitWithFlags return CODE
  *                        (e.g. 9 = NVML_ERROR_DRIVER_NOT_LOADED)
  *   count_error CODE     nvmlDeviceGetCount_v2 returns CODE
@@ -144,9 +146,9 @@ typedef struct {
 #define MAX_PROCS 64
 #define MAX_FILES 4
 
-enum { Q_HANDLE, Q_NAME, Q_MEMORY, Q_UTIL, Q_POWER, Q_LIMIT, Q_CLOCK, Q_TEMP, Q_PROCS, Q_COUNT };
+enum { Q_HANDLE, Q_NAME, Q_MEMORY, Q_UTIL, Q_POWER, Q_LIMIT, Q_CLOCK, Q_TEMP, Q_PROCS, Q_MIG, Q_COUNT };
 static const char *const QUERY_NAMES[Q_COUNT] = {
-    "handle", "name", "memory", "util", "power", "limit", "clock", "temp", "procs",
+    "handle", "name", "memory", "util", "power", "limit", "clock", "temp", "procs", "mig",
 };
 
 typedef struct {
@@ -158,7 +160,7 @@ typedef struct {
     char name[96];
     unsigned long long total, used, step;
     int used_set;
-    unsigned int util, memutil, power_mw, limit_mw, sm_mhz, temp;
+    unsigned int util, memutil, power_mw, limit_mw, sm_mhz, temp, mig;
     nvmlReturn_t fail[Q_COUNT];
     proc_t procs[MAX_PROCS];
     unsigned int nprocs;
@@ -369,6 +371,7 @@ static void reload(void) {
                 else if (strcmp(k, "limit_mw") == 0) g->limit_mw = (unsigned int)num(v);
                 else if (strcmp(k, "sm_mhz") == 0) g->sm_mhz = (unsigned int)num(v);
                 else if (strcmp(k, "temp") == 0) g->temp = (unsigned int)num(v);
+                else if (strcmp(k, "mig") == 0) g->mig = (unsigned int)num(v);
                 else fprintf(stderr, "nvml_double: unknown gpu key `%s`\n", k);
             }
         } else if (strcmp(t, "proc") == 0) {
@@ -659,6 +662,16 @@ EXPORT nvmlReturn_t nvmlDeviceGetTemperature(void *device, unsigned int sensor, 
     GPU(device, Q_TEMP);
     if (!temp || sensor != 0) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
     *temp = g->temp;
+    LEAVE(NVML_SUCCESS);
+}
+
+/* MIG mode (memfit doctor): current and pending, both the scripted one. */
+EXPORT nvmlReturn_t nvmlDeviceGetMigMode(void *device, unsigned int *current, unsigned int *pending) {
+    ENTER();
+    GPU(device, Q_MIG);
+    if (!current || !pending) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    *current = g->mig;
+    *pending = g->mig;
     LEAVE(NVML_SUCCESS);
 }
 
