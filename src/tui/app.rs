@@ -159,15 +159,19 @@ impl Row {
 
     /// The label the filter matches: the point's label, its status and `#index`.
     pub fn search_text(&self) -> String {
+        // What the grid shows of the row, and nothing it hides: the knobs
+        // cell (`ckpt` only under checkpointing), `mb` and the status, so
+        // `/ckpt` finds the checkpointed rows and no others.
         let extra = if self.status == Status::Fit {
             " fits"
         } else {
             ""
         };
         format!(
-            "#{} {} {}{}",
+            "#{} {} mb{} {}{}",
             self.index,
-            self.point.label(),
+            crate::tui::render::knobs(&self.point),
+            self.point.micro_batch,
             self.status.label(),
             extra
         )
@@ -615,13 +619,26 @@ pub const KEYMAP: &[(&str, &str)] = &[
     ("e", "export the reports"),
 ];
 
-fn cmp_opt<T: PartialOrd>(a: Option<T>, b: Option<T>) -> Ordering {
+/// `a` against `b` in the column's direction (`desc`: largest first), with
+/// an empty cell after every value whichever the direction, as htop and
+/// bottom sort.
+fn cmp_opt<T: PartialOrd>(a: Option<T>, b: Option<T>, desc: bool) -> Ordering {
     match (a, b) {
-        (Some(x), Some(y)) => x.partial_cmp(&y).unwrap_or(Ordering::Equal),
+        (Some(x), Some(y)) => {
+            let o = x.partial_cmp(&y).unwrap_or(Ordering::Equal);
+            if desc { o.reverse() } else { o }
+        }
         (Some(_), None) => Ordering::Less,
         (None, Some(_)) => Ordering::Greater,
         (None, None) => Ordering::Equal,
     }
+}
+
+/// Whether the sort column shows its largest values first: tokens/s and
+/// margin do unless reversed (`S`), the others do when reversed. The
+/// header's arrow says which: ▼ largest first, ▲ smallest first.
+pub fn descending(app: &App) -> bool {
+    matches!(app.sort, SortColumn::TokensPerS | SortColumn::Margin) != app.reverse
 }
 
 fn knobs_key(p: &Point) -> (usize, String, String, String, String, String, usize) {
@@ -638,31 +655,34 @@ fn knobs_key(p: &Point) -> (usize, String, String, String, String, String, usize
 }
 
 fn compare(app: &App, a: &Row, b: &Row) -> Ordering {
+    let d = descending(app);
     let c = match app.sort {
-        SortColumn::Index => Ordering::Equal,
-        SortColumn::Knobs => knobs_key(&a.point).cmp(&knobs_key(&b.point)),
-        SortColumn::MicroBatch => a.point.micro_batch.cmp(&b.point.micro_batch),
-        SortColumn::Status => a.status.rank().cmp(&b.status.rank()),
-        SortColumn::Predicted => cmp_opt(a.predicted_total(), b.predicted_total()),
-        SortColumn::Measured => cmp_opt(a.measured_total(), b.measured_total()),
+        SortColumn::Index => cmp_opt(Some(a.index), Some(b.index), d),
+        SortColumn::Knobs => cmp_opt(Some(knobs_key(&a.point)), Some(knobs_key(&b.point)), d),
+        SortColumn::MicroBatch => cmp_opt(Some(a.point.micro_batch), Some(b.point.micro_batch), d),
+        SortColumn::Status => cmp_opt(Some(a.status.rank()), Some(b.status.rank()), d),
+        SortColumn::Predicted => cmp_opt(a.predicted_total(), b.predicted_total(), d),
+        SortColumn::Measured => cmp_opt(a.measured_total(), b.measured_total(), d),
         SortColumn::Margin => cmp_opt(
-            b.margin(app.header.usable).map(|m| m.0),
             a.margin(app.header.usable).map(|m| m.0),
+            b.margin(app.header.usable).map(|m| m.0),
+            d,
         ),
-        SortColumn::TokensPerS => cmp_opt(b.tokens_per_s(), a.tokens_per_s()),
-        SortColumn::TimeRatio => cmp_opt(a.time_ratio(), b.time_ratio()),
-        SortColumn::Cost => cmp_opt(a.cost(), b.cost()),
+        SortColumn::TokensPerS => cmp_opt(a.tokens_per_s(), b.tokens_per_s(), d),
+        SortColumn::TimeRatio => cmp_opt(a.time_ratio(), b.time_ratio(), d),
+        SortColumn::Cost => cmp_opt(a.cost(), b.cost(), d),
         SortColumn::Target => cmp_opt(
             a.target().map(|t| t.peak_total_bytes),
             b.target().map(|t| t.peak_total_bytes),
+            d,
         ),
     };
     c.then(a.index.cmp(&b.index))
 }
 
 /// Positions in `app.rows` in display order: filtered, then sorted (ties by
-/// grid index; `reverse` flips the whole order). Tokens/s and margin sort
-/// the largest first, the rest the smallest first; empty cells sort last.
+/// grid index). Tokens/s and margin sort the largest first, the rest the
+/// smallest first, `reverse` flips that; empty cells sort last either way.
 pub fn visible(app: &App) -> Vec<usize> {
     let words: Vec<String> = app
         .filter
@@ -683,9 +703,6 @@ pub fn visible(app: &App) -> Vec<usize> {
         })
         .collect();
     v.sort_by(|&a, &b| compare(app, &app.rows[a], &app.rows[b]));
-    if app.reverse {
-        v.reverse();
-    }
     v
 }
 
@@ -1138,12 +1155,63 @@ mod tests {
         assert_eq!(&order[..2], &[0, 1]);
         ch(&mut app, 'S');
         assert!(app.reverse);
+        // Reversed: the measured largest first, and still unmeasured last.
         let rev: Vec<usize> = visible(&app).iter().map(|&i| app.rows[i].index).collect();
-        assert_eq!(rev, order.iter().rev().copied().collect::<Vec<_>>());
+        let measured = |o: &[usize]| -> Vec<usize> {
+            o.iter()
+                .copied()
+                .filter(|&i| {
+                    app.rows
+                        .iter()
+                        .any(|r| r.index == i && r.measured_total().is_some())
+                })
+                .collect()
+        };
+        let (m, mr) = (measured(&order), measured(&rev));
+        assert_eq!(mr, m.iter().rev().copied().collect::<Vec<_>>());
+        assert_eq!(
+            rev[mr.len()..],
+            order[m.len()..],
+            "unmeasured rows stay last, in grid order"
+        );
         assert_eq!(sel(&app), 1);
         key(&mut app, Key::Left);
         assert_eq!(app.sort, SortColumn::Predicted);
         assert_eq!(sel(&app), 1);
+    }
+
+    /// tok/s sorted either way keeps the rows without a figure at the end
+    /// (they came first under ▲), and the arrow is the direction: ▼ the
+    /// fastest first, ▲ the slowest first, as htop and bottom draw it.
+    #[test]
+    fn unmeasured_rows_sort_last_both_ways_and_the_arrow_says_the_direction() {
+        let mut app = running(false);
+        app.sort = SortColumn::TokensPerS;
+        let speeds = |app: &App| -> Vec<Option<f64>> {
+            visible(app)
+                .iter()
+                .map(|&i| app.rows[i].tokens_per_s())
+                .collect()
+        };
+        for reverse in [false, true] {
+            app.reverse = reverse;
+            let v = speeds(&app);
+            let known = v.iter().take_while(|x| x.is_some()).count();
+            assert!(known > 1, "{v:?}");
+            assert!(v[known..].iter().all(Option::is_none), "{v:?}");
+            let desc = descending(&app);
+            assert_eq!(
+                desc, !reverse,
+                "tok/s shows the fastest first unless reversed"
+            );
+            for w in v[..known].windows(2) {
+                let (a, b) = (w[0].unwrap(), w[1].unwrap());
+                assert!(if desc { a >= b } else { a <= b }, "{v:?}");
+            }
+        }
+        app.sort = SortColumn::Measured;
+        app.reverse = false;
+        assert!(!descending(&app), "sizes show the smallest first");
     }
 
     #[test]
@@ -1179,6 +1247,29 @@ mod tests {
         assert!(app.selected_row().is_none());
         key(&mut app, Key::Enter); // no detail of nothing
         assert_eq!(app.view, View::Grid);
+    }
+
+    /// `/ckpt` matched every row when the filter read the hidden label
+    /// (`ckpt:none`); it reads what the grid shows, so only checkpointed
+    /// rows match, and a word the grid never shows matches nothing.
+    #[test]
+    fn the_filter_matches_what_the_grid_shows() {
+        let mut app = fresh(false);
+        let ckpt: Vec<usize> = app
+            .rows
+            .iter()
+            .filter(|r| crate::plan::name(r.point.checkpointing) != "none")
+            .map(|r| r.index)
+            .collect();
+        assert!(
+            ckpt.len() < app.rows.len(),
+            "the fixture has rows without checkpointing"
+        );
+        app.filter = "ckpt".into();
+        let vis: Vec<usize> = visible(&app).iter().map(|&i| app.rows[i].index).collect();
+        assert_eq!(vis, ckpt);
+        app.filter = "none".into();
+        assert!(visible(&app).is_empty(), "no cell shows `none`");
     }
 
     #[test]

@@ -284,7 +284,11 @@ fn progress_line(app: &App, width: usize) -> Line<'static> {
     l.push(Span::raw(format!(
         "sort {}{}",
         app.sort.label(&app.header.base),
-        if app.reverse { "▼" } else { "▲" }
+        if crate::tui::app::descending(app) {
+            "▼"
+        } else {
+            "▲"
+        }
     )));
     if !app.filter.is_empty() || app.editing_filter {
         l.push(sep());
@@ -465,7 +469,11 @@ const KNOBS_FLOOR: usize = 24;
 fn title(app: &App, c: Col) -> String {
     let mut t = c.sort().label(&app.header.base).to_string();
     if c.sort() == app.sort {
-        t += if app.reverse { "▼" } else { "▲" };
+        t += if crate::tui::app::descending(app) {
+            "▼"
+        } else {
+            "▲"
+        };
     }
     t
 }
