@@ -132,7 +132,17 @@ fn main() -> ExitCode {
         Command::Plan(args) => match memfit::plan::plan_file(&args.recipe) {
             Ok(plan) => {
                 print!("{}", render_plan(&plan, &args));
-                0
+                // Nothing to recommend is a failed plan, for scripts too.
+                if plan.recommendation.is_none() {
+                    if args.format == PlanFormat::Json {
+                        eprintln!(
+                            "memfit: no point of the grid fits; `--format table` says how far the nearest is"
+                        );
+                    }
+                    1
+                } else {
+                    0
+                }
             }
             Err(e) => {
                 eprintln!("memfit: {e}");

@@ -438,3 +438,38 @@ fn plan_watch_replans_when_the_recipe_changes() {
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(143));
 }
+
+/// A plan where no point fits exits 1 (a failed plan, for scripts), says
+/// how far the nearest point is, and suggests what the grid did not try,
+/// instead of exiting 0 with advice that repeats the grid.
+#[test]
+fn a_plan_where_nothing_fits_exits_1_with_the_distance_and_what_to_try() {
+    let dir = common::scratch("plan-nofit");
+    let recipe = dir.join("nofit.yaml");
+    std::fs::write(
+        &recipe,
+        "model: llama-3.1-8b\nhardware: t4\nseq_len: 2048\nglobal_batch: 8\ngrid:\n  micro_batch: [2, 4]\n  precision: [bf16]\n  checkpointing: [none, full]\n",
+    )
+    .unwrap();
+    let out = memfit(&["plan", recipe.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("no point fits. The nearest, #"), "{text}");
+    assert!(
+        text.contains("more than the 14.25 GiB usable per GPU"),
+        "{text}"
+    );
+    // Checkpointing was in the grid: not suggested again; the rest are.
+    assert!(!text.contains("grid.checkpointing"), "{text}");
+    for hint in [
+        "grid.sharding: [zero3]",
+        "grid.finetune: [lora, qlora]",
+        "grid.offload: [optimizer]",
+        "grid.micro_batch: [1]",
+    ] {
+        assert!(text.contains(hint), "{hint}: {text}");
+    }
+    let out = memfit(&["plan", recipe.to_str().unwrap(), "--format", "json"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(common::json(&out)["recommendation"].is_null());
+}

@@ -218,10 +218,9 @@ pub fn table(plan: &Plan, limit: usize) -> String {
 fn recommendation(plan: &Plan, s: &mut String, bullet: &str) {
     match &plan.recommendation {
         None => {
-            let _ = writeln!(
-                s,
-                "\nno point fits: raise gpus, shard more (zero2/zero3), checkpoint, or lower micro_batch"
-            );
+            for line in no_fit_advice(plan) {
+                let _ = writeln!(s, "{bullet}{line}");
+            }
         }
         Some(rec) => {
             let p = &plan.points[rec.index];
@@ -342,4 +341,81 @@ pub fn markdown(plan: &Plan) -> String {
     let _ = writeln!(s, "\n## Recommendation");
     recommendation(plan, &mut s, "- ");
     s
+}
+
+/// When nothing is recommended: how far the nearest point is, and the
+/// changes the grid did not try, each with the key that adds it (the first
+/// line starts with a blank line).
+pub fn no_fit_advice(plan: &Plan) -> Vec<String> {
+    use crate::engine::{Checkpointing, Finetune, Offload, Sharding};
+    let pts = &plan.points;
+    if pts.iter().any(|p| p.verdict == Verdict::Fits) {
+        return vec![
+            "\nno point is recommended: every point that fits changes the numerics, and the recipe sets allow_numerics_change: false".into(),
+        ];
+    }
+    let nearest = pts
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.verdict == Verdict::DoesNotFit)
+        .max_by_key(|(_, p)| p.margin_bytes);
+    let Some((i, near)) = nearest else {
+        return vec!["\nno point fits: every point of the grid is an invalid combination (see the status column)".into()];
+    };
+    let mut out = vec![format!(
+        "\nno point fits. The nearest, #{i} {}, needs {} more than the {} usable per GPU.",
+        near.point.label(),
+        fmt_bytes(near.margin_bytes.unsigned_abs()),
+        fmt_bytes(near.usable_bytes)
+    )];
+    let tried = |f: &dyn Fn(&crate::plan::Point) -> bool| pts.iter().any(|p| f(&p.point));
+    out.push("Not in this grid, and worth a try:".into());
+    if !tried(&|p| p.checkpointing != Checkpointing::None) {
+        out.push("  activation checkpointing (grid.checkpointing: [full])".into());
+    }
+    let most = pts.iter().map(|p| p.point.gpus).max().unwrap_or(1);
+    if !tried(&|p| p.sharding == Sharding::Zero3) {
+        out.push(format!(
+            "  ZeRO-3 over more GPUs, every state sharded (grid.sharding: [zero3], grid.gpus: [{}])",
+            (most * 2).max(2)
+        ));
+    }
+    if !tried(&|p| p.micro_batch == 1) {
+        out.push("  micro-batch 1 (grid.micro_batch: [1])".into());
+    }
+    if !tried(&|p| p.finetune != Finetune::Full) {
+        out.push(
+            "  LoRA or QLoRA instead of full fine-tuning (grid.finetune: [lora, qlora])".into(),
+        );
+    }
+    if !tried(&|p| p.offload != Offload::None) {
+        out.push(
+            "  the optimizer state on the host, ZeRO-Offload (grid.offload: [optimizer])".into(),
+        );
+    }
+    if tried(&|p| p.sharding == Sharding::Zero3) {
+        out.push(format!(
+            "  more GPUs to shard over (grid.gpus: [{}])",
+            most * 2
+        ));
+    }
+    // The smallest built-in GPU with room for the nearest point's deficit.
+    let need = plan.hardware.memory + near.margin_bytes.unsigned_abs();
+    let bigger = crate::config::hardware::builtin_hardware()
+        .iter()
+        .filter_map(|(name, _)| {
+            crate::config::hardware::load_hardware(name)
+                .ok()
+                .map(|h| (*name, h))
+        })
+        .filter(|(_, h)| h.memory >= need)
+        .min_by_key(|(_, h)| h.memory);
+    if let Some((name, h)) = bigger {
+        out.push(format!(
+            "  a bigger GPU: {} with {} (hardware: {name})",
+            h.display_name,
+            fmt_bytes(h.memory)
+        ));
+    }
+    out
 }
