@@ -4,21 +4,18 @@
 
 mod common;
 
-use common::{json, memfit, scratch, stderr};
+use common::{json, memfit, plan_json, scratch, stderr};
 use serde_json::Value;
 
 fn plan(name: &str, recipe: &str) -> Value {
     let path = scratch(name).join("p.yaml");
     std::fs::write(&path, recipe).unwrap();
-    let out = memfit(&["plan", path.to_str().unwrap(), "--format", "json"]);
-    let doc = json(&out);
-    // Exit 1 is a plan where nothing fits, and only that.
-    match out.status.code() {
-        Some(0) => assert!(doc["recommendation"].is_object(), "{doc}"),
-        Some(1) => assert!(doc["recommendation"].is_null(), "{}", stderr(&out)),
-        other => panic!("exit {other:?}: {}", stderr(&out)),
-    }
-    doc
+    plan_json(&memfit(&[
+        "plan",
+        path.to_str().unwrap(),
+        "--format",
+        "json",
+    ]))
 }
 
 /// llama-3.1-70b, ZeRO-3, either 8 GPUs in one DGX H100 with the states

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{json, losses, memfit, ok_json, refused, scratch, stderr};
+use common::{json, losses, memfit, ok_json, plan_json, refused, scratch, stderr};
 use serde_json::Value;
 
 fn run(extra: &[&str]) -> Value {
@@ -219,9 +219,12 @@ fn plan(recipe: &str) -> Value {
     let dir = scratch("offload-plan");
     let path = dir.join(format!("p{}.yaml", recipe.len()));
     std::fs::write(&path, recipe).unwrap();
-    let out = memfit(&["plan", path.to_str().unwrap(), "--format", "json"]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    json(&out)
+    plan_json(&memfit(&[
+        "plan",
+        path.to_str().unwrap(),
+        "--format",
+        "json",
+    ]))
 }
 
 /// The point of `plan` whose offload is `offload` and sharding `sharding`.

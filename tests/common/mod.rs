@@ -122,3 +122,15 @@ pub fn comparable(doc: &Value) -> Value {
         "host": host,
     })
 }
+
+/// The JSON of `memfit plan --format json`: exit 0 with a recommendation,
+/// or exit 1 when no point fits (no recommendation), and nothing else.
+pub fn plan_json(out: &Output) -> Value {
+    let doc = json(out);
+    match out.status.code() {
+        Some(0) => assert!(doc["recommendation"].is_object(), "{doc}"),
+        Some(1) => assert!(doc["recommendation"].is_null(), "{}", stderr(out)),
+        other => panic!("plan exited {other:?}: {}", stderr(out)),
+    }
+    doc
+}
