@@ -44,6 +44,8 @@ pub struct Gpu {
 
 #[derive(Debug, Serialize)]
 pub struct Library {
+    #[serde(skip)]
+    pub lib: Lib,
     pub name: &'static str,
     pub required: bool,
     pub path: Option<PathBuf>,
@@ -250,7 +252,7 @@ pub fn diagnose() -> Report {
         missing.push("the CUDA driver reports no GPU".into());
     }
     let mut driver_version = None;
-    if let Some(lib) = libraries.iter_mut().find(|l| l.name == Lib::Nvml.label()) {
+    if let Some(lib) = libraries.iter_mut().find(|l| l.lib == Lib::Nvml) {
         // The NVML that `watch` and sweeps would load, when named.
         if let Some(named) =
             std::env::var_os(crate::telemetry::NVML_LIB_ENV).filter(|v| !v.is_empty())
@@ -260,7 +262,7 @@ pub fn diagnose() -> Report {
             lib.problem = None;
         }
     }
-    if let Some(lib) = libraries.iter_mut().find(|l| l.name == Lib::Nvml.label())
+    if let Some(lib) = libraries.iter_mut().find(|l| l.lib == Lib::Nvml)
         && let Some(path) = lib.path.clone()
     {
         match nvml(&path) {
@@ -305,6 +307,7 @@ fn library(f: &Found) -> Library {
         }
     };
     Library {
+        lib: f.lib,
         name: f.lib.label(),
         required: f.lib.required(),
         path: f.path.clone(),
@@ -355,7 +358,7 @@ pub fn render(r: &Report) -> String {
                     ""
                 }
             )),
-            None => s.push_str(&format!("{:<9} {need} missing  {}\n", l.name, l.lib_fix())),
+            None => s.push_str(&format!("{:<9} {need} missing  {}\n", l.name, l.lib.fix())),
         }
     }
     s.push('\n');
@@ -384,16 +387,6 @@ pub fn render(r: &Report) -> String {
         }
     }
     s
-}
-
-impl Library {
-    fn lib_fix(&self) -> &'static str {
-        Lib::ALL
-            .iter()
-            .find(|l| l.label() == self.name)
-            .map(|l| l.fix())
-            .unwrap_or("")
-    }
 }
 
 /// `memfit doctor`: prints the report; 0 when ready, 1 otherwise.

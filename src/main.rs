@@ -22,11 +22,14 @@ fn may_use_cuda(cmd: &Command) -> bool {
     let mentions_cuda = || std::env::args().skip(1).any(|a| a.contains("cuda"));
     match cmd {
         Command::Selftest(_) => true,
+        // Without a recipe the device comes from the flags; a recipe is
+        // read for its device only when it may name one.
         Command::Run(args) => {
             mentions_cuda()
-                || args
-                    .options()
-                    .is_ok_and(|o| o.device.to_string().starts_with("cuda"))
+                || (args.recipe.is_some()
+                    && args
+                        .options()
+                        .is_ok_and(|o| o.device.to_string().starts_with("cuda")))
         }
         Command::Trial { .. }
         | Command::Calibrate(_)
