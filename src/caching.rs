@@ -23,7 +23,7 @@
 //! retry that frees cached segments when `cudaMalloc` fails near the
 //! capacity (which can make the real reserved peak lower there).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::BTreeSet;
 
 pub const MIN_BLOCK: u64 = 512;
 pub const SMALL_SIZE: u64 = 1 << 20;
@@ -54,23 +54,50 @@ enum Pool {
     Large,
 }
 
-/// One `cudaMalloc`: its blocks by offset, `(size, free)`.
+/// One block of a segment.
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    offset: u64,
+    size: u64,
+    free: bool,
+}
+
+/// One `cudaMalloc`: its blocks in address order. A segment holds a few
+/// blocks (a large one usually one or two), so a sorted vector beats a
+/// tree here; the planner replays every allocation of a step through it.
 #[derive(Clone, Debug)]
 struct Segment {
     pool: Pool,
-    blocks: BTreeMap<u64, (u64, bool)>,
+    blocks: Vec<Block>,
 }
+
+impl Segment {
+    /// The index of the block that starts at `offset`.
+    fn at(&self, offset: u64) -> usize {
+        self.blocks
+            .binary_search_by_key(&offset, |b| b.offset)
+            .expect("a block starts there")
+    }
+}
+
+/// Where a live allocation sits; `seg == FREED` once freed.
+#[derive(Clone, Copy, Debug)]
+struct Place {
+    seg: u32,
+    offset: u64,
+}
+
+const FREED: u32 = u32::MAX;
 
 /// The allocator's state and its high-water marks.
 #[derive(Clone, Debug, Default)]
 pub struct CachingAllocator {
     segments: Vec<Segment>,
-    /// Free blocks, ordered as the allocator searches them: pool, size,
+    /// Free blocks per pool, ordered as the allocator searches them: size,
     /// then address (segment, offset).
-    free: BTreeSet<(Pool, u64, usize, u64)>,
-    /// Live allocations: id -> (segment, offset).
-    live: HashMap<u64, (usize, u64)>,
-    next_id: u64,
+    free: [BTreeSet<(u64, u32, u64)>; 2],
+    /// Every allocation, by id (ids count up from 1): where it sits.
+    places: Vec<Place>,
     allocated: u64,
     reserved: u64,
     pub peak_allocated: u64,
@@ -79,10 +106,7 @@ pub struct CachingAllocator {
 
 impl CachingAllocator {
     pub fn new() -> Self {
-        Self {
-            next_id: 1,
-            ..Self::default()
-        }
+        Self::default()
     }
 
     /// Allocates `bytes` (> 0) and returns the allocation's id.
@@ -93,25 +117,27 @@ impl CachingAllocator {
         } else {
             Pool::Large
         };
-        let found = self
-            .free
-            .range((pool, size, 0, 0)..=(pool, u64::MAX, usize::MAX, u64::MAX))
-            .next()
-            .copied();
-        let (seg, off, block) = match found {
-            Some(key @ (_, block, seg, off)) => {
-                self.free.remove(&key);
-                (seg, off, block)
+        let free = &mut self.free[pool as usize];
+        let found = free.range((size, 0, 0)..).next().copied();
+        let (seg, offset, block) = match found {
+            Some(key @ (block, seg, offset)) => {
+                free.remove(&key);
+                (seg, offset, block)
             }
             None => {
                 let total = segment_size(size);
                 self.segments.push(Segment {
                     pool,
-                    blocks: BTreeMap::from([(0, (total, false))]),
+                    blocks: vec![Block {
+                        offset: 0,
+                        size: total,
+                        free: true,
+                    }],
                 });
                 self.reserved += total;
                 self.peak_reserved = self.peak_reserved.max(self.reserved);
-                (self.segments.len() - 1, 0, total)
+                let seg = u32::try_from(self.segments.len() - 1).expect("under 2^32 segments");
+                (seg, 0, total)
             }
         };
         let rest = block - size;
@@ -120,47 +146,70 @@ impl CachingAllocator {
             Pool::Large => rest > SMALL_SIZE,
         };
         let used = if split { size } else { block };
-        let s = &mut self.segments[seg];
-        s.blocks.insert(off, (used, false));
+        let s = &mut self.segments[seg as usize];
+        let i = s.at(offset);
+        s.blocks[i] = Block {
+            offset,
+            size: used,
+            free: false,
+        };
         if split {
-            s.blocks.insert(off + size, (rest, true));
-            self.free.insert((pool, rest, seg, off + size));
+            s.blocks.insert(
+                i + 1,
+                Block {
+                    offset: offset + size,
+                    size: rest,
+                    free: true,
+                },
+            );
+            self.free[pool as usize].insert((rest, seg, offset + size));
         }
         self.allocated += used;
         self.peak_allocated = self.peak_allocated.max(self.allocated);
-        let id = self.next_id;
-        self.next_id += 1;
-        self.live.insert(id, (seg, off));
-        id
+        self.places.push(Place { seg, offset });
+        self.places.len() as u64
     }
 
     /// Frees allocation `id`: merged with free neighbours, back to its pool.
     pub fn free(&mut self, id: u64) {
-        let Some((seg, off)) = self.live.remove(&id) else {
+        let Some(place) = (id as usize)
+            .checked_sub(1)
+            .and_then(|i| self.places.get_mut(i))
+            .filter(|p| p.seg != FREED)
+        else {
             return;
         };
-        let s = &mut self.segments[seg];
-        let pool = s.pool;
-        let (size, _) = s.blocks[&off];
-        self.allocated -= size;
-        let (mut start, mut len) = (off, size);
-        // The free block before, if it ends here.
-        if let Some((&p, &(psize, true))) = s.blocks.range(..off).next_back()
-            && p + psize == off
+        let (seg, offset) = (place.seg, place.offset);
+        place.seg = FREED;
+        let s = &mut self.segments[seg as usize];
+        let free = &mut self.free[s.pool as usize];
+        let mut i = s.at(offset);
+        self.allocated -= s.blocks[i].size;
+        let (mut start, mut len) = (offset, s.blocks[i].size);
+        // The free block after (blocks tile the segment, so a neighbour
+        // in the vector is a neighbour in memory).
+        if let Some(&next) = s.blocks.get(i + 1)
+            && next.free
         {
-            self.free.remove(&(pool, psize, seg, p));
-            s.blocks.remove(&off);
-            start = p;
-            len += psize;
+            free.remove(&(next.size, seg, next.offset));
+            s.blocks.remove(i + 1);
+            len += next.size;
         }
-        // The free block after.
-        if let Some(&(nsize, true)) = s.blocks.get(&(off + size)) {
-            self.free.remove(&(pool, nsize, seg, off + size));
-            s.blocks.remove(&(off + size));
-            len += nsize;
+        // The free block before.
+        if i > 0 && s.blocks[i - 1].free {
+            let prev = s.blocks[i - 1];
+            free.remove(&(prev.size, seg, prev.offset));
+            s.blocks.remove(i);
+            i -= 1;
+            start = prev.offset;
+            len += prev.size;
         }
-        s.blocks.insert(start, (len, true));
-        self.free.insert((pool, len, seg, start));
+        s.blocks[i] = Block {
+            offset: start,
+            size: len,
+            free: true,
+        };
+        free.insert((len, seg, start));
     }
 
     /// Bytes in live blocks (each rounded as the allocator rounds it).

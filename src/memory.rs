@@ -268,6 +268,9 @@ pub struct Tracker {
     clock: bool,
     /// Tracks host memory (offload), which its out-of-memory errors say.
     host: bool,
+    /// Adds its bytes to the process's live count (the TUI's live chart);
+    /// a planner's trackers do not, nor pay for the shared counter.
+    counts_process: bool,
 }
 
 impl Tracker {
@@ -284,7 +287,17 @@ impl Tracker {
             recording: true,
             clock: true,
             host: false,
+            counts_process: true,
         }
+    }
+
+    /// A planner's tracker: peaks only, no timeline, outside the process's
+    /// live count.
+    pub fn for_planning(mut self) -> Self {
+        self.recording = false;
+        self.clock = false;
+        self.counts_process = false;
+        self
     }
 
     /// A tracker of host memory (offloaded tensors).
@@ -337,7 +350,9 @@ impl Tracker {
         }
         let i = category.index();
         self.live.0[i] += bytes;
-        PROCESS_LIVE.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+        if self.counts_process {
+            PROCESS_LIVE.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+        }
         self.peak.0[i] = self.peak.0[i].max(self.live.0[i]);
         let total = self.live.total();
         if total > self.peak_total {
@@ -355,7 +370,9 @@ impl Tracker {
             "freeing more {category:?} than is live"
         );
         self.live.0[i] -= bytes;
-        PROCESS_LIVE.fetch_sub(bytes, std::sync::atomic::Ordering::Relaxed);
+        if self.counts_process {
+            PROCESS_LIVE.fetch_sub(bytes, std::sync::atomic::Ordering::Relaxed);
+        }
         self.record(category, -(bytes as i64));
     }
 

@@ -17,6 +17,11 @@ pub enum Emulates {
 #[derive(Clone, Debug, Default)]
 pub struct MetaBackend {
     emulates: Emulates,
+    /// A planner's device: what it reads (peaks, the roofline's seconds,
+    /// the collectives) is kept, and nothing else (no timeline, no per-op
+    /// table, no share of the process's live bytes), which is most of a
+    /// plan point's cost when every op is recorded.
+    planning: bool,
 }
 
 impl MetaBackend {
@@ -25,6 +30,7 @@ impl MetaBackend {
     pub fn emulating_cpu() -> Self {
         MetaBackend {
             emulates: Emulates::Cpu,
+            planning: false,
         }
     }
 
@@ -32,11 +38,20 @@ impl MetaBackend {
     pub fn emulating_cuda() -> Self {
         MetaBackend {
             emulates: Emulates::Cuda,
+            planning: false,
         }
     }
 
     pub fn emulates(&self) -> Emulates {
         self.emulates
+    }
+
+    /// This backend for the planner (see `planning`).
+    pub fn for_planning(self) -> Self {
+        MetaBackend {
+            planning: true,
+            ..self
+        }
     }
 }
 
@@ -48,6 +63,9 @@ impl Backend for MetaBackend {
     }
     fn holds_data(&self) -> bool {
         false
+    }
+    fn planning(&self) -> bool {
+        self.planning
     }
     fn is_gpu(&self) -> bool {
         self.emulates == Emulates::Cuda

@@ -114,6 +114,12 @@ pub trait Backend {
         true
     }
 
+    /// Whether this device only answers a planner: peaks and priced
+    /// seconds, no timeline or per-op table (a meta backend's choice).
+    fn planning(&self) -> bool {
+        false
+    }
+
     /// Waits until every op issued so far has finished (a GPU queues its
     /// work; the cpu and meta backends finish each op before returning).
     fn synchronize(&mut self) {}

@@ -52,6 +52,10 @@ pub struct CostCounter {
     pub ops: BTreeMap<&'static str, OpCost>,
     /// Seconds the ops take by the roofline model, when the device has one.
     pub roofline_s: f64,
+    /// Only `roofline_s` is kept (a planner's device, which reads nothing
+    /// else): the per-op table's lookup was a tenth of a plan's time.
+    #[serde(skip)]
+    pub seconds_only: bool,
 }
 
 /// A per-op roofline: each op takes `max(flops / flops_per_s, bytes /
@@ -89,6 +93,14 @@ enum At {
 }
 
 impl CostCounter {
+    /// Counts from zero again, keeping what it counts.
+    pub fn reset(&mut self) {
+        *self = CostCounter {
+            seconds_only: self.seconds_only,
+            ..Default::default()
+        };
+    }
+
     pub fn flops(&self) -> u128 {
         self.ops.values().map(|c| c.flops).sum()
     }
@@ -97,6 +109,9 @@ impl CostCounter {
     }
     fn add(&mut self, op: &'static str, flops: u64, bytes: u64, ns: u64, roofline_s: f64) {
         self.roofline_s += roofline_s;
+        if self.seconds_only {
+            return;
+        }
         let c = self.ops.entry(op).or_default();
         c.calls += 1;
         c.flops += flops as u128;
@@ -179,16 +194,22 @@ fn ob<Buf>(t: Option<&Tensor<Buf>>) -> u64 {
 
 impl<B: Backend> Device<B> {
     pub fn new(be: B, capacity: Option<u64>) -> Self {
-        let tracker = if be.holds_data() {
+        let tracker = if be.planning() {
+            Tracker::new(capacity).for_planning()
+        } else if be.holds_data() {
             Tracker::new(capacity)
         } else {
             Tracker::new(capacity).without_clock()
         };
+        let cost = CostCounter {
+            seconds_only: be.planning(),
+            ..Default::default()
+        };
         Device {
             be,
             tracker,
-            cost: CostCounter::default(),
-            optimizer_cost: CostCounter::default(),
+            optimizer_cost: cost.clone(),
+            cost,
             optimizer_sent: 0,
             roofline: None,
             sent: 0,
@@ -212,9 +233,12 @@ impl<B: Backend> Device<B> {
     /// Gives the device a host memory to offload to, of `capacity` bytes.
     pub fn add_host(&mut self, capacity: Option<u64>) {
         let t = Tracker::new(capacity).for_host();
-        self.host = Some(match self.be.holds_data() {
-            true => t,
-            false => t.without_clock(),
+        self.host = Some(if self.be.planning() {
+            t.for_planning()
+        } else if self.be.holds_data() {
+            t
+        } else {
+            t.without_clock()
         });
     }
 

@@ -1239,7 +1239,8 @@ pub fn predict(
     let meta = match r.device.as_ref().map(|d| d.kind) {
         Some(crate::backend::DeviceKind::Cpu) => MetaBackend::emulating_cpu(),
         _ => MetaBackend::emulating_cuda(),
-    };
+    }
+    .for_planning();
     let k = tc.grad_accum as f64;
     let stages = tc.pipeline_stages.max(1);
     let replicas = tc.data_ranks();
@@ -1443,8 +1444,8 @@ fn step_meta(
     };
     e.dev.roofline = Some(rates.of(precision));
     e.dev.host_roofline = Some(rates.host);
-    e.dev.cost = Default::default();
-    e.dev.optimizer_cost = Default::default();
+    e.dev.cost.reset();
+    e.dev.optimizer_cost.reset();
     (e.dev.offload_s, e.dev.offload_optimizer_s) = (0.0, 0.0);
     (e.dev.link_bytes, e.dev.link_optimizer_bytes) = (0, 0);
     (e.dev.p2p_sent, e.dev.p2p_sends) = (0, 0);
@@ -1493,11 +1494,26 @@ fn price_collectives(
     use crate::comm::topology::Links;
     let mut secs = 0.0;
     let mut links = Some(Links::None);
+    // A step repeats a few distinct calls once per block: price each
+    // distinct one once (the sum still runs in call order, so the total is
+    // the same to the bit).
+    let mut priced: Vec<(
+        (crate::comm::Op, u64, usize, usize),
+        crate::comm::topology::Cost,
+    )> = Vec::new();
     for c in calls {
-        let Ok(group) = topo.strided_group(c.world, c.stride) else {
-            continue;
+        let key = (c.op, c.bytes, c.world, c.stride);
+        let cost = match priced.iter().find(|(k, _)| *k == key) {
+            Some((_, cost)) => *cost,
+            None => {
+                let Ok(group) = topo.strided_group(c.world, c.stride) else {
+                    continue;
+                };
+                let cost = topo.price(c.op, c.bytes, &group);
+                priced.push((key, cost));
+                cost
+            }
         };
-        let cost = topo.price(c.op, c.bytes, &group);
         secs += if c.optimizer { 1.0 } else { k } * cost.seconds;
         links = union(links, Some(cost.links)).or(Some(Links::None));
     }
