@@ -107,13 +107,21 @@ impl CostCounter {
     pub fn bytes(&self) -> u128 {
         self.ops.values().map(|c| c.bytes).sum()
     }
-    fn add(&mut self, op: &'static str, flops: u64, bytes: u64, ns: u64, roofline_s: f64) {
+    fn add(
+        &mut self,
+        op: &'static str,
+        calls: u64,
+        flops: u64,
+        bytes: u64,
+        ns: u64,
+        roofline_s: f64,
+    ) {
         self.roofline_s += roofline_s;
         if self.seconds_only {
             return;
         }
         let c = self.ops.entry(op).or_default();
-        c.calls += 1;
+        c.calls += calls;
         c.flops += flops as u128;
         c.bytes += bytes as u128;
         c.ns += ns;
@@ -309,23 +317,33 @@ impl<B: Backend> Device<B> {
         let r = f(&mut self.be);
         let flops = flops.try_into().unwrap_or(u64::MAX);
         let ns = start.map_or(0, |s| s.elapsed().as_nanos() as u64);
+        self.charge(op, flops, bytes, ns, at, 1);
+        r
+    }
+
+    /// Counts and prices `calls` runs of `op` that did `flops` and moved
+    /// `bytes` between them, with `ns` measured: the roofline's seconds
+    /// (each call pays the launch overhead), the offload and link totals,
+    /// the per-op table and the per-phase seconds.
+    fn charge(&mut self, op: &'static str, flops: u64, bytes: u64, ns: u64, at: At, calls: u64) {
         let price = |rl: Roofline| {
             let rate = if op.starts_with("matmul") {
                 rl.flops_per_s
             } else {
                 rl.kernel_flops_per_s
             };
-            (flops as f64 / rate).max(bytes as f64 / rl.bytes_per_s) + rl.op_overhead_s
+            (flops as f64 / rate).max(bytes as f64 / rl.bytes_per_s)
+                + calls as f64 * rl.op_overhead_s
         };
         let secs = match at {
             At::Device => self.roofline.map_or(0.0, price),
             At::Host => self.host_roofline.map_or(0.0, |h| price(h.cpu)),
             At::Link => self.host_roofline.map_or(0.0, |h| {
-                bytes as f64 / h.link_bytes_per_s + h.link_latency_s
+                bytes as f64 / h.link_bytes_per_s + calls as f64 * h.link_latency_s
             }),
         };
+        let optimizer = self.tracker.phase() == Phase::Optimizer;
         if at != At::Device {
-            let optimizer = self.tracker.phase() == Phase::Optimizer;
             if at == At::Link {
                 self.link_bytes += bytes;
                 if optimizer {
@@ -337,7 +355,7 @@ impl<B: Backend> Device<B> {
                 self.offload_optimizer_s += secs;
             }
         }
-        self.cost.add(op, flops, bytes, ns, secs);
+        self.cost.add(op, calls, flops, bytes, ns, secs);
         if let Some(per_phase) = &mut self.phase_secs {
             let spent = match self.roofline {
                 Some(_) => secs,
@@ -345,10 +363,9 @@ impl<B: Backend> Device<B> {
             };
             *per_phase.entry(self.tracker.phase()).or_default() += spent;
         }
-        if self.tracker.phase() == Phase::Optimizer {
-            self.optimizer_cost.add(op, flops, bytes, ns, secs);
+        if optimizer {
+            self.optimizer_cost.add(op, calls, flops, bytes, ns, secs);
         }
-        r
     }
 
     /// A zero-filled tensor, tracked under `category`; refused past the capacity.
@@ -897,8 +914,47 @@ impl<B: Backend> Device<B> {
             dst_off + n <= dst.len && src_off + n <= src.len,
             "copy_slice out of range"
         );
+        let (op, at, bytes) = Self::copy_kind(dst, src, n, accumulate);
+        self.timed_at(op, n * accumulate as usize, bytes, at, |be| {
+            be.copy_slice(&mut dst.buf, dst_off, &src.buf, src_off, n, accumulate)
+        });
+    }
+
+    /// `count` copies as [`Device::copy_slice`], the `r`th given by
+    /// `piece(r) = (dst_off, src_off, n)`, `total` elements in all: what a
+    /// ZeRO gather or scatter does once per rank. A backend without data
+    /// moves nothing, so it charges the `count` copies at once (the same
+    /// calls, bytes and launch overheads) instead of walking every rank:
+    /// a gather over 16,384 ranks would otherwise cost a plan 16,384 steps
+    /// per tensor.
+    pub fn copy_pieces(
+        &mut self,
+        dst: &mut T<B>,
+        src: &T<B>,
+        count: usize,
+        total: usize,
+        accumulate: bool,
+        piece: impl Fn(usize) -> (usize, usize, usize),
+    ) {
+        if self.be.holds_data() {
+            let mut moved = 0;
+            for r in 0..count {
+                let (dst_off, src_off, n) = piece(r);
+                self.copy_slice(dst, dst_off, src, src_off, n, accumulate);
+                moved += n;
+            }
+            debug_assert_eq!(moved, total, "copy_pieces' total");
+            return;
+        }
+        let (op, at, bytes) = Self::copy_kind(dst, src, total, accumulate);
+        let flops = (total * accumulate as usize) as u64;
+        self.charge(op, flops, bytes, 0, at, count as u64);
+    }
+
+    /// A copy of `n` elements from `src` to `dst`: its op name, where it
+    /// runs, and the bytes it moves (across the link: the device side's).
+    fn copy_kind(dst: &T<B>, src: &T<B>, n: usize, accumulate: bool) -> (&'static str, At, u64) {
         let (op, at, bytes) = match (src.host, dst.host) {
-            // What crosses the link: the device side's elements.
             (false, true) => ("d2h", At::Link, n * src.dtype.size()),
             (true, false) => ("h2d", At::Link, n * dst.dtype.size()),
             (h, _) => (
@@ -907,9 +963,7 @@ impl<B: Backend> Device<B> {
                 n * (dst.dtype.size() * (1 + accumulate as usize) + src.dtype.size()),
             ),
         };
-        self.timed_at(op, n * accumulate as usize, bytes as u64, at, |be| {
-            be.copy_slice(&mut dst.buf, dst_off, &src.buf, src_off, n, accumulate)
-        });
+        (op, at, bytes as u64)
     }
 
     fn count_wire(&mut self, comm: &dyn Collective<B::Buf>, op: Op, bytes: u64, root: usize) {

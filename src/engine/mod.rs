@@ -1930,10 +1930,9 @@ fn sharded_update<B: Backend>(
         let mut recv = dev.alloc(s * d.world, wdt, Category::Communication)?;
         dev.all_gather(&mut *d.comm, &mut recv, &send);
         dev.free(send);
-        for r in 0..d.world {
-            let v = d.valid(i, r);
-            dev.copy_slice(&mut params[i], r * s, &recv, r * s, v, false);
-        }
+        dev.copy_pieces(&mut params[i], &recv, d.world, d.numel[i], false, |r| {
+            (r * s, r * s, d.valid(i, r))
+        });
         dev.free(recv);
     }
     Ok(())

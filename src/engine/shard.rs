@@ -584,11 +584,10 @@ impl<B: Backend> Dist<B> {
         dev.free(send);
         for &i in &self.units[u] {
             let mut full = dev.alloc(self.numel[i], dt, Category::Parameters)?;
-            for r in 0..world {
-                let v = self.valid(i, r);
-                let src = r * su + self.unit_off[i];
-                dev.copy_slice(&mut full, r * self.shard[i], &recv, src, v, false);
-            }
+            let (shard, off) = (self.shard[i], self.unit_off[i]);
+            dev.copy_pieces(&mut full, &recv, world, self.numel[i], false, |r| {
+                (r * shard, r * su + off, self.valid(i, r))
+            });
             let old = std::mem::replace(&mut p[i], full);
             dev.drop_placeholder(old);
         }
@@ -615,12 +614,10 @@ impl<B: Backend> Dist<B> {
         dev.all_gather(&mut **group, &mut recv, sec);
         for &i in &self.units[u] {
             let mut full = dev.alloc(self.numel[i], dt, Category::Parameters)?;
-            let s = self.shard[i] * k;
-            for j in 0..g {
-                let v = self.secondary_valid(i, j, k);
-                let src = j * len + self.unit_off[i] * k;
-                dev.copy_slice(&mut full, j * s, &recv, src, v, false);
-            }
+            let (s, off) = (self.shard[i] * k, self.unit_off[i] * k);
+            dev.copy_pieces(&mut full, &recv, g, self.numel[i], false, |j| {
+                (j * s, j * len + off, self.secondary_valid(i, j, k))
+            });
             let old = std::mem::replace(&mut p[i], full);
             dev.drop_placeholder(old);
         }
@@ -767,11 +764,10 @@ impl<B: Backend> Dist<B> {
         let comm = Category::Communication;
         let mut send = dev.alloc(world * su, dt, comm)?;
         for &i in &with_grads {
-            for r in 0..world {
-                let v = self.valid(i, r);
-                let dst = r * su + self.grad_off[i];
-                dev.copy_slice(&mut send, dst, &g[i], r * self.shard[i], v, false);
-            }
+            let (shard, off) = (self.shard[i], self.grad_off[i]);
+            dev.copy_pieces(&mut send, &g[i], world, self.numel[i], false, |r| {
+                (r * su + off, r * shard, self.valid(i, r))
+            });
             if free_full {
                 let ph = dev.placeholder(dt, Category::Gradients);
                 dev.free(std::mem::replace(&mut g[i], ph));
