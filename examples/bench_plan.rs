@@ -1,5 +1,9 @@
-//! Planner speed: one llama-3.1-70b configuration, and a grid of more than a
-//! thousand points, on the meta backend. Prints the figures the README records.
+//! Planner speed: one llama-3.1-70b configuration, a grid of more than a
+//! thousand points, and the three grids the README's targets name (2,880
+//! hf-eager points, a 768-point tensor x pipeline grid on 64 GPUs, a
+//! 16,384-GPU Llama 3 405B layout grid), each planned as `memfit plan`
+//! plans a recipe file; then the process's peak RSS. Prints the figures
+//! the README records.
 //!
 //! `cargo run --release --example bench_plan`
 
@@ -111,4 +115,90 @@ fn main() {
         secs * 1e3 / p.points.len() as f64,
         fits
     );
+
+    for (name, yaml) in TARGETS {
+        let path = std::env::temp_dir().join(format!("memfit-bench-{}.yaml", std::process::id()));
+        std::fs::write(&path, yaml).unwrap();
+        // Median of three plans of the whole file.
+        let mut runs: Vec<(f64, usize, usize)> = (0..3)
+            .map(|_| {
+                let t = Instant::now();
+                let p = memfit::plan::plan_file(&path).unwrap();
+                let secs = t.elapsed().as_secs_f64();
+                let invalid = (p.points.iter())
+                    .filter(|x| matches!(x.verdict, Verdict::Invalid { .. }))
+                    .count();
+                (secs, p.points.len(), invalid)
+            })
+            .collect();
+        let _ = std::fs::remove_file(&path);
+        runs.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let (secs, points, invalid) = runs[1];
+        println!(
+            "{name}: {points} points ({invalid} invalid) in {secs:.2} s (median of 3, {} threads)",
+            rayon::current_num_threads()
+        );
+    }
+    // The high-water mark of this process's resident memory.
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    if let Some(line) = status.lines().find(|l| l.starts_with("VmHWM:")) {
+        println!("peak RSS: {}", line.trim_start_matches("VmHWM:").trim());
+    }
 }
+
+/// The grids of the README's speed targets, as recipe files.
+const TARGETS: [(&str, &str); 3] = [
+    (
+        "llama-3.1-70b hf-eager grid",
+        "model: llama-3.1-70b
+hardware: h100-sxm-80gb
+seq_len: 4096
+global_batch: 512
+grid:
+  micro_batch: [1, 2, 4, 8]
+  precision: [fp32, bf16, fp16]
+  checkpointing: [none, full]
+  attention: [eager, fused]
+  optimizer: [adamw, adamw8bit, adafactor]
+  sharding: [ddp, zero1, zero2, zero3]
+  gpus: [8, 16, 32, 64, 128]
+",
+    ),
+    (
+        "llama-3.1-70b tensor x pipeline grid on 64 GPUs",
+        "model: llama-3.1-70b
+hardware: h100-sxm-80gb
+network: ib-ndr-400
+seq_len: 4096
+global_batch: 256
+grid:
+  framework: [memfit]
+  micro_batch: [1, 2, 4]
+  checkpointing: [none, full]
+  optimizer: [adamw, adamw8bit]
+  sharding: [zero1, zero3]
+  gpus: [64]
+  tensor_parallel: [1, 2, 4, 8]
+  pipeline_stages: [1, 2, 4, 8]
+  sequence_parallel: [false, true]
+",
+    ),
+    (
+        "llama-3.1-405b layouts on 4,096-16,384 GPUs",
+        "model: llama-3.1-405b
+hardware: h100-sxm-80gb
+network: ib-ndr-400
+seq_len: 8192
+global_batch: 2048
+grid:
+  framework: [memfit]
+  micro_batch: [1, 2, 4]
+  checkpointing: [none, full]
+  sharding: [zero1, zero3]
+  gpus: [4096, 8192, 16384]
+  tensor_parallel: [4, 8]
+  pipeline_stages: [8, 16]
+  sequence_parallel: [false, true]
+",
+    ),
+];

@@ -381,7 +381,7 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
     }
     validate_pipeline(t, model)?;
     validate_tensor_parallel(t, model)?;
-    validate_sharding(t)
+    validate_sharding(t, MAX_RANKS)
 }
 
 /// Checks `--tensor-parallel` against the model and the other knobs.
@@ -495,7 +495,9 @@ pub fn validate_pipeline(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
 
 /// Checks `--ranks`, `--sharding`, `--bucket-view`, `--shard-group` and
 /// `--hpz-group` together.
-pub fn validate_sharding(t: &TrainConfig) -> Result<()> {
+/// Checks the sharding knobs and that `t.ranks` is at most `max_ranks`
+/// ([`MAX_RANKS`] for a run, which makes every rank; more for a plan).
+pub fn validate_sharding(t: &TrainConfig, max_ranks: usize) -> Result<()> {
     if t.shard_group > 0 {
         let d = t.data_ranks();
         let why = if !t.sharding.shards_optimizer() {
@@ -514,10 +516,10 @@ pub fn validate_sharding(t: &TrainConfig) -> Result<()> {
             return Err(Error::invalid_arg("--shard-group", why));
         }
     }
-    if !(1..=MAX_RANKS).contains(&t.ranks) {
+    if !(1..=max_ranks).contains(&t.ranks) {
         return Err(Error::invalid_arg(
             "--ranks",
-            format!("{} is outside 1..={MAX_RANKS}", t.ranks),
+            format!("{} is outside 1..={max_ranks}", t.ranks),
         ));
     }
     let stages = t.pipeline_stages;
@@ -621,7 +623,9 @@ fn hpz_refusal(t: &TrainConfig) -> Option<String> {
     })
 }
 
-/// Ranks one run may simulate (threads on cpu).
+/// Ranks one run may simulate (threads on cpu, or processes): each is a
+/// real engine with its own memory. A plan steps one rank per distinct
+/// place and prices the rest, so it goes further ([`crate::plan::MAX_GPUS`]).
 pub const MAX_RANKS: usize = 256;
 
 /// Runs `memfit run`. An out-of-memory run still returns its report (with

@@ -160,3 +160,49 @@ fn pipeline_stages_are_a_plan_axis_priced_stage_by_stage() {
         "{reason}"
     );
 }
+
+/// Llama 3 405B's pre-training layout (The Llama 3 Herd of Models, Table 4:
+/// 16,384 H100s, TP 8, PP 16, DP 128, sequences of 8,192, 16M-token
+/// batches) is planned, and a grid one GPU past the limit is refused.
+#[test]
+fn llama3_405b_on_16384_gpus_is_planned_and_more_is_refused() {
+    let recipe = |gpus: usize| {
+        format!(
+            "model: llama-3.1-405b\nhardware: h100-sxm-80gb\nnetwork: ib-ndr-400\nseq_len: 8192\nglobal_batch: 2048\ngrid:\n  framework: [memfit]\n  micro_batch: [1]\n  checkpointing: [none, full]\n  sharding: [zero1]\n  gpus: [{gpus}]\n  tensor_parallel: [8]\n  pipeline_stages: [16]\n  sequence_parallel: [false, true]\n"
+        )
+    };
+    let p = plan("llama3-405b", &recipe(16_384));
+    let points = p["points"].as_array().unwrap();
+    assert_eq!(points.len(), 4);
+    for x in points {
+        assert_eq!(x["point"]["gpus"], 16_384);
+        // 16 micro-batches of 1 sequence for each of the 128 replicas.
+        assert_eq!(x["point"]["grad_accum"], 16, "{x}");
+        assert!(
+            x["status"] == "fits" || x["status"] == "does_not_fit",
+            "{x}"
+        );
+        assert_eq!(x["links"], "intra_inter");
+    }
+    // ZeRO-1 over the 128 replicas shards optimizer states only: each GPU
+    // holds 1/128 of the model's weights (126 blocks over 16 stages, 8-way
+    // tensor parallel) in bf16, the first stage a slice of the embedding
+    // more. (Llama 3 ran FSDP under its pipeline; memfit, as DeepSpeed,
+    // refuses ZeRO-2/3 with pipeline stages.)
+    let z1 = points
+        .iter()
+        .find(|x| x["point"]["sequence_parallel"] == true && x["point"]["checkpointing"] == "full")
+        .unwrap();
+    let params = z1["peak_split"]["parameters"].as_u64().unwrap() as f64;
+    let share = 405_853_388_800.0 / 128.0 * 2.0;
+    assert!(
+        (params / share - 1.0).abs() < 0.1,
+        "{params} vs about {share}"
+    );
+    let path = scratch("llama3-405b-over").join("p.yaml");
+    std::fs::write(&path, recipe(16_385)).unwrap();
+    let out = memfit(&["plan", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(err.contains("grid.gpus") && err.contains("16384"), "{err}");
+}

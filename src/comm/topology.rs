@@ -148,6 +148,12 @@ pub struct Topology {
     pub inter: Link,
     /// The node's NVSwitches reduce in the switch (NVLink SHARP).
     pub nvls: bool,
+    /// Nodes under one non-blocking tier of the network, and how much the
+    /// tier above is oversubscribed: a group spanning more nodes than a pod
+    /// gets `1 / oversubscription` of its NIC bandwidth (a group that
+    /// crosses the spine shares it with every other pod's traffic).
+    pub pod_nodes: Option<usize>,
+    pub oversubscription: f64,
 }
 
 /// Where a group's ranks sit: `size` ranks, at most `ranks_per_node` of them
@@ -383,6 +389,10 @@ impl Topology {
             bandwidth: hw.interconnect_gbps * 1e9,
             latency: hw.intra_node_latency_us * 1e-6,
         };
+        let (pod_nodes, oversubscription) = match network {
+            Some(net) => (net.pod_nodes, net.oversubscription),
+            None => (hw.inter_node_pod_nodes, hw.inter_node_oversubscription),
+        };
         let inter = match network {
             Some(net) => Link {
                 name: net.name.clone(),
@@ -405,6 +415,8 @@ impl Topology {
             intra,
             inter,
             nvls,
+            pod_nodes: pod_nodes.map(|n| n as usize),
+            oversubscription,
         })
     }
 
@@ -548,6 +560,9 @@ impl Topology {
         // capped (NCCL's `llMaxBws`).
         let mut network_bw =
             self.inter.effective_bandwidth() * group.fewest_ranks_per_node() as f64 * fraction;
+        if self.pod_nodes.is_some_and(|pod| nodes > pod) {
+            network_bw /= self.oversubscription;
+        }
         if protocol == Protocol::Ll {
             network_bw = network_bw.min(LL_NETWORK_BUSBW);
         }
@@ -636,6 +651,31 @@ mod tests {
         // Fewer GPUs than a node: one node.
         assert_eq!(topo("l4", 3).nodes, 1);
         assert!(Topology::new(&load_hardware("l4").unwrap(), None, 0).is_err());
+    }
+
+    #[test]
+    fn groups_spanning_an_oversubscribed_pod_get_less_network() {
+        // A 2:1 fabric above pods of 32 nodes (256 H100s).
+        let text = "name: ib-2to1\ndisplay_name: NDR, 2:1 above 32 nodes\nnic_gbps: 50\nlatency_us: 2.7\npod_nodes: 32\noversubscription: 2\n";
+        let net = crate::config::hardware::parse_network_yaml(text, "ib-2to1.yaml").unwrap();
+        let full = load_network("ib-ndr-400").unwrap();
+        let hw = load_hardware("h100-sxm-80gb").unwrap();
+        let bytes = 1 << 30;
+        let price = |net, size: usize, per_node: usize| {
+            let t = Topology::new(&hw, Some(net), 16_384).unwrap();
+            let g = t.group(size, per_node).unwrap();
+            t.price(Op::AllReduce, bytes, &g).seconds
+        };
+        // Inside a pod: the same as a non-blocking fabric.
+        assert_eq!(price(&net, 32, 1), price(&full, 32, 1));
+        // A data-parallel group of 128 nodes, one rank per node: it crosses
+        // the spine, whose half bandwidth nearly doubles a large all-reduce.
+        let (slow, fast) = (price(&net, 128, 1), price(&full, 128, 1));
+        assert!(slow > 1.8 * fast && slow < 2.0 * fast, "{slow} vs {fast}");
+        // Keys are checked: less than 1 is refused with the key named.
+        let bad = text.replace("oversubscription: 2", "oversubscription: 0.5");
+        let e = crate::config::hardware::parse_network_yaml(&bad, "ib.yaml").unwrap_err();
+        assert!(e.to_string().contains("oversubscription"), "{e}");
     }
 
     #[test]

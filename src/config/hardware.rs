@@ -93,6 +93,12 @@ pub struct HardwareProfile {
     /// Microseconds one step of a collective takes across the network for a
     /// tiny message. Default 10 (TCP sockets).
     pub inter_node_latency_us: f64,
+    /// The network's non-blocking pod and the oversubscription above it
+    /// ([`NetworkProfile::pod_nodes`]); set by a network profile only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inter_node_pod_nodes: Option<u32>,
+    #[serde(skip_serializing_if = "is_one")]
+    pub inter_node_oversubscription: f64,
     // The host, for offload (ZeRO-Offload): optional keys too.
     /// Per GPU, per direction, GB/s of its link to host memory (PCIe).
     /// Default 32 (PCIe 4.0 x16).
@@ -110,6 +116,8 @@ impl HardwareProfile {
         self.inter_node = net.name.clone();
         self.inter_node_gbps = net.per_gpu_gbps(self.gpus_per_node);
         self.inter_node_latency_us = net.latency_us;
+        self.inter_node_pod_nodes = net.pod_nodes;
+        self.inter_node_oversubscription = net.oversubscription;
     }
 
     /// Peak dense FLOP/s for matmuls at `precision`.
@@ -164,6 +172,10 @@ const DEFAULT_INTER_NODE_LATENCY_US: f64 = 10.0;
 /// above any NVLink domain (GB200 NVL72 has 72).
 const MAX_PER_NODE: u32 = 1024;
 
+fn is_one(x: &f64) -> bool {
+    *x == 1.0
+}
+
 /// One network fabric, as a network profile file describes it.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct NetworkProfile {
@@ -177,6 +189,14 @@ pub struct NetworkProfile {
     /// Microseconds one step of a collective takes across this network for a
     /// tiny message.
     pub latency_us: f64,
+    /// Nodes under one non-blocking tier of the fabric (a leaf group, or a
+    /// DGX SuperPOD scalable unit of 32 nodes); `None`: the whole fabric
+    /// is non-blocking.
+    pub pod_nodes: Option<u32>,
+    /// How much the tier above `pod_nodes` is oversubscribed (2 for 2:1):
+    /// a group spanning more than one pod gets this fraction of its NIC
+    /// bandwidth. 1 (the default) is a full fat tree.
+    pub oversubscription: f64,
 }
 
 impl NetworkProfile {
@@ -198,6 +218,8 @@ struct RawNetwork {
     nic_gbps: f64,
     nics_per_node: Option<u32>,
     latency_us: f64,
+    pod_nodes: Option<u32>,
+    oversubscription: Option<f64>,
 }
 
 /// A size as written: "80GiB", or a bare number of bytes.
@@ -485,6 +507,8 @@ pub fn parse_hardware_yaml(text: &str, location: &str) -> Result<HardwareProfile
         inter_node,
         inter_node_gbps,
         inter_node_latency_us,
+        inter_node_pod_nodes: None,
+        inter_node_oversubscription: 1.0,
         host_link_gbps,
         host_memory_bandwidth_gbps,
         host_memory,
@@ -505,12 +529,28 @@ pub fn parse_network_yaml(text: &str, location: &str) -> Result<NetworkProfile> 
     if let Some(nics) = raw.nics_per_node {
         check_count(text, location, "nics_per_node", nics)?;
     }
+    if let Some(nodes) = raw.pod_nodes {
+        check_count(text, location, "pod_nodes", nodes)?;
+    }
+    let oversubscription = raw.oversubscription.unwrap_or(1.0);
+    if !(oversubscription.is_finite() && oversubscription >= 1.0) {
+        return Err(invalid_key(
+            text,
+            location,
+            "oversubscription",
+            format!(
+                "must be a finite number of at least 1 (1 is non-blocking, 2 is 2:1), not {oversubscription}"
+            ),
+        ));
+    }
     Ok(NetworkProfile {
         name: raw.name,
         display_name: raw.display_name,
         nic_gbps: raw.nic_gbps,
         nics_per_node: raw.nics_per_node,
         latency_us: raw.latency_us,
+        pod_nodes: raw.pod_nodes,
+        oversubscription,
     })
 }
 

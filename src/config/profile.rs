@@ -23,6 +23,7 @@ static BUILTIN_MODELS: &[(&str, &str)] = builtin!(
     "llama-3.2-1b",
     "llama-3.1-8b",
     "llama-3.1-70b",
+    "llama-3.1-405b",
     "mistral-7b",
 );
 
@@ -291,6 +292,8 @@ mod tests {
             ("llama-3.2-1b", 1_235_814_400),
             ("llama-3.1-8b", 8_030_261_248),
             ("llama-3.1-70b", 70_553_706_496),
+            // meta-llama/Llama-3.1-405B's safetensors index: 405,853,388,800.
+            ("llama-3.1-405b", 405_853_388_800),
             ("mistral-7b", 7_248_023_552),
         ];
         for &(name, params) in expected {

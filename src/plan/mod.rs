@@ -839,13 +839,12 @@ fn check_recipe(
             ));
         }
     }
-    if let Some(&v) = g.gpus.iter().find(|&&v| v > crate::run::MAX_RANKS) {
+    if let Some(&v) = g.gpus.iter().find(|&&v| v > MAX_GPUS) {
         return Err(err(
             "gpus",
             Some(&v.to_string()),
             format!(
-                "`grid.gpus` value {v} is more than {} ranks",
-                crate::run::MAX_RANKS
+                "`grid.gpus` value {v} is more than {MAX_GPUS}, the most a plan prices (Llama 3 405B's pre-training ran on 16,384 GPUs); split a bigger job into the layout of one of its replicas"
             ),
         ));
     }
@@ -866,6 +865,13 @@ fn check_recipe(
     }
     Ok(())
 }
+
+/// The most GPUs a plan prices. A plan steps one engine per distinct
+/// place in the layout (a pipeline stage's first tensor-parallel rank) and
+/// prices the data-parallel replicas and collectives arithmetically, so its
+/// cost does not grow with the data-parallel degree; 16,384 is the largest
+/// published dense run (Llama 3 405B, The Llama 3 Herd of Models, §3.3).
+pub const MAX_GPUS: usize = 16_384;
 
 /// Every grid point in a stable order (the recipe's list orders, gpus
 /// outermost, micro-batch innermost). A value listed twice gives one point
@@ -968,10 +974,12 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
             p.gpus
         ));
     }
-    crate::run::validate_sharding(&tc).err().map(|e| match e {
-        Error::InvalidArg { message, .. } => message,
-        other => other.to_string(),
-    })
+    crate::run::validate_sharding(&tc, MAX_GPUS)
+        .err()
+        .map(|e| match e {
+            Error::InvalidArg { message, .. } => message,
+            other => other.to_string(),
+        })
 }
 
 /// The closed form for a point: `w + g + k` bytes per parameter, divided
