@@ -599,10 +599,17 @@ pub struct WatchArgs {
     /// Seconds between SIGTERM and SIGKILL when q or Ctrl-C stops the command.
     #[arg(long, default_value_t = 10.0, value_parser = seconds, value_name = "SECS")]
     pub grace: f64,
+    /// The folder watch writes into when not given a file: with the
+    /// full-screen view, the command's output goes to
+    /// DIR/<UTC date-time>-<program>-<memfit's pid>.log, one file per watch
+    /// (created only when something is written).
+    #[arg(long, default_value = "memfit-watch", value_name = "DIR")]
+    pub out: PathBuf,
     /// With the full-screen view, the command's stdout and stderr go to this
-    /// file (its last lines are shown in a panel).
-    #[arg(long, default_value = "memfit-watch.log", value_name = "FILE")]
-    pub log: PathBuf,
+    /// file instead (its last lines are shown in a panel) [default: a new
+    /// file in --out].
+    #[arg(long, value_name = "FILE")]
+    pub log: Option<PathBuf>,
     #[command(flatten)]
     pub predict: PredictArgs,
     /// The command to start and watch, after `--`; without it (and --pid),
