@@ -6,7 +6,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::backend::DeviceSpec;
 use crate::config::profile::load_model;
-use crate::config::recipe::{RunRecipe, load_run_recipe};
+use crate::config::recipe::{RunDevice, RunRecipe, load_run_recipe};
 use crate::engine::{
     Attention, Checkpointing, Finetune, Framework, LoraConfig, Offload, Optimizer, OptimizerImpl,
     Precision, Schedule, Sharding, TrainConfig, lora::Target,
@@ -774,10 +774,13 @@ pub struct RunArgs {
     /// Optimizer steps; meta always plans exactly one [default: 20].
     #[arg(long)]
     pub steps: Option<usize>,
-    /// cpu or meta, optionally with an emulated capacity, e.g. cpu:limit=512MiB
-    /// [default: cpu, whose capacity is the host's available memory].
-    #[arg(long)]
-    pub device: Option<DeviceSpec>,
+    /// cpu or meta, optionally with an emulated capacity (cpu:limit=512MiB),
+    /// cuda[:N], or meta:GPU to predict a GPU profile (see `memfit
+    /// profiles`): the cuda backend's allocations within the GPU's memory
+    /// less its runtime overhead [default: cpu, whose capacity is the host's
+    /// available memory].
+    #[arg(long, value_name = "DEVICE")]
+    pub device: Option<RunDevice>,
     /// Byte-level text to train on: a file, or a directory read recursively.
     /// Without it, a seeded synthetic token stream.
     #[arg(long)]
@@ -1157,6 +1160,16 @@ impl RunArgs {
                 }
             }
         }
+        let (device, target) = match self.device.clone().or(r.device.clone()) {
+            None => (DeviceSpec::new(crate::backend::DeviceKind::Cpu, None), None),
+            Some(RunDevice::Device(d)) => (d, None),
+            // As `memfit balance --device meta:GPU`: the tensors get what
+            // the runtime leaves of the GPU's memory.
+            Some(RunDevice::Gpu(hw)) => (
+                DeviceSpec::new(crate::backend::DeviceKind::Meta, Some(hw.usable_memory())),
+                Some(hw),
+            ),
+        };
         Ok(RunOptions {
             model: self
                 .model
@@ -1219,15 +1232,8 @@ impl RunArgs {
                 ..d
             },
             steps: self.steps.or(r.steps).unwrap_or(20),
-            device: self
-                .device
-                .clone()
-                .or(r.device.clone())
-                .unwrap_or(DeviceSpec {
-                    kind: crate::backend::DeviceKind::Cpu,
-                    limit: None,
-                    ordinal: None,
-                }),
+            device,
+            target,
             data: self.data.clone().or(r.data.clone()),
             // The recipe's key is checked as the flag is (clap): a pool of
             // 100,000 threads takes minutes to start.

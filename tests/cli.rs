@@ -1,7 +1,7 @@
 //! `memfit run` as a user runs it: output documents, exit codes, error messages.
 
 mod common;
-use common::{json, memfit, stderr};
+use common::{json, memfit, ok_json, stderr};
 
 #[test]
 fn run_json_carries_the_documented_fields() {
@@ -633,4 +633,143 @@ fn models_and_profiles_print_documented_json() {
     }
     let out = memfit(&["models", "--format", "yaml"]);
     assert_eq!(out.status.code(), Some(2));
+}
+
+/// `run --device meta` (12.46 GiB) and `watch` (18.42 GiB) answered "gpt2,
+/// T=1024, micro-batch 8" differently with nothing saying why, and `run
+/// --device meta:t4` was refused though balance took meta:GPU. Now run
+/// predicts a GPU profile, and both name their allocation profile.
+#[test]
+fn run_predicts_a_gpu_profile_and_names_its_allocation_profile() {
+    let gpt2 = [
+        "run",
+        "--model",
+        "gpt2",
+        "--seq-len",
+        "1024",
+        "--micro-batch",
+        "8",
+    ];
+    let doc = ok_json(&gpt2, &["--device", "meta", "--format", "json"]);
+    assert_eq!(doc["allocation_profile"], "memfit engine");
+    assert_eq!(doc["config"]["framework"], "memfit");
+    assert!(doc.get("target").is_none());
+    let engine = doc["peak_bytes"]["total"].as_u64().unwrap();
+
+    let doc = ok_json(&gpt2, &["--device", "meta:a100-80gb", "--format", "json"]);
+    assert_eq!(doc["device"], "meta");
+    assert_eq!(doc["target"]["name"], "a100-80gb");
+    let t = &doc["target"];
+    assert_eq!(
+        doc["capacity_bytes"].as_u64().unwrap(),
+        t["memory_bytes"].as_u64().unwrap() - t["runtime_overhead_bytes"].as_u64().unwrap()
+    );
+    assert_eq!(doc["allocation_profile"], "memfit engine");
+    // The cuda backend declares no workspace eager attention needs.
+    assert_eq!(doc["peak_bytes"]["total"].as_u64().unwrap(), engine);
+
+    let hf = ok_json(
+        &gpt2,
+        &[
+            "--device",
+            "meta:a100-80gb",
+            "--framework",
+            "hf-eager",
+            "--format",
+            "json",
+        ],
+    );
+    assert_eq!(
+        hf["allocation_profile"],
+        "hf-eager (PyTorch eager + transformers)"
+    );
+    assert!(hf["allocator"]["max_memory_reserved"].as_u64().is_some());
+    let pytorch = hf["peak_bytes"]["total"].as_u64().unwrap();
+    assert!(pytorch > engine, "{pytorch} vs {engine}");
+
+    // watch predicts hf-eager by default: the same number, named the same.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .env("MEMFIT_NVML_LIB", "/nonexistent/libnvidia-ml.so.1")
+        .args([
+            "watch",
+            "--no-tui",
+            "--format",
+            "json",
+            "--model",
+            "gpt2",
+            "--seq-len",
+            "1024",
+            "--micro-batch",
+            "8",
+            "--",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let w = json(&out);
+    assert_eq!(
+        w["prediction"]["tracked_peak_bytes"].as_u64(),
+        Some(pytorch)
+    );
+    assert_eq!(w["prediction"]["framework"], "hf-eager");
+    assert_eq!(
+        w["prediction"]["allocation_profile"],
+        "hf-eager (PyTorch eager + transformers)"
+    );
+    assert!(
+        stderr(&out).contains("allocation profile: hf-eager (PyTorch eager + transformers)"),
+        "{}",
+        stderr(&out)
+    );
+
+    // The table says it too, and what the target leaves for tensors.
+    let out = memfit(&[&gpt2[..], &["--device", "meta:t4"]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    for needle in [
+        "on meta predicting t4 (NVIDIA T4",
+        "allocation profile: memfit engine; --framework hf-eager",
+        "768.00 MiB runtime overhead",
+        "capacity 14.25 GiB",
+    ] {
+        assert!(text.contains(needle), "{needle} missing from:\n{text}");
+    }
+    // PyTorch's tensors for the same step do not fit a T4: exit 3, with the report.
+    let out = memfit(
+        &[
+            &gpt2[..],
+            &[
+                "--device",
+                "meta:t4",
+                "--framework",
+                "hf-eager",
+                "--format",
+                "json",
+            ],
+        ]
+        .concat(),
+    );
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    assert_eq!(json(&out)["error"]["kind"], "oom");
+
+    // A misspelt GPU is bad input, with the closest name.
+    common::refused(&["run", "--device", "meta:t5"], "did you mean `t4`");
+    common::refused(
+        &["run", "--device", "meta:1"],
+        "only cuda devices are numbered",
+    );
+    // A run recipe's `device:` takes it too.
+    let dir = common::scratch("meta-gpu-recipe");
+    let recipe = dir.join("run.yaml");
+    std::fs::write(&recipe, "model: gpt2-tiny\ndevice: meta:l4\n").unwrap();
+    let doc = ok_json(
+        &["run", "--recipe", recipe.to_str().unwrap()],
+        &["--format", "json"],
+    );
+    assert_eq!(doc["target"]["name"], "l4");
+    std::fs::write(&recipe, "model: gpt2-tiny\ndevice: meta:l5\n").unwrap();
+    let msg = common::refused(&["run", "--recipe", recipe.to_str().unwrap()], "`l4`");
+    assert!(msg.contains("run.yaml:2:9"), "{msg}");
+    std::fs::remove_dir_all(dir).unwrap();
 }

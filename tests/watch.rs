@@ -583,6 +583,8 @@ fn job_state() -> WatchState {
         knobs: "seq 4096 x micro-batch 1, bf16, adamw, fused attention".into(),
         ranks: 1,
         tracked_peak_bytes: 66 * GIB,
+        framework: memfit::engine::Framework::HfEager,
+        allocation_profile: "hf-eager (PyTorch eager + transformers)".into(),
     });
     st.log_path = Some("memfit-watch.log".into());
     st.push_log("step 10 loss 3.21".into());

@@ -262,7 +262,9 @@ pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
         hpz_group: None,
     };
     let mut opts = run.options()?;
+    // The watched GPU is whatever NVML shows: no profile's capacity.
     opts.device = crate::backend::DeviceSpec::new(crate::backend::DeviceKind::Meta, None);
+    opts.target = None;
     let model = crate::config::profile::load_model(&opts.model)?;
     crate::run::validate(&opts, &model)?;
     let (report, _) = crate::run::run_meta(
@@ -289,10 +291,9 @@ pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
     if t.ranks > 1 {
         knobs += &format!(", {} ranks {}", t.ranks, name(t.sharding));
     }
-    knobs += &format!(", {}", t.framework.name());
     if let Some(a) = report.allocator {
         knobs += &format!(
-            " (PyTorch's allocator would reserve {})",
+            "; PyTorch's allocator would reserve {}",
             crate::units::fmt_bytes(a.max_memory_reserved)
         );
     }
@@ -301,6 +302,8 @@ pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
         knobs,
         ranks: t.ranks,
         tracked_peak_bytes: report.peak_bytes.total,
+        framework: t.framework,
+        allocation_profile: report.allocation_profile,
     }))
 }
 
@@ -691,6 +694,7 @@ fn headless(s: &mut Session) {
             p.model,
             p.knobs
         );
+        eprintln!("memfit watch: allocation profile: {}", p.profile_note());
     }
     let mut printed_peak = 0u64;
     let mut last_line: Option<Instant> = None;
@@ -1149,6 +1153,10 @@ pub fn render_summary(s: &Summary) -> String {
                 p.prediction.model,
                 p.prediction.knobs
             ),
+        );
+        kv(
+            "",
+            format!("allocation profile: {}", p.prediction.profile_note()),
         );
         match (p.measured_minus_predicted_bytes, s.job_peak_bytes) {
             (Some(d), Some(b)) => kv(
