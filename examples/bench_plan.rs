@@ -1,5 +1,5 @@
 //! Planner speed: one llama-3.1-70b configuration, and a grid of more than a
-//! thousand points, on the meta backend. Prints the figures the README records.
+//! thousand points, on the meta backend. Prints the figures docs/benchmarks.md records.
 //!
 //! `cargo run --release --example bench_plan`
 
