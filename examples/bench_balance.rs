@@ -1,7 +1,7 @@
 //! `memfit balance` speed: the exact split of llama-3.1-70b's 82 pipeline
 //! layers into 16 stages (32 micro-batches, 1F1B, bf16, 8-bit AdamW, full
 //! checkpointing, T=4096) for H100s on the meta backend, by memory and by
-//! time (every stage within the 80 GB). Prints the figures the README records.
+//! time (every stage within the 80 GB). Prints the figures docs/benchmarks.md records.
 //!
 //! `cargo run --release --example bench_balance`
 

@@ -1,9 +1,9 @@
 //! Planner speed: one llama-3.1-70b configuration, a grid of more than a
-//! thousand points, and the three grids the README's targets name (2,880
+//! thousand points, and the three grids of the speed targets (2,880
 //! hf-eager points, a 768-point tensor x pipeline grid on 64 GPUs, a
 //! 16,384-GPU Llama 3 405B layout grid), each planned as `memfit plan`
 //! plans a recipe file; then the process's peak RSS. Prints the figures
-//! the README records.
+//! docs/benchmarks.md records.
 //!
 //! `cargo run --release --example bench_plan`
 

@@ -4,7 +4,7 @@
 //! while a second sweep of the same recipe loads the machine, then prints
 //! each run's recommendation and its declared tie, and whether one
 //! configuration is the recommendation or inside the declared tie in every
-//! run (the README's target: 3 of 3).
+//! run (docs/benchmarks.md's target: 3 of 3).
 //!
 //! `cargo build --release && cargo run --release --example bench_stability [N] [recipe]`
 //! (it drives the built `target/release/memfit`).

@@ -1,5 +1,5 @@
 //! Prints memfit `hf-eager` against PyTorch's MemTracker for every
-//! configuration in tests/reference/hf_memory.json (the README's table):
+//! configuration in tests/reference/hf_memory.json (docs/hf-eager.md's table):
 //! `cargo run --release --example hf_reference`.
 
 use std::path::Path;

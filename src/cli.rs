@@ -6,7 +6,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::backend::DeviceSpec;
 use crate::config::profile::load_model;
-use crate::config::recipe::{RunRecipe, load_run_recipe};
+use crate::config::recipe::{RunDevice, RunRecipe, load_run_recipe};
 use crate::engine::{
     Attention, Checkpointing, Finetune, Framework, LoraConfig, Offload, Optimizer, OptimizerImpl,
     Precision, Schedule, Sharding, TrainConfig, lora::Target,
@@ -34,9 +34,9 @@ pub enum Command {
     /// anything. Knobs come from flags, a run recipe (--recipe) or defaults.
     Run(Box<RunArgs>),
     /// List the built-in model profiles.
-    Models,
-    /// List the built-in model and hardware profiles.
-    Profiles,
+    Models(ListArgs),
+    /// List the built-in model, hardware (GPU) and network profiles.
+    Profiles(ListArgs),
     /// Predict memory, time and cost for a recipe's grid; pick the cheapest fit.
     ///
     /// Every grid point runs one step of the engine on the meta backend, so
@@ -108,6 +108,21 @@ pub enum Command {
     /// `memfit run --ranks N` does with threads. When a rank fails, the
     /// others are stopped and its exit code is this command's.
     Launch(LaunchArgs),
+    /// Print a shell completion script for memfit's commands and flags.
+    ///
+    /// Generated from the same definitions as --help. Install it where the
+    /// shell looks: bash, `memfit completions bash >
+    /// ~/.local/share/bash-completion/completions/memfit`; zsh, as `_memfit`
+    /// in a directory of $fpath; fish, `memfit completions fish >
+    /// ~/.config/fish/completions/memfit.fish`.
+    Completions(CompletionsArgs),
+    /// Print memfit's man page (roff), or write one page per command with --out.
+    ///
+    /// Generated from the same definitions as --help: `memfit man | man -l -`
+    /// reads it now; `memfit man --out DIR` writes memfit.1 and
+    /// memfit-<command>.1 for each command into DIR (e.g.
+    /// ~/.local/share/man/man1).
+    Man(ManArgs),
     /// Runs one sweep trial (memfit re-executes itself; not for direct use).
     #[command(hide = true)]
     Trial {
@@ -115,6 +130,108 @@ pub enum Command {
         #[arg(long)]
         spec: String,
     },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ListArgs {
+    /// Output format (json: the fields are listed in docs/cli.md).
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct CompletionsArgs {
+    /// The shell to complete for.
+    #[arg(value_enum)]
+    pub shell: Shell,
+}
+
+/// The shells `memfit completions` writes for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Shell {
+    /// Bash 4 or later, with bash-completion.
+    Bash,
+    /// Zsh (the `_memfit` completion function).
+    Zsh,
+    /// The fish shell.
+    Fish,
+    /// Elvish.
+    Elvish,
+    /// PowerShell (Windows PowerShell or pwsh).
+    Powershell,
+}
+
+impl From<Shell> for clap_complete::Shell {
+    fn from(s: Shell) -> Self {
+        match s {
+            Shell::Bash => clap_complete::Shell::Bash,
+            Shell::Zsh => clap_complete::Shell::Zsh,
+            Shell::Fish => clap_complete::Shell::Fish,
+            Shell::Elvish => clap_complete::Shell::Elvish,
+            Shell::Powershell => clap_complete::Shell::PowerShell,
+        }
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ManArgs {
+    /// Write memfit.1 and one memfit-<command>.1 page per command into this
+    /// directory (created if missing) instead of printing memfit.1.
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+}
+
+/// Writes the completion script for `shell` to `out`.
+pub fn write_completions(shell: Shell, out: &mut dyn std::io::Write) {
+    use clap::CommandFactory;
+    // clap_complete offers hidden commands too (bash does): rebuilt
+    // without them, so `memfit trial`, which memfit runs itself, is not
+    // offered.
+    let full = Cli::command();
+    let mut cmd = clap::Command::new("memfit")
+        .version(env!("CARGO_PKG_VERSION"))
+        .about(full.get_about().cloned().unwrap_or_default())
+        .args(full.get_arguments().cloned())
+        .subcommands(full.get_subcommands().filter(|s| !s.is_hide_set()).cloned());
+    clap_complete::generate(clap_complete::Shell::from(shell), &mut cmd, "memfit", out);
+}
+
+/// The command as the man pages describe it: built, without the `help`
+/// subcommand (its page would say nothing `--help` does not).
+fn man_command() -> clap::Command {
+    use clap::CommandFactory;
+    let mut cmd = Cli::command().disable_help_subcommand(true);
+    cmd.build();
+    cmd
+}
+
+/// Writes memfit.1, the page for memfit itself, to `out`.
+pub fn write_man(out: &mut dyn std::io::Write) -> std::io::Result<()> {
+    clap_mangen::Man::new(man_command()).render(out)
+}
+
+/// Writes memfit.1 and memfit-<command>.1 for every visible command into
+/// `dir`, creating it; returns the files written.
+pub fn write_man_pages(dir: &std::path::Path) -> Result<Vec<PathBuf>> {
+    let write_err = |e: std::io::Error| Error::Write {
+        path: dir.to_path_buf(),
+        source: e,
+    };
+    std::fs::create_dir_all(dir).map_err(write_err)?;
+    let cmd = man_command();
+    let mut pages = Vec::new();
+    for sub in cmd.get_subcommands().filter(|s| !s.is_hide_set()) {
+        let page = clap_mangen::Man::new(sub.clone());
+        let path = dir.join(page.get_filename());
+        page.generate_to(dir).map_err(|e| Error::Write {
+            path: path.clone(),
+            source: e,
+        })?;
+        pages.push(path);
+    }
+    let page = clap_mangen::Man::new(cmd);
+    pages.push(page.generate_to(dir).map_err(write_err)?);
+    Ok(pages)
 }
 
 #[derive(Debug, clap::Args)]
@@ -482,10 +599,17 @@ pub struct WatchArgs {
     /// Seconds between SIGTERM and SIGKILL when q or Ctrl-C stops the command.
     #[arg(long, default_value_t = 10.0, value_parser = seconds, value_name = "SECS")]
     pub grace: f64,
+    /// The folder watch writes into when not given a file: with the
+    /// full-screen view, the command's output goes to
+    /// DIR/<UTC date-time>-<program>-<memfit's pid>.log, one file per watch
+    /// (created only when something is written).
+    #[arg(long, default_value = "memfit-watch", value_name = "DIR")]
+    pub out: PathBuf,
     /// With the full-screen view, the command's stdout and stderr go to this
-    /// file (its last lines are shown in a panel).
-    #[arg(long, default_value = "memfit-watch.log", value_name = "FILE")]
-    pub log: PathBuf,
+    /// file instead (its last lines are shown in a panel) [default: a new
+    /// file in --out].
+    #[arg(long, value_name = "FILE")]
+    pub log: Option<PathBuf>,
     #[command(flatten)]
     pub predict: PredictArgs,
     /// The command to start and watch, after `--`; without it (and --pid),
@@ -650,10 +774,13 @@ pub struct RunArgs {
     /// Optimizer steps; meta always plans exactly one [default: 20].
     #[arg(long)]
     pub steps: Option<usize>,
-    /// cpu or meta, optionally with an emulated capacity, e.g. cpu:limit=512MiB
-    /// [default: cpu, whose capacity is the host's available memory].
-    #[arg(long)]
-    pub device: Option<DeviceSpec>,
+    /// cpu or meta, optionally with an emulated capacity (cpu:limit=512MiB),
+    /// cuda[:N], or meta:GPU to predict a GPU profile (see `memfit
+    /// profiles`): the cuda backend's allocations within the GPU's memory
+    /// less its runtime overhead [default: cpu, whose capacity is the host's
+    /// available memory].
+    #[arg(long, value_name = "DEVICE")]
+    pub device: Option<RunDevice>,
     /// Byte-level text to train on: a file, or a directory read recursively.
     /// Without it, a seeded synthetic token stream.
     #[arg(long)]
@@ -1033,6 +1160,16 @@ impl RunArgs {
                 }
             }
         }
+        let (device, target) = match self.device.clone().or(r.device.clone()) {
+            None => (DeviceSpec::new(crate::backend::DeviceKind::Cpu, None), None),
+            Some(RunDevice::Device(d)) => (d, None),
+            // As `memfit balance --device meta:GPU`: the tensors get what
+            // the runtime leaves of the GPU's memory.
+            Some(RunDevice::Gpu(hw)) => (
+                DeviceSpec::new(crate::backend::DeviceKind::Meta, Some(hw.usable_memory())),
+                Some(hw),
+            ),
+        };
         Ok(RunOptions {
             model: self
                 .model
@@ -1095,15 +1232,8 @@ impl RunArgs {
                 ..d
             },
             steps: self.steps.or(r.steps).unwrap_or(20),
-            device: self
-                .device
-                .clone()
-                .or(r.device.clone())
-                .unwrap_or(DeviceSpec {
-                    kind: crate::backend::DeviceKind::Cpu,
-                    limit: None,
-                    ordinal: None,
-                }),
+            device,
+            target,
             data: self.data.clone().or(r.data.clone()),
             // The recipe's key is checked as the flag is (clap): a pool of
             // 100,000 threads takes minutes to start.

@@ -23,6 +23,7 @@ pub mod launch;
 pub mod memory;
 pub mod nf4;
 pub mod plan;
+pub mod profiles_cmd;
 pub mod reference;
 pub mod rng;
 pub mod run;

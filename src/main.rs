@@ -3,8 +3,6 @@ use std::process::ExitCode;
 use clap::Parser;
 
 use memfit::cli::{Cli, Command, Format, PlanFormat};
-use memfit::config::hardware::{builtin_hardware, load_hardware};
-use memfit::config::profile::{builtin_models, load_model};
 use memfit::run::{render_table, run};
 
 /// Whether this command may open the cuda backend: then the NVIDIA
@@ -160,50 +158,70 @@ fn main() -> ExitCode {
         Command::Calibrate(args) => calibrate_main(&args),
         Command::Selftest(args) => selftest_main(&args),
         Command::Watch(args) => memfit::watch::watch_main(&args),
-        Command::Profiles => {
-            print_models();
-            println!(
-                "\n{:<16} {:<28} {:>10} {:>10} {:>10} {:>8}",
-                "hardware", "", "memory", "bf16 TF/s", "HBM GB/s", "$/hour"
-            );
-            for (name, _) in builtin_hardware() {
-                match load_hardware(name) {
-                    Ok(h) => println!(
-                        "{:<16} {:<28} {:>10} {:>10.1} {:>10.0} {:>8.2}",
-                        name,
-                        h.display_name,
-                        memfit::units::fmt_bytes(h.memory),
-                        h.bf16_tflops,
-                        h.memory_bandwidth_gbps,
-                        h.usd_per_hour
-                    ),
-                    Err(e) => eprintln!("memfit: {e}"),
-                }
-            }
+        Command::Profiles(args) => list_main(true, args.format),
+        Command::Models(args) => list_main(false, args.format),
+        Command::Completions(args) => {
+            memfit::cli::write_completions(args.shell, &mut std::io::stdout().lock());
             0
         }
-        Command::Models => {
-            print_models();
-            0
-        }
+        Command::Man(args) => man_main(&args),
     };
     ExitCode::from(code as u8)
 }
 
-fn print_models() {
-    {
-        println!("{:<16} {:<6} {:>16}", "name", "family", "parameters");
-        for (name, _) in builtin_models() {
-            match load_model(name) {
-                Ok(m) => println!(
-                    "{:<16} {:<6} {:>16}",
-                    name,
-                    format!("{:?}", m.family).to_lowercase(),
-                    m.num_parameters()
+/// `memfit models` (`all` false) and `memfit profiles`.
+fn list_main(all: bool, format: Format) -> i32 {
+    match memfit::profiles_cmd::catalog(all) {
+        Ok(c) => {
+            match format {
+                Format::Json => println!(
+                    "{}",
+                    serde_json::to_string_pretty(&c).expect("catalog serialises")
                 ),
-                Err(e) => eprintln!("memfit: {e}"),
+                Format::Table => print!("{}", memfit::profiles_cmd::render_table(&c)),
+            }
+            0
+        }
+        Err(e) => {
+            eprintln!("memfit: {e}");
+            e.exit_code()
+        }
+    }
+}
+
+/// `memfit man`: memfit.1 on stdout, or every page into `--out`.
+fn man_main(args: &memfit::cli::ManArgs) -> i32 {
+    use std::io::Write;
+    match &args.out {
+        None => {
+            let mut out = std::io::stdout().lock();
+            match memfit::cli::write_man(&mut out).and_then(|()| out.flush()) {
+                Ok(()) => 0,
+                // A closed pipe (`memfit man | head`) is not worth a message.
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => 0,
+                Err(e) => {
+                    eprintln!("memfit: cannot write the man page: {e}");
+                    2
+                }
             }
         }
+        Some(dir) => match memfit::cli::write_man_pages(dir) {
+            Ok(pages) => {
+                eprintln!(
+                    "memfit: wrote {} man pages into {} (read one with `man -l {}`)",
+                    pages.len(),
+                    dir.display(),
+                    pages
+                        .last()
+                        .map_or(String::new(), |p| p.display().to_string())
+                );
+                0
+            }
+            Err(e) => {
+                eprintln!("memfit: {e}");
+                e.exit_code()
+            }
+        },
     }
 }
 

@@ -2,7 +2,7 @@
 //! `tests/reference/hf_memory.py` wrote (PyTorch's `MemTracker` over one
 //! steady-state step of a Hugging Face model) and plans the same
 //! configuration on meta. `tests/hf_reference.rs` holds every configuration
-//! to the tolerances; `examples/hf_reference.rs` prints the table the README
+//! to the tolerances; `examples/hf_reference.rs` prints the table docs/hf-eager.md
 //! records.
 
 use std::path::Path;

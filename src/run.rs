@@ -33,6 +33,10 @@ pub struct RunOptions {
     pub train: TrainConfig,
     pub steps: usize,
     pub device: DeviceSpec,
+    /// `--device meta:GPU`: the GPU profile a meta run predicts. meta then
+    /// emulates the cuda backend, and `device.limit` is the profile's
+    /// memory less its runtime overhead.
+    pub target: Option<crate::config::hardware::HardwareProfile>,
     pub data: Option<PathBuf>,
     /// cpu worker threads; `None` uses every core.
     pub threads: Option<usize>,
@@ -165,7 +169,14 @@ pub struct RunReport {
     pub num_parameters: u64,
     pub config: RunConfigRecord,
     pub device: String,
+    /// `--device meta:GPU`: the GPU profile predicted for (its memory less
+    /// its runtime overhead is `capacity_bytes`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub target: Option<TargetRecord>,
     pub capacity_bytes: Option<u64>,
+    /// Whose allocations the peaks are (`config.framework` in words):
+    /// `memfit engine`, or `hf-eager (PyTorch eager + transformers)`.
+    pub allocation_profile: String,
     pub steps: Vec<StepRecord>,
     /// Tokens per step over the median step time after the warm-up step;
     /// `None` on meta.
@@ -201,6 +212,15 @@ pub struct RunReport {
     /// Offload only: host memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host: Option<HostRecord>,
+}
+
+/// The GPU profile a `--device meta:GPU` run predicts.
+#[derive(Clone, Debug, Serialize)]
+pub struct TargetRecord {
+    pub name: String,
+    pub display_name: String,
+    pub memory_bytes: u64,
+    pub runtime_overhead_bytes: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -638,6 +658,10 @@ pub fn run(opts: &RunOptions) -> Result<(RunReport, Option<Error>)> {
     let opts = &shared;
     let n = opts.train.ranks;
     match opts.device.kind {
+        // `meta` predicts this host's cpu backend; `meta:GPU` the cuda one.
+        DeviceKind::Meta if opts.target.is_some() => {
+            run_meta(opts, model, MetaBackend::emulating_cuda())
+        }
         DeviceKind::Meta => run_meta(opts, model, MetaBackend::emulating_cpu()),
         DeviceKind::Cpu => {
             let threads = opts
@@ -1318,7 +1342,14 @@ where
             },
         },
         device: opts.device.kind.to_string(),
+        target: opts.target.as_ref().map(|hw| TargetRecord {
+            name: hw.name.clone(),
+            display_name: hw.display_name.clone(),
+            memory_bytes: hw.memory,
+            runtime_overhead_bytes: hw.runtime_overhead,
+        }),
         capacity_bytes: opts.device.limit,
+        allocation_profile: opts.train.framework.profile_label().to_string(),
         steps: Vec::new(),
         tokens_per_s: None,
         tokens_per_step: opts.train.micro_batch
@@ -1653,7 +1684,10 @@ pub fn render_table(r: &RunReport) -> String {
         "{} ({} parameters) on {}: micro-batch {} x seq-len {} x grad-accum {}, {}, {}, checkpointing {}, {} attention{}",
         r.model,
         r.num_parameters,
-        r.device,
+        match &r.target {
+            Some(t) => format!("meta predicting {} ({})", t.name, t.display_name),
+            None => r.device.clone(),
+        },
         c.train.micro_batch,
         c.train.seq_len,
         c.train.grad_accum,
@@ -1665,27 +1699,47 @@ pub fn render_table(r: &RunReport) -> String {
             .map_or(String::new(), |t| format!(", {t} threads")),
     );
     let t = &c.train;
-    if t.framework != Framework::Memfit || t.finetune != Finetune::Full {
-        let mut what = vec![format!("framework {}", t.framework.name())];
-        if t.finetune != Finetune::Full {
-            let targets = match t.lora.targets.is_empty() {
-                true => "every projection".to_string(),
-                false => t
-                    .lora
-                    .targets
-                    .iter()
-                    .map(|x| crate::plan::name(*x))
-                    .collect::<Vec<_>>()
-                    .join(","),
-            };
-            what.push(format!(
-                "{} r={} alpha={} on {targets}",
-                crate::plan::name(t.finetune),
-                t.lora.rank,
-                t.lora.alpha
-            ));
+    // Plans and `memfit watch` predict hf-eager by default, run the
+    // engine's own schedule: say whose allocations these are, and how to
+    // get the other.
+    let _ = writeln!(
+        s,
+        "allocation profile: {}; {}",
+        r.allocation_profile,
+        match t.framework {
+            Framework::Memfit =>
+                "--framework hf-eager gives PyTorch eager + transformers, which plan and watch predict by default",
+            Framework::HfEager => "--framework memfit gives memfit's engine",
         }
-        let _ = writeln!(s, "{}", what.join(", "));
+    );
+    if let Some(tg) = &r.target {
+        let _ = writeln!(
+            s,
+            "target: {}, {} of which {} runtime overhead (CUDA context, libraries), so {} for tensors; meta emulates the cuda backend",
+            tg.display_name,
+            fmt_bytes(tg.memory_bytes),
+            fmt_bytes(tg.runtime_overhead_bytes),
+            fmt_bytes(tg.memory_bytes.saturating_sub(tg.runtime_overhead_bytes))
+        );
+    }
+    if t.finetune != Finetune::Full {
+        let targets = match t.lora.targets.is_empty() {
+            true => "every projection".to_string(),
+            false => t
+                .lora
+                .targets
+                .iter()
+                .map(|x| crate::plan::name(*x))
+                .collect::<Vec<_>>()
+                .join(","),
+        };
+        let _ = writeln!(
+            s,
+            "{} r={} alpha={} on {targets}",
+            crate::plan::name(t.finetune),
+            t.lora.rank,
+            t.lora.alpha
+        );
     }
     if let Some(a) = r.allocator {
         let _ = writeln!(

@@ -182,6 +182,7 @@ fn run_opts(model: &str, train: &TrainConfig, steps: usize, device: DeviceSpec) 
         train: train.clone(),
         steps,
         device,
+        target: None,
         data: None,
         threads: None,
         timeline: None,
@@ -243,6 +244,7 @@ pub fn selftest(device: &DeviceSpec, steps: usize, seed: u64) -> Result<Selftest
             crate::run::run_meta(
                 &RunOptions {
                     device: DeviceSpec::new(DeviceKind::Meta, None),
+                    target: None,
                     ..cuda_opts.clone()
                 },
                 model_cfg,

@@ -727,7 +727,7 @@ fn format_help_showed_rustdoc_link_text() {
     for flag in ["--per-category", "--allow-missing", "--tolerance"] {
         assert!(help.contains(flag), "{flag} in\n{help}");
     }
-    // --per-category's help and the README state the floor in words.
+    // --per-category's help and docs/plan-sweep-check.md state the floor in words.
     assert_eq!(memfit::check::CATEGORY_FLOOR_BYTES, 64 * 1024);
     assert!(help.contains("64 KiB"), "{help}");
 }

@@ -1,7 +1,7 @@
 //! `memfit run` as a user runs it: output documents, exit codes, error messages.
 
 mod common;
-use common::{json, memfit, stderr};
+use common::{json, memfit, ok_json, stderr};
 
 #[test]
 fn run_json_carries_the_documented_fields() {
@@ -445,4 +445,331 @@ fn ranks_and_sharding_report_every_rank() {
     let doc = json(&out);
     assert_eq!(doc["error"]["kind"], "oom");
     assert!(doc["error"]["rank"].is_u64());
+}
+
+/// The visible subcommands, from the clap definition itself.
+fn subcommands() -> Vec<String> {
+    use clap::CommandFactory;
+    memfit::cli::Cli::command()
+        .get_subcommands()
+        .filter(|s| !s.is_hide_set())
+        .map(|s| s.get_name().to_string())
+        .collect()
+}
+
+#[test]
+fn completions_cover_every_subcommand_in_every_shell() {
+    let names = subcommands();
+    assert!(names.len() > 10 && names.contains(&"completions".to_string()));
+    let out = memfit(&["completions", "bash"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let script = String::from_utf8_lossy(&out.stdout);
+    assert!(script.contains("complete -F _memfit"), "{script}");
+    for name in &names {
+        assert!(
+            script.contains(&format!("memfit,{name})")),
+            "bash completion lacks `{name}`"
+        );
+    }
+    // `trial` is memfit re-executing itself, not for users.
+    assert!(!script.contains("memfit,trial)"), "{script}");
+    // Flags of a subcommand and the values of an enum flag complete too.
+    assert!(script.contains("--micro-batch") && script.contains("hf-eager"));
+    for shell in ["zsh", "fish", "elvish", "powershell"] {
+        let out = memfit(&["completions", shell]);
+        assert!(out.status.success(), "{shell}: {}", stderr(&out));
+        let script = String::from_utf8_lossy(&out.stdout);
+        for name in ["run", "plan", "sweep", "watch", "man"] {
+            assert!(script.contains(name), "{shell} completion lacks `{name}`");
+        }
+    }
+    let out = memfit(&["completions", "tcsh"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("possible values: bash, zsh, fish, elvish, powershell"));
+}
+
+#[test]
+fn man_page_names_every_subcommand_and_man_reads_it() {
+    let out = memfit(&["man"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let roff = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(roff.contains(".TH memfit 1"), "{roff}");
+    // roff writes a hyphen as `\-`.
+    for name in subcommands() {
+        assert!(
+            roff.contains(&format!("memfit\\-{}", name.replace('-', "\\-"))),
+            "the man page lacks `{name}`"
+        );
+    }
+    assert!(!roff.contains("memfit\\-trial"), "{roff}");
+
+    // man itself formats it, where man is installed.
+    let man = std::process::Command::new("man")
+        .args(["-l", "-"])
+        .env("MANPAGER", "cat")
+        .env("MANWIDTH", "100")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn();
+    match man {
+        Err(_) => eprintln!("SKIPPED: man is not installed (apt-get install man-db)"),
+        Ok(mut child) => {
+            use std::io::Write;
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(roff.as_bytes())
+                .unwrap();
+            let shown = child.wait_with_output().unwrap();
+            let text = String::from_utf8_lossy(&shown.stdout);
+            assert!(shown.status.success(), "{}", stderr(&shown));
+            assert!(text.contains("SUBCOMMANDS"), "{text}");
+            for name in subcommands() {
+                assert!(text.contains(&format!("memfit-{name}(1)")), "{text}");
+            }
+        }
+    }
+
+    // --out: one page per subcommand, and memfit.1.
+    let dir = common::scratch("man");
+    let out = memfit(&["man", "--out", dir.join("man1").to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    for name in subcommands() {
+        let page = std::fs::read_to_string(dir.join(format!("man1/memfit-{name}.1")))
+            .unwrap_or_else(|e| panic!("memfit-{name}.1: {e}"));
+        assert!(page.contains(".SH SYNOPSIS"), "{page}");
+    }
+    let run = std::fs::read_to_string(dir.join("man1/memfit-run.1")).unwrap();
+    assert!(run.contains("\\-\\-micro\\-batch"), "{run}");
+    assert!(dir.join("man1/memfit.1").is_file());
+    assert!(!dir.join("man1/memfit-trial.1").exists());
+    // A folder that cannot be made is an error, not a panic.
+    std::fs::write(dir.join("file"), "").unwrap();
+    let out = memfit(&["man", "--out", dir.join("file/man1").to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("cannot write"), "{}", stderr(&out));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn models_and_profiles_print_documented_json() {
+    let doc = json(&memfit(&["models", "--format", "json"]));
+    assert_eq!(doc["schema_version"], 1);
+    assert!(doc.get("hardware").is_none() && doc.get("networks").is_none());
+    let models = doc["models"].as_array().unwrap();
+    let gpt2 = models.iter().find(|m| m["name"] == "gpt2").unwrap();
+    assert_eq!(gpt2["family"], "gpt2");
+    assert_eq!(gpt2["parameters"], 124_439_808u64);
+    assert_eq!(gpt2["n_layer"], 12);
+    assert_eq!(gpt2["vocab_size"], 50257);
+    assert_eq!(gpt2["padded_vocab_size"], 50304);
+    assert_eq!(gpt2["tied_embeddings"], true);
+    let llama = models.iter().find(|m| m["name"] == "llama-3.1-8b").unwrap();
+    assert_eq!(llama["n_kv_head"], 8);
+    for m in models {
+        for key in [
+            "name",
+            "family",
+            "parameters",
+            "n_layer",
+            "n_head",
+            "n_kv_head",
+            "d_model",
+            "d_ff",
+            "vocab_size",
+            "padded_vocab_size",
+            "max_seq_len",
+            "tied_embeddings",
+        ] {
+            assert!(!m[key].is_null(), "{}: no {key}", m["name"]);
+        }
+    }
+
+    let doc = json(&memfit(&["profiles", "--format", "json"]));
+    assert_eq!(doc["models"].as_array().unwrap().len(), models.len());
+    let hw = doc["hardware"].as_array().unwrap();
+    let t4 = hw.iter().find(|h| h["name"] == "t4").unwrap();
+    assert_eq!(t4["memory_bytes"], 15u64 << 30);
+    for h in hw {
+        for key in [
+            "display_name",
+            "memory_bytes",
+            "runtime_overhead_bytes",
+            "bf16_tflops",
+            "fp16_tflops",
+            "fp32_tflops",
+            "memory_bandwidth_gbps",
+            "interconnect",
+            "interconnect_gbps",
+            "gpus_per_node",
+            "inter_node",
+            "inter_node_gbps",
+            "usd_per_hour",
+        ] {
+            assert!(!h[key].is_null(), "{}: no {key}", h["name"]);
+        }
+    }
+    let nets = doc["networks"].as_array().unwrap();
+    let names: Vec<&str> = nets.iter().map(|n| n["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        ["ib-ndr-400", "ib-hdr-200", "roce-200", "eth-100", "eth-25"]
+    );
+    assert_eq!(nets[0]["nic_gbps"], 50.0);
+    assert!(nets[0]["nics_per_node"].is_null(), "one NIC per GPU");
+    assert_eq!(nets[3]["nics_per_node"], 1);
+    // The table lists the networks too.
+    let table = String::from_utf8_lossy(&memfit(&["profiles"]).stdout).into_owned();
+    for needle in [
+        "network",
+        "ib-ndr-400",
+        "eth-25",
+        "h100-sxm-80gb",
+        "gpt2-tiny",
+    ] {
+        assert!(table.contains(needle), "{needle} missing:\n{table}");
+    }
+    let out = memfit(&["models", "--format", "yaml"]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+/// `run --device meta` (12.46 GiB) and `watch` (18.42 GiB) answered "gpt2,
+/// T=1024, micro-batch 8" differently with nothing saying why, and `run
+/// --device meta:t4` was refused though balance took meta:GPU. Now run
+/// predicts a GPU profile, and both name their allocation profile.
+#[test]
+fn run_predicts_a_gpu_profile_and_names_its_allocation_profile() {
+    let gpt2 = [
+        "run",
+        "--model",
+        "gpt2",
+        "--seq-len",
+        "1024",
+        "--micro-batch",
+        "8",
+    ];
+    let doc = ok_json(&gpt2, &["--device", "meta", "--format", "json"]);
+    assert_eq!(doc["allocation_profile"], "memfit engine");
+    assert_eq!(doc["config"]["framework"], "memfit");
+    assert!(doc.get("target").is_none());
+    let engine = doc["peak_bytes"]["total"].as_u64().unwrap();
+
+    let doc = ok_json(&gpt2, &["--device", "meta:a100-80gb", "--format", "json"]);
+    assert_eq!(doc["device"], "meta");
+    assert_eq!(doc["target"]["name"], "a100-80gb");
+    let t = &doc["target"];
+    assert_eq!(
+        doc["capacity_bytes"].as_u64().unwrap(),
+        t["memory_bytes"].as_u64().unwrap() - t["runtime_overhead_bytes"].as_u64().unwrap()
+    );
+    assert_eq!(doc["allocation_profile"], "memfit engine");
+    // The cuda backend declares no workspace eager attention needs.
+    assert_eq!(doc["peak_bytes"]["total"].as_u64().unwrap(), engine);
+
+    let hf = ok_json(
+        &gpt2,
+        &[
+            "--device",
+            "meta:a100-80gb",
+            "--framework",
+            "hf-eager",
+            "--format",
+            "json",
+        ],
+    );
+    assert_eq!(
+        hf["allocation_profile"],
+        "hf-eager (PyTorch eager + transformers)"
+    );
+    assert!(hf["allocator"]["max_memory_reserved"].as_u64().is_some());
+    let pytorch = hf["peak_bytes"]["total"].as_u64().unwrap();
+    assert!(pytorch > engine, "{pytorch} vs {engine}");
+
+    // watch predicts hf-eager by default: the same number, named the same.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .env("MEMFIT_NVML_LIB", "/nonexistent/libnvidia-ml.so.1")
+        .args([
+            "watch",
+            "--no-tui",
+            "--format",
+            "json",
+            "--model",
+            "gpt2",
+            "--seq-len",
+            "1024",
+            "--micro-batch",
+            "8",
+            "--",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let w = json(&out);
+    assert_eq!(
+        w["prediction"]["tracked_peak_bytes"].as_u64(),
+        Some(pytorch)
+    );
+    assert_eq!(w["prediction"]["framework"], "hf-eager");
+    assert_eq!(
+        w["prediction"]["allocation_profile"],
+        "hf-eager (PyTorch eager + transformers)"
+    );
+    assert!(
+        stderr(&out).contains("allocation profile: hf-eager (PyTorch eager + transformers)"),
+        "{}",
+        stderr(&out)
+    );
+
+    // The table says it too, and what the target leaves for tensors.
+    let out = memfit(&[&gpt2[..], &["--device", "meta:t4"]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    for needle in [
+        "on meta predicting t4 (NVIDIA T4",
+        "allocation profile: memfit engine; --framework hf-eager",
+        "768.00 MiB runtime overhead",
+        "capacity 14.25 GiB",
+    ] {
+        assert!(text.contains(needle), "{needle} missing from:\n{text}");
+    }
+    // PyTorch's tensors for the same step do not fit a T4: exit 3, with the report.
+    let out = memfit(
+        &[
+            &gpt2[..],
+            &[
+                "--device",
+                "meta:t4",
+                "--framework",
+                "hf-eager",
+                "--format",
+                "json",
+            ],
+        ]
+        .concat(),
+    );
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    assert_eq!(json(&out)["error"]["kind"], "oom");
+
+    // A misspelt GPU is bad input, with the closest name.
+    common::refused(&["run", "--device", "meta:t5"], "did you mean `t4`");
+    common::refused(
+        &["run", "--device", "meta:1"],
+        "only cuda devices are numbered",
+    );
+    // A run recipe's `device:` takes it too.
+    let dir = common::scratch("meta-gpu-recipe");
+    let recipe = dir.join("run.yaml");
+    std::fs::write(&recipe, "model: gpt2-tiny\ndevice: meta:l4\n").unwrap();
+    let doc = ok_json(
+        &["run", "--recipe", recipe.to_str().unwrap()],
+        &["--format", "json"],
+    );
+    assert_eq!(doc["target"]["name"], "l4");
+    std::fs::write(&recipe, "model: gpt2-tiny\ndevice: meta:l5\n").unwrap();
+    let msg = common::refused(&["run", "--recipe", recipe.to_str().unwrap()], "`l4`");
+    assert!(msg.contains("run.yaml:2:9"), "{msg}");
+    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -1,6 +1,7 @@
 //! The help text, checked on the clap definition itself: every subcommand's
 //! summary fits a line, every flag and every value says what it is, and a
-//! default is stated once.
+//! default is stated once. And the docs: every relative link in README.md
+//! and docs/*.md leads to a file that exists, and to a heading in it.
 
 use clap::CommandFactory;
 use memfit::cli::Cli;
@@ -60,4 +61,134 @@ fn every_flag_and_value_is_described_and_defaults_are_said_once() {
             }
         }
     });
+}
+
+/// The Markdown files a reader follows links through.
+fn markdown_files() -> Vec<std::path::PathBuf> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = vec![root.join("README.md")];
+    let mut docs: Vec<_> = std::fs::read_dir(root.join("docs"))
+        .expect("docs/")
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "md"))
+        .collect();
+    docs.sort();
+    files.extend(docs);
+    files
+}
+
+/// Each `[text](target)` and `![alt](target)` outside code: fenced blocks
+/// and `inline code` are skipped.
+fn links(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut fenced = false;
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if fenced {
+            continue;
+        }
+        // Drop inline code spans: the text between paired backticks.
+        let prose: String = line
+            .split('`')
+            .enumerate()
+            .filter(|(i, _)| i % 2 == 0)
+            .map(|(_, s)| s)
+            .collect::<Vec<_>>()
+            .join(" ");
+        let mut rest = prose.as_str();
+        while let Some(at) = rest.find("](") {
+            let after = &rest[at + 2..];
+            let Some(end) = after.find(')') else { break };
+            out.push(after[..end].trim().to_string());
+            rest = &after[end..];
+        }
+    }
+    out
+}
+
+/// A heading's anchor as GitHub makes it: lower case, spaces to `-`,
+/// punctuation other than `-` and `_` dropped.
+fn slug(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+fn anchors(text: &str) -> Vec<String> {
+    let mut fenced = false;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+        } else if !fenced && line.starts_with('#') {
+            out.push(slug(line.trim_start_matches('#')));
+        }
+    }
+    out
+}
+
+/// The README was split into docs/; a link that points nowhere (a file
+/// renamed, a heading reworded) would send a newcomer to a 404.
+#[test]
+fn relative_links_in_readme_and_docs_resolve() {
+    let mut checked = 0;
+    let mut broken = Vec::new();
+    for file in markdown_files() {
+        let text = std::fs::read_to_string(&file).unwrap();
+        let dir = file.parent().unwrap();
+        for link in links(&text) {
+            if link.contains("://") || link.starts_with("mailto:") {
+                continue;
+            }
+            let (path, anchor) = link.split_once('#').unwrap_or((link.as_str(), ""));
+            let target = if path.is_empty() {
+                file.clone()
+            } else {
+                dir.join(path)
+            };
+            checked += 1;
+            if !target.exists() {
+                broken.push(format!("{}: {link}: no such file", file.display()));
+                continue;
+            }
+            if !anchor.is_empty() && target.extension().is_some_and(|x| x == "md") {
+                let heads = anchors(&std::fs::read_to_string(&target).unwrap());
+                if !heads.iter().any(|h| h == anchor) {
+                    broken.push(format!(
+                        "{}: {link}: no heading `{anchor}` in {}",
+                        file.display(),
+                        target.display()
+                    ));
+                }
+            }
+        }
+    }
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+    assert!(
+        checked > 20,
+        "only {checked} links found: is the parser right?"
+    );
+}
+
+#[test]
+fn link_parser_and_slugs() {
+    assert_eq!(
+        links("see [a](a.md) and ![b](../b.png#x) `[c](c.md)`\n```\n[d](d.md)\n```"),
+        ["a.md", "../b.png#x"]
+    );
+    assert_eq!(
+        slug(" `memfit check`: the CI gate"),
+        "memfit-check-the-ci-gate"
+    );
+    assert_eq!(slug("`$/Mtok` and `s/Mtok`"), "mtok-and-smtok");
 }

@@ -339,7 +339,7 @@ fn qlora_trains_on_cpu_and_meta_predicts_it() {
 
 /// "Can I fine-tune Llama-3.1-8B on a 24 GB GPU?" at T=2048, as `memfit
 /// plan` answers it (hf-eager, an RTX 4090): the largest micro-batch with
-/// and without checkpointing (the README records the table).
+/// and without checkpointing (docs/finetuning.md records the table).
 #[test]
 fn the_24_gb_question() {
     let dir = common::scratch("lora-4090");

@@ -209,6 +209,102 @@ fn ctrl_c_stops_the_command_with_sigterm() {
     );
 }
 
+/// The full-screen view wrote the command's output to memfit-watch.log in
+/// the current directory, one file for every watch started there. It now
+/// goes to a new file per watch in --out (memfit-watch/ by default), made
+/// only when there is output to keep; a headless watch writes nothing.
+#[test]
+fn the_command_output_goes_to_a_file_per_watch_in_out() {
+    let dir = temp_dir("out");
+    let (out, _, stderr) = run(memfit().current_dir(&dir).args([
+        "watch",
+        "--no-tui",
+        "--",
+        "sh",
+        "-c",
+        "echo headless",
+    ]));
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        0,
+        "headless wrote a file"
+    );
+
+    // The full-screen view needs a terminal: script(1) gives it one.
+    if Command::new("script").arg("--version").output().is_err() {
+        eprintln!("SKIPPED: script(1) is not installed (util-linux)");
+        return;
+    }
+    let bin = env!("CARGO_BIN_EXE_memfit");
+    // Returns the exit code and what the terminal showed.
+    let in_terminal = |extra: &str| {
+        let line = format!("{bin} watch {extra} -- sh -c 'echo line-from-the-job; sleep 0.2'");
+        let out = Command::new("script")
+            .args(["-qec", &line, "/dev/null"])
+            .current_dir(&dir)
+            .env("MEMFIT_NVML_LIB", "/nonexistent/libnvidia-ml.so.1")
+            .env("TERM", "xterm")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    let watch = |extra: &str| {
+        let (code, text) = in_terminal(extra);
+        assert_eq!(code, Some(0), "{text}");
+        text
+    };
+    let logs = |d: &Path| -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(d)
+            .map(|r| r.map(|e| e.unwrap().path()).collect())
+            .unwrap_or_default();
+        v.sort();
+        v
+    };
+    let text = watch("");
+    let default = logs(&dir.join("memfit-watch"));
+    assert_eq!(default.len(), 1, "{text}");
+    let name = default[0]
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(name.ends_with(".log") && name.contains("-sh-"), "{name}");
+    assert!(
+        std::fs::read_to_string(&default[0])
+            .unwrap()
+            .contains("line-from-the-job")
+    );
+    assert!(text.contains(&format!("memfit-watch/{name}")), "{text}");
+    // A second watch keeps the first one's output.
+    watch("");
+    assert_eq!(logs(&dir.join("memfit-watch")).len(), 2);
+    // --out picks the folder (made as needed), --log the file.
+    watch("--out runs/a");
+    assert_eq!(logs(&dir.join("runs/a")).len(), 1);
+    watch("--log job.txt");
+    assert!(
+        std::fs::read_to_string(dir.join("job.txt"))
+            .unwrap()
+            .contains("line-from-the-job")
+    );
+    assert_eq!(logs(&dir).len(), 3, "{:?}", logs(&dir));
+    // A --log in a folder that does not exist is bad input, before anything runs.
+    let (code, text) = in_terminal("--log no/such/dir/job.txt");
+    assert_eq!(code, Some(2), "{text}");
+    assert!(
+        text.contains("--log: cannot write no/such/dir/job.txt"),
+        "{text}"
+    );
+    assert!(!text.contains("line-from-the-job"), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn the_prediction_is_shown_beside_the_measurement() {
     let (out, _, stderr) = run(memfit().args([
@@ -487,6 +583,8 @@ fn job_state() -> WatchState {
         knobs: "seq 4096 x micro-batch 1, bf16, adamw, fused attention".into(),
         ranks: 1,
         tracked_peak_bytes: 66 * GIB,
+        framework: memfit::engine::Framework::HfEager,
+        allocation_profile: "hf-eager (PyTorch eager + transformers)".into(),
     });
     st.log_path = Some("memfit-watch.log".into());
     st.push_log("step 10 loss 3.21".into());

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use super::hardware::{HardwareProfile, load_hardware};
 use super::profile::{parse_yaml, value_location};
 use crate::backend::DeviceSpec;
 use crate::engine::{
@@ -22,7 +23,7 @@ pub struct RunRecipe {
     pub micro_batch: Option<usize>,
     pub grad_accum: Option<usize>,
     pub steps: Option<usize>,
-    pub device: Option<DeviceSpec>,
+    pub device: Option<RunDevice>,
     /// Relative paths are relative to the recipe's directory.
     pub data: Option<PathBuf>,
     pub seed: Option<u64>,
@@ -79,6 +80,62 @@ impl RunRecipe {
             location: value_location(&origin.text, &origin.location, key, None),
             message: format!("`{key}`: {message}"),
         }
+    }
+}
+
+/// Where `memfit run` runs (`--device`, a run recipe's `device:`): a device
+/// as [`DeviceSpec`] parses it, or `meta:GPU`, one step on meta predicting a
+/// GPU profile: the engine's allocations as the cuda backend makes them,
+/// within the profile's memory less its runtime overhead (as `memfit
+/// balance --device meta:GPU` takes it).
+#[derive(Clone, Debug, PartialEq)]
+pub enum RunDevice {
+    Device(DeviceSpec),
+    Gpu(HardwareProfile),
+}
+
+impl std::str::FromStr for RunDevice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        // `meta:limit=1GiB` and `meta:1` are DeviceSpec's to parse (and
+        // refuse); anything else after `meta:` names a GPU profile.
+        if let Some(gpu) = s.trim().strip_prefix("meta:")
+            && !gpu.contains('=')
+            && !gpu.bytes().all(|b| b.is_ascii_digit())
+        {
+            return load_hardware(gpu.trim())
+                .map(RunDevice::Gpu)
+                .map_err(|e| format!("`{s}`: {e}"));
+        }
+        s.parse().map(RunDevice::Device).map_err(|e: String| {
+            format!("{e}; or meta:GPU to predict a GPU profile (see `memfit profiles`)")
+        })
+    }
+}
+
+impl std::fmt::Display for RunDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RunDevice::Device(d) => write!(f, "{d}"),
+            RunDevice::Gpu(hw) => write!(f, "meta:{}", hw.name),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for RunDevice {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = RunDevice;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a device such as cpu, cpu:limit=512MiB, meta or meta:t4")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<RunDevice, E> {
+                v.parse().map_err(E::custom)
+            }
+        }
+        d.deserialize_str(Visitor)
     }
 }
 

@@ -54,6 +54,14 @@ impl Framework {
             Framework::HfEager => "hf-eager",
         }
     }
+
+    /// The allocation profile in words, as reports name it beside a peak.
+    pub fn profile_label(self) -> &'static str {
+        match self {
+            Framework::Memfit => "memfit engine",
+            Framework::HfEager => "hf-eager (PyTorch eager + transformers)",
+        }
+    }
 }
 
 /// `torch.optim.AdamW`'s implementation (its `foreach` / `fused` arguments).

@@ -136,6 +136,7 @@ pub fn run_trial(spec: &TrialSpec) -> Result<TrialOutput> {
         },
         steps: spec.steps,
         device,
+        target: None,
         data: None,
         threads: spec.threads,
         timeline: None,

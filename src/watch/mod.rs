@@ -60,6 +60,26 @@ pub fn watch_main(args: &WatchArgs) -> i32 {
         None => None,
     };
     let use_tui = !args.no_tui && std::io::stdout().is_terminal();
+    // The command's output, with the full-screen view: `--log`, else a new
+    // file in `--out` (made only then, so a headless watch writes nothing).
+    let log_path = args.log.clone().unwrap_or_else(|| {
+        args.out.join(log_name(
+            &args.command,
+            std::time::SystemTime::now(),
+            std::process::id(),
+        ))
+    });
+    let log_file = match use_tui && !args.command.is_empty() {
+        false => None,
+        true => match open_log(&log_path, args.log.is_none()) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                let flag = if args.log.is_some() { "--log" } else { "--out" };
+                eprintln!("memfit: {flag}: cannot write {}: {e}", log_path.display());
+                return 2;
+            }
+        },
+    };
 
     let telemetry = Telemetry::open();
     let nvml = match &telemetry {
@@ -79,7 +99,7 @@ pub fn watch_main(args: &WatchArgs) -> i32 {
             None,
         ),
         (None, true) => (Target::Gpus, None),
-        (None, false) => match spawn(&args.command, use_tui, &args.log, lines_tx) {
+        (None, false) => match spawn(&args.command, log_file, lines_tx) {
             Ok(c) => (
                 Target::Command {
                     argv: args.command.clone(),
@@ -99,7 +119,7 @@ pub fn watch_main(args: &WatchArgs) -> i32 {
     st.prediction = prediction;
     st.no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
     if use_tui && child.is_some() {
-        st.log_path = Some(args.log.clone());
+        st.log_path = Some(log_path.clone());
     }
     let sampler = SamplerThread::start(
         telemetry.ok(),
@@ -157,7 +177,7 @@ pub fn watch_main(args: &WatchArgs) -> i32 {
     if use_tui && exit_code.is_some_and(|c| c != 0) && !st.log.is_empty() {
         eprintln!(
             "memfit watch: the command's last lines ({} has them all):",
-            args.log.display()
+            log_path.display()
         );
         for l in st.log.iter().skip(st.log.len().saturating_sub(20)) {
             eprintln!("  {l}");
@@ -242,7 +262,9 @@ pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
         hpz_group: None,
     };
     let mut opts = run.options()?;
+    // The watched GPU is whatever NVML shows: no profile's capacity.
     opts.device = crate::backend::DeviceSpec::new(crate::backend::DeviceKind::Meta, None);
+    opts.target = None;
     let model = crate::config::profile::load_model(&opts.model)?;
     crate::run::validate(&opts, &model)?;
     let (report, _) = crate::run::run_meta(
@@ -269,10 +291,9 @@ pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
     if t.ranks > 1 {
         knobs += &format!(", {} ranks {}", t.ranks, name(t.sharding));
     }
-    knobs += &format!(", {}", t.framework.name());
     if let Some(a) = report.allocator {
         knobs += &format!(
-            " (PyTorch's allocator would reserve {})",
+            "; PyTorch's allocator would reserve {}",
             crate::units::fmt_bytes(a.max_memory_reserved)
         );
     }
@@ -281,24 +302,88 @@ pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
         knobs,
         ranks: t.ranks,
         tracked_peak_bytes: report.peak_bytes.total,
+        framework: t.framework,
+        allocation_profile: report.allocation_profile,
     }))
 }
 
-/// Starts the command: stdio inherited when headless; with the TUI, no
-/// stdin and its output into `log` and, line by line, into `lines`.
+/// Creates the log file; `make_dir`: its folder too (the default file in
+/// `--out`; a `--log` file's folder must exist, as `--timeline`'s must).
+fn open_log(path: &Path, make_dir: bool) -> std::io::Result<std::fs::File> {
+    if make_dir && let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::File::create(path)
+}
+
+/// `20251205-143005-python-4242.log`: the UTC time the watch started, the
+/// program's name (letters, digits, `.`, `_` and `-` only) and memfit's
+/// pid, so that watches started in the same second do not share a file
+/// and `ls` lists them oldest first.
+pub fn log_name(argv: &[String], now: std::time::SystemTime, pid: u32) -> String {
+    let program: String = argv
+        .first()
+        .and_then(|a| Path::new(a).file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+        .take(32)
+        .collect();
+    let unix_s = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (y, mo, d, h, mi, s) = utc_civil(unix_s);
+    let program = if program.is_empty() {
+        "command".to_string()
+    } else {
+        program
+    };
+    format!("{y:04}{mo:02}{d:02}-{h:02}{mi:02}{s:02}-{program}-{pid}.log")
+}
+
+/// The UTC (year, month, day, hour, minute, second) of `unix_s` seconds
+/// since 1970, by Howard Hinnant's days-to-civil algorithm (the proleptic
+/// Gregorian calendar in 400-year eras of 146,097 days, years starting in
+/// March so that the leap day comes last).
+fn utc_civil(unix_s: u64) -> (i64, u64, u64, u64, u64, u64) {
+    let days = (unix_s / 86_400) as i64 + 719_468; // days since 0000-03-01
+    let era = days.div_euclid(146_097);
+    let day_of_era = days - era * 146_097;
+    let year_of_era =
+        (day_of_era - day_of_era / 1_460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let month_from_march = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * month_from_march + 2) / 5 + 1;
+    let month = if month_from_march < 10 {
+        month_from_march + 3
+    } else {
+        month_from_march - 9
+    };
+    let year = year_of_era + era * 400 + i64::from(month <= 2);
+    let secs = unix_s % 86_400;
+    (
+        year,
+        month as u64,
+        day as u64,
+        secs / 3_600,
+        secs / 60 % 60,
+        secs % 60,
+    )
+}
+
+/// Starts the command: stdio inherited when headless (no `log`); with the
+/// TUI, no stdin and its output into `log` and, line by line, into `lines`.
 fn spawn(
     argv: &[String],
-    use_tui: bool,
-    log: &Path,
+    log: Option<std::fs::File>,
     lines: Sender<String>,
 ) -> std::io::Result<Child> {
     let mut cmd = Command::new(&argv[0]);
     cmd.args(&argv[1..]);
-    if !use_tui {
+    let Some(file) = log else {
         return cmd.spawn();
-    }
-    let file = std::fs::File::create(log)
-        .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", log.display())))?;
+    };
     let file = Arc::new(Mutex::new(file));
     let mut child = cmd
         .stdin(Stdio::null())
@@ -609,6 +694,7 @@ fn headless(s: &mut Session) {
             p.model,
             p.knobs
         );
+        eprintln!("memfit watch: allocation profile: {}", p.profile_note());
     }
     let mut printed_peak = 0u64;
     let mut last_line: Option<Instant> = None;
@@ -1068,6 +1154,10 @@ pub fn render_summary(s: &Summary) -> String {
                 p.prediction.knobs
             ),
         );
+        kv(
+            "",
+            format!("allocation profile: {}", p.prediction.profile_note()),
+        );
         match (p.measured_minus_predicted_bytes, s.job_peak_bytes) {
             (Some(d), Some(b)) => kv(
                 "",
@@ -1103,6 +1193,26 @@ pub fn render_summary(s: &Summary) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_names_sort_by_time_and_keep_only_safe_characters() {
+        let at = |s: u64| std::time::UNIX_EPOCH + Duration::from_secs(s);
+        let argv = |a: &str| vec![a.to_string(), "train.py".to_string()];
+        // 2024-02-29 23:59:59 UTC, a leap day, then the next second.
+        assert_eq!(
+            log_name(&argv("/usr/bin/python3"), at(1_709_251_199), 42),
+            "20240229-235959-python3-42.log"
+        );
+        assert_eq!(
+            log_name(&argv("python3"), at(1_709_251_200), 42),
+            "20240301-000000-python3-42.log"
+        );
+        assert_eq!(
+            log_name(&argv("./my run;rm -rf"), at(0), 7),
+            "19700101-000000-myrunrm-rf-7.log"
+        );
+        assert_eq!(log_name(&[], at(0), 7), "19700101-000000-command-7.log");
+    }
 
     #[test]
     fn printable_drops_escapes_and_controls() {

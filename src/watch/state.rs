@@ -98,6 +98,31 @@ pub struct Prediction {
     /// The engine's tracked peak on one rank (the largest), as the cuda
     /// backend would hold it: tensors only, no CUDA context.
     pub tracked_peak_bytes: u64,
+    /// Whose allocations `tracked_peak_bytes` is: `hf-eager` (watch's
+    /// default, a PyTorch job) or `memfit` (memfit's own engine).
+    pub framework: crate::engine::Framework,
+    /// The same in words: `hf-eager (PyTorch eager + transformers)` or
+    /// `memfit engine`.
+    pub allocation_profile: String,
+}
+
+impl Prediction {
+    /// The allocation profile, and how it relates to the other commands'
+    /// defaults: the same configuration is 12.46 GiB from `memfit run
+    /// --device meta` and 18.42 GiB here (gpt2, T=1024, micro-batch 8)
+    /// because run holds the engine's allocations and watch PyTorch's.
+    pub fn profile_note(&self) -> String {
+        match self.framework {
+            crate::engine::Framework::HfEager => format!(
+                "{}, watch's default; `memfit run` holds memfit's engine unless given --framework hf-eager",
+                self.allocation_profile
+            ),
+            crate::engine::Framework::Memfit => format!(
+                "{}; without --framework memfit watch predicts hf-eager (PyTorch eager + transformers)",
+                self.allocation_profile
+            ),
+        }
+    }
 }
 
 /// A GPU crossing `--warn-at`.
