@@ -726,6 +726,11 @@ pub struct PlanArgs {
     /// Rows the table shows (fitting points cheapest first).
     #[arg(long, default_value_t = 40)]
     pub top: usize,
+    /// Every column and no wrapping (the table otherwise fits COLUMNS or the
+    /// terminal's width, 100 when not a terminal, hiding the columns that
+    /// matter least and naming them).
+    #[arg(long)]
+    pub wide: bool,
     /// Plan again each time the recipe file changes, until Ctrl-C: at a
     /// terminal the screen is redrawn; otherwise each plan follows the last
     /// (JSON: one document each). A recipe that does not parse is reported

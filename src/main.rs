@@ -43,7 +43,11 @@ fn render_plan(plan: &memfit::plan::Plan, args: &memfit::cli::PlanArgs) -> Strin
             "{}\n",
             serde_json::to_string_pretty(plan).expect("plan serialises")
         ),
-        PlanFormat::Table => memfit::plan::render::table(plan, args.top),
+        PlanFormat::Table => memfit::plan::render::table(
+            plan,
+            args.top,
+            (!args.wide).then(memfit::plan::render::terminal_width),
+        ),
         PlanFormat::Md => memfit::plan::render::markdown(plan),
     }
 }

@@ -15,6 +15,18 @@ pub fn fmt_bytes(bytes: u64) -> String {
     format!("{value:.2} {}", UNITS[unit])
 }
 
+/// The unit [`fmt_bytes`] writes `bytes` in, and that unit's size in
+/// bytes: a column of sizes can then name its unit once, in its header.
+pub fn iec_unit(bytes: u64) -> (&'static str, u64) {
+    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let (mut unit, mut size) = (0, 1u64);
+    while unit + 1 < UNITS.len() && bytes / size >= 1024 {
+        size *= 1024;
+        unit += 1;
+    }
+    (UNITS[unit], size)
+}
+
 /// Parses "512MiB", "2GiB", "1.5 GiB", "4096" (bytes), "2GB" (decimal) into bytes.
 pub fn parse_bytes(text: &str) -> Result<u64, String> {
     let t = text.trim();
@@ -72,6 +84,25 @@ pub fn proc_bytes(path: &str, key: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn iec_unit_is_the_unit_fmt_bytes_writes() {
+        for b in [
+            0,
+            1023,
+            1024,
+            5 << 20,
+            (1 << 30) - 1,
+            70 << 30,
+            3 << 40,
+            u64::MAX,
+        ] {
+            let (unit, size) = iec_unit(b);
+            assert!(fmt_bytes(b).ends_with(&format!(" {unit}")), "{b}: {unit}");
+            assert!(b < 1024 || b / size >= 1, "{b}");
+        }
+        assert_eq!(iec_unit(70 << 30), ("GiB", 1 << 30));
+    }
 
     #[test]
     fn formats_iec() {

@@ -982,10 +982,10 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
         })
 }
 
-/// The closed form for a point: `w + g + k` bytes per parameter, divided
-/// over the data-parallel GPUs as the ZeRO stage shards them (ZeRO paper, Figure 1:
-/// `(2 + 2 + K)Ψ`, `2Ψ + 2Ψ + KΨ/N`, `2Ψ + (2 + K)Ψ/N`, `(2 + 2 + K)Ψ/N`).
-pub fn closed_form(p: &Point) -> ClosedForm {
+/// A point's model-state bytes per trained parameter: weights `w`, and
+/// `k` for the master weights and optimizer state (gradients are `w` too),
+/// with the words the formulas name them by.
+fn state_bytes(p: &Point) -> (f64, f64, String) {
     let mixed = p.precision != Precision::Fp32;
     let w = if mixed { 2.0 } else { 4.0 };
     let master = if mixed { 4.0 } else { 0.0 };
@@ -997,30 +997,47 @@ pub fn closed_form(p: &Point) -> ClosedForm {
         Optimizer::Adafactor => (0.0, "Adafactor"),
         Optimizer::Sgd => (4.0, "SGD+momentum"),
     };
-    let k = master + state;
-    // ZeRO shards over the data-parallel ranks (a hybrid group's), and the
-    // bytes are per parameter a GPU holds: 1/T of each block under tensor
-    // parallelism, a stage's blocks under a pipeline.
+    let words = format!(
+        "{state_name} {}",
+        if mixed { "mixed precision" } else { "fp32" }
+    );
+    (w, master + state, words)
+}
+
+/// The ranks ZeRO shards over (a hybrid group's, or every data-parallel
+/// rank), and whether the bytes are per parameter a GPU holds: 1/T of each
+/// block under tensor parallelism, a stage's blocks under a pipeline.
+fn zero_ranks(p: &Point) -> (usize, &'static str) {
     let split = p.pipeline_stages.max(1) * p.tensor_parallel.max(1);
     let d = match p.shard_group {
         0 => (p.gpus / split).max(1),
         g => g,
     };
-    let n = d as f64;
-    let fmt = |x: f64| {
-        if x.fract() == 0.0 {
-            format!("{x:.0}")
-        } else {
-            format!("{x:.2}")
-        }
+    let held = match split {
+        1 => "",
+        _ => " held (the GPU's share of the split model)",
     };
-    let head = format!(
-        "{state_name} {}: {}+{}+{} B/param",
-        if mixed { "mixed precision" } else { "fp32" },
-        fmt(w),
-        fmt(w),
-        fmt(k)
-    );
+    (d, held)
+}
+
+/// Bytes per parameter as a formula writes them: whole numbers bare.
+fn fmt_bpp(x: f64) -> String {
+    if x.fract() == 0.0 {
+        format!("{x:.0}")
+    } else {
+        format!("{x:.2}")
+    }
+}
+
+/// The closed form for a point: `w + g + k` bytes per parameter, divided
+/// over the data-parallel GPUs as the ZeRO stage shards them (ZeRO paper, Figure 1:
+/// `(2 + 2 + K)Ψ`, `2Ψ + 2Ψ + KΨ/N`, `2Ψ + (2 + K)Ψ/N`, `(2 + 2 + K)Ψ/N`).
+pub fn closed_form(p: &Point) -> ClosedForm {
+    let (w, k, words) = state_bytes(p);
+    let (d, held) = zero_ranks(p);
+    let n = d as f64;
+    let fmt = fmt_bpp;
+    let head = format!("{words}: {}+{}+{} B/param", fmt(w), fmt(w), fmt(k));
     let (value, shard) = match p.sharding {
         Sharding::None | Sharding::Ddp => (w + w + k, String::new()),
         Sharding::Zero1 => (
@@ -1036,12 +1053,89 @@ pub fn closed_form(p: &Point) -> ClosedForm {
             format!("; ZeRO-3 over {d}: {}/{d}", fmt(2.0 * w + k)),
         ),
     };
-    let held = match split {
-        1 => "",
-        _ => " held (the GPU's share of the split model)",
-    };
     ClosedForm {
         formula: format!("{head}{shard} = {} B/param{held}", fmt(value)),
+        bytes_per_param: value,
+    }
+}
+
+/// The closed form for a LoRA or QLoRA point, in bytes per base parameter:
+/// the frozen base holds its weights alone (16-bit, or fp32 under fp32; for
+/// QLoRA the block projections in NF4, as `nf4::storage_bytes` counts them),
+/// and only the adapters, a fraction `a` of the base's size, carry full
+/// training's `w + g + k`, sharded as the ZeRO stage shards them (ZeRO-3
+/// partitions the frozen base too). [`closed_form`]'s `2+2+12` would price
+/// every frozen weight as if it trained.
+pub fn lora_closed_form(p: &Point, model: &ModelConfig, lora: &LoraConfig) -> ClosedForm {
+    let (w, k, words) = state_bytes(p);
+    let (d, held) = zero_ranks(p);
+    let n = d as f64;
+    let fmt = fmt_bpp;
+    let (mut specs, idx) = model.param_layout();
+    let base = specs.len();
+    crate::engine::lora::layout(model, lora, &mut specs);
+    let numel = |i: usize| specs[i].numel() as f64;
+    let psi: f64 = (0..base).map(numel).sum();
+    let a = (base..specs.len()).map(numel).sum::<f64>() / psi;
+    let (wb, what) = match p.finetune {
+        Finetune::Qlora => {
+            let nf4: Vec<usize> = (idx.blocks.iter())
+                .flat_map(|b| [b.qkv_w, b.o_w, b.up_w, b.down_w])
+                .collect();
+            let quantised: f64 = nf4.iter().map(|&i| numel(i)).sum();
+            let nf4_bytes: f64 = (nf4.iter())
+                .map(|&i| crate::nf4::storage_bytes(specs[i].numel()) as f64)
+                .sum();
+            (
+                (nf4_bytes + w * (psi - quantised)) / psi,
+                "QLoRA (block projections in NF4)",
+            )
+        }
+        _ => (w, "LoRA"),
+    };
+    let fa = format!("{a:.4}");
+    let (value, sum) = match p.sharding {
+        Sharding::None | Sharding::Ddp => (
+            wb + a * (2.0 * w + k),
+            format!("{} + {fa} x {}", fmt(wb), fmt(2.0 * w + k)),
+        ),
+        Sharding::Zero1 => (
+            wb + a * (2.0 * w + k / n),
+            format!(
+                "ZeRO-1 over {d}: {} + {fa} x ({} + {}/{d})",
+                fmt(wb),
+                fmt(2.0 * w),
+                fmt(k)
+            ),
+        ),
+        Sharding::Zero2 => (
+            wb + a * (w + (w + k) / n),
+            format!(
+                "ZeRO-2 over {d}: {} + {fa} x ({} + {}/{d})",
+                fmt(wb),
+                fmt(w),
+                fmt(w + k)
+            ),
+        ),
+        Sharding::Zero3 => (
+            (wb + a * (2.0 * w + k)) / n,
+            format!(
+                "ZeRO-3 over {d}: ({} + {fa} x {})/{d}",
+                fmt(wb),
+                fmt(2.0 * w + k)
+            ),
+        ),
+    };
+    ClosedForm {
+        formula: format!(
+            "{what}, {words}: frozen base {} B/param + adapters ({:.2}% as many parameters) {}+{}+{} B each; {sum} = {} B/param{held}",
+            fmt(wb),
+            a * 100.0,
+            fmt(w),
+            fmt(w),
+            fmt(k),
+            fmt(value)
+        ),
         bytes_per_param: value,
     }
 }
@@ -1233,7 +1327,10 @@ pub fn predict(
         host: None,
         links: None,
         engine_bytes_per_param: 0.0,
-        closed_form: closed_form(p),
+        closed_form: match p.finetune {
+            Finetune::Full => closed_form(p),
+            Finetune::Lora | Finetune::Qlora => lora_closed_form(p, model, &r.lora()),
+        },
         numerics_changes,
         excluded,
     };

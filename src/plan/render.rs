@@ -1,14 +1,74 @@
 //! The plan as a terminal table and as Markdown (JSON is the `Plan` itself).
+//!
+//! The terminal table fits a width ([`terminal_width`]): a knob that is the
+//! same at every point is said once above the table instead of in a column
+//! (as the HTML sweep report does); when the rest is still too wide, the
+//! columns that matter least are hidden and named under the table; and the
+//! prose around it is wrapped. `--wide` lifts the limit.
 
 use std::fmt::Write as _;
 
 use super::{Plan, Prediction, Verdict, name};
-use crate::units::fmt_bytes;
+use crate::units::{fmt_bytes, iec_unit};
+
+/// The width when stdout is not a terminal and `COLUMNS` is not set.
+pub const DEFAULT_WIDTH: usize = 100;
+
+/// The width the table fits: `COLUMNS` when it is set (as `ls` and `git`
+/// read it), else the terminal's, else [`DEFAULT_WIDTH`].
+pub fn terminal_width() -> usize {
+    use std::io::IsTerminal;
+    let columns = std::env::var("COLUMNS").ok();
+    if let Some(w) = columns.and_then(|v| v.trim().parse::<usize>().ok())
+        && w > 0
+    {
+        return w;
+    }
+    if std::io::stdout().is_terminal()
+        && let Ok((w, _)) = crossterm::terminal::size()
+        && w > 0
+    {
+        return w as usize;
+    }
+    DEFAULT_WIDTH
+}
+
+/// A parameter count as people say it: "70.55 billion".
+fn fmt_count(n: u64) -> String {
+    let x = n as f64;
+    match x {
+        x if x >= 1e12 => format!("{:.2} trillion", x / 1e12),
+        x if x >= 1e9 => format!("{:.2} billion", x / 1e9),
+        x if x >= 1e6 => format!("{:.2} million", x / 1e6),
+        x if x >= 1e4 => format!("{:.1} thousand", x / 1e3),
+        _ => n.to_string(),
+    }
+}
+
+/// What the caching allocator's fragmentation takes at a fitting point
+/// whose margin is smaller than that, if so: there the margin is within
+/// what a change in allocation order can move. The figure is PyTorch's
+/// caching allocator modelled over the point's tensors
+/// (`max_memory_reserved - max_memory_allocated`, hf-eager on a GPU); other
+/// points have none.
+fn tight(p: &Prediction) -> Option<u64> {
+    let frag = fragmentation(p)?;
+    (p.verdict == Verdict::Fits && p.margin_bytes < frag as i64).then_some(frag)
+}
+
+fn fragmentation(p: &Prediction) -> Option<u64> {
+    p.allocator
+        .map(|a| a.max_memory_reserved.saturating_sub(a.max_memory_allocated))
+}
 
 fn status(p: &Prediction) -> String {
     match &p.verdict {
-        Verdict::Fits if p.excluded => "fits (numerics)".into(),
-        Verdict::Fits => "fits".into(),
+        Verdict::Fits => match (p.excluded, tight(p).is_some()) {
+            (false, false) => "fits".into(),
+            (true, false) => "fits (numerics)".into(),
+            (false, true) => "fits (tight)".into(),
+            (true, true) => "fits (numerics, tight)".into(),
+        },
         Verdict::DoesNotFit if p.margin_bytes >= 0 => "OOM (host)".into(),
         Verdict::DoesNotFit => "OOM".into(),
         Verdict::Invalid { reason } => format!("invalid: {reason}"),
@@ -22,22 +82,21 @@ fn order(plan: &Plan) -> Vec<usize> {
     rows
 }
 
-fn header(plan: &Plan, s: &mut String) {
+/// The lines above the table: the model, the GPU, the frameworks, counts.
+fn header(plan: &Plan) -> Vec<String> {
     let hw = &plan.hardware;
-    let _ = writeln!(
-        s,
+    let mut out = vec![format!(
         "{} ({} parameters), seq-len {}, global batch {} sequences, on {} ({} each, ${:.2}/GPU-hour, headroom {:.0}%)",
         plan.model,
-        plan.num_parameters,
+        fmt_count(plan.num_parameters),
         plan.seq_len,
         plan.global_batch,
         hw.display_name,
         fmt_bytes(plan.capacity_bytes),
         plan.usd_per_gpu_hour,
         plan.headroom * 100.0
-    );
+    )];
     let mut fws: Vec<_> = plan.points.iter().map(|p| p.point.framework).collect();
-    fws.dedup();
     fws.sort_by_key(|f| name(*f));
     fws.dedup();
     let said: Vec<&str> = fws
@@ -49,110 +108,608 @@ fn header(plan: &Plan, s: &mut String) {
             crate::engine::Framework::Memfit => "memfit (memfit's own engine)",
         })
         .collect();
-    let _ = writeln!(s, "allocations of {}", said.join(" and "));
-    let fits = plan
-        .points
-        .iter()
-        .filter(|p| p.verdict == Verdict::Fits)
-        .count();
-    let _ = writeln!(
-        s,
+    out.push(format!("allocations of {}", said.join(" and ")));
+    let count = |f: &dyn Fn(&Verdict) -> bool| plan.points.iter().filter(|p| f(&p.verdict)).count();
+    out.push(format!(
         "{} points planned in {:.1} ms: {} fit, {} out of memory, {} invalid",
         plan.points.len(),
         plan.elapsed_ms,
-        fits,
-        plan.points
-            .iter()
-            .filter(|p| p.verdict == Verdict::DoesNotFit)
-            .count(),
-        plan.points
-            .iter()
-            .filter(|p| matches!(p.verdict, Verdict::Invalid { .. }))
-            .count()
-    );
+        count(&|v| *v == Verdict::Fits),
+        count(&|v| *v == Verdict::DoesNotFit),
+        count(&|v| matches!(v, Verdict::Invalid { .. }))
+    ));
+    out
 }
 
-const COLS: [&str; 21] = [
-    "#",
-    "framework",
-    "tune",
-    "offload",
-    "gpus",
-    "pp",
-    "tp",
-    "sharding",
-    "prec",
-    "optimizer",
-    "ckpt",
-    "attn",
-    "mb",
-    "accum",
-    "peak GiB",
-    "margin GiB",
-    "host/node",
-    "links",
-    "tokens/s",
-    "$/Mtok",
-    "status",
-];
+/// Never hidden to fit a width.
+const KEEP: u8 = u8::MAX;
 
-fn row(plan: &Plan, i: usize, p: &Prediction) -> [String; 21] {
-    let pt = &p.point;
-    let valid = !matches!(p.verdict, Verdict::Invalid { .. });
-    let num = |x: f64, prec: usize| {
-        if valid {
-            format!("{x:.prec$}")
-        } else {
-            "-".into()
-        }
+/// One column of the table, a cell per point in display order.
+struct Column {
+    head: String,
+    /// The header when the table is too wide for `head`.
+    short: String,
+    /// A knob (what the point is), said once above the table when every
+    /// point has the same value; predictions are always columns.
+    knob: bool,
+    /// The lowest are hidden first when the table is too wide.
+    keep: u8,
+    cells: Vec<String>,
+}
+
+/// Every column, each a cell per point of `rows`.
+fn columns(plan: &Plan, rows: &[usize]) -> Vec<Column> {
+    let pts: Vec<&Prediction> = rows.iter().map(|&i| &plan.points[i]).collect();
+    let valid = |p: &Prediction| !matches!(p.verdict, Verdict::Invalid { .. });
+    let mut cols = Vec::new();
+    let mut col =
+        |head: &str, short: &str, knob: bool, keep: u8, f: &dyn Fn(&Prediction) -> String| {
+            cols.push(Column {
+                head: head.into(),
+                short: short.into(),
+                knob,
+                keep,
+                cells: pts.iter().map(|p| f(p)).collect(),
+            });
+        };
+    // The row numbers: filled in by `split_constant` (a prediction does
+    // not know its index).
+    col("#", "#", false, KEEP, &|_| String::new());
+    col("framework", "fw", true, 100, &|p| name(p.point.framework));
+    col("tune", "tune", true, 180, &|p| name(p.point.finetune));
+    col("offload", "offload", true, 185, &|p| {
+        p.point.offload.name().into()
+    });
+    col("gpus", "gpus", true, 200, &|p| p.point.gpus.to_string());
+    col("pp", "pp", true, 170, &|p| {
+        p.point.pipeline_stages.to_string()
+    });
+    col(
+        "tp",
+        "tp",
+        true,
+        170,
+        &|p| match p.point.sequence_parallel {
+            true => format!("{}+sp", p.point.tensor_parallel),
+            false => p.point.tensor_parallel.to_string(),
+        },
+    );
+    // Hybrid sharding's group: ZeRO over that many ranks, replicas across
+    // the groups ("-": over every data-parallel rank).
+    col(
+        "hybrid",
+        "hybrid",
+        true,
+        172,
+        &|p| match p.point.shard_group {
+            0 => "-".into(),
+            g => g.to_string(),
+        },
+    );
+    col(
+        "sharding",
+        "shard",
+        true,
+        190,
+        &|p| match p.point.hpz_group {
+            0 => name(p.point.sharding),
+            g => format!("{}+hpz{g}", name(p.point.sharding)),
+        },
+    );
+    col("prec", "prec", true, 160, &|p| name(p.point.precision));
+    col("optimizer", "opt", true, 165, &|p| name(p.point.optimizer));
+    col("ckpt", "ckpt", true, 155, &|p| name(p.point.checkpointing));
+    col("attn", "attn", true, 110, &|p| name(p.point.attention));
+    col("mb", "mb", true, 195, &|p| p.point.micro_batch.to_string());
+    col("accum", "acc", true, 120, &|p| match p.point.grad_accum {
+        0 => "-".into(),
+        a => a.to_string(),
+    });
+    // Sizes in one unit per column, named in the header.
+    let most = |f: &dyn Fn(&Prediction) -> u64| {
+        iec_unit(
+            pts.iter()
+                .filter(|p| valid(p))
+                .map(|p| f(p))
+                .max()
+                .unwrap_or(0),
+        )
     };
-    [
-        i.to_string(),
-        name(pt.framework),
-        name(pt.finetune),
-        pt.offload.name().into(),
-        pt.gpus.to_string(),
-        pt.pipeline_stages.to_string(),
-        match pt.sequence_parallel {
-            true => format!("{}+sp", pt.tensor_parallel),
-            false => pt.tensor_parallel.to_string(),
+    let in_unit = |x: f64, size: u64| match size {
+        1 => format!("{x:.0}"),
+        _ => format!("{:.2}", x / size as f64),
+    };
+    let (unit, size) = most(&|p| p.total_bytes);
+    col(
+        &format!("peak {unit}"),
+        &format!("peak {unit}"),
+        false,
+        KEEP,
+        &|p| match valid(p) {
+            true => in_unit(p.total_bytes as f64, size),
+            false => "-".into(),
         },
-        match pt.hpz_group {
-            0 => name(pt.sharding),
-            g => format!("{}+hpz{g}", name(pt.sharding)),
+    );
+    let (unit, size) = most(&|p| p.margin_bytes.unsigned_abs());
+    col(
+        &format!("margin {unit}"),
+        &format!("left {unit}"),
+        false,
+        240,
+        &|p| match valid(p) {
+            true => in_unit(p.margin_bytes as f64, size),
+            false => "-".into(),
         },
-        name(pt.precision),
-        name(pt.optimizer),
-        name(pt.checkpointing),
-        name(pt.attention),
-        pt.micro_batch.to_string(),
-        if pt.grad_accum > 0 {
-            pt.grad_accum.to_string()
-        } else {
-            "-".into()
-        },
-        if valid {
-            fmt_bytes(p.total_bytes)
-        } else {
-            "-".into()
-        },
-        if valid {
-            format!("{:.1}", p.margin_bytes as f64 / (1u64 << 30) as f64)
-        } else {
-            "-".into()
-        },
-        p.host
-            .as_ref()
-            .map_or("-".into(), |h| fmt_bytes(h.node_bytes)),
-        links(plan, p),
-        num(p.tokens_per_s, 0),
-        if valid {
-            super::usd(p.usd_per_mtok)
-        } else {
-            "-".into()
-        },
-        status(p),
-    ]
+    );
+    if pts.iter().any(|p| p.host.is_some()) {
+        col("host/node", "host", false, 130, &|p| {
+            p.host
+                .as_ref()
+                .map_or("-".into(), |h| fmt_bytes(h.node_bytes))
+        });
+    }
+    col("links", "links", true, 90, &|p| links(plan, p));
+    col("tokens/s", "tok/s", false, 125, &|p| match valid(p) {
+        true => format!("{:.0}", p.tokens_per_s),
+        false => "-".into(),
+    });
+    col("$/Mtok", "$/Mtok", false, 230, &|p| match valid(p) {
+        true => super::usd(p.usd_per_mtok),
+        false => "-".into(),
+    });
+    col("status", "status", false, KEEP, &|p| status(p));
+    cols
+}
+
+/// The table's columns with the row numbers filled in, and the knobs that
+/// every point shares said as `head value` (a shared "-" says nothing).
+fn split_constant(plan: &Plan, rows: &[usize]) -> (Vec<Column>, Vec<String>) {
+    let mut cols = columns(plan, rows);
+    cols[0].cells = rows.iter().map(usize::to_string).collect();
+    let mut same = Vec::new();
+    if rows.len() < 2 {
+        return (cols, same);
+    }
+    cols.retain(|c| {
+        let first = &c.cells[0];
+        if !c.knob || c.cells.iter().any(|x| x != first) {
+            return true;
+        }
+        if first != "-" {
+            same.push(format!("{} {first}", c.head));
+        }
+        false
+    });
+    (cols, same)
+}
+
+fn chars(s: &str) -> usize {
+    s.chars().count()
+}
+
+/// The words of `text`, a figure and its unit ("2.08 B/param", "1.97
+/// GiB,") kept together as one.
+fn words(text: &str) -> Vec<String> {
+    const UNITS: [&str; 10] = [
+        "B", "KiB", "MiB", "GiB", "TiB", "B/param", "s", "GB/s", "ms", "%",
+    ];
+    let mut out: Vec<String> = Vec::new();
+    for w in text.split(' ').filter(|w| !w.is_empty()) {
+        let unit = UNITS.contains(&w.trim_end_matches([',', ';', ':', ')', '.']));
+        match out.last_mut() {
+            Some(prev) if unit && prev.ends_with(|c: char| c.is_ascii_digit()) => {
+                prev.push(' ');
+                prev.push_str(w);
+            }
+            _ => out.push(w.to_string()),
+        }
+    }
+    out
+}
+
+/// `text` broken at spaces into lines of at most `width` characters (a
+/// word longer than a line is cut); each line keeps the text's indent and
+/// continuation lines get `hang` more. Embedded newlines start new lines.
+fn wrap(text: &str, width: Option<usize>, hang: usize) -> Vec<String> {
+    let mut out = Vec::new();
+    for para in text.split('\n') {
+        let Some(width) = width else {
+            out.push(para.to_string());
+            continue;
+        };
+        let lead = para.len() - para.trim_start_matches(' ').len();
+        let first = " ".repeat(lead);
+        let next = " ".repeat((lead + hang).min(width / 2));
+        let mut line = first.clone();
+        let mut empty = true;
+        for word in words(para) {
+            let mut word = word;
+            loop {
+                let room = width.saturating_sub(chars(&line) + usize::from(!empty));
+                if chars(&word) <= room {
+                    if !empty {
+                        line.push(' ');
+                    }
+                    line.push_str(&word);
+                    empty = false;
+                    break;
+                }
+                if empty {
+                    // Longer than a whole line: cut it.
+                    let room = width.saturating_sub(chars(&line)).max(1);
+                    let cut: String = word.chars().take(room).collect();
+                    word = word.chars().skip(room).collect();
+                    line.push_str(&cut);
+                    if word.is_empty() {
+                        empty = false;
+                        break;
+                    }
+                }
+                out.push(std::mem::replace(&mut line, next.clone()));
+                empty = true;
+            }
+        }
+        if !empty || out.is_empty() || para.is_empty() {
+            out.push(line.trim_end().to_string());
+        }
+    }
+    out
+}
+
+/// `items` after `lead`, joined by " · " and broken only between items
+/// into lines of at most `width` characters (an item longer than a line
+/// gets one of its own), continuation lines indented by two.
+fn wrap_items(lead: &str, items: &[String], width: Option<usize>) -> Vec<String> {
+    const SEP: &str = " · ";
+    let room = width.unwrap_or(usize::MAX);
+    let mut out = Vec::new();
+    let mut line = lead.to_string();
+    let mut fresh = true;
+    for (i, item) in items.iter().enumerate() {
+        // A line that goes on ends in the separator.
+        let end = if i + 1 < items.len() { 2 } else { 0 };
+        if !fresh && chars(&line) + chars(SEP) + chars(item) + end > room {
+            line.push_str(" ·");
+            out.push(std::mem::replace(&mut line, "  ".into()));
+            fresh = true;
+        }
+        if !fresh {
+            line.push_str(SEP);
+        }
+        line.push_str(item);
+        fresh = false;
+    }
+    if !items.is_empty() {
+        out.push(line);
+    }
+    out
+}
+
+fn push_wrapped(s: &mut String, text: &str, width: Option<usize>, hang: usize) {
+    for line in wrap(text, width, hang) {
+        let _ = writeln!(s, "{line}");
+    }
+}
+
+/// The columns a width leaves, and theirs.
+struct Layout {
+    /// Indices into the columns, in order.
+    shown: Vec<usize>,
+    widths: Vec<usize>,
+    short: bool,
+    hidden: Vec<String>,
+    /// Whether a status was cut to fit.
+    cut: bool,
+}
+
+/// The shortest the status column may be made by cutting its cells.
+const STATUS_MIN: usize = 15;
+
+/// Which columns fit in `width` (all of them when `None`), and how wide.
+fn layout(cols: &[Column], rows: usize, width: Option<usize>) -> Layout {
+    let last = cols.len() - 1;
+    let natural = |c: &Column, short: bool| {
+        let head = if short { &c.short } else { &c.head };
+        c.cells[..rows]
+            .iter()
+            .map(|x| chars(x))
+            .chain([chars(head)])
+            .max()
+            .unwrap_or(0)
+    };
+    // The status can be cut, down to STATUS_MIN.
+    let need = |i: usize, short: bool| match i == last && width.is_some() {
+        true => natural(&cols[i], short).min(STATUS_MIN.max(chars(&cols[i].head))),
+        false => natural(&cols[i], short),
+    };
+    let total = |shown: &[usize], short: bool| {
+        shown.iter().map(|&i| need(i, short)).sum::<usize>() + 2 * shown.len().saturating_sub(1)
+    };
+    let mut shown: Vec<usize> = (0..cols.len()).collect();
+    let mut short = false;
+    let mut hidden = Vec::new();
+    if let Some(w) = width {
+        short = total(&shown, false) > w;
+        while total(&shown, short) > w {
+            let Some(pos) = (0..shown.len())
+                .filter(|&p| cols[shown[p]].keep < KEEP)
+                .min_by_key(|&p| cols[shown[p]].keep)
+            else {
+                break;
+            };
+            hidden.push(cols[shown.remove(pos)].head.clone());
+        }
+        // With columns hidden the full headers may fit again.
+        short = short && total(&shown, false) > w;
+    }
+    let mut widths: Vec<usize> = shown.iter().map(|&i| natural(&cols[i], short)).collect();
+    let mut cut = false;
+    if let Some(w) = width {
+        let others = widths[..widths.len() - 1].iter().sum::<usize>() + 2 * (widths.len() - 1);
+        let room = w.saturating_sub(others).max(need(last, short));
+        let status = widths.last_mut().expect("the status column");
+        if *status > room {
+            *status = room;
+            cut = true;
+        }
+    }
+    Layout {
+        shown,
+        widths,
+        short,
+        hidden,
+        cut,
+    }
+}
+
+/// `cell` cut to `width` characters, its last one an ellipsis, if longer.
+fn clip(cell: &str, width: usize) -> String {
+    match chars(cell) > width {
+        true => {
+            let mut c: String = cell.chars().take(width.saturating_sub(1)).collect();
+            c.push('…');
+            c
+        }
+        false => cell.to_string(),
+    }
+}
+
+/// The terminal table: every point (the first `limit`), the fitting ones
+/// cheapest first, then the recommendation and the bytes-per-parameter
+/// comparison; `width` is what it fits (`None`: no limit).
+pub fn table(plan: &Plan, limit: usize, width: Option<usize>) -> String {
+    let mut s = String::new();
+    for line in header(plan) {
+        push_wrapped(&mut s, &line, width, 2);
+    }
+    let rows = order(plan);
+    let (mut cols, same) = split_constant(plan, &rows);
+    let shown_rows = rows.len().min(limit);
+    let _ = writeln!(s);
+    for line in wrap_items("every point: ", &same, width) {
+        let _ = writeln!(s, "{line}");
+    }
+    // Within a width, an invalid point's reason (a sentence) is a numbered
+    // note under the table, each reason once.
+    let mut reasons: Vec<&str> = Vec::new();
+    if width.is_some() {
+        let status = &mut cols.last_mut().expect("the status column").cells;
+        for (r, &i) in rows.iter().enumerate().take(shown_rows) {
+            if let Verdict::Invalid { reason } = &plan.points[i].verdict {
+                let n = match reasons.iter().position(|x| x == reason) {
+                    Some(n) => n,
+                    None => {
+                        reasons.push(reason);
+                        reasons.len() - 1
+                    }
+                };
+                status[r] = format!("invalid ({})", n + 1);
+            }
+        }
+    }
+    let lay = layout(&cols, shown_rows, width);
+    // Numbers right, the status (last, free text) left.
+    let line = |cells: Vec<&str>| {
+        let n = cells.len();
+        cells
+            .iter()
+            .zip(&lay.widths)
+            .enumerate()
+            .map(|(i, (c, &w))| match i + 1 == n {
+                true => clip(c, w),
+                false => format!("{:>w$}", c),
+            })
+            .collect::<Vec<_>>()
+            .join("  ")
+            .trim_end()
+            .to_string()
+    };
+    let heads = lay.shown.iter().map(|&i| match lay.short {
+        true => cols[i].short.as_str(),
+        false => cols[i].head.as_str(),
+    });
+    let _ = writeln!(s, "{}", line(heads.collect()));
+    for r in 0..shown_rows {
+        let _ = writeln!(
+            s,
+            "{}",
+            line(
+                lay.shown
+                    .iter()
+                    .map(|&i| cols[i].cells[r].as_str())
+                    .collect()
+            )
+        );
+    }
+    if rows.len() > limit {
+        push_wrapped(
+            &mut s,
+            &format!(
+                "... {} more points (--top N shows more, --format json lists them all)",
+                rows.len() - limit
+            ),
+            width,
+            4,
+        );
+    }
+    for (n, reason) in reasons.iter().enumerate() {
+        push_wrapped(&mut s, &format!("({}) {reason}", n + 1), width, 4);
+    }
+    if !lay.hidden.is_empty() || lay.cut {
+        let what = match (lay.hidden.is_empty(), lay.cut) {
+            (false, false) => format!("columns hidden: {}", lay.hidden.join(", ")),
+            (false, true) => format!(
+                "columns hidden: {}; statuses cut short (…)",
+                lay.hidden.join(", ")
+            ),
+            _ => "statuses cut short (…)".into(),
+        };
+        push_wrapped(
+            &mut s,
+            &format!(
+                "{what} to fit {} characters (--wide shows every column, --format json every figure)",
+                width.unwrap_or(0)
+            ),
+            width,
+            2,
+        );
+    }
+    for line in recommendation(plan, "") {
+        push_wrapped(&mut s, &line, width, 2);
+    }
+    s
+}
+
+/// The recommendation's lines (without wrapping), each item after `bullet`;
+/// when nothing fits, how far the nearest point is and what to try.
+fn recommendation(plan: &Plan, bullet: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let Some(rec) = &plan.recommendation else {
+        return no_fit_advice(plan)
+            .into_iter()
+            .map(|l| format!("{bullet}{l}"))
+            .collect();
+    };
+    let p = &plan.points[rec.index];
+    out.push(format!("\nrecommended: #{} {}", rec.index, p.point.label()));
+    for r in &rec.reasons {
+        out.push(format!("  {bullet}{r}"));
+    }
+    out.push(format!("  {bullet}{}", margin(plan, p)));
+    // The split at the moment of the peak, so the parts add up to
+    // the peak (each category's own maximum comes at different
+    // moments, and their sum overstates it).
+    let pk = p.peak_split.expect("a fitting point has peaks");
+    out.push(format!(
+        "  {bullet}per GPU at the peak ({}): parameters {}, gradients {}, optimizer {}, activations {}, temporaries {}, communication {}, workspace {}, runtime overhead {}",
+        fmt_bytes(p.total_bytes),
+        fmt_bytes(pk.parameters),
+        fmt_bytes(pk.gradients),
+        fmt_bytes(pk.optimizer),
+        fmt_bytes(pk.activations),
+        fmt_bytes(pk.temporaries),
+        fmt_bytes(pk.communication),
+        fmt_bytes(pk.workspace),
+        fmt_bytes(p.runtime_overhead_bytes)
+    ));
+    if let Some(a) = p.allocator {
+        out.push(format!(
+            "  {bullet}PyTorch's caching allocator: max_memory_allocated {} (tensors {} rounded to 512 B blocks), max_memory_reserved {} (2 MiB / 20 MiB segments, fragmentation); the peak above is reserved + runtime overhead",
+            fmt_bytes(a.max_memory_allocated),
+            fmt_bytes(pk.total),
+            fmt_bytes(a.max_memory_reserved)
+        ));
+    }
+    out.push(format!(
+        "  {bullet}model states: closed form {}; engine {:.2} B/param (its peaks include the transient full gradients and gathered units)",
+        p.closed_form.formula, p.engine_bytes_per_param
+    ));
+    if let Some(h) = &p.host {
+        out.push(format!(
+            "  {bullet}host memory (offload {}): {} per GPU ({}), {} for a node's {} GPU(s) of {} ({} to spare); {} over the host link per step",
+            p.point.offload.name(),
+            fmt_bytes(h.peak_bytes.total),
+            crate::memory::Category::ALL
+                .iter()
+                .filter(|&&c| h.peak_bytes.get(c) > 0)
+                .map(|&c| format!("{} {}", c.name(), fmt_bytes(h.peak_bytes.get(c))))
+                .collect::<Vec<_>>()
+                .join(", "),
+            fmt_bytes(h.node_bytes),
+            h.ranks_per_node,
+            fmt_bytes(h.capacity_bytes),
+            fmt_bytes(h.margin_bytes.max(0) as u64),
+            fmt_bytes(h.link_bytes_per_step)
+        ));
+        if let Some(d) = h.deepspeed {
+            out.push(format!(
+                "  {bullet}DeepSpeed's estimator for these model states: {} per CPU (node), {} per GPU (with its 1.5x host buffer factor; no activations)",
+                fmt_bytes(d.per_cpu),
+                fmt_bytes(d.per_gpu)
+            ));
+        }
+    }
+    let offload = match p.host {
+        Some(_) => format!(
+            " + offload {:.3} s (host link at {:.0}% of {} GB/s, CPU update at the node's memory bandwidth)",
+            p.offload_s,
+            super::HOST_LINK_EFFICIENCY * 100.0,
+            plan.hardware.host_link_gbps
+        ),
+        None => String::new(),
+    };
+    let hw = &plan.hardware;
+    let comm = match p.links {
+        Some(crate::comm::topology::Links::None) => "one GPU: no collective moves data".into(),
+        Some(_) => format!(
+            "NCCL's ring, tree or NVLS as its tuner would pick, over {} ({} GB/s per GPU) and between {}-GPU nodes {} ({} GB/s per GPU)",
+            hw.interconnect,
+            hw.interconnect_gbps,
+            hw.gpus_per_node,
+            hw.inter_node,
+            hw.inter_node_gbps
+        ),
+        None => format!(
+            "{:.0}% of {} GB/s",
+            plan.efficiency["communication"] * 100.0,
+            hw.interconnect_gbps
+        ),
+    };
+    out.push(format!(
+        "  {bullet}step {:.3} s = compute {:.3} s (roofline at {:.0}% of peak FLOP/s, {:.0}% of memory bandwidth) + communication {:.3} s ({comm}; crosses {}, not overlapped){offload}",
+        p.step_s,
+        p.compute_s,
+        plan.efficiency["compute"] * 100.0,
+        plan.efficiency["memory"] * 100.0,
+        p.comm_s,
+        links(plan, p)
+    ));
+    out
+}
+
+/// The recommended point's margin: what is left below the usable limit
+/// (capacity less headroom), against the allocator's fragmentation there.
+fn margin(plan: &Plan, p: &Prediction) -> String {
+    let left = format!(
+        "margin {} below the {} usable per GPU ({} less the {:.0}% headroom)",
+        fmt_bytes(p.margin_bytes.max(0) as u64),
+        fmt_bytes(p.usable_bytes),
+        fmt_bytes(plan.capacity_bytes),
+        plan.headroom * 100.0
+    );
+    match (tight(p), fragmentation(p)) {
+        (Some(f), _) => format!(
+            "{left}: tight, less than the {} the caching allocator's fragmentation takes at this point (max_memory_reserved - max_memory_allocated), which another allocation order can move",
+            fmt_bytes(f)
+        ),
+        (None, Some(f)) => format!(
+            "{left}, more than the {} the caching allocator's fragmentation takes at this point (max_memory_reserved - max_memory_allocated)",
+            fmt_bytes(f)
+        ),
+        (None, None) => format!(
+            "{left}; no fragmentation figure to weigh it against (PyTorch's caching allocator is modelled for hf-eager on a GPU)"
+        ),
+    }
 }
 
 /// The links a point's collectives cross, by name: the node's interconnect,
@@ -168,178 +725,29 @@ fn links(plan: &Plan, p: &Prediction) -> String {
     }
 }
 
-/// The terminal table: every point, the fitting ones cheapest first, then the
-/// recommendation and the bytes-per-parameter comparison.
-pub fn table(plan: &Plan, limit: usize) -> String {
-    let mut s = String::new();
-    header(plan, &mut s);
-    let rows: Vec<[String; 21]> = order(plan)
-        .into_iter()
-        .take(limit)
-        .map(|i| row(plan, i, &plan.points[i]))
-        .collect();
-    let mut w = COLS.map(str::len);
-    for r in &rows {
-        for (w, c) in w.iter_mut().zip(r) {
-            *w = (*w).max(c.len());
-        }
-    }
-    // Numbers right, the status (last, free text) left.
-    let line = |cells: &[String]| {
-        cells
-            .iter()
-            .zip(&w)
-            .enumerate()
-            .map(|(i, (c, w))| {
-                if i + 1 == cells.len() {
-                    c.clone()
-                } else {
-                    format!("{c:>w$}")
-                }
-            })
-            .collect::<Vec<_>>()
-            .join("  ")
-    };
-    let _ = writeln!(s, "\n{}", line(&COLS.map(String::from)));
-    for r in &rows {
-        let _ = writeln!(s, "{}", line(r));
-    }
-    if plan.points.len() > limit {
-        let _ = writeln!(
-            s,
-            "... {} more points (--format json lists them all)",
-            plan.points.len() - limit
-        );
-    }
-    recommendation(plan, &mut s, "");
-    s
-}
-
-fn recommendation(plan: &Plan, s: &mut String, bullet: &str) {
-    match &plan.recommendation {
-        None => {
-            for line in no_fit_advice(plan) {
-                let _ = writeln!(s, "{bullet}{line}");
-            }
-        }
-        Some(rec) => {
-            let p = &plan.points[rec.index];
-            let _ = writeln!(s, "\nrecommended: #{} {}", rec.index, p.point.label());
-            for r in &rec.reasons {
-                let _ = writeln!(s, "  {bullet}{r}");
-            }
-            // The split at the moment of the peak, so the parts add up to
-            // the peak (each category's own maximum comes at different
-            // moments, and their sum overstates it).
-            let pk = p.peak_split.expect("a fitting point has peaks");
-            let _ = writeln!(
-                s,
-                "  {bullet}per GPU at the peak ({}): parameters {}, gradients {}, optimizer {}, activations {}, temporaries {}, communication {}, workspace {}, runtime overhead {}",
-                fmt_bytes(p.total_bytes),
-                fmt_bytes(pk.parameters),
-                fmt_bytes(pk.gradients),
-                fmt_bytes(pk.optimizer),
-                fmt_bytes(pk.activations),
-                fmt_bytes(pk.temporaries),
-                fmt_bytes(pk.communication),
-                fmt_bytes(pk.workspace),
-                fmt_bytes(p.runtime_overhead_bytes)
-            );
-            if let Some(a) = p.allocator {
-                let _ = writeln!(
-                    s,
-                    "  {bullet}PyTorch's caching allocator: max_memory_allocated {} (tensors {} rounded to 512 B blocks), max_memory_reserved {} (2 MiB / 20 MiB segments, fragmentation); the peak above is reserved + runtime overhead",
-                    fmt_bytes(a.max_memory_allocated),
-                    fmt_bytes(pk.total),
-                    fmt_bytes(a.max_memory_reserved)
-                );
-            }
-            let _ = writeln!(
-                s,
-                "  {bullet}model states: closed form {}; engine {:.2} B/param (its peaks include the transient full gradients and gathered units)",
-                p.closed_form.formula, p.engine_bytes_per_param
-            );
-            if let Some(h) = &p.host {
-                let _ = writeln!(
-                    s,
-                    "  {bullet}host memory (offload {}): {} per GPU ({}), {} for a node's {} GPU(s) of {} ({} to spare); {} over the host link per step",
-                    p.point.offload.name(),
-                    fmt_bytes(h.peak_bytes.total),
-                    crate::memory::Category::ALL
-                        .iter()
-                        .filter(|&&c| h.peak_bytes.get(c) > 0)
-                        .map(|&c| format!("{} {}", c.name(), fmt_bytes(h.peak_bytes.get(c))))
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                    fmt_bytes(h.node_bytes),
-                    h.ranks_per_node,
-                    fmt_bytes(h.capacity_bytes),
-                    fmt_bytes(h.margin_bytes.max(0) as u64),
-                    fmt_bytes(h.link_bytes_per_step)
-                );
-                if let Some(d) = h.deepspeed {
-                    let _ = writeln!(
-                        s,
-                        "  {bullet}DeepSpeed's estimator for these model states: {} per CPU (node), {} per GPU (with its 1.5x host buffer factor; no activations)",
-                        fmt_bytes(d.per_cpu),
-                        fmt_bytes(d.per_gpu)
-                    );
-                }
-            }
-            let offload = match p.host {
-                Some(_) => format!(
-                    " + offload {:.3} s (host link at {:.0}% of {} GB/s, CPU update at the node's memory bandwidth)",
-                    p.offload_s,
-                    super::HOST_LINK_EFFICIENCY * 100.0,
-                    plan.hardware.host_link_gbps
-                ),
-                None => String::new(),
-            };
-            let hw = &plan.hardware;
-            let comm = match p.links {
-                Some(crate::comm::topology::Links::None) => {
-                    "one GPU: no collective moves data".into()
-                }
-                Some(_) => format!(
-                    "NCCL's ring, tree or NVLS as its tuner would pick, over {} ({} GB/s per GPU) and between {}-GPU nodes {} ({} GB/s per GPU)",
-                    hw.interconnect,
-                    hw.interconnect_gbps,
-                    hw.gpus_per_node,
-                    hw.inter_node,
-                    hw.inter_node_gbps
-                ),
-                None => format!(
-                    "{:.0}% of {} GB/s",
-                    plan.efficiency["communication"] * 100.0,
-                    hw.interconnect_gbps
-                ),
-            };
-            let _ = writeln!(
-                s,
-                "  {bullet}step {:.3} s = compute {:.3} s (roofline at {:.0}% of peak FLOP/s, {:.0}% of memory bandwidth) + communication {:.3} s ({comm}; crosses {}, not overlapped){offload}",
-                p.step_s,
-                p.compute_s,
-                plan.efficiency["compute"] * 100.0,
-                plan.efficiency["memory"] * 100.0,
-                p.comm_s,
-                links(plan, p)
-            );
-        }
-    }
-}
-
-/// Markdown: a table of every point and the recommendation.
+/// Markdown: a table of every point (knobs shared by all said once above
+/// it) and the recommendation.
 pub fn markdown(plan: &Plan) -> String {
     let mut s = String::from("# memfit plan\n\n");
-    header(plan, &mut s);
-    let _ = writeln!(s, "\n| {} |", COLS.join(" | "));
-    let _ = writeln!(s, "|{}|", COLS.map(|_| "---").join("|"));
-    for i in order(plan) {
-        let cells = row(plan, i, &plan.points[i]).map(|c| c.replace('|', "/"));
+    for line in header(plan) {
+        let _ = writeln!(s, "{line}");
+    }
+    let rows = order(plan);
+    let (cols, same) = split_constant(plan, &rows);
+    if !same.is_empty() {
+        let _ = writeln!(s, "\nEvery point: {}", same.join(" · "));
+    }
+    let heads: Vec<&str> = cols.iter().map(|c| c.head.as_str()).collect();
+    let _ = writeln!(s, "\n| {} |", heads.join(" | "));
+    let _ = writeln!(s, "|{}|", vec!["---"; cols.len()].join("|"));
+    for r in 0..rows.len() {
+        let cells: Vec<String> = cols.iter().map(|c| c.cells[r].replace('|', "/")).collect();
         let _ = writeln!(s, "| {} |", cells.join(" | "));
     }
     let _ = writeln!(s, "\n## Recommendation");
-    recommendation(plan, &mut s, "- ");
+    for line in recommendation(plan, "- ") {
+        let _ = writeln!(s, "{line}");
+    }
     s
 }
 
@@ -418,4 +826,59 @@ pub fn no_fit_advice(plan: &Plan) -> Vec<String> {
         ));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wrap_keeps_every_word_within_the_width_and_the_indent() {
+        let text = "  per GPU at the peak (65.86 GiB): parameters 7.66 GiB, gradients 6.06 GiB, optimizer 24.64 GiB, an-unbreakable-word-longer-than-a-whole-line-of-thirty";
+        for width in [30, 41, 80] {
+            let lines = wrap(text, Some(width), 2);
+            assert!(
+                lines.iter().all(|l| chars(l) <= width),
+                "{width}: {lines:#?}"
+            );
+            assert!(lines[0].starts_with("  per"), "{lines:?}");
+            assert!(
+                lines[1..].iter().all(|l| l.starts_with("    ")),
+                "{lines:?}"
+            );
+            // Nothing lost, nothing added but breaks.
+            let joined: String = lines.concat().split_whitespace().collect();
+            let want: String = text.split_whitespace().collect();
+            assert_eq!(joined, want, "{width}");
+        }
+        // A figure stays with its unit.
+        let lines = wrap("aaaa 7.66 GiB", Some(10), 0);
+        assert_eq!(lines, ["aaaa", "7.66 GiB"]);
+        // No width: untouched; a leading newline is a blank line.
+        assert_eq!(wrap("\nx  y", None, 2), ["", "x  y"]);
+        assert_eq!(wrap("\nx y", Some(80), 2), ["", "x y"]);
+    }
+
+    #[test]
+    fn wrap_items_breaks_only_between_items() {
+        let items: Vec<String> = ["framework hf-eager", "tune full", "optimizer adamw"]
+            .map(String::from)
+            .to_vec();
+        let lines = wrap_items("every point: ", &items, Some(40));
+        assert_eq!(
+            lines,
+            [
+                "every point: framework hf-eager ·",
+                "  tune full · optimizer adamw"
+            ]
+        );
+        assert!(wrap_items("every point: ", &[], Some(40)).is_empty());
+    }
+
+    #[test]
+    fn parameter_counts_read_as_words() {
+        assert_eq!(fmt_count(70_553_706_496), "70.55 billion");
+        assert_eq!(fmt_count(124_439_808), "124.44 million");
+        assert_eq!(fmt_count(999), "999");
+    }
 }

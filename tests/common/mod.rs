@@ -9,10 +9,12 @@ use std::process::{Command, Output};
 
 use serde_json::Value;
 
-/// Runs the memfit binary with `args` and waits for it.
+/// Runs the memfit binary with `args` and waits for it (without the
+/// caller's `COLUMNS`, so that `plan`'s table has its default width).
 pub fn memfit(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_memfit"))
         .args(args)
+        .env_remove("COLUMNS")
         .output()
         .expect("memfit runs")
 }
