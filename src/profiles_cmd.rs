@@ -120,6 +120,10 @@ pub struct NetworkRecord {
     pub nics_per_node: Option<u32>,
     /// Microseconds per step of a collective across it, for a tiny message.
     pub latency_us: f64,
+    /// Nodes under one non-blocking tier; `null`: the whole fabric.
+    pub pod_nodes: Option<u32>,
+    /// The oversubscription above a pod (1: non-blocking).
+    pub oversubscription: f64,
 }
 
 impl From<&NetworkProfile> for NetworkRecord {
@@ -130,6 +134,8 @@ impl From<&NetworkProfile> for NetworkRecord {
             nic_gbps: n.nic_gbps,
             nics_per_node: n.nics_per_node,
             latency_us: n.latency_us,
+            pod_nodes: n.pod_nodes,
+            oversubscription: n.oversubscription,
         }
     }
 }
