@@ -15,6 +15,19 @@ pub fn fmt_bytes(bytes: u64) -> String {
     format!("{value:.2} {}", UNITS[unit])
 }
 
+/// The largest IEC unit not above `bytes` (B under 1 KiB), as (its size in
+/// bytes, its name): what a chart axis up to `bytes` counts in, so that its
+/// ticks read as round sizes (0, 2, 4, 6 GiB).
+pub fn iec_unit(bytes: u64) -> (u64, &'static str) {
+    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let (mut size, mut i) = (1u64, 0);
+    while i + 1 < UNITS.len() && bytes / size >= 1024 {
+        size *= 1024;
+        i += 1;
+    }
+    (size, UNITS[i])
+}
+
 /// Parses "512MiB", "2GiB", "1.5 GiB", "4096" (bytes), "2GB" (decimal) into bytes.
 pub fn parse_bytes(text: &str) -> Result<u64, String> {
     let t = text.trim();
@@ -72,6 +85,16 @@ pub fn proc_bytes(path: &str, key: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn iec_unit_is_the_largest_not_above() {
+        assert_eq!(iec_unit(0), (1, "B"));
+        assert_eq!(iec_unit(1023), (1, "B"));
+        assert_eq!(iec_unit(1024), (1024, "KiB"));
+        assert_eq!(iec_unit(8 << 20), (1 << 20, "MiB"));
+        assert_eq!(iec_unit((80 << 30) - 1), (1 << 30, "GiB"));
+        assert_eq!(iec_unit(u64::MAX), (1 << 60, "EiB"));
+    }
 
     #[test]
     fn formats_iec() {
