@@ -125,3 +125,31 @@ fn tui_runs_a_sweep_in_tmux_and_quits_cleanly() {
     assert!(journal.lines().count() >= 2, "{journal}");
     assert!(out.join("report.json").is_file());
 }
+
+/// `memfit tui | cat` drew escape codes into the pipe. Without a terminal
+/// it says so in one line, points at `memfit sweep`, writes nothing to
+/// stdout and exits 2, creating nothing.
+#[test]
+fn tui_without_a_terminal_refuses_in_one_line() {
+    let out = std::env::temp_dir().join(format!("memfit-tui-notty-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let run = Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args(["tui", "--out"])
+        .arg(&out)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{stderr}");
+    assert!(run.stdout.is_empty(), "{:?}", run.stdout);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("needs a terminal") && stderr.contains("memfit sweep RECIPE"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains('\x1b') && !stderr.contains("panicked"),
+        "{stderr}"
+    );
+    assert!(!out.exists(), "nothing created");
+}

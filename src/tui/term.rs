@@ -3,6 +3,7 @@
 //! [`Event`]s, the sweep on a background thread, and a ~10 fps render loop
 //! that never waits on the sweep.
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -148,8 +149,17 @@ fn start_sweep(
     }
 }
 
+/// Why `memfit tui` will not start where its output is no terminal (a
+/// pipe, a file, a CI log): one line, before anything is written.
+pub const NOT_A_TERMINAL: &str = "memfit tui needs a terminal, and its output is not one (a pipe or a file); for a headless run use `memfit sweep RECIPE --out DIR`";
+
 /// Runs the TUI until the user quits; returns the process exit code.
 pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
+    // Raw mode and the alternate screen would write escape codes into the
+    // pipe; refuse before any of it (and before the output directory).
+    if !std::io::stdout().is_terminal() {
+        return Err(Error::Unavailable(NOT_A_TERMINAL.into()));
+    }
     std::fs::create_dir_all(&opts.out).map_err(|source| Error::Write {
         path: opts.out.clone(),
         source,
