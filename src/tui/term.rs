@@ -213,7 +213,7 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
     let mut asking = finished_before > 0;
     if asking {
         app.message = Some(format!(
-            "{} holds {finished_before} finished trials: y resumes them, n starts over",
+            "Resume? {} holds {finished_before} finished trials from an earlier run: y resumes them (they are not run again), n moves them aside and starts over, q quits.",
             journal.display()
         ));
     }
@@ -235,6 +235,18 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
         .map_err(|e| Error::Unavailable(format!("cannot use this terminal: {e}")))?;
     let mut terminal = Terminal::new(CrosstermBackend::new(std::io::stdout()))
         .map_err(|e| Error::Unavailable(format!("cannot use this terminal: {e}")))?;
+    // The screen's size, for where the page views end; again on each resize.
+    let mut size = terminal
+        .size()
+        .map(|s| (s.width, s.height))
+        .unwrap_or((80, 24));
+    update(
+        &mut app,
+        Event::Resize {
+            width: size.0,
+            height: size.1,
+        },
+    );
 
     let (tx, rx): (Sender<Event>, Receiver<Event>) = channel();
     let pause = Arc::new(AtomicBool::new(false));
@@ -307,6 +319,11 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
         }
         let key = match event::read() {
             Ok(crossterm::event::Event::Key(k)) => key_of(k),
+            Ok(crossterm::event::Event::Resize(width, height)) => {
+                size = (width, height);
+                update(&mut app, Event::Resize { width, height });
+                None
+            }
             Ok(_) => None,
             Err(e) => break Err(Error::Unavailable(format!("cannot read the terminal: {e}"))),
         };
@@ -327,6 +344,13 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
                         app.gpu = gpu;
                         app.header.no_color =
                             std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+                        update(
+                            &mut app,
+                            Event::Resize {
+                                width: size.0,
+                                height: size.1,
+                            },
+                        );
                         app.message = Some(format!("earlier trials moved to {}", aside.display()));
                     } else {
                         app.message = None;
