@@ -12,8 +12,8 @@
 //! - reference lines ([`Rule`]) are box-drawing rules, each with its own
 //!   glyph (━ ─ ┄); rules that fall in one row share it cell by cell, so
 //!   none hides another;
-//! - series ([`Curve`]) are Braille curves over the rules, points
-//!   ([`Dot`]) a glyph each, drawn last;
+//! - points ([`Dot`]) are a glyph each over the rules, series ([`Curve`])
+//!   Braille curves over both;
 //! - the legend is a line under the plot, never on it.
 //!
 //! Glyphs tell the lines apart and colour only helps, so NO_COLOR loses
@@ -80,7 +80,8 @@ pub struct Plot<'a> {
     pub top: f64,
     pub rules: Vec<Rule>,
     pub curves: Vec<Curve<'a>>,
-    /// Drawn last, later ones over earlier ones.
+    /// Drawn over the rules and under the curves, later ones over earlier
+    /// ones.
     pub dots: Vec<Dot>,
     pub legend: Vec<Key>,
 }
@@ -335,6 +336,15 @@ pub fn draw(p: &Plot, buf: &mut Buffer, area: Rect) {
             buf[(plot.x + dx, *y)].set_char(r.glyph).set_style(r.style);
         }
     }
+    // Dots, one glyph a cell, under the curves: a series drawn as dots
+    // (NVML, GPU used) sits close to the curve it is compared with, and
+    // the curve must not vanish under it.
+    for d in &p.dots {
+        let Some(y) = fr.row_of(d.y) else { continue };
+        let x =
+            plot.x + (Geom::x_frac(d.x, p.x) * plot.width.saturating_sub(1) as f64).round() as u16;
+        buf[(x, y)].set_char(d.glyph).set_style(d.style);
+    }
     // Curves: Braille dots, two columns and four rows a cell.
     let (w2, h4) = (plot.width as i64 * 2, plot.height as i64 * 4);
     let mut cells = vec![0u8; plot.width as usize * plot.height as usize];
@@ -394,13 +404,6 @@ pub fn draw(p: &Plot, buf: &mut Buffer, area: Rect) {
         buf[(x, y)]
             .set_char(ch)
             .set_style(style.unwrap_or_default());
-    }
-    // Dots, one glyph a cell.
-    for d in &p.dots {
-        let Some(y) = fr.row_of(d.y) else { continue };
-        let x =
-            plot.x + (Geom::x_frac(d.x, p.x) * plot.width.saturating_sub(1) as f64).round() as u16;
-        buf[(x, y)].set_char(d.glyph).set_style(d.style);
     }
     // Under the plot: the x range, then the legend.
     if let Some(y) = fr.x_labels {
@@ -566,7 +569,7 @@ mod tests {
     }
 
     #[test]
-    fn curves_and_dots_draw_over_rules() {
+    fn curves_and_dots_draw_over_rules_and_curves_over_dots() {
         let pts = [(0.0, 0.0), (1.0, 8.0 * MIB)];
         let mut p = plot(vec![rule(4.0 * MIB, '─')]);
         p.curves.push(Curve {
@@ -589,6 +592,16 @@ mod tests {
             "the curve crosses the rule: {mid:?}"
         );
         assert_eq!(l[4].chars().last(), Some('◆'), "{l:?}");
+        // A dot where the curve passes gives way to it.
+        p.dots.push(Dot {
+            x: 0.0,
+            y: 0.0,
+            glyph: '•',
+            style: Style::default(),
+        });
+        let l = draw_lines(&p, 30, 7);
+        let first = l[4].chars().nth(6).unwrap();
+        assert!(('\u{2801}'..='\u{28ff}').contains(&first), "{l:?}");
     }
 
     #[test]

@@ -1057,22 +1057,6 @@ fn render_table(app: &App, f: &mut Frame, area: Rect) {
     }
 }
 
-/// A tick step for an axis up to `top` bytes in about `n` steps: 1 or 1.5
-/// times a power of two, so the labels read as round IEC sizes.
-pub(crate) fn tick_step(top: f64, n: u32) -> f64 {
-    let raw = (top / n.max(1) as f64).max(1.0);
-    let mut step = 1.0f64;
-    loop {
-        if step >= raw {
-            return step;
-        }
-        if step * 1.5 >= raw {
-            return step * 1.5;
-        }
-        step *= 2.0;
-    }
-}
-
 /// Why a trial has no memory samples to chart.
 fn no_samples(app: &App, r: &Row) -> String {
     let note = r.record.as_ref().and_then(|rec| rec.note.clone());
@@ -2826,9 +2810,6 @@ mod tests {
         assert_eq!(clip("abcdef", 4), "abc…");
         assert_eq!(clip("abc", 3), "abc");
         assert_eq!(clip("abc", 0), "");
-        assert_eq!(tick_step(64.0 * 1048576.0, 4), 16.0 * 1048576.0);
-        assert_eq!(tick_step(24.0 * 1048576.0, 3), 8.0 * 1048576.0);
-        assert_eq!(tick_step(64.0 * 1048576.0, 3), 24.0 * 1048576.0);
         let p = point(
             4,
             crate::engine::Sharding::Zero2,
