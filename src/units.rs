@@ -102,6 +102,11 @@ mod tests {
             assert!(b < 1024 || b / size >= 1, "{b}");
         }
         assert_eq!(iec_unit(70 << 30), ("GiB", 1 << 30));
+        // The largest unit not above: what a chart axis up to `b` counts in.
+        assert_eq!(iec_unit(1023), ("B", 1));
+        assert_eq!(iec_unit(8 << 20), ("MiB", 1 << 20));
+        assert_eq!(iec_unit((80 << 30) - 1), ("GiB", 1 << 30));
+        assert_eq!(iec_unit(u64::MAX), ("EiB", 1 << 60));
     }
 
     #[test]

@@ -638,11 +638,28 @@ fn tui_draws_the_gpu_row_the_chart_the_warning_and_the_prediction() {
     assert!(line("   77").contains("4.00 GiB"));
     assert!(line("GPUs (driver 550.54.15)").contains("┌"));
     assert!(line("job GPU memory (NVML): now 69.00 GiB, peak 69.00 GiB").contains("┌"));
+    // The legend is a row under the plot, each line its own glyph (they
+    // read apart without colour); the y ticks are round and evenly spaced.
     assert!(
-        line("━ job")
-            .contains("━ job  ━ GPU used  ━ capacity 80.00 GiB  ━ warn 90%  ━ memfit predicts"),
-        "the legend in the chart's bottom border"
+        line("⡠⠊ job").contains(
+            "⡠⠊ job  · GPU used  ━ capacity 80.00 GiB  ─ warn 90%  ┄ memfit predicts 66.00 GiB"
+        ),
+        "the legend under the chart"
     );
+    let ticks: Vec<usize> = screen
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| l.contains("GiB┤") || l.contains(" 0┤"))
+        .map(|(y, _)| y)
+        .collect();
+    assert!(ticks.len() >= 3, "{screen}");
+    assert!(
+        ticks.windows(3).all(|g| g[1] - g[0] == g[2] - g[1]),
+        "{ticks:?}"
+    );
+    for t in ["80 GiB┤━", "40 GiB┤", "0┤"] {
+        assert!(screen.contains(t), "{t}:\n{screen}");
+    }
     assert!(line("output (memfit-watch.log)").contains("┌"));
     assert!(line("step 11 loss 3.19").contains("│"));
     assert!(line("q quit").contains("SIGTERM to the command, SIGKILL after the grace period"));

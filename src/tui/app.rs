@@ -12,13 +12,15 @@ use crate::memory::PeakBytes;
 use crate::plan::{Point, Prediction, Verdict};
 use crate::sweep::report::{Outcome, SweepReport, TargetPrediction, TrialRecord};
 
-/// Samples of the running trial kept for the chart. Past it, neighbouring
-/// samples are merged pairwise (the higher one kept), so the chart still
-/// spans the whole trial and never loses its peak.
+/// Samples kept per trial for its chart. Past it, neighbouring samples are
+/// merged pairwise (the higher one kept), so the chart still spans the
+/// whole trial and never loses its peak.
 pub const MAX_SAMPLES: usize = 2000;
-/// Rows moved (or detail lines scrolled) by PageUp / PageDown.
+/// Rows moved by PageUp / PageDown in the grid (and lines scrolled in a
+/// page view before the front end has told the screen's size).
 pub const PAGE: usize = 10;
-/// How far the detail view scrolls.
+/// How far a page view scrolls before the front end has told the screen's
+/// size.
 const MAX_SCROLL: u16 = 1000;
 
 /// Where a grid point stands.
@@ -33,6 +35,9 @@ pub enum Status {
     Oom,
     Timeout,
     Crash,
+    /// The plan predicts it does not fit, so the sweep will not run it
+    /// (it becomes `SkippedPredicted` when the sweep records that).
+    PlannedSkip,
     SkippedPredicted,
     SkippedMonotonic,
     Invalid,
@@ -49,8 +54,8 @@ impl Status {
             Status::Oom => "OOM",
             Status::Timeout => "timeout",
             Status::Crash => "crash",
-            Status::SkippedPredicted => "skipped:pred",
-            Status::SkippedMonotonic => "skipped:mono",
+            Status::PlannedSkip | Status::SkippedPredicted => "skip: pred OOM",
+            Status::SkippedMonotonic => "skip: inferred",
             Status::Invalid => "invalid",
         }
     }
@@ -69,9 +74,22 @@ impl Status {
         }
     }
 
-    /// Settled: neither waiting nor running.
+    /// Settled: neither waiting nor running (a planned skip waits for the
+    /// sweep to record it).
     pub fn is_done(self) -> bool {
-        !matches!(self, Status::Queued | Status::Running)
+        !matches!(self, Status::Queued | Status::Running | Status::PlannedSkip)
+    }
+
+    /// Whether the sweep runs (or ran) this trial: not one it skips or
+    /// refuses.
+    pub fn will_run(self) -> bool {
+        !matches!(
+            self,
+            Status::PlannedSkip
+                | Status::SkippedPredicted
+                | Status::SkippedMonotonic
+                | Status::Invalid
+        )
     }
 
     /// Order of the status sort column: the interesting first.
@@ -84,7 +102,7 @@ impl Status {
             Status::Timeout => 4,
             Status::Crash => 5,
             Status::Queued => 6,
-            Status::SkippedPredicted => 7,
+            Status::PlannedSkip | Status::SkippedPredicted => 7,
             Status::SkippedMonotonic => 8,
             Status::Invalid => 9,
         }
@@ -109,6 +127,8 @@ pub struct Row {
     pub planned_target: Option<TargetPrediction>,
     pub record: Option<TrialRecord>,
     pub status: Status,
+    /// Its live memory while it ran in this session (a re-run starts over).
+    pub samples: Vec<Sample>,
 }
 
 impl Row {
@@ -132,14 +152,17 @@ impl Row {
             planned_target: None,
             record: None,
             status,
+            samples: Vec::new(),
         }
     }
 
     /// A row from the planner's prediction for grid point `index`: queued,
-    /// or invalid when the planner says so. (Set `planned_target` for the
-    /// plan on the target GPU.)
+    /// a planned skip when the plan says it does not fit (the sweep never
+    /// runs those: `sweep::driver`'s selection starts at the largest
+    /// micro-batch predicted to fit and only goes down), or invalid when
+    /// the planner says so. (Set `planned_target` for the plan on the
+    /// target GPU.)
     pub fn from_prediction(index: usize, p: &Prediction) -> Row {
-        let invalid = matches!(p.verdict, Verdict::Invalid { .. });
         Row {
             index,
             point: p.point,
@@ -149,11 +172,12 @@ impl Row {
             overhead_bytes: p.runtime_overhead_bytes,
             planned_target: None,
             record: None,
-            status: if invalid {
-                Status::Invalid
-            } else {
-                Status::Queued
+            status: match p.verdict {
+                Verdict::Invalid { .. } => Status::Invalid,
+                Verdict::DoesNotFit => Status::PlannedSkip,
+                Verdict::Fits => Status::Queued,
             },
+            samples: Vec::new(),
         }
     }
 
@@ -290,6 +314,28 @@ pub enum View {
     Grid,
     Detail,
     Help,
+    /// The recommendation in full: its reasons, the tie, the frontier.
+    Why,
+}
+
+/// What the chart panel shows where there is room for one chart only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChartKind {
+    /// The selected trial's memory over its run, against the capacity.
+    Memory,
+    /// Tokens/s of each finished trial, in the order they finished.
+    Throughput,
+}
+
+/// Trials by where they stand, for the progress counter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    /// Ran to an outcome (fit, over, OOM, timeout, crash).
+    pub ran: usize,
+    /// That the sweep runs: all but the skipped and invalid ones.
+    pub to_run: usize,
+    /// That it skips (predicted OOM, inferred) or refuses (invalid).
+    pub skipped: usize,
 }
 
 /// The grid's sort column; `s` cycles through them in this order.
@@ -400,14 +446,22 @@ pub struct App {
     pub fits_only: bool,
     pub editing_filter: bool,
     pub view: View,
-    /// Lines the detail view is scrolled down (PageUp / PageDown there).
-    pub detail_scroll: u16,
+    /// Lines the page view (detail, help, recommendation) is scrolled down.
+    pub scroll: u16,
+    /// The terminal's size (columns, rows) as the front end last told it;
+    /// (0, 0) before it has. Scrolling stops at the last page with it.
+    pub viewport: (u16, u16),
+    /// The chart panel's choice where only one chart fits (`t` switches).
+    pub chart: ChartKind,
     pub paused: bool,
     /// Grid index of the running trial.
     pub running: Option<usize>,
-    /// Live samples of the trial `samples_of` (the running one, else the last run).
-    pub samples: Vec<Sample>,
-    pub samples_of: Option<usize>,
+    /// Grid index of the trial that started last: while the selection is on
+    /// it, the selection follows the sweep to the next one.
+    pub last_started: Option<usize>,
+    /// Grid indices of the trials with a measured throughput, in the order
+    /// they finished (a re-run moves to the end): the throughput chart's x.
+    pub finish_order: Vec<usize>,
     pub elapsed_s: f64,
     pub finished: bool,
     pub message: Option<String>,
@@ -450,11 +504,13 @@ impl App {
             fits_only: false,
             editing_filter: false,
             view: View::Grid,
-            detail_scroll: 0,
+            scroll: 0,
+            viewport: (0, 0),
+            chart: ChartKind::Memory,
             paused: false,
             running: None,
-            samples: Vec::new(),
-            samples_of: None,
+            last_started: None,
+            finish_order: Vec::new(),
             elapsed_s: 0.0,
             finished: false,
             message: None,
@@ -465,6 +521,13 @@ impl App {
             pareto: Vec::new(),
             gpu: None,
         };
+        // A resumed sweep's trials finished before this session, in grid order.
+        app.finish_order = app
+            .rows
+            .iter()
+            .filter(|r| r.tokens_per_s().is_some())
+            .map(|r| r.index)
+            .collect();
         app.recompute_recommendation();
         app
     }
@@ -479,10 +542,19 @@ impl App {
         visible(self).get(self.selected).map(|&i| &self.rows[i])
     }
 
-    /// Settled trials (run, skipped or invalid), of all.
-    pub fn progress(&self) -> (usize, usize) {
-        let done = self.rows.iter().filter(|r| r.status.is_done()).count();
-        (done, self.rows.len())
+    /// Trials run of those the sweep runs, and how many it skips: the
+    /// counter counts only what will take time.
+    pub fn progress(&self) -> Progress {
+        let to_run = self.rows.iter().filter(|r| r.status.will_run()).count();
+        Progress {
+            ran: self
+                .rows
+                .iter()
+                .filter(|r| r.status.will_run() && r.status.is_done())
+                .count(),
+            to_run,
+            skipped: self.rows.len() - to_run,
+        }
     }
 
     /// A sweep report of what the screen shows so far (for exports and the
@@ -575,6 +647,12 @@ pub enum Event {
     Gpu(GpuView),
     /// The export started by [`Action::Export`] ended.
     Exported(Result<PathBuf, String>),
+    /// The terminal's size, in columns and rows (at the start and on every
+    /// change): where a page view's last page is.
+    Resize {
+        width: u16,
+        height: u16,
+    },
 }
 
 /// What the front end must do after an update.
@@ -593,17 +671,34 @@ pub enum Action {
 pub const KEYMAP: &[(&str, &str)] = &[
     (
         "q  Esc  Ctrl-C",
-        "quit (Esc and q close help, detail or the filter first)",
+        "quit (Esc and q close help, detail, the recommendation or the filter first)",
     ),
-    ("?", "toggle this help"),
-    ("↑ ↓  k j", "move the selection"),
-    ("PgUp PgDn", "move by a page (detail: scroll)"),
-    ("Home End  g G", "first / last row"),
+    ("?", "this help"),
+    (
+        "↑ ↓  k j",
+        "move the selection (help and recommendation: scroll a line)",
+    ),
+    (
+        "PgUp PgDn",
+        "move by a page (detail, help and recommendation: scroll a page)",
+    ),
+    (
+        "Home End  g G",
+        "first / last row (help and recommendation: top / end)",
+    ),
     (
         "← →  h l",
         "previous / next sort column (detail: previous / next row)",
     ),
     ("Enter  Tab", "open / close the selected trial's detail"),
+    (
+        "w",
+        "why: the recommendation with all its reasons, the tie and the frontier",
+    ),
+    (
+        "t",
+        "switch the chart between the selected trial's memory and tokens/s per finished trial (both show on a large screen)",
+    ),
     ("s", "cycle the sort column"),
     ("S", "reverse the sort"),
     (
@@ -756,20 +851,61 @@ fn on_key(app: &mut App, key: Key) -> Vec<Action> {
         }
         return Vec::new();
     }
-    if app.view == View::Help {
-        match key {
-            Key::Char('?') | Key::Char('q') | Key::Esc | Key::Enter => app.view = View::Grid,
-            _ => {}
-        }
-        return Vec::new();
-    }
-    let detail = app.view == View::Detail;
-    let before = app.selected;
-    let actions = on_command(app, key, detail);
-    if app.selected != before || app.view != View::Detail {
-        app.detail_scroll = 0;
+    let (view, before) = (app.view, app.selected);
+    let actions = if matches!(view, View::Help | View::Why) {
+        on_page_key(app, key);
+        Vec::new()
+    } else {
+        on_command(app, key, view == View::Detail)
+    };
+    // A page opens at its top; the detail of another trial too.
+    if app.view != view || app.selected != before {
+        app.scroll = 0;
     }
     actions
+}
+
+/// How far the page view may scroll: to its last page, once the front end
+/// has told the screen's size.
+fn scroll_limit(app: &App) -> u16 {
+    if app.viewport == (0, 0) {
+        MAX_SCROLL
+    } else {
+        crate::tui::render::scroll_max(app)
+    }
+}
+
+fn scroll_by(app: &mut App, delta: i32) {
+    let to = (app.scroll as i32 + delta).clamp(0, scroll_limit(app) as i32);
+    app.scroll = to as u16;
+}
+
+/// Lines a PageUp / PageDown scrolls a page view.
+fn page(app: &App) -> i32 {
+    if app.viewport == (0, 0) {
+        PAGE as i32
+    } else {
+        crate::tui::render::page_rows(app).max(1) as i32
+    }
+}
+
+/// Keys in the help and the recommendation: they scroll; `?` and `w` go
+/// from one to the other (or close their own).
+fn on_page_key(app: &mut App, key: Key) {
+    match key {
+        Key::Char('?') if app.view == View::Help => app.view = View::Grid,
+        Key::Char('w') if app.view == View::Why => app.view = View::Grid,
+        Key::Char('?') => app.view = View::Help,
+        Key::Char('w') => app.view = View::Why,
+        Key::Char('q') | Key::Esc | Key::Enter | Key::Tab => app.view = View::Grid,
+        Key::Up | Key::Char('k') => scroll_by(app, -1),
+        Key::Down | Key::Char('j') => scroll_by(app, 1),
+        Key::PageUp => scroll_by(app, -page(app)),
+        Key::PageDown | Key::Char(' ') => scroll_by(app, page(app)),
+        Key::Home | Key::Char('g') => app.scroll = 0,
+        Key::End | Key::Char('G') => app.scroll = scroll_limit(app),
+        _ => {}
+    }
 }
 
 fn on_command(app: &mut App, key: Key, detail: bool) -> Vec<Action> {
@@ -779,12 +915,17 @@ fn on_command(app: &mut App, key: Key, detail: bool) -> Vec<Action> {
         Key::Char('q') | Key::Esc => return vec![Action::Quit],
         Key::Enter | Key::Tab if app.selected_row().is_some() => app.view = View::Detail,
         Key::Char('?') => app.view = View::Help,
+        Key::Char('w') => app.view = View::Why,
+        Key::Char('t') => {
+            app.chart = match app.chart {
+                ChartKind::Memory => ChartKind::Throughput,
+                ChartKind::Throughput => ChartKind::Memory,
+            }
+        }
         Key::Up | Key::Char('k') => move_by(app, -1),
         Key::Down | Key::Char('j') => move_by(app, 1),
-        Key::PageUp if detail => app.detail_scroll = app.detail_scroll.saturating_sub(PAGE as u16),
-        Key::PageDown if detail => {
-            app.detail_scroll = (app.detail_scroll + PAGE as u16).min(MAX_SCROLL)
-        }
+        Key::PageUp if detail => scroll_by(app, -page(app)),
+        Key::PageDown if detail => scroll_by(app, page(app)),
         Key::PageUp => move_by(app, -(PAGE as isize)),
         Key::PageDown => move_by(app, PAGE as isize),
         Key::Home | Key::Char('g') => move_by(app, isize::MIN / 2),
@@ -854,23 +995,38 @@ pub fn update(app: &mut App, ev: Event) -> Vec<Action> {
         Event::Tick { elapsed_s } if !app.finished => app.elapsed_s = elapsed_s,
         Event::Tick { .. } => {}
         Event::Gpu(v) => app.gpu = Some(v),
-        Event::TrialStarted { index } => keeping_selection(app, |a| {
-            if let Some(i) = a.row_of(index) {
-                a.rows[i].status = Status::Running;
+        Event::TrialStarted { index } => {
+            // Watching the trial that ran last (or none has yet): keep
+            // watching the sweep. Elsewhere the selection stays put.
+            let follow = app.last_started.is_none() || selected_index(app) == app.last_started;
+            keeping_selection(app, |a| {
+                if let Some(i) = a.row_of(index) {
+                    a.rows[i].status = Status::Running;
+                    a.rows[i].samples.clear();
+                }
+                // A re-run after the end: the sweep runs again.
+                a.finished = false;
+                a.running = Some(index);
+                a.last_started = Some(index);
+            });
+            if follow {
+                reselect(app, Some(index));
             }
-            // A re-run after the end: the sweep runs again.
-            a.finished = false;
-            a.running = Some(index);
-            a.samples.clear();
-            a.samples_of = Some(index);
-        }),
+        }
         Event::Sample(s) => {
-            app.samples.push(s);
-            if app.samples.len() > MAX_SAMPLES {
-                app.samples = halve(&app.samples);
+            if let Some(i) = app.running.and_then(|r| app.row_of(r)) {
+                let samples = &mut app.rows[i].samples;
+                samples.push(s);
+                if samples.len() > MAX_SAMPLES {
+                    *samples = halve(samples);
+                }
             }
         }
         Event::TrialFinished { index, record } => keeping_selection(app, |a| {
+            a.finish_order.retain(|&i| i != index);
+            if record.measured.is_some() {
+                a.finish_order.push(index);
+            }
             if let Some(i) = a.row_of(index) {
                 a.rows[i].status = Status::from_record(&record);
                 a.rows[i].record = Some(record);
@@ -880,6 +1036,11 @@ pub fn update(app: &mut App, ev: Event) -> Vec<Action> {
             }
             a.recompute_recommendation();
         }),
+        Event::Resize { width, height } => {
+            app.viewport = (width, height);
+            app.scroll = app.scroll.min(scroll_limit(app));
+        }
+
         Event::SweepFinished => {
             app.finished = true;
             app.running = None;
@@ -1018,7 +1179,8 @@ pub(crate) mod testdata {
         }
     }
 
-    /// Six grid points, none run yet.
+    /// Six grid points, none run yet; #4, predicted far over the capacity,
+    /// is a planned skip.
     pub fn fresh(no_color: bool) -> App {
         let pts = [
             point(1, Sharding::None, Optimizer::Adamw),
@@ -1033,9 +1195,18 @@ pub(crate) mod testdata {
             .iter()
             .zip(pred)
             .enumerate()
-            .map(|(i, (&p, m))| Row {
-                planned_target: Some(target_plan(m * MIB)),
-                ..Row::new(i, p, Some(m * MIB), Some(1000.0), Status::Queued)
+            .map(|(i, (&p, m))| {
+                // Far over the capacity: the plan skips it. (#2's plan is
+                // over too, but the fixture runs it, to show an OOM.)
+                let status = if i == 4 {
+                    Status::PlannedSkip
+                } else {
+                    Status::Queued
+                };
+                Row {
+                    planned_target: Some(target_plan(m * MIB)),
+                    ..Row::new(i, p, Some(m * MIB), Some(1000.0), status)
+                }
             })
             .collect();
         App::new(header(no_color), rows)
@@ -1072,11 +1243,35 @@ pub(crate) mod testdata {
         ]
     }
 
-    /// Five trials settled, #3 running with a few samples.
+    /// Ten samples of a trial rising to `peak` over a second.
+    pub fn ramp(app: &mut App, peak: u64) {
+        for k in 0..10u64 {
+            update(
+                app,
+                Event::Sample(Sample {
+                    t_s: k as f64 * 0.1,
+                    tracked: peak * k / 9,
+                    rss: Some(30 * MIB + peak * k / 9),
+                    nvml: None,
+                }),
+            );
+        }
+    }
+
+    /// Five trials settled (four ran, each with its samples; #4 skipped
+    /// as planned), #3 running with a few samples, the selection following
+    /// the sweep onto it.
     pub fn running(no_color: bool) -> App {
         let mut app = fresh(no_color);
         for (index, record) in finished_records(&app) {
-            update(&mut app, Event::TrialStarted { index });
+            if record.outcome != Outcome::SkippedPredictedOom {
+                update(&mut app, Event::TrialStarted { index });
+                let peak = record
+                    .measured
+                    .as_ref()
+                    .map_or(5 * MIB, |m| m.peak_bytes.total);
+                ramp(&mut app, peak);
+            }
             update(&mut app, Event::TrialFinished { index, record });
         }
         update(&mut app, Event::TrialStarted { index: 3 });
@@ -1112,6 +1307,15 @@ mod tests {
 
     fn sel(app: &App) -> usize {
         app.selected_row().unwrap().index
+    }
+
+    /// A fitting record for grid point `i`.
+    fn record_for(app: &App, i: usize) -> (usize, TrialRecord) {
+        let p = app.rows[i].point;
+        (
+            i,
+            record(p, Outcome::Ran, 20 * MIB, Some((22 * MIB, 1200.0))),
+        )
     }
 
     #[test]
@@ -1329,11 +1533,11 @@ mod tests {
             nvml: None,
         };
         update(&mut app, Event::Sample(s));
-        assert_eq!(app.samples, vec![s]);
+        assert_eq!(app.rows[1].samples, vec![s]);
         for _ in 0..MAX_SAMPLES + 5 {
             update(&mut app, Event::Sample(s));
         }
-        assert!(app.samples.len() <= MAX_SAMPLES);
+        assert!(app.rows[1].samples.len() <= MAX_SAMPLES);
         let recs = finished_records(&app);
         let (_, r1) = recs[1].clone();
         update(
@@ -1345,13 +1549,17 @@ mod tests {
         );
         assert_eq!(app.rows[1].status, Status::Fit);
         assert_eq!(app.running, None);
-        assert_eq!(app.samples_of, Some(1), "the last run's samples stay");
+        assert!(!app.rows[1].samples.is_empty(), "a trial keeps its samples");
         assert_eq!(app.recommendation, Some(1));
         assert!(app.reasons[0].contains("lowest cost"));
         assert_eq!(app.runner_up, None);
 
         update(&mut app, Event::TrialStarted { index: 0 });
-        assert!(app.samples.is_empty());
+        assert!(app.rows[0].samples.is_empty());
+        assert!(
+            !app.rows[1].samples.is_empty(),
+            "the next trial does not take the last one's samples away"
+        );
         let (_, r0) = recs[0].clone();
         update(
             &mut app,
@@ -1369,7 +1577,16 @@ mod tests {
         assert_eq!(app.rows[2].status, Status::Oom);
         assert_eq!(app.rows[4].status, Status::SkippedPredicted);
         assert_eq!(app.rows[5].status, Status::Crash);
-        assert_eq!(app.progress(), (5, 6));
+        // #4 was a planned skip and is a recorded one now: the counter
+        // counts the five that run, four of them done.
+        assert_eq!(
+            app.progress(),
+            Progress {
+                ran: 4,
+                to_run: 5,
+                skipped: 1
+            }
+        );
         update(&mut app, Event::Tick { elapsed_s: 12.5 });
         assert_eq!(app.elapsed_s, 12.5);
         update(&mut app, Event::SweepFinished);
@@ -1394,7 +1611,7 @@ mod tests {
                 }),
             );
         }
-        let s = &app.samples;
+        let s = &app.rows[0].samples;
         assert!(
             s.len() <= MAX_SAMPLES && s.len() > MAX_SAMPLES / 2,
             "{}",
@@ -1476,26 +1693,133 @@ mod tests {
     #[test]
     fn detail_scrolls_and_resets() {
         let mut app = running(false);
+        key(&mut app, Key::Home);
         key(&mut app, Key::Enter);
         key(&mut app, Key::PageDown);
-        assert_eq!(app.detail_scroll, PAGE as u16);
+        assert_eq!(app.scroll, PAGE as u16);
         assert_eq!(app.selected, 0, "PageDown scrolls the detail, not the grid");
         key(&mut app, Key::PageUp);
         key(&mut app, Key::PageUp);
-        assert_eq!(app.detail_scroll, 0);
+        assert_eq!(app.scroll, 0);
         key(&mut app, Key::PageDown);
         key(&mut app, Key::Down);
-        assert_eq!((app.selected, app.detail_scroll), (1, 0));
+        assert_eq!((app.selected, app.scroll), (1, 0));
         key(&mut app, Key::PageDown);
         key(&mut app, Key::Esc);
-        assert_eq!(app.detail_scroll, 0);
+        assert_eq!(app.scroll, 0);
+    }
+
+    /// Help was cut at 80x24 with no way to the rest; the help and the
+    /// recommendation pages now scroll by line, page and to either end, and
+    /// stop at their last page (the size comes as an event, so `update`
+    /// stays pure).
+    #[test]
+    fn pages_scroll_to_their_last_page_and_no_further() {
+        for (open, view) in [('?', View::Help), ('w', View::Why)] {
+            let mut app = tied(false);
+            update(
+                &mut app,
+                Event::Resize {
+                    width: 80,
+                    height: 24,
+                },
+            );
+            ch(&mut app, open);
+            assert_eq!(app.view, view);
+            let max = crate::tui::render::scroll_max(&app);
+            assert!(max > 0, "{view:?} is longer than 80x24");
+            ch(&mut app, 'j');
+            key(&mut app, Key::Down);
+            assert_eq!(app.scroll, 2);
+            ch(&mut app, 'k');
+            assert_eq!(app.scroll, 1);
+            key(&mut app, Key::PageDown);
+            let page = crate::tui::render::page_rows(&app);
+            assert_eq!(app.scroll, (1 + page).min(max));
+            for _ in 0..50 {
+                key(&mut app, Key::PageDown);
+            }
+            assert_eq!(app.scroll, max, "no further than the last page");
+            key(&mut app, Key::Up);
+            assert_eq!(app.scroll, max - 1, "and back at once");
+            ch(&mut app, 'g');
+            assert_eq!(app.scroll, 0);
+            ch(&mut app, 'G');
+            assert_eq!(app.scroll, max);
+            // A taller screen has fewer lines to scroll: the scroll follows.
+            update(
+                &mut app,
+                Event::Resize {
+                    width: 200,
+                    height: 80,
+                },
+            );
+            assert_eq!(app.scroll, crate::tui::render::scroll_max(&app));
+            // The other page opens at its top; Esc goes back to the grid.
+            ch(&mut app, if open == '?' { 'w' } else { '?' });
+            assert_ne!(app.view, view);
+            assert_eq!(app.scroll, 0);
+            key(&mut app, Key::Esc);
+            assert_eq!(app.view, View::Grid);
+        }
+    }
+
+    /// The chart showed the running trial while the side panel showed the
+    /// selected one. Both follow the selection now, each trial keeps its
+    /// samples, and the selection follows the sweep only while it is on
+    /// the trial that ran last.
+    #[test]
+    fn the_selection_follows_the_sweep_until_moved() {
+        let mut app = running(false);
+        assert_eq!(sel(&app), 3, "followed onto the running trial");
+        assert!(!app.rows[3].samples.is_empty());
+        assert!(!app.rows[0].samples.is_empty(), "#0 keeps its samples");
+        // Moved away: the next start leaves the selection alone.
+        key(&mut app, Key::Home);
+        let (_, r3) = record_for(&app, 3);
+        update(
+            &mut app,
+            Event::TrialFinished {
+                index: 3,
+                record: r3,
+            },
+        );
+        update(&mut app, Event::Key(Key::Char('r')));
+        update(&mut app, Event::TrialStarted { index: 0 });
+        assert_eq!(sel(&app), 0, "re-run where the selection is");
+        key(&mut app, Key::End);
+        update(&mut app, Event::TrialStarted { index: 2 });
+        assert_eq!(sel(&app), 5, "moved off the running trial: stays put");
+    }
+
+    /// The chart key switches between the memory and the throughput chart;
+    /// the throughput's x is the order trials finished, a re-run last.
+    #[test]
+    fn chart_key_and_finish_order() {
+        let mut app = running(false);
+        assert_eq!(app.chart, ChartKind::Memory);
+        ch(&mut app, 't');
+        assert_eq!(app.chart, ChartKind::Throughput);
+        ch(&mut app, 't');
+        assert_eq!(app.chart, ChartKind::Memory);
+        assert_eq!(app.finish_order, vec![0, 1], "only measured trials");
+        let (_, r0) = record_for(&app, 0);
+        update(&mut app, Event::TrialStarted { index: 0 });
+        update(
+            &mut app,
+            Event::TrialFinished {
+                index: 0,
+                record: r0,
+            },
+        );
+        assert_eq!(app.finish_order, vec![1, 0]);
     }
 
     #[test]
     fn keymap_lists_every_command() {
         let keys: String = KEYMAP.iter().map(|(k, _)| *k).collect::<Vec<_>>().join(" ");
         for k in [
-            "q", "?", "j", "k", "Enter", "s", "S", "/", "f", "Space", "r", "e", "PgUp",
+            "q", "?", "j", "k", "Enter", "s", "S", "/", "f", "Space", "r", "e", "PgUp", "w", "t",
         ] {
             assert!(keys.contains(k), "{k} missing from KEYMAP");
         }

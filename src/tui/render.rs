@@ -10,13 +10,11 @@
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Modifier, Style};
-use ratatui::symbols::Marker;
 use ratatui::text::{Line, Span};
-use ratatui::widgets::{
-    Axis, Block, Chart, Dataset, GraphType, Paragraph, Row as TRow, Table, TableState, Wrap,
-};
+use ratatui::widgets::{Block, Paragraph, Row as TRow, Table, TableState};
 
-use super::app::{App, GpuView, KEYMAP, Row, SortColumn, Status, View, visible};
+use super::app::{App, ChartKind, GpuView, KEYMAP, Row, SortColumn, Status, View, visible};
+use super::chart;
 use crate::memory::Category;
 use crate::plan::{Point, name, usd};
 use crate::sweep::markdown::{cost_cell, cost_heading, ratio, tokens_cell};
@@ -28,13 +26,8 @@ pub fn render(app: &App, f: &mut Frame) {
     if area.width == 0 || area.height == 0 {
         return;
     }
-    let [header, body, status] = Layout::vertical([
-        Constraint::Length(2),
-        Constraint::Min(0),
-        Constraint::Length(1),
-    ])
-    .areas(area);
     let w = area.width as usize;
+    let [header, body, status] = screen_areas(app, area);
     f.render_widget(
         Paragraph::new(vec![setup_line(app, w), progress_line(app, w)]),
         header,
@@ -42,9 +35,173 @@ pub fn render(app: &App, f: &mut Frame) {
     match app.view {
         View::Grid => render_grid_view(app, f, body),
         View::Detail => render_detail(app, f, body),
-        View::Help => render_help(app, f, body),
+        View::Help => render_page(app, f, body, "help: memfit tui", help_lines),
+        View::Why => render_page(app, f, body, &why_title(app), why_lines),
     }
-    f.render_widget(Paragraph::new(status_line(app, w)), status);
+    f.render_widget(Paragraph::new(status_lines(app, w)), status);
+}
+
+/// The header (2 rows), the body, and the status line: one row, or up to
+/// three for a message (the resume question) so that it reads whole.
+fn screen_areas(app: &App, area: Rect) -> [Rect; 3] {
+    let status = status_lines(app, area.width as usize).len() as u16;
+    Layout::vertical([
+        Constraint::Length(2),
+        Constraint::Min(0),
+        Constraint::Length(status),
+    ])
+    .areas(area)
+}
+
+/// Word-wraps a styled line into lines of at most `width` columns, each
+/// after the first indented by `hang`. A word longer than a line is cut
+/// where the line ends; a non-breaking space keeps a figure with its unit.
+pub(crate) fn wrap_line(line: &Line<'static>, width: usize, hang: usize) -> Vec<Line<'static>> {
+    if width == 0 {
+        return vec![Line::default()];
+    }
+    let hang = hang.min(width / 2);
+    // Runs of spaces and of anything else, each with its span's style.
+    let mut tokens: Vec<(String, Style, bool)> = Vec::new();
+    for s in &line.spans {
+        let style = line.style.patch(s.style);
+        let mut cur = String::new();
+        let mut space = false;
+        for c in s.content.chars() {
+            let is_space = c == ' ';
+            if !cur.is_empty() && is_space != space {
+                tokens.push((std::mem::take(&mut cur), style, space));
+            }
+            space = is_space;
+            cur.push(c);
+        }
+        if !cur.is_empty() {
+            tokens.push((cur, style, space));
+        }
+    }
+    let mut out: Vec<Line<'static>> = Vec::new();
+    let mut cur: Vec<Span<'static>> = Vec::new();
+    let mut used = 0;
+    // Where the current line's text starts (past its indent).
+    let mut start = 0;
+    let mut pending: Option<(String, Style)> = None;
+    for (text, style, space) in tokens {
+        if space {
+            // Spaces at the start of a continuation line are dropped.
+            if used > start || out.is_empty() {
+                let p = pending.get_or_insert((String::new(), style));
+                p.0 += &text;
+            }
+            continue;
+        }
+        let mut word: Vec<char> = text.chars().collect();
+        let pad = pending.as_ref().map_or(0, |p| p.0.chars().count());
+        if used + pad + word.len() > width && used > start {
+            out.push(Line::from(std::mem::take(&mut cur)));
+            cur.push(Span::raw(" ".repeat(hang)));
+            used = hang;
+            start = hang;
+            pending = None;
+        }
+        if let Some((p, st)) = pending.take() {
+            let n = p.chars().count().min(width - used);
+            cur.push(Span::styled(p.chars().take(n).collect::<String>(), st));
+            used += n;
+        }
+        // A word longer than what is left: as much as fits, the rest on
+        // the next lines.
+        while used + word.len() > width {
+            let room = width - used;
+            if room > 0 {
+                cur.push(Span::styled(word[..room].iter().collect::<String>(), style));
+                word.drain(..room);
+            }
+            out.push(Line::from(std::mem::take(&mut cur)));
+            cur.push(Span::raw(" ".repeat(hang)));
+            used = hang;
+            start = hang;
+        }
+        used += word.len();
+        cur.push(Span::styled(word.into_iter().collect::<String>(), style));
+    }
+    if used > start || out.is_empty() {
+        out.push(Line::from(cur));
+    }
+    out
+}
+
+/// Wraps every line, a continuation indented by `hang(line)`.
+fn wrap_all(
+    lines: Vec<Line<'static>>,
+    width: usize,
+    hang: impl Fn(&Line) -> usize,
+) -> Vec<Line<'static>> {
+    lines
+        .iter()
+        .flat_map(|l| wrap_line(l, width, hang(l)))
+        .collect()
+}
+
+/// A page view's content for `width` columns.
+type PageLines = fn(&App, usize) -> Vec<Line<'static>>;
+
+/// The page the current view shows: its area on screen (from the size the
+/// front end told) and its lines; none on the grid.
+fn page_of(app: &App) -> Option<(Rect, Vec<Line<'static>>)> {
+    let (w, h) = app.viewport;
+    let [_, body, _] = screen_areas(app, Rect::new(0, 0, w, h));
+    let (area, lines): (Rect, PageLines) = match app.view {
+        View::Grid => return None,
+        View::Help => (body, help_lines),
+        View::Why => (body, why_lines),
+        View::Detail => (detail_text_area(body), detail_page),
+    };
+    let inner = panel("", area).inner(area);
+    Some((inner, lines(app, inner.width as usize)))
+}
+
+/// Lines a page view scrolls by a page: its height less one, so that a
+/// line of the last page stays in sight.
+pub fn page_rows(app: &App) -> u16 {
+    page_of(app).map_or(1, |(a, _)| a.height.saturating_sub(1).max(1))
+}
+
+/// The furthest a page view scrolls: its last line at the bottom.
+pub fn scroll_max(app: &App) -> u16 {
+    page_of(app).map_or(0, |(a, lines)| {
+        (lines.len() as u16).saturating_sub(a.height)
+    })
+}
+
+/// A bordered page of `lines` scrolled by `scroll` (clamped to the last
+/// page), saying on its bottom border which lines show and how to see more.
+fn draw_page(f: &mut Frame, area: Rect, title: &str, lines: Vec<Line<'static>>, scroll: u16) {
+    let block = panel(title, area);
+    let inner = block.inner(area);
+    let total = lines.len();
+    let rows = inner.height as usize;
+    let top = (scroll as usize).min(total.saturating_sub(rows));
+    let block = if total > rows && rows > 0 {
+        let end = (top + rows).min(total);
+        let hint = if end < total {
+            "↓ more: j PgDn"
+        } else {
+            "end: k PgUp back"
+        };
+        let note = format!("lines {}-{end} of {total} · {hint}", top + 1);
+        block.title_bottom(
+            Line::from(clip(&note, area.width.saturating_sub(2) as usize)).right_aligned(),
+        )
+    } else {
+        block
+    };
+    let shown: Vec<Line<'static>> = lines.into_iter().skip(top).take(rows).collect();
+    f.render_widget(Paragraph::new(shown).block(block), area);
+}
+
+fn render_page(app: &App, f: &mut Frame, area: Rect, title: &str, lines: PageLines) {
+    let inner = panel("", area).inner(area);
+    draw_page(f, area, title, lines(app, inner.width as usize), app.scroll);
 }
 
 /// The knobs of a point in a few words: GPUs, sharding (unless none),
@@ -181,9 +338,10 @@ fn status_style(app: &App, s: Status) -> Style {
                 Modifier::empty()
             }),
         Status::Running => fg(app, Color::Yellow).add_modifier(Modifier::BOLD),
-        Status::SkippedPredicted | Status::SkippedMonotonic | Status::Invalid => {
-            fg(app, Color::DarkGray).add_modifier(Modifier::DIM)
-        }
+        Status::PlannedSkip
+        | Status::SkippedPredicted
+        | Status::SkippedMonotonic
+        | Status::Invalid => fg(app, Color::DarkGray).add_modifier(Modifier::DIM),
         Status::Queued => Style::default(),
     }
 }
@@ -264,10 +422,14 @@ fn setup_line(app: &App, width: usize) -> Line<'static> {
 /// Header line 2, the progress: trials, elapsed (frozen at the end), the
 /// pricing, pause, sort, filter, then the running trial (cut first).
 fn progress_line(app: &App, width: usize) -> Line<'static> {
-    let (done, total) = app.progress();
-    let mut l = vec![Span::raw(format!("trials {done}/{total}"))];
+    // Only what runs takes time: the count leaves the skipped out.
+    let p = app.progress();
+    let mut l = vec![Span::raw(format!("trials {}/{}", p.ran, p.to_run))];
     if app.finished {
         l.push(Span::styled(" finished", fg(app, Color::Green)));
+    }
+    if p.skipped > 0 {
+        l.push(Span::raw(format!(" · {} skipped", p.skipped)));
     }
     l.push(sep());
     l.push(Span::raw(format!("elapsed {}", fmt_elapsed(app.elapsed_s))));
@@ -309,66 +471,123 @@ fn progress_line(app: &App, width: usize) -> Line<'static> {
     clip_spans(l, width)
 }
 
-/// As many key hints as fit, whole, in order.
-fn hints(items: &[&str], width: usize) -> Line<'static> {
-    let mut s = String::new();
-    for (i, item) in items.iter().enumerate() {
-        let more = if i == 0 {
-            item.to_string()
-        } else {
-            format!(" · {item}")
-        };
-        if s.chars().count() + more.chars().count() > width {
-            break;
-        }
-        s += &more;
-    }
-    Line::from(Span::styled(clip(&s, width), dim()))
+/// A key hint: the key, what it does, and the shorter key and word the
+/// compact footer uses.
+struct Hint {
+    key: &'static str,
+    what: &'static str,
+    short_key: &'static str,
+    short: &'static str,
 }
 
-fn status_line(app: &App, width: usize) -> Line<'static> {
+const fn hint(
+    key: &'static str,
+    what: &'static str,
+    short_key: &'static str,
+    short: &'static str,
+) -> Hint {
+    Hint {
+        key,
+        what,
+        short_key,
+        short,
+    }
+}
+
+/// The grid's keys, the most needed first: the compact footer keeps as
+/// many as fit in this order, and `? help` (first) always shows; help
+/// lists them all.
+const GRID_HINTS: &[Hint] = &[
+    hint("?", "help", "?", "help"),
+    hint("q", "quit", "q", "quit"),
+    hint("Enter", "detail", "⏎", "detail"),
+    hint("w", "why", "w", "why"),
+    hint("t", "chart", "t", "chart"),
+    hint("/", "filter", "/", "filter"),
+    hint("s/S", "sort", "s", "sort"),
+    hint("f", "fits", "f", "fits"),
+    hint("Space", "pause", "␣", "pause"),
+    hint("r", "re-run", "r", "rerun"),
+    hint("e", "export", "e", "export"),
+    hint("↑↓", "move", "↑↓", "move"),
+];
+
+const DETAIL_HINTS: &[Hint] = &[
+    hint("?", "help", "?", "help"),
+    hint("Esc", "back", "Esc", "back"),
+    hint("PgUp/PgDn", "scroll", "PgUp/Dn", "scroll"),
+    hint("↑↓ ←→", "other trials", "↑↓", "trials"),
+    hint("w", "why", "w", "why"),
+    hint("r", "re-run", "r", "rerun"),
+    hint("e", "export", "e", "export"),
+];
+
+const PAGE_HINTS: &[Hint] = &[
+    hint("Esc", "back", "Esc", "back"),
+    hint("↑↓ j k", "scroll", "j/k", "scroll"),
+    hint("PgUp/PgDn", "page", "PgUp/Dn", "page"),
+    hint("g/G", "top / end", "g/G", "top/end"),
+    hint("?", "help", "?", "help"),
+    hint("w", "why", "w", "why"),
+];
+
+/// The key hints in `width` columns: every one, spelled out, when that
+/// fits; else compact (short keys in bold, one space apart), as many as
+/// fit in order of need. The first always shows.
+fn hints(items: &[Hint], width: usize) -> Line<'static> {
+    let full: Vec<String> = items
+        .iter()
+        .map(|h| format!("{} {}", h.key, h.what))
+        .collect();
+    let line = full.join(" · ");
+    if line.chars().count() <= width {
+        return Line::from(Span::styled(line, dim()));
+    }
+    let mut spans = Vec::new();
+    let mut used = 0;
+    for (i, h) in items.iter().enumerate() {
+        let gap = usize::from(i > 0);
+        let n = gap + h.short_key.chars().count() + 1 + h.short.chars().count();
+        if i > 0 && used + n > width {
+            break;
+        }
+        if i > 0 {
+            spans.push(Span::raw(" "));
+        }
+        spans.push(Span::styled(h.short_key, bold()));
+        spans.push(Span::styled(format!(" {}", h.short), dim()));
+        used += n;
+    }
+    clip_spans(spans, width)
+}
+
+/// The status line: the filter being edited, a message (wrapped, up to
+/// three rows, so that a question reads whole), or the key hints.
+fn status_lines(app: &App, width: usize) -> Vec<Line<'static>> {
     if app.editing_filter {
-        return clip_spans(
+        return vec![clip_spans(
             vec![
                 Span::styled("filter: ", bold()),
                 Span::raw(format!("{}▏", app.filter)),
                 Span::styled("  (Enter/Esc to finish, Backspace deletes)", dim()),
             ],
             width,
-        );
+        )];
     }
     if let Some(m) = &app.message {
-        return Line::from(Span::styled(clip(m, width), bold()));
+        let mut lines = wrap_line(&Line::from(Span::styled(m.clone(), bold())), width, 0);
+        if lines.len() > 3 {
+            lines.truncate(3);
+            let last = lines[2].to_string();
+            lines[2] = Line::from(Span::styled(clip(&format!("{last} …"), width), bold()));
+        }
+        return lines;
     }
-    match app.view {
-        View::Grid => hints(
-            &[
-                "? help",
-                "q quit",
-                "↑↓ move",
-                "Enter detail",
-                "s/S sort",
-                "/ filter",
-                "f fits",
-                "Space pause",
-                "r re-run",
-                "e export",
-            ],
-            width,
-        ),
-        View::Detail => hints(
-            &[
-                "Esc/Enter/q back",
-                "↑↓ ←→ other trials",
-                "PgUp/PgDn scroll",
-                "r re-run",
-                "e export",
-                "? help",
-            ],
-            width,
-        ),
-        View::Help => hints(&["Esc/?/q back"], width),
-    }
+    vec![match app.view {
+        View::Grid => hints(GRID_HINTS, width),
+        View::Detail => hints(DETAIL_HINTS, width),
+        View::Help | View::Why => hints(PAGE_HINTS, width),
+    }]
 }
 
 /// The grid's columns, in display order.
@@ -681,23 +900,54 @@ fn render_grid_view(app: &App, f: &mut Frame, area: Rect) {
     } else {
         area
     };
-    // Wide: chart, breakdown and recommendation side by side under the
-    // grid. Narrow: chart and breakdown, with the recommendation as a
-    // panel of its own (one line under 30 rows) between them and the grid.
-    // The breakdown needs 11 lines to show every category.
+    // Wide: the charts, the breakdown and the recommendation side by side
+    // under the grid; both charts from 160 columns (side by side) or 20
+    // rows (one over the other), else the one `t` picks. Narrow: one chart
+    // and the breakdown, with the recommendation as a panel of its own
+    // (one line under 30 rows) between them and the grid. The breakdown
+    // needs 11 lines to show every category. Rows the grid does not need
+    // go to the recommendation (so that its reasons read whole), then to
+    // the charts.
     let wide = area.width >= 120;
+    let side_by_side = area.width >= 160;
     let h = area.height;
-    let rec_h = match h {
+    // The header and a row a trial (or for the "no trial matches" note).
+    let grid_need = visible(app).len().max(1) as u16 + 1;
+    let mut rec_h = match h {
         _ if wide => 0,
         30.. => 6,
         8.. => 3,
         _ => 0,
     };
-    let panels_h = match h - rec_h {
-        15.. => ((h - rec_h) * 9 / 20).clamp(11, 14),
+    let mut panels_h = match h - rec_h {
+        15.. => ((h - rec_h) * 9 / 20).clamp(11, 18),
         13.. => 9,
         _ => 0,
     };
+    let mut spare = h.saturating_sub(rec_h + panels_h + grid_need);
+    let [charts_w, breakdown_w, rec_w] = if side_by_side {
+        [48, 24, 28]
+    } else {
+        [36, 32, 32]
+    };
+    if rec_h > 0 {
+        let inner = area.width.saturating_sub(2) as usize;
+        let want = rec_lines(app, inner).len() as u16 + 2;
+        let more = want.saturating_sub(rec_h).min(spare);
+        rec_h += more;
+        spare -= more;
+    }
+    if panels_h > 0 {
+        let rec_inner = (area.width as usize * rec_w / 100).saturating_sub(2);
+        let want = if wide {
+            rec_lines(app, rec_inner).len() as u16 + 2
+        } else {
+            0
+        };
+        // The recommendation's lines, then up to 20 rows for the charts.
+        let grow = want.max(20).saturating_sub(panels_h).min(spare);
+        panels_h += grow;
+    }
     let [grid, rec, panels] = Layout::vertical([
         Constraint::Min(0),
         Constraint::Length(rec_h),
@@ -714,19 +964,37 @@ fn render_grid_view(app: &App, f: &mut Frame, area: Rect) {
     let selected = app.selected_row();
     if wide {
         let [c, b, r] = Layout::horizontal([
-            Constraint::Percentage(38),
-            Constraint::Percentage(32),
-            Constraint::Percentage(30),
+            Constraint::Percentage(charts_w as u16),
+            Constraint::Percentage(breakdown_w as u16),
+            Constraint::Percentage(rec_w as u16),
         ])
         .areas(panels);
-        render_chart(app, f, c);
+        if side_by_side || panels_h >= 20 {
+            let [m, t] = if side_by_side {
+                Layout::horizontal([Constraint::Percentage(55), Constraint::Fill(1)]).areas(c)
+            } else {
+                Layout::vertical([Constraint::Percentage(55), Constraint::Fill(1)]).areas(c)
+            };
+            render_memory(app, selected, f, m);
+            render_throughput(app, selected, f, t);
+        } else {
+            render_chart(app, selected, f, c);
+        }
         render_breakdown(app, selected, f, b);
         render_recommendation(app, f, r);
     } else {
         let [c, b] = Layout::horizontal([Constraint::Percentage(45), Constraint::Percentage(55)])
             .areas(panels);
-        render_chart(app, f, c);
+        render_chart(app, selected, f, c);
         render_breakdown(app, selected, f, b);
+    }
+}
+
+/// The one chart there is room for: the one `t` picked.
+fn render_chart(app: &App, r: Option<&Row>, f: &mut Frame, area: Rect) {
+    match app.chart {
+        ChartKind::Memory => render_memory(app, r, f, area),
+        ChartKind::Throughput => render_throughput(app, r, f, area),
     }
 }
 
@@ -789,124 +1057,237 @@ fn render_table(app: &App, f: &mut Frame, area: Rect) {
     }
 }
 
-/// The samples to chart, and whose they are.
-fn chart_title(app: &App) -> String {
-    match (app.running, app.samples_of) {
-        (Some(i), _) => format!(
-            "device memory #{i} (running, every {} ms)",
-            app.header.sample_interval_ms
+/// Why a trial has no memory samples to chart.
+fn no_samples(app: &App, r: &Row) -> String {
+    let note = r.record.as_ref().and_then(|rec| rec.note.clone());
+    let pred = r.predicted_total().map_or("-".into(), fmt_bytes);
+    match r.status {
+        Status::Running => "waiting for samples ...".into(),
+        Status::Queued => format!("#{} is queued: its memory shows here as it runs", r.index),
+        Status::PlannedSkip | Status::SkippedPredicted => format!(
+            "#{} is not run: the plan predicts {pred} against {} usable",
+            r.index,
+            fmt_bytes(app.header.usable)
         ),
-        (None, Some(i)) => format!("device memory #{i} (last run)"),
-        _ => "device memory".into(),
+        Status::SkippedMonotonic | Status::Invalid => format!(
+            "#{} is not run: {}",
+            r.index,
+            note.unwrap_or_else(|| r.status.label().into())
+        ),
+        _ => format!(
+            "#{} ran before this session (resumed): no samples; peak {}",
+            r.index,
+            r.measured_total().map_or("-".into(), fmt_bytes)
+        ),
     }
 }
 
-/// A tick step for an axis up to `top` bytes in about `n` steps: 1 or 1.5
-/// times a power of two, so the labels read as round IEC sizes.
-pub(crate) fn tick_step(top: f64, n: u32) -> f64 {
-    let raw = (top / n.max(1) as f64).max(1.0);
-    let mut step = 1.0f64;
-    loop {
-        if step >= raw {
-            return step;
-        }
-        if step * 1.5 >= raw {
-            return step * 1.5;
-        }
-        step *= 2.0;
-    }
-}
-
-fn render_chart(app: &App, f: &mut Frame, area: Rect) {
-    let row = app
-        .samples_of
-        .and_then(|i| app.row_of(i))
-        .map(|i| &app.rows[i]);
+/// The selected trial's memory over its run: tracked bytes (plus the
+/// runtime's overhead: the peak per device the capacity is about) and,
+/// on a GPU, NVML's reading, against the capacity, the usable capacity
+/// and the predicted peak; each line its own glyph.
+fn render_memory(app: &App, row: Option<&Row>, f: &mut Frame, area: Rect) {
+    let Some(r) = row else {
+        let msg = Paragraph::new(Span::styled("no trial selected", dim()));
+        f.render_widget(msg.block(panel("memory", area)), area);
+        return;
+    };
+    let title = match r.status {
+        Status::Running => format!(
+            "#{} memory (running, every {} ms)",
+            r.index, app.header.sample_interval_ms
+        ),
+        _ if !r.samples.is_empty() => format!("#{} memory (as it ran)", r.index),
+        _ => format!("#{} memory", r.index),
+    };
+    let mut block = panel(&title, area);
     // Host memory is not device memory: the trial's RSS is a note under
     // the chart, never a line against the device's capacity.
-    let rss = app.samples.iter().filter_map(|s| s.rss).max();
-    let mut block = panel(&chart_title(app), area);
-    if let Some(b) = rss {
+    if let Some(b) = r.samples.iter().filter_map(|s| s.rss).max() {
         let note = format!("host RSS {} (not device memory)", fmt_bytes(b));
         block = block.title_bottom(clip(&note, area.width.saturating_sub(2) as usize));
     }
-    if app.samples.is_empty() {
-        let text = if app.running.is_some() {
-            "waiting for samples ..."
-        } else {
-            "no trial running"
-        };
-        f.render_widget(Paragraph::new(Span::styled(text, dim())).block(block), area);
+    let inner = block.inner(area);
+    if r.samples.is_empty() {
+        let lines = wrap_line(
+            &Line::from(Span::styled(no_samples(app, r), dim())),
+            inner.width as usize,
+            0,
+        );
+        f.render_widget(Paragraph::new(lines).block(block), area);
         return;
     }
-    // Tracked bytes plus the runtime's overhead (0 on cpu): the peak per
-    // device that the capacity and the prediction are about.
-    let overhead = row.map_or(0, |r| r.overhead()) as f64;
-    let device: Vec<(f64, f64)> = app
+    f.render_widget(block, area);
+    let overhead = r.overhead() as f64;
+    let device: Vec<(f64, f64)> = r
         .samples
         .iter()
         .map(|s| (s.t_s, s.tracked as f64 + overhead))
         .collect();
-    // On a GPU with NVML: the trial process's device memory as the driver
-    // sees it (context, kernels, allocator reserve and tensors).
-    let nvml: Vec<(f64, f64)> = app
-        .samples
-        .iter()
-        .filter_map(|s| Some((s.t_s, s.nvml? as f64)))
-        .collect();
-    let t0 = app.samples.first().map_or(0.0, |s| s.t_s);
-    let t1 = app.samples.last().map_or(1.0, |s| s.t_s).max(t0 + 1e-3);
-    let predicted = row.and_then(|r| r.predicted_total());
-    let flat = |y: u64| [(t0, y as f64), (t1, y as f64)];
-    let capacity_line = flat(app.header.capacity);
-    let usable_line = flat(app.header.usable);
-    let predicted_line = predicted.map(flat);
+    let t0 = r.samples.first().map_or(0.0, |s| s.t_s);
+    let t1 = r.samples.last().map_or(1.0, |s| s.t_s).max(t0 + 1e-3);
+    let h = &app.header;
+    let predicted = r.predicted_total();
     let top = device
         .iter()
-        .chain(&nvml)
         .map(|p| p.1)
-        .chain([app.header.capacity as f64, predicted.unwrap_or(0) as f64])
+        .chain(r.samples.iter().filter_map(|s| s.nvml.map(|b| b as f64)))
+        .chain([h.capacity as f64, predicted.unwrap_or(0) as f64])
         .fold(1.0f64, f64::max);
-    // Two rows a tick: inside the borders, less the x axis and its labels.
-    let plot_rows = area.height.saturating_sub(4);
-    let step = tick_step(top, (plot_rows / 2).clamp(1, 4) as u32);
-    let ticks = (top / step).floor() as u64 + 1;
-    let ymax = ticks as f64 * step;
-    let line = |name: &'static str, marker: Marker, color: Color| {
-        Dataset::default()
-            .name(name)
-            .marker(marker)
-            .graph_type(GraphType::Line)
-            .style(fg(app, color))
+    let key = |sample: &str, color: Color, label: String, short: &str| chart::Key {
+        sample: sample.into(),
+        style: fg(app, color),
+        label,
+        short: short.into(),
     };
-    let mut sets = vec![
-        line("capacity", Marker::Dot, Color::Red).data(&capacity_line),
-        line("usable", Marker::Braille, Color::Yellow).data(&usable_line),
+    let mut rules = vec![
+        chart::Rule {
+            value: h.capacity as f64,
+            glyph: '━',
+            style: fg(app, Color::Red),
+        },
+        chart::Rule {
+            value: h.usable as f64,
+            glyph: '─',
+            style: fg(app, Color::Yellow),
+        },
     ];
-    if let Some(p) = &predicted_line {
-        sets.push(line("predicted peak", Marker::Braille, Color::Blue).data(p));
+    let mut legend = vec![
+        key(
+            "━",
+            Color::Red,
+            format!("capacity {}", fmt_bytes(h.capacity)),
+            "cap",
+        ),
+        key(
+            "─",
+            Color::Yellow,
+            format!("usable {}", fmt_bytes(h.usable)),
+            "usable",
+        ),
+    ];
+    if let Some(p) = predicted {
+        rules.push(chart::Rule {
+            value: p as f64,
+            glyph: '┄',
+            style: fg(app, Color::Blue),
+        });
+        legend.push(key(
+            "┄",
+            Color::Blue,
+            format!("predicted {}", fmt_bytes(p)),
+            "pred",
+        ));
     }
-    sets.push(line("tracked", Marker::Braille, Color::Cyan).data(&device));
-    if !nvml.is_empty() {
-        sets.push(line("NVML", Marker::Braille, Color::Magenta).data(&nvml));
+    legend.push(key("⡠⠊", Color::Cyan, "tracked".into(), "tracked"));
+    // On a GPU with NVML: the trial process's device memory as the driver
+    // sees it (context, kernels, allocator reserve and tensors), a dot a
+    // sample so that it reads apart from the tracked curve without colour.
+    let dots: Vec<chart::Dot> = r
+        .samples
+        .iter()
+        .filter_map(|s| {
+            Some(chart::Dot {
+                x: s.t_s,
+                y: s.nvml? as f64,
+                glyph: '•',
+                style: fg(app, Color::Magenta),
+            })
+        })
+        .collect();
+    if !dots.is_empty() {
+        legend.push(key("•", Color::Magenta, "NVML".into(), "NVML"));
     }
-    let axis_style = dim();
-    let chart = Chart::new(sets)
-        .block(block)
-        .hidden_legend_constraints((Constraint::Percentage(50), Constraint::Percentage(60)))
-        .x_axis(
-            Axis::default()
-                .style(axis_style)
-                .bounds([t0, t1])
-                .labels([format!("{t0:.1}s"), format!("{t1:.1}s")]),
-        )
-        .y_axis(
-            Axis::default()
-                .style(axis_style)
-                .bounds([0.0, ymax])
-                .labels((0..=ticks).map(|k| fmt_bytes((k as f64 * step) as u64))),
+    let plot = chart::Plot {
+        x: [t0, t1],
+        x_labels: [format!("{t0:.1}s"), format!("{t1:.1}s")],
+        y: chart::YAxis::Bytes,
+        top,
+        rules,
+        curves: vec![chart::Curve {
+            points: &device,
+            style: fg(app, Color::Cyan),
+        }],
+        dots,
+        legend,
+    };
+    chart::draw(&plot, f.buffer_mut(), inner);
+}
+
+/// Tokens/s of every finished trial, in the order they finished: where the
+/// sweep has been, the recommended (★) and the selected trial (◆) marked.
+fn render_throughput(app: &App, selected: Option<&Row>, f: &mut Frame, area: Rect) {
+    let block = panel("tokens/s per finished trial", area);
+    let inner = block.inner(area);
+    let points: Vec<(usize, f64)> = app
+        .finish_order
+        .iter()
+        .filter_map(|&i| {
+            let r = &app.rows[app.row_of(i)?];
+            Some((i, r.tokens_per_s()?))
+        })
+        .collect();
+    if points.is_empty() {
+        let lines = wrap_line(
+            &Line::from(Span::styled(
+                "no trial has finished with a measurement yet",
+                dim(),
+            )),
+            inner.width as usize,
+            0,
         );
-    f.render_widget(chart, area);
+        f.render_widget(Paragraph::new(lines).block(block), area);
+        return;
+    }
+    f.render_widget(block, area);
+    let n = points.len();
+    let sel = selected.map(|r| r.index);
+    let dot = |k: usize, y: f64, glyph: char, style: Style| chart::Dot {
+        x: (k + 1) as f64,
+        y,
+        glyph,
+        style,
+    };
+    let mut dots: Vec<chart::Dot> = points
+        .iter()
+        .enumerate()
+        .map(|(k, &(_, y))| dot(k, y, '•', fg(app, Color::Cyan)))
+        .collect();
+    let mut legend = vec![chart::Key {
+        sample: "•".into(),
+        style: fg(app, Color::Cyan),
+        label: "a trial".into(),
+        short: "trial".into(),
+    }];
+    // The recommended, then the selected over it.
+    for (want, glyph, color, what) in [
+        (app.recommendation, '★', Color::Green, "recommended"),
+        (sel, '◆', Color::Yellow, "selected"),
+    ] {
+        let Some((k, &(i, y))) = points.iter().enumerate().find(|(_, p)| Some(p.0) == want) else {
+            continue;
+        };
+        let style = fg(app, color).add_modifier(Modifier::BOLD);
+        dots.push(dot(k, y, glyph, style));
+        legend.push(chart::Key {
+            sample: glyph.to_string(),
+            style,
+            label: format!("#{i} {what}"),
+            short: format!("#{i}"),
+        });
+    }
+    let top = points.iter().map(|p| p.1).fold(0.0f64, f64::max);
+    let plot = chart::Plot {
+        x: [1.0, n.max(2) as f64],
+        x_labels: ["1st".into(), format!("{n} finished")],
+        y: chart::YAxis::Count,
+        top,
+        rules: Vec::new(),
+        curves: Vec::new(),
+        dots,
+        legend,
+    };
+    chart::draw(&plot, f.buffer_mut(), inner);
 }
 
 fn peaks_of(r: &Row) -> Option<(crate::memory::PeakBytes, &'static str)> {
@@ -919,7 +1300,12 @@ fn peaks_of(r: &Row) -> Option<(crate::memory::PeakBytes, &'static str)> {
 /// One bar per category against the capacity, with its size and share.
 fn breakdown_lines(app: &App, r: &Row, width: u16) -> Vec<Line<'static>> {
     let Some((peaks, _)) = peaks_of(r) else {
-        return vec![Line::from(Span::styled("not run", dim()))];
+        let why = if r.status == Status::Running {
+            "running: its peaks show when it finishes"
+        } else {
+            "not run"
+        };
+        return vec![Line::from(Span::styled(why, dim()))];
     };
     let overhead = r.overhead();
     let mut items: Vec<(&str, u64)> = Category::ALL
@@ -1043,57 +1429,170 @@ fn tie_note(app: &App) -> Option<String> {
     })
 }
 
-/// The recommendation's lines: the whole summary, to be wrapped, or with
-/// `fit`, as much of it as fits in that many columns; or why there is none.
-fn recommendation_lines(app: &App, fit: Option<usize>) -> Vec<Line<'static>> {
+/// The summary with its parts kept whole when wrapped: a non-breaking
+/// space inside each ("13.13 MiB" never splits).
+fn summary_unbroken(app: &App, r: &Row) -> String {
+    recommendation_summary(app, r, 4)
+        .split(" · ")
+        .map(|p| p.replace(' ', "\u{a0}"))
+        .collect::<Vec<_>>()
+        .join(" · ")
+}
+
+/// The recommendation as whole items, each wrapped to `width`: the
+/// summary, the tie, then each reason; or why there is none.
+fn rec_items(app: &App, width: usize) -> Vec<Vec<Line<'static>>> {
     let Some(i) = app.recommendation.and_then(|i| app.row_of(i)) else {
         let why = if app.finished {
             "no trial fits the usable capacity"
         } else {
             "no fitting trial yet"
         };
-        return vec![Line::from(Span::styled(why, dim()))];
+        return vec![wrap_line(&Line::from(Span::styled(why, dim())), width, 0)];
     };
     let r = &app.rows[i];
-    let mut lines = vec![Line::from(Span::styled(
-        match fit {
-            Some(w) => recommendation_summary_in(app, r, w),
-            // Wrapped between its parts, never inside one ("13.13 MiB").
-            None => recommendation_summary(app, r, 4)
-                .split(" · ")
-                .map(|p| p.replace(' ', "\u{a0}"))
-                .collect::<Vec<_>>()
-                .join(" · "),
-        },
+    let summary = Span::styled(
+        summary_unbroken(app, r),
         fg(app, Color::Green).add_modifier(Modifier::BOLD),
-    ))];
+    );
+    let mut items = vec![wrap_line(&Line::from(summary), width, 2)];
     if let Some(t) = tie_note(app) {
-        lines.push(Line::from(Span::styled(t, bold())));
+        items.push(wrap_line(&Line::from(Span::styled(t, bold())), width, 2));
     }
-    lines.extend(app.reasons.iter().map(|s| Line::from(format!("• {s}"))));
-    lines
+    for s in &app.reasons {
+        items.push(wrap_line(&Line::from(format!("• {s}")), width, 2));
+    }
+    items
 }
 
-/// The recommendation panel: the summary, the tie and the reasons, wrapped;
-/// in 3 rows the summary alone, the tie in the title.
+/// Every line of the recommendation, wrapped to `width`.
+fn rec_lines(app: &App, width: usize) -> Vec<Line<'static>> {
+    rec_items(app, width).into_iter().flatten().collect()
+}
+
+/// What a recommendation panel of `rows` lines shows: all of it when it
+/// fits; else the whole items that fit and a last line saying how many
+/// more `w` shows, so that nothing ends mid-sentence. One row: the
+/// summary, as much of it as fits.
+fn rec_panel_lines(app: &App, width: usize, rows: usize) -> Vec<Line<'static>> {
+    let items = rec_items(app, width);
+    let total: usize = items.iter().map(Vec::len).sum();
+    if total <= rows {
+        return items.into_iter().flatten().collect();
+    }
+    let one_line = |app: &App| -> Line<'static> {
+        match app.recommendation.and_then(|i| app.row_of(i)) {
+            Some(i) => Line::from(Span::styled(
+                recommendation_summary_in(app, &app.rows[i], width),
+                fg(app, Color::Green).add_modifier(Modifier::BOLD),
+            )),
+            None => items[0][0].clone(),
+        }
+    };
+    if rows <= 1 {
+        return vec![one_line(app)];
+    }
+    let mut out: Vec<Line<'static>> = Vec::new();
+    let mut shown = 0;
+    for item in &items {
+        if out.len() + item.len() > rows - 1 {
+            break;
+        }
+        out.extend(item.iter().cloned());
+        shown += 1;
+    }
+    if shown == 0 {
+        out.push(one_line(app));
+        shown = 1;
+    }
+    let left = items.len() - shown;
+    let more = [
+        format!("… {left} more: w shows the whole recommendation"),
+        format!("… {left} more: w shows all"),
+        format!("… {left} more (w)"),
+    ]
+    .into_iter()
+    .find(|m| m.chars().count() <= width)
+    .unwrap_or_else(|| clip(&format!("… {left} more (w)"), width));
+    out.push(Line::from(Span::styled(more, dim())));
+    out
+}
+
+/// The recommendation panel, labelled with the trial it recommends.
 fn render_recommendation(app: &App, f: &mut Frame, area: Rect) {
-    let mut title = "recommendation".to_string();
+    let mut title = match app.recommendation {
+        Some(i) => format!("recommendation ★ #{i}"),
+        None => "recommendation".to_string(),
+    };
     if !app.tied.is_empty() {
         title += &format!(" (a tie of {})", app.tied.len() + 1);
     }
+    if !app.reasons.is_empty() {
+        title += " · w: why";
+    }
     let block = panel(&title, area);
-    let lines = if area.height <= 3 {
-        let inner = area.width.saturating_sub(2) as usize;
-        let mut l = recommendation_lines(app, Some(inner));
-        l.truncate(1);
-        l
-    } else {
-        recommendation_lines(app, None)
-    };
-    f.render_widget(
-        Paragraph::new(lines).wrap(Wrap { trim: true }).block(block),
-        area,
-    );
+    let inner = block.inner(area);
+    let lines = rec_panel_lines(app, inner.width as usize, inner.height as usize);
+    f.render_widget(Paragraph::new(lines).block(block), area);
+}
+
+fn why_title(app: &App) -> String {
+    match app.recommendation {
+        Some(i) => format!("recommendation ★ #{i}: why"),
+        None => "recommendation".into(),
+    }
+}
+
+/// The recommendation page (`w`): the summary, the tie, every reason, the
+/// runner-up and the Pareto frontier.
+fn why_lines(app: &App, width: usize) -> Vec<Line<'static>> {
+    let mut lines = rec_lines(app, width);
+    let head = |s: &str| Line::from(Span::styled(s.to_string(), bold()));
+    if let Some(r) = app.runner_up {
+        lines.push(Line::default());
+        lines.extend(wrap_line(
+            &Line::from(vec![
+                Span::styled("runner-up ", bold()),
+                Span::raw(short_label(app, r)),
+            ]),
+            width,
+            2,
+        ));
+    }
+    if !app.pareto.is_empty() {
+        lines.push(Line::default());
+        lines.extend(wrap_line(
+            &head("Pareto frontier (no other trial has both a lower peak and more tokens/s):"),
+            width,
+            2,
+        ));
+        for &i in &app.pareto {
+            let Some(r) = app.row_of(i).map(|k| &app.rows[k]) else {
+                continue;
+            };
+            let text = format!(
+                "{} {} · peak {} · {} tok/s",
+                mark(app, i),
+                short_label(app, i),
+                r.measured_total().map_or("-".into(), fmt_bytes),
+                r.tokens_per_s().map_or("-".into(), |t| format!("{t:.0}")),
+            );
+            lines.extend(wrap_line(&Line::from(text), width, 4));
+        }
+    }
+    lines.push(Line::default());
+    lines.extend(wrap_line(
+        &Line::from(Span::styled(
+            format!(
+                "e writes the reports and the DeepSpeed / HF configs for it to {}",
+                app.header.export_dir.display()
+            ),
+            dim(),
+        )),
+        width,
+        2,
+    ));
+    lines
 }
 
 fn kv(k: &str, v: String) -> Line<'static> {
@@ -1334,6 +1833,54 @@ fn step_lines(r: &Row) -> Vec<Line<'static>> {
     v
 }
 
+/// A detail line's continuation indent: under the value of a `key value`
+/// line, else two columns.
+fn detail_hang(l: &Line) -> usize {
+    match l.spans.as_slice() {
+        [k, _, ..] if k.content.chars().count() == 12 => 12,
+        _ => 2,
+    }
+}
+
+/// Where the detail's text goes: the left column from 100 columns (the
+/// breakdown and the steps beside it), else the whole body.
+fn detail_text_area(body: Rect) -> Rect {
+    if body.width >= 100 {
+        let [left, _] =
+            Layout::horizontal([Constraint::Percentage(58), Constraint::Percentage(42)])
+                .areas(body);
+        left
+    } else {
+        body
+    }
+}
+
+/// The detail's text, wrapped to `width`; in one column (under 100
+/// columns) the breakdown and the steps follow it on the same page.
+fn detail_text(app: &App, one_column: bool, width: usize) -> Vec<Line<'static>> {
+    let Some(r) = app.selected_row() else {
+        return vec![Line::from("no trial selected")];
+    };
+    let mut lines = detail_lines(app, r);
+    if one_column {
+        lines.push(Line::default());
+        let what = peaks_of(r).map_or("not run", |p| p.1);
+        lines.push(Line::from(Span::styled(
+            format!("peaks by category ({what}) vs capacity"),
+            bold(),
+        )));
+        lines.extend(breakdown_lines(app, r, width as u16));
+        lines.push(Line::default());
+        lines.extend(step_lines(r));
+    }
+    wrap_all(lines, width, detail_hang)
+}
+
+/// The detail page on the screen the front end told.
+fn detail_page(app: &App, width: usize) -> Vec<Line<'static>> {
+    detail_text(app, app.viewport.0 < 100, width)
+}
+
 fn render_detail(app: &App, f: &mut Frame, area: Rect) {
     let Some(r) = app.selected_row() else {
         f.render_widget(
@@ -1342,92 +1889,88 @@ fn render_detail(app: &App, f: &mut Frame, area: Rect) {
         );
         return;
     };
-    let title = format!("detail #{} (PgUp/PgDn scroll)", r.index);
-    let scroll = (app.detail_scroll, 0);
+    let title = format!("detail #{}", r.index);
+    let text = detail_text_area(area);
+    let inner = panel("", text).inner(text);
+    let lines = detail_text(app, area.width < 100, inner.width as usize);
+    draw_page(f, text, &title, lines, app.scroll);
     if area.width >= 100 {
-        let [left, right] =
-            Layout::horizontal([Constraint::Percentage(58), Constraint::Percentage(42)])
-                .areas(area);
-        f.render_widget(
-            Paragraph::new(detail_lines(app, r))
-                .wrap(Wrap { trim: false })
-                .scroll(scroll)
-                .block(panel(&title, left)),
-            left,
-        );
+        let right = Rect {
+            x: text.x + text.width,
+            width: area.width - text.width,
+            ..area
+        };
         let [b, s] = Layout::vertical([Constraint::Length(11), Constraint::Min(0)]).areas(right);
         render_breakdown(app, Some(r), f, b);
         f.render_widget(
             Paragraph::new(step_lines(r)).block(Block::bordered().title("steps")),
             s,
         );
-    } else {
-        // One column: everything in one scrolling page.
-        let mut lines = detail_lines(app, r);
-        lines.push(Line::default());
-        let what = peaks_of(r).map_or("not run", |p| p.1);
-        lines.push(Line::from(Span::styled(
-            format!("peaks by category ({what}) vs capacity"),
-            bold(),
-        )));
-        lines.extend(breakdown_lines(app, r, area.width.saturating_sub(2)));
-        lines.push(Line::default());
-        lines.extend(step_lines(r));
-        f.render_widget(
-            Paragraph::new(lines)
-                .wrap(Wrap { trim: false })
-                .scroll(scroll)
-                .block(panel(&title, area)),
-            area,
-        );
     }
 }
 
-fn render_help(app: &App, f: &mut Frame, area: Rect) {
-    let w = KEYMAP
+/// The help page: the keymap (each description wrapped under itself),
+/// then what the grid's marks, statuses and columns and the charts' lines
+/// mean.
+fn help_lines(app: &App, width: usize) -> Vec<Line<'static>> {
+    let kw = KEYMAP
         .iter()
         .map(|(k, _)| k.chars().count())
         .max()
         .unwrap_or(0)
         + 2;
-    let mut lines: Vec<Line> = KEYMAP
-        .iter()
-        .map(|(k, what)| {
-            Line::from(vec![
-                Span::styled(format!("{k:<w$}"), bold()),
-                Span::raw(*what),
-            ])
-        })
-        .collect();
+    // Narrow: the description under its key, indented.
+    let kw = if kw * 2 > width { 2 } else { kw };
+    let mut lines: Vec<Line<'static>> = Vec::new();
+    for (k, what) in KEYMAP {
+        let key = Span::styled(format!("{k:<kw$}"), bold());
+        if key.content.chars().count() > kw {
+            lines.push(Line::from(Span::styled(k.to_string(), bold())));
+            lines.extend(wrap_line(
+                &Line::from(format!("{}{what}", " ".repeat(kw))),
+                width,
+                kw,
+            ));
+        } else {
+            lines.extend(wrap_line(
+                &Line::from(vec![key, Span::raw(*what)]),
+                width,
+                kw,
+            ));
+        }
+    }
+    let para = |spans: Vec<Span<'static>>| wrap_line(&Line::from(spans), width, 2);
     lines.push(Line::default());
-    lines.push(Line::from(vec![
-        Span::styled("status ", bold()),
+    lines.extend(para(vec![
+        Span::styled("status: ", bold()),
         Span::styled("fit", status_style(app, Status::Fit)),
-        Span::raw(" · "),
+        Span::raw(" within the usable capacity · "),
         Span::styled("over OOM timeout crash", status_style(app, Status::Oom)),
-        Span::raw(" · "),
+        Span::raw(" ran and did not fit or failed · "),
         Span::styled("running", status_style(app, Status::Running)),
         Span::raw(" · queued · "),
-        Span::styled(
-            "skipped:pred skipped:mono invalid",
-            status_style(app, Status::Invalid),
+        Span::styled("skip: pred OOM", status_style(app, Status::PlannedSkip)),
+        Span::raw(
+            " the plan predicts it does not fit, so the sweep does not run it · ",
         ),
+        Span::styled("skip: inferred", status_style(app, Status::SkippedMonotonic)),
+        Span::raw(
+            " a smaller micro-batch already failed, or a larger one fits, so memory rising with the micro-batch settles it · ",
+        ),
+        Span::styled("invalid", status_style(app, Status::Invalid)),
+        Span::raw(" a configuration the engine refuses. The trial counter counts only the trials that run."),
     ]));
-    lines.push(Line::from(
-        "★ recommended · = tied with it (throughput intervals overlap) · sizes in IEC units (MiB = 2^20 bytes)",
-    ));
-    lines.push(Line::from(
-        "margin = usable - peak, usable = capacity x (1 - headroom); negative: over; ~ the peak is predicted",
-    ));
-    lines.push(Line::from(
-        "tok/s: median ±half its 95% interval · time x: measured / predicted step time · on target: planned peak per GPU on the target, ✓ fits, ✗ does not",
-    ));
-    f.render_widget(
-        Paragraph::new(lines)
-            .wrap(Wrap { trim: false })
-            .block(Block::bordered().title("help: memfit tui")),
-        area,
-    );
+    for text in [
+        "★ recommended · = tied with it (throughput intervals overlap) · sizes in IEC units (MiB = 2^20 bytes).",
+        "margin = usable - peak, where usable = capacity x (1 - headroom); negative: over; ~ the peak is the predicted one.",
+        "tok/s: the median ± half its 95% interval · time x: measured / predicted step time · on target: the planned peak per GPU on the target, ✓ fits, ✗ does not.",
+        "Memory chart: the selected trial's memory as it ran (⡠⠊ tracked, plus the runtime overhead; • NVML on a GPU) against ━ capacity, ─ usable and ┄ the predicted peak; host RSS is noted under it, never drawn against the device.",
+        "Throughput chart: tokens/s of each trial that finished, in the order they finished; ★ the recommended, ◆ the selected.",
+    ] {
+        lines.push(Line::default());
+        lines.extend(para(vec![Span::raw(text)]));
+    }
+    lines
 }
 
 #[cfg(test)]
@@ -1540,7 +2083,9 @@ mod tests {
 
     #[test]
     fn grid_while_running_120x40() {
-        let app = running(false);
+        let mut app = running(false);
+        // The selection followed the sweep onto #3; back to #0.
+        update(&mut app, Event::Key(Key::Home));
         let l = lines(&app, 120, 40);
         let all = l.join("\n");
         assert_eq!(
@@ -1550,36 +2095,37 @@ mod tests {
         );
         assert_eq!(
             l[1].trim_end(),
-            "trials 5/6 │ elapsed 1:23 │ host $2.000/h │ sort #▲ │ running #3 x1 zero2 bf16 adamw8bit fused mb2"
+            "trials 4/5 · 1 skipped │ elapsed 1:23 │ host $2.000/h │ sort #▲ │ running #3 x1 zero2 bf16 adamw8bit fused mb2"
         );
         assert_eq!(
             l[2].trim_end(),
-            "#▲ knobs                         mb status        predicted  measured      margin     tok/s time x $/Mtok    on target"
+            "#▲ knobs                         mb status          predicted  measured      margin     tok/s time x $/Mtok    on target"
         );
         assert_eq!(
             l[4].trim_end(),
-            "★1 x1 bf16 adamw fused            2 fit           30.00 MiB 32.00 MiB  +28.80 MiB  1800 ±3%  1.50x  0.309 798.00 MiB ✓"
+            "★1 x1 bf16 adamw fused            2 fit             30.00 MiB 32.00 MiB  +28.80 MiB  1800 ±3%  1.50x  0.309 798.00 MiB ✓"
         );
         assert!(
             l[5].contains("OOM") && l[5].contains("~-19.20 MiB"),
             "{all}"
         );
         assert!(l[6].contains("running"));
-        assert!(l[7].contains("skipped:pred") && l[7].contains("✗"));
+        assert!(l[7].contains("skip: pred OOM") && l[7].contains("✗"));
         assert!(l[8].contains("crash"));
         for s in [
-            "device memory #3 (running, every 100 ms)",
-            "capacity",
-            "usable",
-            "predicted peak",
-            "tracked",
-            "host RSS 55.00 MiB (not device memory)",
+            "#0 memory (as it ran)",
+            "━ cap",
+            "─ usable",
+            "┄ pred",
+            "⡠⠊ tracked",
+            "host RSS 51.00 MiB (not device memory)",
             "#0 by category (measured)",
-            "recommendation",
+            "recommendation ★ #1",
             "★ #1 x1 bf16 adamw fused mb2 ·",
             "0.309 $/Mtok · margin +28.80 MiB ·",
             "lowest cost among 2 fitting",
             "runner-up",
+            "tokens/s per finished trial",
         ] {
             assert!(all.contains(s), "{s} missing:\n{all}");
         }
@@ -1591,7 +2137,7 @@ mod tests {
         assert!(total.contains("21.00 MiB  32.8%"), "{total}");
         assert_eq!(
             l[39].trim_end(),
-            "? help · q quit · ↑↓ move · Enter detail · s/S sort · / filter · f fits · Space pause · r re-run · e export"
+            "? help q quit ⏎ detail w why t chart / filter s sort f fits ␣ pause r rerun e export ↑↓ move"
         );
 
         // Colours: the selected row (#0) reversed, fit green, OOM red, running yellow.
@@ -1608,26 +2154,116 @@ mod tests {
         assert_eq!(buf[(2, 6)].fg, Color::Yellow);
         assert!(buf[(2, 7)].modifier.contains(Modifier::DIM));
     }
-
-    #[test]
-    fn the_chart_has_iec_ticks_and_reference_lines() {
-        let app = running(false);
-        let l = lines(&app, 120, 40);
-        let top = row_y(&l, "device memory #3");
-        let chart: Vec<String> = l[top..]
+    /// The inside of the panel whose top border starts with `title`: its
+    /// rows, between its side borders.
+    fn panel_rows(lines: &[String], title: &str) -> Vec<String> {
+        let needle = format!("┌{title}");
+        let (y, x) = lines
             .iter()
-            .map(|x| x.chars().take(48).collect())
-            .collect();
-        let chart = chart.join("\n");
-        for tick in ["0 B", "16.00 MiB", "32.00 MiB", "48.00 MiB", "64.00 MiB"] {
-            assert!(chart.contains(tick), "{tick} missing:\n{chart}");
-        }
-        assert!(chart.contains("0.0s") && chart.contains("3.9s"), "{chart}");
+            .enumerate()
+            .find_map(|(y, l)| {
+                let at = l.find(&needle)?;
+                Some((y, l[..at].chars().count()))
+            })
+            .unwrap_or_else(|| panic!("no panel {title:?} in\n{}", lines.join("\n")));
+        let top: Vec<char> = lines[y].chars().collect();
+        let right = (x + 1..top.len())
+            .find(|&i| top[i] == '┐')
+            .expect("a top-right corner");
+        lines[y + 1..]
+            .iter()
+            .map(|l| l.chars().collect::<Vec<char>>())
+            .take_while(|c| c.get(x) == Some(&'│'))
+            .map(|c| c[x + 1..right].iter().collect())
+            .collect()
     }
 
+    /// A panel's text as one string: rows trimmed and joined by spaces.
+    fn panel_text(lines: &[String], title: &str) -> String {
+        let rows = panel_rows(lines, title);
+        let text: Vec<&str> = rows.iter().map(|r| r.trim()).collect();
+        text.join(" ")
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// The tick rows of a chart panel: (row, label) where the axis has ┤.
+    fn tick_rows(rows: &[String]) -> Vec<(usize, String)> {
+        rows.iter()
+            .enumerate()
+            .filter_map(|(y, r)| {
+                let at = r.find('┤')?;
+                Some((y, r[..at].trim().to_string()))
+            })
+            .collect()
+    }
+
+    /// The chart's y labels were uneven (16.00, 24.00 ... MiB at uneven
+    /// rows), the capacity line hid under the usable one, predicted and
+    /// tracked were both blue dots and the legend sat on the data. Now:
+    /// round ticks the same number of rows apart, capacity ━ and usable ─
+    /// both visible even in one row, predicted ┄ apart from the tracked
+    /// Braille curve, and the legend on its own row under the x axis.
+    #[test]
+    fn the_chart_has_round_even_ticks_and_distinct_lines() {
+        let app = running(true);
+        for (w, h) in [(120, 40), (80, 24), (160, 50)] {
+            let l = lines(&app, w, h);
+            let rows = panel_rows(&l, "#3 memory (running, every 100 ms)");
+            let ticks = tick_rows(&rows);
+            assert!(ticks.len() >= 2, "{w}x{h}:\n{}", rows.join("\n"));
+            let (ys, labels): (Vec<usize>, Vec<String>) = ticks.into_iter().unzip();
+            assert!(
+                ys.windows(3).all(|g| g[1] - g[0] == g[2] - g[1]),
+                "ticks {ys:?} unevenly spaced:\n{}",
+                rows.join("\n")
+            );
+            assert_eq!(labels.last().map(String::as_str), Some("0"));
+            let values: Vec<f64> = labels
+                .iter()
+                .map(|l| l.trim_end_matches(" MiB").parse::<f64>().unwrap())
+                .collect();
+            let step = values[values.len() - 2];
+            for (k, v) in values.iter().rev().enumerate() {
+                assert_eq!(*v, step * k as f64, "{labels:?}");
+            }
+            assert!(values[0] >= 64.0, "the capacity is on the axis: {labels:?}");
+            let plot = rows[..rows.len() - 2].join("\n");
+            assert!(plot.contains('━'), "capacity drawn:\n{plot}");
+            assert!(plot.contains('─'), "usable drawn:\n{plot}");
+            assert!(plot.contains('┄'), "prediction drawn:\n{plot}");
+            assert!(
+                plot.chars().any(|c| ('\u{2801}'..='\u{28ff}').contains(&c)),
+                "tracked drawn:\n{plot}"
+            );
+            // Under the plot: the time axis, then the legend, outside it.
+            let xs = &rows[rows.len() - 2];
+            assert!(xs.contains("0.0s") && xs.contains("3.9s"), "{xs}");
+            let legend = rows[rows.len() - 1].trim();
+            assert!(
+                legend.starts_with("━ cap") && legend.contains("─ usable"),
+                "{legend}"
+            );
+            assert!(
+                legend.contains("┄ pred") && legend.contains("⡠⠊ tracked"),
+                "{legend}"
+            );
+        }
+        // Capacity and usable one row apart at most: they share the row
+        // cell by cell, so neither hides the other.
+        let l = lines(&app, 80, 24);
+        let rows = panel_rows(&l, "#3 memory (running, every 100 ms)");
+        let shared = rows
+            .iter()
+            .find(|r| r.contains('━'))
+            .expect("a capacity row");
+        assert!(shared.contains("━─━─"), "{shared}");
+    }
     #[test]
     fn narrow_80x24_keeps_the_essentials() {
-        let app = running(false);
+        let mut app = running(false);
+        update(&mut app, Event::Key(Key::Home));
         let l = lines(&app, 80, 24);
         let all = l.join("\n");
         assert_eq!(
@@ -1635,35 +2271,75 @@ mod tests {
             "run on cpu:limit=64MiB (emulated) · usable 60.80 MiB │ target NVIDIA T4 16GB",
             "{all}"
         );
-        assert!(
-            l[1].starts_with("trials 5/6 │ elapsed 1:23 │ host $2.000/h │ sort #▲ │ running #3")
-        );
+        assert!(l[1].starts_with(
+            "trials 4/5 · 1 skipped │ elapsed 1:23 │ host $2.000/h │ sort #▲ │ running #3"
+        ));
         assert!(l[1].trim_end().ends_with('…'), "{}", l[1]);
         assert_eq!(
             l[2].trim_end(),
-            "#▲ knobs                         mb status        measured      margin $/Mtok"
+            "#▲ knobs                         mb status          measured      margin $/Mtok"
         );
         for idx in [" 0 ", "★1 ", " 2 ", " 3 ", " 4 ", " 5 "] {
             assert!(l[3..10].iter().any(|x| x.starts_with(idx)), "{idx}\n{all}");
         }
-        // The recommendation stays, in one line.
-        let y = row_y(&l, "┌recommendation");
+        // The recommendation stays, in one line, and says where the rest is.
+        let y = row_y(&l, "┌recommendation ★ #1 · w: why");
         assert!(
             l[y + 1]
                 .starts_with("│★ #1 x1 bf16 adamw fused mb2 · 0.309 $/Mtok · margin +28.80 MiB "),
             "{all}"
         );
-        assert!(all.contains("device memory #3"));
+        assert!(all.contains("#0 memory (as it ran)"), "{all}");
         // Every breakdown line fits, with its size and share.
         let y = row_y(&l, "total    ");
         assert!(l[y].contains("21.00 MiB  32.8%"));
         assert!(l[y + 8].contains("overhead") && l[y + 8].contains("0 B   0.0%"));
         assert_eq!(
             l[23].trim_end(),
-            "? help · q quit · ↑↓ move · Enter detail · s/S sort · / filter · f fits"
+            "? help q quit ⏎ detail w why t chart / filter s sort f fits ␣ pause r rerun"
         );
     }
 
+    /// The footer dropped keys silently at 80 columns. It spells every key
+    /// out where that fits, else goes compact and keeps as many as fit in
+    /// order of need, `? help` first, and never runs past the width.
+    #[test]
+    fn the_footer_fits_and_always_offers_help() {
+        let app = running(false);
+        for w in [200u16, 140, 120, 100, 80, 60, 40, 20, 8] {
+            let l = lines(&app, w, 24);
+            let foot = l[23].trim_end();
+            assert!(foot.starts_with("? help"), "{w}: {foot}");
+            assert!(foot.chars().count() <= w as usize);
+            let words = |f: &str| f.split_whitespace().count();
+            if w >= 140 {
+                assert!(foot.contains(" · e export · ↑↓ move"), "{w}: {foot}");
+            } else if w >= 40 {
+                assert!(words(foot) >= 6, "{w}: {foot}");
+            }
+        }
+        let shown = lines(&app, 80, 24)[23].clone();
+        for k in [
+            "q quit",
+            "⏎ detail",
+            "w why",
+            "t chart",
+            "/ filter",
+            "␣ pause",
+        ] {
+            assert!(shown.contains(k), "{k}: {shown}");
+        }
+        // The detail and the pages have theirs.
+        let mut d = app.clone();
+        update(&mut d, Event::Key(Key::Enter));
+        assert!(lines(&d, 80, 24)[23].starts_with("? help"), "detail");
+        update(&mut d, Event::Key(Key::Char('w')));
+        let foot = lines(&d, 80, 24)[23].clone();
+        assert!(
+            foot.contains("Esc back") && foot.contains("scroll"),
+            "{foot}"
+        );
+    }
     #[test]
     fn columns_drop_by_priority_and_cells_end_in_an_ellipsis_when_cut() {
         let mut app = tied(false);
@@ -1690,7 +2366,7 @@ mod tests {
         let l = lines(&app, 80, 24);
         assert!(
             l.iter()
-                .any(|x| x.contains("x8 zero3 bf16 adamw8bit ckpt fu…")),
+                .any(|x| x.contains("x8 zero3 bf16 adamw8bit ckpt …")),
             "{}",
             l.join("\n")
         );
@@ -1754,7 +2430,7 @@ mod tests {
         for (w, h) in [(120, 40), (80, 24)] {
             let l = lines(&app, w, h);
             assert!(
-                l[1].starts_with("trials 5/6 finished │ elapsed 1:23 │"),
+                l[1].starts_with("trials 4/5 finished · 1 skipped │ elapsed 1:23 │"),
                 "{}",
                 l[1]
             );
@@ -1769,6 +2445,7 @@ mod tests {
     fn margin_means_one_thing_everywhere() {
         // #1: usable 60.80 MiB less its 32.00 MiB peak.
         let mut app = running(false);
+        update(&mut app, Event::Key(Key::Home));
         let all = screen(&app, 120, 40);
         let grid = &lines(&app, 120, 40)[4];
         assert!(grid.contains("+28.80 MiB"), "{grid}");
@@ -1785,6 +2462,7 @@ mod tests {
     #[test]
     fn ties_are_marked() {
         let mut app = tied(false);
+        update(&mut app, Event::Key(Key::Home));
         assert_eq!(app.recommendation, Some(1));
         assert_eq!(app.tied, vec![3]);
         for (w, h) in [(120, 40), (80, 24)] {
@@ -1792,7 +2470,7 @@ mod tests {
             let all = l.join("\n");
             assert!(l.iter().any(|x| x.starts_with("=3 ")), "{all}");
             assert!(l.iter().any(|x| x.starts_with("★1 ")), "{all}");
-            assert!(all.contains("recommendation (a tie of 2)"), "{all}");
+            assert!(all.contains("recommendation ★ #1 (a tie of 2)"), "{all}");
         }
         let all = screen(&app, 120, 40);
         assert!(all.contains("= tied with #3:"), "{all}");
@@ -1808,6 +2486,7 @@ mod tests {
     #[test]
     fn detail_view() {
         let mut app = running(false);
+        update(&mut app, Event::Key(Key::Home));
         update(&mut app, Event::Key(Key::Enter));
         let all = screen(&app, 120, 40);
         for s in [
@@ -1859,18 +2538,172 @@ mod tests {
         );
     }
 
-    #[test]
-    fn help_lists_the_keymap() {
-        let mut app = running(false);
-        update(&mut app, Event::Key(Key::Char('?')));
-        let all = screen(&app, 100, 30);
-        assert!(all.contains("help: memfit tui"));
-        for (k, what) in KEYMAP {
-            assert!(all.contains(k) && all.contains(what), "{k} {what}:\n{all}");
+    /// Every line of a page view, read by scrolling it to the end at
+    /// `w`x`h`: the lines inside its border, one page after another.
+    fn whole_page(app: &App, w: u16, h: u16) -> Vec<String> {
+        let mut app = app.clone();
+        update(
+            &mut app,
+            Event::Resize {
+                width: w,
+                height: h,
+            },
+        );
+        app.scroll = 0;
+        let mut seen: Vec<String> = Vec::new();
+        loop {
+            let l = lines(&app, w, h);
+            let body: Vec<String> = l[3..l.len() - 2]
+                .iter()
+                .map(|r| {
+                    let c: Vec<char> = r.chars().collect();
+                    c[1..c.len() - 1].iter().collect::<String>()
+                })
+                .collect();
+            // Lines already seen overlap the next page by one.
+            let skip = if seen.is_empty() { 0 } else { 1 };
+            let at = app.scroll as usize;
+            let end = at + body.len();
+            if seen.len() < end {
+                seen.extend(body.into_iter().skip(seen.len() + skip - at - skip));
+            }
+            let before = app.scroll;
+            update(&mut app, Event::Key(Key::PageDown));
+            if app.scroll == before {
+                return seen;
+            }
         }
-        assert!(all.contains("margin = usable - peak"), "{all}");
     }
 
+    fn joined(rows: &[String]) -> String {
+        rows.iter()
+            .map(|r| r.trim())
+            .collect::<Vec<_>>()
+            .join(" ")
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// At 80x24 the help was cut (the legend lost, no scrolling). It
+    /// scrolls, says on its border that there is more, and every key and
+    /// every legend sentence reads whole somewhere on the way down.
+    #[test]
+    fn help_scrolls_and_reads_whole_at_80x24() {
+        let mut app = running(false);
+        update(&mut app, Event::Key(Key::Char('?')));
+        update(
+            &mut app,
+            Event::Resize {
+                width: 80,
+                height: 24,
+            },
+        );
+        let first = lines(&app, 80, 24);
+        let bottom = &first[22];
+        assert!(
+            bottom.contains("lines 1-19 of") && bottom.contains("↓ more: j PgDn"),
+            "{bottom}"
+        );
+        let rows = whole_page(&app, 80, 24);
+        let text = joined(&rows);
+        for (k, what) in KEYMAP {
+            let entry = format!("{} {}", joined(&[k.to_string()]), what);
+            assert!(text.contains(&entry), "{entry:?} not whole in:\n{text}");
+        }
+        for s in [
+            "margin = usable - peak, where usable = capacity x (1 - headroom); negative: over; ~ the peak is the predicted one.",
+            "skip: pred OOM the plan predicts it does not fit, so the sweep does not run it",
+            "The trial counter counts only the trials that run.",
+            "against ━ capacity, ─ usable and ┄ the predicted peak;",
+        ] {
+            assert!(text.contains(s), "{s:?} not whole in:\n{text}");
+        }
+        // At the end the border says so.
+        update(&mut app, Event::Key(Key::End));
+        let l = lines(&app, 80, 24);
+        assert!(l[22].contains("end: k PgUp back"), "{}", l[22]);
+        assert!(
+            l[21].contains("Throughput chart") || joined(&l[3..22]).contains("◆ the selected.")
+        );
+        // Wide enough, there is nothing to scroll and no note.
+        let big = lines(&app, 200, 60);
+        assert!(!big.join("\n").contains("lines 1-"), "{}", big.join("\n"));
+    }
+
+    /// The resume question was cut mid-sentence at 80 columns; a message
+    /// wraps over up to three rows instead.
+    #[test]
+    fn a_long_message_wraps_whole() {
+        let mut app = running(false);
+        let q = "Resume? /tmp/memfit-out/trials.jsonl holds 8 finished trials from an earlier run: y resumes them (they are not run again), n moves them aside and starts over, q quits.";
+        app.message = Some(q.into());
+        let l = lines(&app, 80, 24);
+        let foot = &l[21..24];
+        assert_eq!(joined(foot), q, "{}", l.join("\n"));
+        assert!(l[20].starts_with('└'), "the panels end above it");
+        // Too long for three rows: the third ends in "…".
+        app.message = Some("word ".repeat(100));
+        let l = lines(&app, 40, 24);
+        assert!(l[23].trim_end().ends_with('…'), "{}", l[23]);
+        assert!(l[20].starts_with('└') || l[20].contains('─'));
+    }
+
+    /// The recommendation lost its reasons at 80x24 and ended mid-sentence
+    /// at 140x45. A panel shows whole items only (the summary, the tie,
+    /// each reason) and then how many more `w` shows; `w` shows them all.
+    #[test]
+    fn the_recommendation_never_ends_mid_sentence() {
+        let mut app = tied(false);
+        let summary =
+            "★ #1 x1 bf16 adamw fused mb2 · 0.309 $/Mtok · margin +28.80 MiB · 1800 ±3% tok/s";
+        for (w, h) in [(140u16, 45u16), (120, 40), (100, 40), (80, 34), (200, 60)] {
+            let l = lines(&app, w, h);
+            let title = "recommendation ★ #1 (a tie of 2)";
+            let text = panel_text(&l, title);
+            let rows = panel_rows(&l, title);
+            let shown = app
+                .reasons
+                .iter()
+                .filter(|r| text.contains(&format!("• {r}")))
+                .count();
+            assert!(shown >= 1, "{w}x{h}: no reason whole:\n{}", rows.join("\n"));
+            assert!(text.contains(summary), "{w}x{h}: {text}");
+            if shown < app.reasons.len() {
+                let last = rows.iter().rev().find(|r| !r.trim().is_empty()).unwrap();
+                assert!(last.trim().starts_with("… "), "{w}x{h}: {last}");
+                assert!(last.contains("more"), "{w}x{h}: {last}");
+            }
+            // No reason starts without its end.
+            for r in &app.reasons {
+                let head: String = r.chars().take(20).collect();
+                if text.contains(&format!("• {head}")) {
+                    assert!(
+                        text.contains(&format!("• {r}")),
+                        "{w}x{h}: {r} cut:\n{text}"
+                    );
+                }
+            }
+        }
+        // At 80x24: one line, and `w` has every reason, whole.
+        let l = lines(&app, 80, 24);
+        assert!(l.join("\n").contains("w: why"));
+        update(&mut app, Event::Key(Key::Char('w')));
+        let text = joined(&whole_page(&app, 80, 24));
+        assert!(text.contains(summary), "{text}");
+        assert!(
+            text.contains("= tied with #3: throughput intervals overlap"),
+            "{text}"
+        );
+        for r in &app.reasons {
+            assert!(
+                text.contains(&format!("• {r}")),
+                "{r:?} not whole in:\n{text}"
+            );
+        }
+        assert!(text.contains("Pareto frontier"), "{text}");
+        assert!(text.contains("e writes the reports"), "{text}");
+    }
     #[test]
     fn status_line_shows_the_filter_and_messages() {
         let mut app = running(false);
@@ -1894,17 +2727,18 @@ mod tests {
         update(&mut app, Event::Key(Key::Enter));
         update(&mut app, Event::Exported(Ok("/tmp/x".into())));
         assert!(lines(&app, 80, 24)[23].starts_with("exported to /tmp/x"));
-        app.message = Some("x".repeat(100));
-        assert!(lines(&app, 80, 24)[23].ends_with("x…"));
+        app.message = Some("x".repeat(300));
+        assert!(lines(&app, 80, 24)[23].ends_with("…"));
         app.message = None;
         app.filter = "nothing-matches".into();
-        assert!(screen(&app, 80, 24).contains("no trial matches the filter"));
+        let all = screen(&app, 80, 24);
+        assert!(all.contains("no trial matches the filter"), "{all}");
     }
 
     fn all_views(no_color: bool) -> Vec<App> {
         let base = running(no_color);
         let mut v = vec![base.clone(), fresh(no_color), tied(no_color)];
-        for k in [Key::Enter, Key::Char('?')] {
+        for k in [Key::Enter, Key::Char('?'), Key::Char('w'), Key::Char('t')] {
             let mut a = base.clone();
             update(&mut a, Event::Key(k));
             v.push(a);
@@ -1976,9 +2810,6 @@ mod tests {
         assert_eq!(clip("abcdef", 4), "abc…");
         assert_eq!(clip("abc", 3), "abc");
         assert_eq!(clip("abc", 0), "");
-        assert_eq!(tick_step(64.0 * 1048576.0, 4), 16.0 * 1048576.0);
-        assert_eq!(tick_step(24.0 * 1048576.0, 3), 8.0 * 1048576.0);
-        assert_eq!(tick_step(64.0 * 1048576.0, 3), 24.0 * 1048576.0);
         let p = point(
             4,
             crate::engine::Sharding::Zero2,

@@ -3,6 +3,7 @@
 //! [`Event`]s, the sweep on a background thread, and a ~10 fps render loop
 //! that never waits on the sweep.
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -148,8 +149,17 @@ fn start_sweep(
     }
 }
 
+/// Why `memfit tui` will not start where its output is no terminal (a
+/// pipe, a file, a CI log): one line, before anything is written.
+pub const NOT_A_TERMINAL: &str = "memfit tui needs a terminal, and its output is not one (a pipe or a file); for a headless run use `memfit sweep RECIPE --out DIR`";
+
 /// Runs the TUI until the user quits; returns the process exit code.
 pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
+    // Raw mode and the alternate screen would write escape codes into the
+    // pipe; refuse before any of it (and before the output directory).
+    if !std::io::stdout().is_terminal() {
+        return Err(Error::Unavailable(NOT_A_TERMINAL.into()));
+    }
     std::fs::create_dir_all(&opts.out).map_err(|source| Error::Write {
         path: opts.out.clone(),
         source,
@@ -203,7 +213,7 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
     let mut asking = finished_before > 0;
     if asking {
         app.message = Some(format!(
-            "{} holds {finished_before} finished trials: y resumes them, n starts over",
+            "Resume? {} holds {finished_before} finished trials from an earlier run: y resumes them (they are not run again), n moves them aside and starts over, q quits.",
             journal.display()
         ));
     }
@@ -225,6 +235,18 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
         .map_err(|e| Error::Unavailable(format!("cannot use this terminal: {e}")))?;
     let mut terminal = Terminal::new(CrosstermBackend::new(std::io::stdout()))
         .map_err(|e| Error::Unavailable(format!("cannot use this terminal: {e}")))?;
+    // The screen's size, for where the page views end; again on each resize.
+    let mut size = terminal
+        .size()
+        .map(|s| (s.width, s.height))
+        .unwrap_or((80, 24));
+    update(
+        &mut app,
+        Event::Resize {
+            width: size.0,
+            height: size.1,
+        },
+    );
 
     let (tx, rx): (Sender<Event>, Receiver<Event>) = channel();
     let pause = Arc::new(AtomicBool::new(false));
@@ -297,6 +319,11 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
         }
         let key = match event::read() {
             Ok(crossterm::event::Event::Key(k)) => key_of(k),
+            Ok(crossterm::event::Event::Resize(width, height)) => {
+                size = (width, height);
+                update(&mut app, Event::Resize { width, height });
+                None
+            }
             Ok(_) => None,
             Err(e) => break Err(Error::Unavailable(format!("cannot read the terminal: {e}"))),
         };
@@ -317,6 +344,13 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
                         app.gpu = gpu;
                         app.header.no_color =
                             std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+                        update(
+                            &mut app,
+                            Event::Resize {
+                                width: size.0,
+                                height: size.1,
+                            },
+                        );
                         app.message = Some(format!("earlier trials moved to {}", aside.display()));
                     } else {
                         app.message = None;

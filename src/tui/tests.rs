@@ -49,7 +49,10 @@ fn a_whole_sweep_renders_at_every_step() {
     update(&mut app, Event::SweepFinished);
     update(&mut app, Event::Tick { elapsed_s: 500.0 });
     let screen = draw(&app, 120, 40).join("\n");
-    assert!(screen.contains("finished │ elapsed 1:00 │"), "{screen}");
+    assert!(
+        screen.contains("trials 4/5 finished · 1 skipped │ elapsed 1:00 │"),
+        "{screen}"
+    );
     assert!(screen.contains("★ #1"), "{screen}");
     let narrow = draw(&app, 80, 24).join("\n");
     assert!(narrow.contains("┌recommendation"), "{narrow}");
@@ -141,4 +144,72 @@ fn the_breakdown_shows_a_trials_nvml_peak() {
         .find(|l| l.contains("NVML peak"))
         .unwrap_or_else(|| panic!("{screen}"));
     assert!(line.contains("900.00 MiB err +12.5%"), "{line}");
+}
+
+/// Rows the plan will skip read "queued" until the sweep's very end (the
+/// sweep records them last); they say so from the first screen, and the
+/// trial counter counts only the trials that will run.
+#[test]
+fn rows_the_plan_skips_say_so_from_the_start() {
+    use crate::sweep::driver::SweepOptions;
+    let opts = SweepOptions {
+        recipe: concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/sweep/one-group.yaml"
+        )
+        .into(),
+        // meta plans exactly what cpu would hold, without calibrating.
+        device: Some("meta:limit=8MiB".parse().unwrap()),
+        out: std::env::temp_dir().join("memfit-tui-plan-skip-unused"),
+        resume: true,
+        exhaustive: false,
+        break_lock: false,
+        timing: Default::default(),
+        timeout: std::time::Duration::from_secs(60),
+        threads: Some(1),
+        fault: None,
+        progress: false,
+        hooks: None,
+        rerun: Vec::new(),
+        executor: Default::default(),
+    };
+    let app = super::new_app(&opts, 100).unwrap();
+    let skipped: Vec<usize> = app
+        .rows
+        .iter()
+        .filter(|r| r.status == Status::PlannedSkip)
+        .map(|r| r.index)
+        .collect();
+    // fp32 without checkpointing fits at micro-batch 2 only (the fixture's
+    // own comment): 4, 8, 16 and 32 are over.
+    assert!(skipped.contains(&1) && skipped.contains(&4), "{skipped:?}");
+    assert!(!skipped.contains(&0), "{skipped:?}");
+    for r in &app.rows {
+        let over = r.predicted_total().unwrap() > app.header.usable;
+        assert_eq!(r.status == Status::PlannedSkip, over, "#{}", r.index);
+    }
+    let p = app.progress();
+    assert_eq!(
+        (p.ran, p.to_run, p.skipped),
+        (0, 20 - skipped.len(), skipped.len())
+    );
+    let screen = draw(&app, 120, 40).join("\n");
+    let row1 = screen
+        .lines()
+        .find(|l| l.starts_with("  1 "))
+        .unwrap_or_else(|| panic!("{screen}"));
+    assert!(row1.contains("skip: pred OOM"), "{row1}");
+    assert!(
+        screen.contains(&format!(
+            "trials 0/{} · {} skipped │",
+            20 - skipped.len(),
+            skipped.len()
+        )),
+        "{screen}"
+    );
+    // Its chart says why there is nothing to draw.
+    let mut app = app;
+    update(&mut app, Event::Key(Key::Down));
+    let screen = draw(&app, 80, 24).join("\n");
+    assert!(screen.contains("#1 is not run: the plan"), "{screen}");
 }

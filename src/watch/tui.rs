@@ -30,14 +30,14 @@ use ratatui::Terminal;
 use ratatui::backend::CrosstermBackend;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Modifier, Style};
-use ratatui::symbols::Marker;
 use ratatui::text::{Line, Span};
-use ratatui::widgets::{Axis, Chart, Dataset, GraphType, Paragraph};
+use ratatui::widgets::Paragraph;
 
 use super::Session;
 use super::state::{Phase, Target, WatchState, fmt_pct};
 use crate::telemetry::GpuSample;
-use crate::tui::render::{bar, bold, clip, clip_spans, dim, fmt_elapsed, panel, sep, tick_step};
+use crate::tui::chart;
+use crate::tui::render::{bar, bold, clip, clip_spans, dim, fmt_elapsed, panel, sep};
 use crate::units::fmt_bytes;
 
 /// Draws the whole screen from the state alone.
@@ -412,38 +412,25 @@ fn render_chart(st: &WatchState, f: &mut Frame, area: Rect) {
     }
     let t0 = st.series.first().map_or(0.0, |p| p.t_s);
     let t1 = st.series.last().map_or(1.0, |p| p.t_s).max(t0 + 1.0);
-    let flat = |y: u64| [(t0, y as f64), (t1, y as f64)];
     let capacity = if gpu { st.capacity() } else { None };
-    let capacity_line = capacity.map(flat);
-    let warn_line = capacity.map(|c| flat((c as f64 * st.warn_at) as u64));
     let predicted = st
         .prediction
         .as_ref()
         .filter(|_| gpu)
         .map(|p| p.tracked_peak_bytes);
-    let predicted_line = predicted.map(flat);
     let top = main
         .iter()
         .chain(&used)
         .map(|p| p.1)
         .chain([capacity.unwrap_or(0) as f64, predicted.unwrap_or(0) as f64])
         .fold(1.0f64, f64::max);
-    let plot_rows = area.height.saturating_sub(4);
-    let step = tick_step(top, (plot_rows / 2).clamp(1, 4) as u32);
-    let ticks = (top / step).floor() as u64 + 1;
-    let ymax = ticks as f64 * step;
-    let line = |marker: Marker, color: Color| {
-        Dataset::default()
-            .marker(marker)
-            .graph_type(GraphType::Line)
-            .style(fg(st, color))
-    };
-    // The legend is the bottom border, so that it never hides a line.
-    let mut sets = Vec::new();
-    let mut legend = Vec::new();
-    let mut key = |name: String, color: Color| {
-        legend.push(Span::styled(format!("━ {name}"), fg(st, color)));
-        legend.push(Span::raw("  "));
+    // Each line its own glyph (NO_COLOR loses nothing), the legend a row
+    // under the plot, never on it.
+    let key = |sample: &str, color: Color, label: String, short: &str| chart::Key {
+        sample: sample.into(),
+        style: fg(st, color),
+        label,
+        short: short.into(),
     };
     let main_name = if !gpu {
         "host RSS"
@@ -452,46 +439,75 @@ fn render_chart(st: &WatchState, f: &mut Frame, area: Rect) {
     } else {
         "used"
     };
-    key(main_name.into(), Color::Cyan);
+    let mut legend = vec![key("⡠⠊", Color::Cyan, main_name.into(), main_name)];
+    let mut rules = Vec::new();
+    let mut dots = Vec::new();
     if !used.is_empty() {
-        key("GPU used".into(), Color::Green);
-        sets.push(line(Marker::Braille, Color::Green).data(&used));
+        legend.push(key("·", Color::Green, "GPU used".into(), "used"));
+        dots = used
+            .iter()
+            .map(|&(x, y)| chart::Dot {
+                x,
+                y,
+                glyph: '·',
+                style: fg(st, Color::Green),
+            })
+            .collect();
     }
-    if let (Some(c), Some(l)) = (capacity, &capacity_line) {
-        key(format!("capacity {}", fmt_bytes(c)), Color::Red);
-        sets.push(line(Marker::Dot, Color::Red).data(l));
-    }
-    if let Some(l) = &warn_line {
-        key(
-            format!("warn {}%", fmt_pct(st.warn_at * 100.0)),
+    if let Some(c) = capacity {
+        legend.push(key(
+            "━",
+            Color::Red,
+            format!("capacity {}", fmt_bytes(c)),
+            "cap",
+        ));
+        rules.push(chart::Rule {
+            value: c as f64,
+            glyph: '━',
+            style: fg(st, Color::Red),
+        });
+        legend.push(key(
+            "─",
             Color::Yellow,
-        );
-        sets.push(line(Marker::Braille, Color::Yellow).data(l));
+            format!("warn {}%", fmt_pct(st.warn_at * 100.0)),
+            "warn",
+        ));
+        rules.push(chart::Rule {
+            value: c as f64 * st.warn_at,
+            glyph: '─',
+            style: fg(st, Color::Yellow),
+        });
     }
-    if let Some(l) = &predicted_line {
-        key("memfit predicts".into(), Color::Blue);
-        sets.push(line(Marker::Braille, Color::Blue).data(l));
+    if let Some(p) = predicted {
+        legend.push(key(
+            "┄",
+            Color::Blue,
+            format!("memfit predicts {}", fmt_bytes(p)),
+            "pred",
+        ));
+        rules.push(chart::Rule {
+            value: p as f64,
+            glyph: '┄',
+            style: fg(st, Color::Blue),
+        });
     }
-    // The job last, drawn over the reference lines.
-    sets.push(line(Marker::Braille, Color::Cyan).data(&main));
-    legend.pop();
-    let block = block.title_bottom(clip_spans(legend, area.width.saturating_sub(2) as usize));
-    let chart = Chart::new(sets)
-        .block(block)
-        .legend_position(None)
-        .x_axis(
-            Axis::default()
-                .style(dim())
-                .bounds([t0, t1])
-                .labels([format!("{t0:.0}s"), format!("{t1:.0}s")]),
-        )
-        .y_axis(
-            Axis::default()
-                .style(dim())
-                .bounds([0.0, ymax])
-                .labels((0..=ticks).map(|k| fmt_bytes((k as f64 * step) as u64))),
-        );
-    f.render_widget(chart, area);
+    let inner = block.inner(area);
+    f.render_widget(block, area);
+    let plot = chart::Plot {
+        x: [t0, t1],
+        x_labels: [format!("{t0:.0}s"), format!("{t1:.0}s")],
+        y: chart::YAxis::Bytes,
+        top,
+        rules,
+        // The job last, over the reference lines.
+        curves: vec![chart::Curve {
+            points: &main,
+            style: fg(st, Color::Cyan),
+        }],
+        dots,
+        legend,
+    };
+    chart::draw(&plot, f.buffer_mut(), inner);
 }
 
 fn render_log(st: &WatchState, f: &mut Frame, area: Rect) {
@@ -645,6 +661,5 @@ mod tests {
     fn bars_and_ticks() {
         assert_eq!(bar(0.5, 4), "██░░");
         assert_eq!(bar(2.0, 3), "███");
-        assert_eq!(tick_step(4.0 * GIB as f64, 4), GIB as f64);
     }
 }
