@@ -29,7 +29,7 @@ fn main() {
                 ..TrainConfig::default()
             },
             by,
-            target: Target::Gpu(hw.clone()),
+            target: Target::Gpu(Box::new(hw.clone())),
             repeats: 1,
             verify: false,
         };

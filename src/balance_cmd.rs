@@ -49,7 +49,7 @@ pub enum Target {
     Cpu { limit: Option<u64> },
     /// Priced by the roofline of a GPU profile, whose memory (less the
     /// runtime overhead) is the capacity.
-    Gpu(HardwareProfile),
+    Gpu(Box<HardwareProfile>),
     /// Timed on this machine's GPU `ordinal`; `limit` is the capacity, if any.
     Cuda {
         limit: Option<u64>,
@@ -61,7 +61,7 @@ impl Target {
     /// `cpu`, `cpu:limit=SIZE`, or `meta:GPU` (a hardware profile name).
     pub fn parse(text: &str) -> Result<Self> {
         if let Some(hw) = text.strip_prefix("meta:") {
-            return load_hardware(hw).map(Target::Gpu);
+            return load_hardware(hw).map(|h| Target::Gpu(Box::new(h)));
         }
         let spec: DeviceSpec = text
             .parse()

@@ -59,7 +59,10 @@ fn splits(n: usize, stages: usize) -> Vec<Vec<usize>> {
 fn the_optimal_split_is_the_best_of_every_split() {
     for (model, target) in [
         ("gpt2-tiny", Target::Cpu { limit: None }),
-        ("gpt2", Target::Gpu(load_hardware("h100-sxm-80gb").unwrap())),
+        (
+            "gpt2",
+            Target::Gpu(Box::new(load_hardware("h100-sxm-80gb").unwrap())),
+        ),
     ] {
         let m = load_model(model).unwrap();
         let n = m.n_layer + 2;
@@ -131,7 +134,7 @@ fn a_heavy_embedding_and_head_make_the_uniform_split_strictly_worse() {
             4,
             8,
             Schedule::OneFOneB,
-            Target::Gpu(load_hardware("h100-sxm-80gb").unwrap()),
+            Target::Gpu(Box::new(load_hardware("h100-sxm-80gb").unwrap())),
         )
     };
     let r = balance(&o).unwrap();
@@ -160,7 +163,7 @@ fn a_heavy_embedding_and_head_make_the_uniform_split_strictly_worse() {
 #[test]
 fn by_time_balances_the_slowest_stage_within_the_capacity() {
     let hw = load_hardware("h100-sxm-80gb").unwrap();
-    let mut o = options("gpt2", 4, 8, Schedule::OneFOneB, Target::Gpu(hw));
+    let mut o = options("gpt2", 4, 8, Schedule::OneFOneB, Target::Gpu(Box::new(hw)));
     o.train.seq_len = 1024;
     o.by = By::Time;
     let r = balance(&o).unwrap();

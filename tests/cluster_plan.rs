@@ -206,3 +206,31 @@ fn llama3_405b_on_16384_gpus_is_planned_and_more_is_refused() {
     let err = stderr(&out);
     assert!(err.contains("grid.gpus") && err.contains("16384"), "{err}");
 }
+
+/// Regression (issue 27): pipeline sends were priced as compute, so the
+/// same layout read 50.0 s of compute on 25 GbE and 25.6 s on InfiniBand.
+/// Compute does not depend on the network; the sends are communication.
+#[test]
+fn pipeline_sends_are_communication_not_compute() {
+    let on = |network: &str| {
+        plan(
+            &format!("pp-sends-{network}"),
+            &format!(
+                "model: llama-3.1-8b\nhardware: h100-sxm-80gb\nnetwork: {network}\nseq_len: 4096\ngrid:\n  framework: [memfit]\n  micro_batch: [1]\n  checkpointing: [full]\n  sharding: [zero1]\n  gpus: [16]\n  pipeline_stages: [4]\nglobal_batch: 32\n"
+            ),
+        )
+    };
+    let (ib, eth) = (on("ib-ndr-400"), on("eth-25"));
+    let (a, b) = (&ib["points"][0], &eth["points"][0]);
+    assert_eq!(a["status"], "fits", "{a}");
+    let f = |x: &Value, k: &str| x[k].as_f64().unwrap();
+    assert!(
+        (f(a, "compute_s") / f(b, "compute_s") - 1.0).abs() < 1e-12,
+        "{a} {b}"
+    );
+    assert!(f(b, "comm_s") > 2.0 * f(a, "comm_s"), "{a} {b}");
+    for x in [a, b] {
+        let sum = f(x, "compute_s") + f(x, "comm_s") + f(x, "offload_s");
+        assert!((f(x, "step_s") / sum - 1.0).abs() < 1e-12);
+    }
+}

@@ -324,6 +324,22 @@ fn allow_numerics_change_false_rules_out_fp16_and_8bit() {
     recipe.allow_numerics_change = true;
     let p = plan(&recipe, &model, &hw);
     assert!(p.points.iter().all(|x| !x.excluded));
+    // Regression: SGD was left out, so an SGD pick said "changes no
+    // numerics" and `allow_numerics_change: false` still allowed it.
+    recipe.grid.optimizer = vec![Optimizer::Sgd, Optimizer::Adamw];
+    recipe.grid.precision = vec![Precision::Bf16];
+    recipe.allow_numerics_change = false;
+    let p = plan(&recipe, &model, &hw);
+    let best = &p.points[p.recommendation.as_ref().unwrap().index];
+    assert_eq!(best.point.optimizer, Optimizer::Adamw);
+    for x in p
+        .points
+        .iter()
+        .filter(|x| x.point.optimizer == Optimizer::Sgd)
+    {
+        assert_eq!(x.numerics_changes, ["sgd"]);
+        assert!(x.excluded);
+    }
 }
 
 #[test]
@@ -472,4 +488,36 @@ fn a_plan_where_nothing_fits_exits_1_with_the_distance_and_what_to_try() {
     let out = memfit(&["plan", recipe.to_str().unwrap(), "--format", "json"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(common::json(&out)["recommendation"].is_null());
+}
+
+/// Regression (issue 27): a grid of memfit's engine beside hf-eager
+/// recommended the engine's row, a layout PyTorch will not run.
+#[test]
+fn a_mixed_framework_grid_recommends_from_the_users_stack() {
+    let dir = common::scratch("mixed-framework");
+    let path = dir.join("p.yaml");
+    std::fs::write(
+        &path,
+        "model: gpt2\nhardware: rtx-4090\nseq_len: 1024\nglobal_batch: 16\ngrid:\n  framework: [memfit, hf-eager]\n  micro_batch: [4, 8, 16]\n",
+    )
+    .unwrap();
+    let p = common::plan_json(&common::memfit(&[
+        "plan",
+        path.to_str().unwrap(),
+        "--format",
+        "json",
+    ]));
+    let i = p["recommendation"]["index"].as_u64().unwrap() as usize;
+    assert_eq!(p["points"][i]["point"]["framework"], "hf-eager");
+    let engine_fits = p["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|x| x["point"]["framework"] == "memfit" && x["status"] == "fits");
+    assert!(engine_fits, "the engine's rows are still planned");
+    let reasons = p["recommendation"]["reasons"].to_string();
+    assert!(
+        reasons.contains("recommended from hf-eager's rows"),
+        "{reasons}"
+    );
 }

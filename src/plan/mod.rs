@@ -428,10 +428,13 @@ impl Point {
         if self.precision.changes_numerics() {
             v.push("fp16");
         }
+        // Against AdamW: quantized states, a factored second moment, or
+        // another update rule altogether (SGD with momentum).
         match self.optimizer {
             Optimizer::Adamw8bit => v.push("adamw8bit"),
             Optimizer::Adafactor => v.push("adafactor"),
-            _ => {}
+            Optimizer::Sgd => v.push("sgd"),
+            Optimizer::Adamw => {}
         }
         v
     }
@@ -1151,8 +1154,15 @@ pub fn plan(r: &PlanRecipe, model: &ModelConfig, hw: &HardwareProfile) -> Plan {
         .par_iter()
         .map(|p| predict(r, model, &rates, capacity, overhead, p))
         .collect();
+    // A grid that plans the user's own stack beside memfit's engine
+    // recommends from that stack: the engine's rows are there to compare,
+    // as a layout PyTorch will not run (issue 27).
+    let stack = predictions
+        .iter()
+        .any(|x| x.point.framework != Framework::Memfit);
     let mut ranking: Vec<usize> = (0..predictions.len())
         .filter(|&i| predictions[i].verdict == Verdict::Fits && !predictions[i].excluded)
+        .filter(|&i| !stack || predictions[i].point.framework != Framework::Memfit)
         .collect();
     ranking.sort_by(|&a, &b| {
         let (x, y) = (&predictions[a], &predictions[b]);
@@ -1405,6 +1415,9 @@ pub fn predict(
             .step_by(tps);
         let mut worst: Option<(u64, Engine<MetaBackend>)> = None;
         let (mut slot, mut opt_s, mut off_s, mut comm_s) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+        // The slowest stage's micro-batch slot without its sends: the
+        // pipeline's compute; the rest of the slot is communication.
+        let mut compute_slot = 0.0f64;
         let mut crossed = None;
         for (s, link) in links.into_iter().enumerate() {
             let distributed = replicas > 1 || p.sharding != Sharding::None;
@@ -1447,6 +1460,7 @@ pub fn predict(
                 }
             }
             slot = slot.max((st.all_s - st.opt_s + p2p_s) / k);
+            compute_slot = compute_slot.max((st.all_s - st.opt_s) / k);
             opt_s = opt_s.max(st.opt_s);
             off_s = off_s.max(st.offload_s);
             comm_s = comm_s.max(dp_s);
@@ -1455,9 +1469,13 @@ pub fn predict(
                 worst = Some((peak, st.e));
             }
         }
+        // Pipeline sends are communication: on a slow network they, not
+        // the stages' compute, set the slot (issue 27: compute read 50.0 s
+        // on 25 GbE and 25.6 s on InfiniBand for the same layout).
+        let slots = k + stages as f64 - 1.0;
         out.offload_s = off_s;
-        out.compute_s = (k + stages as f64 - 1.0) * slot + opt_s - off_s;
-        out.comm_s = comm_s;
+        out.compute_s = slots * compute_slot + opt_s - off_s;
+        out.comm_s = comm_s + slots * (slot - compute_slot);
         out.links = crossed;
         worst.expect("a stage").1
     };
@@ -1726,6 +1744,20 @@ fn reasons(preds: &[Prediction], ranking: &[usize], r: &PlanRecipe) -> Vec<Strin
             x.point.label(),
             usd(x.usd_per_mtok),
             x.numerics_changes.join(", ")
+        ));
+    }
+    if best.point.framework != Framework::Memfit
+        && let Some(x) = preds
+            .iter()
+            .filter(|p| p.point.framework == Framework::Memfit && p.verdict == Verdict::Fits)
+            .min_by(|a, b| a.usd_per_mtok.total_cmp(&b.usd_per_mtok))
+    {
+        v.push(format!(
+            "recommended from {}'s rows: memfit's own engine would run {} at ${}/Mtok, a layout of memfit's allocations that {} does not make",
+            name(best.point.framework),
+            x.point.label(),
+            usd(x.usd_per_mtok),
+            name(best.point.framework),
         ));
     }
     if best.numerics_changes.is_empty() {
