@@ -319,6 +319,12 @@ pub struct SweepArgs {
     pub break_lock: bool,
     #[command(flatten)]
     pub timing: TimingArgs,
+    /// Rounds in which the cheapest trials are timed again, interleaved (a
+    /// short bout of each per round, the order rotated), so that they share
+    /// the host's load before they are ranked; 0 ranks each trial on its
+    /// own measurement.
+    #[arg(long, default_value_t = 9, value_parser = paired_rounds)]
+    pub paired_rounds: usize,
     /// Seconds before a trial is killed and recorded as a timeout.
     #[arg(long, default_value_t = 300.0, value_parser = seconds)]
     pub trial_timeout: f64,
@@ -421,6 +427,12 @@ fn host_bytes(s: &str) -> std::result::Result<u64, String> {
 
 fn seconds(s: &str) -> std::result::Result<f64, String> {
     check_seconds(s.parse().map_err(|e| format!("{e}"))?)
+}
+
+fn paired_rounds(s: &str) -> std::result::Result<usize, String> {
+    let n: usize = s.parse().map_err(|e| format!("{e}"))?;
+    crate::sweep::retime::check_rounds(n)?;
+    Ok(n)
 }
 
 fn sample_ms(s: &str) -> std::result::Result<u64, String> {

@@ -242,6 +242,10 @@ fn sweep_main(args: &memfit::cli::SweepArgs) -> i32 {
         hooks: None,
         rerun: Vec::new(),
         executor,
+        retime: memfit::sweep::retime::Retime {
+            rounds: args.paired_rounds,
+            ..Default::default()
+        },
     };
     match memfit::sweep::driver::sweep(&opts) {
         Ok(report) => {
