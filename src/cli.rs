@@ -331,7 +331,8 @@ pub struct SweepArgs {
     /// cpu threads per trial [default: all cores].
     #[arg(long, value_parser = threads)]
     pub threads: Option<usize>,
-    /// Output format.
+    /// Output format. Piped, the sweep prints a line per finished trial as
+    /// it goes: on stdout before the table, on stderr with json.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
     /// Test hook: make the N-th trial run fail (abort, sigkill or hang).

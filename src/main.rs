@@ -246,6 +246,12 @@ fn sweep_main(args: &memfit::cli::SweepArgs) -> i32 {
             rounds: args.paired_rounds,
             ..Default::default()
         },
+        // Piped, a line per finished trial as it finishes; JSON keeps stdout.
+        lines: match (std::io::stdout().is_terminal(), args.format) {
+            (true, _) => memfit::sweep::driver::Lines::Off,
+            (false, Format::Json) => memfit::sweep::driver::Lines::Stderr,
+            (false, Format::Table) => memfit::sweep::driver::Lines::Stdout,
+        },
     };
     match memfit::sweep::driver::sweep(&opts) {
         Ok(report) => {

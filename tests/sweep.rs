@@ -951,6 +951,80 @@ fn contenders_are_re_timed_interleaved_and_ranked_on_paired_ratios() {
 }
 
 #[test]
+fn a_piped_sweep_prints_a_line_per_trial_as_it_finishes() {
+    use std::io::BufRead;
+    let _one = serial();
+    let dir = out_dir("lines");
+    // Table: the lines go to stdout, ahead of the table, as trials finish.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args([
+            "sweep",
+            recipe(),
+            "--out",
+            dir.to_str().unwrap(),
+            "--threads",
+            "1",
+            "--paired-rounds",
+            "0",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    stdout.read_line(&mut first).unwrap();
+    // The first trial's line came while the sweep was still running.
+    assert!(
+        !dir.join("report.json").exists(),
+        "a line only after the sweep: {first}"
+    );
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    assert!(child.wait().unwrap().success());
+    let report: SweepReport =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap();
+    let text = first.clone() + &rest;
+    let lines: Vec<&str> = text.lines().filter(|l| l.starts_with('[')).collect();
+    assert_eq!(lines.len(), report.trials_run, "{text}");
+    // `[3/20] mb8 x1 none fp32 adamw ckpt:none eager accum 4: fit, peak 6.36 MiB, 45,000 tok/s`
+    let first = lines[0];
+    assert!(
+        first.starts_with('[') && first.contains("/20] mb"),
+        "{first}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains(": fit, peak ") && l.ends_with(" tok/s")),
+        "{text}"
+    );
+    assert!(
+        text.find(lines[lines.len() - 1]) < text.find("recommended:"),
+        "{text}"
+    );
+
+    // JSON: stdout is the report alone, the lines go to stderr.
+    let dir = out_dir("lines-json");
+    let o = memfit(&[
+        "sweep",
+        recipe(),
+        "--out",
+        dir.to_str().unwrap(),
+        "--threads",
+        "1",
+        "--paired-rounds",
+        "0",
+        "--format",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", err(&o));
+    let r: SweepReport = serde_json::from_slice(&o.stdout).unwrap();
+    let lines = err(&o).lines().filter(|l| l.starts_with('[')).count();
+    assert_eq!(lines, r.trials_run, "{}", err(&o));
+}
+
+#[test]
 fn a_meta_sweep_says_its_throughput_is_predicted_not_measured() {
     let dir = out_dir("meta-label");
     let o = meta_sweep(&dir, &["--format", "json"]);

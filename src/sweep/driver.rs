@@ -53,6 +53,19 @@ pub struct SweepOptions {
     /// How the cheapest trials are timed again, interleaved, before the
     /// recommendation ranks them ([`super::retime`]).
     pub retime: super::retime::Retime,
+    /// Where a line per finished trial goes as the sweep runs.
+    pub lines: Lines,
+}
+
+/// Where `memfit sweep` writes one line per finished trial as it finishes:
+/// nowhere (a terminal, where the progress bar shows them), stdout (piped,
+/// with the table to follow), or stderr (piped, with JSON on stdout).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Lines {
+    #[default]
+    Off,
+    Stdout,
+    Stderr,
 }
 
 /// Where a sweep's trials run. Both record, journal and classify a trial
@@ -281,6 +294,9 @@ struct Ctx<'a> {
     ran_now: std::collections::HashSet<usize>,
     stop: Arc<AtomicBool>,
     bar: indicatif::ProgressBar,
+    /// Grid points settled so far (run, journaled or skipped), of `total`.
+    settled: usize,
+    total: usize,
     /// NVML on a GPU run device (the trials' GPU), when it loads.
     nvml: Option<crate::telemetry::Telemetry>,
 }
@@ -664,6 +680,8 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         ran_now: Default::default(),
         stop,
         bar,
+        settled: 0,
+        total: preds.len(),
     };
     let preds = &preds;
     // Groups in the order their first point appears.
@@ -1453,9 +1471,20 @@ impl Ctx<'_> {
         }
     }
 
-    /// One more grid point settled (the progress bar).
+    /// One more grid point settled (the progress bar and the trial lines' count).
     fn settle(&mut self) {
+        self.settled += 1;
         self.bar.inc(1);
+    }
+
+    /// A progress line where `--format` leaves room for it (see [`Lines`]).
+    fn say(&self, line: &str) {
+        match self.opts.lines {
+            Lines::Off => {}
+            Lines::Stdout => println!("{line}"),
+            Lines::Stderr if self.bar.is_hidden() => eprintln!("{line}"),
+            Lines::Stderr => self.bar.println(line),
+        }
     }
 
     /// How the recommendation ranks the fitting trials: on meta by
@@ -1634,17 +1663,26 @@ impl Ctx<'_> {
             index,
             record: Box::new(r.clone()),
         });
-        self.bar.println(format!(
-            "{:>9} {}",
-            match r.outcome {
-                Outcome::Ran if r.fits => "fit",
-                Outcome::Ran => "over",
-                Outcome::Oom => "oom",
-                Outcome::Timeout => "timeout",
-                _ => "crash",
-            },
-            p.point.label()
-        ));
+        match self.opts.lines {
+            Lines::Off => self.bar.println(format!(
+                "{:>9} {}",
+                match r.outcome {
+                    Outcome::Ran if r.fits => "fit",
+                    Outcome::Ran => "over",
+                    Outcome::Oom => "oom",
+                    Outcome::Timeout => "timeout",
+                    _ => "crash",
+                },
+                p.point.label()
+            )),
+            _ => self.say(&trial_line(
+                self.settled,
+                self.total,
+                &r,
+                self.report.runtime_overhead_bytes,
+                self.device.kind == DeviceKind::Meta,
+            )),
+        }
         Ok(r)
     }
 
@@ -1760,7 +1798,64 @@ impl super::retime::Bench for ChildBench<'_, '_> {
 
     fn say(&mut self, line: &str) {
         self.ctx.bar.set_message(line.to_string());
+        self.ctx.say(&format!("memfit: {line}"));
     }
+}
+
+/// One line about a finished trial, for a sweep whose output is piped:
+/// `[3/12] mb4 x1 none bf16 adamw ckpt:full eager accum 8: fit, peak 5.10 MiB, 28,620 tok/s`.
+pub fn trial_line(
+    settled: usize,
+    total: usize,
+    r: &TrialRecord,
+    overhead: u64,
+    predicted: bool,
+) -> String {
+    let what = match (r.outcome, r.measured.as_ref()) {
+        (Outcome::Ran, Some(m)) => format!(
+            "{}, peak {}, {} tok/s{}",
+            if r.fits {
+                "fit"
+            } else {
+                "over the usable limit"
+            },
+            crate::units::fmt_bytes(m.peak_bytes.total + overhead),
+            thousands(m.tokens_per_s),
+            if predicted { " predicted" } else { "" }
+        ),
+        (Outcome::Oom, _) => "out of memory".into(),
+        (Outcome::Timeout, _) => match &r.note {
+            Some(n) => format!("timeout ({n})"),
+            None => "timeout".into(),
+        },
+        _ => match r.exit.as_ref() {
+            Some(ExitInfo {
+                signal: Some(s), ..
+            }) => format!("crash (signal {s})"),
+            Some(ExitInfo { code: Some(c), .. }) => format!("crash (exit code {c})"),
+            _ => "crash".into(),
+        },
+    };
+    format!("[{settled}/{total}] {}: {what}", r.point.label())
+}
+
+/// `45000.4` as `45,000`.
+pub fn thousands(x: f64) -> String {
+    if !x.is_finite() {
+        return "-".into();
+    }
+    let digits = format!("{:.0}", x.abs());
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if x < 0.0 && digits != "0" {
+        out.insert(0, '-');
+    }
+    out
 }
 
 /// The run device in words.
@@ -2371,4 +2466,46 @@ pub fn write_reports(report: &SweepReport, dir: &Path) -> Result<Vec<PathBuf>> {
     files.extend(super::plots::write_plots(report, dir)?);
     files.extend(super::export::write_exports(report, dir)?);
     Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{Checkpointing, Optimizer};
+    use crate::sweep::plots::tests::{peaks, point, trial};
+
+    #[test]
+    fn thousands_are_grouped() {
+        assert_eq!(thousands(45000.4), "45,000");
+        assert_eq!(thousands(999.0), "999");
+        assert_eq!(thousands(1_234_567.0), "1,234,567");
+        assert_eq!(thousands(0.2), "0");
+        assert_eq!(thousands(f64::NAN), "-");
+    }
+
+    #[test]
+    fn a_trial_line_says_what_became_of_it() {
+        let mut t = trial(
+            point(4, Checkpointing::Full, Optimizer::Adamw),
+            Outcome::Ran,
+            true,
+        );
+        t.measured = Some(Measured::for_tests(peaks(5), 45000.0));
+        assert_eq!(
+            trial_line(3, 12, &t, 0, false),
+            "[3/12] mb4 x1 none bf16 adamw ckpt:full fused accum 4: fit, peak 5.00 MiB, 45,000 tok/s"
+        );
+        assert!(trial_line(3, 12, &t, 0, true).ends_with("45,000 tok/s predicted"));
+        t.fits = false;
+        assert!(trial_line(3, 12, &t, 0, false).contains(": over the usable limit, peak"));
+        t.outcome = Outcome::Oom;
+        assert!(trial_line(4, 12, &t, 0, false).ends_with(": out of memory"));
+        t.outcome = Outcome::Crash;
+        t.exit = Some(ExitInfo {
+            code: None,
+            signal: Some(6),
+            stderr_tail: String::new(),
+        });
+        assert!(trial_line(5, 12, &t, 0, false).ends_with(": crash (signal 6)"));
+    }
 }
