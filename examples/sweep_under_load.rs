@@ -1,16 +1,16 @@
 //! Does a sweep name the same winner when the host's load changes under it?
 //!
 //! Runs one recipe's sweep `--runs` times (default 3) while a CPU hog in
-//! this process switches busy threads on and off (on for 2-15 s, off for
-//! 2-15 s, seeded), so that the load changes both within a trial and
-//! between trials, then prints each run's recommendation and its declared
+//! this process switches busy threads on and off (each state held for a
+//! seeded random 2-15 s, or `--hold MIN-MAX` seconds), so that the load
+//! changes both within a trial and between trials, then prints each run's recommendation and its declared
 //! tie, and checks issue 27's goal: every run names the same winner, or
 //! each run's tie holds the other runs' winners.
 //!
 //! ```text
 //! cargo build --release --bin memfit --example sweep_under_load
 //! target/release/examples/sweep_under_load [--runs 3] [--recipe recipes/quickstart.yaml]
-//!     [--hog-threads 2] [--seed 1] [-- EXTRA SWEEP FLAGS, e.g. --paired-rounds 0]
+//!     [--hog-threads 2] [--hold 2-15] [--seed 1] [-- EXTRA SWEEP FLAGS, e.g. --paired-rounds 0]
 //! ```
 //!
 //! It drives the built `target/release/memfit` (or `--memfit PATH`); exit 0
@@ -40,7 +40,7 @@ struct Hog {
 }
 
 impl Hog {
-    fn start(n: usize, seed: u64) -> Hog {
+    fn start(n: usize, seed: u64, hold: (f64, f64)) -> Hog {
         let on = Arc::new(AtomicBool::new(false));
         let done = Arc::new(AtomicBool::new(false));
         let threads = (0..n)
@@ -68,7 +68,7 @@ impl Hog {
             while !stop.load(Ordering::Relaxed) {
                 flag.store(!flag.load(Ordering::Relaxed), Ordering::Relaxed);
                 switches += 1;
-                let hold = Duration::from_secs_f64(2.0 + 13.0 * rng.uniform());
+                let hold = Duration::from_secs_f64(hold.0 + (hold.1 - hold.0) * rng.uniform());
                 let until = Instant::now() + hold;
                 while Instant::now() < until && !stop.load(Ordering::Relaxed) {
                     std::thread::sleep(Duration::from_millis(50));
@@ -104,6 +104,7 @@ fn main() {
     let mut recipe = "recipes/quickstart.yaml".to_string();
     let mut hog_threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     let mut seed = 1u64;
+    let mut hold = (2.0, 15.0);
     let mut bin = memfit_next_to_me();
     let mut extra: Vec<String> = Vec::new();
     let mut args = std::env::args().skip(1);
@@ -114,6 +115,14 @@ fn main() {
             "--recipe" => recipe = value(),
             "--hog-threads" => hog_threads = value().parse().expect("--hog-threads N"),
             "--seed" => seed = value().parse().expect("--seed N"),
+            "--hold" => {
+                let v = value();
+                let (a, b) = v.split_once('-').expect("--hold MIN-MAX (seconds)");
+                hold = (
+                    a.parse().expect("--hold MIN"),
+                    b.parse().expect("--hold MAX"),
+                );
+            }
             "--memfit" => bin = Some(PathBuf::from(value())),
             "--" => extra.extend(args.by_ref()),
             other => panic!("unknown argument {other}"),
@@ -122,12 +131,13 @@ fn main() {
     let bin = bin.expect("build memfit first (cargo build --release), or pass --memfit PATH");
     let root = std::env::temp_dir().join(format!("memfit-under-load-{}", std::process::id()));
     println!(
-        "{runs} sweeps of {recipe} with {hog_threads} hog threads switching on and off every 2-15 s (seed {seed}); extra flags: {extra:?}"
+        "{runs} sweeps of {recipe} with {hog_threads} hog threads switching on and off every {}-{} s (seed {seed}); extra flags: {extra:?}",
+        hold.0, hold.1
     );
     let mut results: Vec<Run> = Vec::new();
     for run in 0..runs {
         let out = root.join(format!("run{run}"));
-        let hog = Hog::start(hog_threads, seed + run as u64);
+        let hog = Hog::start(hog_threads, seed + run as u64, hold);
         let t = Instant::now();
         let o = Command::new(&bin)
             .args(["sweep", &recipe, "--format", "json", "--out"])
