@@ -2242,8 +2242,13 @@ pub fn recommend_with(report: &mut SweepReport, ranking: Option<Ranking>) {
         )
     } else {
         format!(
-            "{:.0} tokens/s measured in its own trial (95% interval {:.0}-{:.0}, median of {} timed steps)",
+            "{:.0} tokens/s measured{} (95% interval {:.0}-{:.0}, median of {} timed steps)",
             m.tokens_per_s,
+            if paired.is_some() {
+                " in its own trial"
+            } else {
+                ""
+            },
             m.tokens_per_s_ci[0],
             m.tokens_per_s_ci[1],
             m.step_ms.len().saturating_sub(m.warmup_steps)
