@@ -436,13 +436,20 @@ pub struct SweepArgs {
     pub break_lock: bool,
     #[command(flatten)]
     pub timing: TimingArgs,
+    /// Rounds in which the cheapest trials are timed again, interleaved (a
+    /// short bout of each per round, the order rotated), so that they share
+    /// the host's load before they are ranked; 0 ranks each trial on its
+    /// own measurement.
+    #[arg(long, default_value_t = 9, value_parser = paired_rounds)]
+    pub paired_rounds: usize,
     /// Seconds before a trial is killed and recorded as a timeout.
     #[arg(long, default_value_t = 300.0, value_parser = seconds)]
     pub trial_timeout: f64,
     /// cpu threads per trial [default: all cores].
     #[arg(long, value_parser = threads)]
     pub threads: Option<usize>,
-    /// Output format.
+    /// Output format. Piped, the sweep prints a line per finished trial as
+    /// it goes: on stdout before the table, on stderr with json.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
     /// Test hook: make the N-th trial run fail (abort, sigkill or hang).
@@ -538,6 +545,12 @@ fn host_bytes(s: &str) -> std::result::Result<u64, String> {
 
 fn seconds(s: &str) -> std::result::Result<f64, String> {
     check_seconds(s.parse().map_err(|e| format!("{e}"))?)
+}
+
+fn paired_rounds(s: &str) -> std::result::Result<usize, String> {
+    let n: usize = s.parse().map_err(|e| format!("{e}"))?;
+    crate::sweep::retime::check_rounds(n)?;
+    Ok(n)
 }
 
 fn sample_ms(s: &str) -> std::result::Result<u64, String> {

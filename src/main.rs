@@ -264,6 +264,16 @@ fn sweep_main(args: &memfit::cli::SweepArgs) -> i32 {
         hooks: None,
         rerun: Vec::new(),
         executor,
+        retime: memfit::sweep::retime::Retime {
+            rounds: args.paired_rounds,
+            ..Default::default()
+        },
+        // Piped, a line per finished trial as it finishes; JSON keeps stdout.
+        lines: match (std::io::stdout().is_terminal(), args.format) {
+            (true, _) => memfit::sweep::driver::Lines::Off,
+            (false, Format::Json) => memfit::sweep::driver::Lines::Stderr,
+            (false, Format::Table) => memfit::sweep::driver::Lines::Stdout,
+        },
     };
     match memfit::sweep::driver::sweep(&opts) {
         Ok(report) => {

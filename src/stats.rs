@@ -26,6 +26,19 @@ pub fn median(xs: &[f64]) -> f64 {
     }
 }
 
+/// The geometric mean of `xs` (positive numbers): the centre that a
+/// common factor (a host's load) scales every value's ratio to alike.
+pub fn geometric_mean(xs: impl IntoIterator<Item = f64>) -> f64 {
+    let (sum, n) = xs
+        .into_iter()
+        .fold((0.0, 0usize), |(s, n), x| (s + x.ln(), n + 1));
+    if n == 0 {
+        f64::NAN
+    } else {
+        (sum / n as f64).exp()
+    }
+}
+
 /// The 1-based rank j of the lower end of the median's ~95% interval over n
 /// samples: the largest j with `P(B <= j - 1) <= 0.025`, at least 1 (below
 /// six samples the whole range is the interval, covering 1 - 2^(1-n)).
@@ -179,6 +192,13 @@ mod tests {
         // The budget.
         let slow = Timing { budget_s: 5.0, ..t };
         assert!(slow.done(&[9.0, 1.0, 2.0, 1.0, 2.0, 1.0]));
+    }
+
+    #[test]
+    fn geometric_mean_of_ratios() {
+        assert!((geometric_mean([1.0, 4.0]) - 2.0).abs() < 1e-12);
+        assert!((geometric_mean([3.0]) - 3.0).abs() < 1e-12);
+        assert!(geometric_mean([]).is_nan());
     }
 
     #[test]

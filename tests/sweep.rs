@@ -108,13 +108,27 @@ fn bisection_recommends_what_the_exhaustive_sweep_does() {
     }
     // Speed is measured, so two sweeps can rank near-equal points apart by
     // timing noise. Given the same measurements (the exhaustive journal,
-    // resumed), the bisecting sweep recommends exactly what the exhaustive
-    // one does: it never drops a point that could be the cheapest.
+    // resumed), the bisecting sweep never drops a point that could be the
+    // cheapest: its contenders are re-timed afresh, so it names the
+    // exhaustive sweep's pick, or each names the other's in its tie.
     let pick = |r: &SweepReport| {
         r.trials[r.recommendation.as_ref().unwrap().trial]
             .id
             .clone()
     };
+    let tied = |r: &SweepReport| -> Vec<String> {
+        let rec = r.recommendation.as_ref().unwrap();
+        rec.tied.iter().map(|&i| r.trials[i].id.clone()).collect()
+    };
+    let agree = |a: &SweepReport, b: &SweepReport| {
+        pick(a) == pick(b) || (tied(a).contains(&pick(b)) && tied(b).contains(&pick(a)))
+    };
+    // Every cpu sweep says how it ranked: paired when two trials or more
+    // came near the cheapest, else on the one trial's measurement.
+    for r in [&smart, &full] {
+        let rk = r.recommendation.as_ref().unwrap().ranking.as_ref().unwrap();
+        assert!(rk.method == "paired" || rk.note.is_some(), "{rk:?}");
+    }
     let replay_dir = out_dir("replay");
     std::fs::create_dir_all(&replay_dir).unwrap();
     // The journal with its identity: a journal alone is refused.
@@ -123,7 +137,14 @@ fn bisection_recommends_what_the_exhaustive_sweep_does() {
     }
     let (o, replay) = sweep(&replay_dir, &["--resume"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert_eq!(pick(&replay), pick(&full));
+    assert!(
+        agree(&replay, &full),
+        "replay {} (tied {:?}) against exhaustive {} (tied {:?})",
+        pick(&replay),
+        tied(&replay),
+        pick(&full),
+        tied(&full)
+    );
     assert_eq!(
         replay.trials_run, full.trials_run,
         "every measured trial is kept"
@@ -823,4 +844,197 @@ fn reports_are_replaced_whole_never_written_in_place() {
         .filter(|n| n.ends_with(".tmp") || n == ".memfit.lock")
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+/// Two configurations near in speed (fp32 at micro-batch 2 and 4, both
+/// fitting a 24 MiB device): both are contenders for every sweep of them.
+fn near_pair(dir: &Path) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let recipe = dir.join("near-pair.yaml");
+    std::fs::write(
+        &recipe,
+        "model: gpt2-tiny\nhardware: t4\ndevice: cpu:limit=24MiB\nseq_len: 128\nglobal_batch: 32\n\
+         grid:\n  micro_batch: [2, 4]\n  precision: [fp32]\n  checkpointing: [none]\n  attention: [eager]\n  optimizer: [adamw]\n",
+    )
+    .unwrap();
+    recipe
+}
+
+#[test]
+fn contenders_are_re_timed_interleaved_and_ranked_on_paired_ratios() {
+    let _one = serial();
+    let dir = out_dir("paired");
+    let recipe = near_pair(&dir.join("recipe"));
+    let out = dir.join("out");
+    let o = memfit(&[
+        "sweep",
+        recipe.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--threads",
+        "1",
+        "--paired-rounds",
+        "3",
+        "--format",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", err(&o));
+    let r: SweepReport = serde_json::from_slice(&o.stdout).unwrap();
+    let rec = r.recommendation.as_ref().unwrap();
+    let rk = rec.ranking.as_ref().unwrap();
+    assert_eq!(rk.method, "paired", "{rk:?}");
+    assert_eq!(rk.contenders.len(), 2, "{rk:?}");
+    // 3 rounds, and 3 more per re-timing of an interval wider than ±10%.
+    assert!([3, 6, 9].contains(&rk.rounds), "{rk:?}");
+    assert_eq!(rk.rounds, 3 * (rk.retries + 1));
+    assert_eq!(rk.paired.len(), 2, "{rk:?}");
+    assert_eq!(rk.paired[0].cost_ratio, 1.0);
+    assert!(rk.paired[1].cost_ratio >= 1.0, "{rk:?}");
+    for p in &rk.paired {
+        assert_eq!(p.bouts + p.failed_bouts, rk.rounds);
+        assert!(p.tokens_per_s > 0.0);
+    }
+    assert!(rk.noisy == (rk.widest_half_interval > rk.noise_bound));
+    assert!(rk.tie_within >= 0.05 && rk.tie_within >= 2.0 * rk.widest_half_interval - 1e-12);
+    assert!(
+        rec.reasons
+            .iter()
+            .any(|s| s.contains("timed again, interleaved")),
+        "{:?}",
+        rec.reasons
+    );
+    // The pick is the paired fastest or timing cannot tell it from it.
+    let p = rk.paired.iter().find(|p| p.trial == rec.trial).unwrap();
+    assert!(p.cost_ratio_ci[0] <= 1.0, "{rk:?}");
+    // Each report says how it ranked.
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("Ranked on paired re-timing"), "{md}");
+    assert!(md.contains("| cost vs fastest |"), "{md}");
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    assert!(html.contains("<table class=\"paired\">"));
+    assert_eq!(rk.noisy, html.contains("Too noisy to separate."));
+    // The table too, and the JSON round-trips the new fields.
+    let table = memfit::sweep::markdown::table(&r);
+    assert!(
+        table.contains("paired re-timing (cost over the fastest's"),
+        "{table}"
+    );
+    let again: SweepReport =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    assert_eq!(
+        again.recommendation.unwrap().ranking.unwrap().rounds,
+        rk.rounds
+    );
+
+    // --paired-rounds 0: each trial's own measurement, and the report says so.
+    let out0 = dir.join("out0");
+    let o = memfit(&[
+        "sweep",
+        recipe.to_str().unwrap(),
+        "--out",
+        out0.to_str().unwrap(),
+        "--threads",
+        "1",
+        "--paired-rounds",
+        "0",
+        "--format",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", err(&o));
+    let r: SweepReport = serde_json::from_slice(&o.stdout).unwrap();
+    let rk = r.recommendation.unwrap().ranking.unwrap();
+    assert_eq!((rk.method.as_str(), rk.rounds), ("single", 0));
+    assert!(rk.note.unwrap().contains("--paired-rounds 0"));
+    let o = memfit(&["sweep", recipe.to_str().unwrap(), "--paired-rounds", "1001"]);
+    assert_eq!(o.status.code(), Some(2), "{}", err(&o));
+    assert!(err(&o).contains("--paired-rounds"), "{}", err(&o));
+}
+
+#[test]
+fn a_piped_sweep_prints_a_line_per_trial_as_it_finishes() {
+    use std::io::BufRead;
+    let _one = serial();
+    let dir = out_dir("lines");
+    // Table: the lines go to stdout, ahead of the table, as trials finish.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .args([
+            "sweep",
+            recipe(),
+            "--out",
+            dir.to_str().unwrap(),
+            "--threads",
+            "1",
+            "--paired-rounds",
+            "0",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    stdout.read_line(&mut first).unwrap();
+    // The first trial's line came while the sweep was still running.
+    assert!(
+        !dir.join("report.json").exists(),
+        "a line only after the sweep: {first}"
+    );
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    assert!(child.wait().unwrap().success());
+    let report: SweepReport =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap();
+    let text = first.clone() + &rest;
+    let lines: Vec<&str> = text.lines().filter(|l| l.starts_with('[')).collect();
+    assert_eq!(lines.len(), report.trials_run, "{text}");
+    // `[3/20] mb8 x1 none fp32 adamw ckpt:none eager accum 4: fit, peak 6.36 MiB, 45,000 tok/s`
+    let first = lines[0];
+    assert!(
+        first.starts_with('[') && first.contains("/20] mb"),
+        "{first}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains(": fit, peak ") && l.ends_with(" tok/s")),
+        "{text}"
+    );
+    assert!(
+        text.find(lines[lines.len() - 1]) < text.find("recommended:"),
+        "{text}"
+    );
+
+    // JSON: stdout is the report alone, the lines go to stderr.
+    let dir = out_dir("lines-json");
+    let o = memfit(&[
+        "sweep",
+        recipe(),
+        "--out",
+        dir.to_str().unwrap(),
+        "--threads",
+        "1",
+        "--paired-rounds",
+        "0",
+        "--format",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", err(&o));
+    let r: SweepReport = serde_json::from_slice(&o.stdout).unwrap();
+    let lines = err(&o).lines().filter(|l| l.starts_with('[')).count();
+    assert_eq!(lines, r.trials_run, "{}", err(&o));
+}
+
+#[test]
+fn a_meta_sweep_says_its_throughput_is_predicted_not_measured() {
+    let dir = out_dir("meta-label");
+    let o = meta_sweep(&dir, &["--format", "json"]);
+    assert!(o.status.success(), "{}", err(&o));
+    let r: SweepReport = serde_json::from_slice(&o.stdout).unwrap();
+    let rec = r.recommendation.unwrap();
+    let reasons = rec.reasons.join("\n");
+    assert!(reasons.contains("tokens/s predicted"), "{reasons}");
+    // It said "(95% interval 1751486-1751486, median of 0 timed steps)".
+    assert!(!reasons.contains("95% interval"), "{reasons}");
+    assert!(!reasons.contains("timed steps"), "{reasons}");
+    assert_eq!(rec.ranking.unwrap().method, "predicted");
 }

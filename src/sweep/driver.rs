@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::report::{
-    ExitInfo, Measured, Outcome, Predicted, Pricing, Recommendation, RunDevice, SCHEMA_VERSION,
-    SweepReport, Target, TargetPrediction, TimingPolicy, TrialRecord,
+    ExitInfo, Measured, Outcome, Predicted, Pricing, Ranking, Recommendation, RunDevice,
+    SCHEMA_VERSION, SweepReport, Target, TargetPrediction, TimingPolicy, TrialRecord,
 };
 use super::trial::{Fault, TrialOutput, TrialSpec};
 use crate::backend::{DeviceKind, DeviceSpec};
@@ -50,6 +50,22 @@ pub struct SweepOptions {
     /// Take over `--out`'s lock even when it names a live-looking sweep
     /// on another host (`--break-lock`).
     pub break_lock: bool,
+    /// How the cheapest trials are timed again, interleaved, before the
+    /// recommendation ranks them ([`super::retime`]).
+    pub retime: super::retime::Retime,
+    /// Where a line per finished trial goes as the sweep runs.
+    pub lines: Lines,
+}
+
+/// Where `memfit sweep` writes one line per finished trial as it finishes:
+/// nowhere (a terminal, where the progress bar shows them), stdout (piped,
+/// with the table to follow), or stderr (piped, with JSON on stdout).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Lines {
+    #[default]
+    Off,
+    Stdout,
+    Stderr,
 }
 
 /// Where a sweep's trials run. Both record, journal and classify a trial
@@ -278,6 +294,9 @@ struct Ctx<'a> {
     ran_now: std::collections::HashSet<usize>,
     stop: Arc<AtomicBool>,
     bar: indicatif::ProgressBar,
+    /// Grid points settled so far (run, journaled or skipped), of `total`.
+    settled: usize,
+    total: usize,
     /// NVML on a GPU run device (the trials' GPU), when it loads.
     nvml: Option<crate::telemetry::Telemetry>,
 }
@@ -661,6 +680,8 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         ran_now: Default::default(),
         stop,
         bar,
+        settled: 0,
+        total: preds.len(),
     };
     let preds = &preds;
     // Groups in the order their first point appears.
@@ -795,11 +816,9 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
             ctx.unrun(i, p, Outcome::SkippedByMonotonicity, note)
         });
     }
-    ctx.bar.finish_and_clear();
-    let mut report = ctx.report;
-    report.interrupted = interrupted;
-    report.trials = records.into_iter().flatten().collect();
-    report.trials_run = report
+    ctx.report.trials = records.into_iter().flatten().collect();
+    ctx.report.trials_run = ctx
+        .report
         .trials
         .iter()
         .filter(|r| {
@@ -809,7 +828,12 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
             )
         })
         .count();
-    recommend(&mut report);
+    let ranking = ctx.ranking();
+    ctx.bar.finish_and_clear();
+    let mut report = ctx.report;
+    // Ctrl-C while the contenders were re-timed stops the sweep too.
+    report.interrupted = interrupted || ctx.stop.load(Ordering::SeqCst);
+    recommend_with(&mut report, Some(ranking));
     write_reports(&report, &opts.out)?;
     if let Some(h) = &opts.hooks {
         (h.on_event)(SweepEvent::Finished(Box::new(report.clone())));
@@ -956,6 +980,8 @@ fn check_options(opts: &SweepOptions) -> Result<()> {
             format!("must be at most {MAX_TRIAL_STEPS}"),
         ));
     }
+    super::retime::check_rounds(opts.retime.rounds)
+        .map_err(|m| Error::invalid_arg("--paired-rounds", m))?;
     if opts.hooks.as_ref().is_some_and(|h| h.sample_ms == 0) {
         return Err(Error::invalid_arg("--sample-ms", "must be at least 1"));
     }
@@ -1311,7 +1337,7 @@ impl Ctx<'_> {
         outcome: Outcome,
         note: String,
     ) -> TrialRecord {
-        self.bar.inc(1);
+        self.settle();
         let r = TrialRecord {
             note: Some(note),
             ..self.base_record(index, p, outcome)
@@ -1392,13 +1418,14 @@ impl Ctx<'_> {
             .done
             .get(&id)
             .filter(|_| !self.opts.rerun.contains(&index))
+            .cloned()
         {
-            self.bar.inc(1);
+            self.settle();
             self.emit(SweepEvent::TrialFinished {
                 index,
                 record: Box::new(r.clone()),
             });
-            return Begin::Journaled(Box::new(r.clone()));
+            return Begin::Journaled(Box::new(r));
         }
         if let Some(h) = &self.opts.hooks {
             while h.pause.load(Ordering::SeqCst) && !self.stop.load(Ordering::SeqCst) {
@@ -1416,25 +1443,86 @@ impl Ctx<'_> {
             .fault
             .and_then(|(at, f)| (at == self.runs).then_some(f));
         self.runs += 1;
+        let mut spec = self.spec(&p.point, self.opts.timing);
+        spec.fault = fault;
+        spec.sample_ms = self.opts.hooks.as_ref().map(|h| h.sample_ms);
+        Begin::Run(Box::new(spec))
+    }
+
+    /// What a child needs to train `point` under `timing`.
+    fn spec(&self, point: &Point, timing: crate::stats::Timing) -> TrialSpec {
         let hf = self.report.hf_knobs.unwrap_or_default();
-        let spec = TrialSpec {
+        TrialSpec {
             model: self.model.clone(),
             seq_len: self.report.seq_len,
-            point: p.point,
-            steps: self.opts.timing.step_cap(),
-            timing: Some(self.opts.timing),
+            point: *point,
+            steps: timing.step_cap(),
+            timing: Some(timing),
             device: self.device.to_string(),
             threads: self.opts.threads,
             seed: 1337,
-            fault,
-            sample_ms: self.opts.hooks.as_ref().map(|h| h.sample_ms),
+            fault: None,
+            sample_ms: None,
             // The recipe's knobs, as the report keeps them.
             optimizer_impl: hf.optimizer_impl,
             set_to_none: hf.set_to_none,
             lora: self.report.lora.clone().unwrap_or_default(),
             dropout: hf.dropout,
-        };
-        Begin::Run(Box::new(spec))
+        }
+    }
+
+    /// One more grid point settled (the progress bar and the trial lines' count).
+    fn settle(&mut self) {
+        self.settled += 1;
+        self.bar.inc(1);
+    }
+
+    /// A progress line where `--format` leaves room for it (see [`Lines`]).
+    fn say(&self, line: &str) {
+        match self.opts.lines {
+            Lines::Off => {}
+            Lines::Stdout => println!("{line}"),
+            Lines::Stderr if self.bar.is_hidden() => eprintln!("{line}"),
+            Lines::Stderr => self.bar.println(line),
+        }
+    }
+
+    /// How the recommendation ranks the fitting trials: on meta by
+    /// prediction; else the contenders re-timed interleaved on this host
+    /// (not under Slurm: its trials ran on other hosts, under other loads).
+    fn ranking(&self) -> Ranking {
+        let policy = self.opts.retime;
+        if self.device.kind == DeviceKind::Meta {
+            return super::retime::unranked(
+                "predicted",
+                "meta trials compute nothing: throughput is the run device's roofline prediction, which no load changes",
+                &policy,
+            );
+        }
+        if self.stop.load(Ordering::SeqCst) {
+            return super::retime::unranked(
+                "single",
+                "the sweep was interrupted before its contenders were re-timed",
+                &policy,
+            );
+        }
+        if let Executor::Slurm(_) = self.opts.executor {
+            return super::retime::unranked(
+                "single",
+                "not re-timed: the trials ran as Slurm jobs on other hosts, so no two shared one host's load",
+                &policy,
+            );
+        }
+        let costs: Vec<(usize, f64, f64)> = eligible(&self.report)
+            .into_iter()
+            .filter_map(|i| {
+                let (c, [lo, _]) = cost_of(&self.report.trials[i])?;
+                Some((i, c, lo))
+            })
+            .collect();
+        let contenders = super::retime::contenders(&costs, &policy);
+        let mut bench = ChildBench { ctx: self };
+        super::retime::rank(&contenders, &mut bench, &policy)
     }
 
     /// The trial's record: from the journal under `--resume`, else measured
@@ -1570,22 +1658,31 @@ impl Ctx<'_> {
                 ),
             });
         }
-        self.bar.inc(1);
+        self.settle();
         self.emit(SweepEvent::TrialFinished {
             index,
             record: Box::new(r.clone()),
         });
-        self.bar.println(format!(
-            "{:>9} {}",
-            match r.outcome {
-                Outcome::Ran if r.fits => "fit",
-                Outcome::Ran => "over",
-                Outcome::Oom => "oom",
-                Outcome::Timeout => "timeout",
-                _ => "crash",
-            },
-            p.point.label()
-        ));
+        match self.opts.lines {
+            Lines::Off => self.bar.println(format!(
+                "{:>9} {}",
+                match r.outcome {
+                    Outcome::Ran if r.fits => "fit",
+                    Outcome::Ran => "over",
+                    Outcome::Oom => "oom",
+                    Outcome::Timeout => "timeout",
+                    _ => "crash",
+                },
+                p.point.label()
+            )),
+            _ => self.say(&trial_line(
+                self.settled,
+                self.total,
+                &r,
+                self.report.runtime_overhead_bytes,
+                self.device.kind == DeviceKind::Meta,
+            )),
+        }
         Ok(r)
     }
 
@@ -1644,6 +1741,121 @@ impl Ctx<'_> {
             nvml_peak_bytes: nvml_peak,
         });
     }
+}
+
+/// Bouts of the contenders, each a child process timing a few steps of
+/// its trial's configuration, one after another on this host.
+struct ChildBench<'c, 'o> {
+    ctx: &'c Ctx<'o>,
+}
+
+impl super::retime::Bench for ChildBench<'_, '_> {
+    fn bout(&mut self, trial: usize) -> Option<super::retime::Bout> {
+        let ctx = self.ctx;
+        let r = ctx.report.trials.get(trial)?;
+        let steps = ctx.opts.retime.bout_steps.max(1);
+        let timing = crate::stats::Timing {
+            warmup_steps: 1,
+            min_steps: steps,
+            max_steps: steps,
+            target_rel_ci: 1.0,
+            budget_s: 1e9,
+        };
+        if let Some(h) = &ctx.opts.hooks {
+            while h.pause.load(Ordering::SeqCst) && !ctx.stop.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        let spec = ctx.spec(&r.point, timing);
+        // A bout that fails (it cannot start, crashes, runs out of memory
+        // or out of time) is one missing pair, never the sweep's end.
+        let ended = run_child(&spec, ctx.opts.timeout, &ctx.stop, &|_, _, _, _| {}, None).ok()?;
+        let Ended::Exited {
+            code: Some(0),
+            out: Some(o),
+            ..
+        } = ended
+        else {
+            return None;
+        };
+        o.tokens_per_s?;
+        let timed = o.step_ms.get(o.warmup_steps..).filter(|t| !t.is_empty())?;
+        let step_s = crate::stats::median(timed) / 1e3;
+        let tokens_per_s = o.tokens_per_step as f64 / step_s;
+        if !(tokens_per_s.is_finite() && tokens_per_s > 0.0) {
+            return None;
+        }
+        let cost = match ctx.report.pricing.usd_per_hour {
+            Some(_) => ctx.rates.usd_per_mtok(r.point.gpus, tokens_per_s),
+            None => 1e6 / tokens_per_s,
+        };
+        Some(super::retime::Bout { cost, tokens_per_s })
+    }
+
+    fn stopped(&self) -> bool {
+        self.ctx.stop.load(Ordering::SeqCst)
+    }
+
+    fn say(&mut self, line: &str) {
+        self.ctx.bar.set_message(line.to_string());
+        self.ctx.say(&format!("memfit: {line}"));
+    }
+}
+
+/// One line about a finished trial, for a sweep whose output is piped:
+/// `[3/12] mb4 x1 none bf16 adamw ckpt:full eager accum 8: fit, peak 5.10 MiB, 28,620 tok/s`.
+pub fn trial_line(
+    settled: usize,
+    total: usize,
+    r: &TrialRecord,
+    overhead: u64,
+    predicted: bool,
+) -> String {
+    let what = match (r.outcome, r.measured.as_ref()) {
+        (Outcome::Ran, Some(m)) => format!(
+            "{}, peak {}, {} tok/s{}",
+            if r.fits {
+                "fit"
+            } else {
+                "over the usable limit"
+            },
+            crate::units::fmt_bytes(m.peak_bytes.total + overhead),
+            thousands(m.tokens_per_s),
+            if predicted { " predicted" } else { "" }
+        ),
+        (Outcome::Oom, _) => "out of memory".into(),
+        (Outcome::Timeout, _) => match &r.note {
+            Some(n) => format!("timeout ({n})"),
+            None => "timeout".into(),
+        },
+        _ => match r.exit.as_ref() {
+            Some(ExitInfo {
+                signal: Some(s), ..
+            }) => format!("crash (signal {s})"),
+            Some(ExitInfo { code: Some(c), .. }) => format!("crash (exit code {c})"),
+            _ => "crash".into(),
+        },
+    };
+    format!("[{settled}/{total}] {}: {what}", r.point.label())
+}
+
+/// `45000.4` as `45,000`.
+pub fn thousands(x: f64) -> String {
+    if !x.is_finite() {
+        return "-".into();
+    }
+    let digits = format!("{:.0}", x.abs());
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if x < 0.0 && digits != "0" {
+        out.insert(0, '-');
+    }
+    out
 }
 
 /// The run device in words.
@@ -1871,14 +2083,37 @@ pub fn cost_of(r: &TrialRecord) -> Option<(f64, [f64; 2])> {
     })
 }
 
+/// The fitting trials a recommendation may pick: numerics-changing ones
+/// only when the recipe allows them.
+pub fn eligible(report: &SweepReport) -> Vec<usize> {
+    (0..report.trials.len())
+        .filter(|&i| {
+            let r = &report.trials[i];
+            r.fits && (report.allow_numerics_change || r.numerics_changes.is_empty())
+        })
+        .collect()
+}
+
+/// Picks the cheapest fitting trial from each trial's own measurement,
+/// and the Pareto frontier ([`recommend_with`] without a paired ranking:
+/// what the TUI shows while trials come in).
+pub fn recommend(report: &mut SweepReport) {
+    recommend_with(report, None);
+}
+
 /// Picks the cheapest fitting trial, and the Pareto frontier.
 ///
-/// Costs come from measured throughput with its interval. Every fitting
-/// trial whose cost interval overlaps the cheapest one's is tied with it
-/// (the measurements cannot tell them apart), and the tie is settled by
-/// what does not depend on timing: no numerics change first, then more
-/// margin, then fewer GPUs, then the lower median cost.
-pub fn recommend(report: &mut SweepReport) {
+/// With a `paired` ranking ([`super::retime`]), the finalists rank first,
+/// fastest first by their paired cost ratios, and the tie is every
+/// finalist whose paired interval reaches within `tie_within` of the
+/// fastest. Otherwise costs come from each trial's own throughput and its
+/// interval, and every fitting trial whose cost interval overlaps the
+/// cheapest one's is tied with it. Either way the pick is settled by what
+/// does not depend on timing: no numerics change first, then more margin,
+/// then fewer GPUs, then the lower cost; with a paired ranking, among the
+/// tied trials timing cannot tell from the fastest at all (whose interval
+/// reaches 1.0), so that another sweep's pick is within this one's tie.
+pub fn recommend_with(report: &mut SweepReport, ranking: Option<Ranking>) {
     let usable = report.usable_bytes() as i64;
     let margin = |r: &TrialRecord| {
         usable
@@ -1886,12 +2121,9 @@ pub fn recommend(report: &mut SweepReport) {
                 (m.peak_bytes.total + report.runtime_overhead_bytes) as i64
             })
     };
-    let allowed = |r: &TrialRecord| report.allow_numerics_change || r.numerics_changes.is_empty();
     let cost = |r: &TrialRecord| cost_of(r).map_or(f64::INFINITY, |c| c.0);
     let interval = |r: &TrialRecord| cost_of(r).map_or([f64::INFINITY; 2], |c| c.1);
-    let mut fit: Vec<usize> = (0..report.trials.len())
-        .filter(|&i| report.trials[i].fits && allowed(&report.trials[i]))
-        .collect();
+    let mut fit = eligible(report);
     fit.sort_by(|&a, &b| {
         let (x, y) = (&report.trials[a], &report.trials[b]);
         cost(x)
@@ -1926,72 +2158,214 @@ pub fn recommend(report: &mut SweepReport) {
         report.recommendation = None;
         return;
     };
-    let band = interval(&report.trials[cheapest]);
-    let mut tie: Vec<usize> = fit
-        .iter()
-        .copied()
-        .filter(|&i| crate::stats::overlaps(interval(&report.trials[i]), band))
-        .collect();
-    tie.sort_by(|&a, &b| {
-        let (x, y) = (&report.trials[a], &report.trials[b]);
+    // The paired ranking, when it ranked trials that fit.
+    let paired = ranking.as_ref().filter(|rk| {
+        rk.method == "paired"
+            && !rk.paired.is_empty()
+            && rk.paired.iter().all(|p| fit.contains(&p.trial))
+    });
+    let pair_of = |i: usize| paired.and_then(|rk| rk.paired.iter().find(|p| p.trial == i));
+    // How far the load drifted between the trials: each finalist's
+    // throughput in its paired bouts over that in its own trial, the
+    // largest of these over the smallest (1.0: every trial ran under the
+    // same load).
+    let drift = paired.and_then(|rk| {
+        let k: Vec<f64> = rk
+            .paired
+            .iter()
+            .filter_map(|p| {
+                let own = report.trials[p.trial].measured.as_ref()?.tokens_per_s;
+                Some(p.tokens_per_s / own).filter(|k| k.is_finite() && *k > 0.0)
+            })
+            .collect();
+        let (lo, hi) = k.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &x| {
+            (lo.min(x), hi.max(x))
+        });
+        (k.len() >= 2).then(|| (hi / lo).max(1.0))
+    });
+    let (tie, pool): (Vec<usize>, Vec<usize>) = match paired {
+        Some(rk) => {
+            // Finalists first, in paired order; the rest by their own cost.
+            let pos = |i: usize| rk.paired.iter().position(|p| p.trial == i);
+            fit.sort_by_key(|&i| pos(i).unwrap_or(usize::MAX));
+            let (mut tie, pool) = super::retime::tie_sets(rk);
+            // Too noisy to separate even the finalists: which trials became
+            // finalists, on their own measurements, is no surer. So the tie
+            // also holds every fitting trial whose own measurement reaches
+            // within it of the cheapest, allowing for the drift between
+            // trials that the finalists show.
+            if rk.noisy {
+                let best = cost(&report.trials[cheapest]);
+                let reach = best * (1.0 + rk.tie_within) * drift.unwrap_or(1.0);
+                tie.extend(
+                    fit.iter()
+                        .copied()
+                        .filter(|&i| pos(i).is_none() && interval(&report.trials[i])[0] <= reach),
+                );
+            }
+            (tie, pool)
+        }
+        None => {
+            let band = interval(&report.trials[cheapest]);
+            let tie: Vec<usize> = fit
+                .iter()
+                .copied()
+                .filter(|&i| crate::stats::overlaps(interval(&report.trials[i]), band))
+                .collect();
+            (tie.clone(), tie)
+        }
+    };
+    let settle = |a: &usize, b: &usize| {
+        let (x, y) = (&report.trials[*a], &report.trials[*b]);
+        let rank = |i: usize| fit.iter().position(|&f| f == i);
         x.numerics_changes
             .is_empty()
             .cmp(&y.numerics_changes.is_empty())
             .reverse()
             .then(margin(y).cmp(&margin(x)))
             .then(x.point.gpus.cmp(&y.point.gpus))
-            .then(cost(x).total_cmp(&cost(y)))
-    });
-    let i = tie[0];
+            .then(rank(*a).cmp(&rank(*b)))
+    };
+    let mut pool = pool;
+    pool.sort_by(settle);
+    let i = pool[0];
+    let mut tie = tie;
+    tie.sort_by(settle);
     let r = &report.trials[i];
     let m = r.measured.as_ref().expect("fitting trials ran");
     let on_host = report.pricing.basis == "host";
-    let what = if report.device.starts_with("meta") {
-        "predicted (meta trials compute nothing)"
+    let meta = report.device.starts_with("meta");
+    let speed = if meta {
+        format!(
+            "{:.0} tokens/s predicted (meta trials compute nothing, so nothing was timed: the throughput is the run device's roofline)",
+            m.tokens_per_s
+        )
     } else {
-        "measured"
+        format!(
+            "{:.0} tokens/s measured{} (95% interval {:.0}-{:.0}, median of {} timed steps)",
+            m.tokens_per_s,
+            if paired.is_some() {
+                " in its own trial"
+            } else {
+                ""
+            },
+            m.tokens_per_s_ci[0],
+            m.tokens_per_s_ci[1],
+            m.step_ms.len().saturating_sub(m.warmup_steps)
+        )
     };
-    let speed = format!(
-        "{:.0} tokens/s {what} (95% interval {:.0}-{:.0}, median of {} timed steps)",
-        m.tokens_per_s,
-        m.tokens_per_s_ci[0],
-        m.tokens_per_s_ci[1],
-        m.step_ms.len().saturating_sub(m.warmup_steps)
-    );
+    let how = match paired {
+        Some(_) => "ranked on paired re-timing",
+        None => "lowest cost",
+    };
     let mut reasons = vec![match (m.usd_per_mtok, on_host) {
         (Some(usd), true) => format!(
-            "lowest cost among {} fitting trials: ${} per million tokens on this host at {speed}",
+            "{how} among {} fitting trials: ${} per million tokens on this host at {speed}",
             fit.len(),
             crate::plan::usd(usd)
         ),
         (Some(usd), false) => format!(
-            "lowest cost among {} fitting trials: ${} per million tokens at {speed} on {} GPU(s)",
+            "{how} among {} fitting trials: ${} per million tokens at {speed} on {} GPU(s)",
             fit.len(),
             crate::plan::usd(usd),
             r.point.gpus
+        ),
+        (None, _) if paired.is_some() => format!(
+            "fastest among {} fitting trials on this host, ranked on paired re-timing (no host_usd_per_hour, so by throughput): {speed}",
+            fit.len()
         ),
         (None, _) => format!(
             "fastest among {} fitting trials on this host (no host_usd_per_hour, so ranked by throughput): {speed}",
             fit.len()
         ),
     }];
-    if tie.len() > 1 {
-        let settled = {
-            let x = &report.trials[tie[1]];
-            if r.numerics_changes.is_empty() != x.numerics_changes.is_empty() {
-                "it changes no numerics"
-            } else if margin(r) != margin(x) {
-                "it leaves the most memory to spare"
-            } else if r.point.gpus != x.point.gpus {
-                "it uses the fewest GPUs"
-            } else {
-                "its median cost is lowest"
+    let settled_by = |x: &TrialRecord| {
+        if r.numerics_changes.is_empty() != x.numerics_changes.is_empty() {
+            "it changes no numerics"
+        } else if margin(r) != margin(x) {
+            "it leaves the most memory to spare"
+        } else if r.point.gpus != x.point.gpus {
+            "it uses the fewest GPUs"
+        } else {
+            "its cost is lowest"
+        }
+    };
+    match (paired, &ranking) {
+        (Some(rk), _) => {
+            let fastest = rk.paired[0].trial;
+            reasons.push(format!(
+                "the {} cheapest trials were timed again, interleaved ({} rounds of one {}-step bout each, the order rotated every round), so that they shared the host's load; each is ranked on its cost over the fastest's in the same round (paired intervals within ±{:.1}%, bound ±{:.0}%{})",
+                rk.contenders.len(),
+                rk.rounds,
+                rk.bout_steps,
+                rk.widest_half_interval * 100.0,
+                rk.noise_bound * 100.0,
+                match rk.retries {
+                    0 => String::new(),
+                    n => format!(", after {n} re-timing(s) of wider ones"),
+                }
+            ));
+            if tie.len() > 1 {
+                let within = format!(
+                    "a tie: {} fitting configurations have paired intervals reaching within {:.0}% of the fastest (#{fastest}), so timing cannot rank them",
+                    tie.len(),
+                    rk.tie_within * 100.0
+                );
+                reasons.push(if pool.len() > 1 {
+                    format!(
+                        "{within}; chosen among the {} that timing cannot tell from the fastest at all because {}",
+                        pool.len(),
+                        settled_by(&report.trials[pool[1]])
+                    )
+                } else {
+                    format!("{within}; this one is the fastest")
+                });
             }
-        };
-        reasons.push(format!(
-            "a tie: {} fitting configurations have throughput intervals overlapping the fastest one's, so timing cannot separate them; chosen among them because {settled}",
-            tie.len()
-        ));
+            if i != fastest
+                && let Some(p) = pair_of(i)
+            {
+                reasons.push(format!(
+                    "its cost is {:.3}x the fastest's in paired timing (95% interval {:.3}-{:.3})",
+                    p.cost_ratio, p.cost_ratio_ci[0], p.cost_ratio_ci[1]
+                ));
+            }
+            if rk.noisy {
+                reasons.push(format!(
+                    "the host was too noisy to separate them: after {} interleaved rounds the paired intervals were still up to ±{:.0}% (the bound is ±{:.0}%), so the tie is widened to {:.0}%, to every fitting trial whose paired measurement comes that near the fastest, or whose own does allowing for the {:.2}x the load drifted between trials ({} in all); the pick is the fastest in paired timing, or one timing cannot tell from it, and another sweep may well pick another of the tied",
+                    rk.rounds,
+                    rk.widest_half_interval * 100.0,
+                    rk.noise_bound * 100.0,
+                    rk.tie_within * 100.0,
+                    drift.unwrap_or(1.0),
+                    tie.len()
+                ));
+            }
+        }
+        (None, rk) => {
+            if tie.len() > 1 {
+                reasons.push(format!(
+                    "a tie: {} fitting configurations have throughput intervals overlapping the fastest one's, so timing cannot separate them; chosen among them because {}",
+                    tie.len(),
+                    settled_by(&report.trials[tie[1]])
+                ));
+            }
+            if let Some(note) = rk.as_ref().and_then(|rk| rk.note.as_ref()) {
+                reasons.push(format!(
+                    "ranked on each trial's own {}: {note}",
+                    if meta { "prediction" } else { "measurement" }
+                ));
+            }
+            let [lo, hi] = m.tokens_per_s_ci;
+            let half = (hi - lo) / 2.0 / m.tokens_per_s;
+            let bound = rk.as_ref().map_or(0.10, |rk| rk.noise_bound);
+            if !meta && half > bound && rk.as_ref().is_none_or(|rk| rk.contenders.len() != 1) {
+                reasons.push(format!(
+                    "its throughput interval is ±{:.0}%, wider than ±{:.0}%: this host was too noisy for one trial's timing to rank it",
+                    half * 100.0,
+                    bound * 100.0
+                ));
+            }
+        }
     }
     reasons.push(format!(
         "peak {} of {} usable ({} to spare; {} capacity, {:.0}% headroom)",
@@ -2004,24 +2378,40 @@ pub fn recommend(report: &mut SweepReport) {
     let runners: Vec<usize> = fit.iter().copied().filter(|&j| j != i).take(3).collect();
     if let Some(&j) = runners.first() {
         let ru = &report.trials[j];
-        let ratio = cost(ru) / cost(r);
         let what = if m.usd_per_mtok.is_some() {
             "cost per token"
         } else {
             "time per token"
         };
-        reasons.push(if ratio >= 1.0 {
-            format!(
-                "runner-up {} has {:.1}% more {what}",
-                ru.point.label(),
-                (ratio - 1.0) * 100.0
-            )
-        } else {
-            format!(
-                "runner-up {} measured {:.1}% less {what}, within the tie",
-                ru.point.label(),
-                (1.0 - ratio) * 100.0
-            )
+        reasons.push(match (pair_of(i), pair_of(j)) {
+            (Some(a), Some(b)) => {
+                let ratio = b.cost_ratio / a.cost_ratio;
+                format!(
+                    "runner-up {} has {:.1}% {} {what} in paired timing (its interval over the fastest's: {:.3}-{:.3}){}",
+                    ru.point.label(),
+                    (ratio - 1.0).abs() * 100.0,
+                    if ratio >= 1.0 { "more" } else { "less" },
+                    b.cost_ratio_ci[0],
+                    b.cost_ratio_ci[1],
+                    if tie.contains(&j) { ", within the tie" } else { "" }
+                )
+            }
+            _ => {
+                let ratio = cost(ru) / cost(r);
+                if ratio >= 1.0 {
+                    format!(
+                        "runner-up {} has {:.1}% more {what}",
+                        ru.point.label(),
+                        (ratio - 1.0) * 100.0
+                    )
+                } else {
+                    format!(
+                        "runner-up {} measured {:.1}% less {what}, within the tie",
+                        ru.point.label(),
+                        (1.0 - ratio) * 100.0
+                    )
+                }
+            }
         });
     }
     if r.numerics_changes.is_empty() {
@@ -2047,12 +2437,17 @@ pub fn recommend(report: &mut SweepReport) {
             crate::plan::usd(t.usd_per_mtok)
         ));
     }
-    let tied = tie[1..].to_vec();
+    let tied = tie.into_iter().filter(|&t| t != i).collect();
+    let mut ranking = ranking;
+    if let Some(rk) = ranking.as_mut() {
+        rk.drift = drift;
+    }
     report.recommendation = Some(Recommendation {
         trial: i,
         reasons,
         runners_up: runners,
         tied,
+        ranking,
     });
 }
 
@@ -2076,4 +2471,46 @@ pub fn write_reports(report: &SweepReport, dir: &Path) -> Result<Vec<PathBuf>> {
     files.extend(super::plots::write_plots(report, dir)?);
     files.extend(super::export::write_exports(report, dir)?);
     Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{Checkpointing, Optimizer};
+    use crate::sweep::plots::tests::{peaks, point, trial};
+
+    #[test]
+    fn thousands_are_grouped() {
+        assert_eq!(thousands(45000.4), "45,000");
+        assert_eq!(thousands(999.0), "999");
+        assert_eq!(thousands(1_234_567.0), "1,234,567");
+        assert_eq!(thousands(0.2), "0");
+        assert_eq!(thousands(f64::NAN), "-");
+    }
+
+    #[test]
+    fn a_trial_line_says_what_became_of_it() {
+        let mut t = trial(
+            point(4, Checkpointing::Full, Optimizer::Adamw),
+            Outcome::Ran,
+            true,
+        );
+        t.measured = Some(Measured::for_tests(peaks(5), 45000.0));
+        assert_eq!(
+            trial_line(3, 12, &t, 0, false),
+            "[3/12] mb4 x1 none bf16 adamw ckpt:full fused accum 4: fit, peak 5.00 MiB, 45,000 tok/s"
+        );
+        assert!(trial_line(3, 12, &t, 0, true).ends_with("45,000 tok/s predicted"));
+        t.fits = false;
+        assert!(trial_line(3, 12, &t, 0, false).contains(": over the usable limit, peak"));
+        t.outcome = Outcome::Oom;
+        assert!(trial_line(4, 12, &t, 0, false).ends_with(": out of memory"));
+        t.outcome = Outcome::Crash;
+        t.exit = Some(ExitInfo {
+            code: None,
+            signal: Some(6),
+            stderr_tail: String::new(),
+        });
+        assert!(trial_line(5, 12, &t, 0, false).ends_with(": crash (signal 6)"));
+    }
 }

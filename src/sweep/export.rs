@@ -674,6 +674,7 @@ mod tests {
                 reasons: vec![],
                 runners_up: vec![],
                 tied: vec![],
+                ranking: None,
             }),
             trials,
             pareto: vec![0],

@@ -9,7 +9,8 @@
 use std::fmt::Write as _;
 
 use super::markdown::{
-    cost_cell, cost_heading, devices_line, outcome_label, pricing_line, ratio, tokens_cell,
+    cost_cell, cost_heading, cost_words, devices_line, noise_line, outcome_label, outcome_words,
+    paired_rows, pricing_line, ranking_line, ratio, tokens_cell,
 };
 use super::plots::{roles_line, svg_strings};
 use super::report::{Outcome, SweepReport, TrialRecord};
@@ -103,6 +104,10 @@ dl.facts dd { margin: 0; }
 .rec.none { border-left-color: #c62828; background: #fdf1f1; }
 .rec-label { font-size: 1.1rem; font-weight: 600; margin: .2rem 0 .5rem; }
 .counts span { margin-right: 1rem; }
+p.noisy { border-left: 4px solid #e65100; background: #fff4e0; padding: .4rem .8rem; }
+table.paired { border-collapse: collapse; margin: .4rem 0; }
+table.paired th, table.paired td { padding: .15rem .6rem; border-bottom: 1px solid #e4e4e4; text-align: left; }
+table.paired .num { text-align: right; }
 figure { margin: 1rem 0 2rem; }
 figcaption { font-weight: 600; margin-bottom: .3rem; }
 .chart svg { width: 100%; max-width: 960px; height: auto; border: 1px solid #e4e4e4; }
@@ -313,7 +318,12 @@ fn header(h: &mut String, r: &SweepReport, title: &str) {
     for o in outcomes {
         let n = r.trials.iter().filter(|t| t.outcome == o).count();
         if n > 0 {
-            let _ = write!(h, "<span>{}: <b>{n}</b></span>", outcome_name(o));
+            let _ = write!(
+                h,
+                "<span title=\"{}\">{}: <b>{n}</b></span>",
+                outcome_name(o),
+                escape(outcome_words(o))
+            );
         }
     }
     let _ = writeln!(h, "<span>fitting: <b>{fitting}</b></span></p>");
@@ -326,13 +336,12 @@ fn trial_summary(report: &SweepReport, t: &TrialRecord) -> String {
     if let Some(m) = &t.measured {
         let _ = write!(
             s,
-            " &mdash; peak {}, {} tokens/s, {} {}",
+            " &mdash; peak {}, {} tokens/s, {}",
             escape(&fmt_bytes(
                 m.peak_bytes.total + report.runtime_overhead_bytes
             )),
             escape(&tokens_cell(m)),
-            escape(&cost_cell(t)),
-            cost_heading(report)
+            escape(&cost_words(t)),
         );
     }
     if !t.numerics_changes.is_empty() {
@@ -392,6 +401,12 @@ fn recommendation(h: &mut String, r: &SweepReport) {
             escape(&t.numerics_changes.join(", "))
         );
     }
+    if noise_line(r).is_some() {
+        let _ = write!(
+            h,
+            " <span class=\"badge warn\">host too noisy to separate</span>"
+        );
+    }
     if rec.tied.is_empty() {
         let _ = write!(h, " <span class=\"badge ok\">clear winner</span>");
     } else {
@@ -432,8 +447,12 @@ fn recommendation(h: &mut String, r: &SweepReport) {
         );
         row(
             h,
-            "cost",
-            format!("{} {}", escape(&cost_cell(t)), cost_heading(r)),
+            if r.pricing.usd_per_hour.is_some() {
+                "cost"
+            } else {
+                "time per million tokens"
+            },
+            escape(&cost_words(t)),
         );
         row(
             h,
@@ -475,6 +494,36 @@ fn recommendation(h: &mut String, r: &SweepReport) {
         }
         let _ = writeln!(h, "</ul>");
     }
+    if let Some(noise) = noise_line(r) {
+        let _ = writeln!(
+            h,
+            "<p class=\"noisy\"><b>Too noisy to separate.</b> {}</p>",
+            escape(&noise)
+        );
+    }
+    if let Some(line) = ranking_line(r) {
+        let _ = writeln!(h, "<h3>Ranking</h3>\n<p>{}</p>", escape(&line));
+    }
+    let paired = paired_rows(r);
+    if !paired.is_empty() {
+        let _ = writeln!(
+            h,
+            "<table class=\"paired\"><thead><tr><th>#</th><th>configuration</th><th class=\"num\">cost vs fastest</th><th class=\"num\">95% interval</th><th class=\"num\">tokens/s (bouts)</th><th class=\"num\">bouts</th></tr></thead><tbody>"
+        );
+        for [i, label, ratio, ci, tps, bouts] in &paired {
+            let _ = writeln!(
+                h,
+                "<tr><td>{}</td><td><code>{}</code></td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td></tr>",
+                escape(i),
+                escape(label),
+                escape(ratio),
+                escape(ci),
+                escape(tps),
+                escape(bouts)
+            );
+        }
+        let _ = writeln!(h, "</tbody></table>");
+    }
     let listed = |h: &mut String, heading: &str, which: &[usize], ordered: bool| {
         let items: Vec<(usize, &TrialRecord)> = which
             .iter()
@@ -490,12 +539,19 @@ fn recommendation(h: &mut String, r: &SweepReport) {
         }
         let _ = writeln!(h, "</{tag}>");
     };
-    listed(
-        h,
-        "Tied with it (throughput intervals overlap; settled by numerics, then margin, then GPUs)",
-        &rec.tied,
-        false,
-    );
+    let paired_tie = rec
+        .ranking
+        .as_ref()
+        .filter(|rk| rk.method == "paired")
+        .map(|rk| rk.tie_within);
+    let tie_heading = match paired_tie {
+        Some(within) => format!(
+            "Tied with it (paired intervals within {:.0}% of the fastest; settled by numerics, then margin, then GPUs)",
+            within * 100.0
+        ),
+        None => "Tied with it (throughput intervals overlap; settled by numerics, then margin, then GPUs)".into(),
+    };
+    listed(h, &tie_heading, &rec.tied, false);
     listed(h, "Runners-up", &rec.runners_up, true);
     let _ = writeln!(h, "</div>");
     let _ = writeln!(h, "</section>");
@@ -702,7 +758,11 @@ fn columns(r: &SweepReport) -> Vec<Column> {
     );
     col(
         cost_heading(r),
-        "cost per million tokens at the measured throughput (see pricing above)",
+        if r.pricing.usd_per_hour.is_some() {
+            "cost per million tokens at the measured throughput (see pricing above)"
+        } else {
+            "host seconds per million tokens at the measured throughput: time, not money (no host_usd_per_hour)"
+        },
         true,
         &|_, t| {
             let c = super::driver::cost_of(t).map(|c| c.0);
@@ -1036,6 +1096,101 @@ mod tests {
         let html = render_html(&one);
         assert!(html.contains(">precision</th>"));
         assert!(!html.contains("The same in every trial"));
+    }
+
+    #[test]
+    fn host_time_is_not_called_cost_and_outcomes_are_words() {
+        // It showed "cost 13.8 s/Mtok" and the key skipped_predicted_oom.
+        let mut r = synthetic_report();
+        r.pricing.usd_per_hour = None;
+        for t in &mut r.trials {
+            if let Some(m) = t.measured.as_mut() {
+                m.usd_per_mtok = None;
+            }
+        }
+        let html = render_html(&r);
+        assert!(
+            html.contains("<dt>time per million tokens</dt><dd>"),
+            "host time row"
+        );
+        assert!(!html.contains("<dt>cost</dt>"));
+        assert!(html.contains(" s per Mtok (host time)"));
+        assert!(!html.replace("host s/Mtok", "").contains("s/Mtok"));
+        assert!(html.contains(">host s/Mtok</th>"));
+        assert!(html.contains("time, not money"));
+        assert!(
+            html.contains(">skipped: predicted OOM: <b>1</b></span>"),
+            "counts in words"
+        );
+        assert!(!html.contains(">skipped_predicted_oom: "));
+        assert!(html.contains(">OOM: <b>1</b></span>"));
+    }
+
+    #[test]
+    fn a_paired_ranking_is_shown_and_a_noisy_host_is_said_to_be() {
+        use crate::sweep::report::{PairedTrial, Ranking};
+        let mut r = synthetic_report();
+        let rec = r.recommendation.as_mut().unwrap();
+        let ranking = Ranking {
+            method: "paired".into(),
+            note: None,
+            contenders: vec![2, 4, 1],
+            rounds: 27,
+            bout_steps: 3,
+            paired: vec![
+                PairedTrial {
+                    trial: 2,
+                    cost_ratio: 1.0,
+                    cost_ratio_ci: [1.0, 1.0],
+                    tokens_per_s: 21000.0,
+                    bouts: 27,
+                    failed_bouts: 0,
+                },
+                PairedTrial {
+                    trial: 4,
+                    cost_ratio: 1.08,
+                    cost_ratio_ci: [0.85, 1.31],
+                    tokens_per_s: 19400.0,
+                    bouts: 26,
+                    failed_bouts: 1,
+                },
+            ],
+            widest_half_interval: 0.21,
+            noise_bound: 0.10,
+            retries: 2,
+            max_retries: 2,
+            tie_within: 0.42,
+            tie_floor: 0.05,
+            drift: Some(1.3),
+            noisy: true,
+        };
+        rec.ranking = Some(ranking.clone());
+        let html = render_html(&r);
+        assert!(html.contains("host too noisy to separate</span>"));
+        assert!(html.contains("<b>Too noisy to separate.</b> The host was too noisy"));
+        assert!(html.contains("still up to ±21% (the bound is ±10%)"));
+        assert!(html.contains("<h3>Ranking</h3>\n<p>Ranked on paired re-timing"));
+        assert!(html.contains("<table class=\"paired\">"));
+        assert!(html.contains("<td class=\"num\">1.080x</td><td class=\"num\">0.850-1.310</td>"));
+        assert!(html.contains("26 (1 failed)"));
+        assert!(html.contains("Tied with it (paired intervals within 42% of the fastest"));
+        assert_balanced(&html, VOID);
+        let md = crate::sweep::markdown::render(&r);
+        assert!(md.contains("**Too noisy to separate.**"), "{md}");
+        assert!(md.contains("| 4= | "), "{md}");
+        let table = crate::sweep::markdown::table(&r);
+        assert!(table.contains("warning: The host was too noisy"), "{table}");
+        // A quiet host: no warning anywhere.
+        let quiet = Ranking {
+            noisy: false,
+            widest_half_interval: 0.03,
+            tie_within: 0.06,
+            ..ranking
+        };
+        r.recommendation.as_mut().unwrap().ranking = Some(quiet);
+        let html = render_html(&r);
+        assert!(!html.contains("too noisy"));
+        assert!(!crate::sweep::markdown::table(&r).contains("too noisy"));
     }
 
     #[test]

@@ -11,6 +11,14 @@ pub fn outcome_label(r: &TrialRecord) -> &'static str {
     match r.outcome {
         Outcome::Ran if r.fits => "fit",
         Outcome::Ran => "over headroom",
+        o => outcome_words(o),
+    }
+}
+
+/// An outcome in words (report.json spells it `skipped_predicted_oom`).
+pub fn outcome_words(o: Outcome) -> &'static str {
+    match o {
+        Outcome::Ran => "ran",
         Outcome::Oom => "OOM",
         Outcome::Timeout => "timeout",
         Outcome::Crash => "crash",
@@ -40,14 +48,105 @@ pub fn tokens_cell(m: &super::report::Measured) -> String {
     }
 }
 
-/// The cost column's heading: `$/Mtok` when priced, else `s/Mtok` (host
-/// seconds per million tokens, the same order).
+/// The cost column's heading: `$/Mtok` when priced, else `host s/Mtok`
+/// (host seconds per million tokens: time, not money; the same order).
 pub fn cost_heading(report: &SweepReport) -> &'static str {
     if report.pricing.usd_per_hour.is_some() {
         "$/Mtok"
     } else {
-        "s/Mtok"
+        "host s/Mtok"
     }
+}
+
+/// A trial's cost in words: `$0.0123 per Mtok`, or `13.8 s per Mtok (host
+/// time)` on a host without a price.
+pub fn cost_words(r: &TrialRecord) -> String {
+    match (r.measured.as_ref(), super::driver::cost_of(r)) {
+        (Some(m), Some((c, _))) if m.usd_per_mtok.is_some() => format!("${} per Mtok", usd(c)),
+        (Some(_), Some((c, _))) => format!("{c:.1} s per Mtok (host time)"),
+        _ => "-".into(),
+    }
+}
+
+/// How the recommendation ranked the trials, in words, or `None` for a
+/// report without a ranking (written before paired re-timing).
+pub fn ranking_line(report: &SweepReport) -> Option<String> {
+    let rk = report.recommendation.as_ref()?.ranking.as_ref()?;
+    Some(match rk.method.as_str() {
+        "paired" => format!(
+            "Ranked on paired re-timing: the {} cheapest trials by their own measurement were timed again, interleaved, in {} rounds of one {}-step bout each (the order rotated every round, so that they shared the host's load); each finalist's cost is its median ratio to the fastest's in the same round. Paired intervals are within ±{:.1}% (bound ±{:.0}%{}); finalists within {:.0}% of the fastest are tied.{}",
+            rk.contenders.len(),
+            rk.rounds,
+            rk.bout_steps,
+            rk.widest_half_interval * 100.0,
+            rk.noise_bound * 100.0,
+            match rk.retries {
+                0 => String::new(),
+                n => format!(", {n} of {} re-timings used", rk.max_retries),
+            },
+            rk.tie_within * 100.0,
+            rk.note
+                .as_ref()
+                .map_or(String::new(), |n| format!(" Note: {n}."))
+        ),
+        "predicted" => format!(
+            "Ranked on predicted throughput: {}.",
+            rk.note.as_deref().unwrap_or("nothing was timed")
+        ),
+        _ => format!(
+            "Ranked on each trial's own measurement: {}.",
+            rk.note.as_deref().unwrap_or("no re-timing")
+        ),
+    })
+}
+
+/// Said plainly when the host was too noisy to separate the fastest trials.
+pub fn noise_line(report: &SweepReport) -> Option<String> {
+    let rk = report.recommendation.as_ref()?.ranking.as_ref()?;
+    rk.noisy.then(|| {
+        format!(
+            "The host was too noisy to separate the fastest configurations: after {} interleaved rounds their paired intervals were still up to ±{:.0}% (the bound is ±{:.0}%). The tie is widened to {:.0}%, to every fitting configuration whose paired or own measurement comes that near the fastest; the pick is only the fastest in paired timing, and another sweep may pick another of the tied. Sweep on a quieter host to rank them by speed.",
+            rk.rounds,
+            rk.widest_half_interval * 100.0,
+            rk.noise_bound * 100.0,
+            rk.tie_within * 100.0
+        )
+    })
+}
+
+/// One row per paired finalist: `#`, configuration, cost over the
+/// fastest's, its interval, median tokens/s of its bouts, bouts.
+pub fn paired_rows(report: &SweepReport) -> Vec<[String; 6]> {
+    let Some(rec) = report.recommendation.as_ref() else {
+        return Vec::new();
+    };
+    let Some(rk) = rec.ranking.as_ref() else {
+        return Vec::new();
+    };
+    rk.paired
+        .iter()
+        .filter_map(|p| {
+            let t = report.trials.get(p.trial)?;
+            let mark = if p.trial == rec.trial {
+                "*"
+            } else if rec.tied.contains(&p.trial) {
+                "="
+            } else {
+                ""
+            };
+            Some([
+                format!("{}{mark}", p.trial),
+                t.point.label(),
+                format!("{:.3}x", p.cost_ratio),
+                format!("{:.3}-{:.3}", p.cost_ratio_ci[0], p.cost_ratio_ci[1]),
+                format!("{:.0}", p.tokens_per_s),
+                match p.failed_bouts {
+                    0 => p.bouts.to_string(),
+                    f => format!("{} ({f} failed)", p.bouts),
+                },
+            ])
+        })
+        .collect()
 }
 
 pub fn cost_cell(r: &TrialRecord) -> String {
@@ -264,6 +363,23 @@ pub fn render(report: &SweepReport) -> String {
                     list.join(", ")
                 );
             }
+            if let Some(noise) = noise_line(report) {
+                let _ = writeln!(s, "\n**Too noisy to separate.** {}", no_html(&noise));
+            }
+            if let Some(line) = ranking_line(report) {
+                let _ = writeln!(s, "\n{}", no_html(&line));
+            }
+            let paired = paired_rows(report);
+            if !paired.is_empty() {
+                let _ = writeln!(
+                    s,
+                    "\n| # | configuration | cost vs fastest | 95% interval | tokens/s (bouts) | bouts |\n|---|---|---:|---:|---:|---:|"
+                );
+                for row in &paired {
+                    let cells: Vec<String> = row.iter().map(|c| md_text(c)).collect();
+                    let _ = writeln!(s, "| {} |", cells.join(" | "));
+                }
+            }
         }
         None => {
             let _ = writeln!(s, "No trial fits.");
@@ -295,7 +411,13 @@ pub fn render(report: &SweepReport) -> String {
     }
     let _ = writeln!(
         s,
-        "\n`*` marks the recommendation and `=` the configurations tied with it. *predicted* and *tracked* are the peak per device (engine plus runtime overhead) from the meta engine and as the trial's tracker measured it; *mem err* is their difference (0% is the meta == cpu invariant). *tokens/s* is the median with half its 95% interval. *time x* is measured / predicted step time on the run device. *on target* is the plan's peak per GPU on {}. *host RSS* is the trial process's resident-set high-water mark: host memory, including the process itself (about {} before the engine allocated), never compared with the device capacity.",
+        "\n`*` marks the recommendation and `=` the configurations tied with it. *{}* is {}. *predicted* and *tracked* are the peak per device (engine plus runtime overhead) from the meta engine and as the trial's tracker measured it; *mem err* is their difference (0% is the meta == cpu invariant). *tokens/s* is the median with half its 95% interval. *time x* is measured / predicted step time on the run device. *on target* is the plan's peak per GPU on {}. *host RSS* is the trial process's resident-set high-water mark: host memory, including the process itself (about {} before the engine allocated), never compared with the device capacity.",
+        cost_heading(report),
+        if report.pricing.usd_per_hour.is_some() {
+            "dollars per million tokens at the measured throughput"
+        } else {
+            "host seconds per million tokens at the measured throughput: time, not money (no host_usd_per_hour)"
+        },
         md_text(&report.target.display_name),
         report
             .trials
@@ -402,6 +524,22 @@ pub fn table(report: &SweepReport) -> String {
             );
             for reason in &rec.reasons {
                 let _ = writeln!(s, "  {reason}");
+            }
+            if let Some(noise) = noise_line(report) {
+                let _ = writeln!(s, "warning: {noise}");
+            }
+            let paired = paired_rows(report);
+            if !paired.is_empty() {
+                let _ = writeln!(
+                    s,
+                    "paired re-timing (cost over the fastest's in the same round):"
+                );
+                for [i, label, ratio, ci, tps, bouts] in &paired {
+                    let _ = writeln!(
+                        s,
+                        "  {i:>4} {ratio:>7} [{ci}]  {tps:>7} tok/s  {bouts:>3} bouts  {label}"
+                    );
+                }
             }
         }
         None => {

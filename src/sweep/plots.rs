@@ -1666,7 +1666,11 @@ pub(crate) mod tests {
 
     const MIB: u64 = 1024 * 1024;
 
-    fn point(micro_batch: usize, checkpointing: Checkpointing, optimizer: Optimizer) -> Point {
+    pub(crate) fn point(
+        micro_batch: usize,
+        checkpointing: Checkpointing,
+        optimizer: Optimizer,
+    ) -> Point {
         Point {
             micro_batch,
             precision: Precision::Bf16,
@@ -1687,7 +1691,7 @@ pub(crate) mod tests {
         }
     }
 
-    fn peaks(total_mib: u64) -> PeakBytes {
+    pub(crate) fn peaks(total_mib: u64) -> PeakBytes {
         let total = total_mib * MIB;
         PeakBytes {
             total,
@@ -1733,7 +1737,7 @@ pub(crate) mod tests {
         Some(m)
     }
 
-    fn trial(p: Point, outcome: Outcome, fits: bool) -> TrialRecord {
+    pub(crate) fn trial(p: Point, outcome: Outcome, fits: bool) -> TrialRecord {
         TrialRecord {
             id: format!("t-{}-{}", p.micro_batch, name(p.checkpointing)),
             numerics_changes: p.numerics_changes().iter().map(|s| s.to_string()).collect(),
@@ -1863,6 +1867,7 @@ pub(crate) mod tests {
                 ],
                 runners_up: vec![4, 1],
                 tied: vec![4],
+                ranking: None,
             }),
             pareto: vec![0, 1, 4, 2],
             interrupted: false,

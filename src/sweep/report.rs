@@ -167,9 +167,97 @@ pub struct Recommendation {
     pub reasons: Vec<String>,
     /// Indices of the next-best fitting trials, best first.
     pub runners_up: Vec<usize>,
-    /// Fitting trials whose throughput interval overlaps the winner's: a
-    /// measured tie, settled by numerics, then margin, then GPUs.
+    /// Fitting trials timing cannot separate from the fastest: with
+    /// `ranking.method` `paired`, those whose paired cost ratio's interval
+    /// reaches within `ranking.tie_within` of it; otherwise those whose
+    /// throughput interval overlaps the fastest one's. Settled by numerics,
+    /// then margin, then GPUs.
     pub tied: Vec<usize>,
+    /// How the fitting trials were ranked (absent in reports written before
+    /// memfit ranked on paired measurements).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranking: Option<Ranking>,
+}
+
+/// How a recommendation's trials were ranked.
+///
+/// A sweep times its trials one after another, over minutes; on a shared
+/// host the load drifts between them, which no single trial's interval
+/// covers. So the cheapest trials (the contenders) are timed again,
+/// interleaved: round after round each runs one short bout, in an order
+/// rotated every round, and the bouts of one round share the host's load.
+/// The ranking then rests on ratios of bouts within a round.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Ranking {
+    /// `paired` (re-timed interleaved, ranked on paired ratios), `single`
+    /// (on each trial's own measurement; `note` says why) or `predicted`
+    /// (meta: nothing is timed, throughput is the roofline's).
+    pub method: String,
+    /// Why the ranking is not paired, or what cut re-timing short.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+    /// Trials re-timed: the cheapest fitting ones by their own measurement.
+    #[serde(default)]
+    pub contenders: Vec<usize>,
+    /// Interleaved rounds every finalist ran a bout in.
+    #[serde(default)]
+    pub rounds: usize,
+    /// Timed steps per bout, after one warm-up step.
+    #[serde(default)]
+    pub bout_steps: usize,
+    /// The finalists, fastest first, with their paired figures.
+    #[serde(default)]
+    pub paired: Vec<PairedTrial>,
+    /// The widest of the finalists' paired intervals: its half-width over
+    /// its median (0.04 is ±4%).
+    #[serde(default)]
+    pub widest_half_interval: f64,
+    /// Paired intervals wider than ±this are re-timed, up to
+    /// `max_retries` more batches of rounds, before they are ranked on.
+    #[serde(default)]
+    pub noise_bound: f64,
+    #[serde(default)]
+    pub retries: usize,
+    #[serde(default)]
+    pub max_retries: usize,
+    /// Finalists whose paired ratio's interval reaches within this fraction
+    /// of the fastest are tied with it: the tie floor, or twice the widest
+    /// half-interval when that is larger (another sweep's pick may differ
+    /// from this one's by both sweeps' uncertainty).
+    #[serde(default)]
+    pub tie_within: f64,
+    /// The least `tie_within`; the pick is made among the tied finalists
+    /// whose interval reaches 1.0 and whose median is within this of it.
+    #[serde(default)]
+    pub tie_floor: f64,
+    /// The host was too noisy to separate the contenders: their paired
+    /// intervals stayed wider than ±`noise_bound` after every retry.
+    #[serde(default)]
+    pub noisy: bool,
+    /// How far the load drifted between trials: each finalist's tokens/s
+    /// in its paired bouts over that in its own trial, the largest of
+    /// these over the smallest (1.0: all trials ran under one load). When
+    /// `noisy`, the tie also holds the fitting trials whose own cost
+    /// interval reaches within `tie_within` of the cheapest times this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drift: Option<f64>,
+}
+
+/// One finalist's paired figures.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PairedTrial {
+    /// Index into `trials`.
+    pub trial: usize,
+    /// Its cost per token over the fastest finalist's in the same round:
+    /// the median over the rounds (1.0 for the fastest, 1.05 is 5% more).
+    pub cost_ratio: f64,
+    /// The ~95% interval of that median (sign-test order statistics).
+    pub cost_ratio_ci: [f64; 2],
+    /// Tokens/s of its bouts, median over the rounds (the load included).
+    pub tokens_per_s: f64,
+    /// Bouts that gave a time, and bouts that failed (crash, OOM, timeout).
+    pub bouts: usize,
+    pub failed_bouts: usize,
 }
 
 /// Where the trials ran.

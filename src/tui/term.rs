@@ -194,6 +194,11 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
         hooks: None,
         rerun: Vec::new(),
         executor: Default::default(),
+        // The screen ranks trials as they come in, on their own measurements
+        // (`driver::recommend`); re-timing afterwards would leave the report
+        // files ranking otherwise than the screen does.
+        retime: crate::sweep::retime::Retime::off(),
+        lines: Default::default(),
     };
     let mut app = super::new_app(&base, opts.sample_ms)?;
     app.header.no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
