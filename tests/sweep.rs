@@ -38,6 +38,11 @@ fn sweep(out: &Path, extra: &[&str]) -> (Output, SweepReport) {
         "--threads",
         "1",
     ];
+    // Paired re-timing has its own tests; elsewhere it would only add
+    // minutes of child processes to what a test checks.
+    if !extra.contains(&"--paired-rounds") {
+        args.extend(["--paired-rounds", "0"]);
+    }
     args.extend(extra);
     let o = memfit(&args);
     let text = std::fs::read_to_string(out.join("report.json"))
@@ -702,6 +707,8 @@ fn recommended_yaml_names_the_model_file_it_was_swept_with() {
             recipe.to_str().unwrap(),
             "--out",
             out.to_str().unwrap(),
+            "--paired-rounds",
+            "0",
         ]);
         assert!(o.status.success(), "{model}: {}", err(&o));
         let pinned = std::fs::read_to_string(out.join("recommended.yaml")).unwrap();
@@ -787,6 +794,8 @@ fn duplicate_grid_values_give_one_trial_each() {
         "--out",
         dir.to_str().unwrap(),
         "--exhaustive",
+        "--paired-rounds",
+        "0",
     ]);
     assert!(o.status.success(), "{}", err(&o));
     for want in [

@@ -445,38 +445,45 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
         ),
     };
     let points = expand(&recipe);
-    let preds: Vec<Prediction> = points
+    let mut preds: Vec<Prediction> = points
         .par_iter()
         .map(|p| predict(&recipe, &model, &rates, capacity, overhead, p))
         .collect();
+    crate::plan::monotone_in_micro_batch(&mut preds);
     let target_recipe = crate::plan::PlanRecipe {
         device: None,
         ..recipe.clone()
     };
     let (target_capacity, target_overhead) = target_recipe.capacity(&hw);
     let target_usable = (target_capacity as f64 * (1.0 - recipe.headroom)) as u64;
-    let targets: Vec<Option<TargetPrediction>> = points
+    let mut targets: Vec<Prediction> = points
         .par_iter()
         .map(|p| {
             let p = &Point {
                 framework: target_framework.unwrap_or(p.framework),
                 ..*p
             };
-            let t = predict(
+            predict(
                 &target_recipe,
                 &model,
                 &target_rates,
                 target_capacity,
                 target_overhead,
                 p,
-            );
+            )
+        })
+        .collect();
+    crate::plan::monotone_in_micro_batch(&mut targets);
+    let targets: Vec<Option<TargetPrediction>> = targets
+        .into_iter()
+        .map(|t| {
             t.peak_bytes.map(|_| TargetPrediction {
                 peak_total_bytes: t.total_bytes,
                 fits: t.total_bytes <= target_usable,
                 step_s: t.step_s,
                 tokens_per_s: t.tokens_per_s,
                 usd_per_mtok: t.usd_per_mtok,
-                framework: p.framework,
+                framework: t.point.framework,
             })
         })
         .collect();

@@ -643,6 +643,10 @@ pub enum Event {
         record: TrialRecord,
     },
     SweepFinished,
+    /// The sweep's final report: its recommendation, as report.json holds
+    /// it, replaces the one the TUI kept as trials came in (the sweep adds
+    /// how the trials were ranked).
+    Ranked(Box<crate::sweep::report::SweepReport>),
     /// NVML's newest snapshot of the GPUs (or why there is none).
     Gpu(GpuView),
     /// The export started by [`Action::Export`] ended.
@@ -1044,6 +1048,27 @@ pub fn update(app: &mut App, ev: Event) -> Vec<Action> {
         Event::SweepFinished => {
             app.finished = true;
             app.running = None;
+        }
+        Event::Ranked(report) => {
+            // Trials by their stable id: the report holds only those with
+            // records, in its own order.
+            let row = |t: usize| {
+                let id = &report.trials.get(t)?.id;
+                let at = app
+                    .rows
+                    .iter()
+                    .position(|r| r.record.as_ref().is_some_and(|x| &x.id == id))?;
+                Some(app.rows[at].index)
+            };
+            if let Some(rec) = &report.recommendation
+                && let Some(pick) = row(rec.trial)
+            {
+                app.recommendation = Some(pick);
+                app.runner_up = rec.runners_up.first().and_then(|&t| row(t));
+                app.tied = rec.tied.iter().filter_map(|&t| row(t)).collect();
+                app.pareto = report.pareto.iter().filter_map(|&t| row(t)).collect();
+                app.reasons = rec.reasons.clone();
+            }
         }
         Event::Exported(r) => {
             app.message = Some(match r {
@@ -1589,6 +1614,20 @@ mod tests {
         );
         update(&mut app, Event::Tick { elapsed_s: 12.5 });
         assert_eq!(app.elapsed_s, 12.5);
+        // The sweep's final report says how it ranked: the TUI shows its
+        // recommendation, mapped by trial id, not the one it kept.
+        let mut last = app.report();
+        let rec = last.recommendation.as_mut().expect("a trial fits");
+        rec.reasons
+            .push("ranked on each trial's own measurement: a note".into());
+        let (pick, reasons) = (rec.trial, rec.reasons.clone());
+        last.trials.swap(0, pick);
+        last.recommendation.as_mut().unwrap().trial = 0;
+        let id = last.trials[0].id.clone();
+        update(&mut app, Event::Ranked(Box::new(last)));
+        let shown = app.recommendation.expect("a pick");
+        assert_eq!(app.rows[shown].record.as_ref().unwrap().id, id);
+        assert_eq!(app.reasons, reasons);
         update(&mut app, Event::SweepFinished);
         assert!(app.finished);
     }

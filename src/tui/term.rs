@@ -123,10 +123,11 @@ fn start_sweep(
                     index,
                     record: *record,
                 },
-                SweepEvent::Finished(_) => {
+                SweepEvent::Finished(report) => {
                     let tx = tx.lock().unwrap_or_else(|e| e.into_inner());
                     let elapsed_s = start.elapsed().as_secs_f64();
                     let _ = tx.send(Event::Tick { elapsed_s });
+                    let _ = tx.send(Event::Ranked(report));
                     let _ = tx.send(Event::SweepFinished);
                     return;
                 }
