@@ -212,6 +212,23 @@ impl CachingAllocator {
         free.insert((len, seg, start));
     }
 
+    /// The allocator's layout, flattened: every segment's pool and blocks
+    /// (offset, size, free) in order. Two allocators with the same layout
+    /// serve any sequence of requests alike (the free sets follow from the
+    /// blocks; which id sits in a block does not matter), which is what a
+    /// planner's fast-forward over identical micro-batches checks.
+    pub fn layout(&self) -> Vec<u64> {
+        let mut out = Vec::with_capacity(2 + 4 * self.segments.len());
+        out.extend([self.allocated, self.reserved]);
+        for s in &self.segments {
+            out.push(((s.pool as u64) << 32) | s.blocks.len() as u64);
+            for b in &s.blocks {
+                out.extend([b.offset, b.size, b.free as u64]);
+            }
+        }
+        out
+    }
+
     /// Bytes in live blocks (each rounded as the allocator rounds it).
     pub fn allocated(&self) -> u64 {
         self.allocated

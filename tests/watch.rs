@@ -621,7 +621,7 @@ fn tui_draws_the_gpu_row_the_chart_the_warning_and_the_prediction() {
             .contains("python train.py │ pid 4242 │ running 0:19 │ every 100 ms │ warn at 90%")
     );
     assert!(line("job peak").contains(
-        "job peak 69.00 GiB (86.2% of GPU 0) │ memfit predicts 66.00 GiB tracked (+ context): +3.00 GiB"
+        "job peak 69.00 GiB (86.2% of GPU 0) │ memfit predicts 66.00 GiB for hf-eager (+ context): +3.00 GiB"
     ));
     // 73 GiB of 80 is 91.2%: above --warn-at, in a banner.
     assert!(line("WARNING").contains(

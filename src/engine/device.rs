@@ -14,7 +14,7 @@ use crate::backend::{
     AdafactorHyper, AdafactorSecond, AdafactorState, AdamHyper, AttnShape, Backend, DType, SgdHyper,
 };
 use crate::comm::{Collective, Op, Peer, PointToPoint, wire_bytes};
-use crate::memory::{Category, OomError, Phase, Tracker};
+use crate::memory::{ByCategory, Category, OomError, Phase, Tracker};
 
 /// A device buffer with its size, element type and memory category.
 #[derive(Debug)]
@@ -200,7 +200,83 @@ fn ob<Buf>(t: Option<&Tensor<Buf>>) -> u64 {
     t.map_or(0, |t| t.bytes())
 }
 
+/// A planning device between two micro-batches: the state that decides
+/// what the next micro-batch does (live bytes, the caching allocator's
+/// layout, where tensors go), and the counters a micro-batch adds to.
+pub struct Between {
+    live: ByCategory,
+    host_live: Option<ByCategory>,
+    layout: Option<Vec<u64>>,
+    to_host: bool,
+    call_stride: usize,
+    roofline_s: f64,
+    offload_s: f64,
+    sent: u64,
+    received: u64,
+    link_bytes: u64,
+    p2p_sent: u64,
+    p2p_sends: u64,
+    calls: usize,
+}
+
+impl Between {
+    /// Whether the micro-batch from `self` to `then` ended in the state it
+    /// started from: then the next one, run from the same state by the same
+    /// deterministic engine, does exactly what it did, and so does every one
+    /// after it.
+    pub fn returns_to_itself(&self, then: &Between) -> bool {
+        self.live == then.live
+            && self.host_live == then.host_live
+            && self.to_host == then.to_host
+            && self.call_stride == then.call_stride
+            && self.layout == then.layout
+    }
+}
+
 impl<B: Backend> Device<B> {
+    /// Where a planning device stands between micro-batches.
+    pub fn between(&self) -> Between {
+        Between {
+            live: self.tracker.live(),
+            host_live: self.host.as_ref().map(Tracker::live),
+            layout: self.caching.as_ref().map(|c| c.layout()),
+            to_host: self.to_host,
+            call_stride: self.call_stride,
+            roofline_s: self.cost.roofline_s,
+            offload_s: self.offload_s,
+            sent: self.sent,
+            received: self.received,
+            link_bytes: self.link_bytes,
+            p2p_sent: self.p2p_sent,
+            p2p_sends: self.p2p_sends,
+            calls: self.collectives.as_ref().map_or(0, Vec::len),
+        }
+    }
+
+    /// Counts `times` more repeats of the micro-batch that went from `a` to
+    /// `b` and returned to itself (`Between::returns_to_itself`): its
+    /// seconds, bytes and collectives, without running them. Peaks need
+    /// nothing: each repeat reaches exactly the peaks it reached. Only a
+    /// planning device does this (it keeps no timeline or per-op table
+    /// that the repeats would have added to).
+    pub fn repeat(&mut self, a: &Between, b: &Between, times: usize) {
+        debug_assert!(self.be.planning() && a.returns_to_itself(b));
+        let n = times as u64;
+        self.cost.roofline_s += (b.roofline_s - a.roofline_s) * times as f64;
+        self.offload_s += (b.offload_s - a.offload_s) * times as f64;
+        self.sent += (b.sent - a.sent) * n;
+        self.received += (b.received - a.received) * n;
+        self.link_bytes += (b.link_bytes - a.link_bytes) * n;
+        self.p2p_sent += (b.p2p_sent - a.p2p_sent) * n;
+        self.p2p_sends += (b.p2p_sends - a.p2p_sends) * n;
+        if let Some(calls) = &mut self.collectives {
+            let once = calls[a.calls..b.calls].to_vec();
+            for _ in 0..times {
+                calls.extend_from_slice(&once);
+            }
+        }
+    }
+
     pub fn new(be: B, capacity: Option<u64>) -> Self {
         let tracker = if be.planning() {
             Tracker::new(capacity).for_planning()

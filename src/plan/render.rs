@@ -620,6 +620,11 @@ fn recommendation(plan: &Plan, bullet: &str) -> Vec<String> {
             fmt_bytes(a.max_memory_reserved)
         ));
     }
+    if let Some(mb) = p.reserved_from_micro_batch {
+        out.push(format!(
+            "  {bullet}the peak above is micro-batch {mb}'s reserved figure, which fragments more than this one: a bigger micro-batch is never planned to hold less"
+        ));
+    }
     out.push(format!(
         "  {bullet}model states: closed form {}; engine {:.2} B/param (its peaks include the transient full gradients and gathered units)",
         p.closed_form.formula, p.engine_bytes_per_param

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! memfit watch │ python train.py │ pid 4242 │ running 1:05 │ every 100 ms │ warn at 90%
-//! job peak 70.00 GiB on GPU 0 (87.9%) │ memfit predicts 66.50 GiB tracked (+ CUDA context)
+//! job peak 70.00 GiB on GPU 0 (87.9%) │ memfit predicts 66.50 GiB for hf-eager (+ context)
 //! ⚠ GPU 0 memory at 93.4% (...): above --warn-at 90%            (while above)
 //! ┌GPUs──────────────────────────────────────────────────────────────┐
 //! │ 0 NVIDIA H100 80GB  [██████████░░░░] 74.40/79.65 GiB 93.4% ...   │
@@ -186,8 +186,9 @@ fn peak_line(st: &WatchState, w: usize) -> Line<'static> {
         spans.push(sep());
         spans.push(Span::styled(
             format!(
-                "memfit predicts {} tracked (+ context)",
-                fmt_bytes(p.tracked_peak_bytes)
+                "memfit predicts {} for {} (+ context)",
+                fmt_bytes(p.tracked_peak_bytes),
+                p.framework.name()
             ),
             fg(st, Color::Blue),
         ));
