@@ -2188,7 +2188,13 @@ pub fn recommend_with(report: &mut SweepReport, ranking: Option<Ranking>) {
         let (lo, hi) = k.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &x| {
             (lo.min(x), hi.max(x))
         });
-        (k.len() >= 2).then(|| (hi / lo).max(1.0))
+        // The load's swing during the re-timing says how much a trial
+        // timed alone may have been slowed, too.
+        let between = (k.len() >= 2).then(|| (hi / lo).max(1.0));
+        match (between, rk.load_swing) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        }
     });
     let (tie, pool): (Vec<usize>, Vec<usize>) = match paired {
         Some(rk) => {
@@ -2338,7 +2344,7 @@ pub fn recommend_with(report: &mut SweepReport, ranking: Option<Ranking>) {
             }
             if rk.noisy {
                 reasons.push(format!(
-                    "the host was too noisy to separate them: after {} interleaved rounds the paired intervals were still up to ±{:.0}% (the bound is ±{:.0}%), so the tie is widened to {:.0}%, to every fitting trial whose paired measurement comes that near the fastest, or whose own does allowing for the {:.2}x the load drifted between trials ({} in all); the pick is the fastest in paired timing, or one timing cannot tell from it, and another sweep may well pick another of the tied",
+                    "the host was too noisy to separate them: after {} interleaved rounds the paired intervals were still up to ±{:.0}% (the bound is ±{:.0}%), so the tie is widened to {:.0}%, to every fitting trial whose paired measurement comes that near the fastest, or whose own does allowing for the {:.2}x the load swung (between trials, or while the finalists were re-timed; {} in all); the pick is the fastest in paired timing, or one timing cannot tell from it, and another sweep may well pick another of the tied",
                     rk.rounds,
                     rk.widest_half_interval * 100.0,
                     rk.noise_bound * 100.0,

@@ -1162,6 +1162,7 @@ mod tests {
             tie_within: 0.42,
             tie_floor: 0.05,
             drift: Some(1.3),
+            load_swing: None,
             noisy: true,
         };
         rec.ranking = Some(ranking.clone());

@@ -241,6 +241,13 @@ pub struct Ranking {
     /// interval reaches within `tie_within` of the cheapest times this.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drift: Option<f64>,
+    /// How far the load swung while the finalists were re-timed: of each
+    /// finalist's bouts, the costliest over the cheapest, the largest of
+    /// these (1.0: a steady host). A trial timed alone may have been slowed
+    /// as much, so when `noisy` the tie allows for the larger of this and
+    /// `drift`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_swing: Option<f64>,
 }
 
 /// One finalist's paired figures.

@@ -284,6 +284,7 @@ pub fn unranked(method: &str, note: &str, policy: &Retime) -> Ranking {
         tie_floor: policy.tie_floor,
         noisy: false,
         drift: None,
+        load_swing: None,
     }
 }
 
@@ -418,6 +419,7 @@ pub fn rank(contenders: &[usize], bench: &mut dyn Bench, policy: &Retime) -> Ran
     ranking.noisy = a.widest > policy.noise_bound;
     ranking.tie_within = policy.tie_floor.max(2.0 * a.widest);
     ranking.tie_floor = policy.tie_floor;
+    ranking.load_swing = load_swing(&rows);
     ranking.paired = a
         .order
         .iter()
@@ -431,6 +433,20 @@ pub fn rank(contenders: &[usize], bench: &mut dyn Bench, policy: &Retime) -> Ran
         })
         .collect();
     ranking
+}
+
+/// Of each column's bouts, the costliest over the cheapest; the largest of
+/// these (`None` without two bouts in a column).
+fn load_swing(rows: &Rows) -> Option<f64> {
+    let k = rows.first().map_or(0, Vec::len);
+    (0..k)
+        .filter_map(|c| {
+            let costs: Vec<f64> = rows.iter().filter_map(|r| r[c]).map(|b| b.cost).collect();
+            let lo = costs.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = costs.iter().copied().fold(0.0f64, f64::max);
+            (costs.len() >= 2 && lo > 0.0).then(|| hi / lo)
+        })
+        .reduce(f64::max)
 }
 
 /// Whether re-timing can still narrow intervals of relative half-width
@@ -909,7 +925,7 @@ pub(crate) mod tests {
             ..steady.clone()
         };
         let mut a = r.clone();
-        crate::sweep::driver::recommend_with(&mut a, Some(steady));
+        crate::sweep::driver::recommend_with(&mut a, Some(steady.clone()));
         let rec = a.recommendation.as_ref().unwrap();
         assert!(!rec.tied.contains(&0), "{rec:#?}");
         let drift = rec.ranking.as_ref().unwrap().drift.unwrap();
@@ -919,6 +935,38 @@ pub(crate) mod tests {
         assert!(rec.tied.contains(&0), "{rec:#?}");
         let drift = rec.ranking.as_ref().unwrap().drift.unwrap();
         assert!((drift - 2.0).abs() < 1e-9, "{drift}");
+
+        // The finalists' own figures agree with their bouts, but the load
+        // swung 3x during the re-timing: a trial timed alone may have been
+        // slowed that much, and #0 is tied again.
+        let swung = Ranking {
+            load_swing: Some(3.0),
+            ..steady.clone()
+        };
+        let mut b = a.clone();
+        crate::sweep::driver::recommend_with(&mut b, Some(swung));
+        let rec = b.recommendation.as_ref().unwrap();
+        assert!(rec.tied.contains(&0), "{rec:#?}");
+        let drift = rec.ranking.as_ref().unwrap().drift.unwrap();
+        assert!((drift - 3.0).abs() < 1e-9, "{drift}");
+    }
+
+    #[test]
+    fn the_load_swing_is_the_widest_spread_of_one_finalists_bouts() {
+        let bout = |cost| {
+            Some(Bout {
+                cost,
+                tokens_per_s: 1.0 / cost,
+            })
+        };
+        let rows: Rows = vec![
+            vec![bout(1.0), bout(2.0)],
+            vec![bout(1.5), None],
+            vec![bout(1.2), bout(5.0)],
+        ];
+        // Column 0 spans 1.0-1.5, column 1 spans 2.0-5.0.
+        assert_eq!(load_swing(&rows), Some(2.5));
+        assert_eq!(load_swing(&vec![vec![bout(1.0)]]), None);
     }
 
     #[test]
