@@ -172,6 +172,8 @@ fn rows_the_plan_skips_say_so_from_the_start() {
         hooks: None,
         rerun: Vec::new(),
         executor: Default::default(),
+        retime: crate::sweep::retime::Retime::off(),
+        lines: Default::default(),
     };
     let app = super::new_app(&opts, 100).unwrap();
     let skipped: Vec<usize> = app
