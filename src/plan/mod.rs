@@ -750,6 +750,15 @@ fn warn_once(location: &str, lines: impl FnOnce() -> Vec<String>) {
     }
 }
 
+/// The checks [`load_recipe`] makes on a recipe built in memory (the TUI's
+/// grid builder): the message alone, without a file location.
+pub fn check(r: &PlanRecipe, model: &ModelConfig) -> std::result::Result<(), String> {
+    check_recipe(r, model, &|key, _| format!("grid.{key}")).map_err(|e| match e {
+        Error::Config { message, .. } => message,
+        other => other.to_string(),
+    })
+}
+
 /// Semantic checks the YAML types cannot express, located at the offending key.
 fn check_recipe(
     r: &PlanRecipe,

@@ -1,0 +1,1 @@
+//! The builder's pure update and its drawing, without a terminal.
