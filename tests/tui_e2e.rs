@@ -376,7 +376,7 @@ fn the_grid_builder_plans_writes_and_measures_in_tmux() {
         // It opens on the quickstart's grid, planned.
         let p = wait_for(
             &session,
-            &["memfit grid builder │ gpt2-tiny", "80 points planned in"],
+            &["builder │ gpt2-tiny on NVIDIA T4", "│ 80 points"],
             30,
         );
         assert!(p.contains("micro_batch ○1 ●2 ●4 ●8 ●16 ●32"), "{p}");
@@ -389,7 +389,7 @@ fn the_grid_builder_plans_writes_and_measures_in_tmux() {
         );
         // The model: the next built-in one.
         keys(&session, "l");
-        wait_for(&session, &["memfit grid builder │ llama-tiny"], 10);
+        wait_for(&session, &["builder │ llama-tiny on"], 10);
         // The GPU: from t4, the list wraps to the first profile.
         keys(&session, "j");
         keys(&session, "l");
@@ -405,7 +405,7 @@ fn the_grid_builder_plans_writes_and_measures_in_tmux() {
         for k in ["j", "h", "Space", "j", "Space", "j", "Space"] {
             keys(&session, k);
         }
-        let p = wait_for(&session, &["2 points planned in"], 10);
+        let p = wait_for(&session, &["│ 2 points"], 10);
         assert!(p.contains("micro_batch ○1 ○2 ●4 ○8"), "{p}");
         // The fit map's first point, and its predicted peak.
         keys(&session, "Tab");
@@ -448,7 +448,10 @@ fn the_grid_builder_plans_writes_and_measures_in_tmux() {
         keys(&session, "b");
         let p = wait_for(
             &session,
-            &["memfit grid builder │ llama-tiny", "2 points planned"],
+            &[
+                "builder │ llama-tiny on NVIDIA H100 SXM5 80GB",
+                "│ 2 points",
+            ],
             30,
         );
         assert!(p.contains("micro_batch ○1 ○2 ●4 ○8"), "{p}");

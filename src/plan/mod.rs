@@ -1154,6 +1154,19 @@ pub fn lora_closed_form(p: &Point, model: &ModelConfig, lora: &LoraConfig) -> Cl
 
 /// Plans every point of a validated recipe.
 pub fn plan(r: &PlanRecipe, model: &ModelConfig, hw: &HardwareProfile) -> Plan {
+    plan_with(r, model, hw, &|_| None)
+}
+
+/// [`plan`], taking a point's prediction from `known` where it has one
+/// (the TUI's grid builder keeps the points it planned for the same recipe,
+/// model and hardware: a point's prediction does not depend on the rest of
+/// the grid).
+pub fn plan_with(
+    r: &PlanRecipe,
+    model: &ModelConfig,
+    hw: &HardwareProfile,
+    known: &(dyn Fn(&Point) -> Option<Prediction> + Sync),
+) -> Plan {
     let start = std::time::Instant::now();
     let usd = r.cost.unwrap_or(hw.usd_per_hour);
     let points = expand(r);
@@ -1161,7 +1174,7 @@ pub fn plan(r: &PlanRecipe, model: &ModelConfig, hw: &HardwareProfile) -> Plan {
     let rates = Rates::gpu(hw, usd);
     let predictions: Vec<Prediction> = points
         .par_iter()
-        .map(|p| predict(r, model, &rates, capacity, overhead, p))
+        .map(|p| known(p).unwrap_or_else(|| predict(r, model, &rates, capacity, overhead, p)))
         .collect();
     // A grid that plans the user's own stack beside memfit's engine
     // recommends from that stack: the engine's rows are there to compare,

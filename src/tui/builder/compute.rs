@@ -7,12 +7,14 @@
 
 use std::path::{Path, PathBuf};
 
+use rayon::prelude::*;
+
 use super::axes::{AXES, Axis, same_knobs, with_accum};
 use crate::config::ModelConfig;
 use crate::config::hardware::{HardwareProfile, builtin_hardware, load_hardware, load_network};
 use crate::config::profile::{load_model, looks_like_path};
 use crate::engine::{Framework, Sharding};
-use crate::plan::{Plan, PlanRecipe, Point, Prediction, Rates, Verdict, name, plan, predict};
+use crate::plan::{Plan, PlanRecipe, Point, Prediction, Rates, Verdict, name, plan_with, predict};
 
 /// The most points the builder plans on each key: a few thousand plan in
 /// well under a second on a small model; more is a recipe for `memfit plan`.
@@ -45,6 +47,22 @@ pub fn load(r: &PlanRecipe) -> Result<(ModelConfig, HardwareProfile), String> {
 
 /// Plans `r` as `memfit plan` would plan it written to a file.
 pub fn replan(r: &PlanRecipe) -> Result<Planned, String> {
+    replan_cached(r, &mut Cache::default())
+}
+
+/// The predictions of the last plans, for one recipe, model and hardware
+/// (everything but the grid): a toggle then plans only the points it adds.
+#[derive(Default)]
+pub struct Cache {
+    key: String,
+    points: std::collections::HashMap<String, Prediction>,
+}
+
+/// The most predictions the cache keeps before it starts over.
+const CACHE_POINTS: usize = 65_536;
+
+/// [`replan`], planning only the points `cache` does not hold.
+pub fn replan_cached(r: &PlanRecipe, cache: &mut Cache) -> Result<Planned, String> {
     let n = r.grid.size().unwrap_or(usize::MAX);
     if n > MAX_BUILDER_POINTS {
         return Err(format!(
@@ -53,7 +71,24 @@ pub fn replan(r: &PlanRecipe) -> Result<Planned, String> {
     }
     let (model, hw) = load(r)?;
     crate::plan::check(r, &model)?;
-    let plan = plan(r, &model, &hw);
+    // Everything a point's prediction reads besides the point itself.
+    let mut bare = r.clone();
+    bare.grid = Default::default();
+    let key = format!("{}{model:?}{hw:?}", to_yaml(&bare));
+    if key != cache.key || cache.points.len() > CACHE_POINTS {
+        cache.key = key;
+        cache.points.clear();
+    }
+    let known = &cache.points;
+    let plan = plan_with(r, &model, &hw, &|pt: &Point| {
+        known.get(&format!("{pt:?}")).cloned()
+    });
+    for x in &plan.points {
+        cache
+            .points
+            .entry(format!("{:?}", x.point))
+            .or_insert_with(|| x.clone());
+    }
     Ok(Planned {
         recipe: r.clone(),
         model,
@@ -267,39 +302,39 @@ pub fn fixes(p: &Planned, point: &Point) -> Vec<Fix> {
             candidates.push(changes);
         }
     }
-    let mut out = Vec::new();
-    for changes in candidates {
-        let mut q = *point;
-        let mut r2 = r.clone();
-        for c in &changes {
-            if let Change::Axis(a, v) = c {
-                a.put(&mut q, v);
-                let mut vals = a.get(&r2.grid);
-                if !vals.contains(v) {
-                    vals.push(v.clone());
-                    a.set(&mut r2.grid, &vals);
+    // Each candidate is one point of the planner, planned in parallel.
+    let mut out: Vec<Fix> = candidates
+        .into_par_iter()
+        .filter_map(|changes| {
+            let mut q = *point;
+            let mut r2 = r.clone();
+            for c in &changes {
+                if let Change::Axis(a, v) = c {
+                    a.put(&mut q, v);
+                    let mut vals = a.get(&r2.grid);
+                    if !vals.contains(v) {
+                        vals.push(v.clone());
+                        a.set(&mut r2.grid, &vals);
+                    }
                 }
             }
-        }
-        if q.gpus > crate::plan::MAX_GPUS || crate::plan::check(&r2, &p.model).is_err() {
-            continue;
-        }
-        let q = with_accum(q, r.global_batch);
-        let pred = predict(r, &p.model, &rates, cap, overhead, &q);
-        if pred.verdict == Verdict::Fits {
-            let in_grid = changes.iter().all(|c| match c {
-                Change::Axis(a, v) => a.get(&r.grid).contains(v),
-                Change::Hardware(_) => false,
-            });
-            out.push(Fix {
+            if q.gpus > crate::plan::MAX_GPUS || crate::plan::check(&r2, &p.model).is_err() {
+                return None;
+            }
+            let q = with_accum(q, r.global_batch);
+            let pred = predict(r, &p.model, &rates, cap, overhead, &q);
+            (pred.verdict == Verdict::Fits).then(|| Fix {
+                in_grid: changes.iter().all(|c| match c {
+                    Change::Axis(a, v) => a.get(&r.grid).contains(v),
+                    Change::Hardware(_) => false,
+                }),
                 changes,
                 pred,
                 hardware: r.hardware.clone(),
                 capacity: cap,
-                in_grid,
-            });
-        }
-    }
+            })
+        })
+        .collect();
     // A bigger GPU, where the capacity is the GPU's (not a device limit).
     if r.device.as_ref().and_then(|d| d.limit).is_none() {
         let q = with_accum(*point, r.global_batch);

@@ -26,7 +26,7 @@ use crate::config::profile::builtin_models;
 use crate::error::{Error, Result};
 use crate::plan::{PlanRecipe, Point};
 use crate::units::fmt_bytes;
-use compute::{Planned, complete_path, fixes, match_profile, replan, write_recipe};
+use compute::{Cache, Planned, complete_path, fixes, match_profile, replan_cached, write_recipe};
 use state::{Action, Builder, Event, HwChoice, update};
 
 /// The hardware list: the GPUs NVML sees on this machine first (as the
@@ -102,6 +102,7 @@ enum Job {
 /// The planner's thread: the newest plan first (older ones are dropped
 /// unplanned), then the newest fixes.
 fn worker(jobs: Receiver<Job>, tx: Sender<Event>) {
+    let mut cache = Cache::default();
     while let Ok(first) = jobs.recv() {
         let mut plan_job = None;
         let mut fix_job = None;
@@ -112,7 +113,7 @@ fn worker(jobs: Receiver<Job>, tx: Sender<Event>) {
             }
         }
         if let Some((g, r)) = plan_job {
-            let res = replan(&r).map(Arc::new);
+            let res = replan_cached(&r, &mut cache).map(Arc::new);
             if tx.send(Event::Planned(g, res)).is_err() {
                 return;
             }
@@ -143,7 +144,10 @@ pub fn run<B: Backend>(terminal: &mut Terminal<B>, b: &mut Builder) -> Result<Ex
         },
     );
     let mut pending = state::start(b);
+    // Drawn again only after something changed: a key, a resize, an answer.
+    let mut dirty = true;
     loop {
+        dirty |= !pending.is_empty();
         for action in std::mem::take(&mut pending) {
             match action {
                 Action::Quit => return Ok(Exit::Quit),
@@ -170,10 +174,14 @@ pub fn run<B: Backend>(terminal: &mut Terminal<B>, b: &mut Builder) -> Result<Ex
         }
         for ev in rx.try_iter() {
             pending.extend(update(b, ev));
+            dirty = true;
         }
-        terminal
-            .draw(|f| render::render(b, f))
-            .map_err(|e| Error::Unavailable(format!("cannot draw: {e}")))?;
+        if dirty {
+            terminal
+                .draw(|f| render::render(b, f))
+                .map_err(|e| Error::Unavailable(format!("cannot draw: {e}")))?;
+            dirty = false;
+        }
         if !pending.is_empty() {
             continue;
         }
@@ -187,10 +195,12 @@ pub fn run<B: Backend>(terminal: &mut Terminal<B>, b: &mut Builder) -> Result<Ex
             Ok(crossterm::event::Event::Key(k)) => {
                 if let Some(key) = super::term::key_of(k) {
                     pending.extend(update(b, Event::Key(key)));
+                    dirty = true;
                 }
             }
             Ok(crossterm::event::Event::Resize(width, height)) => {
                 update(b, Event::Resize { width, height });
+                dirty = true;
             }
             Ok(_) => {}
             Err(e) => return Err(Error::Unavailable(format!("cannot read the terminal: {e}"))),

@@ -99,13 +99,22 @@ fn header_lines(b: &Builder, w: usize) -> Vec<Line<'static>> {
         ];
     };
     let plan = &p.plan;
-    let first = format!(
+    let mut first = format!(
         "memfit grid builder │ {} on {} │ {} points planned in {:.1} ms",
         plan.model,
         p.hw.display_name,
         plan.points.len(),
         plan.elapsed_ms
     );
+    if first.chars().count() > w {
+        first = format!(
+            "builder │ {} on {} │ {} points, {:.1} ms",
+            plan.model,
+            p.hw.display_name,
+            plan.points.len(),
+            plan.elapsed_ms
+        );
+    }
     let limit = p.recipe.device.as_ref().and_then(|d| d.limit).is_some();
     let mut fws: Vec<Framework> = plan.points.iter().map(|x| x.point.framework).collect();
     fws.sort_by_key(|f| *f as u8);

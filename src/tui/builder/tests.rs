@@ -392,3 +392,30 @@ fn enter_and_w_ask_to_write_and_sweep_the_grid_as_shown() {
         [Action::Quit]
     ));
 }
+
+/// A toggle plans only the points it adds; the plan is the one planning
+/// the whole grid afresh gives, prediction for prediction.
+#[test]
+fn the_cached_plan_is_the_fresh_plan() {
+    let mut cache = super::compute::Cache::default();
+    let mut r = default_recipe();
+    r.grid.framework = vec![crate::engine::Framework::Memfit];
+    super::compute::replan_cached(&r, &mut cache).unwrap();
+    r.grid.precision.push(crate::engine::Precision::Fp16);
+    r.grid.micro_batch.retain(|&m| m != 8);
+    let cached = super::compute::replan_cached(&r, &mut cache).unwrap();
+    let fresh = replan(&r).unwrap();
+    assert_eq!(
+        serde_json::to_value(&cached.plan.points).unwrap(),
+        serde_json::to_value(&fresh.plan.points).unwrap()
+    );
+    assert_eq!(cached.plan.ranking, fresh.plan.ranking);
+    // Another sequence length is another recipe: nothing is reused.
+    r.seq_len = 64;
+    let cached = super::compute::replan_cached(&r, &mut cache).unwrap();
+    let fresh = replan(&r).unwrap();
+    assert_eq!(
+        serde_json::to_value(&cached.plan.points).unwrap(),
+        serde_json::to_value(&fresh.plan.points).unwrap()
+    );
+}
