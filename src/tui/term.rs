@@ -440,13 +440,17 @@ fn sweep_view<B: ratatui::backend::Backend>(
             match key {
                 Key::Char('y') | Key::Char('n') => {
                     if key == Key::Char('n') {
-                        let aside = opts.out.join(format!(
-                            "trials.{}.jsonl",
-                            std::time::SystemTime::now()
-                                .duration_since(std::time::UNIX_EPOCH)
-                                .map_or(0, |d| d.as_secs())
-                        ));
+                        let stamp = std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map_or(0, |d| d.as_secs());
+                        let aside = opts.out.join(format!("trials.{stamp}.jsonl"));
                         let _ = std::fs::rename(&journal, &aside);
+                        // Starting over is a new sweep: the grid builder may
+                        // have changed the model or the device since.
+                        let _ = std::fs::rename(
+                            opts.out.join("sweep.json"),
+                            opts.out.join(format!("sweep.{stamp}.json")),
+                        );
                         let gpu = app.gpu.take();
                         app = super::new_app(&base, opts.sample_ms)?;
                         app.gpu = gpu;

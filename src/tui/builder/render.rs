@@ -458,15 +458,19 @@ pub fn detail_lines(b: &Builder, p: &Planned, i: usize) -> Vec<Line<'static>> {
             signed(h.margin_bytes)
         )));
     }
+    let per_node = (p.hw.gpus_per_node as usize).max(1);
+    let nodes = x.point.gpus.div_ceil(per_node);
     out.push(Line::from(format!(
-        "step {:.1} ms (compute {:.1}, comm {:.1}, offload {:.1} ms) │ {:.0} tokens/s │ ${}/Mtok on {} GPUs",
+        "step {:.1} ms (compute {:.1}, comm {:.1}, offload {:.1} ms) │ {:.0} tokens/s │ ${}/Mtok on {} GPUs ({} node{} of {per_node})",
         x.step_s * 1e3,
         x.compute_s * 1e3,
         x.comm_s * 1e3,
         x.offload_s * 1e3,
         x.tokens_per_s,
         usd(x.usd_per_mtok),
-        x.point.gpus
+        x.point.gpus,
+        nodes,
+        if nodes == 1 { "" } else { "s" }
     )));
     if !x.numerics_changes.is_empty() {
         out.push(Line::from(format!(
@@ -478,6 +482,12 @@ pub fn detail_lines(b: &Builder, p: &Planned, i: usize) -> Vec<Line<'static>> {
                 ""
             }
         )));
+    }
+    if let Some(rec) = p.plan.recommendation.as_ref().filter(|r| r.index == i) {
+        out.push(Line::from(Span::styled("★ recommended:", bold())));
+        for why in &rec.reasons {
+            out.push(Line::from(format!("  • {why}")));
+        }
     }
     let near = neighbours(p, i);
     if !near.is_empty() {

@@ -174,6 +174,10 @@ pub const KEYMAP: &[(&str, &str)] = &[
         "1-9",
         "add fix N of the selected point (\"what would make it fit\") to the grid",
     ),
+    (
+        "r",
+        "select the recommended point (its detail gives every reason)",
+    ),
     ("PgUp PgDn", "scroll the selected point's detail"),
     ("w", "write the grid as <out>/recipe.yaml"),
     (
@@ -456,6 +460,7 @@ fn on_key(b: &mut Builder, k: Key) -> Vec<Action> {
             }
         },
         Key::Char(c @ '1'..='9') => return add_fix(b, c as usize - '0' as usize),
+        Key::Char('r') => return select_recommended(b),
         Key::Char('w') | Key::Enter => {
             if let Some(why) = not_ready(b) {
                 b.message = Some(why);
@@ -600,6 +605,24 @@ fn toggle(b: &mut Builder, a: Axis) -> Vec<Action> {
         turn_on(&mut b.recipe, a, &v);
     }
     replan(b)
+}
+
+/// Puts the fit map's selection on the recommended point.
+fn select_recommended(b: &mut Builder) -> Vec<Action> {
+    let Some(rec) = (b.planned.as_ref()).and_then(|p| p.plan.recommendation.as_ref()) else {
+        b.message = Some("no point of this grid fits, so none is recommended".into());
+        return Vec::new();
+    };
+    let at = b.map.rows.iter().enumerate().find_map(|(r, row)| {
+        let c = row.cells.iter().position(|c| *c == Some(rec.index))?;
+        Some((r, c))
+    });
+    if let Some((r, c)) = at {
+        (b.map_row, b.map_col) = (r, c);
+        b.focus = Focus::Map;
+        b.scroll = 0;
+    }
+    Vec::new()
 }
 
 fn add_fix(b: &mut Builder, n: usize) -> Vec<Action> {

@@ -419,3 +419,20 @@ fn the_cached_plan_is_the_fresh_plan() {
         serde_json::to_value(&fresh.plan.points).unwrap()
     );
 }
+
+#[test]
+fn r_selects_the_recommended_point_whose_detail_gives_every_reason() {
+    let mut b = started();
+    key(&mut b, Key::Char('r'));
+    let p = b.planned.clone().unwrap();
+    let rec = p.plan.recommendation.clone().unwrap();
+    assert_eq!(b.selected(), Some(rec.index));
+    assert_eq!(b.focus, Focus::Map);
+    let text: Vec<String> = super::render::detail_lines(&b, &p, rec.index)
+        .iter()
+        .map(|l| l.to_string())
+        .collect();
+    for why in &rec.reasons {
+        assert!(text.contains(&format!("  • {why}")), "{why} in {text:?}");
+    }
+}
