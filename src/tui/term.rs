@@ -172,14 +172,20 @@ fn no_color() -> bool {
     std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty())
 }
 
-fn prepare_sweep(opts: &TuiOptions, recipe: &std::path::Path) -> Result<SweepSetup> {
+/// `device` is `--device` for a recipe from the command line, and `None`
+/// for the builder's, which carries the run device chosen in it.
+fn prepare_sweep(
+    opts: &TuiOptions,
+    recipe: &std::path::Path,
+    device: Option<DeviceSpec>,
+) -> Result<SweepSetup> {
     let journal = opts.out.join("trials.jsonl");
     let finished_before = std::fs::read_to_string(&journal)
         .map(|s| s.lines().filter(|l| !l.trim().is_empty()).count())
         .unwrap_or(0);
     let base = SweepOptions {
         recipe: recipe.to_path_buf(),
-        device: opts.device.clone(),
+        device,
         out: opts.out.clone(),
         resume: true,
         exhaustive: false,
@@ -243,7 +249,10 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
         source,
     })?;
     let (mut builder, mut next_sweep) = match (&opts.recipe, opts.new) {
-        (Some(recipe), false) => (None, Some(prepare_sweep(opts, recipe)?)),
+        (Some(recipe), false) => (
+            None,
+            Some(prepare_sweep(opts, recipe, opts.device.clone())?),
+        ),
         (recipe, _) => (Some(builder_on(opts, recipe.as_deref())?), None),
     };
 
@@ -286,7 +295,7 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
         let _ = terminal.clear();
         match super::builder::run(&mut terminal, b) {
             Ok(super::builder::Exit::Quit) => break Ok(0),
-            Ok(super::builder::Exit::Sweep(path)) => match prepare_sweep(opts, &path) {
+            Ok(super::builder::Exit::Sweep(path)) => match prepare_sweep(opts, &path, None) {
                 Ok(setup) => {
                     let _ = terminal.clear();
                     next_sweep = Some(setup);
