@@ -183,7 +183,9 @@ fn bottom_lines(b: &Builder, w: usize) -> Vec<Line<'static>> {
     let keys = match (b.help, &b.edit) {
         (true, _) => "Esc close  ↑↓ PgUp PgDn scroll",
         (false, Some(_)) => "typing: Enter take  Esc drop  Tab complete a path",
-        (false, None) => "? help q quit Tab form/map ␣ toggle e type 1-9 add fix w write ⏎ measure",
+        (false, None) => {
+            "? help q quit Tab form/map ␣ toggle e type 1-9 fix r rec w write ⏎ measure"
+        }
     };
     out.push(Line::from(Span::styled(clip(keys, w), dim())));
     out
@@ -570,17 +572,14 @@ fn render_detail(b: &Builder, f: &mut Frame, area: Rect) {
 }
 
 fn render_help(b: &Builder, f: &mut Frame, area: Rect) {
-    let block = panel("help: grid builder", area);
-    let inner = block.inner(area);
-    f.render_widget(block, area);
-    let w = inner.width as usize;
+    let inner_w = area.width.saturating_sub(2) as usize;
     let mut lines: Vec<Line<'static>> = Vec::new();
     for (k, what) in KEYMAP {
         let l = Line::from(vec![
             Span::styled(format!("{k:<15}"), bold()),
             Span::raw(what.to_string()),
         ]);
-        lines.extend(wrap_line(&l, w, 15));
+        lines.extend(wrap_line(&l, inner_w, 15));
     }
     for text in [
         "",
@@ -588,10 +587,24 @@ fn render_help(b: &Builder, f: &mut Frame, area: Rect) {
         "Figures are per GPU, in IEC units, and belong to the allocation profile the point names: memfit engine (what memfit's own engine holds) or hf-eager (what PyTorch + transformers hold).",
         "margin = usable - peak, where usable = capacity x (1 - headroom).",
     ] {
-        lines.extend(wrap_line(&Line::from(text.to_string()), w, 0));
+        lines.extend(wrap_line(&Line::from(text.to_string()), inner_w, 0));
     }
-    let h = inner.height as usize;
-    let top = (b.help_scroll as usize).min(lines.len().saturating_sub(h));
+    let h = area.height.saturating_sub(2) as usize;
+    let n = lines.len();
+    let top = (b.help_scroll as usize).min(n.saturating_sub(h));
+    let end = (top + h).min(n);
+    // The border says where the page is, and whether there is more.
+    let more = match (top > 0, end < n) {
+        (_, true) => " ↓ more",
+        (true, false) => " end",
+        (false, false) => "",
+    };
+    let block = panel("help: grid builder", area).title_bottom(clip(
+        &format!("lines {}-{end} of {n}{more}", top + 1),
+        inner_w,
+    ));
+    let inner = block.inner(area);
+    f.render_widget(block, area);
     let shown: Vec<Line<'static>> = lines.into_iter().skip(top).take(h).collect();
     f.render_widget(Paragraph::new(shown), inner);
 }

@@ -317,6 +317,7 @@ fn it_reads_at_80x24_and_draws_without_colour_under_no_color() {
     assert!(all.contains("● fits ◐ tight ✗ over"), "{all}");
     assert!(all.contains("★ recommended: "), "{all}");
     assert!(screen[23].starts_with("? help q quit"), "{all}");
+    assert!(screen[23].contains("r rec w write ⏎ measure"), "{all}");
     for (w, h) in [(1, 1), (10, 3), (30, 10), (60, 18), (80, 24), (200, 60)] {
         assert_eq!(draw(&b, w, h).len(), h as usize);
     }
@@ -324,7 +325,14 @@ fn it_reads_at_80x24_and_draws_without_colour_under_no_color() {
     key(&mut b, Key::Char('?'));
     let all = draw(&b, 80, 24).join("\n");
     assert!(all.contains("help: grid builder"), "{all}");
+    assert!(all.contains("↓ more"), "{all}");
     assert!(all.contains("write the grid as <out>/recipe.yaml"), "{all}");
+    for _ in 0..5 {
+        key(&mut b, Key::PageDown);
+    }
+    let all = draw(&b, 80, 24).join("\n");
+    assert!(all.contains("margin = usable - peak"), "{all}");
+    assert!(all.contains(" end"), "{all}");
     key(&mut b, Key::Esc);
     assert!(!b.help);
     b.no_color = true;
