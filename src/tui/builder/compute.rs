@@ -263,9 +263,8 @@ impl Change {
 pub struct Fix {
     pub changes: Vec<Change>,
     pub pred: Prediction,
-    /// The hardware it was planned on (the recipe's, unless it changes it).
-    pub hardware: String,
-    /// Its GPU's memory and the price it was planned at.
+    /// The capacity it was planned against (another GPU's, for a bigger
+    /// hardware profile).
     pub capacity: u64,
     /// Every change is already in the grid.
     pub in_grid: bool,
@@ -330,7 +329,6 @@ pub fn fixes(p: &Planned, point: &Point) -> Vec<Fix> {
                 }),
                 changes,
                 pred,
-                hardware: r.hardware.clone(),
                 capacity: cap,
             })
         })
@@ -355,7 +353,6 @@ pub fn fixes(p: &Planned, point: &Point) -> Vec<Fix> {
                 out.push(Fix {
                     changes: vec![Change::Hardware(hw_name.to_string())],
                     pred,
-                    hardware: hw_name.to_string(),
                     capacity: cap,
                     in_grid: false,
                 });

@@ -533,9 +533,12 @@ pub fn detail_lines(b: &Builder, p: &Planned, i: usize) -> Vec<Line<'static>> {
                 for (k, fix) in fixes.iter().take(9).enumerate() {
                     let what: Vec<String> = fix.changes.iter().map(|c| c.label()).collect();
                     let note = match (fix.in_grid, fix.pred.excluded) {
-                        (true, _) => " (in grid)",
-                        (false, true) => " (changes numerics)",
-                        _ => "",
+                        (true, _) => " (in grid)".to_string(),
+                        (false, true) => " (changes numerics)".to_string(),
+                        _ if fix.capacity != p.plan.capacity_bytes => {
+                            format!(" ({} per GPU)", fmt_bytes(fix.capacity))
+                        }
+                        _ => String::new(),
                     };
                     out.push(Line::from(format!(
                         "  {} {}{note}: peak {}, margin {}, ${}/Mtok",

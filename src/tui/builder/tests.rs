@@ -444,3 +444,42 @@ fn r_selects_the_recommended_point_whose_detail_gives_every_reason() {
         assert!(text.contains(&format!("  • {why}")), "{why} in {text:?}");
     }
 }
+
+/// Where the capacity is the GPU's, a bigger hardware profile is a fix,
+/// planned against its own memory.
+#[test]
+fn a_bigger_gpu_is_a_fix_when_the_capacity_is_the_gpus() {
+    let mut r = default_recipe();
+    r.model = "gpt2".into();
+    r.device = None;
+    r.seq_len = 1024;
+    r.global_batch = 64;
+    r.grid.micro_batch = vec![64];
+    r.grid.precision = vec![crate::engine::Precision::Fp32];
+    r.grid.checkpointing = vec![crate::engine::Checkpointing::None];
+    r.grid.attention = vec![crate::engine::Attention::Eager];
+    r.grid.optimizer = vec![crate::engine::Optimizer::Adamw];
+    r.grid.framework = vec![crate::engine::Framework::Memfit];
+    let p = replan(&r).unwrap();
+    let x = &p.plan.points[0];
+    assert_eq!(
+        x.verdict,
+        crate::plan::Verdict::DoesNotFit,
+        "{}",
+        x.total_bytes
+    );
+    let f = fixes(&p, &x.point);
+    let big: Vec<_> = f
+        .iter()
+        .filter(|x| matches!(x.changes.as_slice(), [Change::Hardware(_)]))
+        .collect();
+    assert!(
+        !big.is_empty(),
+        "{:?}",
+        f.iter().map(|x| &x.changes).collect::<Vec<_>>()
+    );
+    for fix in big {
+        assert!(fix.capacity > p.plan.capacity_bytes);
+        assert!(fix.pred.margin_bytes >= 0);
+    }
+}
