@@ -66,7 +66,8 @@ pub fn replan_cached(r: &PlanRecipe, cache: &mut Cache) -> Result<Planned, Strin
     let n = r.grid.size().unwrap_or(usize::MAX);
     if n > MAX_BUILDER_POINTS {
         return Err(format!(
-            "the grid has {n} points; the builder re-plans at most {MAX_BUILDER_POINTS} on each key, so turn some values off (or write it with w and run `memfit plan`)"
+            "the grid has {n} points; the builder re-plans at most {MAX_BUILDER_POINTS} on each key: turn some values off (a recipe file for `memfit plan` takes up to {})",
+            crate::plan::MAX_GRID_POINTS
         ));
     }
     let (model, hw) = load(r)?;

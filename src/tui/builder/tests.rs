@@ -483,3 +483,18 @@ fn a_bigger_gpu_is_a_fix_when_the_capacity_is_the_gpus() {
         assert!(fix.pred.margin_bytes >= 0);
     }
 }
+
+#[test]
+fn a_grid_too_big_to_replan_on_each_key_says_so() {
+    let mut r = default_recipe();
+    r.grid.gpus = vec![1, 2, 4, 8, 16, 32, 64, 128];
+    r.grid.sharding = vec![crate::engine::Sharding::Ddp, crate::engine::Sharding::Zero3];
+    r.grid.precision = vec![
+        crate::engine::Precision::Fp32,
+        crate::engine::Precision::Bf16,
+        crate::engine::Precision::Fp16,
+    ];
+    r.grid.pipeline_stages = vec![1, 2, 4];
+    let e = replan(&r).unwrap_err();
+    assert!(e.starts_with("the grid has 5760 points"), "{e}");
+}
