@@ -941,16 +941,22 @@ pub fn expand(r: &PlanRecipe) -> Vec<Point> {
     out = axis(out, &g.attention, |p, v| p.attention = v);
     out = axis(out, &g.micro_batch, |p, v| p.micro_batch = v);
     for p in &mut out {
-        // Each data-parallel replica (of every stage and tensor-parallel
-        // group) takes a micro-batch.
-        let replicas = (p.gpus / (p.pipeline_stages.max(1) * p.tensor_parallel.max(1))).max(1);
-        let per_step = p.micro_batch * replicas;
-        p.grad_accum = match r.global_batch.is_multiple_of(per_step) {
-            true => r.global_batch / per_step,
-            false => 0,
-        };
+        p.grad_accum = grad_accum(p, r.global_batch);
     }
     out
+}
+
+/// The accumulation steps point `p` takes for `global_batch` sequences per
+/// optimizer step; 0 when that is not a whole number.
+pub fn grad_accum(p: &Point, global_batch: usize) -> usize {
+    // Each data-parallel replica (of every stage and tensor-parallel
+    // group) takes a micro-batch.
+    let replicas = (p.gpus / (p.pipeline_stages.max(1) * p.tensor_parallel.max(1))).max(1);
+    let per_step = p.micro_batch * replicas;
+    match global_batch.is_multiple_of(per_step) {
+        true => global_batch / per_step,
+        false => 0,
+    }
 }
 
 /// Why a point cannot run, if it cannot.

@@ -256,14 +256,9 @@ impl Axis {
 }
 
 /// `point` with the accumulation its micro-batch and layout give at
-/// `global_batch` (0 when it is not a whole number), as `plan::expand` sets it.
+/// `global_batch`, as `plan::expand` sets it.
 pub fn with_accum(mut p: Point, global_batch: usize) -> Point {
-    let replicas = (p.gpus / (p.pipeline_stages.max(1) * p.tensor_parallel.max(1))).max(1);
-    let per_step = p.micro_batch * replicas;
-    p.grad_accum = match global_batch.is_multiple_of(per_step) {
-        true => global_batch / per_step,
-        false => 0,
-    };
+    p.grad_accum = crate::plan::grad_accum(&p, global_batch);
     p
 }
 
