@@ -156,6 +156,16 @@ pub struct FitMap {
     pub rows: Vec<MapRow>,
 }
 
+impl FitMap {
+    /// The row and column of the first cell whose point `hit` picks.
+    pub fn cell_of(&self, hit: impl Fn(usize) -> bool) -> Option<(usize, usize)> {
+        self.rows.iter().enumerate().find_map(|(r, row)| {
+            let c = row.cells.iter().position(|c| c.is_some_and(&hit))?;
+            Some((r, c))
+        })
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct MapRow {
     /// The knobs that vary in the grid (the others are said once).

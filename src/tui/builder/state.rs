@@ -323,15 +323,9 @@ pub fn update(b: &mut Builder, ev: Event) -> Vec<Action> {
             b.plan_generation = g;
             b.error = None;
             let found = keep.and_then(|k| {
-                let planned = b.planned.as_ref()?;
-                b.map.rows.iter().enumerate().find_map(|(r, row)| {
-                    let c = row.cells.iter().position(|c| {
-                        c.is_some_and(|i| {
-                            super::axes::same_knobs(&planned.plan.points[i].point, &k)
-                        })
-                    })?;
-                    Some((r, c))
-                })
+                let planned = b.planned.clone()?;
+                b.map
+                    .cell_of(|i| super::axes::same_knobs(&planned.plan.points[i].point, &k))
             });
             match found {
                 Some((r, c)) => (b.map_row, b.map_col) = (r, c),
@@ -613,11 +607,7 @@ fn select_recommended(b: &mut Builder) -> Vec<Action> {
         b.message = Some("no point of this grid fits, so none is recommended".into());
         return Vec::new();
     };
-    let at = b.map.rows.iter().enumerate().find_map(|(r, row)| {
-        let c = row.cells.iter().position(|c| *c == Some(rec.index))?;
-        Some((r, c))
-    });
-    if let Some((r, c)) = at {
+    if let Some((r, c)) = b.map.cell_of(|i| i == rec.index) {
         (b.map_row, b.map_col) = (r, c);
         b.focus = Focus::Map;
         b.scroll = 0;
