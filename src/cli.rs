@@ -485,8 +485,14 @@ pub struct SweepArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct TuiArgs {
-    /// A plan recipe (YAML) [default: recipes/quickstart.yaml, built in].
+    /// A plan recipe (YAML) to sweep; without one, the grid builder opens on
+    /// the quickstart's grid (recipes/quickstart.yaml, built in).
     pub recipe: Option<PathBuf>,
+    /// Open the grid builder (on RECIPE when given): choose the model,
+    /// hardware and every grid axis with the plan redrawn on each key, then
+    /// write the grid (w) or measure it (Enter).
+    #[arg(long)]
+    pub new: bool,
     /// Where trials run: cpu, cpu:limit=SIZE or meta [default: the recipe's device, else cpu].
     #[arg(long)]
     pub device: Option<DeviceSpec>,

@@ -406,6 +406,7 @@ fn tui_main(args: &memfit::cli::TuiArgs) -> i32 {
     };
     let opts = memfit::tui::term::TuiOptions {
         recipe: args.recipe.clone(),
+        new: args.new,
         device: args.device.clone(),
         out: args.out.clone(),
         sample_ms: args.sample_ms,

@@ -332,3 +332,141 @@ fn tui_without_a_terminal_refuses_in_one_line() {
     );
     assert!(!out.exists(), "nothing created");
 }
+
+/// The grid builder at 80x24 (issue 31): choose a model and a GPU, toggle
+/// values down to a two-point grid, check a predicted figure on screen
+/// against `memfit plan` of the recipe `w` wrote, measure it with Enter
+/// (the sweep view runs it to the end), come back with `b` to the same
+/// grid, and quit cleanly.
+#[test]
+fn the_grid_builder_plans_writes_and_measures_in_tmux() {
+    if Command::new("tmux").arg("-V").output().is_err() {
+        assert!(
+            std::env::var_os("MEMFIT_REQUIRE_TMUX").is_none(),
+            "tmux is required (MEMFIT_REQUIRE_TMUX is set) but not installed"
+        );
+        eprintln!("SKIPPED: tmux is not installed (`apt-get install -y tmux`; .ci/run does)");
+        return;
+    }
+    let session = format!("memfit-e2e-builder-{}", std::process::id());
+    let out = std::env::temp_dir().join(format!("memfit-tui-builder-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let cmd = format!(
+        "{} tui --new --out {} --steps 2 --threads 1; echo MEMFIT-EXIT $?; sleep 120",
+        env!("CARGO_BIN_EXE_memfit"),
+        out.display()
+    );
+    tmux(&["kill-session", "-t", &session]);
+    let started = Command::new("tmux")
+        .args([
+            "new-session",
+            "-d",
+            "-s",
+            &session,
+            "-x",
+            "80",
+            "-y",
+            "24",
+            &cmd,
+        ])
+        .status()
+        .unwrap();
+    assert!(started.success());
+    let result = std::panic::catch_unwind(|| {
+        // It opens on the quickstart's grid, planned.
+        let p = wait_for(
+            &session,
+            &["builder │ gpt2-tiny on NVIDIA T4", "│ 80 points"],
+            30,
+        );
+        assert!(p.contains("micro_batch ○1 ●2 ●4 ●8 ●16 ●32"), "{p}");
+        assert!(
+            p.lines()
+                .last()
+                .unwrap_or_default()
+                .starts_with("? help q quit"),
+            "{p}"
+        );
+        // The model: the next built-in one.
+        keys(&session, "l");
+        wait_for(&session, &["builder │ llama-tiny on"], 10);
+        // The GPU: from t4, the list wraps to the first profile.
+        keys(&session, "j");
+        keys(&session, "l");
+        wait_for(&session, &["on NVIDIA H100 SXM5 80GB"], 10);
+        // micro_batch: 2, 8, 16 and 32 off, 4 stays.
+        for k in ["j", "j", "j", "j", "j"] {
+            keys(&session, k);
+        }
+        for k in ["l", "Space", "l", "l", "Space", "l", "Space", "l", "Space"] {
+            keys(&session, k);
+        }
+        // precision: bf16 off; checkpointing: full off; attention: fused off.
+        for k in ["j", "h", "Space", "j", "Space", "j", "Space"] {
+            keys(&session, k);
+        }
+        let p = wait_for(&session, &["│ 2 points"], 10);
+        assert!(p.contains("micro_batch ○1 ○2 ●4 ○8"), "{p}");
+        // The fit map's first point, and its predicted peak.
+        keys(&session, "Tab");
+        let p = wait_for(&session, &["▶ fit map", "per GPU"], 10);
+        let peak = p
+            .split("peak ")
+            .nth(1)
+            .and_then(|r| r.split(" per GPU").next())
+            .map(|s| s.split_whitespace().collect::<Vec<_>>().join(" "))
+            .unwrap_or_else(|| panic!("no peak in\n{p}"));
+        // w writes the recipe; `memfit plan` of it gives the same figure.
+        keys(&session, "w");
+        wait_for(&session, &["wrote "], 10);
+        let recipe = out.join("recipe.yaml");
+        let plan = Command::new(env!("CARGO_BIN_EXE_memfit"))
+            .args(["plan", "--format", "json"])
+            .arg(&recipe)
+            .output()
+            .unwrap();
+        assert!(
+            plan.status.success(),
+            "{}",
+            String::from_utf8_lossy(&plan.stderr)
+        );
+        let plan: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
+        assert_eq!(plan["model"], "llama-tiny");
+        let points = plan["points"].as_array().unwrap();
+        assert_eq!(points.len(), 2);
+        let first = &points[0];
+        assert_eq!(first["point"]["optimizer"], "adamw");
+        assert_eq!(first["point"]["micro_batch"], 4);
+        let total = first["total_bytes"].as_u64().unwrap();
+        assert_eq!(peak, memfit::units::fmt_bytes(total), "{p}");
+        // Enter measures it: the sweep view runs both points to the end.
+        keys(&session, "Enter");
+        let p = wait_for(&session, &["finished", "recommendation ★ #"], 180);
+        assert!(p.contains("target NVIDIA H100 SXM5 80GB"), "{p}");
+        assert!(p.contains("trials 2/2 finished"), "{p}");
+        // b: back to the builder, the grid as it was.
+        keys(&session, "b");
+        let p = wait_for(
+            &session,
+            &[
+                "builder │ llama-tiny on NVIDIA H100 SXM5 80GB",
+                "│ 2 points",
+            ],
+            30,
+        );
+        assert!(p.contains("micro_batch ○1 ○2 ●4 ○8"), "{p}");
+        keys(&session, "q");
+        wait_for(&session, &["MEMFIT-EXIT 0"], 30);
+        assert_eq!(
+            tmux(&["display", "-p", "-t", &session, "#{alternate_on}"]).trim(),
+            "0"
+        );
+    });
+    tmux(&["kill-session", "-t", &session]);
+    if let Err(e) = result {
+        std::panic::resume_unwind(e);
+    }
+    assert!(out.join("report.json").is_file());
+    let journal = std::fs::read_to_string(out.join("trials.jsonl")).unwrap();
+    assert_eq!(journal.lines().count(), 2, "{journal}");
+}

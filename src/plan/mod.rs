@@ -756,6 +756,15 @@ fn warn_once(location: &str, lines: impl FnOnce() -> Vec<String>) {
     }
 }
 
+/// The checks [`load_recipe`] makes on a recipe built in memory (the TUI's
+/// grid builder): the message alone, without a file location.
+pub fn check(r: &PlanRecipe, model: &ModelConfig) -> std::result::Result<(), String> {
+    check_recipe(r, model, &|key, _| format!("grid.{key}")).map_err(|e| match e {
+        Error::Config { message, .. } => message,
+        other => other.to_string(),
+    })
+}
+
 /// Semantic checks the YAML types cannot express, located at the offending key.
 fn check_recipe(
     r: &PlanRecipe,
@@ -938,16 +947,22 @@ pub fn expand(r: &PlanRecipe) -> Vec<Point> {
     out = axis(out, &g.attention, |p, v| p.attention = v);
     out = axis(out, &g.micro_batch, |p, v| p.micro_batch = v);
     for p in &mut out {
-        // Each data-parallel replica (of every stage and tensor-parallel
-        // group) takes a micro-batch.
-        let replicas = (p.gpus / (p.pipeline_stages.max(1) * p.tensor_parallel.max(1))).max(1);
-        let per_step = p.micro_batch * replicas;
-        p.grad_accum = match r.global_batch.is_multiple_of(per_step) {
-            true => r.global_batch / per_step,
-            false => 0,
-        };
+        p.grad_accum = grad_accum(p, r.global_batch);
     }
     out
+}
+
+/// The accumulation steps point `p` takes for `global_batch` sequences per
+/// optimizer step; 0 when that is not a whole number.
+pub fn grad_accum(p: &Point, global_batch: usize) -> usize {
+    // Each data-parallel replica (of every stage and tensor-parallel
+    // group) takes a micro-batch.
+    let replicas = (p.gpus / (p.pipeline_stages.max(1) * p.tensor_parallel.max(1))).max(1);
+    let per_step = p.micro_batch * replicas;
+    match global_batch.is_multiple_of(per_step) {
+        true => global_batch / per_step,
+        false => 0,
+    }
 }
 
 /// Why a point cannot run, if it cannot.
@@ -1151,6 +1166,19 @@ pub fn lora_closed_form(p: &Point, model: &ModelConfig, lora: &LoraConfig) -> Cl
 
 /// Plans every point of a validated recipe.
 pub fn plan(r: &PlanRecipe, model: &ModelConfig, hw: &HardwareProfile) -> Plan {
+    plan_with(r, model, hw, &|_| None)
+}
+
+/// [`plan`], taking a point's prediction from `known` where it has one
+/// (the TUI's grid builder keeps the points it planned for the same recipe,
+/// model and hardware: a point's prediction does not depend on the rest of
+/// the grid).
+pub fn plan_with(
+    r: &PlanRecipe,
+    model: &ModelConfig,
+    hw: &HardwareProfile,
+    known: &(dyn Fn(&Point) -> Option<Prediction> + Sync),
+) -> Plan {
     let start = std::time::Instant::now();
     let usd = r.cost.unwrap_or(hw.usd_per_hour);
     let points = expand(r);
@@ -1158,7 +1186,7 @@ pub fn plan(r: &PlanRecipe, model: &ModelConfig, hw: &HardwareProfile) -> Plan {
     let rates = Rates::gpu(hw, usd);
     let mut predictions: Vec<Prediction> = points
         .par_iter()
-        .map(|p| predict(r, model, &rates, capacity, overhead, p))
+        .map(|p| known(p).unwrap_or_else(|| predict(r, model, &rates, capacity, overhead, p)))
         .collect();
     monotone_in_micro_batch(&mut predictions);
     // A grid that plans the user's own stack beside memfit's engine

@@ -669,6 +669,8 @@ pub enum Action {
     Rerun(usize),
     /// Write the reports into this directory; answer with [`Event::Exported`].
     Export(PathBuf),
+    /// Stop the sweep and go back to the grid builder, on this grid.
+    Back,
 }
 
 /// The keys; the help view is generated from this table.
@@ -716,6 +718,10 @@ pub const KEYMAP: &[(&str, &str)] = &[
     ),
     ("r", "re-run the selected trial"),
     ("e", "export the reports"),
+    (
+        "b",
+        "back to the grid builder on this grid (the sweep stops; its journal is kept)",
+    ),
 ];
 
 /// `a` against `b` in the column's direction (`desc`: largest first), with
@@ -917,6 +923,7 @@ fn on_command(app: &mut App, key: Key, detail: bool) -> Vec<Action> {
         Key::Char('q') | Key::Esc if detail => app.view = View::Grid,
         Key::Enter | Key::Tab if detail => app.view = View::Grid,
         Key::Char('q') | Key::Esc => return vec![Action::Quit],
+        Key::Char('b') => return vec![Action::Back],
         Key::Enter | Key::Tab if app.selected_row().is_some() => app.view = View::Detail,
         Key::Char('?') => app.view = View::Help,
         Key::Char('w') => app.view = View::Why,

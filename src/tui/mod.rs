@@ -3,6 +3,7 @@
 //! [`term`] owns the terminal and runs the sweep in the background.
 
 pub mod app;
+pub mod builder;
 pub mod chart;
 pub mod render;
 pub mod term;

@@ -510,6 +510,7 @@ const GRID_HINTS: &[Hint] = &[
     hint("r", "re-run", "r", "rerun"),
     hint("e", "export", "e", "export"),
     hint("↑↓", "move", "↑↓", "move"),
+    hint("b", "builder", "b", "builder"),
 ];
 
 const DETAIL_HINTS: &[Hint] = &[
@@ -2137,7 +2138,7 @@ mod tests {
         assert!(total.contains("21.00 MiB  32.8%"), "{total}");
         assert_eq!(
             l[39].trim_end(),
-            "? help q quit ⏎ detail w why t chart / filter s sort f fits ␣ pause r rerun e export ↑↓ move"
+            "? help q quit ⏎ detail w why t chart / filter s sort f fits ␣ pause r rerun e export ↑↓ move b builder"
         );
 
         // Colours: the selected row (#0) reversed, fit green, OOM red, running yellow.

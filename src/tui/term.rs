@@ -19,6 +19,7 @@ use ratatui::Terminal;
 use ratatui::backend::CrosstermBackend;
 
 use super::app::{Action, App, Event, Key, update};
+use super::builder::state::Builder;
 use super::render::render;
 use crate::backend::DeviceSpec;
 use crate::error::{Error, Result};
@@ -32,6 +33,9 @@ pub const DEFAULT_RECIPE: &str = include_str!("../../recipes/quickstart.yaml");
 #[derive(Clone, Debug)]
 pub struct TuiOptions {
     pub recipe: Option<PathBuf>,
+    /// Open the grid builder (on `recipe`, else on the quickstart's grid)
+    /// rather than the recipe's sweep.
+    pub new: bool,
     pub device: Option<DeviceSpec>,
     pub out: PathBuf,
     /// How often the running trial reports its memory.
@@ -60,7 +64,7 @@ fn restore() {
     );
 }
 
-fn key_of(k: KeyEvent) -> Option<Key> {
+pub(crate) fn key_of(k: KeyEvent) -> Option<Key> {
     if k.kind == KeyEventKind::Release {
         return None;
     }
@@ -154,35 +158,35 @@ fn start_sweep(
 /// pipe, a file, a CI log): one line, before anything is written.
 pub const NOT_A_TERMINAL: &str = "memfit tui needs a terminal, and its output is not one (a pipe or a file); for a headless run use `memfit sweep RECIPE --out DIR`";
 
-/// Runs the TUI until the user quits; returns the process exit code.
-pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
-    // Raw mode and the alternate screen would write escape codes into the
-    // pipe; refuse before any of it (and before the output directory).
-    if !std::io::stdout().is_terminal() {
-        return Err(Error::Unavailable(NOT_A_TERMINAL.into()));
-    }
-    std::fs::create_dir_all(&opts.out).map_err(|source| Error::Write {
-        path: opts.out.clone(),
-        source,
-    })?;
-    let recipe = match &opts.recipe {
-        Some(r) => r.clone(),
-        None => {
-            let path = opts.out.join("default-recipe.yaml");
-            std::fs::write(&path, DEFAULT_RECIPE).map_err(|source| Error::Write {
-                path: path.clone(),
-                source,
-            })?;
-            path
-        }
-    };
+/// The sweep view's screen before its first frame: the recipe planned and
+/// the journal looked at (done before the terminal is taken, so that a bad
+/// recipe given on the command line is one line on stderr).
+struct SweepSetup {
+    recipe: PathBuf,
+    base: SweepOptions,
+    app: App,
+    journal: PathBuf,
+    finished_before: usize,
+}
+
+fn no_color() -> bool {
+    std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty())
+}
+
+/// `device` is `--device` for a recipe from the command line, and `None`
+/// for the builder's, which carries the run device chosen in it.
+fn prepare_sweep(
+    opts: &TuiOptions,
+    recipe: &std::path::Path,
+    device: Option<DeviceSpec>,
+) -> Result<SweepSetup> {
     let journal = opts.out.join("trials.jsonl");
     let finished_before = std::fs::read_to_string(&journal)
         .map(|s| s.lines().filter(|l| !l.trim().is_empty()).count())
         .unwrap_or(0);
-    let mut base = SweepOptions {
-        recipe: recipe.clone(),
-        device: opts.device.clone(),
+    let base = SweepOptions {
+        recipe: recipe.to_path_buf(),
+        device,
         out: opts.out.clone(),
         resume: true,
         exhaustive: false,
@@ -202,7 +206,133 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
         lines: Default::default(),
     };
     let mut app = super::new_app(&base, opts.sample_ms)?;
-    app.header.no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    app.header.no_color = no_color();
+    Ok(SweepSetup {
+        recipe: recipe.to_path_buf(),
+        base,
+        app,
+        journal,
+        finished_before,
+    })
+}
+
+/// The grid `memfit tui` builds on without a recipe: the quickstart's.
+pub fn default_recipe() -> crate::plan::PlanRecipe {
+    crate::config::profile::parse_yaml(DEFAULT_RECIPE, "recipes/quickstart.yaml")
+        .expect("the built-in quickstart recipe parses")
+}
+
+/// A builder on a recipe file, as `memfit plan` reads it (its paths
+/// relative to it), with `--device` in place of its device.
+fn builder_on(opts: &TuiOptions, recipe: Option<&std::path::Path>) -> Result<Builder> {
+    let mut r = match recipe {
+        Some(path) => crate::plan::load_recipe(path)?.0,
+        None => default_recipe(),
+    };
+    if let Some(d) = &opts.device {
+        r.device = Some(d.clone());
+    }
+    Ok(super::builder::new_builder(r, opts.out.clone(), no_color()))
+}
+
+/// Runs the TUI until the user quits; returns the process exit code. It
+/// opens on the grid builder (`--new`, or no recipe) or on the sweep of a
+/// recipe, and goes back and forth between the two (Enter in the builder,
+/// `b` in the sweep view).
+pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
+    // Raw mode and the alternate screen would write escape codes into the
+    // pipe; refuse before any of it (and before the output directory).
+    if !std::io::stdout().is_terminal() {
+        return Err(Error::Unavailable(NOT_A_TERMINAL.into()));
+    }
+    std::fs::create_dir_all(&opts.out).map_err(|source| Error::Write {
+        path: opts.out.clone(),
+        source,
+    })?;
+    let (mut builder, mut next_sweep) = match (&opts.recipe, opts.new) {
+        (Some(recipe), false) => (
+            None,
+            Some(prepare_sweep(opts, recipe, opts.device.clone())?),
+        ),
+        (recipe, _) => (Some(builder_on(opts, recipe.as_deref())?), None),
+    };
+
+    // From here on the terminal is ours: restore it however we leave.
+    let previous = std::panic::take_hook();
+    let main_thread = std::thread::current().id();
+    std::panic::set_hook(Box::new(move |info| {
+        // Only the drawing thread owns the terminal; a panic on the sweep
+        // thread is reported on screen by the loop instead.
+        if std::thread::current().id() == main_thread {
+            restore();
+        }
+        previous(info);
+    }));
+    enable_raw_mode().map_err(|e| Error::Unavailable(format!("cannot use this terminal: {e}")))?;
+    let _restore = Restore;
+    execute!(std::io::stdout(), EnterAlternateScreen)
+        .map_err(|e| Error::Unavailable(format!("cannot use this terminal: {e}")))?;
+    let mut terminal = Terminal::new(CrosstermBackend::new(std::io::stdout()))
+        .map_err(|e| Error::Unavailable(format!("cannot use this terminal: {e}")))?;
+    let result = loop {
+        if let Some(setup) = next_sweep.take() {
+            let recipe = setup.recipe.clone();
+            match sweep_view(&mut terminal, opts, setup) {
+                Ok(SweepExit::Quit) => break Ok(0),
+                Ok(SweepExit::Back) => {
+                    if builder.is_none() {
+                        match builder_on(opts, Some(&recipe)) {
+                            Ok(b) => builder = Some(b),
+                            Err(e) => break Err(e),
+                        }
+                    }
+                }
+                Err(e) => break Err(e),
+            }
+        }
+        let Some(b) = builder.as_mut() else {
+            break Ok(0);
+        };
+        let _ = terminal.clear();
+        match super::builder::run(&mut terminal, b) {
+            Ok(super::builder::Exit::Quit) => break Ok(0),
+            Ok(super::builder::Exit::Sweep(path)) => match prepare_sweep(opts, &path, None) {
+                Ok(setup) => {
+                    let _ = terminal.clear();
+                    next_sweep = Some(setup);
+                }
+                Err(e) => b.message = Some(format!("cannot start the sweep: {e}")),
+            },
+            Err(e) => break Err(e),
+        }
+    };
+    drop(terminal);
+    drop(_restore);
+    let _ = std::panic::take_hook();
+    result
+}
+
+/// How the sweep view was left.
+enum SweepExit {
+    Quit,
+    /// `b`: back to the builder.
+    Back,
+}
+
+/// The sweep view: runs the sweep of `setup` until the user quits or goes
+/// back to the builder; the sweep is stopped either way (its journal kept).
+fn sweep_view<B: ratatui::backend::Backend>(
+    terminal: &mut Terminal<B>,
+    opts: &TuiOptions,
+    setup: SweepSetup,
+) -> Result<SweepExit> {
+    let SweepSetup {
+        mut base,
+        mut app,
+        journal,
+        finished_before,
+        ..
+    } = setup;
     // NVML where it answers; on a GPU run device without it, the panel says why.
     let on_gpu = app.header.base.run_device.kind == "cuda";
     let nvml = match crate::telemetry::Telemetry::open() {
@@ -223,24 +353,6 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
             journal.display()
         ));
     }
-
-    // From here on the terminal is ours: restore it however we leave.
-    let previous = std::panic::take_hook();
-    let main_thread = std::thread::current().id();
-    std::panic::set_hook(Box::new(move |info| {
-        // Only the drawing thread owns the terminal; a panic on the sweep
-        // thread is reported on screen by the loop instead.
-        if std::thread::current().id() == main_thread {
-            restore();
-        }
-        previous(info);
-    }));
-    enable_raw_mode().map_err(|e| Error::Unavailable(format!("cannot use this terminal: {e}")))?;
-    let _restore = Restore;
-    execute!(std::io::stdout(), EnterAlternateScreen)
-        .map_err(|e| Error::Unavailable(format!("cannot use this terminal: {e}")))?;
-    let mut terminal = Terminal::new(CrosstermBackend::new(std::io::stdout()))
-        .map_err(|e| Error::Unavailable(format!("cannot use this terminal: {e}")))?;
     // The screen's size, for where the page views end; again on each resize.
     let mut size = terminal
         .size()
@@ -338,18 +450,21 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
             match key {
                 Key::Char('y') | Key::Char('n') => {
                     if key == Key::Char('n') {
-                        let aside = opts.out.join(format!(
-                            "trials.{}.jsonl",
-                            std::time::SystemTime::now()
-                                .duration_since(std::time::UNIX_EPOCH)
-                                .map_or(0, |d| d.as_secs())
-                        ));
+                        let stamp = std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map_or(0, |d| d.as_secs());
+                        let aside = opts.out.join(format!("trials.{stamp}.jsonl"));
                         let _ = std::fs::rename(&journal, &aside);
+                        // Starting over is a new sweep: the grid builder may
+                        // have changed the model or the device since.
+                        let _ = std::fs::rename(
+                            opts.out.join("sweep.json"),
+                            opts.out.join(format!("sweep.{stamp}.json")),
+                        );
                         let gpu = app.gpu.take();
                         app = super::new_app(&base, opts.sample_ms)?;
                         app.gpu = gpu;
-                        app.header.no_color =
-                            std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+                        app.header.no_color = no_color();
                         update(
                             &mut app,
                             Event::Resize {
@@ -371,14 +486,16 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
                     ));
                     continue;
                 }
-                Key::Char('q') | Key::Esc | Key::CtrlC => break Ok(0),
+                Key::Char('q') | Key::Esc | Key::CtrlC => break Ok(SweepExit::Quit),
+                Key::Char('b') => break Ok(SweepExit::Back),
                 _ => continue,
             }
         }
-        let mut quit = false;
+        let mut quit = None;
         for action in update(&mut app, Event::Key(key)) {
             match action {
-                Action::Quit => quit = true,
+                Action::Quit => quit = Some(SweepExit::Quit),
+                Action::Back => quit = Some(SweepExit::Back),
                 Action::TogglePause => {
                     pause.store(app.paused, Ordering::SeqCst);
                 }
@@ -402,8 +519,8 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
                 }
             }
         }
-        if quit {
-            break Ok(0);
+        if let Some(exit) = quit {
+            break Ok(exit);
         }
     };
     // Stop the sweep (it kills its running trial and keeps the journal).
@@ -414,9 +531,6 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
             let _ = t.join();
         }
     }
-    drop(terminal);
-    drop(_restore);
-    let _ = std::panic::take_hook();
     result
 }
 

@@ -215,3 +215,13 @@ fn rows_the_plan_skips_say_so_from_the_start() {
     let screen = draw(&app, 80, 24).join("\n");
     assert!(screen.contains("#1 is not run: the plan"), "{screen}");
 }
+
+/// `b` in the sweep view asks the front end to go back to the grid builder.
+#[test]
+fn b_goes_back_to_the_builder() {
+    let mut app = running(false);
+    assert_eq!(
+        update(&mut app, Event::Key(Key::Char('b'))),
+        vec![Action::Back]
+    );
+}
