@@ -1386,6 +1386,23 @@ pub fn monotone_in_micro_batch(preds: &mut [Prediction]) {
     }
 }
 
+/// A prediction as `predict` made it, before `monotone_in_micro_batch`
+/// lifted it to a smaller micro-batch's reserved peak (what a cache of
+/// predictions keeps: the lift depends on the rest of the grid).
+pub fn unlifted(p: &Prediction) -> Prediction {
+    let mut out = p.clone();
+    if let (Some(_), Some(a)) = (p.reserved_from_micro_batch, p.allocator) {
+        out.reserved_from_micro_batch = None;
+        out.total_bytes = a.max_memory_reserved + p.runtime_overhead_bytes;
+        out.margin_bytes = p.usable_bytes as i64 - out.total_bytes as i64;
+        let host_fits = p.host.as_ref().is_none_or(|h| h.margin_bytes >= 0);
+        if out.margin_bytes >= 0 && host_fits {
+            out.verdict = Verdict::Fits;
+        }
+    }
+    out
+}
+
 pub fn predict(
     r: &PlanRecipe,
     model: &ModelConfig,
@@ -1930,5 +1947,34 @@ mod tests {
         }
         println!("{compared} points compared");
         assert!(compared > 300, "{compared} points compared");
+    }
+
+    /// A point lifted to a smaller micro-batch's reserved peak comes back
+    /// to its own prediction, which is what planning it alone gives.
+    #[test]
+    fn unlifted_is_the_point_planned_alone() {
+        let yaml = "model: llama-3.1-70b\nhardware: h100-sxm-80gb\nseq_len: 4096\nglobal_batch: 64\ngrid:\n  framework: [hf-eager]\n  precision: [fp32]\n  micro_batch: [1, 2]\n  checkpointing: [full]\n  sharding: [zero1]\n  gpus: [8]\n";
+        let r: PlanRecipe = serde_yaml_ng::from_str(yaml).unwrap();
+        let model = load_model(&r.model).unwrap();
+        let hw = load_hardware(&r.hardware).unwrap();
+        let both = plan(&r, &model, &hw);
+        let lifted = both
+            .points
+            .iter()
+            .find(|p| p.reserved_from_micro_batch == Some(1))
+            .expect("micro-batch 2 fragments less and is lifted");
+        let alone = PlanRecipe {
+            grid: Grid {
+                micro_batch: vec![2],
+                ..r.grid.clone()
+            },
+            ..r.clone()
+        };
+        let own = plan(&alone, &model, &hw);
+        assert_eq!(
+            serde_json::to_value(unlifted(lifted)).unwrap(),
+            serde_json::to_value(&own.points[0]).unwrap()
+        );
+        assert!(lifted.total_bytes > own.points[0].total_bytes);
     }
 }

@@ -88,7 +88,7 @@ pub fn replan_cached(r: &PlanRecipe, cache: &mut Cache) -> Result<Planned, Strin
         cache
             .points
             .entry(format!("{:?}", x.point))
-            .or_insert_with(|| x.clone());
+            .or_insert_with(|| crate::plan::unlifted(x));
     }
     Ok(Planned {
         recipe: r.clone(),
