@@ -185,6 +185,9 @@ pub struct Call {
     /// Ranks between two members of the group (`Device::call_stride`).
     pub stride: usize,
     pub optimizer: bool,
+    /// How many times it ran (a fast-forwarded micro-batch's calls are
+    /// kept once, with its repeats counted here).
+    pub times: u64,
 }
 
 /// A rank's collectives, as the engine holds them.
@@ -264,16 +267,22 @@ impl<B: Backend> Device<B> {
         let n = times as u64;
         self.cost.roofline_s += (b.roofline_s - a.roofline_s) * times as f64;
         self.offload_s += (b.offload_s - a.offload_s) * times as f64;
-        self.sent += (b.sent - a.sent) * n;
-        self.received += (b.received - a.received) * n;
-        self.link_bytes += (b.link_bytes - a.link_bytes) * n;
-        self.p2p_sent += (b.p2p_sent - a.p2p_sent) * n;
-        self.p2p_sends += (b.p2p_sends - a.p2p_sends) * n;
+        // Saturating: a plan's step may be 2^40 micro-batches of gigabytes.
+        let more = |x: &mut u64, a: u64, b: u64| *x = x.saturating_add((b - a).saturating_mul(n));
+        more(&mut self.sent, a.sent, b.sent);
+        more(&mut self.received, a.received, b.received);
+        more(&mut self.link_bytes, a.link_bytes, b.link_bytes);
+        more(&mut self.p2p_sent, a.p2p_sent, b.p2p_sent);
+        more(&mut self.p2p_sends, a.p2p_sends, b.p2p_sends);
         if let Some(calls) = &mut self.collectives {
-            let once = calls[a.calls..b.calls].to_vec();
-            for _ in 0..times {
-                calls.extend_from_slice(&once);
-            }
+            let again: Vec<Call> = calls[a.calls..b.calls]
+                .iter()
+                .map(|c| Call {
+                    times: c.times.saturating_mul(n),
+                    ..*c
+                })
+                .collect();
+            calls.extend(again);
         }
     }
 
@@ -1055,6 +1064,7 @@ impl<B: Backend> Device<B> {
                 world: comm.world(),
                 stride: self.call_stride,
                 optimizer,
+                times: 1,
             });
         }
         self.sent += s;

@@ -984,9 +984,13 @@ impl<B: Backend> Engine<B> {
         // replicas: every replica scales by 1/replicas, the collectives add
         let tokens = self.train.micro_batch * self.train.seq_len * k * self.world();
         let dloss = self.loss_scale / tokens as f32;
-        let ops = match &self.pipe {
-            Some(p) => p.schedule.ops(p.stage, p.stages, k),
-            None => Schedule::OneFOneB.ops(0, 1, k),
+        // One stage: forward, backward, one micro-batch after another (not
+        // a list: a planner's step may be 2^40 micro-batches, fast-forwarded).
+        let ops: Box<dyn Iterator<Item = pipeline::Op>> = match &self.pipe {
+            Some(p) => Box::new(p.schedule.ops(p.stage, p.stages, k).into_iter()),
+            None => {
+                Box::new((0..k).flat_map(|i| [pipeline::Op::Forward(i), pipeline::Op::Backward(i)]))
+            }
         };
         // Micro-batches forwarded and not yet backwarded, oldest first.
         let mut in_flight = std::collections::VecDeque::new();
@@ -1000,7 +1004,7 @@ impl<B: Backend> Engine<B> {
         let (mut done, mut skip) = (0, false);
         for op in ops {
             if skip {
-                continue;
+                break;
             }
             match op {
                 pipeline::Op::Forward(_) => {

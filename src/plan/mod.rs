@@ -1488,7 +1488,7 @@ pub fn predict(
         out.compute_s = s.all_s - out.offload_s;
         match (&topo, &s.calls) {
             (Some(t), Some(calls)) if !calls.is_empty() => {
-                let (secs, links) = price_collectives(t, calls, 1.0);
+                let (secs, links) = price_collectives(t, calls);
                 out.comm_s = secs;
                 out.links = links;
             }
@@ -1552,7 +1552,7 @@ pub fn predict(
                     );
                 }
                 if let Some(calls) = &st.calls {
-                    let (secs, l) = price_collectives(t, calls, 1.0);
+                    let (secs, l) = price_collectives(t, calls);
                     dp_s = secs;
                     crossed = union(crossed, l);
                 }
@@ -1698,12 +1698,11 @@ fn union(
 
 /// Seconds of one step's collectives, each priced as NCCL would run it over
 /// its group's placement in `topo` (its size, and how far apart its ranks
-/// are: consecutive, or a hybrid shard group apart), the per-micro-batch
-/// ones `k` times; and the widest set of links they crossed.
+/// are: consecutive, or a hybrid shard group apart), each as many times
+/// as it ran (`Call::times`); and the widest set of links they crossed.
 fn price_collectives(
     topo: &crate::comm::topology::Topology,
     calls: &[crate::engine::device::Call],
-    k: f64,
 ) -> (f64, Option<crate::comm::topology::Links>) {
     use crate::comm::topology::Links;
     let mut secs = 0.0;
@@ -1728,7 +1727,7 @@ fn price_collectives(
                 cost
             }
         };
-        secs += if c.optimizer { 1.0 } else { k } * cost.seconds;
+        secs += c.times as f64 * cost.seconds;
         links = union(links, Some(cost.links)).or(Some(Links::None));
     }
     (secs, links)
