@@ -10,7 +10,7 @@ use crate::memory::{Category, OomError};
 
 /// Which optimizer, and its knobs.
 #[derive(
-    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize, clap::ValueEnum,
+    Clone, Copy, Debug, Default, PartialEq, Hash, Eq, Serialize, serde::Deserialize, clap::ValueEnum,
 )]
 #[serde(rename_all = "lowercase")]
 pub enum Optimizer {

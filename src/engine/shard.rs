@@ -89,6 +89,7 @@ use crate::memory::{Category, OomError};
     Debug,
     Default,
     PartialEq,
+    Hash,
     Eq,
     serde::Serialize,
     serde::Deserialize,

@@ -382,7 +382,7 @@ fn default_sharding() -> Vec<Sharding> {
 }
 
 /// One grid point's knobs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Point {
     pub micro_batch: usize,
     pub precision: Precision,
@@ -1366,21 +1366,20 @@ pub fn monotone_in_micro_batch(preds: &mut [Prediction]) {
         .collect();
     order.sort_by_key(|&i| preds[i].point.micro_batch);
     // Each group's highest reserved figure so far, and its micro-batch.
-    let mut seen: Vec<(Point, u64, usize)> = Vec::new();
+    let mut seen: std::collections::HashMap<Point, (u64, usize)> = Default::default();
     for i in order {
         let p = &mut preds[i];
-        let k = key(&p.point);
         let held = p.total_bytes - p.runtime_overhead_bytes;
-        match seen.iter_mut().find(|s| s.0 == k) {
-            None => seen.push((k, held, p.point.micro_batch)),
-            Some(s) if held >= s.1 => (s.1, s.2) = (held, p.point.micro_batch),
+        match seen.get_mut(&key(&p.point)) {
+            None => {
+                seen.insert(key(&p.point), (held, p.point.micro_batch));
+            }
+            Some(s) if held >= s.0 => *s = (held, p.point.micro_batch),
             Some(s) => {
-                p.total_bytes = s.1 + p.runtime_overhead_bytes;
+                p.total_bytes = s.0 + p.runtime_overhead_bytes;
                 p.margin_bytes = p.usable_bytes as i64 - p.total_bytes as i64;
-                p.reserved_from_micro_batch = Some(s.2);
-                if p.verdict == Verdict::Fits && p.margin_bytes < 0 {
-                    p.verdict = Verdict::DoesNotFit;
-                }
+                p.reserved_from_micro_batch = Some(s.1);
+                p.verdict = fit_verdict(p);
             }
         }
     }
@@ -1395,12 +1394,18 @@ pub fn unlifted(p: &Prediction) -> Prediction {
         out.reserved_from_micro_batch = None;
         out.total_bytes = a.max_memory_reserved + p.runtime_overhead_bytes;
         out.margin_bytes = p.usable_bytes as i64 - out.total_bytes as i64;
-        let host_fits = p.host.as_ref().is_none_or(|h| h.margin_bytes >= 0);
-        if out.margin_bytes >= 0 && host_fits {
-            out.verdict = Verdict::Fits;
-        }
+        out.verdict = fit_verdict(&out);
     }
     out
+}
+
+/// Fits when the device's margin and the host's (offload) are not negative.
+fn fit_verdict(p: &Prediction) -> Verdict {
+    if p.margin_bytes >= 0 && p.host.as_ref().is_none_or(|h| h.margin_bytes >= 0) {
+        Verdict::Fits
+    } else {
+        Verdict::DoesNotFit
+    }
 }
 
 pub fn predict(
@@ -1614,12 +1619,7 @@ pub fn predict(
             deepspeed: deepspeed_estimate(&e, p, per_node),
         }
     });
-    let host_fits = out.host.as_ref().is_none_or(|h| h.margin_bytes >= 0);
-    out.verdict = if out.total_bytes <= usable && host_fits {
-        Verdict::Fits
-    } else {
-        Verdict::DoesNotFit
-    };
+    out.verdict = fit_verdict(&out);
     out.peak_bytes = Some(pk);
     out
 }

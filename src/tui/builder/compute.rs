@@ -55,7 +55,7 @@ pub fn replan(r: &PlanRecipe) -> Result<Planned, String> {
 #[derive(Default)]
 pub struct Cache {
     key: String,
-    points: std::collections::HashMap<String, Prediction>,
+    points: std::collections::HashMap<Point, Prediction>,
 }
 
 /// The most predictions the cache keeps before it starts over.
@@ -81,13 +81,11 @@ pub fn replan_cached(r: &PlanRecipe, cache: &mut Cache) -> Result<Planned, Strin
         cache.points.clear();
     }
     let known = &cache.points;
-    let plan = plan_with(r, &model, &hw, &|pt: &Point| {
-        known.get(&format!("{pt:?}")).cloned()
-    });
+    let plan = plan_with(r, &model, &hw, &|pt: &Point| known.get(pt).cloned());
     for x in &plan.points {
         cache
             .points
-            .entry(format!("{:?}", x.point))
+            .entry(x.point)
             .or_insert_with(|| crate::plan::unlifted(x));
     }
     Ok(Planned {
