@@ -23,8 +23,6 @@
 //! retry that frees cached segments when `cudaMalloc` fails near the
 //! capacity (which can make the real reserved peak lower there).
 
-use std::collections::BTreeSet;
-
 pub const MIN_BLOCK: u64 = 512;
 pub const SMALL_SIZE: u64 = 1 << 20;
 pub const SMALL_BUFFER: u64 = 2 << 20;
@@ -54,50 +52,108 @@ enum Pool {
     Large,
 }
 
-/// One block of a segment.
+/// A slot in the block arena that holds no block.
+const NONE: u32 = u32::MAX;
+
+/// One block of a segment, linked to its neighbours in address order (as
+/// PyTorch links its `Block`s): merging a freed block with its neighbours
+/// needs no search.
 #[derive(Clone, Copy, Debug)]
 struct Block {
+    seg: u32,
     offset: u64,
     size: u64,
     free: bool,
+    prev: u32,
+    next: u32,
 }
 
-/// One `cudaMalloc`: its blocks in address order. A segment holds a few
-/// blocks (a large one usually one or two), so a sorted vector beats a
-/// tree here; the planner replays every allocation of a step through it.
-#[derive(Clone, Debug)]
+/// One `cudaMalloc`: the pool it serves and its first block.
+#[derive(Clone, Copy, Debug)]
 struct Segment {
     pool: Pool,
-    blocks: Vec<Block>,
+    head: u32,
 }
 
-impl Segment {
-    /// The index of the block that starts at `offset`.
-    fn at(&self, offset: u64) -> usize {
-        self.blocks
-            .binary_search_by_key(&offset, |b| b.offset)
-            .expect("a block starts there")
+/// A free block as the index orders it: by address, then (unique among
+/// free blocks, so never compared) its slot.
+type FreeBlock = (u32, u64, u32);
+
+/// A pool's free blocks, as the allocator searches them: the smallest
+/// block at least as large as the request, then the lowest address
+/// (segment, offset). A step's tensors come in a few sizes (a few dozen
+/// distinct free sizes among hundreds of free blocks in a 70B plan), so
+/// the blocks sit in one bucket per size, the buckets sorted by size and
+/// each bucket sorted by address from the highest down: the best fit is
+/// the last block of the first bucket that is large enough. This replaced
+/// a `BTreeSet` of (size, segment, offset), which was half of a plan's time.
+#[derive(Clone, Debug, Default)]
+struct FreeIndex {
+    buckets: Vec<(u64, Vec<FreeBlock>)>,
+    /// Emptied buckets' vectors, kept to be reused rather than reallocated.
+    spare: Vec<Vec<FreeBlock>>,
+}
+
+impl FreeIndex {
+    /// The bucket of `size`: `Ok(i)` if there is one, else where it goes.
+    fn bucket(&self, size: u64) -> Result<usize, usize> {
+        self.buckets.binary_search_by_key(&size, |b| b.0)
+    }
+
+    /// Takes the best fit for `size` out: its size and slot.
+    fn take(&mut self, size: u64) -> Option<(u64, u32)> {
+        let i = self.bucket(size).unwrap_or_else(|i| i);
+        let (block, blocks) = self.buckets.get_mut(i)?;
+        let (_, _, slot) = blocks.pop().expect("buckets are never empty");
+        let block = *block;
+        if blocks.is_empty() {
+            self.spare.push(self.buckets.remove(i).1);
+        }
+        Some((block, slot))
+    }
+
+    fn insert(&mut self, size: u64, free: FreeBlock) {
+        let i = match self.bucket(size) {
+            Ok(i) => i,
+            Err(i) => {
+                let bucket = self.spare.pop().unwrap_or_default();
+                self.buckets.insert(i, (size, bucket));
+                i
+            }
+        };
+        let blocks = &mut self.buckets[i].1;
+        // A freed block is most often among the lowest addresses of its
+        // bucket (a plan frees 1.5 blocks past it on average): search from
+        // the end.
+        let below = (blocks.iter().rev()).take_while(|&&b| b < free).count();
+        blocks.insert(blocks.len() - below, free);
+    }
+
+    fn remove(&mut self, size: u64, free: FreeBlock) {
+        let i = self.bucket(size).expect("a free block is indexed");
+        let blocks = &mut self.buckets[i].1;
+        let at = blocks.partition_point(|&b| b > free);
+        debug_assert_eq!(blocks.get(at), Some(&free));
+        blocks.remove(at);
+        if blocks.is_empty() {
+            self.spare.push(self.buckets.remove(i).1);
+        }
     }
 }
-
-/// Where a live allocation sits; `seg == FREED` once freed.
-#[derive(Clone, Copy, Debug)]
-struct Place {
-    seg: u32,
-    offset: u64,
-}
-
-const FREED: u32 = u32::MAX;
 
 /// The allocator's state and its high-water marks.
 #[derive(Clone, Debug, Default)]
 pub struct CachingAllocator {
     segments: Vec<Segment>,
-    /// Free blocks per pool, ordered as the allocator searches them: size,
-    /// then address (segment, offset).
-    free: [BTreeSet<(u64, u32, u64)>; 2],
-    /// Every allocation, by id (ids count up from 1): where it sits.
-    places: Vec<Place>,
+    /// Every block of every segment, in slots; `vacant` lists the slots
+    /// that merged blocks gave up.
+    blocks: Vec<Block>,
+    vacant: Vec<u32>,
+    /// Free blocks per pool.
+    free: [FreeIndex; 2],
+    /// Every allocation, by id (ids count up from 1): its block's slot, or
+    /// `NONE` once freed.
+    places: Vec<u32>,
     allocated: u64,
     reserved: u64,
     pub peak_allocated: u64,
@@ -109,6 +165,30 @@ impl CachingAllocator {
         Self::default()
     }
 
+    /// A slot for `block`.
+    fn slot(&mut self, block: Block) -> u32 {
+        match self.vacant.pop() {
+            Some(i) => {
+                self.blocks[i as usize] = block;
+                i
+            }
+            None => {
+                self.blocks.push(block);
+                u32::try_from(self.blocks.len() - 1).expect("under 2^32 blocks")
+            }
+        }
+    }
+
+    /// How the free index names the free block in slot `i`.
+    fn key(&self, i: u32) -> (u64, FreeBlock) {
+        let b = &self.blocks[i as usize];
+        (b.size, (b.seg, b.offset, i))
+    }
+
+    fn pool(&self, i: u32) -> usize {
+        self.segments[self.blocks[i as usize].seg as usize].pool as usize
+    }
+
     /// Allocates `bytes` (> 0) and returns the allocation's id.
     pub fn malloc(&mut self, bytes: u64) -> u64 {
         let size = round_size(bytes);
@@ -117,27 +197,23 @@ impl CachingAllocator {
         } else {
             Pool::Large
         };
-        let free = &mut self.free[pool as usize];
-        let found = free.range((size, 0, 0)..).next().copied();
-        let (seg, offset, block) = match found {
-            Some(key @ (block, seg, offset)) => {
-                free.remove(&key);
-                (seg, offset, block)
-            }
+        let (block, i) = match self.free[pool as usize].take(size) {
+            Some(found) => found,
             None => {
                 let total = segment_size(size);
-                self.segments.push(Segment {
-                    pool,
-                    blocks: vec![Block {
-                        offset: 0,
-                        size: total,
-                        free: true,
-                    }],
+                let seg = u32::try_from(self.segments.len()).expect("under 2^32 segments");
+                let head = self.slot(Block {
+                    seg,
+                    offset: 0,
+                    size: total,
+                    free: true,
+                    prev: NONE,
+                    next: NONE,
                 });
+                self.segments.push(Segment { pool, head });
                 self.reserved += total;
                 self.peak_reserved = self.peak_reserved.max(self.reserved);
-                let seg = u32::try_from(self.segments.len() - 1).expect("under 2^32 segments");
-                (seg, 0, total)
+                (total, head)
             }
         };
         let rest = block - size;
@@ -145,29 +221,40 @@ impl CachingAllocator {
             Pool::Small => rest >= MIN_BLOCK,
             Pool::Large => rest > SMALL_SIZE,
         };
-        let used = if split { size } else { block };
-        let s = &mut self.segments[seg as usize];
-        let i = s.at(offset);
-        s.blocks[i] = Block {
-            offset,
-            size: used,
-            free: false,
-        };
+        let b = self.blocks[i as usize];
         if split {
-            s.blocks.insert(
-                i + 1,
-                Block {
-                    offset: offset + size,
-                    size: rest,
-                    free: true,
-                },
-            );
-            self.free[pool as usize].insert((rest, seg, offset + size));
+            let r = self.slot(Block {
+                seg: b.seg,
+                offset: b.offset + size,
+                size: rest,
+                free: true,
+                prev: i,
+                next: b.next,
+            });
+            if b.next != NONE {
+                self.blocks[b.next as usize].prev = r;
+            }
+            self.blocks[i as usize].next = r;
+            self.blocks[i as usize].size = size;
+            let (rest, key) = self.key(r);
+            self.free[pool as usize].insert(rest, key);
         }
-        self.allocated += used;
+        self.blocks[i as usize].free = false;
+        self.allocated += self.blocks[i as usize].size;
         self.peak_allocated = self.peak_allocated.max(self.allocated);
-        self.places.push(Place { seg, offset });
+        self.places.push(i);
         self.places.len() as u64
+    }
+
+    /// Joins the block in slot `j` onto the block before it, `i`.
+    fn absorb(&mut self, i: u32, j: u32) {
+        let b = self.blocks[j as usize];
+        self.blocks[i as usize].size += b.size;
+        self.blocks[i as usize].next = b.next;
+        if b.next != NONE {
+            self.blocks[b.next as usize].prev = i;
+        }
+        self.vacant.push(j);
     }
 
     /// Frees allocation `id`: merged with free neighbours, back to its pool.
@@ -175,56 +262,61 @@ impl CachingAllocator {
         let Some(place) = (id as usize)
             .checked_sub(1)
             .and_then(|i| self.places.get_mut(i))
-            .filter(|p| p.seg != FREED)
+            .filter(|p| **p != NONE)
         else {
             return;
         };
-        let (seg, offset) = (place.seg, place.offset);
-        place.seg = FREED;
-        let s = &mut self.segments[seg as usize];
-        let free = &mut self.free[s.pool as usize];
-        let mut i = s.at(offset);
-        self.allocated -= s.blocks[i].size;
-        let (mut start, mut len) = (offset, s.blocks[i].size);
-        // The free block after (blocks tile the segment, so a neighbour
-        // in the vector is a neighbour in memory).
-        if let Some(&next) = s.blocks.get(i + 1)
-            && next.free
-        {
-            free.remove(&(next.size, seg, next.offset));
-            s.blocks.remove(i + 1);
-            len += next.size;
+        let mut i = std::mem::replace(place, NONE);
+        let pool = self.pool(i);
+        self.allocated -= self.blocks[i as usize].size;
+        // The free block after.
+        let next = self.blocks[i as usize].next;
+        if next != NONE && self.blocks[next as usize].free {
+            let (size, key) = self.key(next);
+            self.free[pool].remove(size, key);
+            self.absorb(i, next);
         }
         // The free block before.
-        if i > 0 && s.blocks[i - 1].free {
-            let prev = s.blocks[i - 1];
-            free.remove(&(prev.size, seg, prev.offset));
-            s.blocks.remove(i);
-            i -= 1;
-            start = prev.offset;
-            len += prev.size;
+        let prev = self.blocks[i as usize].prev;
+        if prev != NONE && self.blocks[prev as usize].free {
+            let (size, key) = self.key(prev);
+            self.free[pool].remove(size, key);
+            self.absorb(prev, i);
+            i = prev;
         }
-        s.blocks[i] = Block {
-            offset: start,
-            size: len,
-            free: true,
-        };
-        free.insert((len, seg, start));
+        self.blocks[i as usize].free = true;
+        let (size, key) = self.key(i);
+        self.free[pool].insert(size, key);
+    }
+
+    /// Segment `seg`'s blocks in address order.
+    fn blocks_of(&self, seg: usize) -> impl Iterator<Item = &Block> {
+        let mut i = self.segments[seg].head;
+        std::iter::from_fn(move || {
+            let b = self.blocks.get(i as usize)?;
+            i = b.next;
+            Some(b)
+        })
     }
 
     /// The allocator's layout, flattened: every segment's pool and blocks
     /// (offset, size, free) in order. Two allocators with the same layout
     /// serve any sequence of requests alike (the free sets follow from the
-    /// blocks; which id sits in a block does not matter), which is what a
-    /// planner's fast-forward over identical micro-batches checks.
+    /// blocks; which id sits in a block, or which slot holds it, does not
+    /// matter), which is what a planner's fast-forward over identical
+    /// micro-batches checks.
     pub fn layout(&self) -> Vec<u64> {
         let mut out = Vec::with_capacity(2 + 4 * self.segments.len());
         out.extend([self.allocated, self.reserved]);
-        for s in &self.segments {
-            out.push(((s.pool as u64) << 32) | s.blocks.len() as u64);
-            for b in &s.blocks {
+        for (seg, s) in self.segments.iter().enumerate() {
+            let header = out.len();
+            out.push(0);
+            let mut n = 0;
+            for b in self.blocks_of(seg) {
                 out.extend([b.offset, b.size, b.free as u64]);
+                n += 1;
             }
+            out[header] = ((s.pool as u64) << 32) | n;
         }
         out
     }
@@ -306,5 +398,87 @@ mod tests {
         assert_eq!(a.reserved(), 38 * MIB);
         assert_eq!(a.allocated(), 26 * MIB);
         a.free(q);
+    }
+
+    /// The rules again, as plainly as they read: every free block of the
+    /// pool scanned for the smallest fit, lowest address first.
+    fn best_fit_by_scan(a: &CachingAllocator, pool: Pool, size: u64) -> Option<(u64, u32, u64)> {
+        (0..a.segments.len())
+            .filter(|&i| a.segments[i].pool == pool)
+            .flat_map(|i| {
+                (a.blocks_of(i))
+                    .filter(|b| b.free && b.size >= size)
+                    .map(move |b| (b.size, i as u32, b.offset))
+            })
+            .min()
+    }
+
+    #[test]
+    fn the_free_index_finds_what_scanning_every_free_block_finds() {
+        // A deterministic mix of sizes that repeat (as a step's tensors do)
+        // and odd ones, small and large, freed in a scrambled order.
+        let mut rng = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let sizes = [3 * MIB, 12 * MIB, 700 * 1024, 64 * 1024, 25 * MIB + 512];
+        let mut a = CachingAllocator::new();
+        let mut live: Vec<u64> = Vec::new();
+        for _ in 0..20_000 {
+            let r = next();
+            if live.is_empty() || r % 5 < 3 {
+                let bytes = if r % 7 == 0 {
+                    1 + (next() % (40 * MIB))
+                } else {
+                    sizes[(next() % sizes.len() as u64) as usize]
+                };
+                let size = round_size(bytes);
+                let pool = if size <= SMALL_SIZE {
+                    Pool::Small
+                } else {
+                    Pool::Large
+                };
+                let expect = best_fit_by_scan(&a, pool, size);
+                let id = a.malloc(bytes);
+                let place = a.blocks[a.places[id as usize - 1] as usize];
+                match expect {
+                    Some((_, seg, offset)) => assert_eq!((place.seg, place.offset), (seg, offset)),
+                    None => assert_eq!(place.seg as usize, a.segments.len() - 1),
+                }
+                live.push(id);
+            } else {
+                let i = (next() % live.len() as u64) as usize;
+                a.free(live.swap_remove(i));
+            }
+            // The index holds exactly the free blocks.
+            let mut indexed: Vec<(u64, u32, u64)> = (a.free.iter())
+                .flat_map(|f| f.buckets.iter())
+                .flat_map(|(size, blocks)| blocks.iter().map(|&(s, o, _)| (*size, s, o)))
+                .collect();
+            let mut free: Vec<(u64, u32, u64)> = (0..a.segments.len())
+                .flat_map(|i| {
+                    (a.blocks_of(i))
+                        .filter(|b| b.free)
+                        .map(move |b| (b.size, i as u32, b.offset))
+                })
+                .collect();
+            indexed.sort_unstable();
+            free.sort_unstable();
+            assert_eq!(indexed, free);
+            // Each segment's blocks tile it, linked both ways.
+            for seg in 0..a.segments.len() {
+                let (mut end, mut prev) = (0, NONE);
+                let mut i = a.segments[seg].head;
+                while i != NONE {
+                    let b = a.blocks[i as usize];
+                    assert_eq!((b.seg as usize, b.offset, b.prev), (seg, end, prev));
+                    (end, prev, i) = (b.offset + b.size, i, b.next);
+                }
+            }
+        }
+        assert!(a.segments.len() > 10, "the mix grew the pools");
     }
 }
