@@ -14,6 +14,10 @@ use memfit::config::profile::load_model;
 use memfit::engine::{Attention, Checkpointing, Framework, Optimizer, Precision, Sharding};
 use memfit::plan::{Grid, PlanRecipe, Verdict, expand, plan, predict};
 
+// The allocator `memfit` itself runs on (see src/main.rs).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     let model = load_model("llama-3.1-70b").unwrap();
     let hw = load_hardware("h100-sxm-80gb").unwrap();

@@ -465,3 +465,6 @@ fn balance_main(args: &memfit::cli::BalanceArgs) -> i32 {
         }
     }
 }
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

@@ -117,7 +117,7 @@ fn llama_family_fields() {
     assert!(q.tied());
     let (specs, idx) = q.param_layout();
     let b = idx.blocks[0].qkv_b.expect("qwen2 has a q|k|v bias");
-    assert_eq!(specs[b].name, "h.0.attn.qkv.bias");
+    assert_eq!(specs[b].name.to_string(), "h.0.attn.qkv.bias");
     assert_eq!(specs[b].shape, vec![(14 + 2 * 2) * 64]);
     assert!(
         idx.blocks

@@ -727,9 +727,10 @@ fn per_rank_lora_memory_is_the_adapters_state() {
     // neighbours is what zero3 holds gathered at once.
     let mut unit = vec![0u64; model.n_layer + 2];
     for (i, s) in specs.iter().enumerate() {
-        let u = match s.name.strip_prefix("h.") {
+        let name = s.name.to_string();
+        let u = match name.strip_prefix("h.") {
             Some(rest) => 1 + rest.split('.').next().unwrap().parse::<usize>().unwrap(),
-            None if s.name.starts_with("wte") => 0,
+            None if name.starts_with("wte") => 0,
             None => model.n_layer + 1,
         };
         unit[u] += numel(i);

@@ -179,7 +179,7 @@ fn per_rank_memory_follows_the_zero_formulas() {
     let shards: u64 = specs.iter().map(|s| s.numel().div_ceil(n) as u64).sum();
     let mut unit = vec![0u64; model.n_layer + 2];
     for s in &specs {
-        unit[unit_of(&s.name, model.n_layer)] += s.numel() as u64;
+        unit[unit_of(&s.name.to_string(), model.n_layer)] += s.numel() as u64;
     }
     let biggest_unit = *unit.iter().max().unwrap();
     let biggest_pair = unit.windows(2).map(|w| w[0] + w[1]).max().unwrap();

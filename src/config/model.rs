@@ -78,9 +78,40 @@ pub enum Init {
 /// One parameter tensor: its name (HF-like), shape, and initialisation.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParamSpec {
-    pub name: String,
+    pub name: ParamName,
     pub shape: Vec<usize>,
     pub init: Init,
+}
+
+/// A parameter's name as Hugging Face-like checkpoints spell it, kept in
+/// parts and spelled out only when shown: a plan builds the layout of every
+/// point, and formatting ~500 names each was a twentieth of its time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ParamName {
+    /// The block it belongs to (`h.{layer}.`), if any.
+    pub layer: Option<usize>,
+    pub part: &'static str,
+    /// A suffix after the part (LoRA's `.lora_A`), or empty.
+    pub suffix: &'static str,
+}
+
+impl ParamName {
+    pub const fn top(part: &'static str) -> Self {
+        ParamName {
+            layer: None,
+            part,
+            suffix: "",
+        }
+    }
+}
+
+impl std::fmt::Display for ParamName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some(l) = self.layer {
+            write!(f, "h.{l}.")?;
+        }
+        write!(f, "{}{}", self.part, self.suffix)
+    }
 }
 
 impl ParamSpec {
@@ -267,13 +298,13 @@ impl ModelConfig {
         let std = 0.02f32;
         let resid_std = std / (2.0 * self.n_layer as f32).sqrt();
         let mut specs = Vec::new();
-        let mut push = |name: String, shape: Vec<usize>, init: Init| {
+        let mut push = |name: ParamName, shape: Vec<usize>, init: Init| {
             specs.push(ParamSpec { name, shape, init });
             specs.len() - 1
         };
         let mut idx = ParamIndex {
             wte: push(
-                "wte".into(),
+                ParamName::top("wte"),
                 vec![self.padded_vocab(), c],
                 Init::Normal(std),
             ),
@@ -281,13 +312,17 @@ impl ModelConfig {
         };
         if gpt2 {
             idx.wpe = Some(push(
-                "wpe".into(),
+                ParamName::top("wpe"),
                 vec![self.max_seq_len, c],
                 Init::Normal(std),
             ));
         }
         for l in 0..self.n_layer {
-            let p = |s: &str| format!("h.{l}.{s}");
+            let p = |part: &'static str| ParamName {
+                layer: Some(l),
+                part,
+                suffix: "",
+            };
             let ln1_w = push(p("ln_1.weight"), vec![c], Init::Ones);
             let ln1_b = gpt2.then(|| push(p("ln_1.bias"), vec![c], Init::Zeros));
             let qkv_w = push(
@@ -329,11 +364,11 @@ impl ModelConfig {
                 down_b,
             });
         }
-        idx.lnf_w = push("ln_f.weight".into(), vec![c], Init::Ones);
-        idx.lnf_b = gpt2.then(|| push("ln_f.bias".into(), vec![c], Init::Zeros));
+        idx.lnf_w = push(ParamName::top("ln_f.weight"), vec![c], Init::Ones);
+        idx.lnf_b = gpt2.then(|| push(ParamName::top("ln_f.bias"), vec![c], Init::Zeros));
         if !self.tied() {
             idx.lm_head = Some(push(
-                "lm_head".into(),
+                ParamName::top("lm_head"),
                 vec![self.padded_vocab(), c],
                 Init::Normal(std),
             ));
@@ -362,7 +397,11 @@ mod tests {
         assert_eq!(plain.qkv_bias, None);
         let (specs, idx) = plain.param_layout();
         assert!(idx.blocks.iter().all(|b| b.qkv_b.is_none()));
-        assert!(!specs.iter().any(|s| s.name.ends_with("attn.qkv.bias")));
+        assert!(
+            !specs
+                .iter()
+                .any(|s| s.name.to_string().ends_with("attn.qkv.bias"))
+        );
 
         let biased = ModelConfig {
             qkv_bias: Some(true),
@@ -374,7 +413,7 @@ mod tests {
         for (l, b) in idx.blocks.iter().enumerate() {
             let i = b.qkv_b.expect("qkv bias index");
             let spec = &specs[i];
-            assert_eq!(spec.name, format!("h.{l}.attn.qkv.bias"));
+            assert_eq!(spec.name.to_string(), format!("h.{l}.attn.qkv.bias"));
             assert_eq!(spec.shape, vec![biased.qkv_width()]);
             assert_eq!(spec.init, Init::Zeros);
             // Right after the weight, as gpt2 lays it out.

@@ -209,7 +209,7 @@ fn ob<Buf>(t: Option<&Tensor<Buf>>) -> u64 {
 pub struct Between {
     live: ByCategory,
     host_live: Option<ByCategory>,
-    layout: Option<Vec<u64>>,
+    layout: Option<crate::caching::Layout>,
     to_host: bool,
     call_stride: usize,
     roofline_s: f64,

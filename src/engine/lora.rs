@@ -20,7 +20,7 @@
 //! buckets, master weights and optimizer state on any rank. Pipelines are
 //! not supported yet, nor QLoRA under zero3 ([`check_parallel`]).
 
-use crate::config::model::{Init, ParamSpec};
+use crate::config::model::{Init, ParamName, ParamSpec};
 use crate::config::{Family, ModelConfig};
 
 /// What trains.
@@ -252,12 +252,20 @@ pub fn layout(
                     };
                     let a = specs.len();
                     specs.push(ParamSpec {
-                        name: format!("h.{l}.{name}.lora_A"),
+                        name: ParamName {
+                            layer: Some(l),
+                            part: name,
+                            suffix: ".lora_A",
+                        },
                         shape: vec![r, inp],
                         init: Init::Normal((1.0 / (3.0 * inp as f64)).sqrt() as f32),
                     });
                     specs.push(ParamSpec {
-                        name: format!("h.{l}.{name}.lora_B"),
+                        name: ParamName {
+                            layer: Some(l),
+                            part: name,
+                            suffix: ".lora_B",
+                        },
                         shape: vec![width, r],
                         init: Init::Zeros,
                     });
