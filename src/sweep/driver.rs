@@ -1764,9 +1764,10 @@ impl super::retime::Bench for ChildBench<'_, '_> {
         let timing = crate::stats::Timing {
             warmup_steps: 1,
             min_steps: steps,
-            max_steps: steps,
-            target_rel_ci: 1.0,
-            budget_s: 1e9,
+            max_steps: 10 * steps,
+            // Never stop on the steps' spread: the budget ends a bout.
+            target_rel_ci: 0.0,
+            budget_s: ctx.opts.retime.bout_budget_s,
         };
         if let Some(h) = &ctx.opts.hooks {
             while h.pause.load(Ordering::SeqCst) && !ctx.stop.load(Ordering::SeqCst) {
@@ -2307,10 +2308,10 @@ pub fn recommend_with(report: &mut SweepReport, ranking: Option<Ranking>) {
         (Some(rk), _) => {
             let fastest = rk.paired[0].trial;
             reasons.push(format!(
-                "the {} cheapest trials were timed again, interleaved ({} rounds of one {}-step bout each, the order rotated every round), so that they shared the host's load; each is ranked on its cost over the fastest's in the same round (paired intervals within ±{:.1}%, bound ±{:.0}%{})",
+                "the {} cheapest trials were timed again, interleaved ({} rounds of one bout each of {}, the order rotated every round), so that they shared the host's load; each is ranked on its cost over the fastest's in the same round (paired intervals within ±{:.1}%, bound ±{:.0}%{})",
                 rk.contenders.len(),
                 rk.rounds,
-                rk.bout_steps,
+                super::markdown::bout_words(rk),
                 rk.widest_half_interval * 100.0,
                 rk.noise_bound * 100.0,
                 match rk.retries {

@@ -1137,6 +1137,7 @@ mod tests {
             contenders: vec![2, 4, 1],
             rounds: 27,
             bout_steps: 3,
+            bout_budget_s: 0.5,
             paired: vec![
                 PairedTrial {
                     trial: 2,

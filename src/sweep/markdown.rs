@@ -68,16 +68,28 @@ pub fn cost_words(r: &TrialRecord) -> String {
     }
 }
 
+/// What one bout of a paired ranking timed: "3 steps" in reports from
+/// before bouts had a budget, else "at least 3 steps and 0.5 s".
+pub fn bout_words(rk: &super::report::Ranking) -> String {
+    match rk.bout_budget_s > 0.0 {
+        true => format!(
+            "at least {} steps and {} s",
+            rk.bout_steps, rk.bout_budget_s
+        ),
+        false => format!("{} steps", rk.bout_steps),
+    }
+}
+
 /// How the recommendation ranked the trials, in words, or `None` for a
 /// report without a ranking (written before paired re-timing).
 pub fn ranking_line(report: &SweepReport) -> Option<String> {
     let rk = report.recommendation.as_ref()?.ranking.as_ref()?;
     Some(match rk.method.as_str() {
         "paired" => format!(
-            "Ranked on paired re-timing: the {} cheapest trials by their own measurement were timed again, interleaved, in {} rounds of one {}-step bout each (the order rotated every round, so that they shared the host's load); each finalist's cost is its median ratio to the fastest's in the same round. Paired intervals are within ±{:.1}% (bound ±{:.0}%{}); finalists within {:.0}% of the fastest are tied.{}",
+            "Ranked on paired re-timing: the {} cheapest trials by their own measurement were timed again, interleaved, in {} rounds of one bout each of {} (the order rotated every round, so that they shared the host's load); each finalist's cost is its median ratio to the fastest's in the same round. Paired intervals are within ±{:.1}% (bound ±{:.0}%{}); finalists within {:.0}% of the fastest are tied.{}",
             rk.contenders.len(),
             rk.rounds,
-            rk.bout_steps,
+            bout_words(rk),
             rk.widest_half_interval * 100.0,
             rk.noise_bound * 100.0,
             match rk.retries {

@@ -202,9 +202,13 @@ pub struct Ranking {
     /// Interleaved rounds every finalist ran a bout in.
     #[serde(default)]
     pub rounds: usize,
-    /// Timed steps per bout, after one warm-up step.
+    /// Timed steps per bout at least, after one warm-up step, and until
+    /// they took `bout_budget_s` (0 in reports from before bouts had a
+    /// time budget).
     #[serde(default)]
     pub bout_steps: usize,
+    #[serde(default)]
+    pub bout_budget_s: f64,
     /// The finalists, fastest first, with their paired figures.
     #[serde(default)]
     pub paired: Vec<PairedTrial>,
@@ -242,8 +246,8 @@ pub struct Ranking {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drift: Option<f64>,
     /// How far the load swung while the finalists were re-timed: of each
-    /// finalist's bouts, the costliest over the cheapest, the largest of
-    /// these (1.0: a steady host). A trial timed alone may have been slowed
+    /// finalist's bouts, the 90th percentile of their costs over the 10th,
+    /// the largest of these (1.0: a steady host). A trial timed alone may have been slowed
     /// as much, so when `noisy` the tie allows for the larger of this and
     /// `drift`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
