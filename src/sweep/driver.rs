@@ -2211,11 +2211,11 @@ pub fn recommend_with(report: &mut SweepReport, ranking: Option<Ranking>) {
             if rk.noisy {
                 let best = cost(&report.trials[cheapest]);
                 let reach = best * (1.0 + rk.tie_within) * drift.unwrap_or(1.0);
-                tie.extend(
-                    fit.iter()
-                        .copied()
-                        .filter(|&i| pos(i).is_none() && interval(&report.trials[i])[0] <= reach),
-                );
+                let more: Vec<usize> = (fit.iter().copied())
+                    .filter(|&i| pos(i).is_none() && !tie.contains(&i))
+                    .filter(|&i| interval(&report.trials[i])[0] <= reach)
+                    .collect();
+                tie.extend(more);
             }
             (tie, pool)
         }

@@ -1164,6 +1164,7 @@ mod tests {
             tie_floor: 0.05,
             drift: Some(1.3),
             load_swing: None,
+            screened: Vec::new(),
             noisy: true,
         };
         rec.ranking = Some(ranking.clone());

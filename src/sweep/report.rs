@@ -252,6 +252,12 @@ pub struct Ranking {
     /// `drift`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub load_swing: Option<f64>,
+    /// The contenders screened out before the finalists' rounds, cheapest
+    /// first, with their cost over the fastest finalist's in the screening
+    /// rounds (a few, so wide intervals). Those whose interval reaches
+    /// within `tie_within` of 1.0 are in the tie.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub screened: Vec<PairedTrial>,
 }
 
 /// One finalist's paired figures.

@@ -291,6 +291,7 @@ pub fn unranked(method: &str, note: &str, policy: &Retime) -> Ranking {
         noisy: false,
         drift: None,
         load_swing: None,
+        screened: Vec::new(),
     }
 }
 
@@ -326,6 +327,9 @@ pub fn rank(contenders: &[usize], bench: &mut dyn Bench, policy: &Retime) -> Ran
     };
     // Screening: all contenders, a few rounds, to pick the finalists.
     let mut rows: Rows = Vec::new();
+    // The screening's rows over every contender, kept to place the ones
+    // screened out against the fastest finalist.
+    let mut screening: Option<Rows> = None;
     let finalists: Vec<usize> = if contenders.len() > policy.max_finalists {
         bench.say(&format!(
             "screening {} contenders in {} interleaved rounds",
@@ -351,6 +355,7 @@ pub fn rank(contenders: &[usize], bench: &mut dyn Bench, policy: &Retime) -> Ran
             .iter()
             .map(|r| keep.iter().map(|&c| r[c]).collect())
             .collect();
+        screening = Some(screen);
         keep.iter().map(|&c| contenders[c]).collect()
     } else {
         contenders.to_vec()
@@ -426,6 +431,41 @@ pub fn rank(contenders: &[usize], bench: &mut dyn Bench, policy: &Retime) -> Ran
     ranking.tie_within = policy.tie_floor.max(2.0 * a.widest);
     ranking.tie_floor = policy.tie_floor;
     ranking.load_swing = load_swing(&rows);
+    // Contenders screened out, against the fastest finalist in the same
+    // screening rounds: a few rounds under load can drop one that is as
+    // fast (a sweep under a switching CPU hog dropped the idle host's
+    // runner-up this way, then settled its finalists to ±9% and tied
+    // none of them with it).
+    if let (Some(screen), Some(&fastest)) = (&screening, a.order.first()) {
+        let f = contenders
+            .iter()
+            .position(|&t| t == finalists[fastest])
+            .expect("finalists are contenders");
+        ranking.screened = (0..contenders.len())
+            .filter(|&c| !finalists.contains(&contenders[c]))
+            .filter_map(|c| {
+                let q: Vec<f64> = (screen.iter())
+                    .filter_map(|r| Some(r[c]?.cost / r[f]?.cost))
+                    .collect();
+                let t: Vec<f64> = (screen.iter())
+                    .filter_map(|r| r[c])
+                    .map(|b| b.tokens_per_s)
+                    .collect();
+                let (m, lo, hi) = median_ci(&q);
+                (!q.is_empty()).then(|| PairedTrial {
+                    trial: contenders[c],
+                    cost_ratio: m,
+                    cost_ratio_ci: [lo, hi],
+                    tokens_per_s: crate::stats::median(&t),
+                    bouts: t.len(),
+                    failed_bouts: screen.len() - t.len(),
+                })
+            })
+            .collect();
+        ranking
+            .screened
+            .sort_by(|x, y| x.cost_ratio.total_cmp(&y.cost_ratio));
+    }
     ranking.paired = a
         .order
         .iter()
@@ -479,14 +519,17 @@ pub fn worth_retrying(widest: f64, rounds: usize, at_most: usize, bound: f64) ->
 }
 
 /// The paired finalists `ranking` ties with the fastest (its interval
-/// reaches within `tie_within`), and those timing cannot tell from it at
+/// reaches within `tie_within`; and the contenders screened out whose
+/// screening interval does), and those timing cannot tell from it at
 /// all (its interval reaches 1.0 and its median is within `tie_floor`:
 /// on a noisy host a wide interval alone would let a slower one in), each
 /// fastest first.
 pub fn tie_sets(ranking: &Ranking) -> (Vec<usize>, Vec<usize>) {
-    let tied = ranking
-        .paired
-        .iter()
+    // Contenders screened out whose screening interval still reaches
+    // within the tie are tied too (never the pick: they ran too few
+    // rounds to be one).
+    let tied = (ranking.paired.iter())
+        .chain(&ranking.screened)
         .filter(|p| p.cost_ratio_ci[0] <= 1.0 + ranking.tie_within)
         .map(|p| p.trial)
         .collect();
@@ -628,6 +671,30 @@ pub(crate) mod tests {
         // 10 x 3 screening bouts, then 3 x 9.
         assert_eq!(host.bouts, 30 + 27);
         assert_eq!(r.rounds, 3 + 9);
+    }
+
+    #[test]
+    fn a_contender_screened_out_but_as_fast_stays_in_the_tie() {
+        // Four as fast as each other (within 2%), four 50-80% slower, and
+        // room for three finalists: one of the fast four is screened out.
+        let step_s = vec![0.100, 0.101, 0.102, 0.1005, 0.15, 0.16, 0.17, 0.18];
+        let mut host = FakeHost::new(step_s, hog);
+        let p = Retime {
+            max_finalists: 3,
+            ..Retime::default()
+        };
+        let all: Vec<usize> = (0..8).collect();
+        let r = rank(&all, &mut host, &p);
+        assert_eq!(r.paired.len(), 3, "{r:#?}");
+        assert_eq!(r.screened.len(), 5, "{r:#?}");
+        let (mut tied, same) = tie_sets(&r);
+        tied.sort();
+        assert_eq!(tied, vec![0, 1, 2, 3], "{r:#?}");
+        // The pick is still a finalist.
+        assert!(same.iter().all(|t| r.paired.iter().any(|p| p.trial == *t)));
+        // Without screening nothing is screened out.
+        let r = rank(&all[..3], &mut host, &p);
+        assert!(r.screened.is_empty());
     }
 
     #[test]
