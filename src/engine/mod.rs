@@ -1003,13 +1003,15 @@ impl<B: Backend> Engine<B> {
         // micro-batches plans as two or three). With a pipeline, stages
         // interleave micro-batches and each runs them all.
         //
-        // The first micro-batch is not compared with the step's start: that
-        // state holds no activation segments yet (a plan steps a new engine),
-        // so it does not come back, and taking its snapshot cost a plan more
-        // than the rare micro-batch it could save. Whether a micro-batch is
-        // fast-forwarded never changes what is counted, only how fast.
+        // Under the caching-allocator model the first micro-batch is not
+        // compared with the step's start: a plan steps a new engine, whose
+        // allocator holds no activation segments yet, so that state does
+        // not come back, and its snapshot (a copy of the allocator's
+        // arrays) cost a plan more than the rare micro-batch it could save.
+        // Whether a micro-batch is fast-forwarded never changes what is
+        // counted, only how fast.
         let fast = self.dev.be.planning() && self.pipe.is_none() && !tests_run_every_micro_batch();
-        let mut before: Option<device::Between> = None;
+        let mut before = (fast && self.dev.caching.is_none()).then(|| self.dev.between());
         let (mut done, mut skip) = (0, false);
         for op in ops {
             if skip {
