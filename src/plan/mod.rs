@@ -1876,6 +1876,20 @@ mod tests {
     use crate::config::hardware::load_hardware;
     use crate::config::profile::load_model;
 
+    /// A recipe parsed from `yaml`, with its model and hardware profiles.
+    fn recipe(
+        yaml: &str,
+    ) -> (
+        PlanRecipe,
+        ModelConfig,
+        crate::config::hardware::HardwareProfile,
+    ) {
+        let r: PlanRecipe = serde_yaml_ng::from_str(yaml).unwrap();
+        let model = load_model(&r.model).unwrap();
+        let hw = load_hardware(&r.hardware).unwrap();
+        (r, model, hw)
+    }
+
     /// The planner fast-forwards over micro-batches that repeat one another
     /// (`Engine::step_from`). Over points that exercise every feature a
     /// micro-batch touches, it plans exactly what running every micro-batch
@@ -1884,9 +1898,7 @@ mod tests {
     #[test]
     fn fast_forward_plans_what_running_every_micro_batch_does() {
         let yaml = "model: gpt2\nhardware: h100-sxm-80gb\nseq_len: 128\nglobal_batch: 64\nhost_memory: 1TiB\ngrid:\n  micro_batch: [1, 2]\n  precision: [bf16, fp16]\n  checkpointing: [none, full]\n  optimizer: [adamw, adamw8bit]\n  sharding: [ddp, zero1, zero2, zero3]\n  gpus: [4, 8]\n  framework: [memfit, hf-eager]\n  finetune: [full, lora]\n  offload: [none, optimizer]\n";
-        let r: PlanRecipe = serde_yaml_ng::from_str(yaml).unwrap();
-        let model = load_model(&r.model).unwrap();
-        let hw = load_hardware(&r.hardware).unwrap();
+        let (r, model, hw) = recipe(yaml);
         let (capacity, overhead) = r.capacity(&hw);
         let rates = Rates::gpu(&hw, hw.usd_per_hour);
         let mut layouts = vec![];
@@ -1953,9 +1965,7 @@ mod tests {
     #[test]
     fn unlifted_is_the_point_planned_alone() {
         let yaml = "model: llama-3.1-70b\nhardware: h100-sxm-80gb\nseq_len: 4096\nglobal_batch: 64\ngrid:\n  framework: [hf-eager]\n  precision: [fp32]\n  micro_batch: [1, 2]\n  checkpointing: [full]\n  sharding: [zero1]\n  gpus: [8]\n";
-        let r: PlanRecipe = serde_yaml_ng::from_str(yaml).unwrap();
-        let model = load_model(&r.model).unwrap();
-        let hw = load_hardware(&r.hardware).unwrap();
+        let (r, model, hw) = recipe(yaml);
         let both = plan(&r, &model, &hw);
         let lifted = both
             .points

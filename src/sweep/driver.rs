@@ -974,9 +974,9 @@ fn check_identity(dir: &Path, id: &SweepIdentity, resume: bool, journaled: usize
 /// (`cli`); this catches a library caller, and names the same flags.
 fn check_options(opts: &SweepOptions) -> Result<()> {
     if let Some(n) = opts.threads {
-        crate::cli::check_threads(n).map_err(|m| Error::invalid_arg("--threads", m))?;
+        crate::config::limits::check_threads(n).map_err(|m| Error::invalid_arg("--threads", m))?;
     }
-    crate::cli::check_seconds(opts.timeout.as_secs_f64())
+    crate::config::limits::check_seconds(opts.timeout.as_secs_f64())
         .map_err(|m| Error::invalid_arg("--trial-timeout", m))?;
     if let Some((flag, why)) = opts.timing.invalid() {
         return Err(Error::invalid_arg(flag, why));
