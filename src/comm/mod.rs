@@ -61,6 +61,13 @@ pub trait Collective<Buf>: Send {
     /// [`Collective::abort`] as a handle that outlives borrows of the
     /// communicator (the thread that runs a rank holds it mutably).
     fn abort_handle(&self) -> AbortHandle;
+
+    /// A second handle on the same rank of the same group, for a planning
+    /// engine forked from another (`Engine::reshaped`). Only collectives
+    /// that hold no connection can be copied: `None` for the rest.
+    fn fork(&self) -> Option<Box<dyn Collective<Buf>>> {
+        None
+    }
 }
 
 /// Aborts a collective group; see [`Collective::abort`].
@@ -166,6 +173,9 @@ impl Collective<()> for MetaComm {
     }
     fn abort_handle(&self) -> AbortHandle {
         std::sync::Arc::new(|| {})
+    }
+    fn fork(&self) -> Option<Box<dyn Collective<()>>> {
+        Some(Box::new(*self))
     }
 }
 

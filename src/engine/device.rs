@@ -29,6 +29,15 @@ pub struct Tensor<Buf> {
     pub host: bool,
 }
 
+/// A meta tensor holds no data: a copy is its description, for a planning
+/// engine forked from another (`Engine::reshaped`). Tensors with data are
+/// not copied (each buffer is freed once).
+impl Clone for Tensor<()> {
+    fn clone(&self) -> Self {
+        Tensor { ..*self }
+    }
+}
+
 impl<Buf> Tensor<Buf> {
     pub fn bytes(&self) -> u64 {
         (self.len * self.dtype.size()) as u64
@@ -128,6 +137,7 @@ impl CostCounter {
     }
 }
 
+#[derive(Clone)]
 pub struct Device<B: Backend> {
     pub be: B,
     pub tracker: Tracker,

@@ -278,6 +278,20 @@ impl Default for TrainConfig {
 }
 
 impl TrainConfig {
+    /// These knobs with `other`'s batch shape: its micro-batch, accumulation,
+    /// attention kernel and checkpointing. Of what an engine allocates, only
+    /// the workspace reads them ([`Engine::unshaped`]); the step reads them
+    /// all.
+    pub fn with_batch_shape_of(&self, other: &TrainConfig) -> TrainConfig {
+        TrainConfig {
+            micro_batch: other.micro_batch,
+            grad_accum: other.grad_accum,
+            attention: other.attention,
+            checkpointing: other.checkpointing,
+            ..self.clone()
+        }
+    }
+
     /// Data-parallel replicas: ranks per pipeline stage and tensor-parallel
     /// position.
     pub fn data_ranks(&self) -> usize {
@@ -471,6 +485,63 @@ pub struct Engine<B: Backend> {
     widths: tensor::Widths,
 }
 
+impl Engine<crate::backend::meta::MetaBackend> {
+    /// A copy of this unshaped planning engine ([`Engine::unshaped`]) for
+    /// `train`, which may differ from its own knobs only in the batch's
+    /// shape ([`TrainConfig::with_batch_shape_of`]), with its workspace:
+    /// what [`Engine::new_linked`] builds for `train`, to the byte and the
+    /// allocator block, without building it again (a plan's points share
+    /// their parameters, gradients and optimizer states this way).
+    /// `None` for a pipeline stage or a communicator that cannot be copied.
+    pub fn reshaped(&self, train: TrainConfig) -> Option<Result<Self, OomError>> {
+        assert_eq!(self.workspace.len, 0, "reshaped from an unshaped engine");
+        assert_eq!(self.step, 0, "reshaped before any step");
+        assert!(
+            self.train.with_batch_shape_of(&train) == train,
+            "only the batch's shape differs"
+        );
+        if self.pipe.is_some() {
+            return None;
+        }
+        let dist = match &self.dist {
+            Some(d) => Some(d.fork()?),
+            None => None,
+        };
+        let tp = match &self.tp {
+            Some(t) => Some(t.fork()?),
+            None => None,
+        };
+        let hf =
+            (self.hf.as_ref()).map(|_| HfRules::new(&self.model, &train, self.dev.be.is_gpu()));
+        let mut e = Engine {
+            model: self.model.clone(),
+            train,
+            dev: self.dev.clone(),
+            specs: self.specs.clone(),
+            idx: self.idx.clone(),
+            params: self.params.clone(),
+            grads: self.grads.clone(),
+            master: self.master.clone(),
+            opt: self.opt.clone(),
+            workspace: self.workspace.clone(),
+            dist,
+            pipe: None,
+            owned: self.owned.clone(),
+            step: 0,
+            skipped_steps: 0,
+            loss_scale: self.loss_scale,
+            good_steps: 0,
+            hf,
+            lazy_grads: self.lazy_grads,
+            adapters: self.adapters.clone(),
+            trainable: self.trainable.clone(),
+            tp,
+            widths: self.widths,
+        };
+        Some(e.alloc_workspace().map(|()| e))
+    }
+}
+
 /// `&mut v[i]` and, when given, `&mut v[j]` (i != j).
 fn pair_mut<X>(v: &mut [X], i: usize, j: Option<usize>) -> (&mut X, Option<&mut X>) {
     match j {
@@ -522,6 +593,23 @@ impl<B: Backend> Engine<B> {
     /// it splits its blocks with (`tensor.rs`). A stage allocates only the
     /// tensors it holds, a tensor-parallel rank only its slices.
     pub fn new_linked(
+        model: ModelConfig,
+        train: TrainConfig,
+        be: B,
+        capacity: Option<u64>,
+        links: Links<B>,
+    ) -> Result<Self, OomError> {
+        let mut e = Self::unshaped(model, train, be, capacity, links)?;
+        e.alloc_workspace()?;
+        Ok(e)
+    }
+
+    /// [`Engine::new_linked`] but for the one tensor whose size depends on
+    /// the batch's shape (micro-batch, attention kernel, checkpointing): the
+    /// workspace, a placeholder until [`Engine::alloc_workspace`]. Nothing
+    /// else it allocates reads those knobs, so a planner builds this once
+    /// for the points that differ only there (`Engine::reshaped`).
+    pub fn unshaped(
         model: ModelConfig,
         train: TrainConfig,
         be: B,
@@ -731,11 +819,7 @@ impl<B: Backend> Engine<B> {
             let d = dist.as_mut().expect("ddp");
             d.alloc_buckets(&mut dev, wdt, train.bucket_view)?;
         }
-        let shape = attn_shape(&model, &train);
-        let ws_bytes = dev
-            .be
-            .workspace_bytes(shape, train.attention == Attention::Fused, wdt);
-        let workspace = dev.alloc_f32(ws_bytes.div_ceil(4), Category::Workspace)?;
+        let workspace = dev.placeholder(DType::F32, Category::Workspace);
         if dev.be.holds_data() {
             let mut host = init_weights(&full_specs, train.seed);
             if let Some(tp) = &tp {
@@ -835,6 +919,24 @@ impl<B: Backend> Engine<B> {
             tp,
             widths,
         })
+    }
+
+    /// Allocates the workspace for this engine's batch shape (a placeholder
+    /// until then: [`Engine::unshaped`]).
+    pub fn alloc_workspace(&mut self) -> Result<(), OomError> {
+        assert_eq!(self.workspace.len, 0, "the workspace is allocated once");
+        // hf-eager's autocast keeps fp32 weights, and the workspace with them.
+        let wdt = match self.hf.as_ref().is_some_and(|h| h.autocast) {
+            true => DType::F32,
+            false => self.train.precision.dtype(),
+        };
+        let shape = attn_shape(&self.model, &self.train);
+        let fused = self.train.attention == Attention::Fused;
+        let bytes = self.dev.be.workspace_bytes(shape, fused, wdt);
+        let ws = self.dev.alloc_f32(bytes.div_ceil(4), Category::Workspace)?;
+        let placeholder = std::mem::replace(&mut self.workspace, ws);
+        self.dev.drop_placeholder(placeholder);
+        Ok(())
     }
 
     pub fn param_specs(&self) -> &[ParamSpec] {

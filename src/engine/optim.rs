@@ -38,6 +38,7 @@ pub const MIN_8BIT_SIZE: usize = 4096;
 pub const QBLOCK: usize = 256;
 
 /// One tensor's optimizer state.
+#[derive(Clone)]
 pub enum OptState<X> {
     Adam {
         m: X,
@@ -60,6 +61,7 @@ pub enum OptState<X> {
     Absent,
 }
 
+#[derive(Clone)]
 pub enum FactorState<X> {
     Factored {
         row: X,

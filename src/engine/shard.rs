@@ -224,6 +224,7 @@ pub fn buckets(bytes: &[usize]) -> Vec<Vec<usize>> {
 
 /// One DDP bucket: its tensors and, unless gradients are views into it
 /// (`--bucket-view`), its own flat buffer.
+#[derive(Clone)]
 pub struct Bucket<X> {
     pub params: Vec<usize>,
     pub buf: Option<X>,
@@ -340,6 +341,43 @@ fn flat_layout(units: &[Vec<usize>], len: &[usize]) -> (Vec<usize>, Vec<usize>) 
         total.push(off);
     }
     (at, total)
+}
+
+impl Dist<crate::backend::meta::MetaBackend> {
+    /// A copy for a forked planning engine (`Engine::reshaped`); `None`
+    /// when one of its communicators cannot be copied.
+    pub fn fork(&self) -> Option<Self> {
+        let fork = |c: &Option<Comm<crate::backend::meta::MetaBackend>>| match c {
+            Some(c) => c.fork().map(Some),
+            None => Some(None),
+        };
+        Some(Dist {
+            comm: self.comm.fork()?,
+            replicate: fork(&self.replicate)?,
+            hpz: fork(&self.hpz)?,
+            sharding: self.sharding,
+            rank: self.rank,
+            world: self.world,
+            numel: self.numel.clone(),
+            shard: self.shard.clone(),
+            units: self.units.clone(),
+            unit_off: self.unit_off.clone(),
+            unit_len: self.unit_len.clone(),
+            grad_numel: self.grad_numel.clone(),
+            grad_shard: self.grad_shard.clone(),
+            grad_off: self.grad_off.clone(),
+            grad_len: self.grad_len.clone(),
+            tied: self.tied,
+            param_shards: self.param_shards.clone(),
+            grad_shards: self.grad_shards.clone(),
+            buckets: self.buckets.clone(),
+            grads_on_host: self.grads_on_host,
+            secondary: self.secondary.clone(),
+            secondary_stale: self.secondary_stale,
+            gathered: self.gathered.clone(),
+            grads_live: self.grads_live.clone(),
+        })
+    }
 }
 
 impl<B: Backend> Dist<B> {

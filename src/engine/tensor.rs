@@ -50,6 +50,17 @@ pub struct Tp<B: Backend> {
     pub sp: bool,
 }
 
+impl Tp<crate::backend::meta::MetaBackend> {
+    /// A copy for a forked planning engine (`Engine::reshaped`).
+    pub fn fork(&self) -> Option<Self> {
+        Some(Tp {
+            comm: self.comm.fork()?,
+            splits: self.splits.clone(),
+            sp: self.sp,
+        })
+    }
+}
+
 impl<B: Backend> Tp<B> {
     pub fn size(&self) -> usize {
         self.comm.world()

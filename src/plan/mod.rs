@@ -464,6 +464,19 @@ impl Point {
         }
     }
 
+    /// This point with the batch's shape knobs cleared: the points with the
+    /// same one build the same engine but for its workspace
+    /// ([`TrainConfig::with_batch_shape_of`]).
+    pub fn unshaped(&self) -> Point {
+        Point {
+            micro_batch: 0,
+            grad_accum: 0,
+            attention: Attention::Eager,
+            checkpointing: Checkpointing::None,
+            ..*self
+        }
+    }
+
     pub fn label(&self) -> String {
         let fw = match self.framework {
             Framework::Memfit => "",
@@ -1184,9 +1197,46 @@ pub fn plan_with(
     let points = expand(r);
     let (capacity, overhead) = r.capacity(hw);
     let rates = Rates::gpu(hw, usd);
-    let mut predictions: Vec<Prediction> = points
+    // Points that differ only in the batch's shape build the same engine
+    // but for its workspace: each such group builds it once and copies it
+    // ([`Engine::reshaped`]), a sixth of a 70B point. The work goes group
+    // by group, so that a group's engine is dropped soon after it is built.
+    let mut group_of = std::collections::HashMap::new();
+    let groups: Vec<usize> = (points.iter())
+        .map(|p| {
+            let n = group_of.len();
+            *group_of.entry(p.unshaped()).or_insert(n)
+        })
+        .collect();
+    let shared: Vec<std::sync::Mutex<Shared>> = (0..group_of.len())
+        .map(|_| std::sync::Mutex::default())
+        .collect();
+    for &g in &groups {
+        shared[g].lock().expect("not poisoned").left += 1;
+    }
+    let mut order: Vec<usize> = (0..points.len()).collect();
+    order.sort_by_key(|&i| groups[i]);
+    let planned: Vec<(usize, Prediction)> = order
         .par_iter()
-        .map(|p| known(p).unwrap_or_else(|| predict(r, model, &rates, capacity, overhead, p)))
+        .map(|&i| {
+            let (p, slot) = (&points[i], &shared[groups[i]]);
+            let out = known(p).unwrap_or_else(|| {
+                predict_shared(r, model, &rates, capacity, overhead, p, Some(slot))
+            });
+            let mut s = slot.lock().expect("not poisoned");
+            s.left -= 1;
+            if s.left == 0 {
+                s.engine = None;
+            }
+            (i, out)
+        })
+        .collect();
+    let mut predictions: Vec<Option<Prediction>> = vec![None; points.len()];
+    for (i, x) in planned {
+        predictions[i] = Some(x);
+    }
+    let mut predictions: Vec<Prediction> = (predictions.into_iter())
+        .map(|x| x.expect("every point planned"))
         .collect();
     monotone_in_micro_batch(&mut predictions);
     // A grid that plans the user's own stack beside memfit's engine
@@ -1416,6 +1466,30 @@ pub fn predict(
     overhead: u64,
     p: &Point,
 ) -> Prediction {
+    predict_shared(r, model, rates, capacity, overhead, p, None)
+}
+
+/// The engine that the points of one group (`Point::unshaped`) share, and
+/// how many of them are still to plan.
+#[derive(Default)]
+struct Shared {
+    engine: Option<Engine<MetaBackend>>,
+    left: usize,
+}
+
+/// [`predict`], copying the engine of `p`'s group from `shared` where one
+/// rank stands for the step (building it there first), instead of building
+/// its own.
+#[allow(clippy::too_many_arguments)]
+fn predict_shared(
+    r: &PlanRecipe,
+    model: &ModelConfig,
+    rates: &Rates,
+    capacity: u64,
+    overhead: u64,
+    p: &Point,
+    shared: Option<&std::sync::Mutex<Shared>>,
+) -> Prediction {
     let usable = (capacity as f64 * (1.0 - r.headroom)) as u64;
     let numerics_changes = p.numerics_changes();
     let excluded = !r.allow_numerics_change && !numerics_changes.is_empty();
@@ -1488,7 +1562,24 @@ pub fn predict(
             tp: tp_comm(&tc),
             hpz,
         };
-        let s = step_meta(model, tc.clone(), meta, links, rates, p.precision);
+        let e = match shared {
+            None => Engine::new_linked(model.clone(), tc.clone(), meta, None, links),
+            Some(slot) => {
+                let mut slot = slot.lock().expect("not poisoned");
+                let proto = match &mut slot.engine {
+                    Some(e) => e,
+                    none => none.insert(
+                        Engine::unshaped(model.clone(), tc.clone(), meta, None, links)
+                            .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}")),
+                    ),
+                };
+                proto
+                    .reshaped(tc.clone())
+                    .expect("one rank's meta engine copies")
+            }
+        };
+        let e = e.unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
+        let s = step_meta(e, rates, p.precision);
         out.offload_s = s.offload_s;
         out.compute_s = s.all_s - out.offload_s;
         match (&topo, &s.calls) {
@@ -1533,7 +1624,9 @@ pub fn predict(
                 tp: link.tp,
                 hpz: None,
             };
-            let st = step_meta(model, tc.clone(), meta.clone(), links, rates, p.precision);
+            let e = Engine::new_linked(model.clone(), tc.clone(), meta.clone(), None, links)
+                .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
+            let st = step_meta(e, rates, p.precision);
             // Stage s's replicas are ranks (s*D + d)*T + t: they talk among
             // themselves, and each sends to its counterpart in stage s+1.
             let (mut p2p_s, mut dp_s) = (0.0, 0.0);
@@ -1642,22 +1735,10 @@ fn tp_comm(tc: &TrainConfig) -> Option<Comm<MetaBackend>> {
         .then(|| Box::new(MetaComm::new(0, tc.tensor_parallel)) as Comm<MetaBackend>)
 }
 
-/// Builds one rank (or pipeline stage) on meta and runs one step of
-/// `train.grad_accum` micro-batches, priced with `rates`.
-#[allow(clippy::too_many_arguments)]
-fn step_meta(
-    model: &ModelConfig,
-    train: TrainConfig,
-    meta: MetaBackend,
-    links: Links<MetaBackend>,
-    rates: &Rates,
-    precision: Precision,
-) -> Stepped {
-    let k = train.grad_accum;
-    let mut e = match Engine::new_linked(model.clone(), train, meta, None, links) {
-        Ok(e) => e,
-        Err(oom) => unreachable!("meta without capacity cannot run out of memory: {oom}"),
-    };
+/// Runs one step of `train.grad_accum` micro-batches on a new meta rank
+/// (or pipeline stage), priced with `rates`.
+fn step_meta(mut e: Engine<MetaBackend>, rates: &Rates, precision: Precision) -> Stepped {
+    let k = e.train.grad_accum;
     e.dev.roofline = Some(rates.of(precision));
     e.dev.host_roofline = Some(rates.host);
     e.dev.cost.reset();
@@ -1958,6 +2039,39 @@ mod tests {
         }
         println!("{compared} points compared");
         assert!(compared > 300, "{compared} points compared");
+    }
+
+    /// A plan copies one engine per group of points that differ only in the
+    /// batch's shape (`Engine::reshaped`); every point comes out as
+    /// planning it alone, building its own engine, does: the same JSON.
+    #[test]
+    fn points_sharing_an_engine_plan_what_building_their_own_does() {
+        let yaml = "model: gpt2\nhardware: h100-sxm-80gb\nseq_len: 128\nglobal_batch: 64\nhost_memory: 1TiB\ngrid:\n  micro_batch: [1, 2, 4]\n  precision: [fp32, bf16, fp16]\n  checkpointing: [none, full]\n  attention: [eager, fused]\n  optimizer: [adamw, adafactor]\n  sharding: [ddp, zero2, zero3]\n  gpus: [1, 4]\n  framework: [memfit, hf-eager]\n  finetune: [full, qlora]\n  offload: [none, optimizer]\n";
+        let (r, model, hw) = recipe(yaml);
+        let (capacity, overhead) = r.capacity(&hw);
+        let rates = Rates::gpu(&hw, hw.usd_per_hour);
+        let mut compared = 0;
+        for extra in [
+            "",
+            "  tensor_parallel: [2]\n  hpz_group: [2]\n  shard_group: [2]\n",
+        ] {
+            let r: PlanRecipe = serde_yaml_ng::from_str(&format!("{yaml}{extra}")).unwrap();
+            let planned = plan(&r, &model, &hw);
+            for x in &planned.points {
+                let alone = predict(&r, &model, &rates, capacity, overhead, &x.point);
+                if alone.peak_bytes.is_some() {
+                    compared += 1;
+                }
+                assert_eq!(
+                    serde_json::to_value(unlifted(x)).unwrap(),
+                    serde_json::to_value(&alone).unwrap(),
+                    "{:?}",
+                    x.point
+                );
+            }
+        }
+        println!("{compared} points compared");
+        assert!(compared > 500, "{compared} points compared");
     }
 
     /// A point lifted to a smaller micro-batch's reserved peak comes back
