@@ -5,11 +5,12 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::backend::DeviceSpec;
+use crate::config::knobs::Knobs;
 use crate::config::profile::load_model;
 use crate::config::recipe::{RunDevice, RunRecipe, load_run_recipe};
 use crate::engine::{
-    Attention, Checkpointing, Finetune, Framework, LoraConfig, Offload, Optimizer, OptimizerImpl,
-    Precision, Schedule, Sharding, TrainConfig, lora::Target,
+    Attention, Checkpointing, Finetune, Framework, LoraConfig, Optimizer, Precision, Schedule,
+    TrainConfig,
 };
 use crate::error::{Error, Result};
 use crate::run::RunOptions;
@@ -520,10 +521,6 @@ fn threads(s: &str) -> std::result::Result<usize, String> {
     check_threads(s.parse().map_err(|e| format!("{e}"))?)
 }
 
-fn host_bytes(s: &str) -> std::result::Result<u64, String> {
-    crate::units::parse_bytes(s).and_then(crate::config::recipe::positive_bytes)
-}
-
 fn seconds(s: &str) -> std::result::Result<f64, String> {
     check_seconds(s.parse().map_err(|e| format!("{e}"))?)
 }
@@ -563,6 +560,10 @@ fn parse_fault(s: &str) -> std::result::Result<(usize, crate::sweep::trial::Faul
   memfit watch --pid 4242
   memfit watch --model llama-3.1-8b --seq-len 4096 --micro-batch 1 --precision bf16 -- python train.py
   memfit watch                      # the GPUs only, like nvitop")]
+#[command(mut_arg("framework", |a| a.help(
+    "Whose allocations to predict: hf-eager (a PyTorch + transformers training script) \
+     or memfit (memfit's own engine) [default: hf-eager, or the recipe's]"
+)))]
 pub struct WatchArgs {
     /// Only this GPU (NVML index) [default: every GPU].
     #[arg(long, value_name = "N")]
@@ -613,79 +614,17 @@ pub struct WatchArgs {
 }
 
 /// The `memfit run` knobs `memfit watch` predicts with (on meta, emulating
-/// the cuda backend); a prediction is made when --model or --recipe is given.
+/// the cuda backend); a prediction is made when --model or --recipe is
+/// given. The job is taken to be hf-eager (a PyTorch + transformers
+/// script) unless --framework or the recipe says otherwise.
 #[derive(Debug, clap::Args)]
 #[command(next_help_heading = "Prediction (the engine on meta, beside the measured peak)")]
 pub struct PredictArgs {
     /// A run recipe (YAML), as for `memfit run`; flags override it.
     #[arg(long)]
     pub recipe: Option<PathBuf>,
-    /// The job's model: a built-in profile, a profile YAML or a Hugging Face config.json.
-    #[arg(long)]
-    pub model: Option<String>,
-    /// Tokens per sequence [default: 64].
-    #[arg(long)]
-    pub seq_len: Option<usize>,
-    /// Sequences per micro-batch [default: 4].
-    #[arg(long)]
-    pub micro_batch: Option<usize>,
-    /// Micro-batches per optimizer step [default: 1].
-    #[arg(long)]
-    pub grad_accum: Option<usize>,
-    /// Weights, activations and gradients: fp32, bf16 or fp16 [default: fp32].
-    #[arg(long, value_enum)]
-    pub precision: Option<Precision>,
-    /// The optimizer whose state the job holds [default: adamw].
-    #[arg(long, value_enum)]
-    pub optimizer: Option<Optimizer>,
-    /// Activation checkpointing [default: none].
-    #[arg(long, value_enum)]
-    pub checkpointing: Option<Checkpointing>,
-    /// Attention kernel: eager or fused (flash) [default: eager].
-    #[arg(long, value_enum)]
-    pub attention: Option<Attention>,
-    /// Ranks (GPUs) of the job; the prediction is per GPU [default: 1].
-    #[arg(long)]
-    pub ranks: Option<usize>,
-    /// How state is spread over the ranks: none, ddp, zero1, zero2, zero3 [default: none].
-    #[arg(long, value_enum)]
-    pub sharding: Option<Sharding>,
-    /// Pipeline stages [default: 1].
-    #[arg(long)]
-    pub pipeline_stages: Option<usize>,
-    /// Whose allocations to predict: hf-eager (a PyTorch + transformers
-    /// training script) or memfit (memfit's own engine) [default: hf-eager].
-    #[arg(long, value_enum)]
-    pub framework: Option<Framework>,
-    /// hf-eager: the model's dropout probability [default: 0].
-    #[arg(long)]
-    pub dropout: Option<f32>,
-    /// hf-eager: torch.optim.AdamW's implementation [default: foreach].
-    #[arg(long, value_enum)]
-    pub optimizer_impl: Option<OptimizerImpl>,
-    /// hf-eager: optimizer.zero_grad(set_to_none=...) [default: true].
-    #[arg(long, value_enum)]
-    pub set_to_none: Option<SetToNone>,
-    /// DeepSpeed ZeRO-Offload of the watched job: none, optimizer or
-    /// optimizer+params; the prediction is then the device's part [default: none].
-    #[arg(long, value_enum)]
-    pub offload: Option<Offload>,
-}
-
-/// `optimizer.zero_grad(set_to_none=...)`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum SetToNone {
-    /// The gradients are freed after each step and made again by the next
-    /// backward (PyTorch's default since 2.0).
-    True,
-    /// The gradients stay resident between steps, zeroed.
-    False,
-}
-
-impl From<SetToNone> for bool {
-    fn from(v: SetToNone) -> bool {
-        v == SetToNone::True
-    }
+    #[command(flatten)]
+    pub knobs: Knobs,
 }
 
 /// `--warn-at`: `90%` or `90`, a percentage in (0, 100], as a fraction.
@@ -751,173 +690,15 @@ pub enum Format {
     Json,
 }
 
-/// Knob flags have no clap default so that a recipe's key applies unless the
-/// flag is given; the defaults are stated in each help line.
-#[derive(Debug, clap::Args)]
+/// `memfit run`: a recipe, the knobs (flags override the recipe's keys)
+/// and what to write.
+#[derive(Clone, Debug, clap::Args)]
 pub struct RunArgs {
-    /// A run recipe (YAML, keys as the flags below with `_` for `-`); flags override it.
+    /// A run recipe (YAML, keys as the knob flags below with `_` for `-`); flags override it.
     #[arg(long)]
     pub recipe: Option<PathBuf>,
-    /// A built-in profile name (see `memfit models`) or a path to a profile YAML [default: gpt2-tiny].
-    #[arg(long)]
-    pub model: Option<String>,
-    /// Tokens per sequence [default: 64].
-    #[arg(long)]
-    pub seq_len: Option<usize>,
-    /// Sequences per micro-batch [default: 4].
-    #[arg(long)]
-    pub micro_batch: Option<usize>,
-    /// Micro-batches per optimizer step [default: 1].
-    #[arg(long)]
-    pub grad_accum: Option<usize>,
-    /// Optimizer steps; meta always plans exactly one [default: 20].
-    #[arg(long)]
-    pub steps: Option<usize>,
-    /// cpu or meta, optionally with an emulated capacity (cpu:limit=512MiB),
-    /// cuda[:N], or meta:GPU to predict a GPU profile (see `memfit
-    /// profiles`): the cuda backend's allocations within the GPU's memory
-    /// less its runtime overhead [default: cpu, whose capacity is the host's
-    /// available memory].
-    #[arg(long, value_name = "DEVICE")]
-    pub device: Option<RunDevice>,
-    /// Byte-level text to train on: a file, or a directory read recursively.
-    /// Without it, a seeded synthetic token stream.
-    #[arg(long)]
-    pub data: Option<PathBuf>,
-    /// Seed for weights and data [default: 1337].
-    #[arg(long)]
-    pub seed: Option<u64>,
-    /// adamw, adamw8bit, adafactor or sgd [default: adamw].
-    #[arg(long, value_enum)]
-    pub optimizer: Option<Optimizer>,
-    /// Learning rate [default: 3e-4 for AdamW, 1e-2 for SGD, Adafactor's relative step].
-    #[arg(long, allow_negative_numbers = true)]
-    pub lr: Option<f32>,
-    /// AdamW's beta1 [default: 0.9]; for Adafactor, turns on the first moment [default: off].
-    #[arg(long)]
-    pub beta1: Option<f32>,
-    /// Weight decay on matrices only: decoupled for AdamW and Adafactor, L2 for SGD [default: 0.1].
-    #[arg(long, allow_negative_numbers = true)]
-    pub weight_decay: Option<f32>,
-    /// SGD momentum, in (0, 1) [default: 0.9].
-    #[arg(long)]
-    pub momentum: Option<f32>,
-    /// Clip gradients to this global norm; 0 turns clipping off [default: 1.0].
-    #[arg(long)]
-    pub grad_clip: Option<f32>,
-    /// none, or full: keep only each block's input and recompute the block in the
-    /// backward pass [default: none].
-    #[arg(long, value_enum)]
-    pub checkpointing: Option<Checkpointing>,
-    /// eager (materialises B*H*T*T probabilities) or fused (flash-style) [default: eager].
-    #[arg(long, value_enum)]
-    pub attention: Option<Attention>,
-    /// fp32, or mixed precision: bf16, or fp16 with dynamic loss scaling;
-    /// 16-bit weights, activations and gradients, fp32 master weights
-    /// (hf-eager: autocast, fp32 weights and no master copy) [default: fp32].
-    #[arg(long, value_enum)]
-    pub precision: Option<Precision>,
-    /// Whose allocations to hold: memfit (the engine's own) or hf-eager
-    /// (what PyTorch + Hugging Face transformers allocate for the same
-    /// step); hf-eager computes with memfit's kernels and, with bf16/fp16 or
-    /// dropout, runs on meta only [default: memfit].
-    #[arg(long, value_enum)]
-    pub framework: Option<Framework>,
-    /// hf-eager: the model's dropout probability; decides which masks are
-    /// saved (meta only: the engine's kernels have no dropout) [default: 0].
-    #[arg(long)]
-    pub dropout: Option<f32>,
-    /// hf-eager: torch.optim.AdamW's implementation: foreach, single-tensor
-    /// or fused [default: foreach].
-    #[arg(long, value_enum)]
-    pub optimizer_impl: Option<OptimizerImpl>,
-    /// hf-eager: optimizer.zero_grad(set_to_none=...) [default: true].
-    #[arg(long, value_enum)]
-    pub set_to_none: Option<SetToNone>,
-    /// full (every weight trains) or lora (adapters on frozen weights; one
-    /// rank, no pipeline) [default: full].
-    #[arg(long, value_enum)]
-    pub finetune: Option<Finetune>,
-    /// LoRA rank r [default: 8].
-    #[arg(long)]
-    pub lora_rank: Option<usize>,
-    /// LoRA alpha; the adapter's output is scaled by alpha / r [default: 8].
-    #[arg(long)]
-    pub lora_alpha: Option<f32>,
-    /// hf-eager: PEFT's lora_dropout (its masks; meta only) [default: 0].
-    #[arg(long)]
-    pub lora_dropout: Option<f32>,
-    /// Projections to adapt, comma-separated: q,k,v,o,gate,up,down (GPT-2:
-    /// q, k and v are one c_attn adapter; no gate) [default: all of them].
-    #[arg(long, value_enum, value_delimiter = ',')]
-    pub lora_targets: Option<Vec<Target>>,
-    /// Ranks (simulated GPUs), each with its own device and memory: pipeline
-    /// stages x data-parallel replicas x tensor-parallel ranks; the global
-    /// batch is micro-batch x grad-accum x replicas [default: stages x
-    /// tensor-parallel ranks].
-    #[arg(long)]
-    pub ranks: Option<usize>,
-    /// How state is spread over the ranks: none (one rank), ddp, zero1
-    /// (optimizer state), zero2 (+ gradients), zero3 (+ parameters, FSDP) [default: none].
-    #[arg(long, value_enum)]
-    pub sharding: Option<Sharding>,
-    /// ddp: gradients are views into the all-reduce buckets (PyTorch's
-    /// gradient_as_bucket_view), so the buckets cost no extra memory.
-    #[arg(long)]
-    pub bucket_view: bool,
-    /// With --tensor-parallel: Megatron's sequence parallelism; norms and
-    /// the residual stream keep 1/T of the tokens on each rank, gathered
-    /// before and reduce-scattered after each split projection.
-    #[arg(long)]
-    pub sequence_parallel: bool,
-    /// ZeRO-Offload: optimizer (fp32 master, optimizer state and gradient
-    /// shard in host memory, the update on the CPU; zero1-3) or
-    /// optimizer+params (and the weight shard; zero3) [default: none].
-    #[arg(long, value_enum)]
-    pub offload: Option<Offload>,
-    /// Hybrid sharding (FSDP's HYBRID_SHARD): ZeRO shards over groups of
-    /// this many consecutive ranks (a node's GPUs) and replicates across
-    /// the groups, all-reducing gradient shards between them [default: all
-    /// ranks in one group].
-    #[arg(long)]
-    pub shard_group: Option<usize>,
-    /// Tensor parallelism (Megatron-LM): groups of this many adjacent ranks
-    /// split every block's attention heads and MLP width between them,
-    /// all-reducing activations; --ranks is then stages x data-parallel
-    /// replicas x this [default: 1].
-    #[arg(long)]
-    pub tensor_parallel: Option<usize>,
-    /// ZeRO++ hpZ (zero3): each rank also keeps a secondary copy of the
-    /// weights sharded over its group of this many consecutive ranks (a
-    /// node's GPUs), so the backward's all-gathers stay within the group;
-    /// costs 1/G of the weights per rank (DeepSpeed's
-    /// zero_hpz_partition_size) [default: 0, off].
-    #[arg(long)]
-    pub hpz_group: Option<usize>,
-    /// Host memory offloaded tensors may take, per rank, e.g. 64GiB
-    /// [default: this machine's available memory].
-    #[arg(long, value_parser = host_bytes)]
-    pub host_memory: Option<u64>,
-    /// Pipeline stages: each a rank holding a contiguous run of blocks (the
-    /// embedding with the first, the head with the last); --ranks is then
-    /// stages x data-parallel replicas [default: 1; --ranks defaults to it].
-    #[arg(long)]
-    pub pipeline_stages: Option<usize>,
-    /// Micro-batches each step pushes through the pipeline (the same as
-    /// --grad-accum, which it sets).
-    #[arg(long)]
-    pub microbatches: Option<usize>,
-    /// gpipe (all forwards, then all backwards) or 1f1b (stage s holds at
-    /// most stages - s micro-batches) [default: 1f1b].
-    #[arg(long, value_enum)]
-    pub schedule: Option<Schedule>,
-    /// Blocks per stage as half-open ranges, e.g. 0:6,6:12 (what `memfit
-    /// balance` prints) [default: an even split, the first stages taking the rest].
-    #[arg(long)]
-    pub partition: Option<String>,
-    /// cpu worker threads [default: all cores].
-    #[arg(long, value_parser = threads)]
-    pub threads: Option<usize>,
+    #[command(flatten)]
+    pub knobs: Knobs,
     /// Write the memory timeline (one CSV line per allocation and free) to this file.
     #[arg(long)]
     pub timeline: Option<PathBuf>,
@@ -1001,7 +782,7 @@ impl RunArgs {
             Ok(model) => model,
             Err(e @ Error::Config { .. }) => return Err(e),
             // An unknown name or an unreadable file: run() says so for a flag.
-            Err(e) if self.model.is_none() => return Err(r.error("model", e)),
+            Err(e) if self.knobs.model.is_none() => return Err(r.error("model", e)),
             Err(_) => return Ok(opts),
         };
         crate::run::validate(&opts, &model).map_err(blame)?;
@@ -1011,155 +792,64 @@ impl RunArgs {
     /// The recipe key that gave the value `flag` complains about, when the
     /// flag itself was not given.
     fn recipe_key(&self, r: &RunRecipe, flag: &str) -> Option<&'static str> {
-        let flags = self;
-        let accum = flags.grad_accum.is_some() || flags.microbatches.is_some();
-        // (key, its flag was given, the recipe has it)
-        macro_rules! key {
-            ($k:ident) => {
-                (stringify!($k), flags.$k.is_some(), r.$k.is_some())
-            };
-        }
-        let keys = [
-            key!(model),
-            key!(seq_len),
-            key!(micro_batch),
-            ("grad_accum", accum, r.grad_accum.is_some()),
-            ("microbatches", accum, r.microbatches.is_some()),
-            key!(steps),
-            key!(device),
-            key!(data),
-            key!(seed),
-            key!(optimizer),
-            key!(lr),
-            key!(beta1),
-            key!(weight_decay),
-            key!(momentum),
-            key!(grad_clip),
-            key!(checkpointing),
-            key!(attention),
-            key!(precision),
-            key!(framework),
-            key!(dropout),
-            key!(optimizer_impl),
-            key!(set_to_none),
-            key!(finetune),
-            key!(lora_rank),
-            key!(lora_alpha),
-            key!(lora_dropout),
-            key!(lora_targets),
-            key!(ranks),
-            key!(sharding),
-            ("bucket_view", flags.bucket_view, r.bucket_view.is_some()),
-            key!(offload),
-            key!(host_memory),
-            key!(shard_group),
-            key!(tensor_parallel),
-            key!(hpz_group),
-            key!(pipeline_stages),
-            (
-                "sequence_parallel",
-                flags.sequence_parallel,
-                r.sequence_parallel.is_some(),
-            ),
-            key!(schedule),
-            key!(partition),
-            key!(threads),
-        ];
         let key = flag.trim_start_matches("--").replace('-', "_");
+        // Two spellings of one knob: either flag overrides either key.
         let wanted: &[&str] = match key.as_str() {
             "grad_accum" | "microbatches" => &["grad_accum", "microbatches"],
             k => &[k],
         };
-        keys.iter()
-            .find(|(k, given, in_recipe)| wanted.contains(k) && !given && *in_recipe)
-            .map(|(k, ..)| *k)
+        let given = wanted.iter().any(|k| self.knobs.has(k));
+        (Knobs::NAMES.iter())
+            .find(|k| wanted.contains(k) && !given && r.knobs.has(k))
+            .copied()
     }
 
     fn merge(&self, r: &RunRecipe) -> Result<RunOptions> {
         let d = TrainConfig::default();
-        let or = |flag: Option<f32>, key: Option<f32>| flag.or(key);
-        let stages = self
-            .pipeline_stages
-            .or(r.pipeline_stages)
-            .unwrap_or(d.pipeline_stages);
-        let tensor_parallel = self
-            .tensor_parallel
-            .or(r.tensor_parallel)
-            .unwrap_or(d.tensor_parallel);
-        let framework = self.framework.or(r.framework).unwrap_or(d.framework);
-        let finetune = self.finetune.or(r.finetune).unwrap_or(d.finetune);
-        let lora_given = [
-            ("--lora-rank", self.lora_rank.or(r.lora_rank).is_some()),
-            ("--lora-alpha", self.lora_alpha.or(r.lora_alpha).is_some()),
-            (
-                "--lora-dropout",
-                self.lora_dropout.or(r.lora_dropout).is_some(),
-            ),
-            (
-                "--lora-targets",
-                self.lora_targets.is_some() || r.lora_targets.is_some(),
-            ),
-        ];
-        if finetune == Finetune::Full
-            && let Some((flag, _)) = lora_given.iter().find(|(_, given)| *given)
-        {
-            return Err(Error::invalid_arg(
-                flag,
-                "applies to LoRA only; add --finetune lora",
-            ));
-        }
-        let dl = LoraConfig::default();
-        let lora = LoraConfig {
-            rank: self.lora_rank.or(r.lora_rank).unwrap_or(dl.rank),
-            alpha: self.lora_alpha.or(r.lora_alpha).unwrap_or(dl.alpha),
-            dropout: self.lora_dropout.or(r.lora_dropout).unwrap_or(dl.dropout),
-            targets: self
-                .lora_targets
-                .clone()
-                .or(r.lora_targets.clone())
-                .unwrap_or(dl.targets),
+        let (flags, keys) = (&self.knobs, &r.knobs);
+        // Each knob from its flag, else the recipe's key.
+        let k = flags.or(keys);
+        let stages = k.pipeline_stages.unwrap_or(d.pipeline_stages);
+        let tensor_parallel = k.tensor_parallel.unwrap_or(d.tensor_parallel);
+        let framework = k.framework.unwrap_or(d.framework);
+        let finetune = k.finetune.unwrap_or(d.finetune);
+        // Knobs that would do nothing in this configuration are refused
+        // (by the flag's name; a recipe's key is blamed in `options`).
+        let refuse = |names: &[&str], why: &str| match names.iter().find(|n| k.has(n)) {
+            Some(n) => Err(Error::invalid_arg(
+                &format!("--{}", n.replace('_', "-")),
+                why.to_string(),
+            )),
+            None => Ok(()),
         };
+        if finetune == Finetune::Full {
+            let lora = ["lora_rank", "lora_alpha", "lora_dropout", "lora_targets"];
+            refuse(&lora, "applies to LoRA only; add --finetune lora")?;
+        }
         if framework == Framework::Memfit {
             // The engine's own schedule has no dropout, keeps its gradients
             // resident and updates in place: these would do nothing there.
-            for (flag, given) in [
-                ("--dropout", self.dropout.or(r.dropout).is_some()),
-                (
-                    "--optimizer-impl",
-                    self.optimizer_impl.or(r.optimizer_impl).is_some(),
-                ),
-                (
-                    "--set-to-none",
-                    self.set_to_none.is_some() || r.set_to_none.is_some(),
-                ),
-            ] {
-                if given {
-                    return Err(Error::invalid_arg(
-                        flag,
-                        "describes PyTorch's implementation; add --framework hf-eager",
-                    ));
-                }
-            }
+            refuse(
+                &["dropout", "optimizer_impl", "set_to_none"],
+                "describes PyTorch's implementation; add --framework hf-eager",
+            )?;
         }
         // Without a pipeline both schedules are plain accumulation: a
         // schedule or a partition given there would do nothing.
         if stages == 1 {
-            for (flag, given) in [
-                ("--schedule", self.schedule.or(r.schedule).is_some()),
-                (
-                    "--partition",
-                    self.partition.is_some() || r.partition.is_some(),
-                ),
-            ] {
-                if given {
-                    return Err(Error::invalid_arg(
-                        flag,
-                        "applies to pipelines only; add --pipeline-stages 2 or more",
-                    ));
-                }
-            }
+            refuse(
+                &["schedule", "partition"],
+                "applies to pipelines only; add --pipeline-stages 2 or more",
+            )?;
         }
-        let (device, target) = match self.device.clone().or(r.device.clone()) {
+        let dl = LoraConfig::default();
+        let lora = LoraConfig {
+            rank: k.lora_rank.unwrap_or(dl.rank),
+            alpha: k.lora_alpha.unwrap_or(dl.alpha),
+            dropout: k.lora_dropout.unwrap_or(dl.dropout),
+            targets: k.lora_targets.clone().unwrap_or(dl.targets),
+        };
+        let (device, target) = match k.device.clone() {
             None => (DeviceSpec::new(crate::backend::DeviceKind::Cpu, None), None),
             Some(RunDevice::Device(d)) => (d, None),
             // As `memfit balance --device meta:GPU`: the tensors get what
@@ -1170,75 +860,54 @@ impl RunArgs {
             ),
         };
         Ok(RunOptions {
-            model: self
-                .model
-                .clone()
-                .or(r.model.clone())
-                .unwrap_or_else(|| "gpt2-tiny".into()),
+            model: k.model.clone().unwrap_or_else(|| "gpt2-tiny".into()),
             train: TrainConfig {
-                seq_len: self.seq_len.or(r.seq_len).unwrap_or(d.seq_len),
-                micro_batch: self.micro_batch.or(r.micro_batch).unwrap_or(d.micro_batch),
+                seq_len: k.seq_len.unwrap_or(d.seq_len),
+                micro_batch: k.micro_batch.unwrap_or(d.micro_batch),
                 // A flag (either spelling) overrides the recipe's key (either).
-                grad_accum: match microbatches(self.grad_accum, self.microbatches)? {
-                    Some(k) => k,
-                    None => microbatches(r.grad_accum, r.microbatches)?.unwrap_or(d.grad_accum),
+                grad_accum: match microbatches(flags.grad_accum, flags.microbatches)? {
+                    Some(a) => a,
+                    None => {
+                        microbatches(keys.grad_accum, keys.microbatches)?.unwrap_or(d.grad_accum)
+                    }
                 },
-                optimizer: self.optimizer.or(r.optimizer).unwrap_or(d.optimizer),
-                lr: or(self.lr, r.lr),
-                beta1: or(self.beta1, r.beta1),
-                weight_decay: or(self.weight_decay, r.weight_decay).unwrap_or(d.weight_decay),
-                momentum: or(self.momentum, r.momentum).unwrap_or(d.momentum),
-                grad_clip: or(self.grad_clip, r.grad_clip).unwrap_or(d.grad_clip),
-                seed: self.seed.or(r.seed).unwrap_or(d.seed),
-                checkpointing: self
-                    .checkpointing
-                    .or(r.checkpointing)
-                    .unwrap_or(d.checkpointing),
-                attention: self.attention.or(r.attention).unwrap_or(d.attention),
-                precision: self.precision.or(r.precision).unwrap_or(d.precision),
-                ranks: self.ranks.or(r.ranks).unwrap_or(stages * tensor_parallel),
-                sharding: self.sharding.or(r.sharding).unwrap_or(d.sharding),
-                bucket_view: self.bucket_view || r.bucket_view.unwrap_or(d.bucket_view),
-                sequence_parallel: self.sequence_parallel
-                    || r.sequence_parallel.unwrap_or(d.sequence_parallel),
+                optimizer: k.optimizer.unwrap_or(d.optimizer),
+                lr: k.lr,
+                beta1: k.beta1,
+                weight_decay: k.weight_decay.unwrap_or(d.weight_decay),
+                momentum: k.momentum.unwrap_or(d.momentum),
+                grad_clip: k.grad_clip.unwrap_or(d.grad_clip),
+                seed: k.seed.unwrap_or(d.seed),
+                checkpointing: k.checkpointing.unwrap_or(d.checkpointing),
+                attention: k.attention.unwrap_or(d.attention),
+                precision: k.precision.unwrap_or(d.precision),
+                ranks: k.ranks.unwrap_or(stages * tensor_parallel),
+                sharding: k.sharding.unwrap_or(d.sharding),
+                bucket_view: k.bucket_view.unwrap_or(d.bucket_view),
+                sequence_parallel: k.sequence_parallel.unwrap_or(d.sequence_parallel),
                 pipeline_stages: stages,
-                schedule: self.schedule.or(r.schedule).unwrap_or(d.schedule),
-                partition: match self.partition.as_ref().or(r.partition.as_ref()) {
-                    Some(text) => Some(parse_partition(text)?),
-                    None => None,
-                },
+                schedule: k.schedule.unwrap_or(d.schedule),
+                partition: k.partition.as_deref().map(parse_partition).transpose()?,
                 framework,
-                dropout: self.dropout.or(r.dropout).unwrap_or(d.dropout),
-                optimizer_impl: self
-                    .optimizer_impl
-                    .or(r.optimizer_impl)
-                    .unwrap_or(d.optimizer_impl),
-                set_to_none: self
-                    .set_to_none
-                    .map(bool::from)
-                    .or(r.set_to_none)
-                    .unwrap_or(d.set_to_none),
+                dropout: k.dropout.unwrap_or(d.dropout),
+                optimizer_impl: k.optimizer_impl.unwrap_or(d.optimizer_impl),
+                set_to_none: k.set_to_none.unwrap_or(d.set_to_none),
                 finetune,
                 lora,
-                offload: self.offload.or(r.offload).unwrap_or(d.offload),
-                host_memory: self
-                    .host_memory
-                    .or(r.host_memory.as_ref().map(|b| b.0))
-                    .or(d.host_memory),
-                shard_group: self.shard_group.or(r.shard_group).unwrap_or(d.shard_group),
+                offload: k.offload.unwrap_or(d.offload),
+                host_memory: k.host_memory.map(|b| b.0).or(d.host_memory),
+                shard_group: k.shard_group.unwrap_or(d.shard_group),
                 tensor_parallel,
-                hpz_group: self.hpz_group.or(r.hpz_group).unwrap_or(d.hpz_group),
+                hpz_group: k.hpz_group.unwrap_or(d.hpz_group),
                 ..d
             },
-            steps: self.steps.or(r.steps).unwrap_or(20),
+            steps: k.steps.unwrap_or(20),
             device,
             target,
-            data: self.data.clone().or(r.data.clone()),
+            data: k.data.clone(),
             // The recipe's key is checked as the flag is (clap): a pool of
             // 100,000 threads takes minutes to start.
-            threads: self
-                .threads
-                .or(r.threads)
+            threads: (k.threads)
                 .map(check_threads)
                 .transpose()
                 .map_err(|m| Error::invalid_arg("--threads", m))?,

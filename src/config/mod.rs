@@ -3,6 +3,7 @@
 pub mod hardware;
 pub mod hf;
 pub mod input;
+pub mod knobs;
 pub mod limits;
 pub mod model;
 pub mod profile;

@@ -1,67 +1,22 @@
 //! Run recipes: a YAML file with the same knobs as `memfit run`'s flags.
 //! A flag given on the command line overrides the recipe's key.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::Deserialize;
 
 use super::hardware::{HardwareProfile, load_hardware};
+use super::knobs::Knobs;
 use super::profile::{parse_yaml, value_location};
 use crate::backend::DeviceSpec;
-use crate::engine::{
-    Attention, Checkpointing, Finetune, Framework, Offload, Optimizer, OptimizerImpl, Precision,
-    Schedule, Sharding, lora::Target,
-};
 use crate::error::{Error, Result};
 
-/// Every key is optional; keys mirror the long flags with `-` as `_`.
-#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// A run recipe: the knobs it sets (every key optional, the long flags'
+/// names with `_` for `-`) and the file it came from.
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct RunRecipe {
-    pub model: Option<String>,
-    pub seq_len: Option<usize>,
-    pub micro_batch: Option<usize>,
-    pub grad_accum: Option<usize>,
-    pub steps: Option<usize>,
-    pub device: Option<RunDevice>,
-    /// Relative paths are relative to the recipe's directory.
-    pub data: Option<PathBuf>,
-    pub seed: Option<u64>,
-    pub optimizer: Option<Optimizer>,
-    pub lr: Option<f32>,
-    pub beta1: Option<f32>,
-    pub weight_decay: Option<f32>,
-    pub momentum: Option<f32>,
-    pub grad_clip: Option<f32>,
-    pub checkpointing: Option<Checkpointing>,
-    pub attention: Option<Attention>,
-    pub precision: Option<Precision>,
-    pub framework: Option<Framework>,
-    pub dropout: Option<f32>,
-    pub optimizer_impl: Option<OptimizerImpl>,
-    pub set_to_none: Option<bool>,
-    pub finetune: Option<Finetune>,
-    pub lora_rank: Option<usize>,
-    pub lora_alpha: Option<f32>,
-    pub lora_dropout: Option<f32>,
-    pub lora_targets: Option<Vec<Target>>,
-    pub ranks: Option<usize>,
-    pub sharding: Option<Sharding>,
-    pub bucket_view: Option<bool>,
-    pub sequence_parallel: Option<bool>,
-    pub offload: Option<Offload>,
-    pub host_memory: Option<Bytes>,
-    pub shard_group: Option<usize>,
-    pub tensor_parallel: Option<usize>,
-    pub hpz_group: Option<usize>,
-    pub pipeline_stages: Option<usize>,
-    pub microbatches: Option<usize>,
-    pub schedule: Option<Schedule>,
-    /// Stage boundaries, `"0:6,6:12"`, as `--partition` takes them.
-    pub partition: Option<String>,
-    pub threads: Option<usize>,
+    pub knobs: Knobs,
     /// The file it came from, for errors found after loading.
-    #[serde(skip)]
     pub origin: Option<Origin>,
 }
 
@@ -202,26 +157,34 @@ pub fn positive_bytes(b: u64) -> Result<u64, String> {
 pub fn load_run_recipe(path: &Path) -> Result<RunRecipe> {
     let text = super::input::read_text(path)?;
     let location = path.display().to_string();
-    let mut recipe: RunRecipe = parse_yaml(&text, &location)?;
+    let mut knobs: Knobs = parse_yaml(&text, &location)?;
     let base = path.parent().unwrap_or(Path::new("."));
-    if let Some(data) = &recipe.data
+    if let Some(data) = &knobs.data
         && data.is_relative()
     {
-        recipe.data = Some(base.join(data));
+        knobs.data = Some(base.join(data));
     }
     // A profile path in a recipe is relative to the recipe, like `data`; a
     // bare name stays a name, so that a misspelt one gets a suggestion.
-    if let Some(model) = &recipe.model
+    if let Some(model) = &knobs.model
         && !super::profile::builtin_models()
             .iter()
             .any(|(name, _)| name == model)
         && Path::new(model).is_relative()
         && (super::profile::looks_like_path(model) || base.join(model).is_file())
     {
-        recipe.model = Some(base.join(model).display().to_string());
+        knobs.model = Some(base.join(model).display().to_string());
     }
-    recipe.origin = Some(Origin { location, text });
-    if recipe.model.as_deref().is_some_and(|m| m.trim().is_empty()) {
+    let recipe = RunRecipe {
+        knobs,
+        origin: Some(Origin { location, text }),
+    };
+    if recipe
+        .knobs
+        .model
+        .as_deref()
+        .is_some_and(|m| m.trim().is_empty())
+    {
         return Err(recipe.error("model", "must name a profile or a profile file"));
     }
     Ok(recipe)
@@ -230,6 +193,7 @@ pub fn load_run_recipe(path: &Path) -> Result<RunRecipe> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     fn fixture(path: &str) -> PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -248,7 +212,7 @@ mod tests {
                 continue;
             }
             let r = load_run_recipe(&path).unwrap_or_else(|e| panic!("{e}"));
-            assert!(r.model.is_some(), "{}", path.display());
+            assert!(r.knobs.model.is_some(), "{}", path.display());
         }
     }
 
@@ -286,7 +250,7 @@ mod tests {
     fn a_bare_model_name_stays_a_name_so_a_typo_gets_a_suggestion() {
         // It was joined to the recipe's directory, then failed as a missing file.
         let r = load_run_recipe(&fixture("invalid/recipes/unknown-model.yaml")).unwrap();
-        assert_eq!(r.model.as_deref(), Some("gpt2-tinyy"));
+        assert_eq!(r.knobs.model.as_deref(), Some("gpt2-tinyy"));
         let err = r.error("model", "x").to_string();
         assert!(err.contains("unknown-model.yaml:1:1: `model`: x"), "{err}");
     }
@@ -298,7 +262,10 @@ mod tests {
         let path = dir.join("r.yaml");
         std::fs::write(&path, "\u{feff}model: gpt2-tiny\nsteps: 2\n").unwrap();
         let r = load_run_recipe(&path).unwrap();
-        assert_eq!((r.model.as_deref(), r.steps), (Some("gpt2-tiny"), Some(2)));
+        assert_eq!(
+            (r.knobs.model.as_deref(), r.knobs.steps),
+            (Some("gpt2-tiny"), Some(2))
+        );
         std::fs::write(&path, "\u{feff}model: gpt2-tiny\nsteps: many\n").unwrap();
         let err = load_run_recipe(&path).unwrap_err().to_string();
         assert!(err.contains("r.yaml:2:8: "), "{err}");

@@ -1955,6 +1955,7 @@ pub mod render;
 mod tests {
     use super::*;
     use crate::config::hardware::load_hardware;
+    use crate::config::knobs::Knobs;
     use crate::config::profile::load_model;
 
     /// A recipe parsed from `yaml`, with its model and hardware profiles.
@@ -2039,6 +2040,65 @@ mod tests {
         }
         println!("{compared} points compared");
         assert!(compared > 300, "{compared} points compared");
+    }
+
+    /// Every `memfit run` knob is a plan's axis, a plan recipe's key, or
+    /// fixed in plans for a reason given here: a knob added to
+    /// `config::knobs` fails this test until the planner handles it.
+    #[test]
+    fn every_knob_is_an_axis_a_recipe_key_or_fixed_in_plans() {
+        let (r, _, _) =
+            recipe("model: gpt2\nhardware: h100-sxm-80gb\nseq_len: 64\nglobal_batch: 8\n");
+        let json = serde_json::to_value(&r).unwrap();
+        let keys: Vec<&String> = json.as_object().unwrap().keys().collect();
+        let axes: Vec<&String> = json["grid"].as_object().unwrap().keys().collect();
+        let fixed = [
+            ("ranks", "the `gpus` axis"),
+            (
+                "grad_accum",
+                "global_batch / (micro_batch x data-parallel ranks)",
+            ),
+            ("microbatches", "the same knob as grad_accum"),
+            ("steps", "a plan prices one step"),
+            ("data", "meta reads no tokens"),
+            ("seed", "meta holds no values"),
+            ("threads", "cpu worker threads; a plan runs on meta"),
+            ("lr", "a value, not a byte or a second"),
+            ("weight_decay", "a value, not a byte or a second"),
+            ("momentum", "SGD's, which plans do not offer"),
+            (
+                "grad_clip",
+                "plans clip at the default norm, as Hugging Face's Trainer does",
+            ),
+            (
+                "beta1",
+                "Adafactor without its first moment (transformers' default)",
+            ),
+            (
+                "bucket_view",
+                "DDP's buckets are their own buffers (PyTorch's default)",
+            ),
+            ("schedule", "1F1B, the default pipeline schedule"),
+            ("partition", "the even split of blocks over stages"),
+        ];
+        for name in Knobs::NAMES {
+            let ways = [
+                axes.iter().any(|a| a == name),
+                keys.iter().any(|k| k == name),
+                fixed.iter().any(|(f, _)| f == name),
+            ];
+            assert_eq!(
+                ways.iter().filter(|&&w| w).count(),
+                1,
+                "knob `{name}`: a plan axis ({}), a plan recipe key ({}) or fixed ({})",
+                ways[0],
+                ways[1],
+                ways[2]
+            );
+        }
+        for (f, _) in fixed {
+            assert!(Knobs::NAMES.contains(&f), "`{f}` is no knob");
+        }
     }
 
     /// A plan copies one engine per group of points that differ only in the

@@ -201,65 +201,46 @@ pub fn watch_main(args: &WatchArgs) -> i32 {
 /// emulating the cuda backend (the bytes memfit's own engine would hold on
 /// a GPU, tensors and workspace, without the CUDA context).
 pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
-    if p.model.is_none() && p.recipe.is_none() {
+    if p.knobs.model.is_none() && p.recipe.is_none() {
         return Ok(None);
     }
+    // What only a run of memfit's own engine reads does nothing here.
+    let k = &p.knobs;
+    for (flag, given) in [
+        ("--steps", k.steps.is_some()),
+        ("--device", k.device.is_some()),
+        ("--data", k.data.is_some()),
+        ("--seed", k.seed.is_some()),
+        ("--threads", k.threads.is_some()),
+    ] {
+        if given {
+            return Err(crate::error::Error::invalid_arg(
+                flag,
+                "is for `memfit run`; a watch predicts one step on meta for the watched GPU",
+            ));
+        }
+    }
+    let recipe_framework = match &p.recipe {
+        Some(path) => {
+            crate::config::recipe::load_run_recipe(path)?
+                .knobs
+                .framework
+        }
+        None => None,
+    };
     let run = RunArgs {
         recipe: p.recipe.clone(),
-        model: p.model.clone(),
-        seq_len: p.seq_len,
-        micro_batch: p.micro_batch,
-        grad_accum: p.grad_accum,
-        steps: None,
-        device: None,
-        data: None,
-        seed: None,
-        optimizer: p.optimizer,
-        lr: None,
-        beta1: None,
-        weight_decay: None,
-        momentum: None,
-        grad_clip: None,
-        checkpointing: p.checkpointing,
-        attention: p.attention,
-        precision: p.precision,
-        ranks: p.ranks,
-        sharding: p.sharding,
-        bucket_view: false,
-        sequence_parallel: false,
-        pipeline_stages: p.pipeline_stages,
-        microbatches: None,
-        schedule: None,
-        partition: None,
-        threads: None,
+        knobs: crate::config::knobs::Knobs {
+            // The watched job is a PyTorch process unless the flag or the
+            // recipe says otherwise.
+            framework: match recipe_framework {
+                Some(_) => k.framework,
+                None => k.framework.or(Some(crate::engine::Framework::HfEager)),
+            },
+            ..k.clone()
+        },
         timeline: None,
         format: Format::Table,
-        // The watched job is a PyTorch process unless the flag or the
-        // recipe says otherwise.
-        framework: match (&p.framework, &p.recipe) {
-            (Some(f), _) => Some(*f),
-            (None, Some(path))
-                if crate::config::recipe::load_run_recipe(path)?
-                    .framework
-                    .is_some() =>
-            {
-                None
-            }
-            (None, _) => Some(crate::engine::Framework::HfEager),
-        },
-        dropout: p.dropout,
-        optimizer_impl: p.optimizer_impl,
-        set_to_none: p.set_to_none,
-        finetune: None,
-        lora_rank: None,
-        lora_alpha: None,
-        lora_dropout: None,
-        lora_targets: None,
-        offload: p.offload,
-        host_memory: None,
-        shard_group: None,
-        tensor_parallel: None,
-        hpz_group: None,
     };
     let mut opts = run.options()?;
     // The watched GPU is whatever NVML shows: no profile's capacity.
@@ -287,6 +268,9 @@ pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
     }
     if t.grad_accum > 1 {
         knobs += &format!(", {} micro-batches a step", t.grad_accum);
+    }
+    if t.finetune != crate::engine::Finetune::Full {
+        knobs += &format!(", {} rank {}", name(t.finetune), t.lora.rank);
     }
     if t.ranks > 1 {
         knobs += &format!(", {} ranks {}", t.ranks, name(t.sharding));
