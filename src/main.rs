@@ -102,153 +102,136 @@ fn plan_watch(args: &memfit::cli::PlanArgs) -> i32 {
     memfit::signals::stopped_exit_code()
 }
 
+/// How a command ends: the exit code it chose after printing its result,
+/// or an error that [`main`] reports once, `memfit: <error>`, with the
+/// error's exit code (2 bad input, 3 out of memory).
+type Outcome = memfit::error::Result<i32>;
+
+/// A command's result on stdout: pretty JSON, or the table `table` renders.
+fn emit<T: serde::Serialize>(format: Format, value: &T, table: impl FnOnce(&T) -> String) {
+    match format {
+        Format::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(value).expect("reports serialise")
+        ),
+        Format::Table => print!("{}", table(value)),
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if may_use_cuda(&cli.command) {
         memfit::backend::cuda::libs::prepare();
     }
-    let code = match cli.command {
-        Command::Doctor(args) => memfit::doctor::doctor_main(args.format == Format::Json),
-        Command::Run(args) if memfit::launch::is_rank() => memfit::launch::rank_main(&args),
-        Command::Launch(args) => memfit::launch::launch_main(&args),
-        Command::Run(args) => match args.options().and_then(|o| run(&o)) {
-            Ok((report, failure)) => {
-                match args.format {
-                    Format::Json => println!(
-                        "{}",
-                        serde_json::to_string_pretty(&report).expect("report serialises")
-                    ),
-                    Format::Table => print!("{}", render_table(&report)),
-                }
-                match failure {
-                    None => 0,
-                    Some(e) => {
-                        eprintln!("memfit: {e}");
-                        e.exit_code()
-                    }
-                }
-            }
-            Err(e) => {
-                eprintln!("memfit: {e}");
-                e.exit_code()
-            }
-        },
-        Command::Plan(args) if args.watch => plan_watch(&args),
-        Command::Plan(args) => match memfit::plan::plan_file(&args.recipe) {
-            Ok(plan) => {
-                print!("{}", render_plan(&plan, &args));
-                // Nothing to recommend is a failed plan, for scripts too.
-                if plan.recommendation.is_none() {
-                    if args.format == PlanFormat::Json {
-                        eprintln!(
-                            "memfit: no point of the grid fits; `--format table` says how far the nearest is"
-                        );
-                    }
-                    1
-                } else {
-                    0
-                }
-            }
-            Err(e) => {
-                eprintln!("memfit: {e}");
-                e.exit_code()
-            }
-        },
+    // A sweep's trial child speaks for itself to the parent that reads it.
+    let who = match cli.command {
+        Command::Trial { .. } => "memfit trial",
+        _ => "memfit",
+    };
+    let outcome: Outcome = match cli.command {
+        Command::Doctor(args) => Ok(memfit::doctor::doctor_main(args.format == Format::Json)),
+        Command::Run(args) if memfit::launch::is_rank() => Ok(memfit::launch::rank_main(&args)),
+        Command::Launch(args) => Ok(memfit::launch::launch_main(&args)),
+        Command::Run(args) => run_main(&args),
+        Command::Plan(args) if args.watch => Ok(plan_watch(&args)),
+        Command::Plan(args) => plan_main(&args),
         Command::Sweep(args) => sweep_main(&args),
         Command::Balance(args) => balance_main(&args),
-        Command::Check(args) => memfit::check::run_check(&args),
+        Command::Check(args) => Ok(memfit::check::run_check(&args)),
         Command::Tui(args) => tui_main(&args),
         Command::Trial { spec } => trial_main(&spec),
         Command::Calibrate(args) => calibrate_main(&args),
         Command::Selftest(args) => selftest_main(&args),
-        Command::Watch(args) => memfit::watch::watch_main(&args),
+        Command::Watch(args) => Ok(memfit::watch::watch_main(&args)),
         Command::Profiles(args) => list_main(true, args.format),
         Command::Models(args) => list_main(false, args.format),
         Command::Completions(args) => {
             memfit::cli::write_completions(args.shell, &mut std::io::stdout().lock());
-            0
+            Ok(0)
         }
         Command::Man(args) => man_main(&args),
     };
+    let code = outcome.unwrap_or_else(|e| {
+        eprintln!("{who}: {e}");
+        e.exit_code()
+    });
     ExitCode::from(code as u8)
 }
 
-/// `memfit models` (`all` false) and `memfit profiles`.
-fn list_main(all: bool, format: Format) -> i32 {
-    match memfit::profiles_cmd::catalog(all) {
-        Ok(c) => {
-            match format {
-                Format::Json => println!(
-                    "{}",
-                    serde_json::to_string_pretty(&c).expect("catalog serialises")
-                ),
-                Format::Table => print!("{}", memfit::profiles_cmd::render_table(&c)),
-            }
-            0
-        }
-        Err(e) => {
-            eprintln!("memfit: {e}");
-            e.exit_code()
-        }
+/// `memfit run`: the report, then the error a run may end with (a rank out
+/// of memory, a lost rank) after what it measured.
+fn run_main(args: &memfit::cli::RunArgs) -> Outcome {
+    let (report, failure) = run(&args.options()?)?;
+    emit(args.format, &report, render_table);
+    failure.map_or(Ok(0), Err)
+}
+
+/// `memfit plan`: exit 1 when no point of the grid fits.
+fn plan_main(args: &memfit::cli::PlanArgs) -> Outcome {
+    let plan = memfit::plan::plan_file(&args.recipe)?;
+    print!("{}", render_plan(&plan, args));
+    // Nothing to recommend is a failed plan, for scripts too.
+    if plan.recommendation.is_some() {
+        return Ok(0);
     }
+    if args.format == PlanFormat::Json {
+        eprintln!(
+            "memfit: no point of the grid fits; `--format table` says how far the nearest is"
+        );
+    }
+    Ok(1)
+}
+
+/// `memfit models` (`all` false) and `memfit profiles`.
+fn list_main(all: bool, format: Format) -> Outcome {
+    let catalog = memfit::profiles_cmd::catalog(all)?;
+    emit(format, &catalog, memfit::profiles_cmd::render_table);
+    Ok(0)
 }
 
 /// `memfit man`: memfit.1 on stdout, or every page into `--out`.
-fn man_main(args: &memfit::cli::ManArgs) -> i32 {
+fn man_main(args: &memfit::cli::ManArgs) -> Outcome {
     use std::io::Write;
     match &args.out {
         None => {
             let mut out = std::io::stdout().lock();
             match memfit::cli::write_man(&mut out).and_then(|()| out.flush()) {
-                Ok(()) => 0,
+                Ok(()) => Ok(0),
                 // A closed pipe (`memfit man | head`) is not worth a message.
-                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => 0,
-                Err(e) => {
-                    eprintln!("memfit: cannot write the man page: {e}");
-                    2
-                }
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(0),
+                Err(source) => Err(memfit::error::Error::Write {
+                    path: "the man page (stdout)".into(),
+                    source,
+                }),
             }
         }
-        Some(dir) => match memfit::cli::write_man_pages(dir) {
-            Ok(pages) => {
-                eprintln!(
-                    "memfit: wrote {} man pages into {} (read one with `man -l {}`)",
-                    pages.len(),
-                    dir.display(),
-                    pages
-                        .last()
-                        .map_or(String::new(), |p| p.display().to_string())
-                );
-                0
-            }
-            Err(e) => {
-                eprintln!("memfit: {e}");
-                e.exit_code()
-            }
-        },
+        Some(dir) => {
+            let pages = memfit::cli::write_man_pages(dir)?;
+            eprintln!(
+                "memfit: wrote {} man pages into {} (read one with `man -l {}`)",
+                pages.len(),
+                dir.display(),
+                pages
+                    .last()
+                    .map_or(String::new(), |p| p.display().to_string())
+            );
+            Ok(0)
+        }
     }
 }
 
-fn sweep_main(args: &memfit::cli::SweepArgs) -> i32 {
+fn sweep_main(args: &memfit::cli::SweepArgs) -> Outcome {
     use std::io::IsTerminal;
     if args.trial_timeout.is_nan() || args.trial_timeout <= 0.0 {
-        eprintln!("memfit: --trial-timeout must be positive");
-        return 2;
+        return Err(invalid("--trial-timeout", "must be positive"));
     }
-    let timing = match args.timing.timing() {
-        Ok(t) => t,
-        Err(e) => {
-            eprintln!("memfit: {e}");
-            return e.exit_code();
-        }
+    let timing = args.timing.timing()?;
+    let slurm = memfit::sweep::slurm::SlurmOptions {
+        partition: args.slurm_partition.clone(),
+        time: args.slurm_time.clone(),
+        extra: args.slurm_extra.clone(),
     };
-    let executor = match memfit::sweep::slurm::executor(args) {
-        Ok(e) => e,
-        Err(e) => {
-            eprintln!("memfit: {e}");
-            return e.exit_code();
-        }
-    };
+    let executor = memfit::sweep::slurm::executor(args.executor, slurm)?;
     let opts = memfit::sweep::driver::SweepOptions {
         recipe: args.recipe.clone(),
         device: args.device.clone(),
@@ -275,135 +258,88 @@ fn sweep_main(args: &memfit::cli::SweepArgs) -> i32 {
             (false, Format::Table) => memfit::sweep::driver::Lines::Stdout,
         },
     };
-    match memfit::sweep::driver::sweep(&opts) {
-        Ok(report) => {
-            match args.format {
-                Format::Json => println!(
-                    "{}",
-                    serde_json::to_string_pretty(&report).expect("report serialises")
-                ),
-                Format::Table => {
-                    print!("{}", memfit::sweep::markdown::table(&report));
-                    println!("reports in {}", args.out.display());
-                }
-            }
-            if report.interrupted {
-                memfit::signals::stopped_exit_code()
-            } else {
-                0
-            }
-        }
-        Err(e) => {
-            eprintln!("memfit: {e}");
-            e.exit_code()
-        }
+    let report = memfit::sweep::driver::sweep(&opts)?;
+    emit(args.format, &report, |r| {
+        let table = memfit::sweep::markdown::table(r);
+        format!("{table}reports in {}\n", args.out.display())
+    });
+    match report.interrupted {
+        true => Ok(memfit::signals::stopped_exit_code()),
+        false => Ok(0),
     }
+}
+
+/// A flag's value refused before the command starts (exit 2).
+fn invalid(flag: &str, why: &str) -> memfit::error::Error {
+    memfit::error::Error::invalid_arg(flag, why)
 }
 
 /// The child side of a sweep trial: one JSON line on stdout; exit 0 ran,
 /// 3 out of memory, 2 bad input.
-fn trial_main(spec: &str) -> i32 {
-    let spec: memfit::sweep::trial::TrialSpec = match serde_json::from_str(spec) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("memfit trial: bad --spec: {e}");
-            return 2;
-        }
-    };
-    match memfit::sweep::trial::run_trial(&spec) {
-        Ok(out) => {
-            println!(
-                "{}",
-                serde_json::to_string(&out).expect("output serialises")
-            );
-            if out.oom.is_some() { 3 } else { 0 }
-        }
-        Err(e) => {
-            eprintln!("memfit trial: {e}");
-            e.exit_code()
-        }
-    }
+fn trial_main(spec: &str) -> Outcome {
+    let spec: memfit::sweep::trial::TrialSpec =
+        serde_json::from_str(spec).map_err(|e| invalid("--spec", &e.to_string()))?;
+    let out = memfit::sweep::trial::run_trial(&spec)?;
+    println!(
+        "{}",
+        serde_json::to_string(&out).expect("output serialises")
+    );
+    Ok(if out.oom.is_some() { 3 } else { 0 })
 }
 
 /// `memfit calibrate`: the host's roofline, from the cache or measured now.
-fn selftest_main(args: &memfit::cli::SelftestArgs) -> i32 {
-    match memfit::selftest::selftest(&args.device, args.steps as usize, args.seed) {
-        Ok(report) => {
-            match args.format {
-                Format::Json => println!(
-                    "{}",
-                    serde_json::to_string_pretty(&report).expect("selftest report serialises")
-                ),
-                Format::Table => print!("{}", memfit::selftest::render(&report)),
-            }
-            if report.pass { 0 } else { 1 }
-        }
-        Err(e) => {
-            eprintln!("memfit: {e}");
-            2
-        }
-    }
+fn selftest_main(args: &memfit::cli::SelftestArgs) -> Outcome {
+    let report = memfit::selftest::selftest(&args.device, args.steps as usize, args.seed)?;
+    emit(args.format, &report, memfit::selftest::render);
+    Ok(if report.pass { 0 } else { 1 })
 }
 
-fn calibrate_main(args: &memfit::cli::CalibrateArgs) -> i32 {
+fn calibrate_main(args: &memfit::cli::CalibrateArgs) -> Outcome {
     use memfit::calibrate::{Source, load_or_measure};
     if args.threads == Some(0) {
-        eprintln!("memfit: invalid --threads: must be at least 1");
-        return 2;
+        return Err(invalid("--threads", "must be at least 1"));
     }
     let threads = args
         .threads
         .unwrap_or_else(memfit::calibrate::default_threads);
-    match load_or_measure(threads, args.force) {
-        Ok((c, source)) => {
-            match args.format {
-                Format::Json => println!(
-                    "{}",
-                    serde_json::to_string_pretty(&c).expect("calibration serialises")
-                ),
-                Format::Table => {
-                    println!("host           {}", c.host);
-                    println!("threads        {}", c.threads);
-                    println!("GEMM fp32      {:.1} GFLOP/s", c.fp32_flops_per_s / 1e9);
-                    println!("GEMM bf16      {:.1} GFLOP/s", c.bf16_flops_per_s / 1e9);
-                    println!("GEMM fp16      {:.1} GFLOP/s", c.fp16_flops_per_s / 1e9);
-                    println!(
-                        "other kernels  {:.1} GFLOP/s fp32, {:.1} 16-bit (attention)",
-                        c.fp32_kernel_flops_per_s / 1e9,
-                        c.bf16_kernel_flops_per_s / 1e9
-                    );
-                    println!("memory         {:.1} GB/s", c.bytes_per_s / 1e9);
-                    println!("per op         {:.1} µs", c.op_overhead_s * 1e6);
-                    match source {
-                        Source::Cached(p) => println!(
-                            "cached in {} (memfit calibrate --force measures again)",
-                            p.display()
-                        ),
-                        Source::Measured => println!("measured in {:.1} s", c.elapsed_s),
-                    }
-                }
-            }
-            0
-        }
-        Err(e) => {
-            eprintln!("memfit: {e}");
-            e.exit_code()
-        }
-    }
+    let (c, source) = load_or_measure(threads, args.force)?;
+    emit(args.format, &c, |c| {
+        let source = match &source {
+            Source::Cached(p) => format!(
+                "cached in {} (memfit calibrate --force measures again)",
+                p.display()
+            ),
+            Source::Measured => format!("measured in {:.1} s", c.elapsed_s),
+        };
+        [
+            format!("host           {}", c.host),
+            format!("threads        {}", c.threads),
+            format!("GEMM fp32      {:.1} GFLOP/s", c.fp32_flops_per_s / 1e9),
+            format!("GEMM bf16      {:.1} GFLOP/s", c.bf16_flops_per_s / 1e9),
+            format!("GEMM fp16      {:.1} GFLOP/s", c.fp16_flops_per_s / 1e9),
+            format!(
+                "other kernels  {:.1} GFLOP/s fp32, {:.1} 16-bit (attention)",
+                c.fp32_kernel_flops_per_s / 1e9,
+                c.bf16_kernel_flops_per_s / 1e9
+            ),
+            format!("memory         {:.1} GB/s", c.bytes_per_s / 1e9),
+            format!("per op         {:.1} µs", c.op_overhead_s * 1e6),
+            source,
+        ]
+        .map(|line| line + "\n")
+        .concat()
+    });
+    Ok(0)
 }
 
-fn tui_main(args: &memfit::cli::TuiArgs) -> i32 {
-    if args.trial_timeout.is_nan() || args.trial_timeout <= 0.0 || args.sample_ms == 0 {
-        eprintln!("memfit: --trial-timeout and --sample-ms must be positive");
-        return 2;
+fn tui_main(args: &memfit::cli::TuiArgs) -> Outcome {
+    if args.trial_timeout.is_nan() || args.trial_timeout <= 0.0 {
+        return Err(invalid("--trial-timeout", "must be positive"));
     }
-    let timing = match args.timing.timing() {
-        Ok(t) => t,
-        Err(e) => {
-            eprintln!("memfit: {e}");
-            return e.exit_code();
-        }
-    };
+    if args.sample_ms == 0 {
+        return Err(invalid("--sample-ms", "must be positive"));
+    }
+    let timing = args.timing.timing()?;
     let opts = memfit::tui::term::TuiOptions {
         recipe: args.recipe.clone(),
         new: args.new,
@@ -414,56 +350,33 @@ fn tui_main(args: &memfit::cli::TuiArgs) -> i32 {
         timeout: std::time::Duration::from_secs_f64(args.trial_timeout),
         threads: args.threads,
     };
-    match memfit::tui::term::run_tui(&opts) {
-        Ok(code) => {
-            println!("memfit tui: journal and exports in {}", args.out.display());
-            code
-        }
-        Err(e) => {
-            eprintln!("memfit: {e}");
-            e.exit_code()
-        }
-    }
+    let code = memfit::tui::term::run_tui(&opts)?;
+    println!("memfit tui: journal and exports in {}", args.out.display());
+    Ok(code)
 }
 
 /// `memfit balance`: exit 0 with the partitions, 1 when --verify measures
 /// other peaks than predicted, 2 on bad input, 3 when no split fits the
 /// capacity (the best one is still printed) or --verify's run runs out of memory.
-fn balance_main(args: &memfit::cli::BalanceArgs) -> i32 {
-    let report = args
-        .options()
-        .and_then(|o| memfit::balance_cmd::balance(&o));
-    match report {
-        Ok(report) => {
-            match args.format {
-                Format::Json => println!(
-                    "{}",
-                    serde_json::to_string_pretty(&report).expect("report serialises")
-                ),
-                Format::Table => print!("{}", memfit::balance_cmd::render_table(&report)),
-            }
-            if report
-                .verify
-                .iter()
-                .any(|v| v.predicted_bytes != v.measured_bytes)
-            {
-                eprintln!("memfit: a stage's measured peak differs from the prediction");
-                return 1;
-            }
-            if report.optimal.stages.iter().any(|s| !s.fits) {
-                eprintln!(
-                    "memfit: no split into {} stages fits the capacity; add stages or lower --micro-batch",
-                    report.stages
-                );
-                return 3;
-            }
-            0
-        }
-        Err(e) => {
-            eprintln!("memfit: {e}");
-            e.exit_code()
-        }
+fn balance_main(args: &memfit::cli::BalanceArgs) -> Outcome {
+    let report = memfit::balance_cmd::balance(&args.options()?)?;
+    emit(args.format, &report, memfit::balance_cmd::render_table);
+    if report
+        .verify
+        .iter()
+        .any(|v| v.predicted_bytes != v.measured_bytes)
+    {
+        eprintln!("memfit: a stage's measured peak differs from the prediction");
+        return Ok(1);
     }
+    if report.optimal.stages.iter().any(|s| !s.fits) {
+        eprintln!(
+            "memfit: no split into {} stages fits the capacity; add stages or lower --micro-batch",
+            report.stages
+        );
+        return Ok(3);
+    }
+    Ok(0)
 }
 
 #[global_allocator]

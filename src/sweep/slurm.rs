@@ -49,15 +49,11 @@ pub struct SlurmOptions {
     pub extra: Vec<String>,
 }
 
-/// The executor `memfit sweep`'s flags ask for; `--slurm-*` without
-/// `--executor slurm` is refused rather than ignored.
-pub fn executor(args: &crate::cli::SweepArgs) -> Result<Executor> {
-    let options = SlurmOptions {
-        partition: args.slurm_partition.clone(),
-        time: args.slurm_time.clone(),
-        extra: args.slurm_extra.clone(),
-    };
-    match args.executor {
+/// The executor `memfit sweep`'s flags ask for (`--executor`, and the
+/// `--slurm-*` flags as `options`); `--slurm-*` without `--executor slurm`
+/// is refused rather than ignored.
+pub fn executor(kind: ExecutorKind, options: SlurmOptions) -> Result<Executor> {
+    match kind {
         ExecutorKind::Slurm => Ok(Executor::Slurm(options)),
         ExecutorKind::Local => {
             let set = [
