@@ -50,7 +50,6 @@ impl DType {
 }
 
 /// [`Backend::copy_cols`] on host slices.
-#[allow(clippy::too_many_arguments)]
 pub fn copy_cols_host(
     dst: &mut [f32],
     dst_cols: usize,
@@ -176,7 +175,6 @@ pub trait Backend {
     /// `dst`'s dtype, computed in fp32 and rounded once. LoRA adds an
     /// adapter's output into its slice of a fused projection and reads its
     /// gradient back out. This default stages both through the host.
-    #[allow(clippy::too_many_arguments)]
     fn copy_cols(
         &mut self,
         dst: &mut Self::Buf,
@@ -216,7 +214,6 @@ pub trait Backend {
     fn fill(&mut self, buf: &mut Self::Buf, value: f32);
 
     /// `out (N,C) = wte[tokens] (+ wpe[pos])`, tokens `(B,T)` flattened to N, wte `(V,C)`, wpe `(maxT,C)`.
-    #[allow(clippy::too_many_arguments)]
     fn embed_forward(
         &mut self,
         out: &mut Self::Buf,
@@ -230,7 +227,6 @@ pub trait Backend {
         self.embed_forward_rows(out, tokens, wte, wpe, n, t, c, None);
     }
     /// Accumulates `dwte[tokens] += dout` and `dwpe[pos] += dout`.
-    #[allow(clippy::too_many_arguments)]
     fn embed_backward(
         &mut self,
         dwte: &mut Self::Buf,
@@ -249,7 +245,6 @@ pub trait Backend {
     /// lo + rows`; `out (N,C) = wte[tokens - lo]` for the tokens in that
     /// range, 0 for the others (the group's all-reduce adds the parts), plus
     /// `wpe[pos]` when given. Without a part every token must be in `wte`.
-    #[allow(clippy::too_many_arguments)]
     fn embed_forward_rows(
         &mut self,
         out: &mut Self::Buf,
@@ -264,7 +259,6 @@ pub trait Backend {
     /// [`Backend::embed_backward`], or a part's: `dwte[tokens - lo] +=
     /// dout` for the tokens in its rows (others skipped), `dwpe[pos] +=
     /// dout` when given.
-    #[allow(clippy::too_many_arguments)]
     fn embed_backward_rows(
         &mut self,
         dwte: &mut Self::Buf,
@@ -278,7 +272,6 @@ pub trait Backend {
     );
 
     /// LayerNorm over the last dim: `out (N,C)`, saves `mean (N)`, `rstd (N)`; `b` is optional.
-    #[allow(clippy::too_many_arguments)]
     fn layernorm_forward(
         &mut self,
         out: &mut Self::Buf,
@@ -292,7 +285,6 @@ pub trait Backend {
         eps: f32,
     );
     /// Accumulates `dinp += ...`, `dw += ...`, `db += ...`.
-    #[allow(clippy::too_many_arguments)]
     fn layernorm_backward(
         &mut self,
         dinp: &mut Self::Buf,
@@ -308,7 +300,6 @@ pub trait Backend {
     );
 
     /// RMSNorm: `out (N,C) = inp * rstd * w`, saves `rstd (N)`.
-    #[allow(clippy::too_many_arguments)]
     fn rmsnorm_forward(
         &mut self,
         out: &mut Self::Buf,
@@ -320,7 +311,6 @@ pub trait Backend {
         eps: f32,
     );
     /// Accumulates `dinp += ...`, `dw += ...`.
-    #[allow(clippy::too_many_arguments)]
     fn rmsnorm_backward(
         &mut self,
         dinp: &mut Self::Buf,
@@ -334,7 +324,6 @@ pub trait Backend {
     );
 
     /// `out (N,OC) = inp (N,C) @ w (OC,C)^T + bias (OC)`.
-    #[allow(clippy::too_many_arguments)]
     fn matmul_forward(
         &mut self,
         out: &mut Self::Buf,
@@ -347,7 +336,6 @@ pub trait Backend {
     );
     /// `dinp (N,C) = dout @ w` (overwrites), `dw (OC,C) += dout^T @ inp`, `dbias (OC) += sum_rows dout`.
     /// Without `dw` (a frozen weight) only `dinp` is computed, and `dbias` is ignored.
-    #[allow(clippy::too_many_arguments)]
     fn matmul_backward(
         &mut self,
         dinp: &mut Self::Buf,
@@ -460,7 +448,6 @@ pub trait Backend {
     /// (`v` may be 0). Per row: `stats (N,2) = [max, sum exp(x - max)]` over
     /// the real columns (`[-inf, 0]` without any), and `tgt (N)` = the
     /// target's logit when the target is in this part, else 0. All fp32.
-    #[allow(clippy::too_many_arguments)]
     fn crossentropy_part_stats(
         &mut self,
         stats: &mut Self::Buf,
@@ -487,7 +474,6 @@ pub trait Backend {
     );
     /// Step 3, in place on the part: `logits := dloss * exp(logits - lse) -
     /// dloss * [lo + j == target]` over the real columns, padding 0.
-    #[allow(clippy::too_many_arguments)]
     fn crossentropy_part_backward(
         &mut self,
         logits: &mut Self::Buf,

@@ -563,7 +563,6 @@ impl<B: Backend> Device<B> {
     }
 
     /// LayerNorm when `mean` is given (gpt2), RMSNorm otherwise (llama).
-    #[allow(clippy::too_many_arguments)]
     pub fn norm_forward(
         &mut self,
         out: &mut T<B>,
@@ -602,7 +601,6 @@ impl<B: Backend> Device<B> {
     }
 
     /// Accumulates into `dinp`, `dw`, `db`.
-    #[allow(clippy::too_many_arguments)]
     pub fn norm_backward(
         &mut self,
         dinp: &mut T<B>,
@@ -658,7 +656,6 @@ impl<B: Backend> Device<B> {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub fn matmul_forward(
         &mut self,
         out: &mut T<B>,
@@ -687,7 +684,6 @@ impl<B: Backend> Device<B> {
         );
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub fn matmul_backward(
         &mut self,
         dinp: &mut T<B>,
@@ -734,7 +730,6 @@ impl<B: Backend> Device<B> {
     }
 
     /// [`Backend::copy_cols`]: a column block between row-major matrices.
-    #[allow(clippy::too_many_arguments)]
     pub fn copy_cols(
         &mut self,
         dst: &mut T<B>,
@@ -898,7 +893,6 @@ impl<B: Backend> Device<B> {
     }
 
     /// Vocabulary-parallel cross-entropy, step 1 on this rank's columns.
-    #[allow(clippy::too_many_arguments)]
     pub fn crossentropy_part_stats(
         &mut self,
         stats: &mut T<B>,
@@ -941,7 +935,6 @@ impl<B: Backend> Device<B> {
     }
 
     /// Step 3: this rank's columns of the logits' gradient, in place.
-    #[allow(clippy::too_many_arguments)]
     pub fn crossentropy_part_backward(
         &mut self,
         logits: &mut T<B>,

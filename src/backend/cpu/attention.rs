@@ -362,7 +362,6 @@ fn forward_block(
 /// kv head g for all rows of sequence b, so the dK/dV sums over the heads that
 /// share a kv head stay inside one task, in a fixed order: heads, then query
 /// blocks, then key tiles.
-#[allow(clippy::too_many_arguments)]
 pub fn backward(
     be: &mut CpuBackend,
     dqkv: &mut CpuBuf,
@@ -454,7 +453,6 @@ struct Seq<'a> {
 
 /// Query block `r0..r1` of query head `h` (kv head `g`): writes its dq rows,
 /// adds its share into dk, dv of kv head g.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn backward_block(
     sl: &mut Slot,

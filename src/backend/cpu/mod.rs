@@ -360,7 +360,6 @@ unsafe impl Sync for Mat {}
 /// Every element the shapes and strides address must be in bounds, `dst` must be
 /// valid for writes there and overlap neither operand, and no other thread may
 /// touch the `dst` elements during the call.
-#[allow(clippy::too_many_arguments)]
 unsafe fn sgemm(
     m: usize,
     n: usize,
@@ -420,7 +419,6 @@ const GEMM_BLOCK: usize = 256;
 ///
 /// # Safety
 /// As [`sgemm`]; the whole of `dst` is written by the tasks, each its own block.
-#[allow(clippy::too_many_arguments)]
 unsafe fn sgemm_blocked(
     split: Split,
     m: usize,

@@ -131,7 +131,6 @@ impl Mat<'_> {
 }
 
 /// `C_i = alpha * op(A_i) op(B_i) + beta * C_i`, column-major, `i < batch`.
-#[allow(clippy::too_many_arguments)]
 fn batched<D: Driver>(
     be: &mut CudaBackend<D>,
     (m, n, k): (usize, usize, usize),
@@ -530,7 +529,6 @@ pub(crate) fn flash_forward<D: Driver>(
 
 /// `dqkv` (overwritten) from `dout`, the forward's `out` and `lse`, and `qkv`;
 /// `ws` (an `f32` buffer of [`workspace_bytes`]) receives `D`.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn flash_backward<D: Driver>(
     be: &mut CudaBackend<D>,
     dqkv: &mut CudaBuf,

@@ -301,7 +301,6 @@ fn swiglu<B: Backend>(
     vec![down(be, &out), down(be, &dgu)]
 }
 
-#[allow(clippy::too_many_arguments)]
 fn matmul<B: Backend>(
     be: &mut B,
     x: &[f32],

@@ -12,7 +12,6 @@ use super::{CudaBackend, CudaBuf, n64};
 use crate::backend::DType;
 
 /// `c = alpha * op(a) op(b) + beta * c`, column-major, one matrix.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm<D: Driver>(
     be: &mut CudaBackend<D>,
     (transa, transb): (bool, bool),
@@ -52,7 +51,6 @@ pub(crate) fn gemm<D: Driver>(
 }
 
 /// `out (N,OC) = inp (N,C) @ w (OC,C)^T + bias`.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<D: Driver>(
     be: &mut CudaBackend<D>,
     out: &mut CudaBuf,
@@ -88,7 +86,6 @@ pub(crate) fn forward<D: Driver>(
 }
 
 /// `dinp = dout @ w` (overwrites), `dw += dout^T @ inp`, `dbias += colsum(dout)`.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<D: Driver>(
     be: &mut CudaBackend<D>,
     dinp: &mut CudaBuf,

@@ -46,7 +46,6 @@ fn warp_per_row(n: usize) -> LaunchCfg {
     LaunchCfg::linear(n.div_ceil(NORM_WARPS) as u32, (32 * NORM_WARPS) as u32)
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn embed_forward<D: Driver>(
     be: &mut CudaBackend<D>,
     out: &mut CudaBuf,
@@ -87,7 +86,6 @@ pub(crate) fn embed_forward<D: Driver>(
     );
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn embed_backward<D: Driver>(
     be: &mut CudaBackend<D>,
     dwte: &mut CudaBuf,
@@ -153,7 +151,6 @@ pub(crate) fn embed_backward<D: Driver>(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn layernorm_forward<D: Driver>(
     be: &mut CudaBackend<D>,
     out: &mut CudaBuf,
@@ -194,7 +191,6 @@ pub(crate) fn layernorm_forward<D: Driver>(
     );
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn layernorm_backward<D: Driver>(
     be: &mut CudaBackend<D>,
     dinp: &mut CudaBuf,
@@ -234,7 +230,6 @@ pub(crate) fn layernorm_backward<D: Driver>(
     wgrad(be, dw, db, dout, inp, Some(mean), rstd, n, c);
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn rmsnorm_forward<D: Driver>(
     be: &mut CudaBackend<D>,
     out: &mut CudaBuf,
@@ -267,7 +262,6 @@ pub(crate) fn rmsnorm_forward<D: Driver>(
     );
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn rmsnorm_backward<D: Driver>(
     be: &mut CudaBackend<D>,
     dinp: &mut CudaBuf,
@@ -307,7 +301,6 @@ pub(crate) fn rmsnorm_backward<D: Driver>(
 /// `mean`) or RMSNorm (without): `norm_wgrad_partial_kernel`, split over row
 /// ranges when the column blocks alone are too few for the GPU and the
 /// partials fit the scratch, then `norm_wgrad_finish_kernel` adds them.
-#[allow(clippy::too_many_arguments)]
 fn wgrad<D: Driver>(
     be: &mut CudaBackend<D>,
     dw: &mut CudaBuf,
@@ -479,7 +472,6 @@ pub(crate) fn crossentropy_backward<D: Driver>(
     );
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn crossentropy_part_stats<D: Driver>(
     be: &mut CudaBackend<D>,
     stats: &mut CudaBuf,
@@ -541,7 +533,6 @@ pub(crate) fn crossentropy_combine<D: Driver>(
     );
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn crossentropy_part_backward<D: Driver>(
     be: &mut CudaBackend<D>,
     logits: &mut CudaBuf,
@@ -600,7 +591,6 @@ const BWD: Tol = Tol::new(1e-5, 1e-4);
 
 /// `[out, dwte, dwpe?]`: forward, then backward into gradients that start
 /// non-zero (the op accumulates).
-#[allow(clippy::too_many_arguments)]
 fn embed<B: Backend>(
     be: &mut B,
     tokens: &[u32],
@@ -629,7 +619,6 @@ fn embed<B: Backend>(
 
 /// `[out, mean, rstd]` of LayerNorm (`mean: false`: RMSNorm, `[out, rstd]`);
 /// the statistics are fp32, as the engine keeps them.
-#[allow(clippy::too_many_arguments)]
 fn norm_fwd<B: Backend>(
     be: &mut B,
     layer: bool,
@@ -666,7 +655,6 @@ fn norm_fwd<B: Backend>(
 
 /// `[dinp, dw, db?]` of LayerNorm (`mean` given) or RMSNorm, from the same
 /// statistics on both backends and gradients that start non-zero.
-#[allow(clippy::too_many_arguments)]
 fn norm_bwd<B: Backend>(
     be: &mut B,
     x: &[f32],
@@ -744,7 +732,6 @@ fn crossentropy<B: Backend>(
 /// `parts` ranks, run part by part on one backend, the collectives done on
 /// the host: `[embedding (parts summed), dwte parts stitched, losses,
 /// dlogits parts stitched]` (`vp` divisible by `parts`).
-#[allow(clippy::too_many_arguments)]
 fn vocab_parallel<B: Backend>(
     be: &mut B,
     tokens: &[u32],

@@ -64,7 +64,6 @@ pub(crate) fn adamw<D: Driver>(
 /// One block of 256 threads per quantisation block (at most
 /// [`MAX_STRIDE_BLOCKS`] blocks, looping over the rest); the maps come from
 /// the scratch, where [`CudaBackend::new`] uploaded them.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn adamw8bit<D: Driver>(
     be: &mut CudaBackend<D>,
     param: &mut CudaBuf,
