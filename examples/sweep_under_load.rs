@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use memfit::sweep::report::SweepReport;
+use memfit::report::sweep::SweepReport;
 
 fn memfit_next_to_me() -> Option<PathBuf> {
     // target/release/examples/sweep_under_load -> target/release/memfit

@@ -231,7 +231,7 @@ pub fn stage_peak(
         ..train.clone()
     };
     // Stage s as a pipeline run wires it, holding `blocks`.
-    let mut link = crate::run::meta_links(model, &one).swap_remove(s);
+    let mut link = crate::engine::cluster::meta_links(model, &one).swap_remove(s);
     if let Some(p) = &mut link.pipe {
         p.layers = blocks;
     }

@@ -37,7 +37,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::memory::{Category, PeakBytes};
-use crate::sweep::report::{Outcome, SCHEMA_VERSION, SweepReport, TrialRecord};
+use crate::report::sweep::{Outcome, SCHEMA_VERSION, SweepReport, TrialRecord};
 use crate::units::fmt_bytes;
 
 /// A category must grow by at least this much to count as grown: the

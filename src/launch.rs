@@ -37,7 +37,8 @@ use crate::cli::{Format, LaunchArgs, RunArgs};
 use crate::comm::process::{DistEnv, EXIT_PEER_LOST};
 use crate::error::Error;
 use crate::memory::{ByCategory, Category, PeakBytes, Tracker};
-use crate::run::{ErrorRecord, RankRecord, RunReport, render_table, run_process_rank};
+use crate::report::run::{ErrorRecord, RankRecord, RunReport, render_table};
+use crate::run::run_process_rank;
 
 /// Test hook: `RANK:KIND` makes that rank fail right after joining the
 /// group: `sigkill` (as the kernel's OOM killer would), `exit` (exit 1
@@ -374,7 +375,7 @@ fn combine(
             })
         })
         .collect();
-    crate::run::summarise_ranks(&mut report);
+    crate::report::run::summarise_ranks(&mut report);
     if let Some(h) = &mut report.host {
         let mut top = PeakBytes::default();
         let mut nodes = std::collections::BTreeMap::<usize, u64>::new();

@@ -2,10 +2,6 @@
 //!
 //! See ARCHITECTURE.md for the map of the code.
 
-// Kernels take flat buffers and explicit shapes (llm.c style), so long argument
-// lists are the norm rather than a smell here.
-#![allow(clippy::too_many_arguments)]
-
 pub mod backend;
 pub mod balance;
 pub mod balance_cmd;
@@ -25,6 +21,7 @@ pub mod nf4;
 pub mod plan;
 pub mod profiles_cmd;
 pub mod reference;
+pub mod report;
 pub mod rng;
 pub mod run;
 pub mod selftest;
@@ -33,6 +30,7 @@ pub mod stats;
 pub mod sweep;
 pub mod telemetry;
 pub mod tui;
+pub mod ui;
 pub mod units;
 pub mod watch;
 

@@ -3,7 +3,8 @@ use std::process::ExitCode;
 use clap::Parser;
 
 use memfit::cli::{Cli, Command, Format, PlanFormat};
-use memfit::run::{render_table, run};
+use memfit::report::run::render_table;
+use memfit::run::run;
 
 /// Whether this command may open the cuda backend: then the NVIDIA
 /// libraries are found and made loadable first (which may execute memfit

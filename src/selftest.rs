@@ -24,7 +24,8 @@ use crate::engine::{
     TrainConfig,
 };
 use crate::error::{Error, Result};
-use crate::run::{RunOptions, RunReport};
+use crate::report::run::RunReport;
+use crate::run::RunOptions;
 
 /// One training comparison.
 #[derive(Clone, Debug, Serialize)]

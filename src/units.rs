@@ -15,6 +15,14 @@ pub fn fmt_bytes(bytes: u64) -> String {
     format!("{value:.2} {}", UNITS[unit])
 }
 
+/// A signed size: `+1.00 MiB`, `-1.00 MiB` (a margin, a difference).
+pub fn fmt_signed_bytes(b: i64) -> String {
+    match b < 0 {
+        true => format!("-{}", fmt_bytes(b.unsigned_abs())),
+        false => format!("+{}", fmt_bytes(b as u64)),
+    }
+}
+
 /// The unit [`fmt_bytes`] writes `bytes` in, and that unit's size in
 /// bytes: a column of sizes can then name its unit once, in its header.
 pub fn iec_unit(bytes: u64) -> (&'static str, u64) {

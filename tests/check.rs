@@ -15,7 +15,7 @@ use memfit::check::{
     CheckArgs, CheckFormat, CheckOptions, CheckReport, CheckVerdict, Metric, compare, gate,
     load_pair, load_report, run_check,
 };
-use memfit::sweep::report::{Outcome, SCHEMA_VERSION, SweepReport, TrialRecord};
+use memfit::report::sweep::{Outcome, SCHEMA_VERSION, SweepReport, TrialRecord};
 
 /// A fresh directory under the system temp dir.
 fn scratch(tag: &str) -> PathBuf {

@@ -14,10 +14,10 @@ use memfit::config::ModelConfig;
 use memfit::config::profile::load_model;
 use memfit::data::DataSource;
 use memfit::engine::cluster::Cluster;
+use memfit::engine::cluster::{cpu_links, meta_links};
 use memfit::engine::shard::units;
 use memfit::engine::{Checkpointing, Finetune, Offload, Precision, Sharding, TrainConfig};
 use memfit::memory::{Category, Phase, Tracker};
-use memfit::run::{cpu_links, meta_links};
 use serde_json::Value;
 
 fn cpu_cluster(model: &ModelConfig, tc: &TrainConfig) -> Cluster<CpuBackend> {

@@ -13,13 +13,13 @@ use memfit::config::ModelConfig;
 use memfit::config::profile::load_model;
 use memfit::data::DataSource;
 use memfit::engine::cluster::Cluster;
+use memfit::engine::cluster::{cpu_links, meta_links};
 use memfit::engine::lora::{self, Target};
 use memfit::engine::{
     Attention, Checkpointing, Engine, Finetune, LoraConfig, Offload, Precision, Proj, Sharding,
     TrainConfig,
 };
 use memfit::memory::PeakBytes;
-use memfit::run::{cpu_links, meta_links};
 
 fn lora_tc(rank: usize) -> TrainConfig {
     TrainConfig {

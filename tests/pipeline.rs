@@ -12,9 +12,9 @@ use memfit::config::ModelConfig;
 use memfit::config::profile::load_model;
 use memfit::data::DataSource;
 use memfit::engine::cluster::Cluster;
+use memfit::engine::cluster::{cpu_links, meta_links};
 use memfit::engine::{Checkpointing, Optimizer, Precision, Schedule, Sharding, TrainConfig};
 use memfit::memory::{Category, PeakBytes};
-use memfit::run::{cpu_links, meta_links};
 
 fn cpu_cluster(
     model: &ModelConfig,

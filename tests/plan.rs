@@ -10,9 +10,9 @@ use memfit::config::hardware::load_hardware;
 use memfit::config::profile::load_model;
 use memfit::data::DataSource;
 use memfit::engine::cluster::Cluster;
+use memfit::engine::cluster::cpu_links;
 use memfit::engine::{Optimizer, Precision, Sharding};
 use memfit::plan::{Grid, PlanRecipe, Point, Verdict, closed_form, plan};
-use memfit::run::cpu_links;
 
 fn fixture(name: &str) -> String {
     format!(

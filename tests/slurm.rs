@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use memfit::sweep::report::{Outcome, SweepReport};
+use memfit::report::sweep::{Outcome, SweepReport};
 use serde_json::Value;
 
 /// Four trials (micro-batch 1 and 2, with and without checkpointing), each

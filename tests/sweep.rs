@@ -7,7 +7,7 @@ use common::memfit;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use memfit::sweep::report::{Outcome, SweepReport};
+use memfit::report::sweep::{Outcome, SweepReport};
 
 fn recipe() -> &'static str {
     concat!(

@@ -15,8 +15,8 @@ use memfit::config::ModelConfig;
 use memfit::config::profile::load_model;
 use memfit::data::DataSource;
 use memfit::engine::cluster::Cluster;
+use memfit::engine::cluster::{cpu_links, meta_links};
 use memfit::engine::{Checkpointing, Optimizer, Precision, Sharding, TrainConfig};
-use memfit::run::{cpu_links, meta_links};
 
 fn cpu_cluster(model: &ModelConfig, tc: &TrainConfig) -> Cluster<CpuBackend> {
     let backends = (0..tc.ranks).map(|_| CpuBackend::new(1).unwrap()).collect();

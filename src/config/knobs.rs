@@ -215,6 +215,12 @@ knobs! {
     threads: usize,
 }
 
+/// A knob's value as recipes and flags spell it (`zero3`, `hf-eager`).
+pub fn name(v: impl clap::ValueEnum) -> String {
+    v.to_possible_value()
+        .map_or_else(String::new, |p| p.get_name().to_string())
+}
+
 fn threads(s: &str) -> Result<usize, String> {
     super::limits::check_threads(s.parse().map_err(|e| format!("{e}"))?)
 }

@@ -10,7 +10,11 @@ use std::sync::Mutex;
 use super::pipeline::stage_layers;
 use super::{Comm, Engine, Pipe, StepReport, TrainConfig};
 use crate::backend::Backend;
+use crate::backend::cpu::CpuBackend;
+use crate::backend::cpu::comm::{cpu_group, cpu_pipeline};
+use crate::backend::meta::MetaBackend;
 use crate::comm::{AbortHandle, PointToPoint};
+use crate::comm::{MetaComm, MetaP2p};
 use crate::config::ModelConfig;
 use crate::data::Batch;
 use crate::memory::OomError;
@@ -327,4 +331,40 @@ where
     pub fn release(self) -> Vec<super::Device<B>> {
         self.ranks.into_iter().map(Engine::release).collect()
     }
+}
+
+/// Every rank's links for `train` on meta: collectives and point-to-point
+/// that move nothing (see [`links`]).
+pub fn meta_links(model: &ModelConfig, train: &TrainConfig) -> Vec<Links<MetaBackend>> {
+    links(
+        model,
+        train,
+        |w| {
+            (0..w)
+                .map(|r| Box::new(MetaComm::new(r, w)) as Comm<MetaBackend>)
+                .collect()
+        },
+        |s| (0..s).map(|_| Box::new(MetaP2p) as _).collect(),
+    )
+}
+
+/// Every rank's links for `train` on cpu: ranks are threads, data moves
+/// through shared memory and channels (see [`links`]).
+pub fn cpu_links(model: &ModelConfig, train: &TrainConfig) -> Vec<Links<CpuBackend>> {
+    links(
+        model,
+        train,
+        |w| {
+            cpu_group(w)
+                .into_iter()
+                .map(|c| Box::new(c) as Comm<CpuBackend>)
+                .collect()
+        },
+        |s| {
+            cpu_pipeline(s)
+                .into_iter()
+                .map(|p| Box::new(p) as _)
+                .collect()
+        },
+    )
 }

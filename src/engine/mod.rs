@@ -21,6 +21,7 @@ pub mod optim;
 pub mod pipeline;
 pub mod shard;
 pub mod tensor;
+pub mod validate;
 
 use crate::backend::{AttnShape, Backend, DType};
 use crate::comm::Peer;
@@ -2510,7 +2511,6 @@ fn free_block<B: Backend>(dev: &mut Device<B>, a: BlockActs<T<B>>) {
 /// adapters on `proj`, saves `t = x A^T (N, r)` (pushed onto `saved`) and,
 /// given the projection's output `(out, its width)`, adds `scale t B^T`
 /// into the adapter's columns of it.
-#[allow(clippy::too_many_arguments)]
 fn lora_forward<B: Backend>(
     dev: &mut Device<B>,
     p: &[T<B>],
@@ -2542,7 +2542,6 @@ fn lora_forward<B: Backend>(
 /// gradient `dout (N, cols)`, accumulates the adapters' `dB` and `dA` and
 /// adds their part of the input gradient into `dinp (N, in)`. `ts` are the
 /// block's saved `x A^T`, in adapter order.
-#[allow(clippy::too_many_arguments)]
 fn lora_backward<B: Backend>(
     dev: &mut Device<B>,
     p: &[T<B>],

@@ -457,7 +457,7 @@ impl<B: Backend> Dist<B> {
         let g = group.world();
         assert!(
             self.sharding.shards_parameters(),
-            "hpZ partitions zero3's weights (run::validate says so)"
+            "hpZ partitions zero3's weights (engine::validate says so)"
         );
         assert!(
             g > 1 && g < self.world && self.world.is_multiple_of(g),

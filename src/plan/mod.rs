@@ -525,11 +525,7 @@ impl Point {
     }
 }
 
-/// A knob value as the recipe spells it.
-pub fn name(v: impl clap::ValueEnum) -> String {
-    v.to_possible_value()
-        .map_or_else(String::new, |p| p.get_name().to_string())
-}
+pub use crate::config::knobs::name;
 
 /// Whether a point can run at all.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -986,7 +982,7 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
             p.gpus, p.pipeline_stages
         ));
     }
-    if let Err(e) = crate::run::validate_tensor_parallel(&r.train_config(p), model) {
+    if let Err(e) = crate::engine::validate::tensor_parallel(&r.train_config(p), model) {
         return Some(match e {
             Error::InvalidArg { message, .. } => message,
             other => other.to_string(),
@@ -1011,7 +1007,7 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
             p.gpus
         ));
     }
-    crate::run::validate_sharding(&tc, MAX_GPUS)
+    crate::engine::validate::sharding(&tc, MAX_GPUS)
         .err()
         .map(|e| match e {
             Error::InvalidArg { message, .. } => message,
@@ -1480,7 +1476,6 @@ struct Shared {
 /// [`predict`], copying the engine of `p`'s group from `shared` where one
 /// rank stands for the step (building it there first), instead of building
 /// its own.
-#[allow(clippy::too_many_arguments)]
 fn predict_shared(
     r: &PlanRecipe,
     model: &ModelConfig,
@@ -1604,7 +1599,7 @@ fn predict_shared(
             ..tc.clone()
         };
         // Each stage's first tensor-parallel rank (ranks s*T).
-        let links = crate::run::meta_links(model, &wiring)
+        let links = crate::engine::cluster::meta_links(model, &wiring)
             .into_iter()
             .step_by(tps);
         let mut worst: Option<(u64, Engine<MetaBackend>)> = None;

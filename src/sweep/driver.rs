@@ -10,15 +10,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use super::report::{
-    ExitInfo, Measured, Outcome, Predicted, Pricing, Ranking, Recommendation, RunDevice,
-    SCHEMA_VERSION, SweepReport, Target, TargetPrediction, TimingPolicy, TrialRecord,
-};
 use super::trial::{Fault, TrialOutput, TrialSpec};
 use crate::backend::{DeviceKind, DeviceSpec};
 use crate::engine::Framework;
 use crate::error::{Error, Result};
 use crate::plan::{Point, Prediction, Rates, Verdict, expand, load_recipe, name, predict};
+use crate::report::sweep::{
+    ExitInfo, Measured, Outcome, Predicted, Pricing, Ranking, Recommendation, RunDevice,
+    SCHEMA_VERSION, SweepReport, Target, TargetPrediction, TimingPolicy, TrialRecord,
+};
 use rayon::prelude::*;
 
 /// What `memfit sweep` was asked to do.
@@ -528,7 +528,7 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
             .iter()
             .any(|&f| f != crate::engine::Finetune::Full)
             .then(|| recipe.lora()),
-        hf_knobs: Some(crate::sweep::report::HfKnobs {
+        hf_knobs: Some(crate::report::sweep::HfKnobs {
             dropout: recipe.dropout,
             optimizer_impl: recipe.optimizer_impl,
             set_to_none: recipe.set_to_none,

@@ -18,7 +18,7 @@ use crate::engine::{
 };
 use crate::error::{Error, Result};
 use crate::plan::{Point, name};
-use crate::sweep::report::{SweepReport, TrialRecord};
+use crate::report::sweep::{SweepReport, TrialRecord};
 use crate::units::fmt_bytes;
 
 /// An f32 hyper-parameter as the f64 its decimal spelling means (3e-4, not
@@ -447,7 +447,7 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
     if named {
         s.push_str(&format!("  framework: [{}]\n", name(p.framework)));
     }
-    if let Some(crate::sweep::report::HfKnobs {
+    if let Some(crate::report::sweep::HfKnobs {
         dropout,
         optimizer_impl: opt_impl,
         set_to_none,
@@ -594,7 +594,7 @@ mod tests {
     use super::*;
     use crate::memory::PeakBytes;
     use crate::plan::PlanRecipe;
-    use crate::sweep::report::{Measured, Outcome, Recommendation, SCHEMA_VERSION};
+    use crate::report::sweep::{Measured, Outcome, Recommendation, SCHEMA_VERSION};
 
     fn point(
         micro_batch: usize,

@@ -13,8 +13,8 @@ use super::markdown::{
     paired_rows, pricing_line, ranking_line, ratio, tokens_cell,
 };
 use super::plots::{roles_line, svg_strings};
-use super::report::{Outcome, SweepReport, TrialRecord};
 use crate::plan::name;
+use crate::report::sweep::{Outcome, SweepReport, TrialRecord};
 use crate::units::fmt_bytes;
 
 /// Escapes text for HTML and XML content and attribute values.
@@ -1128,7 +1128,7 @@ mod tests {
 
     #[test]
     fn a_paired_ranking_is_shown_and_a_noisy_host_is_said_to_be() {
-        use crate::sweep::report::{PairedTrial, Ranking};
+        use crate::report::sweep::{PairedTrial, Ranking};
         let mut r = synthetic_report();
         let rec = r.recommendation.as_mut().unwrap();
         let ranking = Ranking {

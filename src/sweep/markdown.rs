@@ -3,8 +3,8 @@
 
 use std::fmt::Write as _;
 
-use super::report::{Outcome, SweepReport, TrialRecord};
 use crate::plan::{name, usd};
+use crate::report::sweep::{Outcome, SweepReport, TrialRecord};
 use crate::units::fmt_bytes;
 
 pub fn outcome_label(r: &TrialRecord) -> &'static str {
@@ -38,7 +38,7 @@ pub fn ratio(x: Option<f64>) -> String {
 }
 
 /// `median ±half-spread` of tokens/s, e.g. `64358 ±4%`.
-pub fn tokens_cell(m: &super::report::Measured) -> String {
+pub fn tokens_cell(m: &crate::report::sweep::Measured) -> String {
     let [lo, hi] = m.tokens_per_s_ci;
     let spread = (hi - lo) / 2.0 / m.tokens_per_s * 100.0;
     if spread.is_finite() && spread > 0.0 {
@@ -70,7 +70,7 @@ pub fn cost_words(r: &TrialRecord) -> String {
 
 /// What one bout of a paired ranking timed: "3 steps" in reports from
 /// before bouts had a budget, else "at least 3 steps and 0.5 s".
-pub fn bout_words(rk: &super::report::Ranking) -> String {
+pub fn bout_words(rk: &crate::report::sweep::Ranking) -> String {
     match rk.bout_budget_s > 0.0 {
         true => format!(
             "at least {} steps and {} s",

@@ -5,7 +5,6 @@ pub mod export;
 pub mod html;
 pub mod markdown;
 pub mod plots;
-pub mod report;
 pub mod retime;
 pub mod slurm;
 pub mod trial;

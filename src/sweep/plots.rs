@@ -38,10 +38,10 @@ use plotters::style::{FontStyle, FontTransform, register_font};
 
 use self::typeset::Typeset;
 use super::html::escape;
-use super::report::{Outcome, SweepReport, TrialRecord};
 use crate::error::{Error, Result};
 use crate::memory::Category;
 use crate::plan::{Point, name};
+use crate::report::sweep::{Outcome, SweepReport, TrialRecord};
 use crate::units::fmt_bytes;
 
 /// Pixel size of every chart (PNG) and its SVG viewBox.
@@ -1660,7 +1660,7 @@ pub(crate) mod tests {
     use super::*;
     use crate::engine::{Attention, Checkpointing, Optimizer, Precision, Sharding};
     use crate::memory::PeakBytes;
-    use crate::sweep::report::{
+    use crate::report::sweep::{
         ExitInfo, Measured, Predicted, Recommendation, SCHEMA_VERSION, TargetPrediction,
     };
 

@@ -24,7 +24,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::report::{PairedTrial, Ranking};
+use crate::report::sweep::{PairedTrial, Ranking};
 use crate::stats::median_ci;
 
 /// How contenders are re-timed and when they count as tied.
@@ -545,7 +545,7 @@ pub fn tie_sets(ranking: &Ranking) -> (Vec<usize>, Vec<usize>) {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::sweep::report::SweepReport;
+    use crate::report::sweep::SweepReport;
 
     /// A host whose load follows `load(t)` on a fake clock: a bout of a
     /// trial whose unloaded step takes `step_s[trial]` seconds takes
@@ -822,8 +822,8 @@ pub(crate) mod tests {
     /// tight or a second is spent, as `Timing::default` says.
     fn simulated_sweep(host: &mut FakeHost) -> SweepReport {
         use crate::engine::{Checkpointing, Optimizer};
+        use crate::report::sweep::{Measured, Outcome};
         use crate::sweep::plots::tests::{peaks, point, trial};
-        use crate::sweep::report::{Measured, Outcome};
         let mut report = SweepReport::empty_for_tests();
         for (mb, mib) in [(2, 10), (4, 14), (8, 22), (16, 40)] {
             let mut t = trial(

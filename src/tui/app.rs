@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use crate::memory::PeakBytes;
 use crate::plan::{Point, Prediction, Verdict};
-use crate::sweep::report::{Outcome, SweepReport, TargetPrediction, TrialRecord};
+use crate::report::sweep::{Outcome, SweepReport, TargetPrediction, TrialRecord};
 
 /// Samples kept per trial for its chart. Past it, neighbouring samples are
 /// merged pairwise (the higher one kept), so the chart still spans the
@@ -246,7 +246,7 @@ impl Row {
         self.measured_engine().map(|b| b + self.overhead())
     }
 
-    fn measured(&self) -> Option<&crate::sweep::report::Measured> {
+    fn measured(&self) -> Option<&crate::report::sweep::Measured> {
         self.record.as_ref().and_then(|r| r.measured.as_ref())
     }
 
@@ -646,7 +646,7 @@ pub enum Event {
     /// The sweep's final report: its recommendation, as report.json holds
     /// it, replaces the one the TUI kept as trials came in (the sweep adds
     /// how the trials were ranked).
-    Ranked(Box<crate::sweep::report::SweepReport>),
+    Ranked(Box<crate::report::sweep::SweepReport>),
     /// NVML's newest snapshot of the GPUs (or why there is none).
     Gpu(GpuView),
     /// The export started by [`Action::Export`] ended.
@@ -1092,7 +1092,7 @@ pub fn update(app: &mut App, ev: Event) -> Vec<Action> {
 pub(crate) mod testdata {
     use super::*;
     use crate::engine::{Attention, Checkpointing, Optimizer, Precision, Sharding};
-    use crate::sweep::report::{ExitInfo, Measured, Predicted};
+    use crate::report::sweep::{ExitInfo, Measured, Predicted};
 
     pub const MIB: u64 = 1 << 20;
     /// The target's runtime overhead in the plans below (the T4's).
@@ -1201,7 +1201,7 @@ pub(crate) mod testdata {
             no_color,
             sample_interval_ms: 100,
             base: SweepReport {
-                pricing: crate::sweep::report::Pricing {
+                pricing: crate::report::sweep::Pricing {
                     basis: "host".into(),
                     usd_per_hour: Some(2.0),
                 },

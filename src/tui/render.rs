@@ -239,19 +239,14 @@ fn pct(b: f64, capacity: u64) -> f64 {
     }
 }
 
-/// A signed size: `+1.00 MiB`, `-1.00 MiB`.
-fn fmt_signed(b: i64) -> String {
-    if b < 0 {
-        format!("-{}", fmt_bytes(b.unsigned_abs()))
-    } else {
-        format!("+{}", fmt_bytes(b as u64))
-    }
-}
-
 /// A margin ([`Row::margin`]) as every panel shows it: signed, `~` when
 /// the peak is the predicted one.
 fn fmt_margin((m, predicted): (i64, bool)) -> String {
-    format!("{}{}", if predicted { "~" } else { "" }, fmt_signed(m))
+    format!(
+        "{}{}",
+        if predicted { "~" } else { "" },
+        crate::units::fmt_signed_bytes(m)
+    )
 }
 
 /// `s` in at most `w` columns, cut with "…" when longer.
@@ -2806,7 +2801,7 @@ mod tests {
     fn helpers() {
         assert_eq!(fmt_elapsed(83.0), "1:23");
         assert_eq!(fmt_elapsed(3723.0), "1:02:03");
-        assert_eq!(fmt_signed(-(1 << 20)), "-1.00 MiB");
+        assert_eq!(crate::units::fmt_signed_bytes(-(1 << 20)), "-1.00 MiB");
         assert_eq!(fmt_margin((1 << 20, true)), "~+1.00 MiB");
         assert_eq!(clip("abcdef", 4), "abc…");
         assert_eq!(clip("abc", 3), "abc");

@@ -11,20 +11,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossterm::event::{self, KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
-use crossterm::execute;
-use crossterm::terminal::{
-    EnterAlternateScreen, LeaveAlternateScreen, disable_raw_mode, enable_raw_mode,
-};
 use ratatui::Terminal;
-use ratatui::backend::CrosstermBackend;
 
 use super::app::{Action, App, Event, Key, update};
 use super::builder::state::Builder;
 use super::render::render;
 use crate::backend::DeviceSpec;
 use crate::error::{Error, Result};
+use crate::report::sweep::SweepReport;
 use crate::sweep::driver::{Hooks, SweepEvent, SweepOptions, sweep};
-use crate::sweep::report::SweepReport;
 
 /// The grid `memfit tui` opens on without a recipe: the quickstart.
 pub const DEFAULT_RECIPE: &str = include_str!("../../recipes/quickstart.yaml");
@@ -43,25 +38,6 @@ pub struct TuiOptions {
     pub timing: crate::stats::Timing,
     pub timeout: Duration,
     pub threads: Option<usize>,
-}
-
-/// Leaves raw mode and the alternate screen when dropped: on return, on `?`,
-/// and while unwinding from a panic.
-struct Restore;
-
-impl Drop for Restore {
-    fn drop(&mut self) {
-        restore();
-    }
-}
-
-fn restore() {
-    let _ = disable_raw_mode();
-    let _ = execute!(
-        std::io::stdout(),
-        LeaveAlternateScreen,
-        crossterm::cursor::Show
-    );
 }
 
 pub(crate) fn key_of(k: KeyEvent) -> Option<Key> {
@@ -257,27 +233,15 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
         (recipe, _) => (Some(builder_on(opts, recipe.as_deref())?), None),
     };
 
-    // From here on the terminal is ours: restore it however we leave.
-    let previous = std::panic::take_hook();
-    let main_thread = std::thread::current().id();
-    std::panic::set_hook(Box::new(move |info| {
-        // Only the drawing thread owns the terminal; a panic on the sweep
-        // thread is reported on screen by the loop instead.
-        if std::thread::current().id() == main_thread {
-            restore();
-        }
-        previous(info);
-    }));
-    enable_raw_mode().map_err(|e| Error::Unavailable(format!("cannot use this terminal: {e}")))?;
-    let _restore = Restore;
-    execute!(std::io::stdout(), EnterAlternateScreen)
-        .map_err(|e| Error::Unavailable(format!("cannot use this terminal: {e}")))?;
-    let mut terminal = Terminal::new(CrosstermBackend::new(std::io::stdout()))
-        .map_err(|e| Error::Unavailable(format!("cannot use this terminal: {e}")))?;
+    // From here on the terminal is ours, given back however we leave. Only
+    // this, the drawing thread, owns it: a panic on the sweep thread is
+    // reported on screen by the loop instead.
+    let mut screen = crate::ui::Screen::enter().map_err(Error::Unavailable)?;
+    let terminal = &mut screen.terminal;
     let result = loop {
         if let Some(setup) = next_sweep.take() {
             let recipe = setup.recipe.clone();
-            match sweep_view(&mut terminal, opts, setup) {
+            match sweep_view(terminal, opts, setup) {
                 Ok(SweepExit::Quit) => break Ok(0),
                 Ok(SweepExit::Back) => {
                     if builder.is_none() {
@@ -294,7 +258,7 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
             break Ok(0);
         };
         let _ = terminal.clear();
-        match super::builder::run(&mut terminal, b) {
+        match super::builder::run(terminal, b) {
             Ok(super::builder::Exit::Quit) => break Ok(0),
             Ok(super::builder::Exit::Sweep(path)) => match prepare_sweep(opts, &path, None) {
                 Ok(setup) => {
@@ -306,9 +270,7 @@ pub fn run_tui(opts: &TuiOptions) -> Result<i32> {
             Err(e) => break Err(e),
         }
     };
-    drop(terminal);
-    drop(_restore);
-    let _ = std::panic::take_hook();
+    drop(screen);
     result
 }
 

@@ -1030,15 +1030,6 @@ pub fn summary(
     }
 }
 
-/// `+1.00 MiB`, `-1.00 MiB`.
-pub fn fmt_signed(b: i64) -> String {
-    if b < 0 {
-        format!("-{}", fmt_bytes(b.unsigned_abs()))
-    } else {
-        format!("+{}", fmt_bytes(b as u64))
-    }
-}
-
 /// The summary as the aligned lines printed at the end.
 pub fn render_summary(s: &Summary) -> String {
     let mut out = String::from("memfit watch summary\n");
@@ -1148,7 +1139,7 @@ pub fn render_summary(s: &Summary) -> String {
                 format!(
                     "measured {}: {} beside the prediction (the CUDA context, the framework's allocator cache and workspaces are in NVML's figure, not in memfit's)",
                     fmt_bytes(b),
-                    fmt_signed(d)
+                    crate::units::fmt_signed_bytes(d)
                 ),
             ),
             _ => kv("", "nothing measured to compare with".into()),

@@ -21,13 +21,7 @@
 use std::time::Duration;
 
 use crossterm::event::{self, KeyCode, KeyEventKind, KeyModifiers};
-use crossterm::execute;
-use crossterm::terminal::{
-    EnterAlternateScreen, LeaveAlternateScreen, disable_raw_mode, enable_raw_mode,
-};
 use ratatui::Frame;
-use ratatui::Terminal;
-use ratatui::backend::CrosstermBackend;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Modifier, Style};
 use ratatui::text::{Line, Span};
@@ -197,7 +191,7 @@ fn peak_line(st: &WatchState, w: usize) -> Line<'static> {
         if let Some((b, ..)) = st.job_peak {
             spans.push(Span::raw(format!(
                 ": {}",
-                super::fmt_signed(b as i64 - p.tracked_peak_bytes as i64)
+                crate::units::fmt_signed_bytes(b as i64 - p.tracked_peak_bytes as i64)
             )));
         }
     }
@@ -539,48 +533,11 @@ fn key_line(st: &WatchState, w: usize) -> Line<'static> {
     clip_spans(vec![Span::styled(what.to_string(), dim())], w)
 }
 
-/// Leaves raw mode and the alternate screen when dropped: on return and
-/// while unwinding from a panic.
-struct Restore;
-
-impl Drop for Restore {
-    fn drop(&mut self) {
-        restore();
-    }
-}
-
-fn restore() {
-    let _ = disable_raw_mode();
-    let _ = execute!(
-        std::io::stdout(),
-        LeaveAlternateScreen,
-        crossterm::cursor::Show
-    );
-}
-
 /// The terminal loop: samples in, a frame every 100 ms, keys; returns when
 /// the job ends (or the user quits and it has stopped).
 pub fn run(s: &mut Session) -> Result<(), String> {
-    let previous = std::panic::take_hook();
-    let main_thread = std::thread::current().id();
-    std::panic::set_hook(Box::new(move |info| {
-        if std::thread::current().id() == main_thread {
-            restore();
-        }
-        previous(info);
-    }));
-    let result = run_inner(s);
-    let _ = std::panic::take_hook();
-    result
-}
-
-fn run_inner(s: &mut Session) -> Result<(), String> {
-    enable_raw_mode().map_err(|e| format!("cannot use this terminal: {e}"))?;
-    let _restore = Restore;
-    execute!(std::io::stdout(), EnterAlternateScreen)
-        .map_err(|e| format!("cannot use this terminal: {e}"))?;
-    let mut terminal = Terminal::new(CrosstermBackend::new(std::io::stdout()))
-        .map_err(|e| format!("cannot use this terminal: {e}"))?;
+    let mut screen = crate::ui::Screen::enter()?;
+    let terminal = &mut screen.terminal;
     loop {
         s.pump();
         if s.poll_end() {
@@ -612,6 +569,7 @@ mod tests {
     use super::super::state::testdata::*;
     use super::super::state::*;
     use super::*;
+    use ratatui::Terminal;
     use ratatui::backend::TestBackend;
 
     fn screen(st: &WatchState, w: u16, h: u16) -> String {

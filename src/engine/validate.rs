@@ -1,0 +1,236 @@
+//! Which knob combinations the engine runs, checked before it is built:
+//! each refusal names the flag at fault and says why, and the engine's own
+//! asserts are the same rules (`run::validate`, `plan`'s invalid points and
+//! `memfit balance` all come here).
+
+use super::{Finetune, Framework, Optimizer, Sharding, TrainConfig};
+use crate::config::ModelConfig;
+use crate::config::knobs::name;
+use crate::error::{Error, Result};
+
+/// Checks `--tensor-parallel` against the model and the other knobs.
+pub fn tensor_parallel(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
+    let tp = t.tensor_parallel;
+    let flag = "--tensor-parallel";
+    if tp == 0 {
+        return Err(Error::invalid_arg(flag, "must be at least 1"));
+    }
+    if t.sequence_parallel {
+        let n = t.micro_batch * t.seq_len;
+        if tp < 2 {
+            return Err(Error::invalid_arg(
+                "--sequence-parallel",
+                "splits tokens over a tensor-parallel group; add --tensor-parallel 2 or more",
+            ));
+        }
+        if !n.is_multiple_of(tp) {
+            return Err(Error::invalid_arg(
+                "--sequence-parallel",
+                format!(
+                    "a micro-batch's {n} tokens (--micro-batch x --seq-len) do not split evenly over {tp} ranks"
+                ),
+            ));
+        }
+    }
+    if tp == 1 {
+        return Ok(());
+    }
+    if let Some(why) = super::tensor::check(model, tp) {
+        return Err(Error::invalid_arg(flag, format!("{why} ({})", model.name)));
+    }
+    if t.finetune != Finetune::Full {
+        return Err(Error::invalid_arg(
+            flag,
+            "LoRA adapters are laid out over whole projections, which tensor parallelism splits; fine-tune with data parallelism (--sharding) instead",
+        ));
+    }
+    if t.framework != Framework::Memfit {
+        return Err(Error::invalid_arg(
+            flag,
+            "hf-eager models Hugging Face's single-GPU tensors; tensor parallelism is Megatron's layout, with --framework memfit",
+        ));
+    }
+    if t.optimizer == Optimizer::Adafactor {
+        return Err(Error::invalid_arg(
+            flag,
+            "adafactor factors each matrix's second moment over whole rows and columns, which tensor parallelism splits; use an elementwise optimizer (adamw, adamw8bit, sgd)",
+        ));
+    }
+    Ok(())
+}
+
+/// Checks `--pipeline-stages` and `--partition` against the model.
+pub fn pipeline(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
+    let (stages, layers) = (t.pipeline_stages, model.n_layer);
+    if stages == 0 || stages > layers + 2 {
+        return Err(Error::invalid_arg(
+            "--pipeline-stages",
+            format!(
+                "{stages} is outside 1..={}: {} has {layers} blocks, an embedding and a head, and every stage holds at least one of them",
+                layers + 2,
+                model.name
+            ),
+        ));
+    }
+    if let Some(p) = &t.partition {
+        if p.len() != stages {
+            return Err(Error::invalid_arg(
+                "--partition",
+                format!("{} ranges for {stages} pipeline stages", p.len()),
+            ));
+        }
+        // Only the first stage (which holds the embedding) and the last
+        // (the head) may hold no block.
+        if let Some(s) =
+            (0..stages).find(|&s| p[s] == 0 && (stages == 1 || (s > 0 && s + 1 < stages)))
+        {
+            return Err(Error::invalid_arg(
+                "--partition",
+                format!(
+                    "stage {s} holds no block; only the first and the last stage, which hold the embedding and the head, may"
+                ),
+            ));
+        }
+        let sum: usize = p.iter().sum();
+        if sum != layers {
+            return Err(Error::invalid_arg(
+                "--partition",
+                format!(
+                    "the ranges end at block {sum}, but {} has {layers} blocks",
+                    model.name
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks `--ranks`, `--sharding`, `--bucket-view`, `--shard-group` and
+/// `--hpz-group` together.
+/// Checks the sharding knobs and that `t.ranks` is at most `max_ranks`
+/// (`run::MAX_RANKS` for a run, which makes every rank; more for a plan).
+pub fn sharding(t: &TrainConfig, max_ranks: usize) -> Result<()> {
+    if t.shard_group > 0 {
+        let d = t.data_ranks();
+        let why = if !t.sharding.shards_optimizer() {
+            Some("hybrid sharding shards ZeRO state: use --sharding zero1, zero2 or zero3".into())
+        } else if t.pipeline_stages > 1 {
+            Some("hybrid sharding does not combine with pipeline stages here".into())
+        } else if t.shard_group >= d || !d.is_multiple_of(t.shard_group) {
+            Some(format!(
+                "{} must divide the {d} data-parallel ranks into two or more groups",
+                t.shard_group
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(Error::invalid_arg("--shard-group", why));
+        }
+    }
+    if !(1..=max_ranks).contains(&t.ranks) {
+        return Err(Error::invalid_arg(
+            "--ranks",
+            format!("{} is outside 1..={max_ranks}", t.ranks),
+        ));
+    }
+    let stages = t.pipeline_stages;
+    if stages == 0 || !t.ranks.is_multiple_of(stages) {
+        return Err(Error::invalid_arg(
+            "--ranks",
+            format!(
+                "{} ranks cannot be split into {stages} pipeline stages; --ranks is stages x data-parallel replicas",
+                t.ranks
+            ),
+        ));
+    }
+    let tp = t.tensor_parallel.max(1);
+    if !t.ranks.is_multiple_of(stages * tp) {
+        return Err(Error::invalid_arg(
+            "--ranks",
+            format!(
+                "{} ranks cannot be split into {stages} pipeline stage(s) of tensor-parallel groups of {tp}; --ranks is stages x data-parallel replicas x --tensor-parallel",
+                t.ranks
+            ),
+        ));
+    }
+    if let Some(why) = hpz_refusal(t) {
+        return Err(Error::invalid_arg("--hpz-group", why));
+    }
+    if t.data_ranks() > 1 && t.sharding == Sharding::None {
+        return Err(Error::invalid_arg(
+            "--sharding",
+            format!(
+                "{} data-parallel replicas need a data-parallel scheme: {}",
+                t.data_ranks(),
+                if stages > 1 {
+                    "ddp or zero1 (with a pipeline)"
+                } else {
+                    "ddp, zero1, zero2 or zero3"
+                }
+            ),
+        ));
+    }
+    if stages > 1 && t.sharding.shards_gradients() {
+        // DeepSpeed's PipelineEngine refuses the same combination: gradient
+        // partitioning reduce-scatters every micro-batch's gradients.
+        return Err(Error::invalid_arg(
+            "--sharding",
+            format!(
+                "{} shards gradients, which pipeline parallelism does not combine with (as in DeepSpeed); use ddp or zero1 with --pipeline-stages",
+                name(t.sharding)
+            ),
+        ));
+    }
+    // A single rank shards nothing, except that ZeRO with offload is how
+    // DeepSpeed offloads on one GPU.
+    if t.sharding.shards_optimizer() && t.data_ranks() < 2 && !t.offload.optimizer() {
+        return Err(Error::invalid_arg(
+            "--sharding",
+            format!(
+                "{} shards state over data-parallel replicas, so it needs 2 or more of them: --ranks of 2 or more per pipeline stage and tensor-parallel rank",
+                name(t.sharding)
+            ),
+        ));
+    }
+    if t.bucket_view && t.sharding != Sharding::Ddp {
+        return Err(Error::invalid_arg(
+            "--bucket-view",
+            "gradient buckets belong to ddp; use it with --sharding ddp",
+        ));
+    }
+    if t.sharding.shards_optimizer() && t.optimizer == Optimizer::Adafactor {
+        return Err(Error::invalid_arg(
+            "--optimizer",
+            format!(
+                "adafactor factors each matrix's second moment over whole rows and columns, which {}'s flat shards split; use ddp, or an elementwise optimizer (adamw, adamw8bit, sgd)",
+                name(t.sharding)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Why `--hpz-group` (ZeRO++ hpZ) cannot run with the other knobs of `t`,
+/// if it cannot.
+fn hpz_refusal(t: &TrainConfig) -> Option<String> {
+    let (g, d) = (t.hpz_group, t.data_ranks());
+    if g == 0 {
+        return None;
+    }
+    Some(if t.sharding != Sharding::Zero3 {
+        "hpZ keeps a secondary copy of ZeRO-3's partitioned weights for the backward's gathers: use --sharding zero3".into()
+    } else if t.pipeline_stages > 1 {
+        "hpZ does not combine with pipeline stages (neither does zero3)".into()
+    } else if t.shard_group > 0 {
+        "hybrid sharding (--shard-group) already gathers within its groups; hpZ is for ZeRO-3 over every rank, so use one or the other".into()
+    } else if t.offload.params() {
+        "with --offload optimizer+params DeepSpeed keeps hpZ's secondary copy in host memory beside the offloaded weights, which memfit does not model; use --offload optimizer, or no hpZ".into()
+    } else if g == 1 || g >= d || !d.is_multiple_of(g) {
+        format!(
+            "{g} must divide the {d} data-parallel ranks into two or more groups of 2 or more (a node's GPUs each; 0 turns hpZ off)"
+        )
+    } else {
+        return None;
+    })
+}
