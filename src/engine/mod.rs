@@ -51,7 +51,7 @@ type NormScratch<B> = Option<(T<B>, T<B>)>;
 type BlockOut<B> = (BlockActs<T<B>>, Option<T<B>>);
 
 /// The training knobs the engine implements.
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TrainConfig {
     pub seq_len: usize,
     pub micro_batch: usize,

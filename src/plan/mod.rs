@@ -124,16 +124,12 @@ pub struct PlanRecipe {
 impl PlanRecipe {
     /// The engine's knobs for point `p`, with the recipe's framework knobs.
     pub fn train_config(&self, p: &Point) -> TrainConfig {
-        let mut tc = p.train_config(self.seq_len);
-        if p.framework == Framework::HfEager {
-            tc.dropout = self.dropout;
-            tc.optimizer_impl = self.optimizer_impl;
-            tc.set_to_none = self.set_to_none;
-        }
-        if p.finetune != Finetune::Full {
-            tc.lora = self.lora();
-        }
-        tc
+        let hf = crate::report::sweep::HfKnobs {
+            dropout: self.dropout,
+            optimizer_impl: self.optimizer_impl,
+            set_to_none: self.set_to_none,
+        };
+        p.train_config_with(self.seq_len, &hf, &self.lora())
     }
 
     /// The recipe's LoRA knobs, PEFT's defaults where absent.
@@ -475,6 +471,26 @@ impl Point {
             checkpointing: Checkpointing::None,
             ..*self
         }
+    }
+
+    /// [`Point::train_config`] with a recipe's knobs of the user's stack:
+    /// PyTorch's (`hf`) on hf-eager points, LoRA's on LoRA and QLoRA points.
+    pub fn train_config_with(
+        &self,
+        seq_len: usize,
+        hf: &crate::report::sweep::HfKnobs,
+        lora: &LoraConfig,
+    ) -> TrainConfig {
+        let mut tc = self.train_config(seq_len);
+        if self.framework == Framework::HfEager {
+            tc.dropout = hf.dropout;
+            tc.optimizer_impl = hf.optimizer_impl;
+            tc.set_to_none = hf.set_to_none;
+        }
+        if self.finetune != Finetune::Full {
+            tc.lora = lora.clone();
+        }
+        tc
     }
 
     pub fn label(&self) -> String {

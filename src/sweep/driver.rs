@@ -1458,23 +1458,21 @@ impl Ctx<'_> {
 
     /// What a child needs to train `point` under `timing`.
     fn spec(&self, point: &Point, timing: crate::stats::Timing) -> TrialSpec {
+        // The recipe's knobs, as the report keeps them.
         let hf = self.report.hf_knobs.unwrap_or_default();
+        let lora = self.report.lora.clone().unwrap_or_default();
         TrialSpec {
             model: self.model.clone(),
-            seq_len: self.report.seq_len,
-            point: *point,
+            train: crate::engine::TrainConfig {
+                seed: 1337,
+                ..point.train_config_with(self.report.seq_len, &hf, &lora)
+            },
             steps: timing.step_cap(),
             timing: Some(timing),
             device: self.device.to_string(),
             threads: self.opts.threads,
-            seed: 1337,
             fault: None,
             sample_ms: None,
-            // The recipe's knobs, as the report keeps them.
-            optimizer_impl: hf.optimizer_impl,
-            set_to_none: hf.set_to_none,
-            lora: self.report.lora.clone().unwrap_or_default(),
-            dropout: hf.dropout,
         }
     }
 

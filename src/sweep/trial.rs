@@ -6,9 +6,9 @@
 use serde::{Deserialize, Serialize};
 
 use crate::backend::DeviceSpec;
+use crate::engine::TrainConfig;
 use crate::error::{Error, Result};
 use crate::memory::PeakBytes;
-use crate::plan::Point;
 use crate::run::{RunOptions, run};
 
 /// Test hooks: make a trial fail the ways real ones do.
@@ -27,8 +27,9 @@ pub enum Fault {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct TrialSpec {
     pub model: String,
-    pub seq_len: usize,
-    pub point: Point,
+    /// The point's knobs with the recipe's (`plan::Point::train_config_with`),
+    /// the seed included: the child resolves nothing itself.
+    pub train: TrainConfig,
     /// Optimizer steps; the first is warm-up (ignored when `timing` is set).
     pub steps: usize,
     /// Repeat timed steps until this rule says stop.
@@ -37,28 +38,11 @@ pub struct TrialSpec {
     /// `cpu:limit=...` or `meta:limit=...`.
     pub device: String,
     pub threads: Option<usize>,
-    pub seed: u64,
     #[serde(default)]
     pub fault: Option<Fault>,
     /// Report the tracked live bytes on stderr this often (the TUI's live chart).
     #[serde(default)]
     pub sample_ms: Option<u64>,
-    /// hf-eager points: torch.optim.AdamW's implementation.
-    #[serde(default)]
-    pub optimizer_impl: crate::engine::OptimizerImpl,
-    /// hf-eager points: zero_grad(set_to_none=...).
-    #[serde(default = "yes")]
-    pub set_to_none: bool,
-    /// LoRA and QLoRA points: the recipe's LoRA knobs.
-    #[serde(default)]
-    pub lora: crate::engine::LoraConfig,
-    /// hf-eager points: the model's dropout (a sweep on meta models it).
-    #[serde(default)]
-    pub dropout: f32,
-}
-
-fn yes() -> bool {
-    true
 }
 
 /// Prefix of a live-memory sample line on a trial's stderr.
@@ -121,19 +105,7 @@ pub fn run_trial(spec: &TrialSpec) -> Result<TrialOutput> {
         .map_err(|m: String| Error::invalid_arg("--device", m))?;
     let opts = RunOptions {
         model: spec.model.clone(),
-        train: {
-            let mut tc = spec.point.train_config(spec.seq_len);
-            tc.seed = spec.seed;
-            if tc.framework == crate::engine::Framework::HfEager {
-                tc.optimizer_impl = spec.optimizer_impl;
-                tc.set_to_none = spec.set_to_none;
-                tc.dropout = spec.dropout;
-            }
-            if tc.finetune != crate::engine::Finetune::Full {
-                tc.lora = spec.lora.clone();
-            }
-            tc
-        },
+        train: spec.train.clone(),
         steps: spec.steps,
         device,
         target: None,
