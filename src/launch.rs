@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::cli::{Format, LaunchArgs, RunArgs};
+use crate::cli::{Format, LaunchArgs};
 use crate::comm::process::{DistEnv, EXIT_PEER_LOST};
 use crate::error::Error;
 use crate::memory::{ByCategory, Category, PeakBytes, Tracker};
@@ -87,7 +87,12 @@ pub fn is_rank() -> bool {
 
 /// `memfit run` as one rank: trains, then rank 0 prints the job's report.
 /// Returns the exit code.
-pub fn rank_main(args: &RunArgs) -> i32 {
+pub fn rank_main(
+    recipe: Option<&std::path::Path>,
+    knobs: &crate::config::knobs::Knobs,
+    timeline: Option<std::path::PathBuf>,
+    format: Format,
+) -> i32 {
     let env = match DistEnv::from_env() {
         Ok(Some(e)) => e,
         Ok(None) => unreachable!("is_rank said this is a rank"),
@@ -97,7 +102,7 @@ pub fn rank_main(args: &RunArgs) -> i32 {
         }
     };
     let who = format!("rank {}", env.rank);
-    let opts = match args.options() {
+    let opts = match crate::run::options::resolve(recipe, knobs, timeline) {
         Ok(o) => o,
         Err(e) => {
             say(format!("memfit: {who}: {e}"));
@@ -141,7 +146,7 @@ pub fn rank_main(args: &RunArgs) -> i32 {
     };
     let job = merge(&opts.train, env.local_world, report, parts, group.failure());
     if let Some(r) = &job.report {
-        match args.format {
+        match format {
             Format::Json => println!(
                 "{}",
                 serde_json::to_string_pretty(r).expect("report serialises")

@@ -131,7 +131,12 @@ fn main() -> ExitCode {
     };
     let outcome: Outcome = match cli.command {
         Command::Doctor(args) => Ok(memfit::doctor::doctor_main(args.format == Format::Json)),
-        Command::Run(args) if memfit::launch::is_rank() => Ok(memfit::launch::rank_main(&args)),
+        Command::Run(args) if memfit::launch::is_rank() => Ok(memfit::launch::rank_main(
+            args.recipe.as_deref(),
+            &args.knobs,
+            args.timeline.clone(),
+            args.format,
+        )),
         Command::Launch(args) => Ok(memfit::launch::launch_main(&args)),
         Command::Run(args) => run_main(&args),
         Command::Plan(args) if args.watch => Ok(plan_watch(&args)),

@@ -1,6 +1,8 @@
 //! `memfit run`: train a model for a few steps (or plan one step on meta) and
 //! report losses, throughput, FLOPs and peak memory per category.
 
+pub mod options;
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::cli::{Format, PredictArgs, RunArgs, WatchArgs};
+use crate::cli::{Format, PredictArgs, WatchArgs};
 use crate::error::Result;
 use crate::telemetry::{Snapshot, Telemetry};
 use crate::units::fmt_bytes;
@@ -228,21 +228,16 @@ pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
         }
         None => None,
     };
-    let run = RunArgs {
-        recipe: p.recipe.clone(),
-        knobs: crate::config::knobs::Knobs {
-            // The watched job is a PyTorch process unless the flag or the
-            // recipe says otherwise.
-            framework: match recipe_framework {
-                Some(_) => k.framework,
-                None => k.framework.or(Some(crate::engine::Framework::HfEager)),
-            },
-            ..k.clone()
+    let knobs = crate::config::knobs::Knobs {
+        // The watched job is a PyTorch process unless the flag or the
+        // recipe says otherwise.
+        framework: match recipe_framework {
+            Some(_) => k.framework,
+            None => k.framework.or(Some(crate::engine::Framework::HfEager)),
         },
-        timeline: None,
-        format: Format::Table,
+        ..k.clone()
     };
-    let mut opts = run.options()?;
+    let mut opts = crate::run::options::resolve(p.recipe.as_deref(), &knobs, None)?;
     // The watched GPU is whatever NVML shows: no profile's capacity.
     opts.device = crate::backend::DeviceSpec::new(crate::backend::DeviceKind::Meta, None);
     opts.target = None;
