@@ -1,7 +1,7 @@
 //! The training knobs, declared once. `memfit run`'s flags (clap) and a run
 //! recipe's keys (serde, `_` for the flags' `-`) are this one struct; every
 //! knob is optional, so that a flag overrides the recipe's key and a knob
-//! neither gives takes its default (`cli::RunArgs::options`). What the
+//! neither gives takes its default (`run::options::resolve`). What the
 //! flags and keys share is generated from the one list below: the merge
 //! ([`Knobs::or`]) and which knobs a source gave ([`Knobs::has`]).
 

@@ -602,6 +602,12 @@ pub struct Prediction {
     /// Offload points: host memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host: Option<HostPrediction>,
+    /// ZeRO-2 and ZeRO-3 points: what DeepSpeed's own estimator
+    /// (`estimate_zero2/3_model_states_mem_needs`) says the model states
+    /// take, beside the engine's peak, since an exported `ds_config.json`
+    /// is run by DeepSpeed (`plan::deepspeed`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deepspeed: Option<deepspeed::Estimate>,
     /// Which links the point's collectives cross (GPU plans): the
     /// intra-node link, the network between nodes, or both.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -1522,6 +1528,7 @@ fn predict_shared(
         tokens_per_s: 0.0,
         usd_per_mtok: 0.0,
         host: None,
+        deepspeed: None,
         links: None,
         engine_bytes_per_param: 0.0,
         closed_form: match p.finetune {
@@ -1708,6 +1715,7 @@ fn predict_shared(
     let held = out.allocator.map_or(pk.total, |a| a.max_memory_reserved);
     out.total_bytes = held + overhead;
     out.margin_bytes = usable as i64 - out.total_bytes as i64;
+    out.deepspeed = deepspeed_estimate(&e, p, rates.gpus_per_node.min(p.gpus));
     out.host = e.dev.host.as_ref().map(|h| {
         let per_node = rates.gpus_per_node.min(p.gpus);
         let node_bytes = h.peak_bytes().total * per_node as u64;
@@ -2143,6 +2151,42 @@ mod tests {
         }
         println!("{compared} points compared");
         assert!(compared > 500, "{compared} points compared");
+    }
+
+    /// ZeRO-2 and ZeRO-3 points carry DeepSpeed's own estimate of their
+    /// model states (what `ds_config.json`'s users compare with), computed
+    /// from the model's parameters and the layout; other points none.
+    #[test]
+    fn zero_points_carry_deepspeeds_estimate() {
+        let (r, model, hw) = recipe(
+            "model: llama-3.1-8b\nhardware: h100-sxm-80gb\nseq_len: 4096\nglobal_batch: 64\ngrid:\n  precision: [bf16]\n  checkpointing: [full]\n  sharding: [ddp, zero2, zero3]\n  gpus: [8, 16]\n",
+        );
+        let planned = plan(&r, &model, &hw);
+        let params = model.num_parameters();
+        let mut seen = 0;
+        for x in &planned.points {
+            let nodes = x.point.gpus.div_ceil(8) as u64;
+            let expect = match x.point.sharding {
+                Sharding::Zero2 => Some(deepspeed::zero2(params, 8, nodes, false)),
+                Sharding::Zero3 => {
+                    let (specs, _) = model.param_layout();
+                    let largest = specs.iter().map(|s| s.numel() as u64).max().unwrap();
+                    let none = crate::engine::Offload::None;
+                    Some(deepspeed::zero3(params, largest, 8, nodes, none, true))
+                }
+                _ => None,
+            };
+            assert_eq!(x.deepspeed, expect, "{:?}", x.point);
+            seen += usize::from(expect.is_some());
+        }
+        assert_eq!(seen, 4);
+        // For Llama-3.1-8B over 8 GPUs under ZeRO-2: 4 + 16/8 B/param.
+        let z2 = planned
+            .points
+            .iter()
+            .find(|x| x.point.sharding == Sharding::Zero2)
+            .unwrap();
+        assert_eq!(z2.deepspeed.unwrap().per_gpu, (params as f64 * 6.0) as u64);
     }
 
     /// A point lifted to a smaller micro-batch's reserved peak comes back

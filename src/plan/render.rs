@@ -629,6 +629,42 @@ fn recommendation(plan: &Plan, bullet: &str) -> Vec<String> {
         "  {bullet}model states: closed form {}; engine {:.2} B/param (its peaks include the transient full gradients and gathered units)",
         p.closed_form.formula, p.engine_bytes_per_param
     ));
+    if let (Some(d), None) = (p.deepspeed, &p.host) {
+        // Offloaded points say it with their host memory, below.
+        let n = p.point.gpus;
+        let (formula, ours) = match p.point.sharding {
+            crate::engine::Sharding::Zero3 => (
+                format!(
+                    "the largest layer gathered in fp32 (4 B/param of it) + 18 B/param / {n}: 16-bit weights, fp32 weights, fp32 gradients and Adam's two moments, sharded"
+                ),
+                "16-bit weights and gradients and 12 B/param of fp32 weights and Adam's moments, all sharded, plus the 16-bit units gathered for the current and the next layer".to_string(),
+            ),
+            _ => (
+                format!(
+                    "4 B/param (16-bit weights and gradients, whole) + 16 B/param / {n}: fp32 weights, fp32 gradients and Adam's two moments"
+                ),
+                format!(
+                    "16-bit weights whole, the 16-bit gradient shard and 12 B/param / {n} of fp32 weights and Adam's moments (the ZeRO paper's K = 12: no fp32 gradient copy), plus each bucket's full gradients while it is reduced"
+                ),
+            ),
+        };
+        use crate::memory::Category;
+        let states: u64 = [
+            Category::Parameters,
+            Category::Gradients,
+            Category::Optimizer,
+        ]
+        .iter()
+        .map(|&c| pk.get(c))
+        .sum();
+        out.push(format!(
+            "  {bullet}DeepSpeed's estimator (estimate_{}_model_states_mem_needs) says {} per GPU for the model states: {formula}; the engine's peak holds {} of them ({:.2} B/param): {ours}",
+            super::name(p.point.sharding),
+            fmt_bytes(d.per_gpu),
+            fmt_bytes(states),
+            p.engine_bytes_per_param
+        ));
+    }
     if let Some(h) = &p.host {
         out.push(format!(
             "  {bullet}host memory (offload {}): {} per GPU ({}), {} for a node's {} GPU(s) of {} ({} to spare); {} over the host link per step",
