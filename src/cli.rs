@@ -512,9 +512,7 @@ pub use crate::config::limits::{MAX_THREADS, MAX_TRIAL_SECONDS, check_seconds, c
 
 // Flag values checked as clap parses them: a bad one stops the command
 // before anything runs, with clap's message naming the flag (exit code 2).
-fn threads(s: &str) -> std::result::Result<usize, String> {
-    check_threads(s.parse().map_err(|e| format!("{e}"))?)
-}
+use crate::config::knobs::threads;
 
 fn seconds(s: &str) -> std::result::Result<f64, String> {
     check_seconds(s.parse().map_err(|e| format!("{e}"))?)

@@ -221,7 +221,9 @@ pub fn name(v: impl clap::ValueEnum) -> String {
         .map_or_else(String::new, |p| p.get_name().to_string())
 }
 
-fn threads(s: &str) -> Result<usize, String> {
+/// `--threads`, checked as clap parses it (`memfit run`, `sweep`, `tui`,
+/// `calibrate`).
+pub(crate) fn threads(s: &str) -> Result<usize, String> {
     super::limits::check_threads(s.parse().map_err(|e| format!("{e}"))?)
 }
 
