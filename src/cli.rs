@@ -260,6 +260,37 @@ pub struct LaunchArgs {
     pub run: Vec<String>,
 }
 
+impl LaunchArgs {
+    pub fn options(&self) -> crate::launch::LaunchOptions {
+        crate::launch::LaunchOptions {
+            nproc: self.nproc,
+            nnodes: self.nnodes,
+            node_rank: self.node_rank,
+            master_addr: self.master_addr.clone(),
+            master_port: self.master_port,
+            grace: self.grace,
+            run: self.run.clone(),
+        }
+    }
+}
+
+/// `memfit run`'s arguments (`run` first) as `memfit run` parses them, for
+/// `memfit launch` to check once before it starts the ranks.
+pub fn parse_run(args: &[String]) -> Result<RunOptions> {
+    let cli =
+        Cli::try_parse_from(std::iter::once("memfit".to_string()).chain(args.iter().cloned()))
+            .map_err(|e| {
+                Error::invalid_arg(
+                    "--",
+                    format!("the run's arguments: {}", e.to_string().trim()),
+                )
+            })?;
+    match cli.command {
+        Command::Run(run) => run.options(),
+        _ => unreachable!("the first argument is run"),
+    }
+}
+
 #[derive(Debug, clap::Args)]
 pub struct BalanceArgs {
     /// A built-in profile name, a profile YAML or a Hugging Face config.json.
@@ -606,6 +637,26 @@ pub struct WatchArgs {
     pub command: Vec<String>,
 }
 
+impl WatchArgs {
+    pub fn options(&self) -> crate::watch::WatchOptions {
+        crate::watch::WatchOptions {
+            gpu: self.gpu,
+            sample_ms: self.sample_ms,
+            pid: self.pid,
+            timeline: self.timeline.clone(),
+            warn_at: self.warn_at,
+            no_tui: self.no_tui,
+            format: self.format,
+            grace: self.grace,
+            out: self.out.clone(),
+            log: self.log.clone(),
+            recipe: self.predict.recipe.clone(),
+            knobs: self.predict.knobs.clone(),
+            command: self.command.clone(),
+        }
+    }
+}
+
 /// The `memfit run` knobs `memfit watch` predicts with (on meta, emulating
 /// the cuda backend); a prediction is made when --model or --recipe is
 /// given. The job is taken to be hf-eager (a PyTorch + transformers
@@ -675,13 +726,7 @@ pub enum PlanFormat {
     Md,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Format {
-    /// Aligned columns for a terminal.
-    Table,
-    /// One JSON document, for scripts.
-    Json,
-}
+pub use crate::report::Format;
 
 /// `memfit run`: a recipe, the knobs (flags override the recipe's keys)
 /// and what to write.

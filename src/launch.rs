@@ -33,11 +33,12 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::cli::{Format, LaunchArgs};
 use crate::comm::process::{DistEnv, EXIT_PEER_LOST};
 use crate::error::Error;
 use crate::memory::{ByCategory, Category, PeakBytes, Tracker};
+use crate::report::Format;
 use crate::report::run::{ErrorRecord, RankRecord, RunReport, render_table};
+use crate::run::RunOptions;
 use crate::run::run_process_rank;
 
 /// Test hook: `RANK:KIND` makes that rank fail right after joining the
@@ -431,9 +432,28 @@ fn combine(
     report
 }
 
+/// What `memfit launch` was asked: the job's shape and the run's
+/// arguments (`cli::LaunchArgs` fills it).
+#[derive(Clone, Debug)]
+pub struct LaunchOptions {
+    pub nproc: usize,
+    pub nnodes: usize,
+    pub node_rank: usize,
+    pub master_addr: Option<String>,
+    pub master_port: Option<u16>,
+    pub grace: f64,
+    /// `memfit run`'s arguments (`run` first).
+    pub run: Vec<String>,
+}
+
+/// Reads `memfit run`'s arguments (`run` first) into its options, or the
+/// error their parse gives: the command line's grammar is the binary's,
+/// so its caller supplies it.
+pub type RunParser<'a> = &'a dyn Fn(&[String]) -> crate::Result<RunOptions>;
+
 /// `memfit launch`: returns the exit code.
-pub fn launch_main(args: &LaunchArgs) -> i32 {
-    match launch(args) {
+pub fn launch_main(args: &LaunchOptions, parse_run: RunParser) -> i32 {
+    match launch(args, parse_run) {
         Ok(code) => code,
         Err(e) => {
             say(format!("memfit launch: {e}"));
@@ -471,7 +491,7 @@ struct Placement {
 }
 
 /// The job's shape from the launcher's flags, or the flag at fault.
-fn placement(args: &LaunchArgs) -> crate::Result<Placement> {
+fn placement(args: &LaunchOptions) -> crate::Result<Placement> {
     let (n, nnodes, node) = (args.nproc, args.nnodes, args.node_rank);
     let max = crate::run::MAX_RANKS;
     if !(1..=max).contains(&n) {
@@ -602,8 +622,7 @@ fn launch_token(nnodes: usize) -> crate::Result<String> {
     Ok(format!("{:016x}{:016x}", part(), part()))
 }
 
-fn launch(args: &LaunchArgs) -> crate::Result<i32> {
-    use clap::Parser as _;
+fn launch(args: &LaunchOptions, parse_run: RunParser) -> crate::Result<i32> {
     let n = args.nproc;
     let Placement {
         base,
@@ -631,19 +650,7 @@ fn launch(args: &LaunchArgs) -> crate::Result<i32> {
         _ => run_args.insert(0, "run".into()),
     }
     // Check the run's flags once here rather than N times in the ranks.
-    let cli = crate::cli::Cli::try_parse_from(
-        std::iter::once("memfit".to_string()).chain(run_args.iter().cloned()),
-    )
-    .map_err(|e| {
-        Error::invalid_arg(
-            "--",
-            format!("the run's arguments: {}", e.to_string().trim()),
-        )
-    })?;
-    let crate::cli::Command::Run(run) = cli.command else {
-        unreachable!("the first argument is run");
-    };
-    let opts = run.options()?;
+    let opts = parse_run(&run_args)?;
     if opts.train.ranks != world {
         let job = match args.nnodes {
             1 => format!("--nproc is {n}"),

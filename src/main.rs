@@ -137,7 +137,10 @@ fn main() -> ExitCode {
             args.timeline.clone(),
             args.format,
         )),
-        Command::Launch(args) => Ok(memfit::launch::launch_main(&args)),
+        Command::Launch(args) => Ok(memfit::launch::launch_main(
+            &args.options(),
+            &memfit::cli::parse_run,
+        )),
         Command::Run(args) => run_main(&args),
         Command::Plan(args) if args.watch => Ok(plan_watch(&args)),
         Command::Plan(args) => plan_main(&args),
@@ -148,7 +151,7 @@ fn main() -> ExitCode {
         Command::Trial { spec } => trial_main(&spec),
         Command::Calibrate(args) => calibrate_main(&args),
         Command::Selftest(args) => selftest_main(&args),
-        Command::Watch(args) => Ok(memfit::watch::watch_main(&args)),
+        Command::Watch(args) => Ok(memfit::watch::watch_main(&args.options())),
         Command::Profiles(args) => list_main(true, args.format),
         Command::Models(args) => list_main(false, args.format),
         Command::Completions(args) => {

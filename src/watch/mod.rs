@@ -27,16 +27,37 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::cli::{Format, PredictArgs, WatchArgs};
+use crate::config::knobs::Knobs;
 use crate::error::Result;
+use crate::report::Format;
 use crate::telemetry::{Snapshot, Telemetry};
 use crate::units::fmt_bytes;
 use state::{GpuPeak, Phase, Prediction, Target, Tick, Warning, WatchState, fmt_pct, fmt_si};
 
+/// What `memfit watch` was asked (`cli::WatchArgs` fills it; the flags'
+/// help says what each does).
+#[derive(Clone, Debug)]
+pub struct WatchOptions {
+    pub gpu: Option<u32>,
+    pub sample_ms: u64,
+    pub pid: Option<u32>,
+    pub timeline: Option<PathBuf>,
+    pub warn_at: f64,
+    pub no_tui: bool,
+    pub format: Format,
+    pub grace: f64,
+    pub out: PathBuf,
+    pub log: Option<PathBuf>,
+    /// The prediction's run recipe and knobs (none: no prediction).
+    pub recipe: Option<PathBuf>,
+    pub knobs: Knobs,
+    pub command: Vec<String>,
+}
+
 /// `memfit watch`; returns the exit code: the command's, 0 when watching a
 /// pid or the GPUs ended, 2 on bad input, 127 when the command cannot start.
-pub fn watch_main(args: &WatchArgs) -> i32 {
-    let prediction = match predict(&args.predict) {
+pub fn watch_main(args: &WatchOptions) -> i32 {
+    let prediction = match predict(args.recipe.as_deref(), &args.knobs) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("memfit: {e}");
@@ -200,12 +221,11 @@ pub fn watch_main(args: &WatchArgs) -> i32 {
 /// memfit's prediction for the flags' configuration: one step on meta
 /// emulating the cuda backend (the bytes memfit's own engine would hold on
 /// a GPU, tensors and workspace, without the CUDA context).
-pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
-    if p.knobs.model.is_none() && p.recipe.is_none() {
+pub fn predict(recipe: Option<&std::path::Path>, k: &Knobs) -> Result<Option<Prediction>> {
+    if k.model.is_none() && recipe.is_none() {
         return Ok(None);
     }
     // What only a run of memfit's own engine reads does nothing here.
-    let k = &p.knobs;
     for (flag, given) in [
         ("--steps", k.steps.is_some()),
         ("--device", k.device.is_some()),
@@ -220,7 +240,7 @@ pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
             ));
         }
     }
-    let recipe_framework = match &p.recipe {
+    let recipe_framework = match recipe {
         Some(path) => {
             crate::config::recipe::load_run_recipe(path)?
                 .knobs
@@ -228,7 +248,7 @@ pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
         }
         None => None,
     };
-    let knobs = crate::config::knobs::Knobs {
+    let knobs = Knobs {
         // The watched job is a PyTorch process unless the flag or the
         // recipe says otherwise.
         framework: match recipe_framework {
@@ -237,7 +257,7 @@ pub fn predict(p: &PredictArgs) -> Result<Option<Prediction>> {
         },
         ..k.clone()
     };
-    let mut opts = crate::run::options::resolve(p.recipe.as_deref(), &knobs, None)?;
+    let mut opts = crate::run::options::resolve(recipe, &knobs, None)?;
     // The watched GPU is whatever NVML shows: no profile's capacity.
     opts.device = crate::backend::DeviceSpec::new(crate::backend::DeviceKind::Meta, None);
     opts.target = None;
