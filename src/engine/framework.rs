@@ -94,6 +94,26 @@ pub enum OptimizerImpl {
     Fused,
 }
 
+/// A plan recipe's hf-eager knobs (its keys of the same names), as a sweep
+/// report keeps them: PyTorch's side of the user's stack.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct HfKnobs {
+    pub dropout: f32,
+    pub optimizer_impl: OptimizerImpl,
+    pub set_to_none: bool,
+}
+
+impl Default for HfKnobs {
+    fn default() -> Self {
+        let d = super::TrainConfig::default();
+        HfKnobs {
+            dropout: d.dropout,
+            optimizer_impl: d.optimizer_impl,
+            set_to_none: d.set_to_none,
+        }
+    }
+}
+
 /// Whether hf-eager's 16-bit precision is autocast (fp32 parameters, 16-bit
 /// matmuls): without ZeRO (whose bf16/fp16 modes cast the module) and for
 /// full training (LoRA users load the frozen base in the 16-bit type,

@@ -124,7 +124,7 @@ pub struct PlanRecipe {
 impl PlanRecipe {
     /// The engine's knobs for point `p`, with the recipe's framework knobs.
     pub fn train_config(&self, p: &Point) -> TrainConfig {
-        let hf = crate::report::sweep::HfKnobs {
+        let hf = crate::engine::framework::HfKnobs {
             dropout: self.dropout,
             optimizer_impl: self.optimizer_impl,
             set_to_none: self.set_to_none,
@@ -478,7 +478,7 @@ impl Point {
     pub fn train_config_with(
         &self,
         seq_len: usize,
-        hf: &crate::report::sweep::HfKnobs,
+        hf: &crate::engine::framework::HfKnobs,
         lora: &LoraConfig,
     ) -> TrainConfig {
         let mut tc = self.train_config(seq_len);
@@ -1234,7 +1234,7 @@ pub fn plan_with(
     }
     let mut order: Vec<usize> = (0..points.len()).collect();
     order.sort_by_key(|&i| groups[i]);
-    let planned: Vec<(usize, Prediction)> = order
+    let mut planned: Vec<(usize, Prediction)> = order
         .par_iter()
         .map(|&i| {
             let (p, slot) = (&points[i], &shared[groups[i]]);
@@ -1249,13 +1249,9 @@ pub fn plan_with(
             (i, out)
         })
         .collect();
-    let mut predictions: Vec<Option<Prediction>> = vec![None; points.len()];
-    for (i, x) in planned {
-        predictions[i] = Some(x);
-    }
-    let mut predictions: Vec<Prediction> = (predictions.into_iter())
-        .map(|x| x.expect("every point planned"))
-        .collect();
+    // Back in the grid's order.
+    planned.sort_unstable_by_key(|&(i, _)| i);
+    let mut predictions: Vec<Prediction> = planned.into_iter().map(|(_, x)| x).collect();
     monotone_in_micro_batch(&mut predictions);
     // A grid that plans the user's own stack beside memfit's engine
     // recommends from that stack: the engine's rows are there to compare,

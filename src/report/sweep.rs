@@ -61,24 +61,7 @@ pub struct TargetPrediction {
     pub framework: crate::engine::Framework,
 }
 
-/// A plan recipe's hf-eager knobs (its keys of the same names).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct HfKnobs {
-    pub dropout: f32,
-    pub optimizer_impl: crate::engine::OptimizerImpl,
-    pub set_to_none: bool,
-}
-
-impl Default for HfKnobs {
-    fn default() -> Self {
-        let d = crate::engine::TrainConfig::default();
-        HfKnobs {
-            dropout: d.dropout,
-            optimizer_impl: d.optimizer_impl,
-            set_to_none: d.set_to_none,
-        }
-    }
-}
+pub use crate::engine::framework::HfKnobs;
 
 /// What a trial measured.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
