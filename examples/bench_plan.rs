@@ -43,6 +43,7 @@ fn main() {
             tensor_parallel: vec![1],
             hpz_group: vec![0],
             sequence_parallel: vec![false],
+            loss: vec![Default::default()],
         },
         headroom: 0.05,
         cost: None,
@@ -52,6 +53,7 @@ fn main() {
         dropout: 0.0,
         optimizer_impl: Default::default(),
         set_to_none: true,
+        loss_chunks: None,
         lora_rank: None,
         lora_alpha: None,
         lora_dropout: None,
@@ -100,6 +102,7 @@ fn main() {
             tensor_parallel: vec![1],
             hpz_group: vec![0],
             sequence_parallel: vec![false],
+            loss: vec![Default::default()],
         },
         ..single
     };

@@ -1,6 +1,7 @@
 //! Prints memfit `hf-eager` against PyTorch's MemTracker for every
 //! configuration in tests/reference/hf_memory.json (docs/hf-eager.md's table):
-//! `cargo run --release --example hf_reference`.
+//! `cargo run --release --example hf_reference`. With arguments, only the
+//! configurations whose names contain one of them, each category of each.
 
 use std::path::Path;
 
@@ -23,8 +24,12 @@ fn main() {
     );
     println!("| config | PyTorch total | memfit hf-eager | error | worst category |");
     println!("|---|---:|---:|---:|---|");
+    let only: Vec<String> = std::env::args().skip(1).collect();
     let mut worst_total: f64 = 0.0;
     for c in &fx.configs {
+        if !only.is_empty() && !only.iter().any(|o| c.name.contains(o.as_str())) {
+            continue;
+        }
         let m = match reference::plan(c) {
             Ok(m) => m,
             Err(e) => {
@@ -54,6 +59,14 @@ fn main() {
             cat.name(),
             100.0 * cerr
         );
+        if !only.is_empty() {
+            for &k in Category::ALL.iter() {
+                let (a, b) = (mib(c.peak_bytes.get(k)), mib(m.get(k)));
+                if a > 0.0 || b > 0.0 {
+                    println!("|   {} | {a:.1} | {b:.1} | {:+.1} |", k.name(), b - a);
+                }
+            }
+        }
     }
     println!("largest total error: {:.2}%", 100.0 * worst_total);
 }

@@ -13,7 +13,7 @@ use crate::backend::meta::MetaBackend;
 use crate::config::ModelConfig;
 use crate::config::profile::load_model;
 use crate::engine::{
-    Attention, Engine, Framework, OptimizerImpl, Precision, Sharding, TrainConfig,
+    Attention, Engine, Framework, Loss, OptimizerImpl, Precision, Sharding, TrainConfig,
 };
 use crate::error::{Error, Result};
 use crate::memory::{Category, PeakBytes};
@@ -47,6 +47,9 @@ pub struct FixtureConfig {
     pub attention: String,
     pub optimizer: String,
     pub set_to_none: bool,
+    /// `full` (Hugging Face's loss) or `chunked-K` (torchtune's, K parts).
+    #[serde(default = "full_loss")]
+    pub loss: String,
     pub peak_bytes: Categories,
     pub peak_phase: String,
 }
@@ -112,6 +115,11 @@ pub fn config(c: &FixtureConfig) -> Result<(ModelConfig, TrainConfig)> {
     let mut model = match c.model.as_str() {
         "gpt2" => load_model("gpt2")?,
         "llama-3.2-1b" | "llama-1b-4l" => load_model("llama-3.2-1b")?,
+        // Models the fixture describes whole, as a config.json would.
+        other if c.model_config.get("model_type").is_some() => {
+            crate::config::hf::import_hf_config(&c.model_config.to_string(), other)
+                .map_err(|e| fixture_error(c, e.to_string()))?
+        }
         other => return Err(fixture_error(c, format!("unknown model {other}"))),
     };
     let layers = c
@@ -147,8 +155,18 @@ pub fn config(c: &FixtureConfig) -> Result<(ModelConfig, TrainConfig)> {
         "adamw-fused" => OptimizerImpl::Fused,
         o => return Err(bad("optimizer", o)),
     };
+    let (loss, loss_chunks) = match c.loss.split_once('-') {
+        None if c.loss == "full" => (Loss::Full, TrainConfig::default().loss_chunks),
+        Some(("chunked", k)) => match k.parse() {
+            Ok(k) => (Loss::Chunked, k),
+            Err(_) => return Err(bad("loss", &c.loss)),
+        },
+        _ => return Err(bad("loss", &c.loss)),
+    };
     let train = TrainConfig {
         seq_len: c.seq_len,
+        loss,
+        loss_chunks,
         micro_batch: c.batch,
         precision,
         sharding,
@@ -189,4 +207,8 @@ fn fixture_error(c: &FixtureConfig, message: String) -> Error {
         location: format!("fixture {}", c.name),
         message,
     }
+}
+
+fn full_loss() -> String {
+    "full".into()
 }

@@ -219,6 +219,7 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
     }
     crate::engine::validate::pipeline(t, model)?;
     crate::engine::validate::tensor_parallel(t, model)?;
+    crate::engine::validate::loss(t)?;
     crate::engine::validate::sharding(t, MAX_RANKS)
 }
 

@@ -50,6 +50,7 @@ fn predictions_equal_cpu_measured_peaks() {
                 tensor_parallel: vec![1],
                 hpz_group: vec![0],
                 sequence_parallel: vec![false],
+                loss: vec![Default::default()],
             },
             headroom: 0.05,
             cost: None,
@@ -57,6 +58,7 @@ fn predictions_equal_cpu_measured_peaks() {
             dropout: 0.0,
             optimizer_impl: Default::default(),
             set_to_none: true,
+            loss_chunks: None,
             lora_rank: None,
             lora_alpha: None,
             lora_dropout: None,
@@ -118,6 +120,7 @@ fn point(sharding: Sharding, gpus: usize) -> Point {
         tensor_parallel: 1,
         hpz_group: 0,
         sequence_parallel: false,
+        loss: Default::default(),
     }
 }
 
@@ -170,6 +173,7 @@ fn published_bytes_per_parameter_are_reproduced() {
         dropout: 0.0,
         optimizer_impl: Default::default(),
         set_to_none: true,
+        loss_chunks: None,
         lora_rank: None,
         lora_alpha: None,
         lora_dropout: None,
@@ -308,6 +312,7 @@ fn allow_numerics_change_false_rules_out_fp16_and_8bit() {
         dropout: 0.0,
         optimizer_impl: Default::default(),
         set_to_none: true,
+        loss_chunks: None,
         lora_rank: None,
         lora_alpha: None,
         lora_dropout: None,

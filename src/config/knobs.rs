@@ -9,8 +9,8 @@ use std::path::PathBuf;
 
 use super::recipe::{Bytes, RunDevice};
 use crate::engine::{
-    Attention, Checkpointing, Finetune, Framework, Offload, Optimizer, OptimizerImpl, Precision,
-    Schedule, Sharding, lora::Target,
+    Attention, Checkpointing, Finetune, Framework, Loss, Offload, Optimizer, OptimizerImpl,
+    Precision, Schedule, Sharding, lora::Target,
 };
 
 /// Declares [`Knobs`] from one list of `name: Type` (each an `Option`),
@@ -127,6 +127,16 @@ knobs! {
     /// hf-eager: optimizer.zero_grad(set_to_none=...) [default: true].
     #[arg(long, value_name = "BOOL", value_parser = set_to_none())]
     set_to_none: bool,
+    /// How the loss meets the head: full (every token's logits at once),
+    /// chunked (torchtune's LinearCrossEntropyLoss: the sequence in
+    /// --loss-chunks parts; hf-eager) or fused-linear (Liger's fused linear
+    /// cross-entropy: no logits beyond a chunk of tokens) [default: full].
+    #[arg(long, value_enum)]
+    loss: Loss,
+    /// --loss chunked: the parts the sequence is split into (torchtune's
+    /// num_output_chunks) [default: 8].
+    #[arg(long)]
+    loss_chunks: usize,
     /// full (every weight trains) or lora (adapters on frozen weights; one
     /// rank, no pipeline) [default: full].
     #[arg(long, value_enum)]

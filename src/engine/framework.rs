@@ -101,6 +101,9 @@ pub struct HfKnobs {
     pub dropout: f32,
     pub optimizer_impl: OptimizerImpl,
     pub set_to_none: bool,
+    /// torchtune's chunked loss: the parts the sequence is split into.
+    #[serde(default = "super::loss::default_chunks")]
+    pub loss_chunks: usize,
 }
 
 impl Default for HfKnobs {
@@ -110,6 +113,7 @@ impl Default for HfKnobs {
             dropout: d.dropout,
             optimizer_impl: d.optimizer_impl,
             set_to_none: d.set_to_none,
+            loss_chunks: d.loss_chunks,
         }
     }
 }
@@ -138,16 +142,22 @@ pub struct HfRules {
     pub block_saved: Vec<(usize, DType)>,
     /// Saved by the final norm and the head until the head's backward.
     pub head_saved: Vec<(usize, DType)>,
-    /// Saved with the log_softmax output, beyond the engine's logits buffer
-    /// that stands for it (autocast: the output is fp32, the buffer 16-bit).
+    /// Alive while the head's forward runs (a fused loss under autocast:
+    /// the weight's cast).
+    pub head_forward: Vec<(usize, DType)>,
+    /// Per token (a row of the logits): what is saved with the
+    /// log_softmax output, beyond the engine's logits buffer that stands for
+    /// it (autocast: the output is fp32, the buffer 16-bit).
     pub loss_saved: Vec<(usize, DType)>,
-    /// The logits the loss reads (N x V; autocast: the 16-bit matmul output
-    /// and its fp32 copy, `logits.float()` in ForCausalLMLoss), alive from
-    /// the head's matmul to the end of the forward, when the loop drops the
-    /// model output.
+    /// Per token: the logits the loss reads (V; autocast: the 16-bit matmul
+    /// output and its fp32 copy, `logits.float()` in ForCausalLMLoss and in
+    /// torchtune's loss). Full: alive from the head's matmul to the end of
+    /// the forward, when the loop drops the model output; chunked: a
+    /// chunk's, while its loss is computed.
     pub logits: Vec<(usize, DType)>,
-    /// `nll_loss_backward`'s and `_log_softmax_backward_data`'s outputs
-    /// (N x V fp32 each), alive together at the start of the backward.
+    /// Per token: `nll_loss_backward`'s and `_log_softmax_backward_data`'s
+    /// outputs (V fp32 each), alive together at the start of the loss's
+    /// backward (a chunk's, chunked).
     pub loss_grads: usize,
     /// Gradients are created by the backward and freed by `zero_grad`
     /// (`set_to_none=True`, PyTorch's default since 2.0), instead of staying
@@ -156,6 +166,11 @@ pub struct HfRules {
     pub optimizer_impl: OptimizerImpl,
     /// 16-bit by autocast: fp32 parameters and gradients, no master copy.
     pub autocast: bool,
+}
+
+/// `per_row`'s sizes for `rows` tokens.
+pub fn rows_of(per_row: &[(usize, DType)], rows: usize) -> Vec<(usize, DType)> {
+    per_row.iter().map(|&(e, dt)| (e * rows, dt)).collect()
 }
 
 impl HfRules {
@@ -307,25 +322,39 @@ impl HfRules {
                 (false, false) => head.push((n * c, dt)),
             }
         }
+        let fused = train.loss == super::Loss::FusedLinear;
+        let mut head_forward = Vec::new();
         if autocast {
             // The last block's output is fp32; the head's weight cast.
-            head.extend([(n * c, dt), (v * c, dt)]);
+            head.push((n * c, dt));
+            match fused {
+                // Liger's function saves only its gradients: the cast lives
+                // in autocast's cache until the forward leaves autocast.
+                true => head_forward.push((v * c, dt)),
+                false => head.push((v * c, dt)),
+            }
+            if fused {
+                // Liger's input gradient is `zeros_like(_input)`: the final
+                // norm's output, fp32 under autocast.
+                head.push((n * c, dt));
+            }
         }
         HfRules {
+            head_forward,
             embed_saved: embed,
             block_saved: block,
             head_saved: head,
             // The loss upcasts 16-bit logits (`logits.float()`) either way.
             loss_saved: match sixteen {
-                true => vec![(n * v, dt)],
+                true => vec![(v, dt)],
                 false => Vec::new(),
             },
             logits: match sixteen {
-                true => vec![(n * v, dt), (n * v, f32)],
-                false => vec![(n * v, f32)],
+                true => vec![(v, dt), (v, f32)],
+                false => vec![(v, f32)],
             },
             autocast,
-            loss_grads: n * v,
+            loss_grads: v,
             lazy_grads: train.set_to_none,
             optimizer_impl: train.optimizer_impl,
         }

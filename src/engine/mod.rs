@@ -17,6 +17,7 @@ pub mod cluster;
 pub mod device;
 pub mod framework;
 pub mod lora;
+pub mod loss;
 pub mod optim;
 pub mod pipeline;
 pub mod shard;
@@ -35,6 +36,7 @@ use cluster::Links;
 pub use device::{Comm, CostCounter, Device, OpCost, Tensor};
 pub use framework::{Framework, HfRules, OptimizerImpl};
 pub use lora::{Adapter, Finetune, LoraConfig, Proj};
+pub use loss::Loss;
 use optim::OptState;
 pub use optim::{OptConfig, Optimizer};
 pub use pipeline::{Pipe, Schedule};
@@ -109,6 +111,13 @@ pub struct TrainConfig {
     pub optimizer_impl: OptimizerImpl,
     /// hf-eager only: `optimizer.zero_grad(set_to_none=...)`.
     pub set_to_none: bool,
+    /// How the loss meets the head (`loss.rs`); absent from reports of
+    /// before it existed, which computed the full loss.
+    #[serde(default)]
+    pub loss: Loss,
+    /// `chunked`: the parts the sequence is split into.
+    #[serde(default = "loss::default_chunks")]
+    pub loss_chunks: usize,
     /// Full training, or LoRA adapters on frozen weights (`lora.rs`).
     pub finetune: Finetune,
     pub lora: LoraConfig,
@@ -267,6 +276,8 @@ impl Default for TrainConfig {
             dropout: 0.0,
             optimizer_impl: OptimizerImpl::Foreach,
             set_to_none: true,
+            loss: Loss::Full,
+            loss_chunks: loss::DEFAULT_CHUNKS,
             finetune: Finetune::Full,
             lora: LoraConfig::default(),
             offload: Offload::None,
@@ -409,20 +420,42 @@ struct Acts<X> {
 
 /// What the final norm, the head and the loss save.
 struct HeadActs<X> {
-    lnf: X,
+    /// The final norm's output, which the full loss's head matmul saves
+    /// (`None`: the chunked and fused losses keep their own rows).
+    lnf: Option<X>,
     lnf_mean: Option<X>,
     lnf_rstd: X,
-    /// (N,Vp) (a tensor-parallel rank: its Vp/T columns); becomes its own
-    /// gradient in the backward pass.
-    logits: X,
+    loss: LossActs<X>,
+    /// Every token's loss (f32).
     losses: X,
-    /// Tensor parallelism: each token's logsumexp over the whole vocabulary,
-    /// which the backward of this rank's columns needs.
-    lse: Option<X>,
     /// The framework profile's tensors saved by the final norm and the head.
     extra: Vec<X>,
-    /// ... and with the log_softmax output.
-    loss_extra: Vec<X>,
+}
+
+/// What the loss keeps for the backward (`loss.rs`).
+enum LossActs<X> {
+    /// The logits, whole (one part without its own rows) or chunk by chunk,
+    /// each becoming its own gradient in the backward.
+    Logits {
+        parts: Vec<LogitsPart<X>>,
+        /// Tensor parallelism: each token's logsumexp over the whole
+        /// vocabulary, which the backward of this rank's columns needs.
+        lse: Option<X>,
+    },
+    /// The fused loss's gradients, made in the forward.
+    Fused(loss::Fused<X>),
+}
+
+struct LogitsPart<X> {
+    rows: usize,
+    /// (rows,Vp) (a tensor-parallel rank: its Vp/T columns).
+    logits: X,
+    /// A chunk's copy of its rows of the head's input, which its matmul
+    /// saves, and of its targets, which its loss saves.
+    input: Option<X>,
+    targets: Option<X>,
+    /// The framework profile's tensors saved with the log_softmax output.
+    extra: Vec<X>,
 }
 
 #[cfg(test)]
@@ -1122,7 +1155,7 @@ impl<B: Backend> Engine<B> {
             }
             match op {
                 pipeline::Op::Forward(_) => {
-                    let acts = self.forward(&mut next)?;
+                    let acts = self.forward(&mut next, dloss)?;
                     if self.pipe.as_ref().is_none_or(Pipe::last) {
                         let loss = self.read_loss(&acts);
                         loss_sum = loss_sum.zip(loss).map(|(s, l)| s + l as f64);
@@ -1169,16 +1202,17 @@ impl<B: Backend> Engine<B> {
     /// returns the loss (gradient checks).
     pub fn compute_grads(&mut self, batch: &Batch) -> Result<Option<f32>, OomError> {
         self.zero_grads();
-        let acts = self.forward(&mut || batch.clone())?;
-        let loss = self.read_loss(&acts);
         let dloss = 1.0 / (self.train.micro_batch * self.train.seq_len) as f32;
+        let acts = self.forward(&mut || batch.clone(), dloss)?;
+        let loss = self.read_loss(&acts);
         self.backward(acts, dloss)?;
         Ok(loss)
     }
 
     /// Forward only: the mean loss over the batch.
     pub fn eval_loss(&mut self, batch: &Batch) -> Result<Option<f32>, OomError> {
-        let acts = self.forward(&mut || batch.clone())?;
+        // A fused loss makes gradients nobody reads: scaled by 0.
+        let acts = self.forward(&mut || batch.clone(), 0.0)?;
         let loss = self.read_loss(&acts);
         self.free_acts(acts);
         Ok(loss)
@@ -1204,19 +1238,38 @@ impl<B: Backend> Engine<B> {
             dev.free(t);
         }
         if let Some(h) = acts.head {
-            let extra = h.extra.into_iter().chain(h.loss_extra);
-            for t in [h.lnf, h.lnf_rstd, h.logits, h.losses]
+            let loss: Vec<T<B>> = match h.loss {
+                LossActs::Logits { parts, lse } => parts
+                    .into_iter()
+                    .flat_map(|x| {
+                        [Some(x.logits), x.input, x.targets]
+                            .into_iter()
+                            .flatten()
+                            .chain(x.extra)
+                    })
+                    .chain(lse)
+                    .collect(),
+                LossActs::Fused(f) => std::iter::once(f.dx).chain(f.dw).collect(),
+            };
+            for t in [h.lnf_rstd, h.losses]
                 .into_iter()
-                .chain(extra)
+                .chain(h.lnf)
+                .chain(h.extra)
+                .chain(loss)
             {
                 dev.free(t);
             }
             dev.free_opt(h.lnf_mean);
-            dev.free_opt(h.lse);
         }
     }
 
-    fn forward(&mut self, next: &mut dyn FnMut() -> Batch) -> Result<Acts<T<B>>, OomError> {
+    /// Forward pass of one micro-batch. `dloss` scales each token's loss
+    /// gradient, for a fused loss that makes its gradients here.
+    fn forward(
+        &mut self,
+        next: &mut dyn FnMut() -> Batch,
+        dloss: f32,
+    ) -> Result<Acts<T<B>>, OomError> {
         let s = self.attn_shape();
         let Engine {
             model,
@@ -1252,6 +1305,8 @@ impl<B: Backend> Engine<B> {
             pipe.as_ref().is_none_or(Pipe::last),
         );
         let layers = pipe.as_ref().map_or(0..model.n_layer, |p| p.layers.clone());
+        // A fused loss's weight gradient buffer takes the gradient's dtype.
+        let head_grad_dtype = g[idx.lm_head.unwrap_or(idx.wte)].dtype;
         // zero3 gathers a unit's weights before it runs and frees them after.
         let mut hook = |dev: &mut Device<B>, p: &mut Vec<T<B>>, st: Stage, after: bool| match dist {
             Some(d) if after => d.after(dev, p, g, st, false),
@@ -1271,6 +1326,8 @@ impl<B: Backend> Engine<B> {
         // against the targets: both read the micro-batch.
         let mut tokens = first.then(|| dev.alloc(n, DType::U32, act)).transpose()?;
         let mut targets = last.then(|| dev.alloc(n, DType::U32, act)).transpose()?;
+        // A chunked or fused loss uploads its chunks' targets itself.
+        let mut host_targets = None;
         if dev.be.holds_data() && (first || last) {
             let batch = next();
             if let Some(x) = &mut tokens {
@@ -1278,6 +1335,9 @@ impl<B: Backend> Engine<B> {
             }
             if let Some(x) = &mut targets {
                 dev.be.upload_u32(&mut x.buf, &batch.targets);
+            }
+            if last && train.loss != Loss::Full {
+                host_targets = Some(batch.targets);
             }
         }
         // The tokens of the residual stream this rank holds (its share
@@ -1375,48 +1435,141 @@ impl<B: Backend> Engine<B> {
             None => Vec::new(),
         };
         let head = idx.lm_head.unwrap_or(idx.wte);
-        // Tensor parallelism: this rank's columns of the vocabulary.
-        let (lo, vl, vpl) = tp.as_ref().map_or((0, v, vp), |tp| tp.vocab(model));
-        let mut logits = dev.alloc(n * vpl, dt, act)?;
-        // hf-eager: the engine's logits buffer stands for the saved
-        // log_softmax output (ForCausalLMLoss -> cross_entropy ->
-        // log_softmax + nll_loss, transformers/loss/loss_utils.py); the
-        // logits themselves live until the loop drops the model output at
-        // the end of the forward.
-        let hf_logits = alloc_saved(dev, hf.map_or(&[][..], |h| &h.logits[..]))?;
-        let loss_extra = alloc_saved(dev, hf.map_or(&[][..], |h| &h.loss_saved[..]))?;
-        let gathered = gather(dev, tp.as_mut(), &lnf)?;
-        let inp = gathered.as_ref().unwrap_or(&lnf);
-        dev.matmul_forward(&mut logits, inp, &p[head], None, n, c, vpl);
-        dev.free_opt(gathered);
-        let mut losses = dev.alloc_f32(n, act)?;
-        let tg = targets.as_ref().expect("the last stage reads the targets");
-        let lse = match tp.as_mut() {
-            None => {
-                dev.crossentropy_forward(&mut losses, &logits, tg, n, v, vp);
-                None
+        let rows = loss::parts(train.loss, train.loss_chunks, train.micro_batch, t, vp, c);
+        let (lnf, losses, loss) = match train.loss {
+            Loss::Full => {
+                // Tensor parallelism: this rank's columns of the vocabulary.
+                let (lo, vl, vpl) = tp.as_ref().map_or((0, v, vp), |tp| tp.vocab(model));
+                let mut logits = dev.alloc(n * vpl, dt, act)?;
+                // hf-eager: the engine's logits buffer stands for the saved
+                // log_softmax output (ForCausalLMLoss -> cross_entropy ->
+                // log_softmax + nll_loss, transformers/loss/loss_utils.py); the
+                // logits themselves live until the loop drops the model output at
+                // the end of the forward.
+                let hf_logits = alloc_saved(
+                    dev,
+                    &hf.map_or(Vec::new(), |h| framework::rows_of(&h.logits, n)),
+                )?;
+                let loss_extra = alloc_saved(
+                    dev,
+                    &hf.map_or(Vec::new(), |h| framework::rows_of(&h.loss_saved, n)),
+                )?;
+                let gathered = gather(dev, tp.as_mut(), &lnf)?;
+                let inp = gathered.as_ref().unwrap_or(&lnf);
+                dev.matmul_forward(&mut logits, inp, &p[head], None, n, c, vpl);
+                dev.free_opt(gathered);
+                let mut losses = dev.alloc_f32(n, act)?;
+                let tg = targets.as_ref().expect("the last stage reads the targets");
+                let lse = match tp.as_mut() {
+                    None => {
+                        dev.crossentropy_forward(&mut losses, &logits, tg, n, v, vp);
+                        None
+                    }
+                    Some(tp) => {
+                        // Per token: this part's max and sum of exponentials, every
+                        // part's gathered; the target's logit from the part holding it.
+                        let tmp = Category::Temporaries;
+                        let mut stats = dev.alloc_f32(2 * n, tmp)?;
+                        let mut tgt = dev.alloc_f32(n, tmp)?;
+                        dev.crossentropy_part_stats(
+                            &mut stats,
+                            &mut tgt,
+                            &logits,
+                            tg,
+                            n,
+                            (lo, vl, vpl),
+                        );
+                        let mut all = dev.alloc_f32(2 * n * tp.size(), tmp)?;
+                        tp.all_gather(dev, &mut all, &stats);
+                        tp.all_reduce(dev, &mut tgt);
+                        let mut lse = dev.alloc_f32(n, act)?;
+                        dev.crossentropy_combine(&mut losses, &mut lse, &all, &tgt, n, tp.size());
+                        for x in [stats, tgt, all] {
+                            dev.free(x);
+                        }
+                        Some(lse)
+                    }
+                };
+                for t in hf_logits {
+                    dev.free(t);
+                }
+                let part = LogitsPart {
+                    rows: n,
+                    logits,
+                    input: None,
+                    targets: None,
+                    extra: loss_extra,
+                };
+                let parts = vec![part];
+                (Some(lnf), losses, LossActs::Logits { parts, lse })
             }
-            Some(tp) => {
-                // Per token: this part's max and sum of exponentials, every
-                // part's gathered; the target's logit from the part holding it.
-                let tmp = Category::Temporaries;
-                let mut stats = dev.alloc_f32(2 * n, tmp)?;
-                let mut tgt = dev.alloc_f32(n, tmp)?;
-                dev.crossentropy_part_stats(&mut stats, &mut tgt, &logits, tg, n, (lo, vl, vpl));
-                let mut all = dev.alloc_f32(2 * n * tp.size(), tmp)?;
-                tp.all_gather(dev, &mut all, &stats);
-                tp.all_reduce(dev, &mut tgt);
-                let mut lse = dev.alloc_f32(n, act)?;
-                dev.crossentropy_combine(&mut losses, &mut lse, &all, &tgt, n, tp.size());
-                for x in [stats, tgt, all] {
+            Loss::FusedLinear => {
+                let mut losses = dev.alloc_f32(n, act)?;
+                let frozen = !adapters.is_empty();
+                let dw_dtype = (!frozen).then_some(head_grad_dtype);
+                let targets = host_targets.as_deref();
+                let dims = (c, v, vp);
+                let live = alloc_saved(dev, hf.map_or(&[][..], |h| &h.head_forward[..]))?;
+                let f = loss::fused_forward(
+                    dev,
+                    &lnf,
+                    &p[head],
+                    targets,
+                    &mut losses,
+                    dloss,
+                    dw_dtype,
+                    &rows,
+                    dims,
+                )?;
+                for x in live {
                     dev.free(x);
                 }
-                Some(lse)
+                dev.free(lnf);
+                (None, losses, LossActs::Fused(f))
+            }
+            Loss::Chunked => {
+                let mut losses = dev.alloc_f32(n, act)?;
+                let per_row = |f: fn(&HfRules) -> &Vec<(usize, DType)>| {
+                    hf.map_or(Vec::new(), |h| f(h).clone())
+                };
+                let (transient, saved) = (per_row(|h| &h.logits), per_row(|h| &h.loss_saved));
+                let mut parts = Vec::with_capacity(rows.len());
+                let mut off = 0;
+                for &r in &rows {
+                    // torchtune: the chunk's rows selected (a copy the
+                    // head's matmul saves) and its targets (which the loss
+                    // saves); the logits and their fp32 copy live while the
+                    // chunk's loss is computed, the engine's buffer standing
+                    // for the saved log_softmax output.
+                    let mut input = dev.alloc(r * c, dt, act)?;
+                    dev.copy_slice(&mut input, 0, &lnf, off * c, r * c, false);
+                    let mut tc = dev.alloc(r, DType::U32, act)?;
+                    if let Some(all) = &host_targets {
+                        dev.be.upload_u32(&mut tc.buf, &all[off..off + r]);
+                    }
+                    let live = alloc_saved(dev, &framework::rows_of(&transient, r))?;
+                    let mut logits = dev.alloc(r * vp, dt, act)?;
+                    let extra = alloc_saved(dev, &framework::rows_of(&saved, r))?;
+                    dev.matmul_forward(&mut logits, &input, &p[head], None, r, c, vp);
+                    let mut lc = dev.alloc_f32(r, Category::Temporaries)?;
+                    dev.crossentropy_forward(&mut lc, &logits, &tc, r, v, vp);
+                    dev.copy_slice(&mut losses, off, &lc, 0, r, false);
+                    for x in live.into_iter().chain([lc]) {
+                        dev.free(x);
+                    }
+                    parts.push(LogitsPart {
+                        rows: r,
+                        logits,
+                        input: Some(input),
+                        targets: Some(tc),
+                        extra,
+                    });
+                    off += r;
+                }
+                dev.free(lnf);
+                (None, losses, LossActs::Logits { parts, lse: None })
             }
         };
-        for t in hf_logits {
-            dev.free(t);
-        }
         hook(dev, p, Stage::Head, true)?;
         Ok(Acts {
             tokens,
@@ -1427,11 +1580,9 @@ impl<B: Backend> Engine<B> {
                 lnf,
                 lnf_mean,
                 lnf_rstd,
-                logits,
+                loss,
                 losses,
-                lse,
                 extra: head_extra,
-                loss_extra,
             }),
             extra,
         })
@@ -2110,7 +2261,7 @@ fn head_backward<B: Backend>(
     x: &T<B>,
     dloss: f32,
     (n, c, v, vp): (usize, usize, usize, usize),
-    (tp, (lo, vl, vpl)): (Option<&mut Tp<B>>, (usize, usize, usize)),
+    (mut tp, vocab): (Option<&mut Tp<B>>, (usize, usize, usize)),
     mut hf: Option<HfHead<'_, B>>,
     (frozen, scratch): (bool, &mut NormScratch<B>),
     hook: &mut HeadHook<'_, B>,
@@ -2121,23 +2272,105 @@ fn head_backward<B: Backend>(
         lnf,
         lnf_mean,
         lnf_rstd,
-        mut logits,
+        loss,
         losses,
-        lse,
         extra,
-        loss_extra,
     } = h;
     dev.tracker.set_phase(Phase::BackwardHead);
     hook(dev, p, g, false)?;
     dev.free(losses);
+    let dlnf = match loss {
+        LossActs::Fused(f) => {
+            dev.free(targets);
+            fused_head_grads(dev, g, idx, f.dw, hf.as_mut())?;
+            let mut dx = f.dx;
+            dev.retag(&mut dx, tmp);
+            dx
+        }
+        LossActs::Logits { mut parts, lse } if parts.len() == 1 && parts[0].input.is_none() => {
+            let part = parts.pop().expect("one part");
+            let lnf = lnf.as_ref().expect("the full loss keeps the head's input");
+            full_head_backward(
+                dev,
+                (p, g, idx),
+                part,
+                (lse, targets),
+                lnf,
+                dloss,
+                (n, c, v, vp),
+                (tp.as_deref_mut(), vocab),
+                hf.as_mut(),
+                frozen,
+            )?
+        }
+        LossActs::Logits { parts, .. } => chunked_head_backward(
+            dev,
+            (p, g, idx),
+            parts,
+            targets,
+            dloss,
+            (n, c, v, vp, dt),
+            hf.as_mut(),
+            frozen,
+        )?,
+    };
+    // Each rank's columns of the head saw the whole input: its gradient is
+    // the sum over the group (this rank's tokens of it under sequence
+    // parallelism).
+    let nl = tp.as_ref().map_or(n, |tp| tp.rows(n));
+    let dlnf = match tp {
+        Some(tp) => tp.reduce(dev, dlnf)?,
+        None => dlnf,
+    };
+    let mut dres = dev.alloc(nl * c, dt, tmp)?;
+    let (dw, db) = norm_grads(g, scratch, idx.lnf_w, idx.lnf_b);
+    dev.norm_backward(
+        &mut dres,
+        dw,
+        db,
+        &dlnf,
+        x,
+        &p[idx.lnf_w],
+        lnf_mean.as_ref(),
+        &lnf_rstd,
+        nl,
+        c,
+    );
+    for x in [dlnf, lnf_rstd].into_iter().chain(lnf).chain(extra) {
+        dev.free(x);
+    }
+    dev.free_opt(lnf_mean);
+    hook(dev, p, g, true)?;
+    Ok(dres)
+}
+
+/// The whole logits' loss and head backward (`--loss full`): the logits
+/// buffer becomes its own gradient, then the head's input and weight
+/// gradients. Returns the gradient of the head's input (this rank's part
+/// of the sum under tensor parallelism).
+fn full_head_backward<B: Backend>(
+    dev: &mut Device<B>,
+    (p, g, idx): (&mut [T<B>], &mut [T<B>], &ParamIndex),
+    part: LogitsPart<T<B>>,
+    (lse, targets): (Option<T<B>>, T<B>),
+    lnf: &T<B>,
+    dloss: f32,
+    (n, c, v, vp): (usize, usize, usize, usize),
+    (tp, (lo, vl, vpl)): (Option<&mut Tp<B>>, (usize, usize, usize)),
+    mut hf: Option<&mut HfHead<'_, B>>,
+    frozen: bool,
+) -> Result<T<B>, OomError> {
+    let tmp = Category::Temporaries;
+    let dt = lnf.dtype;
+    let (mut logits, loss_extra) = (part.logits, part.extra);
     // hf-eager: nll_loss_backward's dense gradient, then
     // _log_softmax_backward_data's, both alive with the saved log_softmax
     // output; then the first and the saved output go and the engine's
     // buffer (now the logits' gradient) is a temporary.
     let loss_grads = match &hf {
         Some(h) => vec![
-            dev.alloc_f32(h.rules.loss_grads, tmp)?,
-            dev.alloc_f32(h.rules.loss_grads, tmp)?,
+            dev.alloc_f32(n * h.rules.loss_grads, tmp)?,
+            dev.alloc_f32(n * h.rules.loss_grads, tmp)?,
         ],
         None => Vec::new(),
     };
@@ -2178,9 +2411,8 @@ fn head_backward<B: Backend>(
         }
     }
     let mut dlnf = dev.alloc(n * c, dt, tmp)?;
-    let mut tp = tp;
-    let gathered = gather(dev, tp.as_deref_mut(), &lnf)?;
-    let inp = gathered.as_ref().unwrap_or(&lnf);
+    let gathered = gather(dev, tp, lnf)?;
+    let inp = gathered.as_ref().unwrap_or(lnf);
     let dw = match frozen {
         true => None,
         false => Some(&mut g[head]),
@@ -2188,34 +2420,177 @@ fn head_backward<B: Backend>(
     dev.matmul_backward(&mut dlnf, dw, None, &logits, inp, &p[head], n, c, vpl);
     dev.free_opt(gathered);
     dev.free(logits);
-    // Each rank's columns of the head saw the whole input: its gradient is
-    // the sum over the group (this rank's tokens of it under sequence
-    // parallelism).
-    let nl = tp.as_ref().map_or(n, |tp| tp.rows(n));
-    let dlnf = match tp {
-        Some(tp) => tp.reduce(dev, dlnf)?,
-        None => dlnf,
-    };
-    let mut dres = dev.alloc(nl * c, dt, tmp)?;
-    let (dw, db) = norm_grads(g, scratch, idx.lnf_w, idx.lnf_b);
-    dev.norm_backward(
-        &mut dres,
-        dw,
-        db,
-        &dlnf,
-        x,
-        &p[idx.lnf_w],
-        lnf_mean.as_ref(),
-        &lnf_rstd,
-        nl,
-        c,
-    );
-    for x in [dlnf, lnf, lnf_rstd].into_iter().chain(extra) {
-        dev.free(x);
+    Ok(dlnf)
+}
+
+/// torchtune's chunked loss backward (`--loss chunked`, hf-eager): autograd
+/// runs the chunks' losses last first, each through its log_softmax and the
+/// head; the head weight's gradients are summed out of place in autograd's
+/// buffer (the sum, the running total and the new chunk's gradient alive
+/// at once), and each chunk's input gradient is scattered into a zeroed
+/// copy (the backward of the row selection) and kept until the split's
+/// backward concatenates them.
+fn chunked_head_backward<B: Backend>(
+    dev: &mut Device<B>,
+    (p, g, idx): (&mut [T<B>], &mut [T<B>], &ParamIndex),
+    parts: Vec<LogitsPart<T<B>>>,
+    targets: T<B>,
+    dloss: f32,
+    (n, c, v, vp, dt): (usize, usize, usize, usize, DType),
+    mut hf: Option<&mut HfHead<'_, B>>,
+    frozen: bool,
+) -> Result<T<B>, OomError> {
+    let tmp = Category::Temporaries;
+    let head = idx.lm_head.unwrap_or(idx.wte);
+    let tied = idx.lm_head.is_none();
+    let trained = !frozen && hf.as_ref().is_none_or(|h| h.trainable[head]);
+    let wsize = p[head].len;
+    // Autocast: the chunks' matmuls use the weight's cached 16-bit cast, so
+    // their weight gradients are 16-bit and are summed so in the cast's
+    // buffer; the cast's backward makes the fp32 gradient once, at the end.
+    let gdt = g[head].dtype;
+    let autocast = hf.as_ref().is_some_and(|h| h.rules.autocast);
+    let wdt = if autocast { dt } else { gdt };
+    if let Some(h) = hf.as_mut().filter(|h| h.lazy) {
+        let norm: Vec<usize> = std::iter::once(idx.lnf_w).chain(idx.lnf_b).collect();
+        make_grads(dev, g, h.specs, h.trainable, &norm, Category::Gradients)?;
     }
-    dev.free_opt(lnf_mean);
-    hook(dev, p, g, true)?;
-    Ok(dres)
+    let offsets: Vec<usize> = parts
+        .iter()
+        .scan(0, |at, part| {
+            let o = *at;
+            *at += part.rows;
+            Some(o)
+        })
+        .collect();
+    let last = parts.len() - 1;
+    let mut buffer = None;
+    let mut kept = Vec::with_capacity(parts.len());
+    for (i, part) in parts.into_iter().enumerate().rev() {
+        let LogitsPart {
+            rows: r,
+            mut logits,
+            input,
+            targets: tc,
+            extra,
+        } = part;
+        let (input, tc) = (
+            input.expect("a chunk keeps its rows"),
+            tc.expect("a chunk keeps its targets"),
+        );
+        let per_row = hf.as_ref().map_or(0, |h| h.rules.loss_grads);
+        let grads = match per_row {
+            0 => Vec::new(),
+            e => vec![dev.alloc_f32(r * e, tmp)?, dev.alloc_f32(r * e, tmp)?],
+        };
+        dev.crossentropy_backward(&mut logits, &tc, dloss, r, v, vp);
+        for t in grads.into_iter().chain(extra).chain([tc]) {
+            dev.free(t);
+        }
+        dev.retag(&mut logits, tmp);
+        if trained && i == last {
+            // The first chunk's weight gradient is autograd's buffer:
+            // with set_to_none it becomes the gradient, else AccumulateGrad
+            // adds it into the resident one.
+            match hf.as_mut() {
+                Some(h) if h.lazy && !autocast => {
+                    make_grads(dev, g, h.specs, h.trainable, &[head], tmp)?
+                }
+                _ => buffer = Some(dev.alloc(wsize, wdt, tmp)?),
+            }
+        }
+        let mut dxc = dev.alloc(r * c, dt, tmp)?;
+        // After the first chunk, the matmul's weight gradient is a new
+        // tensor; once the matmul's node returns (its incoming gradient,
+        // the logits', released), autograd's buffer adds it out of place.
+        let new = match trained && i != last {
+            true => Some(dev.alloc(wsize, wdt, tmp)?),
+            false => None,
+        };
+        let dw = trained.then(|| &mut g[head]);
+        dev.matmul_backward(&mut dxc, dw, None, &logits, &input, &p[head], r, c, vp);
+        dev.free(logits);
+        dev.free(input);
+        if let Some(new) = new {
+            let sum = dev.alloc(wsize, new.dtype, tmp)?;
+            dev.free(new);
+            dev.free(sum);
+        }
+        let mut scattered = dev.alloc(r * c, dt, tmp)?;
+        dev.copy_slice(&mut scattered, 0, &dxc, 0, r * c, false);
+        dev.free(dxc);
+        kept.push((offsets[i], scattered));
+    }
+    dev.free(targets);
+    if trained {
+        if autocast {
+            // The cast's backward: the fp32 gradient from the 16-bit sum.
+            let full = match hf.as_mut() {
+                Some(h) if h.lazy => {
+                    make_grads(dev, g, h.specs, h.trainable, &[head], tmp)?;
+                    None
+                }
+                _ => Some(dev.alloc(wsize, gdt, tmp)?),
+            };
+            dev.free_opt(std::mem::replace(&mut buffer, full));
+        }
+        match hf {
+            Some(h) if h.lazy && !tied => dev.retag(&mut g[head], Category::Gradients),
+            Some(h) if h.lazy => {}
+            Some(h) if tied => *h.dw = buffer.take(),
+            _ => {}
+        }
+        dev.free_opt(buffer);
+    }
+    let mut dlnf = dev.alloc(n * c, dt, tmp)?;
+    for (off, t) in kept.into_iter().rev() {
+        let len = t.len;
+        dev.copy_slice(&mut dlnf, off * c, &t, 0, len, false);
+        dev.free(t);
+    }
+    Ok(dlnf)
+}
+
+/// The fused loss's weight gradient, made in the forward, handed to the
+/// head's gradient (`--loss fused-linear`). hf-eager: Liger's backward
+/// returns the saved buffer, which AccumulateGrad takes as the gradient
+/// (set_to_none: no copy, autograd has released the saved tensors) or adds
+/// in place into the resident one; tied, it waits for the embedding's.
+fn fused_head_grads<B: Backend>(
+    dev: &mut Device<B>,
+    g: &mut [T<B>],
+    idx: &ParamIndex,
+    dw: Option<T<B>>,
+    hf: Option<&mut HfHead<'_, B>>,
+) -> Result<(), OomError> {
+    let tmp = Category::Temporaries;
+    let head = idx.lm_head.unwrap_or(idx.wte);
+    let tied = idx.lm_head.is_none();
+    if let Some(h) = hf.as_ref().filter(|h| h.lazy) {
+        let norm: Vec<usize> = std::iter::once(idx.lnf_w).chain(idx.lnf_b).collect();
+        make_grads(dev, g, h.specs, h.trainable, &norm, Category::Gradients)?;
+    }
+    let Some(mut dw) = dw else {
+        return Ok(());
+    };
+    let lazy = hf.as_ref().is_some_and(|h| h.lazy);
+    if lazy && g[head].len == 0 {
+        // The buffer becomes the gradient.
+        dev.retag(&mut dw, if tied { tmp } else { Category::Gradients });
+        let ph = std::mem::replace(&mut g[head], dw);
+        dev.drop_placeholder(ph);
+        return Ok(());
+    }
+    let len = dw.len;
+    dev.copy_slice(&mut g[head], 0, &dw, 0, len, true);
+    match hf {
+        Some(h) if tied && !h.lazy => {
+            dev.retag(&mut dw, tmp);
+            *h.dw = Some(dw);
+        }
+        _ => dev.free(dw),
+    }
+    Ok(())
 }
 
 /// hf-eager's part in the head's backward.

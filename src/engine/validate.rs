@@ -59,6 +59,29 @@ pub fn tensor_parallel(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
     Ok(())
 }
 
+/// Checks `--loss` and `--loss-chunks` against the other knobs.
+pub fn loss(t: &TrainConfig) -> Result<()> {
+    use super::Loss;
+    match t.loss {
+        Loss::Full => Ok(()),
+        Loss::Chunked if t.framework == Framework::Memfit => Err(Error::invalid_arg(
+            "--loss",
+            "chunked is torchtune's cross-entropy, a PyTorch allocation profile: add --framework hf-eager (memfit's engine already keeps one logits buffer, in the 16-bit type, and turns it into its gradient in place, which chunking would not change; --loss fused-linear builds no logits at all)",
+        )),
+        Loss::Chunked if t.loss_chunks == 0 => {
+            Err(Error::invalid_arg("--loss-chunks", "must be at least 1"))
+        }
+        _ if t.tensor_parallel > 1 => Err(Error::invalid_arg(
+            "--loss",
+            format!(
+                "{} needs the head's whole vocabulary on one rank; with --tensor-parallel the head is vocabulary-parallel and its cross-entropy already never gathers the logits (Megatron's vocab_parallel_cross_entropy): use --loss full",
+                name(t.loss)
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Checks `--pipeline-stages` and `--partition` against the model.
 pub fn pipeline(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
     let (stages, layers) = (t.pipeline_stages, model.n_layer);

@@ -27,8 +27,8 @@ use crate::config::profile::{load_model, looks_like_path, parse_yaml, value_loca
 use crate::engine::cluster::Links;
 use crate::engine::device::{HostRoofline, Roofline};
 use crate::engine::{
-    Attention, Checkpointing, Comm, Engine, Finetune, Framework, LoraConfig, Offload, Optimizer,
-    OptimizerImpl, Precision, Sharding, TrainConfig,
+    Attention, Checkpointing, Comm, Engine, Finetune, Framework, LoraConfig, Loss, Offload,
+    Optimizer, OptimizerImpl, Precision, Sharding, TrainConfig,
 };
 use crate::error::{Error, Result};
 use crate::memory::{Category, PeakBytes};
@@ -99,6 +99,10 @@ pub struct PlanRecipe {
     /// hf-eager points: `optimizer.zero_grad(set_to_none=...)`.
     #[serde(default = "yes")]
     pub set_to_none: bool,
+    /// `loss: chunked` points: the parts the sequence is split into
+    /// (torchtune's num_output_chunks, 8).
+    #[serde(default)]
+    pub loss_chunks: Option<usize>,
     /// LoRA points: rank, alpha, dropout (hf-eager) and targets, as the
     /// `memfit run` flags take them; absent keys take PEFT's defaults.
     #[serde(default)]
@@ -128,8 +132,15 @@ impl PlanRecipe {
             dropout: self.dropout,
             optimizer_impl: self.optimizer_impl,
             set_to_none: self.set_to_none,
+            loss_chunks: self.loss_chunks(),
         };
         p.train_config_with(self.seq_len, &hf, &self.lora())
+    }
+
+    /// The chunked loss's parts, torchtune's default where absent.
+    pub fn loss_chunks(&self) -> usize {
+        self.loss_chunks
+            .unwrap_or(crate::engine::loss::DEFAULT_CHUNKS)
     }
 
     /// The recipe's LoRA knobs, PEFT's defaults where absent.
@@ -209,6 +220,14 @@ pub struct Grid {
     /// Megatron's sequence parallelism, with tensor parallelism.
     #[serde(default = "no_bool")]
     pub sequence_parallel: Vec<bool>,
+    /// How the loss meets the head: full, chunked (torchtune's, hf-eager)
+    /// and/or fused-linear (Liger's).
+    #[serde(default = "default_loss")]
+    pub loss: Vec<Loss>,
+}
+
+fn default_loss() -> Vec<Loss> {
+    vec![Loss::Full]
 }
 
 fn no_bool() -> Vec<bool> {
@@ -238,6 +257,7 @@ impl Grid {
             self.tensor_parallel.len(),
             self.hpz_group.len(),
             self.sequence_parallel.len(),
+            self.loss.len(),
         ]
         .into_iter()
         .try_fold(1usize, usize::checked_mul)
@@ -318,6 +338,7 @@ impl Grid {
             bool::to_string,
             &mut r,
         );
+        keep_first("loss", &mut self.loss, |l| name(*l), &mut r);
         r
     }
 
@@ -347,6 +368,7 @@ impl Default for Grid {
             tensor_parallel: one_usize(),
             hpz_group: zero_usize(),
             sequence_parallel: no_bool(),
+            loss: default_loss(),
         }
     }
 }
@@ -411,6 +433,9 @@ pub struct Point {
     /// Sequence parallelism (with tensor parallelism).
     #[serde(default)]
     pub sequence_parallel: bool,
+    /// How the loss meets the head.
+    #[serde(default)]
+    pub loss: Loss,
 }
 
 fn one() -> usize {
@@ -456,6 +481,7 @@ impl Point {
             tensor_parallel: self.tensor_parallel,
             hpz_group: self.hpz_group,
             sequence_parallel: self.sequence_parallel,
+            loss: self.loss,
             ..TrainConfig::default()
         }
     }
@@ -486,6 +512,7 @@ impl Point {
             tc.dropout = hf.dropout;
             tc.optimizer_impl = hf.optimizer_impl;
             tc.set_to_none = hf.set_to_none;
+            tc.loss_chunks = hf.loss_chunks;
         }
         if self.finetune != Finetune::Full {
             tc.lora = lora.clone();
@@ -526,6 +553,10 @@ impl Point {
         let ft = match self.sequence_parallel {
             false => ft,
             true => format!("{ft}sp "),
+        };
+        let ft = match self.loss {
+            Loss::Full => ft,
+            l => format!("{ft}loss:{} ", name(l)),
         };
         format!(
             "{fw}{ft}mb{} x{} {} {} {} ckpt:{} {} {}",
@@ -950,6 +981,7 @@ pub fn expand(r: &PlanRecipe) -> Vec<Point> {
         tensor_parallel: 1,
         hpz_group: 0,
         sequence_parallel: false,
+        loss: Loss::Full,
     }];
     fn axis<T: Copy>(out: Vec<Point>, values: &[T], set: impl Fn(&mut Point, T)) -> Vec<Point> {
         let mut next = Vec::with_capacity(out.len() * values.len());
@@ -962,6 +994,7 @@ pub fn expand(r: &PlanRecipe) -> Vec<Point> {
         }
         next
     }
+    out = axis(out, &g.loss, |p, v| p.loss = v);
     out = axis(out, &g.hpz_group, |p, v| p.hpz_group = v);
     out = axis(out, &g.sequence_parallel, |p, v| p.sequence_parallel = v);
     out = axis(out, &g.tensor_parallel, |p, v| p.tensor_parallel = v);
@@ -1019,6 +1052,12 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
     let tc = r.train_config(p);
     if let Some((_, why)) = crate::engine::lora::check_parallel(&tc) {
         return Some(why);
+    }
+    if let Err(e) = crate::engine::validate::loss(&tc) {
+        return Some(match e {
+            Error::InvalidArg { message, .. } => message,
+            other => other.to_string(),
+        });
     }
     if let Some(why) = p.offload.check(p.sharding) {
         return Some(why.into());

@@ -157,6 +157,7 @@ fn columns(plan: &Plan, rows: &[usize]) -> Vec<Column> {
     col("#", "#", false, KEEP, &|_| String::new());
     col("framework", "fw", true, 100, &|p| name(p.point.framework));
     col("tune", "tune", true, 180, &|p| name(p.point.finetune));
+    col("loss", "loss", true, 175, &|p| name(p.point.loss));
     col("offload", "offload", true, 185, &|p| {
         p.point.offload.name().into()
     });

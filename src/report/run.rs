@@ -292,6 +292,22 @@ pub fn render_table(r: &RunReport) -> String {
             t.lora.alpha
         );
     }
+    match t.loss {
+        crate::engine::Loss::Full => {}
+        crate::engine::Loss::Chunked => {
+            let _ = writeln!(
+                s,
+                "loss: chunked, the sequence in {} parts (torchtune's LinearCrossEntropyLoss)",
+                t.loss_chunks
+            );
+        }
+        crate::engine::Loss::FusedLinear => {
+            let _ = writeln!(
+                s,
+                "loss: fused-linear, the logits a chunk of tokens at a time (Liger's fused linear cross-entropy)"
+            );
+        }
+    }
     if let Some(a) = r.allocator {
         let _ = writeln!(
             s,

@@ -91,6 +91,10 @@ fn merge(flags: &Knobs, r: &RunRecipe, timeline: Option<PathBuf>) -> Result<RunO
             "describes PyTorch's implementation; add --framework hf-eager",
         )?;
     }
+    let loss = k.loss.unwrap_or(d.loss);
+    if loss != crate::engine::Loss::Chunked {
+        refuse(&["loss_chunks"], "applies to --loss chunked only")?;
+    }
     // Without a pipeline both schedules are plain accumulation: a
     // schedule or a partition given there would do nothing.
     if stages == 1 {
@@ -147,6 +151,8 @@ fn merge(flags: &Knobs, r: &RunRecipe, timeline: Option<PathBuf>) -> Result<RunO
             dropout: k.dropout.unwrap_or(d.dropout),
             optimizer_impl: k.optimizer_impl.unwrap_or(d.optimizer_impl),
             set_to_none: k.set_to_none.unwrap_or(d.set_to_none),
+            loss,
+            loss_chunks: k.loss_chunks.unwrap_or(d.loss_chunks),
             finetune,
             lora,
             offload: k.offload.unwrap_or(d.offload),

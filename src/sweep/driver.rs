@@ -157,6 +157,10 @@ pub fn trial_id(p: &Point) -> String {
         false => fw,
         true => format!("{fw}sp-"),
     };
+    let fw = match p.loss {
+        crate::engine::Loss::Full => fw,
+        l => format!("{fw}{}-", crate::config::knobs::name(l)),
+    };
     let fw = match p.hpz_group {
         0 => fw,
         g => format!("{fw}hpz{g}-"),
@@ -532,6 +536,7 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
             dropout: recipe.dropout,
             optimizer_impl: recipe.optimizer_impl,
             set_to_none: recipe.set_to_none,
+            loss_chunks: recipe.loss_chunks(),
         }),
         seq_len: recipe.seq_len,
         global_batch: recipe.global_batch,

@@ -431,6 +431,7 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
             p.sequence_parallel.to_string(),
             "false",
         ),
+        ("loss", name(p.loss), "full"),
     ] {
         if v != default {
             s.push_str(&format!("  {k}: [{v}]\n"));
@@ -451,6 +452,7 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
         dropout,
         optimizer_impl: opt_impl,
         set_to_none,
+        loss_chunks,
     }) = report.hf_knobs
         && p.framework == crate::engine::Framework::HfEager
     {
@@ -458,6 +460,9 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
             "dropout: {dropout:?}\noptimizer_impl: {}\nset_to_none: {set_to_none}\n",
             name(opt_impl)
         ));
+        if p.loss == crate::engine::Loss::Chunked {
+            s.push_str(&format!("loss_chunks: {loss_chunks}\n"));
+        }
     }
     if let Some(l) = report
         .lora
@@ -621,6 +626,7 @@ mod tests {
             tensor_parallel: 1,
             hpz_group: 0,
             sequence_parallel: false,
+            loss: Default::default(),
         }
     }
 

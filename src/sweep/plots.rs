@@ -1688,6 +1688,7 @@ pub(crate) mod tests {
             tensor_parallel: 1,
             hpz_group: 0,
             sequence_parallel: false,
+            loss: Default::default(),
         }
     }
 

@@ -1129,6 +1129,7 @@ pub(crate) mod testdata {
             tensor_parallel: 1,
             hpz_group: 0,
             sequence_parallel: false,
+            loss: Default::default(),
         }
     }
 

@@ -40,6 +40,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import sys
 import time
 import warnings
@@ -128,6 +129,47 @@ MODELS = {
 MODELS["llama-1b-4l"] = dict(
     family="llama", hf=dict(MODELS["llama-3.2-1b"]["hf"], num_hidden_layers=4)
 )
+# Untied heads, which no model above has: TinyLlama-1.1B's dimensions
+# (TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T config.json) with 4 of
+# its 22 layers, and Qwen2.5-7B's (Qwen/Qwen2.5-7B config.json: q/k/v biases,
+# a 152k vocabulary) with 2 of its 28. `model_type` lets memfit import them as
+# it imports a config.json.
+MODELS["tinyllama-4l"] = dict(
+    family="llama",
+    hf=dict(
+        model_type="llama",
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        use_cache=False,
+    ),
+)
+MODELS["qwen2.5-7b-2l"] = dict(
+    family="qwen2",
+    hf=dict(
+        model_type="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=2,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        use_cache=False,
+    ),
+)
 
 
 def build_model(model_name, dropout, attention):
@@ -137,9 +179,13 @@ def build_model(model_name, dropout, attention):
         hf.update(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
         config = transformers.GPT2Config(**hf)
         cls = transformers.GPT2LMHeadModel
+    elif spec["family"] == "qwen2":
+        hf.update(attention_dropout=dropout)
+        config = transformers.Qwen2Config(**{k: v for k, v in hf.items() if k != "model_type"})
+        cls = transformers.Qwen2ForCausalLM
     else:
         hf.update(attention_dropout=dropout)
-        config = transformers.LlamaConfig(**hf)
+        config = transformers.LlamaConfig(**{k: v for k, v in hf.items() if k != "model_type"})
         cls = transformers.LlamaForCausalLM
     config._attn_implementation = attention
     model = cls(config)
@@ -158,6 +204,8 @@ BASE = dict(
     attention="eager",
     optimizer="adamw-foreach",
     set_to_none=True,
+    loss="full",
+    groups="one",
 )
 
 
@@ -168,10 +216,16 @@ def cfg(model, **kw):
         "gpt2": "gpt2",
         "llama-3.2-1b": "llama1b",
         "llama-1b-4l": "llama1b-4l",
+        "tinyllama-4l": "tinyllama-4l",
+        "qwen2.5-7b-2l": "qwen7b-2l",
     }[model]
     name = f"{short}-b{c['batch']}-t{c['seq_len']}-{c['precision']}-d{c['dropout']:g}-{c['attention']}-{c['optimizer'].replace('adamw-', '')}"
     if not c["set_to_none"]:
         name += "-zero"
+    if c["loss"] != "full":
+        name += "-" + c["loss"]
+    if c["groups"] != "one":
+        name += "-" + c["groups"] + "groups"
     c["name"] = name
     return c
 
@@ -205,7 +259,103 @@ def all_configs():
     out.append(cfg("gpt2", dropout=0.1, set_to_none=False))
     out.append(cfg("llama-1b-4l"))
     out.append(cfg("llama-1b-4l", seq_len=256))
+    # torchtune's LinearCrossEntropyLoss (the default loss of its recipes
+    # since 0.6), at shapes no other config uses: each config varies one
+    # knob from the first of its model.
+    out.append(cfg("gpt2", batch=3, seq_len=384, loss="chunked-8"))
+    out.append(cfg("gpt2", batch=3, seq_len=384, loss="chunked-4"))
+    out.append(cfg("gpt2", batch=3, seq_len=384, loss="chunked-8", optimizer="adamw-single-tensor", set_to_none=False))
+    out.append(cfg("gpt2", batch=3, seq_len=384, loss="chunked-8", precision="bf16-autocast", attention="sdpa"))
+    out.append(cfg("llama-1b-4l", batch=2, seq_len=768, loss="chunked-8"))
+    out.append(cfg("llama-1b-4l", batch=2, seq_len=768, loss="chunked-8", precision="bf16-autocast", attention="sdpa"))
+    out.append(cfg("llama-1b-4l", batch=2, seq_len=768, loss="chunked-8", precision="bf16-model", attention="sdpa"))
+    out.append(cfg("llama-1b-4l", batch=2, seq_len=768, loss="chunked-16", optimizer="adamw-single-tensor", set_to_none=False))
+    # The gaps issue 28 names, each at shapes no other config uses, with
+    # the peak in the optimizer step (foreach) and in the backward
+    # (single-tensor with resident gradients):
+    # untied heads with resident gradients (set_to_none=False);
+    for m, b, t in (("tinyllama-4l", 2, 640), ("qwen2.5-7b-2l", 1, 448)):
+        out.append(cfg(m, batch=b, seq_len=t, set_to_none=False))
+        out.append(cfg(m, batch=b, seq_len=t, set_to_none=False, optimizer="adamw-single-tensor"))
+        out.append(cfg(m, batch=b, seq_len=t))
+    # GPT-2 with sdpa at dropout 0;
+    out.append(cfg("gpt2", batch=2, seq_len=768, attention="sdpa"))
+    out.append(cfg("gpt2", batch=2, seq_len=768, attention="sdpa", set_to_none=False, optimizer="adamw-single-tensor"))
+    # bf16 autocast with sdpa at odd sequence lengths.
+    out.append(cfg("gpt2", batch=3, seq_len=333, precision="bf16-autocast", attention="sdpa"))
+    out.append(cfg("gpt2", batch=3, seq_len=333, precision="bf16-autocast", attention="sdpa", set_to_none=False, optimizer="adamw-single-tensor"))
+    out.append(cfg("llama-1b-4l", batch=2, seq_len=501, precision="bf16-autocast", attention="sdpa"))
+    out.append(cfg("llama-1b-4l", batch=2, seq_len=501, precision="bf16-autocast", attention="sdpa", set_to_none=False, optimizer="adamw-single-tensor"))
+    # Single-tensor AdamW over the Trainer's two parameter groups, whose
+    # order decides which temporaries meet at the optimizer's peak.
+    # Short sequences, so that the peak is the optimizer's.
+    out.append(cfg("llama-1b-4l", batch=1, seq_len=48, optimizer="adamw-single-tensor", groups="hf"))
+    out.append(cfg("tinyllama-4l", batch=1, seq_len=80, optimizer="adamw-single-tensor", groups="hf"))
+    out.append(cfg("tinyllama-4l", batch=1, seq_len=80, optimizer="adamw-single-tensor", groups="hf", set_to_none=False))
+    out.append(cfg("gpt2", batch=2, seq_len=40, optimizer="adamw-single-tensor", groups="hf"))
+    out.append(cfg("gpt2", batch=2, seq_len=40, optimizer="adamw-single-tensor"))
     return out
+
+
+def param_groups(model, groups):
+    """`one`: `model.parameters()`, one group. `hf`: the two groups
+    transformers' `Trainer.create_optimizer` makes: parameters that decay
+    (`Trainer.get_decay_parameter_names`: none inside an `nn.LayerNorm`, and
+    no name matching bias, layernorm, rmsnorm, `norm` or `_norm`) and those
+    that do not (weight decay 0), each in `named_parameters()` order."""
+    if groups == "one":
+        return model.parameters()
+    forbidden = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+    in_layernorm = set()
+    for mname, module in model.named_modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            for pname, _ in module.named_parameters(recurse=False):
+                in_layernorm.add(f"{mname}.{pname}" if mname else pname)
+    decay = [
+        n
+        for n, _ in model.named_parameters()
+        if n not in in_layernorm and not any(re.search(f, n.lower()) for f in forbidden)
+    ]
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for n, p in named if n in decay], "weight_decay": 0.01},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+
+
+def chunked_loss(model, x, chunks):
+    """torchtune's LinearCrossEntropyLoss (torchtune/modules/loss/
+    cross_entropy_loss.py), applied to a transformers model: the base model's
+    hidden states split along the sequence (`tensor_split(chunks, dim=1)`),
+    each chunk's valid rows selected by a boolean mask (a copy the head's
+    matmul saves), projected by the head, upcast (`.float()`) and reduced by
+    `F.cross_entropy(..., reduction="sum")`; the sum is divided by the valid
+    tokens. Labels come shifted from torchtune's datasets: here every
+    position's label is the next token (the last wraps), so every row is
+    valid, as in memfit's engine."""
+    base = model.transformer if hasattr(model, "transformer") else model.model
+    h = base(input_ids=x).last_hidden_state
+    labels = torch.roll(x, shifts=-1, dims=1)
+    mask = labels != -100
+    total_elements = mask.sum()
+    total = 0.0
+    for hc, tc in zip(h.tensor_split(chunks, dim=1), labels.tensor_split(chunks, dim=1)):
+        m = tc != -100
+        # `hc[m]` and `tc[m]`: fake tensors cannot index by a boolean mask
+        # (its count is data), so the valid rows (all of them here) are
+        # selected by their indices, as the mask's nonzero() would give them:
+        # the same copies, and the same zeros + index_add in the backward.
+        rows = torch.arange(m.numel())
+        # The head's weight through F.linear, not the module: MemTracker's
+        # module hooks refuse a module called more than once per step.
+        logits = torch.nn.functional.linear(
+            hc.reshape(-1, hc.shape[-1]).index_select(0, rows), model.lm_head.weight
+        )
+        total = total + torch.nn.functional.cross_entropy(
+            logits.float(), tc.reshape(-1).index_select(0, rows), reduction="sum", ignore_index=-100
+        )
+        del logits
+    return total / total_elements
 
 
 # -------------------------------------------------------------- tracking ----
@@ -278,7 +428,7 @@ def run_config(c, device="cpu"):
         dtypes = sorted({str(p.dtype) for p in model.parameters()})
         n_params = sum(p.numel() for p in model.parameters())
         opt = torch.optim.AdamW(
-            model.parameters(),
+            param_groups(model, c["groups"]),
             lr=1e-4,
             weight_decay=0.01,
             foreach=(c["optimizer"] == "adamw-foreach"),
@@ -296,7 +446,10 @@ def run_config(c, device="cpu"):
             ph = mt.set_phase if mt is not None else (lambda p: None)
             ph("forward")
             with autocast():
-                loss = model(input_ids=x, labels=x).loss
+                if c["loss"] == "full":
+                    loss = model(input_ids=x, labels=x).loss
+                else:
+                    loss = chunked_loss(model, x, int(c["loss"].split("-")[1]))
             ph("backward")
             loss.backward()
             del loss
@@ -353,6 +506,8 @@ def run_config(c, device="cpu"):
             attention=c["attention"],
             optimizer=c["optimizer"],
             set_to_none=c["set_to_none"],
+            loss=c["loss"],
+            groups=c["groups"],
             device=f"fake-{dev}",
             peak_bytes=catmax,
             split_at_peak=split,

@@ -1,12 +1,12 @@
 //! The planner's grid axes as the builder edits them: each axis's values as
 //! the recipe spells them, read from and written into a [`Grid`] and a
 //! [`Point`], so that the form, the fit map, the neighbours and the fixes
-//! share one table instead of fifteen matches.
+//! share one table instead of sixteen matches.
 
 use clap::ValueEnum;
 
 use crate::engine::{
-    Attention, Checkpointing, Finetune, Framework, Offload, Optimizer, Precision, Sharding,
+    Attention, Checkpointing, Finetune, Framework, Loss, Offload, Optimizer, Precision, Sharding,
 };
 use crate::plan::{Grid, Point, name};
 
@@ -28,9 +28,10 @@ pub enum Axis {
     Framework,
     Finetune,
     Offload,
+    Loss,
 }
 
-pub const AXES: [Axis; 15] = [
+pub const AXES: [Axis; 16] = [
     Axis::MicroBatch,
     Axis::Precision,
     Axis::Checkpointing,
@@ -46,6 +47,7 @@ pub const AXES: [Axis; 15] = [
     Axis::Framework,
     Axis::Finetune,
     Axis::Offload,
+    Axis::Loss,
 ];
 
 fn names<T: ValueEnum>() -> Vec<String> {
@@ -90,6 +92,7 @@ impl Axis {
             Axis::Framework => "framework",
             Axis::Finetune => "finetune",
             Axis::Offload => "offload",
+            Axis::Loss => "loss",
         }
     }
 
@@ -111,6 +114,7 @@ impl Axis {
             Axis::Framework => "framework",
             Axis::Finetune => "finetune",
             Axis::Offload => "offload",
+            Axis::Loss => "loss",
         }
     }
 
@@ -139,6 +143,7 @@ impl Axis {
             Axis::Framework => names::<Framework>(),
             Axis::Finetune => names::<Finetune>(),
             Axis::Offload => names::<Offload>(),
+            Axis::Loss => names::<Loss>(),
         }
     }
 
@@ -160,6 +165,7 @@ impl Axis {
             Axis::Framework => g.framework.iter().map(|v| name(*v)).collect(),
             Axis::Finetune => g.finetune.iter().map(|v| name(*v)).collect(),
             Axis::Offload => g.offload.iter().map(|v| name(*v)).collect(),
+            Axis::Loss => g.loss.iter().map(|v| name(*v)).collect(),
         }
     }
 
@@ -183,6 +189,7 @@ impl Axis {
             Axis::Framework => g.framework = set_enum(values),
             Axis::Finetune => g.finetune = set_enum(values),
             Axis::Offload => g.offload = set_enum(values),
+            Axis::Loss => g.loss = set_enum(values),
         }
     }
 
@@ -204,6 +211,7 @@ impl Axis {
             Axis::Framework => name(p.framework),
             Axis::Finetune => name(p.finetune),
             Axis::Offload => name(p.offload),
+            Axis::Loss => name(p.loss),
         }
     }
 
@@ -231,6 +239,7 @@ impl Axis {
             Axis::Framework => e(v, |x| p.framework = x),
             Axis::Finetune => e(v, |x| p.finetune = x),
             Axis::Offload => e(v, |x| p.offload = x),
+            Axis::Loss => e(v, |x| p.loss = x),
         }
     }
 

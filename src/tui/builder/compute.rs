@@ -483,6 +483,9 @@ pub fn to_yaml(r: &PlanRecipe) -> String {
     if !r.set_to_none {
         s.push_str("set_to_none: false\n");
     }
+    if let Some(k) = r.loss_chunks {
+        let _ = writeln!(s, "loss_chunks: {k}");
+    }
     if let Some(k) = r.lora_rank {
         let _ = writeln!(s, "lora_rank: {k}");
     }

@@ -1,0 +1,273 @@
+//! `--loss`: torchtune's chunked cross-entropy and Liger's fused linear
+//! cross-entropy compute the gradients the full loss does, meta predicts
+//! them byte for byte, the fused loss holds no logits, and the combinations
+//! that would do nothing are refused. (The chunked loss against PyTorch is
+//! in `hf_reference.rs`, with the other MemTracker fixtures.)
+
+mod common;
+
+use common::{json, memfit, refused, scratch, stderr};
+use memfit::backend::cpu::CpuBackend;
+use memfit::backend::meta::MetaBackend;
+use memfit::config::profile::load_model;
+use memfit::data::DataSource;
+use memfit::engine::{Checkpointing, Engine, Framework, Loss, OptimizerImpl, TrainConfig};
+
+fn tc(loss: Loss, framework: Framework) -> TrainConfig {
+    TrainConfig {
+        seq_len: 32,
+        micro_batch: 4,
+        loss,
+        framework,
+        ..TrainConfig::default()
+    }
+}
+
+/// One forward and backward on cpu: the loss and every gradient.
+fn grads(model: &str, tc: &TrainConfig) -> (f32, Vec<Vec<f32>>) {
+    let model = load_model(model).unwrap();
+    let batch = DataSource::synthetic(model.vocab_size, 5).next_batch(tc.micro_batch, tc.seq_len);
+    let mut e = Engine::new(model, tc.clone(), CpuBackend::new(2).unwrap(), None).unwrap();
+    let loss = e.compute_grads(&batch).unwrap().unwrap();
+    (loss, e.grads_host().unwrap())
+}
+
+fn assert_close(what: &str, (l0, g0): &(f32, Vec<Vec<f32>>), (l1, g1): &(f32, Vec<Vec<f32>>)) {
+    assert!(
+        (l0 - l1).abs() <= 1e-6 * l0.abs(),
+        "{what}: loss {l1} vs {l0}"
+    );
+    let scale = g0.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+    for (i, (a, b)) in g0.iter().zip(g1).enumerate() {
+        for (x, y) in a.iter().zip(b) {
+            assert!(
+                (x - y).abs() <= 1e-5 * scale,
+                "{what}: tensor {i}: gradient {y} vs {x}"
+            );
+        }
+    }
+}
+
+#[test]
+fn chunked_and_fused_losses_compute_the_full_losss_gradients() {
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        let full = grads(model, &tc(Loss::Full, Framework::Memfit));
+        // 128 tokens, a vocabulary 4 (gpt2-tiny's padded 256 / 64) or 4
+        // times the width: Liger's chunks are 32 tokens, four of them.
+        let fused = grads(model, &tc(Loss::FusedLinear, Framework::Memfit));
+        assert_close(&format!("{model} fused-linear"), &full, &fused);
+        let hf_full = grads(model, &tc(Loss::Full, Framework::HfEager));
+        for k in [3, 8] {
+            let chunked = grads(
+                model,
+                &TrainConfig {
+                    loss_chunks: k,
+                    ..tc(Loss::Chunked, Framework::HfEager)
+                },
+            );
+            assert_close(&format!("{model} chunked {k}"), &hf_full, &chunked);
+        }
+        let hf_fused = grads(model, &tc(Loss::FusedLinear, Framework::HfEager));
+        assert_close(
+            &format!("{model} hf-eager fused-linear"),
+            &hf_full,
+            &hf_fused,
+        );
+    }
+}
+
+/// Every loss on cpu allocates what meta predicts, event for event, with
+/// accumulation, checkpointing, and PyTorch's resident or freed gradients
+/// over tied (gpt2-tiny) and untied (llama-tiny) heads; and training with
+/// them follows the full loss's losses.
+#[test]
+fn meta_predicts_every_loss_byte_for_byte() {
+    for model_name in ["gpt2-tiny", "llama-tiny"] {
+        let model = load_model(model_name).unwrap();
+        let cases = [
+            (
+                Loss::FusedLinear,
+                Framework::Memfit,
+                true,
+                Checkpointing::None,
+            ),
+            (
+                Loss::FusedLinear,
+                Framework::Memfit,
+                true,
+                Checkpointing::Full,
+            ),
+            (
+                Loss::FusedLinear,
+                Framework::HfEager,
+                true,
+                Checkpointing::None,
+            ),
+            (
+                Loss::FusedLinear,
+                Framework::HfEager,
+                false,
+                Checkpointing::Full,
+            ),
+            (Loss::Chunked, Framework::HfEager, true, Checkpointing::None),
+            (
+                Loss::Chunked,
+                Framework::HfEager,
+                false,
+                Checkpointing::Full,
+            ),
+        ];
+        for (loss, framework, set_to_none, checkpointing) in cases {
+            let t = TrainConfig {
+                grad_accum: 2,
+                set_to_none,
+                checkpointing,
+                loss_chunks: 5,
+                optimizer_impl: OptimizerImpl::SingleTensor,
+                ..tc(loss, framework)
+            };
+            let what = format!(
+                "{model_name} {loss:?} {framework:?} set_to_none={set_to_none} {checkpointing:?}"
+            );
+            let mut cpu =
+                Engine::new(model.clone(), t.clone(), CpuBackend::new(2).unwrap(), None).unwrap();
+            let mut meta =
+                Engine::new(model.clone(), t.clone(), MetaBackend::emulating_cpu(), None).unwrap();
+            let full_t = TrainConfig {
+                loss: Loss::Full,
+                ..t.clone()
+            };
+            let mut full =
+                Engine::new(model.clone(), full_t, CpuBackend::new(2).unwrap(), None).unwrap();
+            let mut data = DataSource::synthetic(model.vocab_size, 3);
+            for step in 0..3 {
+                let batches: Vec<_> = (0..2).map(|_| data.next_batch(4, 32)).collect();
+                let a = cpu.step(&batches).unwrap().loss.unwrap();
+                let b = full.step(&batches).unwrap().loss.unwrap();
+                assert!(
+                    (a - b).abs() < 1e-4,
+                    "{what}: step {step}: loss {a} vs full {b}"
+                );
+                meta.step(&batches).unwrap();
+            }
+            let (c, m) = (&cpu.dev.tracker, &meta.dev.tracker);
+            assert_eq!(c.peak_bytes(), m.peak_bytes(), "{what}");
+            assert_eq!(
+                common::events(c),
+                common::events(m),
+                "{what}: timelines differ"
+            );
+            assert_eq!(cpu.dev.cost.flops(), meta.dev.cost.flops(), "{what}: FLOPs");
+        }
+    }
+}
+
+/// With a vocabulary far wider than the model, the full loss's logits are
+/// most of the activations; the fused loss holds a chunk of them instead.
+#[test]
+fn the_fused_loss_holds_no_logits() {
+    let mut model = load_model("llama-tiny").unwrap();
+    model.vocab_size = 32768;
+    let peak = |loss| {
+        let t = TrainConfig {
+            seq_len: 128,
+            micro_batch: 4,
+            loss,
+            ..TrainConfig::default()
+        };
+        let mut e = Engine::new(model.clone(), t, MetaBackend::emulating_cpu(), None).unwrap();
+        e.step_from(1, || unreachable!("meta reads no batch"))
+            .unwrap();
+        e.dev.tracker.peak_bytes()
+    };
+    let (full, fused) = (peak(Loss::Full), peak(Loss::FusedLinear));
+    // N x V f32 logits: 512 x 32768 x 4 = 64 MiB.
+    let logits = 512 * 32768 * 4u64;
+    assert!(
+        full.total - fused.total > logits / 2,
+        "{full:?} vs {fused:?}"
+    );
+    // Liger's chunk: next_power_of_2(512 / (32768 / 64)) = 1 token.
+    assert!(
+        fused.activations + logits / 2 < full.activations,
+        "{full:?} vs {fused:?}"
+    );
+}
+
+#[test]
+fn losses_that_would_do_nothing_are_refused() {
+    fn with<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+        [&["run", "--device", "meta", "--steps", "1"][..], extra].concat()
+    }
+    let err = refused(&with(&["--loss", "chunked"]), "--loss");
+    assert!(err.contains("--framework hf-eager"), "{err}");
+    refused(
+        &with(&["--loss-chunks", "4"]),
+        "applies to --loss chunked only",
+    );
+    refused(
+        &with(&[
+            "--loss",
+            "chunked",
+            "--framework",
+            "hf-eager",
+            "--loss-chunks",
+            "0",
+        ]),
+        "--loss-chunks",
+    );
+    let err = refused(
+        &with(&[
+            "--loss",
+            "fused-linear",
+            "--tensor-parallel",
+            "2",
+            "--model",
+            "llama-tiny",
+        ]),
+        "--loss",
+    );
+    assert!(err.contains("vocabulary-parallel"), "{err}");
+}
+
+/// `loss` is a plan axis: each point plans its own, the label and the table
+/// say which, and a chunked point planned as memfit is invalid with the
+/// reason.
+#[test]
+fn plans_take_the_loss_as_an_axis() {
+    let dir = scratch("loss-plan");
+    let recipe = dir.join("r.yaml");
+    std::fs::write(
+        &recipe,
+        "model: llama-3.2-1b\nhardware: rtx-4090\nseq_len: 2048\nglobal_batch: 1\nloss_chunks: 4\ngrid:\n  micro_batch: [1]\n  precision: [bf16]\n  framework: [hf-eager, memfit]\n  finetune: [lora]\n  loss: [full, chunked, fused-linear]\n",
+    )
+    .unwrap();
+    let out = memfit(&["plan", recipe.to_str().unwrap(), "--format", "json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let plan = json(&out);
+    let points = plan["points"].as_array().unwrap();
+    assert_eq!(points.len(), 6);
+    let total = |fw: &str, loss: &str| {
+        let p = points
+            .iter()
+            .find(|p| p["point"]["framework"] == fw && p["point"]["loss"] == loss)
+            .unwrap();
+        (p["peak_bytes"]["total"].as_u64(), p["reason"].clone())
+    };
+    let (full, _) = total("hf-eager", "full");
+    let (chunked, _) = total("hf-eager", "chunked");
+    let (fused, _) = total("hf-eager", "fused-linear");
+    assert!(
+        fused.unwrap() < chunked.unwrap() && chunked.unwrap() < full.unwrap(),
+        "{fused:?} {chunked:?} {full:?}"
+    );
+    let (none, reason) = total("memfit", "chunked");
+    assert_eq!(none, None);
+    assert!(
+        reason.to_string().contains("--framework hf-eager"),
+        "{reason}"
+    );
+    let out = memfit(&["plan", recipe.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("fused-linear"), "{text}");
+}
