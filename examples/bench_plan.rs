@@ -54,6 +54,7 @@ fn main() {
         optimizer_impl: Default::default(),
         set_to_none: true,
         loss_chunks: None,
+        param_groups: Default::default(),
         lora_rank: None,
         lora_alpha: None,
         lora_dropout: None,

@@ -13,7 +13,8 @@ use crate::backend::meta::MetaBackend;
 use crate::config::ModelConfig;
 use crate::config::profile::load_model;
 use crate::engine::{
-    Attention, Engine, Framework, Loss, OptimizerImpl, Precision, Sharding, TrainConfig,
+    Attention, Engine, Framework, Loss, OptimizerImpl, ParamGroups, Precision, Sharding,
+    TrainConfig,
 };
 use crate::error::{Error, Result};
 use crate::memory::{Category, PeakBytes};
@@ -50,6 +51,9 @@ pub struct FixtureConfig {
     /// `full` (Hugging Face's loss) or `chunked-K` (torchtune's, K parts).
     #[serde(default = "full_loss")]
     pub loss: String,
+    /// `one` (`model.parameters()`) or `hf` (the Trainer's two groups).
+    #[serde(default = "one_group")]
+    pub groups: String,
     pub peak_bytes: Categories,
     pub peak_phase: String,
 }
@@ -163,8 +167,14 @@ pub fn config(c: &FixtureConfig) -> Result<(ModelConfig, TrainConfig)> {
         },
         _ => return Err(bad("loss", &c.loss)),
     };
+    let param_groups = match c.groups.as_str() {
+        "one" => ParamGroups::One,
+        "hf" => ParamGroups::Trainer,
+        g => return Err(bad("groups", g)),
+    };
     let train = TrainConfig {
         seq_len: c.seq_len,
+        param_groups,
         loss,
         loss_chunks,
         micro_batch: c.batch,
@@ -207,6 +217,10 @@ fn fixture_error(c: &FixtureConfig, message: String) -> Error {
         location: format!("fixture {}", c.name),
         message,
     }
+}
+
+fn one_group() -> String {
+    "one".into()
 }
 
 fn full_loss() -> String {

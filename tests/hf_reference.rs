@@ -202,6 +202,25 @@ fn hf_only_knobs_and_unmeasurable_points_are_refused() {
         "--dropout",
     );
     assert!(err.contains("--framework hf-eager"), "{err}");
+    let err = refused(
+        &["run", "--device", "meta", "--param-groups", "trainer"],
+        "--param-groups",
+    );
+    assert!(err.contains("--framework hf-eager"), "{err}");
+    refused(
+        &[
+            "run",
+            "--device",
+            "meta",
+            "--framework",
+            "hf-eager",
+            "--optimizer-impl",
+            "fused",
+            "--param-groups",
+            "trainer",
+        ],
+        "changes no memory",
+    );
     let hf_bf16 = ["run", "--framework", "hf-eager", "--precision", "bf16"];
     let err = refused(&[&hf_bf16[..], &["--steps", "1"]].concat(), "--framework");
     assert!(err.contains("autocast"), "{err}");

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use super::recipe::{Bytes, RunDevice};
 use crate::engine::{
     Attention, Checkpointing, Finetune, Framework, Loss, Offload, Optimizer, OptimizerImpl,
-    Precision, Schedule, Sharding, lora::Target,
+    ParamGroups, Precision, Schedule, Sharding, lora::Target,
 };
 
 /// Declares [`Knobs`] from one list of `name: Type` (each an `Option`),
@@ -124,6 +124,12 @@ knobs! {
     /// or fused [default: foreach].
     #[arg(long, value_enum)]
     optimizer_impl: OptimizerImpl,
+    /// hf-eager: the optimizer's parameter groups: one (AdamW(model.parameters()),
+    /// a plain loop) or trainer (transformers' Trainer: the decaying
+    /// matrices, then biases and norms); torch.optim updates a group at a
+    /// time [default: one].
+    #[arg(long, value_enum)]
+    param_groups: ParamGroups,
     /// hf-eager: optimizer.zero_grad(set_to_none=...) [default: true].
     #[arg(long, value_name = "BOOL", value_parser = set_to_none())]
     set_to_none: bool,

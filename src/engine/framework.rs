@@ -94,6 +94,34 @@ pub enum OptimizerImpl {
     Fused,
 }
 
+/// How the optimizer's parameters are grouped (`torch.optim` runs its
+/// update once per group, so a group's temporaries are freed before the
+/// next group's are made).
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum ParamGroups {
+    /// `AdamW(model.parameters())`: one group, in the model's order (a
+    /// plain training loop).
+    #[default]
+    One,
+    /// transformers' `Trainer.create_optimizer`: the parameters that decay
+    /// (`get_decay_parameter_names`: no bias, no norm), then those that do
+    /// not, each in the model's order. memfit decays matrices only, the
+    /// same split.
+    Trainer,
+}
+
 /// A plan recipe's hf-eager knobs (its keys of the same names), as a sweep
 /// report keeps them: PyTorch's side of the user's stack.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -101,6 +129,9 @@ pub struct HfKnobs {
     pub dropout: f32,
     pub optimizer_impl: OptimizerImpl,
     pub set_to_none: bool,
+    /// Absent from reports of before it existed: one group.
+    #[serde(default)]
+    pub param_groups: ParamGroups,
     /// torchtune's chunked loss: the parts the sequence is split into.
     #[serde(default = "super::loss::default_chunks")]
     pub loss_chunks: usize,
@@ -113,6 +144,7 @@ impl Default for HfKnobs {
             dropout: d.dropout,
             optimizer_impl: d.optimizer_impl,
             set_to_none: d.set_to_none,
+            param_groups: d.param_groups,
             loss_chunks: d.loss_chunks,
         }
     }
@@ -164,6 +196,7 @@ pub struct HfRules {
     /// resident and zeroed.
     pub lazy_grads: bool,
     pub optimizer_impl: OptimizerImpl,
+    pub param_groups: ParamGroups,
     /// 16-bit by autocast: fp32 parameters and gradients, no master copy.
     pub autocast: bool,
 }
@@ -357,6 +390,7 @@ impl HfRules {
             loss_grads: v,
             lazy_grads: train.set_to_none,
             optimizer_impl: train.optimizer_impl,
+            param_groups: train.param_groups,
         }
     }
 }

@@ -34,7 +34,7 @@ use crate::rng::Rng;
 
 use cluster::Links;
 pub use device::{Comm, CostCounter, Device, OpCost, Tensor};
-pub use framework::{Framework, HfRules, OptimizerImpl};
+pub use framework::{Framework, HfRules, OptimizerImpl, ParamGroups};
 pub use lora::{Adapter, Finetune, LoraConfig, Proj};
 pub use loss::Loss;
 use optim::OptState;
@@ -111,6 +111,9 @@ pub struct TrainConfig {
     pub optimizer_impl: OptimizerImpl,
     /// hf-eager only: `optimizer.zero_grad(set_to_none=...)`.
     pub set_to_none: bool,
+    /// hf-eager only: the optimizer's parameter groups.
+    #[serde(default)]
+    pub param_groups: ParamGroups,
     /// How the loss meets the head (`loss.rs`); absent from reports of
     /// before it existed, which computed the full loss.
     #[serde(default)]
@@ -276,6 +279,7 @@ impl Default for TrainConfig {
             dropout: 0.0,
             optimizer_impl: OptimizerImpl::Foreach,
             set_to_none: true,
+            param_groups: ParamGroups::One,
             loss: Loss::Full,
             loss_chunks: loss::DEFAULT_CHUNKS,
             finetune: Finetune::Full,
@@ -1919,9 +1923,11 @@ impl<B: Backend> Engine<B> {
             (Some(tokens), _) => {
                 dev.tracker.set_phase(Phase::BackwardEmbed);
                 hook(dev, p, g, Stage::Embed, false)?;
-                if hf.is_some() && !frozen {
-                    hf_embed_grads(dev, g, specs, trainable, idx, lazy, head_dw.take())?;
-                }
+                let hf_grads = hf.is_some() && !frozen;
+                let dense = match hf_grads {
+                    true => hf_embed_grads(dev, g, specs, trainable, idx, lazy, head_dw.take())?,
+                    false => None,
+                };
                 // A frozen embedding needs no gradient at all.
                 if !frozen {
                     // Every token's gradient reaches this rank's rows.
@@ -1931,6 +1937,9 @@ impl<B: Backend> Engine<B> {
                     let (dwte, dwpe) = pair_mut(g, idx.wte, idx.wpe);
                     dev.embed_backward(dwte, dwpe, dout, &tokens, (n, t, c), part);
                     dev.free_opt(gathered);
+                }
+                if hf_grads {
+                    hf_embed_handed(dev, g, idx, lazy, dense);
                 }
                 dev.free(dres);
                 dev.free_opt(input);
@@ -2116,27 +2125,38 @@ impl<B: Backend> Engine<B> {
                     .as_ref()
                     .filter(|_| cfg.kind == Optimizer::Adamw)
                     .map(|h| h.optimizer_impl);
-                let mut foreach = Vec::new();
-                if torch_impl == Some(OptimizerImpl::Foreach) {
-                    for (u, _) in updated.iter().zip(owned.iter()).filter(|(_, o)| **o) {
-                        foreach.push(dev.alloc_f32(u.len, Category::Optimizer)?);
+                // torch.optim updates one parameter group after another.
+                let ids = (0..specs.len()).filter(|&i| owned[i]);
+                let groups: Vec<Vec<usize>> = match hf.as_ref().map(|h| h.param_groups) {
+                    Some(ParamGroups::Trainer) => {
+                        let (decay, rest) = ids.partition(|&i| specs[i].shape.len() >= 2);
+                        vec![decay, rest]
                     }
-                }
-                let mut denom = None;
-                for (i, spec) in specs.iter().enumerate().filter(|(i, _)| owned[*i]) {
-                    if torch_impl == Some(OptimizerImpl::SingleTensor) {
-                        let len = updated[i].len;
-                        let sqrt = dev.alloc_f32(len, Category::Optimizer)?;
-                        let div = dev.alloc_f32(len, Category::Optimizer)?;
-                        dev.free(sqrt);
-                        dev.free_opt(denom.replace(div));
+                    _ => vec![ids.collect()],
+                };
+                for group in groups {
+                    let mut foreach = Vec::new();
+                    if torch_impl == Some(OptimizerImpl::Foreach) {
+                        for &i in &group {
+                            foreach.push(dev.alloc_f32(updated[i].len, Category::Optimizer)?);
+                        }
                     }
-                    let (u, g, st) = (&mut updated[i], &grads[i], &mut opt[i]);
-                    optim::update_one(dev, u, g, st, spec, &cfg, self.step, grad_scale);
-                }
-                dev.free_opt(denom);
-                for t in foreach {
-                    dev.free(t);
+                    let mut denom = None;
+                    for i in group {
+                        if torch_impl == Some(OptimizerImpl::SingleTensor) {
+                            let len = updated[i].len;
+                            let sqrt = dev.alloc_f32(len, Category::Optimizer)?;
+                            let div = dev.alloc_f32(len, Category::Optimizer)?;
+                            dev.free(sqrt);
+                            dev.free_opt(denom.replace(div));
+                        }
+                        let (u, g, st) = (&mut updated[i], &grads[i], &mut opt[i]);
+                        optim::update_one(dev, u, g, st, &specs[i], &cfg, self.step, grad_scale);
+                    }
+                    dev.free_opt(denom);
+                    for t in foreach {
+                        dev.free(t);
+                    }
                 }
                 for ((p, m), _) in params
                     .iter_mut()
@@ -2390,23 +2410,24 @@ fn full_head_backward<B: Backend>(
     }
     dev.free(targets);
     let head = idx.lm_head.unwrap_or(idx.wte);
+    let tied = idx.lm_head.is_none();
+    // hf-eager: autograd makes the head's weight gradient, a temporary
+    // while the matmul's node runs (the logits' gradient alive); once the
+    // node returns, AccumulateGrad takes it as the gradient (set_to_none)
+    // or adds it into the resident one, and MemTracker counts it as a
+    // gradient from then on. Tied, it waits for the embedding's (see
+    // hf_embed_grads).
+    let mut incoming = None;
     if let Some(h) = &mut hf {
-        let tied = idx.lm_head.is_none();
         if h.lazy {
             let norm: Vec<usize> = std::iter::once(idx.lnf_w).chain(idx.lnf_b).collect();
             make_grads(dev, g, h.specs, h.trainable, &norm, Category::Gradients)?;
-            // Tied: the head's gradient is a temporary until the
-            // embedding's is added to it (see hf_embed_grads).
-            let cat = if tied { tmp } else { Category::Gradients };
-            make_grads(dev, g, h.specs, h.trainable, &[head], cat)?;
+            make_grads(dev, g, h.specs, h.trainable, &[head], tmp)?;
         } else if h.trainable[head] {
-            // Resident gradients: autograd makes the head's weight gradient
-            // and AccumulateGrad adds it in place; tied, it waits for the
-            // embedding's.
             let dw = dev.alloc(h.specs[head].numel(), g[head].dtype, tmp)?;
             match tied {
                 true => *h.dw = Some(dw),
-                false => dev.free(dw),
+                false => incoming = Some(dw),
             }
         }
     }
@@ -2420,6 +2441,15 @@ fn full_head_backward<B: Backend>(
     dev.matmul_backward(&mut dlnf, dw, None, &logits, inp, &p[head], n, c, vpl);
     dev.free_opt(gathered);
     dev.free(logits);
+    if let Some(h) = hf.filter(|_| !tied) {
+        if h.lazy && h.trainable[head] {
+            dev.retag(&mut g[head], Category::Gradients);
+        }
+        if let Some(mut dw) = incoming {
+            dev.retag(&mut dw, Category::Gradients);
+            dev.free(dw);
+        }
+    }
     Ok(dlnf)
 }
 
@@ -2608,6 +2638,8 @@ struct HfHead<'a, B: Backend> {
 /// tensor (its `add` of the embedding's dense gradient and the head's),
 /// which becomes the gradient (set_to_none) or is added in place into the
 /// resident one, MemTracker counting it as a gradient once handed over.
+/// Untied, the dense gradient is a temporary until the embedding's backward
+/// has made it: what it returns is handed over then ([`hf_embed_handed`]).
 fn hf_embed_grads<B: Backend>(
     dev: &mut Device<B>,
     g: &mut [T<B>],
@@ -2616,14 +2648,14 @@ fn hf_embed_grads<B: Backend>(
     idx: &ParamIndex,
     lazy: bool,
     head_dw: Option<T<B>>,
-) -> Result<(), OomError> {
+) -> Result<Option<T<B>>, OomError> {
     let tmp = Category::Temporaries;
     let tied = idx.lm_head.is_none();
     if lazy {
         let ids: Vec<usize> = idx.wpe.into_iter().collect();
         make_grads(dev, g, specs, trainable, &ids, Category::Gradients)?;
         if !tied {
-            make_grads(dev, g, specs, trainable, &[idx.wte], Category::Gradients)?;
+            make_grads(dev, g, specs, trainable, &[idx.wte], tmp)?;
         }
     }
     let (numel, dt) = (specs[idx.wte].numel(), g[idx.wte].dtype);
@@ -2643,10 +2675,31 @@ fn hf_embed_grads<B: Backend>(
             dev.free(sum);
         }
     } else if !lazy {
-        let dense = dev.alloc(numel, dt, tmp)?;
-        dev.free(dense);
+        return Ok(Some(dev.alloc(numel, dt, tmp)?));
     }
-    Ok(())
+    Ok(None)
+}
+
+/// hf-eager, after the embedding's backward: an untied embedding's dense
+/// gradient becomes the gradient (set_to_none) or, resident gradients, is
+/// handed to AccumulateGrad (`dense`) and added in place.
+fn hf_embed_handed<B: Backend>(
+    dev: &mut Device<B>,
+    g: &mut [T<B>],
+    idx: &ParamIndex,
+    lazy: bool,
+    dense: Option<T<B>>,
+) {
+    if idx.lm_head.is_none() {
+        return;
+    }
+    if lazy && g[idx.wte].len > 0 {
+        dev.retag(&mut g[idx.wte], Category::Gradients);
+    }
+    if let Some(mut d) = dense {
+        dev.retag(&mut d, Category::Gradients);
+        dev.free(d);
+    }
 }
 
 /// One transformer block's forward pass from its input `x` (N,C): the saved

@@ -99,6 +99,9 @@ pub struct PlanRecipe {
     /// hf-eager points: `optimizer.zero_grad(set_to_none=...)`.
     #[serde(default = "yes")]
     pub set_to_none: bool,
+    /// hf-eager points: the optimizer's parameter groups.
+    #[serde(default)]
+    pub param_groups: crate::engine::ParamGroups,
     /// `loss: chunked` points: the parts the sequence is split into
     /// (torchtune's num_output_chunks, 8).
     #[serde(default)]
@@ -132,6 +135,7 @@ impl PlanRecipe {
             dropout: self.dropout,
             optimizer_impl: self.optimizer_impl,
             set_to_none: self.set_to_none,
+            param_groups: self.param_groups,
             loss_chunks: self.loss_chunks(),
         };
         p.train_config_with(self.seq_len, &hf, &self.lora())
@@ -512,6 +516,7 @@ impl Point {
             tc.dropout = hf.dropout;
             tc.optimizer_impl = hf.optimizer_impl;
             tc.set_to_none = hf.set_to_none;
+            tc.param_groups = hf.param_groups;
             tc.loss_chunks = hf.loss_chunks;
         }
         if self.finetune != Finetune::Full {

@@ -87,8 +87,14 @@ fn merge(flags: &Knobs, r: &RunRecipe, timeline: Option<PathBuf>) -> Result<RunO
         // The engine's own schedule has no dropout, keeps its gradients
         // resident and updates in place: these would do nothing there.
         refuse(
-            &["dropout", "optimizer_impl", "set_to_none"],
+            &["dropout", "optimizer_impl", "set_to_none", "param_groups"],
             "describes PyTorch's implementation; add --framework hf-eager",
+        )?;
+    }
+    if k.optimizer_impl == Some(crate::engine::OptimizerImpl::Fused) {
+        refuse(
+            &["param_groups"],
+            "fused AdamW updates each group in one kernel with no temporaries, so the grouping changes no memory; it applies to --optimizer-impl foreach or single-tensor",
         )?;
     }
     let loss = k.loss.unwrap_or(d.loss);
@@ -151,6 +157,7 @@ fn merge(flags: &Knobs, r: &RunRecipe, timeline: Option<PathBuf>) -> Result<RunO
             dropout: k.dropout.unwrap_or(d.dropout),
             optimizer_impl: k.optimizer_impl.unwrap_or(d.optimizer_impl),
             set_to_none: k.set_to_none.unwrap_or(d.set_to_none),
+            param_groups: k.param_groups.unwrap_or(d.param_groups),
             loss,
             loss_chunks: k.loss_chunks.unwrap_or(d.loss_chunks),
             finetune,

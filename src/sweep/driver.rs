@@ -536,6 +536,7 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
             dropout: recipe.dropout,
             optimizer_impl: recipe.optimizer_impl,
             set_to_none: recipe.set_to_none,
+            param_groups: recipe.param_groups,
             loss_chunks: recipe.loss_chunks(),
         }),
         seq_len: recipe.seq_len,

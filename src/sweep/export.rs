@@ -452,6 +452,7 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
         dropout,
         optimizer_impl: opt_impl,
         set_to_none,
+        param_groups,
         loss_chunks,
     }) = report.hf_knobs
         && p.framework == crate::engine::Framework::HfEager
@@ -460,6 +461,9 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
             "dropout: {dropout:?}\noptimizer_impl: {}\nset_to_none: {set_to_none}\n",
             name(opt_impl)
         ));
+        if param_groups != Default::default() {
+            s.push_str(&format!("param_groups: {}\n", name(param_groups)));
+        }
         if p.loss == crate::engine::Loss::Chunked {
             s.push_str(&format!("loss_chunks: {loss_chunks}\n"));
         }

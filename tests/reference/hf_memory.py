@@ -206,6 +206,7 @@ BASE = dict(
     set_to_none=True,
     loss="full",
     groups="one",
+    checkpointing="none",
 )
 
 
@@ -226,6 +227,8 @@ def cfg(model, **kw):
         name += "-" + c["loss"]
     if c["groups"] != "one":
         name += "-" + c["groups"] + "groups"
+    if c["checkpointing"] != "none":
+        name += "-ckpt-" + c["checkpointing"]
     c["name"] = name
     return c
 
@@ -292,8 +295,17 @@ def all_configs():
     out.append(cfg("llama-1b-4l", batch=1, seq_len=48, optimizer="adamw-single-tensor", groups="hf"))
     out.append(cfg("tinyllama-4l", batch=1, seq_len=80, optimizer="adamw-single-tensor", groups="hf"))
     out.append(cfg("tinyllama-4l", batch=1, seq_len=80, optimizer="adamw-single-tensor", groups="hf", set_to_none=False))
+    out.append(cfg("tinyllama-4l", batch=1, seq_len=80, groups="hf"))
     out.append(cfg("gpt2", batch=2, seq_len=40, optimizer="adamw-single-tensor", groups="hf"))
     out.append(cfg("gpt2", batch=2, seq_len=40, optimizer="adamw-single-tensor"))
+    # transformers' gradient checkpointing, both torch.utils.checkpoint
+    # variants, peak in the backward and in the optimizer step.
+    for ck in ("non-reentrant", "reentrant"):
+        out.append(cfg("gpt2", batch=4, seq_len=640, checkpointing=ck))
+        out.append(cfg("llama-1b-4l", batch=2, seq_len=896, checkpointing=ck))
+        out.append(cfg("tinyllama-4l", batch=1, seq_len=1152, checkpointing=ck, attention="sdpa"))
+        out.append(cfg("gpt2", batch=2, seq_len=96, checkpointing=ck))
+    out.append(cfg("llama-1b-4l", batch=2, seq_len=896, checkpointing="non-reentrant", precision="bf16-autocast", attention="sdpa"))
     return out
 
 
@@ -423,6 +435,15 @@ def run_config(c, device="cpu"):
             torch.set_default_dtype(torch.bfloat16)
         try:
             model, hf_fields = build_model(c["model"], c["dropout"], c["attention"])
+            if c["checkpointing"] != "none":
+                # transformers' gradient checkpointing (every decoder layer
+                # a GradientCheckpointingLayer), torch.utils.checkpoint with
+                # use_reentrant as named.
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={
+                        "use_reentrant": c["checkpointing"] == "reentrant"
+                    }
+                )
         finally:
             torch.set_default_dtype(previous)
         dtypes = sorted({str(p.dtype) for p in model.parameters()})
@@ -508,6 +529,7 @@ def run_config(c, device="cpu"):
             set_to_none=c["set_to_none"],
             loss=c["loss"],
             groups=c["groups"],
+            checkpointing=c["checkpointing"],
             device=f"fake-{dev}",
             peak_bytes=catmax,
             split_at_peak=split,

@@ -483,6 +483,9 @@ pub fn to_yaml(r: &PlanRecipe) -> String {
     if !r.set_to_none {
         s.push_str("set_to_none: false\n");
     }
+    if r.param_groups != Default::default() {
+        let _ = writeln!(s, "param_groups: {}", crate::plan::name(r.param_groups));
+    }
     if let Some(k) = r.loss_chunks {
         let _ = writeln!(s, "loss_chunks: {k}");
     }
