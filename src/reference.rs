@@ -13,8 +13,8 @@ use crate::backend::meta::MetaBackend;
 use crate::config::ModelConfig;
 use crate::config::profile::load_model;
 use crate::engine::{
-    Attention, Engine, Framework, Loss, OptimizerImpl, ParamGroups, Precision, Sharding,
-    TrainConfig,
+    Attention, Checkpointing, Engine, Framework, Loss, OptimizerImpl, ParamGroups, Precision,
+    Sharding, TrainConfig,
 };
 use crate::error::{Error, Result};
 use crate::memory::{Category, PeakBytes};
@@ -54,6 +54,10 @@ pub struct FixtureConfig {
     /// `one` (`model.parameters()`) or `hf` (the Trainer's two groups).
     #[serde(default = "one_group")]
     pub groups: String,
+    /// `none`, or transformers' gradient checkpointing with
+    /// `use_reentrant` false (`non-reentrant`) or true (`reentrant`).
+    #[serde(default = "no_checkpointing")]
+    pub checkpointing: String,
     pub peak_bytes: Categories,
     pub peak_phase: String,
 }
@@ -172,9 +176,15 @@ pub fn config(c: &FixtureConfig) -> Result<(ModelConfig, TrainConfig)> {
         "hf" => ParamGroups::Trainer,
         g => return Err(bad("groups", g)),
     };
+    let checkpointing = match c.checkpointing.as_str() {
+        "none" => Checkpointing::None,
+        "non-reentrant" | "reentrant" => Checkpointing::Full,
+        k => return Err(bad("checkpointing", k)),
+    };
     let train = TrainConfig {
         seq_len: c.seq_len,
         param_groups,
+        checkpointing,
         loss,
         loss_chunks,
         micro_batch: c.batch,
@@ -217,6 +227,10 @@ fn fixture_error(c: &FixtureConfig, message: String) -> Error {
         location: format!("fixture {}", c.name),
         message,
     }
+}
+
+fn no_checkpointing() -> String {
+    "none".into()
 }
 
 fn one_group() -> String {

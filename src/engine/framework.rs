@@ -172,6 +172,11 @@ pub struct HfRules {
     pub embed_saved: Vec<(usize, DType)>,
     /// Saved by every block until its backward.
     pub block_saved: Vec<(usize, DType)>,
+    /// Autocast: where in `block_saved` the block's weight casts are. They
+    /// live in autocast's cache until the forward leaves autocast, so a
+    /// checkpointed block, which saves nothing else, still holds them to
+    /// the end of the forward (and makes them again when recomputed).
+    pub block_casts: Option<std::ops::Range<usize>>,
     /// Saved by the final norm and the head until the head's backward.
     pub head_saved: Vec<(usize, DType)>,
     /// Alive while the head's forward runs (a fused loss under autocast:
@@ -275,9 +280,11 @@ impl HfRules {
             // up and the product; the engine keeps gate|up and the product.
             block.push((n * dff, dt));
         }
+        let mut casts = None;
         if autocast {
             // The block input and the residual after attention are fp32.
             block.extend([(n * c, dt); 2]);
+            casts = Some(block.len()..block.len() + 4);
             // The weight-cast cache (torch/csrc/autograd/autocast_mode.cpp:
             // a leaf's cast is cached for the forward): every projection's
             // 16-bit weight copy is saved by its matmul until the backward.
@@ -373,6 +380,7 @@ impl HfRules {
             }
         }
         HfRules {
+            block_casts: casts,
             head_forward,
             embed_saved: embed,
             block_saved: block,

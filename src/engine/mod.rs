@@ -1379,6 +1379,9 @@ impl<B: Backend> Engine<B> {
 
         let mut resid = vec![input];
         let mut blocks = Vec::with_capacity(layers.len());
+        // hf-eager, autocast: the checkpointed blocks' weight casts, held
+        // by autocast's cache to the end of the forward.
+        let mut cast_cache = Vec::new();
         for (j, l) in layers.clone().enumerate() {
             dev.tracker.set_phase(Phase::Forward(l));
             hook(dev, p, Stage::Block(l), false)?;
@@ -1407,6 +1410,10 @@ impl<B: Backend> Engine<B> {
                 // Keep only the block input (the residual stream, already in
                 // `resid`); the backward pass recomputes the rest.
                 Checkpointing::Full => {
+                    let mut a = a;
+                    if let Some(r) = hf.and_then(|h| h.block_casts.clone()) {
+                        cast_cache.extend(a.extra.drain(r));
+                    }
                     free_block(dev, a);
                     None
                 }
@@ -1420,6 +1427,9 @@ impl<B: Backend> Engine<B> {
             let out = resid.pop().expect("the stage output");
             dev.send(&mut *pp.p2p, Peer::Next, &out);
             dev.free(out);
+            for x in cast_cache {
+                dev.free(x);
+            }
             return Ok(Acts {
                 tokens,
                 targets,
@@ -1575,6 +1585,9 @@ impl<B: Backend> Engine<B> {
             }
         };
         hook(dev, p, Stage::Head, true)?;
+        for x in cast_cache {
+            dev.free(x);
+        }
         Ok(Acts {
             tokens,
             targets,
