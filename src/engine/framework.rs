@@ -24,27 +24,17 @@ use crate::config::{Family, ModelConfig};
 
 use super::{Attention, TrainConfig};
 
-/// Whose allocations the engine's schedule follows.
-#[derive(
-    Clone,
-    Copy,
-    Debug,
-    Default,
-    PartialEq,
-    Eq,
-    Hash,
-    serde::Serialize,
-    serde::Deserialize,
-    clap::ValueEnum,
-)]
-#[serde(rename_all = "kebab-case")]
-pub enum Framework {
-    /// memfit's own engine: what `memfit run` and `memfit sweep` train with.
-    #[default]
-    Memfit,
-    /// PyTorch eager + Hugging Face transformers: what a `Trainer` or a
-    /// plain training loop over `AutoModelForCausalLM` will allocate.
-    HfEager,
+knob_enum! {
+    /// Whose allocations the engine's schedule follows.
+    #[serde(rename_all = "kebab-case")]
+    pub enum Framework {
+        /// memfit's own engine: what `memfit run` and `memfit sweep` train with.
+        #[default]
+        Memfit,
+        /// PyTorch eager + Hugging Face transformers: what a `Trainer` or a
+        /// plain training loop over `AutoModelForCausalLM` will allocate.
+        HfEager,
+    }
 }
 
 impl Framework {
@@ -64,62 +54,42 @@ impl Framework {
     }
 }
 
-/// `torch.optim.AdamW`'s implementation (its `foreach` / `fused` arguments).
-#[derive(
-    Clone,
-    Copy,
-    Debug,
-    Default,
-    PartialEq,
-    Eq,
-    Hash,
-    serde::Serialize,
-    serde::Deserialize,
-    clap::ValueEnum,
-)]
-#[serde(rename_all = "kebab-case")]
-pub enum OptimizerImpl {
-    /// `foreach=True`, PyTorch's default on GPUs and the fixtures' base:
-    /// `_multi_tensor_adamw` builds `torch._foreach_sqrt(exp_avg_sqs)`, one
-    /// fp32 list the size of all parameters, alive for the whole update
-    /// (torch/optim/adamw.py, `_multi_tensor_adam`).
-    #[default]
-    Foreach,
-    /// `foreach=False`: `_single_tensor_adam` makes `exp_avg_sq.sqrt()` and
-    /// the division by the bias correction per parameter (two temporaries
-    /// the size of that parameter); the denominator lives until the next
-    /// parameter's is made.
-    SingleTensor,
-    /// `fused=True`: one kernel per parameter group, no temporaries.
-    Fused,
+knob_enum! {
+    /// `torch.optim.AdamW`'s implementation (its `foreach` / `fused` arguments).
+    #[serde(rename_all = "kebab-case")]
+    pub enum OptimizerImpl {
+        /// `foreach=True`, PyTorch's default on GPUs and the fixtures' base:
+        /// `_multi_tensor_adamw` builds `torch._foreach_sqrt(exp_avg_sqs)`, one
+        /// fp32 list the size of all parameters, alive for the whole update
+        /// (torch/optim/adamw.py, `_multi_tensor_adam`).
+        #[default]
+        Foreach,
+        /// `foreach=False`: `_single_tensor_adam` makes `exp_avg_sq.sqrt()` and
+        /// the division by the bias correction per parameter (two temporaries
+        /// the size of that parameter); the denominator lives until the next
+        /// parameter's is made.
+        SingleTensor,
+        /// `fused=True`: one kernel per parameter group, no temporaries.
+        Fused,
+    }
 }
 
-/// How the optimizer's parameters are grouped (`torch.optim` runs its
-/// update once per group, so a group's temporaries are freed before the
-/// next group's are made).
-#[derive(
-    Clone,
-    Copy,
-    Debug,
-    Default,
-    PartialEq,
-    Eq,
-    Hash,
-    serde::Serialize,
-    serde::Deserialize,
-    clap::ValueEnum,
-)]
-#[serde(rename_all = "kebab-case")]
-pub enum ParamGroups {
-    /// `AdamW(model.parameters())`: one group, in the model's order (a
-    /// plain training loop).
-    #[default]
-    One,
-    /// transformers' `Trainer.create_optimizer`: the parameters that decay
-    /// (`get_decay_parameter_names`: no bias, no norm), then those that do
-    /// not, each in the model's order. memfit decays matrices only, the
-    /// same split.
-    Trainer,
+knob_enum! {
+    /// How the optimizer's parameters are grouped (`torch.optim` runs its
+    /// update once per group, so a group's temporaries are freed before the
+    /// next group's are made).
+    #[serde(rename_all = "kebab-case")]
+    pub enum ParamGroups {
+        /// `AdamW(model.parameters())`: one group, in the model's order (a
+        /// plain training loop).
+        #[default]
+        One,
+        /// transformers' `Trainer.create_optimizer`: the parameters that decay
+        /// (`get_decay_parameter_names`: no bias, no norm), then those that do
+        /// not, each in the model's order. memfit decays matrices only, the
+        /// same split.
+        Trainer,
+    }
 }
 
 /// A plan recipe's hf-eager knobs (its keys of the same names), as a sweep

@@ -23,30 +23,20 @@
 use crate::config::model::{Init, ParamName, ParamSpec};
 use crate::config::{Family, ModelConfig};
 
-/// What trains.
-#[derive(
-    Clone,
-    Copy,
-    Debug,
-    Default,
-    PartialEq,
-    Eq,
-    Hash,
-    serde::Serialize,
-    serde::Deserialize,
-    clap::ValueEnum,
-)]
-#[serde(rename_all = "kebab-case")]
-pub enum Finetune {
-    /// Every weight trains.
-    #[default]
-    Full,
-    /// LoRA adapters on frozen weights.
-    Lora,
-    /// LoRA on a base whose block projections are stored in 4-bit
-    /// NormalFloat (`crate::nf4`) and dequantised to the compute dtype per
-    /// matmul (Dettmers et al., QLoRA, 2023). cpu, cuda and meta.
-    Qlora,
+knob_enum! {
+    /// What trains.
+    #[serde(rename_all = "kebab-case")]
+    pub enum Finetune {
+        /// Every weight trains.
+        #[default]
+        Full,
+        /// LoRA adapters on frozen weights.
+        Lora,
+        /// LoRA on a base whose block projections are stored in 4-bit
+        /// NormalFloat (`crate::nf4`) and dequantised to the compute dtype per
+        /// matmul (Dettmers et al., QLoRA, 2023). cpu, cuda and meta.
+        Qlora,
+    }
 }
 
 /// Why a fine-tuning run cannot be spread as `t` asks, if it cannot: the

@@ -32,30 +32,20 @@ use super::device::{Device, Tensor};
 
 type T<B> = Tensor<<B as Backend>::Buf>;
 
-/// How the cross-entropy loss is computed from the head.
-#[derive(
-    Clone,
-    Copy,
-    Debug,
-    Default,
-    PartialEq,
-    Eq,
-    Hash,
-    serde::Serialize,
-    serde::Deserialize,
-    clap::ValueEnum,
-)]
-#[serde(rename_all = "kebab-case")]
-pub enum Loss {
-    /// Every token's logits at once (Hugging Face's `ForCausalLMLoss`).
-    #[default]
-    Full,
-    /// torchtune's `LinearCrossEntropyLoss`: the sequence in `loss_chunks`
-    /// parts, each projected and reduced on its own (hf-eager only).
-    Chunked,
-    /// Liger's fused linear cross-entropy: logits a chunk of tokens at a
-    /// time, the head's gradients made in the forward.
-    FusedLinear,
+knob_enum! {
+    /// How the cross-entropy loss is computed from the head.
+    #[serde(rename_all = "kebab-case")]
+    pub enum Loss {
+        /// Every token's logits at once (Hugging Face's `ForCausalLMLoss`).
+        #[default]
+        Full,
+        /// torchtune's `LinearCrossEntropyLoss`: the sequence in `loss_chunks`
+        /// parts, each projected and reduced on its own (hf-eager only).
+        Chunked,
+        /// Liger's fused linear cross-entropy: logits a chunk of tokens at a
+        /// time, the head's gradients made in the forward.
+        FusedLinear,
+    }
 }
 
 /// torchtune's default `num_output_chunks`.

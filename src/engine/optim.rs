@@ -8,21 +8,20 @@ use crate::backend::{AdafactorHyper, AdafactorSecond, AdamHyper, Backend, DType,
 use crate::config::model::ParamSpec;
 use crate::memory::{Category, OomError};
 
-/// Which optimizer, and its knobs.
-#[derive(
-    Clone, Copy, Debug, Default, PartialEq, Hash, Eq, Serialize, serde::Deserialize, clap::ValueEnum,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum Optimizer {
-    /// fp32 m and v: 8 bytes of state per parameter.
-    #[default]
-    Adamw,
-    /// Block-wise 8-bit m and v (Dettmers et al. 2022): about 2.03 bytes per parameter.
-    Adamw8bit,
-    /// Factored second moment (Shazeer & Stern 2018): O(rows + cols) per matrix.
-    Adafactor,
-    /// SGD with momentum: 4 bytes per parameter.
-    Sgd,
+knob_enum! {
+    /// Which optimizer, and its knobs.
+    #[serde(rename_all = "lowercase")]
+    pub enum Optimizer {
+        /// fp32 m and v: 8 bytes of state per parameter.
+        #[default]
+        Adamw,
+        /// Block-wise 8-bit m and v (Dettmers et al. 2022): about 2.03 bytes per parameter.
+        Adamw8bit,
+        /// Factored second moment (Shazeer & Stern 2018): O(rows + cols) per matrix.
+        Adafactor,
+        /// SGD with momentum: 4 bytes per parameter.
+        Sgd,
+    }
 }
 
 impl Optimizer {

@@ -27,27 +27,18 @@ use crate::backend::Backend;
 use crate::comm::{AbortHandle, PointToPoint};
 use crate::config::model::ParamIndex;
 
-/// The pipeline schedule.
-#[derive(
-    Clone,
-    Copy,
-    Debug,
-    Default,
-    PartialEq,
-    Eq,
-    serde::Serialize,
-    serde::Deserialize,
-    clap::ValueEnum,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum Schedule {
-    /// All K forwards, then all K backwards.
-    Gpipe,
-    /// Warm-up, one forward one backward, cool-down.
-    #[default]
-    #[value(name = "1f1b")]
-    #[serde(rename = "1f1b")]
-    OneFOneB,
+knob_enum! {
+    /// The pipeline schedule.
+    #[serde(rename_all = "lowercase")]
+    pub enum Schedule {
+        /// All K forwards, then all K backwards.
+        Gpipe,
+        /// Warm-up, one forward one backward, cool-down.
+        #[default]
+        #[value(name = "1f1b")]
+        #[serde(rename = "1f1b")]
+        OneFOneB,
+    }
 }
 
 /// One unit of a stage's schedule: the forward or the backward of micro-batch `m`.

@@ -82,32 +82,22 @@ use crate::backend::{Backend, DType};
 use crate::config::model::ParamIndex;
 use crate::memory::{Category, OomError};
 
-/// How the training state is spread over the ranks.
-#[derive(
-    Clone,
-    Copy,
-    Debug,
-    Default,
-    PartialEq,
-    Hash,
-    Eq,
-    serde::Serialize,
-    serde::Deserialize,
-    clap::ValueEnum,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum Sharding {
-    /// One rank, nothing to share.
-    #[default]
-    None,
-    /// Replicated everything; gradients all-reduced in buckets.
-    Ddp,
-    /// ZeRO stage 1: optimizer state and master weights sharded.
-    Zero1,
-    /// ZeRO stage 2: and gradients.
-    Zero2,
-    /// ZeRO stage 3 / FSDP full sharding: and parameters.
-    Zero3,
+knob_enum! {
+    /// How the training state is spread over the ranks.
+    #[serde(rename_all = "lowercase")]
+    pub enum Sharding {
+        /// One rank, nothing to share.
+        #[default]
+        None,
+        /// Replicated everything; gradients all-reduced in buckets.
+        Ddp,
+        /// ZeRO stage 1: optimizer state and master weights sharded.
+        Zero1,
+        /// ZeRO stage 2: and gradients.
+        Zero2,
+        /// ZeRO stage 3 / FSDP full sharding: and parameters.
+        Zero3,
+    }
 }
 
 impl Sharding {
