@@ -222,7 +222,15 @@ knob_enum! {
         /// Materialises the B*H*T*T probabilities, as PyTorch eager does.
         #[default]
         Eager,
-        /// Flash-style tiles with an online softmax; saves only B*H*T row statistics.
+        /// Flash-style tiles with an online softmax; saves only B*H*T row
+        /// statistics. Also spelled `sdpa` and `flash-attention-2`:
+        /// transformers' `attn_implementation="sdpa"` (checked against
+        /// PyTorch) and `"flash_attention_2"`, whose kernel saves the same
+        /// q, k, v, output and log-sum-exp on a GPU (flash_attn's
+        /// `_flash_attn_forward`; k and v stay n_kv_head wide, as sdpa's do
+        /// with `enable_gqa`).
+        #[value(alias = "sdpa", alias = "flash-attention-2")]
+        #[serde(alias = "sdpa", alias = "flash-attention-2", alias = "flash_attention_2")]
         Fused,
     }
 }
