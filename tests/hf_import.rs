@@ -49,6 +49,9 @@ fn published_parameter_counts() {
         ("mistral-7b-v0.3.json", 7_248_023_552),
         ("qwen2-0.5b.json", 494_032_768),
         ("qwen2.5-7b.json", 7_615_616_512),
+        // The model card's "3.8B"; transformers 5.24's Phi3ForCausalLM
+        // built from this config has 3,821,079,552.
+        ("phi-3-mini-4k.json", 3_821_079_552),
     ];
     for &(name, params) in expected {
         let m = load(name);
@@ -136,7 +139,7 @@ fn unsupported_model_type() {
     assert!(msg.contains(":14:3: "), "the line of `model_type`: {msg}");
     assert!(
         msg.contains(
-            "`model_type` \"bert\" is not supported; memfit imports gpt2, llama, mistral and qwen2 configs"
+            "`model_type` \"bert\" is not supported; memfit imports gpt2, llama, mistral, qwen2 and phi3 configs"
         ),
         "{msg}"
     );
@@ -216,4 +219,34 @@ fn run_meta_with_a_config_json() {
     });
     assert_eq!(doc["num_parameters"], 494_032_768u64, "{doc}");
     assert_eq!(doc["model"], "qwen2-0.5b");
+}
+
+/// Phi-3's fused projections are memfit's own layout; what memfit does not
+/// model is refused by the key that asks for it.
+#[test]
+fn phi3_imports_as_llama_and_refuses_what_it_does_not_model() {
+    let m = load("phi-3-mini-4k.json");
+    assert_eq!((m.n_layer, m.d_model, m.n_kv_head()), (32, 3072, 32));
+    assert!(!m.tied());
+    let text = std::fs::read_to_string(fixture("phi-3-mini-4k.json")).unwrap();
+    for (from, to, key) in [
+        (
+            "\"rope_theta\": 10000.0,",
+            "\"rope_theta\": 10000.0,\n  \"partial_rotary_factor\": 0.75,",
+            "partial_rotary_factor",
+        ),
+        (
+            "\"resid_pdrop\": 0.0",
+            "\"resid_pdrop\": 0.1",
+            "resid_pdrop",
+        ),
+    ] {
+        let edited = text.replace(from, to);
+        assert_ne!(edited, text);
+        let err = memfit::config::hf::import_hf_config(&edited, "phi.json")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&format!("`{key}`")), "{err}");
+        assert!(err.starts_with("phi.json:"), "{err}");
+    }
 }

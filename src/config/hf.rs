@@ -16,7 +16,7 @@ use super::model::{Family, ModelConfig};
 use super::profile::strip_marks;
 use crate::{Error, Result};
 
-const SUPPORTED: &str = "memfit imports gpt2, llama, mistral and qwen2 configs";
+const SUPPORTED: &str = "memfit imports gpt2, llama, mistral, qwen2 and phi3 configs";
 
 /// Reads and imports a Hugging Face `config.json`; errors name the file.
 pub fn load_hf_config(path: &Path) -> Result<ModelConfig> {
@@ -72,7 +72,7 @@ pub fn import_hf_config(text: &str, location: &str) -> Result<ModelConfig> {
     };
     let config = match model_type {
         "gpt2" => import_gpt2(&cfg, name)?,
-        "llama" | "mistral" | "qwen2" => import_llama(&cfg, name)?,
+        "llama" | "mistral" | "qwen2" | "phi3" => import_llama(&cfg, name)?,
         other => {
             return Err(cfg.error(
                 "model_type",
@@ -143,6 +143,34 @@ fn import_llama(cfg: &Fields, name: String) -> Result<ModelConfig> {
                 "mlp_bias",
                 "`mlp_bias` is true; memfit's llama family has no MLP biases".into(),
             ));
+        }
+    }
+    if cfg.model_type == "phi3" {
+        // Phi-3 is Llama with its q|k|v and gate|up projections stored
+        // fused, as memfit stores every Llama's (transformers'
+        // modeling_phi3.py: qkv_proj, gate_up_proj). Phi-3.5/Phi-4-mini's
+        // partial rotary embedding is not memfit's.
+        if let Some(f) = cfg.opt_f32("partial_rotary_factor")?
+            && f != 1.0
+        {
+            return Err(cfg.error(
+                "partial_rotary_factor",
+                format!(
+                    "`partial_rotary_factor` is {f}: rotary embedding on part of each head,                      which memfit's engine does not model (it rotates whole heads)"
+                ),
+            ));
+        }
+        for key in ["resid_pdrop", "embd_pdrop"] {
+            if let Some(p) = cfg.opt_f32(key)?
+                && p != 0.0
+            {
+                return Err(cfg.error(
+                    key,
+                    format!(
+                        "`{key}` is {p}: Phi-3's residual and embedding dropout, whose                          masks hf-eager does not model for this family; set it to 0.0"
+                    ),
+                ));
+            }
         }
     }
     let d_model = cfg.int("hidden_size")?;

@@ -152,6 +152,28 @@ MODELS["tinyllama-4l"] = dict(
         use_cache=False,
     ),
 )
+# Phi-3-mini's dimensions (microsoft/Phi-3-mini-4k-instruct config.json:
+# fused qkv_proj and gate_up_proj, untied) with 2 of its 32 layers.
+MODELS["phi3-mini-2l"] = dict(
+    family="phi3",
+    hf=dict(
+        model_type="phi3",
+        vocab_size=32064,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        use_cache=False,
+    ),
+)
 MODELS["qwen2.5-7b-2l"] = dict(
     family="qwen2",
     hf=dict(
@@ -179,6 +201,10 @@ def build_model(model_name, dropout, attention):
         hf.update(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
         config = transformers.GPT2Config(**hf)
         cls = transformers.GPT2LMHeadModel
+    elif spec["family"] == "phi3":
+        hf.update(attention_dropout=dropout)
+        config = transformers.Phi3Config(**{k: v for k, v in hf.items() if k != "model_type"})
+        cls = transformers.Phi3ForCausalLM
     elif spec["family"] == "qwen2":
         hf.update(attention_dropout=dropout)
         config = transformers.Qwen2Config(**{k: v for k, v in hf.items() if k != "model_type"})
@@ -219,6 +245,7 @@ def cfg(model, **kw):
         "llama-1b-4l": "llama1b-4l",
         "tinyllama-4l": "tinyllama-4l",
         "qwen2.5-7b-2l": "qwen7b-2l",
+        "phi3-mini-2l": "phi3-2l",
     }[model]
     name = f"{short}-b{c['batch']}-t{c['seq_len']}-{c['precision']}-d{c['dropout']:g}-{c['attention']}-{c['optimizer'].replace('adamw-', '')}"
     if not c["set_to_none"]:
@@ -298,6 +325,11 @@ def all_configs():
     out.append(cfg("tinyllama-4l", batch=1, seq_len=80, groups="hf"))
     out.append(cfg("gpt2", batch=2, seq_len=40, optimizer="adamw-single-tensor", groups="hf"))
     out.append(cfg("gpt2", batch=2, seq_len=40, optimizer="adamw-single-tensor"))
+    # Phi-3: fused qkv_proj and gate_up_proj (issue 30's first dense family).
+    out.append(cfg("phi3-mini-2l", batch=4, seq_len=1024))
+    out.append(cfg("phi3-mini-2l", batch=2, seq_len=1024, attention="sdpa", set_to_none=False, optimizer="adamw-single-tensor"))
+    out.append(cfg("phi3-mini-2l", batch=4, seq_len=1024, precision="bf16-autocast", attention="sdpa"))
+    out.append(cfg("phi3-mini-2l", batch=1, seq_len=64))
     # transformers' gradient checkpointing, both torch.utils.checkpoint
     # variants, peak in the backward and in the optimizer step.
     for ck in ("non-reentrant", "reentrant"):
