@@ -112,44 +112,34 @@ impl Sharding {
     }
 }
 
-/// ZeRO-Offload (Ren et al., ZeRO-Offload: Democratizing Billion-Scale
-/// Model Training, 2021) and ZeRO-Infinity's parameter offload, as
-/// DeepSpeed's `offload_optimizer` / `offload_param` with `device: cpu` run
-/// them. With the optimizer offloaded, each rank's fp32 master shard, its
-/// optimizer state and an fp32 gradient shard live in host memory: gradients
-/// are reduce-scattered on the device and copied to the host shard (where
-/// micro-batches accumulate), the update runs on the CPU, and the new
-/// weights are copied back in the working dtype. With the parameters
-/// offloaded too (ZeRO-3 only), the weight shard lives on the host and each
-/// unit's all-gather first copies it up.
-#[derive(
-    Clone,
-    Copy,
-    Debug,
-    Default,
-    PartialEq,
-    Eq,
-    Hash,
-    PartialOrd,
-    Ord,
-    serde::Serialize,
-    serde::Deserialize,
-    clap::ValueEnum,
-)]
-pub enum Offload {
-    /// Everything on the device.
-    #[default]
-    #[serde(rename = "none")]
-    #[value(name = "none")]
-    None,
-    /// Master weights, optimizer state and the gradient shard on the host.
-    #[serde(rename = "optimizer")]
-    #[value(name = "optimizer")]
-    Optimizer,
-    /// And the weight shard (ZeRO-3).
-    #[serde(rename = "optimizer+params")]
-    #[value(name = "optimizer+params")]
-    OptimizerParams,
+knob_enum! {
+    /// ZeRO-Offload (Ren et al., ZeRO-Offload: Democratizing Billion-Scale
+    /// Model Training, 2021) and ZeRO-Infinity's parameter offload, as
+    /// DeepSpeed's `offload_optimizer` / `offload_param` with `device: cpu` run
+    /// them. With the optimizer offloaded, each rank's fp32 master shard, its
+    /// optimizer state and an fp32 gradient shard live in host memory: gradients
+    /// are reduce-scattered on the device and copied to the host shard (where
+    /// micro-batches accumulate), the update runs on the CPU, and the new
+    /// weights are copied back in the working dtype. With the parameters
+    /// offloaded too (ZeRO-3 only), the weight shard lives on the host and each
+    /// unit's all-gather first copies it up.
+    // Ordered: none < optimizer < optimizer+params (what moves off the device).
+    #[derive(PartialOrd, Ord)]
+    pub enum Offload {
+        /// Everything on the device.
+        #[default]
+        #[serde(rename = "none")]
+        #[value(name = "none")]
+        None,
+        /// Master weights, optimizer state and the gradient shard on the host.
+        #[serde(rename = "optimizer")]
+        #[value(name = "optimizer")]
+        Optimizer,
+        /// And the weight shard (ZeRO-3).
+        #[serde(rename = "optimizer+params")]
+        #[value(name = "optimizer+params")]
+        OptimizerParams,
+    }
 }
 
 impl Offload {
