@@ -271,3 +271,42 @@ fn plans_take_the_loss_as_an_axis() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("fused-linear"), "{text}");
 }
+
+/// Under data parallelism, LoRA and QLoRA, the fused loss's gradients reach
+/// the sharded, bucketed or adapter-only gradients as the full loss's do:
+/// the same losses step by step, and meta's peak is cpu's.
+#[test]
+fn the_fused_loss_trains_under_sharding_and_lora() {
+    let run = |args: &[&str], device: &str| {
+        let mut all = vec![
+            "run", "--device", device, "--steps", "2", "--format", "json",
+        ];
+        all.extend_from_slice(args);
+        let out = memfit(&all);
+        assert!(out.status.success(), "{all:?}: {}", stderr(&out));
+        let doc = json(&out);
+        let losses: Vec<f64> = doc["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["loss"].as_f64().unwrap())
+            .collect();
+        (doc["peak_bytes"]["total"].as_u64().unwrap(), losses)
+    };
+    for args in [
+        &["--ranks", "2", "--sharding", "zero2"][..],
+        &["--ranks", "2", "--sharding", "zero3"],
+        &["--ranks", "2", "--sharding", "ddp", "--model", "llama-tiny"],
+        &["--finetune", "qlora", "--model", "llama-tiny"],
+        &["--pipeline-stages", "2", "--microbatches", "2"],
+    ] {
+        let fused: Vec<&str> = [args, &["--loss", "fused-linear"]].concat();
+        let (cpu, losses) = run(&fused, "cpu");
+        let (meta, _) = run(&fused, "meta");
+        assert_eq!(cpu, meta, "{fused:?}");
+        let (_, full) = run(args, "cpu");
+        for (a, b) in losses.iter().zip(&full) {
+            assert!((a - b).abs() < 1e-4, "{fused:?}: loss {a} vs full {b}");
+        }
+    }
+}
