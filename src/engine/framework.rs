@@ -176,11 +176,6 @@ pub struct HfRules {
     pub autocast: bool,
 }
 
-/// `per_row`'s sizes for `rows` tokens.
-pub fn rows_of(per_row: &[(usize, DType)], rows: usize) -> Vec<(usize, DType)> {
-    per_row.iter().map(|&(e, dt)| (e * rows, dt)).collect()
-}
-
 impl HfRules {
     /// `cuda`: the run is (or emulates) a GPU, where dropout saves a bool
     /// mask (ATen's fused `native_dropout`) and sdpa keeps its flash kernel

@@ -451,6 +451,8 @@ enum LossActs<X> {
 }
 
 struct LogitsPart<X> {
+    /// Its first token, and how many.
+    start: usize,
     rows: usize,
     /// (rows,Vp) (a tensor-parallel rank: its Vp/T columns).
     logits: X,
@@ -1460,14 +1462,8 @@ impl<B: Backend> Engine<B> {
                 // log_softmax + nll_loss, transformers/loss/loss_utils.py); the
                 // logits themselves live until the loop drops the model output at
                 // the end of the forward.
-                let hf_logits = alloc_saved(
-                    dev,
-                    &hf.map_or(Vec::new(), |h| framework::rows_of(&h.logits, n)),
-                )?;
-                let loss_extra = alloc_saved(
-                    dev,
-                    &hf.map_or(Vec::new(), |h| framework::rows_of(&h.loss_saved, n)),
-                )?;
+                let hf_logits = alloc_per_token(dev, hf, |h| &h.logits, n)?;
+                let loss_extra = alloc_per_token(dev, hf, |h| &h.loss_saved, n)?;
                 let gathered = gather(dev, tp.as_mut(), &lnf)?;
                 let inp = gathered.as_ref().unwrap_or(&lnf);
                 dev.matmul_forward(&mut logits, inp, &p[head], None, n, c, vpl);
@@ -1508,6 +1504,7 @@ impl<B: Backend> Engine<B> {
                     dev.free(t);
                 }
                 let part = LogitsPart {
+                    start: 0,
                     rows: n,
                     logits,
                     input: None,
@@ -1543,10 +1540,6 @@ impl<B: Backend> Engine<B> {
             }
             Loss::Chunked => {
                 let mut losses = dev.alloc_f32(n, act)?;
-                let per_row = |f: fn(&HfRules) -> &Vec<(usize, DType)>| {
-                    hf.map_or(Vec::new(), |h| f(h).clone())
-                };
-                let (transient, saved) = (per_row(|h| &h.logits), per_row(|h| &h.loss_saved));
                 let mut parts = Vec::with_capacity(rows.len());
                 let mut off = 0;
                 for &r in &rows {
@@ -1561,9 +1554,9 @@ impl<B: Backend> Engine<B> {
                     if let Some(all) = &host_targets {
                         dev.be.upload_u32(&mut tc.buf, &all[off..off + r]);
                     }
-                    let live = alloc_saved(dev, &framework::rows_of(&transient, r))?;
+                    let live = alloc_per_token(dev, hf, |h| &h.logits, r)?;
                     let mut logits = dev.alloc(r * vp, dt, act)?;
-                    let extra = alloc_saved(dev, &framework::rows_of(&saved, r))?;
+                    let extra = alloc_per_token(dev, hf, |h| &h.loss_saved, r)?;
                     dev.matmul_forward(&mut logits, &input, &p[head], None, r, c, vp);
                     let mut lc = dev.alloc_f32(r, Category::Temporaries)?;
                     dev.crossentropy_forward(&mut lc, &logits, &tc, r, v, vp);
@@ -1572,6 +1565,7 @@ impl<B: Backend> Engine<B> {
                         dev.free(x);
                     }
                     parts.push(LogitsPart {
+                        start: off,
                         rows: r,
                         logits,
                         input: Some(input),
@@ -2433,8 +2427,7 @@ fn full_head_backward<B: Backend>(
     let mut incoming = None;
     if let Some(h) = &mut hf {
         if h.lazy {
-            let norm: Vec<usize> = std::iter::once(idx.lnf_w).chain(idx.lnf_b).collect();
-            make_grads(dev, g, h.specs, h.trainable, &norm, Category::Gradients)?;
+            hf_norm_grads(dev, g, h, idx)?;
             make_grads(dev, g, h.specs, h.trainable, &[head], tmp)?;
         } else if h.trainable[head] {
             let dw = dev.alloc(h.specs[head].numel(), g[head].dtype, tmp)?;
@@ -2494,23 +2487,15 @@ fn chunked_head_backward<B: Backend>(
     let gdt = g[head].dtype;
     let autocast = hf.as_ref().is_some_and(|h| h.rules.autocast);
     let wdt = if autocast { dt } else { gdt };
-    if let Some(h) = hf.as_mut().filter(|h| h.lazy) {
-        let norm: Vec<usize> = std::iter::once(idx.lnf_w).chain(idx.lnf_b).collect();
-        make_grads(dev, g, h.specs, h.trainable, &norm, Category::Gradients)?;
+    if let Some(h) = hf.as_ref().filter(|h| h.lazy) {
+        hf_norm_grads(dev, g, h, idx)?;
     }
-    let offsets: Vec<usize> = parts
-        .iter()
-        .scan(0, |at, part| {
-            let o = *at;
-            *at += part.rows;
-            Some(o)
-        })
-        .collect();
     let last = parts.len() - 1;
     let mut buffer = None;
     let mut kept = Vec::with_capacity(parts.len());
     for (i, part) in parts.into_iter().enumerate().rev() {
         let LogitsPart {
+            start,
             rows: r,
             mut logits,
             input,
@@ -2562,7 +2547,7 @@ fn chunked_head_backward<B: Backend>(
         let mut scattered = dev.alloc(r * c, dt, tmp)?;
         dev.copy_slice(&mut scattered, 0, &dxc, 0, r * c, false);
         dev.free(dxc);
-        kept.push((offsets[i], scattered));
+        kept.push((start, scattered));
     }
     dev.free(targets);
     if trained {
@@ -2610,8 +2595,7 @@ fn fused_head_grads<B: Backend>(
     let head = idx.lm_head.unwrap_or(idx.wte);
     let tied = idx.lm_head.is_none();
     if let Some(h) = hf.as_ref().filter(|h| h.lazy) {
-        let norm: Vec<usize> = std::iter::once(idx.lnf_w).chain(idx.lnf_b).collect();
-        make_grads(dev, g, h.specs, h.trainable, &norm, Category::Gradients)?;
+        hf_norm_grads(dev, g, h, idx)?;
     }
     let Some(mut dw) = dw else {
         return Ok(());
@@ -3087,6 +3071,35 @@ fn norm_grads<'a, X>(
 }
 
 /// Allocates a framework profile's saved tensors (`HfRules`) as activations.
+/// hf-eager's per-token tensors (`pick` of its rules) for `rows` tokens,
+/// saved as activations; nothing without hf-eager.
+fn alloc_per_token<B: Backend>(
+    dev: &mut Device<B>,
+    hf: Option<&HfRules>,
+    pick: fn(&HfRules) -> &Vec<(usize, DType)>,
+    rows: usize,
+) -> Result<Vec<T<B>>, OomError> {
+    match hf {
+        Some(h) => {
+            let sizes: Vec<_> = pick(h).iter().map(|&(e, dt)| (e * rows, dt)).collect();
+            alloc_saved(dev, &sizes)
+        }
+        None => Ok(Vec::new()),
+    }
+}
+
+/// hf-eager with set_to_none: the final norm's gradients, which the head's
+/// backward makes first.
+fn hf_norm_grads<B: Backend>(
+    dev: &mut Device<B>,
+    g: &mut [T<B>],
+    h: &HfHead<'_, B>,
+    idx: &ParamIndex,
+) -> Result<(), OomError> {
+    let norm: Vec<usize> = std::iter::once(idx.lnf_w).chain(idx.lnf_b).collect();
+    make_grads(dev, g, h.specs, h.trainable, &norm, Category::Gradients)
+}
+
 fn alloc_saved<B: Backend>(
     dev: &mut Device<B>,
     saved: &[(usize, DType)],

@@ -1042,11 +1042,14 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
             p.gpus, p.pipeline_stages
         ));
     }
-    if let Err(e) = crate::engine::validate::tensor_parallel(&r.train_config(p), model) {
-        return Some(match e {
-            Error::InvalidArg { message, .. } => message,
-            other => other.to_string(),
-        });
+    // An engine refusal's message, without the flag a command line names.
+    let why = |e: Error| match e {
+        Error::InvalidArg { message, .. } => message,
+        other => other.to_string(),
+    };
+    let tc = r.train_config(p);
+    if let Err(e) = crate::engine::validate::tensor_parallel(&tc, model) {
+        return Some(why(e));
     }
     if p.grad_accum == 0 {
         return Some(format!(
@@ -1054,18 +1057,14 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
             r.global_batch, p.micro_batch, p.gpus
         ));
     }
-    let tc = r.train_config(p);
-    if let Some((_, why)) = crate::engine::lora::check_parallel(&tc) {
-        return Some(why);
+    if let Some((_, reason)) = crate::engine::lora::check_parallel(&tc) {
+        return Some(reason);
     }
     if let Err(e) = crate::engine::validate::loss(&tc) {
-        return Some(match e {
-            Error::InvalidArg { message, .. } => message,
-            other => other.to_string(),
-        });
+        return Some(why(e));
     }
-    if let Some(why) = p.offload.check(p.sharding) {
-        return Some(why.into());
+    if let Some(reason) = p.offload.check(p.sharding) {
+        return Some(reason.into());
     }
     if p.sharding == Sharding::None && tc.data_ranks() > 1 {
         return Some(format!(
@@ -1075,10 +1074,7 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
     }
     crate::engine::validate::sharding(&tc, MAX_GPUS)
         .err()
-        .map(|e| match e {
-            Error::InvalidArg { message, .. } => message,
-            other => other.to_string(),
-        })
+        .map(why)
 }
 
 /// A point's model-state bytes per trained parameter: weights `w`, and
