@@ -1,0 +1,1061 @@
+//! One micro-batch's forward and backward, read top to bottom as llm.c's
+//! `gpt2_forward` and `gpt2_backward` are: embed, each block, the head and
+//! the loss; then the same layers in reverse.
+//!
+//! What every feature adds to a layer lives in the layer, not in the pass:
+//! a [`Linear`] hides NF4 dequantisation (QLoRA), the sequence-parallel
+//! gather and its LoRA adapters in its own forward and backward; a
+//! [`Pass`] holds what one pass borrows from the engine (the parameter and
+//! gradient stores, the tensor-parallel group, ZeRO's unit hooks, the
+//! pipeline's links, the framework profile) so no layer takes them as
+//! loose arguments. The allocation order is the engine's contract with
+//! the tracker: meta, cpu and cuda run this same code, and its order is
+//! what the PyTorch fixtures were matched against.
+
+use super::*;
+
+/// One projection of a block: its weight and bias (indices into the flat
+/// parameter store, which ZeRO shards and the optimizer walks), its input
+/// and output widths on this rank, how tensor parallelism splits it, and
+/// which LoRA adapters sit on it (`proj`). Whether the weight is NF4 and
+/// whether it trains are the pass's (QLoRA and LoRA apply to every block
+/// projection alike).
+#[derive(Clone, Copy)]
+struct Linear {
+    w: usize,
+    b: Option<usize>,
+    proj: Proj,
+    inp: usize,
+    out: usize,
+    /// Row-parallel (o and down, Megatron's `RowParallelLinear`): its
+    /// output is this rank's partial sum, reduced by the caller, and its
+    /// bias is added once, on the group's first rank. Column-parallel (qkv
+    /// and up): under sequence parallelism it gathers its input's tokens.
+    row: bool,
+}
+
+/// A block's layers.
+struct BlockLayers {
+    ln1: (usize, Option<usize>),
+    qkv: Linear,
+    o: Linear,
+    ln2: (usize, Option<usize>),
+    up: Linear,
+    down: Linear,
+}
+
+impl BlockLayers {
+    fn new(bi: &BlockIndex, wd: tensor::Widths, c: usize) -> Self {
+        let linear = |w, b, proj, inp, out, row| Linear {
+            w,
+            b,
+            proj,
+            inp,
+            out,
+            row,
+        };
+        BlockLayers {
+            ln1: (bi.ln1_w, bi.ln1_b),
+            qkv: linear(bi.qkv_w, bi.qkv_b, Proj::Qkv, c, wd.qkv, false),
+            o: linear(bi.o_w, bi.o_b, Proj::O, wd.attn, c, true),
+            ln2: (bi.ln2_w, bi.ln2_b),
+            up: linear(bi.up_w, bi.up_b, Proj::Up, c, wd.up, false),
+            down: linear(bi.down_w, bi.down_b, Proj::Down, wd.dff, c, true),
+        }
+    }
+}
+
+impl Linear {
+    /// `x (N, inp)` through the projection into a new `(N, out)` tensor
+    /// tracked as `cat`, the adapters' `scale · x Aᵀ Bᵀ` added (each
+    /// adapter's `x Aᵀ` pushed onto `saved`). A row-parallel output is not
+    /// yet reduced.
+    fn forward<B: Backend>(
+        &self,
+        ps: &mut Pass<'_, B>,
+        l: usize,
+        x: &T<B>,
+        cat: Category,
+        saved: &mut Vec<T<B>>,
+    ) -> Result<T<B>, OomError> {
+        let n = ps.n;
+        let mut y = ps.dev.alloc(n * self.out, x.dtype, cat)?;
+        let wq = dequant(
+            ps.dev,
+            &ps.p[self.w],
+            self.inp * self.out,
+            ps.qlora,
+            x.dtype,
+        )?;
+        let w = wq.as_ref().unwrap_or(&ps.p[self.w]);
+        let gathered = match self.row {
+            true => None,
+            false => gather(ps.dev, ps.tp.as_mut(), x)?,
+        };
+        let inp = gathered.as_ref().unwrap_or(x);
+        let first = ps.tp.as_ref().is_none_or(|tp| tp.rank() == 0);
+        let b = (self.b.filter(|_| first || !self.row)).map(|i| &ps.p[i]);
+        ps.dev
+            .matmul_forward(&mut y, inp, w, b, n, self.inp, self.out);
+        ps.dev.free_opt(gathered);
+        ps.dev.free_opt(wq);
+        let lora = ps.lora(l);
+        let out = Some((&mut y, self.out));
+        lora_forward(ps.dev, ps.p, lora, self.proj, x, out, n, saved)?;
+        Ok(y)
+    }
+
+    /// A recomputation that skips the projection (its output was kept)
+    /// still saves the adapters' `x Aᵀ` for their backward.
+    fn save_adapter_inputs<B: Backend>(
+        &self,
+        ps: &mut Pass<'_, B>,
+        l: usize,
+        x: &T<B>,
+        saved: &mut Vec<T<B>>,
+    ) -> Result<(), OomError> {
+        let lora = ps.lora(l);
+        lora_forward(ps.dev, ps.p, lora, self.proj, x, None, ps.n, saved)
+    }
+
+    /// From the output gradient `dout` and the saved input `x`: the input
+    /// gradient (a new temporary; for a column-parallel projection this
+    /// rank's partial sum, which the caller reduces), the weight's and
+    /// bias's gradients accumulated (none when frozen), and the adapters'
+    /// backward (`ts`: the block's saved `x Aᵀ`). Under sequence
+    /// parallelism the operand holding only this rank's tokens is gathered:
+    /// a row-parallel projection's `dout`, a column-parallel one's `x`.
+    fn backward<B: Backend>(
+        &self,
+        ps: &mut Pass<'_, B>,
+        l: usize,
+        dout: &T<B>,
+        x: &T<B>,
+        ts: &[T<B>],
+    ) -> Result<T<B>, OomError> {
+        let (n, dt) = (ps.n, ps.dt);
+        let mut dx = ps.dev.alloc(n * self.inp, dt, Category::Temporaries)?;
+        let (dw, db) = wgrads(ps.g, ps.frozen, self.w, self.b);
+        let wq = dequant(ps.dev, &ps.p[self.w], self.inp * self.out, ps.qlora, dt)?;
+        let w = wq.as_ref().unwrap_or(&ps.p[self.w]);
+        let local = if self.row { dout } else { x };
+        let gathered = gather(ps.dev, ps.tp.as_mut(), local)?;
+        let full = gathered.as_ref().unwrap_or(local);
+        let (d, inp) = if self.row { (full, x) } else { (dout, full) };
+        ps.dev
+            .matmul_backward(&mut dx, dw, db, d, inp, w, n, self.inp, self.out);
+        ps.dev.free_opt(gathered);
+        ps.dev.free_opt(wq);
+        let lora = ps.lora(l);
+        lora_backward(
+            ps.dev, ps.p, ps.g, lora, ts, self.proj, dout, self.out, x, &mut dx, n,
+        )?;
+        Ok(dx)
+    }
+}
+
+/// What one micro-batch's forward or backward borrows from the engine, and
+/// what it derives from the knobs once.
+pub(super) struct Pass<'e, B: Backend> {
+    dev: &'e mut Device<B>,
+    model: &'e ModelConfig,
+    train: &'e TrainConfig,
+    p: &'e mut Vec<T<B>>,
+    g: &'e mut Vec<T<B>>,
+    idx: &'e ParamIndex,
+    specs: &'e [ParamSpec],
+    trainable: &'e [bool],
+    adapters: &'e [Vec<Adapter>],
+    workspace: &'e mut T<B>,
+    dist: &'e mut Option<Dist<B>>,
+    pipe: &'e mut Option<Pipe<B>>,
+    tp: &'e mut Option<Tp<B>>,
+    hf: Option<&'e HfRules>,
+    widths: tensor::Widths,
+    s: AttnShape,
+    /// hf-eager with `set_to_none`: gradients are made by the backward.
+    lazy: bool,
+    /// Tokens in the micro-batch, and how many of them this rank's
+    /// residual stream and norms hold (its share under sequence
+    /// parallelism).
+    n: usize,
+    nl: usize,
+    /// The activations' dtype.
+    dt: DType,
+    /// LoRA: the base is frozen (no weight gradients).
+    frozen: bool,
+    /// QLoRA: every block projection is stored NF4 (`crate::nf4`).
+    qlora: bool,
+    /// LoRA's backward: the frozen norms' weight gradients, discarded.
+    scratch: NormScratch<B>,
+}
+
+impl<'e, B: Backend> Pass<'e, B> {
+    pub(super) fn new(e: &'e mut Engine<B>) -> Self {
+        let s = e.attn_shape();
+        let Engine {
+            model,
+            train,
+            dev,
+            params,
+            grads,
+            idx,
+            specs,
+            trainable,
+            adapters,
+            workspace,
+            dist,
+            pipe,
+            hf,
+            tp,
+            widths,
+            lazy_grads,
+            ..
+        } = e;
+        let n = train.micro_batch * train.seq_len;
+        let hf: &'e Option<HfRules> = hf;
+        Pass {
+            nl: tp.as_ref().map_or(n, |tp| tp.rows(n)),
+            n,
+            dt: train.precision.dtype(),
+            frozen: !adapters.is_empty(),
+            qlora: train.finetune == Finetune::Qlora,
+            lazy: *lazy_grads,
+            widths: *widths,
+            hf: hf.as_ref(),
+            s,
+            dev,
+            model,
+            train,
+            p: params,
+            g: grads,
+            idx,
+            specs,
+            trainable,
+            adapters,
+            workspace,
+            dist,
+            pipe,
+            tp,
+            scratch: None,
+        }
+    }
+
+    /// Block `l`'s adapters, their scale and whether the base is NF4.
+    fn lora(&self, l: usize) -> (&'e [Adapter], f32, bool) {
+        let adapters: &'e [Vec<Adapter>] = self.adapters;
+        let ads = adapters.get(l).map_or(&[][..], |v| &v[..]);
+        (ads, self.train.lora.scale(), self.qlora)
+    }
+
+    /// ZeRO's hooks around a stage: zero3 gathers a unit's weights before
+    /// it runs and frees them after; in the backward zero2/3 give it full
+    /// gradients, reduce-scattered into the shards when it is done.
+    fn hook(&mut self, st: Stage, after: bool, backward: bool) -> Result<(), OomError> {
+        match self.dist.as_mut() {
+            Some(d) if after => d.after(self.dev, self.p, self.g, st, backward),
+            Some(d) => d.before(self.dev, self.p, self.g, st, backward),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether this rank holds the embedding and the head.
+    fn ends(&self) -> (bool, bool) {
+        let pipe = self.pipe.as_ref();
+        (pipe.is_none_or(Pipe::first), pipe.is_none_or(Pipe::last))
+    }
+
+    fn layers(&self) -> std::ops::Range<usize> {
+        let all = 0..self.model.n_layer;
+        self.pipe.as_ref().map_or(all, |p| p.layers.clone())
+    }
+
+    /// A row-parallel output's partial sums summed over the group.
+    fn reduce(&mut self, t: T<B>) -> Result<T<B>, OomError> {
+        match self.tp.as_mut() {
+            Some(tp) => tp.reduce(self.dev, t),
+            None => Ok(t),
+        }
+    }
+
+    /// A norm over this rank's tokens of `x`: its output, mean (LayerNorm)
+    /// and reciprocal std, saved as activations.
+    fn norm(&mut self, x: &T<B>, (w, b): (usize, Option<usize>)) -> Result<NormOut<B>, OomError> {
+        let (gpt2, c) = (self.model.family == Family::Gpt2, self.model.d_model);
+        let b = b.map(|i| &self.p[i]);
+        let eps = self.model.norm_eps();
+        norm_layer(self.dev, x, &self.p[w], b, gpt2, self.nl, c, eps)
+    }
+
+    /// The backward of [`Pass::norm`]: `dres += d(norm input)`, and the
+    /// norm's weight gradients (LoRA's scratch when frozen).
+    fn norm_backward(
+        &mut self,
+        dres: &mut T<B>,
+        dout: &T<B>,
+        x: &T<B>,
+        (w, b): (usize, Option<usize>),
+        (mean, rstd): (Option<&T<B>>, &T<B>),
+    ) {
+        let c = self.model.d_model;
+        let (dw, db) = norm_grads(self.g, &mut self.scratch, w, b);
+        let nl = self.nl;
+        (self.dev).norm_backward(dres, dw, db, dout, x, &self.p[w], mean, rstd, nl, c);
+    }
+
+    /// `a + b` into a new activation; `b` (a projection's output) is freed.
+    fn residual(&mut self, a: &T<B>, b: T<B>) -> Result<T<B>, OomError> {
+        let len = self.nl * self.model.d_model;
+        let mut out = self.dev.alloc(len, self.dt, Category::Activations)?;
+        self.dev.add(&mut out, a, &b, len);
+        self.dev.free(b);
+        Ok(out)
+    }
+
+    // ---- forward ----------------------------------------------------------
+
+    /// The forward pass of one micro-batch. `dloss` scales each token's
+    /// loss gradient, for a fused loss that makes its gradients here.
+    pub(super) fn forward(
+        mut self,
+        next: &mut dyn FnMut() -> Batch,
+        dloss: f32,
+    ) -> Result<Acts<T<B>>, OomError> {
+        let ((first, last), layers) = (self.ends(), self.layers());
+        self.dev.tracker.set_phase(match first {
+            true => Phase::ForwardEmbed,
+            false if layers.is_empty() => Phase::ForwardHead,
+            false => Phase::Forward(layers.start),
+        });
+        if first {
+            self.hook(Stage::Embed, false, false)?;
+        }
+        let (tokens, targets, host_targets) = self.read_batch(next, first, last)?;
+        let input = self.stage_input(tokens.as_ref())?;
+        let extra = match (self.hf, first) {
+            (Some(h), true) => alloc_saved(self.dev, &h.embed_saved)?,
+            _ => Vec::new(),
+        };
+        let mut resid = vec![input];
+        let mut blocks = Vec::with_capacity(layers.len());
+        // hf-eager, autocast: the checkpointed blocks' weight casts, held
+        // by autocast's cache to the end of the forward.
+        let mut cast_cache = Vec::new();
+        for (j, l) in layers.enumerate() {
+            self.dev.tracker.set_phase(Phase::Forward(l));
+            self.hook(Stage::Block(l), false, false)?;
+            let (a, out) = self.block_forward(l, &resid[j], true)?;
+            self.hook(Stage::Block(l), true, false)?;
+            resid.push(out.expect("asked for the block output"));
+            blocks.push(self.checkpoint(a, &mut cast_cache));
+        }
+        let head = match last {
+            true => Some(self.head_forward(&resid, targets.as_ref(), host_targets, dloss)?),
+            false => {
+                self.send_output(&mut resid);
+                None
+            }
+        };
+        for x in cast_cache {
+            self.dev.free(x);
+        }
+        Ok(Acts {
+            tokens,
+            targets,
+            resid,
+            blocks,
+            head,
+            extra,
+        })
+    }
+
+    /// The micro-batch's token buffers: the first stage embeds the tokens,
+    /// the last computes the loss against the targets. A chunked or fused
+    /// loss also keeps the targets on the host, to upload its chunks'.
+    #[allow(clippy::type_complexity)]
+    fn read_batch(
+        &mut self,
+        next: &mut dyn FnMut() -> Batch,
+        first: bool,
+        last: bool,
+    ) -> Result<(Option<T<B>>, Option<T<B>>, Option<Vec<u32>>), OomError> {
+        let (dev, n, act) = (&mut *self.dev, self.n, Category::Activations);
+        let mut tokens = first.then(|| dev.alloc(n, DType::U32, act)).transpose()?;
+        let mut targets = last.then(|| dev.alloc(n, DType::U32, act)).transpose()?;
+        let mut host_targets = None;
+        if dev.be.holds_data() && (first || last) {
+            let batch = next();
+            if let Some(x) = &mut tokens {
+                dev.be.upload_u32(&mut x.buf, &batch.inputs);
+            }
+            if let Some(x) = &mut targets {
+                dev.be.upload_u32(&mut x.buf, &batch.targets);
+            }
+            if last && self.train.loss != Loss::Full {
+                host_targets = Some(batch.targets);
+            }
+        }
+        Ok((tokens, targets, host_targets))
+    }
+
+    /// The residual stream into the stage's first block: the embedding, or
+    /// the previous stage's output, kept in its receive buffer until this
+    /// micro-batch's backward.
+    fn stage_input(&mut self, tokens: Option<&T<B>>) -> Result<T<B>, OomError> {
+        let (model, idx, n, c) = (self.model, self.idx, self.n, self.model.d_model);
+        let Some(tokens) = tokens else {
+            let pp = self
+                .pipe
+                .as_mut()
+                .expect("without a pipeline every rank embeds");
+            let mut x = self
+                .dev
+                .alloc(self.nl * c, self.dt, Category::Communication)?;
+            self.dev.recv(&mut *pp.p2p, Peer::Prev, &mut x);
+            return Ok(x);
+        };
+        let mut emb = self.dev.alloc(n * c, self.dt, Category::Activations)?;
+        // Tensor parallelism: each rank's rows of the table, the positions
+        // added once, the parts summed over the group.
+        let tp = self.tp.as_ref();
+        let part = tp.map(|tp| tp.vocab(model).0);
+        let wpe = (idx.wpe.map(|i| &self.p[i])).filter(|_| tp.is_none_or(|tp| tp.rank() == 0));
+        let shape = (n, self.train.seq_len, c);
+        (self.dev).embed_forward(&mut emb, tokens, &self.p[idx.wte], wpe, shape, part);
+        let emb = self.reduce(emb)?;
+        self.hook(Stage::Embed, true, false)?;
+        Ok(emb)
+    }
+
+    /// One transformer block's forward from its input `x` (N,C): the saved
+    /// tensors, and the block output unless `with_out` is false (a
+    /// recomputation under checkpointing, where the output was kept).
+    fn block_forward(
+        &mut self,
+        l: usize,
+        x: &T<B>,
+        with_out: bool,
+    ) -> Result<BlockOut<B>, OomError> {
+        let (s, act, tmp) = (self.s, Category::Activations, Category::Temporaries);
+        let ly = BlockLayers::new(&self.idx.blocks[l], self.widths, self.model.d_model);
+        let mut lora_t = Vec::new();
+        // attention: ln1 -> qkv (-> rope) -> attention -> o-proj, + residual
+        let (ln1, ln1_mean, ln1_rstd) = self.norm(x, ly.ln1)?;
+        let mut qkv = ly.qkv.forward(self, l, &ln1, act, &mut lora_t)?;
+        if self.model.family != Family::Gpt2 {
+            self.dev.rope_forward(&mut qkv, s, self.model.rope_theta());
+        }
+        let (atty, att) = self.attention_forward(&qkv)?;
+        let proj = ly.o.forward(self, l, &atty, tmp, &mut lora_t)?;
+        let proj = self.reduce(proj)?;
+        let res2 = self.residual(x, proj)?;
+        // MLP: ln2 -> up -> gelu | swiglu -> down, + residual
+        let (ln2, ln2_mean, ln2_rstd) = self.norm(&res2, ly.ln2)?;
+        let up = ly.up.forward(self, l, &ln2, act, &mut lora_t)?;
+        let a = self.activation_forward(&up)?;
+        // The framework profile's saved tensors beyond the engine's own.
+        let extra = alloc_saved(self.dev, self.hf.map_or(&[][..], |h| &h.block_saved[..]))?;
+        let out = match with_out {
+            true => {
+                let mlp = ly.down.forward(self, l, &a, tmp, &mut lora_t)?;
+                let mlp = self.reduce(mlp)?;
+                Some(self.residual(&res2, mlp)?)
+            }
+            false => {
+                ly.down.save_adapter_inputs(self, l, &a, &mut lora_t)?;
+                None
+            }
+        };
+        let a = BlockActs {
+            ln1,
+            ln1_mean,
+            ln1_rstd,
+            qkv,
+            att,
+            atty,
+            res2,
+            ln2,
+            ln2_mean,
+            ln2_rstd,
+            up,
+            act: a,
+            extra,
+            lora_t,
+        };
+        Ok((a, out))
+    }
+
+    /// Attention over `qkv`: its output (N, local heads x head_dim) and
+    /// what the backward needs of it (eager: the probabilities; fused: the
+    /// per-row log-sum-exp).
+    fn attention_forward(&mut self, qkv: &T<B>) -> Result<(T<B>, T<B>), OomError> {
+        let (s, act) = (self.s, Category::Activations);
+        let mut atty = self.dev.alloc(self.n * self.widths.attn, self.dt, act)?;
+        let att = match self.train.attention {
+            Attention::Eager => {
+                let mut att = self.dev.alloc(s.b * s.n_head * s.t * s.t, self.dt, act)?;
+                self.dev.attention_forward(&mut atty, &mut att, qkv, s);
+                att
+            }
+            Attention::Fused => {
+                let mut lse = self.dev.alloc_f32(s.b * s.n_head * s.t, act)?;
+                (self.dev).flash_attention_forward(&mut atty, &mut lse, qkv, self.workspace, s);
+                lse
+            }
+        };
+        Ok((atty, att))
+    }
+
+    /// The MLP's nonlinearity: GELU (gpt2) or SwiGLU over gate|up (llama).
+    fn activation_forward(&mut self, up: &T<B>) -> Result<T<B>, OomError> {
+        let (n, dff) = (self.n, self.widths.dff);
+        let mut a = self.dev.alloc(n * dff, self.dt, Category::Activations)?;
+        match self.model.family {
+            Family::Gpt2 => self.dev.gelu_forward(&mut a, up, n * dff),
+            _ => self.dev.swiglu_forward(&mut a, up, n, dff),
+        }
+        Ok(a)
+    }
+
+    /// What a block keeps for its backward: everything, or under
+    /// checkpointing nothing (its input is already in the residual list;
+    /// the backward recomputes the rest), hf-eager's autocast weight casts
+    /// moved to `cast_cache`.
+    fn checkpoint(
+        &mut self,
+        mut a: BlockActs<T<B>>,
+        cast_cache: &mut Vec<T<B>>,
+    ) -> Option<BlockActs<T<B>>> {
+        match self.train.checkpointing {
+            Checkpointing::None => Some(a),
+            Checkpointing::Full => {
+                if let Some(r) = self.hf.and_then(|h| h.block_casts.clone()) {
+                    cast_cache.extend(a.extra.drain(r));
+                }
+                free_block(self.dev, a);
+                None
+            }
+        }
+    }
+
+    /// A stage before the last: its output goes to the next stage, which
+    /// keeps it; this stage needs it no more (Megatron-LM frees it too).
+    fn send_output(&mut self, resid: &mut Vec<T<B>>) {
+        let pp = self.pipe.as_mut().expect("a stage before the last");
+        let out = resid.pop().expect("the stage output");
+        self.dev.send(&mut *pp.p2p, Peer::Next, &out);
+        self.dev.free(out);
+    }
+
+    /// The final norm, the head and the loss, on the last stage.
+    fn head_forward(
+        &mut self,
+        resid: &[T<B>],
+        targets: Option<&T<B>>,
+        host_targets: Option<Vec<u32>>,
+        dloss: f32,
+    ) -> Result<HeadActs<T<B>>, OomError> {
+        self.dev.tracker.set_phase(Phase::ForwardHead);
+        self.hook(Stage::Head, false, false)?;
+        let x = resid.last().expect("embedding output");
+        let (lnf, lnf_mean, lnf_rstd) = self.norm(x, (self.idx.lnf_w, self.idx.lnf_b))?;
+        let head_extra = match self.hf {
+            Some(h) => alloc_saved(self.dev, &h.head_saved)?,
+            None => Vec::new(),
+        };
+        let targets = targets.expect("the last stage reads the targets");
+        let (lnf, losses, loss) = match self.train.loss {
+            Loss::Full => self.full_loss(lnf, targets)?,
+            Loss::FusedLinear => self.fused_loss(lnf, host_targets.as_deref(), dloss)?,
+            Loss::Chunked => self.chunked_loss(lnf, host_targets.as_deref())?,
+        };
+        self.hook(Stage::Head, true, false)?;
+        Ok(HeadActs {
+            lnf,
+            lnf_mean,
+            lnf_rstd,
+            loss,
+            losses,
+            extra: head_extra,
+        })
+    }
+
+    /// The loss's rows per part (`loss.rs`).
+    fn loss_rows(&self) -> Vec<usize> {
+        let (train, model) = (self.train, self.model);
+        let (mb, t, c) = (train.micro_batch, train.seq_len, model.d_model);
+        loss::parts(
+            train.loss,
+            train.loss_chunks,
+            mb,
+            t,
+            model.padded_vocab(),
+            c,
+        )
+    }
+
+    /// `--loss full`: the whole logits, then each token's loss.
+    #[allow(clippy::type_complexity)]
+    fn full_loss(
+        &mut self,
+        lnf: T<B>,
+        targets: &T<B>,
+    ) -> Result<(Option<T<B>>, T<B>, LossActs<T<B>>), OomError> {
+        let (n, c, act) = (self.n, self.model.d_model, Category::Activations);
+        let (v, vp) = (self.model.vocab_size, self.model.padded_vocab());
+        let head = self.idx.lm_head.unwrap_or(self.idx.wte);
+        // Tensor parallelism: this rank's columns of the vocabulary.
+        let vocab = self
+            .tp
+            .as_ref()
+            .map_or((0, v, vp), |tp| tp.vocab(self.model));
+        let vpl = vocab.2;
+        let mut logits = self.dev.alloc(n * vpl, self.dt, act)?;
+        // hf-eager: the engine's logits buffer stands for the saved
+        // log_softmax output (ForCausalLMLoss -> cross_entropy ->
+        // log_softmax + nll_loss, transformers/loss/loss_utils.py); the
+        // logits themselves live until the loop drops the model output at
+        // the end of the forward.
+        let hf_logits = alloc_per_token(self.dev, self.hf, |h| &h.logits, n)?;
+        let loss_extra = alloc_per_token(self.dev, self.hf, |h| &h.loss_saved, n)?;
+        let gathered = gather(self.dev, self.tp.as_mut(), &lnf)?;
+        let inp = gathered.as_ref().unwrap_or(&lnf);
+        (self.dev).matmul_forward(&mut logits, inp, &self.p[head], None, n, c, vpl);
+        self.dev.free_opt(gathered);
+        let mut losses = self.dev.alloc_f32(n, act)?;
+        let lse = match self.tp.as_mut() {
+            None => {
+                (self.dev).crossentropy_forward(&mut losses, &logits, targets, n, v, vp);
+                None
+            }
+            Some(tp) => Some(tp_cross_entropy(
+                self.dev,
+                tp,
+                &mut losses,
+                &logits,
+                targets,
+                vocab,
+            )?),
+        };
+        for t in hf_logits {
+            self.dev.free(t);
+        }
+        let part = LogitsPart {
+            start: 0,
+            rows: n,
+            logits,
+            input: None,
+            targets: None,
+            extra: loss_extra,
+        };
+        let parts = vec![part];
+        Ok((Some(lnf), losses, LossActs::Logits { parts, lse }))
+    }
+
+    /// `--loss fused-linear`: Liger's fused linear cross-entropy, which
+    /// makes the head's gradients during the forward.
+    #[allow(clippy::type_complexity)]
+    fn fused_loss(
+        &mut self,
+        lnf: T<B>,
+        targets: Option<&[u32]>,
+        dloss: f32,
+    ) -> Result<(Option<T<B>>, T<B>, LossActs<T<B>>), OomError> {
+        let head = self.idx.lm_head.unwrap_or(self.idx.wte);
+        let rows = self.loss_rows();
+        let mut losses = self.dev.alloc_f32(self.n, Category::Activations)?;
+        // The weight gradient buffer takes the gradient's dtype.
+        let dw_dtype = (!self.frozen).then_some(self.g[head].dtype);
+        let dims = (
+            self.model.d_model,
+            self.model.vocab_size,
+            self.model.padded_vocab(),
+        );
+        let hf_live = self.hf.map_or(&[][..], |h| &h.head_forward[..]);
+        let live = alloc_saved(self.dev, hf_live)?;
+        let w = &self.p[head];
+        let f = loss::fused_forward(
+            self.dev,
+            &lnf,
+            w,
+            targets,
+            &mut losses,
+            dloss,
+            dw_dtype,
+            &rows,
+            dims,
+        )?;
+        for x in live {
+            self.dev.free(x);
+        }
+        self.dev.free(lnf);
+        Ok((None, losses, LossActs::Fused(f)))
+    }
+
+    /// `--loss chunked`: torchtune's chunked loss. Each chunk's rows are
+    /// selected (a copy the head's matmul saves) with its targets (which
+    /// the loss saves); the logits and their fp32 copy live while the
+    /// chunk's loss is computed, the engine's buffer standing for the
+    /// saved log_softmax output.
+    #[allow(clippy::type_complexity)]
+    fn chunked_loss(
+        &mut self,
+        lnf: T<B>,
+        targets: Option<&[u32]>,
+    ) -> Result<(Option<T<B>>, T<B>, LossActs<T<B>>), OomError> {
+        let (c, dt, act) = (self.model.d_model, self.dt, Category::Activations);
+        let (v, vp) = (self.model.vocab_size, self.model.padded_vocab());
+        let head = self.idx.lm_head.unwrap_or(self.idx.wte);
+        let rows = self.loss_rows();
+        let (dev, hf) = (&mut *self.dev, self.hf);
+        let mut losses = dev.alloc_f32(self.n, act)?;
+        let mut parts = Vec::with_capacity(rows.len());
+        let mut off = 0;
+        for &r in &rows {
+            let mut input = dev.alloc(r * c, dt, act)?;
+            dev.copy_slice(&mut input, 0, &lnf, off * c, r * c, false);
+            let mut tc = dev.alloc(r, DType::U32, act)?;
+            if let Some(all) = targets {
+                dev.be.upload_u32(&mut tc.buf, &all[off..off + r]);
+            }
+            let live = alloc_per_token(dev, hf, |h| &h.logits, r)?;
+            let mut logits = dev.alloc(r * vp, dt, act)?;
+            let extra = alloc_per_token(dev, hf, |h| &h.loss_saved, r)?;
+            dev.matmul_forward(&mut logits, &input, &self.p[head], None, r, c, vp);
+            let mut lc = dev.alloc_f32(r, Category::Temporaries)?;
+            dev.crossentropy_forward(&mut lc, &logits, &tc, r, v, vp);
+            dev.copy_slice(&mut losses, off, &lc, 0, r, false);
+            for x in live.into_iter().chain([lc]) {
+                dev.free(x);
+            }
+            parts.push(LogitsPart {
+                start: off,
+                rows: r,
+                logits,
+                input: Some(input),
+                targets: Some(tc),
+                extra,
+            });
+            off += r;
+        }
+        dev.free(lnf);
+        Ok((None, losses, LossActs::Logits { parts, lse: None }))
+    }
+
+    // ---- backward ---------------------------------------------------------
+
+    /// The backward pass of the micro-batch `acts` came from; gradients
+    /// accumulate into the engine's. Frees `acts` as it goes.
+    pub(super) fn backward(mut self, acts: Acts<T<B>>, dloss: f32) -> Result<(), OomError> {
+        self.alloc_scratch()?;
+        let layers = self.layers();
+        let units = shard::units(self.idx);
+        let Acts {
+            tokens,
+            targets,
+            mut resid,
+            mut blocks,
+            head,
+            extra,
+        } = acts;
+        // hf-eager, tied head: the head's weight gradient, a temporary until
+        // the embedding's backward adds its own (resident gradients only;
+        // with set_to_none it is the gradient buffer itself).
+        let mut head_dw = None;
+        // dres: gradient of the residual stream, carried down through the blocks.
+        let mut dres = match head {
+            Some(h) => {
+                let targets = targets.expect("the last stage reads the targets");
+                let x = resid.last().expect("embedding output");
+                self.head_backward(h, targets, x, dloss, &mut head_dw)?
+            }
+            None => self.recv_grad(&layers)?,
+        };
+        for l in layers.clone().rev() {
+            let j = l - layers.start;
+            self.dev.tracker.set_phase(Phase::Backward(l));
+            self.hook(Stage::Block(l), false, true)?;
+            if self.lazy {
+                self.make_block_grads(l, &units[l + 1])?;
+            }
+            let a = match blocks.pop().expect("one entry per block") {
+                Some(a) => a,
+                None => self.recompute(l, &resid[j])?,
+            };
+            self.block_backward(l, a, &resid[j], &mut dres)?;
+            // Block l's output: its consumers (block l+1 or the head) are
+            // done. (A stage before the last sent its top block's output on.)
+            if resid.len() > j + 1 {
+                let out = resid.pop().expect("block output");
+                self.dev.free(out);
+            }
+            self.hook(Stage::Block(l), true, true)?;
+        }
+        // A first stage holding only the embedding sent its output on.
+        let input = resid.pop();
+        let first = tokens.is_some();
+        match &tokens {
+            Some(tokens) => self.embed_backward(tokens, &dres, head_dw.take())?,
+            None => {
+                // The gradient of this stage's input goes back to the stage before.
+                let pp = self
+                    .pipe
+                    .as_mut()
+                    .expect("without a pipeline every rank embeds");
+                self.dev.send(&mut *pp.p2p, Peer::Prev, &dres);
+            }
+        }
+        self.dev.free(dres);
+        self.dev.free_opt(input);
+        self.dev.free_opt(tokens);
+        for x in extra {
+            self.dev.free(x);
+        }
+        if first {
+            self.hook(Stage::Embed, true, true)?;
+        }
+        // A pipeline's last stage has the tied head but not the embedding:
+        // the head's gradient temporary ends with this backward there.
+        self.dev.free_opt(head_dw.take());
+        if let Some((w, b)) = self.scratch.take() {
+            self.dev.free(w);
+            self.dev.free(b);
+        }
+        Ok(())
+    }
+
+    /// LoRA freezes every base tensor: no weight gradients for them; the
+    /// norm kernels' weight gradients go to a discarded scratch.
+    fn alloc_scratch(&mut self) -> Result<(), OomError> {
+        if self.frozen {
+            let (wdt, c) = (self.g[self.idx.lnf_w].dtype, self.model.d_model);
+            let tmp = Category::Temporaries;
+            self.scratch = Some((self.dev.alloc(c, wdt, tmp)?, self.dev.alloc(c, wdt, tmp)?));
+        }
+        Ok(())
+    }
+
+    /// A stage before the last: the gradient of its output, received from
+    /// the next stage into a buffer that then carries it down the blocks.
+    fn recv_grad(&mut self, layers: &std::ops::Range<usize>) -> Result<T<B>, OomError> {
+        self.dev.tracker.set_phase(match layers.is_empty() {
+            true => Phase::BackwardEmbed,
+            false => Phase::Backward(layers.end - 1),
+        });
+        let pp = self.pipe.as_mut().expect("a stage before the last");
+        let len = self.nl * self.model.d_model;
+        let mut d = self.dev.alloc(len, self.dt, Category::Communication)?;
+        self.dev.recv(&mut *pp.p2p, Peer::Next, &mut d);
+        Ok(d)
+    }
+
+    /// hf-eager with `set_to_none`: block `l`'s gradients (its unit's and
+    /// its adapters'), made as autograd first reaches them.
+    fn make_block_grads(&mut self, l: usize, unit: &[usize]) -> Result<(), OomError> {
+        let ads = self.lora(l).0;
+        let ids: Vec<usize> = (unit.iter().copied())
+            .chain(ads.iter().flat_map(|a| [a.a, a.b]))
+            .collect();
+        make_grads(
+            self.dev,
+            self.g,
+            self.specs,
+            self.trainable,
+            &ids,
+            Category::Gradients,
+        )
+    }
+
+    /// A checkpointed block's saved tensors, recomputed from its input.
+    fn recompute(&mut self, l: usize, x: &T<B>) -> Result<BlockActs<T<B>>, OomError> {
+        self.dev.tracker.set_phase(Phase::Recompute(l));
+        let (a, _) = self.block_forward(l, x, false)?;
+        self.dev.tracker.set_phase(Phase::Backward(l));
+        Ok(a)
+    }
+
+    /// The loss, head and final norm backward: returns the gradient of the
+    /// residual stream `x` that fed the head.
+    fn head_backward(
+        &mut self,
+        h: HeadActs<T<B>>,
+        targets: T<B>,
+        x: &T<B>,
+        dloss: f32,
+        head_dw: &mut Option<T<B>>,
+    ) -> Result<T<B>, OomError> {
+        let model = self.model;
+        let (n, c) = (self.n, model.d_model);
+        let (v, vp) = (model.vocab_size, model.padded_vocab());
+        let part = self.tp.as_ref().map_or((0, v, vp), |tp| tp.vocab(model));
+        let hf = self.hf.map(|h| HfHead {
+            rules: h,
+            lazy: self.lazy,
+            specs: self.specs,
+            trainable: self.trainable,
+            dw: head_dw,
+        });
+        let dist = &mut *self.dist;
+        let mut hook =
+            |dev: &mut Device<B>, p: &mut Vec<T<B>>, g: &mut Vec<T<B>>, after: bool| match dist
+                .as_mut()
+            {
+                Some(d) if after => d.after(dev, p, g, Stage::Head, true),
+                Some(d) => d.before(dev, p, g, Stage::Head, true),
+                None => Ok(()),
+            };
+        head_backward(
+            self.dev,
+            self.p,
+            self.g,
+            self.idx,
+            h,
+            targets,
+            x,
+            dloss,
+            (n, c, v, vp),
+            (self.tp.as_mut(), part),
+            hf,
+            (self.frozen, &mut self.scratch),
+            &mut hook,
+        )
+    }
+
+    /// One block's backward: `dres` comes in as the gradient of the block's
+    /// output and leaves as that of its input `x`; the weights' gradients
+    /// accumulate. Frees what the block saved.
+    fn block_backward(
+        &mut self,
+        l: usize,
+        a: BlockActs<T<B>>,
+        x: &T<B>,
+        dres: &mut T<B>,
+    ) -> Result<(), OomError> {
+        let ly = BlockLayers::new(&self.idx.blocks[l], self.widths, self.model.d_model);
+        let ts = &a.lora_t;
+        // MLP: dres is d(out) = d(mlp output).
+        let dact = ly.down.backward(self, l, dres, &a.act, ts)?;
+        let dup = self.activation_backward(dact, &a.up)?;
+        let dln2 = ly.up.backward(self, l, &dup, &a.ln2, ts)?;
+        self.dev.free(dup);
+        // Each rank's up projection saw a slice of the MLP: the norm's
+        // output gradient is the sum over the group.
+        let dln2 = self.reduce(dln2)?;
+        let stats = (a.ln2_mean.as_ref(), &a.ln2_rstd);
+        self.norm_backward(dres, &dln2, &a.res2, ly.ln2, stats);
+        self.dev.free(dln2);
+        // attention: dres is now d(res2) = d(o-proj output)
+        let datty = ly.o.backward(self, l, dres, &a.atty, ts)?;
+        let dqkv = self.attention_backward(datty, &a)?;
+        let dln1 = ly.qkv.backward(self, l, &dqkv, &a.ln1, ts)?;
+        self.dev.free(dqkv);
+        let dln1 = self.reduce(dln1)?;
+        let stats = (a.ln1_mean.as_ref(), &a.ln1_rstd);
+        self.norm_backward(dres, &dln1, x, ly.ln1, stats);
+        self.dev.free(dln1);
+        free_block(self.dev, a);
+        Ok(())
+    }
+
+    /// The backward of the nonlinearity: the gradient of the up
+    /// projection's output from the activation's (`dact`, consumed).
+    fn activation_backward(&mut self, mut dact: T<B>, up: &T<B>) -> Result<T<B>, OomError> {
+        let (n, dff) = (self.n, self.widths.dff);
+        if self.model.family == Family::Gpt2 {
+            self.dev.gelu_backward(&mut dact, up, n * dff);
+            return Ok(dact);
+        }
+        let mut dgu = self
+            .dev
+            .alloc(n * self.widths.up, self.dt, Category::Temporaries)?;
+        self.dev.swiglu_backward(&mut dgu, &dact, up, n, dff);
+        self.dev.free(dact);
+        Ok(dgu)
+    }
+
+    /// The attention's backward, from its output's gradient (`datty`,
+    /// consumed) to the gradient of q|k|v before RoPE.
+    fn attention_backward(&mut self, datty: T<B>, a: &BlockActs<T<B>>) -> Result<T<B>, OomError> {
+        let (s, tmp) = (self.s, Category::Temporaries);
+        let mut dqkv = self.dev.alloc(self.n * self.widths.qkv, self.dt, tmp)?;
+        match self.train.attention {
+            Attention::Eager => {
+                let mut datt = self.dev.alloc(s.b * s.n_head * s.t * s.t, self.dt, tmp)?;
+                (self.dev).attention_backward(&mut dqkv, &mut datt, &datty, &a.qkv, &a.att, s);
+                self.dev.free(datt);
+            }
+            Attention::Fused => {
+                let (out, lse, ws) = (&a.atty, &a.att, &mut *self.workspace);
+                (self.dev).flash_attention_backward(&mut dqkv, &datty, out, lse, &a.qkv, ws, s);
+            }
+        }
+        self.dev.free(datty);
+        if self.model.family != Family::Gpt2 {
+            self.dev
+                .rope_backward(&mut dqkv, s, self.model.rope_theta());
+        }
+        Ok(dqkv)
+    }
+
+    /// The embedding's backward on the first stage: every token's gradient
+    /// reaches this rank's rows of the table (none when frozen); hf-eager
+    /// adds autograd's gradient tensors around it.
+    fn embed_backward(
+        &mut self,
+        tokens: &T<B>,
+        dres: &T<B>,
+        head_dw: Option<T<B>>,
+    ) -> Result<(), OomError> {
+        let (idx, model) = (self.idx, self.model);
+        self.dev.tracker.set_phase(Phase::BackwardEmbed);
+        self.hook(Stage::Embed, false, true)?;
+        let hf_grads = self.hf.is_some() && !self.frozen;
+        let (specs, trainable, lazy) = (self.specs, self.trainable, self.lazy);
+        let dense = match hf_grads {
+            true => hf_embed_grads(self.dev, self.g, specs, trainable, idx, lazy, head_dw)?,
+            false => None,
+        };
+        if !self.frozen {
+            let part = self.tp.as_ref().map(|tp| tp.vocab(model).0);
+            let gathered = gather(self.dev, self.tp.as_mut(), dres)?;
+            let dout = gathered.as_ref().unwrap_or(dres);
+            let (dwte, dwpe) = pair_mut(self.g, idx.wte, idx.wpe);
+            let shape = (self.n, self.train.seq_len, model.d_model);
+            self.dev
+                .embed_backward(dwte, dwpe, dout, tokens, shape, part);
+            self.dev.free_opt(gathered);
+        }
+        if hf_grads {
+            hf_embed_handed(self.dev, self.g, idx, lazy, dense);
+        }
+        Ok(())
+    }
+}
+
+/// Tensor parallelism's cross-entropy over the vocabulary's columns: per
+/// token, this part's max and sum of exponentials, every part's gathered;
+/// the target's logit from the part holding it. Returns each token's
+/// log-sum-exp over the whole vocabulary, which the backward needs.
+fn tp_cross_entropy<B: Backend>(
+    dev: &mut Device<B>,
+    tp: &mut Tp<B>,
+    losses: &mut T<B>,
+    logits: &T<B>,
+    targets: &T<B>,
+    vocab: (usize, usize, usize),
+) -> Result<T<B>, OomError> {
+    let n = losses.len;
+    let tmp = Category::Temporaries;
+    let mut stats = dev.alloc_f32(2 * n, tmp)?;
+    let mut tgt = dev.alloc_f32(n, tmp)?;
+    dev.crossentropy_part_stats(&mut stats, &mut tgt, logits, targets, n, vocab);
+    let mut all = dev.alloc_f32(2 * n * tp.size(), tmp)?;
+    tp.all_gather(dev, &mut all, &stats);
+    tp.all_reduce(dev, &mut tgt);
+    let mut lse = dev.alloc_f32(n, Category::Activations)?;
+    dev.crossentropy_combine(losses, &mut lse, &all, &tgt, n, tp.size());
+    for x in [stats, tgt, all] {
+        dev.free(x);
+    }
+    Ok(lse)
+}
