@@ -323,223 +323,39 @@ pub fn gate(
     baseline: &LoadedReport,
     opts: &CheckOptions,
 ) -> std::result::Result<CheckReport, Vec<Error>> {
-    let (cur, base) = (&current.report, &baseline.report);
-    let (cur_file, base_file) = (
-        current.file.display().to_string(),
-        baseline.file.display().to_string(),
-    );
-    let problem = |file: &str, message: String| Error::Config {
-        location: file.to_string(),
-        message,
+    let pair = Pair {
+        cur: &current.report,
+        base: &baseline.report,
+        cur_file: current.file.display().to_string(),
+        base_file: baseline.file.display().to_string(),
     };
-
-    let differs = setup_differences(cur, base);
-    if !differs.is_empty() {
-        return Err(vec![problem(
-            &cur_file,
-            format!(
-                "the current report cannot be compared with baseline report {base_file}: \
-                 they differ in {}, so their peaks differ for reasons other than the code. \
-                 Compare sweeps of the same recipe, or regenerate the baseline for the new setup",
-                join_and(&differs)
-            ),
-        )]);
+    if let Some(e) = pair.setup_differs() {
+        return Err(vec![e]);
     }
-
-    let mut errors = Vec::new();
-    for (side, r, file, other_side, other) in [
-        ("current", cur, &cur_file, "baseline", &base_file),
-        ("baseline", base, &base_file, "current", &cur_file),
-    ] {
-        if r.trials.is_empty() {
-            errors.push(problem(
-                file,
-                format!(
-                    "the {side} report has no trials (0 of {} grid points), so there is \
-                     nothing to compare with {other_side} report {other}{}. Rerun the sweep",
-                    r.grid_size,
-                    if r.interrupted {
-                        "; the sweep was interrupted before its first trial"
-                    } else {
-                        ""
-                    }
-                ),
-            ));
-        }
-    }
+    let mut errors = pair.empty_reports();
     if opts.metric == Metric::Nvml {
-        for (side, r, file) in [("current", cur, &cur_file), ("baseline", base, &base_file)] {
-            let ran = r.trials.iter().filter(|t| t.measured.is_some()).count();
-            let sampled = r
-                .trials
-                .iter()
-                .filter(|t| {
-                    t.measured
-                        .as_ref()
-                        .is_some_and(|m| m.nvml_peak_bytes.is_some())
-                })
-                .count();
-            if ran > 0 && sampled < ran {
-                errors.push(problem(
-                    file,
-                    format!(
-                        "--metric nvml: {sampled} of the {side} report's {ran} measured trials have an NVML peak ({}); NVML peaks come from sweeps on a GPU (device: cuda) with NVML. Gate on the tracked peak (the default), or sweep on a GPU",
-                        r.nvml.as_deref().unwrap_or("the sweep ran on no GPU")
-                    ),
-                ));
-            }
-        }
+        errors.extend(pair.missing_nvml());
     }
-    // A report that lists one config twice was written by something other
-    // than a sweep (or two reports were spliced): which of the two copies
-    // would be compared is arbitrary, so neither is.
-    for (side, r, file) in [("current", cur, &cur_file), ("baseline", base, &base_file)] {
-        let mut seen = HashSet::new();
-        let mut twice: Vec<&str> = Vec::new();
-        for t in &r.trials {
-            if !seen.insert(t.id.as_str()) && !twice.contains(&t.id.as_str()) {
-                twice.push(t.id.as_str());
-            }
-        }
-        if !twice.is_empty() {
-            errors.push(problem(
-                file,
-                format!(
-                    "the {side} report lists {} more than once ({}), so which of the copies \
-                     to compare is a guess. A sweep writes each grid point once: rerun it, \
-                     or remove the duplicate trials",
-                    configs(twice.len()),
-                    id_list(twice.iter().copied())
-                ),
-            ));
-        }
-    }
+    errors.extend(pair.duplicates());
     if !errors.is_empty() {
         return Err(errors);
     }
-
-    let base_ids: HashSet<&str> = base.trials.iter().map(|t| t.id.as_str()).collect();
-    if !cur.trials.iter().any(|t| base_ids.contains(t.id.as_str())) {
-        return Err(vec![problem(
-            &cur_file,
-            format!(
-                "the current report and baseline report {base_file} have no config in common \
-                 (no trial id matches, e.g. current `{}`, baseline `{}`), so nothing could be \
-                 checked. Sweep the baseline's grid, or regenerate the baseline with this grid",
-                cur.trials[0].id, base.trials[0].id
-            ),
-        )]);
-    }
-
-    let mut report = compare(cur, base, opts);
-    // (file, what is wrong, how to fix it)
-    let mut incomplete: Vec<(&str, String, String)> = Vec::new();
-    for (side, r, file, other_side, other) in [
-        ("current", cur, &cur_file, "baseline", &base_file),
-        ("baseline", base, &base_file, "current", &cur_file),
-    ] {
-        if r.interrupted {
-            incomplete.push((
-                file,
-                format!(
-                    "the {side} report is an interrupted sweep ({} of {} grid points reached), \
-                     so the configs it did not reach are not checked against {other_side} report {other}",
-                    r.trials.len(),
-                    r.grid_size,
-                ),
-                format!(
-                    "Finish it with `{}`",
-                    sweep_command(Some(&r.recipe), Path::new(file.as_str()), " --resume")
-                ),
-            ));
-        }
-    }
-    if !report.only_in_baseline.is_empty() {
-        incomplete.push((
-            &cur_file,
-            format!(
-                "the current report lacks {} of baseline report {base_file} ({}), so {} not checked",
-                configs(report.only_in_baseline.len()),
-                ids(&report.only_in_baseline),
-                it_is(report.only_in_baseline.len()),
-            ),
-            "Sweep the baseline's grid".into(),
-        ));
-    }
-    // Measured in the baseline, not in the current report (a trial whose
-    // measurement was lost, or that ran without one): its peak is unknown,
-    // so it cannot count as checked.
-    let unmeasured: Vec<&str> = report
-        .not_compared
+    let base_ids: HashSet<&str> = pair.base.trials.iter().map(|t| t.id.as_str()).collect();
+    if !pair
+        .cur
+        .trials
         .iter()
-        .filter(|n| {
-            let b = base.trials.iter().find(|t| t.id == n.id);
-            let c = cur.trials.iter().find(|t| t.id == n.id);
-            match (b, c) {
-                (Some(b), Some(c)) => {
-                    !measured(c, opts.metric)
-                        && (measured(b, opts.metric) || c.outcome == Outcome::Ran)
-                }
-                _ => false,
-            }
-        })
-        .map(|n| n.id.as_str())
-        .collect();
-    if !unmeasured.is_empty() {
-        incomplete.push((
-            &cur_file,
-            format!(
-                "the current report has no {} for {} that baseline report {base_file} measured ({}), \
-                 so {} not checked",
-                opts.metric.words(),
-                configs(unmeasured.len()),
-                id_list(unmeasured.iter().copied()),
-                it_is(unmeasured.len()),
-            ),
-            "Rerun the sweep so that every config the baseline measured is measured again".into(),
-        ));
+        .any(|t| base_ids.contains(t.id.as_str()))
+    {
+        return Err(vec![pair.nothing_in_common()]);
     }
-    if !report.only_in_current.is_empty() {
-        incomplete.push((
-            &cur_file,
-            format!(
-                "the current report has {} that baseline report {base_file} lacks ({}), so {} not checked",
-                configs(report.only_in_current.len()),
-                ids(&report.only_in_current),
-                it_is(report.only_in_current.len()),
-            ),
-            "Regenerate the baseline with this grid".into(),
-        ));
-    }
+
+    let mut report = compare(pair.cur, pair.base, opts);
+    let incomplete = pair.incomplete(&report, opts.metric);
     // Whatever was accepted as missing, a check that compared nothing has
     // checked nothing: passing it would let any change through.
     if report.compared.is_empty() {
-        return Err(vec![problem(
-            &cur_file,
-            format!(
-                "no config was compared: none of the {} the current report shares with baseline \
-                 report {base_file} was measured on both sides or changed fit, so nothing was \
-                 checked{}. Rerun the sweep",
-                configs(
-                    cur.trials
-                        .iter()
-                        .filter(|t| base_ids.contains(t.id.as_str()))
-                        .count()
-                ),
-                if incomplete.is_empty() {
-                    String::new()
-                } else {
-                    format!(
-                        " ({})",
-                        incomplete
-                            .iter()
-                            .map(|(_, what, _)| what.as_str())
-                            .collect::<Vec<_>>()
-                            .join("; ")
-                    )
-                }
-            ),
-        )]);
+        return Err(vec![pair.nothing_compared(&base_ids, &incomplete)]);
     }
     if opts.allow_missing {
         // First: they qualify everything else the report says.
@@ -562,6 +378,272 @@ pub fn gate(
                 )
             })
             .collect())
+    }
+}
+
+fn problem(file: &str, message: String) -> Error {
+    Error::Config {
+        location: file.to_string(),
+        message,
+    }
+}
+
+/// What a check cannot give a verdict on: in which file, what is wrong,
+/// and how to fix it.
+type Incomplete<'a> = (&'a str, String, String);
+
+/// The two reports a check compares, and their files.
+struct Pair<'a> {
+    cur: &'a SweepReport,
+    base: &'a SweepReport,
+    cur_file: String,
+    base_file: String,
+}
+
+impl Pair<'_> {
+    /// Each report with its side's name and file, then the other side's.
+    fn sides(&self) -> [(&'static str, &SweepReport, &str, &'static str, &str); 2] {
+        [
+            (
+                "current",
+                self.cur,
+                &self.cur_file,
+                "baseline",
+                &self.base_file,
+            ),
+            (
+                "baseline",
+                self.base,
+                &self.base_file,
+                "current",
+                &self.cur_file,
+            ),
+        ]
+    }
+
+    /// Reports of different setups: their peaks differ for more than the code.
+    fn setup_differs(&self) -> Option<Error> {
+        let differs = setup_differences(self.cur, self.base);
+        (!differs.is_empty()).then(|| {
+            problem(
+                &self.cur_file,
+                format!(
+                    "the current report cannot be compared with baseline report {}: \
+                     they differ in {}, so their peaks differ for reasons other than the code. \
+                     Compare sweeps of the same recipe, or regenerate the baseline for the new setup",
+                    self.base_file,
+                    join_and(&differs)
+                ),
+            )
+        })
+    }
+
+    fn empty_reports(&self) -> Vec<Error> {
+        let mut errors = Vec::new();
+        for (side, r, file, other_side, other) in self.sides() {
+            if r.trials.is_empty() {
+                errors.push(problem(
+                    file,
+                    format!(
+                        "the {side} report has no trials (0 of {} grid points), so there is \
+                         nothing to compare with {other_side} report {other}{}. Rerun the sweep",
+                        r.grid_size,
+                        if r.interrupted {
+                            "; the sweep was interrupted before its first trial"
+                        } else {
+                            ""
+                        }
+                    ),
+                ));
+            }
+        }
+        errors
+    }
+
+    /// Under `--metric nvml`, a side whose measured trials lack NVML peaks.
+    fn missing_nvml(&self) -> Vec<Error> {
+        let mut errors = Vec::new();
+        for (side, r, file, _, _) in self.sides() {
+            let ran = r.trials.iter().filter(|t| t.measured.is_some()).count();
+            let sampled = r
+                .trials
+                .iter()
+                .filter(|t| {
+                    t.measured
+                        .as_ref()
+                        .is_some_and(|m| m.nvml_peak_bytes.is_some())
+                })
+                .count();
+            if ran > 0 && sampled < ran {
+                errors.push(problem(
+                    file,
+                    format!(
+                        "--metric nvml: {sampled} of the {side} report's {ran} measured trials have an NVML peak ({}); NVML peaks come from sweeps on a GPU (device: cuda) with NVML. Gate on the tracked peak (the default), or sweep on a GPU",
+                        r.nvml.as_deref().unwrap_or("the sweep ran on no GPU")
+                    ),
+                ));
+            }
+        }
+        errors
+    }
+
+    /// A report that lists one config twice was written by something other
+    /// than a sweep (or two reports were spliced): which of the two copies
+    /// would be compared is arbitrary, so neither is.
+    fn duplicates(&self) -> Vec<Error> {
+        let mut errors = Vec::new();
+        for (side, r, file, _, _) in self.sides() {
+            let mut seen = HashSet::new();
+            let mut twice: Vec<&str> = Vec::new();
+            for t in &r.trials {
+                if !seen.insert(t.id.as_str()) && !twice.contains(&t.id.as_str()) {
+                    twice.push(t.id.as_str());
+                }
+            }
+            if !twice.is_empty() {
+                errors.push(problem(
+                    file,
+                    format!(
+                        "the {side} report lists {} more than once ({}), so which of the copies \
+                         to compare is a guess. A sweep writes each grid point once: rerun it, \
+                         or remove the duplicate trials",
+                        configs(twice.len()),
+                        id_list(twice.iter().copied())
+                    ),
+                ));
+            }
+        }
+        errors
+    }
+
+    fn nothing_in_common(&self) -> Error {
+        problem(
+            &self.cur_file,
+            format!(
+                "the current report and baseline report {} have no config in common \
+                 (no trial id matches, e.g. current `{}`, baseline `{}`), so nothing could be \
+                 checked. Sweep the baseline's grid, or regenerate the baseline with this grid",
+                self.base_file, self.cur.trials[0].id, self.base.trials[0].id
+            ),
+        )
+    }
+
+    /// What the comparison could not check: interrupted sweeps, configs on
+    /// one side only, and configs the baseline measured but the current
+    /// report did not.
+    fn incomplete(&self, report: &CheckReport, metric: Metric) -> Vec<Incomplete<'_>> {
+        let base_file = &self.base_file;
+        let mut incomplete: Vec<Incomplete> = Vec::new();
+        for (side, r, file, other_side, other) in self.sides() {
+            if r.interrupted {
+                incomplete.push((
+                    file,
+                    format!(
+                        "the {side} report is an interrupted sweep ({} of {} grid points reached), \
+                         so the configs it did not reach are not checked against {other_side} report {other}",
+                        r.trials.len(),
+                        r.grid_size,
+                    ),
+                    format!(
+                        "Finish it with `{}`",
+                        sweep_command(Some(&r.recipe), Path::new(file), " --resume")
+                    ),
+                ));
+            }
+        }
+        if !report.only_in_baseline.is_empty() {
+            incomplete.push((
+                &self.cur_file,
+                format!(
+                    "the current report lacks {} of baseline report {base_file} ({}), so {} not checked",
+                    configs(report.only_in_baseline.len()),
+                    ids(&report.only_in_baseline),
+                    it_is(report.only_in_baseline.len()),
+                ),
+                "Sweep the baseline's grid".into(),
+            ));
+        }
+        let unmeasured = self.unmeasured(report, metric);
+        if !unmeasured.is_empty() {
+            incomplete.push((
+                &self.cur_file,
+                format!(
+                    "the current report has no {} for {} that baseline report {base_file} measured ({}), \
+                     so {} not checked",
+                    metric.words(),
+                    configs(unmeasured.len()),
+                    id_list(unmeasured.iter().copied()),
+                    it_is(unmeasured.len()),
+                ),
+                "Rerun the sweep so that every config the baseline measured is measured again"
+                    .into(),
+            ));
+        }
+        if !report.only_in_current.is_empty() {
+            incomplete.push((
+                &self.cur_file,
+                format!(
+                    "the current report has {} that baseline report {base_file} lacks ({}), so {} not checked",
+                    configs(report.only_in_current.len()),
+                    ids(&report.only_in_current),
+                    it_is(report.only_in_current.len()),
+                ),
+                "Regenerate the baseline with this grid".into(),
+            ));
+        }
+        incomplete
+    }
+
+    /// Measured in the baseline, not in the current report (a trial whose
+    /// measurement was lost, or that ran without one): its peak is unknown,
+    /// so it cannot count as checked.
+    fn unmeasured<'r>(&self, report: &'r CheckReport, metric: Metric) -> Vec<&'r str> {
+        report
+            .not_compared
+            .iter()
+            .filter(|n| {
+                let b = self.base.trials.iter().find(|t| t.id == n.id);
+                let c = self.cur.trials.iter().find(|t| t.id == n.id);
+                match (b, c) {
+                    (Some(b), Some(c)) => {
+                        !measured(c, metric) && (measured(b, metric) || c.outcome == Outcome::Ran)
+                    }
+                    _ => false,
+                }
+            })
+            .map(|n| n.id.as_str())
+            .collect()
+    }
+
+    fn nothing_compared(&self, base_ids: &HashSet<&str>, incomplete: &[Incomplete]) -> Error {
+        problem(
+            &self.cur_file,
+            format!(
+                "no config was compared: none of the {} the current report shares with baseline \
+                 report {} was measured on both sides or changed fit, so nothing was \
+                 checked{}. Rerun the sweep",
+                configs(
+                    self.cur
+                        .trials
+                        .iter()
+                        .filter(|t| base_ids.contains(t.id.as_str()))
+                        .count()
+                ),
+                self.base_file,
+                if incomplete.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        " ({})",
+                        incomplete
+                            .iter()
+                            .map(|(_, what, _)| what.as_str())
+                            .collect::<Vec<_>>()
+                            .join("; ")
+                    )
+                }
+            ),
+        )
     }
 }
 

@@ -183,6 +183,80 @@ impl HfRules {
     /// bernoulli(noise)` that saves the noise in the input's dtype, and sdpa
     /// with dropout falls back to its math path.
     pub fn new(model: &ModelConfig, train: &TrainConfig, cuda: bool) -> Self {
+        let x = Step::new(model, train, cuda);
+        let mut block = x.norms_and_mlp();
+        let casts = x.autocast_casts(&mut block);
+        x.attention(&mut block);
+        x.lora_dropout(&mut block);
+        let mut embed = Vec::new();
+        x.dropout(&mut block, &mut embed);
+        x.rope(&mut embed);
+        let (head, head_forward) = x.head();
+        let Step {
+            dt,
+            sixteen,
+            autocast,
+            v,
+            ..
+        } = x;
+        let f32 = DType::F32;
+        HfRules {
+            block_casts: casts,
+            head_forward,
+            embed_saved: embed,
+            block_saved: block,
+            head_saved: head,
+            // The loss upcasts 16-bit logits (`logits.float()`) either way.
+            loss_saved: match sixteen {
+                true => vec![(v, dt)],
+                false => Vec::new(),
+            },
+            logits: match sixteen {
+                true => vec![(v, dt), (v, f32)],
+                false => vec![(v, f32)],
+            },
+            autocast,
+            loss_grads: v,
+            lazy_grads: train.set_to_none,
+            optimizer_impl: train.optimizer_impl,
+            param_groups: train.param_groups,
+        }
+    }
+}
+
+/// Tensors saved or alive: each one's elements and type.
+type Saved = Vec<(usize, DType)>;
+
+/// What the rules are computed from: one step's shapes and dtypes.
+#[derive(Clone, Copy)]
+struct Step<'a> {
+    model: &'a ModelConfig,
+    train: &'a TrainConfig,
+    cuda: bool,
+    /// Tokens (B x T) and the model width.
+    n: usize,
+    c: usize,
+    /// One layer's attention scores (B x heads x T x T).
+    scores: usize,
+    /// The widths of q, and of k or v.
+    q: usize,
+    kv: usize,
+    dt: DType,
+    sixteen: bool,
+    autocast: bool,
+    /// The dropout probability.
+    p: f32,
+    mask_dt: DType,
+    gpt2: bool,
+    v: usize,
+    dff: usize,
+    math: bool,
+    /// RoPE's cos or sin (T x head_dim).
+    rope: usize,
+}
+
+impl<'a> Step<'a> {
+    fn new(model: &'a ModelConfig, train: &'a TrainConfig, cuda: bool) -> Self {
         let s = super::attn_shape(model, train);
         let (n, c) = (s.b * s.t, model.d_model);
         let scores = s.b * s.n_head * s.t * s.t;
@@ -198,9 +272,8 @@ impl HfRules {
         // precision cast the module; the fp32 master copy lives in the
         // optimizer's partitions, as the engine's mixed precision keeps it):
         // every activation is 16-bit, except where the modules upcast.
-        let f32 = DType::F32;
         let dt = train.precision.dtype();
-        let sixteen = dt != f32;
+        let sixteen = dt != DType::F32;
         let autocast = is_autocast(train);
         let p = train.dropout;
         // Dropout's input is the probabilities or a projection's output,
@@ -212,6 +285,41 @@ impl HfRules {
         // which saves what eager does (torch/nn/attention, `_fused_sdp_choice`
         // on cpu accepts dropout_p == 0 only).
         let math = train.attention == Attention::Eager || (p > 0.0 && !cuda);
+        Step {
+            model,
+            train,
+            cuda,
+            n,
+            c,
+            scores,
+            q,
+            kv,
+            dt,
+            sixteen,
+            autocast,
+            p,
+            mask_dt,
+            gpt2,
+            v,
+            dff,
+            math,
+            rope: s.t * s.head_dim,
+        }
+    }
+
+    /// The norms' and the MLP's saved tensors beyond the engine's.
+    fn norms_and_mlp(&self) -> Vec<(usize, DType)> {
+        let Step {
+            n,
+            c,
+            dt,
+            sixteen,
+            autocast,
+            gpt2,
+            dff,
+            ..
+        } = *self;
+        let f32 = DType::F32;
         let mut block = Vec::new();
         if gpt2 {
             // NewGELUActivation (transformers/activations.py):
@@ -245,6 +353,22 @@ impl HfRules {
             // up and the product; the engine keeps gate|up and the product.
             block.push((n * dff, dt));
         }
+        block
+    }
+
+    /// Under autocast: the fp32 block input and residual, and the weight
+    /// casts; returns where the casts sit in `block`.
+    fn autocast_casts(&self, block: &mut Vec<(usize, DType)>) -> Option<std::ops::Range<usize>> {
+        let Step {
+            model,
+            n,
+            c,
+            q,
+            dt,
+            autocast,
+            dff,
+            ..
+        } = *self;
         let mut casts = None;
         if autocast {
             // The block input and the residual after attention are fp32.
@@ -260,6 +384,25 @@ impl HfRules {
                 (dff * c, dt),
             ]);
         }
+        casts
+    }
+
+    /// What the math attention path saves beyond the engine's.
+    fn attention(&self, block: &mut Vec<(usize, DType)>) {
+        let Step {
+            train,
+            n,
+            scores,
+            q,
+            kv,
+            dt,
+            sixteen,
+            autocast,
+            gpt2,
+            math,
+            ..
+        } = *self;
+        let f32 = DType::F32;
         if math {
             if !gpt2 && kv < q {
                 // eager_attention_forward calls repeat_kv on k and v
@@ -282,6 +425,17 @@ impl HfRules {
                 block.push((scores, f32));
             }
         }
+    }
+
+    fn lora_dropout(&self, block: &mut Vec<(usize, DType)>) {
+        let Step {
+            model,
+            train,
+            n,
+            dt,
+            mask_dt,
+            ..
+        } = *self;
         if train.finetune != crate::engine::Finetune::Full && train.lora.dropout > 0.0 {
             // PEFT's lora_dropout (peft/tuners/lora/layer.py:
             // `lora_B(lora_A(dropout(x)))`): each adapter drops its own
@@ -292,7 +446,25 @@ impl HfRules {
                 block.extend([(n * ad.inp, dt), (n * ad.inp, mask_dt)]);
             }
         }
-        let mut embed = Vec::new();
+    }
+
+    /// Dropout's masks and dropped copies, in the blocks and on the
+    /// embedding.
+    fn dropout(&self, block: &mut Vec<(usize, DType)>, embed: &mut Vec<(usize, DType)>) {
+        let Step {
+            cuda,
+            n,
+            c,
+            scores,
+            dt,
+            autocast,
+            p,
+            mask_dt,
+            gpt2,
+            math,
+            ..
+        } = *self;
+        let f32 = DType::F32;
         if p > 0.0 {
             if math {
                 // attn_dropout on the probabilities: the mask, and the dropped
@@ -311,13 +483,37 @@ impl HfRules {
                 embed.push((n * c, if cuda { DType::U8 } else { emb_dt }));
             }
         }
+    }
+
+    fn rope(&self, embed: &mut Vec<(usize, DType)>) {
+        let Step {
+            dt, autocast, gpt2, ..
+        } = *self;
+        let f32 = DType::F32;
         if !gpt2 {
             // LlamaRotaryEmbedding: cos and sin (1, T, head_dim), fp32 (cast
             // to the model's 16-bit type in a 16-bit model), made once per
             // forward and shared by every layer.
             let rope_dt = if autocast { f32 } else { dt };
-            embed.extend([(s.t * s.head_dim, rope_dt); 2]);
+            embed.extend([(self.rope, rope_dt); 2]);
         }
+    }
+
+    /// What the final norm and the head save, and what is alive only
+    /// while the head's forward runs.
+    fn head(&self) -> (Saved, Saved) {
+        let Step {
+            train,
+            n,
+            c,
+            dt,
+            sixteen,
+            autocast,
+            gpt2,
+            v,
+            ..
+        } = *self;
+        let f32 = DType::F32;
         let mut head = Vec::new();
         if !gpt2 {
             // The final LlamaRMSNorm's x * rsqrt (see the blocks').
@@ -344,26 +540,6 @@ impl HfRules {
                 head.push((n * c, dt));
             }
         }
-        HfRules {
-            block_casts: casts,
-            head_forward,
-            embed_saved: embed,
-            block_saved: block,
-            head_saved: head,
-            // The loss upcasts 16-bit logits (`logits.float()`) either way.
-            loss_saved: match sixteen {
-                true => vec![(v, dt)],
-                false => Vec::new(),
-            },
-            logits: match sixteen {
-                true => vec![(v, dt), (v, f32)],
-                false => vec![(v, f32)],
-            },
-            autocast,
-            loss_grads: v,
-            lazy_grads: train.set_to_none,
-            optimizer_impl: train.optimizer_impl,
-            param_groups: train.param_groups,
-        }
+        (head, head_forward)
     }
 }

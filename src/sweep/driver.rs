@@ -405,16 +405,7 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
         .unwrap_or_else(crate::calibrate::default_threads);
     // On cuda, open the GPU once here: no GPU is one clear error before any
     // trial, and the trials' limit is at most what the GPU has free.
-    let gpu = match device.kind {
-        DeviceKind::Cuda => {
-            let probe = crate::backend::cuda::open(device.ordinal.unwrap_or(0), threads)
-                .map_err(Error::Unavailable)?;
-            use crate::backend::cuda::driver::Driver as _;
-            let free = crate::run::device_free_after_startup(std::slice::from_ref(&probe));
-            Some((probe.driver().describe(), free, probe.overhead_bytes()))
-        }
-        _ => None,
-    };
+    let gpu = open_gpu(&device, threads)?;
     let (capacity, overhead) = recipe.capacity(&hw);
     // On a GPU the run device's overhead is the one measured at start-up.
     let overhead = gpu.as_ref().map_or(overhead, |g| g.2);
@@ -432,65 +423,22 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
     };
     let target_usd = recipe.cost.unwrap_or(hw.usd_per_hour);
     let target_rates = Rates::gpu(&hw, target_usd);
-    let (rates, pricing) = match &calibration {
-        Some(c) => (
-            Rates::host(c, recipe.host_usd_per_hour.unwrap_or(1.0)),
-            Pricing {
-                basis: "host".into(),
-                usd_per_hour: recipe.host_usd_per_hour,
-            },
-        ),
-        None => (
-            target_rates.clone(),
-            Pricing {
-                basis: "target".into(),
-                usd_per_hour: Some(target_usd),
-            },
-        ),
-    };
+    let (rates, pricing) = run_pricing(calibration.as_ref(), &recipe, &target_rates, target_usd);
     let points = expand(&recipe);
     let mut preds: Vec<Prediction> = points
         .par_iter()
         .map(|p| predict(&recipe, &model, &rates, capacity, overhead, p))
         .collect();
     crate::plan::monotone_in_micro_batch(&mut preds);
-    let target_recipe = crate::plan::PlanRecipe {
-        device: None,
-        ..recipe.clone()
-    };
-    let (target_capacity, target_overhead) = target_recipe.capacity(&hw);
-    let target_usable = (target_capacity as f64 * (1.0 - recipe.headroom)) as u64;
-    let mut targets: Vec<Prediction> = points
-        .par_iter()
-        .map(|p| {
-            let p = &Point {
-                framework: target_framework.unwrap_or(p.framework),
-                ..*p
-            };
-            predict(
-                &target_recipe,
-                &model,
-                &target_rates,
-                target_capacity,
-                target_overhead,
-                p,
-            )
-        })
-        .collect();
-    crate::plan::monotone_in_micro_batch(&mut targets);
-    let targets: Vec<Option<TargetPrediction>> = targets
-        .into_iter()
-        .map(|t| {
-            t.peak_bytes.map(|_| TargetPrediction {
-                peak_total_bytes: t.total_bytes,
-                fits: t.total_bytes <= target_usable,
-                step_s: t.step_s,
-                tokens_per_s: t.tokens_per_s,
-                usd_per_mtok: t.usd_per_mtok,
-                framework: t.point.framework,
-            })
-        })
-        .collect();
+    let target = plan_on_target(
+        &recipe,
+        &model,
+        &hw,
+        &points,
+        target_framework,
+        &target_rates,
+    );
+    let targets = target.predictions;
     let report = SweepReport {
         schema_version: SCHEMA_VERSION,
         memfit_version: env!("CARGO_PKG_VERSION").into(),
@@ -509,8 +457,8 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
         target: Target {
             name: hw.name.clone(),
             display_name: hw.display_name.clone(),
-            capacity_bytes: target_capacity,
-            runtime_overhead_bytes: target_overhead,
+            capacity_bytes: target.capacity,
+            runtime_overhead_bytes: target.overhead,
             usd_per_gpu_hour: target_usd,
         },
         pricing,
@@ -562,6 +510,109 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
     })
 }
 
+/// On cuda, opens the GPU once: no GPU is one clear error before any
+/// trial. Its description, the memory free after start-up, and the
+/// runtime's overhead.
+fn open_gpu(device: &DeviceSpec, threads: usize) -> Result<Option<(String, u64, u64)>> {
+    Ok(match device.kind {
+        DeviceKind::Cuda => {
+            let probe = crate::backend::cuda::open(device.ordinal.unwrap_or(0), threads)
+                .map_err(Error::Unavailable)?;
+            use crate::backend::cuda::driver::Driver as _;
+            let free = crate::run::device_free_after_startup(std::slice::from_ref(&probe));
+            Some((probe.driver().describe(), free, probe.overhead_bytes()))
+        }
+        _ => None,
+    })
+}
+
+/// What prices the trials: with a calibrated host (cpu), its roofline at
+/// the host's $/hour; else the target GPU's rates.
+fn run_pricing(
+    calibration: Option<&crate::calibrate::Calibration>,
+    recipe: &crate::plan::PlanRecipe,
+    target_rates: &Rates,
+    target_usd: f64,
+) -> (Rates, Pricing) {
+    match calibration {
+        Some(c) => (
+            Rates::host(c, recipe.host_usd_per_hour.unwrap_or(1.0)),
+            Pricing {
+                basis: "host".into(),
+                usd_per_hour: recipe.host_usd_per_hour,
+            },
+        ),
+        None => (
+            target_rates.clone(),
+            Pricing {
+                basis: "target".into(),
+                usd_per_hour: Some(target_usd),
+            },
+        ),
+    }
+}
+
+/// The grid planned on the target GPU, and that GPU's capacity.
+struct OnTarget {
+    predictions: Vec<Option<TargetPrediction>>,
+    capacity: u64,
+    overhead: u64,
+}
+
+/// Plans each point on the target GPU (under `framework` when the grid
+/// names none), as PyTorch will run the exported configuration.
+fn plan_on_target(
+    recipe: &crate::plan::PlanRecipe,
+    model: &crate::config::ModelConfig,
+    hw: &crate::config::hardware::HardwareProfile,
+    points: &[Point],
+    framework: Option<Framework>,
+    target_rates: &Rates,
+) -> OnTarget {
+    let target_recipe = crate::plan::PlanRecipe {
+        device: None,
+        ..recipe.clone()
+    };
+    let (target_capacity, target_overhead) = target_recipe.capacity(hw);
+    let target_usable = (target_capacity as f64 * (1.0 - recipe.headroom)) as u64;
+    let mut targets: Vec<Prediction> = points
+        .par_iter()
+        .map(|p| {
+            let p = &Point {
+                framework: framework.unwrap_or(p.framework),
+                ..*p
+            };
+            predict(
+                &target_recipe,
+                model,
+                target_rates,
+                target_capacity,
+                target_overhead,
+                p,
+            )
+        })
+        .collect();
+    crate::plan::monotone_in_micro_batch(&mut targets);
+    let predictions = targets
+        .into_iter()
+        .map(|t| {
+            t.peak_bytes.map(|_| TargetPrediction {
+                peak_total_bytes: t.total_bytes,
+                fits: t.total_bytes <= target_usable,
+                step_s: t.step_s,
+                tokens_per_s: t.tokens_per_s,
+                usd_per_mtok: t.usd_per_mtok,
+                framework: t.point.framework,
+            })
+        })
+        .collect();
+    OnTarget {
+        predictions,
+        capacity: target_capacity,
+        overhead: target_overhead,
+    }
+}
+
 /// Runs the sweep and writes the reports into `opts.out`.
 pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
     check_options(opts)?;
@@ -574,28 +625,14 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         rates,
         preds,
         targets,
-        report,
+        mut report,
     } = prepare(opts)?;
     let capacity = report.capacity_bytes;
     if let Executor::Slurm(_) = &opts.executor {
         super::slurm::check_grid(preds.len())?;
     }
-    std::fs::create_dir_all(&opts.out).map_err(|source| Error::Write {
-        path: opts.out.clone(),
-        source,
-    })?;
     // Held until the sweep returns, however it returns (Ctrl-C included).
-    let command = if opts.hooks.is_some() {
-        "memfit tui"
-    } else {
-        "memfit sweep"
-    };
-    let (_lock, note) = OutLock::take_or_break(&opts.out, command, opts.break_lock)?;
-    if let Some(note) = note
-        && opts.hooks.is_none()
-    {
-        eprintln!("memfit: note: {note}");
-    }
+    let _lock = lock_out(opts)?;
     let journal_path = opts.out.join("trials.jsonl");
     let done = read_journal(&journal_path, opts.resume)?;
     check_identity(
@@ -627,57 +664,12 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
             path: journal_path.clone(),
             source,
         })?;
-    let stop = match &opts.hooks {
-        Some(h) => h.stop.clone(),
-        None => {
-            let stop = Arc::new(AtomicBool::new(false));
-            let flag = stop.clone();
-            // Ctrl-C, a scheduler's SIGTERM and a lost terminal's SIGHUP all
-            // stop the sweep the same way: reports written, trial killed.
-            crate::signals::on_stop(flag);
-            stop
-        }
-    };
+    let stop = stop_flag(opts);
     if let Some(h) = &opts.hooks {
         (h.on_event)(SweepEvent::Planned(preds.clone()));
     }
-    let bar = if opts.progress {
-        indicatif::ProgressBar::new(preds.len() as u64)
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
-            .expect("static template")
-            .progress_chars("=> "),
-    );
-    // On a GPU, NVML samples each trial process's device memory; without
-    // it the sweep goes on with tracked peaks only, and the report says why.
-    let mut report = report;
-    let nvml = match trial_device.kind {
-        DeviceKind::Cuda if !matches!(opts.executor, Executor::Local) => {
-            report.nvml = Some("no NVML: trials ran on other hosts (the sweep samples NVML only for its own child processes)".into());
-            None
-        }
-        DeviceKind::Cuda => match crate::telemetry::Telemetry::open() {
-            Ok(t) => {
-                report.nvml = Some(match t.driver_version() {
-                    Some(v) => format!("NVML, driver {v}"),
-                    None => "NVML".into(),
-                });
-                Some(t)
-            }
-            Err(why) => {
-                report.nvml = Some(if why.starts_with("no NVML") {
-                    why
-                } else {
-                    format!("no NVML: {why}")
-                });
-                None
-            }
-        },
-        _ => None,
-    };
+    let bar = progress_bar(opts.progress, preds.len());
+    let nvml = open_nvml(&mut report, &trial_device, &opts.executor);
     let mut ctx = Ctx {
         nvml,
         opts,
@@ -696,138 +688,11 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         settled: 0,
         total: preds.len(),
     };
-    let preds = &preds;
-    // Groups in the order their first point appears.
-    let mut groups: Vec<(Point, Vec<usize>)> = Vec::new();
-    for (i, p) in preds.iter().enumerate() {
-        let key = group_key(&p.point);
-        match groups.iter_mut().find(|(k, _)| *k == key) {
-            Some((_, v)) => v.push(i),
-            None => groups.push((key, vec![i])),
-        }
-    }
-    let mut records: Vec<Option<TrialRecord>> = vec![None; preds.len()];
-    // Rounds: each asks every group for the trials it can decide without
-    // waiting for another result. The local executor takes the first one
-    // only (so groups run one after another, in order); Slurm takes them all
-    // as one job array.
-    let one_at_a_time = matches!(opts.executor, Executor::Local);
-    let mut selections: Vec<Selection> = groups
-        .into_iter()
-        .map(|(_, idx)| Selection::new(idx, preds, opts.exhaustive))
-        .collect();
-    let mut opened = 0;
-    loop {
-        let mut batch = Vec::new();
-        for (g, sel) in selections.iter_mut().enumerate() {
-            if g == opened {
-                // A group's invalid points are recorded as it is reached.
-                opened += 1;
-                for &i in &sel.invalid {
-                    let reason = match &preds[i].verdict {
-                        Verdict::Invalid { reason } => reason.clone(),
-                        _ => unreachable!(),
-                    };
-                    records[i] = Some(ctx.unrun(i, &preds[i], Outcome::Invalid, reason));
-                }
-            }
-            sel.advance(&records);
-            batch.extend(sel.wanted(&records));
-            if one_at_a_time && !batch.is_empty() {
-                break;
-            }
-        }
-        if batch.is_empty() {
-            break;
-        }
-        // A round stopped part-way still keeps the trials it finished: they
-        // are journaled, so the report must hold them too.
-        let (done, stopped) = ctx.round(&batch, preds)?;
-        for (i, r) in done {
-            records[i] = Some(r);
-        }
-        if stopped {
-            break;
-        }
-    }
-    // Re-runs asked for points the selection did not visit this time.
-    for &i in &opts.rerun {
-        if i < preds.len()
-            && !ctx.ran_now.contains(&i)
-            && !matches!(preds[i].verdict, Verdict::Invalid { .. })
-            && let Some(r) = ctx.trial(i, &preds[i])?
-        {
-            records[i] = Some(r);
-        }
-    }
-    // What was not run, and why.
-    let largest_fit: HashMap<String, usize> = {
-        let mut m = HashMap::new();
-        for r in records.iter().flatten().filter(|r| r.fits) {
-            let e = m.entry(trial_id(&group_key(&r.point))).or_insert(0);
-            *e = (*e).max(r.point.micro_batch);
-        }
-        m
-    };
-    let smallest_misfit: HashMap<String, usize> = {
-        let mut m = HashMap::new();
-        for r in records.iter().flatten().filter(|r| {
-            !r.fits
-                && matches!(
-                    r.outcome,
-                    Outcome::Ran | Outcome::Oom | Outcome::Crash | Outcome::Timeout
-                )
-        }) {
-            let e = m
-                .entry(trial_id(&group_key(&r.point)))
-                .or_insert(usize::MAX);
-            *e = (*e).min(r.point.micro_batch);
-        }
-        m
-    };
+    let mut records = ctx.run_groups(&preds)?;
+    ctx.rerun(&preds, &mut records)?;
     let interrupted = ctx.stop.load(Ordering::SeqCst);
-    for (i, slot) in records.iter_mut().enumerate() {
-        if slot.is_some() || interrupted {
-            continue;
-        }
-        let p = &preds[i];
-        // Measured earlier (a re-run of a point the selection skips): keep it.
-        if let Some(r) = ctx.done.get(&trial_id(&p.point)) {
-            *slot = Some(r.clone());
-            continue;
-        }
-        let key = trial_id(&group_key(&p.point));
-        let mb = p.point.micro_batch;
-        *slot = Some(if p.verdict == Verdict::DoesNotFit {
-            ctx.unrun(
-                i,
-                p,
-                Outcome::SkippedPredictedOom,
-                format!(
-                    "predicted {} per GPU against {} usable",
-                    crate::units::fmt_bytes(p.total_bytes),
-                    crate::units::fmt_bytes(p.usable_bytes)
-                ),
-            )
-        } else if largest_fit.get(&key).is_some_and(|&m| mb < m) {
-            ctx.unrun(
-                i,
-                p,
-                Outcome::SkippedByMonotonicity,
-                format!(
-                    "micro-batch {} fits, so a smaller one does",
-                    largest_fit[&key]
-                ),
-            )
-        } else {
-            let note = match smallest_misfit.get(&key) {
-                Some(m) => {
-                    format!("micro-batch {m} did not fit or failed, so a larger one is not run")
-                }
-                None => "not reached".into(),
-            };
-            ctx.unrun(i, p, Outcome::SkippedByMonotonicity, note)
-        });
+    if !interrupted {
+        ctx.record_unrun(&preds, &mut records);
     }
     ctx.report.trials = records.into_iter().flatten().collect();
     ctx.report.trials_run = ctx
@@ -852,6 +717,246 @@ pub fn sweep(opts: &SweepOptions) -> Result<SweepReport> {
         (h.on_event)(SweepEvent::Finished(Box::new(report.clone())));
     }
     Ok(report)
+}
+
+/// Creates `--out` and takes its lock, noting a lock it broke.
+fn lock_out(opts: &SweepOptions) -> Result<OutLock> {
+    std::fs::create_dir_all(&opts.out).map_err(|source| Error::Write {
+        path: opts.out.clone(),
+        source,
+    })?;
+    let command = if opts.hooks.is_some() {
+        "memfit tui"
+    } else {
+        "memfit sweep"
+    };
+    let (lock, note) = OutLock::take_or_break(&opts.out, command, opts.break_lock)?;
+    if let Some(note) = note
+        && opts.hooks.is_none()
+    {
+        eprintln!("memfit: note: {note}");
+    }
+    Ok(lock)
+}
+
+/// The flag that stops the sweep: the front end's, or one the signals set.
+fn stop_flag(opts: &SweepOptions) -> Arc<AtomicBool> {
+    match &opts.hooks {
+        Some(h) => h.stop.clone(),
+        None => {
+            let stop = Arc::new(AtomicBool::new(false));
+            let flag = stop.clone();
+            // Ctrl-C, a scheduler's SIGTERM and a lost terminal's SIGHUP all
+            // stop the sweep the same way: reports written, trial killed.
+            crate::signals::on_stop(flag);
+            stop
+        }
+    }
+}
+
+fn progress_bar(shown: bool, len: usize) -> indicatif::ProgressBar {
+    let bar = if shown {
+        indicatif::ProgressBar::new(len as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
+            .expect("static template")
+            .progress_chars("=> "),
+    );
+    bar
+}
+
+/// On a GPU, NVML samples each trial process's device memory; without
+/// it the sweep goes on with tracked peaks only, and the report says why.
+fn open_nvml(
+    report: &mut SweepReport,
+    trial_device: &DeviceSpec,
+    executor: &Executor,
+) -> Option<crate::telemetry::Telemetry> {
+    match trial_device.kind {
+        DeviceKind::Cuda if !matches!(executor, Executor::Local) => {
+            report.nvml = Some("no NVML: trials ran on other hosts (the sweep samples NVML only for its own child processes)".into());
+            None
+        }
+        DeviceKind::Cuda => match crate::telemetry::Telemetry::open() {
+            Ok(t) => {
+                report.nvml = Some(match t.driver_version() {
+                    Some(v) => format!("NVML, driver {v}"),
+                    None => "NVML".into(),
+                });
+                Some(t)
+            }
+            Err(why) => {
+                report.nvml = Some(if why.starts_with("no NVML") {
+                    why
+                } else {
+                    format!("no NVML: {why}")
+                });
+                None
+            }
+        },
+        _ => None,
+    }
+}
+
+/// The grid's groups (points that differ only in micro-batch), in the
+/// order their first point appears, each with its search.
+fn selections(preds: &[Prediction], exhaustive: bool) -> Vec<Selection> {
+    let mut groups: Vec<(Point, Vec<usize>)> = Vec::new();
+    for (i, p) in preds.iter().enumerate() {
+        let key = group_key(&p.point);
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, v)) => v.push(i),
+            None => groups.push((key, vec![i])),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(_, idx)| Selection::new(idx, preds, exhaustive))
+        .collect()
+}
+
+/// Per group (by [`trial_id`] of its [`group_key`]), the largest
+/// micro-batch that fit.
+fn largest_fit(records: &[Option<TrialRecord>]) -> HashMap<String, usize> {
+    let mut m = HashMap::new();
+    for r in records.iter().flatten().filter(|r| r.fits) {
+        let e = m.entry(trial_id(&group_key(&r.point))).or_insert(0);
+        *e = (*e).max(r.point.micro_batch);
+    }
+    m
+}
+
+/// Per group, the smallest micro-batch that ran (or failed running) and
+/// did not fit.
+fn smallest_misfit(records: &[Option<TrialRecord>]) -> HashMap<String, usize> {
+    let mut m = HashMap::new();
+    for r in records.iter().flatten().filter(|r| {
+        !r.fits
+            && matches!(
+                r.outcome,
+                Outcome::Ran | Outcome::Oom | Outcome::Crash | Outcome::Timeout
+            )
+    }) {
+        let e = m
+            .entry(trial_id(&group_key(&r.point)))
+            .or_insert(usize::MAX);
+        *e = (*e).min(r.point.micro_batch);
+    }
+    m
+}
+
+impl Ctx<'_> {
+    /// Rounds: each asks every group for the trials it can decide without
+    /// waiting for another result. The local executor takes the first one
+    /// only (so groups run one after another, in order); Slurm takes them all
+    /// as one job array.
+    fn run_groups(&mut self, preds: &[Prediction]) -> Result<Vec<Option<TrialRecord>>> {
+        let mut records: Vec<Option<TrialRecord>> = vec![None; preds.len()];
+        let one_at_a_time = matches!(self.opts.executor, Executor::Local);
+        let mut selections = selections(preds, self.opts.exhaustive);
+        let mut opened = 0;
+        loop {
+            let mut batch = Vec::new();
+            for (g, sel) in selections.iter_mut().enumerate() {
+                if g == opened {
+                    // A group's invalid points are recorded as it is reached.
+                    opened += 1;
+                    for &i in &sel.invalid {
+                        let reason = match &preds[i].verdict {
+                            Verdict::Invalid { reason } => reason.clone(),
+                            _ => unreachable!(),
+                        };
+                        records[i] = Some(self.unrun(i, &preds[i], Outcome::Invalid, reason));
+                    }
+                }
+                sel.advance(&records);
+                batch.extend(sel.wanted(&records));
+                if one_at_a_time && !batch.is_empty() {
+                    break;
+                }
+            }
+            if batch.is_empty() {
+                break;
+            }
+            // A round stopped part-way still keeps the trials it finished: they
+            // are journaled, so the report must hold them too.
+            let (done, stopped) = self.round(&batch, preds)?;
+            for (i, r) in done {
+                records[i] = Some(r);
+            }
+            if stopped {
+                break;
+            }
+        }
+        Ok(records)
+    }
+
+    /// Re-runs asked for points the selection did not visit this time.
+    fn rerun(&mut self, preds: &[Prediction], records: &mut [Option<TrialRecord>]) -> Result<()> {
+        let opts = self.opts;
+        for &i in &opts.rerun {
+            if i < preds.len()
+                && !self.ran_now.contains(&i)
+                && !matches!(preds[i].verdict, Verdict::Invalid { .. })
+                && let Some(r) = self.trial(i, &preds[i])?
+            {
+                records[i] = Some(r);
+            }
+        }
+        Ok(())
+    }
+
+    /// What was not run, and why.
+    fn record_unrun(&mut self, preds: &[Prediction], records: &mut [Option<TrialRecord>]) {
+        let largest_fit = largest_fit(records);
+        let smallest_misfit = smallest_misfit(records);
+        for (i, slot) in records.iter_mut().enumerate() {
+            if slot.is_some() {
+                continue;
+            }
+            let p = &preds[i];
+            // Measured earlier (a re-run of a point the selection skips): keep it.
+            if let Some(r) = self.done.get(&trial_id(&p.point)) {
+                *slot = Some(r.clone());
+                continue;
+            }
+            let key = trial_id(&group_key(&p.point));
+            let mb = p.point.micro_batch;
+            *slot = Some(if p.verdict == Verdict::DoesNotFit {
+                self.unrun(
+                    i,
+                    p,
+                    Outcome::SkippedPredictedOom,
+                    format!(
+                        "predicted {} per GPU against {} usable",
+                        crate::units::fmt_bytes(p.total_bytes),
+                        crate::units::fmt_bytes(p.usable_bytes)
+                    ),
+                )
+            } else if largest_fit.get(&key).is_some_and(|&m| mb < m) {
+                self.unrun(
+                    i,
+                    p,
+                    Outcome::SkippedByMonotonicity,
+                    format!(
+                        "micro-batch {} fits, so a smaller one does",
+                        largest_fit[&key]
+                    ),
+                )
+            } else {
+                let note = match smallest_misfit.get(&key) {
+                    Some(m) => {
+                        format!("micro-batch {m} did not fit or failed, so a larger one is not run")
+                    }
+                    None => "not reached".into(),
+                };
+                self.unrun(i, p, Outcome::SkippedByMonotonicity, note)
+            });
+        }
+    }
 }
 
 /// Reads the journal for `--resume`; without it, an existing journal is an
@@ -2126,24 +2231,53 @@ pub fn recommend(report: &mut SweepReport) {
 /// tied trials timing cannot tell from the fastest at all (whose interval
 /// reaches 1.0), so that another sweep's pick is within this one's tie.
 pub fn recommend_with(report: &mut SweepReport, ranking: Option<Ranking>) {
-    let usable = report.usable_bytes() as i64;
-    let margin = |r: &TrialRecord| {
-        usable
-            - r.measured.as_ref().map_or(i64::MAX / 2, |m| {
-                (m.peak_bytes.total + report.runtime_overhead_bytes) as i64
-            })
+    report.pareto = pareto_frontier(report);
+    let fit = cheapest_first(report);
+    if fit.is_empty() {
+        report.recommendation = None;
+        return;
+    }
+    let (trial, reasons, runners_up, tied, drift) = {
+        let pick = Pick::new(report, fit, ranking.as_ref());
+        let runners = pick.runners_up();
+        let tied = pick.tie.iter().copied().filter(|&t| t != pick.i).collect();
+        (pick.i, pick.reasons(&runners), runners, tied, pick.drift)
     };
-    let cost = |r: &TrialRecord| cost_of(r).map_or(f64::INFINITY, |c| c.0);
-    let interval = |r: &TrialRecord| cost_of(r).map_or([f64::INFINITY; 2], |c| c.1);
-    let mut fit = eligible(report);
-    fit.sort_by(|&a, &b| {
-        let (x, y) = (&report.trials[a], &report.trials[b]);
-        cost(x)
-            .total_cmp(&cost(y))
-            .then(x.point.gpus.cmp(&y.point.gpus))
-            .then(margin(y).cmp(&margin(x)))
+    let mut ranking = ranking;
+    if let Some(rk) = ranking.as_mut() {
+        rk.drift = drift;
+    }
+    report.recommendation = Some(Recommendation {
+        trial,
+        reasons,
+        runners_up,
+        tied,
+        ranking,
     });
-    // Pareto: by increasing peak, keep each trial faster than every smaller one.
+}
+
+/// How much of the usable memory a trial leaves (an unmeasured one sorts
+/// as if it left a great deal).
+fn margin(report: &SweepReport, r: &TrialRecord) -> i64 {
+    report.usable_bytes() as i64
+        - r.measured.as_ref().map_or(i64::MAX / 2, |m| {
+            (m.peak_bytes.total + report.runtime_overhead_bytes) as i64
+        })
+}
+
+/// [`cost_of`]'s cost, an unmeasured trial costing the most.
+fn cost(r: &TrialRecord) -> f64 {
+    cost_of(r).map_or(f64::INFINITY, |c| c.0)
+}
+
+/// [`cost_of`]'s interval, an unmeasured trial's lying beyond every other.
+fn interval(r: &TrialRecord) -> [f64; 2] {
+    cost_of(r).map_or([f64::INFINITY; 2], |c| c.1)
+}
+
+/// Pareto: by increasing peak, keep each fitting trial faster than every
+/// smaller one.
+fn pareto_frontier(report: &SweepReport) -> Vec<usize> {
     let mut by_peak: Vec<usize> = (0..report.trials.len())
         .filter(|&i| report.trials[i].fits)
         .collect();
@@ -2154,7 +2288,7 @@ pub fn recommend_with(report: &mut SweepReport, ranking: Option<Ranking>) {
             .map_or(0, |m| m.peak_bytes.total)
     });
     let mut best = f64::NEG_INFINITY;
-    report.pareto = by_peak
+    by_peak
         .into_iter()
         .filter(|&i| {
             let t = report.trials[i]
@@ -2165,308 +2299,426 @@ pub fn recommend_with(report: &mut SweepReport, ranking: Option<Ranking>) {
             best = best.max(t);
             keep
         })
-        .collect();
-    let Some(&cheapest) = fit.first() else {
-        report.recommendation = None;
-        return;
-    };
-    // The paired ranking, when it ranked trials that fit.
-    let paired = ranking.as_ref().filter(|rk| {
+        .collect()
+}
+
+/// The [`eligible`] trials, cheapest first (then fewer GPUs, then more
+/// margin).
+fn cheapest_first(report: &SweepReport) -> Vec<usize> {
+    let mut fit = eligible(report);
+    fit.sort_by(|&a, &b| {
+        let (x, y) = (&report.trials[a], &report.trials[b]);
+        cost(x)
+            .total_cmp(&cost(y))
+            .then(x.point.gpus.cmp(&y.point.gpus))
+            .then(margin(report, y).cmp(&margin(report, x)))
+    });
+    fit
+}
+
+/// The paired ranking, when it ranked trials that fit.
+fn paired_ranking<'a>(ranking: Option<&'a Ranking>, fit: &[usize]) -> Option<&'a Ranking> {
+    ranking.filter(|rk| {
         rk.method == "paired"
             && !rk.paired.is_empty()
             && rk.paired.iter().all(|p| fit.contains(&p.trial))
+    })
+}
+
+/// How far the load drifted between the trials: each finalist's
+/// throughput in its paired bouts over that in its own trial, the
+/// largest of these over the smallest (1.0: every trial ran under the
+/// same load).
+fn load_drift(report: &SweepReport, rk: &Ranking) -> Option<f64> {
+    let k: Vec<f64> = rk
+        .paired
+        .iter()
+        .filter_map(|p| {
+            let own = report.trials[p.trial].measured.as_ref()?.tokens_per_s;
+            Some(p.tokens_per_s / own).filter(|k| k.is_finite() && *k > 0.0)
+        })
+        .collect();
+    let (lo, hi) = k.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &x| {
+        (lo.min(x), hi.max(x))
     });
-    let pair_of = |i: usize| paired.and_then(|rk| rk.paired.iter().find(|p| p.trial == i));
-    // How far the load drifted between the trials: each finalist's
-    // throughput in its paired bouts over that in its own trial, the
-    // largest of these over the smallest (1.0: every trial ran under the
-    // same load).
-    let drift = paired.and_then(|rk| {
-        let k: Vec<f64> = rk
-            .paired
-            .iter()
-            .filter_map(|p| {
-                let own = report.trials[p.trial].measured.as_ref()?.tokens_per_s;
-                Some(p.tokens_per_s / own).filter(|k| k.is_finite() && *k > 0.0)
-            })
-            .collect();
-        let (lo, hi) = k.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &x| {
-            (lo.min(x), hi.max(x))
-        });
-        // The load's swing during the re-timing says how much a trial
-        // timed alone may have been slowed, too.
-        let between = (k.len() >= 2).then(|| (hi / lo).max(1.0));
-        match (between, rk.load_swing) {
-            (Some(a), Some(b)) => Some(a.max(b)),
-            (a, b) => a.or(b),
-        }
-    });
-    let (tie, pool): (Vec<usize>, Vec<usize>) = match paired {
-        Some(rk) => {
-            // Finalists first, in paired order; the rest by their own cost.
-            let pos = |i: usize| rk.paired.iter().position(|p| p.trial == i);
-            fit.sort_by_key(|&i| pos(i).unwrap_or(usize::MAX));
-            let (mut tie, pool) = super::retime::tie_sets(rk);
-            // Too noisy to separate even the finalists: which trials became
-            // finalists, on their own measurements, is no surer. So the tie
-            // also holds every fitting trial whose own measurement reaches
-            // within it of the cheapest, allowing for the drift between
-            // trials that the finalists show.
-            if rk.noisy {
-                let best = cost(&report.trials[cheapest]);
-                let reach = best * (1.0 + rk.tie_within) * drift.unwrap_or(1.0);
-                let more: Vec<usize> = (fit.iter().copied())
-                    .filter(|&i| pos(i).is_none() && !tie.contains(&i))
-                    .filter(|&i| interval(&report.trials[i])[0] <= reach)
+    // The load's swing during the re-timing says how much a trial
+    // timed alone may have been slowed, too.
+    let between = (k.len() >= 2).then(|| (hi / lo).max(1.0));
+    match (between, rk.load_swing) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// A recommendation being made: the fitting trials in rank order, the
+/// ranking they were ranked on, the tie, and the pick `i`.
+struct Pick<'a> {
+    report: &'a SweepReport,
+    /// The ranking the sweep passed, paired or not.
+    ranking: Option<&'a Ranking>,
+    /// `ranking` when it is a paired ranking of fitting trials.
+    paired: Option<&'a Ranking>,
+    /// The fitting trials: the paired finalists first, in paired order,
+    /// then the rest by their own cost.
+    fit: Vec<usize>,
+    drift: Option<f64>,
+    /// The trials timing cannot separate from the fastest, settled.
+    tie: Vec<usize>,
+    /// Those the pick is made among, settled: the pick is the first.
+    pool: Vec<usize>,
+    i: usize,
+}
+
+impl<'a> Pick<'a> {
+    /// `fit` comes cheapest first, and not empty.
+    fn new(report: &'a SweepReport, mut fit: Vec<usize>, ranking: Option<&'a Ranking>) -> Self {
+        let paired = paired_ranking(ranking, &fit);
+        let drift = paired.and_then(|rk| load_drift(report, rk));
+        let (mut tie, mut pool) = match paired {
+            Some(rk) => paired_tie(report, &mut fit, rk, drift),
+            None => {
+                let band = interval(&report.trials[fit[0]]);
+                let tie: Vec<usize> = fit
+                    .iter()
+                    .copied()
+                    .filter(|&i| crate::stats::overlaps(interval(&report.trials[i]), band))
                     .collect();
-                tie.extend(more);
+                (tie.clone(), tie)
             }
-            (tie, pool)
+        };
+        let settle = |a: &usize, b: &usize| settle(report, &fit, *a, *b);
+        pool.sort_by(settle);
+        tie.sort_by(settle);
+        Pick {
+            report,
+            ranking,
+            paired,
+            i: pool[0],
+            fit,
+            drift,
+            tie,
+            pool,
         }
-        None => {
-            let band = interval(&report.trials[cheapest]);
-            let tie: Vec<usize> = fit
-                .iter()
-                .copied()
-                .filter(|&i| crate::stats::overlaps(interval(&report.trials[i]), band))
-                .collect();
-            (tie.clone(), tie)
+    }
+
+    fn trial(&self, i: usize) -> &'a TrialRecord {
+        &self.report.trials[i]
+    }
+
+    fn picked(&self) -> &'a TrialRecord {
+        self.trial(self.i)
+    }
+
+    fn measured(&self) -> &'a Measured {
+        self.picked().measured.as_ref().expect("fitting trials ran")
+    }
+
+    fn pair_of(&self, i: usize) -> Option<&'a crate::report::sweep::PairedTrial> {
+        self.paired
+            .and_then(|rk| rk.paired.iter().find(|p| p.trial == i))
+    }
+
+    fn meta(&self) -> bool {
+        self.report.device.starts_with("meta")
+    }
+
+    /// The next three fitting trials after the pick.
+    fn runners_up(&self) -> Vec<usize> {
+        (self.fit.iter().copied())
+            .filter(|&j| j != self.i)
+            .take(3)
+            .collect()
+    }
+
+    /// Why this trial, in the order the reports list them.
+    fn reasons(&self, runners: &[usize]) -> Vec<String> {
+        let mut reasons = vec![self.headline()];
+        match self.paired {
+            Some(rk) => self.paired_reasons(rk, &mut reasons),
+            None => self.own_timing_reasons(&mut reasons),
         }
-    };
-    let settle = |a: &usize, b: &usize| {
-        let (x, y) = (&report.trials[*a], &report.trials[*b]);
-        let rank = |i: usize| fit.iter().position(|&f| f == i);
-        x.numerics_changes
-            .is_empty()
-            .cmp(&y.numerics_changes.is_empty())
-            .reverse()
-            .then(margin(y).cmp(&margin(x)))
-            .then(x.point.gpus.cmp(&y.point.gpus))
-            .then(rank(*a).cmp(&rank(*b)))
-    };
-    let mut pool = pool;
-    pool.sort_by(settle);
-    let i = pool[0];
-    let mut tie = tie;
-    tie.sort_by(settle);
-    let r = &report.trials[i];
-    let m = r.measured.as_ref().expect("fitting trials ran");
-    let on_host = report.pricing.basis == "host";
-    let meta = report.device.starts_with("meta");
-    let speed = if meta {
-        format!(
-            "{:.0} tokens/s predicted (meta trials compute nothing, so nothing was timed: the throughput is the run device's roofline)",
-            m.tokens_per_s
-        )
-    } else {
-        format!(
-            "{:.0} tokens/s measured{} (95% interval {:.0}-{:.0}, median of {} timed steps)",
-            m.tokens_per_s,
-            if paired.is_some() {
-                " in its own trial"
-            } else {
-                ""
-            },
-            m.tokens_per_s_ci[0],
-            m.tokens_per_s_ci[1],
-            m.step_ms.len().saturating_sub(m.warmup_steps)
-        )
-    };
-    let how = match paired {
-        Some(_) => "ranked on paired re-timing",
-        None => "lowest cost",
-    };
-    let mut reasons = vec![match (m.usd_per_mtok, on_host) {
-        (Some(usd), true) => format!(
-            "{how} among {} fitting trials: ${} per million tokens on this host at {speed}",
-            fit.len(),
-            crate::plan::usd(usd)
-        ),
-        (Some(usd), false) => format!(
-            "{how} among {} fitting trials: ${} per million tokens at {speed} on {} GPU(s)",
-            fit.len(),
-            crate::plan::usd(usd),
-            r.point.gpus
-        ),
-        (None, _) if paired.is_some() => format!(
-            "fastest among {} fitting trials on this host, ranked on paired re-timing (no host_usd_per_hour, so by throughput): {speed}",
-            fit.len()
-        ),
-        (None, _) => format!(
-            "fastest among {} fitting trials on this host (no host_usd_per_hour, so ranked by throughput): {speed}",
-            fit.len()
-        ),
-    }];
-    let settled_by = |x: &TrialRecord| {
+        reasons.push(self.peak_reason());
+        if let Some(&j) = runners.first() {
+            reasons.push(self.runner_up_reason(j));
+        }
+        let r = self.picked();
+        if r.numerics_changes.is_empty() {
+            reasons.push("changes no numerics".into());
+        } else {
+            reasons.push(format!(
+                "changes numerics: {}",
+                r.numerics_changes.join(", ")
+            ));
+        }
+        if !self.report.allow_numerics_change {
+            reasons.push(
+                "fp16, adamw8bit and adafactor were ruled out (allow_numerics_change: false)"
+                    .into(),
+            );
+        }
+        if let Some(t) = &r.target {
+            reasons.push(format!(
+                "on the target ({}), planned at {} per GPU ({}) and {:.0} tokens/s, ${} per million tokens",
+                self.report.target.display_name,
+                crate::units::fmt_bytes(t.peak_total_bytes),
+                if t.fits { "fits" } else { "does not fit" },
+                t.tokens_per_s,
+                crate::plan::usd(t.usd_per_mtok)
+            ));
+        }
+        reasons
+    }
+
+    /// The pick's throughput, and how it was had.
+    fn speed(&self) -> String {
+        let m = self.measured();
+        if self.meta() {
+            format!(
+                "{:.0} tokens/s predicted (meta trials compute nothing, so nothing was timed: the throughput is the run device's roofline)",
+                m.tokens_per_s
+            )
+        } else {
+            format!(
+                "{:.0} tokens/s measured{} (95% interval {:.0}-{:.0}, median of {} timed steps)",
+                m.tokens_per_s,
+                if self.paired.is_some() {
+                    " in its own trial"
+                } else {
+                    ""
+                },
+                m.tokens_per_s_ci[0],
+                m.tokens_per_s_ci[1],
+                m.step_ms.len().saturating_sub(m.warmup_steps)
+            )
+        }
+    }
+
+    /// The first reason: what the pick was ranked on, and its cost.
+    fn headline(&self) -> String {
+        let speed = self.speed();
+        let fit = self.fit.len();
+        let how = match self.paired {
+            Some(_) => "ranked on paired re-timing",
+            None => "lowest cost",
+        };
+        let on_host = self.report.pricing.basis == "host";
+        match (self.measured().usd_per_mtok, on_host) {
+            (Some(usd), true) => format!(
+                "{how} among {fit} fitting trials: ${} per million tokens on this host at {speed}",
+                crate::plan::usd(usd)
+            ),
+            (Some(usd), false) => format!(
+                "{how} among {fit} fitting trials: ${} per million tokens at {speed} on {} GPU(s)",
+                crate::plan::usd(usd),
+                self.picked().point.gpus
+            ),
+            (None, _) if self.paired.is_some() => format!(
+                "fastest among {fit} fitting trials on this host, ranked on paired re-timing (no host_usd_per_hour, so by throughput): {speed}"
+            ),
+            (None, _) => format!(
+                "fastest among {fit} fitting trials on this host (no host_usd_per_hour, so ranked by throughput): {speed}"
+            ),
+        }
+    }
+
+    /// What settled the tie between the pick and `x`.
+    fn settled_by(&self, x: &TrialRecord) -> &'static str {
+        let r = self.picked();
         if r.numerics_changes.is_empty() != x.numerics_changes.is_empty() {
             "it changes no numerics"
-        } else if margin(r) != margin(x) {
+        } else if margin(self.report, r) != margin(self.report, x) {
             "it leaves the most memory to spare"
         } else if r.point.gpus != x.point.gpus {
             "it uses the fewest GPUs"
         } else {
             "its cost is lowest"
         }
-    };
-    match (paired, &ranking) {
-        (Some(rk), _) => {
-            let fastest = rk.paired[0].trial;
+    }
+
+    /// How the finalists were re-timed, the tie among them, and the noise.
+    fn paired_reasons(&self, rk: &Ranking, reasons: &mut Vec<String>) {
+        let fastest = rk.paired[0].trial;
+        reasons.push(format!(
+            "the {} cheapest trials were timed again, interleaved ({} rounds of one bout each of {}, the order rotated every round), so that they shared the host's load; each is ranked on its cost over the fastest's in the same round (paired intervals within ±{:.1}%, bound ±{:.0}%{})",
+            rk.contenders.len(),
+            rk.rounds,
+            super::markdown::bout_words(rk),
+            rk.widest_half_interval * 100.0,
+            rk.noise_bound * 100.0,
+            match rk.retries {
+                0 => String::new(),
+                n => format!(", after {n} re-timing(s) of wider ones"),
+            }
+        ));
+        if self.tie.len() > 1 {
+            let within = format!(
+                "a tie: {} fitting configurations have paired intervals reaching within {:.0}% of the fastest (#{fastest}), so timing cannot rank them",
+                self.tie.len(),
+                rk.tie_within * 100.0
+            );
+            reasons.push(if self.pool.len() > 1 {
+                format!(
+                    "{within}; chosen among the {} that timing cannot tell from the fastest at all because {}",
+                    self.pool.len(),
+                    self.settled_by(self.trial(self.pool[1]))
+                )
+            } else {
+                format!("{within}; this one is the fastest")
+            });
+        }
+        if self.i != fastest
+            && let Some(p) = self.pair_of(self.i)
+        {
             reasons.push(format!(
-                "the {} cheapest trials were timed again, interleaved ({} rounds of one bout each of {}, the order rotated every round), so that they shared the host's load; each is ranked on its cost over the fastest's in the same round (paired intervals within ±{:.1}%, bound ±{:.0}%{})",
-                rk.contenders.len(),
+                "its cost is {:.3}x the fastest's in paired timing (95% interval {:.3}-{:.3})",
+                p.cost_ratio, p.cost_ratio_ci[0], p.cost_ratio_ci[1]
+            ));
+        }
+        if rk.noisy {
+            reasons.push(format!(
+                "the host was too noisy to separate them: after {} interleaved rounds the paired intervals were still up to ±{:.0}% (the bound is ±{:.0}%), so the tie is widened to {:.0}%, to every fitting trial whose paired measurement comes that near the fastest, or whose own does allowing for the {:.2}x the load swung (between trials, or while the finalists were re-timed; {} in all); the pick is the fastest in paired timing, or one timing cannot tell from it, and another sweep may well pick another of the tied",
                 rk.rounds,
-                super::markdown::bout_words(rk),
                 rk.widest_half_interval * 100.0,
                 rk.noise_bound * 100.0,
-                match rk.retries {
-                    0 => String::new(),
-                    n => format!(", after {n} re-timing(s) of wider ones"),
-                }
+                rk.tie_within * 100.0,
+                self.drift.unwrap_or(1.0),
+                self.tie.len()
             ));
-            if tie.len() > 1 {
-                let within = format!(
-                    "a tie: {} fitting configurations have paired intervals reaching within {:.0}% of the fastest (#{fastest}), so timing cannot rank them",
-                    tie.len(),
-                    rk.tie_within * 100.0
-                );
-                reasons.push(if pool.len() > 1 {
-                    format!(
-                        "{within}; chosen among the {} that timing cannot tell from the fastest at all because {}",
-                        pool.len(),
-                        settled_by(&report.trials[pool[1]])
-                    )
-                } else {
-                    format!("{within}; this one is the fastest")
-                });
-            }
-            if i != fastest
-                && let Some(p) = pair_of(i)
-            {
-                reasons.push(format!(
-                    "its cost is {:.3}x the fastest's in paired timing (95% interval {:.3}-{:.3})",
-                    p.cost_ratio, p.cost_ratio_ci[0], p.cost_ratio_ci[1]
-                ));
-            }
-            if rk.noisy {
-                reasons.push(format!(
-                    "the host was too noisy to separate them: after {} interleaved rounds the paired intervals were still up to ±{:.0}% (the bound is ±{:.0}%), so the tie is widened to {:.0}%, to every fitting trial whose paired measurement comes that near the fastest, or whose own does allowing for the {:.2}x the load swung (between trials, or while the finalists were re-timed; {} in all); the pick is the fastest in paired timing, or one timing cannot tell from it, and another sweep may well pick another of the tied",
-                    rk.rounds,
-                    rk.widest_half_interval * 100.0,
-                    rk.noise_bound * 100.0,
-                    rk.tie_within * 100.0,
-                    drift.unwrap_or(1.0),
-                    tie.len()
-                ));
-            }
-        }
-        (None, rk) => {
-            if tie.len() > 1 {
-                reasons.push(format!(
-                    "a tie: {} fitting configurations have throughput intervals overlapping the fastest one's, so timing cannot separate them; chosen among them because {}",
-                    tie.len(),
-                    settled_by(&report.trials[tie[1]])
-                ));
-            }
-            if let Some(note) = rk.as_ref().and_then(|rk| rk.note.as_ref()) {
-                reasons.push(format!(
-                    "ranked on each trial's own {}: {note}",
-                    if meta { "prediction" } else { "measurement" }
-                ));
-            }
-            let [lo, hi] = m.tokens_per_s_ci;
-            let half = (hi - lo) / 2.0 / m.tokens_per_s;
-            let bound = rk.as_ref().map_or(0.10, |rk| rk.noise_bound);
-            if !meta && half > bound && rk.as_ref().is_none_or(|rk| rk.contenders.len() != 1) {
-                reasons.push(format!(
-                    "its throughput interval is ±{:.0}%, wider than ±{:.0}%: this host was too noisy for one trial's timing to rank it",
-                    half * 100.0,
-                    bound * 100.0
-                ));
-            }
         }
     }
-    reasons.push(format!(
-        "peak {} of {} usable ({} to spare; {} capacity, {:.0}% headroom)",
-        crate::units::fmt_bytes(m.peak_bytes.total + report.runtime_overhead_bytes),
-        crate::units::fmt_bytes(report.usable_bytes()),
-        crate::units::fmt_bytes(margin(r).max(0) as u64),
-        crate::units::fmt_bytes(report.capacity_bytes),
-        report.headroom * 100.0
-    ));
-    let runners: Vec<usize> = fit.iter().copied().filter(|&j| j != i).take(3).collect();
-    if let Some(&j) = runners.first() {
-        let ru = &report.trials[j];
-        let what = if m.usd_per_mtok.is_some() {
+
+    /// Without a paired ranking: the tie on the trials' own intervals, why
+    /// they were not re-timed, and whether one trial's timing was too noisy.
+    fn own_timing_reasons(&self, reasons: &mut Vec<String>) {
+        let rk = self.ranking;
+        if self.tie.len() > 1 {
+            reasons.push(format!(
+                "a tie: {} fitting configurations have throughput intervals overlapping the fastest one's, so timing cannot separate them; chosen among them because {}",
+                self.tie.len(),
+                self.settled_by(self.trial(self.tie[1]))
+            ));
+        }
+        if let Some(note) = rk.and_then(|rk| rk.note.as_ref()) {
+            reasons.push(format!(
+                "ranked on each trial's own {}: {note}",
+                if self.meta() {
+                    "prediction"
+                } else {
+                    "measurement"
+                }
+            ));
+        }
+        let m = self.measured();
+        let [lo, hi] = m.tokens_per_s_ci;
+        let half = (hi - lo) / 2.0 / m.tokens_per_s;
+        let bound = rk.map_or(0.10, |rk| rk.noise_bound);
+        if !self.meta() && half > bound && rk.is_none_or(|rk| rk.contenders.len() != 1) {
+            reasons.push(format!(
+                "its throughput interval is ±{:.0}%, wider than ±{:.0}%: this host was too noisy for one trial's timing to rank it",
+                half * 100.0,
+                bound * 100.0
+            ));
+        }
+    }
+
+    fn peak_reason(&self) -> String {
+        let report = self.report;
+        format!(
+            "peak {} of {} usable ({} to spare; {} capacity, {:.0}% headroom)",
+            crate::units::fmt_bytes(
+                self.measured().peak_bytes.total + report.runtime_overhead_bytes
+            ),
+            crate::units::fmt_bytes(report.usable_bytes()),
+            crate::units::fmt_bytes(margin(report, self.picked()).max(0) as u64),
+            crate::units::fmt_bytes(report.capacity_bytes),
+            report.headroom * 100.0
+        )
+    }
+
+    /// How the first runner-up `j` compares: in paired timing when both
+    /// were finalists, else on their own costs.
+    fn runner_up_reason(&self, j: usize) -> String {
+        let ru = self.trial(j);
+        let what = if self.measured().usd_per_mtok.is_some() {
             "cost per token"
         } else {
             "time per token"
         };
-        reasons.push(match (pair_of(i), pair_of(j)) {
-            (Some(a), Some(b)) => {
-                let ratio = b.cost_ratio / a.cost_ratio;
-                format!(
-                    "runner-up {} has {:.1}% {} {what} in paired timing (its interval over the fastest's: {:.3}-{:.3}){}",
-                    ru.point.label(),
-                    (ratio - 1.0).abs() * 100.0,
-                    if ratio >= 1.0 { "more" } else { "less" },
-                    b.cost_ratio_ci[0],
-                    b.cost_ratio_ci[1],
-                    if tie.contains(&j) { ", within the tie" } else { "" }
-                )
-            }
-            _ => {
-                let ratio = cost(ru) / cost(r);
-                if ratio >= 1.0 {
-                    format!(
-                        "runner-up {} has {:.1}% more {what}",
-                        ru.point.label(),
-                        (ratio - 1.0) * 100.0
-                    )
+        if let (Some(a), Some(b)) = (self.pair_of(self.i), self.pair_of(j)) {
+            let ratio = b.cost_ratio / a.cost_ratio;
+            return format!(
+                "runner-up {} has {:.1}% {} {what} in paired timing (its interval over the fastest's: {:.3}-{:.3}){}",
+                ru.point.label(),
+                (ratio - 1.0).abs() * 100.0,
+                if ratio >= 1.0 { "more" } else { "less" },
+                b.cost_ratio_ci[0],
+                b.cost_ratio_ci[1],
+                if self.tie.contains(&j) {
+                    ", within the tie"
                 } else {
-                    format!(
-                        "runner-up {} measured {:.1}% less {what}, within the tie",
-                        ru.point.label(),
-                        (1.0 - ratio) * 100.0
-                    )
+                    ""
                 }
-            }
-        });
+            );
+        }
+        let ratio = cost(ru) / cost(self.picked());
+        if ratio >= 1.0 {
+            format!(
+                "runner-up {} has {:.1}% more {what}",
+                ru.point.label(),
+                (ratio - 1.0) * 100.0
+            )
+        } else {
+            format!(
+                "runner-up {} measured {:.1}% less {what}, within the tie",
+                ru.point.label(),
+                (1.0 - ratio) * 100.0
+            )
+        }
     }
-    if r.numerics_changes.is_empty() {
-        reasons.push("changes no numerics".into());
-    } else {
-        reasons.push(format!(
-            "changes numerics: {}",
-            r.numerics_changes.join(", ")
-        ));
+}
+
+/// The tie and the pool under a paired ranking: the finalists go first in
+/// `fit`, in paired order; the rest keep their own cost order.
+fn paired_tie(
+    report: &SweepReport,
+    fit: &mut [usize],
+    rk: &Ranking,
+    drift: Option<f64>,
+) -> (Vec<usize>, Vec<usize>) {
+    let cheapest = fit[0];
+    let pos = |i: usize| rk.paired.iter().position(|p| p.trial == i);
+    fit.sort_by_key(|&i| pos(i).unwrap_or(usize::MAX));
+    let (mut tie, pool) = super::retime::tie_sets(rk);
+    // Too noisy to separate even the finalists: which trials became
+    // finalists, on their own measurements, is no surer. So the tie
+    // also holds every fitting trial whose own measurement reaches
+    // within it of the cheapest, allowing for the drift between
+    // trials that the finalists show.
+    if rk.noisy {
+        let best = cost(&report.trials[cheapest]);
+        let reach = best * (1.0 + rk.tie_within) * drift.unwrap_or(1.0);
+        let more: Vec<usize> = (fit.iter().copied())
+            .filter(|&i| pos(i).is_none() && !tie.contains(&i))
+            .filter(|&i| interval(&report.trials[i])[0] <= reach)
+            .collect();
+        tie.extend(more);
     }
-    if !report.allow_numerics_change {
-        reasons.push(
-            "fp16, adamw8bit and adafactor were ruled out (allow_numerics_change: false)".into(),
-        );
-    }
-    if let Some(t) = &r.target {
-        reasons.push(format!(
-            "on the target ({}), planned at {} per GPU ({}) and {:.0} tokens/s, ${} per million tokens",
-            report.target.display_name,
-            crate::units::fmt_bytes(t.peak_total_bytes),
-            if t.fits { "fits" } else { "does not fit" },
-            t.tokens_per_s,
-            crate::plan::usd(t.usd_per_mtok)
-        ));
-    }
-    let tied = tie.into_iter().filter(|&t| t != i).collect();
-    let mut ranking = ranking;
-    if let Some(rk) = ranking.as_mut() {
-        rk.drift = drift;
-    }
-    report.recommendation = Some(Recommendation {
-        trial: i,
-        reasons,
-        runners_up: runners,
-        tied,
-        ranking,
-    });
+    (tie, pool)
+}
+
+/// The order that settles a tie, by what does not depend on timing: no
+/// numerics change first, then more margin, then fewer GPUs, then the
+/// rank in `fit`.
+fn settle(report: &SweepReport, fit: &[usize], a: usize, b: usize) -> std::cmp::Ordering {
+    let (x, y) = (&report.trials[a], &report.trials[b]);
+    let rank = |i: usize| fit.iter().position(|&f| f == i);
+    x.numerics_changes
+        .is_empty()
+        .cmp(&y.numerics_changes.is_empty())
+        .reverse()
+        .then(margin(report, y).cmp(&margin(report, x)))
+        .then(x.point.gpus.cmp(&y.point.gpus))
+        .then(rank(a).cmp(&rank(b)))
 }
 
 /// report.json, report.md, report.html, the plots and the exports. The

@@ -14,7 +14,7 @@ use super::markdown::{
 };
 use super::plots::{roles_line, svg_strings};
 use crate::plan::name;
-use crate::report::sweep::{Outcome, SweepReport, TrialRecord};
+use crate::report::sweep::{Outcome, Recommendation, SweepReport, TrialRecord};
 use crate::units::fmt_bytes;
 
 /// Escapes text for HTML and XML content and attribute values.
@@ -386,8 +386,46 @@ fn recommendation(h: &mut String, r: &SweepReport) {
         let _ = writeln!(h, "</section>");
         return;
     };
-
     let _ = writeln!(h, "<div class=\"rec\">");
+    recommendation_label(h, r, rec, t);
+    recommendation_facts(h, r, t);
+    recommendation_why(h, r, rec);
+    paired_table(h, r);
+    let listed = |h: &mut String, heading: &str, which: &[usize], ordered: bool| {
+        let items: Vec<(usize, &TrialRecord)> = which
+            .iter()
+            .filter_map(|&i| Some((i, r.trials.get(i)?)))
+            .collect();
+        if items.is_empty() {
+            return;
+        }
+        let tag = if ordered { "ol" } else { "ul" };
+        let _ = writeln!(h, "<h3>{heading}</h3>\n<{tag}>");
+        for (i, t) in items {
+            let _ = writeln!(h, "<li>#{i} {}</li>", trial_summary(r, t));
+        }
+        let _ = writeln!(h, "</{tag}>");
+    };
+    let paired_tie = rec
+        .ranking
+        .as_ref()
+        .filter(|rk| rk.method == "paired")
+        .map(|rk| rk.tie_within);
+    let tie_heading = match paired_tie {
+        Some(within) => format!(
+            "Tied with it (paired intervals within {:.0}% of the fastest; settled by numerics, then margin, then GPUs)",
+            within * 100.0
+        ),
+        None => "Tied with it (throughput intervals overlap; settled by numerics, then margin, then GPUs)".into(),
+    };
+    listed(h, &tie_heading, &rec.tied, false);
+    listed(h, "Runners-up", &rec.runners_up, true);
+    let _ = writeln!(h, "</div>");
+    let _ = writeln!(h, "</section>");
+}
+
+/// The recommended trial's index and configuration, with its badges.
+fn recommendation_label(h: &mut String, r: &SweepReport, rec: &Recommendation, t: &TrialRecord) {
     let _ = write!(
         h,
         "<p class=\"rec-label\">#{} <code>{}</code>",
@@ -417,7 +455,10 @@ fn recommendation(h: &mut String, r: &SweepReport) {
         );
     }
     let _ = writeln!(h, "</p>");
+}
 
+/// The recommended trial's figures, as a definition list.
+fn recommendation_facts(h: &mut String, r: &SweepReport, t: &TrialRecord) {
     let _ = writeln!(h, "<dl class=\"facts\">");
     let row = |h: &mut String, k: &str, v: String| {
         let _ = writeln!(h, "<dt>{}</dt><dd>{v}</dd>", escape(k));
@@ -486,7 +527,10 @@ fn recommendation(h: &mut String, r: &SweepReport) {
         format!("{} micro-step(s) per optimizer step", t.point.grad_accum),
     );
     let _ = writeln!(h, "</dl>");
+}
 
+/// Why this trial: the reasons, the noise warning and how it was ranked.
+fn recommendation_why(h: &mut String, r: &SweepReport, rec: &Recommendation) {
     if !rec.reasons.is_empty() {
         let _ = writeln!(h, "<h3>Why</h3>\n<ul>");
         for reason in &rec.reasons {
@@ -504,57 +548,31 @@ fn recommendation(h: &mut String, r: &SweepReport) {
     if let Some(line) = ranking_line(r) {
         let _ = writeln!(h, "<h3>Ranking</h3>\n<p>{}</p>", escape(&line));
     }
+}
+
+/// The finalists' paired re-timing, when there was one.
+fn paired_table(h: &mut String, r: &SweepReport) {
     let paired = paired_rows(r);
-    if !paired.is_empty() {
+    if paired.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        h,
+        "<table class=\"paired\"><thead><tr><th>#</th><th>configuration</th><th class=\"num\">cost vs fastest</th><th class=\"num\">95% interval</th><th class=\"num\">tokens/s (bouts)</th><th class=\"num\">bouts</th></tr></thead><tbody>"
+    );
+    for [i, label, ratio, ci, tps, bouts] in &paired {
         let _ = writeln!(
             h,
-            "<table class=\"paired\"><thead><tr><th>#</th><th>configuration</th><th class=\"num\">cost vs fastest</th><th class=\"num\">95% interval</th><th class=\"num\">tokens/s (bouts)</th><th class=\"num\">bouts</th></tr></thead><tbody>"
+            "<tr><td>{}</td><td><code>{}</code></td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td></tr>",
+            escape(i),
+            escape(label),
+            escape(ratio),
+            escape(ci),
+            escape(tps),
+            escape(bouts)
         );
-        for [i, label, ratio, ci, tps, bouts] in &paired {
-            let _ = writeln!(
-                h,
-                "<tr><td>{}</td><td><code>{}</code></td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td></tr>",
-                escape(i),
-                escape(label),
-                escape(ratio),
-                escape(ci),
-                escape(tps),
-                escape(bouts)
-            );
-        }
-        let _ = writeln!(h, "</tbody></table>");
     }
-    let listed = |h: &mut String, heading: &str, which: &[usize], ordered: bool| {
-        let items: Vec<(usize, &TrialRecord)> = which
-            .iter()
-            .filter_map(|&i| Some((i, r.trials.get(i)?)))
-            .collect();
-        if items.is_empty() {
-            return;
-        }
-        let tag = if ordered { "ol" } else { "ul" };
-        let _ = writeln!(h, "<h3>{heading}</h3>\n<{tag}>");
-        for (i, t) in items {
-            let _ = writeln!(h, "<li>#{i} {}</li>", trial_summary(r, t));
-        }
-        let _ = writeln!(h, "</{tag}>");
-    };
-    let paired_tie = rec
-        .ranking
-        .as_ref()
-        .filter(|rk| rk.method == "paired")
-        .map(|rk| rk.tie_within);
-    let tie_heading = match paired_tie {
-        Some(within) => format!(
-            "Tied with it (paired intervals within {:.0}% of the fastest; settled by numerics, then margin, then GPUs)",
-            within * 100.0
-        ),
-        None => "Tied with it (throughput intervals overlap; settled by numerics, then margin, then GPUs)".into(),
-    };
-    listed(h, &tie_heading, &rec.tied, false);
-    listed(h, "Runners-up", &rec.runners_up, true);
-    let _ = writeln!(h, "</div>");
-    let _ = writeln!(h, "</section>");
+    let _ = writeln!(h, "</tbody></table>");
 }
 
 fn charts(h: &mut String, r: &SweepReport) {
@@ -640,25 +658,65 @@ fn knob_cell(value: String, changes: &[String]) -> Cell {
     }
 }
 
-/// The trial table's columns, every one of them (constant ones are hidden
-/// when the table is written).
-fn columns(r: &SweepReport) -> Vec<Column> {
-    let rec = r.recommendation.as_ref();
-    let mut cols: Vec<Column> = Vec::new();
-    let mut col =
-        |head: &str, help: &str, numeric: bool, f: &dyn Fn(usize, &TrialRecord) -> Cell| {
-            cols.push(Column {
-                head: head.to_string(),
-                help: help.to_string(),
-                numeric,
-                cells: r.trials.iter().enumerate().map(|(i, t)| f(i, t)).collect(),
-            });
-        };
-    col(
+/// A column header's or help text's words: fixed, or from the report.
+#[derive(Clone, Copy)]
+enum Words {
+    Fixed(&'static str),
+    Of(fn(&SweepReport) -> String),
+}
+
+impl Words {
+    fn text(self, r: &SweepReport) -> String {
+        match self {
+            Words::Fixed(s) => s.to_string(),
+            Words::Of(f) => f(r),
+        }
+    }
+}
+
+/// A column of the trial table as data: its header, the header's help,
+/// whether it sorts as numbers, and each trial's cell.
+struct ColumnSpec {
+    head: Words,
+    help: Words,
+    numeric: bool,
+    /// Shown only when some trial has an NVML peak.
+    nvml: bool,
+    cell: fn(&SweepReport, usize, &TrialRecord) -> Cell,
+}
+
+/// A numeric knob's cell.
+fn knob_num(v: f64) -> Cell {
+    Cell::num(format!("{v}"), Some(v))
+}
+
+fn bytes_cell(b: Option<u64>) -> Cell {
+    Cell::num(opt_bytes(b), b.map(|b| b as f64))
+}
+
+const fn spec(
+    head: &'static str,
+    help: &'static str,
+    numeric: bool,
+    cell: fn(&SweepReport, usize, &TrialRecord) -> Cell,
+) -> ColumnSpec {
+    ColumnSpec {
+        head: Words::Fixed(head),
+        help: Words::Fixed(help),
+        numeric,
+        nvml: false,
+        cell,
+    }
+}
+
+/// Every column of the trial table, in order.
+const COLUMNS: &[ColumnSpec] = &[
+    spec(
         "#",
         "trial index; ★ recommended, = tied with it, ◆ on the Pareto frontier",
         true,
-        &|i, _| {
+        |r, i, _| {
+            let rec = r.recommendation.as_ref();
             let mut marks = String::new();
             if rec.is_some_and(|rec| rec.trial == i) {
                 marks.push_str(" <span title=\"recommended\">&#9733;</span>");
@@ -671,150 +729,177 @@ fn columns(r: &SweepReport) -> Vec<Column> {
             }
             Cell::num(format!("{i}{marks}"), Some(i as f64))
         },
-    );
-    let knob = |v: f64| Cell::num(format!("{v}"), Some(v));
-    col(
+    ),
+    spec(
         "micro-batch",
         "sequences per rank per micro-step",
         true,
-        &|_, t| knob(t.point.micro_batch as f64),
-    );
-    col(
+        |_, _, t| knob_num(t.point.micro_batch as f64),
+    ),
+    spec(
         "ranks",
         "data-parallel ranks (GPUs on the target)",
         true,
-        &|_, t| knob(t.point.gpus as f64),
-    );
-    col("sharding", "", false, &|_, t| {
+        |_, _, t| knob_num(t.point.gpus as f64),
+    ),
+    spec("sharding", "", false, |_, _, t| {
         knob_cell(name(t.point.sharding), &t.numerics_changes)
-    });
-    col("precision", "", false, &|_, t| {
+    }),
+    spec("precision", "", false, |_, _, t| {
         knob_cell(name(t.point.precision), &t.numerics_changes)
-    });
-    col("optimizer", "", false, &|_, t| {
+    }),
+    spec("optimizer", "", false, |_, _, t| {
         knob_cell(name(t.point.optimizer), &t.numerics_changes)
-    });
-    col("ckpt", "activation checkpointing", false, &|_, t| {
+    }),
+    spec("ckpt", "activation checkpointing", false, |_, _, t| {
         knob_cell(name(t.point.checkpointing), &t.numerics_changes)
-    });
-    col("attention", "", false, &|_, t| {
+    }),
+    spec("attention", "", false, |_, _, t| {
         knob_cell(name(t.point.attention), &t.numerics_changes)
-    });
-    col("accum", "gradient accumulation steps", true, &|_, t| {
-        knob(t.point.grad_accum as f64)
-    });
-    col(
+    }),
+    spec("accum", "gradient accumulation steps", true, |_, _, t| {
+        knob_num(t.point.grad_accum as f64)
+    }),
+    spec(
         "outcome",
         "how the trial ended; fit means its measured peak is within the usable memory",
         false,
-        &|_, t| Cell {
+        |_, _, t| Cell {
             html: escape(outcome_label(t)),
             value: None,
             class: "outcome",
         },
-    );
-    let bytes = |b: Option<u64>| Cell::num(opt_bytes(b), b.map(|b| b as f64));
-    col(
+    ),
+    spec(
         "predicted",
         "predicted peak per rank on the run device (meta engine plus runtime overhead)",
         true,
-        &|_, t| bytes(t.predicted.as_ref().map(|p| p.peak_total_bytes)),
-    );
-    col(
+        |_, _, t| bytes_cell(t.predicted.as_ref().map(|p| p.peak_total_bytes)),
+    ),
+    spec(
         "measured",
         "measured peak per rank (the tracker's total plus runtime overhead)",
         true,
-        &|_, t| {
-            bytes(
+        |r, _, t| {
+            bytes_cell(
                 t.measured
                     .as_ref()
                     .map(|m| m.peak_bytes.total + r.runtime_overhead_bytes),
             )
         },
-    );
-    col(
+    ),
+    spec(
         "mem err",
         "(measured - predicted) / measured tracked peak",
         true,
-        &|_, t| Cell::num(fmt_pct(t.memory_error_pct), t.memory_error_pct),
-    );
-    col(
+        |_, _, t| Cell::num(fmt_pct(t.memory_error_pct), t.memory_error_pct),
+    ),
+    spec(
         "tokens/s",
         "median tokens/s with half its 95% interval, measured on the run device",
         true,
-        &|_, t| {
+        |_, _, t| {
             let m = t.measured.as_ref();
             Cell::num(
                 m.map_or_else(String::new, |m| escape(&tokens_cell(m))),
                 m.map(|m| m.tokens_per_s),
             )
         },
-    );
-    col(
+    ),
+    spec(
         "time ×",
         "measured / predicted median step time on the run device (1.00x is exact)",
         true,
-        &|_, t| Cell::num(escape(&ratio(t.time_ratio)), t.time_ratio),
-    );
-    col(
-        cost_heading(r),
-        if r.pricing.usd_per_hour.is_some() {
-            "cost per million tokens at the measured throughput (see pricing above)"
-        } else {
-            "host seconds per million tokens at the measured throughput: time, not money (no host_usd_per_hour)"
-        },
-        true,
-        &|_, t| {
+        |_, _, t| Cell::num(escape(&ratio(t.time_ratio)), t.time_ratio),
+    ),
+    ColumnSpec {
+        head: Words::Of(|r| cost_heading(r).to_string()),
+        help: Words::Of(|r| {
+            if r.pricing.usd_per_hour.is_some() {
+                "cost per million tokens at the measured throughput (see pricing above)"
+            } else {
+                "host seconds per million tokens at the measured throughput: time, not money (no host_usd_per_hour)"
+            }
+            .to_string()
+        }),
+        numeric: true,
+        nvml: false,
+        cell: |_, _, t| {
             let c = super::driver::cost_of(t).map(|c| c.0);
             Cell::num(escape(&cost_cell(t)), c)
         },
-    );
-    col(
-        "on target",
-        &format!(
-            "the plan for this configuration on the target ({}): peak per GPU",
-            r.target.display_name
-        ),
-        true,
-        &|_, t| {
+    },
+    ColumnSpec {
+        head: Words::Fixed("on target"),
+        help: Words::Of(|r| {
+            format!(
+                "the plan for this configuration on the target ({}): peak per GPU",
+                r.target.display_name
+            )
+        }),
+        numeric: true,
+        nvml: false,
+        cell: |_, _, t| {
             let p = t.target.as_ref();
-            let mut cell = bytes(p.map(|p| p.peak_total_bytes));
+            let mut cell = bytes_cell(p.map(|p| p.peak_total_bytes));
             if p.is_some_and(|p| !p.fits) {
                 cell.html.push_str(" (no fit)");
             }
             cell
         },
-    );
-    if r.trials.iter().any(|t| {
-        t.measured
-            .as_ref()
-            .is_some_and(|m| m.nvml_peak_bytes.is_some())
-    }) {
-        col(
+    },
+    ColumnSpec {
+        nvml: true,
+        ..spec(
             "NVML",
             "the trial process's GPU memory high-water mark as NVML reported it (context, kernels, cuBLAS, allocator reserve and tensors)",
             true,
-            &|_, t| bytes(t.measured.as_ref().and_then(|m| m.nvml_peak_bytes)),
-        );
-        col(
+            |_, _, t| bytes_cell(t.measured.as_ref().and_then(|m| m.nvml_peak_bytes)),
+        )
+    },
+    ColumnSpec {
+        nvml: true,
+        ..spec(
             "NVML err",
             "(NVML peak - predicted) / NVML peak",
             true,
-            &|_, t| Cell::num(fmt_pct(t.nvml_error_pct), t.nvml_error_pct),
-        );
-    }
-    col(
+            |_, _, t| Cell::num(fmt_pct(t.nvml_error_pct), t.nvml_error_pct),
+        )
+    },
+    spec(
         "host RSS",
         "the trial process's resident-set high-water mark: host memory, never compared with the capacity",
         true,
-        &|_, t| bytes(t.measured.as_ref().and_then(|m| m.rss_peak_bytes)),
-    );
-    col("note", "", false, &|_, t| Cell {
+        |_, _, t| bytes_cell(t.measured.as_ref().and_then(|m| m.rss_peak_bytes)),
+    ),
+    spec("note", "", false, |_, _, t| Cell {
         html: note_cell(t),
         value: None,
         class: "note",
+    }),
+];
+
+/// The trial table's columns, every one of them (constant ones are hidden
+/// when the table is written; the NVML ones are left out when no trial
+/// has an NVML peak).
+fn columns(r: &SweepReport) -> Vec<Column> {
+    let nvml = r.trials.iter().any(|t| {
+        t.measured
+            .as_ref()
+            .is_some_and(|m| m.nvml_peak_bytes.is_some())
     });
-    cols
+    COLUMNS
+        .iter()
+        .filter(|c| nvml || !c.nvml)
+        .map(|c| Column {
+            head: c.head.text(r),
+            help: c.help.text(r),
+            numeric: c.numeric,
+            cells: (r.trials.iter().enumerate())
+                .map(|(i, t)| (c.cell)(r, i, t))
+                .collect(),
+        })
+        .collect()
 }
 
 fn trial_table(h: &mut String, r: &SweepReport) {

@@ -31,7 +31,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Once;
 
 use plotters::coord::Shift;
-use plotters::coord::ranged1d::{KeyPointHint, NoDefaultFormatting, ValueFormatter};
+use plotters::coord::ranged1d::{AsRangedCoord, KeyPointHint, NoDefaultFormatting, ValueFormatter};
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use plotters::style::{FontStyle, FontTransform, register_font};
@@ -1011,29 +1012,116 @@ fn clip_below(points: &[(f64, f64)], top: f64) -> Vec<[(f64, f64); 2]> {
         .collect()
 }
 
-fn draw_memory_vs_micro_batch<DB: DrawingBackend>(
+/// The title across the top and the legend panel on the right, drawn;
+/// returns the plot's area.
+fn framed<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
+    caption: &str,
     r: &SweepReport,
-) -> DrawResult<Vec<Tip>>
+    legend: &Legend,
+) -> DrawResult<DrawingArea<DB, Shift>>
 where
     DB::ErrorType: 'static,
 {
-    let plotted: Vec<(&TrialRecord, u64, bool)> = r
-        .trials
-        .iter()
-        .filter_map(|t| plotted_peak(t).map(|(b, m)| (t, b, m)))
-        .collect();
-    // Micro-batches as categories (they need not be powers of two), in order.
-    let mut mbs: Vec<usize> = plotted.iter().map(|t| t.0.point.micro_batch).collect();
-    mbs.sort_unstable();
-    mbs.dedup();
+    let body = titled(root, caption, r)?;
+    let (plot, legend_area) = with_legend(&body, legend);
+    legend.draw(&legend_area)?;
+    Ok(plot)
+}
 
-    // One line per combination of the knobs that vary, in order of first
-    // appearance; its colour and dash come from the encoding.
-    let enc = encoding(r);
+/// The chart [`xy_chart`] builds over ranges `X` and `Y`.
+type XyChart<'a, DB, X, Y> = ChartContext<
+    'a,
+    DB,
+    Cartesian2d<<X as AsRangedCoord>::CoordDescType, <Y as AsRangedCoord>::CoordDescType>,
+>;
+
+/// An x-y chart on `plot`, with `y_label_width` pixels for the y labels.
+fn xy_chart<'a, DB: DrawingBackend, X: AsRangedCoord, Y: AsRangedCoord>(
+    plot: &'a DrawingArea<DB, Shift>,
+    y_label_width: u32,
+    x: X,
+    y: Y,
+) -> DrawResult<XyChart<'a, DB, X, Y>>
+where
+    DB::ErrorType: 'static,
+{
+    Ok(ChartBuilder::on(plot)
+        .margin(10)
+        .x_label_area_size(44)
+        .y_label_area_size(y_label_width)
+        .build_cartesian_2d(x, y)?)
+}
+
+/// An axis's description and how its labels are written.
+type AxisText<'f> = (String, &'f dyn Fn(&f64) -> String);
+
+/// The grid, the axes' labels and their descriptions.
+fn draw_mesh<DB: DrawingBackend, X, Y>(
+    chart: &mut ChartContext<'_, DB, Cartesian2d<X, Y>>,
+    (x_desc, x_fmt): AxisText,
+    (y_desc, y_fmt): AxisText,
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+    X: Ranged<ValueType = f64> + ValueFormatter<f64>,
+    Y: Ranged<ValueType = f64> + ValueFormatter<f64>,
+{
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .x_label_formatter(x_fmt)
+        .y_label_formatter(y_fmt)
+        .label_style((FONT, 15))
+        .axis_desc_style((FONT, 16))
+        .light_line_style(MESH)
+        .draw()?;
+    Ok(())
+}
+
+/// The capacity, solid, and the usable limit, dashed, each from one end
+/// of the plot to the other.
+fn draw_limit_lines<DB: DrawingBackend, X, Y>(
+    chart: &mut ChartContext<'_, DB, Cartesian2d<X, Y>>,
+    capacity: [(f64, f64); 2],
+    usable: [(f64, f64); 2],
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+    X: Ranged<ValueType = f64>,
+    Y: Ranged<ValueType = f64>,
+{
+    chart.draw_series(LineSeries::new(capacity, CAPACITY.stroke_width(2)))?;
+    chart.draw_series(DashedLineSeries::new(
+        usable,
+        USABLE_DASH.0 as u32,
+        USABLE_DASH.1 as u32,
+        USABLE.stroke_width(2),
+    ))?;
+    Ok(())
+}
+
+/// One line of the memory chart: a combination of the knobs that vary.
+struct MemLine {
+    key: String,
+    colour: RGBColor,
+    /// Its dash, an index into [`DASHES`].
+    style: usize,
+    /// By micro-batch.
+    points: Vec<MemPoint>,
+}
+
+/// One line per combination of the knobs that vary, in order of first
+/// appearance; its colour and dash come from the encoding.
+fn memory_lines(
+    plotted: &[(&TrialRecord, u64, bool)],
+    mbs: &[usize],
+    enc: &Encoding,
+) -> Vec<MemLine> {
     let all: Vec<Knob> = [&enc.colour[..], &enc.style[..], &enc.rest[..]].concat();
-    let mut lines: Vec<(String, RGBColor, usize, Vec<MemPoint>)> = Vec::new();
-    for &(t, bytes, measured) in &plotted {
+    let mut lines: Vec<MemLine> = Vec::new();
+    for &(t, bytes, measured) in plotted {
         let key = combo(&all, &t.point);
         let failed = matches!(t.outcome, Outcome::Oom | Outcome::Timeout | Outcome::Crash);
         let how = match (measured, failed) {
@@ -1052,14 +1140,74 @@ where
             failed,
             tip: format!("{}: peak {} ({how})", t.point.label(), fmt_bytes(bytes)),
         };
-        match lines.iter_mut().find(|l| l.0 == key) {
-            Some(line) => line.3.push(point),
-            None => lines.push((key, enc.colour(&t.point), enc.style(&t.point), vec![point])),
+        match lines.iter_mut().find(|l| l.key == key) {
+            Some(line) => line.points.push(point),
+            None => lines.push(MemLine {
+                key,
+                colour: enc.colour(&t.point),
+                style: enc.style(&t.point),
+                points: vec![point],
+            }),
         }
     }
     for line in &mut lines {
-        line.3.sort_by_key(|p| p.x);
+        line.points.sort_by_key(|p| p.x);
     }
+    lines
+}
+
+fn memory_legend(
+    r: &SweepReport,
+    enc: &Encoding,
+    lines: &[MemLine],
+    cap_on_axis: bool,
+    off_scale: bool,
+) -> Legend {
+    let mut legend = Legend(Vec::new());
+    legend_limits(&mut legend, r, cap_on_axis);
+    if lines.is_empty() {
+        return legend;
+    }
+    enc.legend(&mut legend, "line", |i| match DASHES[i] {
+        Some(d) => Key::Dash(GREY, d),
+        None => Key::Line(GREY),
+    });
+    legend.push(Key::Heading, "points");
+    legend.push(Key::Marker(Shape::Circle, GREY, true), "measured (ran)");
+    legend.push(
+        Key::Marker(Shape::Circle, GREY, false),
+        "predicted (not run)",
+    );
+    if lines.iter().flat_map(|l| &l.points).any(|p| p.failed) {
+        legend.push(Key::Cross(GREY), "predicted (oom / timeout / crash)");
+    }
+    if off_scale {
+        legend.push(
+            Key::Marker(Shape::Triangle, GREY, true),
+            "above the axis (value in the tooltip)",
+        );
+    }
+    legend
+}
+
+fn draw_memory_vs_micro_batch<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    r: &SweepReport,
+) -> DrawResult<Vec<Tip>>
+where
+    DB::ErrorType: 'static,
+{
+    let plotted: Vec<(&TrialRecord, u64, bool)> = r
+        .trials
+        .iter()
+        .filter_map(|t| plotted_peak(t).map(|(b, m)| (t, b, m)))
+        .collect();
+    // Micro-batches as categories (they need not be powers of two), in order.
+    let mut mbs: Vec<usize> = plotted.iter().map(|t| t.0.point.micro_batch).collect();
+    mbs.sort_unstable();
+    mbs.dedup();
+    let enc = encoding(r);
+    let lines = memory_lines(&plotted, &mbs, &enc);
 
     let capacity = r.capacity_bytes;
     let usable = r.usable_bytes();
@@ -1068,47 +1216,17 @@ where
     let (div, unit) = byte_unit(axis_max);
     let y_top = axis_top(axis_max as f64 / div, if cap_on_axis { 1.12 } else { 1.1 });
     let off_scale = plotted.iter().any(|t| t.1 as f64 / div > y_top);
-
-    let mut legend = Legend(Vec::new());
-    legend_limits(&mut legend, r, cap_on_axis);
-    if !lines.is_empty() {
-        enc.legend(&mut legend, "line", |i| match DASHES[i] {
-            Some(d) => Key::Dash(GREY, d),
-            None => Key::Line(GREY),
-        });
-        legend.push(Key::Heading, "points");
-        legend.push(Key::Marker(Shape::Circle, GREY, true), "measured (ran)");
-        legend.push(
-            Key::Marker(Shape::Circle, GREY, false),
-            "predicted (not run)",
-        );
-        if lines.iter().flat_map(|l| &l.3).any(|p| p.failed) {
-            legend.push(Key::Cross(GREY), "predicted (oom / timeout / crash)");
-        }
-        if off_scale {
-            legend.push(
-                Key::Marker(Shape::Triangle, GREY, true),
-                "above the axis (value in the tooltip)",
-            );
-        }
-    }
+    let legend = memory_legend(r, &enc, &lines, cap_on_axis, off_scale);
 
     let caption = if lines.is_empty() {
         "Peak memory vs micro-batch: no trial has a measured or predicted peak"
     } else {
         Chart::MemoryVsMicroBatch.title()
     };
-    let body = titled(root, caption, r)?;
-    let (plot, legend_area) = with_legend(&body, &legend);
-    legend.draw(&legend_area)?;
-
+    let plot = framed(root, caption, r, &legend)?;
     let slots = Slots(mbs.len());
     let (x0, x1) = (slots.range().start, slots.range().end);
-    let mut chart = ChartBuilder::on(&plot)
-        .margin(10)
-        .x_label_area_size(44)
-        .y_label_area_size(64)
-        .build_cartesian_2d(slots, 0f64..y_top)?;
+    let mut chart = xy_chart(&plot, 64, slots, 0f64..y_top)?;
     let x_fmt = |v: &f64| {
         let i = v.round();
         if (v - i).abs() < 1e-6 && i >= 0.0 {
@@ -1120,31 +1238,20 @@ where
         }
     };
     let y_fmt = |v: &f64| fmt_amount(*v, y_top);
-    chart
-        .configure_mesh()
-        .x_desc("micro-batch (sequences per rank per step)")
-        .y_desc(format!("peak memory per rank ({unit})"))
-        .x_label_formatter(&x_fmt)
-        .y_label_formatter(&y_fmt)
-        .label_style((FONT, 15))
-        .axis_desc_style((FONT, 16))
-        .light_line_style(MESH)
-        .draw()?;
+    draw_mesh(
+        &mut chart,
+        ("micro-batch (sequences per rank per step)".into(), &x_fmt),
+        (format!("peak memory per rank ({unit})"), &y_fmt),
+    )?;
 
     let mut limits = Vec::new();
     if capacity > 0 && cap_on_axis {
-        let cap = capacity as f64 / div;
-        chart.draw_series(LineSeries::new(
-            vec![(x0, cap), (x1, cap)],
-            CAPACITY.stroke_width(2),
-        ))?;
-        let use_y = usable as f64 / div;
-        chart.draw_series(DashedLineSeries::new(
-            vec![(x0, use_y), (x1, use_y)],
-            USABLE_DASH.0 as u32,
-            USABLE_DASH.1 as u32,
-            USABLE.stroke_width(2),
-        ))?;
+        let (cap, use_y) = (capacity as f64 / div, usable as f64 / div);
+        draw_limit_lines(
+            &mut chart,
+            [(x0, cap), (x1, cap)],
+            [(x0, use_y), (x1, use_y)],
+        )?;
         limits.push((
             chart.backend_coord(&(x0, cap)).1,
             format!("capacity {}", fmt_bytes(capacity)),
@@ -1156,14 +1263,29 @@ where
             USABLE,
         ));
     }
+    draw_memory_lines(&mut chart, &lines, div, y_top)?;
+    let tips = draw_memory_points(root, &chart, &lines, div, y_top)?;
+    label_hlines(root, chart.backend_coord(&(x0, 0.0)).0, &limits)?;
+    Ok(tips)
+}
 
-    for (_, c, style, points) in &lines {
-        let coords: Vec<(f64, f64)> = points
-            .iter()
+/// Each line, dashed by its style, cut where it leaves the top of the axis.
+fn draw_memory_lines<DB: DrawingBackend>(
+    chart: &mut ChartContext<'_, DB, Cartesian2d<Slots, RangedCoordf64>>,
+    lines: &[MemLine],
+    div: f64,
+    y_top: f64,
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    for line in lines {
+        let c = line.colour;
+        let coords: Vec<(f64, f64)> = (line.points.iter())
             .map(|p| (p.x as f64, p.bytes as f64 / div))
             .collect();
         for seg in clip_below(&coords, y_top) {
-            match DASHES[*style] {
+            match DASHES[line.style] {
                 None => {
                     chart.draw_series(LineSeries::new(seg, c.stroke_width(2)))?;
                 }
@@ -1178,13 +1300,26 @@ where
             }
         }
     }
+    Ok(())
+}
 
-    // Markers in pixels, on top of every line.
+/// Markers in pixels, on top of every line, with their tooltips: a cross
+/// for a failed trial, a triangle on the top edge for one above the axis.
+fn draw_memory_points<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    chart: &ChartContext<'_, DB, Cartesian2d<Slots, RangedCoordf64>>,
+    lines: &[MemLine],
+    div: f64,
+    y_top: f64,
+) -> DrawResult<Vec<Tip>>
+where
+    DB::ErrorType: 'static,
+{
     let (_, y_px) = chart.plotting_area().get_pixel_range();
     let mut tips = Vec::new();
-    for (_, c, _, points) in &lines {
-        let c = *c;
-        for p in points {
+    for line in lines {
+        let c = line.colour;
+        for p in &line.points {
             let value = p.bytes as f64 / div;
             let (x, y) = chart.backend_coord(&(p.x as f64, value.min(y_top)));
             if value > y_top {
@@ -1211,7 +1346,6 @@ where
             });
         }
     }
-    label_hlines(root, chart.backend_coord(&(x0, 0.0)).0, &limits)?;
     Ok(tips)
 }
 
@@ -1241,40 +1375,12 @@ fn place_label(
     }
 }
 
-fn draw_throughput_vs_memory<DB: DrawingBackend>(
-    root: &DrawingArea<DB, Shift>,
-    r: &SweepReport,
-) -> DrawResult<Vec<Tip>>
-where
-    DB::ErrorType: 'static,
-{
-    let ran = ran_points(r);
-    let point_of = |p: &Ran| &r.trials[p.index].point;
-    let enc = encoding(r);
-    let shape_of = |p: &Point| SHAPES[enc.style(p)];
+fn throughput_legend(r: &SweepReport, ran: &[Ran], enc: &Encoding, cap_on_axis: bool) -> Legend {
     let rec = r.recommendation.as_ref();
     let tied: &[usize] = rec.map_or(&[], |rec| &rec.tied);
-
-    let capacity = r.capacity_bytes;
-    let usable = r.usable_bytes();
-    let peak_max = ran.iter().map(|p| p.peak).max().unwrap_or(0);
-    // Every trial that ran is on the axis (each ran within the capacity,
-    // but its peak plus a GPU's overhead need not).
-    let (axis_max, cap_on_axis) = memory_axis(peak_max, capacity);
-    let axis_max = axis_max.max(peak_max);
-    let (div, unit) = byte_unit(axis_max);
-    let x_top = axis_top(axis_max as f64 / div, 1.08);
-    let tps_max = ran
-        .iter()
-        .map(|p| p.tokens_per_s.max(p.ci[1]))
-        .fold(0.0, f64::max);
-    let y_top = axis_top(tps_max, 1.12);
-
     let mut legend = Legend(Vec::new());
     if !ran.is_empty() {
         enc.legend(&mut legend, "shape", |i| Key::Marker(SHAPES[i], GREY, true));
-    }
-    if !ran.is_empty() {
         legend.push(Key::Heading, "marks");
         let fitting = ran.iter().filter(|p| p.fits).count();
         legend.push(
@@ -1305,49 +1411,88 @@ where
         );
     }
     legend_limits(&mut legend, r, cap_on_axis);
+    legend
+}
+
+/// A point's tooltip on the throughput chart.
+fn throughput_tip(r: &SweepReport, p: &Ran) -> String {
+    let t = &r.trials[p.index];
+    let rec = r.recommendation.as_ref();
+    let mut text = format!(
+        "#{} {}: {} tokens/s (95% {:.0}-{:.0}), peak {}",
+        p.index,
+        t.point.label(),
+        t.measured
+            .as_ref()
+            .map_or_else(|| "-".into(), super::markdown::tokens_cell),
+        p.ci[0],
+        p.ci[1],
+        fmt_bytes(p.peak)
+    );
+    if !p.fits {
+        text.push_str(", over the usable limit");
+    }
+    if rec.is_some_and(|rec| rec.trial == p.index) {
+        text.push_str(", recommended");
+    } else if rec.is_some_and(|rec| rec.tied.contains(&p.index)) {
+        text.push_str(", tied with the recommendation");
+    }
+    text
+}
+
+fn draw_throughput_vs_memory<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    r: &SweepReport,
+) -> DrawResult<Vec<Tip>>
+where
+    DB::ErrorType: 'static,
+{
+    let ran = ran_points(r);
+    let enc = encoding(r);
+    let capacity = r.capacity_bytes;
+    let usable = r.usable_bytes();
+    let peak_max = ran.iter().map(|p| p.peak).max().unwrap_or(0);
+    // Every trial that ran is on the axis (each ran within the capacity,
+    // but its peak plus a GPU's overhead need not).
+    let (axis_max, cap_on_axis) = memory_axis(peak_max, capacity);
+    let axis_max = axis_max.max(peak_max);
+    let (div, unit) = byte_unit(axis_max);
+    let x_top = axis_top(axis_max as f64 / div, 1.08);
+    let tps_max = ran
+        .iter()
+        .map(|p| p.tokens_per_s.max(p.ci[1]))
+        .fold(0.0, f64::max);
+    let y_top = axis_top(tps_max, 1.12);
+    let legend = throughput_legend(r, &ran, &enc, cap_on_axis);
 
     let caption = if ran.is_empty() {
         "Throughput vs measured peak memory: no trial ran"
     } else {
         Chart::ThroughputVsMemory.title()
     };
-    let body = titled(root, caption, r)?;
-    let (plot, legend_area) = with_legend(&body, &legend);
-    legend.draw(&legend_area)?;
-
-    let mut chart = ChartBuilder::on(&plot)
-        .margin(10)
-        .x_label_area_size(44)
-        .y_label_area_size(70)
-        .build_cartesian_2d(0f64..x_top, 0f64..y_top)?;
+    let plot = framed(root, caption, r, &legend)?;
+    let mut chart = xy_chart(&plot, 70, 0f64..x_top, 0f64..y_top)?;
     let x_fmt = |v: &f64| fmt_amount(*v, x_top);
     let y_fmt = |v: &f64| fmt_si(*v);
-    chart
-        .configure_mesh()
-        .x_desc(format!("measured peak memory per rank ({unit}, tracked)"))
-        .y_desc(throughput_desc(r))
-        .x_label_formatter(&x_fmt)
-        .y_label_formatter(&y_fmt)
-        .label_style((FONT, 15))
-        .axis_desc_style((FONT, 16))
-        .light_line_style(MESH)
-        .draw()?;
+    draw_mesh(
+        &mut chart,
+        (
+            format!("measured peak memory per rank ({unit}, tracked)"),
+            &x_fmt,
+        ),
+        (throughput_desc(r), &y_fmt),
+    )?;
 
     let (x_px, y_px) = chart.plotting_area().get_pixel_range();
     let mut label_right = x_px.end - 6;
     let mut limits = Vec::new();
     if capacity > 0 && cap_on_axis {
         let (cap, use_x) = (capacity as f64 / div, usable as f64 / div);
-        chart.draw_series(LineSeries::new(
-            vec![(cap, 0.0), (cap, y_top)],
-            CAPACITY.stroke_width(2),
-        ))?;
-        chart.draw_series(DashedLineSeries::new(
-            vec![(use_x, 0.0), (use_x, y_top)],
-            USABLE_DASH.0 as u32,
-            USABLE_DASH.1 as u32,
-            USABLE.stroke_width(2),
-        ))?;
+        draw_limit_lines(
+            &mut chart,
+            [(cap, 0.0), (cap, y_top)],
+            [(use_x, 0.0), (use_x, y_top)],
+        )?;
         let use_px = chart.backend_coord(&(use_x, 0.0)).0;
         label_right = label_right.min(use_px - 22);
         limits.push((use_px, format!("usable {}", fmt_bytes(usable)), USABLE));
@@ -1359,11 +1504,65 @@ where
     }
 
     let at = |p: &Ran| (p.peak as f64 / div, p.tokens_per_s);
-    // Intervals, then the frontier, then the points on top.
+    draw_intervals_and_frontier(&mut chart, r, &ran, &enc, div)?;
+    // The points on top.
+    let mut tips = Vec::new();
     for p in &ran {
+        let point = &r.trials[p.index].point;
+        let px = chart.backend_coord(&at(p));
+        let shape = SHAPES[enc.style(point)];
+        draw_marker(root, shape, px, 5, enc.colour(point), p.fits)?;
+        tips.push(Tip {
+            spot: Spot::Circle {
+                x: px.0,
+                y: px.1,
+                r: 7,
+            },
+            text: throughput_tip(r, p),
+        });
+    }
+    let rec = r.recommendation.as_ref();
+    let tied: &[usize] = rec.map_or(&[], |rec| &rec.tied);
+    for p in ran.iter().filter(|p| tied.contains(&p.index)) {
+        root.draw(&Circle::new(
+            chart.backend_coord(&at(p)),
+            9,
+            GREY.stroke_width(2),
+        ))?;
+    }
+    if let Some(rec) = rec
+        && let Some(p) = ran.iter().find(|p| p.index == rec.trial)
+    {
+        let plot_px = (x_px.start + 6, label_right, y_px.start);
+        mark_recommended(
+            root,
+            r,
+            &enc,
+            rec.trial,
+            chart.backend_coord(&at(p)),
+            plot_px,
+        )?;
+    }
+    label_vlines(root, y_px.start, &limits)?;
+    Ok(tips)
+}
+
+/// Each ran trial's throughput interval, then the Pareto frontier.
+fn draw_intervals_and_frontier<DB: DrawingBackend>(
+    chart: &mut ChartContext<'_, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
+    r: &SweepReport,
+    ran: &[Ran],
+    enc: &Encoding,
+    div: f64,
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    let at = |p: &Ran| (p.peak as f64 / div, p.tokens_per_s);
+    for p in ran {
         let x = at(p).0;
         if p.ci[1] > p.ci[0] {
-            let c = enc.colour(point_of(p));
+            let c = enc.colour(&r.trials[p.index].point);
             chart.draw_series(LineSeries::new(
                 vec![(x, p.ci[0]), (x, p.ci[1])],
                 c.mix(0.45).stroke_width(1),
@@ -1380,96 +1579,57 @@ where
     if !frontier.is_empty() {
         chart.draw_series(LineSeries::new(frontier, FRONTIER.stroke_width(1)))?;
     }
+    Ok(())
+}
 
-    let mut tips = Vec::new();
-    for p in &ran {
-        let t = &r.trials[p.index];
-        let px = chart.backend_coord(&at(p));
-        draw_marker(
-            root,
-            shape_of(&t.point),
-            px,
-            5,
-            enc.colour(&t.point),
-            p.fits,
-        )?;
-        let mut text = format!(
-            "#{} {}: {} tokens/s (95% {:.0}-{:.0}), peak {}",
-            p.index,
-            t.point.label(),
-            t.measured
-                .as_ref()
-                .map_or_else(|| "-".into(), super::markdown::tokens_cell),
-            p.ci[0],
-            p.ci[1],
-            fmt_bytes(p.peak)
-        );
-        if !p.fits {
-            text.push_str(", over the usable limit");
+/// Rings the recommended trial at `px` and labels it, inside the plot
+/// (`left`, `right`, `top` in pixels) with a leader to the ring.
+fn mark_recommended<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    r: &SweepReport,
+    enc: &Encoding,
+    trial: usize,
+    px: (i32, i32),
+    (left, right, top): (i32, i32, i32),
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    root.draw(&Circle::new(px, 11, BLACK.stroke_width(3)))?;
+    // The knobs the legend does not already state as common to all,
+    // shortened further if the plot is too narrow for them.
+    let t = &r.trials[trial];
+    let varied: Vec<Knob> = [&enc.colour[..], &enc.style[..], &enc.rest[..]].concat();
+    let style = text_style(15, &BLACK, HPos::Left, VPos::Center);
+    let room = right - left;
+    let mut label = String::new();
+    let mut w = 0;
+    for candidate in [
+        format!("recommended: {}", t.point.label()),
+        format!(
+            "recommended: mb{} {}",
+            t.point.micro_batch,
+            combo(&varied, &t.point)
+        ),
+        format!("recommended: #{trial}"),
+    ] {
+        label = candidate.trim_end().to_string();
+        w = root.estimate_text_size(&label, &style)?.0 as i32;
+        if w <= room {
+            break;
         }
-        if rec.is_some_and(|rec| rec.trial == p.index) {
-            text.push_str(", recommended");
-        } else if tied.contains(&p.index) {
-            text.push_str(", tied with the recommendation");
-        }
-        tips.push(Tip {
-            spot: Spot::Circle {
-                x: px.0,
-                y: px.1,
-                r: 7,
-            },
-            text,
-        });
     }
-    for p in ran.iter().filter(|p| tied.contains(&p.index)) {
-        root.draw(&Circle::new(
-            chart.backend_coord(&at(p)),
-            9,
-            GREY.stroke_width(2),
-        ))?;
-    }
-
-    if let Some(rec) = rec
-        && let Some(p) = ran.iter().find(|p| p.index == rec.trial)
-    {
-        let px = chart.backend_coord(&at(p));
-        root.draw(&Circle::new(px, 11, BLACK.stroke_width(3)))?;
-        // The knobs the legend does not already state as common to all,
-        // shortened further if the plot is too narrow for them.
-        let t = &r.trials[rec.trial];
-        let varied: Vec<Knob> = [&enc.colour[..], &enc.style[..], &enc.rest[..]].concat();
-        let style = text_style(15, &BLACK, HPos::Left, VPos::Center);
-        let room = label_right - x_px.start - 6;
-        let mut label = String::new();
-        let mut w = 0;
-        for candidate in [
-            format!("recommended: {}", t.point.label()),
-            format!(
-                "recommended: mb{} {}",
-                t.point.micro_batch,
-                combo(&varied, &t.point)
-            ),
-            format!("recommended: #{}", rec.trial),
-        ] {
-            label = candidate.trim_end().to_string();
-            w = root.estimate_text_size(&label, &style)?.0 as i32;
-            if w <= room {
-                break;
-            }
-        }
-        let (pos, h) = place_label(px, w, (x_px.start + 6, label_right), y_px.start);
-        // A leader from the ring to the label's nearest edge.
-        let end = match h {
-            HPos::Left => (pos.0 - 3, pos.1),
-            HPos::Right => (pos.0 + 3, pos.1),
-            HPos::Center => (pos.0, pos.1 + if pos.1 < px.1 { 11 } else { -11 }),
-        };
-        root.draw(&PathElement::new(vec![px, end], GREY.stroke_width(1)))?;
-        root.draw(&Circle::new(px, 11, BLACK.stroke_width(3)))?;
-        label_box(root, &label, pos, h, 15, BLACK)?;
-    }
-    label_vlines(root, y_px.start, &limits)?;
-    Ok(tips)
+    let (pos, h) = place_label(px, w, (left, right), top);
+    // A leader from the ring to the label's nearest edge.
+    let end = match h {
+        HPos::Left => (pos.0 - 3, pos.1),
+        HPos::Right => (pos.0 + 3, pos.1),
+        HPos::Center => (pos.0, pos.1 + if pos.1 < px.1 { 11 } else { -11 }),
+    };
+    root.draw(&PathElement::new(vec![px, end], GREY.stroke_width(1)))?;
+    root.draw(&Circle::new(px, 11, BLACK.stroke_width(3)))?;
+    label_box(root, &label, pos, h, 15, BLACK)?;
+    Ok(())
 }
 
 // ---- 3. recommendation breakdown ----
@@ -1554,9 +1714,7 @@ where
     }
     legend_limits(&mut legend, r, cap_on_axis);
 
-    let body = titled(root, &caption, r)?;
-    let (plot, legend_area) = with_legend(&body, &legend);
-    legend.draw(&legend_area)?;
+    let plot = framed(root, &caption, r, &legend)?;
 
     let mut chart = ChartBuilder::on(&plot)
         .margin(10)

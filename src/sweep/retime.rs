@@ -319,90 +319,49 @@ pub fn rank(contenders: &[usize], bench: &mut dyn Bench, policy: &Retime) -> Ran
         ));
         return ranking;
     }
-    let stopped = |r: &mut Ranking| {
-        r.note = Some(
-            "re-timing was interrupted, so the ranking rests on each trial's own measurement"
-                .into(),
-        );
-    };
-    // Screening: all contenders, a few rounds, to pick the finalists.
-    let mut rows: Rows = Vec::new();
-    // The screening's rows over every contender, kept to place the ones
-    // screened out against the fastest finalist.
-    let mut screening: Option<Rows> = None;
-    let finalists: Vec<usize> = if contenders.len() > policy.max_finalists {
-        bench.say(&format!(
-            "screening {} contenders in {} interleaved rounds",
-            contenders.len(),
-            policy.screen_rounds
-        ));
-        let mut screen = Vec::new();
-        if !run_rounds(bench, contenders, policy.screen_rounds, 0, &mut screen) {
-            stopped(&mut ranking);
-            return ranking;
-        }
-        let a = analyse(&screen, contenders.len(), policy.in_running);
-        if a.order.is_empty() {
-            ranking.note = Some(
-                "every screening bout failed, so the ranking rests on each trial's own measurement"
-                    .into(),
-            );
-            return ranking;
-        }
-        let keep: Vec<usize> = a.order.iter().copied().take(policy.max_finalists).collect();
-        // The screening rounds are paired data for the finalists too.
-        rows = screen
-            .iter()
-            .map(|r| keep.iter().map(|&c| r[c]).collect())
-            .collect();
-        screening = Some(screen);
-        keep.iter().map(|&c| contenders[c]).collect()
-    } else {
-        contenders.to_vec()
-    };
-    let k = finalists.len();
-    let mut a = None;
-    let mut futile = None;
-    for batch in 0..=policy.max_retries {
-        bench.say(&format!(
-            "re-timing {k} finalists interleaved, rounds {}-{}",
-            rows.len() + 1,
-            rows.len() + policy.rounds
-        ));
-        let first = rows.len();
-        if !run_rounds(bench, &finalists, policy.rounds, first, &mut rows) {
-            stopped(&mut ranking);
-            return ranking;
-        }
-        ranking.retries = batch;
-        let now = analyse(&rows, k, policy.in_running);
-        let settled = now.widest <= policy.noise_bound;
-        let left = (policy.max_retries - batch) * policy.rounds;
-        let widest = now.widest;
-        a = Some(now);
-        if settled || left == 0 {
-            break;
-        }
-        if !worth_retrying(widest, rows.len(), rows.len() + left, policy.noise_bound) {
-            futile = Some(format!(
-                "not re-timed further: at ±{:.0}% after {} rounds, even {} rounds would not narrow the paired intervals to ±{:.0}%",
-                widest * 100.0,
-                rows.len(),
-                rows.len() + left,
-                policy.noise_bound * 100.0
-            ));
-            break;
-        }
+    if let Err(why) = rank_paired(contenders, bench, policy, &mut ranking) {
+        ranking.note = Some(why.into());
     }
-    let a = a.expect("one batch at least");
+    ranking
+}
+
+const STOPPED: &str =
+    "re-timing was interrupted, so the ranking rests on each trial's own measurement";
+
+/// The finalists and their paired bouts so far.
+struct Finals {
+    /// Trial indices.
+    finalists: Vec<usize>,
+    /// One row per round, one column per finalist.
+    rows: Rows,
+    /// The screening's rows over every contender, kept to place the ones
+    /// screened out against the fastest finalist (`None`: no screening).
+    screening: Option<Rows>,
+}
+
+/// Re-times the contenders interleaved and fills in `ranking` as
+/// `paired`; the error is why the ranking stays `single`.
+fn rank_paired(
+    contenders: &[usize],
+    bench: &mut dyn Bench,
+    policy: &Retime,
+    ranking: &mut Ranking,
+) -> std::result::Result<(), &'static str> {
+    let mut finals = pick_finalists(contenders, bench, policy)?;
+    let (a, futile) = retime_finalists(bench, &mut finals, policy, ranking)?;
     if a.order.is_empty() {
-        ranking.note = Some(
-            "every finalist's bouts failed, so the ranking rests on each trial's own measurement"
-                .into(),
+        return Err(
+            "every finalist's bouts failed, so the ranking rests on each trial's own measurement",
         );
-        return ranking;
     }
-    let dropped: Vec<usize> = (0..k).filter(|c| !a.order.contains(c)).collect();
+    let Finals {
+        finalists,
+        rows,
+        screening,
+    } = &finals;
+    let dropped: Vec<usize> = (0..finalists.len())
+        .filter(|c| !a.order.contains(c))
+        .collect();
     let mut notes: Vec<String> = futile.into_iter().collect();
     if !dropped.is_empty() {
         let list: Vec<String> = dropped
@@ -430,41 +389,9 @@ pub fn rank(contenders: &[usize], bench: &mut dyn Bench, policy: &Retime) -> Ran
     ranking.noisy = a.widest > policy.noise_bound;
     ranking.tie_within = policy.tie_floor.max(2.0 * a.widest);
     ranking.tie_floor = policy.tie_floor;
-    ranking.load_swing = load_swing(&rows);
-    // Contenders screened out, against the fastest finalist in the same
-    // screening rounds: a few rounds under load can drop one that is as
-    // fast (a sweep under a switching CPU hog dropped the idle host's
-    // runner-up this way, then settled its finalists to ±9% and tied
-    // none of them with it).
-    if let (Some(screen), Some(&fastest)) = (&screening, a.order.first()) {
-        let f = contenders
-            .iter()
-            .position(|&t| t == finalists[fastest])
-            .expect("finalists are contenders");
-        ranking.screened = (0..contenders.len())
-            .filter(|&c| !finalists.contains(&contenders[c]))
-            .filter_map(|c| {
-                let q: Vec<f64> = (screen.iter())
-                    .filter_map(|r| Some(r[c]?.cost / r[f]?.cost))
-                    .collect();
-                let t: Vec<f64> = (screen.iter())
-                    .filter_map(|r| r[c])
-                    .map(|b| b.tokens_per_s)
-                    .collect();
-                let (m, lo, hi) = median_ci(&q);
-                (!q.is_empty()).then(|| PairedTrial {
-                    trial: contenders[c],
-                    cost_ratio: m,
-                    cost_ratio_ci: [lo, hi],
-                    tokens_per_s: crate::stats::median(&t),
-                    bouts: t.len(),
-                    failed_bouts: screen.len() - t.len(),
-                })
-            })
-            .collect();
-        ranking
-            .screened
-            .sort_by(|x, y| x.cost_ratio.total_cmp(&y.cost_ratio));
+    ranking.load_swing = load_swing(rows);
+    if let (Some(screen), Some(&fastest)) = (screening, a.order.first()) {
+        ranking.screened = screened_out(contenders, finalists, screen, finalists[fastest]);
     }
     ranking.paired = a
         .order
@@ -478,7 +405,137 @@ pub fn rank(contenders: &[usize], bench: &mut dyn Bench, policy: &Retime) -> Ran
             failed_bouts: a.failed[c],
         })
         .collect();
-    ranking
+    Ok(())
+}
+
+/// The finalists: every contender when there are few enough, else the
+/// fastest of a screening of them all (a few rounds, whose rows are paired
+/// data for the finalists too).
+fn pick_finalists(
+    contenders: &[usize],
+    bench: &mut dyn Bench,
+    policy: &Retime,
+) -> std::result::Result<Finals, &'static str> {
+    if contenders.len() <= policy.max_finalists {
+        return Ok(Finals {
+            finalists: contenders.to_vec(),
+            rows: Vec::new(),
+            screening: None,
+        });
+    }
+    bench.say(&format!(
+        "screening {} contenders in {} interleaved rounds",
+        contenders.len(),
+        policy.screen_rounds
+    ));
+    let mut screen = Vec::new();
+    if !run_rounds(bench, contenders, policy.screen_rounds, 0, &mut screen) {
+        return Err(STOPPED);
+    }
+    let a = analyse(&screen, contenders.len(), policy.in_running);
+    if a.order.is_empty() {
+        return Err(
+            "every screening bout failed, so the ranking rests on each trial's own measurement",
+        );
+    }
+    let keep: Vec<usize> = a.order.iter().copied().take(policy.max_finalists).collect();
+    Ok(Finals {
+        finalists: keep.iter().map(|&c| contenders[c]).collect(),
+        rows: screen
+            .iter()
+            .map(|r| keep.iter().map(|&c| r[c]).collect())
+            .collect(),
+        screening: Some(screen),
+    })
+}
+
+/// Times the finalists in batches of `policy.rounds` interleaved rounds
+/// until their paired intervals are within the noise bound, the retries
+/// are spent, or more rounds could not get them there (the note saying
+/// so). `ranking.retries` counts the batches after the first.
+fn retime_finalists(
+    bench: &mut dyn Bench,
+    finals: &mut Finals,
+    policy: &Retime,
+    ranking: &mut Ranking,
+) -> std::result::Result<(Analysis, Option<String>), &'static str> {
+    let Finals {
+        finalists, rows, ..
+    } = finals;
+    let k = finalists.len();
+    let mut a = None;
+    let mut futile = None;
+    for batch in 0..=policy.max_retries {
+        bench.say(&format!(
+            "re-timing {k} finalists interleaved, rounds {}-{}",
+            rows.len() + 1,
+            rows.len() + policy.rounds
+        ));
+        let first = rows.len();
+        if !run_rounds(bench, finalists, policy.rounds, first, rows) {
+            return Err(STOPPED);
+        }
+        ranking.retries = batch;
+        let now = analyse(rows, k, policy.in_running);
+        let settled = now.widest <= policy.noise_bound;
+        let left = (policy.max_retries - batch) * policy.rounds;
+        let widest = now.widest;
+        a = Some(now);
+        if settled || left == 0 {
+            break;
+        }
+        if !worth_retrying(widest, rows.len(), rows.len() + left, policy.noise_bound) {
+            futile = Some(format!(
+                "not re-timed further: at ±{:.0}% after {} rounds, even {} rounds would not narrow the paired intervals to ±{:.0}%",
+                widest * 100.0,
+                rows.len(),
+                rows.len() + left,
+                policy.noise_bound * 100.0
+            ));
+            break;
+        }
+    }
+    Ok((a.expect("one batch at least"), futile))
+}
+
+/// Contenders screened out, against the fastest finalist in the same
+/// screening rounds: a few rounds under load can drop one that is as
+/// fast (a sweep under a switching CPU hog dropped the idle host's
+/// runner-up this way, then settled its finalists to ±9% and tied
+/// none of them with it). Cheapest first.
+fn screened_out(
+    contenders: &[usize],
+    finalists: &[usize],
+    screen: &Rows,
+    fastest: usize,
+) -> Vec<PairedTrial> {
+    let f = contenders
+        .iter()
+        .position(|&t| t == fastest)
+        .expect("finalists are contenders");
+    let mut screened: Vec<PairedTrial> = (0..contenders.len())
+        .filter(|&c| !finalists.contains(&contenders[c]))
+        .filter_map(|c| {
+            let q: Vec<f64> = (screen.iter())
+                .filter_map(|r| Some(r[c]?.cost / r[f]?.cost))
+                .collect();
+            let t: Vec<f64> = (screen.iter())
+                .filter_map(|r| r[c])
+                .map(|b| b.tokens_per_s)
+                .collect();
+            let (m, lo, hi) = median_ci(&q);
+            (!q.is_empty()).then(|| PairedTrial {
+                trial: contenders[c],
+                cost_ratio: m,
+                cost_ratio_ci: [lo, hi],
+                tokens_per_s: crate::stats::median(&t),
+                bouts: t.len(),
+                failed_bouts: screen.len() - t.len(),
+            })
+        })
+        .collect();
+    screened.sort_by(|x, y| x.cost_ratio.total_cmp(&y.cost_ratio));
+    screened
 }
 
 /// Of each column's bouts, the 90th percentile of their costs over the

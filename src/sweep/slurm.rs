@@ -20,7 +20,7 @@
 //! directory cancels those still queued or running before it submits.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -400,6 +400,38 @@ impl Array<'_> {
         say: &dyn Fn(String),
         on_end: &mut dyn FnMut(Finished) -> Result<()>,
     ) -> Result<()> {
+        let (dir, script, indices) = self.stage(tasks)?;
+        let job = self.submit(&dir, &script, &indices)?;
+        let mut guard = CancelOnDrop(Some(&job));
+        append_line(
+            &dir.join(JOBS),
+            &serde_json::to_string(&job).expect("job serialises"),
+        )?;
+        say(format!(
+            "submitted Slurm job {} ({} trial{}: array {}; {})",
+            job.job,
+            indices.len(),
+            if indices.len() == 1 { "" } else { "s" },
+            if indices.len() > 12 {
+                format!("{}..{}", indices[0], indices.last().expect("not empty"))
+            } else {
+                indices
+                    .iter()
+                    .map(|i| i.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            },
+            script.display()
+        ));
+        // An error leaves the guard to cancel the job.
+        self.follow(&job, &dir, &indices, stop, say, on_end)?;
+        guard.0 = None;
+        Ok(())
+    }
+
+    /// Writes each task's spec and the array's script into OUT/slurm:
+    /// that directory (absolute), the script, and the tasks' indices.
+    fn stage(&self, tasks: &[Task]) -> Result<(PathBuf, PathBuf, Vec<usize>)> {
         let dir = std::path::absolute(self.out.join("slurm")).map_err(|source| Error::Write {
             path: self.out.join("slurm"),
             source,
@@ -424,51 +456,46 @@ impl Array<'_> {
         let indices: Vec<usize> = tasks.iter().map(|t| t.index).collect();
         let script = dir.join("trials.sbatch");
         super::driver::write_atomic(&script, self.script(&dir, &exe, &indices).as_bytes())?;
+        Ok((dir, script, indices))
+    }
+
+    /// Submits the script as a job array of `indices`.
+    fn submit(&self, dir: &Path, script: &Path, indices: &[usize]) -> Result<Job> {
         let mut sbatch = Command::new("sbatch");
         sbatch.arg("--parsable");
-        if !plain(&dir) {
+        if !plain(dir) {
             let pattern = dir.to_string_lossy().replace('%', "%%");
             sbatch.arg(format!("--output={pattern}/out-%a.json"));
             sbatch.arg(format!("--error={pattern}/err-%a.txt"));
         }
         let out = sbatch
             .args(&self.options.extra)
-            .arg(&script)
+            .arg(script)
             .output()
             .map_err(|e| Error::Unavailable(format!("cannot run sbatch: {e}")))?;
         let stdout = String::from_utf8_lossy(&out.stdout);
-        let job = match Job::parse(&stdout, indices.clone()) {
-            Some(job) if out.status.success() => job,
-            _ => {
-                return Err(Error::Unavailable(format!(
-                    "sbatch refused the trials' job array ({}): {}{}",
-                    script.display(),
-                    String::from_utf8_lossy(&out.stderr).trim(),
-                    stdout.trim()
-                )));
-            }
-        };
-        let mut guard = CancelOnDrop(Some(&job));
-        append_line(
-            &dir.join(JOBS),
-            &serde_json::to_string(&job).expect("job serialises"),
-        )?;
-        say(format!(
-            "submitted Slurm job {} ({} trial{}: array {}; {})",
-            job.job,
-            indices.len(),
-            if indices.len() == 1 { "" } else { "s" },
-            if indices.len() > 12 {
-                format!("{}..{}", indices[0], indices.last().expect("not empty"))
-            } else {
-                indices
-                    .iter()
-                    .map(|i| i.to_string())
-                    .collect::<Vec<_>>()
-                    .join(",")
-            },
-            script.display()
-        ));
+        match Job::parse(&stdout, indices.to_vec()) {
+            Some(job) if out.status.success() => Ok(job),
+            _ => Err(Error::Unavailable(format!(
+                "sbatch refused the trials' job array ({}): {}{}",
+                script.display(),
+                String::from_utf8_lossy(&out.stderr).trim(),
+                stdout.trim()
+            ))),
+        }
+    }
+
+    /// Polls the job until every task has ended, handing each to `on_end`
+    /// as it does, or `stop` is set (the job is cancelled then).
+    fn follow(
+        &self,
+        job: &Job,
+        dir: &Path,
+        indices: &[usize],
+        stop: &AtomicBool,
+        say: &dyn Fn(String),
+        on_end: &mut dyn FnMut(Finished) -> Result<()>,
+    ) -> Result<()> {
         let mut pending: BTreeSet<usize> = indices.iter().copied().collect();
         let mut ended_at: HashMap<usize, Instant> = HashMap::new();
         let mut unreachable_since: Option<Instant> = None;
@@ -479,7 +506,7 @@ impl Array<'_> {
                 std::thread::sleep(Duration::from_millis(50));
             }
             let stopping = stop.load(Ordering::SeqCst);
-            let states = match query(&job) {
+            let states = match query(job) {
                 Ok(states) => {
                     unreachable_since = None;
                     states
@@ -510,7 +537,7 @@ impl Array<'_> {
                     None => TaskState::unknown(),
                 };
                 let first = *ended_at.entry(index).or_insert_with(Instant::now);
-                let files = TaskFiles::read(&dir, index);
+                let files = TaskFiles::read(dir, index);
                 if !files.complete(&st) && first.elapsed() < FILES_GRACE && !stopping {
                     continue;
                 }
@@ -531,7 +558,6 @@ impl Array<'_> {
             }
             if stopping {
                 // What ended before Ctrl-C is kept; the rest is not a result.
-                guard.0 = None;
                 if !pending.is_empty() {
                     job.cancel();
                     say(format!("cancelled Slurm job {}", job.job));
@@ -543,7 +569,6 @@ impl Array<'_> {
                 false => (wait * 3 / 2).min(Duration::from_secs(5)),
             };
         }
-        guard.0 = None;
         Ok(())
     }
 }

@@ -1596,6 +1596,19 @@ fn kv(k: &str, v: String) -> Line<'static> {
 }
 
 fn detail_lines(app: &App, r: &Row) -> Vec<Line<'static>> {
+    let mut v = identity_lines(app, r);
+    if let Some(rec) = r.record.as_ref() {
+        v.extend(outcome_lines(rec));
+    }
+    v.push(kv("predicted", predicted_words(app, r)));
+    v.push(kv("measured", measured_words(app, r)));
+    v.extend(comparison_lines(app, r));
+    v.extend(phase_lines(app, r));
+    v
+}
+
+/// The trial's configuration, what it does to the numerics, and its status.
+fn identity_lines(app: &App, r: &Row) -> Vec<Line<'static>> {
     let p = &r.point;
     let mut v = vec![
         Line::from(Span::styled(
@@ -1650,77 +1663,89 @@ fn detail_lines(app: &App, r: &Row) -> Vec<Line<'static>> {
         Span::styled(format!("{:<12}", "status"), bold()),
         st,
     ]));
-    let rec = r.record.as_ref();
-    if let Some(rec) = rec {
+    v
+}
+
+/// How the trial ended, and its exit and stderr when it failed.
+fn outcome_lines(rec: &crate::report::sweep::TrialRecord) -> Vec<Line<'static>> {
+    let mut v = vec![kv(
+        "outcome",
+        format!(
+            "{} after {:.1} s",
+            crate::sweep::markdown::outcome_label(rec),
+            rec.elapsed_s
+        ),
+    )];
+    if let Some(n) = &rec.note {
+        v.push(kv("note", n.clone()));
+    }
+    if let Some(e) = &rec.exit {
         v.push(kv(
-            "outcome",
+            "exit",
             format!(
-                "{} after {:.1} s",
-                crate::sweep::markdown::outcome_label(rec),
-                rec.elapsed_s
+                "code {} · signal {}",
+                e.code.map_or("-".into(), |c| c.to_string()),
+                e.signal.map_or("-".into(), |s| s.to_string())
             ),
         ));
-        if let Some(n) = &rec.note {
-            v.push(kv("note", n.clone()));
-        }
-        if let Some(e) = &rec.exit {
-            v.push(kv(
-                "exit",
-                format!(
-                    "code {} · signal {}",
-                    e.code.map_or("-".into(), |c| c.to_string()),
-                    e.signal.map_or("-".into(), |s| s.to_string())
-                ),
-            ));
-            if !e.stderr_tail.trim().is_empty() {
-                v.push(Line::from(Span::styled("stderr tail:", bold())));
-                v.extend(
-                    e.stderr_tail
-                        .lines()
-                        .map(|l| Line::from(Span::styled(format!("  {l}"), dim()))),
-                );
-            }
+        if !e.stderr_tail.trim().is_empty() {
+            v.push(Line::from(Span::styled("stderr tail:", bold())));
+            v.extend(
+                e.stderr_tail
+                    .lines()
+                    .map(|l| Line::from(Span::styled(format!("  {l}"), dim()))),
+            );
         }
     }
-    let pred = rec.and_then(|r| r.predicted.as_ref());
-    v.push(kv(
-        "predicted",
-        match (r.predicted_total(), pred) {
-            (Some(t), Some(pr)) => format!(
-                "peak {} ({:.1}% of capacity) · {:.0} tok/s · step {:.3} s",
-                fmt_bytes(t),
-                pct(t as f64, app.header.capacity),
-                pr.tokens_per_s,
-                pr.step_s
-            ),
-            (Some(t), None) => format!(
-                "peak {} ({:.1}% of capacity){}",
-                fmt_bytes(t),
-                pct(t as f64, app.header.capacity),
-                r.predicted_tokens_per_s
-                    .map_or(String::new(), |x| format!(" · {x:.0} tok/s"))
-            ),
-            _ => "-".into(),
-        },
-    ));
+    v
+}
+
+fn predicted_words(app: &App, r: &Row) -> String {
+    let pred = r.record.as_ref().and_then(|r| r.predicted.as_ref());
+    match (r.predicted_total(), pred) {
+        (Some(t), Some(pr)) => format!(
+            "peak {} ({:.1}% of capacity) · {:.0} tok/s · step {:.3} s",
+            fmt_bytes(t),
+            pct(t as f64, app.header.capacity),
+            pr.tokens_per_s,
+            pr.step_s
+        ),
+        (Some(t), None) => format!(
+            "peak {} ({:.1}% of capacity){}",
+            fmt_bytes(t),
+            pct(t as f64, app.header.capacity),
+            r.predicted_tokens_per_s
+                .map_or(String::new(), |x| format!(" · {x:.0} tok/s"))
+        ),
+        _ => "-".into(),
+    }
+}
+
+fn measured_words(app: &App, r: &Row) -> String {
+    let rec = r.record.as_ref();
     let meas = rec.and_then(|r| r.measured.as_ref());
-    v.push(kv(
-        "measured",
-        match (r.measured_total(), meas, rec) {
-            (Some(t), Some(m), Some(rec)) => format!(
-                "peak {} ({:.1}% of capacity) · {} tok/s · step {:.3} s (95% {:.3}-{:.3}) · {} {}",
-                fmt_bytes(t),
-                pct(t as f64, app.header.capacity),
-                tokens_cell(m),
-                m.step_s,
-                m.step_s_ci[0],
-                m.step_s_ci[1],
-                cost_cell(rec),
-                cost_heading(&app.header.base),
-            ),
-            _ => "not run".into(),
-        },
-    ));
+    match (r.measured_total(), meas, rec) {
+        (Some(t), Some(m), Some(rec)) => format!(
+            "peak {} ({:.1}% of capacity) · {} tok/s · step {:.3} s (95% {:.3}-{:.3}) · {} {}",
+            fmt_bytes(t),
+            pct(t as f64, app.header.capacity),
+            tokens_cell(m),
+            m.step_s,
+            m.step_s_ci[0],
+            m.step_s_ci[1],
+            cost_cell(rec),
+            cost_heading(&app.header.base),
+        ),
+        _ => "not run".into(),
+    }
+}
+
+/// The margin, the prediction's error, the plan on the target and the
+/// host's RSS, each when known.
+fn comparison_lines(app: &App, r: &Row) -> Vec<Line<'static>> {
+    let mut v = Vec::new();
+    let rec = r.record.as_ref();
+    let meas = rec.and_then(|r| r.measured.as_ref());
     if let Some(m) = r.margin(app.header.usable) {
         let peak = r.measured_total().or(r.predicted_total()).unwrap_or(0);
         v.push(kv(
@@ -1774,6 +1799,13 @@ fn detail_lines(app: &App, r: &Row) -> Vec<Line<'static>> {
             ),
         ));
     }
+    v
+}
+
+/// Per-phase peaks as bars, or where to find the timeline.
+fn phase_lines(app: &App, r: &Row) -> Vec<Line<'static>> {
+    let mut v = Vec::new();
+    let rec = r.record.as_ref();
     let phases = rec
         .and_then(|r| r.measured.as_ref())
         .map(|m| m.phase_peaks.as_slice())

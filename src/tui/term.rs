@@ -288,107 +288,22 @@ fn sweep_view<B: ratatui::backend::Backend>(
     opts: &TuiOptions,
     setup: SweepSetup,
 ) -> Result<SweepExit> {
-    let SweepSetup {
-        mut base,
-        mut app,
-        journal,
-        finished_before,
-        ..
-    } = setup;
-    // NVML where it answers; on a GPU run device without it, the panel says why.
-    let on_gpu = app.header.base.run_device.kind == "cuda";
-    let nvml = match crate::telemetry::Telemetry::open() {
-        Ok(t) => Some(t),
-        Err(why) => {
-            if on_gpu {
-                app.gpu = Some(super::app::GpuView::Missing(format!("no NVML: {why}")));
-            }
-            None
-        }
-    };
-    let mut last_gpu = Instant::now() - Duration::from_secs(1);
-    // A journal from an earlier run: offer to resume before anything runs.
-    let mut asking = finished_before > 0;
-    if asking {
-        app.message = Some(format!(
-            "Resume? {} holds {finished_before} finished trials from an earlier run: y resumes them (they are not run again), n moves them aside and starts over, q quits.",
-            journal.display()
-        ));
-    }
-    // The screen's size, for where the page views end; again on each resize.
-    let mut size = terminal
-        .size()
-        .map(|s| (s.width, s.height))
-        .unwrap_or((80, 24));
-    update(
-        &mut app,
-        Event::Resize {
-            width: size.0,
-            height: size.1,
-        },
-    );
-
-    let (tx, rx): (Sender<Event>, Receiver<Event>) = channel();
-    let pause = Arc::new(AtomicBool::new(false));
-    let mut runner: Option<Runner> = None;
-    let start = Instant::now();
-    if !asking {
-        runner = Some(start_sweep(
-            &base,
-            &tx,
-            pause.clone(),
-            opts.sample_ms,
-            start,
-        ));
-    }
+    let mut view = SweepScreen::open(terminal, opts, setup);
     let frame = Duration::from_millis(100);
-    let mut last_report: Option<SweepReport> = None;
-    let mut queued_reruns: Vec<usize> = Vec::new();
     let result = loop {
         // Sweep events first, then at most one frame's wait for a key.
-        for ev in rx.try_iter() {
-            update(&mut app, ev);
+        for ev in view.rx.try_iter() {
+            update(&mut view.app, ev);
         }
-        if runner
-            .as_ref()
-            .is_some_and(|r| r.thread.as_ref().is_some_and(|t| t.is_finished()))
-        {
-            let mut r = runner.take().expect("checked");
-            match r.thread.take().expect("checked").join() {
-                Ok(Ok(report)) => last_report = Some(report),
-                Ok(Err(e)) => app.message = Some(format!("sweep failed: {e}")),
-                Err(_) => app.message = Some("the sweep thread panicked".into()),
-            }
-            if !queued_reruns.is_empty() {
-                base.rerun = std::mem::take(&mut queued_reruns);
-                runner = Some(start_sweep(
-                    &base,
-                    &tx,
-                    pause.clone(),
-                    opts.sample_ms,
-                    start,
-                ));
-            }
-        }
-        // The GPU panel: NVML twice a second, on this thread (a sample is a
-        // few driver calls).
-        if let Some(t) = &nvml
-            && last_gpu.elapsed() >= Duration::from_millis(500)
-        {
-            last_gpu = Instant::now();
-            let view = match t.sample(None) {
-                Ok(snap) => super::app::GpuView::Snapshot(snap),
-                Err(e) => super::app::GpuView::Missing(format!("NVML: {e}")),
-            };
-            update(&mut app, Event::Gpu(view));
-        }
+        view.reap_finished_sweep();
+        view.sample_gpu();
         update(
-            &mut app,
+            &mut view.app,
             Event::Tick {
-                elapsed_s: start.elapsed().as_secs_f64(),
+                elapsed_s: view.start.elapsed().as_secs_f64(),
             },
         );
-        if let Err(e) = terminal.draw(|f| render(&app, f)) {
+        if let Err(e) = terminal.draw(|f| render(&view.app, f)) {
             break Err(Error::Unavailable(format!("cannot draw: {e}")));
         }
         let Ok(ready) = event::poll(frame) else {
@@ -400,100 +315,252 @@ fn sweep_view<B: ratatui::backend::Backend>(
         let key = match event::read() {
             Ok(crossterm::event::Event::Key(k)) => key_of(k),
             Ok(crossterm::event::Event::Resize(width, height)) => {
-                size = (width, height);
-                update(&mut app, Event::Resize { width, height });
+                view.size = (width, height);
+                update(&mut view.app, Event::Resize { width, height });
                 None
             }
             Ok(_) => None,
             Err(e) => break Err(Error::Unavailable(format!("cannot read the terminal: {e}"))),
         };
         let Some(key) = key else { continue };
-        if asking {
-            match key {
-                Key::Char('y') | Key::Char('n') => {
-                    if key == Key::Char('n') {
-                        let stamp = std::time::SystemTime::now()
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .map_or(0, |d| d.as_secs());
-                        let aside = opts.out.join(format!("trials.{stamp}.jsonl"));
-                        let _ = std::fs::rename(&journal, &aside);
-                        // Starting over is a new sweep: the grid builder may
-                        // have changed the model or the device since.
-                        let _ = std::fs::rename(
-                            opts.out.join("sweep.json"),
-                            opts.out.join(format!("sweep.{stamp}.json")),
-                        );
-                        let gpu = app.gpu.take();
-                        app = super::new_app(&base, opts.sample_ms)?;
-                        app.gpu = gpu;
-                        app.header.no_color = no_color();
-                        update(
-                            &mut app,
-                            Event::Resize {
-                                width: size.0,
-                                height: size.1,
-                            },
-                        );
-                        app.message = Some(format!("earlier trials moved to {}", aside.display()));
-                    } else {
-                        app.message = None;
-                    }
-                    asking = false;
-                    runner = Some(start_sweep(
-                        &base,
-                        &tx,
-                        pause.clone(),
-                        opts.sample_ms,
-                        start,
-                    ));
-                    continue;
-                }
-                Key::Char('q') | Key::Esc | Key::CtrlC => break Ok(SweepExit::Quit),
-                Key::Char('b') => break Ok(SweepExit::Back),
-                _ => continue,
-            }
+        let exit = if view.asking {
+            view.answer_resume(key)
+        } else {
+            Ok(view.on_key(key))
+        };
+        match exit {
+            Ok(None) => continue,
+            Ok(Some(exit)) => break Ok(exit),
+            Err(e) => break Err(e),
         }
+    };
+    view.stop();
+    result
+}
+
+/// The sweep view's state around its [`App`]: the sweep's thread and its
+/// channel, re-runs waiting for it, the resume question, and NVML.
+struct SweepScreen<'o> {
+    opts: &'o TuiOptions,
+    base: SweepOptions,
+    app: App,
+    journal: PathBuf,
+    tx: Sender<Event>,
+    rx: Receiver<Event>,
+    pause: Arc<AtomicBool>,
+    runner: Option<Runner>,
+    /// When the TUI's clock started.
+    start: Instant,
+    last_report: Option<SweepReport>,
+    /// Re-runs asked for while a sweep runs: the next sweep's.
+    queued_reruns: Vec<usize>,
+    /// A journal from an earlier run: the view asks to resume it before
+    /// anything runs.
+    asking: bool,
+    /// The screen's size, for where the page views end.
+    size: (u16, u16),
+    nvml: Option<crate::telemetry::Telemetry>,
+    last_gpu: Instant,
+}
+
+impl<'o> SweepScreen<'o> {
+    /// Opens NVML, asks about an earlier journal or starts the sweep.
+    fn open<B: ratatui::backend::Backend>(
+        terminal: &Terminal<B>,
+        opts: &'o TuiOptions,
+        setup: SweepSetup,
+    ) -> Self {
+        let SweepSetup {
+            base,
+            mut app,
+            journal,
+            finished_before,
+            ..
+        } = setup;
+        // NVML where it answers; on a GPU run device without it, the panel says why.
+        let on_gpu = app.header.base.run_device.kind == "cuda";
+        let nvml = match crate::telemetry::Telemetry::open() {
+            Ok(t) => Some(t),
+            Err(why) => {
+                if on_gpu {
+                    app.gpu = Some(super::app::GpuView::Missing(format!("no NVML: {why}")));
+                }
+                None
+            }
+        };
+        let last_gpu = Instant::now() - Duration::from_secs(1);
+        let asking = finished_before > 0;
+        if asking {
+            app.message = Some(format!(
+                "Resume? {} holds {finished_before} finished trials from an earlier run: y resumes them (they are not run again), n moves them aside and starts over, q quits.",
+                journal.display()
+            ));
+        }
+        // The screen's size, for where the page views end; again on each resize.
+        let size = terminal
+            .size()
+            .map(|s| (s.width, s.height))
+            .unwrap_or((80, 24));
+        update(
+            &mut app,
+            Event::Resize {
+                width: size.0,
+                height: size.1,
+            },
+        );
+        let (tx, rx): (Sender<Event>, Receiver<Event>) = channel();
+        let mut view = SweepScreen {
+            opts,
+            base,
+            app,
+            journal,
+            tx,
+            rx,
+            pause: Arc::new(AtomicBool::new(false)),
+            runner: None,
+            start: Instant::now(),
+            last_report: None,
+            queued_reruns: Vec::new(),
+            asking,
+            size,
+            nvml,
+            last_gpu,
+        };
+        if !asking {
+            view.start_sweep();
+        }
+        view
+    }
+
+    fn start_sweep(&mut self) {
+        self.runner = Some(start_sweep(
+            &self.base,
+            &self.tx,
+            self.pause.clone(),
+            self.opts.sample_ms,
+            self.start,
+        ));
+    }
+
+    /// A sweep that ended: its report, or why it failed; then the re-runs
+    /// asked for while it ran.
+    fn reap_finished_sweep(&mut self) {
+        if !self
+            .runner
+            .as_ref()
+            .is_some_and(|r| r.thread.as_ref().is_some_and(|t| t.is_finished()))
+        {
+            return;
+        }
+        let mut r = self.runner.take().expect("checked");
+        match r.thread.take().expect("checked").join() {
+            Ok(Ok(report)) => self.last_report = Some(report),
+            Ok(Err(e)) => self.app.message = Some(format!("sweep failed: {e}")),
+            Err(_) => self.app.message = Some("the sweep thread panicked".into()),
+        }
+        if !self.queued_reruns.is_empty() {
+            self.base.rerun = std::mem::take(&mut self.queued_reruns);
+            self.start_sweep();
+        }
+    }
+
+    /// The GPU panel: NVML twice a second, on this thread (a sample is a
+    /// few driver calls).
+    fn sample_gpu(&mut self) {
+        if let Some(t) = &self.nvml
+            && self.last_gpu.elapsed() >= Duration::from_millis(500)
+        {
+            self.last_gpu = Instant::now();
+            let view = match t.sample(None) {
+                Ok(snap) => super::app::GpuView::Snapshot(snap),
+                Err(e) => super::app::GpuView::Missing(format!("NVML: {e}")),
+            };
+            update(&mut self.app, Event::Gpu(view));
+        }
+    }
+
+    /// A key while the view asks whether to resume: `y` resumes, `n` moves
+    /// the earlier trials aside and starts over; either starts the sweep.
+    fn answer_resume(&mut self, key: Key) -> Result<Option<SweepExit>> {
+        match key {
+            Key::Char('y') => self.app.message = None,
+            Key::Char('n') => self.start_over()?,
+            Key::Char('q') | Key::Esc | Key::CtrlC => return Ok(Some(SweepExit::Quit)),
+            Key::Char('b') => return Ok(Some(SweepExit::Back)),
+            _ => return Ok(None),
+        }
+        self.asking = false;
+        self.start_sweep();
+        Ok(None)
+    }
+
+    /// Moves the earlier run's journal and identity aside, and begins a
+    /// fresh screen.
+    fn start_over(&mut self) -> Result<()> {
+        let opts = self.opts;
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let aside = opts.out.join(format!("trials.{stamp}.jsonl"));
+        let _ = std::fs::rename(&self.journal, &aside);
+        // Starting over is a new sweep: the grid builder may
+        // have changed the model or the device since.
+        let _ = std::fs::rename(
+            opts.out.join("sweep.json"),
+            opts.out.join(format!("sweep.{stamp}.json")),
+        );
+        let gpu = self.app.gpu.take();
+        self.app = super::new_app(&self.base, opts.sample_ms)?;
+        self.app.gpu = gpu;
+        self.app.header.no_color = no_color();
+        update(
+            &mut self.app,
+            Event::Resize {
+                width: self.size.0,
+                height: self.size.1,
+            },
+        );
+        self.app.message = Some(format!("earlier trials moved to {}", aside.display()));
+        Ok(())
+    }
+
+    /// A key for the app, and what its actions ask of the sweep.
+    fn on_key(&mut self, key: Key) -> Option<SweepExit> {
         let mut quit = None;
-        for action in update(&mut app, Event::Key(key)) {
+        for action in update(&mut self.app, Event::Key(key)) {
             match action {
                 Action::Quit => quit = Some(SweepExit::Quit),
                 Action::Back => quit = Some(SweepExit::Back),
                 Action::TogglePause => {
-                    pause.store(app.paused, Ordering::SeqCst);
+                    self.pause.store(self.app.paused, Ordering::SeqCst);
                 }
                 Action::Rerun(index) => {
-                    if runner.is_some() {
-                        queued_reruns.push(index);
+                    if self.runner.is_some() {
+                        self.queued_reruns.push(index);
                     } else {
-                        base.rerun = vec![index];
-                        runner = Some(start_sweep(
-                            &base,
-                            &tx,
-                            pause.clone(),
-                            opts.sample_ms,
-                            start,
-                        ));
+                        self.base.rerun = vec![index];
+                        self.start_sweep();
                     }
                 }
                 Action::Export(dir) => {
-                    let res = export(&app, last_report.as_ref(), &dir);
-                    update(&mut app, Event::Exported(res));
+                    let res = export(&self.app, self.last_report.as_ref(), &dir);
+                    update(&mut self.app, Event::Exported(res));
                 }
             }
         }
-        if let Some(exit) = quit {
-            break Ok(exit);
-        }
-    };
-    // Stop the sweep (it kills its running trial and keeps the journal).
-    if let Some(mut r) = runner.take() {
-        r.stop.store(true, Ordering::SeqCst);
-        r.pause.store(false, Ordering::SeqCst);
-        if let Some(t) = r.thread.take() {
-            let _ = t.join();
+        quit
+    }
+
+    /// Stops the sweep (it kills its running trial and keeps the journal).
+    fn stop(&mut self) {
+        if let Some(mut r) = self.runner.take() {
+            r.stop.store(true, Ordering::SeqCst);
+            r.pause.store(false, Ordering::SeqCst);
+            if let Some(t) = r.thread.take() {
+                let _ = t.join();
+            }
         }
     }
-    result
 }
 
 /// Writes the sweep's reports into `dir`: the finished sweep's, or one built

@@ -70,36 +70,14 @@ pub fn watch_main(args: &WatchOptions) -> i32 {
         eprintln!("memfit: --pid {pid}: no such process (it may have ended)");
         return 2;
     }
-    let mut timeline = match &args.timeline {
-        Some(path) => match TimelineFile::create(path) {
-            Ok(t) => Some(t),
-            Err(e) => {
-                eprintln!("memfit: --timeline {}: {e}", path.display());
-                return 2;
-            }
-        },
-        None => None,
+    let mut timeline = match open_timeline(args) {
+        Ok(t) => t,
+        Err(code) => return code,
     };
     let use_tui = !args.no_tui && std::io::stdout().is_terminal();
-    // The command's output, with the full-screen view: `--log`, else a new
-    // file in `--out` (made only then, so a headless watch writes nothing).
-    let log_path = args.log.clone().unwrap_or_else(|| {
-        args.out.join(log_name(
-            &args.command,
-            std::time::SystemTime::now(),
-            std::process::id(),
-        ))
-    });
-    let log_file = match use_tui && !args.command.is_empty() {
-        false => None,
-        true => match open_log(&log_path, args.log.is_none()) {
-            Ok(f) => Some(f),
-            Err(e) => {
-                let flag = if args.log.is_some() { "--log" } else { "--out" };
-                eprintln!("memfit: {flag}: cannot write {}: {e}", log_path.display());
-                return 2;
-            }
-        },
+    let (log_path, log_file) = match command_log(args, use_tui) {
+        Ok(log) => log,
+        Err(code) => return code,
     };
 
     let telemetry = Telemetry::open();
@@ -111,28 +89,9 @@ pub fn watch_main(args: &WatchOptions) -> i32 {
     // The command, started before the clock so that its pid is known.
     let (lines_tx, lines_rx) = channel::<String>();
     let started = Instant::now();
-    let (target, child) = match (&args.pid, args.command.is_empty()) {
-        (Some(pid), _) => (
-            Target::Pid {
-                pid: *pid,
-                name: proc::name(*pid),
-            },
-            None,
-        ),
-        (None, true) => (Target::Gpus, None),
-        (None, false) => match spawn(&args.command, log_file, lines_tx) {
-            Ok(c) => (
-                Target::Command {
-                    argv: args.command.clone(),
-                    pid: c.id(),
-                },
-                Some(c),
-            ),
-            Err(e) => {
-                eprintln!("memfit: cannot run `{}`: {e}", args.command[0]);
-                return 127;
-            }
-        },
+    let (target, child) = match start_target(args, log_file, lines_tx) {
+        Ok(started) => started,
+        Err(code) => return code,
     };
 
     let mut st = WatchState::new(target, nvml, args.sample_ms, args.warn_at);
@@ -216,6 +175,81 @@ pub fn watch_main(args: &WatchOptions) -> i32 {
         (Target::Command { .. }, None) => 1,
         _ => 0,
     }
+}
+
+/// `--timeline`'s file, created; `Err` is the exit code, the reason said.
+fn open_timeline(args: &WatchOptions) -> std::result::Result<Option<TimelineFile>, i32> {
+    match &args.timeline {
+        Some(path) => match TimelineFile::create(path) {
+            Ok(t) => Ok(Some(t)),
+            Err(e) => {
+                eprintln!("memfit: --timeline {}: {e}", path.display());
+                Err(2)
+            }
+        },
+        None => Ok(None),
+    }
+}
+
+/// The command's output, with the full-screen view: `--log`, else a new
+/// file in `--out` (made only then, so a headless watch writes nothing).
+/// Its path, and the file when one is written; `Err` is the exit code.
+fn command_log(
+    args: &WatchOptions,
+    use_tui: bool,
+) -> std::result::Result<(PathBuf, Option<std::fs::File>), i32> {
+    let log_path = args.log.clone().unwrap_or_else(|| {
+        args.out.join(log_name(
+            &args.command,
+            std::time::SystemTime::now(),
+            std::process::id(),
+        ))
+    });
+    let log_file = match use_tui && !args.command.is_empty() {
+        false => None,
+        true => match open_log(&log_path, args.log.is_none()) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                let flag = if args.log.is_some() { "--log" } else { "--out" };
+                eprintln!("memfit: {flag}: cannot write {}: {e}", log_path.display());
+                return Err(2);
+            }
+        },
+    };
+    Ok((log_path, log_file))
+}
+
+/// What is watched: `--pid`'s process, the command (started here, its
+/// output to `log_file` and `lines`), or the GPUs alone. `Err` is the exit
+/// code when the command cannot start.
+fn start_target(
+    args: &WatchOptions,
+    log_file: Option<std::fs::File>,
+    lines: Sender<String>,
+) -> std::result::Result<(Target, Option<Child>), i32> {
+    Ok(match (&args.pid, args.command.is_empty()) {
+        (Some(pid), _) => (
+            Target::Pid {
+                pid: *pid,
+                name: proc::name(*pid),
+            },
+            None,
+        ),
+        (None, true) => (Target::Gpus, None),
+        (None, false) => match spawn(&args.command, log_file, lines) {
+            Ok(c) => (
+                Target::Command {
+                    argv: args.command.clone(),
+                    pid: c.id(),
+                },
+                Some(c),
+            ),
+            Err(e) => {
+                eprintln!("memfit: cannot run `{}`: {e}", args.command[0]);
+                return Err(127);
+            }
+        },
+    })
 }
 
 /// memfit's prediction for the flags' configuration: one step on meta

@@ -356,24 +356,7 @@ fn render_chart(st: &WatchState, f: &mut Frame, area: Rect) {
         return;
     }
     let gpu = st.nvml.is_ok();
-    let title = if !gpu {
-        match st.host_rss_peak {
-            Some(p) => format!(
-                "job host memory (RSS, not GPU memory), peak {}",
-                fmt_bytes(p)
-            ),
-            None => "job host memory (RSS, not GPU memory)".into(),
-        }
-    } else if st.has_job() {
-        let now = st.series.last().and_then(|p| p.job).unwrap_or(0);
-        let mut t = format!("job GPU memory (NVML): now {}", fmt_bytes(now));
-        if let Some((b, ..)) = st.job_peak {
-            t += &format!(", peak {}", fmt_bytes(b));
-        }
-        t
-    } else {
-        "GPU memory used (fullest GPU)".into()
-    };
+    let title = chart_title(st);
     let block = panel(&title, area);
     let pick = |p: &super::state::Point| -> Option<u64> {
         if !gpu {
@@ -421,12 +404,6 @@ fn render_chart(st: &WatchState, f: &mut Frame, area: Rect) {
         .fold(1.0f64, f64::max);
     // Each line its own glyph (NO_COLOR loses nothing), the legend a row
     // under the plot, never on it.
-    let key = |sample: &str, color: Color, label: String, short: &str| chart::Key {
-        sample: sample.into(),
-        style: fg(st, color),
-        label,
-        short: short.into(),
-    };
     let main_name = if !gpu {
         "host RSS"
     } else if st.has_job() {
@@ -434,11 +411,16 @@ fn render_chart(st: &WatchState, f: &mut Frame, area: Rect) {
     } else {
         "used"
     };
-    let mut legend = vec![key("⡠⠊", Color::Cyan, main_name.into(), main_name)];
-    let mut rules = Vec::new();
+    let mut legend = vec![legend_key(
+        st,
+        "⡠⠊",
+        Color::Cyan,
+        main_name.into(),
+        main_name,
+    )];
     let mut dots = Vec::new();
     if !used.is_empty() {
-        legend.push(key("·", Color::Green, "GPU used".into(), "used"));
+        legend.push(legend_key(st, "·", Color::Green, "GPU used".into(), "used"));
         dots = used
             .iter()
             .map(|&(x, y)| chart::Dot {
@@ -449,43 +431,7 @@ fn render_chart(st: &WatchState, f: &mut Frame, area: Rect) {
             })
             .collect();
     }
-    if let Some(c) = capacity {
-        legend.push(key(
-            "━",
-            Color::Red,
-            format!("capacity {}", fmt_bytes(c)),
-            "cap",
-        ));
-        rules.push(chart::Rule {
-            value: c as f64,
-            glyph: '━',
-            style: fg(st, Color::Red),
-        });
-        legend.push(key(
-            "─",
-            Color::Yellow,
-            format!("warn {}%", fmt_pct(st.warn_at * 100.0)),
-            "warn",
-        ));
-        rules.push(chart::Rule {
-            value: c as f64 * st.warn_at,
-            glyph: '─',
-            style: fg(st, Color::Yellow),
-        });
-    }
-    if let Some(p) = predicted {
-        legend.push(key(
-            "┄",
-            Color::Blue,
-            format!("memfit predicts {}", fmt_bytes(p)),
-            "pred",
-        ));
-        rules.push(chart::Rule {
-            value: p as f64,
-            glyph: '┄',
-            style: fg(st, Color::Blue),
-        });
-    }
+    let rules = reference_lines(st, capacity, predicted, &mut legend);
     let inner = block.inner(area);
     f.render_widget(block, area);
     let plot = chart::Plot {
@@ -503,6 +449,96 @@ fn render_chart(st: &WatchState, f: &mut Frame, area: Rect) {
         legend,
     };
     chart::draw(&plot, f.buffer_mut(), inner);
+}
+
+/// The chart's title: what its main line is, with its latest and peak.
+fn chart_title(st: &WatchState) -> String {
+    if st.nvml.is_err() {
+        match st.host_rss_peak {
+            Some(p) => format!(
+                "job host memory (RSS, not GPU memory), peak {}",
+                fmt_bytes(p)
+            ),
+            None => "job host memory (RSS, not GPU memory)".into(),
+        }
+    } else if st.has_job() {
+        let now = st.series.last().and_then(|p| p.job).unwrap_or(0);
+        let mut t = format!("job GPU memory (NVML): now {}", fmt_bytes(now));
+        if let Some((b, ..)) = st.job_peak {
+            t += &format!(", peak {}", fmt_bytes(b));
+        }
+        t
+    } else {
+        "GPU memory used (fullest GPU)".into()
+    }
+}
+
+/// A legend entry: each line its own glyph (NO_COLOR loses nothing).
+fn legend_key(
+    st: &WatchState,
+    sample: &str,
+    color: Color,
+    label: String,
+    short: &str,
+) -> chart::Key {
+    chart::Key {
+        sample: sample.into(),
+        style: fg(st, color),
+        label,
+        short: short.into(),
+    }
+}
+
+/// The capacity and the warning level on it, and memfit's prediction, as
+/// rules across the chart, each with its legend entry.
+fn reference_lines(
+    st: &WatchState,
+    capacity: Option<u64>,
+    predicted: Option<u64>,
+    legend: &mut Vec<chart::Key>,
+) -> Vec<chart::Rule> {
+    let mut rules = Vec::new();
+    if let Some(c) = capacity {
+        legend.push(legend_key(
+            st,
+            "━",
+            Color::Red,
+            format!("capacity {}", fmt_bytes(c)),
+            "cap",
+        ));
+        rules.push(chart::Rule {
+            value: c as f64,
+            glyph: '━',
+            style: fg(st, Color::Red),
+        });
+        legend.push(legend_key(
+            st,
+            "─",
+            Color::Yellow,
+            format!("warn {}%", fmt_pct(st.warn_at * 100.0)),
+            "warn",
+        ));
+        rules.push(chart::Rule {
+            value: c as f64 * st.warn_at,
+            glyph: '─',
+            style: fg(st, Color::Yellow),
+        });
+    }
+    if let Some(p) = predicted {
+        legend.push(legend_key(
+            st,
+            "┄",
+            Color::Blue,
+            format!("memfit predicts {}", fmt_bytes(p)),
+            "pred",
+        ));
+        rules.push(chart::Rule {
+            value: p as f64,
+            glyph: '┄',
+            style: fg(st, Color::Blue),
+        });
+    }
+    rules
 }
 
 fn render_log(st: &WatchState, f: &mut Frame, area: Rect) {

@@ -396,18 +396,16 @@ pub fn adafactor(
         h.beta1.is_none() || m.is_some(),
         "adafactor: beta1 is set but there is no first-moment buffer"
     );
-    let finish_k = |sumsq: f64| Finish {
-        clip_div: ((sumsq / n as f64).sqrt() / h.clip_threshold as f64).max(1.0) as f32,
-        lr: lr_t,
+    let s = AdafactorStep {
+        n,
+        beta2t,
+        gs,
+        eps1,
+        lr_t,
         beta1,
         neg_wd_lr,
+        clip_threshold: h.clip_threshold,
     };
-    // u = g^2 + eps1 with g = grad*grad_scale, in f32 as HF does, summed in f64
-    let u = move |x: f32| {
-        let g = x * gs;
-        (g * g + eps1) as f64
-    };
-
     match st.second {
         AdafactorSecond::Factored {
             row,
@@ -417,147 +415,208 @@ pub fn adafactor(
         } => {
             let row = &mut row.wide_mut()[..rows];
             let col = &mut col.wide_mut()[..cols];
-            // whole rows per task, so every row's sum stays in one task
-            let rpt = (ELEMS_PER_TASK / cols).max(1);
-            be.pool.install(|| {
-                // row (rows) = beta2t*row + (1-beta2t)*mean over cols of u
-                row.par_chunks_mut(rpt)
-                    .zip(grad.par_chunks(rpt * cols))
-                    .for_each(|(r, g)| {
-                        for (r, g) in r.iter_mut().zip(g.chunks(cols)) {
-                            let mean = (sum_f64(g, u) / cols as f64) as f32;
-                            *r = beta2t * *r + (1.0 - beta2t) * mean;
-                        }
-                    });
-                // col (cols) = beta2t*col + (1-beta2t)*mean over rows of u;
-                // each task owns COLS_PER_TASK columns and walks all rows in order.
-                col.par_chunks_mut(COLS_PER_TASK)
-                    .enumerate()
-                    .for_each(|(ci, c)| {
-                        let j0 = ci * COLS_PER_TASK;
-                        let mut acc = [0.0f64; COLS_PER_TASK];
-                        for r in 0..rows {
-                            let g = &grad[r * cols + j0..r * cols + j0 + c.len()];
-                            for (a, &x) in acc.iter_mut().zip(g) {
-                                *a += u(x);
-                            }
-                        }
-                        for (c, a) in c.iter_mut().zip(acc) {
-                            let mean = (a / rows as f64) as f32;
-                            *c = beta2t * *c + (1.0 - beta2t) * mean;
-                        }
-                    });
-            });
-            // HF `_approx_sq_grad` on the NEW row/col:
-            // r_factor (rows) = rsqrt(row / mean(row)), c_factor (cols) = rsqrt(col)
-            let row_mean = (sum_f64(row, |x| x as f64) / rows as f64) as f32;
-            let rf: Vec<f32> = row.iter().map(|&r| 1.0 / (r / row_mean).sqrt()).collect();
-            let cf: Vec<f32> = col.iter().map(|&c| 1.0 / c.sqrt()).collect();
-            let (rf, cf) = (&rf[..], &cf[..]);
-            // update(i,j) = (r_factor[i]*c_factor[j]) * g(i,j), computed the same way
-            // in both passes below so the RMS matches the applied update bit for bit
-            let upd = move |i: usize, j: usize, x: f32| (rf[i] * cf[j]) * (x * gs);
-            // pass 1: RMS(update), partial sums per row group, added in order
-            let partial: Vec<f64> = be.pool.install(|| {
-                grad.par_chunks(rpt * cols)
-                    .enumerate()
-                    .map(|(ti, g)| {
-                        let mut s = 0.0f64;
-                        for (ri, g) in g.chunks(cols).enumerate() {
-                            let i = ti * rpt + ri;
-                            s += g
-                                .iter()
-                                .enumerate()
-                                .map(|(j, &x)| {
-                                    let v = upd(i, j, x) as f64;
-                                    v * v
-                                })
-                                .sum::<f64>();
-                        }
-                        s
-                    })
-                    .collect()
-            });
-            let k = finish_k(partial.iter().sum());
-            // pass 2: clip, lr, first moment, weight decay, param update
-            be.pool.install(|| match m {
-                Some(m) => param
-                    .par_chunks_mut(rpt * cols)
-                    .zip(m.par_chunks_mut(rpt * cols))
-                    .zip(grad.par_chunks(rpt * cols))
-                    .enumerate()
-                    .for_each(|(ti, ((p, m), g))| {
-                        let rows_here = p
-                            .chunks_mut(cols)
-                            .zip(m.chunks_mut(cols))
-                            .zip(g.chunks(cols));
-                        for (ri, ((p, m), g)) in rows_here.enumerate() {
-                            let i = ti * rpt + ri;
-                            for (j, ((p, m), &x)) in
-                                p.iter_mut().zip(m.iter_mut()).zip(g).enumerate()
-                            {
-                                finish(p, Some(m), upd(i, j, x), k);
-                            }
-                        }
-                    }),
-                None => param
-                    .par_chunks_mut(rpt * cols)
-                    .zip(grad.par_chunks(rpt * cols))
-                    .enumerate()
-                    .for_each(|(ti, (p, g))| {
-                        for (ri, (p, g)) in p.chunks_mut(cols).zip(g.chunks(cols)).enumerate() {
-                            let i = ti * rpt + ri;
-                            for (j, (p, &x)) in p.iter_mut().zip(g).enumerate() {
-                                finish(p, None, upd(i, j, x), k);
-                            }
-                        }
-                    }),
-            });
+            adafactor_factored(be, param, grad, m, (row, col), cols, s);
         }
         AdafactorSecond::Full { v, .. } => {
-            let v = &mut v.wide_mut()[..n];
-            // pass 1: v (n) = beta2t*v + (1-beta2t)*u, and RMS(update) with
-            // update = rsqrt(v)*g, partial sums per fixed chunk added in order
-            let partial: Vec<f64> = be.pool.install(|| {
-                v.par_chunks_mut(ELEMS_PER_TASK)
-                    .zip(grad.par_chunks(ELEMS_PER_TASK))
-                    .map(|(v, g)| {
-                        let mut s = 0.0f64;
-                        for (v, &x) in v.iter_mut().zip(g) {
-                            *v = beta2t * *v + (1.0 - beta2t) * u(x) as f32;
-                            let w = ((1.0 / v.sqrt()) * (x * gs)) as f64;
-                            s += w * w;
-                        }
-                        s
-                    })
-                    .collect()
-            });
-            let k = finish_k(partial.iter().sum());
-            let v = &*v;
-            // pass 2: recompute the update from the stored v, then finish
-            be.pool.install(|| match m {
-                Some(m) => param
-                    .par_chunks_mut(ELEMS_PER_TASK)
-                    .zip(m.par_chunks_mut(ELEMS_PER_TASK))
-                    .zip(v.par_chunks(ELEMS_PER_TASK))
-                    .zip(grad.par_chunks(ELEMS_PER_TASK))
-                    .for_each(|(((p, m), v), g)| {
-                        for (((p, m), &v), &x) in p.iter_mut().zip(m.iter_mut()).zip(v).zip(g) {
-                            finish(p, Some(m), (1.0 / v.sqrt()) * (x * gs), k);
-                        }
-                    }),
-                None => param
-                    .par_chunks_mut(ELEMS_PER_TASK)
-                    .zip(v.par_chunks(ELEMS_PER_TASK))
-                    .zip(grad.par_chunks(ELEMS_PER_TASK))
-                    .for_each(|((p, v), g)| {
-                        for ((p, &v), &x) in p.iter_mut().zip(v).zip(g) {
-                            finish(p, None, (1.0 / v.sqrt()) * (x * gs), k);
-                        }
-                    }),
-            });
+            adafactor_full(be, param, grad, m, &mut v.wide_mut()[..n], s)
         }
     }
+}
+
+/// One Adafactor step's scalars, from the hyper-parameters and the step.
+#[derive(Clone, Copy)]
+struct AdafactorStep {
+    n: usize,
+    /// `1 - t^decay_rate`.
+    beta2t: f32,
+    /// The gradient's scale.
+    gs: f32,
+    eps1: f32,
+    lr_t: f32,
+    beta1: f32,
+    neg_wd_lr: f32,
+    clip_threshold: f32,
+}
+
+impl AdafactorStep {
+    /// u = g^2 + eps1 with g = grad*grad_scale, in f32 as HF does, summed in f64
+    fn u(self, x: f32) -> f64 {
+        let g = x * self.gs;
+        (g * g + self.eps1) as f64
+    }
+
+    /// The finishing constants, given the sum of the update's squares.
+    fn finish(self, sumsq: f64) -> Finish {
+        Finish {
+            clip_div: ((sumsq / self.n as f64).sqrt() / self.clip_threshold as f64).max(1.0) as f32,
+            lr: self.lr_t,
+            beta1: self.beta1,
+            neg_wd_lr: self.neg_wd_lr,
+        }
+    }
+}
+
+/// The factored second moment: `row (rows)`, `col (cols)`, param and grad
+/// row-major `(rows, cols)`.
+fn adafactor_factored(
+    be: &mut CpuBackend,
+    param: &mut [f32],
+    grad: &[f32],
+    m: Option<&mut [f32]>,
+    (row, col): (&mut [f32], &mut [f32]),
+    cols: usize,
+    s: AdafactorStep,
+) {
+    let rows = row.len();
+    let (beta2t, gs) = (s.beta2t, s.gs);
+    let u = move |x: f32| s.u(x);
+    // whole rows per task, so every row's sum stays in one task
+    let rpt = (ELEMS_PER_TASK / cols).max(1);
+    be.pool.install(|| {
+        // row (rows) = beta2t*row + (1-beta2t)*mean over cols of u
+        row.par_chunks_mut(rpt)
+            .zip(grad.par_chunks(rpt * cols))
+            .for_each(|(r, g)| {
+                for (r, g) in r.iter_mut().zip(g.chunks(cols)) {
+                    let mean = (sum_f64(g, u) / cols as f64) as f32;
+                    *r = beta2t * *r + (1.0 - beta2t) * mean;
+                }
+            });
+        // col (cols) = beta2t*col + (1-beta2t)*mean over rows of u;
+        // each task owns COLS_PER_TASK columns and walks all rows in order.
+        col.par_chunks_mut(COLS_PER_TASK)
+            .enumerate()
+            .for_each(|(ci, c)| {
+                let j0 = ci * COLS_PER_TASK;
+                let mut acc = [0.0f64; COLS_PER_TASK];
+                for r in 0..rows {
+                    let g = &grad[r * cols + j0..r * cols + j0 + c.len()];
+                    for (a, &x) in acc.iter_mut().zip(g) {
+                        *a += u(x);
+                    }
+                }
+                for (c, a) in c.iter_mut().zip(acc) {
+                    let mean = (a / rows as f64) as f32;
+                    *c = beta2t * *c + (1.0 - beta2t) * mean;
+                }
+            });
+    });
+    // HF `_approx_sq_grad` on the NEW row/col:
+    // r_factor (rows) = rsqrt(row / mean(row)), c_factor (cols) = rsqrt(col)
+    let row_mean = (sum_f64(row, |x| x as f64) / rows as f64) as f32;
+    let rf: Vec<f32> = row.iter().map(|&r| 1.0 / (r / row_mean).sqrt()).collect();
+    let cf: Vec<f32> = col.iter().map(|&c| 1.0 / c.sqrt()).collect();
+    let (rf, cf) = (&rf[..], &cf[..]);
+    // update(i,j) = (r_factor[i]*c_factor[j]) * g(i,j), computed the same way
+    // in both passes below so the RMS matches the applied update bit for bit
+    let upd = move |i: usize, j: usize, x: f32| (rf[i] * cf[j]) * (x * gs);
+    // pass 1: RMS(update), partial sums per row group, added in order
+    let partial: Vec<f64> = be.pool.install(|| {
+        grad.par_chunks(rpt * cols)
+            .enumerate()
+            .map(|(ti, g)| {
+                let mut s = 0.0f64;
+                for (ri, g) in g.chunks(cols).enumerate() {
+                    let i = ti * rpt + ri;
+                    s += g
+                        .iter()
+                        .enumerate()
+                        .map(|(j, &x)| {
+                            let v = upd(i, j, x) as f64;
+                            v * v
+                        })
+                        .sum::<f64>();
+                }
+                s
+            })
+            .collect()
+    });
+    let k = s.finish(partial.iter().sum());
+    // pass 2: clip, lr, first moment, weight decay, param update
+    be.pool.install(|| match m {
+        Some(m) => param
+            .par_chunks_mut(rpt * cols)
+            .zip(m.par_chunks_mut(rpt * cols))
+            .zip(grad.par_chunks(rpt * cols))
+            .enumerate()
+            .for_each(|(ti, ((p, m), g))| {
+                let rows_here = p
+                    .chunks_mut(cols)
+                    .zip(m.chunks_mut(cols))
+                    .zip(g.chunks(cols));
+                for (ri, ((p, m), g)) in rows_here.enumerate() {
+                    let i = ti * rpt + ri;
+                    for (j, ((p, m), &x)) in p.iter_mut().zip(m.iter_mut()).zip(g).enumerate() {
+                        finish(p, Some(m), upd(i, j, x), k);
+                    }
+                }
+            }),
+        None => param
+            .par_chunks_mut(rpt * cols)
+            .zip(grad.par_chunks(rpt * cols))
+            .enumerate()
+            .for_each(|(ti, (p, g))| {
+                for (ri, (p, g)) in p.chunks_mut(cols).zip(g.chunks(cols)).enumerate() {
+                    let i = ti * rpt + ri;
+                    for (j, (p, &x)) in p.iter_mut().zip(g).enumerate() {
+                        finish(p, None, upd(i, j, x), k);
+                    }
+                }
+            }),
+    });
+}
+
+/// The full second moment `v (n)`.
+fn adafactor_full(
+    be: &mut CpuBackend,
+    param: &mut [f32],
+    grad: &[f32],
+    m: Option<&mut [f32]>,
+    v: &mut [f32],
+    s: AdafactorStep,
+) {
+    let (beta2t, gs) = (s.beta2t, s.gs);
+    let u = move |x: f32| s.u(x);
+    // pass 1: v (n) = beta2t*v + (1-beta2t)*u, and RMS(update) with
+    // update = rsqrt(v)*g, partial sums per fixed chunk added in order
+    let partial: Vec<f64> = be.pool.install(|| {
+        v.par_chunks_mut(ELEMS_PER_TASK)
+            .zip(grad.par_chunks(ELEMS_PER_TASK))
+            .map(|(v, g)| {
+                let mut s = 0.0f64;
+                for (v, &x) in v.iter_mut().zip(g) {
+                    *v = beta2t * *v + (1.0 - beta2t) * u(x) as f32;
+                    let w = ((1.0 / v.sqrt()) * (x * gs)) as f64;
+                    s += w * w;
+                }
+                s
+            })
+            .collect()
+    });
+    let k = s.finish(partial.iter().sum());
+    let v = &*v;
+    // pass 2: recompute the update from the stored v, then finish
+    be.pool.install(|| match m {
+        Some(m) => param
+            .par_chunks_mut(ELEMS_PER_TASK)
+            .zip(m.par_chunks_mut(ELEMS_PER_TASK))
+            .zip(v.par_chunks(ELEMS_PER_TASK))
+            .zip(grad.par_chunks(ELEMS_PER_TASK))
+            .for_each(|(((p, m), v), g)| {
+                for (((p, m), &v), &x) in p.iter_mut().zip(m.iter_mut()).zip(v).zip(g) {
+                    finish(p, Some(m), (1.0 / v.sqrt()) * (x * gs), k);
+                }
+            }),
+        None => param
+            .par_chunks_mut(ELEMS_PER_TASK)
+            .zip(v.par_chunks(ELEMS_PER_TASK))
+            .zip(grad.par_chunks(ELEMS_PER_TASK))
+            .for_each(|((p, v), g)| {
+                for ((p, &v), &x) in p.iter_mut().zip(v).zip(g) {
+                    finish(p, None, (1.0 / v.sqrt()) * (x * gs), k);
+                }
+            }),
+    });
 }
 
 #[cfg(test)]

@@ -185,6 +185,96 @@ fn check_len(what: &str, buf: &CudaBuf, need: usize) {
     );
 }
 
+/// Where one head set's matrices sit in sequence `bi` of the eager
+/// attention's buffers: q, k and v columns of a `(B,T,qkv_width)` buffer,
+/// a head's columns of a `(B,T,H*hd)` one, and its `(T,T)` scores.
+#[derive(Clone, Copy)]
+struct Layout {
+    t: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    /// qkv_width, out_width and T*T.
+    w: usize,
+    ow: usize,
+    tt: usize,
+}
+
+impl Layout {
+    fn new(s: AttnShape) -> Self {
+        Layout {
+            t: s.t,
+            nh: s.n_head,
+            nkv: s.n_kv_head,
+            hd: s.head_dim,
+            w: s.qkv_width(),
+            ow: s.out_width(),
+            tt: s.t * s.t,
+        }
+    }
+
+    /// Columns `col` on of sequence `bi` in a qkv-shaped buffer.
+    fn qkv_at<'a>(
+        &self,
+        buf: &'a CudaBuf,
+        bi: usize,
+        col: usize,
+        stride: usize,
+        trans: bool,
+    ) -> Mat<'a> {
+        Mat {
+            buf,
+            off: bi * self.t * self.w + col,
+            ld: self.w,
+            stride: stride * self.hd,
+            trans,
+        }
+    }
+
+    /// `Q_h`.
+    fn q<'a>(&self, buf: &'a CudaBuf, bi: usize, hs: &Heads, trans: bool) -> Mat<'a> {
+        self.qkv_at(buf, bi, hs.h0 * self.hd, hs.dh, trans)
+    }
+
+    /// `K_g`.
+    fn k<'a>(&self, buf: &'a CudaBuf, bi: usize, hs: &Heads, trans: bool) -> Mat<'a> {
+        self.qkv_at(buf, bi, (self.nh + hs.g0) * self.hd, hs.dg, trans)
+    }
+
+    /// `V_g`.
+    fn v<'a>(&self, buf: &'a CudaBuf, bi: usize, hs: &Heads, trans: bool) -> Mat<'a> {
+        self.qkv_at(
+            buf,
+            bi,
+            (self.nh + self.nkv + hs.g0) * self.hd,
+            hs.dg,
+            trans,
+        )
+    }
+
+    /// `O_h` in a `(B,T,H*hd)` buffer.
+    fn out<'a>(&self, buf: &'a CudaBuf, bi: usize, hs: &Heads) -> Mat<'a> {
+        Mat {
+            buf,
+            off: bi * self.t * self.ow + hs.h0 * self.hd,
+            ld: self.ow,
+            stride: hs.dh * self.hd,
+            trans: false,
+        }
+    }
+
+    /// Head `h`'s `(T,T)` scores in a `(B,H,T,T)` buffer.
+    fn scores<'a>(&self, buf: &'a CudaBuf, bi: usize, hs: &Heads, trans: bool) -> Mat<'a> {
+        Mat {
+            buf,
+            off: (bi * self.nh + hs.h0) * self.tt,
+            ld: self.t,
+            stride: hs.dh * self.tt,
+            trans,
+        }
+    }
+}
+
 /// `out (B,T,H*hd)` and the probabilities `att (B,H,T,T)` (masked half 0)
 /// from `qkv (B,T,qkv_width)`. `qkv` and `att` must have one type (the GEMM's
 /// operands); `out` may have any float type.
@@ -199,49 +289,31 @@ pub(crate) fn eager_forward<D: Driver>(
         b,
         t,
         n_head: nh,
-        n_kv_head: nkv,
         head_dim: hd,
+        ..
     } = s;
     if b == 0 || t == 0 || nh == 0 {
         return;
     }
     group_size(s);
-    let (w, ow, tt) = (s.qkv_width(), s.out_width(), t * t);
-    check_len("qkv", qkv, b * t * w);
-    check_len("out", out, b * t * ow);
-    check_len("att", att, b * nh * tt);
+    let l = Layout::new(s);
+    check_len("qkv", qkv, b * t * l.w);
+    check_len("out", out, b * t * l.ow);
+    check_len("att", att, b * nh * l.tt);
     let scale = 1.0 / (hd as f32).sqrt();
     let sets = head_sets(s, false);
     for bi in 0..b {
-        let seq = bi * t * w;
         for hs in &sets {
             // att_h (T,T) = scale * Q_h K_g^T, issued as att_h^T = K_g Q_h^T.
+            let (k, q) = (l.k(qkv, bi, hs, true), l.q(qkv, bi, hs, false));
             batched(
                 be,
                 (t, t, hd),
                 scale,
-                Mat {
-                    buf: qkv,
-                    off: seq + (nh + hs.g0) * hd,
-                    ld: w,
-                    stride: hs.dg * hd,
-                    trans: true,
-                },
-                Mat {
-                    buf: qkv,
-                    off: seq + hs.h0 * hd,
-                    ld: w,
-                    stride: hs.dh * hd,
-                    trans: false,
-                },
+                k,
+                q,
                 0.0,
-                Mat {
-                    buf: att,
-                    off: (bi * nh + hs.h0) * tt,
-                    ld: t,
-                    stride: hs.dh * tt,
-                    trans: false,
-                },
+                l.scores(att, bi, hs, false),
                 hs.batch,
             );
         }
@@ -253,39 +325,12 @@ pub(crate) fn eager_forward<D: Driver>(
         &[att.arg(), att.dt(), n64(rows), Arg::I32(t as i32)],
     );
     for bi in 0..b {
-        let seq = bi * t * w;
         for hs in &sets {
             // out_h (T,hd) = P_h V_g, issued as out_h^T = V_g^T P_h^T. The
             // masked probabilities are exact zeros, so the full-width product
             // is the causal sum.
-            batched(
-                be,
-                (hd, t, t),
-                1.0,
-                Mat {
-                    buf: qkv,
-                    off: seq + (nh + nkv + hs.g0) * hd,
-                    ld: w,
-                    stride: hs.dg * hd,
-                    trans: false,
-                },
-                Mat {
-                    buf: att,
-                    off: (bi * nh + hs.h0) * tt,
-                    ld: t,
-                    stride: hs.dh * tt,
-                    trans: false,
-                },
-                0.0,
-                Mat {
-                    buf: out,
-                    off: bi * t * ow + hs.h0 * hd,
-                    ld: ow,
-                    stride: hs.dh * hd,
-                    trans: false,
-                },
-                hs.batch,
-            );
+            let (v, p) = (l.v(qkv, bi, hs, false), l.scores(att, bi, hs, false));
+            batched(be, (hd, t, t), 1.0, v, p, 0.0, l.out(out, bi, hs), hs.batch);
         }
     }
 }
@@ -306,86 +351,43 @@ pub(crate) fn eager_backward<D: Driver>(
         b,
         t,
         n_head: nh,
-        n_kv_head: nkv,
         head_dim: hd,
+        ..
     } = s;
     if b == 0 || t == 0 || nh == 0 {
         return;
     }
     group_size(s);
-    let (w, ow, tt) = (s.qkv_width(), s.out_width(), t * t);
-    check_len("qkv", qkv, b * t * w);
-    check_len("dqkv", dqkv, b * t * w);
-    check_len("dout", dout, b * t * ow);
-    check_len("att", att, b * nh * tt);
-    check_len("datt", datt, b * nh * tt);
+    let l = Layout::new(s);
+    check_len("qkv", qkv, b * t * l.w);
+    check_len("dqkv", dqkv, b * t * l.w);
+    check_len("dout", dout, b * t * l.ow);
+    check_len("att", att, b * nh * l.tt);
+    check_len("datt", datt, b * nh * l.tt);
     let scale = 1.0 / (hd as f32).sqrt();
     let (sets, ranks) = (head_sets(s, false), head_sets(s, true));
-    let vcol = |g: usize| (nh + nkv + g) * hd;
-    let kcol = |g: usize| (nh + g) * hd;
+    // Set 0 of the distinct-kv sets overwrites, the rest add.
+    let accumulate = |r: usize| if r == 0 { 0.0 } else { 1.0 };
     for bi in 0..b {
-        let seq = bi * t * w;
         for hs in &sets {
             // dP_h (T,T) = dO_h V_g^T, issued as dP_h^T = V_g dO_h^T.
+            let (v, d_o) = (l.v(qkv, bi, hs, true), l.out(dout, bi, hs));
             batched(
                 be,
                 (t, t, hd),
                 1.0,
-                Mat {
-                    buf: qkv,
-                    off: seq + vcol(hs.g0),
-                    ld: w,
-                    stride: hs.dg * hd,
-                    trans: true,
-                },
-                Mat {
-                    buf: dout,
-                    off: bi * t * ow + hs.h0 * hd,
-                    ld: ow,
-                    stride: hs.dh * hd,
-                    trans: false,
-                },
+                v,
+                d_o,
                 0.0,
-                Mat {
-                    buf: datt,
-                    off: (bi * nh + hs.h0) * tt,
-                    ld: t,
-                    stride: hs.dh * tt,
-                    trans: false,
-                },
+                l.scores(datt, bi, hs, false),
                 hs.batch,
             );
         }
         for (r, hs) in ranks.iter().enumerate() {
             // dV_g (T,hd) (+)= P_h^T dO_h, issued as dV_g^T = dO_h^T P_h.
-            batched(
-                be,
-                (hd, t, t),
-                1.0,
-                Mat {
-                    buf: dout,
-                    off: bi * t * ow + hs.h0 * hd,
-                    ld: ow,
-                    stride: hs.dh * hd,
-                    trans: false,
-                },
-                Mat {
-                    buf: att,
-                    off: (bi * nh + hs.h0) * tt,
-                    ld: t,
-                    stride: hs.dh * tt,
-                    trans: true,
-                },
-                if r == 0 { 0.0 } else { 1.0 },
-                Mat {
-                    buf: dqkv,
-                    off: seq + vcol(hs.g0),
-                    ld: w,
-                    stride: hs.dg * hd,
-                    trans: false,
-                },
-                hs.batch,
-            );
+            let (d_o, p) = (l.out(dout, bi, hs), l.scores(att, bi, hs, true));
+            let dv = l.v(dqkv, bi, hs, false);
+            batched(be, (hd, t, t), 1.0, d_o, p, accumulate(r), dv, hs.batch);
         }
     }
     let rows = b * nh * t;
@@ -402,68 +404,25 @@ pub(crate) fn eager_backward<D: Driver>(
         ],
     );
     for bi in 0..b {
-        let seq = bi * t * w;
         for hs in &sets {
             // dQ_h (T,hd) = scale * dS_h K_g, issued as dQ_h^T = K_g^T dS_h^T.
+            let (k, ds) = (l.k(qkv, bi, hs, false), l.scores(datt, bi, hs, false));
             batched(
                 be,
                 (hd, t, t),
                 scale,
-                Mat {
-                    buf: qkv,
-                    off: seq + kcol(hs.g0),
-                    ld: w,
-                    stride: hs.dg * hd,
-                    trans: false,
-                },
-                Mat {
-                    buf: datt,
-                    off: (bi * nh + hs.h0) * tt,
-                    ld: t,
-                    stride: hs.dh * tt,
-                    trans: false,
-                },
+                k,
+                ds,
                 0.0,
-                Mat {
-                    buf: dqkv,
-                    off: seq + hs.h0 * hd,
-                    ld: w,
-                    stride: hs.dh * hd,
-                    trans: false,
-                },
+                l.q(dqkv, bi, hs, false),
                 hs.batch,
             );
         }
         for (r, hs) in ranks.iter().enumerate() {
             // dK_g (T,hd) (+)= scale * dS_h^T Q_h, issued as dK_g^T = Q_h^T dS_h.
-            batched(
-                be,
-                (hd, t, t),
-                scale,
-                Mat {
-                    buf: qkv,
-                    off: seq + hs.h0 * hd,
-                    ld: w,
-                    stride: hs.dh * hd,
-                    trans: false,
-                },
-                Mat {
-                    buf: datt,
-                    off: (bi * nh + hs.h0) * tt,
-                    ld: t,
-                    stride: hs.dh * tt,
-                    trans: true,
-                },
-                if r == 0 { 0.0 } else { 1.0 },
-                Mat {
-                    buf: dqkv,
-                    off: seq + kcol(hs.g0),
-                    ld: w,
-                    stride: hs.dg * hd,
-                    trans: false,
-                },
-                hs.batch,
-            );
+            let (q, ds) = (l.q(qkv, bi, hs, false), l.scores(datt, bi, hs, true));
+            let dk = l.k(dqkv, bi, hs, false);
+            batched(be, (hd, t, t), scale, q, ds, accumulate(r), dk, hs.batch);
         }
     }
 }

@@ -799,208 +799,227 @@ fn sumsq<B: Backend>(be: &mut B, x: &[f32], dt: DType) -> Vec<Vec<f32>> {
 /// Cases for `memfit selftest` and `cargo test` (see `check.rs`).
 pub(crate) fn check_cases<D: Driver>(h: &mut Harness<D>) {
     for &dt in &FLOATS {
-        // (b, t, c, vocab, maxT, wpe): one column and one row; repeated
-        // tokens over several 32-row table blocks; several 256-column blocks
-        // and token tiles.
-        for (b, t, c, v, max_t, wpe) in [
-            (1usize, 1usize, 1usize, 1usize, 1usize, true),
-            (2, 3, 37, 70, 5, true),
-            (10, 13, 64, 100, 16, false),
-            (2, 150, 300, 45, 160, true),
-        ] {
-            let n = b * t;
-            let tokens = h.tokens(n, v);
-            let wte = h.randn(v * c, 1.0);
-            let wpe_v = h.randn(max_t * c, 1.0);
-            let dout = h.randn(n * c, 1.0);
-            let dwte0 = h.randn(v * c, 0.5);
-            let dwpe0 = h.randn(max_t * c, 0.5);
-            let wpe = wpe.then_some(wpe_v.as_slice());
-            let (cr, gr) = both!(
-                h,
-                embed(&tokens, &wte, wpe, &dout, (&dwte0, &dwpe0), (n, t, c), dt)
-            );
-            let names: &[&str] = if wpe.is_some() {
-                &["out", "dwte", "dwpe"]
+        check_embed(h, dt);
+        check_norms(h, dt);
+        check_rope(h, dt);
+        check_crossentropy(h, dt);
+        check_vocab_parallel(h, dt);
+        check_sumsq(h, dt);
+    }
+}
+
+fn check_embed<D: Driver>(h: &mut Harness<D>, dt: DType) {
+    // (b, t, c, vocab, maxT, wpe): one column and one row; repeated
+    // tokens over several 32-row table blocks; several 256-column blocks
+    // and token tiles.
+    for (b, t, c, v, max_t, wpe) in [
+        (1usize, 1usize, 1usize, 1usize, 1usize, true),
+        (2, 3, 37, 70, 5, true),
+        (10, 13, 64, 100, 16, false),
+        (2, 150, 300, 45, 160, true),
+    ] {
+        let n = b * t;
+        let tokens = h.tokens(n, v);
+        let wte = h.randn(v * c, 1.0);
+        let wpe_v = h.randn(max_t * c, 1.0);
+        let dout = h.randn(n * c, 1.0);
+        let dwte0 = h.randn(v * c, 0.5);
+        let dwpe0 = h.randn(max_t * c, 0.5);
+        let wpe = wpe.then_some(wpe_v.as_slice());
+        let (cr, gr) = both!(
+            h,
+            embed(&tokens, &wte, wpe, &dout, (&dwte0, &dwpe0), (n, t, c), dt)
+        );
+        let names: &[&str] = if wpe.is_some() {
+            &["out", "dwte", "dwpe"]
+        } else {
+            &["out", "dwte"]
+        };
+        h.compare(
+            "embed fwd+bwd",
+            format!(
+                "n={n} t={t} c={c} v={v}{}",
+                if wpe.is_some() { " +wpe" } else { "" }
+            ),
+            dt,
+            names,
+            &cr,
+            &gr,
+            BWD,
+        );
+    }
+}
+
+fn check_norms<D: Driver>(h: &mut Harness<D>, dt: DType) {
+    // (n, c, bias): one column; odd widths; enough rows to split the
+    // weight gradient over row ranges (n > 16); GPT-2's width.
+    for (n, c, bias) in [
+        (1usize, 1usize, true),
+        (5, 37, true),
+        (64, 300, false),
+        (33, 768, true),
+    ] {
+        let x: Vec<f32> = h.randn(n * c, 2.0).iter().map(|v| v + 0.5).collect();
+        let w = h.randn(c, 1.0);
+        let bv = h.randn(c, 0.5);
+        let dy = h.randn(n * c, 1.0);
+        let dx0 = h.randn(n * c, 0.5);
+        let dw0 = h.randn(c, 0.5);
+        let db0 = h.randn(c, 0.5);
+        let b = bias.then_some(bv.as_slice());
+        let eps = 1e-5;
+        for layer in [true, false] {
+            let shape = format!("n={n} c={c}{}", if layer && bias { " +bias" } else { "" });
+            let b = if layer { b } else { None };
+            let (cr, gr) = both!(h, norm_fwd(layer, &x, &w, b, (n, c), eps, dt));
+            let (op, names): (&str, &[&str]) = if layer {
+                ("layernorm fwd", &["out", "mean", "rstd"])
             } else {
-                &["out", "dwte"]
+                ("rmsnorm fwd", &["out", "rstd"])
             };
-            h.compare(
-                "embed fwd+bwd",
-                format!(
-                    "n={n} t={t} c={c} v={v}{}",
-                    if wpe.is_some() { " +wpe" } else { "" }
-                ),
-                dt,
-                names,
-                &cr,
-                &gr,
-                BWD,
-            );
-        }
-
-        // (n, c, bias): one column; odd widths; enough rows to split the
-        // weight gradient over row ranges (n > 16); GPT-2's width.
-        for (n, c, bias) in [
-            (1usize, 1usize, true),
-            (5, 37, true),
-            (64, 300, false),
-            (33, 768, true),
-        ] {
-            let x: Vec<f32> = h.randn(n * c, 2.0).iter().map(|v| v + 0.5).collect();
-            let w = h.randn(c, 1.0);
-            let bv = h.randn(c, 0.5);
-            let dy = h.randn(n * c, 1.0);
-            let dx0 = h.randn(n * c, 0.5);
-            let dw0 = h.randn(c, 0.5);
-            let db0 = h.randn(c, 0.5);
-            let b = bias.then_some(bv.as_slice());
-            let eps = 1e-5;
-            for layer in [true, false] {
-                let shape = format!("n={n} c={c}{}", if layer && bias { " +bias" } else { "" });
-                let b = if layer { b } else { None };
-                let (cr, gr) = both!(h, norm_fwd(layer, &x, &w, b, (n, c), eps, dt));
-                let (op, names): (&str, &[&str]) = if layer {
-                    ("layernorm fwd", &["out", "mean", "rstd"])
-                } else {
-                    ("rmsnorm fwd", &["out", "rstd"])
-                };
-                h.compare(op, shape.clone(), dt, names, &cr, &gr, FWD);
-                // The backward reads the cpu's statistics on both backends.
-                let mean = layer.then_some(cr[1].as_slice());
-                let rstd = cr[cr.len() - 1].as_slice();
-                let db0 = (layer && bias).then_some(db0.as_slice());
-                let (cb, gb) = both!(
-                    h,
-                    norm_bwd(&x, &w, &dy, (mean, rstd), (&dx0, &dw0, db0), (n, c), dt)
-                );
-                let (op, names): (&str, &[&str]) = match (layer, db0.is_some()) {
-                    (true, true) => ("layernorm bwd", &["dinp", "dw", "db"]),
-                    (true, false) => ("layernorm bwd", &["dinp", "dw"]),
-                    _ => ("rmsnorm bwd", &["dinp", "dw"]),
-                };
-                h.compare(op, shape.clone(), dt, names, &cb, &gb, BWD);
-            }
-        }
-
-        // Grouped-query shapes (n_kv_head < n_head), an odd head count, a
-        // head_dim of 6 (half = 3), positions up to 299.
-        for (s, theta) in [
-            (
-                AttnShape {
-                    b: 2,
-                    t: 5,
-                    n_head: 4,
-                    n_kv_head: 2,
-                    head_dim: 8,
-                },
-                10_000.0f32,
-            ),
-            (
-                AttnShape {
-                    b: 1,
-                    t: 9,
-                    n_head: 3,
-                    n_kv_head: 1,
-                    head_dim: 6,
-                },
-                10_000.0,
-            ),
-            (
-                AttnShape {
-                    b: 1,
-                    t: 300,
-                    n_head: 2,
-                    n_kv_head: 1,
-                    head_dim: 64,
-                },
-                500_000.0,
-            ),
-        ] {
-            let len = s.b * s.t * s.qkv_width();
-            let x = h.randn(len, 1.0);
-            let g = h.randn(len, 1.0);
-            let (cr, gr) = both!(h, rope_both(&x, &g, s, theta, dt));
-            h.compare(
-                "rope fwd (+1) / bwd (-1)",
-                format!(
-                    "b={} t={} h={}/{} hd={}",
-                    s.b, s.t, s.n_head, s.n_kv_head, s.head_dim
-                ),
-                dt,
-                &["forward", "backward"],
-                &cr,
-                &gr,
-                Tol::new(1e-6, 1e-5),
-            );
-        }
-
-        // (n, v, vp): a one-column vocabulary; padded columns holding garbage.
-        for (n, v, vp) in [
-            (1usize, 1usize, 1usize),
-            (6, 10, 12),
-            (37, 300, 320),
-            (64, 257, 257),
-        ] {
-            let mut logits = h.randn(n * vp, 4.0);
-            for r in 0..n {
-                for (k, j) in (v..vp).enumerate() {
-                    logits[r * vp + j] = if k % 2 == 0 { 1e4 } else { f32::NAN };
-                }
-            }
-            let targets = h.tokens(n, v);
-            let (cr, gr) = both!(h, crossentropy(&logits, &targets, (n, v, vp), dt));
-            h.compare(
-                "crossentropy fwd+bwd",
-                format!("n={n} v={v} vp={vp}"),
-                dt,
-                &["losses", "dlogits"],
-                &cr,
-                &gr,
-                Tol::new(1e-6, 1e-5),
-            );
-        }
-
-        // The vocabulary-parallel embedding and loss: 2 and 4 parts, the
-        // last holding some padding or only padding.
-        for (n, c, v, vp, parts) in [
-            (6usize, 8usize, 10usize, 12usize, 2usize),
-            (37, 40, 90, 128, 4),
-            (64, 16, 257, 260, 4),
-        ] {
-            let tokens = h.tokens(n, v);
-            let wte = h.randn(vp * c, 1.0);
-            let dout = h.randn(n * c, 1.0);
-            let logits = h.randn(n * vp, 4.0);
-            let (cr, gr) = both!(
+            h.compare(op, shape.clone(), dt, names, &cr, &gr, FWD);
+            // The backward reads the cpu's statistics on both backends.
+            let mean = layer.then_some(cr[1].as_slice());
+            let rstd = cr[cr.len() - 1].as_slice();
+            let db0 = (layer && bias).then_some(db0.as_slice());
+            let (cb, gb) = both!(
                 h,
-                vocab_parallel(&tokens, &wte, &dout, &logits, (n, c, v, vp), parts, dt)
+                norm_bwd(&x, &w, &dy, (mean, rstd), (&dx0, &dw0, db0), (n, c), dt)
             );
-            h.compare(
-                "vocab-parallel embed + crossentropy",
-                format!("n={n} c={c} v={v} vp={vp} parts={parts}"),
-                dt,
-                &["embed", "dwte", "losses", "dlogits"],
-                &cr,
-                &gr,
-                Tol::new(1e-5, 1e-4),
-            );
+            let (op, names): (&str, &[&str]) = match (layer, db0.is_some()) {
+                (true, true) => ("layernorm bwd", &["dinp", "dw", "db"]),
+                (true, false) => ("layernorm bwd", &["dinp", "dw"]),
+                _ => ("rmsnorm bwd", &["dinp", "dw"]),
+            };
+            h.compare(op, shape.clone(), dt, names, &cb, &gb, BWD);
         }
+    }
+}
 
-        // One element; one block; the most blocks (PARTIALS) with a tail.
-        for n in [2usize, 5000, PARTIALS * SUMSQ_PER_BLOCK + 777] {
-            let x = h.randn(n, 1.0);
-            let (cr, gr) = both!(h, sumsq(&x, dt));
-            h.compare(
-                "sum_squares",
-                format!("n={}", n - 1),
-                dt,
-                &["sum"],
-                &cr,
-                &gr,
-                Tol::new(0.0, 1e-6),
-            );
+fn check_rope<D: Driver>(h: &mut Harness<D>, dt: DType) {
+    // Grouped-query shapes (n_kv_head < n_head), an odd head count, a
+    // head_dim of 6 (half = 3), positions up to 299.
+    for (s, theta) in [
+        (
+            AttnShape {
+                b: 2,
+                t: 5,
+                n_head: 4,
+                n_kv_head: 2,
+                head_dim: 8,
+            },
+            10_000.0f32,
+        ),
+        (
+            AttnShape {
+                b: 1,
+                t: 9,
+                n_head: 3,
+                n_kv_head: 1,
+                head_dim: 6,
+            },
+            10_000.0,
+        ),
+        (
+            AttnShape {
+                b: 1,
+                t: 300,
+                n_head: 2,
+                n_kv_head: 1,
+                head_dim: 64,
+            },
+            500_000.0,
+        ),
+    ] {
+        let len = s.b * s.t * s.qkv_width();
+        let x = h.randn(len, 1.0);
+        let g = h.randn(len, 1.0);
+        let (cr, gr) = both!(h, rope_both(&x, &g, s, theta, dt));
+        h.compare(
+            "rope fwd (+1) / bwd (-1)",
+            format!(
+                "b={} t={} h={}/{} hd={}",
+                s.b, s.t, s.n_head, s.n_kv_head, s.head_dim
+            ),
+            dt,
+            &["forward", "backward"],
+            &cr,
+            &gr,
+            Tol::new(1e-6, 1e-5),
+        );
+    }
+}
+
+fn check_crossentropy<D: Driver>(h: &mut Harness<D>, dt: DType) {
+    // (n, v, vp): a one-column vocabulary; padded columns holding garbage.
+    for (n, v, vp) in [
+        (1usize, 1usize, 1usize),
+        (6, 10, 12),
+        (37, 300, 320),
+        (64, 257, 257),
+    ] {
+        let mut logits = h.randn(n * vp, 4.0);
+        for r in 0..n {
+            for (k, j) in (v..vp).enumerate() {
+                logits[r * vp + j] = if k % 2 == 0 { 1e4 } else { f32::NAN };
+            }
         }
+        let targets = h.tokens(n, v);
+        let (cr, gr) = both!(h, crossentropy(&logits, &targets, (n, v, vp), dt));
+        h.compare(
+            "crossentropy fwd+bwd",
+            format!("n={n} v={v} vp={vp}"),
+            dt,
+            &["losses", "dlogits"],
+            &cr,
+            &gr,
+            Tol::new(1e-6, 1e-5),
+        );
+    }
+}
+
+fn check_vocab_parallel<D: Driver>(h: &mut Harness<D>, dt: DType) {
+    // The vocabulary-parallel embedding and loss: 2 and 4 parts, the
+    // last holding some padding or only padding.
+    for (n, c, v, vp, parts) in [
+        (6usize, 8usize, 10usize, 12usize, 2usize),
+        (37, 40, 90, 128, 4),
+        (64, 16, 257, 260, 4),
+    ] {
+        let tokens = h.tokens(n, v);
+        let wte = h.randn(vp * c, 1.0);
+        let dout = h.randn(n * c, 1.0);
+        let logits = h.randn(n * vp, 4.0);
+        let (cr, gr) = both!(
+            h,
+            vocab_parallel(&tokens, &wte, &dout, &logits, (n, c, v, vp), parts, dt)
+        );
+        h.compare(
+            "vocab-parallel embed + crossentropy",
+            format!("n={n} c={c} v={v} vp={vp} parts={parts}"),
+            dt,
+            &["embed", "dwte", "losses", "dlogits"],
+            &cr,
+            &gr,
+            Tol::new(1e-5, 1e-4),
+        );
+    }
+}
+
+fn check_sumsq<D: Driver>(h: &mut Harness<D>, dt: DType) {
+    // One element; one block; the most blocks (PARTIALS) with a tail.
+    for n in [2usize, 5000, PARTIALS * SUMSQ_PER_BLOCK + 777] {
+        let x = h.randn(n, 1.0);
+        let (cr, gr) = both!(h, sumsq(&x, dt));
+        h.compare(
+            "sum_squares",
+            format!("n={}", n - 1),
+            dt,
+            &["sum"],
+            &cr,
+            &gr,
+            Tol::new(0.0, 1e-6),
+        );
     }
 }
 

@@ -228,9 +228,13 @@ pub(crate) fn adafactor<D: Driver>(
         0.0
     };
     let beta1 = h.beta1.unwrap_or(0.0);
-    let (gs, eps1) = (h.grad_scale, h.eps1);
-    let clip_div =
-        |sumsq: f64| ((sumsq / n as f64).sqrt() / h.clip_threshold as f64).max(1.0) as f32;
+    let sc = Scalars {
+        n,
+        gs: h.grad_scale,
+        eps1: h.eps1,
+        beta2t,
+        clip_threshold: h.clip_threshold,
+    };
     let blocks = partial_blocks(n);
 
     // (s1, s2, cols, factored, row_mean, clip_div) for the last pass
@@ -241,71 +245,17 @@ pub(crate) fn adafactor<D: Driver>(
             rows,
             cols,
         } => {
-            assert!(row.len >= rows && col.len >= cols, "adafactor factor sizes");
-            let shape = [n64(rows), n64(cols), Arg::F32(gs), Arg::F32(eps1)];
-            let threads = (cols.div_ceil(32) * 32).clamp(32, 256) as u32;
-            let row_blocks = rows.min(1 << 20) as u32;
-            let mut args = vec![row.arg(), row.dt(), grad.arg(), grad.dt()];
-            args.extend(shape);
-            args.push(Arg::F32(beta2t));
-            be.launch(
-                "opt_adafactor_row_kernel",
-                LaunchCfg::linear(row_blocks, threads),
-                &args,
-            );
-            args[0] = col.arg();
-            args[1] = col.dt();
-            be.launch(
-                "opt_adafactor_col_kernel",
-                LaunchCfg {
-                    grid: [cols.div_ceil(32) as u32, 1, 1],
-                    block: [32, 32, 1],
-                    shared_bytes: 0,
-                },
-                &args,
-            );
-            let row_mean = (sum_f64(be, row, rows, false) / rows as f64) as f32;
-            be.launch(
-                "opt_adafactor_rms_kernel",
-                LaunchCfg::linear(blocks as u32, 256),
-                &[
-                    Arg::Ptr(be.scratch),
-                    grad.arg(),
-                    grad.dt(),
-                    row.arg(),
-                    row.dt(),
-                    col.arg(),
-                    col.dt(),
-                    n64(n),
-                    n64(cols),
-                    Arg::F32(gs),
-                    Arg::F32(row_mean),
-                ],
-            );
-            let clip = clip_div(be.sum_partials(blocks));
+            let row_mean = factored_second_moment(be, grad, (&*row, &*col), (rows, cols), sc);
+            let clip = sc.clip_div(be.sum_partials(blocks));
             (&*row, &*col, cols, true, row_mean, clip)
         }
         AdafactorSecond::Full { v, .. } => {
-            assert!(v.len >= n, "adafactor: v holds {} of {n}", v.len);
-            be.launch(
-                "opt_adafactor_full_kernel",
-                LaunchCfg::linear(blocks as u32, 256),
-                &[
-                    Arg::Ptr(be.scratch),
-                    v.arg(),
-                    v.dt(),
-                    grad.arg(),
-                    grad.dt(),
-                    n64(n),
-                    Arg::F32(gs),
-                    Arg::F32(eps1),
-                    Arg::F32(beta2t),
-                ],
-            );
-            let clip = clip_div(be.sum_partials(blocks));
+            full_second_moment(be, grad, &*v, sc);
+            let clip = sc.clip_div(be.sum_partials(blocks));
             (&*v, &*v, 1, false, 1.0, clip)
         }
     };
+    let gs = sc.gs;
     // without a first moment the kernel gets the param's address, unused
     let (m_ptr, m_dt) = match &m {
         Some(m) => (m.arg(), m.dt()),
@@ -335,6 +285,120 @@ pub(crate) fn adafactor<D: Driver>(
             Arg::F32(lr_t),
             Arg::F32(beta1),
             Arg::F32(neg_wd_lr),
+        ],
+    );
+}
+
+/// The step's scalars the second-moment kernels take, as the cpu has them.
+#[derive(Clone, Copy)]
+struct Scalars {
+    n: usize,
+    /// The gradient's scale.
+    gs: f32,
+    eps1: f32,
+    /// `1 - t^decay_rate`.
+    beta2t: f32,
+    clip_threshold: f32,
+}
+
+impl Scalars {
+    /// `max(1, RMS(update)/clip_threshold)` from the sum of its squares.
+    fn clip_div(self, sumsq: f64) -> f32 {
+        ((sumsq / self.n as f64).sqrt() / self.clip_threshold as f64).max(1.0) as f32
+    }
+}
+
+/// Updates the row and column factors, and leaves the update's squares'
+/// partial sums in the scratch; returns the row factors' mean.
+fn factored_second_moment<D: Driver>(
+    be: &mut CudaBackend<D>,
+    grad: &CudaBuf,
+    (row, col): (&CudaBuf, &CudaBuf),
+    (rows, cols): (usize, usize),
+    sc: Scalars,
+) -> f32 {
+    let Scalars {
+        n,
+        gs,
+        eps1,
+        beta2t,
+        ..
+    } = sc;
+    let blocks = partial_blocks(n);
+    assert!(row.len >= rows && col.len >= cols, "adafactor factor sizes");
+    let shape = [n64(rows), n64(cols), Arg::F32(gs), Arg::F32(eps1)];
+    let threads = (cols.div_ceil(32) * 32).clamp(32, 256) as u32;
+    let row_blocks = rows.min(1 << 20) as u32;
+    let mut args = vec![row.arg(), row.dt(), grad.arg(), grad.dt()];
+    args.extend(shape);
+    args.push(Arg::F32(beta2t));
+    be.launch(
+        "opt_adafactor_row_kernel",
+        LaunchCfg::linear(row_blocks, threads),
+        &args,
+    );
+    args[0] = col.arg();
+    args[1] = col.dt();
+    be.launch(
+        "opt_adafactor_col_kernel",
+        LaunchCfg {
+            grid: [cols.div_ceil(32) as u32, 1, 1],
+            block: [32, 32, 1],
+            shared_bytes: 0,
+        },
+        &args,
+    );
+    let row_mean = (sum_f64(be, row, rows, false) / rows as f64) as f32;
+    be.launch(
+        "opt_adafactor_rms_kernel",
+        LaunchCfg::linear(blocks as u32, 256),
+        &[
+            Arg::Ptr(be.scratch),
+            grad.arg(),
+            grad.dt(),
+            row.arg(),
+            row.dt(),
+            col.arg(),
+            col.dt(),
+            n64(n),
+            n64(cols),
+            Arg::F32(gs),
+            Arg::F32(row_mean),
+        ],
+    );
+    row_mean
+}
+
+/// Updates `v`, and leaves the update's squares' partial sums in the
+/// scratch.
+fn full_second_moment<D: Driver>(
+    be: &mut CudaBackend<D>,
+    grad: &CudaBuf,
+    v: &CudaBuf,
+    sc: Scalars,
+) {
+    let Scalars {
+        n,
+        gs,
+        eps1,
+        beta2t,
+        ..
+    } = sc;
+    let blocks = partial_blocks(n);
+    assert!(v.len >= n, "adafactor: v holds {} of {n}", v.len);
+    be.launch(
+        "opt_adafactor_full_kernel",
+        LaunchCfg::linear(blocks as u32, 256),
+        &[
+            Arg::Ptr(be.scratch),
+            v.arg(),
+            v.dt(),
+            grad.arg(),
+            grad.dt(),
+            n64(n),
+            Arg::F32(gs),
+            Arg::F32(eps1),
+            Arg::F32(beta2t),
         ],
     );
 }
@@ -536,8 +600,18 @@ fn dt_name(t: DType) -> String {
 /// than the cpu's, which can move their f32 rounding by an ulp and so every
 /// element by about 1e-7 relative.
 pub(crate) fn check_cases<D: Driver>(h: &mut Harness<D>) {
-    let steps = 3;
-    // AdamW: every param type (grad of the same type), and f32 param with a bf16 grad
+    check_adamw(h);
+    check_adamw8bit(h);
+    check_sgd(h);
+    check_adafactor(h);
+}
+
+/// Optimizer steps each optimizer case takes (8-bit AdamW's own count aside).
+const STEPS: usize = 3;
+
+/// AdamW: every param type (grad of the same type), and f32 param with a bf16 grad
+fn check_adamw<D: Driver>(h: &mut Harness<D>) {
+    let steps = STEPS;
     let mut types: Vec<(DType, DType)> = super::check::FLOATS.iter().map(|&t| (t, t)).collect();
     types.push((DType::F32, DType::Bf16));
     for &(pdt, gdt) in &types {
@@ -556,11 +630,13 @@ pub(crate) fn check_cases<D: Driver>(h: &mut Harness<D>) {
             );
         }
     }
+}
 
-    // 8-bit AdamW: sizes off the 256-block grid, gradients with a per-block
-    // scale over 3 decades (blockwise absmax absorbs it), one all-zero block
-    // (absmax 0 -> code of 0), several steps so later steps read quantised states.
-    // (the last size has more blocks than the grid: the kernel's block loop)
+/// 8-bit AdamW: sizes off the 256-block grid, gradients with a per-block
+/// scale over 3 decades (blockwise absmax absorbs it), one all-zero block
+/// (absmax 0 -> code of 0), several steps so later steps read quantised states.
+/// (the last size has more blocks than the grid: the kernel's block loop)
+fn check_adamw8bit<D: Driver>(h: &mut Harness<D>) {
     let big = MAX_STRIDE_BLOCKS as usize * QBLOCK + 300;
     for &pdt in &super::check::FLOATS {
         let sizes: &[usize] = if pdt == DType::F32 {
@@ -614,8 +690,11 @@ pub(crate) fn check_cases<D: Driver>(h: &mut Harness<D>) {
             );
         }
     }
+}
 
-    // SGD: plain (momentum 0, empty buffer) and momentum 0.9 with weight decay
+/// SGD: plain (momentum 0, empty buffer) and momentum 0.9 with weight decay
+fn check_sgd<D: Driver>(h: &mut Harness<D>) {
+    let steps = STEPS;
     for &pdt in &super::check::FLOATS {
         for (momentum, wd) in [(0.0f32, 0.0f32), (0.0, 0.01), (0.9, 0.01)] {
             let n = 1000;
@@ -644,9 +723,12 @@ pub(crate) fn check_cases<D: Driver>(h: &mut Harness<D>) {
             );
         }
     }
+}
 
-    // Adafactor: factored and full, relative step (scale_parameter) and a
-    // fixed lr, with and without the first moment, weight decay, grad scale.
+/// Adafactor: factored and full, relative step (scale_parameter) and a
+/// fixed lr, with and without the first moment, weight decay, grad scale.
+fn check_adafactor<D: Driver>(h: &mut Harness<D>) {
+    let steps = STEPS;
     let shapes: [(usize, Option<usize>); 5] = [
         (7 * 33, Some(33)),
         (130 * 70, Some(70)),
