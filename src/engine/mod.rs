@@ -38,6 +38,7 @@ macro_rules! knob_enum {
 pub mod cluster;
 pub mod device;
 pub mod framework;
+mod init;
 pub mod lora;
 pub mod loss;
 pub mod optim;
@@ -672,25 +673,9 @@ impl<B: Backend> Engine<B> {
         });
         let lazy_grads =
             hf.as_ref().is_some_and(|h| h.lazy_grads) && comm.is_none() && pipe.is_none();
-        let gpu = be.is_gpu();
         let (mut specs, idx) = model.param_layout();
         let base = specs.len();
-        let qlora = train.finetune == Finetune::Qlora;
-        assert!(
-            !qlora || be.reads_nf4(),
-            "this backend does not read NF4 weights (run::validate says so)"
-        );
-        let adapters = match train.finetune {
-            Finetune::Full => Vec::new(),
-            Finetune::Lora | Finetune::Qlora => {
-                assert!(pipe.is_none(), "LoRA runs without a pipeline");
-                assert!(
-                    !(qlora && train.sharding.shards_parameters()),
-                    "QLoRA's NF4 base is not partitioned by zero3 (run::validate says so)"
-                );
-                lora::layout(&model, &train.lora, &mut specs)
-            }
-        };
+        let adapters = Self::adapters(&model, &train, &be, pipe.is_some(), &mut specs);
         // Tensor parallelism: the full shapes seed the weights, each rank
         // keeps its slices.
         let full_specs = specs.clone();
@@ -705,36 +690,14 @@ impl<B: Backend> Engine<B> {
         let trainable: Vec<bool> = (0..specs.len())
             .map(|i| train.finetune == Finetune::Full || i >= base)
             .collect();
-        let mut dev = Device::new(be, capacity);
-        let offload = train.offload;
-        assert!(
-            offload.check(train.sharding).is_none(),
-            "offload without the ZeRO stage it needs (run::validate says so)"
-        );
-        if offload.optimizer() {
-            assert!(
-                dev.be.offloads(),
-                "this backend cannot place tensors in host memory (run::validate says so)"
-            );
-            dev.add_host(train.host_memory);
-        }
-        if hf.is_some() && gpu {
-            // What PyTorch's CUDA caching allocator reserves for these tensors.
-            dev.caching = Some(crate::caching::CachingAllocator::new());
-        }
-        dev.tracker.set_phase(Phase::Init);
+        let mut dev = Self::device(be, capacity, &train, hf.is_some());
         let owned = match &pipe {
             Some(p) => {
                 pipeline::owned_tensors(&idx, specs.len(), p.stage, p.stages, p.layers.clone())
             }
             None => vec![true; specs.len()],
         };
-        // What this rank holds of each tensor before sharding.
-        let numel: Vec<usize> = specs
-            .iter()
-            .zip(&owned)
-            .map(|(s, &o)| if o { s.numel() } else { 0 })
-            .collect();
+        let held = init::Holdings::new(&specs, owned, &trainable);
         let mut dist = comm.map(|c| {
             assert_eq!(
                 c.world(),
@@ -745,175 +708,52 @@ impl<B: Backend> Engine<B> {
                 .iter()
                 .map(|b| b.iter().flat_map(|a| [a.a, a.b]).collect())
                 .collect();
-            let mut d = Dist::new(c, train.sharding, numel.clone(), &idx, &ads, &trainable);
-            d.grads_on_host = offload.optimizer();
+            let numel = held.numel.clone();
+            let mut d = Dist::new(c, train.sharding, numel, &idx, &ads, &trainable);
+            d.grads_on_host = train.offload.optimizer();
             d
         });
         assert!(
             dist.is_some() || (train.data_ranks() == 1 && train.sharding == Sharding::None),
             "ranks > 1 or sharding need a communicator"
         );
-        let sharding = train.sharding;
-        // What trains: frozen tensors get no gradient, master copy or state.
-        let tnumel: Vec<usize> = numel
-            .iter()
-            .zip(&trainable)
-            .map(|(&n, &t)| if t { n } else { 0 })
-            .collect();
-        let train_owned: Vec<bool> = owned
-            .iter()
-            .zip(&trainable)
-            .map(|(&o, &t)| o && t)
-            .collect();
-        // Elements of each tensor this rank keeps a copy of, per kind of
-        // state: weights (`shard_lens`), and gradients, master and optimizer
-        // state, which only trainable tensors have (`tshard_lens`).
-        let shard_lens = dist.as_ref().map_or(numel.clone(), |d| d.shard.clone());
-        let tshard_lens = dist
-            .as_ref()
-            .map_or(tnumel.clone(), |d| d.grad_shard.clone());
-        let alloc_all = |dev: &mut Device<B>, lens: &[usize], dtype, cat| {
-            lens.iter()
-                .zip(&owned)
-                .map(|(&n, &o)| match o {
-                    true => dev.alloc(n, dtype, cat),
-                    false => Ok(dev.placeholder(dtype, cat)),
-                })
-                .collect::<Result<Vec<T<B>>, OomError>>()
-        };
-        let placeholders = |dev: &mut Device<B>, dtype, cat| {
-            (0..numel.len())
-                .map(|_| dev.placeholder(dtype, cat))
-                .collect::<Vec<_>>()
-        };
         // hf-eager: autocast leaves the parameters fp32 (no master copy).
         let autocast = hf.as_ref().is_some_and(|h| h.autocast);
         let wdt = match autocast {
             true => DType::F32,
             false => train.precision.dtype(),
         };
-        let mut params = if sharding.shards_parameters() {
-            let d = dist.as_mut().expect("sharded");
-            let cat = Category::Parameters;
-            d.param_shards = match offload.params() {
-                true => dev.on_host(|dev| alloc_all(dev, &shard_lens, wdt, cat))?,
-                false => alloc_all(&mut dev, &shard_lens, wdt, cat)?,
-            };
-            placeholders(&mut dev, wdt, Category::Parameters)
-        } else if qlora {
-            // The block projections in NF4, exactly as many bytes as
-            // `nf4::storage_bytes` counts; the rest in the working dtype.
-            let nf4: std::collections::HashSet<usize> = idx
-                .blocks
-                .iter()
-                .flat_map(|b| [b.qkv_w, b.o_w, b.up_w, b.down_w])
-                .collect();
-            (0..numel.len())
-                .map(|i| match nf4.contains(&i) {
-                    true => {
-                        let bytes = crate::nf4::storage_bytes(numel[i]) as usize;
-                        dev.alloc(bytes, DType::U8, Category::Parameters)
-                    }
-                    false => dev.alloc(numel[i], wdt, Category::Parameters),
-                })
-                .collect::<Result<Vec<_>, _>>()?
-        } else {
-            alloc_all(&mut dev, &numel, wdt, Category::Parameters)?
+        let lay = init::StateLayout {
+            specs: &specs,
+            idx: &idx,
+            train: &train,
+            wdt,
+            autocast,
+            lazy_grads,
         };
-        let grads = if lazy_grads {
-            placeholders(&mut dev, wdt, Category::Gradients)
-        } else if sharding.shards_gradients() {
-            let d = dist.as_mut().expect("sharded");
-            let cat = Category::Gradients;
-            // Offloaded: DeepSpeed accumulates the gradient shard in fp32
-            // on the host.
-            d.grad_shards = match offload.optimizer() {
-                true => dev.on_host(|dev| alloc_all(dev, &tshard_lens, DType::F32, cat))?,
-                false => alloc_all(&mut dev, &tshard_lens, wdt, cat)?,
-            };
-            placeholders(&mut dev, wdt, Category::Gradients)
-        } else {
-            alloc_all(&mut dev, &tnumel, wdt, Category::Gradients)?
-        };
-        let opt_lens = if sharding.shards_optimizer() {
-            &tshard_lens
-        } else {
-            &tnumel
-        };
-        // Offloaded, the host keeps an fp32 copy of the shard to update
-        // even under fp32 (the weights the device reads are a copy of it).
-        let cat = Category::Optimizer;
-        let mut master = if offload.optimizer() {
-            dev.on_host(|dev| alloc_all(dev, opt_lens, DType::F32, cat))?
-        } else if train.precision.has_master() && !autocast {
-            alloc_all(&mut dev, opt_lens, DType::F32, cat)?
-        } else {
-            Vec::new()
-        };
-        let opt = match offload.optimizer() {
-            true => dev.on_host(|dev| {
-                optim::alloc_state(dev, &specs, opt_lens, &train_owned, &train.opt())
-            })?,
-            false => optim::alloc_state(&mut dev, &specs, opt_lens, &train_owned, &train.opt())?,
-        };
-        if sharding == Sharding::Ddp {
-            let d = dist.as_mut().expect("ddp");
+        let mut states = init::alloc_states(&mut dev, &held, dist.as_mut(), &lay)?;
+        if let Some(d) = dist.as_mut().filter(|_| train.sharding == Sharding::Ddp) {
             d.alloc_buckets(&mut dev, wdt, train.bucket_view)?;
         }
         let workspace = dev.placeholder(DType::F32, Category::Workspace);
         if dev.be.holds_data() {
-            let mut host = init_weights(&full_specs, train.seed);
-            if let Some(tp) = &tp {
-                for (h, split) in host.iter_mut().zip(&tp.splits) {
-                    if let Some(s) = split {
-                        *h = s.take(h);
-                    }
-                }
-            }
-            // The elements of each tensor this rank owns under sharding.
-            let extent: Vec<(usize, usize)> = match &dist {
-                Some(d) => (0..numel.len())
-                    .map(|i| (d.offset(i), d.valid(i, d.rank)))
-                    .collect(),
-                None => numel.iter().map(|&n| (0, n)).collect(),
-            };
-            let part = |i: usize, sharded: bool| -> &[f32] {
-                if sharded {
-                    &host[i][extent[i].0..][..extent[i].1]
-                } else {
-                    &host[i]
-                }
-            };
-            for (i, t) in params.iter_mut().enumerate() {
-                if !sharding.shards_parameters() && owned[i] {
-                    if t.dtype == DType::U8 {
-                        // QLoRA: the weight quantised once, as bitsandbytes
-                        // does when the model is loaded in 4 bits.
-                        let q = crate::nf4::quantize(part(i, false)).to_bytes();
-                        dev.be.upload_u8(&mut t.buf, &q);
-                    } else {
-                        dev.be.upload_f32(&mut t.buf, part(i, false));
-                    }
-                }
-            }
-            if let Some(d) = &mut dist {
-                for (i, t) in d.param_shards.iter_mut().enumerate() {
-                    dev.be.upload_f32(&mut t.buf, part(i, true));
-                }
-            }
-            for (i, t) in master.iter_mut().enumerate() {
-                if train_owned[i] {
-                    dev.be
-                        .upload_f32(&mut t.buf, part(i, sharding.shards_optimizer()));
-                }
-            }
+            let tp = tp.as_ref();
+            init::upload_weights(
+                &mut dev,
+                &full_specs,
+                &train,
+                &held,
+                tp,
+                dist.as_mut(),
+                &mut states,
+            );
         }
         if let Some(d) = &mut dist
-            && sharding == Sharding::Ddp
+            && train.sharding == Sharding::Ddp
         {
             // QLoRA's NF4 bytes are not broadcast: every rank quantised the
             // same seeded weights (the collectives move floats).
-            for (t, _) in params.iter_mut().zip(&owned).filter(|(_, o)| **o) {
+            for (t, _) in (states.params.iter_mut().zip(&held.owned)).filter(|(_, o)| **o) {
                 if t.dtype != DType::U8 {
                     dev.broadcast(&mut *d.comm, t, 0);
                 }
@@ -935,6 +775,12 @@ impl<B: Backend> Engine<B> {
             // Data-parallel groups are the ranks a tensor-parallel group apart.
             dev.call_stride = train.tensor_parallel;
         }
+        let init::States {
+            params,
+            grads,
+            master,
+            opt,
+        } = states;
         Ok(Engine {
             model,
             train,
@@ -948,7 +794,7 @@ impl<B: Backend> Engine<B> {
             workspace,
             dist,
             pipe,
-            owned,
+            owned: held.owned,
             step: 0,
             skipped_steps: 0,
             loss_scale,
@@ -960,6 +806,58 @@ impl<B: Backend> Engine<B> {
             tp,
             widths,
         })
+    }
+
+    /// LoRA's adapters per block, their tensors appended to `specs` (none
+    /// for full training).
+    fn adapters(
+        model: &ModelConfig,
+        train: &TrainConfig,
+        be: &B,
+        pipelined: bool,
+        specs: &mut Vec<ParamSpec>,
+    ) -> Vec<Vec<Adapter>> {
+        let qlora = train.finetune == Finetune::Qlora;
+        assert!(
+            !qlora || be.reads_nf4(),
+            "this backend does not read NF4 weights (run::validate says so)"
+        );
+        match train.finetune {
+            Finetune::Full => Vec::new(),
+            Finetune::Lora | Finetune::Qlora => {
+                assert!(!pipelined, "LoRA runs without a pipeline");
+                assert!(
+                    !(qlora && train.sharding.shards_parameters()),
+                    "QLoRA's NF4 base is not partitioned by zero3 (run::validate says so)"
+                );
+                lora::layout(model, &train.lora, specs)
+            }
+        }
+    }
+
+    /// The rank's device: its host memory when the optimizer is offloaded,
+    /// and (hf-eager on a GPU) PyTorch's caching allocator's model.
+    fn device(be: B, capacity: Option<u64>, train: &TrainConfig, hf: bool) -> Device<B> {
+        let gpu = be.is_gpu();
+        let mut dev = Device::new(be, capacity);
+        let offload = train.offload;
+        assert!(
+            offload.check(train.sharding).is_none(),
+            "offload without the ZeRO stage it needs (run::validate says so)"
+        );
+        if offload.optimizer() {
+            assert!(
+                dev.be.offloads(),
+                "this backend cannot place tensors in host memory (run::validate says so)"
+            );
+            dev.add_host(train.host_memory);
+        }
+        if hf && gpu {
+            // What PyTorch's CUDA caching allocator reserves for these tensors.
+            dev.caching = Some(crate::caching::CachingAllocator::new());
+        }
+        dev.tracker.set_phase(Phase::Init);
+        dev
     }
 
     /// Allocates the workspace for this engine's batch shape (a placeholder
@@ -1293,6 +1191,39 @@ impl<B: Backend> Engine<B> {
     /// and DeepSpeed's dynamic loss scaler do). Data parallelism first sums
     /// the gradients over ranks (ddp, zero1; zero2/3 did it during backward).
     fn optimizer_step(&mut self) -> Result<(Option<f32>, bool), OomError> {
+        self.dev.tracker.set_phase(Phase::Optimizer);
+        // LoRA: only the adapters train.
+        let owned: Vec<bool> = (self.owned.iter().zip(&self.trainable))
+            .map(|(&o, &t)| o && t)
+            .collect();
+        let fp16 = self.train.precision == Precision::Fp16;
+        self.sum_grads(&owned)?;
+        // The gradients carry the loss scale (1 except under fp16).
+        let norm = self
+            .grad_norm_sq(&owned)
+            .map(|s| s.sqrt() / self.loss_scale as f64);
+        if norm.is_some_and(|n| !n.is_finite()) {
+            self.skipped_steps += 1;
+            if fp16 {
+                self.loss_scale *= 0.5;
+                self.good_steps = 0;
+            }
+            if let Some(d) = self.dist.as_mut()
+                && d.sharding == Sharding::Zero1
+            {
+                d.drop_grad_shards(&mut self.dev);
+            }
+            return Ok((norm.map(|n| n as f32), true));
+        }
+        // Same rule as torch.nn.utils.clip_grad_norm_: scale by clip / (norm + 1e-6) when norm > clip.
+        let clip = self.train.grad_clip as f64;
+        let clip = match norm {
+            Some(norm) if clip > 0.0 && norm > clip => clip / (norm + 1e-6),
+            _ => 1.0,
+        };
+        // Unscaling and clipping fold into one multiplier the update applies.
+        let grad_scale = (clip / self.loss_scale as f64) as f32;
+        self.step += 1;
         let Engine {
             dev,
             params,
@@ -1302,23 +1233,51 @@ impl<B: Backend> Engine<B> {
             specs,
             train,
             dist,
-            pipe,
-            owned,
-            idx,
             hf,
-            trainable,
+            ..
+        } = self;
+        let cfg = train.opt();
+        match dist.as_mut() {
+            Some(d) if d.sharding.shards_optimizer() => {
+                let step = (self.step, grad_scale);
+                sharded_update(dev, d, params, master, opt, specs, &owned, &cfg, step)?;
+                if d.sharding == Sharding::Zero1 {
+                    d.drop_grad_shards(dev);
+                }
+            }
+            _ => {
+                // hf-eager: torch.optim's order and temporaries.
+                let torch = hf.as_ref().map(|h| (h.optimizer_impl, h.param_groups));
+                let states = (&mut params[..], &mut master[..], &mut opt[..], &grads[..]);
+                let step = (self.step, grad_scale);
+                local_update(dev, states, specs, &owned, &cfg, torch, step)?;
+            }
+        }
+        if fp16 {
+            self.good_steps += 1;
+            if self.good_steps >= self.train.loss_scale_window {
+                self.loss_scale *= 2.0;
+                self.good_steps = 0;
+            }
+        }
+        Ok((norm.map(|n| n as f32), false))
+    }
+
+    /// Every rank's gradients summed where the update needs them: a tied
+    /// embedding's two stages, the replicas (ddp all-reduces, zero1
+    /// reduce-scatters; zero2/3 did it during the backward), hybrid
+    /// sharding's replicas, and sequence parallelism's norms.
+    fn sum_grads(&mut self, owned: &[bool]) -> Result<(), OomError> {
+        let Engine {
+            dev,
+            grads,
+            train,
+            dist,
+            pipe,
+            idx,
             tp,
             ..
         } = self;
-        dev.tracker.set_phase(Phase::Optimizer);
-        // LoRA: only the adapters train.
-        let owned: Vec<bool> = owned
-            .iter()
-            .zip(trainable.iter())
-            .map(|(&o, &t)| o && t)
-            .collect();
-        let owned = &owned;
-        let fp16 = train.precision == Precision::Fp16;
         // A tied embedding: the first and the last stage each hold part of
         // its gradient (the embedding's, the head's).
         if let Some(e) = pipe.as_mut().and_then(|p| p.embed.as_mut()) {
@@ -1359,6 +1318,22 @@ impl<B: Backend> Engine<B> {
                 tp.all_reduce(dev, &mut local[i]);
             }
         }
+        Ok(())
+    }
+
+    /// The squared global gradient norm over every rank's gradients (or
+    /// shards), still carrying the loss scale; `None` without data.
+    fn grad_norm_sq(&mut self, owned: &[bool]) -> Option<f64> {
+        let Engine {
+            dev,
+            grads,
+            dist,
+            pipe,
+            idx,
+            tp,
+            ..
+        } = self;
+        let sharded = dist.as_ref().is_some_and(|d| d.sharding.shards_optimizer());
         let mut norm_sq = Some(0.0f64);
         let local = match dist.as_ref() {
             Some(d) if sharded => &d.grad_shards,
@@ -1393,105 +1368,7 @@ impl<B: Backend> Engine<B> {
             // And each stage its own layers.
             norm_sq = norm_sq.map(|s| p.group.all_reduce_scalar(s));
         }
-        // The gradients carry the loss scale (1 except under fp16).
-        let norm = norm_sq.map(|s| s.sqrt() / self.loss_scale as f64);
-        if norm.is_some_and(|n| !n.is_finite()) {
-            self.skipped_steps += 1;
-            if fp16 {
-                self.loss_scale *= 0.5;
-                self.good_steps = 0;
-            }
-            if let Some(d) = dist.as_mut()
-                && d.sharding == Sharding::Zero1
-            {
-                d.drop_grad_shards(dev);
-            }
-            return Ok((norm.map(|n| n as f32), true));
-        }
-        // Same rule as torch.nn.utils.clip_grad_norm_: scale by clip / (norm + 1e-6) when norm > clip.
-        let clip = match norm {
-            Some(norm) if train.grad_clip > 0.0 && norm > train.grad_clip as f64 => {
-                train.grad_clip as f64 / (norm + 1e-6)
-            }
-            _ => 1.0,
-        };
-        // Unscaling and clipping fold into one multiplier the update applies.
-        let grad_scale = (clip / self.loss_scale as f64) as f32;
-        self.step += 1;
-        let cfg = train.opt();
-        match dist.as_mut() {
-            Some(d) if sharded => {
-                sharded_update(
-                    dev, d, params, master, opt, specs, owned, &cfg, self.step, grad_scale,
-                )?;
-                if d.sharding == Sharding::Zero1 {
-                    d.drop_grad_shards(dev);
-                }
-            }
-            _ => {
-                // Mixed precision updates the fp32 master copy, then rounds it
-                // into the 16-bit weights the next forward reads.
-                let updated = if master.is_empty() {
-                    &mut params[..]
-                } else {
-                    &mut master[..]
-                };
-                // hf-eager: torch.optim.AdamW's own temporaries (OptimizerImpl).
-                let torch_impl = hf
-                    .as_ref()
-                    .filter(|_| cfg.kind == Optimizer::Adamw)
-                    .map(|h| h.optimizer_impl);
-                // torch.optim updates one parameter group after another.
-                let ids = (0..specs.len()).filter(|&i| owned[i]);
-                let groups: Vec<Vec<usize>> = match hf.as_ref().map(|h| h.param_groups) {
-                    Some(ParamGroups::Trainer) => {
-                        let (decay, rest) = ids.partition(|&i| specs[i].shape.len() >= 2);
-                        vec![decay, rest]
-                    }
-                    _ => vec![ids.collect()],
-                };
-                for group in groups {
-                    let mut foreach = Vec::new();
-                    if torch_impl == Some(OptimizerImpl::Foreach) {
-                        for &i in &group {
-                            foreach.push(dev.alloc_f32(updated[i].len, Category::Optimizer)?);
-                        }
-                    }
-                    let mut denom = None;
-                    for i in group {
-                        if torch_impl == Some(OptimizerImpl::SingleTensor) {
-                            let len = updated[i].len;
-                            let sqrt = dev.alloc_f32(len, Category::Optimizer)?;
-                            let div = dev.alloc_f32(len, Category::Optimizer)?;
-                            dev.free(sqrt);
-                            dev.free_opt(denom.replace(div));
-                        }
-                        let (u, g, st) = (&mut updated[i], &grads[i], &mut opt[i]);
-                        optim::update_one(dev, u, g, st, &specs[i], &cfg, self.step, grad_scale);
-                    }
-                    dev.free_opt(denom);
-                    for t in foreach {
-                        dev.free(t);
-                    }
-                }
-                for ((p, m), _) in params
-                    .iter_mut()
-                    .zip(master.iter())
-                    .zip(owned.iter())
-                    .filter(|(_, o)| **o)
-                {
-                    dev.convert(p, m);
-                }
-            }
-        }
-        if fp16 {
-            self.good_steps += 1;
-            if self.good_steps >= train.loss_scale_window {
-                self.loss_scale *= 2.0;
-                self.good_steps = 0;
-            }
-        }
-        Ok((norm.map(|n| n as f32), false))
+        norm_sq
     }
 
     /// Frees everything the engine holds; the tracker then shows zero live bytes.
@@ -1514,6 +1391,68 @@ impl<B: Backend> Engine<B> {
     }
 }
 
+/// The optimizer step when every rank holds whole states (one rank, or
+/// ddp's replicas): mixed precision updates the fp32
+/// master copy, then rounds it into the 16-bit weights the next forward
+/// reads. hf-eager (`torch`): torch.optim updates one parameter group after
+/// another, with AdamW's own temporaries (`OptimizerImpl`).
+#[allow(clippy::type_complexity)]
+fn local_update<B: Backend>(
+    dev: &mut Device<B>,
+    (params, master, opt, grads): (&mut [T<B>], &mut [T<B>], &mut [OptState<T<B>>], &[T<B>]),
+    specs: &[ParamSpec],
+    owned: &[bool],
+    cfg: &optim::OptConfig,
+    torch: Option<(OptimizerImpl, ParamGroups)>,
+    (step, grad_scale): (u64, f32),
+) -> Result<(), OomError> {
+    let updated = if master.is_empty() {
+        &mut *params
+    } else {
+        &mut *master
+    };
+    let torch_impl = torch
+        .filter(|_| cfg.kind == Optimizer::Adamw)
+        .map(|(i, _)| i);
+    let ids = (0..specs.len()).filter(|&i| owned[i]);
+    let groups: Vec<Vec<usize>> = match torch.map(|(_, g)| g) {
+        Some(ParamGroups::Trainer) => {
+            let (decay, rest) = ids.partition(|&i| specs[i].shape.len() >= 2);
+            vec![decay, rest]
+        }
+        _ => vec![ids.collect()],
+    };
+    for group in groups {
+        let mut foreach = Vec::new();
+        if torch_impl == Some(OptimizerImpl::Foreach) {
+            for &i in &group {
+                foreach.push(dev.alloc_f32(updated[i].len, Category::Optimizer)?);
+            }
+        }
+        let mut denom = None;
+        for i in group {
+            if torch_impl == Some(OptimizerImpl::SingleTensor) {
+                let len = updated[i].len;
+                let sqrt = dev.alloc_f32(len, Category::Optimizer)?;
+                let div = dev.alloc_f32(len, Category::Optimizer)?;
+                dev.free(sqrt);
+                dev.free_opt(denom.replace(div));
+            }
+            let (u, g, st) = (&mut updated[i], &grads[i], &mut opt[i]);
+            optim::update_one(dev, u, g, st, &specs[i], cfg, step, grad_scale);
+        }
+        dev.free_opt(denom);
+        for t in foreach {
+            dev.free(t);
+        }
+    }
+    let pairs = params.iter_mut().zip(master.iter()).zip(owned);
+    for ((p, m), _) in pairs.filter(|(_, o)| **o) {
+        dev.convert(p, m);
+    }
+    Ok(())
+}
+
 /// The optimizer step when the state is sharded (zero1/2/3): each rank
 /// updates its shard of every tensor, then zero1/2 all-gather the new weights
 /// (the full weights stay resident), and zero3 keeps only its shard.
@@ -1526,8 +1465,7 @@ fn sharded_update<B: Backend>(
     specs: &[ParamSpec],
     owned: &[bool],
     cfg: &optim::OptConfig,
-    step: u64,
-    grad_scale: f32,
+    (step, grad_scale): (u64, f32),
 ) -> Result<(), OomError> {
     let tmp = Category::Temporaries;
     for (i, spec) in specs.iter().enumerate().filter(|(i, _)| owned[*i]) {
