@@ -90,7 +90,7 @@ pub fn is_rank() -> bool {
 /// Returns the exit code.
 pub fn rank_main(
     recipe: Option<&std::path::Path>,
-    knobs: &crate::config::knobs::Knobs,
+    knobs: &crate::run::knobs::Knobs,
     timeline: Option<std::path::PathBuf>,
     format: Format,
 ) -> i32 {

@@ -1,7 +1,9 @@
 //! `memfit run`: train a model for a few steps (or plan one step on meta) and
 //! report losses, throughput, FLOPs and peak memory per category.
 
+pub mod knobs;
 pub mod options;
+pub mod recipe;
 
 use std::io::Write;
 use std::path::PathBuf;

@@ -120,7 +120,7 @@ pub struct PlanRecipe {
     /// offloaded tensors (`64GiB`; default: this machine's available
     /// memory, as `memfit run --host-memory` takes it).
     #[serde(default)]
-    pub host_memory: Option<crate::config::recipe::Bytes>,
+    pub host_memory: Option<crate::units::Bytes>,
     /// The network between nodes, a network profile name or path
     /// (`profiles/networks/`), in place of the one the hardware profile's
     /// nodes have.
@@ -2010,8 +2010,8 @@ pub mod render;
 mod tests {
     use super::*;
     use crate::config::hardware::load_hardware;
-    use crate::config::knobs::Knobs;
     use crate::config::profile::load_model;
+    use crate::run::knobs::Knobs;
 
     /// A recipe parsed from `yaml`, with its model and hardware profiles.
     fn recipe(
@@ -2099,7 +2099,7 @@ mod tests {
 
     /// Every `memfit run` knob is a plan's axis, a plan recipe's key, or
     /// fixed in plans for a reason given here: a knob added to
-    /// `config::knobs` fails this test until the planner handles it.
+    /// `run::knobs` fails this test until the planner handles it.
     #[test]
     fn every_knob_is_an_axis_a_recipe_key_or_fixed_in_plans() {
         let (r, _, _) =
