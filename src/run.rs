@@ -415,6 +415,7 @@ pub fn run_process_rank(
     opts: &RunOptions,
     env: &crate::comm::process::DistEnv,
 ) -> Result<ProcessRun> {
+    use crate::backend::cpu::process::{ProcessComm, ProcessP2p};
     use crate::backend::cuda::AnyDriver;
     use crate::backend::cuda::nccl::{BACKEND_ENV, NcclComm, Staged, unique_id};
     use crate::comm::process::ProcessGroup;
@@ -467,8 +468,8 @@ pub fn run_process_rank(
                 &model,
                 &opts.train,
                 rank,
-                |ch, members| Box::new(group.comm(ch, members)) as Comm<CpuBackend>,
-                |ch, prev, next| Box::new(group.p2p(ch, prev, next)) as _,
+                |ch, members| Box::new(ProcessComm::new(&group, ch, members)) as Comm<CpuBackend>,
+                |ch, prev, next| Box::new(ProcessP2p::new(&group, ch, prev, next)) as _,
             )?;
             opts.device.limit = capped_by_host(opts.device.limit, env.local_world);
             let out = rank_part(
@@ -519,8 +520,12 @@ pub fn run_process_rank(
                 &opts.train,
                 rank,
                 |ch, members| {
-                    let staged =
-                        || Box::new(Staged::new(group.comm(ch, members.clone()), stager.clone()));
+                    let staged = || {
+                        Box::new(Staged::new(
+                            ProcessComm::new(&group, ch, members.clone()),
+                            stager.clone(),
+                        ))
+                    };
                     if !(use_nccl && members.len() == env.world) {
                         return staged() as Comm<crate::backend::cuda::CudaBackend<AnyDriver>>;
                     }
@@ -532,7 +537,12 @@ pub fn run_process_rank(
                         }
                     }
                 },
-                |ch, prev, next| Box::new(Staged::new(group.p2p(ch, prev, next), stager.clone())),
+                |ch, prev, next| {
+                    Box::new(Staged::new(
+                        ProcessP2p::new(&group, ch, prev, next),
+                        stager.clone(),
+                    ))
+                },
             )?;
             if let Some(e) = nccl_err.into_inner() {
                 return Err(Error::Unavailable(e));
