@@ -288,7 +288,7 @@ fn layer_times(
                 model,
                 &one,
                 be,
-                crate::run::host_available_memory(),
+                crate::units::host_available_memory(),
                 repeats,
                 per_layer,
             )

@@ -41,37 +41,6 @@ use crate::report::run::{ErrorRecord, RankRecord, RunReport, render_table};
 use crate::run::RunOptions;
 use crate::run::run_process_rank;
 
-/// Test hook: `RANK:KIND` makes that rank fail right after joining the
-/// group: `sigkill` (as the kernel's OOM killer would), `exit` (exit 1
-/// without a word), `hang` (alive, never answering).
-pub const FAULT_ENV: &str = "MEMFIT_TEST_RANK_FAULT";
-
-/// Applies [`FAULT_ENV`] to `rank`, if it names it.
-pub(crate) fn test_fault(rank: usize) {
-    let Ok(v) = std::env::var(FAULT_ENV) else {
-        return;
-    };
-    let Some((r, kind)) = v.split_once(':') else {
-        return;
-    };
-    if r.trim().parse::<usize>() != Ok(rank) {
-        return;
-    }
-    match kind.trim() {
-        "sigkill" => {
-            let _ = Command::new("kill")
-                .args(["-9", &std::process::id().to_string()])
-                .status();
-            std::thread::sleep(Duration::from_secs(60));
-        }
-        "exit" => std::process::exit(1),
-        "hang" => loop {
-            std::thread::sleep(Duration::from_secs(60));
-        },
-        _ => {}
-    }
-}
-
 /// One line on stderr in one write: the ranks of a job share the
 /// terminal, and `eprintln!` may write a line in pieces that another
 /// process's line then splits.

@@ -7,7 +7,7 @@ pub mod recipe;
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::driver::Driver as _;
@@ -26,6 +26,7 @@ use crate::report::run::{
     ErrorRecord, GpuRecord, HostRecord, RankRecord, RunConfigRecord, RunReport, StepRecord,
     TargetRecord, summarise_ranks,
 };
+use crate::units::host_available_memory;
 
 /// Everything `memfit run` needs; the CLI fills it from flags.
 #[derive(Clone, Debug)]
@@ -403,6 +404,37 @@ pub type ProcessRun = (
     Result<(RunReport, Option<Error>)>,
 );
 
+/// Test hook: `RANK:KIND` makes that rank fail right after joining the
+/// group: `sigkill` (as the kernel's OOM killer would), `exit` (exit 1
+/// without a word), `hang` (alive, never answering).
+pub const FAULT_ENV: &str = "MEMFIT_TEST_RANK_FAULT";
+
+/// Applies [`FAULT_ENV`] to `rank`, if it names it.
+pub(crate) fn test_fault(rank: usize) {
+    let Ok(v) = std::env::var(FAULT_ENV) else {
+        return;
+    };
+    let Some((r, kind)) = v.split_once(':') else {
+        return;
+    };
+    if r.trim().parse::<usize>() != Ok(rank) {
+        return;
+    }
+    match kind.trim() {
+        "sigkill" => {
+            let _ = std::process::Command::new("kill")
+                .args(["-9", &std::process::id().to_string()])
+                .status();
+            std::thread::sleep(Duration::from_secs(60));
+        }
+        "exit" => std::process::exit(1),
+        "hang" => loop {
+            std::thread::sleep(Duration::from_secs(60));
+        },
+        _ => {}
+    }
+}
+
 /// `memfit run` as rank `env.rank` of a job of `env.world` processes
 /// (`memfit launch`, torchrun): joins the process group, builds this rank's
 /// one engine linked to the others over it (TCP on cpu; NCCL, or TCP staged
@@ -645,7 +677,7 @@ where
     B: Backend + Send,
     B::Buf: Send,
 {
-    crate::launch::test_fault(rank);
+    test_fault(rank);
     let failed = || group.failure().is_some();
     let share = Share {
         rank,
@@ -1118,11 +1150,6 @@ where
         write_timeline(path, timeline_file.take().expect("opened"), &trackers)?;
     }
     Ok((report, failure))
-}
-
-/// `MemAvailable` from /proc/meminfo, where there is one.
-pub fn host_available_memory() -> Option<u64> {
-    crate::units::proc_bytes("/proc/meminfo", "MemAvailable")
 }
 
 /// Offload: each rank's host peaks, and the node's.

@@ -130,6 +130,11 @@ pub fn proc_bytes(path: &str, key: &str) -> Option<u64> {
     Some(kib * 1024)
 }
 
+/// `MemAvailable` from /proc/meminfo, where there is one.
+pub fn host_available_memory() -> Option<u64> {
+    proc_bytes("/proc/meminfo", "MemAvailable")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
