@@ -1,6 +1,6 @@
 //! Contiguous partitioning of layers into pipeline stages.
 //!
-//! [`min_bottleneck`] is what `memfit balance` (`crate::balance_cmd`) runs:
+//! [`min_bottleneck`] is what `memfit balance` (`balance_cmd`) runs:
 //! the exact minimax split for any monotone stage cost, here the engine's
 //! own stage peaks (or summed layer times), by a greedy fill under a bound
 //! and a binary search on the bound. [`block_partition`] is fairscale's

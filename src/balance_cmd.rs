@@ -12,6 +12,7 @@
 //! so a greedy fill under a bound is exact and a binary search on the bound
 //! finds the optimum ([`crate::balance::min_bottleneck`]).
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -288,7 +289,7 @@ fn layer_times(
                 model,
                 &one,
                 be,
-                crate::run::host_available_memory(),
+                crate::units::host_available_memory(),
                 repeats,
                 per_layer,
             )
@@ -332,75 +333,17 @@ fn time_layers<B: crate::backend::Backend>(
         .collect())
 }
 
-/// Runs `memfit balance`.
 /// The most micro-batches per step `memfit balance` prices (`--microbatches`).
 pub const MAX_MICROBATCHES: usize = 4096;
 
+/// Runs `memfit balance`.
 pub fn balance(opts: &BalanceOptions) -> Result<BalanceReport> {
     let model = load_model(&opts.model)?;
+    check_options(opts, &model)?;
     let t = &opts.train;
     let (stages, k) = (t.pipeline_stages, t.grad_accum);
-    validate(
-        &RunOptions {
-            model: opts.model.clone(),
-            train: t.clone(),
-            steps: 1,
-            device: DeviceSpec {
-                kind: DeviceKind::Meta,
-                limit: None,
-                ordinal: None,
-            },
-            target: None,
-            data: None,
-            threads: None,
-            timeline: None,
-            phase_peaks: false,
-            timing: None,
-        },
-        &model,
-    )
-    .map_err(|e| match e {
-        // Name balance's own flags.
-        Error::InvalidArg { flag, message } => Error::InvalidArg {
-            flag: match flag.as_str() {
-                "--pipeline-stages" => "--stages".into(),
-                "--grad-accum" => "--microbatches".into(),
-                _ => flag,
-            },
-            message,
-        },
-        e => e,
-    })?;
-    // Every stage is priced by a meta step of K micro-batches, many times
-    // over in the search: K = 2^20 ran for minutes without a word.
-    if k > MAX_MICROBATCHES {
-        return Err(Error::invalid_arg(
-            "--microbatches",
-            format!(
-                "{k} is more than {MAX_MICROBATCHES}, the most balance prices (each stage's peak is a meta step of every micro-batch); under 1F1B a stage's peak stops growing once K passes the stage count, so a smaller K gives the same partitions"
-            ),
-        ));
-    }
-    if stages < 2 {
-        return Err(Error::invalid_arg(
-            "--stages",
-            "a pipeline needs 2 stages or more; one stage holds the whole model (see `memfit run`)",
-        ));
-    }
-    if opts.repeats == 0 {
-        return Err(Error::invalid_arg("--repeats", "must be at least 1"));
-    }
     let n = model.n_layer + 2;
     let capacity = opts.target.capacity();
-
-    // Each layer alone (one stage per layer, one micro-batch): what it holds.
-    let alone = TrainConfig {
-        pipeline_stages: n,
-        ranks: n,
-        grad_accum: 1,
-        partition: None,
-        ..t.clone()
-    };
     // A model too big to train on this host cannot be timed here: by
     // memory, the split does not need the times; by time, it does.
     let (times, timed) = match layer_times(&model, t, &opts.target, opts.repeats) {
@@ -408,100 +351,25 @@ pub fn balance(opts: &BalanceOptions) -> Result<BalanceReport> {
         Err(Error::Oom(_)) if opts.by == By::Memory => (vec![0.0; n], false),
         Err(e) => return Err(e),
     };
-    let layers: Vec<LayerRecord> = (0..n)
-        .map(|i| {
-            let p = stage_peak(
-                &model,
-                &alone,
-                i,
-                blocks_of(i, i + 1, n),
-                &opts.target.meta(),
-            );
-            let weights = [
-                Category::Parameters,
-                Category::Gradients,
-                Category::Optimizer,
-            ];
-            LayerRecord {
-                name: match i {
-                    0 => "embedding".into(),
-                    _ if i == n - 1 => "head".into(),
-                    _ => format!("block {}", i - 1),
-                },
-                weight_bytes: weights.iter().map(|&c| p.get(c)).sum(),
-                activation_bytes: p.get(Category::Activations) + p.get(Category::Communication),
-                secs: times[i],
-            }
-        })
-        .collect();
-
-    // The exact costs of a stage, memoised: the search asks for some many times.
-    let mut memo: HashMap<(usize, usize, usize), PeakBytes> = HashMap::new();
-    let meta = opts.target.meta();
-    let mut peak = |s: usize, i: usize, j: usize| -> PeakBytes {
-        *memo
-            .entry((s, i, j))
-            .or_insert_with(|| stage_peak(&model, t, s, blocks_of(i, j, n), &meta))
+    let layers = layer_records(opts, &model, &times);
+    let search = Search {
+        model: &model,
+        train: t,
+        n,
+        stages,
+        k,
+        capacity,
+        meta: opts.target.meta(),
+        memo: RefCell::new(HashMap::new()),
+        // Time in picoseconds, so the search can bisect integers.
+        prefix: std::iter::once(0.0)
+            .chain(times.iter().scan(0.0, |acc, x| {
+                *acc += x;
+                Some(*acc)
+            }))
+            .collect(),
     };
-    // Time in picoseconds, so the search can bisect integers.
-    let prefix: Vec<f64> = std::iter::once(0.0)
-        .chain(times.iter().scan(0.0, |acc, x| {
-            *acc += x;
-            Some(*acc)
-        }))
-        .collect();
-    let secs = |i: usize, j: usize| prefix[j] - prefix[i];
-    let ps = |x: f64| (x * 1e12).round() as u64;
-
-    let record = |bounds: Vec<usize>, peak: &mut dyn FnMut(usize, usize, usize) -> PeakBytes| {
-        let stages_rec: Vec<StageRecord> = (0..stages)
-            .map(|s| {
-                let (i, j) = (bounds[s], bounds[s + 1]);
-                let b = blocks_of(i, j, n);
-                let p = peak(s, i, j);
-                StageRecord {
-                    stage: s,
-                    layers: [b.start, b.end],
-                    fits: capacity.is_none_or(|c| p.total <= c),
-                    peak_bytes: p,
-                    secs_per_micro_batch: secs(i, j),
-                }
-            })
-            .collect();
-        let max_stage_secs = stages_rec
-            .iter()
-            .map(|s| s.secs_per_micro_batch)
-            .fold(0.0, f64::max);
-        PartitionRecord {
-            balance: bounds.windows(2).map(|w| w[1] - w[0]).collect(),
-            partition: stages_rec
-                .iter()
-                .map(|s| format!("{}:{}", s.layers[0], s.layers[1]))
-                .collect::<Vec<_>>()
-                .join(","),
-            boundaries: bounds,
-            max_peak_bytes: stages_rec
-                .iter()
-                .map(|s| s.peak_bytes.total)
-                .max()
-                .unwrap_or(0),
-            max_stage_secs,
-            step_secs: (k + stages - 1) as f64 * max_stage_secs,
-            stages: stages_rec,
-        }
-    };
-    let to_bounds = |blocks: &[usize]| -> Vec<usize> {
-        let mut b = vec![0];
-        for (s, c) in blocks.iter().enumerate() {
-            let extra = usize::from(s == 0) + usize::from(s + 1 == stages);
-            b.push(b[s] + c + extra);
-        }
-        b
-    };
-    let uniform = record(
-        to_bounds(&uniform_balance(model.n_layer, stages)),
-        &mut peak,
-    );
+    let uniform = search.record(search.to_bounds(&uniform_balance(model.n_layer, stages)));
     let sizes: Vec<f64> = match opts.by {
         By::Memory => layers
             .iter()
@@ -509,32 +377,8 @@ pub fn balance(opts: &BalanceOptions) -> Result<BalanceReport> {
             .collect(),
         By::Time => times.clone(),
     };
-    let fairscale = block_partition(&sizes, stages).map(|b| record(b, &mut peak));
-
-    let by_memory = |peak: &mut dyn FnMut(usize, usize, usize) -> PeakBytes| {
-        min_bottleneck(
-            n,
-            stages,
-            uniform.max_peak_bytes,
-            &mut |s, i, j| peak(s, i, j).total,
-            &mut |_, _, _| true,
-        )
-    };
-    let best = match opts.by {
-        By::Memory => by_memory(&mut peak),
-        // Where no split fits, the smallest largest peak is the best
-        // answer there is; its stages are marked as not fitting.
-        By::Time => min_bottleneck(
-            n,
-            stages,
-            ps(prefix[n]),
-            &mut |_, i, j| ps(secs(i, j)),
-            &mut |s, i, j| capacity.is_none_or(|c| peak(s, i, j).total <= c),
-        )
-        .or_else(|| by_memory(&mut peak)),
-    };
-    let (_, bounds) = best.expect("the uniform split bounds the search, so some split is found");
-    let optimal = record(bounds, &mut peak);
+    let fairscale = block_partition(&sizes, stages).map(|b| search.record(b));
+    let optimal = search.record(search.optimal(opts.by, uniform.max_peak_bytes));
 
     let gain = |base: f64, best: f64| {
         if base > 0.0 {
@@ -573,6 +417,222 @@ pub fn balance(opts: &BalanceOptions) -> Result<BalanceReport> {
         report.verify = verify(opts, &report)?;
     }
     Ok(report)
+}
+
+/// balance's flags checked as `memfit run` checks them (named as balance
+/// names them), and what only balance refuses.
+fn check_options(opts: &BalanceOptions, model: &ModelConfig) -> Result<()> {
+    let t = &opts.train;
+    let (stages, k) = (t.pipeline_stages, t.grad_accum);
+    validate(
+        &RunOptions {
+            model: opts.model.clone(),
+            train: t.clone(),
+            steps: 1,
+            device: DeviceSpec {
+                kind: DeviceKind::Meta,
+                limit: None,
+                ordinal: None,
+            },
+            target: None,
+            data: None,
+            threads: None,
+            timeline: None,
+            phase_peaks: false,
+            timing: None,
+        },
+        model,
+    )
+    .map_err(|e| match e {
+        // Name balance's own flags.
+        Error::InvalidArg { flag, message } => Error::InvalidArg {
+            flag: match flag.as_str() {
+                "--pipeline-stages" => "--stages".into(),
+                "--grad-accum" => "--microbatches".into(),
+                _ => flag,
+            },
+            message,
+        },
+        e => e,
+    })?;
+    // Every stage is priced by a meta step of K micro-batches, many times
+    // over in the search: K = 2^20 ran for minutes without a word.
+    if k > MAX_MICROBATCHES {
+        return Err(Error::invalid_arg(
+            "--microbatches",
+            format!(
+                "{k} is more than {MAX_MICROBATCHES}, the most balance prices (each stage's peak is a meta step of every micro-batch); under 1F1B a stage's peak stops growing once K passes the stage count, so a smaller K gives the same partitions"
+            ),
+        ));
+    }
+    if stages < 2 {
+        return Err(Error::invalid_arg(
+            "--stages",
+            "a pipeline needs 2 stages or more; one stage holds the whole model (see `memfit run`)",
+        ));
+    }
+    if opts.repeats == 0 {
+        return Err(Error::invalid_arg("--repeats", "must be at least 1"));
+    }
+    Ok(())
+}
+
+/// Each layer alone (one stage per layer, one micro-batch): what it holds,
+/// and its time (`times`).
+fn layer_records(opts: &BalanceOptions, model: &ModelConfig, times: &[f64]) -> Vec<LayerRecord> {
+    let n = model.n_layer + 2;
+    let alone = TrainConfig {
+        pipeline_stages: n,
+        ranks: n,
+        grad_accum: 1,
+        partition: None,
+        ..opts.train.clone()
+    };
+    (0..n)
+        .map(|i| {
+            let p = stage_peak(
+                model,
+                &alone,
+                i,
+                blocks_of(i, i + 1, n),
+                &opts.target.meta(),
+            );
+            let weights = [
+                Category::Parameters,
+                Category::Gradients,
+                Category::Optimizer,
+            ];
+            LayerRecord {
+                name: match i {
+                    0 => "embedding".into(),
+                    _ if i == n - 1 => "head".into(),
+                    _ => format!("block {}", i - 1),
+                },
+                weight_bytes: weights.iter().map(|&c| p.get(c)).sum(),
+                activation_bytes: p.get(Category::Activations) + p.get(Category::Communication),
+                secs: times[i],
+            }
+        })
+        .collect()
+}
+
+/// The partition search: each stage's exact peak (one meta engine for that
+/// stage alone, memoised, since the search asks for some many times) and
+/// its time from the layers' (`prefix`: their running sum).
+struct Search<'a> {
+    model: &'a ModelConfig,
+    train: &'a TrainConfig,
+    /// Layers: the embedding, the blocks, the head.
+    n: usize,
+    stages: usize,
+    /// Micro-batches per step.
+    k: usize,
+    capacity: Option<u64>,
+    meta: MetaBackend,
+    memo: RefCell<HashMap<(usize, usize, usize), PeakBytes>>,
+    prefix: Vec<f64>,
+}
+
+impl Search<'_> {
+    /// Stage `s` holding layers `i..j`.
+    fn peak(&self, s: usize, i: usize, j: usize) -> PeakBytes {
+        *self.memo.borrow_mut().entry((s, i, j)).or_insert_with(|| {
+            stage_peak(
+                self.model,
+                self.train,
+                s,
+                blocks_of(i, j, self.n),
+                &self.meta,
+            )
+        })
+    }
+
+    /// Seconds per micro-batch of layers `i..j`.
+    fn secs(&self, i: usize, j: usize) -> f64 {
+        self.prefix[j] - self.prefix[i]
+    }
+
+    /// A partition by its layer boundaries, stage by stage.
+    fn record(&self, bounds: Vec<usize>) -> PartitionRecord {
+        let stages_rec: Vec<StageRecord> = (0..self.stages)
+            .map(|s| {
+                let (i, j) = (bounds[s], bounds[s + 1]);
+                let b = blocks_of(i, j, self.n);
+                let p = self.peak(s, i, j);
+                StageRecord {
+                    stage: s,
+                    layers: [b.start, b.end],
+                    fits: self.capacity.is_none_or(|c| p.total <= c),
+                    peak_bytes: p,
+                    secs_per_micro_batch: self.secs(i, j),
+                }
+            })
+            .collect();
+        let max_stage_secs = stages_rec
+            .iter()
+            .map(|s| s.secs_per_micro_batch)
+            .fold(0.0, f64::max);
+        PartitionRecord {
+            balance: bounds.windows(2).map(|w| w[1] - w[0]).collect(),
+            partition: stages_rec
+                .iter()
+                .map(|s| format!("{}:{}", s.layers[0], s.layers[1]))
+                .collect::<Vec<_>>()
+                .join(","),
+            boundaries: bounds,
+            max_peak_bytes: stages_rec
+                .iter()
+                .map(|s| s.peak_bytes.total)
+                .max()
+                .unwrap_or(0),
+            max_stage_secs,
+            step_secs: (self.k + self.stages - 1) as f64 * max_stage_secs,
+            stages: stages_rec,
+        }
+    }
+
+    /// Layer boundaries from blocks per stage (the first stage also holds
+    /// the embedding, the last the head).
+    fn to_bounds(&self, blocks: &[usize]) -> Vec<usize> {
+        let mut b = vec![0];
+        for (s, c) in blocks.iter().enumerate() {
+            let extra = usize::from(s == 0) + usize::from(s + 1 == self.stages);
+            b.push(b[s] + c + extra);
+        }
+        b
+    }
+
+    /// The boundaries of the best partition: the smallest largest peak, or
+    /// (`By::Time`) the fastest whose stages fit, bounded by the uniform
+    /// split's peak `uniform_peak`.
+    fn optimal(&self, by: By, uniform_peak: u64) -> Vec<usize> {
+        let ps = |x: f64| (x * 1e12).round() as u64;
+        let by_memory = || {
+            min_bottleneck(
+                self.n,
+                self.stages,
+                uniform_peak,
+                &mut |s, i, j| self.peak(s, i, j).total,
+                &mut |_, _, _| true,
+            )
+        };
+        let best = match by {
+            By::Memory => by_memory(),
+            // Where no split fits, the smallest largest peak is the best
+            // answer there is; its stages are marked as not fitting.
+            By::Time => min_bottleneck(
+                self.n,
+                self.stages,
+                ps(self.prefix[self.n]),
+                &mut |_, i, j| ps(self.secs(i, j)),
+                &mut |s, i, j| self.capacity.is_none_or(|c| self.peak(s, i, j).total <= c),
+            )
+            .or_else(by_memory),
+        };
+        let (_, bounds) =
+            best.expect("the uniform split bounds the search, so some split is found");
+        bounds
+    }
 }
 
 /// Runs the optimal partition for real (on the cuda target's GPU, else on

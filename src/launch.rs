@@ -41,37 +41,6 @@ use crate::report::run::{ErrorRecord, RankRecord, RunReport, render_table};
 use crate::run::RunOptions;
 use crate::run::run_process_rank;
 
-/// Test hook: `RANK:KIND` makes that rank fail right after joining the
-/// group: `sigkill` (as the kernel's OOM killer would), `exit` (exit 1
-/// without a word), `hang` (alive, never answering).
-pub const FAULT_ENV: &str = "MEMFIT_TEST_RANK_FAULT";
-
-/// Applies [`FAULT_ENV`] to `rank`, if it names it.
-pub(crate) fn test_fault(rank: usize) {
-    let Ok(v) = std::env::var(FAULT_ENV) else {
-        return;
-    };
-    let Some((r, kind)) = v.split_once(':') else {
-        return;
-    };
-    if r.trim().parse::<usize>() != Ok(rank) {
-        return;
-    }
-    match kind.trim() {
-        "sigkill" => {
-            let _ = Command::new("kill")
-                .args(["-9", &std::process::id().to_string()])
-                .status();
-            std::thread::sleep(Duration::from_secs(60));
-        }
-        "exit" => std::process::exit(1),
-        "hang" => loop {
-            std::thread::sleep(Duration::from_secs(60));
-        },
-        _ => {}
-    }
-}
-
 /// One line on stderr in one write: the ranks of a job share the
 /// terminal, and `eprintln!` may write a line in pieces that another
 /// process's line then splits.
@@ -90,7 +59,7 @@ pub fn is_rank() -> bool {
 /// Returns the exit code.
 pub fn rank_main(
     recipe: Option<&std::path::Path>,
-    knobs: &crate::config::knobs::Knobs,
+    knobs: &crate::run::knobs::Knobs,
     timeline: Option<std::path::PathBuf>,
     format: Format,
 ) -> i32 {
@@ -636,19 +605,7 @@ fn launch(args: &LaunchOptions, parse_run: RunParser) -> crate::Result<i32> {
             "must be 0 or positive seconds",
         ));
     }
-    let mut run_args = args.run.clone();
-    match run_args.first().map(String::as_str) {
-        Some("run") => {}
-        Some(a) if !a.starts_with('-') => {
-            return Err(Error::invalid_arg(
-                "--",
-                format!(
-                    "`{a}`: memfit launch starts `memfit run` ranks; give `run` and its flags after --"
-                ),
-            ));
-        }
-        _ => run_args.insert(0, "run".into()),
-    }
+    let run_args = run_command(&args.run)?;
     // Check the run's flags once here rather than N times in the ranks.
     let opts = parse_run(&run_args)?;
     if opts.train.ranks != world {
@@ -689,88 +646,151 @@ fn launch(args: &LaunchOptions, parse_run: RunParser) -> crate::Result<i32> {
         1 => "memfit launch".to_string(),
         m => format!("memfit launch (node {} of {m})", args.node_rank),
     };
-    let mut children: Vec<Option<Child>> = Vec::with_capacity(n);
-    for local in 0..n {
-        let rank = base + local;
-        let mut cmd = Command::new(&exe);
-        cmd.args(&run_args)
-            // This job's port is MASTER_PORT, whatever this shell says.
-            .env_remove(crate::comm::process::PORT_ENV)
-            .env_remove(crate::comm::process::AGENT_STORE_ENV)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_RANK", local.to_string())
-            .env("LOCAL_WORLD_SIZE", n.to_string())
-            .env("GROUP_RANK", args.node_rank.to_string())
-            .env("GROUP_WORLD_SIZE", args.nnodes.to_string())
-            .env("MASTER_ADDR", &master_addr)
-            .env(crate::comm::process::TOKEN_ENV, &token)
-            .env("MASTER_PORT", port.to_string());
-        die_with_launcher(&mut cmd);
-        match cmd.spawn() {
-            Ok(c) => children.push(Some(c)),
-            Err(e) => {
-                kill_all(&mut children);
-                return Err(Error::Unavailable(format!(
-                    "starting rank {rank} failed: {e}"
-                )));
-            }
-        }
-    }
-    let grace = Duration::from_secs_f64(args.grace);
-    let mut first: Option<i32> = None;
-    let mut deadline: Option<Instant> = None;
-    loop {
-        for (local, slot) in children.iter_mut().enumerate() {
-            let rank = base + local;
-            let Some(c) = slot else { continue };
-            let status = match c.try_wait() {
-                Ok(Some(s)) => s,
-                Ok(None) => continue,
-                Err(e) => {
-                    say(format!("{who}: waiting for rank {rank}: {e}"));
-                    let _ = c.kill();
-                    c.wait().unwrap_or_else(|_| ExitStatus::default())
-                }
-            };
-            let pid = c.id();
-            *slot = None;
-            if !status.success() {
-                let (code, how) = describe(status);
-                say(format!("{who}: rank {rank} (pid {pid}) {how}"));
-                // EXIT_PEER_LOST (a rank lost a peer) is the consequence of another
-                // rank's failure: the job's code is the cause's when one is
-                // seen, whichever exited first.
-                if first.is_none() || (first == Some(EXIT_PEER_LOST) && code != EXIT_PEER_LOST) {
-                    first = Some(code);
-                }
-                deadline.get_or_insert(Instant::now() + grace);
-            }
-        }
-        if children.iter().all(Option::is_none) {
-            return Ok(first.unwrap_or(0));
-        }
-        if stop.load(Ordering::SeqCst) {
-            say(format!("{who}: interrupted; stopping the ranks"));
-            kill_all(&mut children);
-            return Ok(130);
-        }
-        if deadline.is_some_and(|d| Instant::now() >= d) {
-            let left: Vec<String> = children
-                .iter()
-                .enumerate()
-                .filter(|(_, c)| c.is_some())
-                .map(|(r, _)| (base + r).to_string())
-                .collect();
-            say(format!(
-                "{who}: stopping rank {} ({} s after the first failure)",
-                left.join(", "),
-                args.grace
+    let node = NodeRanks {
+        args,
+        base,
+        world,
+        master_addr,
+        port,
+        token,
+        exe,
+        run_args,
+        who,
+    };
+    let children = node.spawn()?;
+    Ok(node.supervise(children, &stop))
+}
+
+/// The command line each rank runs: `run` and its flags (`run` is implied
+/// when they start with a flag).
+fn run_command(run: &[String]) -> crate::Result<Vec<String>> {
+    let mut run_args = run.to_vec();
+    match run_args.first().map(String::as_str) {
+        Some("run") => {}
+        Some(a) if !a.starts_with('-') => {
+            return Err(Error::invalid_arg(
+                "--",
+                format!(
+                    "`{a}`: memfit launch starts `memfit run` ranks; give `run` and its flags after --"
+                ),
             ));
-            kill_all(&mut children);
-            return Ok(first.unwrap_or(1));
         }
-        std::thread::sleep(Duration::from_millis(20));
+        _ => run_args.insert(0, "run".into()),
+    }
+    Ok(run_args)
+}
+
+/// This node's ranks of a job: how each is started, and the launcher's
+/// name in what it says about them.
+struct NodeRanks<'a> {
+    args: &'a LaunchOptions,
+    /// This node's first global rank.
+    base: usize,
+    world: usize,
+    master_addr: String,
+    port: u16,
+    token: String,
+    exe: std::path::PathBuf,
+    run_args: Vec<String>,
+    who: String,
+}
+
+impl NodeRanks<'_> {
+    /// Starts every rank of this node; none is left running on a failure.
+    fn spawn(&self) -> crate::Result<Vec<Option<Child>>> {
+        let (args, n) = (self.args, self.args.nproc);
+        let mut children: Vec<Option<Child>> = Vec::with_capacity(n);
+        for local in 0..n {
+            let rank = self.base + local;
+            let mut cmd = Command::new(&self.exe);
+            cmd.args(&self.run_args)
+                // This job's port is MASTER_PORT, whatever this shell says.
+                .env_remove(crate::comm::process::PORT_ENV)
+                .env_remove(crate::comm::process::AGENT_STORE_ENV)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", self.world.to_string())
+                .env("LOCAL_RANK", local.to_string())
+                .env("LOCAL_WORLD_SIZE", n.to_string())
+                .env("GROUP_RANK", args.node_rank.to_string())
+                .env("GROUP_WORLD_SIZE", args.nnodes.to_string())
+                .env("MASTER_ADDR", &self.master_addr)
+                .env(crate::comm::process::TOKEN_ENV, &self.token)
+                .env("MASTER_PORT", self.port.to_string());
+            die_with_launcher(&mut cmd);
+            match cmd.spawn() {
+                Ok(c) => children.push(Some(c)),
+                Err(e) => {
+                    kill_all(&mut children);
+                    return Err(Error::Unavailable(format!(
+                        "starting rank {rank} failed: {e}"
+                    )));
+                }
+            }
+        }
+        Ok(children)
+    }
+
+    /// Waits for the ranks: the job's exit code once all have exited, the
+    /// first failure's (the cause's rather than a lost peer's) when one
+    /// fails, stopping the rest `--grace` seconds after it; 130 on Ctrl-C.
+    fn supervise(&self, mut children: Vec<Option<Child>>, stop: &AtomicBool) -> i32 {
+        let (args, base, who) = (self.args, self.base, &self.who);
+        let grace = Duration::from_secs_f64(args.grace);
+        let mut first: Option<i32> = None;
+        let mut deadline: Option<Instant> = None;
+        loop {
+            for (local, slot) in children.iter_mut().enumerate() {
+                let rank = base + local;
+                let Some(c) = slot else { continue };
+                let status = match c.try_wait() {
+                    Ok(Some(s)) => s,
+                    Ok(None) => continue,
+                    Err(e) => {
+                        say(format!("{who}: waiting for rank {rank}: {e}"));
+                        let _ = c.kill();
+                        c.wait().unwrap_or_else(|_| ExitStatus::default())
+                    }
+                };
+                let pid = c.id();
+                *slot = None;
+                if !status.success() {
+                    let (code, how) = describe(status);
+                    say(format!("{who}: rank {rank} (pid {pid}) {how}"));
+                    // EXIT_PEER_LOST (a rank lost a peer) is the consequence of another
+                    // rank's failure: the job's code is the cause's when one is
+                    // seen, whichever exited first.
+                    if first.is_none() || (first == Some(EXIT_PEER_LOST) && code != EXIT_PEER_LOST)
+                    {
+                        first = Some(code);
+                    }
+                    deadline.get_or_insert(Instant::now() + grace);
+                }
+            }
+            if children.iter().all(Option::is_none) {
+                return first.unwrap_or(0);
+            }
+            if stop.load(Ordering::SeqCst) {
+                say(format!("{who}: interrupted; stopping the ranks"));
+                kill_all(&mut children);
+                return 130;
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                let left: Vec<String> = children
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, c)| c.is_some())
+                    .map(|(r, _)| (base + r).to_string())
+                    .collect();
+                say(format!(
+                    "{who}: stopping rank {} ({} s after the first failure)",
+                    left.join(", "),
+                    args.grace
+                ));
+                kill_all(&mut children);
+                return first.unwrap_or(1);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 }
 

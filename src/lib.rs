@@ -10,6 +10,7 @@ pub mod calibrate;
 pub mod check;
 pub mod cli;
 pub mod comm;
+#[macro_use]
 pub mod config;
 pub mod data;
 pub mod doctor;

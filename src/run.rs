@@ -1,11 +1,13 @@
 //! `memfit run`: train a model for a few steps (or plan one step on meta) and
 //! report losses, throughput, FLOPs and peak memory per category.
 
+pub mod knobs;
 pub mod options;
+pub mod recipe;
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::driver::Driver as _;
@@ -19,11 +21,12 @@ use crate::engine::{
     Comm, CostCounter, Engine, Finetune, Framework, Optimizer, Sharding, TrainConfig,
 };
 use crate::error::{Error, Result};
-use crate::memory::{ByCategory, Category, PeakBytes, Tracker};
+use crate::memory::{ByCategory, Category, OomError, PeakBytes, Tracker};
 use crate::report::run::{
     ErrorRecord, GpuRecord, HostRecord, RankRecord, RunConfigRecord, RunReport, StepRecord,
     TargetRecord, summarise_ranks,
 };
+use crate::units::host_available_memory;
 
 /// Everything `memfit run` needs; the CLI fills it from flags.
 #[derive(Clone, Debug)]
@@ -49,7 +52,41 @@ pub struct RunOptions {
 }
 
 /// Checks the options against the model, with errors naming the flag.
+/// The checks run in this order, so the first refusal is the one reported.
 pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
+    let t = &opts.train;
+    check_counts(opts, model)?;
+    check_hyperparameters(t)?;
+    check_step_size(t, model)?;
+    check_sgd_knobs(t)?;
+    if opts.threads == Some(0) {
+        return Err(Error::invalid_arg("--threads", "must be at least 1"));
+    }
+    if !(0.0..1.0).contains(&t.dropout) {
+        return Err(Error::invalid_arg(
+            "--dropout",
+            format!("{} is outside [0, 1)", t.dropout),
+        ));
+    }
+    check_finetune(opts, model)?;
+    check_framework(opts)?;
+    if let Some(why) = t.offload.check(t.sharding) {
+        return Err(Error::invalid_arg("--offload", why));
+    }
+    if !t.offload.optimizer() && t.host_memory.is_some() {
+        return Err(Error::invalid_arg(
+            "--host-memory",
+            "applies to offload only; add --offload optimizer",
+        ));
+    }
+    crate::engine::validate::pipeline(t, model)?;
+    crate::engine::validate::tensor_parallel(t, model)?;
+    crate::engine::validate::loss(t)?;
+    crate::engine::validate::sharding(t, MAX_RANKS)
+}
+
+/// The sequence length, micro-batch, accumulation and step counts.
+fn check_counts(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
     let t = &opts.train;
     if t.seq_len == 0 || t.seq_len > model.max_seq_len {
         return Err(Error::invalid_arg(
@@ -71,6 +108,11 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
     if opts.steps == 0 && opts.device.kind != DeviceKind::Meta {
         return Err(Error::invalid_arg("--steps", "must be at least 1"));
     }
+    Ok(())
+}
+
+/// The optimizer's numbers: each in its range.
+fn check_hyperparameters(t: &TrainConfig) -> Result<()> {
     if let Some(lr) = t.lr
         && !(lr.is_finite() && lr >= 0.0)
     {
@@ -108,6 +150,11 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
             "must be 0 (off) or positive",
         ));
     }
+    Ok(())
+}
+
+/// A step whose buffers no machine can address or hold is bad input.
+fn check_step_size(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
     if t.grad_accum > 1 << 20 {
         return Err(Error::invalid_arg(
             "--grad-accum",
@@ -152,6 +199,11 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
             ),
         ));
     }
+    Ok(())
+}
+
+/// Momentum is sgd's alone, and sgd has no beta1.
+fn check_sgd_knobs(t: &TrainConfig) -> Result<()> {
     if t.optimizer != Optimizer::Sgd && t.momentum != TrainConfig::default().momentum {
         return Err(Error::invalid_arg("--momentum", "only sgd uses momentum"));
     }
@@ -161,15 +213,12 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
             "sgd has no beta1; use --momentum",
         ));
     }
-    if opts.threads == Some(0) {
-        return Err(Error::invalid_arg("--threads", "must be at least 1"));
-    }
-    if !(0.0..1.0).contains(&t.dropout) {
-        return Err(Error::invalid_arg(
-            "--dropout",
-            format!("{} is outside [0, 1)", t.dropout),
-        ));
-    }
+    Ok(())
+}
+
+/// LoRA and QLoRA: what the adapters need of the model and the parallelism.
+fn check_finetune(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
+    let t = &opts.train;
     if t.finetune != Finetune::Full {
         // Data parallelism trains the adapters alone (DDP buckets, ZeRO's
         // gradient and optimizer partitions); pipelines and QLoRA under
@@ -188,6 +237,13 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
             ));
         }
     }
+    Ok(())
+}
+
+/// hf-eager runs for real only where the engine's kernels compute what
+/// PyTorch would.
+fn check_framework(opts: &RunOptions) -> Result<()> {
+    let t = &opts.train;
     if t.framework == Framework::HfEager && opts.device.kind != DeviceKind::Meta {
         // hf-eager holds PyTorch's tensors but computes with the engine's
         // kernels, which are fp32 or fully 16-bit (not autocast's fp32
@@ -208,19 +264,7 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
             ));
         }
     }
-    if let Some(why) = t.offload.check(t.sharding) {
-        return Err(Error::invalid_arg("--offload", why));
-    }
-    if !t.offload.optimizer() && t.host_memory.is_some() {
-        return Err(Error::invalid_arg(
-            "--host-memory",
-            "applies to offload only; add --offload optimizer",
-        ));
-    }
-    crate::engine::validate::pipeline(t, model)?;
-    crate::engine::validate::tensor_parallel(t, model)?;
-    crate::engine::validate::loss(t)?;
-    crate::engine::validate::sharding(t, MAX_RANKS)
+    Ok(())
 }
 
 /// Offload: each rank's share of the node's host memory (`--host-memory`,
@@ -401,6 +445,37 @@ pub type ProcessRun = (
     Result<(RunReport, Option<Error>)>,
 );
 
+/// Test hook: `RANK:KIND` makes that rank fail right after joining the
+/// group: `sigkill` (as the kernel's OOM killer would), `exit` (exit 1
+/// without a word), `hang` (alive, never answering).
+pub const FAULT_ENV: &str = "MEMFIT_TEST_RANK_FAULT";
+
+/// Applies [`FAULT_ENV`] to `rank`, if it names it.
+pub(crate) fn test_fault(rank: usize) {
+    let Ok(v) = std::env::var(FAULT_ENV) else {
+        return;
+    };
+    let Some((r, kind)) = v.split_once(':') else {
+        return;
+    };
+    if r.trim().parse::<usize>() != Ok(rank) {
+        return;
+    }
+    match kind.trim() {
+        "sigkill" => {
+            let _ = std::process::Command::new("kill")
+                .args(["-9", &std::process::id().to_string()])
+                .status();
+            std::thread::sleep(Duration::from_secs(60));
+        }
+        "exit" => std::process::exit(1),
+        "hang" => loop {
+            std::thread::sleep(Duration::from_secs(60));
+        },
+        _ => {}
+    }
+}
+
 /// `memfit run` as rank `env.rank` of a job of `env.world` processes
 /// (`memfit launch`, torchrun): joins the process group, builds this rank's
 /// one engine linked to the others over it (TCP on cpu; NCCL, or TCP staged
@@ -413,11 +488,40 @@ pub fn run_process_rank(
     opts: &RunOptions,
     env: &crate::comm::process::DistEnv,
 ) -> Result<ProcessRun> {
-    use crate::backend::cuda::AnyDriver;
-    use crate::backend::cuda::nccl::{BACKEND_ENV, NcclComm, Staged, unique_id};
-    use crate::comm::process::ProcessGroup;
     let model = load_model(&opts.model)?;
     validate(opts, &model)?;
+    check_process_rank(opts, env)?;
+    let mut opts = opts.clone();
+    let t = &mut opts.train;
+    // Offload: this rank's share of its node's host memory.
+    if t.offload.optimizer() {
+        t.host_memory = t
+            .host_memory
+            .or_else(host_available_memory)
+            .map(|h| h / env.local_world as u64);
+    }
+    // This node's cores, shared by its ranks.
+    let threads = opts.threads.unwrap_or_else(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        (cores / env.local_world).max(1)
+    });
+    let data = host_data(&opts, &model)?;
+    let me = ProcessRank {
+        opts,
+        model,
+        env,
+        threads,
+        data,
+    };
+    match me.opts.device.kind {
+        DeviceKind::Meta => unreachable!("refused above"),
+        DeviceKind::Cpu => me.on_cpu(),
+        DeviceKind::Cuda => me.on_cuda(),
+    }
+}
+
+/// What a multi-process rank refuses beyond [`validate`].
+fn check_process_rank(opts: &RunOptions, env: &crate::comm::process::DistEnv) -> Result<()> {
     if opts.train.ranks != env.world {
         return Err(Error::invalid_arg(
             "--ranks",
@@ -439,126 +543,178 @@ pub fn run_process_rank(
             "a multi-process run writes no timeline yet; run the ranks as threads (memfit run --ranks N, without launch) for one",
         ));
     }
-    let mut opts = opts.clone();
-    let t = &mut opts.train;
-    // Offload: this rank's share of its node's host memory.
-    if t.offload.optimizer() {
-        t.host_memory = t
-            .host_memory
-            .or_else(host_available_memory)
-            .map(|h| h / env.local_world as u64);
+    Ok(())
+}
+
+/// One rank of a multi-process job, checked and about to join: its
+/// options (its share of the node's host memory and cores), model and data.
+struct ProcessRank<'a> {
+    opts: RunOptions,
+    model: ModelConfig,
+    env: &'a crate::comm::process::DistEnv,
+    threads: usize,
+    data: DataSource,
+}
+
+impl ProcessRank<'_> {
+    /// On cpu: collectives and pipeline links over TCP.
+    fn on_cpu(mut self) -> Result<ProcessRun> {
+        use crate::backend::cpu::process::{ProcessComm, ProcessP2p};
+        use crate::comm::process::ProcessGroup;
+        let env = self.env;
+        let backend = CpuBackend::new(self.threads).map_err(Error::Unavailable)?;
+        let (group, _) = ProcessGroup::connect(env, || Ok(Vec::new()))?;
+        let links = process_links(
+            &self.model,
+            &self.opts.train,
+            env.rank,
+            |ch, members| Box::new(ProcessComm::new(&group, ch, members)) as Comm<CpuBackend>,
+            |ch, prev, next| Box::new(ProcessP2p::new(&group, ch, prev, next)) as _,
+        )?;
+        self.opts.device.limit = capped_by_host(self.opts.device.limit, env.local_world);
+        let out = self.train(backend, links, &group);
+        Ok((group, out))
     }
-    let (rank, replicas) = (env.rank, t.data_ranks());
-    let distributed = replicas > 1 || t.sharding != Sharding::None;
-    // This node's cores, shared by its ranks.
-    let threads = opts.threads.unwrap_or_else(|| {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        (cores / env.local_world).max(1)
-    });
-    let mut data = host_data(&opts, &model)?;
-    match opts.device.kind {
-        DeviceKind::Meta => unreachable!("refused above"),
-        DeviceKind::Cpu => {
-            let backend = CpuBackend::new(threads).map_err(Error::Unavailable)?;
-            let (group, _) = ProcessGroup::connect(env, || Ok(Vec::new()))?;
-            let links = process_links(
-                &model,
-                &opts.train,
-                rank,
-                |ch, members| Box::new(group.comm(ch, members)) as Comm<CpuBackend>,
-                |ch, prev, next| Box::new(group.p2p(ch, prev, next)) as _,
-            )?;
-            opts.device.limit = capped_by_host(opts.device.limit, env.local_world);
-            let out = rank_part(
-                &opts, model, backend, links, &mut data, &group, rank, replicas,
-            );
-            Ok((group, out))
+
+    /// On cuda: NCCL for the group of every rank where it can run, every
+    /// other group and link staged through the host over TCP.
+    fn on_cuda(mut self) -> Result<ProcessRun> {
+        use crate::backend::cpu::process::{ProcessComm, ProcessP2p};
+        use crate::backend::cuda::AnyDriver;
+        use crate::backend::cuda::nccl::{NcclComm, Staged, unique_id};
+        use crate::comm::process::ProcessGroup;
+        let env = self.env;
+        let ordinal = self.opts.device.ordinal.unwrap_or(env.local_rank);
+        let backend =
+            crate::backend::cuda::open(ordinal, self.threads).map_err(Error::Unavailable)?;
+        let real = matches!(backend.driver(), AnyDriver::Real(_));
+        let use_nccl = use_nccl(real, self.opts.train.pipeline_stages)?;
+        let t = &self.opts.train;
+        let distributed = t.data_ranks() > 1 || t.sharding != Sharding::None;
+        let (group, blob) = ProcessGroup::connect(env, || match use_nccl && distributed {
+            true => unique_id().map_err(Error::Unavailable),
+            false => Ok(Vec::new()),
+        })?;
+        let stager = backend.driver().stager();
+        // NCCL carries the group of every rank (made once, by all
+        // ranks together); other groups stage through the host.
+        let nccl_err = std::cell::RefCell::new(None);
+        let links = process_links(
+            &self.model,
+            &self.opts.train,
+            env.rank,
+            |ch, members| {
+                let staged = || {
+                    Box::new(Staged::new(
+                        ProcessComm::new(&group, ch, members.clone()),
+                        stager.clone(),
+                    ))
+                };
+                if !(use_nccl && members.len() == env.world) {
+                    return staged() as Comm<crate::backend::cuda::CudaBackend<AnyDriver>>;
+                }
+                match NcclComm::new(ordinal, &group, ch, &blob, env.timeout) {
+                    Ok(c) => Box::new(c),
+                    Err(e) => {
+                        nccl_err.borrow_mut().get_or_insert(e);
+                        staged()
+                    }
+                }
+            },
+            |ch, prev, next| {
+                Box::new(Staged::new(
+                    ProcessP2p::new(&group, ch, prev, next),
+                    stager.clone(),
+                ))
+            },
+        )?;
+        if let Some(e) = nccl_err.into_inner() {
+            return Err(Error::Unavailable(e));
         }
-        DeviceKind::Cuda => {
-            let ordinal = opts.device.ordinal.unwrap_or(env.local_rank);
-            let backend =
-                crate::backend::cuda::open(ordinal, threads).map_err(Error::Unavailable)?;
-            let real = matches!(backend.driver(), AnyDriver::Real(_));
-            // NCCL on a real GPU; the emulated one, `tcp`, and pipelines
-            // (whose links NCCL is not wired for) stage through the host.
-            let use_nccl = match std::env::var(BACKEND_ENV).unwrap_or_default().as_str() {
-                "" => real && opts.train.pipeline_stages == 1,
-                "tcp" => false,
-                "nccl" if !real => {
-                    return Err(Error::invalid_arg(
-                        BACKEND_ENV,
-                        "nccl needs a real GPU; the emulated one (MEMFIT_CUDA_EMULATE) stages collectives through the host: unset it or use tcp",
-                    ));
-                }
-                "nccl" if opts.train.pipeline_stages > 1 => {
-                    return Err(Error::invalid_arg(
-                        BACKEND_ENV,
-                        "nccl carries data parallelism only; pipelines stage through the host: unset it or use tcp",
-                    ));
-                }
-                "nccl" => true,
-                other => {
-                    return Err(Error::invalid_arg(
-                        BACKEND_ENV,
-                        format!("`{other}` is not a backend: nccl or tcp"),
-                    ));
-                }
-            };
-            let (group, blob) = ProcessGroup::connect(env, || match use_nccl && distributed {
-                true => unique_id().map_err(Error::Unavailable),
-                false => Ok(Vec::new()),
-            })?;
-            let stager = backend.driver().stager();
-            // NCCL carries the group of every rank (made once, by all
-            // ranks together); other groups stage through the host.
-            let nccl_err = std::cell::RefCell::new(None);
-            let links = process_links(
-                &model,
-                &opts.train,
-                rank,
-                |ch, members| {
-                    let staged =
-                        || Box::new(Staged::new(group.comm(ch, members.clone()), stager.clone()));
-                    if !(use_nccl && members.len() == env.world) {
-                        return staged() as Comm<crate::backend::cuda::CudaBackend<AnyDriver>>;
-                    }
-                    match NcclComm::new(ordinal, &group, ch, &blob, env.timeout) {
-                        Ok(c) => Box::new(c),
-                        Err(e) => {
-                            nccl_err.borrow_mut().get_or_insert(e);
-                            staged()
-                        }
-                    }
-                },
-                |ch, prev, next| Box::new(Staged::new(group.p2p(ch, prev, next), stager.clone())),
-            )?;
-            if let Some(e) = nccl_err.into_inner() {
-                return Err(Error::Unavailable(e));
+        let backends = [backend];
+        let free = device_free_after_startup(&backends);
+        self.opts.device.limit = Some(self.opts.device.limit.map_or(free, |l| l.min(free)));
+        let [backend] = backends;
+        let gpu = GpuRecord {
+            description: backend.driver().describe(),
+            total_bytes: backend.driver().total_bytes(),
+            overhead_bytes: backend.overhead_bytes(),
+        };
+        let nvml = NvmlWatch::start(ordinal);
+        let out = self.train(backend, links, &group).map(|(mut report, err)| {
+            report.gpu = Some(gpu);
+            let peak = nvml.and_then(NvmlWatch::peak);
+            for r in &mut report.ranks {
+                r.nvml_peak_bytes = peak;
             }
-            let backends = [backend];
-            let free = device_free_after_startup(&backends);
-            opts.device.limit = Some(opts.device.limit.map_or(free, |l| l.min(free)));
-            let [backend] = backends;
-            let gpu = GpuRecord {
-                description: backend.driver().describe(),
-                total_bytes: backend.driver().total_bytes(),
-                overhead_bytes: backend.overhead_bytes(),
-            };
-            let nvml = NvmlWatch::start(ordinal);
-            let out = rank_part(
-                &opts, model, backend, links, &mut data, &group, rank, replicas,
-            )
-            .map(|(mut report, err)| {
-                report.gpu = Some(gpu);
-                let peak = nvml.and_then(NvmlWatch::peak);
-                for r in &mut report.ranks {
-                    r.nvml_peak_bytes = peak;
-                }
-                (report, err)
-            });
-            Ok((group, out))
-        }
+            (report, err)
+        });
+        Ok((group, out))
     }
+
+    /// This rank's training: its replica's share of every batch, until
+    /// the group fails.
+    fn train<B>(
+        mut self,
+        backend: B,
+        links: Links<B>,
+        group: &crate::comm::process::ProcessGroup,
+    ) -> Result<(RunReport, Option<Error>)>
+    where
+        B: Backend + Send,
+        B::Buf: Send,
+    {
+        let rank = self.env.rank;
+        test_fault(rank);
+        let failed = || group.failure().is_some();
+        let share = Share {
+            rank,
+            replica: self.opts.train.place(rank).1,
+            replicas: self.opts.train.data_ranks(),
+            stopped: &failed,
+        };
+        run_part(
+            &self.opts,
+            self.model,
+            vec![backend],
+            vec![links],
+            Some(&mut self.data),
+            Some(&share),
+        )
+    }
+}
+
+/// Whether the group of every rank runs on NCCL (`MEMFIT_DIST_BACKEND`):
+/// by default on a real GPU without pipeline stages; the emulated GPU,
+/// `tcp` and pipelines (whose links NCCL is not wired for) stage through
+/// the host.
+fn use_nccl(real: bool, pipeline_stages: usize) -> Result<bool> {
+    use crate::backend::cuda::nccl::BACKEND_ENV;
+    Ok(
+        match std::env::var(BACKEND_ENV).unwrap_or_default().as_str() {
+            "" => real && pipeline_stages == 1,
+            "tcp" => false,
+            "nccl" if !real => {
+                return Err(Error::invalid_arg(
+                    BACKEND_ENV,
+                    "nccl needs a real GPU; the emulated one (MEMFIT_CUDA_EMULATE) stages collectives through the host: unset it or use tcp",
+                ));
+            }
+            "nccl" if pipeline_stages > 1 => {
+                return Err(Error::invalid_arg(
+                    BACKEND_ENV,
+                    "nccl carries data parallelism only; pipelines stage through the host: unset it or use tcp",
+                ));
+            }
+            "nccl" => true,
+            other => {
+                return Err(Error::invalid_arg(
+                    BACKEND_ENV,
+                    format!("`{other}` is not a backend: nccl or tcp"),
+                ));
+            }
+        },
+    )
 }
 
 /// NVML sampling this process's device memory on one GPU while it trains
@@ -615,40 +771,6 @@ fn capped_by_host(limit: Option<u64>, ranks: usize) -> Option<u64> {
         (Some(l), Some(h)) => Some(l.min(h)),
         (l, h) => l.or(h),
     }
-}
-
-/// One process rank's training: its replica's share of every batch, until
-/// the group fails.
-fn rank_part<B>(
-    opts: &RunOptions,
-    model: ModelConfig,
-    backend: B,
-    links: Links<B>,
-    data: &mut DataSource,
-    group: &crate::comm::process::ProcessGroup,
-    rank: usize,
-    replicas: usize,
-) -> Result<(RunReport, Option<Error>)>
-where
-    B: Backend + Send,
-    B::Buf: Send,
-{
-    crate::launch::test_fault(rank);
-    let failed = || group.failure().is_some();
-    let share = Share {
-        rank,
-        replica: opts.train.place(rank).1,
-        replicas,
-        stopped: &failed,
-    };
-    run_part(
-        opts,
-        model,
-        vec![backend],
-        vec![links],
-        Some(data),
-        Some(&share),
-    )
 }
 
 /// A group (`false`) or chain (`true`) by its creation index, and a place in it.
@@ -873,58 +995,13 @@ where
     B: Backend + Send,
     B::Buf: Send,
 {
-    let meta = !backends[0].holds_data();
-    let n = backends.len();
-    let mut report = RunReport {
-        model: model.name.clone(),
-        family: model.family,
-        num_parameters: model.num_parameters(),
-        config: RunConfigRecord {
-            // Resolved, so the document says which lr and beta1 were used
-            // (lr null: Adafactor's relative step).
-            train: TrainConfig {
-                lr: opts.train.opt().lr,
-                beta1: opts.train.opt().beta1,
-                ..opts.train.clone()
-            },
-            steps: if meta { 0 } else { opts.steps },
-            data: data.as_ref().map_or("none".into(), |d| d.describe()),
-            threads: if meta {
-                None
-            } else {
-                opts.threads
-                    .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
-            },
-        },
-        device: opts.device.kind.to_string(),
-        target: opts.target.as_ref().map(|hw| TargetRecord {
-            name: hw.name.clone(),
-            display_name: hw.display_name.clone(),
-            memory_bytes: hw.memory,
-            runtime_overhead_bytes: hw.runtime_overhead,
-        }),
-        capacity_bytes: opts.device.limit,
-        allocation_profile: opts.train.framework.profile_label().to_string(),
-        steps: Vec::new(),
-        tokens_per_s: None,
-        tokens_per_step: opts.train.micro_batch
-            * opts.train.seq_len
-            * opts.train.grad_accum
-            * opts.train.data_ranks(),
-        flops_per_step: 0,
-        bytes_moved_per_step: 0,
-        peak_bytes: PeakBytes::default(),
-        peak_breakdown: ByCategory::default(),
-        ranks: Vec::new(),
-        stages: Vec::new(),
-        phase_peaks: Vec::new(),
-        skipped_steps: 0,
-        loss_scale: None,
-        error: None,
-        gpu: None,
-        allocator: None,
-        host: None,
+    let part = Part {
+        opts,
+        meta: !backends[0].holds_data(),
+        share,
     };
+    let n = backends.len();
+    let mut report = part.report(&model, data.as_deref());
     // Open the timeline file first, so a bad path fails before any training.
     let mut timeline_file = match &opts.timeline {
         Some(path) => Some(crate::config::input::create_output(path)?),
@@ -933,38 +1010,7 @@ where
     let capacity = report.capacity_bytes;
     let mut cluster = match Cluster::new(&model, &opts.train, backends, links, capacity) {
         Ok(c) => c,
-        Err((rank, oom)) => {
-            // Nothing beyond the refused allocation was recorded; rebuild the tracker's view.
-            report.error = Some(ErrorRecord::new(&oom, n, rank));
-            let mut t = Tracker::new(None);
-            for (c, b) in oom.live.iter() {
-                if b > 0 {
-                    t.alloc(c, b).expect("no capacity");
-                }
-            }
-            // The device's view is lost with the engine when the host
-            // refused: only the host's is known then.
-            let empty = Tracker::new(None);
-            let device = if oom.host { &empty } else { &t };
-            fill_peaks(
-                &mut report,
-                std::slice::from_ref(device),
-                &[(0, 0)],
-                &[None],
-            );
-            // The one entry is the rank that failed.
-            report.ranks[0].rank = rank;
-            if oom.host {
-                report.ranks[0].host_peak_bytes = Some(t.peak_bytes());
-                report.host = Some(HostRecord {
-                    capacity_bytes: Some(oom.capacity),
-                    peak_bytes: t.peak_bytes(),
-                    node_bytes: t.peak_bytes().total,
-                    link_bytes_per_step: 0,
-                });
-            }
-            return Ok((report, Some(Error::Oom(oom))));
-        }
+        Err((rank, oom)) => return Ok(refused_at_init(report, oom, n, rank)),
     };
     for e in &mut cluster.ranks {
         // The timeline grows with every step: keep it only when asked for.
@@ -972,145 +1018,288 @@ where
             .tracker
             .set_recording(opts.timeline.is_some() || opts.phase_peaks);
     }
-    let steps = match (meta, opts.timing) {
-        (true, _) => 1,
-        (false, Some(t)) => t.step_cap(),
-        (false, None) => opts.steps,
-    };
-    let mut data = data;
-    let mut times = Vec::new();
-    let mut failure = None;
-    let mut wire = vec![(0, 0); n];
-    let (b, t) = (opts.train.micro_batch, opts.train.seq_len);
-    let k = opts.train.grad_accum;
-    // The other replicas' micro-batches, before and after this rank's.
-    let (skip_before, skip_after) = share.map_or((0, 0), |s| {
-        (s.replica * k, (s.replicas - 1 - s.replica) * k)
-    });
-    let stopped = || share.is_some_and(|s| (s.stopped)());
-    for step in 0..steps {
-        let before: Vec<(u64, u64)> = cluster
-            .ranks
-            .iter_mut()
-            .map(|e| {
-                e.dev.cost = CostCounter::default();
-                e.dev.link_bytes = 0;
-                (e.dev.sent, e.dev.received)
-            })
-            .collect();
-        let start = Instant::now();
-        // Batches are made one micro-batch at a time, after their device buffers
-        // were granted, and never on meta.
-        let mut fed = 0;
-        let next = || match data.as_deref_mut() {
-            Some(d) => {
-                if fed == 0 {
-                    (0..skip_before).for_each(|_| drop(d.next_batch(b, t)));
-                }
-                fed += 1;
-                d.next_batch(b, t)
-            }
-            None => crate::data::Batch {
-                inputs: Vec::new(),
-                targets: Vec::new(),
-            },
-        };
-        let result = cluster.step_from(k, next);
-        if let (true, Some(d)) = (fed > 0, data.as_deref_mut()) {
-            (0..skip_after).for_each(|_| drop(d.next_batch(b, t)));
-        }
-        if result.is_ok() && stopped() {
-            // Another rank failed: this step's collectives returned early
-            // (and, as on threads, this rank ran on to its own end of step).
-            break;
-        }
-        // One replica's work: every stage and tensor-parallel rank of
-        // replica 0 (rank 0 alone without either; replicas repeat the same
-        // work).
-        let t = &opts.train;
-        let replica0 = (cluster.ranks.iter().enumerate())
-            .filter(|(r, _)| cluster.ranks.len() == 1 || t.place(*r).1 == 0)
-            .map(|(_, e)| e);
-        report.flops_per_step = replica0.clone().map(|e| e.dev.cost.flops()).sum();
-        report.bytes_moved_per_step = replica0.map(|e| e.dev.cost.bytes()).sum();
-        let e0 = &cluster.ranks[0];
-        for ((w, e), (s0, r0)) in wire.iter_mut().zip(&cluster.ranks).zip(before) {
-            *w = (e.dev.sent - s0, e.dev.received - r0);
-        }
-        match result {
-            Ok(r) => {
-                let secs = start.elapsed().as_secs_f64();
-                times.push(secs);
-                let enough = opts.timing.is_some_and(|t| t.done(&times));
-                if let (Some(loss), Some(grad_norm)) = (r.loss, r.grad_norm) {
-                    report.steps.push(StepRecord {
-                        step,
-                        loss,
-                        grad_norm,
-                        ms: secs * 1e3,
-                        skipped: r.skipped,
-                        loss_scale: e0.loss_scale(),
-                    });
-                }
-                if enough {
-                    break;
-                }
-            }
-            Err((rank, oom)) => {
-                report.error = Some(ErrorRecord::new(&oom, n, rank));
-                failure = Some(Error::Oom(oom));
-                break;
-            }
-        }
-    }
-    if !meta && !times.is_empty() {
-        let warmup = opts.timing.map_or(1, |t| t.warmup_steps);
-        let timed = times
-            .get(warmup..)
-            .filter(|t| !t.is_empty())
-            .unwrap_or(&times[..]);
-        // The median: one stalled step on a busy machine does not move it.
-        report.tokens_per_s = Some(report.tokens_per_step as f64 / crate::stats::median(timed));
-    }
-    let e0 = &cluster.ranks[0];
-    report.allocator = e0
-        .dev
-        .caching
-        .as_ref()
-        .map(|c| crate::plan::AllocatorPeaks {
-            max_memory_allocated: c.peak_allocated,
-            max_memory_reserved: c.peak_reserved,
-        });
-    report.skipped_steps = e0.skipped_steps();
-    report.loss_scale = e0.loss_scale();
-    let trackers: Vec<Tracker> = cluster
-        .ranks
-        .iter()
-        .map(|e| e.dev.tracker.clone())
-        .collect();
-    let stages: Vec<_> = cluster.ranks.iter().map(Engine::stage).collect();
-    fill_peaks(&mut report, &trackers, &wire, &stages);
-    if !meta {
-        // Beside what each rank tracked, what meta predicts for it.
-        let gpu = cluster.ranks[0].dev.be.is_gpu();
-        for (i, r) in report.ranks.iter_mut().enumerate() {
-            let rank = share.map_or(i, |s| s.rank);
-            r.predicted_peak_bytes = Some(predicted_peak(&model, &opts.train, rank, gpu));
-        }
-    }
-    report.host = host_record(&mut report.ranks, &cluster.ranks);
+    let stepped = part.steps(&mut cluster, data, &mut report);
+    let trackers = part.summarise(&mut report, &cluster, &model, &stepped);
     if opts.phase_peaks {
         report.phase_peaks = trackers[0].phase_peaks();
     }
     if let Some(path) = &opts.timeline {
         write_timeline(path, timeline_file.take().expect("opened"), &trackers)?;
     }
-    Ok((report, failure))
+    Ok((report, stepped.failure))
 }
 
-/// `MemAvailable` from /proc/meminfo, where there is one.
-pub fn host_available_memory() -> Option<u64> {
-    crate::units::proc_bytes("/proc/meminfo", "MemAvailable")
+/// The report of a run whose engines could not be built: what was live
+/// when rank `rank` (of `n`) ran out of memory.
+fn refused_at_init(
+    mut report: RunReport,
+    oom: OomError,
+    n: usize,
+    rank: usize,
+) -> (RunReport, Option<Error>) {
+    // Nothing beyond the refused allocation was recorded; rebuild the tracker's view.
+    report.error = Some(ErrorRecord::new(&oom, n, rank));
+    let mut t = Tracker::new(None);
+    for (c, b) in oom.live.iter() {
+        if b > 0 {
+            t.alloc(c, b).expect("no capacity");
+        }
+    }
+    // The device's view is lost with the engine when the host
+    // refused: only the host's is known then.
+    let empty = Tracker::new(None);
+    let device = if oom.host { &empty } else { &t };
+    fill_peaks(
+        &mut report,
+        std::slice::from_ref(device),
+        &[(0, 0)],
+        &[None],
+    );
+    // The one entry is the rank that failed.
+    report.ranks[0].rank = rank;
+    if oom.host {
+        report.ranks[0].host_peak_bytes = Some(t.peak_bytes());
+        report.host = Some(HostRecord {
+            capacity_bytes: Some(oom.capacity),
+            peak_bytes: t.peak_bytes(),
+            node_bytes: t.peak_bytes().total,
+            link_bytes_per_step: 0,
+        });
+    }
+    (report, Some(Error::Oom(oom)))
+}
+
+/// What one run (or one process rank of a job) reads as it steps and reports.
+struct Part<'a> {
+    opts: &'a RunOptions,
+    /// On meta: one step, nothing timed, no data.
+    meta: bool,
+    share: Option<&'a Share<'a>>,
+}
+
+/// What the steps left to report: each step's seconds, the failure that
+/// stopped them, and each rank's (sent, received) bytes in the last step.
+struct Stepped {
+    times: Vec<f64>,
+    failure: Option<Error>,
+    wire: Vec<(u64, u64)>,
+}
+
+impl Part<'_> {
+    /// The report before any step: the configuration as resolved.
+    fn report(&self, model: &ModelConfig, data: Option<&DataSource>) -> RunReport {
+        RunReport {
+            model: model.name.clone(),
+            family: model.family,
+            num_parameters: model.num_parameters(),
+            config: RunConfigRecord {
+                // Resolved, so the document says which lr and beta1 were used
+                // (lr null: Adafactor's relative step).
+                train: TrainConfig {
+                    lr: self.opts.train.opt().lr,
+                    beta1: self.opts.train.opt().beta1,
+                    ..self.opts.train.clone()
+                },
+                steps: if self.meta { 0 } else { self.opts.steps },
+                data: data.map_or("none".into(), |d| d.describe()),
+                threads: if self.meta {
+                    None
+                } else {
+                    self.opts
+                        .threads
+                        .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
+                },
+            },
+            device: self.opts.device.kind.to_string(),
+            target: self.opts.target.as_ref().map(|hw| TargetRecord {
+                name: hw.name.clone(),
+                display_name: hw.display_name.clone(),
+                memory_bytes: hw.memory,
+                runtime_overhead_bytes: hw.runtime_overhead,
+            }),
+            capacity_bytes: self.opts.device.limit,
+            allocation_profile: self.opts.train.framework.profile_label().to_string(),
+            steps: Vec::new(),
+            tokens_per_s: None,
+            tokens_per_step: self.opts.train.micro_batch
+                * self.opts.train.seq_len
+                * self.opts.train.grad_accum
+                * self.opts.train.data_ranks(),
+            flops_per_step: 0,
+            bytes_moved_per_step: 0,
+            peak_bytes: PeakBytes::default(),
+            peak_breakdown: ByCategory::default(),
+            ranks: Vec::new(),
+            stages: Vec::new(),
+            phase_peaks: Vec::new(),
+            skipped_steps: 0,
+            loss_scale: None,
+            error: None,
+            gpu: None,
+            allocator: None,
+            host: None,
+        }
+    }
+
+    /// Steps `cluster` (`opts.steps` times, or as `opts.timing` says; once
+    /// on meta), recording each finished step in `report`.
+    fn steps<B>(
+        &self,
+        cluster: &mut Cluster<B>,
+        data: Option<&mut DataSource>,
+        report: &mut RunReport,
+    ) -> Stepped
+    where
+        B: Backend + Send,
+        B::Buf: Send,
+    {
+        let n = cluster.ranks.len();
+        let steps = match (self.meta, self.opts.timing) {
+            (true, _) => 1,
+            (false, Some(t)) => t.step_cap(),
+            (false, None) => self.opts.steps,
+        };
+        let mut data = data;
+        let mut times = Vec::new();
+        let mut failure = None;
+        let mut wire = vec![(0, 0); n];
+        let (b, t) = (self.opts.train.micro_batch, self.opts.train.seq_len);
+        let k = self.opts.train.grad_accum;
+        // The other replicas' micro-batches, before and after this rank's.
+        let (skip_before, skip_after) = self.share.map_or((0, 0), |s| {
+            (s.replica * k, (s.replicas - 1 - s.replica) * k)
+        });
+        let stopped = || self.share.is_some_and(|s| (s.stopped)());
+        for step in 0..steps {
+            let before: Vec<(u64, u64)> = cluster
+                .ranks
+                .iter_mut()
+                .map(|e| {
+                    e.dev.cost = CostCounter::default();
+                    e.dev.link_bytes = 0;
+                    (e.dev.sent, e.dev.received)
+                })
+                .collect();
+            let start = Instant::now();
+            // Batches are made one micro-batch at a time, after their device buffers
+            // were granted, and never on meta.
+            let mut fed = 0;
+            let next = || match data.as_deref_mut() {
+                Some(d) => {
+                    if fed == 0 {
+                        (0..skip_before).for_each(|_| drop(d.next_batch(b, t)));
+                    }
+                    fed += 1;
+                    d.next_batch(b, t)
+                }
+                None => crate::data::Batch {
+                    inputs: Vec::new(),
+                    targets: Vec::new(),
+                },
+            };
+            let result = cluster.step_from(k, next);
+            if let (true, Some(d)) = (fed > 0, data.as_deref_mut()) {
+                (0..skip_after).for_each(|_| drop(d.next_batch(b, t)));
+            }
+            if result.is_ok() && stopped() {
+                // Another rank failed: this step's collectives returned early
+                // (and, as on threads, this rank ran on to its own end of step).
+                break;
+            }
+            // One replica's work: every stage and tensor-parallel rank of
+            // replica 0 (rank 0 alone without either; replicas repeat the same
+            // work).
+            let t = &self.opts.train;
+            let replica0 = (cluster.ranks.iter().enumerate())
+                .filter(|(r, _)| cluster.ranks.len() == 1 || t.place(*r).1 == 0)
+                .map(|(_, e)| e);
+            report.flops_per_step = replica0.clone().map(|e| e.dev.cost.flops()).sum();
+            report.bytes_moved_per_step = replica0.map(|e| e.dev.cost.bytes()).sum();
+            let e0 = &cluster.ranks[0];
+            for ((w, e), (s0, r0)) in wire.iter_mut().zip(&cluster.ranks).zip(before) {
+                *w = (e.dev.sent - s0, e.dev.received - r0);
+            }
+            match result {
+                Ok(r) => {
+                    let secs = start.elapsed().as_secs_f64();
+                    times.push(secs);
+                    let enough = self.opts.timing.is_some_and(|t| t.done(&times));
+                    if let (Some(loss), Some(grad_norm)) = (r.loss, r.grad_norm) {
+                        report.steps.push(StepRecord {
+                            step,
+                            loss,
+                            grad_norm,
+                            ms: secs * 1e3,
+                            skipped: r.skipped,
+                            loss_scale: e0.loss_scale(),
+                        });
+                    }
+                    if enough {
+                        break;
+                    }
+                }
+                Err((rank, oom)) => {
+                    report.error = Some(ErrorRecord::new(&oom, n, rank));
+                    failure = Some(Error::Oom(oom));
+                    break;
+                }
+            }
+        }
+        Stepped {
+            times,
+            failure,
+            wire,
+        }
+    }
+
+    /// Throughput, peaks, traffic and predictions into `report`; the
+    /// ranks' trackers, for the phase peaks and the timeline.
+    fn summarise<B: Backend>(
+        &self,
+        report: &mut RunReport,
+        cluster: &Cluster<B>,
+        model: &ModelConfig,
+        stepped: &Stepped,
+    ) -> Vec<Tracker> {
+        let (times, wire) = (&stepped.times, &stepped.wire);
+        if !self.meta && !times.is_empty() {
+            let warmup = self.opts.timing.map_or(1, |t| t.warmup_steps);
+            let timed = times
+                .get(warmup..)
+                .filter(|t| !t.is_empty())
+                .unwrap_or(&times[..]);
+            // The median: one stalled step on a busy machine does not move it.
+            report.tokens_per_s = Some(report.tokens_per_step as f64 / crate::stats::median(timed));
+        }
+        let e0 = &cluster.ranks[0];
+        report.allocator = e0
+            .dev
+            .caching
+            .as_ref()
+            .map(|c| crate::plan::AllocatorPeaks {
+                max_memory_allocated: c.peak_allocated,
+                max_memory_reserved: c.peak_reserved,
+            });
+        report.skipped_steps = e0.skipped_steps();
+        report.loss_scale = e0.loss_scale();
+        let trackers: Vec<Tracker> = cluster
+            .ranks
+            .iter()
+            .map(|e| e.dev.tracker.clone())
+            .collect();
+        let stages: Vec<_> = cluster.ranks.iter().map(Engine::stage).collect();
+        fill_peaks(report, &trackers, wire, &stages);
+        if !self.meta {
+            // Beside what each rank tracked, what meta predicts for it.
+            let gpu = cluster.ranks[0].dev.be.is_gpu();
+            for (i, r) in report.ranks.iter_mut().enumerate() {
+                let rank = self.share.map_or(i, |s| s.rank);
+                r.predicted_peak_bytes = Some(predicted_peak(model, &self.opts.train, rank, gpu));
+            }
+        }
+        report.host = host_record(&mut report.ranks, &cluster.ranks);
+        trackers
+    }
 }
 
 /// Offload: each rank's host peaks, and the node's.

@@ -78,6 +78,47 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
     Ok(bytes.round() as u64)
 }
 
+/// A byte size written as `--host-memory` takes it (`64GiB`, `512MiB`),
+/// checked as the scalar is read so that its error is located.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bytes(pub u64);
+
+impl serde::Serialize for Bytes {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(self.0)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Bytes {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Bytes;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a size such as 64GiB or 512MiB")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Bytes, E> {
+                parse_bytes(v)
+                    .and_then(positive_bytes)
+                    .map(Bytes)
+                    .map_err(E::custom)
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Bytes, E> {
+                positive_bytes(v).map(Bytes).map_err(E::custom)
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
+}
+
+/// A capacity of zero bytes holds nothing: refused where it is given.
+pub fn positive_bytes(b: u64) -> Result<u64, String> {
+    match b {
+        0 => Err("must be more than 0 bytes".into()),
+        b => Ok(b),
+    }
+}
+
 /// A `Key:   N kB` field of a /proc file (`/proc/meminfo`,
 /// `/proc/PID/status`) in bytes; `None` where there is no such file or field.
 pub fn proc_bytes(path: &str, key: &str) -> Option<u64> {
@@ -87,6 +128,11 @@ pub fn proc_bytes(path: &str, key: &str) -> Option<u64> {
         .find(|l| l.strip_prefix(key).is_some_and(|r| r.starts_with(':')))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+/// `MemAvailable` from /proc/meminfo, where there is one.
+pub fn host_available_memory() -> Option<u64> {
+    proc_bytes("/proc/meminfo", "MemAvailable")
 }
 
 #[cfg(test)]

@@ -222,7 +222,7 @@ fn parse(parser: Parser, text: &str, file: &Path) -> Result<(), Error> {
     let location = file.display().to_string();
     match parser {
         Parser::PlanRecipe => memfit::plan::load_recipe(file).map(drop),
-        Parser::RunRecipe => memfit::config::recipe::load_run_recipe(file).map(drop),
+        Parser::RunRecipe => memfit::run::recipe::load_run_recipe(file).map(drop),
         Parser::Model => memfit::config::profile::parse_model_yaml(text, &location).map(drop),
         Parser::Hardware => {
             memfit::config::hardware::parse_hardware_yaml(text, &location).map(drop)

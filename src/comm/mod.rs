@@ -7,7 +7,7 @@
 //! implementation maps each method onto `ncclAllReduce`, `ncclReduceScatter`,
 //! `ncclAllGather` and `ncclBroadcast` on the backend's stream.
 //!
-//! * cpu ([`crate::backend::cpu::comm`]): ranks are threads; data moves through
+//! * cpu (`backend::cpu::comm`): ranks are threads; data moves through
 //!   shared memory, and every reduction adds the ranks' contributions in rank
 //!   order 0, 1, ..., N-1 (in f32, rounded once into the buffer's dtype), so the
 //!   result is deterministic and identical on every rank.

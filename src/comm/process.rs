@@ -37,13 +37,10 @@
 //!   [`ProcessGroup::release`]) keeps working after a failure, so rank 0 can
 //!   still collect the ranks' reports and say which one failed.
 //!
-//! The collectives ([`ProcessComm`]) compute exactly what `CpuComm` computes:
-//! contributions travel as `f32` (which holds every bf16 and fp16 value
-//! exactly), every rank adds them in rank order 0, 1, ..., N-1 in `f32` and
-//! rounds once into the buffer's dtype, so results are bit-identical to a
-//! threaded run with the same inputs, on every rank. Each rank sends its
-//! contribution to every other (N times a ring's traffic): correctness and
-//! determinism first, for the model sizes the cpu backend trains.
+//! This module moves bytes; what they mean is its users': the collectives
+//! and pipeline links on cpu buffers are the cpu backend's
+//! (`backend::cpu::process`, bit-identical to the threaded `CpuComm`), and
+//! NCCL rides on the rendezvous (`backend::cuda::nccl`).
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, ErrorKind, Read, Write};
@@ -51,8 +48,6 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::backend::DType;
-use crate::backend::cpu::CpuBuf;
 use crate::comm::{AbortHandle, Collective, Peer, PointToPoint};
 use crate::error::{Error, Result};
 
@@ -939,7 +934,7 @@ impl ProcessGroup {
 
     /// A message of the wrong size: the failure, if the group has failed
     /// meanwhile (returns); an engine bug in a healthy group (panics).
-    fn wrong_size(&self, what: std::fmt::Arguments<'_>) {
+    pub(crate) fn wrong_size(&self, what: std::fmt::Arguments<'_>) {
         if self.shared.lock().failure.is_none() {
             panic!("engine bug: {what}");
         }
@@ -950,6 +945,12 @@ impl ProcessGroup {
     /// data from a rank that has stopped following the collectives' order:
     /// it waits, and the abort frame releases it); a failed send aborts the
     /// group.
+    /// One collective or pipeline message to `peer` on `channel`, as
+    /// [`ProcessGroup::send`] sends it.
+    pub(crate) fn send_data(&self, peer: usize, channel: u32, payload: &[u8]) -> bool {
+        self.send(peer, DATA, channel, payload)
+    }
+
     fn send(&self, peer: usize, kind: u8, channel: u32, payload: &[u8]) -> bool {
         let w = self.writers[peer]
             .as_ref()
@@ -987,7 +988,7 @@ impl ProcessGroup {
     /// failed (at once, even with messages queued: after a failure the
     /// ranks no longer agree on which collective a message belongs to) or
     /// when nothing comes before the deadline (which fails the group).
-    fn recv(&self, peer: usize, channel: u32) -> Option<Vec<u8>> {
+    pub(crate) fn recv(&self, peer: usize, channel: u32) -> Option<Vec<u8>> {
         let deadline = Instant::now() + self.timeout;
         let mut st = self.shared.lock();
         loop {
@@ -1115,42 +1116,13 @@ impl ProcessGroup {
         }
     }
 
-    /// A collective group over `members` (global ranks, this one included),
-    /// its messages on `channel`; every member must use the same channel.
-    pub fn comm(self: &Arc<Self>, channel: u32, members: Vec<usize>) -> ProcessComm {
+    /// Panics on the control plane's channel: collectives and pipeline
+    /// links (`backend::cpu::process`) take any other.
+    pub(crate) fn check_channel(channel: u32) {
         assert!(
             channel != CONTROL,
             "engine bug: channel {channel} is reserved"
         );
-        let me = members
-            .iter()
-            .position(|&r| r == self.rank)
-            .expect("engine bug: a process group without this rank");
-        ProcessComm {
-            group: Arc::clone(self),
-            channel,
-            members,
-            me,
-        }
-    }
-
-    /// This rank's pipeline links: `prev` and `next` are global ranks.
-    pub fn p2p(
-        self: &Arc<Self>,
-        channel: u32,
-        prev: Option<usize>,
-        next: Option<usize>,
-    ) -> ProcessP2p {
-        assert!(
-            channel != CONTROL,
-            "engine bug: channel {channel} is reserved"
-        );
-        ProcessP2p {
-            group: Arc::clone(self),
-            channel,
-            prev,
-            next,
-        }
     }
 }
 
@@ -1214,294 +1186,6 @@ fn read_loop(mut s: TcpStream, peer: usize, sh: Arc<Shared>) {
     }
 }
 
-/// `f32` values as little-endian bytes.
-fn encode(v: &[f32]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(v.len() * 4);
-    for x in v {
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out
-}
-
-fn decode(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-        .collect()
-}
-
-/// Panics unless `buf` holds floats (as `CpuComm`).
-fn check_float(buf: &CpuBuf, op: &str) {
-    let dt = buf.dtype();
-    assert!(
-        matches!(dt, DType::F32 | DType::Bf16 | DType::F16),
-        "engine bug: process-group {op} on a {dt:?} buffer (only F32, Bf16 and F16 are supported)"
-    );
-}
-
-fn check_len(buf: &CpuBuf, need: usize, op: &str, what: &str) {
-    assert!(
-        buf.len() >= need,
-        "engine bug: process-group {op}: {what} holds {} elements, the call needs {need}",
-        buf.len()
-    );
-}
-
-/// `dst = parts[0] + parts[1] + ...`, element by element, left to right: the
-/// order `CpuComm` adds in.
-fn sum_into(dst: &mut [f32], parts: &[&[f32]]) {
-    dst.copy_from_slice(parts[0]);
-    for p in &parts[1..] {
-        for (d, s) in dst.iter_mut().zip(p.iter()) {
-            *d += *s;
-        }
-    }
-}
-
-/// One rank's collective group over processes; see the module docs.
-pub struct ProcessComm {
-    group: Arc<ProcessGroup>,
-    channel: u32,
-    /// Global ranks, in group order.
-    members: Vec<usize>,
-    /// This rank's index in `members`.
-    me: usize,
-}
-
-impl ProcessComm {
-    /// Sends `payload(i)` to every other member `i`; `false` if the group failed.
-    fn send_each(&self, payload: impl Fn(usize) -> Vec<u8>) -> bool {
-        for (i, &peer) in self.members.iter().enumerate() {
-            if i != self.me && !self.group.send(peer, DATA, self.channel, &payload(i)) {
-                return false;
-            }
-        }
-        true
-    }
-
-    /// One message from every other member, in group order (`None` at this
-    /// rank's index), each `len` values; `None` if the group failed.
-    fn recv_each(&self, len: usize, op: &str) -> Option<Vec<Option<Vec<f32>>>> {
-        let mut out = Vec::with_capacity(self.members.len());
-        for (i, &peer) in self.members.iter().enumerate() {
-            if i == self.me {
-                out.push(None);
-                continue;
-            }
-            let v = decode(&self.group.recv(peer, self.channel)?);
-            if v.len() != len {
-                self.group.wrong_size(format_args!(
-                    "process-group {op}: rank {peer} contributed {} elements, expected {len}",
-                    v.len()
-                ));
-                return None;
-            }
-            out.push(Some(v));
-        }
-        Some(out)
-    }
-}
-
-impl Collective<CpuBuf> for ProcessComm {
-    fn rank(&self) -> usize {
-        self.me
-    }
-
-    fn world(&self) -> usize {
-        self.members.len()
-    }
-
-    fn all_reduce_sum(&mut self, buf: &mut CpuBuf, n: usize) {
-        const OP: &str = "all_reduce_sum";
-        check_float(buf, OP);
-        check_len(buf, n, OP, "buf");
-        let mine = buf.wide()[..n].to_vec();
-        let bytes = encode(&mine);
-        if !self.send_each(|_| bytes.clone()) {
-            return;
-        }
-        let Some(theirs) = self.recv_each(n, OP) else {
-            return;
-        };
-        let parts: Vec<&[f32]> = theirs
-            .iter()
-            .map(|p| p.as_deref().unwrap_or(&mine))
-            .collect();
-        let mut dst = buf.wide_mut();
-        sum_into(&mut dst[..n], &parts);
-    }
-
-    fn reduce_scatter_sum(&mut self, out: &mut CpuBuf, inp: &CpuBuf, shard: usize) {
-        const OP: &str = "reduce_scatter_sum";
-        check_float(out, OP);
-        check_float(inp, OP);
-        let world = self.members.len();
-        check_len(inp, world * shard, OP, "inp");
-        check_len(out, shard, OP, "out");
-        let all = inp.wide()[..world * shard].to_vec();
-        if !self.send_each(|i| encode(&all[i * shard..(i + 1) * shard])) {
-            return;
-        }
-        let Some(theirs) = self.recv_each(shard, OP) else {
-            return;
-        };
-        let mine = &all[self.me * shard..(self.me + 1) * shard];
-        let parts: Vec<&[f32]> = theirs
-            .iter()
-            .map(|p| p.as_deref().unwrap_or(mine))
-            .collect();
-        let mut dst = out.wide_mut();
-        sum_into(&mut dst[..shard], &parts);
-    }
-
-    fn all_gather(&mut self, out: &mut CpuBuf, inp: &CpuBuf, shard: usize) {
-        const OP: &str = "all_gather";
-        check_float(out, OP);
-        check_float(inp, OP);
-        let world = self.members.len();
-        check_len(inp, shard, OP, "inp");
-        check_len(out, world * shard, OP, "out");
-        let mine = inp.wide()[..shard].to_vec();
-        let bytes = encode(&mine);
-        if !self.send_each(|_| bytes.clone()) {
-            return;
-        }
-        let Some(theirs) = self.recv_each(shard, OP) else {
-            return;
-        };
-        let mut dst = out.wide_mut();
-        for (r, p) in theirs.iter().enumerate() {
-            dst[r * shard..(r + 1) * shard].copy_from_slice(p.as_deref().unwrap_or(&mine));
-        }
-    }
-
-    fn broadcast(&mut self, buf: &mut CpuBuf, n: usize, root: usize) {
-        const OP: &str = "broadcast";
-        check_float(buf, OP);
-        check_len(buf, n, OP, "buf");
-        let world = self.members.len();
-        assert!(
-            root < world,
-            "engine bug: process-group broadcast from root {root} in a group of {world}"
-        );
-        if self.me == root {
-            let bytes = encode(&buf.wide()[..n]);
-            self.send_each(|_| bytes.clone());
-            return;
-        }
-        let Some(m) = self.group.recv(self.members[root], self.channel) else {
-            return;
-        };
-        let v = decode(&m);
-        if v.len() != n {
-            self.group.wrong_size(format_args!(
-                "process-group {OP}: the root sent {} elements, expected {n}",
-                v.len()
-            ));
-            return;
-        }
-        buf.wide_mut()[..n].copy_from_slice(&v);
-    }
-
-    fn all_reduce_scalar(&mut self, x: f64) -> f64 {
-        if !self.send_each(|_| x.to_le_bytes().to_vec()) {
-            return x;
-        }
-        let mut acc: Option<f64> = None;
-        for (i, &peer) in self.members.iter().enumerate() {
-            let v = if i == self.me {
-                x
-            } else {
-                let Some(m) = self.group.recv(peer, self.channel) else {
-                    return x;
-                };
-                let Ok(b) = <[u8; 8]>::try_from(m.as_slice()) else {
-                    self.group.wrong_size(format_args!(
-                        "process-group all_reduce_scalar: rank {peer} sent {} bytes, not 8",
-                        m.len()
-                    ));
-                    return x;
-                };
-                f64::from_le_bytes(b)
-            };
-            // From rank 0's value rather than 0.0, as CpuComm: one rank returns `x` itself.
-            acc = Some(acc.map_or(v, |a| a + v));
-        }
-        acc.unwrap_or(x)
-    }
-
-    fn abort_handle(&self) -> AbortHandle {
-        self.group.abort_handle()
-    }
-}
-
-impl Drop for ProcessComm {
-    /// A rank that panics releases the others at once (its process exiting
-    /// would too, a little later).
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            let me = self.group.rank;
-            self.group.abort(101, format!("rank {me} panicked"));
-        }
-    }
-}
-
-/// One pipeline stage's links to its neighbours in other processes. A send
-/// hands its data to the kernel and returns (the neighbour's reader thread
-/// drains it), so it never waits for the matching receive, like `isend`.
-pub struct ProcessP2p {
-    group: Arc<ProcessGroup>,
-    channel: u32,
-    prev: Option<usize>,
-    next: Option<usize>,
-}
-
-impl ProcessP2p {
-    fn peer(&self, p: Peer) -> usize {
-        match p {
-            Peer::Prev => self.prev,
-            Peer::Next => self.next,
-        }
-        .expect("engine bug: a message to a stage that does not exist")
-    }
-}
-
-impl PointToPoint<CpuBuf> for ProcessP2p {
-    fn send(&mut self, to: Peer, buf: &CpuBuf, n: usize) {
-        let peer = self.peer(to);
-        self.group
-            .send(peer, DATA, self.channel, &encode(&buf.read_range(0, n)));
-    }
-
-    fn recv(&mut self, from: Peer, buf: &mut CpuBuf, n: usize) {
-        let peer = self.peer(from);
-        let Some(m) = self.group.recv(peer, self.channel) else {
-            return;
-        };
-        let v = decode(&m);
-        if v.len() != n {
-            self.group.wrong_size(format_args!(
-                "process-group point-to-point: rank {peer} sent {} elements, expected {n}",
-                v.len()
-            ));
-            return;
-        }
-        buf.write_range(0, &v, false);
-    }
-
-    fn abort_handle(&self) -> AbortHandle {
-        self.group.abort_handle()
-    }
-}
-
-impl Drop for ProcessP2p {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            let me = self.group.rank;
-            self.group.abort(101, format!("rank {me} panicked"));
-        }
-    }
-}
-
 /// Stands in for another process's link where code that wires every rank
 /// of a job (`engine::cluster::links`) is used to wire one: it is dropped
 /// unused, and any use is an engine bug.
@@ -1549,7 +1233,10 @@ impl<Buf> PointToPoint<Buf> for Elsewhere {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::DType;
+    use crate::backend::cpu::CpuBuf;
     use crate::backend::cpu::comm::cpu_group;
+    use crate::backend::cpu::process::{ProcessComm, ProcessP2p};
     use half::{bf16, f16};
 
     fn env(rank: usize, world: usize, port: u16) -> DistEnv {
@@ -1704,7 +1391,7 @@ mod tests {
             for seed in [1u64, 77] {
                 let want = on_cpu(world, |c| script(c, seed));
                 let got = on_groups(world, b"", |r, g, _| {
-                    let mut c = g.comm(1, (0..world).collect());
+                    let mut c = ProcessComm::new(&g, 1, (0..world).collect());
                     assert_eq!((c.rank(), c.world()), (r, world));
                     let out = script(&mut c, seed);
                     end(&g);
@@ -1721,13 +1408,14 @@ mod tests {
         // with the whole world on channel 3; pipeline 0 -> 1 -> 2 on 4.
         let got = on_groups(4, b"nccl-id", |r, g, blob| {
             assert_eq!(blob, b"nccl-id");
-            let mut pair = g.comm(1 + (r % 2) as u32, vec![r % 2, r % 2 + 2]);
-            let mut all = g.comm(3, vec![0, 1, 2, 3]);
+            let mut pair = ProcessComm::new(&g, 1 + (r % 2) as u32, vec![r % 2, r % 2 + 2]);
+            let mut all = ProcessComm::new(&g, 3, vec![0, 1, 2, 3]);
             let a = pair.all_reduce_scalar(r as f64);
             let b = all.all_reduce_scalar(r as f64 + 0.5);
             let mut buf = CpuBuf::F32(vec![r as f32; 3]);
             pair.all_reduce_sum(&mut buf, 3);
-            let mut p = g.p2p(
+            let mut p = ProcessP2p::new(
+                &g,
                 4,
                 r.checked_sub(1).filter(|_| r <= 2),
                 (r < 2).then_some(r + 1),
@@ -1760,7 +1448,7 @@ mod tests {
     fn abort_releases_every_rank_with_the_reason() {
         let start = Instant::now();
         let got = on_groups(3, b"", |r, g, _| {
-            let mut c = g.comm(1, vec![0, 1, 2]);
+            let mut c = ProcessComm::new(&g, 1, vec![0, 1, 2]);
             if r == 1 {
                 std::thread::sleep(Duration::from_millis(50));
                 g.abort(3, "rank 1: out of memory");
@@ -1801,7 +1489,7 @@ mod tests {
                 drop(g);
                 return None;
             }
-            let mut c = g.comm(1, vec![0, 1, 2]);
+            let mut c = ProcessComm::new(&g, 1, vec![0, 1, 2]);
             let mut b = CpuBuf::F32(vec![1.0; 4]);
             c.all_reduce_sum(&mut b, 4);
             let f = g.failure();
@@ -1847,7 +1535,7 @@ mod tests {
                             // Alive but stuck: never calls the collective.
                             std::thread::sleep(Duration::from_millis(1500));
                         } else {
-                            g.comm(1, vec![0, 1]).all_reduce_scalar(1.0);
+                            ProcessComm::new(&g, 1, vec![0, 1]).all_reduce_scalar(1.0);
                         }
                         g.failure()
                     })

@@ -7,14 +7,14 @@
 //! Network profiles (`profiles/networks/`) describe a cluster fabric on their
 //! own (a NIC's bandwidth and latency), to price the link between nodes with
 //! another network than the one a hardware profile assumes; they load the same
-//! way ([`load_network`]). [`crate::comm::topology`] prices collectives on both.
+//! way ([`load_network`]). `comm::topology` prices collectives on both.
 
 use std::path::Path;
 
 use serde::Deserialize;
 
+use super::knobs::Precision;
 use super::profile::{key_location, parse_yaml};
-use crate::engine::Precision;
 use crate::units::parse_bytes;
 use crate::{Error, Result};
 

@@ -1,273 +1,106 @@
-//! The training knobs, declared once. `memfit run`'s flags (clap) and a run
-//! recipe's keys (serde, `_` for the flags' `-`) are this one struct; every
-//! knob is optional, so that a flag overrides the recipe's key and a knob
-//! neither gives takes its default (`run::options::resolve`). What the
-//! flags and keys share is generated from the one list below: the merge
-//! ([`Knobs::or`]) and which knobs a source gave ([`Knobs::has`]).
+//! The knob value enums the configuration layer itself reads (a hardware
+//! profile's peak rate per [`Precision`]), the derive list every knob enum
+//! shares ([`knob_enum!`], used by the engine's own knob enums too), and how
+//! a knob value is spelled ([`name`]). The flags and run-recipe keys that
+//! take them are `run::knobs::Knobs`.
 
-use std::path::PathBuf;
-
-use super::recipe::{Bytes, RunDevice};
-use crate::engine::{
-    Attention, Checkpointing, Finetune, Framework, Loss, Offload, Optimizer, OptimizerImpl,
-    ParamGroups, Precision, Schedule, Sharding, lora::Target,
-};
-
-/// Declares [`Knobs`] from one list of `name: Type` (each an `Option`),
-/// with its flag attributes and help, and what is generated from it.
-macro_rules! knobs {
-    ($( $(#[$attr:meta])* $name:ident: $ty:ty, )*) => {
-        /// Knob flags have no clap default so that a recipe's key applies
-        /// unless the flag is given; the defaults are stated in each help
-        /// line.
-        #[derive(Clone, Debug, Default, PartialEq, clap::Args, serde::Deserialize)]
-        #[serde(deny_unknown_fields)]
-        pub struct Knobs {
-            $( $(#[$attr])* pub $name: Option<$ty>, )*
-        }
-
-        impl Knobs {
-            /// Every knob, as a recipe's key (and, `_` as `-`, a flag).
-            pub const NAMES: &[&str] = &[$(stringify!($name)),*];
-
-            /// Each knob from `self` where it is set, else from `other`.
-            pub fn or(&self, other: &Knobs) -> Knobs {
-                Knobs {
-                    $( $name: self.$name.clone().or_else(|| other.$name.clone()), )*
-                }
-            }
-
-            /// Whether knob `name` (a key, `seq_len`) is set.
-            pub fn has(&self, name: &str) -> bool {
-                match name {
-                    $( stringify!($name) => self.$name.is_some(), )*
-                    _ => false,
-                }
-            }
-        }
+/// Declares a knob's value enum: copyable, hashable, with a default, read
+/// from recipes (serde) and flags (clap) under the same names. The enum's
+/// own attributes (its docs, serde's `rename_all`) come inside.
+macro_rules! knob_enum {
+    ($(#[$m:meta])* $vis:vis enum $name:ident { $($body:tt)* }) => {
+        #[derive(
+            Clone,
+            Copy,
+            Debug,
+            Default,
+            PartialEq,
+            Eq,
+            Hash,
+            serde::Serialize,
+            serde::Deserialize,
+            clap::ValueEnum,
+        )]
+        $(#[$m])*
+        $vis enum $name { $($body)* }
     };
 }
 
-knobs! {
-    /// A built-in profile name (see `memfit models`), a profile YAML or a
-    /// Hugging Face config.json [default: gpt2-tiny].
-    #[arg(long)]
-    model: String,
-    /// Tokens per sequence [default: 64].
-    #[arg(long)]
-    seq_len: usize,
-    /// Sequences per micro-batch [default: 4].
-    #[arg(long)]
-    micro_batch: usize,
-    /// Micro-batches per optimizer step [default: 1].
-    #[arg(long)]
-    grad_accum: usize,
-    /// Optimizer steps; meta always plans exactly one [default: 20].
-    #[arg(long)]
-    steps: usize,
-    /// cpu or meta, optionally with an emulated capacity (cpu:limit=512MiB),
-    /// cuda[:N], or meta:GPU to predict a GPU profile (see `memfit
-    /// profiles`): the cuda backend's allocations within the GPU's memory
-    /// less its runtime overhead [default: cpu, whose capacity is the host's
-    /// available memory].
-    #[arg(long, value_name = "DEVICE")]
-    device: RunDevice,
-    /// Byte-level text to train on: a file, or a directory read recursively
-    /// (in a recipe, relative to the recipe's folder). Without it, a seeded
-    /// synthetic token stream.
-    #[arg(long)]
-    data: PathBuf,
-    /// Seed for weights and data [default: 1337].
-    #[arg(long)]
-    seed: u64,
-    /// adamw, adamw8bit, adafactor or sgd [default: adamw].
-    #[arg(long, value_enum)]
-    optimizer: Optimizer,
-    /// Learning rate [default: 3e-4 for AdamW, 1e-2 for SGD, Adafactor's relative step].
-    #[arg(long, allow_negative_numbers = true)]
-    lr: f32,
-    /// AdamW's beta1 [default: 0.9]; for Adafactor, turns on the first moment [default: off].
-    #[arg(long)]
-    beta1: f32,
-    /// Weight decay on matrices only: decoupled for AdamW and Adafactor, L2 for SGD [default: 0.1].
-    #[arg(long, allow_negative_numbers = true)]
-    weight_decay: f32,
-    /// SGD momentum, in (0, 1) [default: 0.9].
-    #[arg(long)]
-    momentum: f32,
-    /// Clip gradients to this global norm; 0 turns clipping off [default: 1.0].
-    #[arg(long)]
-    grad_clip: f32,
-    /// none, or full: keep only each block's input and recompute the block in the
-    /// backward pass [default: none].
-    #[arg(long, value_enum)]
-    checkpointing: Checkpointing,
-    /// eager (materialises B*H*T*T probabilities) or fused (flash-style) [default: eager].
-    #[arg(long, value_enum)]
-    attention: Attention,
-    /// fp32, or mixed precision: bf16, or fp16 with dynamic loss scaling;
-    /// 16-bit weights, activations and gradients, fp32 master weights
-    /// (hf-eager: autocast, fp32 weights and no master copy) [default: fp32].
-    #[arg(long, value_enum)]
-    precision: Precision,
-    /// Whose allocations to hold: memfit (the engine's own) or hf-eager
-    /// (what PyTorch + Hugging Face transformers allocate for the same
-    /// step); hf-eager computes with memfit's kernels and, with bf16/fp16 or
-    /// dropout, runs on meta only [default: memfit].
-    #[arg(long, value_enum)]
-    framework: Framework,
-    /// hf-eager: the model's dropout probability; decides which masks are
-    /// saved (meta only: the engine's kernels have no dropout) [default: 0].
-    #[arg(long)]
-    dropout: f32,
-    /// hf-eager: torch.optim.AdamW's implementation: foreach, single-tensor
-    /// or fused [default: foreach].
-    #[arg(long, value_enum)]
-    optimizer_impl: OptimizerImpl,
-    /// hf-eager: the optimizer's parameter groups: one (AdamW(model.parameters()),
-    /// a plain loop) or trainer (transformers' Trainer: the decaying
-    /// matrices, then biases and norms); torch.optim updates a group at a
-    /// time [default: one].
-    #[arg(long, value_enum)]
-    param_groups: ParamGroups,
-    /// hf-eager: optimizer.zero_grad(set_to_none=...) [default: true].
-    #[arg(long, value_name = "BOOL", value_parser = set_to_none())]
-    set_to_none: bool,
-    /// How the loss meets the head: full (every token's logits at once),
-    /// chunked (torchtune's LinearCrossEntropyLoss: the sequence in
-    /// --loss-chunks parts; hf-eager) or fused-linear (Liger's fused linear
-    /// cross-entropy: no logits beyond a chunk of tokens) [default: full].
-    #[arg(long, value_enum)]
-    loss: Loss,
-    /// --loss chunked: the parts the sequence is split into (torchtune's
-    /// num_output_chunks) [default: 8].
-    #[arg(long)]
-    loss_chunks: usize,
-    /// full (every weight trains) or lora (adapters on frozen weights; one
-    /// rank, no pipeline) [default: full].
-    #[arg(long, value_enum)]
-    finetune: Finetune,
-    /// LoRA rank r [default: 8].
-    #[arg(long)]
-    lora_rank: usize,
-    /// LoRA alpha; the adapter's output is scaled by alpha / r [default: 8].
-    #[arg(long)]
-    lora_alpha: f32,
-    /// hf-eager: PEFT's lora_dropout (its masks; meta only) [default: 0].
-    #[arg(long)]
-    lora_dropout: f32,
-    /// Projections to adapt, comma-separated: q,k,v,o,gate,up,down (GPT-2:
-    /// q, k and v are one c_attn adapter; no gate) [default: all of them].
-    #[arg(long, value_enum, value_delimiter = ',')]
-    lora_targets: Vec<Target>,
-    /// Ranks (simulated GPUs), each with its own device and memory: pipeline
-    /// stages x data-parallel replicas x tensor-parallel ranks; the global
-    /// batch is micro-batch x grad-accum x replicas [default: stages x
-    /// tensor-parallel ranks].
-    #[arg(long)]
-    ranks: usize,
-    /// How state is spread over the ranks: none (one rank), ddp, zero1
-    /// (optimizer state), zero2 (+ gradients), zero3 (+ parameters, FSDP) [default: none].
-    #[arg(long, value_enum)]
-    sharding: Sharding,
-    /// ddp: gradients are views into the all-reduce buckets (PyTorch's
-    /// gradient_as_bucket_view), so the buckets cost no extra memory
-    /// [default: false; the bare flag: true].
-    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = switch())]
-    bucket_view: bool,
-    /// With --tensor-parallel: Megatron's sequence parallelism; norms and
-    /// the residual stream keep 1/T of the tokens on each rank, gathered
-    /// before and reduce-scattered after each split projection [default:
-    /// false; the bare flag: true].
-    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = switch())]
-    sequence_parallel: bool,
-    /// ZeRO-Offload: optimizer (fp32 master, optimizer state and gradient
-    /// shard in host memory, the update on the CPU; zero1-3) or
-    /// optimizer+params (and the weight shard; zero3) [default: none].
-    #[arg(long, value_enum)]
-    offload: Offload,
-    /// Hybrid sharding (FSDP's HYBRID_SHARD): ZeRO shards over groups of
-    /// this many consecutive ranks (a node's GPUs) and replicates across
-    /// the groups, all-reducing gradient shards between them [default: all
-    /// ranks in one group].
-    #[arg(long)]
-    shard_group: usize,
-    /// Tensor parallelism (Megatron-LM): groups of this many adjacent ranks
-    /// split every block's attention heads and MLP width between them,
-    /// all-reducing activations; --ranks is then stages x data-parallel
-    /// replicas x this [default: 1].
-    #[arg(long)]
-    tensor_parallel: usize,
-    /// ZeRO++ hpZ (zero3): each rank also keeps a secondary copy of the
-    /// weights sharded over its group of this many consecutive ranks (a
-    /// node's GPUs), so the backward's all-gathers stay within the group;
-    /// costs 1/G of the weights per rank (DeepSpeed's
-    /// zero_hpz_partition_size) [default: 0, off].
-    #[arg(long)]
-    hpz_group: usize,
-    /// Host memory offloaded tensors may take, per rank, e.g. 64GiB
-    /// [default: this machine's available memory].
-    #[arg(long, value_parser = host_bytes)]
-    host_memory: Bytes,
-    /// Pipeline stages: each a rank holding a contiguous run of blocks (the
-    /// embedding with the first, the head with the last); --ranks is then
-    /// stages x data-parallel replicas [default: 1; --ranks defaults to it].
-    #[arg(long)]
-    pipeline_stages: usize,
-    /// Micro-batches each step pushes through the pipeline (the same as
-    /// --grad-accum, which it sets).
-    #[arg(long)]
-    microbatches: usize,
-    /// gpipe (all forwards, then all backwards) or 1f1b (stage s holds at
-    /// most stages - s micro-batches) [default: 1f1b].
-    #[arg(long, value_enum)]
-    schedule: Schedule,
-    /// Blocks per stage as half-open ranges, e.g. 0:6,6:12 (what `memfit
-    /// balance` prints) [default: an even split, the first stages taking the rest].
-    #[arg(long)]
-    partition: String,
-    /// cpu worker threads [default: all cores].
-    #[arg(long, value_parser = threads)]
-    threads: usize,
+knob_enum! {
+    /// Storage precision of the working weights, activations and gradients.
+    ///
+    /// Mixed precision (Micikevicius et al., Mixed Precision Training, 2018, and
+    /// DeepSpeed/Megatron's bf16 and fp16 modes): the parameters the forward and
+    /// backward read are 16-bit; so are activations, activation gradients and
+    /// parameter gradients. Normalisation statistics, the attention log-sum-exp
+    /// and the per-token losses stay fp32. The optimizer keeps an fp32 master copy
+    /// of every weight, updates it from the 16-bit gradients (widened, unscaled
+    /// and clipped inside the update kernel), then rounds it into the working copy.
+    /// Gradients accumulate over micro-batches in their 16-bit buffers, each add
+    /// computed in fp32 and rounded once when stored, as a cuBLAS `beta = 1` GEMM
+    /// does. Per parameter with AdamW: 2 (weights) + 2 (gradients) + 12 (fp32
+    /// master, m, v) = 16 bytes, the ZeRO paper's `2 + 2 + K` with K = 12;
+    /// fp32 is 4 + 4 + 8 = 16 with no master copy.
+    #[serde(rename_all = "lowercase")]
+    pub enum Precision {
+        /// IEEE single precision throughout: no master copy, no loss scaling.
+        #[default]
+        Fp32,
+        /// bfloat16: fp32's range, so no loss scaling.
+        Bf16,
+        /// IEEE half with dynamic loss scaling.
+        Fp16,
+    }
+}
+
+impl Precision {
+    /// Whether the optimizer keeps fp32 master weights.
+    pub fn has_master(self) -> bool {
+        self != Precision::Fp32
+    }
+
+    /// Whether results may differ from fp32 beyond rounding noise (fp16's
+    /// narrow range needs loss scaling and can skip steps).
+    pub fn changes_numerics(self) -> bool {
+        self == Precision::Fp16
+    }
+}
+
+knob_enum! {
+    /// How attention is computed.
+    #[serde(rename_all = "lowercase")]
+    pub enum Attention {
+        /// Materialises the B*H*T*T probabilities, as PyTorch eager does.
+        #[default]
+        Eager,
+        /// Flash-style tiles with an online softmax; saves only B*H*T row
+        /// statistics. Also spelled `sdpa` and `flash-attention-2`:
+        /// transformers' `attn_implementation="sdpa"` (checked against
+        /// PyTorch) and `"flash_attention_2"`, whose kernel saves the same
+        /// q, k, v, output and log-sum-exp on a GPU (flash_attn's
+        /// `_flash_attn_forward`; k and v stay n_kv_head wide, as sdpa's do
+        /// with `enable_gqa`).
+        #[value(alias = "sdpa", alias = "flash-attention-2")]
+        #[serde(alias = "sdpa", alias = "flash-attention-2", alias = "flash_attention_2")]
+        Fused,
+    }
+}
+
+knob_enum! {
+    /// Activation checkpointing.
+    #[serde(rename_all = "lowercase")]
+    pub enum Checkpointing {
+        /// Every block keeps what its backward needs.
+        #[default]
+        None,
+        /// Each block keeps only its input; backward recomputes the block's forward
+        /// first (one extra forward per block, about +33% compute).
+        Full,
+    }
 }
 
 /// A knob's value as recipes and flags spell it (`zero3`, `hf-eager`).
 pub fn name(v: impl clap::ValueEnum) -> String {
     v.to_possible_value()
         .map_or_else(String::new, |p| p.get_name().to_string())
-}
-
-/// `--threads`, checked as clap parses it (`memfit run`, `sweep`, `tui`,
-/// `calibrate`).
-pub(crate) fn threads(s: &str) -> Result<usize, String> {
-    super::limits::check_threads(s.parse().map_err(|e| format!("{e}"))?)
-}
-
-fn host_bytes(s: &str) -> Result<Bytes, String> {
-    crate::units::parse_bytes(s)
-        .and_then(super::recipe::positive_bytes)
-        .map(Bytes)
-}
-
-/// A knob that is on or off: `true` or `false` (a bare flag: `true`).
-fn switch() -> impl clap::builder::TypedValueParser<Value = bool> {
-    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
-    PossibleValuesParser::new([
-        PossibleValue::new("true").help("on"),
-        PossibleValue::new("false").help("off"),
-    ])
-    .map(|v| v == "true")
-}
-
-/// `optimizer.zero_grad(set_to_none=...)`.
-fn set_to_none() -> impl clap::builder::TypedValueParser<Value = bool> {
-    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
-    PossibleValuesParser::new([
-        PossibleValue::new("true").help(
-            "the gradients are freed after each step and made again by the next backward \
-             (PyTorch's default since 2.0)",
-        ),
-        PossibleValue::new("false").help("the gradients stay resident between steps, zeroed"),
-    ])
-    .map(|v| v == "true")
 }

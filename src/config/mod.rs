@@ -1,12 +1,13 @@
-//! Configuration: model profiles, Hugging Face imports, hardware profiles and run recipes.
+//! Configuration: model profiles, Hugging Face imports, hardware and network
+//! profiles, the knob enums they read, and how input files are read.
 
 pub mod hardware;
 pub mod hf;
 pub mod input;
+#[macro_use]
 pub mod knobs;
 pub mod limits;
 pub mod model;
 pub mod profile;
-pub mod recipe;
 
 pub use model::{Family, ModelConfig};

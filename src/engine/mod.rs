@@ -13,28 +13,6 @@
 //!   after its backward, as PyTorch frees saved tensors when a node has run;
 //!   the logits buffer is turned into its own gradient in place.
 
-/// Declares a knob's value enum: copyable, hashable, with a default, read
-/// from recipes (serde) and flags (clap) under the same names. The enum's
-/// own attributes (its docs, serde's `rename_all`) come inside.
-macro_rules! knob_enum {
-    ($(#[$m:meta])* $vis:vis enum $name:ident { $($body:tt)* }) => {
-        #[derive(
-            Clone,
-            Copy,
-            Debug,
-            Default,
-            PartialEq,
-            Eq,
-            Hash,
-            serde::Serialize,
-            serde::Deserialize,
-            clap::ValueEnum,
-        )]
-        $(#[$m])*
-        $vis enum $name { $($body)* }
-    };
-}
-
 pub mod cluster;
 pub mod device;
 pub mod framework;
@@ -50,6 +28,7 @@ pub mod validate;
 
 use crate::backend::{AttnShape, Backend, DType};
 use crate::comm::Peer;
+pub use crate::config::knobs::{Attention, Checkpointing, Precision};
 use crate::config::model::{BlockIndex, Init, ParamIndex, ParamSpec};
 use crate::config::{Family, ModelConfig};
 use crate::data::Batch;
@@ -168,33 +147,8 @@ pub struct TrainConfig {
     pub hpz_group: usize,
 }
 
-knob_enum! {
-    /// Storage precision of the working weights, activations and gradients.
-    ///
-    /// Mixed precision (Micikevicius et al., Mixed Precision Training, 2018, and
-    /// DeepSpeed/Megatron's bf16 and fp16 modes): the parameters the forward and
-    /// backward read are 16-bit; so are activations, activation gradients and
-    /// parameter gradients. Normalisation statistics, the attention log-sum-exp
-    /// and the per-token losses stay fp32. The optimizer keeps an fp32 master copy
-    /// of every weight, updates it from the 16-bit gradients (widened, unscaled
-    /// and clipped inside the update kernel), then rounds it into the working copy.
-    /// Gradients accumulate over micro-batches in their 16-bit buffers, each add
-    /// computed in fp32 and rounded once when stored, as a cuBLAS `beta = 1` GEMM
-    /// does. Per parameter with AdamW: 2 (weights) + 2 (gradients) + 12 (fp32
-    /// master, m, v) = 16 bytes, the ZeRO paper's `2 + 2 + K` with K = 12;
-    /// fp32 is 4 + 4 + 8 = 16 with no master copy.
-    #[serde(rename_all = "lowercase")]
-    pub enum Precision {
-        /// IEEE single precision throughout: no master copy, no loss scaling.
-        #[default]
-        Fp32,
-        /// bfloat16: fp32's range, so no loss scaling.
-        Bf16,
-        /// IEEE half with dynamic loss scaling.
-        Fp16,
-    }
-}
-
+// `Precision` is declared with the knob enums the configuration reads
+// (`config::knobs`); which backend type stores it is the engine's business.
 impl Precision {
     /// Element type of the working weights, activations and gradients.
     pub fn dtype(self) -> DType {
@@ -203,50 +157,6 @@ impl Precision {
             Precision::Bf16 => DType::Bf16,
             Precision::Fp16 => DType::F16,
         }
-    }
-
-    /// Whether the optimizer keeps fp32 master weights.
-    pub fn has_master(self) -> bool {
-        self != Precision::Fp32
-    }
-
-    /// Whether results may differ from fp32 beyond rounding noise (fp16's
-    /// narrow range needs loss scaling and can skip steps).
-    pub fn changes_numerics(self) -> bool {
-        self == Precision::Fp16
-    }
-}
-
-knob_enum! {
-    /// How attention is computed.
-    #[serde(rename_all = "lowercase")]
-    pub enum Attention {
-        /// Materialises the B*H*T*T probabilities, as PyTorch eager does.
-        #[default]
-        Eager,
-        /// Flash-style tiles with an online softmax; saves only B*H*T row
-        /// statistics. Also spelled `sdpa` and `flash-attention-2`:
-        /// transformers' `attn_implementation="sdpa"` (checked against
-        /// PyTorch) and `"flash_attention_2"`, whose kernel saves the same
-        /// q, k, v, output and log-sum-exp on a GPU (flash_attn's
-        /// `_flash_attn_forward`; k and v stay n_kv_head wide, as sdpa's do
-        /// with `enable_gqa`).
-        #[value(alias = "sdpa", alias = "flash-attention-2")]
-        #[serde(alias = "sdpa", alias = "flash-attention-2", alias = "flash_attention_2")]
-        Fused,
-    }
-}
-
-knob_enum! {
-    /// Activation checkpointing.
-    #[serde(rename_all = "lowercase")]
-    pub enum Checkpointing {
-        /// Every block keeps what its backward needs.
-        #[default]
-        None,
-        /// Each block keeps only its input; backward recomputes the block's forward
-        /// first (one extra forward per block, about +33% compute).
-        Full,
     }
 }
 

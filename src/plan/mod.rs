@@ -120,7 +120,7 @@ pub struct PlanRecipe {
     /// offloaded tensors (`64GiB`; default: this machine's available
     /// memory, as `memfit run --host-memory` takes it).
     #[serde(default)]
-    pub host_memory: Option<crate::config::recipe::Bytes>,
+    pub host_memory: Option<crate::units::Bytes>,
     /// The network between nodes, a network profile name or path
     /// (`profiles/networks/`), in place of the one the hardware profile's
     /// nodes have.
@@ -1397,7 +1397,7 @@ impl Rates {
             },
             host_memory: hw
                 .host_memory
-                .or_else(crate::run::host_available_memory)
+                .or_else(crate::units::host_available_memory)
                 .unwrap_or(u64::MAX),
             gpus_per_node: hw.gpus_per_node.max(1) as usize,
             nodes: Some(std::sync::Arc::new(hw.clone())),
@@ -1419,7 +1419,7 @@ impl Rates {
                 link_bytes_per_s: c.bytes_per_s,
                 link_latency_s: c.op_overhead_s,
             },
-            host_memory: crate::run::host_available_memory().unwrap_or(u64::MAX),
+            host_memory: crate::units::host_available_memory().unwrap_or(u64::MAX),
             gpus_per_node: usize::MAX,
             nodes: None,
         }
@@ -1544,9 +1544,51 @@ fn predict_shared(
     shared: Option<&std::sync::Mutex<Shared>>,
 ) -> Prediction {
     let usable = (capacity as f64 * (1.0 - r.headroom)) as u64;
+    let mut out = unplanned(r, model, overhead, usable, p);
+    if let Some(reason) = invalid_reason(r, model, p) {
+        out.verdict = Verdict::Invalid { reason };
+        return out;
+    }
+    let tc = r.train_config(p);
+    // A plan for the cpu backend (a cpu sweep's run device) declares its
+    // workspace; every other plan is for a GPU and declares the cuda one.
+    let meta = match r.device.as_ref().map(|d| d.kind) {
+        Some(crate::backend::DeviceKind::Cpu) => MetaBackend::emulating_cpu(),
+        _ => MetaBackend::emulating_cuda(),
+    }
+    .for_planning();
+    let topo = rates
+        .nodes
+        .as_deref()
+        .and_then(|hw| crate::comm::topology::Topology::new(hw, None, p.gpus).ok());
+    let plan = PointPlan {
+        r,
+        model,
+        rates,
+        p,
+        tc,
+        meta,
+        topo,
+    };
+    let e = match plan.tc.pipeline_stages.max(1) {
+        1 => plan.one_rank(&mut out, shared),
+        _ => plan.pipeline(&mut out),
+    };
+    plan.read_engine(&mut out, &e, usable, overhead);
+    out
+}
+
+/// `p`'s prediction before any engine ran: what the point alone says.
+fn unplanned(
+    r: &PlanRecipe,
+    model: &ModelConfig,
+    overhead: u64,
+    usable: u64,
+    p: &Point,
+) -> Prediction {
     let numerics_changes = p.numerics_changes();
     let excluded = !r.allow_numerics_change && !numerics_changes.is_empty();
-    let mut out = Prediction {
+    Prediction {
         point: *p,
         verdict: Verdict::Fits,
         peak_bytes: None,
@@ -1573,27 +1615,31 @@ fn predict_shared(
         },
         numerics_changes,
         excluded,
-    };
-    if let Some(reason) = invalid_reason(r, model, p) {
-        out.verdict = Verdict::Invalid { reason };
-        return out;
     }
-    let tc = r.train_config(p);
-    // A plan for the cpu backend (a cpu sweep's run device) declares its
-    // workspace; every other plan is for a GPU and declares the cuda one.
-    let meta = match r.device.as_ref().map(|d| d.kind) {
-        Some(crate::backend::DeviceKind::Cpu) => MetaBackend::emulating_cpu(),
-        _ => MetaBackend::emulating_cuda(),
-    }
-    .for_planning();
-    let k = tc.grad_accum as f64;
-    let stages = tc.pipeline_stages.max(1);
-    let replicas = tc.data_ranks();
-    let topo = rates
-        .nodes
-        .as_deref()
-        .and_then(|hw| crate::comm::topology::Topology::new(hw, None, p.gpus).ok());
-    let e = if stages == 1 {
+}
+
+/// A valid point being predicted: its engines' configuration, the meta
+/// backend they run on, and the cluster that prices their collectives.
+struct PointPlan<'a> {
+    r: &'a PlanRecipe,
+    model: &'a ModelConfig,
+    rates: &'a Rates,
+    p: &'a Point,
+    tc: TrainConfig,
+    meta: MetaBackend,
+    topo: Option<crate::comm::topology::Topology>,
+}
+
+impl PointPlan<'_> {
+    /// Without pipeline stages: one rank stands for the step (from
+    /// `shared`'s engine where the point's group has one). Its times into
+    /// `out`; the engine after its step.
+    fn one_rank(
+        &self,
+        out: &mut Prediction,
+        shared: Option<&std::sync::Mutex<Shared>>,
+    ) -> Engine<MetaBackend> {
+        let replicas = self.tc.data_ranks();
         // Every micro-batch of the step, as a GPU runs them: the second
         // one finds the first one's freed blocks cached, and the caching
         // allocator can reserve more there (hf-eager ZeRO-3 on Llama-3.1-8B
@@ -1601,64 +1647,83 @@ fn predict_shared(
         // micro-batch alone does). The engine fast-forwards once a
         // micro-batch ends where it started (`Engine::step_from`), so a
         // step of 64 costs about what 2 or 3 do.
-        let distributed = replicas > 1 || p.sharding != Sharding::None;
-        let g = tc.shard_ranks();
+        let distributed = replicas > 1 || self.p.sharding != Sharding::None;
+        let g = self.tc.shard_ranks();
         let comm = distributed.then(|| Box::new(MetaComm::new(0, g)) as Comm<MetaBackend>);
         let replicate =
             (g < replicas).then(|| Box::new(MetaComm::new(0, replicas / g)) as Comm<MetaBackend>);
         // ZeRO++ hpZ: the backward gathers' group, a node's GPUs.
-        let hpz = (tc.hpz_group > 1)
-            .then(|| Box::new(MetaComm::new(0, tc.hpz_group)) as Comm<MetaBackend>);
+        let hpz = (self.tc.hpz_group > 1)
+            .then(|| Box::new(MetaComm::new(0, self.tc.hpz_group)) as Comm<MetaBackend>);
         let links = Links {
             comm,
             pipe: None,
             replicate,
-            tp: tp_comm(&tc),
+            tp: tp_comm(&self.tc),
             hpz,
         };
         let e = match shared {
-            None => Engine::new_linked(model.clone(), tc.clone(), meta, None, links),
+            None => Engine::new_linked(
+                self.model.clone(),
+                self.tc.clone(),
+                self.meta.clone(),
+                None,
+                links,
+            ),
             Some(slot) => {
                 let mut slot = slot.lock().expect("not poisoned");
                 let proto = match &mut slot.engine {
                     Some(e) => e,
                     none => none.insert(
-                        Engine::unshaped(model.clone(), tc.clone(), meta, None, links)
-                            .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}")),
+                        Engine::unshaped(
+                            self.model.clone(),
+                            self.tc.clone(),
+                            self.meta.clone(),
+                            None,
+                            links,
+                        )
+                        .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}")),
                     ),
                 };
                 proto
-                    .reshaped(tc.clone())
+                    .reshaped(self.tc.clone())
                     .expect("one rank's meta engine copies")
             }
         };
         let e = e.unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
-        let s = step_meta(e, rates, p.precision);
+        let s = step_meta(e, self.rates, self.p.precision);
         out.offload_s = s.offload_s;
         out.compute_s = s.all_s - out.offload_s;
-        match (&topo, &s.calls) {
+        match (&self.topo, &s.calls) {
             (Some(t), Some(calls)) if !calls.is_empty() => {
                 let (secs, links) = price_collectives(t, calls);
                 out.comm_s = secs;
                 out.links = links;
             }
-            _ => out.comm_s = s.sent / rates.link_bytes_per_s,
+            _ => out.comm_s = s.sent / self.rates.link_bytes_per_s,
         }
         s.e
-    } else {
+    }
+
+    /// With pipeline stages: every stage's first rank stepped alone; the
+    /// pipeline's times into `out`; the stage with the highest peak.
+    fn pipeline(&self, out: &mut Prediction) -> Engine<MetaBackend> {
+        let k = self.tc.grad_accum as f64;
+        let stages = self.tc.pipeline_stages.max(1);
+        let replicas = self.tc.data_ranks();
         // Every stage alone (its allocations depend only on its place),
         // stepped through all K micro-batches, since its in-flight
         // activations depend on K. The pipeline's step is then
         // (K + S - 1) micro-batch slots of its slowest stage, plus the
         // slowest optimizer step (GPipe's and 1F1B's bubble).
-        let tps = tc.tensor_parallel.max(1);
+        let tps = self.tc.tensor_parallel.max(1);
         let wiring = TrainConfig {
             ranks: stages * tps,
             sharding: Sharding::None,
-            ..tc.clone()
+            ..self.tc.clone()
         };
         // Each stage's first tensor-parallel rank (ranks s*T).
-        let links = crate::engine::cluster::meta_links(model, &wiring)
+        let links = crate::engine::cluster::meta_links(self.model, &wiring)
             .into_iter()
             .step_by(tps);
         let mut worst: Option<(u64, Engine<MetaBackend>)> = None;
@@ -1668,7 +1733,7 @@ fn predict_shared(
         let mut compute_slot = 0.0f64;
         let mut crossed = None;
         for (s, link) in links.into_iter().enumerate() {
-            let distributed = replicas > 1 || p.sharding != Sharding::None;
+            let distributed = replicas > 1 || self.p.sharding != Sharding::None;
             let comm =
                 distributed.then(|| Box::new(MetaComm::new(0, replicas)) as Comm<MetaBackend>);
             let links = Links {
@@ -1678,13 +1743,19 @@ fn predict_shared(
                 tp: link.tp,
                 hpz: None,
             };
-            let e = Engine::new_linked(model.clone(), tc.clone(), meta.clone(), None, links)
-                .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
-            let st = step_meta(e, rates, p.precision);
+            let e = Engine::new_linked(
+                self.model.clone(),
+                self.tc.clone(),
+                self.meta.clone(),
+                None,
+                links,
+            )
+            .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
+            let st = step_meta(e, self.rates, self.p.precision);
             // Stage s's replicas are ranks (s*D + d)*T + t: they talk among
             // themselves, and each sends to its counterpart in stage s+1.
             let (mut p2p_s, mut dp_s) = (0.0, 0.0);
-            if let Some(t) = &topo {
+            if let Some(t) = &self.topo {
                 let gpn = t.gpus_per_node;
                 let at = |s: usize, d: usize| (s * replicas + d) * tps / gpn;
                 let crosses = (0..replicas).any(|d| at(s, d) != at(s + 1, d));
@@ -1728,48 +1799,59 @@ fn predict_shared(
         out.comm_s = comm_s + slots * (slot - compute_slot);
         out.links = crossed;
         worst.expect("a stage").1
-    };
-    out.step_s = out.compute_s + out.comm_s + out.offload_s;
-    let tokens = (r.global_batch * r.seq_len) as f64;
-    out.tokens_per_s = tokens / out.step_s;
-    out.usd_per_mtok = rates.usd_per_mtok(p.gpus, out.tokens_per_s);
-    let pk = e.dev.tracker.peak_bytes();
-    out.peak_split = Some(PeakBytes::from(e.dev.tracker.at_peak()));
-    // The parameters this GPU holds (its stage's, its tensor-parallel slices).
-    let psi: u64 = (e.param_specs().iter().enumerate())
-        .filter(|(i, _)| e.holds(*i))
-        .map(|(_, s)| s.numel() as u64)
-        .sum();
-    out.engine_bytes_per_param = (pk.get(Category::Parameters)
-        + pk.get(Category::Gradients)
-        + pk.get(Category::Optimizer)) as f64
-        / psi as f64;
-    out.allocator = e.dev.caching.as_ref().map(|c| AllocatorPeaks {
-        max_memory_allocated: c.peak_allocated,
-        max_memory_reserved: c.peak_reserved,
-    });
-    let held = out.allocator.map_or(pk.total, |a| a.max_memory_reserved);
-    out.total_bytes = held + overhead;
-    out.margin_bytes = usable as i64 - out.total_bytes as i64;
-    out.deepspeed = deepspeed_estimate(&e, p, rates.gpus_per_node.min(p.gpus));
-    out.host = e.dev.host.as_ref().map(|h| {
-        let per_node = rates.gpus_per_node.min(p.gpus);
-        let node_bytes = h.peak_bytes().total * per_node as u64;
-        let capacity = r.host_memory.map_or(rates.host_memory, |b| b.0);
-        HostPrediction {
-            peak_bytes: h.peak_bytes(),
-            ranks_per_node: per_node,
-            node_bytes,
-            capacity_bytes: capacity,
-            margin_bytes: capacity as i64 - node_bytes as i64,
-            // Every micro-batch of the step ran (or was counted).
-            link_bytes_per_step: e.dev.link_bytes,
-            deepspeed: deepspeed_estimate(&e, p, per_node),
-        }
-    });
-    out.verdict = fit_verdict(&out);
-    out.peak_bytes = Some(pk);
-    out
+    }
+
+    /// The peaks, throughput, cost, allocator and host figures of `e`, the
+    /// engine that stands for the point, into `out`, and its verdict.
+    fn read_engine(
+        &self,
+        out: &mut Prediction,
+        e: &Engine<MetaBackend>,
+        usable: u64,
+        overhead: u64,
+    ) {
+        let (r, rates, p) = (self.r, self.rates, self.p);
+        out.step_s = out.compute_s + out.comm_s + out.offload_s;
+        let tokens = (r.global_batch * r.seq_len) as f64;
+        out.tokens_per_s = tokens / out.step_s;
+        out.usd_per_mtok = rates.usd_per_mtok(p.gpus, out.tokens_per_s);
+        let pk = e.dev.tracker.peak_bytes();
+        out.peak_split = Some(PeakBytes::from(e.dev.tracker.at_peak()));
+        // The parameters this GPU holds (its stage's, its tensor-parallel slices).
+        let psi: u64 = (e.param_specs().iter().enumerate())
+            .filter(|(i, _)| e.holds(*i))
+            .map(|(_, s)| s.numel() as u64)
+            .sum();
+        out.engine_bytes_per_param = (pk.get(Category::Parameters)
+            + pk.get(Category::Gradients)
+            + pk.get(Category::Optimizer)) as f64
+            / psi as f64;
+        out.allocator = e.dev.caching.as_ref().map(|c| AllocatorPeaks {
+            max_memory_allocated: c.peak_allocated,
+            max_memory_reserved: c.peak_reserved,
+        });
+        let held = out.allocator.map_or(pk.total, |a| a.max_memory_reserved);
+        out.total_bytes = held + overhead;
+        out.margin_bytes = usable as i64 - out.total_bytes as i64;
+        out.deepspeed = deepspeed_estimate(e, p, rates.gpus_per_node.min(p.gpus));
+        out.host = e.dev.host.as_ref().map(|h| {
+            let per_node = rates.gpus_per_node.min(p.gpus);
+            let node_bytes = h.peak_bytes().total * per_node as u64;
+            let capacity = r.host_memory.map_or(rates.host_memory, |b| b.0);
+            HostPrediction {
+                peak_bytes: h.peak_bytes(),
+                ranks_per_node: per_node,
+                node_bytes,
+                capacity_bytes: capacity,
+                margin_bytes: capacity as i64 - node_bytes as i64,
+                // Every micro-batch of the step ran (or was counted).
+                link_bytes_per_step: e.dev.link_bytes,
+                deepspeed: deepspeed_estimate(e, p, per_node),
+            }
+        });
+        out.verdict = fit_verdict(out);
+        out.peak_bytes = Some(pk);
+    }
 }
 
 /// One meta engine's step with the planner's rates, and what it cost.
@@ -2010,8 +2092,8 @@ pub mod render;
 mod tests {
     use super::*;
     use crate::config::hardware::load_hardware;
-    use crate::config::knobs::Knobs;
     use crate::config::profile::load_model;
+    use crate::run::knobs::Knobs;
 
     /// A recipe parsed from `yaml`, with its model and hardware profiles.
     fn recipe(
@@ -2099,7 +2181,7 @@ mod tests {
 
     /// Every `memfit run` knob is a plan's axis, a plan recipe's key, or
     /// fixed in plans for a reason given here: a knob added to
-    /// `config::knobs` fails this test until the planner handles it.
+    /// `run::knobs` fails this test until the planner handles it.
     #[test]
     fn every_knob_is_an_axis_a_recipe_key_or_fixed_in_plans() {
         let (r, _, _) =

@@ -2,6 +2,8 @@
 //! the table printed from it. `memfit launch`'s rank 0 and the selftest
 //! build the same document.
 
+use std::fmt::Write as _;
+
 use serde::Serialize;
 
 use crate::engine::{Finetune, Framework, TrainConfig};
@@ -227,9 +229,24 @@ pub fn summarise_ranks(report: &mut RunReport) {
 
 /// The human-readable report.
 pub fn render_table(r: &RunReport) -> String {
-    use std::fmt::Write as _;
     let mut s = String::new();
+    write_setup(&mut s, r);
+    write_knobs(&mut s, r);
+    write_steps(&mut s, r);
+    write_peaks(&mut s, r);
+    write_host(&mut s, r);
+    write_ranks(&mut s, r);
+    if let Some(e) = &r.error {
+        let _ = writeln!(s, "\nerror: {}", e.message);
+    }
+    s
+}
+
+/// What ran where: the model, device and knobs, whose allocations, and the
+/// target a meta run predicts.
+fn write_setup(s: &mut String, r: &RunReport) {
     let c = &r.config;
+    let t = &c.train;
     let _ = writeln!(
         s,
         "{} ({} parameters) on {}: micro-batch {} x seq-len {} x grad-accum {}, {}, {}, checkpointing {}, {} attention{}",
@@ -249,7 +266,6 @@ pub fn render_table(r: &RunReport) -> String {
         c.threads
             .map_or(String::new(), |t| format!(", {t} threads")),
     );
-    let t = &c.train;
     // Plans and `memfit watch` predict hf-eager by default, run the
     // engine's own schedule: say whose allocations these are, and how to
     // get the other.
@@ -273,6 +289,11 @@ pub fn render_table(r: &RunReport) -> String {
             fmt_bytes(tg.memory_bytes.saturating_sub(tg.runtime_overhead_bytes))
         );
     }
+}
+
+/// The fine-tuning, loss and allocator lines, where they apply.
+fn write_knobs(s: &mut String, r: &RunReport) {
+    let t = &r.config.train;
     if t.finetune != Finetune::Full {
         let targets = match t.lora.targets.is_empty() {
             true => "every projection".to_string(),
@@ -316,6 +337,10 @@ pub fn render_table(r: &RunReport) -> String {
             fmt_bytes(a.max_memory_reserved)
         );
     }
+}
+
+/// Each step's loss and speed, skipped steps, throughput, work and the GPU.
+fn write_steps(s: &mut String, r: &RunReport) {
     if !r.steps.is_empty() {
         let _ = writeln!(
             s,
@@ -365,6 +390,11 @@ pub fn render_table(r: &RunReport) -> String {
             fmt_bytes(g.overhead_bytes)
         );
     }
+}
+
+/// The peak per category, on the fullest rank.
+fn write_peaks(s: &mut String, r: &RunReport) {
+    let c = &r.config;
     let n = r.ranks.len();
     let _ = writeln!(
         s,
@@ -411,6 +441,11 @@ pub fn render_table(r: &RunReport) -> String {
         );
     }
     let _ = writeln!(s, "  {:<12} {:>12}", "total", fmt_bytes(r.peak_bytes.total));
+}
+
+/// Offload: the host memory each rank and the node held.
+fn write_host(s: &mut String, r: &RunReport) {
+    let (c, n) = (&r.config, r.ranks.len());
     if let Some(h) = &r.host {
         let _ = writeln!(
             s,
@@ -445,6 +480,11 @@ pub fn render_table(r: &RunReport) -> String {
             fmt_bytes(h.link_bytes_per_step)
         );
     }
+}
+
+/// Per rank and per pipeline stage, where there are several or NVML saw them.
+fn write_ranks(s: &mut String, r: &RunReport) {
+    let n = r.ranks.len();
     // Per rank: beside the tracked peak, meta's prediction and NVML's
     // process peak when the run has them.
     let nvml = r.ranks.iter().any(|x| x.nvml_peak_bytes.is_some());
@@ -486,8 +526,4 @@ pub fn render_table(r: &RunReport) -> String {
             );
         }
     }
-    if let Some(e) = &r.error {
-        let _ = writeln!(s, "\nerror: {}", e.message);
-    }
-    s
 }

@@ -7,11 +7,11 @@
 use std::path::{Path, PathBuf};
 
 use super::RunOptions;
+use super::knobs::Knobs;
+use super::recipe::{RunDevice, RunRecipe, load_run_recipe};
 use crate::backend::DeviceSpec;
-use crate::config::knobs::Knobs;
 use crate::config::limits::check_threads;
 use crate::config::profile::load_model;
-use crate::config::recipe::{RunDevice, RunRecipe, load_run_recipe};
 use crate::engine::{Finetune, Framework, LoraConfig, TrainConfig};
 use crate::error::{Error, Result};
 

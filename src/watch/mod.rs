@@ -27,9 +27,9 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::config::knobs::Knobs;
 use crate::error::Result;
 use crate::report::Format;
+use crate::run::knobs::Knobs;
 use crate::telemetry::{Snapshot, Telemetry};
 use crate::units::fmt_bytes;
 use state::{GpuPeak, Phase, Prediction, Target, Tick, Warning, WatchState, fmt_pct, fmt_si};
@@ -275,11 +275,7 @@ pub fn predict(recipe: Option<&std::path::Path>, k: &Knobs) -> Result<Option<Pre
         }
     }
     let recipe_framework = match recipe {
-        Some(path) => {
-            crate::config::recipe::load_run_recipe(path)?
-                .knobs
-                .framework
-        }
+        Some(path) => crate::run::recipe::load_run_recipe(path)?.knobs.framework,
         None => None,
     };
     let knobs = Knobs {

@@ -22,6 +22,7 @@
 pub(crate) mod attention;
 pub mod comm;
 pub(crate) mod optim;
+pub mod process;
 
 use gemm::{Parallelism, gemm};
 use std::borrow::Cow;

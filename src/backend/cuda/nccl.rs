@@ -18,7 +18,7 @@
 //!   order (rings, trees) and in the buffer's dtype, so results match the
 //!   cpu collectives to rounding, not bit for bit.
 //! * [`Staged`]: any cpu collective or pipeline link (the TCP
-//!   [`crate::comm::process::ProcessComm`]) on cuda buffers, each call copying
+//!   [`crate::backend::cpu::process::ProcessComm`]) on cuda buffers, each call copying
 //!   the buffer to the host and back, as `comm::Staged` does for ranks on
 //!   one GPU: the emulated GPU (`MEMFIT_CUDA_EMULATE`), `MEMFIT_DIST_BACKEND=tcp`,
 //!   and pipelines, whose point-to-point links and sub-groups NCCL is not
@@ -30,7 +30,8 @@ use std::time::{Duration, Instant};
 
 use super::CudaBuf;
 use crate::backend::DType;
-use crate::comm::process::{ProcessComm, ProcessGroup};
+use crate::backend::cpu::process::ProcessComm;
+use crate::comm::process::ProcessGroup;
 use crate::comm::{AbortHandle, Collective};
 use cudarc::driver::{result as cu, sys as cu_sys};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
@@ -151,7 +152,7 @@ impl NcclComm {
         timeout: Duration,
     ) -> Result<Self, String> {
         let (rank, world) = (group.rank(), group.world());
-        let mut host = group.comm(channel, (0..world).collect());
+        let mut host = ProcessComm::new(group, channel, (0..world).collect());
         let usable = nccl_available().and_then(|_| match id.len() {
             ID_BYTES => Ok(()),
             n => Err(format!(

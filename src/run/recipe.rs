@@ -5,10 +5,10 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use super::hardware::{HardwareProfile, load_hardware};
 use super::knobs::Knobs;
-use super::profile::{parse_yaml, value_location};
 use crate::backend::DeviceSpec;
+use crate::config::hardware::{HardwareProfile, load_hardware};
+use crate::config::profile::{parse_yaml, value_location};
 use crate::error::{Error, Result};
 
 /// A run recipe: the knobs it sets (every key optional, the long flags'
@@ -113,49 +113,8 @@ impl<'de> Deserialize<'de> for DeviceSpec {
     }
 }
 
-/// A byte size written as `--host-memory` takes it (`64GiB`, `512MiB`),
-/// checked as the scalar is read so that its error is located.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Bytes(pub u64);
-
-impl serde::Serialize for Bytes {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(self.0)
-    }
-}
-
-impl<'de> Deserialize<'de> for Bytes {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Visitor;
-        impl serde::de::Visitor<'_> for Visitor {
-            type Value = Bytes;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a size such as 64GiB or 512MiB")
-            }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Bytes, E> {
-                crate::units::parse_bytes(v)
-                    .and_then(positive_bytes)
-                    .map(Bytes)
-                    .map_err(E::custom)
-            }
-            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Bytes, E> {
-                positive_bytes(v).map(Bytes).map_err(E::custom)
-            }
-        }
-        d.deserialize_any(Visitor)
-    }
-}
-
-/// A capacity of zero bytes holds nothing: refused where it is given.
-pub fn positive_bytes(b: u64) -> Result<u64, String> {
-    match b {
-        0 => Err("must be more than 0 bytes".into()),
-        b => Ok(b),
-    }
-}
-
 pub fn load_run_recipe(path: &Path) -> Result<RunRecipe> {
-    let text = super::input::read_text(path)?;
+    let text = crate::config::input::read_text(path)?;
     let location = path.display().to_string();
     let mut knobs: Knobs = parse_yaml(&text, &location)?;
     let base = path.parent().unwrap_or(Path::new("."));
@@ -167,11 +126,11 @@ pub fn load_run_recipe(path: &Path) -> Result<RunRecipe> {
     // A profile path in a recipe is relative to the recipe, like `data`; a
     // bare name stays a name, so that a misspelt one gets a suggestion.
     if let Some(model) = &knobs.model
-        && !super::profile::builtin_models()
+        && !crate::config::profile::builtin_models()
             .iter()
             .any(|(name, _)| name == model)
         && Path::new(model).is_relative()
-        && (super::profile::looks_like_path(model) || base.join(model).is_file())
+        && (crate::config::profile::looks_like_path(model) || base.join(model).is_file())
     {
         knobs.model = Some(base.join(model).display().to_string());
     }
