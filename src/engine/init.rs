@@ -228,3 +228,19 @@ pub(super) fn upload_weights<B: Backend>(
         }
     }
 }
+
+/// ddp: rank 0's weights broadcast to every replica. QLoRA's NF4 bytes
+/// are not: every rank quantised the same seeded weights (the collectives
+/// move floats).
+pub(super) fn broadcast_weights<B: Backend>(
+    dev: &mut Device<B>,
+    d: &mut Dist<B>,
+    held: &Holdings,
+    params: &mut [T<B>],
+) {
+    for (t, _) in (params.iter_mut().zip(&held.owned)).filter(|(_, o)| **o) {
+        if t.dtype != DType::U8 {
+            dev.broadcast(&mut *d.comm, t, 0);
+        }
+    }
+}

@@ -658,16 +658,9 @@ impl<B: Backend> Engine<B> {
                 &mut states,
             );
         }
-        if let Some(d) = &mut dist
-            && train.sharding == Sharding::Ddp
-        {
-            // QLoRA's NF4 bytes are not broadcast: every rank quantised the
-            // same seeded weights (the collectives move floats).
-            for (t, _) in (states.params.iter_mut().zip(&held.owned)).filter(|(_, o)| **o) {
-                if t.dtype != DType::U8 {
-                    dev.broadcast(&mut *d.comm, t, 0);
-                }
-            }
+        if let Some(d) = dist.as_mut().filter(|_| train.sharding == Sharding::Ddp) {
+            // As PyTorch DDP does at construction.
+            init::broadcast_weights(&mut dev, d, &held, &mut states.params);
         }
         let loss_scale = match train.precision {
             Precision::Fp16 => train.initial_loss_scale,
