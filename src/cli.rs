@@ -480,8 +480,9 @@ pub struct SweepArgs {
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
     /// Test hook: make the N-th trial run fail (abort, sigkill or hang).
-    #[arg(long, hide = true, value_parser = parse_fault)]
-    pub test_fault: Option<(usize, crate::sweep::trial::Fault)>,
+    #[cfg(feature = "test-hooks")]
+    #[arg(long, hide = true, value_parser = crate::faults::parse_trial_fault)]
+    pub test_fault: Option<(usize, crate::faults::Fault)>,
     /// Where trials run. With slurm, each round of trials (every one that
     /// does not wait on another's result) is one sbatch job array, one task
     /// per trial; --out and this memfit binary must be on a filesystem the
@@ -560,20 +561,6 @@ fn sample_ms(s: &str) -> std::result::Result<u64, String> {
         0 => Err("must be at least 1".into()),
         n => Ok(n),
     }
-}
-
-/// `N:abort`, `N:sigkill` or `N:hang`.
-fn parse_fault(s: &str) -> std::result::Result<(usize, crate::sweep::trial::Fault), String> {
-    use crate::sweep::trial::Fault;
-    let (n, kind) = s.split_once(':').ok_or("expected N:abort|sigkill|hang")?;
-    let n = n.parse().map_err(|e| format!("{e}"))?;
-    let f = match kind {
-        "abort" => Fault::Abort,
-        "sigkill" => Fault::Sigkill,
-        "hang" => Fault::Hang,
-        other => return Err(format!("unknown fault `{other}`")),
-    };
-    Ok((n, f))
 }
 
 /// `memfit watch`.

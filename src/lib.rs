@@ -16,6 +16,8 @@ pub mod data;
 pub mod doctor;
 pub mod engine;
 pub mod error;
+#[cfg(feature = "test-hooks")]
+pub mod faults;
 pub mod launch;
 pub mod memory;
 pub mod nf4;

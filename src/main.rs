@@ -251,6 +251,7 @@ fn sweep_main(args: &memfit::cli::SweepArgs) -> Outcome {
         timing,
         timeout: std::time::Duration::from_secs_f64(args.trial_timeout),
         threads: args.threads,
+        #[cfg(feature = "test-hooks")]
         fault: args.test_fault,
         progress: std::io::stderr().is_terminal(),
         hooks: None,

@@ -7,7 +7,7 @@ pub mod recipe;
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::driver::Driver as _;
@@ -445,37 +445,6 @@ pub type ProcessRun = (
     Result<(RunReport, Option<Error>)>,
 );
 
-/// Test hook: `RANK:KIND` makes that rank fail right after joining the
-/// group: `sigkill` (as the kernel's OOM killer would), `exit` (exit 1
-/// without a word), `hang` (alive, never answering).
-pub const FAULT_ENV: &str = "MEMFIT_TEST_RANK_FAULT";
-
-/// Applies [`FAULT_ENV`] to `rank`, if it names it.
-pub(crate) fn test_fault(rank: usize) {
-    let Ok(v) = std::env::var(FAULT_ENV) else {
-        return;
-    };
-    let Some((r, kind)) = v.split_once(':') else {
-        return;
-    };
-    if r.trim().parse::<usize>() != Ok(rank) {
-        return;
-    }
-    match kind.trim() {
-        "sigkill" => {
-            let _ = std::process::Command::new("kill")
-                .args(["-9", &std::process::id().to_string()])
-                .status();
-            std::thread::sleep(Duration::from_secs(60));
-        }
-        "exit" => std::process::exit(1),
-        "hang" => loop {
-            std::thread::sleep(Duration::from_secs(60));
-        },
-        _ => {}
-    }
-}
-
 /// `memfit run` as rank `env.rank` of a job of `env.world` processes
 /// (`memfit launch`, torchrun): joins the process group, builds this rank's
 /// one engine linked to the others over it (TCP on cpu; NCCL, or TCP staged
@@ -665,7 +634,8 @@ impl ProcessRank<'_> {
         B::Buf: Send,
     {
         let rank = self.env.rank;
-        test_fault(rank);
+        #[cfg(feature = "test-hooks")]
+        crate::faults::rank_fault(rank);
         let failed = || group.failure().is_some();
         let share = Share {
             rank,

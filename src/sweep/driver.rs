@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use super::trial::{Fault, TrialOutput, TrialSpec};
+use super::trial::{TrialOutput, TrialSpec};
 use crate::backend::{DeviceKind, DeviceSpec};
 use crate::engine::Framework;
 use crate::error::{Error, Result};
@@ -36,8 +36,10 @@ pub struct SweepOptions {
     pub timing: crate::stats::Timing,
     pub timeout: Duration,
     pub threads: Option<usize>,
-    /// Test hook: make the trial at this position in run order fail.
-    pub fault: Option<(usize, Fault)>,
+    /// Test hook (`test-hooks`): make the trial at this position in run
+    /// order fail.
+    #[cfg(feature = "test-hooks")]
+    pub fault: Option<(usize, crate::faults::Fault)>,
     /// Draw a progress bar on stderr (it hides itself when stderr is not a terminal).
     pub progress: bool,
     /// Live control and events for an interactive front end (the TUI).
@@ -1556,13 +1558,14 @@ impl Ctx<'_> {
         self.emit(SweepEvent::TrialStarted { index });
         self.ran_now.insert(index);
         self.bar.set_message(p.point.label());
-        let fault = self
-            .opts
-            .fault
-            .and_then(|(at, f)| (at == self.runs).then_some(f));
+        #[cfg(feature = "test-hooks")]
+        let fault = (self.opts.fault).and_then(|(at, f)| (at == self.runs).then_some(f));
         self.runs += 1;
         let mut spec = self.spec(&p.point, self.opts.timing);
-        spec.fault = fault;
+        #[cfg(feature = "test-hooks")]
+        {
+            spec.fault = fault;
+        }
         spec.sample_ms = self.opts.hooks.as_ref().map(|h| h.sample_ms);
         Begin::Run(Box::new(spec))
     }
@@ -1582,6 +1585,7 @@ impl Ctx<'_> {
             timing: Some(timing),
             device: self.device.to_string(),
             threads: self.opts.threads,
+            #[cfg(feature = "test-hooks")]
             fault: None,
             sample_ms: None,
         }

@@ -11,18 +11,6 @@ use crate::error::{Error, Result};
 use crate::memory::PeakBytes;
 use crate::run::{RunOptions, run};
 
-/// Test hooks: make a trial fail the ways real ones do.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Fault {
-    /// `std::process::abort()` (SIGABRT), as a failed assertion in native code would.
-    Abort,
-    /// The child SIGKILLs itself, as the kernel's OOM killer would.
-    Sigkill,
-    /// Sleeps forever, to be killed by the timeout.
-    Hang,
-}
-
 /// Everything one trial needs; passed to the child as JSON.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct TrialSpec {
@@ -38,8 +26,10 @@ pub struct TrialSpec {
     /// `cpu:limit=...` or `meta:limit=...`.
     pub device: String,
     pub threads: Option<usize>,
+    /// Test hook (`test-hooks`): fail the trial on purpose.
+    #[cfg(feature = "test-hooks")]
     #[serde(default)]
-    pub fault: Option<Fault>,
+    pub fault: Option<crate::faults::Fault>,
     /// Report the tracked live bytes on stderr this often (the TUI's live chart).
     #[serde(default)]
     pub sample_ms: Option<u64>,
@@ -73,18 +63,9 @@ pub struct TrialOutput {
 /// Runs the trial in this process and returns what to print, or the error
 /// that makes it exit 2.
 pub fn run_trial(spec: &TrialSpec) -> Result<TrialOutput> {
-    match spec.fault {
-        Some(Fault::Abort) => std::process::abort(),
-        Some(Fault::Sigkill) => {
-            let _ = std::process::Command::new("kill")
-                .args(["-9", &std::process::id().to_string()])
-                .status();
-            std::thread::sleep(std::time::Duration::from_secs(60));
-        }
-        Some(Fault::Hang) => loop {
-            std::thread::sleep(std::time::Duration::from_secs(60));
-        },
-        None => {}
+    #[cfg(feature = "test-hooks")]
+    if let Some(f) = spec.fault {
+        f.strike();
     }
     if let Some(ms) = spec.sample_ms.filter(|&ms| ms > 0) {
         let start = std::time::Instant::now();

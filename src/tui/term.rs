@@ -170,6 +170,7 @@ fn prepare_sweep(
         timing: opts.timing,
         timeout: opts.timeout,
         threads: opts.threads,
+        #[cfg(feature = "test-hooks")]
         fault: None,
         progress: false,
         hooks: None,

@@ -167,6 +167,7 @@ fn rows_the_plan_skips_say_so_from_the_start() {
         timing: Default::default(),
         timeout: std::time::Duration::from_secs(60),
         threads: Some(1),
+        #[cfg(feature = "test-hooks")]
         fault: None,
         progress: false,
         hooks: None,
