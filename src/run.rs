@@ -129,6 +129,20 @@ fn check_hyperparameters(t: &TrainConfig) -> Result<()> {
             format!("{b1} is outside [0, 1)"),
         ));
     }
+    if !(0.0..1.0).contains(&t.beta2) {
+        return Err(Error::invalid_arg(
+            "--beta2",
+            format!("{} is outside [0, 1)", t.beta2),
+        ));
+    }
+    let adam = matches!(t.optimizer, Optimizer::Adamw | Optimizer::Adamw8bit);
+    if !adam && t.beta2 != TrainConfig::default().beta2 {
+        return Err(Error::invalid_arg(
+            "--beta2",
+            "applies to adamw and adamw8bit: sgd keeps no second moment, and \
+             adafactor's decays on its own schedule (1 - t^-0.8)",
+        ));
+    }
     if t.optimizer == Optimizer::Sgd && !(t.momentum > 0.0 && t.momentum < 1.0) {
         return Err(Error::invalid_arg(
             "--momentum",

@@ -1,7 +1,7 @@
 //! `memfit run` as a user runs it: output documents, exit codes, error messages.
 
 mod common;
-use common::{json, memfit, ok_json, stderr};
+use common::{json, losses, memfit, ok_json, stderr};
 
 #[test]
 fn run_json_carries_the_documented_fields() {
@@ -772,4 +772,51 @@ fn run_predicts_a_gpu_profile_and_names_its_allocation_profile() {
     let msg = common::refused(&["run", "--recipe", recipe.to_str().unwrap()], "`l4`");
     assert!(msg.contains("run.yaml:2:9"), "{msg}");
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// `--beta2` (a knob added through the `[train]` path of run/knobs.rs): it
+/// changes AdamW's updates, the report names it, a recipe's key sets it,
+/// and it is refused where it would do nothing.
+#[test]
+fn beta2_reaches_adamw_and_is_refused_where_it_does_nothing() {
+    let run = |extra: &[&str]| {
+        let base = ["run", "--steps", "3", "--seq-len", "32", "--format", "json"];
+        let doc = ok_json(&base, extra);
+        (doc["config"]["beta2"].as_f64().unwrap(), losses(&doc))
+    };
+    let (b_default, default) = run(&[]);
+    let (b_flag, flagged) = run(&["--beta2", "0.5"]);
+    assert_eq!(b_default as f32, 0.999);
+    assert_eq!(b_flag as f32, 0.5);
+    assert_eq!(
+        default[0], flagged[0],
+        "the first step's loss precedes any update"
+    );
+    assert_ne!(default[2], flagged[2], "beta2 changes the updates");
+
+    let recipe = std::env::temp_dir().join(format!("memfit-beta2-{}.yaml", std::process::id()));
+    std::fs::write(&recipe, "beta2: 0.5\nsteps: 3\nseq_len: 32\n").unwrap();
+    let (b_key, keyed) = run(&["--recipe", recipe.to_str().unwrap()]);
+    std::fs::remove_file(&recipe).unwrap();
+    assert_eq!(b_key as f32, 0.5);
+    assert_eq!(keyed, flagged, "the recipe's key is the flag");
+
+    for (args, why) in [
+        (&["--beta2", "1"][..], "outside [0, 1)"),
+        (
+            &["--beta2", "0.95", "--optimizer", "sgd"][..],
+            "applies to adamw",
+        ),
+        (
+            &["--beta2", "0.95", "--optimizer", "adafactor"][..],
+            "applies to adamw",
+        ),
+    ] {
+        let mut a = vec!["run", "--device", "meta"];
+        a.extend_from_slice(args);
+        let out = memfit(&a);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let msg = stderr(&out);
+        assert!(msg.contains("--beta2") && msg.contains(why), "{msg}");
+    }
 }

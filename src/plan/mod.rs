@@ -2202,6 +2202,7 @@ mod tests {
             ("threads", "cpu worker threads; a plan runs on meta"),
             ("lr", "a value, not a byte or a second"),
             ("weight_decay", "a value, not a byte or a second"),
+            ("beta2", "a value, not a byte or a second"),
             ("momentum", "SGD's, which plans do not offer"),
             (
                 "grad_clip",

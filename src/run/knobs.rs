@@ -3,7 +3,9 @@
 //! knob is optional, so that a flag overrides the recipe's key and a knob
 //! neither gives takes its default (`run::options::resolve`). What the
 //! flags and keys share is generated from the one list below: the merge
-//! ([`Knobs::or`]) and which knobs a source gave ([`Knobs::has`]).
+//! ([`Knobs::or`]), which knobs a source gave ([`Knobs::has`]) and, for the
+//! knobs marked `[train]`, setting the engine's `TrainConfig`
+//! ([`Knobs::apply`]).
 
 use std::path::PathBuf;
 
@@ -17,7 +19,10 @@ use crate::units::Bytes;
 /// Declares [`Knobs`] from one list of `name: Type` (each an `Option`),
 /// with its flag attributes and help, and what is generated from it.
 macro_rules! knobs {
-    ($( $(#[$attr:meta])* $name:ident: $ty:ty, )*) => {
+    // A knob marked `[train]` is the `TrainConfig` field of the same name
+    // and type, which `Knobs::apply` sets.
+    (@marker train) => {};
+    ($( $(#[$attr:meta])* $name:ident: $ty:ty $([$train:ident])?, )*) => {
         /// Knob flags have no clap default so that a recipe's key applies
         /// unless the flag is given; the defaults are stated in each help
         /// line.
@@ -38,6 +43,19 @@ macro_rules! knobs {
                 }
             }
 
+            /// Sets each knob marked `[train]` in the list that `self`
+            /// sets into `train`'s field of the same name; the others
+            /// (defaults that depend on other knobs, knobs outside
+            /// `TrainConfig`) are `run::options`'s to resolve.
+            pub fn apply(&self, train: &mut crate::engine::TrainConfig) {
+                $( $(
+                    knobs!(@marker $train);
+                    if let Some(v) = &self.$name {
+                        train.$name = v.clone();
+                    }
+                )? )*
+            }
+
             /// Whether knob `name` (a key, `seq_len`) is set.
             pub fn has(&self, name: &str) -> bool {
                 match name {
@@ -56,10 +74,10 @@ knobs! {
     model: String,
     /// Tokens per sequence [default: 64].
     #[arg(long)]
-    seq_len: usize,
+    seq_len: usize [train],
     /// Sequences per micro-batch [default: 4].
     #[arg(long)]
-    micro_batch: usize,
+    micro_batch: usize [train],
     /// Micro-batches per optimizer step [default: 1].
     #[arg(long)]
     grad_accum: usize,
@@ -80,74 +98,79 @@ knobs! {
     data: PathBuf,
     /// Seed for weights and data [default: 1337].
     #[arg(long)]
-    seed: u64,
+    seed: u64 [train],
     /// adamw, adamw8bit, adafactor or sgd [default: adamw].
     #[arg(long, value_enum)]
-    optimizer: Optimizer,
+    optimizer: Optimizer [train],
     /// Learning rate [default: 3e-4 for AdamW, 1e-2 for SGD, Adafactor's relative step].
     #[arg(long, allow_negative_numbers = true)]
     lr: f32,
     /// AdamW's beta1 [default: 0.9]; for Adafactor, turns on the first moment [default: off].
     #[arg(long)]
     beta1: f32,
+    /// AdamW's and 8-bit AdamW's beta2, the second moment's decay (GPT-3
+    /// and Llama pretrained with 0.95; Hugging Face's `adam_beta2`)
+    /// [default: 0.999].
+    #[arg(long)]
+    beta2: f32 [train],
     /// Weight decay on matrices only: decoupled for AdamW and Adafactor, L2 for SGD [default: 0.1].
     #[arg(long, allow_negative_numbers = true)]
-    weight_decay: f32,
+    weight_decay: f32 [train],
     /// SGD momentum, in (0, 1) [default: 0.9].
     #[arg(long)]
-    momentum: f32,
+    momentum: f32 [train],
     /// Clip gradients to this global norm; 0 turns clipping off [default: 1.0].
     #[arg(long)]
-    grad_clip: f32,
+    grad_clip: f32 [train],
     /// none, or full: keep only each block's input and recompute the block in the
     /// backward pass [default: none].
     #[arg(long, value_enum)]
-    checkpointing: Checkpointing,
+    checkpointing: Checkpointing [train],
     /// eager (materialises B*H*T*T probabilities) or fused (flash-style) [default: eager].
     #[arg(long, value_enum)]
-    attention: Attention,
+    attention: Attention [train],
     /// fp32, or mixed precision: bf16, or fp16 with dynamic loss scaling;
     /// 16-bit weights, activations and gradients, fp32 master weights
     /// (hf-eager: autocast, fp32 weights and no master copy) [default: fp32].
     #[arg(long, value_enum)]
-    precision: Precision,
+    precision: Precision [train],
     /// Whose allocations to hold: memfit (the engine's own) or hf-eager
     /// (what PyTorch + Hugging Face transformers allocate for the same
     /// step); hf-eager computes with memfit's kernels and, with bf16/fp16 or
     /// dropout, runs on meta only [default: memfit].
     #[arg(long, value_enum)]
-    framework: Framework,
+    framework: Framework [train],
     /// hf-eager: the model's dropout probability; decides which masks are
     /// saved (meta only: the engine's kernels have no dropout) [default: 0].
     #[arg(long)]
-    dropout: f32,
+    dropout: f32 [train],
     /// hf-eager: torch.optim.AdamW's implementation: foreach, single-tensor
     /// or fused [default: foreach].
     #[arg(long, value_enum)]
-    optimizer_impl: OptimizerImpl,
+    optimizer_impl: OptimizerImpl [train],
     /// hf-eager: the optimizer's parameter groups: one (AdamW(model.parameters()),
     /// a plain loop) or trainer (transformers' Trainer: the decaying
     /// matrices, then biases and norms); torch.optim updates a group at a
     /// time [default: one].
     #[arg(long, value_enum)]
-    param_groups: ParamGroups,
+    param_groups: ParamGroups [train],
     /// hf-eager: optimizer.zero_grad(set_to_none=...) [default: true].
     #[arg(long, value_name = "BOOL", value_parser = set_to_none())]
-    set_to_none: bool,
+    set_to_none: bool [train],
     /// How the loss meets the head: full (every token's logits at once),
     /// chunked (torchtune's LinearCrossEntropyLoss: the sequence in
     /// --loss-chunks parts; hf-eager) or fused-linear (Liger's fused linear
     /// cross-entropy: no logits beyond a chunk of tokens) [default: full].
     #[arg(long, value_enum)]
-    loss: Loss,
+    loss: Loss [train],
     /// --loss chunked: the parts the sequence is split into (torchtune's
     /// num_output_chunks) [default: 8].
     #[arg(long)]
-    loss_chunks: usize,
+    loss_chunks: usize [train],
     /// full (every weight trains) or lora (adapters on frozen weights; one
     /// rank, no pipeline) [default: full].
     #[arg(long, value_enum)]
-    finetune: Finetune,
+    finetune: Finetune [train],
     /// LoRA rank r [default: 8].
     #[arg(long)]
     lora_rank: usize,
@@ -170,42 +193,42 @@ knobs! {
     /// How state is spread over the ranks: none (one rank), ddp, zero1
     /// (optimizer state), zero2 (+ gradients), zero3 (+ parameters, FSDP) [default: none].
     #[arg(long, value_enum)]
-    sharding: Sharding,
+    sharding: Sharding [train],
     /// ddp: gradients are views into the all-reduce buckets (PyTorch's
     /// gradient_as_bucket_view), so the buckets cost no extra memory
     /// [default: false; the bare flag: true].
     #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = switch())]
-    bucket_view: bool,
+    bucket_view: bool [train],
     /// With --tensor-parallel: Megatron's sequence parallelism; norms and
     /// the residual stream keep 1/T of the tokens on each rank, gathered
     /// before and reduce-scattered after each split projection [default:
     /// false; the bare flag: true].
     #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = switch())]
-    sequence_parallel: bool,
+    sequence_parallel: bool [train],
     /// ZeRO-Offload: optimizer (fp32 master, optimizer state and gradient
     /// shard in host memory, the update on the CPU; zero1-3) or
     /// optimizer+params (and the weight shard; zero3) [default: none].
     #[arg(long, value_enum)]
-    offload: Offload,
+    offload: Offload [train],
     /// Hybrid sharding (FSDP's HYBRID_SHARD): ZeRO shards over groups of
     /// this many consecutive ranks (a node's GPUs) and replicates across
     /// the groups, all-reducing gradient shards between them [default: all
     /// ranks in one group].
     #[arg(long)]
-    shard_group: usize,
+    shard_group: usize [train],
     /// Tensor parallelism (Megatron-LM): groups of this many adjacent ranks
     /// split every block's attention heads and MLP width between them,
     /// all-reducing activations; --ranks is then stages x data-parallel
     /// replicas x this [default: 1].
     #[arg(long)]
-    tensor_parallel: usize,
+    tensor_parallel: usize [train],
     /// ZeRO++ hpZ (zero3): each rank also keeps a secondary copy of the
     /// weights sharded over its group of this many consecutive ranks (a
     /// node's GPUs), so the backward's all-gathers stay within the group;
     /// costs 1/G of the weights per rank (DeepSpeed's
     /// zero_hpz_partition_size) [default: 0, off].
     #[arg(long)]
-    hpz_group: usize,
+    hpz_group: usize [train],
     /// Host memory offloaded tensors may take, per rank, e.g. 64GiB
     /// [default: this machine's available memory].
     #[arg(long, value_parser = host_bytes)]
@@ -214,7 +237,7 @@ knobs! {
     /// embedding with the first, the head with the last); --ranks is then
     /// stages x data-parallel replicas [default: 1; --ranks defaults to it].
     #[arg(long)]
-    pipeline_stages: usize,
+    pipeline_stages: usize [train],
     /// Micro-batches each step pushes through the pipeline (the same as
     /// --grad-accum, which it sets).
     #[arg(long)]
@@ -222,7 +245,7 @@ knobs! {
     /// gpipe (all forwards, then all backwards) or 1f1b (stage s holds at
     /// most stages - s micro-batches) [default: 1f1b].
     #[arg(long, value_enum)]
-    schedule: Schedule,
+    schedule: Schedule [train],
     /// Blocks per stage as half-open ranges, e.g. 0:6,6:12 (what `memfit
     /// balance` prints) [default: an even split, the first stages taking the rest].
     #[arg(long)]

@@ -126,49 +126,26 @@ fn merge(flags: &Knobs, r: &RunRecipe, timeline: Option<PathBuf>) -> Result<RunO
             Some(hw),
         ),
     };
+    // The knobs marked [train] in run/knobs.rs set their fields; these
+    // need more than a copy.
+    let mut train = TrainConfig {
+        // A flag (either spelling) overrides the recipe's key (either).
+        grad_accum: match microbatches(flags.grad_accum, flags.microbatches)? {
+            Some(a) => a,
+            None => microbatches(keys.grad_accum, keys.microbatches)?.unwrap_or(d.grad_accum),
+        },
+        lr: k.lr,
+        beta1: k.beta1,
+        ranks: k.ranks.unwrap_or(stages * tensor_parallel),
+        partition: k.partition.as_deref().map(parse_partition).transpose()?,
+        lora,
+        host_memory: k.host_memory.map(|b| b.0).or(d.host_memory),
+        ..d
+    };
+    k.apply(&mut train);
     Ok(RunOptions {
         model: k.model.clone().unwrap_or_else(|| "gpt2-tiny".into()),
-        train: TrainConfig {
-            seq_len: k.seq_len.unwrap_or(d.seq_len),
-            micro_batch: k.micro_batch.unwrap_or(d.micro_batch),
-            // A flag (either spelling) overrides the recipe's key (either).
-            grad_accum: match microbatches(flags.grad_accum, flags.microbatches)? {
-                Some(a) => a,
-                None => microbatches(keys.grad_accum, keys.microbatches)?.unwrap_or(d.grad_accum),
-            },
-            optimizer: k.optimizer.unwrap_or(d.optimizer),
-            lr: k.lr,
-            beta1: k.beta1,
-            weight_decay: k.weight_decay.unwrap_or(d.weight_decay),
-            momentum: k.momentum.unwrap_or(d.momentum),
-            grad_clip: k.grad_clip.unwrap_or(d.grad_clip),
-            seed: k.seed.unwrap_or(d.seed),
-            checkpointing: k.checkpointing.unwrap_or(d.checkpointing),
-            attention: k.attention.unwrap_or(d.attention),
-            precision: k.precision.unwrap_or(d.precision),
-            ranks: k.ranks.unwrap_or(stages * tensor_parallel),
-            sharding: k.sharding.unwrap_or(d.sharding),
-            bucket_view: k.bucket_view.unwrap_or(d.bucket_view),
-            sequence_parallel: k.sequence_parallel.unwrap_or(d.sequence_parallel),
-            pipeline_stages: stages,
-            schedule: k.schedule.unwrap_or(d.schedule),
-            partition: k.partition.as_deref().map(parse_partition).transpose()?,
-            framework,
-            dropout: k.dropout.unwrap_or(d.dropout),
-            optimizer_impl: k.optimizer_impl.unwrap_or(d.optimizer_impl),
-            set_to_none: k.set_to_none.unwrap_or(d.set_to_none),
-            param_groups: k.param_groups.unwrap_or(d.param_groups),
-            loss,
-            loss_chunks: k.loss_chunks.unwrap_or(d.loss_chunks),
-            finetune,
-            lora,
-            offload: k.offload.unwrap_or(d.offload),
-            host_memory: k.host_memory.map(|b| b.0).or(d.host_memory),
-            shard_group: k.shard_group.unwrap_or(d.shard_group),
-            tensor_parallel,
-            hpz_group: k.hpz_group.unwrap_or(d.hpz_group),
-            ..d
-        },
+        train,
         steps: k.steps.unwrap_or(20),
         device,
         target,
