@@ -289,7 +289,7 @@ fn layer_times(
                 model,
                 &one,
                 be,
-                crate::units::host_available_memory(),
+                crate::sys::mem_available(),
                 repeats,
                 per_layer,
             )

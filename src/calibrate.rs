@@ -114,15 +114,7 @@ impl Calibration {
 
 /// The CPU's model name, or `unknown cpu`.
 pub fn host_name() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown cpu".into())
+    crate::sys::cpu_model().unwrap_or_else(|| "unknown cpu".into())
 }
 
 /// The threads a cpu trial uses when `--threads` is not given.

@@ -31,6 +31,7 @@ pub mod selftest;
 pub mod signals;
 pub mod stats;
 pub mod sweep;
+pub mod sys;
 pub mod telemetry;
 pub mod tui;
 pub mod ui;

@@ -26,7 +26,7 @@ use crate::report::run::{
     ErrorRecord, GpuRecord, HostRecord, RankRecord, RunConfigRecord, RunReport, StepRecord,
     TargetRecord, summarise_ranks,
 };
-use crate::units::host_available_memory;
+use crate::sys::mem_available;
 
 /// Everything `memfit run` needs; the CLI fills it from flags.
 #[derive(Clone, Debug)]
@@ -288,7 +288,7 @@ fn host_share(t: &mut TrainConfig) {
     if t.offload.optimizer() {
         t.host_memory = t
             .host_memory
-            .or_else(host_available_memory)
+            .or_else(mem_available)
             .map(|h| h / t.ranks as u64);
     }
 }
@@ -480,7 +480,7 @@ pub fn run_process_rank(
     if t.offload.optimizer() {
         t.host_memory = t
             .host_memory
-            .or_else(host_available_memory)
+            .or_else(mem_available)
             .map(|h| h / env.local_world as u64);
     }
     // This node's cores, shared by its ranks.
@@ -750,7 +750,7 @@ fn predicted_peak(model: &ModelConfig, train: &TrainConfig, rank: usize, gpu: bo
 /// available memory among `ranks` ranks (the whole share without a limit),
 /// so a model too big for this machine is a typed out-of-memory.
 fn capped_by_host(limit: Option<u64>, ranks: usize) -> Option<u64> {
-    let host = host_available_memory().map(|h| h / ranks as u64);
+    let host = mem_available().map(|h| h / ranks as u64);
     match (limit, host) {
         (Some(l), Some(h)) => Some(l.min(h)),
         (l, h) => l.or(h),

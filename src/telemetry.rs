@@ -268,9 +268,7 @@ fn optional<T>(r: Result<T, NvmlError>, lost: &mut Option<NvmlError>) -> Option<
 
 /// `/proc/PID/comm`, when it is readable.
 fn process_name(pid: u32) -> Option<String> {
-    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
-    let comm = comm.trim_end();
-    (!comm.is_empty()).then(|| comm.to_string())
+    crate::sys::proc::comm(pid).filter(|c| !c.is_empty())
 }
 
 /// The NVML name of an error, where it is one of NVML's return codes.

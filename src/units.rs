@@ -119,22 +119,6 @@ pub fn positive_bytes(b: u64) -> Result<u64, String> {
     }
 }
 
-/// A `Key:   N kB` field of a /proc file (`/proc/meminfo`,
-/// `/proc/PID/status`) in bytes; `None` where there is no such file or field.
-pub fn proc_bytes(path: &str, key: &str) -> Option<u64> {
-    let text = std::fs::read_to_string(path).ok()?;
-    let line = text
-        .lines()
-        .find(|l| l.strip_prefix(key).is_some_and(|r| r.starts_with(':')))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
-/// `MemAvailable` from /proc/meminfo, where there is one.
-pub fn host_available_memory() -> Option<u64> {
-    proc_bytes("/proc/meminfo", "MemAvailable")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

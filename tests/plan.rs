@@ -454,11 +454,10 @@ fn plan_watch_replans_when_the_recipe_changes() {
     std::fs::write(&recipe, text(32)).unwrap();
     let out = wait_for(&|s| docs(s).len() == 3);
     assert_eq!(docs(&out)[2]["global_batch"], 32);
-    // SAFETY: signalling our own child.
-    unsafe extern "C" {
-        fn kill(pid: i32, sig: i32) -> i32;
-    }
-    assert_eq!(unsafe { kill(child.id() as i32, 15) }, 0);
+    assert!(memfit::sys::proc::signal(
+        child.id(),
+        memfit::sys::Signal::TERM
+    ));
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(143));
 }

@@ -86,50 +86,23 @@ pub fn read_text(path: &Path) -> Result<String> {
 /// reader would wait forever, so then it is an error instead. Devices
 /// (`/dev/null`, `/dev/stdout`) are written as asked.
 pub fn create_output(path: &Path) -> Result<std::fs::File> {
-    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    use std::os::unix::fs::FileTypeExt;
     let write = |source: std::io::Error| Error::Write {
         path: path.to_path_buf(),
         source,
     };
     if std::fs::metadata(path).is_ok_and(|m| m.file_type().is_fifo()) {
-        const O_NONBLOCK: i32 = 0o4000;
-        const ENXIO: i32 = 6;
-        // Without a reader, a non-blocking open for writing fails (ENXIO).
-        match std::fs::OpenOptions::new()
-            .write(true)
-            .custom_flags(O_NONBLOCK)
-            .open(path)
-        {
-            Err(e) if e.raw_os_error() == Some(ENXIO) => {
-                return Err(write(std::io::Error::new(
-                    std::io::ErrorKind::InvalidInput,
-                    "it is a FIFO that no process is reading; start the reader first, or name a regular file",
-                )));
-            }
-            Err(e) => return Err(write(e)),
-            // A reader is there: keep this very descriptor (closing it
-            // would hand the reader an end of file) and make its writes
-            // blocking, as a regular file's are.
-            Ok(file) => {
-                use std::os::fd::AsRawFd;
-                unsafe extern "C" {
-                    fn fcntl(fd: i32, cmd: i32, ...) -> i32;
-                }
-                const F_GETFL: i32 = 3;
-                const F_SETFL: i32 = 4;
-                let fd = file.as_raw_fd();
-                // SAFETY: fcntl(2) on a descriptor this function owns;
-                // F_GETFL/F_SETFL read and set its status flags only.
-                let ok = unsafe {
-                    let flags = fcntl(fd, F_GETFL);
-                    flags >= 0 && fcntl(fd, F_SETFL, flags & !O_NONBLOCK) == 0
-                };
-                if !ok {
-                    return Err(write(std::io::Error::last_os_error()));
-                }
-                return Ok(file);
-            }
-        }
+        // A reader is there: keep this very descriptor (closing it would
+        // hand the reader an end of file), its writes blocking, as a
+        // regular file's are.
+        return match crate::sys::fs::open_fifo_for_writing(path) {
+            Ok(Some(file)) => Ok(file),
+            Ok(None) => Err(write(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "it is a FIFO that no process is reading; start the reader first, or name a regular file",
+            ))),
+            Err(e) => Err(write(e)),
+        };
     }
     std::fs::File::create(path).map_err(write)
 }

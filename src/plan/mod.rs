@@ -1397,7 +1397,7 @@ impl Rates {
             },
             host_memory: hw
                 .host_memory
-                .or_else(crate::units::host_available_memory)
+                .or_else(crate::sys::mem_available)
                 .unwrap_or(u64::MAX),
             gpus_per_node: hw.gpus_per_node.max(1) as usize,
             nodes: Some(std::sync::Arc::new(hw.clone())),
@@ -1419,7 +1419,7 @@ impl Rates {
                 link_bytes_per_s: c.bytes_per_s,
                 link_latency_s: c.op_overhead_s,
             },
-            host_memory: crate::units::host_available_memory().unwrap_or(u64::MAX),
+            host_memory: crate::sys::mem_available().unwrap_or(u64::MAX),
             gpus_per_node: usize::MAX,
             nodes: None,
         }

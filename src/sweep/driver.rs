@@ -1233,7 +1233,7 @@ impl OutLock {
                 Err(TryLockError::Error(_)) => {
                     if let Some(h) = &previous
                         && h.host == hostname()
-                        && pid_alive(h.pid)
+                        && crate::sys::proc::exists(h.pid)
                     {
                         return Err(Error::invalid_arg("--out", in_use(dir, Some(h))));
                     }
@@ -1287,7 +1287,7 @@ impl OutLock {
                             "renewed its lease {} s ago, but --break-lock says it is gone",
                             age.as_secs()
                         ),
-                        None if pid_alive(h.pid) => "no longer holds it".into(),
+                        None if crate::sys::proc::exists(h.pid) => "no longer holds it".into(),
                         None => "is no longer running".into(),
                     }
                 )
@@ -1371,16 +1371,7 @@ fn read_holder(file: &mut std::fs::File) -> Option<Holder> {
 }
 
 fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "localhost".into())
-}
-
-/// Whether a process with this pid exists on this host.
-fn pid_alive(pid: u32) -> bool {
-    pid != 0 && Path::new(&format!("/proc/{pid}")).exists()
+    crate::sys::hostname().unwrap_or_else(|| "localhost".into())
 }
 
 /// `2025-01-02 21:03:11 UTC` (civil date from days since 1970, after
@@ -2024,11 +2015,6 @@ fn run_device(
     }
 }
 
-/// A process's current resident set (`VmRSS`), if it is still there.
-fn process_rss(pid: u32) -> Option<u64> {
-    crate::units::proc_bytes(&format!("/proc/{pid}/status"), "VmRSS")
-}
-
 fn tail(s: &str) -> String {
     let lines: Vec<&str> = s.lines().collect();
     let t = lines[lines.len().saturating_sub(20)..].join("\n");
@@ -2154,7 +2140,7 @@ fn run_child(
             break status;
         }
         for (t, tracked) in rx.try_iter() {
-            on_sample(t, tracked, process_rss(pid), nvml_now);
+            on_sample(t, tracked, crate::sys::proc::rss(pid), nvml_now);
         }
         if start.elapsed() > timeout || stop.load(Ordering::SeqCst) {
             timed_out = !stop.load(Ordering::SeqCst);

@@ -96,7 +96,7 @@ pub fn run_trial(spec: &TrialSpec) -> Result<TrialOutput> {
         phase_peaks: true,
         timing: spec.timing,
     };
-    let rss_baseline_bytes = crate::units::proc_bytes("/proc/self/status", "VmRSS");
+    let rss_baseline_bytes = crate::sys::proc::self_rss();
     let (report, failure) = run(&opts)?;
     Ok(TrialOutput {
         oom: failure.map(|e| e.to_string()),
@@ -115,5 +115,5 @@ pub fn run_trial(spec: &TrialSpec) -> Result<TrialOutput> {
 
 /// The process's resident-set high-water mark (`VmHWM` in /proc/self/status).
 pub fn rss_high_water_mark() -> Option<u64> {
-    crate::units::proc_bytes("/proc/self/status", "VmHWM")
+    crate::sys::proc::self_rss_peak()
 }

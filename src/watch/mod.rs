@@ -5,7 +5,7 @@
 //!
 //! - [`state`]: the pure state samples fold into (peaks, warnings, chart).
 //! - [`tui`]: drawing that state (pure) and the terminal loop.
-//! - [`proc`]: the job through /proc (descendants, host RSS, signals).
+//! - `sys::proc`: the job through /proc (descendants, host RSS, signals).
 //! - here: options, the child, the sampling thread, the headless printer,
 //!   the timeline file and the summary.
 //!
@@ -13,7 +13,6 @@
 //! end, and the summary gives its exit code, duration and the host RSS
 //! peak of its process tree, labelled host memory.
 
-pub mod proc;
 pub mod state;
 pub mod tui;
 
@@ -30,6 +29,7 @@ use serde::Serialize;
 use crate::error::Result;
 use crate::report::Format;
 use crate::run::knobs::Knobs;
+use crate::sys::{Signal, proc};
 use crate::telemetry::{Snapshot, Telemetry};
 use crate::units::fmt_bytes;
 use state::{GpuPeak, Phase, Prediction, Target, Tick, Warning, WatchState, fmt_pct, fmt_si};
@@ -231,7 +231,7 @@ fn start_target(
         (Some(pid), _) => (
             Target::Pid {
                 pid: *pid,
-                name: proc::name(*pid),
+                name: proc::comm(*pid),
             },
             None,
         ),
@@ -629,7 +629,7 @@ impl Session<'_> {
         let now = self.started.elapsed().as_secs_f64();
         match (self.stop_asked, self.child.as_ref()) {
             (None, Some(c)) => {
-                proc::signal(c.id(), proc::SIGTERM);
+                proc::signal(c.id(), Signal::TERM);
                 self.stop_asked = Some((Instant::now(), false));
                 self.st.phase = Phase::Stopping {
                     since_s: now,
@@ -657,7 +657,7 @@ impl Session<'_> {
         let pids = proc::tree(c.id());
         let _ = c.kill();
         for p in pids.into_iter().skip(1) {
-            proc::signal(p, proc::SIGKILL);
+            proc::signal(p, Signal::KILL);
         }
         let since = self.stop_asked.map_or(Instant::now(), |s| s.0);
         self.stop_asked = Some((since, true));

@@ -411,19 +411,13 @@ fn links_dir(found: &[Found]) -> PathBuf {
     for f in found {
         f.path.hash(&mut h);
     }
-    // SAFETY: getuid has no preconditions.
-    let uid = unsafe { libc_getuid() };
+    let uid = crate::sys::uid();
     let base = std::env::var_os("XDG_RUNTIME_DIR")
         .map(PathBuf::from)
         .filter(|d| d.is_dir())
         .unwrap_or_else(std::env::temp_dir);
     base.join(format!("memfit-cuda-libs-{uid}"))
         .join(format!("{:016x}", h.finish()))
-}
-
-unsafe extern "C" {
-    #[link_name = "getuid"]
-    fn libc_getuid() -> u32;
 }
 
 /// Makes the folder of links (`libnvrtc.so` -> the NVRTC found, ...) for
@@ -439,8 +433,7 @@ pub fn make_links(found: &[Found]) -> Result<PathBuf, String> {
         let _ = std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o700));
         let meta =
             std::fs::symlink_metadata(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
-        // SAFETY: getuid has no preconditions.
-        let uid = unsafe { libc_getuid() };
+        let uid = crate::sys::uid();
         if meta.uid() != uid || meta.mode() & 0o022 != 0 || !meta.is_dir() {
             return Err(format!(
                 "{} is not a folder only this user can write; remove it",
