@@ -559,7 +559,7 @@ fn placement(args: &LaunchOptions) -> crate::Result<Placement> {
 /// left behind would keep their peers on the other nodes waiting out the
 /// timeout, and keep their cores.
 fn die_with_launcher(c: &mut Command) {
-    crate::signals::die_with_parent(c);
+    crate::sys::signals::die_with_parent(c);
 }
 
 /// The secret this job's ranks present to each other: the launcher's own
@@ -640,7 +640,7 @@ fn launch(args: &LaunchOptions, parse_run: RunParser) -> crate::Result<i32> {
         let stop = Arc::clone(&stop);
         // Ctrl-C reaches the ranks too (same process group); this makes
         // sure none is left behind.
-        let _ = ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst));
+        crate::sys::signals::on_interrupt(stop);
     }
     let who = match args.nnodes {
         1 => "memfit launch".to_string(),

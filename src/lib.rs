@@ -28,7 +28,6 @@ pub mod report;
 pub mod rng;
 pub mod run;
 pub mod selftest;
-pub mod signals;
 pub mod stats;
 pub mod sweep;
 pub mod sys;

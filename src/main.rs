@@ -62,7 +62,7 @@ fn plan_watch(args: &memfit::cli::PlanArgs) -> i32 {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
     let stop = Arc::new(AtomicBool::new(false));
-    memfit::signals::on_stop(stop.clone());
+    memfit::sys::signals::on_stop(stop.clone());
     let tty = std::io::stdout().is_terminal();
     let stamp = |p: &std::path::Path| {
         std::fs::metadata(p)
@@ -100,7 +100,7 @@ fn plan_watch(args: &memfit::cli::PlanArgs) -> i32 {
         }
         std::thread::sleep(std::time::Duration::from_millis(200));
     }
-    memfit::signals::stopped_exit_code()
+    memfit::sys::signals::stopped_exit_code()
 }
 
 /// How a command ends: the exit code it chose after printing its result,
@@ -274,7 +274,7 @@ fn sweep_main(args: &memfit::cli::SweepArgs) -> Outcome {
         format!("{table}reports in {}\n", args.out.display())
     });
     match report.interrupted {
-        true => Ok(memfit::signals::stopped_exit_code()),
+        true => Ok(memfit::sys::signals::stopped_exit_code()),
         false => Ok(0),
     }
 }

@@ -750,7 +750,7 @@ fn stop_flag(opts: &SweepOptions) -> Arc<AtomicBool> {
             let flag = stop.clone();
             // Ctrl-C, a scheduler's SIGTERM and a lost terminal's SIGHUP all
             // stop the sweep the same way: reports written, trial killed.
-            crate::signals::on_stop(flag);
+            crate::sys::signals::on_stop(flag);
             stop
         }
     }
@@ -2072,7 +2072,7 @@ fn run_child(
     let mut cmd = Command::new(exe);
     // A sweep killed outright (kill -9, the OOM killer) runs no handler:
     // the kernel then kills the trial, which would otherwise run on.
-    crate::signals::die_with_parent(&mut cmd);
+    crate::sys::signals::die_with_parent(&mut cmd);
     let mut child = cmd
         .args(["trial", "--spec", &json])
         // Its own process group: the terminal's Ctrl-C reaches the sweep,

@@ -1,16 +1,19 @@
 //! The host as the operating system shows it: /proc, signals, pids and
 //! file descriptors. Every OS call memfit makes beyond std is here, made
-//! through `rustix`, so no module declares libc by hand.
+//! through `rustix` and `signal-hook`, so no module declares libc by hand.
 //! (The NVIDIA libraries memfit loads, in `backend::cuda`, `telemetry` and
 //! `doctor`, are dynamic-library bindings, not OS calls, and stay there.)
 //!
 //! - [`proc`]: processes through /proc (state, parent, descendants,
 //!   resident memory, name) and sending them signals.
+//! - [`signals`]: stopping cleanly on SIGINT, SIGTERM and SIGHUP, and
+//!   children that die with their parent.
 //! - [`fs`]: the descriptor-level file operations (a FIFO opened only
 //!   when someone reads it).
 
 pub mod fs;
 pub mod proc;
+pub mod signals;
 
 pub use rustix::process::Signal;
 

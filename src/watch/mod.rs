@@ -19,7 +19,7 @@ pub mod tui;
 use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -683,17 +683,13 @@ fn exit_code(status: std::process::ExitStatus) -> (Option<i32>, Option<i32>) {
     }
 }
 
-/// Ctrl-C presses seen by the handler (headless; the TUI reads keys).
-static INTERRUPTS: AtomicUsize = AtomicUsize::new(0);
-
 /// The loop without a TUI: a line when the job's peak grows (at most one a
 /// second), one a second per GPU when only GPUs are watched, and a line for
 /// each warning, all on stderr; stdout is the command's.
 fn headless(s: &mut Session) {
-    let _ = ctrlc::set_handler(|| {
-        INTERRUPTS.fetch_add(1, Ordering::SeqCst);
-    });
-    let mut interrupts_seen = 0;
+    // Ctrl-C presses since the last look (headless; the TUI reads keys).
+    let interrupted = Arc::new(AtomicBool::new(false));
+    crate::sys::signals::on_interrupt(interrupted.clone());
     match &s.st.nvml {
         Err(why) => eprintln!("memfit watch: no NVML: {why}; GPU memory is not measured"),
         Ok(driver) => eprintln!(
@@ -738,9 +734,7 @@ fn headless(s: &mut Session) {
             eprintln!("memfit watch: {line}");
             last_line = Some(Instant::now());
         }
-        let pressed = INTERRUPTS.load(Ordering::SeqCst);
-        if pressed > interrupts_seen {
-            interrupts_seen = pressed;
+        if interrupted.swap(false, Ordering::SeqCst) {
             s.request_stop();
             if let Some(m) = s.st.message.take() {
                 eprintln!("memfit watch: {m}");
