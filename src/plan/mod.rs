@@ -1255,6 +1255,13 @@ pub fn plan_with(
     let points = expand(r);
     let (capacity, overhead) = r.capacity(hw);
     let rates = Rates::gpu(hw, usd);
+    let target = PlanTarget {
+        recipe: r,
+        model,
+        rates: &rates,
+        capacity,
+        overhead,
+    };
     // Points that differ only in the batch's shape build the same engine
     // but for its workspace: each such group builds it once and copies it
     // ([`Engine::reshaped`]), a sixth of a 70B point. The work goes group
@@ -1278,9 +1285,7 @@ pub fn plan_with(
         .par_iter()
         .map(|&i| {
             let (p, slot) = (&points[i], &shared[groups[i]]);
-            let out = known(p).unwrap_or_else(|| {
-                predict_shared(r, model, &rates, capacity, overhead, p, Some(slot))
-            });
+            let out = known(p).unwrap_or_else(|| predict_shared(&target, p, Some(slot)));
             let mut s = slot.lock().expect("not poisoned");
             s.left -= 1;
             if s.left == 0 {
@@ -1512,15 +1517,21 @@ fn fit_verdict(p: &Prediction) -> Verdict {
     }
 }
 
-pub fn predict(
-    r: &PlanRecipe,
-    model: &ModelConfig,
-    rates: &Rates,
-    capacity: u64,
-    overhead: u64,
-    p: &Point,
-) -> Prediction {
-    predict_shared(r, model, rates, capacity, overhead, p, None)
+/// What the points of a plan are predicted against: the recipe (its
+/// fixed knobs and headroom), the model, the target's rates, its capacity
+/// and the runtime's overhead on top of the engine's peak.
+#[derive(Clone, Copy)]
+pub struct PlanTarget<'a> {
+    pub recipe: &'a PlanRecipe,
+    pub model: &'a ModelConfig,
+    pub rates: &'a Rates,
+    pub capacity: u64,
+    pub overhead: u64,
+}
+
+/// Point `p`'s prediction on `t`.
+pub fn predict(t: &PlanTarget<'_>, p: &Point) -> Prediction {
+    predict_shared(t, p, None)
 }
 
 /// The engine that the points of one group (`Point::unshaped`) share, and
@@ -1535,14 +1546,12 @@ struct Shared {
 /// rank stands for the step (building it there first), instead of building
 /// its own.
 fn predict_shared(
-    r: &PlanRecipe,
-    model: &ModelConfig,
-    rates: &Rates,
-    capacity: u64,
-    overhead: u64,
+    t: &PlanTarget<'_>,
     p: &Point,
     shared: Option<&std::sync::Mutex<Shared>>,
 ) -> Prediction {
+    let (r, model, rates) = (t.recipe, t.model, t.rates);
+    let (capacity, overhead) = (t.capacity, t.overhead);
     let usable = (capacity as f64 * (1.0 - r.headroom)) as u64;
     let mut out = unplanned(r, model, overhead, usable, p);
     if let Some(reason) = invalid_reason(r, model, p) {
@@ -2140,9 +2149,27 @@ mod tests {
         }
         let mut compared = 0;
         for p in &layouts {
-            let fast = predict(&r, &model, &rates, capacity, overhead, p);
+            let fast = predict(
+                &PlanTarget {
+                    recipe: &r,
+                    model: &model,
+                    rates: &rates,
+                    capacity,
+                    overhead,
+                },
+                p,
+            );
             crate::engine::RUN_EVERY_MICRO_BATCH.with(|c| c.set(true));
-            let every = predict(&r, &model, &rates, capacity, overhead, p);
+            let every = predict(
+                &PlanTarget {
+                    recipe: &r,
+                    model: &model,
+                    rates: &rates,
+                    capacity,
+                    overhead,
+                },
+                p,
+            );
             crate::engine::RUN_EVERY_MICRO_BATCH.with(|c| c.set(false));
             let Some(peaks) = every.peak_bytes else {
                 continue;
@@ -2256,7 +2283,16 @@ mod tests {
             let r: PlanRecipe = serde_yaml_ng::from_str(&format!("{yaml}{extra}")).unwrap();
             let planned = plan(&r, &model, &hw);
             for x in &planned.points {
-                let alone = predict(&r, &model, &rates, capacity, overhead, &x.point);
+                let alone = predict(
+                    &PlanTarget {
+                        recipe: &r,
+                        model: &model,
+                        rates: &rates,
+                        capacity,
+                        overhead,
+                    },
+                    &x.point,
+                );
                 if alone.peak_bytes.is_some() {
                     compared += 1;
                 }
