@@ -157,7 +157,11 @@ fn meta_predicts_every_loss_byte_for_byte() {
                 common::events(m),
                 "{what}: timelines differ"
             );
-            assert_eq!(cpu.dev.cost.flops(), meta.dev.cost.flops(), "{what}: FLOPs");
+            assert_eq!(
+                cpu.dev.meter.cost.flops(),
+                meta.dev.meter.cost.flops(),
+                "{what}: FLOPs"
+            );
         }
     }
 }

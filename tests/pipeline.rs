@@ -188,7 +188,13 @@ fn the_pipeline_composes_with_data_parallelism_and_the_knobs() {
 fn peaks<B: Backend>(c: &Cluster<B>) -> Vec<(PeakBytes, u64, u64)> {
     c.ranks
         .iter()
-        .map(|e| (e.dev.tracker.peak_bytes(), e.dev.sent, e.dev.received))
+        .map(|e| {
+            (
+                e.dev.tracker.peak_bytes(),
+                e.dev.meter.sent,
+                e.dev.meter.received,
+            )
+        })
         .collect()
 }
 

@@ -1854,7 +1854,7 @@ impl PointPlan<'_> {
                 capacity_bytes: capacity,
                 margin_bytes: capacity as i64 - node_bytes as i64,
                 // Every micro-batch of the step ran (or was counted).
-                link_bytes_per_step: e.dev.link_bytes,
+                link_bytes_per_step: e.dev.meter.link_bytes,
                 deepspeed: deepspeed_estimate(e, p, per_node),
             }
         });
@@ -1885,26 +1885,26 @@ fn tp_comm(tc: &TrainConfig) -> Option<Comm<MetaBackend>> {
 /// (or pipeline stage), priced with `rates`.
 fn step_meta(mut e: Engine<MetaBackend>, rates: &Rates, precision: Precision) -> Stepped {
     let k = e.train.grad_accum;
-    e.dev.roofline = Some(rates.of(precision));
-    e.dev.host_roofline = Some(rates.host);
-    e.dev.cost.reset();
-    e.dev.optimizer_cost.reset();
-    (e.dev.offload_s, e.dev.offload_optimizer_s) = (0.0, 0.0);
-    (e.dev.link_bytes, e.dev.link_optimizer_bytes) = (0, 0);
-    (e.dev.p2p_sent, e.dev.p2p_sends) = (0, 0);
-    e.dev.collectives = Some(Vec::new());
-    let sent0 = e.dev.sent;
+    e.dev.meter.roofline = Some(rates.of(precision));
+    e.dev.meter.host_roofline = Some(rates.host);
+    e.dev.meter.cost.reset();
+    e.dev.meter.optimizer_cost.reset();
+    (e.dev.meter.offload_s, e.dev.meter.offload_optimizer_s) = (0.0, 0.0);
+    (e.dev.meter.link_bytes, e.dev.meter.link_optimizer_bytes) = (0, 0);
+    (e.dev.meter.p2p_sent, e.dev.meter.p2p_sends) = (0, 0);
+    e.dev.meter.collectives = Some(Vec::new());
+    let sent0 = e.dev.meter.sent;
     if let Err(oom) = e.step_from(k, || unreachable!("meta reads no data")) {
         unreachable!("meta without capacity cannot run out of memory: {oom}");
     }
     Stepped {
-        all_s: e.dev.cost.roofline_s,
-        opt_s: e.dev.optimizer_cost.roofline_s,
-        offload_s: e.dev.offload_s,
-        sent: (e.dev.sent - sent0) as f64,
-        calls: e.dev.collectives.take(),
-        p2p_sent: e.dev.p2p_sent,
-        p2p_sends: e.dev.p2p_sends,
+        all_s: e.dev.meter.cost.roofline_s,
+        opt_s: e.dev.meter.optimizer_cost.roofline_s,
+        offload_s: e.dev.meter.offload_s,
+        sent: (e.dev.meter.sent - sent0) as f64,
+        calls: e.dev.meter.collectives.take(),
+        p2p_sent: e.dev.meter.p2p_sent,
+        p2p_sends: e.dev.meter.p2p_sends,
         e,
     }
 }
