@@ -2148,28 +2148,17 @@ mod tests {
             layouts.extend(expand(&r));
         }
         let mut compared = 0;
+        let target = PlanTarget {
+            recipe: &r,
+            model: &model,
+            rates: &rates,
+            capacity,
+            overhead,
+        };
         for p in &layouts {
-            let fast = predict(
-                &PlanTarget {
-                    recipe: &r,
-                    model: &model,
-                    rates: &rates,
-                    capacity,
-                    overhead,
-                },
-                p,
-            );
+            let fast = predict(&target, p);
             crate::engine::RUN_EVERY_MICRO_BATCH.with(|c| c.set(true));
-            let every = predict(
-                &PlanTarget {
-                    recipe: &r,
-                    model: &model,
-                    rates: &rates,
-                    capacity,
-                    overhead,
-                },
-                p,
-            );
+            let every = predict(&target, p);
             crate::engine::RUN_EVERY_MICRO_BATCH.with(|c| c.set(false));
             let Some(peaks) = every.peak_bytes else {
                 continue;

@@ -313,6 +313,13 @@ pub fn fixes(p: &Planned, point: &Point) -> Vec<Fix> {
         }
     }
     // Each candidate is one point of the planner, planned in parallel.
+    let target = PlanTarget {
+        recipe: r,
+        model: &p.model,
+        rates: &rates,
+        capacity: cap,
+        overhead,
+    };
     let mut out: Vec<Fix> = candidates
         .into_par_iter()
         .filter_map(|changes| {
@@ -332,13 +339,6 @@ pub fn fixes(p: &Planned, point: &Point) -> Vec<Fix> {
                 return None;
             }
             let q = with_accum(q, r.global_batch);
-            let target = PlanTarget {
-                recipe: r,
-                model: &p.model,
-                rates: &rates,
-                capacity: cap,
-                overhead,
-            };
             let pred = predict(&target, &q);
             (pred.verdict == Verdict::Fits).then(|| Fix {
                 in_grid: changes.iter().all(|c| match c {
