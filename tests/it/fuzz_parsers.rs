@@ -8,9 +8,9 @@
 //! test's thread read (`/proc/thread-self/io`) checks. A sample goes
 //! through the binary too, for the exit code and the single line on stderr.
 //!
-//! The count is the thread's, not the process's (`/proc/self/io`), so that
-//! the test need not have its process to itself: other tests read their
-//! children's output and their files at the same time.
+//! The count is the thread's, not the process's (`/proc/self/io`): this
+//! test shares its process with every other test of the `it` binary, which
+//! read their children's output and their files at the same time.
 
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
@@ -208,8 +208,9 @@ fn mutate(rng: &mut Rng, seed: &str, others: &[(Parser, String)]) -> String {
 }
 
 /// Bytes this thread has read through read(2) and friends, by the kernel's
-/// count: the parsers read on the caller's thread, and any other test in
-/// the process (their children's output, their files) on theirs.
+/// count: the parsers read on the caller's thread, and the other tests of
+/// the `it` binary read (their children's output, their files) on theirs,
+/// in the same process.
 fn bytes_read() -> u64 {
     let io = std::fs::read_to_string("/proc/thread-self/io").unwrap();
     io.lines()

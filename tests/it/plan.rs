@@ -2,8 +2,8 @@
 //! through the planner), the published bytes-per-parameter figures come out,
 //! and bad recipes get located messages.
 
-mod common;
-use common::memfit;
+use crate::common;
+use crate::common::memfit;
 
 use memfit::backend::cpu::CpuBackend;
 use memfit::config::hardware::load_hardware;
