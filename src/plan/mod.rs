@@ -4,7 +4,7 @@
 //!
 //! Memory is exact (the meta == cpu invariant): each point runs one optimizer
 //! step of the real engine on rank 0 of its job; every rank allocates the same
-//! sizes (tests/sharding.rs), so rank 0 speaks for all. The hardware's
+//! sizes (tests/it/sharding.rs), so rank 0 speaks for all. The hardware's
 //! runtime overhead (CUDA context, library workspaces) is added on top.
 //!
 //! Time is a model, not a measurement: a per-op roofline of the engine's own

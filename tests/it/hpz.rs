@@ -4,8 +4,7 @@
 //! meta predicts every rank byte for byte, it costs exactly the secondary
 //! shards, and the planner prices the backward's gathers inside the node.
 
-mod common;
-use common::{events, json, losses, memfit, ok_json, refused, scratch, stderr};
+use crate::common::{events, json, losses, memfit, ok_json, refused, scratch, stderr};
 
 use memfit::backend::cpu::CpuBackend;
 use memfit::backend::meta::MetaBackend;

@@ -2,8 +2,7 @@
 //! reaches on the same global batch, meta predicts every stage byte for
 //! byte, and 1F1B holds fewer micro-batches on the first stage than GPipe.
 
-mod common;
-use common::training::{tolerance, train_single};
+use crate::common::training::{tolerance, train_single};
 
 use memfit::backend::Backend;
 use memfit::backend::cpu::CpuBackend;

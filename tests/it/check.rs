@@ -4,8 +4,8 @@
 //! change planted in code. Exit codes and messages come from the binary or
 //! from `run_check`, which returns the code.
 
-mod common;
-use common::memfit;
+use crate::common;
+use crate::common::memfit;
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;

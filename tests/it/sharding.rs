@@ -2,8 +2,7 @@
 //! reaches on the same global batch, per-rank memory follows the ZeRO
 //! formulas, and meta predicts every rank byte for byte.
 
-mod common;
-use common::training::{tolerance, train_single};
+use crate::common::training::{tolerance, train_single};
 
 use memfit::backend::Backend;
 use memfit::backend::cpu::CpuBackend;

@@ -3,9 +3,8 @@
 //! data parallelism, ZeRO and pipelines; meta predicts every rank byte for
 //! byte; memory and traffic follow the split.
 
-mod common;
-use common::training::{tolerance, train_single};
-use common::{json, losses, memfit, ok_json, refused, scratch, stderr};
+use crate::common::training::{tolerance, train_single};
+use crate::common::{json, losses, memfit, ok_json, refused, scratch, stderr};
 
 use memfit::backend::Backend;
 use memfit::backend::cpu::CpuBackend;

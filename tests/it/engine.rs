@@ -1,7 +1,7 @@
 //! Engine-level tests at the library boundary: meta == cpu, out-of-memory,
 //! learning, and determinism.
 
-mod common;
+use crate::common;
 
 use memfit::backend::cpu::CpuBackend;
 use memfit::backend::meta::MetaBackend;

@@ -2,10 +2,10 @@
 //! same function, meta == cpu, PEFT's published parameter count, the
 //! flags' errors, and data parallelism (DDP, ZeRO-1/2/3) over the adapters.
 
-mod common;
+use crate::common;
 
-use common::training::tolerance;
-use common::{memfit, refused, stderr};
+use crate::common::training::tolerance;
+use crate::common::{memfit, refused, stderr};
 use memfit::backend::Backend;
 use memfit::backend::cpu::CpuBackend;
 use memfit::backend::meta::MetaBackend;
