@@ -65,12 +65,19 @@ fn main() {
     let point = expand(&single)[0];
     let (cap, overhead) = single.capacity(&hw);
     let rates = memfit::plan::Rates::gpu(&hw, hw.usd_per_hour);
+    let target = memfit::plan::PlanTarget {
+        recipe: &single,
+        model: &model,
+        rates: &rates,
+        capacity: cap,
+        overhead,
+    };
     // Warm up, then the median of 21 single-point plans.
-    predict(&single, &model, &rates, cap, overhead, &point);
+    predict(&target, &point);
     let mut ms: Vec<f64> = (0..21)
         .map(|_| {
             let t = Instant::now();
-            let p = predict(&single, &model, &rates, cap, overhead, &point);
+            let p = predict(&target, &point);
             std::hint::black_box(p);
             t.elapsed().as_secs_f64() * 1e3
         })

@@ -33,7 +33,7 @@ fn main() {
     let mut secs = Vec::new();
     for step in 0..=steps {
         let batch = data.next_batch(micro_batch, seq_len);
-        engine.dev.cost = Default::default();
+        engine.dev.meter.cost = Default::default();
         let t = Instant::now();
         let r = engine.step(&[batch]).expect("fits");
         let s = t.elapsed().as_secs_f64();
@@ -56,7 +56,7 @@ fn main() {
         "\nlast step by op:  {:>22} {:>8} {:>9} {:>7}",
         "op", "calls", "ms", "GFLOP/s"
     );
-    for (op, c) in &engine.dev.cost.ops {
+    for (op, c) in &engine.dev.meter.cost.ops {
         let ms = c.ns as f64 / 1e6;
         println!(
             "{:>40} {:>8} {:>9.1} {:>7.1}",
@@ -68,7 +68,7 @@ fn main() {
     }
     secs.sort_by(f64::total_cmp);
     let median = secs[secs.len() / 2];
-    let gflop = engine.dev.cost.flops() as f64 / 1e9;
+    let gflop = engine.dev.meter.cost.flops() as f64 / 1e9;
     println!(
         "{}: B={micro_batch} T={seq_len} threads={threads}: median {:.0} ms/step, {:.1} tokens/s, {:.1} GFLOP/step = {:.1} GFLOP/s (init {:.1} s)",
         model.name,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Starts a single-node Slurm cluster on this machine from the installed
 # Debian packages (slurmctld, slurmd, slurm-client, munge), as root and
-# without systemd, for `memfit sweep --executor slurm` and tests/slurm.rs.
+# without systemd, for `memfit sweep --executor slurm` and tests/it/slurm.rs.
 # It installs nothing: `apt-get install slurmctld slurmd slurm-client munge`
 # first (.ci/run does).
 #

@@ -271,11 +271,13 @@ fn layer_times(
         Target::Gpu(hw) => {
             let mut e = Engine::new(model.clone(), one, target.meta(), None)
                 .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
-            e.dev.roofline = Some(crate::plan::roofline(hw, train.precision));
-            e.dev.phase_secs = Some(HashMap::new());
+            e.dev.meter.roofline = Some(crate::plan::roofline(hw, train.precision));
+            e.dev.meter.phase_secs = Some(HashMap::new());
             e.step_from(1, || unreachable!("meta reads no data"))
                 .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
-            Ok(per_layer(e.dev.phase_secs.as_ref().expect("recorded")))
+            Ok(per_layer(
+                e.dev.meter.phase_secs.as_ref().expect("recorded"),
+            ))
         }
         Target::Cpu { .. } => {
             let be = crate::backend::cpu::CpuBackend::new(
@@ -318,10 +320,12 @@ fn time_layers<B: crate::backend::Backend>(
     let mut data = DataSource::synthetic(model.vocab_size, one.seed);
     let mut runs: Vec<Vec<f64>> = Vec::new();
     for r in 0..=repeats {
-        e.dev.phase_secs = Some(HashMap::new());
+        e.dev.meter.phase_secs = Some(HashMap::new());
         e.step_from(1, || data.next_batch(one.micro_batch, one.seq_len))?;
         if r > 0 {
-            runs.push(per_layer(e.dev.phase_secs.as_ref().expect("recorded")));
+            runs.push(per_layer(
+                e.dev.meter.phase_secs.as_ref().expect("recorded"),
+            ));
         }
     }
     Ok((0..model.n_layer + 2)

@@ -213,13 +213,13 @@ fn kernel_rate(threads: usize, dtype: DType, budget_s: f64) -> Result<f64> {
     let start = Instant::now();
     let mut rounds = 0;
     while rounds < 3 || start.elapsed().as_secs_f64() < budget_s {
-        dev.cost = Default::default();
+        dev.meter.cost = Default::default();
         dev.attention_forward(&mut out, &mut att, &qkv, s);
         dev.attention_backward(&mut dqkv, &mut datt, &dout, &qkv, &att, s);
         dev.flash_attention_forward(&mut out, &mut lse, &qkv, &mut ws, s);
         dev.flash_attention_backward(&mut dqkv, &dout, &out, &lse, &qkv, &mut ws, s);
-        let ns: u64 = dev.cost.ops.values().map(|c| c.ns).sum();
-        best = best.max(dev.cost.flops() as f64 / (ns.max(1) as f64 * 1e-9));
+        let ns: u64 = dev.meter.cost.ops.values().map(|c| c.ns).sum();
+        best = best.max(dev.meter.cost.flops() as f64 / (ns.max(1) as f64 * 1e-9));
         rounds += 1;
     }
     Ok(best)

@@ -37,6 +37,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::memory::{Category, PeakBytes};
+use crate::report::DocFormat;
 use crate::report::sweep::{Outcome, SCHEMA_VERSION, SweepReport, TrialRecord};
 use crate::units::fmt_bytes;
 
@@ -48,37 +49,19 @@ pub const CATEGORY_FLOOR_BYTES: u64 = 64 * 1024;
 /// How many config ids a message names before it says "and N more".
 const IDS_SHOWN: usize = 5;
 
-#[derive(clap::Args, Debug)]
-pub struct CheckArgs {
+/// What `memfit check` is asked (`cli::CheckArgs` fills it).
+#[derive(Clone, Debug)]
+pub struct CheckRequest {
     /// The current sweep: its output directory, or its report.json.
     pub current: PathBuf,
-    /// The baseline sweep to compare against: a directory or a report.json.
-    #[arg(long)]
+    /// The baseline sweep: a directory or a report.json.
     pub baseline: PathBuf,
-    /// Allowed growth of a config's peak before it counts as a regression:
-    /// "2%", "0.5%", or a bare number of percent ("2"). Categories get the same
-    /// tolerance, relative to their own baseline bytes.
-    #[arg(long, default_value = "2%")]
+    /// `--tolerance` as given ("2%", "0.5%", "2").
     pub tolerance: String,
-    /// Also fail (exit 1) when a memory category grew beyond the tolerance and
-    /// by at least 64 KiB while the total did not; without it that is a warning.
-    #[arg(long)]
     pub per_category: bool,
-    /// Accept configs present in one report only, configs the baseline
-    /// measured and the current report did not, and an interrupted sweep:
-    /// list them as warnings instead of refusing (exit 2). A report without
-    /// trials, two reports with no config in common, duplicate trial ids, or
-    /// a check that compared no config are refused anyway.
-    #[arg(long)]
     pub allow_missing: bool,
-    /// Which peak to gate on: `tracked` (the engine's tracker: deterministic,
-    /// the default) or `nvml` (each trial process's GPU memory as NVML saw
-    /// it; GPU sweeps with NVML only, and noisier).
-    #[arg(long, value_enum, default_value_t = Metric::Tracked)]
     pub metric: Metric,
-    /// Output format.
-    #[arg(long, value_enum, default_value_t = CheckFormat::Table)]
-    pub format: CheckFormat,
+    pub format: DocFormat,
 }
 
 /// The peak a check compares.
@@ -99,17 +82,6 @@ impl Metric {
             Metric::Nvml => "NVML peak",
         }
     }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum CheckFormat {
-    /// Aligned columns for a terminal.
-    Table,
-    /// Every compared config, its verdict and per-category peaks, and the
-    /// warnings, as one JSON document.
-    Json,
-    /// A Markdown table and a summary line, for `$GITHUB_STEP_SUMMARY`.
-    Md,
 }
 
 /// What the flags ask of a check.
@@ -136,7 +108,7 @@ impl CheckOptions {
         }
     }
 
-    pub fn from_args(args: &CheckArgs) -> Result<CheckOptions> {
+    pub fn from_request(args: &CheckRequest) -> Result<CheckOptions> {
         Ok(CheckOptions {
             tolerance: parse_tolerance(&args.tolerance)?,
             per_category: args.per_category,
@@ -281,7 +253,7 @@ pub struct CheckReport {
 
 /// Runs the check and prints its result; returns the exit code (0 pass,
 /// 1 regression, 2 error).
-pub fn run_check(args: &CheckArgs) -> i32 {
+pub fn run_check(args: &CheckRequest) -> i32 {
     match check(args) {
         Ok((text, passed)) => {
             print!("{text}");
@@ -299,8 +271,8 @@ pub fn run_check(args: &CheckArgs) -> i32 {
     }
 }
 
-fn check(args: &CheckArgs) -> std::result::Result<(String, bool), Vec<Error>> {
-    let opts = CheckOptions::from_args(args).map_err(|e| vec![e])?;
+fn check(args: &CheckRequest) -> std::result::Result<(String, bool), Vec<Error>> {
+    let opts = CheckOptions::from_request(args).map_err(|e| vec![e])?;
     let (current, baseline) = load_pair(&args.current, &args.baseline)?;
     let report = gate(&current, &baseline, &opts)?;
     let text = render(&report, args.format, &args.current, &args.baseline);
@@ -717,21 +689,16 @@ fn sweep_command(recipe: Option<&str>, file: &Path, extra: &str) -> String {
 
 /// The text `run_check` prints for `report`; `current` and `baseline` are the
 /// paths as the user gave them (the table's header names them).
-pub fn render(
-    report: &CheckReport,
-    format: CheckFormat,
-    current: &Path,
-    baseline: &Path,
-) -> String {
+pub fn render(report: &CheckReport, format: DocFormat, current: &Path, baseline: &Path) -> String {
     match format {
-        CheckFormat::Table => render_table(report, current, baseline),
-        CheckFormat::Json => {
+        DocFormat::Table => render_table(report, current, baseline),
+        DocFormat::Json => {
             let mut s =
                 serde_json::to_string_pretty(report).expect("a check report serializes to JSON");
             s.push('\n');
             s
         }
-        CheckFormat::Md => render_md(report),
+        DocFormat::Md => render_md(report),
     }
 }
 

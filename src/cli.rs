@@ -47,7 +47,7 @@ pub enum Command {
     /// Hugging Face exports) are written into --out.
     Sweep(SweepArgs),
     /// CI gate: compare a sweep's tracked peaks with a baseline's.
-    Check(crate::check::CheckArgs),
+    Check(CheckArgs),
     /// The interactive profiler: a sweep live in the terminal.
     ///
     /// The grid, the running trial's memory chart, the breakdown at its peak
@@ -685,8 +685,8 @@ pub struct PlanArgs {
     /// A plan recipe (YAML): model, hardware, seq_len, global_batch, grid, headroom, cost.
     pub recipe: PathBuf,
     /// Output format.
-    #[arg(long, value_enum, default_value_t = PlanFormat::Table)]
-    pub format: PlanFormat,
+    #[arg(long, value_enum, default_value_t = DocFormat::Table)]
+    pub format: DocFormat,
     /// Rows the table shows (fitting points cheapest first).
     #[arg(long, default_value_t = 40)]
     pub top: usize,
@@ -703,17 +703,56 @@ pub struct PlanArgs {
     pub watch: bool,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum PlanFormat {
-    /// Aligned columns for a terminal.
-    Table,
-    /// Every point and the recommendation, as one JSON document.
-    Json,
-    /// A Markdown table with the recommendation, for a README or a PR.
-    Md,
+pub use crate::report::{DocFormat, Format};
+
+/// `memfit check`.
+#[derive(clap::Args, Debug)]
+pub struct CheckArgs {
+    /// The current sweep: its output directory, or its report.json.
+    pub current: PathBuf,
+    /// The baseline sweep to compare against: a directory or a report.json.
+    #[arg(long)]
+    pub baseline: PathBuf,
+    /// Allowed growth of a config's peak before it counts as a regression:
+    /// "2%", "0.5%", or a bare number of percent ("2"). Categories get the same
+    /// tolerance, relative to their own baseline bytes.
+    #[arg(long, default_value = "2%")]
+    pub tolerance: String,
+    /// Also fail (exit 1) when a memory category grew beyond the tolerance and
+    /// by at least 64 KiB while the total did not; without it that is a warning.
+    #[arg(long)]
+    pub per_category: bool,
+    /// Accept configs present in one report only, configs the baseline
+    /// measured and the current report did not, and an interrupted sweep:
+    /// list them as warnings instead of refusing (exit 2). A report without
+    /// trials, two reports with no config in common, duplicate trial ids, or
+    /// a check that compared no config are refused anyway.
+    #[arg(long)]
+    pub allow_missing: bool,
+    /// Which peak to gate on: `tracked` (the engine's tracker: deterministic,
+    /// the default) or `nvml` (each trial process's GPU memory as NVML saw
+    /// it; GPU sweeps with NVML only, and noisier).
+    #[arg(long, value_enum, default_value_t = crate::check::Metric::Tracked)]
+    pub metric: crate::check::Metric,
+    /// Output format (JSON: every compared config, its verdict and
+    /// per-category peaks, and the warnings).
+    #[arg(long, value_enum, default_value_t = DocFormat::Table)]
+    pub format: DocFormat,
 }
 
-pub use crate::report::Format;
+impl CheckArgs {
+    pub fn request(&self) -> crate::check::CheckRequest {
+        crate::check::CheckRequest {
+            current: self.current.clone(),
+            baseline: self.baseline.clone(),
+            tolerance: self.tolerance.clone(),
+            per_category: self.per_category,
+            allow_missing: self.allow_missing,
+            metric: self.metric,
+            format: self.format,
+        }
+    }
+}
 
 /// `memfit run`: a recipe, the knobs (flags override the recipe's keys)
 /// and what to write.

@@ -2,7 +2,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use memfit::cli::{Cli, Command, Format, PlanFormat};
+use memfit::cli::{Cli, Command, DocFormat, Format};
 use memfit::report::run::render_table;
 use memfit::run::run;
 
@@ -40,16 +40,16 @@ fn may_use_cuda(cmd: &Command) -> bool {
 
 fn render_plan(plan: &memfit::plan::Plan, args: &memfit::cli::PlanArgs) -> String {
     match args.format {
-        PlanFormat::Json => format!(
+        DocFormat::Json => format!(
             "{}\n",
             serde_json::to_string_pretty(plan).expect("plan serialises")
         ),
-        PlanFormat::Table => memfit::plan::render::table(
+        DocFormat::Table => memfit::plan::render::table(
             plan,
             args.top,
             (!args.wide).then(memfit::plan::render::terminal_width),
         ),
-        PlanFormat::Md => memfit::plan::render::markdown(plan),
+        DocFormat::Md => memfit::plan::render::markdown(plan),
     }
 }
 
@@ -146,7 +146,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => plan_main(&args),
         Command::Sweep(args) => sweep_main(&args),
         Command::Balance(args) => balance_main(&args),
-        Command::Check(args) => Ok(memfit::check::run_check(&args)),
+        Command::Check(args) => Ok(memfit::check::run_check(&args.request())),
         Command::Tui(args) => tui_main(&args),
         Command::Trial { spec } => trial_main(&spec),
         Command::Calibrate(args) => calibrate_main(&args),
@@ -183,7 +183,7 @@ fn plan_main(args: &memfit::cli::PlanArgs) -> Outcome {
     if plan.recommendation.is_some() {
         return Ok(0);
     }
-    if args.format == PlanFormat::Json {
+    if args.format == DocFormat::Json {
         eprintln!(
             "memfit: no point of the grid fits; `--format table` says how far the nearest is"
         );

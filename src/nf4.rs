@@ -9,7 +9,7 @@
 //! - per 256 absmax values ([`ABSMAX_BLOCK`]) one fp32 scale;
 //! - one fp32 mean of all the absmax values.
 //!
-//! Checked against tests/reference/nf4_reference.py by tests/nf4.rs.
+//! Checked against tests/reference/nf4_reference.py by tests/it/nf4.rs.
 
 /// First-level block: values sharing one absmax (QLoRA section 3, blocksize 64).
 pub const BLOCK: usize = 64;
@@ -63,7 +63,7 @@ const MIDPOINTS: [f32; 15] = {
 /// only the sizes (8 bits per 64-block, fp32 per 256 absmax values) are what
 /// the paper counts. A dequantised absmax can come out negative or zero for
 /// a block far below the mean; its values then dequantise to
-/// `NF4[code] * that`, which the error bound in tests/nf4.rs allows for.
+/// `NF4[code] * that`, which the error bound in tests/it/nf4.rs allows for.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Nf4 {
     /// Codes into [`NF4`], two per byte: value 2k in the high nibble, 2k+1 in

@@ -1,7 +1,7 @@
 //! The `hf-eager` profile against PyTorch: reads the fixture
 //! `tests/reference/hf_memory.py` wrote (PyTorch's `MemTracker` over one
 //! steady-state step of a Hugging Face model) and plans the same
-//! configuration on meta. `tests/hf_reference.rs` holds every configuration
+//! configuration on meta. `tests/it/hf_reference.rs` holds every configuration
 //! to the tolerances; `examples/hf_reference.rs` prints the table docs/hf-eager.md
 //! records.
 

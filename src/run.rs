@@ -1159,9 +1159,9 @@ impl Part<'_> {
                 .ranks
                 .iter_mut()
                 .map(|e| {
-                    e.dev.cost = CostCounter::default();
-                    e.dev.link_bytes = 0;
-                    (e.dev.sent, e.dev.received)
+                    e.dev.meter.cost = CostCounter::default();
+                    e.dev.meter.link_bytes = 0;
+                    (e.dev.meter.sent, e.dev.meter.received)
                 })
                 .collect();
             let start = Instant::now();
@@ -1197,11 +1197,11 @@ impl Part<'_> {
             let replica0 = (cluster.ranks.iter().enumerate())
                 .filter(|(r, _)| cluster.ranks.len() == 1 || t.place(*r).1 == 0)
                 .map(|(_, e)| e);
-            report.flops_per_step = replica0.clone().map(|e| e.dev.cost.flops()).sum();
-            report.bytes_moved_per_step = replica0.map(|e| e.dev.cost.bytes()).sum();
+            report.flops_per_step = replica0.clone().map(|e| e.dev.meter.cost.flops()).sum();
+            report.bytes_moved_per_step = replica0.map(|e| e.dev.meter.cost.bytes()).sum();
             let e0 = &cluster.ranks[0];
             for ((w, e), (s0, r0)) in wire.iter_mut().zip(&cluster.ranks).zip(before) {
-                *w = (e.dev.sent - s0, e.dev.received - r0);
+                *w = (e.dev.meter.sent - s0, e.dev.meter.received - r0);
             }
             match result {
                 Ok(r) => {
@@ -1304,7 +1304,7 @@ fn host_record<B: Backend>(ranks: &mut [RankRecord], engines: &[Engine<B>]) -> O
         capacity_bytes: first.capacity(),
         peak_bytes: top,
         node_bytes: node,
-        link_bytes_per_step: engines[0].dev.link_bytes,
+        link_bytes_per_step: engines[0].dev.meter.link_bytes,
     })
 }
 

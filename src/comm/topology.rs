@@ -51,7 +51,7 @@
 //! the other algorithms and protocols scale from it as NCCL's table does
 //! ([`Link`]). Calibrated this way the model lands within 25% of published
 //! nccl-tests all-reduce times from 8 bytes to 64 KB on one 8-GPU NVLink
-//! node and on 2 and 4 nodes (tests/topology.rs).
+//! node and on 2 and 4 nodes (tests/it/topology.rs).
 //!
 //! Not modelled: NVLS-Tree and CollNet/SHARP across nodes (NCCL uses them on
 //! H100 clusters and InfiniBand SHARP switches; this model prices those
@@ -81,7 +81,7 @@ impl LinkKind {
     /// * NVLink 0.8: "450GB/s is the line rate. With the protocol overhead
     ///   (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s"
     ///   (NVIDIA, github.com/NVIDIA/nccl-tests/issues/212); A100 nodes reach
-    ///   about 231 of 300 GB/s (Azure, see tests/topology.rs).
+    ///   about 231 of 300 GB/s (Azure, see tests/it/topology.rs).
     /// * PCIe 0.75: NCCL's topology search rates a Gen4 x16 link at 24 GB/s
     ///   of its 32 (its `PCI[24.0]` in github.com/NVIDIA/nccl-tests/issues/307).
     /// * Network 0.94: "For NDR @ 400Gbps you should see 46-48GB/s per NIC"
@@ -295,14 +295,14 @@ fn nccl_hop_us(kind: LinkKind, algorithm: Algorithm, protocol: Protocol) -> f64 
 /// for LL when `nNodes > 1`, src/graph/tuning.cc); its rings now use a
 /// floor of 1-2 us a step instead. The figure reproduces the 15 us that the
 /// 8-GPU chain adds to a two-node all-reduce (35.85 us with 8 GPUs per
-/// node, 21.27 with one, in the NDm A100 v4 figures of tests/topology.rs).
+/// node, 21.27 with one, in the NDm A100 v4 figures of tests/it/topology.rs).
 const LL_INTRA_HOP_ACROSS_NODES: f64 = 1.8;
 
 /// The LL protocol's bus bandwidth once a collective crosses the network,
 /// bytes/s: NCCL caps it at 39 GB/s on two nodes and 20.4 on more with Intel
 /// hosts, 22.5 and 19 with AMD ones (`llMaxBws` in NCCL 2.28's
 /// src/graph/tuning.cc). One figure here for both: published small-message
-/// times across nodes grow with size at about this rate (tests/topology.rs).
+/// times across nodes grow with size at about this rate (tests/it/topology.rs).
 const LL_NETWORK_BUSBW: f64 = 20e9;
 
 /// The fraction of the bandwidth a ring would get that the tree reaches:
@@ -321,7 +321,7 @@ const NVLS_EFFICIENCY: f64 = 0.61;
 /// NVLS's latency, seconds: NCCL's tuning model has one NVLS hop over NVLink
 /// at 25 us in 2.28 (23 in 2.19) and no base latency, so NCCL never picks it
 /// for small messages. Azure's tables, which force NVLS, read 25.6 us for a
-/// 1 KB all-reduce on 8 H100s (tests/topology.rs).
+/// 1 KB all-reduce on 8 H100s (tests/it/topology.rs).
 const NVLS_LATENCY: f64 = 25e-6;
 
 /// nccl-tests' bus bandwidth factor: `busbw = algbw * factor`. From

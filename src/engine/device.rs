@@ -137,10 +137,13 @@ impl CostCounter {
     }
 }
 
+/// What a device's ops and collectives cost: the counters the engine's
+/// ops add to as they run (FLOPs, bytes, seconds, bytes on the wire and
+/// the host link) and the models that price them, which the planner and
+/// `memfit balance` configure (rooflines, per-phase seconds, the log of
+/// collectives a cluster topology prices).
 #[derive(Clone)]
-pub struct Device<B: Backend> {
-    pub be: B,
-    pub tracker: Tracker,
+pub struct Meter {
     pub cost: CostCounter,
     /// The part of `cost` spent in the optimizer phase (once per step, where
     /// the rest repeats per micro-batch), and the bytes sent there.
@@ -155,14 +158,6 @@ pub struct Device<B: Backend> {
     /// per phase: the roofline's price when there is one, else the measured
     /// time. Off by default: it costs a map update per op.
     pub phase_secs: Option<HashMap<Phase, f64>>,
-    /// hf-eager on a GPU: PyTorch's caching allocator, fed every allocation
-    /// and free, for the bytes it would reserve.
-    pub caching: Option<crate::caching::CachingAllocator>,
-    /// Offload: host memory, tracked as the device is (categories, peak,
-    /// capacity). `None` when nothing is offloaded.
-    pub host: Option<Tracker>,
-    /// While set, [`Device::alloc`] places tensors in host memory.
-    to_host: bool,
     /// Prices host and host-link ops (the planner sets it with `roofline`).
     pub host_roofline: Option<HostRoofline>,
     /// Seconds of `cost` spent on the host and the host link, and the part
@@ -182,6 +177,130 @@ pub struct Device<B: Backend> {
     /// Bytes and messages sent to neighbouring pipeline stages.
     pub p2p_sent: u64,
     pub p2p_sends: u64,
+}
+
+impl Meter {
+    fn new(planning: bool) -> Self {
+        let cost = CostCounter {
+            seconds_only: planning,
+            ..Default::default()
+        };
+        Meter {
+            optimizer_cost: cost.clone(),
+            cost,
+            optimizer_sent: 0,
+            roofline: None,
+            sent: 0,
+            received: 0,
+            phase_secs: None,
+            host_roofline: None,
+            offload_s: 0.0,
+            offload_optimizer_s: 0.0,
+            link_bytes: 0,
+            link_optimizer_bytes: 0,
+            collectives: None,
+            call_stride: 1,
+            p2p_sent: 0,
+            p2p_sends: 0,
+        }
+    }
+
+    /// Counts and prices `calls` runs of `op` that did `flops` and moved
+    /// `bytes` between them, with `ns` measured, in `phase`: the roofline's seconds
+    /// (each call pays the launch overhead), the offload and link totals,
+    /// the per-op table and the per-phase seconds.
+    fn charge(
+        &mut self,
+        op: &'static str,
+        (flops, bytes, ns, calls): (u64, u64, u64, u64),
+        at: At,
+        phase: Phase,
+    ) {
+        let price = |rl: Roofline| {
+            let rate = if op.starts_with("matmul") {
+                rl.flops_per_s
+            } else {
+                rl.kernel_flops_per_s
+            };
+            (flops as f64 / rate).max(bytes as f64 / rl.bytes_per_s)
+                + calls as f64 * rl.op_overhead_s
+        };
+        let secs = match at {
+            At::Device => self.roofline.map_or(0.0, price),
+            At::Host => self.host_roofline.map_or(0.0, |h| price(h.cpu)),
+            At::Link => self.host_roofline.map_or(0.0, |h| {
+                bytes as f64 / h.link_bytes_per_s + calls as f64 * h.link_latency_s
+            }),
+        };
+        let optimizer = phase == Phase::Optimizer;
+        if at != At::Device {
+            if at == At::Link {
+                self.link_bytes += bytes;
+                if optimizer {
+                    self.link_optimizer_bytes += bytes;
+                }
+            }
+            self.offload_s += secs;
+            if optimizer {
+                self.offload_optimizer_s += secs;
+            }
+        }
+        self.cost.add(op, calls, flops, bytes, ns, secs);
+        if let Some(per_phase) = &mut self.phase_secs {
+            let spent = match self.roofline {
+                Some(_) => secs,
+                None => ns as f64 * 1e-9,
+            };
+            *per_phase.entry(phase).or_default() += spent;
+        }
+        if optimizer {
+            self.optimizer_cost.add(op, calls, flops, bytes, ns, secs);
+        }
+    }
+
+    /// One collective `op` of nccl-tests' `size` `bytes` over `world`
+    /// ranks, of which this rank sent and received `(sent, received)`:
+    /// the wire totals and, for a planner, the log its topology prices.
+    fn wire(
+        &mut self,
+        op: Op,
+        bytes: u64,
+        world: usize,
+        (sent, received): (u64, u64),
+        optimizer: bool,
+    ) {
+        if optimizer {
+            self.optimizer_sent += sent;
+        }
+        if let Some(calls) = &mut self.collectives {
+            calls.push(Call {
+                op,
+                bytes,
+                world,
+                stride: self.call_stride,
+                optimizer,
+                times: 1,
+            });
+        }
+        self.sent += sent;
+        self.received += received;
+    }
+}
+
+#[derive(Clone)]
+pub struct Device<B: Backend> {
+    pub be: B,
+    pub tracker: Tracker,
+    /// What the ops and collectives cost, and the models that price them.
+    pub meter: Meter,
+    /// hf-eager on a GPU: PyTorch's caching allocator, fed every allocation
+    /// and free, for the bytes it would reserve.
+    pub caching: Option<crate::caching::CachingAllocator>,
+    /// Offload: host memory, tracked as the device is (categories, peak,
+    /// capacity). `None` when nothing is offloaded.
+    pub host: Option<Tracker>,
+    /// While set, [`Device::alloc`] places tensors in host memory.
+    to_host: bool,
 }
 
 /// One collective as the planner prices it: nccl-tests' `size` (one rank's
@@ -254,15 +373,15 @@ impl<B: Backend> Device<B> {
             host_live: self.host.as_ref().map(Tracker::live),
             layout: self.caching.as_ref().map(|c| c.layout()),
             to_host: self.to_host,
-            call_stride: self.call_stride,
-            roofline_s: self.cost.roofline_s,
-            offload_s: self.offload_s,
-            sent: self.sent,
-            received: self.received,
-            link_bytes: self.link_bytes,
-            p2p_sent: self.p2p_sent,
-            p2p_sends: self.p2p_sends,
-            calls: self.collectives.as_ref().map_or(0, Vec::len),
+            call_stride: self.meter.call_stride,
+            roofline_s: self.meter.cost.roofline_s,
+            offload_s: self.meter.offload_s,
+            sent: self.meter.sent,
+            received: self.meter.received,
+            link_bytes: self.meter.link_bytes,
+            p2p_sent: self.meter.p2p_sent,
+            p2p_sends: self.meter.p2p_sends,
+            calls: self.meter.collectives.as_ref().map_or(0, Vec::len),
         }
     }
 
@@ -275,16 +394,16 @@ impl<B: Backend> Device<B> {
     pub fn repeat(&mut self, a: &Between, b: &Between, times: usize) {
         debug_assert!(self.be.planning() && a.returns_to_itself(b));
         let n = times as u64;
-        self.cost.roofline_s += (b.roofline_s - a.roofline_s) * times as f64;
-        self.offload_s += (b.offload_s - a.offload_s) * times as f64;
+        self.meter.cost.roofline_s += (b.roofline_s - a.roofline_s) * times as f64;
+        self.meter.offload_s += (b.offload_s - a.offload_s) * times as f64;
         // Saturating: a plan's step may be 2^40 micro-batches of gigabytes.
         let more = |x: &mut u64, a: u64, b: u64| *x = x.saturating_add((b - a).saturating_mul(n));
-        more(&mut self.sent, a.sent, b.sent);
-        more(&mut self.received, a.received, b.received);
-        more(&mut self.link_bytes, a.link_bytes, b.link_bytes);
-        more(&mut self.p2p_sent, a.p2p_sent, b.p2p_sent);
-        more(&mut self.p2p_sends, a.p2p_sends, b.p2p_sends);
-        if let Some(calls) = &mut self.collectives {
+        more(&mut self.meter.sent, a.sent, b.sent);
+        more(&mut self.meter.received, a.received, b.received);
+        more(&mut self.meter.link_bytes, a.link_bytes, b.link_bytes);
+        more(&mut self.meter.p2p_sent, a.p2p_sent, b.p2p_sent);
+        more(&mut self.meter.p2p_sends, a.p2p_sends, b.p2p_sends);
+        if let Some(calls) = &mut self.meter.collectives {
             let again: Vec<Call> = calls[a.calls..b.calls]
                 .iter()
                 .map(|c| Call {
@@ -304,32 +423,13 @@ impl<B: Backend> Device<B> {
         } else {
             Tracker::new(capacity).without_clock()
         };
-        let cost = CostCounter {
-            seconds_only: be.planning(),
-            ..Default::default()
-        };
         Device {
+            meter: Meter::new(be.planning()),
             be,
             tracker,
-            optimizer_cost: cost.clone(),
-            cost,
-            optimizer_sent: 0,
-            roofline: None,
-            sent: 0,
-            received: 0,
-            phase_secs: None,
             caching: None,
             host: None,
             to_host: false,
-            host_roofline: None,
-            offload_s: 0.0,
-            offload_optimizer_s: 0.0,
-            link_bytes: 0,
-            link_optimizer_bytes: 0,
-            collectives: None,
-            call_stride: 1,
-            p2p_sent: 0,
-            p2p_sends: 0,
         }
     }
 
@@ -360,9 +460,9 @@ impl<B: Backend> Device<B> {
     /// Runs `f` with the collectives it calls recorded as a group whose
     /// members are `stride` ranks apart (`Call::stride`).
     pub fn with_stride<R>(&mut self, stride: usize, f: impl FnOnce(&mut Self) -> R) -> R {
-        let was = std::mem::replace(&mut self.call_stride, stride);
+        let was = std::mem::replace(&mut self.meter.call_stride, stride);
         let r = f(self);
-        self.call_stride = was;
+        self.meter.call_stride = was;
         r
     }
 
@@ -416,51 +516,9 @@ impl<B: Backend> Device<B> {
         r
     }
 
-    /// Counts and prices `calls` runs of `op` that did `flops` and moved
-    /// `bytes` between them, with `ns` measured: the roofline's seconds
-    /// (each call pays the launch overhead), the offload and link totals,
-    /// the per-op table and the per-phase seconds.
     fn charge(&mut self, op: &'static str, flops: u64, bytes: u64, ns: u64, at: At, calls: u64) {
-        let price = |rl: Roofline| {
-            let rate = if op.starts_with("matmul") {
-                rl.flops_per_s
-            } else {
-                rl.kernel_flops_per_s
-            };
-            (flops as f64 / rate).max(bytes as f64 / rl.bytes_per_s)
-                + calls as f64 * rl.op_overhead_s
-        };
-        let secs = match at {
-            At::Device => self.roofline.map_or(0.0, price),
-            At::Host => self.host_roofline.map_or(0.0, |h| price(h.cpu)),
-            At::Link => self.host_roofline.map_or(0.0, |h| {
-                bytes as f64 / h.link_bytes_per_s + calls as f64 * h.link_latency_s
-            }),
-        };
-        let optimizer = self.tracker.phase() == Phase::Optimizer;
-        if at != At::Device {
-            if at == At::Link {
-                self.link_bytes += bytes;
-                if optimizer {
-                    self.link_optimizer_bytes += bytes;
-                }
-            }
-            self.offload_s += secs;
-            if optimizer {
-                self.offload_optimizer_s += secs;
-            }
-        }
-        self.cost.add(op, calls, flops, bytes, ns, secs);
-        if let Some(per_phase) = &mut self.phase_secs {
-            let spent = match self.roofline {
-                Some(_) => secs,
-                None => ns as f64 * 1e-9,
-            };
-            *per_phase.entry(self.tracker.phase()).or_default() += spent;
-        }
-        if optimizer {
-            self.optimizer_cost.add(op, calls, flops, bytes, ns, secs);
-        }
+        let phase = self.tracker.phase();
+        self.meter.charge(op, (flops, bytes, ns, calls), at, phase);
     }
 
     /// A zero-filled tensor, tracked under `category`; refused past the capacity.
@@ -1055,23 +1113,9 @@ impl<B: Backend> Device<B> {
     }
 
     fn count_wire(&mut self, comm: &dyn Collective<B::Buf>, op: Op, bytes: u64, root: usize) {
-        let (s, r) = wire_bytes(op, bytes, comm.world(), comm.rank(), root);
+        let wire = wire_bytes(op, bytes, comm.world(), comm.rank(), root);
         let optimizer = self.tracker.phase() == Phase::Optimizer;
-        if optimizer {
-            self.optimizer_sent += s;
-        }
-        if let Some(calls) = &mut self.collectives {
-            calls.push(Call {
-                op,
-                bytes,
-                world: comm.world(),
-                stride: self.call_stride,
-                optimizer,
-                times: 1,
-            });
-        }
-        self.sent += s;
-        self.received += r;
+        self.meter.wire(op, bytes, comm.world(), wire, optimizer);
     }
 
     /// In place: `t = sum over ranks of t`.
@@ -1115,15 +1159,15 @@ impl<B: Backend> Device<B> {
 
     /// Sends `t` to a neighbouring pipeline stage.
     pub fn send(&mut self, link: &mut dyn PointToPoint<B::Buf>, to: Peer, t: &T<B>) {
-        self.sent += t.bytes();
-        self.p2p_sent += t.bytes();
-        self.p2p_sends += 1;
+        self.meter.sent += t.bytes();
+        self.meter.p2p_sent += t.bytes();
+        self.meter.p2p_sends += 1;
         self.timed("send", 0, b(t), |_| link.send(to, &t.buf, t.len));
     }
 
     /// Fills `t` from a neighbouring pipeline stage.
     pub fn recv(&mut self, link: &mut dyn PointToPoint<B::Buf>, from: Peer, t: &mut T<B>) {
-        self.received += t.bytes();
+        self.meter.received += t.bytes();
         self.timed("recv", 0, b(t), |_| link.recv(from, &mut t.buf, t.len));
     }
 

@@ -10,7 +10,7 @@
 //! profile changes which tensors exist, when, and in which category, so the
 //! timeline by phase is PyTorch's. Each rule below names the source it
 //! models; `tests/reference/hf_memory.py` measures the same step with
-//! PyTorch's `MemTracker`, and `tests/hf_reference.rs` holds the engine to
+//! PyTorch's `MemTracker`, and `tests/it/hf_reference.rs` holds the engine to
 //! every configuration it wrote.
 //!
 //! Rules are stated as what PyTorch holds *beyond* the engine's own saved

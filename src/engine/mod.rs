@@ -676,7 +676,7 @@ impl<B: Backend> Engine<B> {
         }
         if tp.is_some() {
             // Data-parallel groups are the ranks a tensor-parallel group apart.
-            dev.call_stride = train.tensor_parallel;
+            dev.meter.call_stride = train.tensor_parallel;
         }
         let init::States {
             params,

@@ -744,7 +744,7 @@ impl<B: Backend> Dist<B> {
         };
         // These ranks are a shard group apart: priced on that placement.
         let grads = self.grad_shards.iter_mut().zip(owned).filter(|(_, o)| **o);
-        dev.with_stride(dev.call_stride * self.world, |dev| {
+        dev.with_stride(dev.meter.call_stride * self.world, |dev| {
             for (g, _) in grads {
                 dev.all_reduce(&mut **rep, g);
             }

@@ -4,7 +4,7 @@
 //!
 //! Memory is exact (the meta == cpu invariant): each point runs one optimizer
 //! step of the real engine on rank 0 of its job; every rank allocates the same
-//! sizes (tests/sharding.rs), so rank 0 speaks for all. The hardware's
+//! sizes (tests/it/sharding.rs), so rank 0 speaks for all. The hardware's
 //! runtime overhead (CUDA context, library workspaces) is added on top.
 //!
 //! Time is a model, not a measurement: a per-op roofline of the engine's own
@@ -1255,6 +1255,13 @@ pub fn plan_with(
     let points = expand(r);
     let (capacity, overhead) = r.capacity(hw);
     let rates = Rates::gpu(hw, usd);
+    let target = PlanTarget {
+        recipe: r,
+        model,
+        rates: &rates,
+        capacity,
+        overhead,
+    };
     // Points that differ only in the batch's shape build the same engine
     // but for its workspace: each such group builds it once and copies it
     // ([`Engine::reshaped`]), a sixth of a 70B point. The work goes group
@@ -1278,9 +1285,7 @@ pub fn plan_with(
         .par_iter()
         .map(|&i| {
             let (p, slot) = (&points[i], &shared[groups[i]]);
-            let out = known(p).unwrap_or_else(|| {
-                predict_shared(r, model, &rates, capacity, overhead, p, Some(slot))
-            });
+            let out = known(p).unwrap_or_else(|| predict_shared(&target, p, Some(slot)));
             let mut s = slot.lock().expect("not poisoned");
             s.left -= 1;
             if s.left == 0 {
@@ -1512,15 +1517,21 @@ fn fit_verdict(p: &Prediction) -> Verdict {
     }
 }
 
-pub fn predict(
-    r: &PlanRecipe,
-    model: &ModelConfig,
-    rates: &Rates,
-    capacity: u64,
-    overhead: u64,
-    p: &Point,
-) -> Prediction {
-    predict_shared(r, model, rates, capacity, overhead, p, None)
+/// What the points of a plan are predicted against: the recipe (its
+/// fixed knobs and headroom), the model, the target's rates, its capacity
+/// and the runtime's overhead on top of the engine's peak.
+#[derive(Clone, Copy)]
+pub struct PlanTarget<'a> {
+    pub recipe: &'a PlanRecipe,
+    pub model: &'a ModelConfig,
+    pub rates: &'a Rates,
+    pub capacity: u64,
+    pub overhead: u64,
+}
+
+/// Point `p`'s prediction on `t`.
+pub fn predict(t: &PlanTarget<'_>, p: &Point) -> Prediction {
+    predict_shared(t, p, None)
 }
 
 /// The engine that the points of one group (`Point::unshaped`) share, and
@@ -1535,14 +1546,12 @@ struct Shared {
 /// rank stands for the step (building it there first), instead of building
 /// its own.
 fn predict_shared(
-    r: &PlanRecipe,
-    model: &ModelConfig,
-    rates: &Rates,
-    capacity: u64,
-    overhead: u64,
+    t: &PlanTarget<'_>,
     p: &Point,
     shared: Option<&std::sync::Mutex<Shared>>,
 ) -> Prediction {
+    let (r, model, rates) = (t.recipe, t.model, t.rates);
+    let (capacity, overhead) = (t.capacity, t.overhead);
     let usable = (capacity as f64 * (1.0 - r.headroom)) as u64;
     let mut out = unplanned(r, model, overhead, usable, p);
     if let Some(reason) = invalid_reason(r, model, p) {
@@ -1845,7 +1854,7 @@ impl PointPlan<'_> {
                 capacity_bytes: capacity,
                 margin_bytes: capacity as i64 - node_bytes as i64,
                 // Every micro-batch of the step ran (or was counted).
-                link_bytes_per_step: e.dev.link_bytes,
+                link_bytes_per_step: e.dev.meter.link_bytes,
                 deepspeed: deepspeed_estimate(e, p, per_node),
             }
         });
@@ -1876,26 +1885,26 @@ fn tp_comm(tc: &TrainConfig) -> Option<Comm<MetaBackend>> {
 /// (or pipeline stage), priced with `rates`.
 fn step_meta(mut e: Engine<MetaBackend>, rates: &Rates, precision: Precision) -> Stepped {
     let k = e.train.grad_accum;
-    e.dev.roofline = Some(rates.of(precision));
-    e.dev.host_roofline = Some(rates.host);
-    e.dev.cost.reset();
-    e.dev.optimizer_cost.reset();
-    (e.dev.offload_s, e.dev.offload_optimizer_s) = (0.0, 0.0);
-    (e.dev.link_bytes, e.dev.link_optimizer_bytes) = (0, 0);
-    (e.dev.p2p_sent, e.dev.p2p_sends) = (0, 0);
-    e.dev.collectives = Some(Vec::new());
-    let sent0 = e.dev.sent;
+    e.dev.meter.roofline = Some(rates.of(precision));
+    e.dev.meter.host_roofline = Some(rates.host);
+    e.dev.meter.cost.reset();
+    e.dev.meter.optimizer_cost.reset();
+    (e.dev.meter.offload_s, e.dev.meter.offload_optimizer_s) = (0.0, 0.0);
+    (e.dev.meter.link_bytes, e.dev.meter.link_optimizer_bytes) = (0, 0);
+    (e.dev.meter.p2p_sent, e.dev.meter.p2p_sends) = (0, 0);
+    e.dev.meter.collectives = Some(Vec::new());
+    let sent0 = e.dev.meter.sent;
     if let Err(oom) = e.step_from(k, || unreachable!("meta reads no data")) {
         unreachable!("meta without capacity cannot run out of memory: {oom}");
     }
     Stepped {
-        all_s: e.dev.cost.roofline_s,
-        opt_s: e.dev.optimizer_cost.roofline_s,
-        offload_s: e.dev.offload_s,
-        sent: (e.dev.sent - sent0) as f64,
-        calls: e.dev.collectives.take(),
-        p2p_sent: e.dev.p2p_sent,
-        p2p_sends: e.dev.p2p_sends,
+        all_s: e.dev.meter.cost.roofline_s,
+        opt_s: e.dev.meter.optimizer_cost.roofline_s,
+        offload_s: e.dev.meter.offload_s,
+        sent: (e.dev.meter.sent - sent0) as f64,
+        calls: e.dev.meter.collectives.take(),
+        p2p_sent: e.dev.meter.p2p_sent,
+        p2p_sends: e.dev.meter.p2p_sends,
         e,
     }
 }
@@ -2139,10 +2148,17 @@ mod tests {
             layouts.extend(expand(&r));
         }
         let mut compared = 0;
+        let target = PlanTarget {
+            recipe: &r,
+            model: &model,
+            rates: &rates,
+            capacity,
+            overhead,
+        };
         for p in &layouts {
-            let fast = predict(&r, &model, &rates, capacity, overhead, p);
+            let fast = predict(&target, p);
             crate::engine::RUN_EVERY_MICRO_BATCH.with(|c| c.set(true));
-            let every = predict(&r, &model, &rates, capacity, overhead, p);
+            let every = predict(&target, p);
             crate::engine::RUN_EVERY_MICRO_BATCH.with(|c| c.set(false));
             let Some(peaks) = every.peak_bytes else {
                 continue;
@@ -2256,7 +2272,16 @@ mod tests {
             let r: PlanRecipe = serde_yaml_ng::from_str(&format!("{yaml}{extra}")).unwrap();
             let planned = plan(&r, &model, &hw);
             for x in &planned.points {
-                let alone = predict(&r, &model, &rates, capacity, overhead, &x.point);
+                let alone = predict(
+                    &PlanTarget {
+                        recipe: &r,
+                        model: &model,
+                        rates: &rates,
+                        capacity,
+                        overhead,
+                    },
+                    &x.point,
+                );
                 if alone.peak_bytes.is_some() {
                     compared += 1;
                 }

@@ -165,7 +165,7 @@ mod tests {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("recipes");
         for entry in std::fs::read_dir(dir).unwrap() {
             let path = entry.unwrap().path();
-            // Plan recipes (they name a `hardware:`) are checked by tests/plan.rs.
+            // Plan recipes (they name a `hardware:`) are checked by tests/it/plan.rs.
             let text = std::fs::read_to_string(&path).unwrap();
             if text.lines().any(|l| l.starts_with("hardware:")) {
                 continue;

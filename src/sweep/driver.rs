@@ -14,7 +14,9 @@ use super::trial::{TrialOutput, TrialSpec};
 use crate::backend::{DeviceKind, DeviceSpec};
 use crate::engine::Framework;
 use crate::error::{Error, Result};
-use crate::plan::{Point, Prediction, Rates, Verdict, expand, load_recipe, name, predict};
+use crate::plan::{
+    PlanTarget, Point, Prediction, Rates, Verdict, expand, load_recipe, name, predict,
+};
 use crate::report::sweep::{
     ExitInfo, Measured, Outcome, Predicted, Pricing, Ranking, Recommendation, RunDevice,
     SCHEMA_VERSION, SweepReport, Target, TargetPrediction, TimingPolicy, TrialRecord,
@@ -429,7 +431,16 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
     let points = expand(&recipe);
     let mut preds: Vec<Prediction> = points
         .par_iter()
-        .map(|p| predict(&recipe, &model, &rates, capacity, overhead, p))
+        .map(|p| {
+            let target = PlanTarget {
+                recipe: &recipe,
+                model: &model,
+                rates: &rates,
+                capacity,
+                overhead,
+            };
+            predict(&target, p)
+        })
         .collect();
     crate::plan::monotone_in_micro_batch(&mut preds);
     let target = plan_on_target(
@@ -584,14 +595,14 @@ fn plan_on_target(
                 framework: framework.unwrap_or(p.framework),
                 ..*p
             };
-            predict(
-                &target_recipe,
+            let target = PlanTarget {
+                recipe: &target_recipe,
                 model,
-                target_rates,
-                target_capacity,
-                target_overhead,
-                p,
-            )
+                rates: target_rates,
+                capacity: target_capacity,
+                overhead: target_overhead,
+            };
+            predict(&target, p)
         })
         .collect();
     crate::plan::monotone_in_micro_batch(&mut targets);

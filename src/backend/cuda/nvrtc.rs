@@ -1,5 +1,5 @@
 //! Compiling the kernel sources to PTX with NVRTC, at run time (the cuda
-//! backend) and in CI (`tests/cuda_kernels.rs`, which also assembles the PTX
+//! backend) and in CI (`tests/it/cuda_kernels.rs`, which also assembles the PTX
 //! with ptxas). NVRTC is loaded dynamically; without it, [`compile`] says so.
 
 use super::driver::SOURCES;

@@ -14,7 +14,9 @@ use crate::config::ModelConfig;
 use crate::config::hardware::{HardwareProfile, builtin_hardware, load_hardware, load_network};
 use crate::config::profile::{load_model, looks_like_path};
 use crate::engine::{Framework, Sharding};
-use crate::plan::{Plan, PlanRecipe, Point, Prediction, Rates, Verdict, name, plan_with, predict};
+use crate::plan::{
+    Plan, PlanRecipe, PlanTarget, Point, Prediction, Rates, Verdict, name, plan_with, predict,
+};
 
 /// The most points the builder plans on each key: a few thousand plan in
 /// well under a second on a small model; more is a recipe for `memfit plan`.
@@ -311,6 +313,13 @@ pub fn fixes(p: &Planned, point: &Point) -> Vec<Fix> {
         }
     }
     // Each candidate is one point of the planner, planned in parallel.
+    let target = PlanTarget {
+        recipe: r,
+        model: &p.model,
+        rates: &rates,
+        capacity: cap,
+        overhead,
+    };
     let mut out: Vec<Fix> = candidates
         .into_par_iter()
         .filter_map(|changes| {
@@ -330,7 +339,7 @@ pub fn fixes(p: &Planned, point: &Point) -> Vec<Fix> {
                 return None;
             }
             let q = with_accum(q, r.global_batch);
-            let pred = predict(r, &p.model, &rates, cap, overhead, &q);
+            let pred = predict(&target, &q);
             (pred.verdict == Verdict::Fits).then(|| Fix {
                 in_grid: changes.iter().all(|c| match c {
                     Change::Axis(a, v) => a.get(&r.grid).contains(v),
@@ -357,7 +366,14 @@ pub fn fixes(p: &Planned, point: &Point) -> Vec<Fix> {
             }
             let rates = Rates::gpu(&hw, r.cost.unwrap_or(hw.usd_per_hour));
             let (cap, overhead) = r.capacity(&hw);
-            let pred = predict(r, &p.model, &rates, cap, overhead, &q);
+            let target = PlanTarget {
+                recipe: r,
+                model: &p.model,
+                rates: &rates,
+                capacity: cap,
+                overhead,
+            };
+            let pred = predict(&target, &q);
             if pred.verdict == Verdict::Fits {
                 out.push(Fix {
                     changes: vec![Change::Hardware(hw_name.to_string())],

@@ -1,9 +1,7 @@
 //! Hybrid sharding (FSDP's HYBRID_SHARD): ZeRO within groups of ranks,
 //! replicas across them, run for real on cpu and planned across nodes.
 
-mod common;
-
-use common::{json, losses, memfit, ok_json, refused, scratch, stderr};
+use crate::common::{json, losses, memfit, ok_json, refused, scratch, stderr};
 use serde_json::Value;
 
 fn run(extra: &[&str]) -> Value {

@@ -2,8 +2,7 @@
 //! document, meta's plan of every stage, the schedules' memory, partitions
 //! and recipe keys, and the exit-2 errors for bad pipeline flags.
 
-mod common;
-use common::{json, memfit, stderr};
+use crate::common::{json, memfit, stderr};
 
 use std::path::PathBuf;
 

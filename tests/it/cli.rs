@@ -1,7 +1,7 @@
 //! `memfit run` as a user runs it: output documents, exit codes, error messages.
 
-mod common;
-use common::{json, losses, memfit, ok_json, stderr};
+use crate::common;
+use crate::common::{json, losses, memfit, ok_json, stderr};
 
 #[test]
 fn run_json_carries_the_documented_fields() {

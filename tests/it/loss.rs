@@ -4,9 +4,9 @@
 //! that would do nothing are refused. (The chunked loss against PyTorch is
 //! in `hf_reference.rs`, with the other MemTracker fixtures.)
 
-mod common;
+use crate::common;
 
-use common::{json, memfit, refused, scratch, stderr};
+use crate::common::{json, memfit, refused, scratch, stderr};
 use memfit::backend::cpu::CpuBackend;
 use memfit::backend::meta::MetaBackend;
 use memfit::config::profile::load_model;
@@ -157,7 +157,11 @@ fn meta_predicts_every_loss_byte_for_byte() {
                 common::events(m),
                 "{what}: timelines differ"
             );
-            assert_eq!(cpu.dev.cost.flops(), meta.dev.cost.flops(), "{what}: FLOPs");
+            assert_eq!(
+                cpu.dev.meter.cost.flops(),
+                meta.dev.meter.cost.flops(),
+                "{what}: FLOPs"
+            );
         }
     }
 }

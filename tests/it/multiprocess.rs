@@ -3,11 +3,10 @@
 //! bit for bit, and the same per-rank peaks; and every way a rank can fail
 //! ends the job in bounded time with a message naming the rank or variable.
 
-mod common;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{comparable, json, stderr};
+use crate::common::{comparable, json, stderr};
 use serde_json::Value;
 
 /// The variables that make `memfit run` a rank.

@@ -3,10 +3,9 @@
 //! (driver trait, allocator, every kernel, cuBLAS-shaped GEMMs, host-staged
 //! collectives) on the emulated GPU, checked against cpu and meta.
 
-mod common;
 use std::process::{Command, Output};
 
-use common::{json, memfit, stderr};
+use crate::common::{json, memfit, stderr};
 use serde_json::Value;
 
 /// memfit with the emulated GPU standing in for cuda.

@@ -3,11 +3,11 @@
 //! group when it varies, prices LoRA's frozen base as frozen, and states
 //! the recommended point's margin (issue 27's plan-table defects).
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 
-use common::{memfit, plan_json, scratch, stderr};
+use crate::common::{memfit, plan_json, scratch, stderr};
 use memfit::units::fmt_bytes;
 use serde_json::Value;
 

@@ -4,8 +4,7 @@
 //! meta predicts every rank byte for byte, it costs exactly the secondary
 //! shards, and the planner prices the backward's gathers inside the node.
 
-mod common;
-use common::{events, json, losses, memfit, ok_json, refused, scratch, stderr};
+use crate::common::{events, json, losses, memfit, ok_json, refused, scratch, stderr};
 
 use memfit::backend::cpu::CpuBackend;
 use memfit::backend::meta::MetaBackend;
@@ -59,7 +58,7 @@ type Trained = (Vec<u32>, Vec<Vec<Vec<u32>>>, Vec<Vec<Vec<u32>>>, usize);
 fn train(model: &ModelConfig, tc: &TrainConfig, g: usize) -> Trained {
     let mut c = cpu_cluster(model, tc);
     for e in &mut c.ranks {
-        e.dev.collectives = Some(Vec::new());
+        e.dev.meter.collectives = Some(Vec::new());
     }
     let mut data = DataSource::synthetic(model.vocab_size, 11);
     let losses = (0..3)
@@ -81,7 +80,7 @@ fn train(model: &ModelConfig, tc: &TrainConfig, g: usize) -> Trained {
         .iter()
         .map(|e| e.master_host().map_or_else(Vec::new, |m| bits(&m)))
         .collect();
-    let grouped = c.ranks[0].dev.collectives.as_ref().unwrap();
+    let grouped = c.ranks[0].dev.meter.collectives.as_ref().unwrap();
     let grouped = grouped
         .iter()
         .filter(|c| c.op == Op::AllGather && c.world == g)
@@ -199,7 +198,10 @@ fn meta_predicts_every_hpz_rank() {
             assert_eq!(ct.at_peak(), mt.at_peak(), "{what}: rank {r}");
             assert_eq!(ct.live(), mt.live(), "{what}: rank {r}");
             assert_eq!(events(ct), events(mt), "{what}: rank {r}");
-            assert_eq!((c.dev.sent, c.dev.received), (m.dev.sent, m.dev.received));
+            assert_eq!(
+                (c.dev.meter.sent, c.dev.meter.received),
+                (m.dev.meter.sent, m.dev.meter.received)
+            );
             let host = |t: Option<&Tracker>| t.map(Tracker::peak_bytes);
             assert_eq!(host(c.dev.host.as_ref()), host(m.dev.host.as_ref()));
         }
@@ -344,10 +346,10 @@ fn hpz_backward_gathers_run_within_the_group() {
         let calls = |tc: &TrainConfig| {
             let mut m = meta_cluster(&model, tc);
             for e in &mut m.ranks {
-                e.dev.collectives = Some(Vec::new());
+                e.dev.meter.collectives = Some(Vec::new());
             }
             m.step_from(k, || unreachable!()).unwrap();
-            m.ranks[0].dev.collectives.take().unwrap()
+            m.ranks[0].dev.meter.collectives.take().unwrap()
         };
         let flat = calls(&tc);
         let hpz = calls(&TrainConfig { hpz_group: g, ..tc });
@@ -390,10 +392,10 @@ fn hpz_backward_gathers_run_within_the_group() {
     };
     let mut m = meta_cluster(&model, &tc);
     for e in &mut m.ranks {
-        e.dev.collectives = Some(Vec::new());
+        e.dev.meter.collectives = Some(Vec::new());
     }
     m.step_from(1, || unreachable!()).unwrap();
-    let calls = m.ranks[0].dev.collectives.take().unwrap();
+    let calls = m.ranks[0].dev.meter.collectives.take().unwrap();
     let grouped: Vec<_> = calls
         .iter()
         .filter(|c| c.op == Op::AllGather && c.world == 4)

@@ -2,8 +2,7 @@
 //! reaches on the same global batch, meta predicts every stage byte for
 //! byte, and 1F1B holds fewer micro-batches on the first stage than GPipe.
 
-mod common;
-use common::training::{tolerance, train_single};
+use crate::common::training::{tolerance, train_single};
 
 use memfit::backend::Backend;
 use memfit::backend::cpu::CpuBackend;
@@ -188,7 +187,13 @@ fn the_pipeline_composes_with_data_parallelism_and_the_knobs() {
 fn peaks<B: Backend>(c: &Cluster<B>) -> Vec<(PeakBytes, u64, u64)> {
     c.ranks
         .iter()
-        .map(|e| (e.dev.tracker.peak_bytes(), e.dev.sent, e.dev.received))
+        .map(|e| {
+            (
+                e.dev.tracker.peak_bytes(),
+                e.dev.meter.sent,
+                e.dev.meter.received,
+            )
+        })
         .collect()
 }
 

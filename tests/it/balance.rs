@@ -6,8 +6,7 @@
 use memfit::backend::meta::MetaBackend;
 use std::collections::HashMap;
 
-mod common;
-use common::{json, memfit, stderr};
+use crate::common::{json, memfit, stderr};
 
 use memfit::balance_cmd::{BalanceOptions, By, Target, balance, blocks_of, stage_peak};
 use memfit::config::hardware::load_hardware;

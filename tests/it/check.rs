@@ -4,17 +4,18 @@
 //! change planted in code. Exit codes and messages come from the binary or
 //! from `run_check`, which returns the code.
 
-mod common;
-use common::memfit;
+use crate::common;
+use crate::common::memfit;
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use memfit::check::{
-    CheckArgs, CheckFormat, CheckOptions, CheckReport, CheckVerdict, Metric, compare, gate,
-    load_pair, load_report, run_check,
+    CheckOptions, CheckReport, CheckRequest, CheckVerdict, Metric, compare, gate, load_pair,
+    load_report, run_check,
 };
+use memfit::report::DocFormat;
 use memfit::report::sweep::{Outcome, SCHEMA_VERSION, SweepReport, TrialRecord};
 
 /// A fresh directory under the system temp dir.
@@ -83,8 +84,8 @@ fn baseline_json() -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(fixture()).unwrap()).unwrap()
 }
 
-fn args(current: &Path, baseline: &Path, tolerance: &str, format: CheckFormat) -> CheckArgs {
-    CheckArgs {
+fn args(current: &Path, baseline: &Path, tolerance: &str, format: DocFormat) -> CheckRequest {
+    CheckRequest {
         current: current.to_path_buf(),
         baseline: baseline.to_path_buf(),
         tolerance: tolerance.into(),
@@ -157,8 +158,8 @@ fn identical_reports_pass() {
         .parent()
         .unwrap()
         .to_path_buf();
-    assert_eq!(run_check(&args(&dir, &b, "2%", CheckFormat::Table)), 0);
-    assert_eq!(run_check(&args(&b, &b, "0", CheckFormat::Md)), 0);
+    assert_eq!(run_check(&args(&dir, &b, "2%", DocFormat::Table)), 0);
+    assert_eq!(run_check(&args(&b, &b, "0", DocFormat::Md)), 0);
     let r = compare(&baseline(), &baseline(), &opts(0.0));
     assert!(r.passed);
     assert_eq!(r.compared.len(), 2, "{r:#?}");
@@ -255,16 +256,16 @@ fn within_tolerance_passes() {
     let (regressed, _) = fitting();
     let file = write(&planted(1.015, &regressed), "within");
     assert_eq!(
-        run_check(&args(&file, &fixture(), "2%", CheckFormat::Table)),
+        run_check(&args(&file, &fixture(), "2%", DocFormat::Table)),
         0
     );
     // The same change fails a tighter gate; a bare number is percent.
     assert_eq!(
-        run_check(&args(&file, &fixture(), "1", CheckFormat::Table)),
+        run_check(&args(&file, &fixture(), "1", DocFormat::Table)),
         1
     );
     assert_eq!(
-        run_check(&args(&file, &fixture(), "0.5%", CheckFormat::Table)),
+        run_check(&args(&file, &fixture(), "0.5%", DocFormat::Table)),
         1
     );
 }
@@ -669,7 +670,7 @@ fn malformed_baseline_is_an_error_with_its_location() {
     let bad = dir.join("report.json");
     std::fs::write(&bad, cut).unwrap();
     assert_eq!(
-        run_check(&args(&fixture(), &bad, "2%", CheckFormat::Table)),
+        run_check(&args(&fixture(), &bad, "2%", DocFormat::Table)),
         2
     );
     let e = load_report(&dir).unwrap_err().to_string();
@@ -685,11 +686,11 @@ fn malformed_baseline_is_an_error_with_its_location() {
 fn missing_file_and_bad_tolerance_are_errors() {
     let missing = scratch("missing").join("nope");
     assert_eq!(
-        run_check(&args(&missing, &fixture(), "2%", CheckFormat::Table)),
+        run_check(&args(&missing, &fixture(), "2%", DocFormat::Table)),
         2
     );
     assert_eq!(
-        run_check(&args(&fixture(), &missing, "2%", CheckFormat::Table)),
+        run_check(&args(&fixture(), &missing, "2%", DocFormat::Table)),
         2
     );
     // A directory without report.json names the file it looked for.
@@ -697,12 +698,12 @@ fn missing_file_and_bad_tolerance_are_errors() {
     let e = load_report(&empty).unwrap_err().to_string();
     assert!(e.contains("report.json"), "{e}");
     assert_eq!(
-        run_check(&args(&empty, &fixture(), "2%", CheckFormat::Table)),
+        run_check(&args(&empty, &fixture(), "2%", DocFormat::Table)),
         2
     );
     for bad in ["two", "-1%", ""] {
         assert_eq!(
-            run_check(&args(&fixture(), &fixture(), bad, CheckFormat::Table)),
+            run_check(&args(&fixture(), &fixture(), bad, DocFormat::Table)),
             2,
             "{bad}"
         );
@@ -765,7 +766,7 @@ fn metric_nvml_gates_on_nvml_peaks_and_refuses_reports_without_them() {
     assert!(compare(&c, &b, &opts(0.02)).passed);
 
     let (bf, cf) = (write(&b, "nvml-base"), write(&c, "nvml-cur"));
-    let mut a = args(&cf, &bf, "2%", CheckFormat::Table);
+    let mut a = args(&cf, &bf, "2%", DocFormat::Table);
     a.metric = Metric::Nvml;
     assert_eq!(run_check(&a), 1);
     // The cpu fixture has no NVML peaks: refused, exit 2, saying why.
@@ -780,7 +781,7 @@ fn metric_nvml_gates_on_nvml_peaks_and_refuses_reports_without_them() {
         text.contains("--metric nvml") && text.contains("NVML peak"),
         "{text}"
     );
-    let mut a = args(&fixture(), &bf, "2%", CheckFormat::Table);
+    let mut a = args(&fixture(), &bf, "2%", DocFormat::Table);
     a.metric = Metric::Nvml;
     assert_eq!(run_check(&a), 2);
 }

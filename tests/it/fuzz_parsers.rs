@@ -5,10 +5,12 @@
 //! each parsed in this process. The properties: no panic; an error is bad
 //! input (exit code 2) in one line naming where; a file is never read past
 //! the stated bound (4 MiB), which the kernel's own count of bytes this
-//! process read (`/proc/self/io`) checks. A sample goes through the binary
-//! too, for the exit code and the single line on stderr.
+//! test's thread read (`/proc/thread-self/io`) checks. A sample goes
+//! through the binary too, for the exit code and the single line on stderr.
 //!
-//! One test in its own file: the read count is per process.
+//! The count is the thread's, not the process's (`/proc/self/io`): this
+//! test shares its process with every other test of the `it` binary, which
+//! read their children's output and their files at the same time.
 
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
@@ -205,9 +207,12 @@ fn mutate(rng: &mut Rng, seed: &str, others: &[(Parser, String)]) -> String {
     String::from_utf8_lossy(&b).into_owned()
 }
 
-/// Bytes this process has read through read(2) and friends, by the kernel's count.
+/// Bytes this thread has read through read(2) and friends, by the kernel's
+/// count: the parsers read on the caller's thread, and the other tests of
+/// the `it` binary read (their children's output, their files) on theirs,
+/// in the same process.
 fn bytes_read() -> u64 {
-    let io = std::fs::read_to_string("/proc/self/io").unwrap();
+    let io = std::fs::read_to_string("/proc/thread-self/io").unwrap();
     io.lines()
         .find_map(|l| l.strip_prefix("rchar: "))
         .unwrap()

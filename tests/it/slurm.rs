@@ -9,8 +9,7 @@
 //! a missing cluster into a failure; elsewhere these tests run when `sinfo`
 //! shows a usable node, and say they skipped otherwise.
 
-mod common;
-use common::{memfit, refused, scratch};
+use crate::common::{memfit, refused, scratch};
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

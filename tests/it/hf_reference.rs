@@ -2,11 +2,11 @@
 //! tests/reference/hf_memory.json, meta == cpu, unchanged numerics, the
 //! issue's quoted GPU figure, and the flags' errors.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 
-use common::{json, memfit, refused, scratch, stderr};
+use crate::common::{json, memfit, refused, scratch, stderr};
 use memfit::backend::cpu::CpuBackend;
 use memfit::backend::meta::MetaBackend;
 use memfit::config::profile::load_model;

@@ -1,8 +1,7 @@
 //! `memfit sweep` end to end: trials in child processes, the bisection against
 //! an exhaustive sweep, crashes and kills, resume, and the report files.
 
-mod common;
-use common::memfit;
+use crate::common::memfit;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -7,12 +7,10 @@
 //! and sets MEMFIT_REQUIRE_NVRTC, so a missing piece fails there;
 //! elsewhere these tests say what they skipped.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use common::{comparable, json, losses, stderr};
+use crate::common::{comparable, json, losses, stderr};
 use memfit::backend::cuda::libs;
 use serde_json::Value;
 

@@ -2,8 +2,7 @@
 //! files that never end, huge grids, deep YAML, absurd model sizes, byte
 //! order marks, and run recipes whose errors must name the recipe.
 
-mod common;
-use common::stderr;
+use crate::common::stderr;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};

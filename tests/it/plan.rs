@@ -2,8 +2,8 @@
 //! through the planner), the published bytes-per-parameter figures come out,
 //! and bad recipes get located messages.
 
-mod common;
-use common::memfit;
+use crate::common;
+use crate::common::memfit;
 
 use memfit::backend::cpu::CpuBackend;
 use memfit::config::hardware::load_hardware;
@@ -68,7 +68,7 @@ fn predictions_equal_cpu_measured_peaks() {
             network: None,
             allow_numerics_change: true,
             // A plan for the cpu backend (a GPU plan declares the cuda
-            // backend's attention workspace; tests/cuda_cli.rs checks that one).
+            // backend's attention workspace; tests/it/cuda_cli.rs checks that one).
             device: Some(memfit::backend::DeviceSpec::new(
                 memfit::backend::DeviceKind::Cpu,
                 None,

@@ -1,9 +1,7 @@
 //! ZeRO-Offload: the host as a second tracked memory, trained for real on
 //! cpu, planned on meta, and DeepSpeed's estimators beside the engine.
 
-mod common;
-
-use common::{json, losses, memfit, ok_json, plan_json, refused, scratch, stderr};
+use crate::common::{json, losses, memfit, ok_json, plan_json, refused, scratch, stderr};
 use serde_json::Value;
 
 fn run(extra: &[&str]) -> Value {

@@ -2,8 +2,7 @@
 //! reaches on the same global batch, per-rank memory follows the ZeRO
 //! formulas, and meta predicts every rank byte for byte.
 
-mod common;
-use common::training::{tolerance, train_single};
+use crate::common::training::{tolerance, train_single};
 
 use memfit::backend::Backend;
 use memfit::backend::cpu::CpuBackend;
@@ -294,7 +293,10 @@ fn meta_matches_cpu_on_every_rank() {
                         "{what}"
                     );
                     assert_eq!(timeline(&c.dev.tracker), timeline(&m.dev.tracker), "{what}");
-                    assert_eq!((c.dev.sent, c.dev.received), (m.dev.sent, m.dev.received));
+                    assert_eq!(
+                        (c.dev.meter.sent, c.dev.meter.received),
+                        (m.dev.meter.sent, m.dev.meter.received)
+                    );
                 }
                 for (i, dev) in cpu.release().into_iter().enumerate() {
                     assert_eq!(dev.tracker.live().total(), 0, "rank {i} leaked");
@@ -339,9 +341,9 @@ fn traffic_per_step_follows_the_zero_paper() {
         };
         let mut c = meta_cluster(&model, &tc);
         // ddp's constructor broadcasts the weights; count the step alone.
-        let at_start = c.ranks[0].dev.sent;
+        let at_start = c.ranks[0].dev.meter.sent;
         c.step_from(1, || unreachable!()).unwrap();
-        let sent = (c.ranks[0].dev.sent - at_start) as f64;
+        let sent = (c.ranks[0].dev.meter.sent - at_start) as f64;
         let want = factor * (n - 1) as f64 / n as f64 * (4 * psi) as f64;
         eprintln!(
             "gpt2 N=4 {sharding:?}: sent {:.1} MiB per step, {:.4} x the gradient bytes",

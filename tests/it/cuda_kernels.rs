@@ -141,7 +141,8 @@ fn kernels_compile_with_nvrtc_12_and_13() {
             let out = Command::new(std::env::current_exe().unwrap())
                 .args([
                     "--exact",
-                    "every_kernel_compiles_and_assembles_for_sm80_and_sm90",
+                    // The test's name in the `it` binary, module path and all.
+                    "cuda_kernels::every_kernel_compiles_and_assembles_for_sm80_and_sm90",
                     "--nocapture",
                 ])
                 .env(

@@ -2,9 +2,7 @@
 //! (`comm::topology`), the links each point crosses, and a recommendation
 //! that follows the network.
 
-mod common;
-
-use common::{json, memfit, plan_json, scratch, stderr};
+use crate::common::{json, memfit, plan_json, scratch, stderr};
 use serde_json::Value;
 
 fn plan(name: &str, recipe: &str) -> Value {

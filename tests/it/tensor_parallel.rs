@@ -3,9 +3,8 @@
 //! data parallelism, ZeRO and pipelines; meta predicts every rank byte for
 //! byte; memory and traffic follow the split.
 
-mod common;
-use common::training::{tolerance, train_single};
-use common::{json, losses, memfit, ok_json, refused, scratch, stderr};
+use crate::common::training::{tolerance, train_single};
+use crate::common::{json, losses, memfit, ok_json, refused, scratch, stderr};
 
 use memfit::backend::Backend;
 use memfit::backend::cpu::CpuBackend;
@@ -253,7 +252,10 @@ fn meta_predicts_every_tensor_parallel_rank() {
                     "{what}"
                 );
                 assert_eq!(c.dev.tracker.live(), m.dev.tracker.live(), "{what}");
-                assert_eq!((c.dev.sent, c.dev.received), (m.dev.sent, m.dev.received));
+                assert_eq!(
+                    (c.dev.meter.sent, c.dev.meter.received),
+                    (m.dev.meter.sent, m.dev.meter.received)
+                );
             }
             for (i, dev) in cpu.release().into_iter().enumerate() {
                 assert_eq!(dev.tracker.live().total(), 0, "{what}: rank {i} leaked");
@@ -304,7 +306,7 @@ fn weights_split_and_activations_all_reduce_as_megatron() {
         };
         let mut meta = meta_cluster(&model, &tc);
         for e in &mut meta.ranks {
-            e.dev.collectives = Some(Vec::new());
+            e.dev.meter.collectives = Some(Vec::new());
         }
         meta.step_from(3, || unreachable!()).unwrap();
         for e in &meta.ranks {
@@ -314,7 +316,7 @@ fn weights_split_and_activations_all_reduce_as_megatron() {
                 4 * (all - split + split / tps),
                 "TP={tps}: fp32 weights"
             );
-            let calls = e.dev.collectives.as_ref().unwrap();
+            let calls = e.dev.meter.collectives.as_ref().unwrap();
             for call in calls {
                 assert_eq!((call.world, call.stride), (tps, 1));
             }
@@ -563,11 +565,11 @@ fn sequence_parallelism_splits_the_tokens_between_the_projections() {
         };
         let mut meta = meta_cluster(&model, &tc);
         for e in &mut meta.ranks {
-            e.dev.collectives = Some(Vec::new());
+            e.dev.meter.collectives = Some(Vec::new());
         }
         meta.step_from(3, || unreachable!()).unwrap();
         let e = meta.ranks.swap_remove(0);
-        (e.dev.tracker.peak_bytes(), e.dev.collectives.unwrap())
+        (e.dev.tracker.peak_bytes(), e.dev.meter.collectives.unwrap())
     };
     let (tp, _) = peaks(false);
     let (sp, calls) = peaks(true);

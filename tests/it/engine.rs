@@ -1,7 +1,7 @@
 //! Engine-level tests at the library boundary: meta == cpu, out-of-memory,
 //! learning, and determinism.
 
-mod common;
+use crate::common;
 
 use memfit::backend::cpu::CpuBackend;
 use memfit::backend::meta::MetaBackend;
@@ -38,7 +38,7 @@ fn both(model: &ModelConfig, tc: &TrainConfig) -> (Tracker, Tracker, u128, u128)
     .unwrap();
     let r = meta.step(&batches).unwrap();
     assert_eq!(r.loss, None);
-    let (cf, mf) = (cpu.dev.cost.flops(), meta.dev.cost.flops());
+    let (cf, mf) = (cpu.dev.meter.cost.flops(), meta.dev.meter.cost.flops());
     (cpu.dev.tracker.clone(), meta.dev.tracker.clone(), cf, mf)
 }
 
@@ -207,7 +207,7 @@ fn full_checkpointing_keeps_gradients_bit_identical_and_saves_activations() {
                 loss,
                 e.grads_host().unwrap(),
                 e.dev.tracker.peak_bytes(),
-                e.dev.cost.flops(),
+                e.dev.meter.cost.flops(),
             )
         };
         let (loss0, grads0, peak0, flops0) = run(Checkpointing::None);

@@ -456,10 +456,16 @@ fn sampler_survives_errors() {
 /// Runs this binary's `env_child` test in a child with `env` set.
 fn run_child(mode: &str, env: &[(&str, &Path)]) -> String {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", "env_child", "--nocapture", "--test-threads=1"])
-        .env("MEMFIT_TELEMETRY_CHILD", mode)
-        .env_remove(NVML_LIB_ENV)
-        .env_remove("NVML_DOUBLE_SCRIPT");
+    // The test's name in the `it` binary, module path and all.
+    cmd.args([
+        "--exact",
+        "telemetry::env_child",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env("MEMFIT_TELEMETRY_CHILD", mode)
+    .env_remove(NVML_LIB_ENV)
+    .env_remove("NVML_DOUBLE_SCRIPT");
     for (k, v) in env {
         cmd.env(k, v);
     }

@@ -2,10 +2,10 @@
 //! same function, meta == cpu, PEFT's published parameter count, the
 //! flags' errors, and data parallelism (DDP, ZeRO-1/2/3) over the adapters.
 
-mod common;
+use crate::common;
 
-use common::training::tolerance;
-use common::{memfit, refused, stderr};
+use crate::common::training::tolerance;
+use crate::common::{memfit, refused, stderr};
 use memfit::backend::Backend;
 use memfit::backend::cpu::CpuBackend;
 use memfit::backend::meta::MetaBackend;
@@ -546,7 +546,10 @@ fn against_one_rank(
     // Every rank allocates the same sizes in the same order.
     assert!(c.iter().all(|x| x.0 == c[0].0 && x.1 == c[0].1), "{what}");
     for (e, m) in cpu.ranks.iter().zip(&meta.ranks) {
-        assert_eq!((e.dev.sent, e.dev.received), (m.dev.sent, m.dev.received));
+        assert_eq!(
+            (e.dev.meter.sent, e.dev.meter.received),
+            (m.dev.meter.sent, m.dev.meter.received)
+        );
     }
     for (i, dev) in meta.release().into_iter().enumerate() {
         assert_eq!(
@@ -758,11 +761,11 @@ fn per_rank_lora_memory_is_the_adapters_state() {
         let run = |sharding, view| {
             let t = tc(sharding, view);
             let mut c = meta_cluster(&model, &t);
-            let before = c.ranks[0].dev.sent;
+            let before = c.ranks[0].dev.meter.sent;
             c.step_from(1, || unreachable!()).unwrap();
             let p: Vec<PeakBytes> = c.ranks.iter().map(|e| e.dev.tracker.peak_bytes()).collect();
             assert!(p.iter().all(|r| *r == p[0]), "ranks are symmetric");
-            (p[0], c.ranks[0].dev.sent - before)
+            (p[0], c.ranks[0].dev.meter.sent - before)
         };
         let (none, _) = run(Sharding::None, false);
         let (ddp, ddp_sent) = run(Sharding::Ddp, false);
@@ -1001,7 +1004,10 @@ fn data_parallel_lora_meta_equals_cpu_with_the_knobs() {
                 assert_eq!(c, m, "{what}");
                 assert!(c.iter().all(|x| x.0 == c[0].0), "{what}: ranks differ");
                 for (e, m) in cpu.ranks.iter().zip(&meta.ranks) {
-                    assert_eq!((e.dev.sent, e.dev.received), (m.dev.sent, m.dev.received));
+                    assert_eq!(
+                        (e.dev.meter.sent, e.dev.meter.received),
+                        (m.dev.meter.sent, m.dev.meter.received)
+                    );
                 }
                 for (i, dev) in cpu.release().into_iter().enumerate() {
                     assert_eq!(dev.tracker.live().total(), 0, "{what}: rank {i} leaked");

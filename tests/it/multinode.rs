@@ -9,14 +9,13 @@
 //! why and pass, unless MEMFIT_REQUIRE_NETNS=1 (CI) makes that a failure.
 //! The flag checks and a two-node job over loopback run everywhere.
 
-mod common;
 use std::io::Read;
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use common::{comparable, json, stderr};
+use crate::common::{comparable, json, stderr};
 use serde_json::Value;
 
 /// The variables that make `memfit run` a rank (none may leak in).
