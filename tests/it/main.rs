@@ -45,5 +45,4 @@ mod sweep;
 mod telemetry;
 mod tensor_parallel;
 mod topology;
-mod tui_e2e;
 mod watch;
