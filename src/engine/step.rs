@@ -252,11 +252,7 @@ impl<'e, B: Backend> Pass<'e, B> {
     /// it runs and frees them after; in the backward zero2/3 give it full
     /// gradients, reduce-scattered into the shards when it is done.
     fn hook(&mut self, st: Stage, after: bool, backward: bool) -> Result<(), OomError> {
-        match self.dist.as_mut() {
-            Some(d) if after => d.after(self.dev, self.p, self.g, st, backward),
-            Some(d) => d.before(self.dev, self.p, self.g, st, backward),
-            None => Ok(()),
-        }
+        unit_hook(self.dist, (self.dev, self.p, self.g), st, after, backward)
     }
 
     /// Whether this rank holds the embedding and the head.
@@ -896,14 +892,9 @@ impl<'e, B: Backend> Pass<'e, B> {
             dw: head_dw,
         });
         let dist = &mut *self.dist;
-        let mut hook =
-            |dev: &mut Device<B>, p: &mut Vec<T<B>>, g: &mut Vec<T<B>>, after: bool| match dist
-                .as_mut()
-            {
-                Some(d) if after => d.after(dev, p, g, Stage::Head, true),
-                Some(d) => d.before(dev, p, g, Stage::Head, true),
-                None => Ok(()),
-            };
+        let mut hook = |dev: &mut Device<B>, p: &mut Vec<T<B>>, g: &mut Vec<T<B>>, after: bool| {
+            unit_hook(dist, (dev, p, g), Stage::Head, after, true)
+        };
         head_backward(
             self.dev,
             self.p,
@@ -1029,6 +1020,23 @@ impl<'e, B: Backend> Pass<'e, B> {
             hf_embed_handed(self.dev, self.g, idx, lazy, dense);
         }
         Ok(())
+    }
+}
+
+/// ZeRO's hook around stage `st` (`Dist::before`, or `Dist::after` when
+/// `after`); nothing without data parallelism. [`Pass::hook`] and the head's
+/// backward, which holds the stores apart from the pass, both call it.
+fn unit_hook<B: Backend>(
+    dist: &mut Option<Dist<B>>,
+    (dev, p, g): (&mut Device<B>, &mut [T<B>], &mut [T<B>]),
+    st: Stage,
+    after: bool,
+    backward: bool,
+) -> Result<(), OomError> {
+    match dist.as_mut() {
+        Some(d) if after => d.after(dev, p, g, st, backward),
+        Some(d) => d.before(dev, p, g, st, backward),
+        None => Ok(()),
     }
 }
 
