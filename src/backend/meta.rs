@@ -185,6 +185,52 @@ impl Backend for MetaBackend {
     fn swiglu_forward(&mut self, _: &mut (), _: &(), _: usize, _: usize) {}
     fn swiglu_backward(&mut self, _: &mut (), _: &(), _: &(), _: usize, _: usize) {}
     fn add(&mut self, _: &mut (), _: &(), _: &(), _: usize) {}
+    fn moe_gather(
+        &mut self,
+        _: &mut (),
+        _: &(),
+        _: &(),
+        _: Option<&()>,
+        _: usize,
+        _: usize,
+        _: usize,
+    ) {
+    }
+    fn moe_scatter(
+        &mut self,
+        _: &mut (),
+        _: &(),
+        _: &(),
+        _: Option<&()>,
+        _: usize,
+        _: usize,
+        _: usize,
+    ) {
+    }
+    fn moe_row_dots(&mut self, _: &mut (), _: &(), _: &(), _: &(), _: usize, _: usize, _: usize) {}
+    fn grouped_matmul_forward(
+        &mut self,
+        _: &mut (),
+        _: &(),
+        _: &(),
+        _: &[usize],
+        _: usize,
+        _: usize,
+    ) {
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_matmul_backward(
+        &mut self,
+        _: &mut (),
+        _: Option<&mut ()>,
+        _: &(),
+        _: &(),
+        _: &(),
+        _: &[usize],
+        _: usize,
+        _: usize,
+    ) {
+    }
     fn rope_forward(&mut self, _: &mut (), _: AttnShape, _: f32) {}
     fn rope_backward(&mut self, _: &mut (), _: AttnShape, _: f32) {}
     fn attention_forward(&mut self, _: &mut (), _: &mut (), _: &(), _: AttnShape) {}

@@ -486,6 +486,102 @@ pub trait Backend {
         vp: usize,
     );
 
+    // ---- mixture of experts (`engine::moe`) ------------------------------
+    // A routed row `j` of the permuted buffer holds token `idx[j]`; an
+    // index of `n` or more marks an empty capacity slot. `idx` is `U32`,
+    // `w` (the combine weights) `F32`. Only cpu and meta have these; the
+    // engine refuses experts elsewhere (`engine::validate`).
+
+    /// `out (M,C)`: row j is `x[idx[j]]`, times `w[j]` when given; empty
+    /// slots are zero.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_gather(
+        &mut self,
+        _out: &mut Self::Buf,
+        _x: &Self::Buf,
+        _idx: &Self::Buf,
+        _w: Option<&Self::Buf>,
+        _m: usize,
+        _n: usize,
+        _c: usize,
+    ) {
+        unreachable!(
+            "{}: no expert kernels (engine::validate refuses experts)",
+            self.name()
+        )
+    }
+    /// `out (N,C) += w[j] · y[j]` into row `idx[j]` for each routed row
+    /// (`w` = 1 when absent), in row order.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_scatter(
+        &mut self,
+        _out: &mut Self::Buf,
+        _y: &Self::Buf,
+        _idx: &Self::Buf,
+        _w: Option<&Self::Buf>,
+        _m: usize,
+        _n: usize,
+        _c: usize,
+    ) {
+        unreachable!(
+            "{}: no expert kernels (engine::validate refuses experts)",
+            self.name()
+        )
+    }
+    /// `out (M) F32`: `a[idx[j]] · b[j]`, zero for an empty slot.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_row_dots(
+        &mut self,
+        _out: &mut Self::Buf,
+        _a: &Self::Buf,
+        _b: &Self::Buf,
+        _idx: &Self::Buf,
+        _m: usize,
+        _n: usize,
+        _c: usize,
+    ) {
+        unreachable!(
+            "{}: no expert kernels (engine::validate refuses experts)",
+            self.name()
+        )
+    }
+    /// Each expert's rows: for `e` in order, the next `counts[e]` rows of
+    /// `inp (M,C)` times expert `e`'s `w[e] (OC,C)ᵀ` into the same rows of
+    /// `out (M,OC)` (a grouped GEMM, as Megatron's `GroupedMLP`).
+    fn grouped_matmul_forward(
+        &mut self,
+        _out: &mut Self::Buf,
+        _inp: &Self::Buf,
+        _w: &Self::Buf,
+        _counts: &[usize],
+        _c: usize,
+        _oc: usize,
+    ) {
+        unreachable!(
+            "{}: no expert kernels (engine::validate refuses experts)",
+            self.name()
+        )
+    }
+    /// Its backward, group by group as [`Backend::matmul_backward`]:
+    /// `dinp` overwritten, `dw[e] += doutᵀ inp` unless frozen.
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_matmul_backward(
+        &mut self,
+        _dinp: &mut Self::Buf,
+        _dw: Option<&mut Self::Buf>,
+        _dout: &Self::Buf,
+        _inp: &Self::Buf,
+        _w: &Self::Buf,
+        _counts: &[usize],
+        _c: usize,
+        _oc: usize,
+    ) {
+        unreachable!(
+            "{}: no expert kernels (engine::validate refuses experts)",
+            self.name()
+        )
+    }
+
     /// Sum of squares of `buf`, or `None` on a backend that holds no data.
     fn sum_squares(&mut self, buf: &Self::Buf, n: usize) -> Option<f64>;
 

@@ -12,11 +12,11 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use super::model::{Family, ModelConfig};
+use super::model::{Family, ModelConfig, MoeConfig};
 use super::profile::strip_marks;
 use crate::{Error, Result};
 
-const SUPPORTED: &str = "memfit imports gpt2, llama, mistral, qwen2 and phi3 configs";
+const SUPPORTED: &str = "memfit imports gpt2, llama, mistral, qwen2, phi3 and mixtral configs";
 
 /// Reads and imports a Hugging Face `config.json`; errors name the file.
 pub fn load_hf_config(path: &Path) -> Result<ModelConfig> {
@@ -72,7 +72,44 @@ pub fn import_hf_config(text: &str, location: &str) -> Result<ModelConfig> {
     };
     let config = match model_type {
         "gpt2" => import_gpt2(&cfg, name)?,
-        "llama" | "mistral" | "qwen2" | "phi3" => import_llama(&cfg, name)?,
+        "llama" | "mistral" | "qwen2" | "phi3" | "mixtral" => import_llama(&cfg, name)?,
+        "qwen3" | "qwen3_moe" | "olmoe" => {
+            return Err(cfg.error(
+                "model_type",
+                format!(
+                    "`model_type` {model_type:?} normalises q and k before attention \
+                     (`q_norm`, `k_norm`), which memfit's engine does not model yet; {SUPPORTED}"
+                ),
+            ));
+        }
+        "qwen2_moe" => {
+            return Err(cfg.error(
+                "model_type",
+                format!(
+                    "`model_type` \"qwen2_moe\" gates its shared expert with a sigmoid \
+                     (`shared_expert_gate`), which memfit's engine does not model yet; {SUPPORTED}"
+                ),
+            ));
+        }
+        "deepseek_v2" | "deepseek_v3" => {
+            return Err(cfg.error(
+                "model_type",
+                format!(
+                    "`model_type` {model_type:?} uses multi-head latent attention, which \
+                     memfit's engine does not model; {SUPPORTED}"
+                ),
+            ));
+        }
+        "gemma" | "gemma2" | "gemma3" | "gemma3_text" => {
+            return Err(cfg.error(
+                "model_type",
+                format!(
+                    "`model_type` {model_type:?} scales its embedding, soft-caps its logits \
+                     and (Gemma 2/3) alternates sliding-window and global attention with \
+                     extra norms, none of which memfit's engine models yet; {SUPPORTED}"
+                ),
+            ));
+        }
         other => {
             return Err(cfg.error(
                 "model_type",
@@ -122,6 +159,7 @@ fn import_gpt2(cfg: &Fields, name: String) -> Result<ModelConfig> {
         norm_eps: Some(cfg.opt_f32("layer_norm_epsilon")?.unwrap_or(1e-5)),
         tie_embeddings: Some(true),
         qkv_bias: None,
+        moe: None,
     })
 }
 
@@ -207,6 +245,27 @@ fn import_llama(cfg: &Fields, name: String) -> Result<ModelConfig> {
         norm_eps: Some(cfg.opt_f32("rms_norm_eps")?.unwrap_or(1e-6)),
         tie_embeddings: Some(cfg.opt_bool("tie_word_embeddings")?.unwrap_or(false)),
         qkv_bias: qwen2.then_some(true),
+        moe: match cfg.model_type {
+            "mixtral" => Some(import_mixtral_experts(cfg)?),
+            _ => None,
+        },
+    })
+}
+
+/// Mixtral's sparse MLP (transformers' `MixtralSparseMoeBlock`): every
+/// block routes each token to `num_experts_per_tok` of
+/// `num_local_experts` SwiGLU experts of width `intermediate_size`, the
+/// chosen experts' softmax weights renormalised, no shared expert.
+fn import_mixtral_experts(cfg: &Fields) -> Result<MoeConfig> {
+    Ok(MoeConfig {
+        n_experts: cfg.int("num_local_experts")?,
+        top_k: cfg.int("num_experts_per_tok")?,
+        d_expert: cfg.int("intermediate_size")?,
+        d_shared: 0,
+        first_dense: 0,
+        norm_topk: true,
+        // MixtralConfig's default.
+        aux_loss_coef: cfg.opt_f32("router_aux_loss_coef")?.unwrap_or(0.001),
     })
 }
 

@@ -50,6 +50,52 @@ pub struct ModelConfig {
     /// Absent means none; gpt2 always has all its biases.
     #[serde(default)]
     pub qkv_bias: Option<bool>,
+    /// Mixture-of-experts MLPs (llama family only); absent means dense.
+    #[serde(default)]
+    pub moe: Option<MoeConfig>,
+}
+
+/// A mixture-of-experts MLP in place of the dense one: a router over
+/// `n_experts` SwiGLU experts of width `d_expert`, each token sent to its
+/// `top_k` highest-scoring experts (Mixtral, Qwen3-MoE, OLMoE; Megatron-Core's
+/// `MoELayer`), plus an optional always-on shared expert (DeepSeek-MoE).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MoeConfig {
+    pub n_experts: usize,
+    pub top_k: usize,
+    /// Each expert's inner width (HF `moe_intermediate_size`; Mixtral's
+    /// `intermediate_size`).
+    pub d_expert: usize,
+    /// The shared expert's inner width (DeepSeek: `n_shared_experts x
+    /// moe_intermediate_size`, fused into one MLP); 0 means none.
+    #[serde(default)]
+    pub d_shared: usize,
+    /// The first layers stay dense (DeepSeek's `first_k_dense_replace`):
+    /// their MLP has width `d_ff`.
+    #[serde(default)]
+    pub first_dense: usize,
+    /// The top-k weights renormalised to sum to 1 (Mixtral: yes, its softmax
+    /// over the chosen logits is the same; Qwen3-MoE: `norm_topk_prob`;
+    /// OLMoE: no).
+    #[serde(default)]
+    pub norm_topk: bool,
+    /// Weight of the load-balancing loss (Switch Transformer's, as
+    /// transformers' `load_balancing_loss_func` computes it;
+    /// `router_aux_loss_coef`).
+    #[serde(default = "aux_coef")]
+    pub aux_loss_coef: f32,
+}
+
+fn aux_coef() -> f32 {
+    0.01
+}
+
+impl MoeConfig {
+    /// Whether block `l` has experts.
+    pub fn routed(&self, l: usize) -> bool {
+        l >= self.first_dense
+    }
 }
 
 fn one() -> usize {
@@ -63,6 +109,8 @@ pub const MAX_LAYERS: usize = 1024;
 pub const MAX_WIDTH: usize = 1 << 20;
 /// Vocabulary (the largest published: about 256k).
 pub const MAX_VOCAB: usize = 1 << 24;
+/// Routed experts per block (the most published: 384).
+pub const MAX_EXPERTS: usize = 4096;
 /// Context length (the longest published: 10M).
 pub const MAX_SEQ_LEN: usize = 1 << 26;
 
@@ -133,11 +181,45 @@ pub struct BlockIndex {
     pub o_b: Option<usize>,
     pub ln2_w: usize,
     pub ln2_b: Option<usize>,
-    /// gpt2: fc `(4C, C)`; llama: fused gate|up `(2I, C)`.
-    pub up_w: usize,
+    /// gpt2: fc `(4C, C)`; llama: fused gate|up `(2I, C)`. In a block
+    /// with experts, the shared expert's (`MoeConfig::d_shared`), if any.
+    pub up_w: Option<usize>,
     pub up_b: Option<usize>,
-    pub down_w: usize,
+    pub down_w: Option<usize>,
     pub down_b: Option<usize>,
+    /// A block with experts: the router and the stacked experts.
+    pub moe: Option<MoeIndex>,
+}
+
+/// A block's routed experts: the router `(E, C)`, every expert's fused
+/// gate|up stacked `(E, 2I, C)` and down stacked `(E, C, I)` (Megatron's
+/// `GroupedMLP` holds them as one tensor each, as here).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MoeIndex {
+    pub router: usize,
+    pub up: usize,
+    pub down: usize,
+}
+
+impl BlockIndex {
+    /// Every tensor of the block, in layout order.
+    pub fn tensors(&self) -> impl Iterator<Item = usize> + '_ {
+        let moe = self.moe.map(|m| [m.router, m.up, m.down]);
+        [
+            Some(self.ln1_w),
+            self.ln1_b,
+            Some(self.qkv_w),
+            self.qkv_b,
+            Some(self.o_w),
+            self.o_b,
+            Some(self.ln2_w),
+            self.ln2_b,
+        ]
+        .into_iter()
+        .chain(moe.into_iter().flatten().map(Some))
+        .chain([self.up_w, self.up_b, self.down_w, self.down_b])
+        .flatten()
+    }
 }
 
 /// Where each parameter lives in the flat list.
@@ -191,6 +273,32 @@ impl ModelConfig {
             Family::Gpt2 => self.d_ff(),
             Family::Llama => 2 * self.d_ff(),
         }
+    }
+
+    /// Block `l`'s routed experts, if it has them.
+    pub fn moe_at(&self, l: usize) -> Option<&MoeConfig> {
+        self.moe.as_ref().filter(|m| m.routed(l))
+    }
+
+    /// The inner width of block `l`'s dense MLP: `d_ff`, or in a block with
+    /// experts the shared expert's (`None` when it has none).
+    pub fn dense_ff(&self, l: usize) -> Option<usize> {
+        match self.moe_at(l) {
+            Some(m) => (m.d_shared > 0).then_some(m.d_shared),
+            None => Some(self.d_ff()),
+        }
+    }
+
+    /// Parameters a token passes through: the published "active" count of
+    /// a mixture of experts (its `top_k` experts of each routed block, not
+    /// all of them); the total for a dense model.
+    pub fn active_parameters(&self) -> u64 {
+        let Some(m) = &self.moe else {
+            return self.num_parameters();
+        };
+        let per_expert = 3 * (m.d_expert * self.d_model) as u64;
+        let routed = self.n_layer.saturating_sub(m.first_dense) as u64;
+        self.num_parameters() - routed * (m.n_experts - m.top_k) as u64 * per_expert
     }
 
     /// Checks the dimensions fit together; the message names the offending field.
@@ -248,11 +356,22 @@ impl ModelConfig {
                 return Err(format!("`{field}` must be a positive number, got {v}"));
             }
         }
+        if let Some(m) = &self.moe {
+            self.validate_moe(m)?;
+        }
         // Sizes in u128 so that absurd dimensions are an error here, not an
         // overflow later: every tensor's bytes must fit comfortably in u64.
         let (c, l) = (self.d_model as u128, self.n_layer as u128);
-        let per_block =
-            (self.qkv_width() as u128 + c + self.up_width() as u128 + self.d_ff() as u128) * c;
+        let experts = self
+            .moe
+            .as_ref()
+            .map_or(0, |m| (m.n_experts * (3 * m.d_expert + 1)) as u128);
+        let per_block = (self.qkv_width() as u128
+            + c
+            + self.up_width() as u128
+            + self.d_ff() as u128
+            + experts)
+            * c;
         let total = 2 * self.padded_vocab() as u128 * c + l * per_block;
         if total > 1 << 50 {
             return Err(format!(
@@ -284,6 +403,50 @@ impl ModelConfig {
                     ));
                 }
             }
+        }
+        Ok(())
+    }
+
+    fn validate_moe(&self, m: &MoeConfig) -> Result<(), String> {
+        if self.family != Family::Llama {
+            return Err("experts (`moe`) need the llama family's SwiGLU MLP".into());
+        }
+        for (field, v) in [
+            ("moe.n_experts", m.n_experts),
+            ("moe.top_k", m.top_k),
+            ("moe.d_expert", m.d_expert),
+        ] {
+            if v == 0 {
+                return Err(format!("`{field}` must be positive"));
+            }
+        }
+        if m.top_k > m.n_experts {
+            return Err(format!(
+                "`moe.top_k` ({}) cannot exceed `moe.n_experts` ({})",
+                m.top_k, m.n_experts
+            ));
+        }
+        // DeepSeek-V3 has 256 routed experts, Kimi K2 384.
+        if m.n_experts > MAX_EXPERTS {
+            return Err(format!(
+                "`moe.n_experts` is {}, more than memfit plans: at most {MAX_EXPERTS} (the largest published models have 384)",
+                m.n_experts
+            ));
+        }
+        if m.d_expert > MAX_WIDTH || m.d_shared > MAX_WIDTH {
+            return Err(format!("expert widths are at most {MAX_WIDTH}"));
+        }
+        if m.first_dense > self.n_layer {
+            return Err(format!(
+                "`moe.first_dense` ({}) cannot exceed `n_layer` ({})",
+                m.first_dense, self.n_layer
+            ));
+        }
+        if !(m.aux_loss_coef.is_finite() && m.aux_loss_coef >= 0.0) {
+            return Err(format!(
+                "`moe.aux_loss_coef` must be a non-negative number, got {}",
+                m.aux_loss_coef
+            ));
         }
         Ok(())
     }
@@ -337,17 +500,27 @@ impl ModelConfig {
             let o_b = gpt2.then(|| push(p("attn.o.bias"), vec![c], Init::Zeros));
             let ln2_w = push(p("ln_2.weight"), vec![c], Init::Ones);
             let ln2_b = gpt2.then(|| push(p("ln_2.bias"), vec![c], Init::Zeros));
-            let up_w = push(
-                p("mlp.up.weight"),
-                vec![self.up_width(), c],
-                Init::Normal(std),
-            );
+            let moe = self.moe_at(l).map(|m| {
+                let (e, i) = (m.n_experts, m.d_expert);
+                MoeIndex {
+                    router: push(p("mlp.router.weight"), vec![e, c], Init::Normal(std)),
+                    up: push(p("mlp.experts.up"), vec![e, 2 * i, c], Init::Normal(std)),
+                    down: push(
+                        p("mlp.experts.down"),
+                        vec![e, c, i],
+                        Init::Normal(resid_std),
+                    ),
+                }
+            });
+            let dense = self.dense_ff(l);
+            let (up, down) = match moe {
+                Some(_) => ("mlp.shared.up.weight", "mlp.shared.down.weight"),
+                None => ("mlp.up.weight", "mlp.down.weight"),
+            };
+            let up_width = |dff: usize| if gpt2 { dff } else { 2 * dff };
+            let up_w = dense.map(|f| push(p(up), vec![up_width(f), c], Init::Normal(std)));
             let up_b = gpt2.then(|| push(p("mlp.up.bias"), vec![self.up_width()], Init::Zeros));
-            let down_w = push(
-                p("mlp.down.weight"),
-                vec![c, self.d_ff()],
-                Init::Normal(resid_std),
-            );
+            let down_w = dense.map(|f| push(p(down), vec![c, f], Init::Normal(resid_std)));
             let down_b = gpt2.then(|| push(p("mlp.down.bias"), vec![c], Init::Zeros));
             idx.blocks.push(BlockIndex {
                 ln1_w,
@@ -362,6 +535,7 @@ impl ModelConfig {
                 up_b,
                 down_w,
                 down_b,
+                moe,
             });
         }
         idx.lnf_w = push(ParamName::top("ln_f.weight"), vec![c], Init::Ones);

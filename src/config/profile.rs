@@ -16,6 +16,7 @@ macro_rules! builtin {
 static BUILTIN_MODELS: &[(&str, &str)] = builtin!(
     "gpt2-tiny",
     "llama-tiny",
+    "moe-tiny",
     "gpt2",
     "gpt2-medium",
     "gpt2-large",
@@ -25,6 +26,7 @@ static BUILTIN_MODELS: &[(&str, &str)] = builtin!(
     "llama-3.1-70b",
     "llama-3.1-405b",
     "mistral-7b",
+    "mixtral-8x7b",
 );
 
 /// The built-in model profiles, `(name, yaml text)`, in a stable order.

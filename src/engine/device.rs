@@ -835,6 +835,108 @@ impl<B: Backend> Device<B> {
         );
     }
 
+    /// Mixture of experts: token rows into the permuted buffer (`Backend::moe_gather`).
+    pub fn moe_gather(
+        &mut self,
+        out: &mut T<B>,
+        x: &T<B>,
+        idx: &T<B>,
+        w: Option<&T<B>>,
+        (m, n, c): (usize, usize, usize),
+    ) {
+        self.timed("moe_gather", m * c, 2 * b(out) + b(idx) + ob(w), |be| {
+            be.moe_gather(&mut out.buf, &x.buf, &idx.buf, w.map(|w| &w.buf), m, n, c)
+        });
+    }
+
+    /// The permuted rows summed back into their tokens (`Backend::moe_scatter`).
+    pub fn moe_scatter(
+        &mut self,
+        out: &mut T<B>,
+        y: &T<B>,
+        idx: &T<B>,
+        w: Option<&T<B>>,
+        (m, n, c): (usize, usize, usize),
+    ) {
+        self.timed(
+            "moe_scatter",
+            2 * m * c,
+            2 * b(out) + b(y) + b(idx) + ob(w),
+            |be| be.moe_scatter(&mut out.buf, &y.buf, &idx.buf, w.map(|w| &w.buf), m, n, c),
+        );
+    }
+
+    /// Each routed row's dot product with its token's row (`Backend::moe_row_dots`).
+    pub fn moe_row_dots(
+        &mut self,
+        out: &mut T<B>,
+        a: &T<B>,
+        y: &T<B>,
+        idx: &T<B>,
+        (m, n, c): (usize, usize, usize),
+    ) {
+        self.timed(
+            "moe_row_dots",
+            2 * m * c,
+            b(out) + 2 * b(y) + b(idx),
+            |be| be.moe_row_dots(&mut out.buf, &a.buf, &y.buf, &idx.buf, m, n, c),
+        );
+    }
+
+    /// The experts' grouped GEMM (`Backend::grouped_matmul_forward`).
+    pub fn grouped_matmul_forward(
+        &mut self,
+        out: &mut T<B>,
+        inp: &T<B>,
+        w: &T<B>,
+        counts: &[usize],
+        c: usize,
+        oc: usize,
+    ) {
+        let m: usize = counts.iter().sum();
+        self.timed(
+            "grouped_matmul",
+            2 * m * c * oc,
+            b(out) + b(inp) + b(w),
+            |be| be.grouped_matmul_forward(&mut out.buf, &inp.buf, &w.buf, counts, c, oc),
+        );
+    }
+
+    /// Its backward (`Backend::grouped_matmul_backward`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_matmul_backward(
+        &mut self,
+        dinp: &mut T<B>,
+        dw: Option<&mut T<B>>,
+        dout: &T<B>,
+        inp: &T<B>,
+        w: &T<B>,
+        counts: &[usize],
+        c: usize,
+        oc: usize,
+    ) {
+        let m: usize = counts.iter().sum();
+        let passes = 1 + dw.is_some() as usize;
+        let bytes = b(dinp) + b(dout) + b(w) + (dw.is_some() as u64) * (b(inp) + 2 * b(w));
+        self.timed(
+            "grouped_matmul_backward",
+            passes * 2 * m * c * oc,
+            bytes,
+            |be| {
+                be.grouped_matmul_backward(
+                    &mut dinp.buf,
+                    dw.map(|d| &mut d.buf),
+                    &dout.buf,
+                    &inp.buf,
+                    &w.buf,
+                    counts,
+                    c,
+                    oc,
+                )
+            },
+        );
+    }
+
     pub fn swiglu_forward(&mut self, out: &mut T<B>, gu: &T<B>, n: usize, i: usize) {
         self.timed("swiglu", (6 * n * i) as u64, b(out) + b(gu), |be| {
             be.swiglu_forward(&mut out.buf, &gu.buf, n, i)

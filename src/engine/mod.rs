@@ -19,6 +19,7 @@ pub mod framework;
 mod init;
 pub mod lora;
 pub mod loss;
+pub mod moe;
 pub mod optim;
 pub mod pipeline;
 pub mod shard;
@@ -145,6 +146,11 @@ pub struct TrainConfig {
     /// of this many consecutive data-parallel ranks (a node), from a
     /// secondary copy of the weights sharded over the group. 0: off.
     pub hpz_group: usize,
+    /// Mixture of experts (`moe.rs`): each expert's rows as a multiple of
+    /// an even share of the tokens' choices, tokens beyond it dropped;
+    /// `None`: dropless.
+    #[serde(default)]
+    pub capacity_factor: Option<f32>,
 }
 
 // `Precision` is declared with the knob enums the configuration reads
@@ -201,6 +207,7 @@ impl Default for TrainConfig {
             shard_group: 0,
             tensor_parallel: 1,
             hpz_group: 0,
+            capacity_factor: None,
         }
     }
 }
@@ -303,10 +310,13 @@ struct BlockActs<X> {
     ln2: X,
     ln2_mean: Option<X>,
     ln2_rstd: X,
-    /// gpt2: fc output before GELU (N,4C); llama: gate|up (N,2I).
-    up: X,
+    /// gpt2: fc output before GELU (N,4C); llama: gate|up (N,2I). A
+    /// routed block's shared expert's, or `None` without one.
+    up: Option<X>,
     /// gpt2: GELU output (N,4C); llama: SwiGLU output (N,I).
-    act: X,
+    act: Option<X>,
+    /// A routed block's experts.
+    moe: Option<moe::MoeActs<X>>,
     /// What the framework profile saves beyond these (`HfRules::block_saved`).
     extra: Vec<X>,
     /// LoRA: each adapter's `x A^T (N, r)`, in the block's adapter order.
@@ -332,6 +342,9 @@ struct Acts<X> {
     head: Option<HeadActs<X>>,
     /// The framework profile's tensors saved with the embedding.
     extra: Vec<X>,
+    /// This stage's routed blocks' load-balancing losses (`None` on a
+    /// backend without data).
+    aux: Option<f64>,
 }
 
 /// What the final norm, the head and the loss save.
@@ -967,6 +980,10 @@ impl<B: Backend> Engine<B> {
                     if self.pipe.as_ref().is_none_or(Pipe::last) {
                         let loss = self.read_loss(&acts);
                         loss_sum = loss_sum.zip(loss).map(|(s, l)| s + l as f64);
+                    } else if let Some(aux) = acts.aux {
+                        // An earlier stage's routed blocks: their part of
+                        // the loss, summed over the stages below.
+                        loss_sum = loss_sum.map(|s| s + aux);
                     }
                     in_flight.push_back(acts);
                 }
@@ -1026,10 +1043,12 @@ impl<B: Backend> Engine<B> {
         Ok(loss)
     }
 
+    /// The micro-batch's mean token loss, plus its routed blocks'
+    /// load-balancing losses.
     fn read_loss(&self, acts: &Acts<T<B>>) -> Option<f32> {
         let losses = self.dev.be.download_f32(&acts.head.as_ref()?.losses.buf)?;
         let sum: f64 = losses.iter().map(|&l| l as f64).sum();
-        Some((sum / losses.len() as f64) as f32)
+        Some((sum / losses.len() as f64 + acts.aux.unwrap_or(0.0)) as f32)
     }
 
     fn free_acts(&mut self, acts: Acts<T<B>>) {
@@ -1902,9 +1921,14 @@ fn attn_shape(model: &ModelConfig, train: &TrainConfig) -> AttnShape {
 
 fn free_block<B: Backend>(dev: &mut Device<B>, a: BlockActs<T<B>>) {
     for x in [
-        a.ln1, a.ln1_rstd, a.qkv, a.att, a.atty, a.res2, a.ln2, a.ln2_rstd, a.up, a.act,
+        a.ln1, a.ln1_rstd, a.qkv, a.att, a.atty, a.res2, a.ln2, a.ln2_rstd,
     ] {
         dev.free(x);
+    }
+    dev.free_opt(a.up);
+    dev.free_opt(a.act);
+    if let Some(m) = a.moe {
+        moe::free_moe(dev, m);
     }
     dev.free_opt(a.ln1_mean);
     dev.free_opt(a.ln2_mean);

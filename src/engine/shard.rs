@@ -225,25 +225,7 @@ pub fn units_with(idx: &ParamIndex, adapters: &[Vec<usize>]) -> Vec<Vec<usize>> 
 pub fn units(idx: &ParamIndex) -> Vec<Vec<usize>> {
     let mut out = vec![std::iter::once(idx.wte).chain(idx.wpe).collect()];
     for b in &idx.blocks {
-        out.push(
-            [
-                Some(b.ln1_w),
-                b.ln1_b,
-                Some(b.qkv_w),
-                b.qkv_b,
-                Some(b.o_w),
-                b.o_b,
-                Some(b.ln2_w),
-                b.ln2_b,
-                Some(b.up_w),
-                b.up_b,
-                Some(b.down_w),
-                b.down_b,
-            ]
-            .into_iter()
-            .flatten()
-            .collect(),
-        );
+        out.push(b.tensors().collect());
     }
     out.push(
         std::iter::once(idx.lnf_w)

@@ -13,6 +13,7 @@
 //! what the PyTorch fixtures were matched against.
 
 use super::*;
+use crate::config::model::MoeIndex;
 
 /// One projection of a block: its weight and bias (indices into the flat
 /// parameter store, which ZeRO shards and the optimizer walks), its input
@@ -34,17 +35,34 @@ struct Linear {
     row: bool,
 }
 
-/// A block's layers.
+/// A block's layers: in a routed block, the experts and, when it has one,
+/// the shared expert as `up` and `down`.
 struct BlockLayers {
     ln1: (usize, Option<usize>),
     qkv: Linear,
     o: Linear,
     ln2: (usize, Option<usize>),
-    up: Linear,
-    down: Linear,
+    up: Option<Linear>,
+    down: Option<Linear>,
+    moe: Option<(MoeIndex, moe::MoeShape)>,
 }
 
 impl BlockLayers {
+    fn of<B: Backend>(ps: &Pass<'_, B>, l: usize) -> Self {
+        let (model, c) = (ps.model, ps.model.d_model);
+        let mut ly = Self::new(&ps.idx.blocks[l], ps.widths, c);
+        if let (Some(mi), Some(m)) = (ps.idx.blocks[l].moe, model.moe_at(l)) {
+            // Tensor parallelism refuses experts: the shared expert is whole.
+            let dff = model.dense_ff(l).unwrap_or(0);
+            if let (Some(up), Some(down)) = (&mut ly.up, &mut ly.down) {
+                (up.out, down.inp) = (2 * dff, dff);
+            }
+            let sh = moe::MoeShape::new(m, c, ps.n, ps.train.capacity_factor);
+            ly.moe = Some((mi, sh));
+        }
+        ly
+    }
+
     fn new(bi: &BlockIndex, wd: tensor::Widths, c: usize) -> Self {
         let linear = |w, b, proj, inp, out, row| Linear {
             w,
@@ -59,8 +77,9 @@ impl BlockLayers {
             qkv: linear(bi.qkv_w, bi.qkv_b, Proj::Qkv, c, wd.qkv, false),
             o: linear(bi.o_w, bi.o_b, Proj::O, wd.attn, c, true),
             ln2: (bi.ln2_w, bi.ln2_b),
-            up: linear(bi.up_w, bi.up_b, Proj::Up, c, wd.up, false),
-            down: linear(bi.down_w, bi.down_b, Proj::Down, wd.dff, c, true),
+            up: (bi.up_w).map(|w| linear(w, bi.up_b, Proj::Up, c, wd.up, false)),
+            down: (bi.down_w).map(|w| linear(w, bi.down_b, Proj::Down, wd.dff, c, true)),
+            moe: None,
         }
     }
 }
@@ -188,6 +207,8 @@ pub(super) struct Pass<'e, B: Backend> {
     qlora: bool,
     /// LoRA's backward: the frozen norms' weight gradients, discarded.
     scratch: NormScratch<B>,
+    /// The backward's d loss / d token loss (`Pass::backward` sets it).
+    dloss: f32,
 }
 
 impl<'e, B: Backend> Pass<'e, B> {
@@ -238,6 +259,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             pipe,
             tp,
             scratch: None,
+            dloss: 0.0,
         }
     }
 
@@ -337,10 +359,14 @@ impl<'e, B: Backend> Pass<'e, B> {
         // hf-eager, autocast: the checkpointed blocks' weight casts, held
         // by autocast's cache to the end of the forward.
         let mut cast_cache = Vec::new();
+        let mut aux = self.dev.be.holds_data().then_some(0.0);
         for (j, l) in layers.enumerate() {
             self.dev.tracker.set_phase(Phase::Forward(l));
             self.hook(Stage::Block(l), false, false)?;
             let (a, out) = self.block_forward(l, &resid[j], true)?;
+            if let Some(r) = a.moe.as_ref().and_then(|m| m.routing.as_ref()) {
+                aux = aux.map(|s| s + r.aux);
+            }
             self.hook(Stage::Block(l), true, false)?;
             resid.push(out.expect("asked for the block output"));
             blocks.push(self.checkpoint(a, &mut cast_cache));
@@ -362,6 +388,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             blocks,
             head,
             extra,
+            aux,
         })
     }
 
@@ -433,7 +460,7 @@ impl<'e, B: Backend> Pass<'e, B> {
         with_out: bool,
     ) -> Result<BlockOut<B>, OomError> {
         let (s, act, tmp) = (self.s, Category::Activations, Category::Temporaries);
-        let ly = BlockLayers::new(&self.idx.blocks[l], self.widths, self.model.d_model);
+        let ly = BlockLayers::of(self, l);
         let mut lora_t = Vec::new();
         // attention: ln1 -> qkv (-> rope) -> attention -> o-proj, + residual
         let (ln1, ln1_mean, ln1_rstd) = self.norm(x, ly.ln1)?;
@@ -445,22 +472,43 @@ impl<'e, B: Backend> Pass<'e, B> {
         let proj = ly.o.forward(self, l, &atty, tmp, &mut lora_t)?;
         let proj = self.reduce(proj)?;
         let res2 = self.residual(x, proj)?;
-        // MLP: ln2 -> up -> gelu | swiglu -> down, + residual
+        // MLP: ln2 -> up -> gelu | swiglu -> down (and the routed
+        // experts), + residual
         let (ln2, ln2_mean, ln2_rstd) = self.norm(&res2, ly.ln2)?;
-        let up = ly.up.forward(self, l, &ln2, act, &mut lora_t)?;
-        let a = self.activation_forward(&up)?;
+        let (up, a) = match (ly.up, ly.down) {
+            (Some(up), Some(down)) => {
+                let up = up.forward(self, l, &ln2, act, &mut lora_t)?;
+                let a = self.activation_forward(&up, down.inp)?;
+                (Some(up), Some(a))
+            }
+            _ => (None, None),
+        };
+        let moe = match (ly.moe, self.model.moe_at(l)) {
+            (Some((mi, sh)), Some(m)) => Some(moe::forward(self.dev, self.p, mi, m, &ln2, sh)?),
+            _ => None,
+        };
         // The framework profile's saved tensors beyond the engine's own.
         let extra = alloc_saved(self.dev, self.hf.map_or(&[][..], |h| &h.block_saved[..]))?;
-        let out = match with_out {
-            true => {
-                let mlp = ly.down.forward(self, l, &a, tmp, &mut lora_t)?;
-                let mlp = self.reduce(mlp)?;
+        let out = match (with_out, ly.down.zip(a.as_ref())) {
+            (true, dense) => {
+                let mlp = match dense {
+                    Some((down, a)) => {
+                        let mlp = down.forward(self, l, a, tmp, &mut lora_t)?;
+                        Some(self.reduce(mlp)?)
+                    }
+                    None => None,
+                };
+                let mlp = match (&moe, ly.moe) {
+                    (Some(m), Some((_, sh))) => moe::combine(self.dev, m, mlp, sh)?,
+                    _ => mlp.expect("a block has a dense MLP or experts"),
+                };
                 Some(self.residual(&res2, mlp)?)
             }
-            false => {
-                ly.down.save_adapter_inputs(self, l, &a, &mut lora_t)?;
+            (false, Some((down, a))) => {
+                down.save_adapter_inputs(self, l, a, &mut lora_t)?;
                 None
             }
+            (false, None) => None,
         };
         let a = BlockActs {
             ln1,
@@ -475,6 +523,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             ln2_rstd,
             up,
             act: a,
+            moe,
             extra,
             lora_t,
         };
@@ -502,9 +551,10 @@ impl<'e, B: Backend> Pass<'e, B> {
         Ok((atty, att))
     }
 
-    /// The MLP's nonlinearity: GELU (gpt2) or SwiGLU over gate|up (llama).
-    fn activation_forward(&mut self, up: &T<B>) -> Result<T<B>, OomError> {
-        let (n, dff) = (self.n, self.widths.dff);
+    /// The MLP's nonlinearity over its `dff` inner columns: GELU (gpt2) or
+    /// SwiGLU over gate|up (llama).
+    fn activation_forward(&mut self, up: &T<B>, dff: usize) -> Result<T<B>, OomError> {
+        let n = self.n;
         let mut a = self.dev.alloc(n * dff, self.dt, Category::Activations)?;
         match self.model.family {
             Family::Gpt2 => self.dev.gelu_forward(&mut a, up, n * dff),
@@ -743,6 +793,7 @@ impl<'e, B: Backend> Pass<'e, B> {
     /// The backward pass of the micro-batch `acts` came from; gradients
     /// accumulate into the engine's. Frees `acts` as it goes.
     pub(super) fn backward(mut self, acts: Acts<T<B>>, dloss: f32) -> Result<(), OomError> {
+        self.dloss = dloss;
         self.alloc_scratch()?;
         let layers = self.layers();
         let units = shard::units(self.idx);
@@ -753,6 +804,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             mut blocks,
             head,
             extra,
+            aux: _,
         } = acts;
         // hf-eager, tied head: the head's weight gradient, a temporary until
         // the embedding's backward adds its own (resident gradients only;
@@ -922,13 +974,32 @@ impl<'e, B: Backend> Pass<'e, B> {
         x: &T<B>,
         dres: &mut T<B>,
     ) -> Result<(), OomError> {
-        let ly = BlockLayers::new(&self.idx.blocks[l], self.widths, self.model.d_model);
+        let ly = BlockLayers::of(self, l);
+        let mut a = a;
+        let routed = a.moe.take();
         let ts = &a.lora_t;
         // MLP: dres is d(out) = d(mlp output).
-        let dact = ly.down.backward(self, l, dres, &a.act, ts)?;
-        let dup = self.activation_backward(dact, &a.up)?;
-        let dln2 = ly.up.backward(self, l, &dup, &a.ln2, ts)?;
-        self.dev.free(dup);
+        let dln2 = match (ly.up, ly.down, &a.up, &a.act) {
+            (Some(up), Some(down), Some(u), Some(act)) => {
+                let dact = down.backward(self, l, dres, act, ts)?;
+                let dup = self.activation_backward(dact, u, down.inp)?;
+                let dln2 = up.backward(self, l, &dup, &a.ln2, ts)?;
+                self.dev.free(dup);
+                Some(dln2)
+            }
+            _ => None,
+        };
+        let dln2 = match (routed, ly.moe, self.model.moe_at(l)) {
+            (Some(acts), Some((mi, sh)), Some(m)) => {
+                // d loss / d this micro-batch's load-balancing loss: its
+                // tokens' share of the step's, as `dloss` is one token's.
+                let aux_scale = self.dloss * self.n as f32;
+                let pg = (&self.p[..], &mut self.g[..], self.frozen);
+                let io = (&*dres, &a.ln2);
+                moe::backward(self.dev, pg, mi, m, acts, io, dln2, sh, aux_scale)?
+            }
+            _ => dln2.expect("a block has a dense MLP or experts"),
+        };
         // Each rank's up projection saw a slice of the MLP: the norm's
         // output gradient is the sum over the group.
         let dln2 = self.reduce(dln2)?;
@@ -950,15 +1021,20 @@ impl<'e, B: Backend> Pass<'e, B> {
 
     /// The backward of the nonlinearity: the gradient of the up
     /// projection's output from the activation's (`dact`, consumed).
-    fn activation_backward(&mut self, mut dact: T<B>, up: &T<B>) -> Result<T<B>, OomError> {
-        let (n, dff) = (self.n, self.widths.dff);
+    fn activation_backward(
+        &mut self,
+        mut dact: T<B>,
+        up: &T<B>,
+        dff: usize,
+    ) -> Result<T<B>, OomError> {
+        let n = self.n;
         if self.model.family == Family::Gpt2 {
             self.dev.gelu_backward(&mut dact, up, n * dff);
             return Ok(dact);
         }
         let mut dgu = self
             .dev
-            .alloc(n * self.widths.up, self.dt, Category::Temporaries)?;
+            .alloc(n * 2 * dff, self.dt, Category::Temporaries)?;
         self.dev.swiglu_backward(&mut dgu, &dact, up, n, dff);
         self.dev.free(dact);
         Ok(dgu)

@@ -303,7 +303,10 @@ pub fn split_layout(
         if let Some(i) = b.qkv_b {
             splits[i] = Some(rows(1, &qkv));
         }
-        splits[b.up_w] = Some(rows(c, &up));
+        let (Some(up_w), Some(down_w)) = (b.up_w, b.down_w) else {
+            unreachable!("tensor parallelism refuses experts (engine::validate)");
+        };
+        splits[up_w] = Some(rows(c, &up));
         if let Some(i) = b.up_b {
             splits[i] = Some(rows(1, &up));
         }
@@ -313,7 +316,7 @@ pub fn split_layout(
             start: rank * hl * hd,
             len: hl * hd,
         });
-        splits[b.down_w] = Some(Split::Cols {
+        splits[down_w] = Some(Split::Cols {
             rows: c,
             cols: dff,
             start: rank * il,

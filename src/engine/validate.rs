@@ -8,6 +8,64 @@ use crate::config::ModelConfig;
 use crate::config::knobs::name;
 use crate::error::{Error, Result};
 
+/// Checks a mixture of experts (`moe.rs`) and `--capacity-factor`
+/// against the model and the other knobs.
+pub fn experts(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
+    let flag = "--capacity-factor";
+    let Some(m) = &model.moe else {
+        return match t.capacity_factor {
+            Some(_) => Err(Error::invalid_arg(
+                flag,
+                format!(
+                    "sizes a mixture of experts' buffers, and {} has no experts",
+                    model.name
+                ),
+            )),
+            None => Ok(()),
+        };
+    };
+    if let Some(f) = t.capacity_factor {
+        if !(f.is_finite() && f > 0.0) {
+            return Err(Error::invalid_arg(
+                flag,
+                format!("must be a positive number, got {f}"),
+            ));
+        }
+        // Above E/k every token fits: more only pads.
+        let most = m.n_experts as f32 / m.top_k as f32;
+        if f > most {
+            return Err(Error::invalid_arg(
+                flag,
+                format!(
+                    "{f} is above {most} (experts / top-k), where every token already fits; leave it out for dropless routing"
+                ),
+            ));
+        }
+    }
+    let refuse = |knob: &str, why: &str| {
+        Err(Error::invalid_arg(
+            knob,
+            format!(
+                "{why}, which memfit's experts do not combine with yet ({} has experts)",
+                model.name
+            ),
+        ))
+    };
+    if t.tensor_parallel > 1 {
+        return refuse("--tensor-parallel", "splits the dense projections");
+    }
+    if t.finetune != Finetune::Full {
+        return refuse("--finetune", "LoRA and QLoRA adapt the dense projections");
+    }
+    if t.framework != Framework::Memfit {
+        return refuse(
+            "--framework",
+            "hf-eager follows Hugging Face's dense modules",
+        );
+    }
+    Ok(())
+}
+
 /// Checks `--tensor-parallel` against the model and the other knobs.
 pub fn tensor_parallel(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
     let tp = t.tensor_parallel;

@@ -1051,6 +1051,9 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
     if let Err(e) = crate::engine::validate::tensor_parallel(&tc, model) {
         return Some(why(e));
     }
+    if let Err(e) = crate::engine::validate::experts(&tc, model) {
+        return Some(why(e));
+    }
     if p.grad_accum == 0 {
         return Some(format!(
             "global_batch {} is not a whole multiple of micro_batch {} x {} GPUs",
@@ -1175,7 +1178,8 @@ pub fn lora_closed_form(p: &Point, model: &ModelConfig, lora: &LoraConfig) -> Cl
     let (wb, what) = match p.finetune {
         Finetune::Qlora => {
             let nf4: Vec<usize> = (idx.blocks.iter())
-                .flat_map(|b| [b.qkv_w, b.o_w, b.up_w, b.down_w])
+                .flat_map(|b| [Some(b.qkv_w), Some(b.o_w), b.up_w, b.down_w])
+                .flatten()
                 .collect();
             let quantised: f64 = nf4.iter().map(|&i| numel(i)).sum();
             let nf4_bytes: f64 = (nf4.iter())
@@ -2234,6 +2238,10 @@ mod tests {
             ),
             ("schedule", "1F1B, the default pipeline schedule"),
             ("partition", "the even split of blocks over stages"),
+            (
+                "capacity_factor",
+                "dropless routing, Megatron-Core's default",
+            ),
         ];
         for name in Knobs::NAMES {
             let ways = [

@@ -32,6 +32,16 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
         ));
     }
     crate::engine::validate::pipeline(t, model)?;
+    crate::engine::validate::experts(t, model)?;
+    if model.moe.is_some() && opts.device.kind == DeviceKind::Cuda {
+        return Err(Error::invalid_arg(
+            "--device",
+            format!(
+                "{} has experts, which run on cpu and plan on meta; the cuda backend has no expert kernels yet",
+                model.name
+            ),
+        ));
+    }
     crate::engine::validate::tensor_parallel(t, model)?;
     crate::engine::validate::loss(t)?;
     crate::engine::validate::sharding(t, MAX_RANKS)

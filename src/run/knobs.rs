@@ -229,6 +229,13 @@ knobs! {
     /// zero_hpz_partition_size) [default: 0, off].
     #[arg(long)]
     hpz_group: usize [train],
+    /// A mixture of experts' expert capacity: each expert takes at most
+    /// this multiple of an even share of the tokens' choices
+    /// (`⌈f·tokens·top_k/experts⌉`, padded to it), the rest dropped
+    /// (Megatron's --moe-expert-capacity-factor with
+    /// --moe-pad-expert-input-to-capacity) [default: dropless].
+    #[arg(long)]
+    capacity_factor: f32,
     /// Host memory offloaded tensors may take, per rank, e.g. 64GiB
     /// [default: this machine's available memory].
     #[arg(long, value_parser = host_bytes)]

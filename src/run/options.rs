@@ -136,6 +136,7 @@ fn merge(flags: &Knobs, r: &RunRecipe, timeline: Option<PathBuf>) -> Result<RunO
         },
         lr: k.lr,
         beta1: k.beta1,
+        capacity_factor: k.capacity_factor,
         ranks: k.ranks.unwrap_or(stages * tensor_parallel),
         partition: k.partition.as_deref().map(parse_partition).transpose()?,
         lora,

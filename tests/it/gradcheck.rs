@@ -176,3 +176,12 @@ fn qkv_bias_gradient_matches_finite_difference() {
         }
     }
 }
+
+/// A mixture of experts (a dense block, then a routed block with a shared
+/// expert): the router's, the stacked experts' and the shared expert's
+/// gradients, through the top-k weights' renormalisation and the
+/// load-balancing loss.
+#[test]
+fn moe_tiny_gradients_match_finite_differences() {
+    gradcheck("moe-tiny");
+}

@@ -106,8 +106,8 @@ fn merged_weights_equal_base_plus_scaled_ba() {
                 let w = match ad.proj {
                     Proj::Qkv => bi.qkv_w,
                     Proj::O => bi.o_w,
-                    Proj::Up => bi.up_w,
-                    Proj::Down => bi.down_w,
+                    Proj::Up => bi.up_w.unwrap(),
+                    Proj::Down => bi.down_w.unwrap(),
                 };
                 let (a, b) = (&all[ad.a], &all[ad.b]);
                 let r = a.len() / ad.inp;
@@ -260,7 +260,8 @@ fn qlora_base_bytes_are_nf4_storage() {
     let quantized: Vec<usize> = idx
         .blocks
         .iter()
-        .flat_map(|b| [b.qkv_w, b.o_w, b.up_w, b.down_w])
+        .flat_map(|b| [Some(b.qkv_w), Some(b.o_w), b.up_w, b.down_w])
+        .flatten()
         .collect();
     let nf4: u64 = quantized
         .iter()

@@ -31,6 +31,7 @@ mod hybrid;
 mod knobs;
 mod lora;
 mod loss;
+mod moe;
 mod multinode;
 mod multiprocess;
 mod nf4;

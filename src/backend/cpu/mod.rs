@@ -21,6 +21,7 @@
 
 pub(crate) mod attention;
 pub mod comm;
+mod moe;
 pub(crate) mod optim;
 pub mod process;
 
@@ -1390,6 +1391,88 @@ impl Backend for CpuBackend {
                 col_sum_accumulate(&mut dbias.wide_mut(), dout, n, oc);
             }
         });
+    }
+
+    fn moe_gather(
+        &mut self,
+        out: &mut CpuBuf,
+        x: &CpuBuf,
+        idx: &CpuBuf,
+        w: Option<&CpuBuf>,
+        m: usize,
+        n: usize,
+        c: usize,
+    ) {
+        let (out, x) = (&mut out.wide_mut()[..m * c], &x.wide()[..n * c]);
+        let (idx, w) = (&idx.as_u32()[..m], w.map(|w| &w.as_f32()[..m]));
+        self.pool.install(|| moe::gather(out, x, idx, w, n, c));
+    }
+
+    fn moe_scatter(
+        &mut self,
+        out: &mut CpuBuf,
+        y: &CpuBuf,
+        idx: &CpuBuf,
+        w: Option<&CpuBuf>,
+        m: usize,
+        n: usize,
+        c: usize,
+    ) {
+        let (out, y) = (&mut out.wide_mut()[..n * c], &y.wide()[..m * c]);
+        let (idx, w) = (&idx.as_u32()[..m], w.map(|w| &w.as_f32()[..m]));
+        self.pool.install(|| moe::scatter(out, y, idx, w, n, c));
+    }
+
+    fn moe_row_dots(
+        &mut self,
+        out: &mut CpuBuf,
+        a: &CpuBuf,
+        b: &CpuBuf,
+        idx: &CpuBuf,
+        m: usize,
+        n: usize,
+        c: usize,
+    ) {
+        let (a, b) = (&a.wide()[..n * c], &b.wide()[..m * c]);
+        let (out, idx) = (&mut out.as_f32_mut()[..m], &idx.as_u32()[..m]);
+        self.pool.install(|| moe::row_dots(out, a, b, idx, n, c));
+    }
+
+    fn grouped_matmul_forward(
+        &mut self,
+        out: &mut CpuBuf,
+        inp: &CpuBuf,
+        w: &CpuBuf,
+        counts: &[usize],
+        c: usize,
+        oc: usize,
+    ) {
+        let (m, e) = (counts.iter().sum::<usize>(), counts.len());
+        let out = &mut out.wide_mut()[..m * oc];
+        let (inp, w) = (&inp.wide()[..m * c], &w.wide()[..e * oc * c]);
+        self.pool
+            .install(|| moe::grouped_forward(out, inp, w, counts, c, oc));
+    }
+
+    fn grouped_matmul_backward(
+        &mut self,
+        dinp: &mut CpuBuf,
+        dw: Option<&mut CpuBuf>,
+        dout: &CpuBuf,
+        inp: &CpuBuf,
+        w: &CpuBuf,
+        counts: &[usize],
+        c: usize,
+        oc: usize,
+    ) {
+        let (m, e) = (counts.iter().sum::<usize>(), counts.len());
+        let dinp = &mut dinp.wide_mut()[..m * c];
+        let mut dw = dw.map(|dw| dw.wide_mut());
+        let dw = dw.as_deref_mut().map(|d| &mut d[..e * oc * c]);
+        let (dout, inp) = (&dout.wide()[..m * oc], &inp.wide()[..m * c]);
+        let w = &w.wide()[..e * oc * c];
+        self.pool
+            .install(|| moe::grouped_backward(dinp, dw, dout, inp, w, counts, c, oc));
     }
 
     fn copy_cols(

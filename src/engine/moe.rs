@@ -1,0 +1,494 @@
+//! A mixture-of-experts MLP: the router, the token dispatch into the
+//! experts' permuted buffer, the experts as one grouped GEMM, and the
+//! weighted combine back into the tokens, forward and backward by hand.
+//!
+//! It follows Megatron-Core's `MoELayer` with `GroupedMLP`: the router
+//! scores every expert (softmax over the router's logits, top-k), the
+//! tokens are permuted so that each expert's rows are contiguous, and
+//! the experts' weights are stacked tensors (`(E, 2I, C)`, `(E, C, I)`)
+//! multiplied group by group.
+//!
+//! Two dispatch modes, both with shapes fixed before routing, so the
+//! memory a step takes does not depend on where the tokens go, and meta
+//! plans it byte for byte (the engine's invariant):
+//! - dropless (`capacity_factor` absent): the permuted buffer holds
+//!   exactly `N·k` rows, however the tokens spread;
+//! - a capacity factor `f`: every expert gets `⌈f·N·k/E⌉` rows, padded
+//!   when fewer tokens chose it and the later tokens dropped when more
+//!   did (by position, as GShard and Switch drop; Megatron drops the
+//!   lowest-probability ones by default), as Megatron's
+//!   `moe_pad_expert_input_to_capacity` does.
+//!
+//! The routing decision (softmax, top-k, the permutation) is made on the
+//! host from the logits, as the grouped GEMM needs each expert's row count
+//! there anyway (Megatron copies `tokens_per_expert` to the host for it).
+//! The device holds every routing tensor a GPU would (the probabilities,
+//! the row indices and weights), tracked as activations.
+//!
+//! The load-balancing loss is Megatron-Core's per-layer switch loss:
+//! `coef · E · Σ_e f_e · P̄_e`, with `f_e` the share of the `N·k` choices
+//! that went to expert `e` and `P̄_e` its mean probability (Fedus et al.,
+//! Switch Transformers, eq. 4, with top-k). transformers'
+//! `load_balancing_loss_func` computes one such loss over every layer's
+//! logits at once and without the `1/k`, so its value differs.
+
+use super::*;
+use crate::config::model::{MoeConfig, MoeIndex};
+
+/// A routed block's sizes for one micro-batch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MoeShape {
+    /// Tokens, width, experts, choices per token, expert inner width.
+    pub n: usize,
+    pub c: usize,
+    pub e: usize,
+    pub k: usize,
+    pub i: usize,
+    /// Each expert's rows under a capacity factor.
+    pub cap: Option<usize>,
+}
+
+impl MoeShape {
+    pub fn new(m: &MoeConfig, c: usize, n: usize, capacity_factor: Option<f32>) -> Self {
+        let (e, k) = (m.n_experts, m.top_k);
+        let cap = capacity_factor.map(|f| capacity(f, n, k, e));
+        MoeShape {
+            n,
+            c,
+            e,
+            k,
+            i: m.d_expert,
+            cap,
+        }
+    }
+
+    /// Rows of the permuted buffer.
+    pub fn rows(&self) -> usize {
+        match self.cap {
+            Some(cap) => self.e * cap,
+            None => self.n * self.k,
+        }
+    }
+
+    /// Each expert's rows where the routing is not known (a plan): the
+    /// capacity, or dropless an even spread of the `N·k` rows. Only the
+    /// cost model reads it; the memory is the same however they spread.
+    pub fn planned_counts(&self) -> Vec<usize> {
+        match self.cap {
+            Some(cap) => vec![cap; self.e],
+            None => {
+                let (q, r) = (self.rows() / self.e, self.rows() % self.e);
+                (0..self.e).map(|x| q + (x < r) as usize).collect()
+            }
+        }
+    }
+}
+
+/// An expert's rows under capacity factor `f`: `⌈f·N·k/E⌉` (Megatron's
+/// `get_capacity`, without its minimum).
+pub fn capacity(f: f32, n: usize, k: usize, e: usize) -> usize {
+    ((f as f64 * (n * k) as f64) / e as f64).ceil() as usize
+}
+
+/// One micro-batch's routing through one block, decided on the host.
+#[derive(Clone, Debug)]
+pub struct Routing {
+    /// The router's softmax over all experts, `(N, E)`.
+    pub probs: Vec<f32>,
+    /// Each token's choices, best first: `(expert, weight)`, `N·k`.
+    pub chosen: Vec<(usize, f32)>,
+    /// Each permuted row's token (`n` for an empty slot) and weight.
+    pub idx: Vec<u32>,
+    pub weight: Vec<f32>,
+    /// Each permuted row's choice (`t·k + s`), `None` for an empty slot.
+    pub choice: Vec<Option<usize>>,
+    /// Each expert's rows in the permuted buffer.
+    pub counts: Vec<usize>,
+    /// Each expert's choices before any were dropped.
+    pub chose: Vec<usize>,
+    /// The block's load-balancing loss (already times its coefficient).
+    pub aux: f64,
+}
+
+/// Routes `logits (N, E)` as `shape` and the model's router say.
+pub fn route(logits: &[f32], sh: &MoeShape, m: &MoeConfig) -> Routing {
+    let (n, e, k) = (sh.n, sh.e, sh.k);
+    let mut probs = vec![0f32; n * e];
+    let mut chosen = Vec::with_capacity(n * k);
+    let mut chose = vec![0usize; e];
+    for t in 0..n {
+        let (row, p) = (&logits[t * e..(t + 1) * e], &mut probs[t * e..(t + 1) * e]);
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = row.iter().map(|&x| ((x - max) as f64).exp()).sum();
+        for (p, &x) in p.iter_mut().zip(row) {
+            *p = (((x - max) as f64).exp() / sum) as f32;
+        }
+        // The k largest, ties to the lower index (torch.topk's order).
+        let mut order: Vec<usize> = (0..e).collect();
+        order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+        let top = &order[..k];
+        let z: f32 = top.iter().map(|&x| p[x]).sum();
+        for &x in top {
+            chosen.push((x, if m.norm_topk { p[x] / z } else { p[x] }));
+            chose[x] += 1;
+        }
+    }
+    // Each expert's rows, its tokens in order; beyond a capacity, dropped.
+    let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); e];
+    for (ci, &(x, _)) in chosen.iter().enumerate() {
+        by_expert[x].push(ci);
+    }
+    let (mut idx, mut weight, mut choice, mut counts) = (vec![], vec![], vec![], vec![]);
+    for list in &by_expert {
+        let rows = sh.cap.unwrap_or(list.len());
+        for r in 0..rows {
+            let ci = list.get(r).copied();
+            idx.push(ci.map_or(n as u32, |ci| (ci / k) as u32));
+            weight.push(ci.map_or(0.0, |ci| chosen[ci].1));
+            choice.push(ci);
+        }
+        counts.push(rows);
+    }
+    let mean_p = |x: usize| (0..n).map(|t| probs[t * e + x] as f64).sum::<f64>() / n as f64;
+    let aux = (0..e)
+        .map(|x| chose[x] as f64 / (n * k) as f64 * mean_p(x))
+        .sum::<f64>()
+        * e as f64
+        * m.aux_loss_coef as f64;
+    Routing {
+        probs,
+        chosen,
+        idx,
+        weight,
+        choice,
+        counts,
+        chose,
+        aux,
+    }
+}
+
+/// The gradient of the router's logits `(N, E)`: from each permuted row's
+/// combine-weight gradient `dweight` (through the top-k weights and their
+/// renormalisation), plus the load-balancing loss's, scaled by `aux_scale`
+/// (d loss / d this micro-batch's aux loss), both back through the softmax.
+pub fn router_grad(r: &Routing, dweight: &[f32], m: &MoeConfig, aux_scale: f32) -> Vec<f32> {
+    let (e, k) = (r.chose.len(), m.top_k);
+    let n = r.probs.len() / e;
+    // d loss / d (each choice's weight).
+    let mut g = vec![0f64; n * k];
+    for (j, c) in r.choice.iter().enumerate() {
+        if let Some(ci) = c {
+            g[*ci] = dweight[j] as f64;
+        }
+    }
+    let aux = |x: usize| {
+        (m.aux_loss_coef as f64) * e as f64 * (r.chose[x] as f64 / (n * k) as f64) / n as f64
+    };
+    let mut dlogits = vec![0f32; n * e];
+    let mut dp = vec![0f64; e];
+    for t in 0..n {
+        let p = &r.probs[t * e..(t + 1) * e];
+        for (x, d) in dp.iter_mut().enumerate() {
+            *d = aux(x) * aux_scale as f64;
+        }
+        let picks = &r.chosen[t * k..(t + 1) * k];
+        let gs = &g[t * k..(t + 1) * k];
+        match m.norm_topk {
+            // w_s = p_s / z: dL/dp_r = g_r / z - Σ_s g_s p_s / z².
+            true => {
+                let z: f64 = picks.iter().map(|&(x, _)| p[x] as f64).sum();
+                let gp: f64 = (picks.iter().zip(gs))
+                    .map(|(&(x, _), g)| g * p[x] as f64)
+                    .sum();
+                for (&(x, _), g) in picks.iter().zip(gs) {
+                    dp[x] += g / z - gp / (z * z);
+                }
+            }
+            false => {
+                for (&(x, _), g) in picks.iter().zip(gs) {
+                    dp[x] += g;
+                }
+            }
+        }
+        // Softmax: dlogit = p · (dp - Σ p dp).
+        let dot: f64 = p.iter().zip(&dp).map(|(&p, d)| p as f64 * d).sum();
+        for x in 0..e {
+            dlogits[t * e + x] = (p[x] as f64 * (dp[x] - dot)) as f32;
+        }
+    }
+    dlogits
+}
+
+/// What a routed block saves for its backward.
+pub(super) struct MoeActs<X> {
+    /// The router's probabilities `(N, E)`, f32.
+    pub probs: X,
+    /// Each permuted row's token (U32) and combine weight (F32), `M`.
+    pub idx: X,
+    pub weight: X,
+    /// The permuted input `(M, C)`, the experts' gate|up `(M, 2I)`, their
+    /// SwiGLU `(M, I)` and their output `(M, C)` (its combine weight's
+    /// gradient needs it).
+    pub xp: X,
+    pub h: X,
+    pub act: X,
+    pub eo: X,
+    /// The host's routing (`None` on a backend without data).
+    pub routing: Option<Routing>,
+    /// Each expert's rows.
+    pub counts: Vec<usize>,
+}
+
+pub(super) fn free_moe<B: Backend>(dev: &mut Device<B>, a: MoeActs<T<B>>) {
+    for x in [a.probs, a.idx, a.weight, a.xp, a.h, a.act, a.eo] {
+        dev.free(x);
+    }
+}
+
+/// The routed experts of one block: the router, dispatch and experts, all
+/// saved; the combine is [`combine`], run when the block's output is
+/// wanted.
+pub(super) fn forward<B: Backend>(
+    dev: &mut Device<B>,
+    p: &[T<B>],
+    mi: MoeIndex,
+    m: &MoeConfig,
+    x: &T<B>,
+    sh: MoeShape,
+) -> Result<MoeActs<T<B>>, OomError> {
+    let (n, c, e, i, rows) = (sh.n, sh.c, sh.e, sh.i, sh.rows());
+    let (dt, act) = (x.dtype, Category::Activations);
+    let mut logits = dev.alloc(n * e, dt, Category::Temporaries)?;
+    dev.matmul_forward(&mut logits, x, &p[mi.router], None, n, c, e);
+    let mut probs = dev.alloc_f32(n * e, act)?;
+    let mut idx = dev.alloc(rows, DType::U32, act)?;
+    let mut weight = dev.alloc_f32(rows, act)?;
+    let routing = dev.be.download_f32(&logits.buf).map(|l| route(&l, &sh, m));
+    if let Some(r) = &routing {
+        dev.be.upload_f32(&mut probs.buf, &r.probs);
+        dev.be.upload_u32(&mut idx.buf, &r.idx);
+        dev.be.upload_f32(&mut weight.buf, &r.weight);
+    }
+    dev.free(logits);
+    let counts = routing
+        .as_ref()
+        .map_or_else(|| sh.planned_counts(), |r| r.counts.clone());
+    let mut xp = dev.alloc(rows * c, dt, act)?;
+    dev.moe_gather(&mut xp, x, &idx, None, (rows, n, c));
+    let mut h = dev.alloc(rows * 2 * i, dt, act)?;
+    dev.grouped_matmul_forward(&mut h, &xp, &p[mi.up], &counts, c, 2 * i);
+    let mut a = dev.alloc(rows * i, dt, act)?;
+    dev.swiglu_forward(&mut a, &h, rows, i);
+    let mut eo = dev.alloc(rows * c, dt, act)?;
+    dev.grouped_matmul_forward(&mut eo, &a, &p[mi.down], &counts, i, c);
+    Ok(MoeActs {
+        probs,
+        idx,
+        weight,
+        xp,
+        h,
+        act: a,
+        eo,
+        routing,
+        counts,
+    })
+}
+
+/// The experts' outputs weighted back into their tokens: added into the
+/// shared expert's output `dense` when there is one, else into a new
+/// `(N, C)` temporary.
+pub(super) fn combine<B: Backend>(
+    dev: &mut Device<B>,
+    a: &MoeActs<T<B>>,
+    dense: Option<T<B>>,
+    sh: MoeShape,
+) -> Result<T<B>, OomError> {
+    let (n, c) = (sh.n, sh.c);
+    let mut y = match dense {
+        Some(y) => y,
+        None => {
+            let mut y = dev.alloc(n * c, a.eo.dtype, Category::Temporaries)?;
+            dev.fill(&mut y, 0.0);
+            y
+        }
+    };
+    dev.moe_scatter(&mut y, &a.eo, &a.idx, Some(&a.weight), (sh.rows(), n, c));
+    Ok(y)
+}
+
+/// The routed experts' backward from the block output's gradient `dy`:
+/// the experts' and the router's weight gradients accumulated (none when
+/// `frozen`), and the gradient of their input `x` added into `dx` (the
+/// shared expert's) or returned new. `aux_scale` is d loss / d this
+/// micro-batch's load-balancing loss. Frees what the block saved.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn backward<B: Backend>(
+    dev: &mut Device<B>,
+    (p, g, frozen): (&[T<B>], &mut [T<B>], bool),
+    mi: MoeIndex,
+    m: &MoeConfig,
+    a: MoeActs<T<B>>,
+    (dy, x): (&T<B>, &T<B>),
+    dx: Option<T<B>>,
+    sh: MoeShape,
+    aux_scale: f32,
+) -> Result<T<B>, OomError> {
+    let (n, c, e, i, rows) = (sh.n, sh.c, sh.e, sh.i, sh.rows());
+    let (dt, tmp) = (dy.dtype, Category::Temporaries);
+    let dims = (rows, n, c);
+    // The combine: each row's weight gradient, and the experts' output gradient.
+    let mut dweight = dev.alloc_f32(rows, tmp)?;
+    dev.moe_row_dots(&mut dweight, dy, &a.eo, &a.idx, dims);
+    let mut deo = dev.alloc(rows * c, dt, tmp)?;
+    dev.moe_gather(&mut deo, dy, &a.idx, Some(&a.weight), dims);
+    // The experts, down then gate|up.
+    let mut dact = dev.alloc(rows * i, dt, tmp)?;
+    let dw = (!frozen).then(|| &mut g[mi.down]);
+    dev.grouped_matmul_backward(&mut dact, dw, &deo, &a.act, &p[mi.down], &a.counts, i, c);
+    dev.free(deo);
+    let mut dh = dev.alloc(rows * 2 * i, dt, tmp)?;
+    dev.swiglu_backward(&mut dh, &dact, &a.h, rows, i);
+    dev.free(dact);
+    let mut dxp = dev.alloc(rows * c, dt, tmp)?;
+    let dw = (!frozen).then(|| &mut g[mi.up]);
+    dev.grouped_matmul_backward(&mut dxp, dw, &dh, &a.xp, &p[mi.up], &a.counts, c, 2 * i);
+    dev.free(dh);
+    // The dispatch: each row's gradient back to its token.
+    let mut dx = match dx {
+        Some(dx) => dx,
+        None => {
+            let mut dx = dev.alloc(n * c, dt, tmp)?;
+            dev.fill(&mut dx, 0.0);
+            dx
+        }
+    };
+    dev.moe_scatter(&mut dx, &dxp, &a.idx, None, dims);
+    dev.free(dxp);
+    // The router: its logits' gradient, made on the host from the routing.
+    let mut dlogits = dev.alloc(n * e, dt, tmp)?;
+    if let (Some(r), Some(dw)) = (&a.routing, dev.be.download_f32(&dweight.buf)) {
+        let dl = router_grad(r, &dw, m, aux_scale);
+        dev.be.upload_f32(&mut dlogits.buf, &dl);
+    }
+    dev.free(dweight);
+    let mut dxr = dev.alloc(n * c, dt, tmp)?;
+    let dw = (!frozen).then(|| &mut g[mi.router]);
+    dev.matmul_backward(&mut dxr, dw, None, &dlogits, x, &p[mi.router], n, c, e);
+    dev.free(dlogits);
+    dev.copy_slice(&mut dx, 0, &dxr, 0, n * c, true);
+    dev.free(dxr);
+    free_moe(dev, a);
+    Ok(dx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(e: usize, k: usize, norm: bool) -> MoeConfig {
+        MoeConfig {
+            n_experts: e,
+            top_k: k,
+            d_expert: 4,
+            d_shared: 0,
+            first_dense: 0,
+            norm_topk: norm,
+            aux_loss_coef: 0.01,
+        }
+    }
+
+    #[test]
+    fn dropless_routes_every_choice_once_in_expert_order() {
+        let m = cfg(3, 2, true);
+        let sh = MoeShape::new(&m, 2, 4, None);
+        // Token t prefers expert t % 3, then (t + 1) % 3.
+        let logits: Vec<f32> = (0..4)
+            .flat_map(|t| (0..3).map(move |x| [3.0, 1.0, 0.0][(x + 3 - t % 3) % 3]))
+            .collect();
+        let r = route(&logits, &sh, &m);
+        assert_eq!(r.idx.len(), 8);
+        assert_eq!(r.counts.iter().sum::<usize>(), 8);
+        assert_eq!(r.counts, r.chose);
+        // Expert 0: tokens 0 and 3 (first choice), 2 (second choice).
+        assert_eq!(&r.idx[..r.counts[0]], &[0, 2, 3]);
+        // Renormalised: each token's weights sum to 1.
+        for t in 0..4 {
+            let s: f32 = r.chosen[2 * t..2 * t + 2].iter().map(|c| c.1).sum();
+            assert!((s - 1.0).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn a_capacity_pads_and_drops_by_position() {
+        let m = cfg(2, 1, false);
+        // Every token prefers expert 0.
+        let logits = [2.0, 0.0].repeat(5);
+        let sh = MoeShape::new(&m, 2, 5, Some(1.0));
+        assert_eq!(sh.cap, Some(3));
+        let r = route(&logits, &sh, &m);
+        assert_eq!(r.counts, vec![3, 3]);
+        assert_eq!(r.idx, vec![0, 1, 2, 5, 5, 5]);
+        assert_eq!(r.choice[3..], [None, None, None]);
+        assert_eq!(r.chose, vec![5, 0]);
+        assert!((r.weight[0] - 1.0 / (1.0 + (-2f32).exp())).abs() < 1e-6);
+        // The load-balancing loss: coef · E · f_0 · P̄_0, all on expert 0.
+        let p0 = 1.0 / (1.0 + (-2f64).exp());
+        assert!((r.aux - 0.01 * 2.0 * p0).abs() < 1e-7, "{}", r.aux);
+    }
+
+    /// The router's gradient against central differences of the loss
+    /// `Σ_j dweight_j · w_j + s · aux`, for both weightings.
+    #[test]
+    fn router_gradient_matches_finite_differences() {
+        for norm in [false, true] {
+            let m = cfg(4, 2, norm);
+            let (n, e) = (3, 4);
+            let sh = MoeShape::new(&m, 2, n, None);
+            let logits: Vec<f32> = (0..n * e)
+                .map(|x| ((x * 7 % 11) as f32) * 0.3 - 1.0)
+                .collect();
+            let r = route(&logits, &sh, &m);
+            let dw: Vec<f32> = (0..r.idx.len()).map(|j| 0.5 - 0.13 * j as f32).collect();
+            let s = 3.0;
+            let got = router_grad(&r, &dw, &m, s);
+            let loss = |l: &[f32]| {
+                let q = route(l, &sh, &m);
+                // The same routing (a small step keeps the top-k), weights moved.
+                assert_eq!(q.idx, r.idx);
+                (q.weight.iter().zip(&dw))
+                    .map(|(w, d)| (w * d) as f64)
+                    .sum::<f64>()
+                    + s as f64 * q.aux_with_fixed_choice(&r)
+            };
+            for x in 0..n * e {
+                let h = 1e-3;
+                let (mut a, mut b) = (logits.clone(), logits.clone());
+                a[x] += h;
+                b[x] -= h;
+                let want = (loss(&a) - loss(&b)) / (2.0 * h as f64);
+                assert!(
+                    (got[x] as f64 - want).abs() < 2e-3,
+                    "norm {norm} logit {x}: {} vs {want}",
+                    got[x]
+                );
+            }
+        }
+    }
+
+    impl Routing {
+        /// The aux loss with the choice counts held at `fixed`'s (they are
+        /// not differentiable: f_e is a count).
+        fn aux_with_fixed_choice(&self, fixed: &Routing) -> f64 {
+            let e = self.chose.len();
+            let n = self.probs.len() / e;
+            let k = self.chosen.len() / n;
+            let mean_p =
+                |x: usize| (0..n).map(|t| self.probs[t * e + x] as f64).sum::<f64>() / n as f64;
+            (0..e)
+                .map(|x| fixed.chose[x] as f64 / (n * k) as f64 * mean_p(x))
+                .sum::<f64>()
+                * e as f64
+                * 0.01
+        }
+    }
+}
