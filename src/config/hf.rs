@@ -12,11 +12,12 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use super::model::{Family, ModelConfig, MoeConfig};
+use super::model::{Family, ModelConfig, MoeConfig, QkNorm};
 use super::profile::strip_marks;
 use crate::{Error, Result};
 
-const SUPPORTED: &str = "memfit imports gpt2, llama, mistral, qwen2, phi3 and mixtral configs";
+const SUPPORTED: &str = "memfit imports gpt2, llama, mistral, qwen2, phi3, qwen3, mixtral, qwen2_moe, \
+     qwen3_moe and olmoe configs";
 
 /// Reads and imports a Hugging Face `config.json`; errors name the file.
 pub fn load_hf_config(path: &Path) -> Result<ModelConfig> {
@@ -72,25 +73,8 @@ pub fn import_hf_config(text: &str, location: &str) -> Result<ModelConfig> {
     };
     let config = match model_type {
         "gpt2" => import_gpt2(&cfg, name)?,
-        "llama" | "mistral" | "qwen2" | "phi3" | "mixtral" => import_llama(&cfg, name)?,
-        "qwen3" | "qwen3_moe" | "olmoe" => {
-            return Err(cfg.error(
-                "model_type",
-                format!(
-                    "`model_type` {model_type:?} normalises q and k before attention \
-                     (`q_norm`, `k_norm`), which memfit's engine does not model yet; {SUPPORTED}"
-                ),
-            ));
-        }
-        "qwen2_moe" => {
-            return Err(cfg.error(
-                "model_type",
-                format!(
-                    "`model_type` \"qwen2_moe\" gates its shared expert with a sigmoid \
-                     (`shared_expert_gate`), which memfit's engine does not model yet; {SUPPORTED}"
-                ),
-            ));
-        }
+        "llama" | "mistral" | "qwen2" | "phi3" | "mixtral" | "qwen3" | "qwen2_moe"
+        | "qwen3_moe" | "olmoe" => import_llama(&cfg, name)?,
         "deepseek_v2" | "deepseek_v3" => {
             return Err(cfg.error(
                 "model_type",
@@ -160,12 +144,14 @@ fn import_gpt2(cfg: &Fields, name: String) -> Result<ModelConfig> {
         tie_embeddings: Some(true),
         qkv_bias: None,
         moe: None,
+        head_dim: None,
+        qk_norm: None,
     })
 }
 
 fn import_llama(cfg: &Fields, name: String) -> Result<ModelConfig> {
     cfg.check_str("hidden_act", &["silu", "swish"])?;
-    let qwen2 = cfg.model_type == "qwen2";
+    let qwen2 = matches!(cfg.model_type, "qwen2" | "qwen2_moe");
     if !qwen2 {
         // Qwen2 hard-wires its biases (q, k, v: yes; o: no) and has no such keys.
         if cfg.opt_bool("attention_bias")? == Some(true) {
@@ -213,21 +199,23 @@ fn import_llama(cfg: &Fields, name: String) -> Result<ModelConfig> {
     }
     let d_model = cfg.int("hidden_size")?;
     let n_head = cfg.int("num_attention_heads")?;
-    if let Some(head_dim) = cfg.opt_int("head_dim")?
-        && head_dim.checked_mul(n_head) != Some(d_model)
+    // An explicit head width is kept only where it differs from the
+    // derived one (Qwen3's 128 at every size).
+    let head_dim = cfg
+        .opt_int("head_dim")?
+        .filter(|&hd| n_head == 0 || hd.checked_mul(n_head) != Some(d_model));
+    let qk_norm = match cfg.model_type {
+        "qwen3" | "qwen3_moe" => Some(QkNorm::PerHead),
+        "olmoe" => Some(QkNorm::Full),
+        _ => None,
+    };
+    if cfg.model_type == "olmoe"
+        && let Some(v) = cfg.get("clip_qkv")
+        && !v.is_null()
     {
-        let derived = if n_head > 0 && d_model.is_multiple_of(n_head) {
-            format!("{}", d_model / n_head)
-        } else {
-            "not a whole number".into()
-        };
         return Err(cfg.error(
-            "head_dim",
-            format!(
-                "`head_dim` is {head_dim}, but `hidden_size` / `num_attention_heads` = \
-                 {d_model} / {n_head} = {derived}; memfit's engine uses head_dim = \
-                 hidden_size / num_attention_heads"
-            ),
+            "clip_qkv",
+            format!("`clip_qkv` is {v}: OLMoE's clamped q, k and v, which memfit's engine does not model; set it to null"),
         ));
     }
     Ok(ModelConfig {
@@ -247,8 +235,66 @@ fn import_llama(cfg: &Fields, name: String) -> Result<ModelConfig> {
         qkv_bias: qwen2.then_some(true),
         moe: match cfg.model_type {
             "mixtral" => Some(import_mixtral_experts(cfg)?),
+            "qwen2_moe" | "qwen3_moe" | "olmoe" => Some(import_qwen_experts(cfg)?),
             _ => None,
         },
+        head_dim,
+        qk_norm,
+    })
+}
+
+/// Qwen2-MoE's, Qwen3-MoE's and OLMoE's sparse MLP (transformers'
+/// `Qwen2MoeSparseMoeBlock`, `Qwen3MoeSparseMoeBlock`,
+/// `OlmoeSparseMoeBlock`): `num_experts` SwiGLU experts of width
+/// `moe_intermediate_size` (OLMoE: `intermediate_size`),
+/// `num_experts_per_tok` per token, renormalised when `norm_topk_prob`;
+/// Qwen2-MoE adds a shared expert of `shared_expert_intermediate_size`
+/// under a sigmoid gate.
+fn import_qwen_experts(cfg: &Fields) -> Result<MoeConfig> {
+    let olmoe = cfg.model_type == "olmoe";
+    if !olmoe {
+        // Dense blocks among the routed ones: memfit's dense blocks are
+        // the first ones only (`first_dense`).
+        if let Some(step) = cfg.opt_int("decoder_sparse_step")?
+            && step != 1
+        {
+            return Err(cfg.error(
+                "decoder_sparse_step",
+                format!("`decoder_sparse_step` is {step}: dense blocks between routed ones, which memfit does not lay out (every block routes)"),
+            ));
+        }
+        if let Some(Value::Array(v)) = cfg.get("mlp_only_layers")
+            && !v.is_empty()
+        {
+            return Err(cfg.error(
+                "mlp_only_layers",
+                "`mlp_only_layers` is not empty: dense blocks among routed ones, which memfit does not lay out (every block routes)".into(),
+            ));
+        }
+    }
+    let width = if olmoe {
+        "intermediate_size"
+    } else {
+        "moe_intermediate_size"
+    };
+    let qwen2 = cfg.model_type == "qwen2_moe";
+    Ok(MoeConfig {
+        n_experts: cfg.int("num_experts")?,
+        top_k: cfg.int("num_experts_per_tok")?,
+        d_expert: cfg.int(width)?,
+        d_shared: match qwen2 {
+            true => cfg.int("shared_expert_intermediate_size")?,
+            false => 0,
+        },
+        shared_gate: qwen2,
+        first_dense: 0,
+        norm_topk: cfg.opt_bool("norm_topk_prob")?.unwrap_or(false),
+        // Their configs' defaults.
+        aux_loss_coef: (cfg.opt_f32("router_aux_loss_coef")?).unwrap_or(if olmoe {
+            0.01
+        } else {
+            0.001
+        }),
     })
 }
 
@@ -262,6 +308,7 @@ fn import_mixtral_experts(cfg: &Fields) -> Result<MoeConfig> {
         top_k: cfg.int("num_experts_per_tok")?,
         d_expert: cfg.int("intermediate_size")?,
         d_shared: 0,
+        shared_gate: false,
         first_dense: 0,
         norm_topk: true,
         // MixtralConfig's default.

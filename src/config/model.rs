@@ -53,6 +53,25 @@ pub struct ModelConfig {
     /// Mixture-of-experts MLPs (llama family only); absent means dense.
     #[serde(default)]
     pub moe: Option<MoeConfig>,
+    /// Each head's width where it is not `d_model / n_head` (Qwen3:
+    /// 128 at every size; llama family only).
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    /// RMSNorm on q and k before RoPE (llama family only).
+    #[serde(default)]
+    pub qk_norm: Option<QkNorm>,
+}
+
+/// Where a model normalises its queries and keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum QkNorm {
+    /// Each head on its own, one weight of `head_dim` shared by the heads
+    /// (Qwen3's `q_norm`, `k_norm`).
+    PerHead,
+    /// The whole q and the whole k of a token, weights of `n_head x
+    /// head_dim` and `n_kv_head x head_dim` (OLMo 2 and OLMoE).
+    Full,
 }
 
 /// A mixture-of-experts MLP in place of the dense one: a router over
@@ -71,6 +90,10 @@ pub struct MoeConfig {
     /// moe_intermediate_size`, fused into one MLP); 0 means none.
     #[serde(default)]
     pub d_shared: usize,
+    /// The shared expert's output scaled per token by `σ(x gᵀ)`, a
+    /// learned gate `(1, C)` (Qwen2-MoE's `shared_expert_gate`).
+    #[serde(default)]
+    pub shared_gate: bool,
     /// The first layers stay dense (DeepSeek's `first_k_dense_replace`):
     /// their MLP has width `d_ff`.
     #[serde(default)]
@@ -177,6 +200,9 @@ pub struct BlockIndex {
     /// Fused q|k|v projection, `(qkv_width, C)`.
     pub qkv_w: usize,
     pub qkv_b: Option<usize>,
+    /// The q and k norms' weights (`ModelConfig::qk_norm`).
+    pub q_norm: Option<usize>,
+    pub k_norm: Option<usize>,
     pub o_w: usize,
     pub o_b: Option<usize>,
     pub ln2_w: usize,
@@ -197,6 +223,8 @@ pub struct BlockIndex {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct MoeIndex {
     pub router: usize,
+    /// The shared expert's gate `(1, C)` (`MoeConfig::shared_gate`).
+    pub shared_gate: Option<usize>,
     pub up: usize,
     pub down: usize,
 }
@@ -204,19 +232,23 @@ pub struct MoeIndex {
 impl BlockIndex {
     /// Every tensor of the block, in layout order.
     pub fn tensors(&self) -> impl Iterator<Item = usize> + '_ {
-        let moe = self.moe.map(|m| [m.router, m.up, m.down]);
+        let moe = self
+            .moe
+            .map(|m| [Some(m.router), m.shared_gate, Some(m.up), Some(m.down)]);
         [
             Some(self.ln1_w),
             self.ln1_b,
             Some(self.qkv_w),
             self.qkv_b,
+            self.q_norm,
+            self.k_norm,
             Some(self.o_w),
             self.o_b,
             Some(self.ln2_w),
             self.ln2_b,
         ]
         .into_iter()
-        .chain(moe.into_iter().flatten().map(Some))
+        .chain(moe.into_iter().flatten())
         .chain([self.up_w, self.up_b, self.down_w, self.down_b])
         .flatten()
     }
@@ -239,7 +271,20 @@ impl ModelConfig {
         self.n_kv_head.unwrap_or(self.n_head)
     }
     pub fn head_dim(&self) -> usize {
-        self.d_model / self.n_head
+        self.head_dim.unwrap_or(self.d_model / self.n_head)
+    }
+    /// The attention output's width, the o projection's input: `n_head x head_dim`.
+    pub fn attn_width(&self) -> usize {
+        self.n_head * self.head_dim()
+    }
+    /// The q norm's and the k norm's widths (rows of `qkv` are normalised
+    /// in pieces this wide).
+    pub fn qk_norm_widths(&self) -> Option<(usize, usize)> {
+        let hd = self.head_dim();
+        self.qk_norm.map(|q| match q {
+            QkNorm::PerHead => (hd, hd),
+            QkNorm::Full => (self.n_head * hd, self.n_kv_head() * hd),
+        })
     }
     pub fn d_ff(&self) -> usize {
         self.d_ff.unwrap_or(4 * self.d_model)
@@ -296,7 +341,7 @@ impl ModelConfig {
         let Some(m) = &self.moe else {
             return self.num_parameters();
         };
-        let per_expert = 3 * (m.d_expert * self.d_model) as u64;
+        let per_expert = 3 * (m.d_expert as u64) * self.d_model as u64;
         let routed = self.n_layer.saturating_sub(m.first_dense) as u64;
         self.num_parameters() - routed * (m.n_experts - m.top_k) as u64 * per_expert
     }
@@ -318,7 +363,10 @@ impl ModelConfig {
                 return Err(format!("`{field}` must be positive"));
             }
         }
-        if !self.d_model.is_multiple_of(self.n_head) {
+        if self.head_dim == Some(0) {
+            return Err("`head_dim` must be positive".into());
+        }
+        if self.head_dim.is_none() && !self.d_model.is_multiple_of(self.n_head) {
             return Err(format!(
                 "`d_model` ({}) must be divisible by `n_head` ({})",
                 self.d_model, self.n_head
@@ -338,6 +386,7 @@ impl ModelConfig {
         for (field, v, limit, largest) in [
             ("n_layer", self.n_layer, MAX_LAYERS, "about 126"),
             ("d_model", self.d_model, MAX_WIDTH, "about 20k"),
+            ("head_dim", self.head_dim(), MAX_WIDTH, "256"),
             ("d_ff", self.d_ff(), MAX_WIDTH, "about 74k"),
             ("vocab_size", self.vocab_size, MAX_VOCAB, "about 256k"),
             ("pad_vocab_to", self.pad_vocab_to, MAX_VOCAB, "128"),
@@ -367,7 +416,7 @@ impl ModelConfig {
             .as_ref()
             .map_or(0, |m| (m.n_experts * (3 * m.d_expert + 1)) as u128);
         let per_block = (self.qkv_width() as u128
-            + c
+            + self.attn_width() as u128
             + self.up_width() as u128
             + self.d_ff() as u128
             + experts)
@@ -393,6 +442,9 @@ impl ModelConfig {
                     return Err(
                         "gpt2 always has biases on q, k and v: drop `qkv_bias` (llama only)".into(),
                     );
+                }
+                if self.head_dim.is_some() || self.qk_norm.is_some() {
+                    return Err("gpt2's heads are d_model / n_head wide and unnormalised: drop `head_dim` and `qk_norm` (llama only)".into());
                 }
             }
             Family::Llama => {
@@ -435,6 +487,12 @@ impl ModelConfig {
         }
         if m.d_expert > MAX_WIDTH || m.d_shared > MAX_WIDTH {
             return Err(format!("expert widths are at most {MAX_WIDTH}"));
+        }
+        if m.shared_gate && m.d_shared == 0 {
+            return Err(
+                "`moe.shared_gate` gates the shared expert: give it a width (`moe.d_shared`)"
+                    .into(),
+            );
         }
         if m.first_dense > self.n_layer {
             return Err(format!(
@@ -496,7 +554,18 @@ impl ModelConfig {
             let qkv_b = self
                 .has_qkv_bias()
                 .then(|| push(p("attn.qkv.bias"), vec![self.qkv_width()], Init::Zeros));
-            let o_w = push(p("attn.o.weight"), vec![c, c], Init::Normal(resid_std));
+            let (q_norm, k_norm) = match self.qk_norm_widths() {
+                Some((q, k)) => (
+                    Some(push(p("attn.q_norm.weight"), vec![q], Init::Ones)),
+                    Some(push(p("attn.k_norm.weight"), vec![k], Init::Ones)),
+                ),
+                None => (None, None),
+            };
+            let o_w = push(
+                p("attn.o.weight"),
+                vec![c, self.attn_width()],
+                Init::Normal(resid_std),
+            );
             let o_b = gpt2.then(|| push(p("attn.o.bias"), vec![c], Init::Zeros));
             let ln2_w = push(p("ln_2.weight"), vec![c], Init::Ones);
             let ln2_b = gpt2.then(|| push(p("ln_2.bias"), vec![c], Init::Zeros));
@@ -504,6 +573,8 @@ impl ModelConfig {
                 let (e, i) = (m.n_experts, m.d_expert);
                 MoeIndex {
                     router: push(p("mlp.router.weight"), vec![e, c], Init::Normal(std)),
+                    shared_gate: (m.shared_gate)
+                        .then(|| push(p("mlp.shared_gate.weight"), vec![1, c], Init::Normal(std))),
                     up: push(p("mlp.experts.up"), vec![e, 2 * i, c], Init::Normal(std)),
                     down: push(
                         p("mlp.experts.down"),
@@ -527,6 +598,8 @@ impl ModelConfig {
                 ln1_b,
                 qkv_w,
                 qkv_b,
+                q_norm,
+                k_norm,
                 o_w,
                 o_b,
                 ln2_w,

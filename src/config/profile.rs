@@ -27,6 +27,11 @@ static BUILTIN_MODELS: &[(&str, &str)] = builtin!(
     "llama-3.1-405b",
     "mistral-7b",
     "mixtral-8x7b",
+    "qwen3-8b",
+    "qwen3-30b-a3b",
+    "olmoe-1b-7b",
+    "phi-3-mini",
+    "qwen1.5-moe-a2.7b",
 );
 
 /// The built-in model profiles, `(name, yaml text)`, in a stable order.

@@ -315,8 +315,11 @@ struct BlockActs<X> {
     up: Option<X>,
     /// gpt2: GELU output (N,4C); llama: SwiGLU output (N,I).
     act: Option<X>,
-    /// A routed block's experts.
+    /// A routed block's experts, and its shared expert's gate.
     moe: Option<moe::MoeActs<X>>,
+    gate: Option<moe::GateActs<X>>,
+    /// The q and k norms' inputs and statistics (`ModelConfig::qk_norm`).
+    qk: Option<[(X, X); 2]>,
     /// What the framework profile saves beyond these (`HfRules::block_saved`).
     extra: Vec<X>,
     /// LoRA: each adapter's `x A^T (N, r)`, in the block's adapter order.
@@ -1929,6 +1932,13 @@ fn free_block<B: Backend>(dev: &mut Device<B>, a: BlockActs<T<B>>) {
     dev.free_opt(a.act);
     if let Some(m) = a.moe {
         moe::free_moe(dev, m);
+    }
+    if let Some(g) = a.gate {
+        moe::free_gate(dev, g);
+    }
+    for (x, rstd) in a.qk.into_iter().flatten() {
+        dev.free(x);
+        dev.free(rstd);
     }
     dev.free_opt(a.ln1_mean);
     dev.free_opt(a.ln2_mean);

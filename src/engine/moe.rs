@@ -381,6 +381,88 @@ pub(super) fn backward<B: Backend>(
     Ok(dx)
 }
 
+/// Qwen2-MoE's gate on the shared expert: `σ(x gᵀ)` per token (f32), the
+/// shared expert's output `ys (N, C)` it scales, kept for the backward,
+/// and each token's own index (U32: the combine kernels' identity map).
+pub(super) struct GateActs<X> {
+    pub ident: X,
+    pub sig: X,
+    pub ys: X,
+}
+
+pub(super) fn free_gate<B: Backend>(dev: &mut Device<B>, g: GateActs<T<B>>) {
+    for x in [g.ident, g.sig, g.ys] {
+        dev.free(x);
+    }
+}
+
+/// The gate over `x (N, C)` (the block's normed input), keeping the shared
+/// expert's output `ys`.
+pub(super) fn gate_forward<B: Backend>(
+    dev: &mut Device<B>,
+    w: &T<B>,
+    x: &T<B>,
+    ys: T<B>,
+    (n, c): (usize, usize),
+) -> Result<GateActs<T<B>>, OomError> {
+    let act = Category::Activations;
+    let mut s = dev.alloc(n, x.dtype, Category::Temporaries)?;
+    dev.matmul_forward(&mut s, x, w, None, n, c, 1);
+    let mut sig = dev.alloc_f32(n, act)?;
+    let mut ident = dev.alloc(n, DType::U32, act)?;
+    if let Some(s) = dev.be.download_f32(&s.buf) {
+        let v: Vec<f32> = s.iter().map(|&z| 1.0 / (1.0 + (-z).exp())).collect();
+        dev.be.upload_f32(&mut sig.buf, &v);
+        dev.be
+            .upload_u32(&mut ident.buf, &(0..n as u32).collect::<Vec<_>>());
+    }
+    dev.free(s);
+    Ok(GateActs { ident, sig, ys })
+}
+
+/// The gated shared output `σ · ys` into a new `(N, C)` temporary.
+pub(super) fn gated<B: Backend>(
+    dev: &mut Device<B>,
+    g: &GateActs<T<B>>,
+    (n, c): (usize, usize),
+) -> Result<T<B>, OomError> {
+    let mut y = dev.alloc(n * c, g.ys.dtype, Category::Temporaries)?;
+    dev.fill(&mut y, 0.0);
+    dev.moe_scatter(&mut y, &g.ys, &g.ident, Some(&g.sig), (n, n, c));
+    Ok(y)
+}
+
+/// The gate's backward from the block output's gradient `dy`: the shared
+/// expert's output gradient `σ · dy`, and the gate's input gradient (its
+/// weight's accumulated into `dw` unless frozen).
+pub(super) fn gate_backward<B: Backend>(
+    dev: &mut Device<B>,
+    (w, dw): (&T<B>, Option<&mut T<B>>),
+    g: &GateActs<T<B>>,
+    (dy, x): (&T<B>, &T<B>),
+    (n, c): (usize, usize),
+) -> Result<(T<B>, T<B>), OomError> {
+    let (dt, tmp) = (dy.dtype, Category::Temporaries);
+    let mut dys = dev.alloc(n * c, dt, tmp)?;
+    dev.moe_gather(&mut dys, dy, &g.ident, Some(&g.sig), (n, n, c));
+    let mut dsig = dev.alloc_f32(n, tmp)?;
+    dev.moe_row_dots(&mut dsig, dy, &g.ys, &g.ident, (n, n, c));
+    // dσ/ds = σ (1 - σ).
+    let mut ds = dev.alloc(n, dt, tmp)?;
+    if let (Some(d), Some(s)) = (
+        dev.be.download_f32(&dsig.buf),
+        dev.be.download_f32(&g.sig.buf),
+    ) {
+        let v: Vec<f32> = d.iter().zip(&s).map(|(d, s)| d * s * (1.0 - s)).collect();
+        dev.be.upload_f32(&mut ds.buf, &v);
+    }
+    dev.free(dsig);
+    let mut dx = dev.alloc(n * c, dt, tmp)?;
+    dev.matmul_backward(&mut dx, dw, None, &ds, x, w, n, c, 1);
+    dev.free(ds);
+    Ok((dys, dx))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -391,6 +473,7 @@ mod tests {
             top_k: k,
             d_expert: 4,
             d_shared: 0,
+            shared_gate: false,
             first_dense: 0,
             norm_topk: norm,
             aux_loss_coef: 0.01,

@@ -465,6 +465,7 @@ impl<'e, B: Backend> Pass<'e, B> {
         // attention: ln1 -> qkv (-> rope) -> attention -> o-proj, + residual
         let (ln1, ln1_mean, ln1_rstd) = self.norm(x, ly.ln1)?;
         let mut qkv = ly.qkv.forward(self, l, &ln1, act, &mut lora_t)?;
+        let qk = self.qk_norm_forward(l, &mut qkv)?;
         if self.model.family != Family::Gpt2 {
             self.dev.rope_forward(&mut qkv, s, self.model.rope_theta());
         }
@@ -489,26 +490,40 @@ impl<'e, B: Backend> Pass<'e, B> {
         };
         // The framework profile's saved tensors beyond the engine's own.
         let extra = alloc_saved(self.dev, self.hf.map_or(&[][..], |h| &h.block_saved[..]))?;
-        let out = match (with_out, ly.down.zip(a.as_ref())) {
-            (true, dense) => {
-                let mlp = match dense {
-                    Some((down, a)) => {
-                        let mlp = down.forward(self, l, a, tmp, &mut lora_t)?;
-                        Some(self.reduce(mlp)?)
-                    }
-                    None => None,
-                };
-                let mlp = match (&moe, ly.moe) {
-                    (Some(m), Some((_, sh))) => moe::combine(self.dev, m, mlp, sh)?,
-                    _ => mlp.expect("a block has a dense MLP or experts"),
-                };
-                Some(self.residual(&res2, mlp)?)
+        // The dense MLP's (or shared expert's) output: a temporary summed
+        // into the block's, or under Qwen2-MoE's gate kept with the gate,
+        // whose backward reads it (so a recomputation makes it too).
+        let gate_w = ly.moe.and_then(|(mi, _)| mi.shared_gate);
+        let nc = (self.n, self.model.d_model);
+        let dense = match (ly.down.zip(a.as_ref()), with_out || gate_w.is_some()) {
+            (Some((down, a)), true) => {
+                let cat = if gate_w.is_some() { act } else { tmp };
+                let y = down.forward(self, l, a, cat, &mut lora_t)?;
+                Some(self.reduce(y)?)
             }
-            (false, Some((down, a))) => {
+            (Some((down, a)), false) => {
                 down.save_adapter_inputs(self, l, a, &mut lora_t)?;
                 None
             }
-            (false, None) => None,
+            (None, _) => None,
+        };
+        let (dense, gate) = match (gate_w, dense) {
+            (Some(gw), Some(ys)) => {
+                let g = moe::gate_forward(self.dev, &self.p[gw], &ln2, ys, nc)?;
+                let y = with_out.then(|| moe::gated(self.dev, &g, nc)).transpose()?;
+                (y, Some(g))
+            }
+            (_, dense) => (dense, None),
+        };
+        let out = match with_out {
+            true => {
+                let mlp = match (&moe, ly.moe) {
+                    (Some(m), Some((_, sh))) => moe::combine(self.dev, m, dense, sh)?,
+                    _ => dense.expect("a block has a dense MLP or experts"),
+                };
+                Some(self.residual(&res2, mlp)?)
+            }
+            false => None,
         };
         let a = BlockActs {
             ln1,
@@ -524,10 +539,120 @@ impl<'e, B: Backend> Pass<'e, B> {
             up,
             act: a,
             moe,
+            gate,
+            qk,
             extra,
             lora_t,
         };
         Ok((a, out))
+    }
+
+    /// The q and k norms (Qwen3, OLMoE), in place on the projection's
+    /// output before RoPE: each piece's input and statistics saved.
+    #[allow(clippy::type_complexity)]
+    fn qk_norm_forward(
+        &mut self,
+        l: usize,
+        qkv: &mut T<B>,
+    ) -> Result<Option<[(T<B>, T<B>); 2]>, OomError> {
+        let bi = &self.idx.blocks[l];
+        let (Some(qw), Some(kw), Some((nq, nk))) =
+            (bi.q_norm, bi.k_norm, self.model.qk_norm_widths())
+        else {
+            return Ok(None);
+        };
+        let (q, kv) = (
+            self.model.attn_width(),
+            self.model.n_kv_head() * self.model.head_dim(),
+        );
+        Ok(Some([
+            self.piece_norm_forward(qkv, (0, q), nq, qw)?,
+            self.piece_norm_forward(qkv, (q, kv), nk, kw)?,
+        ]))
+    }
+
+    /// RMSNorm over columns `off..off + width` of every row of `qkv`, in
+    /// pieces `nw` wide, with weight tensor `w`: (the piece's input, rstd).
+    fn piece_norm_forward(
+        &mut self,
+        qkv: &mut T<B>,
+        (off, width): (usize, usize),
+        nw: usize,
+        w: usize,
+    ) -> Result<(T<B>, T<B>), OomError> {
+        let (n, cols, act) = (self.n, self.widths.qkv, Category::Activations);
+        let rows = n * width / nw;
+        let mut x = self.dev.alloc(n * width, qkv.dtype, act)?;
+        self.dev
+            .copy_cols(&mut x, width, 0, qkv, cols, off, n, width, 1.0, false);
+        let mut out = self
+            .dev
+            .alloc(n * width, qkv.dtype, Category::Temporaries)?;
+        let mut rstd = self.dev.alloc_f32(rows, act)?;
+        let eps = self.model.norm_eps();
+        (self.dev).norm_forward(
+            &mut out, None, &mut rstd, &x, &self.p[w], None, rows, nw, eps,
+        );
+        self.dev
+            .copy_cols(qkv, cols, off, &out, width, 0, n, width, 1.0, false);
+        self.dev.free(out);
+        Ok((x, rstd))
+    }
+
+    /// The q and k norms' backward, in place on `dqkv` (after RoPE's).
+    fn qk_norm_backward(
+        &mut self,
+        l: usize,
+        dqkv: &mut T<B>,
+        qk: &[(T<B>, T<B>); 2],
+    ) -> Result<(), OomError> {
+        let bi = &self.idx.blocks[l];
+        let (Some(qw), Some(kw), Some((nq, nk))) =
+            (bi.q_norm, bi.k_norm, self.model.qk_norm_widths())
+        else {
+            unreachable!("saved q and k norms come from a block that has them");
+        };
+        let (q, kv) = (
+            self.model.attn_width(),
+            self.model.n_kv_head() * self.model.head_dim(),
+        );
+        self.piece_norm_backward(dqkv, (0, q), nq, qw, &qk[0])?;
+        self.piece_norm_backward(dqkv, (q, kv), nk, kw, &qk[1])
+    }
+
+    fn piece_norm_backward(
+        &mut self,
+        dqkv: &mut T<B>,
+        (off, width): (usize, usize),
+        nw: usize,
+        w: usize,
+        (x, rstd): &(T<B>, T<B>),
+    ) -> Result<(), OomError> {
+        let (n, cols, tmp) = (self.n, self.widths.qkv, Category::Temporaries);
+        let rows = n * width / nw;
+        let mut dout = self.dev.alloc(n * width, dqkv.dtype, tmp)?;
+        self.dev
+            .copy_cols(&mut dout, width, 0, dqkv, cols, off, n, width, 1.0, false);
+        let mut dx = self.dev.alloc(n * width, dqkv.dtype, tmp)?;
+        self.dev.fill(&mut dx, 0.0);
+        // LoRA freezes the norm: its gradient goes to a discarded scratch.
+        let mut scratch = match self.frozen {
+            true => Some(self.dev.alloc(nw, self.g[w].dtype, tmp)?),
+            false => None,
+        };
+        let dw = match scratch.as_mut() {
+            Some(s) => s,
+            None => &mut self.g[w],
+        };
+        (self.dev).norm_backward(
+            &mut dx, dw, None, &dout, x, &self.p[w], None, rstd, rows, nw,
+        );
+        self.dev
+            .copy_cols(dqkv, cols, off, &dx, width, 0, n, width, 1.0, false);
+        self.dev.free_opt(scratch);
+        self.dev.free(dx);
+        self.dev.free(dout);
+        Ok(())
     }
 
     /// Attention over `qkv`: its output (N, local heads x head_dim) and
@@ -981,10 +1106,32 @@ impl<'e, B: Backend> Pass<'e, B> {
         // MLP: dres is d(out) = d(mlp output).
         let dln2 = match (ly.up, ly.down, &a.up, &a.act) {
             (Some(up), Some(down), Some(u), Some(act)) => {
-                let dact = down.backward(self, l, dres, act, ts)?;
+                // Qwen2-MoE's gate: the shared expert sees σ · dres.
+                let gated = match (&a.gate, ly.moe.and_then(|(mi, _)| mi.shared_gate)) {
+                    (Some(g), Some(gw)) => {
+                        let (p, gr) = (&self.p[gw], (!self.frozen).then(|| &mut self.g[gw]));
+                        let nc = (self.n, self.model.d_model);
+                        Some(moe::gate_backward(
+                            self.dev,
+                            (p, gr),
+                            g,
+                            (&*dres, &a.ln2),
+                            nc,
+                        )?)
+                    }
+                    _ => None,
+                };
+                let dout = gated.as_ref().map_or(&*dres, |(d, _)| d);
+                let dact = down.backward(self, l, dout, act, ts)?;
                 let dup = self.activation_backward(dact, u, down.inp)?;
-                let dln2 = up.backward(self, l, &dup, &a.ln2, ts)?;
+                let mut dln2 = up.backward(self, l, &dup, &a.ln2, ts)?;
                 self.dev.free(dup);
+                if let Some((dys, dx)) = gated {
+                    self.dev.free(dys);
+                    let len = dln2.len;
+                    self.dev.copy_slice(&mut dln2, 0, &dx, 0, len, true);
+                    self.dev.free(dx);
+                }
                 Some(dln2)
             }
             _ => None,
@@ -1008,7 +1155,10 @@ impl<'e, B: Backend> Pass<'e, B> {
         self.dev.free(dln2);
         // attention: dres is now d(res2) = d(o-proj output)
         let datty = ly.o.backward(self, l, dres, &a.atty, ts)?;
-        let dqkv = self.attention_backward(datty, &a)?;
+        let mut dqkv = self.attention_backward(datty, &a)?;
+        if let Some(qk) = &a.qk {
+            self.qk_norm_backward(l, &mut dqkv, qk)?;
+        }
         let dln1 = ly.qkv.backward(self, l, &dqkv, &a.ln1, ts)?;
         self.dev.free(dqkv);
         let dln1 = self.reduce(dln1)?;

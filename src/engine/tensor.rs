@@ -312,7 +312,7 @@ pub fn split_layout(
         }
         splits[b.o_w] = Some(Split::Cols {
             rows: c,
-            cols: c,
+            cols: model.attn_width(),
             start: rank * hl * hd,
             len: hl * hd,
         });

@@ -8,9 +8,43 @@ use crate::config::ModelConfig;
 use crate::config::knobs::name;
 use crate::error::{Error, Result};
 
+/// Checks what a model's architecture adds to the llama family (q and k
+/// norms, a head width of its own, experts) against the other knobs.
+pub fn architecture(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
+    let own = match (model.qk_norm.is_some(), model.head_dim.is_some()) {
+        (true, _) => Some("normalises q and k"),
+        (false, true) => Some("has heads wider than d_model / n_head"),
+        (false, false) => None,
+    };
+    if let Some(what) = own {
+        let refuse = |knob: &str, why: &str| {
+            Err(Error::invalid_arg(
+                knob,
+                format!(
+                    "{why}; {} {what}, which it does not combine with yet",
+                    model.name
+                ),
+            ))
+        };
+        if t.framework != Framework::Memfit {
+            return refuse(
+                "--framework",
+                "hf-eager follows Hugging Face's Llama modules",
+            );
+        }
+        if t.tensor_parallel > 1 && model.qk_norm.is_some() {
+            return refuse(
+                "--tensor-parallel",
+                "tensor parallelism splits the heads the norms read",
+            );
+        }
+    }
+    experts(t, model)
+}
+
 /// Checks a mixture of experts (`moe.rs`) and `--capacity-factor`
 /// against the model and the other knobs.
-pub fn experts(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
+fn experts(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
     let flag = "--capacity-factor";
     let Some(m) = &model.moe else {
         return match t.capacity_factor {

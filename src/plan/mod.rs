@@ -1051,7 +1051,7 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
     if let Err(e) = crate::engine::validate::tensor_parallel(&tc, model) {
         return Some(why(e));
     }
-    if let Err(e) = crate::engine::validate::experts(&tc, model) {
+    if let Err(e) = crate::engine::validate::architecture(&tc, model) {
         return Some(why(e));
     }
     if p.grad_accum == 0 {

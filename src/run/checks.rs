@@ -32,7 +32,7 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
         ));
     }
     crate::engine::validate::pipeline(t, model)?;
-    crate::engine::validate::experts(t, model)?;
+    crate::engine::validate::architecture(t, model)?;
     if model.moe.is_some() && opts.device.kind == DeviceKind::Cuda {
         return Err(Error::invalid_arg(
             "--device",

@@ -139,7 +139,7 @@ fn unsupported_model_type() {
     assert!(msg.contains(":14:3: "), "the line of `model_type`: {msg}");
     assert!(
         msg.contains(
-            "`model_type` \"bert\" is not supported; memfit imports gpt2, llama, mistral, qwen2, phi3 and mixtral configs"
+            "`model_type` \"bert\" is not supported; memfit imports gpt2, llama, mistral, qwen2, phi3, qwen3, mixtral, qwen2_moe, qwen3_moe and olmoe configs"
         ),
         "{msg}"
     );
@@ -166,12 +166,20 @@ fn syntax_error_has_line_and_column() {
     );
 }
 
+/// Mistral-NeMo's shape (the fixture): 32 heads of 128 on a 5120-wide
+/// stream. The head width is kept; the o projection reads 4096 columns;
+/// 12.2B parameters, as its card says.
 #[test]
-fn head_dim_must_be_hidden_over_heads() {
-    let msg = error_of("bad-head-dim.json");
-    assert!(msg.contains("bad-head-dim.json:8:3: "), "{msg}");
-    assert!(msg.contains("`head_dim` is 128"), "{msg}");
-    assert!(msg.contains("5120 / 32 = 160"), "{msg}");
+fn an_explicit_head_dim_is_kept() {
+    let m = load_model(fixture("mistral-nemo-shape.json").to_str().unwrap()).unwrap();
+    assert_eq!((m.head_dim, m.attn_width()), (Some(128), 4096));
+    let (specs, idx) = m.param_layout();
+    assert_eq!(specs[idx.blocks[0].o_w].shape, vec![5120, 4096]);
+    assert_eq!(
+        specs[idx.blocks[0].qkv_w].shape,
+        vec![(32 + 2 * 8) * 128, 5120]
+    );
+    assert_eq!((m.num_parameters() as f64 / 1e8).round() / 10.0, 12.2);
 }
 
 #[test]
