@@ -38,6 +38,19 @@ knob_enum! {
 }
 
 impl Framework {
+    /// What a plan recipe that names no framework plans: hf-eager, what a
+    /// PyTorch + transformers script allocates, where memfit models
+    /// transformers' modules for `model`; memfit's own engine for the
+    /// layers it does not (experts, q/k norms, heads of their own width:
+    /// `engine::validate::architecture`).
+    pub fn plan_default(model: &crate::config::ModelConfig) -> Framework {
+        let hf = model.moe.is_none() && model.qk_norm.is_none() && model.head_dim.is_none();
+        match hf {
+            true => Framework::HfEager,
+            false => Framework::Memfit,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Framework::Memfit => "memfit",

@@ -717,7 +717,7 @@ pub struct Recommendation {
 /// Loads, validates and plans a recipe file.
 pub fn plan_file(path: &Path) -> Result<Plan> {
     let (mut recipe, model, hw) = load_recipe(path)?;
-    recipe.grid.frameworks_or(Framework::HfEager);
+    recipe.grid.frameworks_or(Framework::plan_default(&model));
     let mut plan = plan(&recipe, &model, &hw);
     plan.recipe = path.to_path_buf();
     Ok(plan)

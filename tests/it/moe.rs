@@ -510,3 +510,26 @@ fn the_cli_trains_and_plans_experts() {
     let total = v["peak_bytes"]["total"].as_u64().unwrap_or(0);
     assert!(total > 10 << 30, "{v}");
 }
+
+/// A plan recipe of a model with experts that names no framework plans
+/// memfit's engine (hf-eager does not model transformers' MoE modules),
+/// and some of Mixtral's points fit on 8 H100s.
+#[test]
+fn a_mixtral_plan_recipe_plans_on_memfits_engine() {
+    let recipe = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/recipes/mixtral-8x7b-8xh100.yaml"
+    );
+    let out = memfit(&["plan", recipe, "--format", "json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let points = v["points"].as_array().unwrap();
+    assert_eq!(points.len(), 16);
+    assert!(points.iter().all(|p| p["point"]["framework"] == "memfit"));
+    assert!(points.iter().any(|p| p["status"] == "fits"));
+    assert!(v["recommendation"].is_object());
+}
