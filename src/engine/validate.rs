@@ -88,8 +88,26 @@ fn experts(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
     if t.tensor_parallel > 1 {
         return refuse("--tensor-parallel", "splits the dense projections");
     }
-    if t.finetune != Finetune::Full {
-        return refuse("--finetune", "LoRA and QLoRA adapt the dense projections");
+    // LoRA on the attention only (PEFT's `target_modules` of q, k, v and
+    // o): the experts, the router and any shared expert stay frozen.
+    if t.finetune == Finetune::Qlora {
+        return refuse(
+            "--finetune",
+            "QLoRA stores the projections in NF4, the experts' grouped GEMM reads them whole",
+        );
+    }
+    if t.finetune == Finetune::Lora {
+        use super::lora::Target;
+        let mlp = [Target::Gate, Target::Up, Target::Down];
+        if t.lora.targets.is_empty() || t.lora.targets.iter().any(|x| mlp.contains(x)) {
+            return Err(Error::invalid_arg(
+                "--lora-targets",
+                format!(
+                    "adapters on the MLPs would sit on {}'s experts, which memfit does not build yet; adapt the attention only: --lora-targets q,k,v,o",
+                    model.name
+                ),
+            ));
+        }
     }
     if t.framework != Framework::Memfit {
         return refuse(

@@ -427,6 +427,20 @@ fn what_experts_do_not_combine_with_is_refused_by_name() {
     assert!(err.contains("experts / top-k"), "{err}");
     let err = run(&["--model", "moe-tiny", "--finetune", "lora"]);
     assert!(
+        err.contains("--lora-targets") && err.contains("q,k,v,o"),
+        "{err}"
+    );
+    let err = run(&[
+        "--model",
+        "moe-tiny",
+        "--finetune",
+        "lora",
+        "--lora-targets",
+        "q,up",
+    ]);
+    assert!(err.contains("--lora-targets"), "{err}");
+    let err = run(&["--model", "moe-tiny", "--finetune", "qlora"]);
+    assert!(
         err.contains("--finetune") && err.contains("has experts"),
         "{err}"
     );
@@ -532,4 +546,39 @@ fn a_mixtral_plan_recipe_plans_on_memfits_engine() {
     assert!(points.iter().all(|p| p["point"]["framework"] == "memfit"));
     assert!(points.iter().any(|p| p["status"] == "fits"));
     assert!(v["recommendation"].is_object());
+}
+
+/// LoRA on the attention of a mixture (its experts, router and shared
+/// expert frozen) and LoRA and QLoRA on Qwen3's q/k-normed blocks train
+/// on cpu and plan on meta byte for byte.
+#[test]
+fn lora_on_experts_models_and_qk_norms_trains_and_meta_matches_cpu() {
+    use memfit::engine::lora::Target;
+    use memfit::engine::{Finetune, LoraConfig};
+    let qwen3 = import_hf_config(
+        r#"{"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "max_position_embeddings": 64, "vocab_size": 256}"#,
+        "config.json",
+    )
+    .unwrap();
+    let attention = vec![Target::Q, Target::K, Target::V, Target::O];
+    for (model, finetune, targets) in [
+        (load_model("moe-tiny").unwrap(), Finetune::Lora, attention),
+        (qwen3.clone(), Finetune::Lora, vec![]),
+        (qwen3, Finetune::Qlora, vec![]),
+    ] {
+        let tc = TrainConfig {
+            seq_len: 32,
+            micro_batch: 2,
+            lr: Some(1e-2),
+            finetune,
+            lora: LoraConfig {
+                targets,
+                ..LoraConfig::default()
+            },
+            ..TrainConfig::default()
+        };
+        train_and_predict(&model, &tc, 20);
+    }
 }
