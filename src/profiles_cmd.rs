@@ -26,6 +26,13 @@ pub struct ModelRecord {
     pub family: crate::config::Family,
     /// Unpadded, comparable with published counts.
     pub parameters: u64,
+    /// A mixture of experts: the parameters a token passes through (its
+    /// top-k experts per block), the "active" count model cards publish.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub active_parameters: Option<u64>,
+    /// A mixture of experts: its routed experts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub experts: Option<ExpertsRecord>,
     pub n_layer: usize,
     pub n_head: usize,
     /// Key/value heads (fewer than `n_head`: grouped-query attention).
@@ -40,12 +47,26 @@ pub struct ModelRecord {
     pub tied_embeddings: bool,
 }
 
+/// A mixture of experts' routing, as `memfit models` lists it.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct ExpertsRecord {
+    /// Routed experts per block.
+    pub n_experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+}
+
 impl From<&ModelConfig> for ModelRecord {
     fn from(m: &ModelConfig) -> Self {
         ModelRecord {
             name: m.name.clone(),
             family: m.family,
             parameters: m.num_parameters(),
+            active_parameters: m.moe.as_ref().map(|_| m.active_parameters()),
+            experts: (m.moe.as_ref()).map(|e| ExpertsRecord {
+                n_experts: e.n_experts,
+                top_k: e.top_k,
+            }),
             n_layer: m.n_layer,
             n_head: m.n_head,
             n_kv_head: m.n_kv_head(),
@@ -183,18 +204,22 @@ pub fn catalog(all: bool) -> Result<Catalog> {
 /// The catalog as aligned tables, one per kind of profile.
 pub fn render_table(c: &Catalog) -> String {
     let mut s = String::new();
+    let w = (c.models.iter().map(|m| m.name.len()).max().unwrap_or(0)).max(16);
     let _ = writeln!(
         s,
-        "{:<16} {:<6} {:>16} {:>7} {:>9}",
-        "model", "family", "parameters", "layers", "max seq"
+        "{:<w$} {:<6} {:>16} {:>14} {:>8} {:>7} {:>9}",
+        "model", "family", "parameters", "active", "experts", "layers", "max seq"
     );
     for m in &c.models {
         let _ = writeln!(
             s,
-            "{:<16} {:<6} {:>16} {:>7} {:>9}",
+            "{:<w$} {:<6} {:>16} {:>14} {:>8} {:>7} {:>9}",
             m.name,
             format!("{:?}", m.family).to_lowercase(),
             m.parameters,
+            m.active_parameters.map_or("-".into(), |a| a.to_string()),
+            m.experts
+                .map_or("-".into(), |e| format!("{} of {}", e.top_k, e.n_experts)),
             m.n_layer,
             m.max_seq_len
         );

@@ -582,3 +582,34 @@ fn lora_on_experts_models_and_qk_norms_trains_and_meta_matches_cpu() {
         train_and_predict(&model, &tc, 20);
     }
 }
+
+/// `memfit models` lists a mixture's active parameters and routing; a
+/// dense model has neither field.
+#[test]
+fn models_lists_active_parameters_and_experts() {
+    let out = memfit(&["models", "--format", "json"]);
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let model = |name: &str| {
+        let models = v["models"].as_array().unwrap();
+        models.iter().find(|m| m["name"] == name).unwrap().clone()
+    };
+    let m = model("mixtral-8x7b");
+    assert_eq!(m["active_parameters"], 12_879_925_248u64);
+    assert_eq!(
+        (
+            m["experts"]["n_experts"].as_u64(),
+            m["experts"]["top_k"].as_u64()
+        ),
+        (Some(8), Some(2))
+    );
+    let d = model("llama-3.1-8b");
+    assert!(d.get("active_parameters").is_none() && d.get("experts").is_none());
+    let table = String::from_utf8(memfit(&["models"]).stdout).unwrap();
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("qwen3-30b-a3b") && l.contains("8 of 128")),
+        "{table}"
+    );
+}
