@@ -185,16 +185,7 @@ impl Backend for MetaBackend {
     fn swiglu_forward(&mut self, _: &mut (), _: &(), _: usize, _: usize) {}
     fn swiglu_backward(&mut self, _: &mut (), _: &(), _: &(), _: usize, _: usize) {}
     fn add(&mut self, _: &mut (), _: &(), _: &(), _: usize) {}
-    fn moe_gather(
-        &mut self,
-        _: &mut (),
-        _: &(),
-        _: &(),
-        _: Option<&()>,
-        _: usize,
-        _: usize,
-        _: usize,
-    ) {
+    fn moe_gather(&mut self, _: &mut (), _: &(), _: &(), _: Option<&()>, _: (usize, usize, usize)) {
     }
     fn moe_scatter(
         &mut self,
@@ -202,12 +193,10 @@ impl Backend for MetaBackend {
         _: &(),
         _: &(),
         _: Option<&()>,
-        _: usize,
-        _: usize,
-        _: usize,
+        _: (usize, usize, usize),
     ) {
     }
-    fn moe_row_dots(&mut self, _: &mut (), _: &(), _: &(), _: &(), _: usize, _: usize, _: usize) {}
+    fn moe_row_dots(&mut self, _: &mut (), _: &(), _: &(), _: &(), _: (usize, usize, usize)) {}
     fn grouped_matmul_forward(
         &mut self,
         _: &mut (),

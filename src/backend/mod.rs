@@ -98,6 +98,12 @@ impl AttnShape {
     }
 }
 
+/// A backend without the mixture-of-experts kernels is never asked for
+/// them: `engine::validate` refuses experts on it first.
+fn no_expert_kernels(backend: &str) -> ! {
+    unreachable!("{backend}: no expert kernels (engine::validate refuses experts)")
+}
+
 /// One backend. `Buf` is its device buffer; ops take buffers and explicit shapes.
 ///
 /// Conventions: `n` is the number of rows (tokens, `B*T`); arguments named `d*`
@@ -493,57 +499,39 @@ pub trait Backend {
     // engine refuses experts elsewhere (`engine::validate`).
 
     /// `out (M,C)`: row j is `x[idx[j]]`, times `w[j]` when given; empty
-    /// slots are zero.
-    #[allow(clippy::too_many_arguments)]
+    /// slots are zero. `dims` is `(M, N, C)`.
     fn moe_gather(
         &mut self,
         _out: &mut Self::Buf,
         _x: &Self::Buf,
         _idx: &Self::Buf,
         _w: Option<&Self::Buf>,
-        _m: usize,
-        _n: usize,
-        _c: usize,
+        _dims: (usize, usize, usize),
     ) {
-        unreachable!(
-            "{}: no expert kernels (engine::validate refuses experts)",
-            self.name()
-        )
+        no_expert_kernels(self.name())
     }
     /// `out (N,C) += w[j] · y[j]` into row `idx[j]` for each routed row
     /// (`w` = 1 when absent), in row order.
-    #[allow(clippy::too_many_arguments)]
     fn moe_scatter(
         &mut self,
         _out: &mut Self::Buf,
         _y: &Self::Buf,
         _idx: &Self::Buf,
         _w: Option<&Self::Buf>,
-        _m: usize,
-        _n: usize,
-        _c: usize,
+        _dims: (usize, usize, usize),
     ) {
-        unreachable!(
-            "{}: no expert kernels (engine::validate refuses experts)",
-            self.name()
-        )
+        no_expert_kernels(self.name())
     }
     /// `out (M) F32`: `a[idx[j]] · b[j]`, zero for an empty slot.
-    #[allow(clippy::too_many_arguments)]
     fn moe_row_dots(
         &mut self,
         _out: &mut Self::Buf,
         _a: &Self::Buf,
         _b: &Self::Buf,
         _idx: &Self::Buf,
-        _m: usize,
-        _n: usize,
-        _c: usize,
+        _dims: (usize, usize, usize),
     ) {
-        unreachable!(
-            "{}: no expert kernels (engine::validate refuses experts)",
-            self.name()
-        )
+        no_expert_kernels(self.name())
     }
     /// Each expert's rows: for `e` in order, the next `counts[e]` rows of
     /// `inp (M,C)` times expert `e`'s `w[e] (OC,C)ᵀ` into the same rows of
@@ -557,10 +545,7 @@ pub trait Backend {
         _c: usize,
         _oc: usize,
     ) {
-        unreachable!(
-            "{}: no expert kernels (engine::validate refuses experts)",
-            self.name()
-        )
+        no_expert_kernels(self.name())
     }
     /// Its backward, group by group as [`Backend::matmul_backward`]:
     /// `dinp` overwritten, `dw[e] += doutᵀ inp` unless frozen.
@@ -576,10 +561,7 @@ pub trait Backend {
         _c: usize,
         _oc: usize,
     ) {
-        unreachable!(
-            "{}: no expert kernels (engine::validate refuses experts)",
-            self.name()
-        )
+        no_expert_kernels(self.name())
     }
 
     /// Sum of squares of `buf`, or `None` on a backend that holds no data.

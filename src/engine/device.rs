@@ -845,7 +845,7 @@ impl<B: Backend> Device<B> {
         (m, n, c): (usize, usize, usize),
     ) {
         self.timed("moe_gather", m * c, 2 * b(out) + b(idx) + ob(w), |be| {
-            be.moe_gather(&mut out.buf, &x.buf, &idx.buf, w.map(|w| &w.buf), m, n, c)
+            be.moe_gather(&mut out.buf, &x.buf, &idx.buf, w.map(|w| &w.buf), (m, n, c))
         });
     }
 
@@ -862,7 +862,7 @@ impl<B: Backend> Device<B> {
             "moe_scatter",
             2 * m * c,
             2 * b(out) + b(y) + b(idx) + ob(w),
-            |be| be.moe_scatter(&mut out.buf, &y.buf, &idx.buf, w.map(|w| &w.buf), m, n, c),
+            |be| be.moe_scatter(&mut out.buf, &y.buf, &idx.buf, w.map(|w| &w.buf), (m, n, c)),
         );
     }
 
@@ -879,7 +879,7 @@ impl<B: Backend> Device<B> {
             "moe_row_dots",
             2 * m * c,
             b(out) + 2 * b(y) + b(idx),
-            |be| be.moe_row_dots(&mut out.buf, &a.buf, &y.buf, &idx.buf, m, n, c),
+            |be| be.moe_row_dots(&mut out.buf, &a.buf, &y.buf, &idx.buf, (m, n, c)),
         );
     }
 

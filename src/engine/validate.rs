@@ -17,15 +17,7 @@ pub fn architecture(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
         (false, false) => None,
     };
     if let Some(what) = own {
-        let refuse = |knob: &str, why: &str| {
-            Err(Error::invalid_arg(
-                knob,
-                format!(
-                    "{why}; {} {what}, which it does not combine with yet",
-                    model.name
-                ),
-            ))
-        };
+        let refuse = |knob: &str, why: &str| not_yet(knob, why, &format!("{} {what}", model.name));
         if t.framework != Framework::Memfit {
             return refuse(
                 "--framework",
@@ -40,6 +32,15 @@ pub fn architecture(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
         }
     }
     experts(t, model)
+}
+
+/// A knob a model's layer does not combine with yet: `why`, then which
+/// layer (`"<model> has experts"`).
+fn not_yet(knob: &str, why: &str, layer: &str) -> Result<()> {
+    Err(Error::invalid_arg(
+        knob,
+        format!("{why}; {layer}, and memfit does not combine the two yet"),
+    ))
 }
 
 /// Checks a mixture of experts (`moe.rs`) and `--capacity-factor`
@@ -76,15 +77,7 @@ fn experts(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
             ));
         }
     }
-    let refuse = |knob: &str, why: &str| {
-        Err(Error::invalid_arg(
-            knob,
-            format!(
-                "{why}, which memfit's experts do not combine with yet ({} has experts)",
-                model.name
-            ),
-        ))
-    };
+    let refuse = |knob: &str, why: &str| not_yet(knob, why, &format!("{} has experts", model.name));
     if t.tensor_parallel > 1 {
         return refuse("--tensor-parallel", "splits the dense projections");
     }

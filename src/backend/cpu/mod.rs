@@ -1399,9 +1399,7 @@ impl Backend for CpuBackend {
         x: &CpuBuf,
         idx: &CpuBuf,
         w: Option<&CpuBuf>,
-        m: usize,
-        n: usize,
-        c: usize,
+        (m, n, c): (usize, usize, usize),
     ) {
         let (out, x) = (&mut out.wide_mut()[..m * c], &x.wide()[..n * c]);
         let (idx, w) = (&idx.as_u32()[..m], w.map(|w| &w.as_f32()[..m]));
@@ -1414,9 +1412,7 @@ impl Backend for CpuBackend {
         y: &CpuBuf,
         idx: &CpuBuf,
         w: Option<&CpuBuf>,
-        m: usize,
-        n: usize,
-        c: usize,
+        (m, n, c): (usize, usize, usize),
     ) {
         let (out, y) = (&mut out.wide_mut()[..n * c], &y.wide()[..m * c]);
         let (idx, w) = (&idx.as_u32()[..m], w.map(|w| &w.as_f32()[..m]));
@@ -1429,9 +1425,7 @@ impl Backend for CpuBackend {
         a: &CpuBuf,
         b: &CpuBuf,
         idx: &CpuBuf,
-        m: usize,
-        n: usize,
-        c: usize,
+        (m, n, c): (usize, usize, usize),
     ) {
         let (a, b) = (&a.wide()[..n * c], &b.wide()[..m * c]);
         let (out, idx) = (&mut out.as_f32_mut()[..m], &idx.as_u32()[..m]);
