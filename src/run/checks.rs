@@ -139,11 +139,17 @@ fn check_step_size(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
     }
     // Activation sizes in u128: a shape whose buffers cannot be addressed is bad input.
     let (b, tt) = (t.micro_batch as u128, t.seq_len as u128);
+    // A mixture's permuted gate|up holds up to max(k, f·k) rows per token.
+    let routed = model.moe.as_ref().map_or(0, |m| {
+        let rows = (m.top_k as f64 * t.capacity_factor.unwrap_or(1.0).max(1.0) as f64).ceil();
+        rows as usize * 2 * m.d_expert
+    });
     let widest = [
         model.padded_vocab(),
         model.qkv_width(),
         model.up_width(),
         model.d_model,
+        routed,
     ]
     .into_iter()
     .max()
