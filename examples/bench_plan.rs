@@ -44,6 +44,7 @@ fn main() {
             hpz_group: vec![0],
             sequence_parallel: vec![false],
             loss: vec![Default::default()],
+            capacity_factor: vec![Default::default()],
         },
         headroom: 0.05,
         cost: None,
@@ -111,6 +112,7 @@ fn main() {
             hpz_group: vec![0],
             sequence_parallel: vec![false],
             loss: vec![Default::default()],
+            capacity_factor: vec![Default::default()],
         },
         ..single
     };

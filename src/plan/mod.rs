@@ -228,6 +228,15 @@ pub struct Grid {
     /// and/or fused-linear (Liger's).
     #[serde(default = "default_loss")]
     pub loss: Vec<Loss>,
+    /// Mixture-of-experts capacity factors: each expert takes
+    /// ceil(f x tokens x top-k / experts) rows, padded, the overflow
+    /// dropped; `null` is dropless routing (Megatron-Core's default).
+    #[serde(default = "dropless")]
+    pub capacity_factor: Vec<Capacity>,
+}
+
+fn dropless() -> Vec<Capacity> {
+    vec![Capacity::DROPLESS]
 }
 
 fn default_loss() -> Vec<Loss> {
@@ -262,6 +271,7 @@ impl Grid {
             self.hpz_group.len(),
             self.sequence_parallel.len(),
             self.loss.len(),
+            self.capacity_factor.len(),
         ]
         .into_iter()
         .try_fold(1usize, usize::checked_mul)
@@ -343,6 +353,12 @@ impl Grid {
             &mut r,
         );
         keep_first("loss", &mut self.loss, |l| name(*l), &mut r);
+        keep_first(
+            "capacity_factor",
+            &mut self.capacity_factor,
+            |c| c.spelled(),
+            &mut r,
+        );
         r
     }
 
@@ -373,6 +389,7 @@ impl Default for Grid {
             hpz_group: zero_usize(),
             sequence_parallel: no_bool(),
             loss: default_loss(),
+            capacity_factor: dropless(),
         }
     }
 }
@@ -401,6 +418,96 @@ fn default_optimizer() -> Vec<Optimizer> {
 }
 fn default_sharding() -> Vec<Sharding> {
     vec![Sharding::None]
+}
+
+/// A grid point's mixture-of-experts capacity factor
+/// (`TrainConfig::capacity_factor`) in hundredths, so that a [`Point`]
+/// stays `Eq` and `Hash`: `Capacity(Some(125))` is 1.25, `None` dropless
+/// routing. Recipes and reports spell it as the factor (`1.25`) or `null`;
+/// a factor that is not a positive multiple of 0.01 is refused.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Capacity(pub Option<u32>);
+
+impl Capacity {
+    /// Dropless routing: no capacity, no token dropped.
+    pub const DROPLESS: Capacity = Capacity(None);
+
+    pub fn is_dropless(&self) -> bool {
+        self.0.is_none()
+    }
+
+    /// The factor the engine takes.
+    pub fn factor(self) -> Option<f32> {
+        self.0.map(|h| h as f32 / 100.0)
+    }
+
+    /// A factor as a capacity: a positive multiple of 0.01.
+    pub fn from_factor(f: f64) -> std::result::Result<Capacity, String> {
+        let h = (f * 100.0).round();
+        // Decimal hundredths (0.07, 1.1) are a rounding error away in binary.
+        let whole = (f * 100.0 - h).abs() <= 1e-6 * h.max(1.0);
+        match f.is_finite() && f > 0.0 && whole && h >= 1.0 && h <= u32::MAX as f64 {
+            true => Ok(Capacity(Some(h as u32))),
+            false => Err(format!(
+                "capacity_factor {f} is not a positive multiple of 0.01 (null: dropless routing)"
+            )),
+        }
+    }
+
+    /// As a recipe spells it: the factor, or `null`.
+    pub fn spelled(self) -> String {
+        match self.0 {
+            None => "null".into(),
+            Some(_) => self.to_string(),
+        }
+    }
+}
+
+/// The factor with at least one decimal (`1.0`, `1.25`), or `dropless`.
+impl std::fmt::Display for Capacity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            None => f.write_str("dropless"),
+            Some(h) => match h % 100 {
+                c if c % 10 == 0 => write!(f, "{}.{}", h / 100, c / 10),
+                c => write!(f, "{}.{c:02}", h / 100),
+            },
+        }
+    }
+}
+
+/// A recipe's spelling: a factor, or `null` / `~` / `dropless`.
+impl std::str::FromStr for Capacity {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim() {
+            "null" | "~" | "dropless" => Ok(Capacity::DROPLESS),
+            t => match t.parse::<f64>() {
+                Ok(f) => Capacity::from_factor(f),
+                Err(_) => Err(format!(
+                    "capacity_factor `{t}` is neither a number nor null"
+                )),
+            },
+        }
+    }
+}
+
+impl Serialize for Capacity {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match self.0 {
+            None => s.serialize_none(),
+            Some(h) => s.serialize_f64(h as f64 / 100.0),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Capacity {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        match Option::<f64>::deserialize(d)? {
+            None => Ok(Capacity::DROPLESS),
+            Some(f) => Capacity::from_factor(f).map_err(serde::de::Error::custom),
+        }
+    }
 }
 
 /// One grid point's knobs.
@@ -440,6 +547,10 @@ pub struct Point {
     /// How the loss meets the head.
     #[serde(default)]
     pub loss: Loss,
+    /// The mixture of experts' capacity factor; absent: dropless routing
+    /// (and reports from before the axis).
+    #[serde(default, skip_serializing_if = "Capacity::is_dropless")]
+    pub capacity_factor: Capacity,
 }
 
 fn one() -> usize {
@@ -486,6 +597,7 @@ impl Point {
             hpz_group: self.hpz_group,
             sequence_parallel: self.sequence_parallel,
             loss: self.loss,
+            capacity_factor: self.capacity_factor.factor(),
             ..TrainConfig::default()
         }
     }
@@ -562,6 +674,10 @@ impl Point {
         let ft = match self.loss {
             Loss::Full => ft,
             l => format!("{ft}loss:{} ", name(l)),
+        };
+        let ft = match self.capacity_factor.is_dropless() {
+            true => ft,
+            false => format!("{ft}cf{} ", self.capacity_factor),
         };
         format!(
             "{fw}{ft}mb{} x{} {} {} {} ckpt:{} {} {}",
@@ -987,6 +1103,7 @@ pub fn expand(r: &PlanRecipe) -> Vec<Point> {
         hpz_group: 0,
         sequence_parallel: false,
         loss: Loss::Full,
+        capacity_factor: Capacity::DROPLESS,
     }];
     fn axis<T: Copy>(out: Vec<Point>, values: &[T], set: impl Fn(&mut Point, T)) -> Vec<Point> {
         let mut next = Vec::with_capacity(out.len() * values.len());
@@ -999,6 +1116,7 @@ pub fn expand(r: &PlanRecipe) -> Vec<Point> {
         }
         next
     }
+    out = axis(out, &g.capacity_factor, |p, v| p.capacity_factor = v);
     out = axis(out, &g.loss, |p, v| p.loss = v);
     out = axis(out, &g.hpz_group, |p, v| p.hpz_group = v);
     out = axis(out, &g.sequence_parallel, |p, v| p.sequence_parallel = v);
@@ -2238,10 +2356,6 @@ mod tests {
             ),
             ("schedule", "1F1B, the default pipeline schedule"),
             ("partition", "the even split of blocks over stages"),
-            (
-                "capacity_factor",
-                "dropless routing, Megatron-Core's default",
-            ),
         ];
         for name in Knobs::NAMES {
             let ways = [
@@ -2366,5 +2480,140 @@ mod tests {
             serde_json::to_value(&own.points[0]).unwrap()
         );
         assert!(lifted.total_bytes > own.points[0].total_bytes);
+    }
+
+    /// A capacity factor is hundredths inside and the factor outside: a
+    /// number or `null` both ways, in JSON and in YAML; a value that is
+    /// not a positive multiple of 0.01 is refused by name.
+    #[test]
+    fn a_capacity_factor_round_trips_as_a_number_or_null() {
+        for (text, c) in [
+            ("null", Capacity::DROPLESS),
+            ("1.25", Capacity(Some(125))),
+            ("1.0", Capacity(Some(100))),
+            ("0.07", Capacity(Some(7))),
+            ("1.1", Capacity(Some(110))),
+            ("2.5", Capacity(Some(250))),
+        ] {
+            assert_eq!(serde_json::from_str::<Capacity>(text).unwrap(), c, "{text}");
+            assert_eq!(serde_json::to_string(&c).unwrap(), text);
+            assert_eq!(serde_yaml_ng::from_str::<Capacity>(text).unwrap(), c);
+            assert_eq!(c.spelled(), text);
+            assert_eq!(text.parse::<Capacity>().unwrap(), c);
+        }
+        // Integers are factors too; `~` is YAML's null.
+        assert_eq!(
+            serde_json::from_str::<Capacity>("2").unwrap(),
+            Capacity(Some(200))
+        );
+        assert_eq!(
+            serde_yaml_ng::from_str::<Capacity>("1").unwrap(),
+            Capacity(Some(100))
+        );
+        assert_eq!(
+            serde_yaml_ng::from_str::<Capacity>("~").unwrap(),
+            Capacity::DROPLESS
+        );
+        assert_eq!(Capacity(Some(125)).factor(), Some(1.25));
+        assert_eq!(Capacity(Some(110)).factor(), Some(1.1f32));
+        assert_eq!(Capacity::DROPLESS.factor(), None);
+        assert_eq!(Capacity(Some(150)).to_string(), "1.5");
+        assert_eq!(Capacity(Some(5)).to_string(), "0.05");
+        assert_eq!(Capacity::DROPLESS.to_string(), "dropless");
+        for bad in ["0", "-1", "1.234", "0.001", "100000000"] {
+            let e = serde_json::from_str::<Capacity>(bad)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("capacity_factor") && e.contains(bad) && e.contains("multiple of 0.01"),
+                "{bad}: {e}"
+            );
+            let e = serde_yaml_ng::from_str::<Capacity>(bad)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(bad) && e.contains("multiple of 0.01"),
+                "{bad}: {e}"
+            );
+            assert!(bad.parse::<Capacity>().is_err(), "{bad}");
+        }
+        let e = serde_json::from_str::<Capacity>("\"1.25\"").unwrap_err();
+        assert!(e.to_string().contains("invalid type"), "{e}");
+        // In a recipe's grid, located; absent, one dropless value.
+        let base = "model: moe-tiny\nhardware: t4\nseq_len: 32\nglobal_batch: 4\n";
+        let e = parse_yaml::<PlanRecipe>(
+            &format!("{base}grid:\n  capacity_factor: [null, 1.234]\n"),
+            "r.yaml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("r.yaml:6") && e.contains("capacity_factor 1.234"),
+            "{e}"
+        );
+        let (r, _, _) = recipe(base);
+        assert_eq!(r.grid.capacity_factor, vec![Capacity::DROPLESS]);
+        let (r, _, _) = recipe(&format!(
+            "{base}grid:\n  capacity_factor: [null, 1.0, 1.25]\n"
+        ));
+        assert_eq!(
+            r.grid.capacity_factor,
+            [None, Some(100), Some(125)].map(Capacity).to_vec()
+        );
+        // A dropless point serializes as before the axis, and a report
+        // from before it reads back dropless.
+        let points = expand(&r);
+        assert_eq!(points.len(), 3);
+        let json = serde_json::to_value(points[0]).unwrap();
+        assert!(json.get("capacity_factor").is_none(), "{json}");
+        let back: Point = serde_json::from_value(json).unwrap();
+        assert_eq!(back, points[0]);
+        let json = serde_json::to_value(points[2]).unwrap();
+        assert_eq!(json["capacity_factor"], 1.25);
+        assert_eq!(serde_json::from_value::<Point>(json).unwrap(), points[2]);
+        assert_eq!(points[2].train_config(32).capacity_factor, Some(1.25));
+        assert_eq!(points[0].train_config(32).capacity_factor, None);
+        assert!(
+            points[2].label().starts_with("cf1.25 "),
+            "{}",
+            points[2].label()
+        );
+        assert!(!points[0].label().contains("cf"), "{}", points[0].label());
+    }
+
+    /// A capacity factor on a model without experts is an invalid point,
+    /// with the engine's reason; on one with experts, above experts/top-k
+    /// too (moe-tiny routes to 2 of 4: at most 2.0).
+    #[test]
+    fn a_capacity_factor_without_experts_is_an_invalid_point() {
+        for model in ["gpt2-tiny", "llama-tiny"] {
+            let (r, model, hw) = recipe(&format!(
+                "model: {model}\nhardware: t4\nseq_len: 32\nglobal_batch: 4\ngrid:\n  capacity_factor: [null, 1.0]\n"
+            ));
+            let planned = plan(&r, &model, &hw);
+            assert_eq!(planned.points.len(), 2);
+            assert!(!matches!(
+                planned.points[0].verdict,
+                Verdict::Invalid { .. }
+            ));
+            match &planned.points[1].verdict {
+                Verdict::Invalid { reason } => {
+                    assert!(reason.contains("no experts"), "{reason}")
+                }
+                v => panic!("{v:?}"),
+            }
+        }
+        let (r, model, hw) = recipe(
+            "model: moe-tiny\nhardware: t4\nseq_len: 32\nglobal_batch: 4\ngrid:\n  capacity_factor: [2.0, 2.01]\n",
+        );
+        let planned = plan(&r, &model, &hw);
+        assert!(!matches!(
+            planned.points[0].verdict,
+            Verdict::Invalid { .. }
+        ));
+        match &planned.points[1].verdict {
+            Verdict::Invalid { reason } => assert!(reason.contains("experts / top-k"), "{reason}"),
+            v => panic!("{v:?}"),
+        }
     }
 }

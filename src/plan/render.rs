@@ -197,6 +197,20 @@ fn columns(plan: &Plan, rows: &[usize]) -> Vec<Column> {
             g => format!("{}+hpz{g}", name(p.point.sharding)),
         },
     );
+    // A mixture of experts' capacity factor ("-": dropless), only where a
+    // point sets one, so that dense plans read as before.
+    if pts.iter().any(|p| !p.point.capacity_factor.is_dropless()) {
+        col(
+            "capacity",
+            "cap",
+            true,
+            168,
+            &|p| match p.point.capacity_factor.is_dropless() {
+                true => "-".into(),
+                false => p.point.capacity_factor.to_string(),
+            },
+        );
+    }
     col("prec", "prec", true, 160, &|p| name(p.point.precision));
     col("optimizer", "opt", true, 165, &|p| name(p.point.optimizer));
     col("ckpt", "ckpt", true, 155, &|p| name(p.point.checkpointing));

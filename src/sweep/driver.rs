@@ -169,6 +169,11 @@ pub fn trial_id(p: &Point) -> String {
         0 => fw,
         g => format!("{fw}hpz{g}-"),
     };
+    // Only when set, so that the ids of dropless points are as before.
+    let fw = match p.capacity_factor.is_dropless() {
+        true => fw,
+        false => format!("{fw}cf{}-", p.capacity_factor),
+    };
     format!(
         "{fw}gpus{}-{}-{}-{}-ckpt_{}-{}-mb{}-accum{}",
         p.gpus,

@@ -419,7 +419,7 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
     ] {
         s.push_str(&format!("  {k}: [{v}]\n"));
     }
-    // The parallel layout, where it is not the default.
+    // The parallel layout and the routing, where they are not the default.
     for (k, v, default) in [
         ("offload", p.offload.name().to_string(), "none"),
         ("pipeline_stages", p.pipeline_stages.to_string(), "1"),
@@ -432,6 +432,7 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
             "false",
         ),
         ("loss", name(p.loss), "full"),
+        ("capacity_factor", p.capacity_factor.spelled(), "null"),
     ] {
         if v != default {
             s.push_str(&format!("  {k}: [{v}]\n"));
@@ -631,6 +632,7 @@ mod tests {
             hpz_group: 0,
             sequence_parallel: false,
             loss: Default::default(),
+            capacity_factor: Default::default(),
         }
     }
 
@@ -973,6 +975,28 @@ mod tests {
         let (r, t) = zero2_bf16();
         assert!(!pinned_recipe(&r, &t, Path::new(".")).contains("hpz"));
         assert!(!crate::sweep::driver::trial_id(&t.point).contains("hpz"));
+    }
+
+    /// A capacity factor pins its grid key and names itself in the trial
+    /// id and the label; dropless, none of it appears and the id is as
+    /// before the axis.
+    #[test]
+    fn a_capacity_factor_is_pinned_and_in_the_trial_id() {
+        let mut p = point(1, Precision::Bf16, Optimizer::Adamw, Sharding::Zero2, 4, 4);
+        p.capacity_factor = crate::plan::Capacity(Some(125));
+        let t = trial(p);
+        let r = report(vec![t.clone()]);
+        let yaml = pinned_recipe(&r, &t, Path::new("."));
+        assert!(yaml.contains("  capacity_factor: [1.25]\n"), "{yaml}");
+        let back: PlanRecipe = serde_yaml_ng::from_str(&yaml).expect(&yaml);
+        assert_eq!(crate::plan::expand(&back), vec![t.point]);
+        let id = crate::sweep::driver::trial_id(&t.point);
+        assert!(id.starts_with("cf1.25-gpus4-zero2-"), "{id}");
+        assert!(t.point.label().starts_with("cf1.25 mb1 x4 zero2"));
+        let (r, t) = zero2_bf16();
+        assert!(!pinned_recipe(&r, &t, Path::new(".")).contains("capacity"));
+        let id = crate::sweep::driver::trial_id(&t.point);
+        assert!(id.starts_with("gpus") && !id.contains("cf"), "{id}");
     }
 
     #[test]

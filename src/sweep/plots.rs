@@ -1847,6 +1847,7 @@ pub(crate) mod tests {
             hpz_group: 0,
             sequence_parallel: false,
             loss: Default::default(),
+            capacity_factor: Default::default(),
         }
     }
 

@@ -1130,6 +1130,7 @@ pub(crate) mod testdata {
             hpz_group: 0,
             sequence_parallel: false,
             loss: Default::default(),
+            capacity_factor: Default::default(),
         }
     }
 

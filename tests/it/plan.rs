@@ -51,6 +51,7 @@ fn predictions_equal_cpu_measured_peaks() {
                 hpz_group: vec![0],
                 sequence_parallel: vec![false],
                 loss: vec![Default::default()],
+                capacity_factor: vec![Default::default()],
             },
             headroom: 0.05,
             cost: None,
@@ -122,6 +123,7 @@ fn point(sharding: Sharding, gpus: usize) -> Point {
         hpz_group: 0,
         sequence_parallel: false,
         loss: Default::default(),
+        capacity_factor: Default::default(),
     }
 }
 
@@ -585,4 +587,81 @@ fn what_a_point_holds_never_falls_as_its_micro_batch_grows() {
         lifted > 0,
         "the grid holds the case the allocator fragments less at"
     );
+}
+
+/// `capacity_factor` is a grid axis: on a mixture of experts each value is
+/// a point whose expert buffers shrink below dropless routing (0.5) or pad
+/// past it (1.25), and each point's peak is what `memfit run --device meta
+/// --capacity-factor F` gives for the same knobs.
+#[test]
+fn the_capacity_factor_axis_plans_what_run_gives() {
+    let dir = common::scratch("plan-capacity");
+    let recipe = dir.join("moe.yaml");
+    std::fs::write(
+        &recipe,
+        "model: moe-tiny\nhardware: t4\ndevice: cpu\nseq_len: 32\nglobal_batch: 4\ngrid:\n  framework: [memfit]\n  micro_batch: [2]\n  precision: [bf16]\n  capacity_factor: [null, 0.5, 1.0, 1.25]\n",
+    )
+    .unwrap();
+    let doc = common::plan_json(&memfit(&[
+        "plan",
+        recipe.to_str().unwrap(),
+        "--format",
+        "json",
+    ]));
+    let points = doc["points"].as_array().unwrap();
+    assert_eq!(points.len(), 4);
+    let activations = |i: usize| points[i]["peak_bytes"]["activations"].as_u64().unwrap();
+    let factors: Vec<Option<f64>> = points
+        .iter()
+        .map(|p| {
+            p["point"]
+                .get("capacity_factor")
+                .map(|f| f.as_f64().unwrap())
+        })
+        .collect();
+    assert_eq!(factors, [None, Some(0.5), Some(1.0), Some(1.25)]);
+    assert!(activations(1) < activations(0), "{doc}");
+    assert!(activations(3) > activations(0), "{doc}");
+    assert!(activations(1) < activations(2) && activations(2) < activations(3));
+    for (p, f) in points.iter().zip(&factors) {
+        assert_eq!(p["status"], "fits", "{p}");
+        let mut args = vec![
+            "run",
+            "--model",
+            "moe-tiny",
+            "--device",
+            "meta",
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "2",
+            "--grad-accum",
+            "2",
+            "--precision",
+            "bf16",
+            "--attention",
+            "fused",
+            "--checkpointing",
+            "none",
+            "--optimizer",
+            "adamw",
+            "--format",
+            "json",
+        ];
+        let f = f.map(|f| f.to_string());
+        if let Some(f) = &f {
+            args.extend(["--capacity-factor", f]);
+        }
+        let run = common::ok_json(&args, &[]);
+        assert_eq!(p["peak_bytes"], run["peak_bytes"], "{f:?}");
+    }
+    // The table says the factor in its own column; the label names it.
+    let out = memfit(&["plan", recipe.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("cap"), "{text}");
+    assert!(
+        text.lines().any(|l| l.contains("1.25")) && text.lines().any(|l| l.contains("0.5")),
+        "{text}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -1,14 +1,14 @@
 //! The planner's grid axes as the builder edits them: each axis's values as
 //! the recipe spells them, read from and written into a [`Grid`] and a
 //! [`Point`], so that the form, the fit map, the neighbours and the fixes
-//! share one table instead of sixteen matches.
+//! share one table instead of seventeen matches.
 
 use clap::ValueEnum;
 
 use crate::engine::{
     Attention, Checkpointing, Finetune, Framework, Loss, Offload, Optimizer, Precision, Sharding,
 };
-use crate::plan::{Grid, Point, name};
+use crate::plan::{Capacity, Grid, Point, name};
 
 /// Every grid axis the planner has, in the order the form lists them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -29,9 +29,10 @@ pub enum Axis {
     Finetune,
     Offload,
     Loss,
+    CapacityFactor,
 }
 
-pub const AXES: [Axis; 16] = [
+pub const AXES: [Axis; 17] = [
     Axis::MicroBatch,
     Axis::Precision,
     Axis::Checkpointing,
@@ -48,6 +49,7 @@ pub const AXES: [Axis; 16] = [
     Axis::Finetune,
     Axis::Offload,
     Axis::Loss,
+    Axis::CapacityFactor,
 ];
 
 fn names<T: ValueEnum>() -> Vec<String> {
@@ -67,6 +69,10 @@ fn nums(v: &[usize]) -> Vec<String> {
 
 fn set_nums(s: &[String]) -> Vec<usize> {
     s.iter().filter_map(|x| x.parse().ok()).collect()
+}
+
+fn caps(v: &[Capacity]) -> Vec<String> {
+    v.iter().map(|c| c.spelled()).collect()
 }
 
 fn set_enum<T: ValueEnum>(s: &[String]) -> Vec<T> {
@@ -93,6 +99,7 @@ impl Axis {
             Axis::Finetune => "finetune",
             Axis::Offload => "offload",
             Axis::Loss => "loss",
+            Axis::CapacityFactor => "capacity_factor",
         }
     }
 
@@ -115,6 +122,7 @@ impl Axis {
             Axis::Finetune => "finetune",
             Axis::Offload => "offload",
             Axis::Loss => "loss",
+            Axis::CapacityFactor => "capacity",
         }
     }
 
@@ -144,6 +152,15 @@ impl Axis {
             Axis::Finetune => names::<Finetune>(),
             Axis::Offload => names::<Offload>(),
             Axis::Loss => names::<Loss>(),
+            Axis::CapacityFactor => {
+                // Dropless first, then the factors by size.
+                let preset = [None, Some(100), Some(125), Some(150), Some(200)].map(Capacity);
+                let mut v = preset.to_vec();
+                v.extend(grid.capacity_factor.iter().filter(|x| !preset.contains(x)));
+                v.sort_unstable();
+                v.dedup();
+                caps(&v)
+            }
         }
     }
 
@@ -166,6 +183,7 @@ impl Axis {
             Axis::Finetune => g.finetune.iter().map(|v| name(*v)).collect(),
             Axis::Offload => g.offload.iter().map(|v| name(*v)).collect(),
             Axis::Loss => g.loss.iter().map(|v| name(*v)).collect(),
+            Axis::CapacityFactor => caps(&g.capacity_factor),
         }
     }
 
@@ -190,6 +208,9 @@ impl Axis {
             Axis::Finetune => g.finetune = set_enum(values),
             Axis::Offload => g.offload = set_enum(values),
             Axis::Loss => g.loss = set_enum(values),
+            Axis::CapacityFactor => {
+                g.capacity_factor = values.iter().filter_map(|v| v.parse().ok()).collect()
+            }
         }
     }
 
@@ -212,6 +233,7 @@ impl Axis {
             Axis::Finetune => name(p.finetune),
             Axis::Offload => name(p.offload),
             Axis::Loss => name(p.loss),
+            Axis::CapacityFactor => p.capacity_factor.spelled(),
         }
     }
 
@@ -240,6 +262,7 @@ impl Axis {
             Axis::Finetune => e(v, |x| p.finetune = x),
             Axis::Offload => e(v, |x| p.offload = x),
             Axis::Loss => e(v, |x| p.loss = x),
+            Axis::CapacityFactor => v.parse().map(|x| p.capacity_factor = x).is_ok(),
         }
     }
 
@@ -259,6 +282,8 @@ impl Axis {
             Axis::Checkpointing if v == "none" => "nockpt".into(),
             Axis::Checkpointing => format!("ckpt:{v}"),
             Axis::Offload => format!("offload:{v}"),
+            Axis::CapacityFactor if v == "null" => "dropless".into(),
+            Axis::CapacityFactor => format!("cf{v}"),
             _ => v.to_string(),
         }
     }

@@ -498,3 +498,43 @@ fn a_grid_too_big_to_replan_on_each_key_says_so() {
     let e = replan(&r).unwrap_err();
     assert!(e.starts_with("the grid has 5760 points"), "{e}");
 }
+
+/// The form offers the capacity factor (dropless first): toggled on for a
+/// mixture of experts it plans a point per value, the fit map names them,
+/// and the written recipe plans to the same predictions.
+#[test]
+fn the_capacity_factor_is_an_axis_of_the_form() {
+    let mut r = default_recipe();
+    r.model = "moe-tiny".into();
+    r.grid.framework = vec![crate::engine::Framework::Memfit];
+    r.grid.precision = vec![crate::engine::Precision::Bf16];
+    r.grid.micro_batch = vec![2];
+    let mut b = super::new_builder(r, std::env::temp_dir(), false);
+    b.hardware = super::hardware_choices(&[]);
+    let a = start(&mut b);
+    run(&mut b, a);
+    let options = Axis::CapacityFactor.options(&b.recipe.grid);
+    assert_eq!(options, ["null", "1.0", "1.25", "1.5", "2.0"]);
+    assert_eq!(Axis::CapacityFactor.get(&b.recipe.grid), ["null"]);
+    go(&mut b, Field::Axis(Axis::CapacityFactor));
+    b.value = 2; // 1.25
+    key(&mut b, Key::Char(' '));
+    assert_eq!(Axis::CapacityFactor.get(&b.recipe.grid), ["null", "1.25"]);
+    let planned = b.planned.clone().unwrap();
+    let caps: Vec<_> = (planned.plan.points.iter())
+        .map(|p| p.point.capacity_factor.spelled())
+        .collect();
+    assert!(caps.contains(&"1.25".to_string()) && caps.contains(&"null".to_string()));
+    let labels: Vec<&str> = b.map.rows.iter().map(|r| r.label.as_str()).collect();
+    assert!(labels.iter().any(|l| l.contains("cf1.25")), "{labels:?}");
+    assert!(labels.iter().any(|l| l.contains("dropless")), "{labels:?}");
+    assert!(to_yaml(&b.recipe).contains("  capacity_factor: [null, 1.25]\n"));
+    let dir = std::env::temp_dir().join(format!("memfit-builder-cap-{}", std::process::id()));
+    let path = write_recipe(&b.recipe, &dir).unwrap();
+    let written = crate::plan::plan_file(&path).unwrap();
+    assert_eq!(
+        serde_json::to_value(&written.points).unwrap(),
+        serde_json::to_value(&planned.plan.points).unwrap(),
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
