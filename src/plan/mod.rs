@@ -572,6 +572,10 @@ impl Point {
             Optimizer::Sgd => v.push("sgd"),
             Optimizer::Adamw => {}
         }
+        // A capacity drops the tokens beyond it (dropless trains on all).
+        if !self.capacity_factor.is_dropless() {
+            v.push("capacity_factor");
+        }
         v
     }
 
@@ -2209,7 +2213,7 @@ fn reasons(preds: &[Prediction], ranking: &[usize], r: &PlanRecipe) -> Vec<Strin
     }
     if !r.allow_numerics_change {
         v.push(
-            "fp16, adamw8bit and adafactor were not considered (allow_numerics_change: false)"
+            "fp16, adamw8bit, adafactor, sgd and capacity factors were not considered (allow_numerics_change: false)"
                 .into(),
         );
     }
