@@ -811,6 +811,9 @@ pub struct Plan {
     pub recipe: PathBuf,
     pub model: String,
     pub num_parameters: u64,
+    /// A mixture of experts: the parameters a token passes through.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub active_parameters: Option<u64>,
     pub hardware: HardwareProfile,
     pub usd_per_gpu_hour: f64,
     /// Per GPU: the hardware's memory, or the recipe's device limit.
@@ -1450,6 +1453,7 @@ pub fn plan_with(
         recipe: PathBuf::new(),
         model: model.name.clone(),
         num_parameters: model.num_parameters(),
+        active_parameters: model.moe.as_ref().map(|_| model.active_parameters()),
         hardware: hw.clone(),
         usd_per_gpu_hour: usd,
         capacity_bytes: r.capacity(hw).0,

@@ -85,8 +85,10 @@ fn order(plan: &Plan) -> Vec<usize> {
 /// The lines above the table: the model, the GPU, the frameworks, counts.
 fn header(plan: &Plan) -> Vec<String> {
     let hw = &plan.hardware;
+    let active =
+        (plan.active_parameters).map_or(String::new(), |a| format!(", {} active", fmt_count(a)));
     let mut out = vec![format!(
-        "{} ({} parameters), seq-len {}, global batch {} sequences, on {} ({} each, ${:.2}/GPU-hour, headroom {:.0}%)",
+        "{} ({} parameters{active}), seq-len {}, global batch {} sequences, on {} ({} each, ${:.2}/GPU-hour, headroom {:.0}%)",
         plan.model,
         fmt_count(plan.num_parameters),
         plan.seq_len,

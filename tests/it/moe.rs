@@ -541,6 +541,7 @@ fn a_mixtral_plan_recipe_plans_on_memfits_engine() {
         String::from_utf8_lossy(&out.stderr)
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["active_parameters"], 12_879_925_248u64);
     let points = v["points"].as_array().unwrap();
     assert_eq!(points.len(), 16);
     assert!(points.iter().all(|p| p["point"]["framework"] == "memfit"));
