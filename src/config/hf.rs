@@ -17,7 +17,7 @@ use super::profile::strip_marks;
 use crate::{Error, Result};
 
 const SUPPORTED: &str = "memfit imports gpt2, llama, mistral, qwen2, phi3, qwen3, mixtral, qwen2_moe, \
-     qwen3_moe and olmoe configs";
+     qwen3_moe, olmoe and deepseek (DeepSeek-MoE) configs";
 
 /// Reads and imports a Hugging Face `config.json`; errors name the file.
 pub fn load_hf_config(path: &Path) -> Result<ModelConfig> {
@@ -74,7 +74,7 @@ pub fn import_hf_config(text: &str, location: &str) -> Result<ModelConfig> {
     let config = match model_type {
         "gpt2" => import_gpt2(&cfg, name)?,
         "llama" | "mistral" | "qwen2" | "phi3" | "mixtral" | "qwen3" | "qwen2_moe"
-        | "qwen3_moe" | "olmoe" => import_llama(&cfg, name)?,
+        | "qwen3_moe" | "olmoe" | "deepseek" => import_llama(&cfg, name)?,
         "deepseek_v2" | "deepseek_v3" => {
             return Err(cfg.error(
                 "model_type",
@@ -236,6 +236,7 @@ fn import_llama(cfg: &Fields, name: String) -> Result<ModelConfig> {
         moe: match cfg.model_type {
             "mixtral" => Some(import_mixtral_experts(cfg)?),
             "qwen2_moe" | "qwen3_moe" | "olmoe" => Some(import_qwen_experts(cfg)?),
+            "deepseek" => Some(import_deepseek_experts(cfg)?),
             _ => None,
         },
         head_dim,
@@ -295,6 +296,42 @@ fn import_qwen_experts(cfg: &Fields) -> Result<MoeConfig> {
         } else {
             0.001
         }),
+    })
+}
+
+/// DeepSeek-MoE's (`model_type` "deepseek", its own modelling code):
+/// `n_routed_experts` fine-grained experts of `moe_intermediate_size`,
+/// `num_experts_per_tok` per token by softmax, beside `n_shared_experts`
+/// always-on experts (one MLP of their summed width, as its code fuses
+/// them), the first `first_k_dense_replace` blocks dense.
+fn import_deepseek_experts(cfg: &Fields) -> Result<MoeConfig> {
+    if let Some(freq) = cfg.opt_int("moe_layer_freq")?
+        && freq != 1
+    {
+        return Err(cfg.error(
+            "moe_layer_freq",
+            format!("`moe_layer_freq` is {freq}: dense blocks between routed ones, which memfit does not lay out (every block after the first dense ones routes)"),
+        ));
+    }
+    if let Some(Value::String(f)) = cfg.get("scoring_func")
+        && f != "softmax"
+    {
+        return Err(cfg.error(
+            "scoring_func",
+            format!("`scoring_func` is {f:?}: memfit's router scores by softmax"),
+        ));
+    }
+    let width = cfg.int("moe_intermediate_size")?;
+    Ok(MoeConfig {
+        n_experts: cfg.int("n_routed_experts")?,
+        top_k: cfg.int("num_experts_per_tok")?,
+        d_expert: width,
+        d_shared: cfg.opt_int("n_shared_experts")?.unwrap_or(0) * width,
+        shared_gate: false,
+        first_dense: cfg.opt_int("first_k_dense_replace")?.unwrap_or(0),
+        norm_topk: cfg.opt_bool("norm_topk_prob")?.unwrap_or(false),
+        // DeepseekConfig's `aux_loss_alpha`.
+        aux_loss_coef: cfg.opt_f32("aux_loss_alpha")?.unwrap_or(0.001),
     })
 }
 

@@ -32,6 +32,7 @@ static BUILTIN_MODELS: &[(&str, &str)] = builtin!(
     "olmoe-1b-7b",
     "phi-3-mini",
     "qwen1.5-moe-a2.7b",
+    "deepseek-moe-16b",
 );
 
 /// The built-in model profiles, `(name, yaml text)`, in a stable order.

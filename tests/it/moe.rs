@@ -343,6 +343,35 @@ fn qwen3_and_olmoe_count_their_parameters_as_their_cards_do() {
         },
         q2
     );
+    // DeepSeek-MoE-16B: 16.4B, 2.8B active; a dense first block, shared experts.
+    let ds = load_model("deepseek-moe-16b").unwrap();
+    assert_eq!(
+        (b(ds.num_parameters()), b(ds.active_parameters())),
+        (16.4, 2.8)
+    );
+    let text = r#"{"model_type": "deepseek", "hidden_size": 2048, "intermediate_size": 10944,
+        "moe_intermediate_size": 1408, "n_routed_experts": 64, "n_shared_experts": 2,
+        "num_experts_per_tok": 6, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+        "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "norm_topk_prob": false, "scoring_func": "softmax", "aux_loss_alpha": 0.001,
+        "max_position_embeddings": 4096, "rope_theta": 10000, "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": false, "vocab_size": 102400, "hidden_act": "silu"}"#;
+    let got = import_hf_config(text, "config.json").unwrap();
+    assert_eq!(
+        ModelConfig {
+            name: ds.name.clone(),
+            ..got
+        },
+        ds
+    );
+    let bad = text.replace(
+        r#""scoring_func": "softmax""#,
+        r#""scoring_func": "sigmoid""#,
+    );
+    let err = import_hf_config(&bad, "config.json")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("scoring_func"), "{err}");
     // Phi-3-mini's profile is its config.json's import: 3.8B.
     let phi = load_model("phi-3-mini").unwrap();
     assert_eq!(b(phi.num_parameters()), 3.8);
