@@ -230,6 +230,15 @@ pub struct MoeIndex {
 }
 
 impl BlockIndex {
+    /// The block's dense projection weights, q|k|v, o, up and down (a
+    /// routed block's shared expert's, if any): what QLoRA stores in NF4
+    /// and tensor parallelism splits.
+    pub fn projections(&self) -> impl Iterator<Item = usize> + '_ {
+        [Some(self.qkv_w), Some(self.o_w), self.up_w, self.down_w]
+            .into_iter()
+            .flatten()
+    }
+
     /// Every tensor of the block, in layout order.
     pub fn tensors(&self) -> impl Iterator<Item = usize> + '_ {
         let moe = self

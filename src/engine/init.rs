@@ -156,8 +156,7 @@ fn alloc_nf4_params<B: Backend>(
     lay: &StateLayout<'_>,
 ) -> Result<Vec<T<B>>, OomError> {
     let nf4: std::collections::HashSet<usize> = (lay.idx.blocks.iter())
-        .flat_map(|b| [Some(b.qkv_w), Some(b.o_w), b.up_w, b.down_w])
-        .flatten()
+        .flat_map(|b| b.projections())
         .collect();
     let numel = &held.numel;
     (0..numel.len())

@@ -1302,10 +1302,7 @@ pub fn lora_closed_form(p: &Point, model: &ModelConfig, lora: &LoraConfig) -> Cl
     let a = (base..specs.len()).map(numel).sum::<f64>() / psi;
     let (wb, what) = match p.finetune {
         Finetune::Qlora => {
-            let nf4: Vec<usize> = (idx.blocks.iter())
-                .flat_map(|b| [Some(b.qkv_w), Some(b.o_w), b.up_w, b.down_w])
-                .flatten()
-                .collect();
+            let nf4: Vec<usize> = (idx.blocks.iter()).flat_map(|b| b.projections()).collect();
             let quantised: f64 = nf4.iter().map(|&i| numel(i)).sum();
             let nf4_bytes: f64 = (nf4.iter())
                 .map(|&i| crate::nf4::storage_bytes(specs[i].numel()) as f64)

@@ -257,12 +257,7 @@ fn qlora_base_bytes_are_nf4_storage() {
     .unwrap();
     e.step_from(1, || unreachable!()).unwrap();
     let (specs, idx) = model.param_layout();
-    let quantized: Vec<usize> = idx
-        .blocks
-        .iter()
-        .flat_map(|b| [Some(b.qkv_w), Some(b.o_w), b.up_w, b.down_w])
-        .flatten()
-        .collect();
+    let quantized: Vec<usize> = idx.blocks.iter().flat_map(|b| b.projections()).collect();
     let nf4: u64 = quantized
         .iter()
         .map(|&i| memfit::nf4::storage_bytes(specs[i].numel()))

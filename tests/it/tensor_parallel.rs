@@ -284,8 +284,7 @@ fn weights_split_and_activations_all_reduce_as_megatron() {
     let split: usize = idx
         .blocks
         .iter()
-        .flat_map(|b| [Some(b.qkv_w), Some(b.o_w), b.up_w, b.down_w])
-        .flatten()
+        .flat_map(|b| b.projections())
         .chain(std::iter::once(idx.wte).chain(idx.lm_head))
         .map(|i| specs[i].numel())
         .sum();
