@@ -37,17 +37,30 @@ knob_enum! {
     }
 }
 
+/// What of `model` hf-eager does not model yet (its rules follow
+/// transformers' GPT-2 and Llama modules), as a refusal says it ("has
+/// experts"); `None` when it models all of it.
+pub fn hf_unmodelled(model: &crate::config::ModelConfig) -> Option<&'static str> {
+    if model.moe.is_some() {
+        Some("has experts")
+    } else if model.qk_norm.is_some() {
+        Some("normalises q and k")
+    } else if model.head_dim.is_some() {
+        Some("has heads wider than d_model / n_head")
+    } else {
+        None
+    }
+}
+
 impl Framework {
     /// What a plan recipe that names no framework plans: hf-eager, what a
     /// PyTorch + transformers script allocates, where memfit models
     /// transformers' modules for `model`; memfit's own engine for the
-    /// layers it does not (experts, q/k norms, heads of their own width:
-    /// `engine::validate::architecture`).
+    /// layers it does not ([`hf_unmodelled`]).
     pub fn plan_default(model: &crate::config::ModelConfig) -> Framework {
-        let hf = model.moe.is_none() && model.qk_norm.is_none() && model.head_dim.is_none();
-        match hf {
-            true => Framework::HfEager,
-            false => Framework::Memfit,
+        match hf_unmodelled(model) {
+            None => Framework::HfEager,
+            Some(_) => Framework::Memfit,
         }
     }
 

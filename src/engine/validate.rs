@@ -11,27 +11,22 @@ use crate::error::{Error, Result};
 /// Checks what a model's architecture adds to the llama family (q and k
 /// norms, a head width of its own, experts) against the other knobs.
 pub fn architecture(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
-    let own = match (model.qk_norm.is_some(), model.head_dim.is_some()) {
-        (true, _) => Some("normalises q and k"),
-        (false, true) => Some("has heads wider than d_model / n_head"),
-        (false, false) => None,
-    };
-    if let Some(what) = own {
-        let refuse = |knob: &str, why: &str| not_yet(knob, why, &format!("{} {what}", model.name));
-        if t.framework != Framework::Memfit {
-            return refuse(
-                "--framework",
-                "hf-eager follows Hugging Face's Llama modules",
-            );
-        }
-        if t.tensor_parallel > 1 && model.qk_norm.is_some() {
-            return refuse(
-                "--tensor-parallel",
-                "tensor parallelism splits the heads the norms read",
-            );
-        }
+    if t.tensor_parallel > 1 && model.qk_norm.is_some() {
+        return not_yet(
+            "--tensor-parallel",
+            "tensor parallelism splits the heads the norms read",
+            &format!("{} normalises q and k", model.name),
+        );
     }
-    experts(t, model)
+    experts(t, model)?;
+    match super::framework::hf_unmodelled(model) {
+        Some(what) if t.framework != Framework::Memfit => not_yet(
+            "--framework",
+            "hf-eager follows Hugging Face's Llama modules",
+            &format!("{} {what}", model.name),
+        ),
+        _ => Ok(()),
+    }
 }
 
 /// A knob a model's layer does not combine with yet: `why`, then which
@@ -101,12 +96,6 @@ fn experts(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
                 ),
             ));
         }
-    }
-    if t.framework != Framework::Memfit {
-        return refuse(
-            "--framework",
-            "hf-eager follows Hugging Face's dense modules",
-        );
     }
     Ok(())
 }
