@@ -549,6 +549,19 @@ impl<B: Backend> Device<B> {
         })
     }
 
+    /// [`Device::alloc`] then a `fill` kernel of zeros, for a tensor that
+    /// kernels accumulate into (a GPU's allocation holds stale bytes).
+    pub fn alloc_zeroed(
+        &mut self,
+        len: usize,
+        dtype: DType,
+        category: Category,
+    ) -> Result<T<B>, OomError> {
+        let mut t = self.alloc(len, dtype, category)?;
+        self.fill(&mut t, 0.0);
+        Ok(t)
+    }
+
     pub fn alloc_f32(&mut self, len: usize, category: Category) -> Result<T<B>, OomError> {
         self.alloc(len, DType::F32, category)
     }

@@ -114,11 +114,7 @@ pub(super) fn fused_forward<B: Backend>(
     let n: usize = rows.iter().sum();
     let mut dx = dev.alloc(n * c, dt, act)?;
     let mut dw = match dw_dtype {
-        Some(wdt) => {
-            let mut t = dev.alloc(vp * c, wdt, act)?;
-            dev.fill(&mut t, 0.0);
-            Some(t)
-        }
+        Some(wdt) => Some(dev.alloc_zeroed(vp * c, wdt, act)?),
         None => None,
     };
     let mut off = 0;

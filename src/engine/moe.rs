@@ -306,11 +306,7 @@ pub(super) fn combine<B: Backend>(
     let (n, c) = (sh.n, sh.c);
     let mut y = match dense {
         Some(y) => y,
-        None => {
-            let mut y = dev.alloc(n * c, a.eo.dtype, Category::Temporaries)?;
-            dev.fill(&mut y, 0.0);
-            y
-        }
+        None => dev.alloc_zeroed(n * c, a.eo.dtype, Category::Temporaries)?,
     };
     dev.moe_scatter(&mut y, &a.eo, &a.idx, Some(&a.weight), (sh.rows(), n, c));
     Ok(y)
@@ -356,11 +352,7 @@ pub(super) fn backward<B: Backend>(
     // The dispatch: each row's gradient back to its token.
     let mut dx = match dx {
         Some(dx) => dx,
-        None => {
-            let mut dx = dev.alloc(n * c, dt, tmp)?;
-            dev.fill(&mut dx, 0.0);
-            dx
-        }
+        None => dev.alloc_zeroed(n * c, dt, tmp)?,
     };
     dev.moe_scatter(&mut dx, &dxp, &a.idx, None, dims);
     dev.free(dxp);
@@ -426,8 +418,7 @@ pub(super) fn gated<B: Backend>(
     g: &GateActs<T<B>>,
     (n, c): (usize, usize),
 ) -> Result<T<B>, OomError> {
-    let mut y = dev.alloc(n * c, g.ys.dtype, Category::Temporaries)?;
-    dev.fill(&mut y, 0.0);
+    let mut y = dev.alloc_zeroed(n * c, g.ys.dtype, Category::Temporaries)?;
     dev.moe_scatter(&mut y, &g.ys, &g.ident, Some(&g.sig), (n, n, c));
     Ok(y)
 }

@@ -35,6 +35,10 @@ struct Linear {
     row: bool,
 }
 
+/// One of a block's q and k norms: its columns of q|k|v `(offset,
+/// width)`, the width it normalises over, its weight tensor.
+type QkPiece = ((usize, usize), usize, usize);
+
 /// A block's layers: in a routed block, the experts and, when it has one,
 /// the shared expert as `up` and `down`.
 struct BlockLayers {
@@ -547,6 +551,16 @@ impl<'e, B: Backend> Pass<'e, B> {
         Ok((a, out))
     }
 
+    /// Block `l`'s q and k norms, each as its columns of q|k|v `(offset,
+    /// width)`, the width it normalises over and its weight tensor; `None`
+    /// without them.
+    fn qk_pieces(&self, l: usize) -> Option<[QkPiece; 2]> {
+        let (bi, m) = (&self.idx.blocks[l], self.model);
+        let (qw, kw, (nq, nk)) = (bi.q_norm?, bi.k_norm?, m.qk_norm_widths()?);
+        let (q, kv) = (m.attn_width(), m.n_kv_head() * m.head_dim());
+        Some([((0, q), nq, qw), ((q, kv), nk, kw)])
+    }
+
     /// The q and k norms (Qwen3, OLMoE), in place on the projection's
     /// output before RoPE: each piece's input and statistics saved.
     #[allow(clippy::type_complexity)]
@@ -555,19 +569,12 @@ impl<'e, B: Backend> Pass<'e, B> {
         l: usize,
         qkv: &mut T<B>,
     ) -> Result<Option<[(T<B>, T<B>); 2]>, OomError> {
-        let bi = &self.idx.blocks[l];
-        let (Some(qw), Some(kw), Some((nq, nk))) =
-            (bi.q_norm, bi.k_norm, self.model.qk_norm_widths())
-        else {
+        let Some([(q, nq, qw), (k, nk, kw)]) = self.qk_pieces(l) else {
             return Ok(None);
         };
-        let (q, kv) = (
-            self.model.attn_width(),
-            self.model.n_kv_head() * self.model.head_dim(),
-        );
         Ok(Some([
-            self.piece_norm_forward(qkv, (0, q), nq, qw)?,
-            self.piece_norm_forward(qkv, (q, kv), nk, kw)?,
+            self.piece_norm_forward(qkv, q, nq, qw)?,
+            self.piece_norm_forward(qkv, k, nk, kw)?,
         ]))
     }
 
@@ -606,18 +613,12 @@ impl<'e, B: Backend> Pass<'e, B> {
         dqkv: &mut T<B>,
         qk: &[(T<B>, T<B>); 2],
     ) -> Result<(), OomError> {
-        let bi = &self.idx.blocks[l];
-        let (Some(qw), Some(kw), Some((nq, nk))) =
-            (bi.q_norm, bi.k_norm, self.model.qk_norm_widths())
-        else {
-            unreachable!("saved q and k norms come from a block that has them");
-        };
-        let (q, kv) = (
-            self.model.attn_width(),
-            self.model.n_kv_head() * self.model.head_dim(),
-        );
-        self.piece_norm_backward(dqkv, (0, q), nq, qw, &qk[0])?;
-        self.piece_norm_backward(dqkv, (q, kv), nk, kw, &qk[1])
+        let pieces = self.qk_pieces(l);
+        let pieces = pieces.expect("saved q and k norms come from a block that has them");
+        for ((cols, nw, w), saved) in pieces.into_iter().zip(qk) {
+            self.piece_norm_backward(dqkv, cols, nw, w, saved)?;
+        }
+        Ok(())
     }
 
     fn piece_norm_backward(
@@ -633,8 +634,7 @@ impl<'e, B: Backend> Pass<'e, B> {
         let mut dout = self.dev.alloc(n * width, dqkv.dtype, tmp)?;
         self.dev
             .copy_cols(&mut dout, width, 0, dqkv, cols, off, n, width, 1.0, false);
-        let mut dx = self.dev.alloc(n * width, dqkv.dtype, tmp)?;
-        self.dev.fill(&mut dx, 0.0);
+        let mut dx = self.dev.alloc_zeroed(n * width, dqkv.dtype, tmp)?;
         // LoRA freezes the norm: its gradient goes to a discarded scratch.
         let mut scratch = match self.frozen {
             true => Some(self.dev.alloc(nw, self.g[w].dtype, tmp)?),
