@@ -104,3 +104,87 @@ pub fn name(v: impl clap::ValueEnum) -> String {
     v.to_possible_value()
         .map_or_else(String::new, |p| p.get_name().to_string())
 }
+
+/// A group-size knob that may be off (`shard_group`, `hpz_group`): off is
+/// `None`, never a size. Reports and recipes spell off as `0`, as they did
+/// before the knobs were options (so the report JSON is unchanged), and
+/// read `0` or `null` as off.
+pub mod group {
+    use std::num::NonZeroUsize;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    /// The group as recipes and reports spell it: its size, `0` when off.
+    pub fn spelled(g: Option<NonZeroUsize>) -> String {
+        g.map_or(0, NonZeroUsize::get).to_string()
+    }
+
+    /// `Some(g)` for a size `g` > 0, `None` for 0.
+    pub fn from_size(g: usize) -> Option<NonZeroUsize> {
+        NonZeroUsize::new(g)
+    }
+
+    pub fn serialize<S: Serializer>(g: &Option<NonZeroUsize>, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(g.map_or(0, NonZeroUsize::get) as u64)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<NonZeroUsize>, D::Error> {
+        Ok(Option::<usize>::deserialize(d)?.and_then(NonZeroUsize::new))
+    }
+
+    /// The same for a plan grid's list of groups.
+    pub mod list {
+        use std::num::NonZeroUsize;
+
+        use serde::{Deserialize, Deserializer, Serializer};
+
+        pub fn serialize<S: Serializer>(
+            v: &[Option<NonZeroUsize>],
+            s: S,
+        ) -> Result<S::Ok, S::Error> {
+            s.collect_seq(v.iter().map(|g| g.map_or(0, NonZeroUsize::get)))
+        }
+
+        pub fn deserialize<'de, D: Deserializer<'de>>(
+            d: D,
+        ) -> Result<Vec<Option<NonZeroUsize>>, D::Error> {
+            let v = Vec::<Option<usize>>::deserialize(d)?;
+            Ok(v.into_iter()
+                .map(|g| g.and_then(NonZeroUsize::new))
+                .collect())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroUsize;
+
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct One {
+        #[serde(with = "super::group")]
+        g: Option<NonZeroUsize>,
+        #[serde(with = "super::group::list")]
+        gs: Vec<Option<NonZeroUsize>>,
+    }
+
+    /// Off is `None` in memory; `0` and `null` read as off and off is
+    /// written as `0`, so reports and recipes read as before.
+    #[test]
+    fn a_group_that_is_off_is_none_and_spelled_zero() {
+        let one: One = serde_json::from_str(r#"{"g": 0, "gs": [0, null, 8]}"#).unwrap();
+        assert_eq!(one.g, None);
+        assert_eq!(one.gs, vec![None, None, NonZeroUsize::new(8)]);
+        let one: One = serde_json::from_str(r#"{"g": null, "gs": []}"#).unwrap();
+        assert_eq!(one.g, None);
+        let one = One {
+            g: NonZeroUsize::new(4),
+            gs: vec![None, NonZeroUsize::new(2)],
+        };
+        assert_eq!(
+            serde_json::to_string(&one).unwrap(),
+            r#"{"g":4,"gs":[0,2]}"#
+        );
+        assert_eq!(super::group::spelled(None), "0");
+    }
+}

@@ -4,6 +4,7 @@
 //! runs.
 
 use std::collections::BTreeMap;
+use std::num::NonZeroUsize;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::Mutex;
 
@@ -147,7 +148,7 @@ pub fn links<B: Backend>(
         }
     }
     // ZeRO++ hpZ: groups of consecutive replicas (a node's ranks).
-    let h = train.hpz_group;
+    let h = train.hpz_group.map_or(0, NonZeroUsize::get);
     if distributed && h > 1 {
         for s in 0..stages {
             for t in 0..tps {

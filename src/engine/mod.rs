@@ -27,6 +27,8 @@ mod step;
 pub mod tensor;
 pub mod validate;
 
+use std::num::NonZeroUsize;
+
 use crate::backend::{AttnShape, Backend, DType};
 use crate::comm::Peer;
 pub use crate::config::knobs::{Attention, Checkpointing, Precision};
@@ -136,16 +138,18 @@ pub struct TrainConfig {
     /// Hybrid sharding (PyTorch FSDP's HYBRID_SHARD, DeepSpeed's MiCS):
     /// ZeRO shards over groups of this many consecutive ranks (a node) and
     /// replicates across the groups, all-reducing the gradient shards
-    /// between replicas at the step. 0: one group of every rank.
-    pub shard_group: usize,
+    /// between replicas at the step. `None`: one group of every rank.
+    #[serde(with = "crate::config::knobs::group")]
+    pub shard_group: Option<NonZeroUsize>,
     /// Tensor parallelism (`tensor.rs`): ranks that split every block's
     /// projections between them (1: none). `ranks` is then pipeline stages
     /// x data-parallel replicas x this.
     pub tensor_parallel: usize,
     /// ZeRO++ hpZ (zero3, `shard.rs`): backward gathers run within groups
     /// of this many consecutive data-parallel ranks (a node), from a
-    /// secondary copy of the weights sharded over the group. 0: off.
-    pub hpz_group: usize,
+    /// secondary copy of the weights sharded over the group. `None`: off.
+    #[serde(with = "crate::config::knobs::group")]
+    pub hpz_group: Option<NonZeroUsize>,
     /// Mixture of experts (`moe.rs`): each expert's rows as a multiple of
     /// an even share of the tokens' choices, tokens beyond it dropped;
     /// `None`: dropless.
@@ -204,9 +208,9 @@ impl Default for TrainConfig {
             lora: LoraConfig::default(),
             offload: Offload::None,
             host_memory: None,
-            shard_group: 0,
+            shard_group: None,
             tensor_parallel: 1,
-            hpz_group: 0,
+            hpz_group: None,
             capacity_factor: None,
         }
     }
@@ -246,8 +250,8 @@ impl TrainConfig {
     /// every data-parallel rank.
     pub fn shard_ranks(&self) -> usize {
         match self.shard_group {
-            0 => self.data_ranks(),
-            g => g.min(self.data_ranks()),
+            None => self.data_ranks(),
+            Some(g) => g.get().min(self.data_ranks()),
         }
     }
 

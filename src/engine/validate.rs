@@ -3,6 +3,8 @@
 //! asserts are the same rules (`run::validate`, `plan`'s invalid points and
 //! `memfit balance` all come here).
 
+use std::num::NonZeroUsize;
+
 use super::{Finetune, Framework, Optimizer, Sharding, TrainConfig};
 use crate::config::ModelConfig;
 use crate::config::knobs::name;
@@ -225,16 +227,15 @@ pub fn pipeline(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
 /// Checks the sharding knobs and that `t.ranks` is at most `max_ranks`
 /// (`run::MAX_RANKS` for a run, which makes every rank; more for a plan).
 pub fn sharding(t: &TrainConfig, max_ranks: usize) -> Result<()> {
-    if t.shard_group > 0 {
+    if let Some(g) = t.shard_group.map(NonZeroUsize::get) {
         let d = t.data_ranks();
         let why = if !t.sharding.shards_optimizer() {
             Some("hybrid sharding shards ZeRO state: use --sharding zero1, zero2 or zero3".into())
         } else if t.pipeline_stages > 1 {
             Some("hybrid sharding does not combine with pipeline stages here".into())
-        } else if t.shard_group >= d || !d.is_multiple_of(t.shard_group) {
+        } else if g >= d || !d.is_multiple_of(g) {
             Some(format!(
-                "{} must divide the {d} data-parallel ranks into two or more groups",
-                t.shard_group
+                "{g} must divide the {d} data-parallel ranks into two or more groups"
             ))
         } else {
             None
@@ -329,15 +330,12 @@ pub fn sharding(t: &TrainConfig, max_ranks: usize) -> Result<()> {
 /// Why `--hpz-group` (ZeRO++ hpZ) cannot run with the other knobs of `t`,
 /// if it cannot.
 fn hpz_refusal(t: &TrainConfig) -> Option<String> {
-    let (g, d) = (t.hpz_group, t.data_ranks());
-    if g == 0 {
-        return None;
-    }
+    let (g, d) = (t.hpz_group?.get(), t.data_ranks());
     Some(if t.sharding != Sharding::Zero3 {
         "hpZ keeps a secondary copy of ZeRO-3's partitioned weights for the backward's gathers: use --sharding zero3".into()
     } else if t.pipeline_stages > 1 {
         "hpZ does not combine with pipeline stages (neither does zero3)".into()
-    } else if t.shard_group > 0 {
+    } else if t.shard_group.is_some() {
         "hybrid sharding (--shard-group) already gathers within its groups; hpZ is for ZeRO-3 over every rank, so use one or the other".into()
     } else if t.offload.params() {
         "with --offload optimizer+params DeepSpeed keeps hpZ's secondary copy in host memory beside the offloaded weights, which memfit does not model; use --offload optimizer, or no hpZ".into()

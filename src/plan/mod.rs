@@ -14,6 +14,7 @@
 //! bound: DDP and FSDP overlap much of it in practice).
 
 use std::collections::BTreeMap;
+use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
@@ -23,6 +24,7 @@ use crate::backend::meta::MetaBackend;
 use crate::comm::MetaComm;
 use crate::config::ModelConfig;
 use crate::config::hardware::{HardwareProfile, load_hardware};
+use crate::config::knobs::group::{self, spelled};
 use crate::config::profile::{load_model, looks_like_path, parse_yaml, value_location};
 use crate::engine::cluster::Links;
 use crate::engine::device::{HostRoofline, Roofline};
@@ -210,17 +212,18 @@ pub struct Grid {
     #[serde(default = "one_usize")]
     pub pipeline_stages: Vec<usize>,
     /// Hybrid sharding: ZeRO over groups of this many GPUs (a node's, say),
-    /// replicated across groups; 0 shards over every GPU.
-    #[serde(default = "zero_usize")]
-    pub shard_group: Vec<usize>,
+    /// replicated across groups; 0 (or null) shards over every GPU.
+    #[serde(default = "no_group", with = "group::list")]
+    pub shard_group: Vec<Option<NonZeroUsize>>,
     /// Tensor parallelism (Megatron-LM): GPUs per group that split every
     /// block; `gpus` is then stages x data-parallel replicas x this.
     #[serde(default = "one_usize")]
     pub tensor_parallel: Vec<usize>,
     /// ZeRO++ hpZ (zero3): backward gathers within groups of this many
-    /// GPUs (a node's), from a secondary copy of the weights; 0: off.
-    #[serde(default = "zero_usize")]
-    pub hpz_group: Vec<usize>,
+    /// GPUs (a node's), from a secondary copy of the weights; 0 (or
+    /// null): off.
+    #[serde(default = "no_group", with = "group::list")]
+    pub hpz_group: Vec<Option<NonZeroUsize>>,
     /// Megatron's sequence parallelism, with tensor parallelism.
     #[serde(default = "no_bool")]
     pub sequence_parallel: Vec<bool>,
@@ -247,8 +250,8 @@ fn no_bool() -> Vec<bool> {
     vec![false]
 }
 
-fn zero_usize() -> Vec<usize> {
-    vec![0]
+fn no_group() -> Vec<Option<NonZeroUsize>> {
+    vec![None]
 }
 
 impl Grid {
@@ -336,7 +339,7 @@ impl Grid {
         keep_first(
             "shard_group",
             &mut self.shard_group,
-            usize::to_string,
+            |g| spelled(*g),
             &mut r,
         );
         keep_first(
@@ -345,7 +348,7 @@ impl Grid {
             usize::to_string,
             &mut r,
         );
-        keep_first("hpz_group", &mut self.hpz_group, usize::to_string, &mut r);
+        keep_first("hpz_group", &mut self.hpz_group, |g| spelled(*g), &mut r);
         keep_first(
             "sequence_parallel",
             &mut self.sequence_parallel,
@@ -384,9 +387,9 @@ impl Default for Grid {
             finetune: default_finetune(),
             offload: default_offload(),
             pipeline_stages: one_usize(),
-            shard_group: zero_usize(),
+            shard_group: no_group(),
             tensor_parallel: one_usize(),
-            hpz_group: zero_usize(),
+            hpz_group: no_group(),
             sequence_parallel: no_bool(),
             loss: default_loss(),
             capacity_factor: dropless(),
@@ -532,15 +535,15 @@ pub struct Point {
     /// Pipeline stages (1: none); `gpus` is stages x replicas.
     #[serde(default = "one")]
     pub pipeline_stages: usize,
-    /// Hybrid sharding's group (0: none).
-    #[serde(default)]
-    pub shard_group: usize,
+    /// Hybrid sharding's group (written 0 when none).
+    #[serde(default, with = "group")]
+    pub shard_group: Option<NonZeroUsize>,
     /// Tensor-parallel group (1: none).
     #[serde(default = "one")]
     pub tensor_parallel: usize,
-    /// ZeRO++ hpZ's group (0: none).
-    #[serde(default)]
-    pub hpz_group: usize,
+    /// ZeRO++ hpZ's group (written 0 when none).
+    #[serde(default, with = "group")]
+    pub hpz_group: Option<NonZeroUsize>,
     /// Sequence parallelism (with tensor parallelism).
     #[serde(default)]
     pub sequence_parallel: bool,
@@ -660,16 +663,16 @@ impl Point {
             s => format!("{ft}pp{s} "),
         };
         let ft = match self.shard_group {
-            0 => ft,
-            g => format!("{ft}hybrid{g} "),
+            None => ft,
+            Some(g) => format!("{ft}hybrid{g} "),
         };
         let ft = match self.tensor_parallel {
             1 => ft,
             t => format!("{ft}tp{t} "),
         };
         let ft = match self.hpz_group {
-            0 => ft,
-            g => format!("{ft}hpz{g} "),
+            None => ft,
+            Some(g) => format!("{ft}hpz{g} "),
         };
         let ft = match self.sequence_parallel {
             false => ft,
@@ -1105,9 +1108,9 @@ pub fn expand(r: &PlanRecipe) -> Vec<Point> {
         finetune: Finetune::Full,
         offload: Offload::None,
         pipeline_stages: 1,
-        shard_group: 0,
+        shard_group: None,
         tensor_parallel: 1,
-        hpz_group: 0,
+        hpz_group: None,
         sequence_parallel: false,
         loss: Loss::Full,
         capacity_factor: Capacity::DROPLESS,
@@ -1233,8 +1236,8 @@ fn state_bytes(p: &Point) -> (f64, f64, String) {
 fn zero_ranks(p: &Point) -> (usize, &'static str) {
     let split = p.pipeline_stages.max(1) * p.tensor_parallel.max(1);
     let d = match p.shard_group {
-        0 => (p.gpus / split).max(1),
-        g => g,
+        None => (p.gpus / split).max(1),
+        Some(g) => g.get(),
     };
     let held = match split {
         1 => "",
@@ -1789,8 +1792,10 @@ impl PointPlan<'_> {
         let replicate =
             (g < replicas).then(|| Box::new(MetaComm::new(0, replicas / g)) as Comm<MetaBackend>);
         // ZeRO++ hpZ: the backward gathers' group, a node's GPUs.
-        let hpz = (self.tc.hpz_group > 1)
-            .then(|| Box::new(MetaComm::new(0, self.tc.hpz_group)) as Comm<MetaBackend>);
+        let hpz = (self.tc.hpz_group)
+            .map(NonZeroUsize::get)
+            .filter(|&g| g > 1)
+            .map(|g| Box::new(MetaComm::new(0, g)) as Comm<MetaBackend>);
         let links = Links {
             comm,
             pipe: None,

@@ -185,8 +185,8 @@ fn columns(plan: &Plan, rows: &[usize]) -> Vec<Column> {
         true,
         172,
         &|p| match p.point.shard_group {
-            0 => "-".into(),
-            g => g.to_string(),
+            None => "-".into(),
+            Some(g) => g.to_string(),
         },
     );
     col(
@@ -195,8 +195,8 @@ fn columns(plan: &Plan, rows: &[usize]) -> Vec<Column> {
         true,
         190,
         &|p| match p.point.hpz_group {
-            0 => name(p.point.sharding),
-            g => format!("{}+hpz{g}", name(p.point.sharding)),
+            None => name(p.point.sharding),
+            Some(g) => format!("{}+hpz{g}", name(p.point.sharding)),
         },
     );
     // A mixture of experts' capacity factor ("-": dropless), only where a

@@ -212,10 +212,10 @@ knobs! {
     offload: Offload [train],
     /// Hybrid sharding (FSDP's HYBRID_SHARD): ZeRO shards over groups of
     /// this many consecutive ranks (a node's GPUs) and replicates across
-    /// the groups, all-reducing gradient shards between them [default: all
-    /// ranks in one group].
+    /// the groups, all-reducing gradient shards between them; 0 is off
+    /// [default: off, all ranks in one group].
     #[arg(long)]
-    shard_group: usize [train],
+    shard_group: usize,
     /// Tensor parallelism (Megatron-LM): groups of this many adjacent ranks
     /// split every block's attention heads and MLP width between them,
     /// all-reducing activations; --ranks is then stages x data-parallel
@@ -226,9 +226,9 @@ knobs! {
     /// weights sharded over its group of this many consecutive ranks (a
     /// node's GPUs), so the backward's all-gathers stay within the group;
     /// costs 1/G of the weights per rank (DeepSpeed's
-    /// zero_hpz_partition_size) [default: 0, off].
+    /// zero_hpz_partition_size); 0 is off [default: off].
     #[arg(long)]
-    hpz_group: usize [train],
+    hpz_group: usize,
     /// A mixture of experts' expert capacity: each expert takes at most
     /// this multiple of an even share of the tokens' choices
     /// (`⌈f·tokens·top_k/experts⌉`, padded to it), the rest dropped

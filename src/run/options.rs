@@ -10,6 +10,7 @@ use super::RunOptions;
 use super::knobs::Knobs;
 use super::recipe::{RunDevice, RunRecipe, load_run_recipe};
 use crate::backend::DeviceSpec;
+use crate::config::knobs::group;
 use crate::config::limits::check_threads;
 use crate::config::profile::load_model;
 use crate::engine::{Finetune, Framework, LoraConfig, TrainConfig};
@@ -141,6 +142,9 @@ fn merge(flags: &Knobs, r: &RunRecipe, timeline: Option<PathBuf>) -> Result<RunO
         partition: k.partition.as_deref().map(parse_partition).transpose()?,
         lora,
         host_memory: k.host_memory.map(|b| b.0).or(d.host_memory),
+        // 0 spells off, as reports write it.
+        shard_group: k.shard_group.and_then(group::from_size),
+        hpz_group: k.hpz_group.and_then(group::from_size),
         ..d
     };
     k.apply(&mut train);

@@ -150,8 +150,8 @@ pub fn trial_id(p: &Point) -> String {
         s => format!("{fw}pp{s}-"),
     };
     let fw = match p.shard_group {
-        0 => fw,
-        g => format!("{fw}hybrid{g}-"),
+        None => fw,
+        Some(g) => format!("{fw}hybrid{g}-"),
     };
     let fw = match p.tensor_parallel {
         1 => fw,
@@ -166,8 +166,8 @@ pub fn trial_id(p: &Point) -> String {
         l => format!("{fw}{}-", crate::config::knobs::name(l)),
     };
     let fw = match p.hpz_group {
-        0 => fw,
-        g => format!("{fw}hpz{g}-"),
+        None => fw,
+        Some(g) => format!("{fw}hpz{g}-"),
     };
     // Only when set, so that the ids of dropless points are as before.
     let fw = match p.capacity_factor.is_dropless() {

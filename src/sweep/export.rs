@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
 
+use crate::config::knobs::group;
 use crate::engine::{
     Attention, Checkpointing, Finetune, Optimizer, Precision, Sharding, TrainConfig,
 };
@@ -108,12 +109,12 @@ pub fn deepspeed_config(_report: &SweepReport, trial: &TrialRecord) -> Value {
     }
     // Hybrid sharding is DeepSpeed's MiCS: ZeRO-3 within groups of this
     // size, replicated across them.
-    if p.shard_group > 0 {
-        cfg["zero_optimization"]["mics_shard_size"] = json!(p.shard_group);
+    if let Some(g) = p.shard_group {
+        cfg["zero_optimization"]["mics_shard_size"] = json!(g);
     }
     // ZeRO++'s hierarchical partitioning: the secondary copy's group.
-    if p.hpz_group > 0 {
-        cfg["zero_optimization"]["zero_hpz_partition_size"] = json!(p.hpz_group);
+    if let Some(g) = p.hpz_group {
+        cfg["zero_optimization"]["zero_hpz_partition_size"] = json!(g);
     }
     if p.offload.params() {
         cfg["zero_optimization"]["offload_param"] = json!({ "device": "cpu", "pin_memory": true });
@@ -423,9 +424,9 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
     for (k, v, default) in [
         ("offload", p.offload.name().to_string(), "none"),
         ("pipeline_stages", p.pipeline_stages.to_string(), "1"),
-        ("shard_group", p.shard_group.to_string(), "0"),
+        ("shard_group", group::spelled(p.shard_group), "0"),
         ("tensor_parallel", p.tensor_parallel.to_string(), "1"),
-        ("hpz_group", p.hpz_group.to_string(), "0"),
+        ("hpz_group", group::spelled(p.hpz_group), "0"),
         (
             "sequence_parallel",
             p.sequence_parallel.to_string(),
@@ -627,9 +628,9 @@ mod tests {
             finetune: Default::default(),
             offload: Default::default(),
             pipeline_stages: 1,
-            shard_group: 0,
+            shard_group: None,
             tensor_parallel: 1,
-            hpz_group: 0,
+            hpz_group: None,
             sequence_parallel: false,
             loss: Default::default(),
             capacity_factor: Default::default(),
@@ -956,7 +957,7 @@ mod tests {
     #[test]
     fn hpz_exports_deepspeeds_partition_size_and_pins_its_group() {
         let mut p = point(1, Precision::Bf16, Optimizer::Adamw, Sharding::Zero3, 16, 1);
-        p.hpz_group = 8;
+        p.hpz_group = group::from_size(8);
         let t = trial(p);
         let r = report(vec![t.clone()]);
         let ds = deepspeed_config(&r, &t);

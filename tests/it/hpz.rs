@@ -6,6 +6,8 @@
 
 use crate::common::{events, json, losses, memfit, ok_json, refused, scratch, stderr};
 
+use std::num::NonZeroUsize;
+
 use memfit::backend::cpu::CpuBackend;
 use memfit::backend::meta::MetaBackend;
 use memfit::comm::Op;
@@ -39,7 +41,7 @@ fn zero3(ranks: usize, hpz_group: usize) -> TrainConfig {
         lr: Some(1e-3),
         ranks,
         sharding: Sharding::Zero3,
-        hpz_group,
+        hpz_group: NonZeroUsize::new(hpz_group),
         ..TrainConfig::default()
     }
 }
@@ -103,7 +105,14 @@ fn hpz_trains_bit_for_bit_as_zero3() {
                     ..zero3(4, 0)
                 };
                 let flat = train(&model, &tc, 2);
-                let hpz = train(&model, &TrainConfig { hpz_group: 2, ..tc }, 2);
+                let hpz = train(
+                    &model,
+                    &TrainConfig {
+                        hpz_group: NonZeroUsize::new(2),
+                        ..tc
+                    },
+                    2,
+                );
                 assert_eq!(flat.0, hpz.0, "{what}: losses");
                 assert_eq!(flat.1, hpz.1, "{what}: weight shards");
                 assert_eq!(flat.2, hpz.2, "{what}: master shards");
@@ -177,7 +186,7 @@ fn meta_predicts_every_hpz_rank() {
         let what = format!(
             "{name} N={} G={} TP={} {:?} {:?} {:?} {:?}",
             tc.ranks,
-            tc.hpz_group,
+            memfit::config::knobs::group::spelled(tc.hpz_group),
             tc.tensor_parallel,
             tc.precision,
             tc.checkpointing,
@@ -261,7 +270,13 @@ fn hpz_costs_exactly_the_secondary_shards() {
         let head = unit_bytes.len() - 1;
         let what = format!("{name} N={ranks} G={g} {precision:?}");
         let mut flat = meta_cluster(&model, &tc);
-        let mut hpz = meta_cluster(&model, &TrainConfig { hpz_group: g, ..tc });
+        let mut hpz = meta_cluster(
+            &model,
+            &TrainConfig {
+                hpz_group: NonZeroUsize::new(g),
+                ..tc
+            },
+        );
         for _ in 0..2 {
             flat.step_from(2, || unreachable!()).unwrap();
             hpz.step_from(2, || unreachable!()).unwrap();
@@ -352,7 +367,10 @@ fn hpz_backward_gathers_run_within_the_group() {
             m.ranks[0].dev.meter.collectives.take().unwrap()
         };
         let flat = calls(&tc);
-        let hpz = calls(&TrainConfig { hpz_group: g, ..tc });
+        let hpz = calls(&TrainConfig {
+            hpz_group: NonZeroUsize::new(g),
+            ..tc
+        });
         let gathers = |c: &[memfit::engine::device::Call], world: usize| {
             let mut b: Vec<(u64, usize)> = c
                 .iter()

@@ -5,6 +5,7 @@
 
 use clap::ValueEnum;
 
+use crate::config::knobs::group;
 use crate::engine::{
     Attention, Checkpointing, Finetune, Framework, Loss, Offload, Optimizer, Precision, Sharding,
 };
@@ -69,6 +70,15 @@ fn nums(v: &[usize]) -> Vec<String> {
 
 fn set_nums(s: &[String]) -> Vec<usize> {
     s.iter().filter_map(|x| x.parse().ok()).collect()
+}
+
+/// Group sizes as recipes spell them, 0 for off.
+fn sizes(v: &[Option<std::num::NonZeroUsize>]) -> Vec<usize> {
+    v.iter().map(|g| g.map_or(0, |g| g.get())).collect()
+}
+
+fn set_groups(s: &[String]) -> Vec<Option<std::num::NonZeroUsize>> {
+    set_nums(s).into_iter().map(group::from_size).collect()
 }
 
 fn caps(v: &[Capacity]) -> Vec<String> {
@@ -140,8 +150,8 @@ impl Axis {
             Axis::Gpus => preset(&[1, 2, 4, 8, 16, 32, 64, 128], &grid.gpus),
             Axis::PipelineStages => preset(&[1, 2, 4, 8], &grid.pipeline_stages),
             Axis::TensorParallel => preset(&[1, 2, 4, 8], &grid.tensor_parallel),
-            Axis::ShardGroup => preset(&[0, 2, 4, 8], &grid.shard_group),
-            Axis::HpzGroup => preset(&[0, 2, 4, 8], &grid.hpz_group),
+            Axis::ShardGroup => preset(&[0, 2, 4, 8], &sizes(&grid.shard_group)),
+            Axis::HpzGroup => preset(&[0, 2, 4, 8], &sizes(&grid.hpz_group)),
             Axis::SequenceParallel => vec!["false".into(), "true".into()],
             Axis::Precision => names::<Precision>(),
             Axis::Checkpointing => names::<Checkpointing>(),
@@ -171,8 +181,8 @@ impl Axis {
             Axis::Gpus => nums(&g.gpus),
             Axis::PipelineStages => nums(&g.pipeline_stages),
             Axis::TensorParallel => nums(&g.tensor_parallel),
-            Axis::ShardGroup => nums(&g.shard_group),
-            Axis::HpzGroup => nums(&g.hpz_group),
+            Axis::ShardGroup => nums(&sizes(&g.shard_group)),
+            Axis::HpzGroup => nums(&sizes(&g.hpz_group)),
             Axis::SequenceParallel => g.sequence_parallel.iter().map(bool::to_string).collect(),
             Axis::Precision => g.precision.iter().map(|v| name(*v)).collect(),
             Axis::Checkpointing => g.checkpointing.iter().map(|v| name(*v)).collect(),
@@ -194,8 +204,8 @@ impl Axis {
             Axis::Gpus => g.gpus = set_nums(values),
             Axis::PipelineStages => g.pipeline_stages = set_nums(values),
             Axis::TensorParallel => g.tensor_parallel = set_nums(values),
-            Axis::ShardGroup => g.shard_group = set_nums(values),
-            Axis::HpzGroup => g.hpz_group = set_nums(values),
+            Axis::ShardGroup => g.shard_group = set_groups(values),
+            Axis::HpzGroup => g.hpz_group = set_groups(values),
             Axis::SequenceParallel => {
                 g.sequence_parallel = values.iter().filter_map(|v| v.parse().ok()).collect()
             }
@@ -221,8 +231,8 @@ impl Axis {
             Axis::Gpus => p.gpus.to_string(),
             Axis::PipelineStages => p.pipeline_stages.to_string(),
             Axis::TensorParallel => p.tensor_parallel.to_string(),
-            Axis::ShardGroup => p.shard_group.to_string(),
-            Axis::HpzGroup => p.hpz_group.to_string(),
+            Axis::ShardGroup => group::spelled(p.shard_group),
+            Axis::HpzGroup => group::spelled(p.hpz_group),
             Axis::SequenceParallel => p.sequence_parallel.to_string(),
             Axis::Precision => name(p.precision),
             Axis::Checkpointing => name(p.checkpointing),
@@ -250,8 +260,8 @@ impl Axis {
             Axis::Gpus => n(v, |x| p.gpus = x),
             Axis::PipelineStages => n(v, |x| p.pipeline_stages = x),
             Axis::TensorParallel => n(v, |x| p.tensor_parallel = x),
-            Axis::ShardGroup => n(v, |x| p.shard_group = x),
-            Axis::HpzGroup => n(v, |x| p.hpz_group = x),
+            Axis::ShardGroup => n(v, |x| p.shard_group = group::from_size(x)),
+            Axis::HpzGroup => n(v, |x| p.hpz_group = group::from_size(x)),
             Axis::SequenceParallel => v.parse().map(|x| p.sequence_parallel = x).is_ok(),
             Axis::Precision => e(v, |x| p.precision = x),
             Axis::Checkpointing => e(v, |x| p.checkpointing = x),
