@@ -24,7 +24,6 @@ use crate::backend::meta::MetaBackend;
 use crate::comm::MetaComm;
 use crate::config::ModelConfig;
 use crate::config::hardware::{HardwareProfile, load_hardware};
-use crate::config::knobs::group::{self, spelled};
 use crate::config::profile::{load_model, looks_like_path, parse_yaml, value_location};
 use crate::engine::cluster::Links;
 use crate::engine::device::{HostRoofline, Roofline};
@@ -171,256 +170,14 @@ impl PlanRecipe {
     }
 }
 
+mod axes;
+pub use axes::{Axis, AxisValue, Grid, Point};
+
 fn default_headroom() -> f64 {
     0.05
 }
 fn yes() -> bool {
     true
-}
-
-/// The knobs to sweep; each key is a list, missing keys take one default value.
-#[derive(Clone, Debug, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct Grid {
-    #[serde(default = "one_usize")]
-    pub micro_batch: Vec<usize>,
-    #[serde(default = "default_precision")]
-    pub precision: Vec<Precision>,
-    #[serde(default = "default_checkpointing")]
-    pub checkpointing: Vec<Checkpointing>,
-    #[serde(default = "default_attention")]
-    pub attention: Vec<Attention>,
-    #[serde(default = "default_optimizer")]
-    pub optimizer: Vec<Optimizer>,
-    #[serde(default = "default_sharding")]
-    pub sharding: Vec<Sharding>,
-    #[serde(default = "one_usize")]
-    pub gpus: Vec<usize>,
-    /// Whose allocations to plan: hf-eager (PyTorch + transformers) and/or
-    /// memfit (the engine's own). Absent: hf-eager for `memfit plan`, whose
-    /// recommendation users run in PyTorch; memfit for `memfit sweep`, whose
-    /// trials the engine runs.
-    #[serde(default)]
-    pub framework: Vec<Framework>,
-    /// full and/or lora.
-    #[serde(default = "default_finetune")]
-    pub finetune: Vec<Finetune>,
-    /// ZeRO-Offload: none, optimizer and/or optimizer+params.
-    #[serde(default = "default_offload")]
-    pub offload: Vec<Offload>,
-    /// Pipeline stages; `gpus` is then stages x data-parallel replicas.
-    #[serde(default = "one_usize")]
-    pub pipeline_stages: Vec<usize>,
-    /// Hybrid sharding: ZeRO over groups of this many GPUs (a node's, say),
-    /// replicated across groups; 0 (or null) shards over every GPU.
-    #[serde(default = "no_group", with = "group::list")]
-    pub shard_group: Vec<Option<NonZeroUsize>>,
-    /// Tensor parallelism (Megatron-LM): GPUs per group that split every
-    /// block; `gpus` is then stages x data-parallel replicas x this.
-    #[serde(default = "one_usize")]
-    pub tensor_parallel: Vec<usize>,
-    /// ZeRO++ hpZ (zero3): backward gathers within groups of this many
-    /// GPUs (a node's), from a secondary copy of the weights; 0 (or
-    /// null): off.
-    #[serde(default = "no_group", with = "group::list")]
-    pub hpz_group: Vec<Option<NonZeroUsize>>,
-    /// Megatron's sequence parallelism, with tensor parallelism.
-    #[serde(default = "no_bool")]
-    pub sequence_parallel: Vec<bool>,
-    /// How the loss meets the head: full, chunked (torchtune's, hf-eager)
-    /// and/or fused-linear (Liger's).
-    #[serde(default = "default_loss")]
-    pub loss: Vec<Loss>,
-    /// Mixture-of-experts capacity factors: each expert takes
-    /// ceil(f x tokens x top-k / experts) rows, padded, the overflow
-    /// dropped; `null` is dropless routing (Megatron-Core's default).
-    #[serde(default = "dropless")]
-    pub capacity_factor: Vec<Capacity>,
-}
-
-fn dropless() -> Vec<Capacity> {
-    vec![Capacity::DROPLESS]
-}
-
-fn default_loss() -> Vec<Loss> {
-    vec![Loss::Full]
-}
-
-fn no_bool() -> Vec<bool> {
-    vec![false]
-}
-
-fn no_group() -> Vec<Option<NonZeroUsize>> {
-    vec![None]
-}
-
-impl Grid {
-    /// The number of points, or `None` past `usize`.
-    pub fn size(&self) -> Option<usize> {
-        [
-            self.micro_batch.len(),
-            self.precision.len(),
-            self.checkpointing.len(),
-            self.attention.len(),
-            self.optimizer.len(),
-            self.sharding.len(),
-            self.gpus.len(),
-            self.framework.len().max(1),
-            self.finetune.len(),
-            self.offload.len(),
-            self.pipeline_stages.len(),
-            self.shard_group.len(),
-            self.tensor_parallel.len(),
-            self.hpz_group.len(),
-            self.sequence_parallel.len(),
-            self.loss.len(),
-            self.capacity_factor.len(),
-        ]
-        .into_iter()
-        .try_fold(1usize, usize::checked_mul)
-    }
-
-    /// Drops repeated values from each list, keeping the first of each in
-    /// its place. Returns, per list with repeats, its key, the first value
-    /// repeated and how many distinct values were.
-    pub fn dedup(&mut self) -> Vec<(&'static str, String, usize)> {
-        fn keep_first<T>(
-            key: &'static str,
-            values: &mut Vec<T>,
-            show: impl Fn(&T) -> String,
-            repeats: &mut Vec<(&'static str, String, usize)>,
-        ) {
-            let mut seen = std::collections::HashSet::new();
-            let mut repeated = std::collections::HashSet::new();
-            let mut first = None;
-            values.retain(|v| {
-                let shown = show(v);
-                if seen.contains(&shown) {
-                    if repeated.insert(shown.clone()) && first.is_none() {
-                        first = Some(shown);
-                    }
-                    false
-                } else {
-                    seen.insert(shown);
-                    true
-                }
-            });
-            if let Some(first) = first {
-                repeats.push((key, first, repeated.len()));
-            }
-        }
-        let mut r = Vec::new();
-        keep_first(
-            "micro_batch",
-            &mut self.micro_batch,
-            usize::to_string,
-            &mut r,
-        );
-        keep_first("precision", &mut self.precision, |v| name(*v), &mut r);
-        keep_first(
-            "checkpointing",
-            &mut self.checkpointing,
-            |v| name(*v),
-            &mut r,
-        );
-        keep_first("attention", &mut self.attention, |v| name(*v), &mut r);
-        keep_first("optimizer", &mut self.optimizer, |v| name(*v), &mut r);
-        keep_first("sharding", &mut self.sharding, |v| name(*v), &mut r);
-        keep_first("gpus", &mut self.gpus, usize::to_string, &mut r);
-        keep_first("framework", &mut self.framework, |v| name(*v), &mut r);
-        keep_first("finetune", &mut self.finetune, |v| name(*v), &mut r);
-        keep_first("offload", &mut self.offload, |v| v.name().into(), &mut r);
-        keep_first(
-            "pipeline_stages",
-            &mut self.pipeline_stages,
-            usize::to_string,
-            &mut r,
-        );
-        keep_first(
-            "shard_group",
-            &mut self.shard_group,
-            |g| spelled(*g),
-            &mut r,
-        );
-        keep_first(
-            "tensor_parallel",
-            &mut self.tensor_parallel,
-            usize::to_string,
-            &mut r,
-        );
-        keep_first("hpz_group", &mut self.hpz_group, |g| spelled(*g), &mut r);
-        keep_first(
-            "sequence_parallel",
-            &mut self.sequence_parallel,
-            bool::to_string,
-            &mut r,
-        );
-        keep_first("loss", &mut self.loss, |l| name(*l), &mut r);
-        keep_first(
-            "capacity_factor",
-            &mut self.capacity_factor,
-            |c| c.spelled(),
-            &mut r,
-        );
-        r
-    }
-
-    /// The frameworks to plan, `default` when the recipe names none.
-    pub fn frameworks_or(&mut self, default: Framework) {
-        if self.framework.is_empty() {
-            self.framework = vec![default];
-        }
-    }
-}
-
-impl Default for Grid {
-    fn default() -> Self {
-        Grid {
-            micro_batch: one_usize(),
-            precision: default_precision(),
-            checkpointing: default_checkpointing(),
-            attention: default_attention(),
-            optimizer: default_optimizer(),
-            sharding: default_sharding(),
-            gpus: one_usize(),
-            framework: Vec::new(),
-            finetune: default_finetune(),
-            offload: default_offload(),
-            pipeline_stages: one_usize(),
-            shard_group: no_group(),
-            tensor_parallel: one_usize(),
-            hpz_group: no_group(),
-            sequence_parallel: no_bool(),
-            loss: default_loss(),
-            capacity_factor: dropless(),
-        }
-    }
-}
-
-fn default_finetune() -> Vec<Finetune> {
-    vec![Finetune::Full]
-}
-fn default_offload() -> Vec<Offload> {
-    vec![Offload::None]
-}
-
-fn one_usize() -> Vec<usize> {
-    vec![1]
-}
-fn default_precision() -> Vec<Precision> {
-    vec![Precision::Bf16]
-}
-fn default_checkpointing() -> Vec<Checkpointing> {
-    vec![Checkpointing::None]
-}
-fn default_attention() -> Vec<Attention> {
-    vec![Attention::Fused]
-}
-fn default_optimizer() -> Vec<Optimizer> {
-    vec![Optimizer::Adamw]
-}
-fn default_sharding() -> Vec<Sharding> {
-    vec![Sharding::None]
 }
 
 /// A grid point's mixture-of-experts capacity factor
@@ -511,53 +268,6 @@ impl<'de> Deserialize<'de> for Capacity {
             Some(f) => Capacity::from_factor(f).map_err(serde::de::Error::custom),
         }
     }
-}
-
-/// One grid point's knobs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct Point {
-    pub micro_batch: usize,
-    pub precision: Precision,
-    pub checkpointing: Checkpointing,
-    pub attention: Attention,
-    pub optimizer: Optimizer,
-    pub sharding: Sharding,
-    pub gpus: usize,
-    /// global_batch / (micro_batch x gpus); 0 when that is not a whole number.
-    pub grad_accum: usize,
-    /// Reports from before framework profiles were memfit's.
-    #[serde(default)]
-    pub framework: Framework,
-    #[serde(default)]
-    pub finetune: Finetune,
-    #[serde(default)]
-    pub offload: Offload,
-    /// Pipeline stages (1: none); `gpus` is stages x replicas.
-    #[serde(default = "one")]
-    pub pipeline_stages: usize,
-    /// Hybrid sharding's group (written 0 when none).
-    #[serde(default, with = "group")]
-    pub shard_group: Option<NonZeroUsize>,
-    /// Tensor-parallel group (1: none).
-    #[serde(default = "one")]
-    pub tensor_parallel: usize,
-    /// ZeRO++ hpZ's group (written 0 when none).
-    #[serde(default, with = "group")]
-    pub hpz_group: Option<NonZeroUsize>,
-    /// Sequence parallelism (with tensor parallelism).
-    #[serde(default)]
-    pub sequence_parallel: bool,
-    /// How the loss meets the head.
-    #[serde(default)]
-    pub loss: Loss,
-    /// The mixture of experts' capacity factor; absent: dropless routing
-    /// (and reports from before the axis).
-    #[serde(default, skip_serializing_if = "Capacity::is_dropless")]
-    pub capacity_factor: Capacity,
-}
-
-fn one() -> usize {
-    1
 }
 
 impl Point {
@@ -886,20 +596,19 @@ pub fn load_recipe(path: &Path) -> Result<(PlanRecipe, ModelConfig, HardwareProf
     }
     let points = recipe.grid.size();
     if points.is_none_or(|n| n > MAX_GRID_POINTS) {
-        let g = &recipe.grid;
+        // The lists that multiply, each axis's own.
+        let factors: Vec<String> = (Axis::ALL.iter())
+            .map(|&a| (a, a.len(&recipe.grid)))
+            // No framework named is one: the command's.
+            .filter(|&(a, n)| n != 1 && !(a == Axis::Framework && n == 0))
+            .map(|(a, n)| format!("{n} {}", a.key()))
+            .collect();
         return Err(Error::Config {
             location: at("grid", None),
             message: format!(
-                "`grid` expands to {} points ({} micro_batch x {} precision x {} checkpointing x {} attention x {} optimizer x {} sharding x {} gpus x {} framework), more than {MAX_GRID_POINTS}, the most memfit plans at once; split it over several recipes",
+                "`grid` expands to {} points ({}), more than {MAX_GRID_POINTS}, the most memfit plans at once; split it over several recipes",
                 points.map_or_else(|| "more than 2^64".to_string(), |n| n.to_string()),
-                g.micro_batch.len(),
-                g.precision.len(),
-                g.checkpointing.len(),
-                g.attention.len(),
-                g.optimizer.len(),
-                g.sharding.len(),
-                g.gpus.len(),
-                g.framework.len().max(1),
+                factors.join(" x "),
             ),
         });
     }
@@ -1084,65 +793,13 @@ fn check_recipe(
 /// published dense run (Llama 3 405B, The Llama 3 Herd of Models, §3.3).
 pub const MAX_GPUS: usize = 16_384;
 
-/// Every grid point in a stable order (the recipe's list orders, gpus
-/// outermost, micro-batch innermost). A value listed twice gives one point
+/// Every grid point in a stable order ([`Grid::points`]: the recipe's list
+/// orders, micro-batch innermost). A value listed twice gives one point
 /// (its first place), so that no two points share a trial id.
 pub fn expand(r: &PlanRecipe) -> Vec<Point> {
     let mut g = r.grid.clone();
     g.dedup();
-    let frameworks = match g.framework.is_empty() {
-        true => vec![Framework::Memfit],
-        false => g.framework.clone(),
-    };
-    // The product of every list, the last key varying fastest.
-    let mut out = vec![Point {
-        micro_batch: 1,
-        precision: Precision::Bf16,
-        checkpointing: Checkpointing::None,
-        attention: Attention::Fused,
-        optimizer: Optimizer::Adamw,
-        sharding: Sharding::None,
-        gpus: 1,
-        grad_accum: 0,
-        framework: Framework::Memfit,
-        finetune: Finetune::Full,
-        offload: Offload::None,
-        pipeline_stages: 1,
-        shard_group: None,
-        tensor_parallel: 1,
-        hpz_group: None,
-        sequence_parallel: false,
-        loss: Loss::Full,
-        capacity_factor: Capacity::DROPLESS,
-    }];
-    fn axis<T: Copy>(out: Vec<Point>, values: &[T], set: impl Fn(&mut Point, T)) -> Vec<Point> {
-        let mut next = Vec::with_capacity(out.len() * values.len());
-        for p in out {
-            for &v in values {
-                let mut q = p;
-                set(&mut q, v);
-                next.push(q);
-            }
-        }
-        next
-    }
-    out = axis(out, &g.capacity_factor, |p, v| p.capacity_factor = v);
-    out = axis(out, &g.loss, |p, v| p.loss = v);
-    out = axis(out, &g.hpz_group, |p, v| p.hpz_group = v);
-    out = axis(out, &g.sequence_parallel, |p, v| p.sequence_parallel = v);
-    out = axis(out, &g.tensor_parallel, |p, v| p.tensor_parallel = v);
-    out = axis(out, &g.shard_group, |p, v| p.shard_group = v);
-    out = axis(out, &g.pipeline_stages, |p, v| p.pipeline_stages = v);
-    out = axis(out, &g.offload, |p, v| p.offload = v);
-    out = axis(out, &g.finetune, |p, v| p.finetune = v);
-    out = axis(out, &frameworks, |p, v| p.framework = v);
-    out = axis(out, &g.gpus, |p, v| p.gpus = v);
-    out = axis(out, &g.sharding, |p, v| p.sharding = v);
-    out = axis(out, &g.optimizer, |p, v| p.optimizer = v);
-    out = axis(out, &g.precision, |p, v| p.precision = v);
-    out = axis(out, &g.checkpointing, |p, v| p.checkpointing = v);
-    out = axis(out, &g.attention, |p, v| p.attention = v);
-    out = axis(out, &g.micro_batch, |p, v| p.micro_batch = v);
+    let mut out = g.points();
     for p in &mut out {
         p.grad_accum = grad_accum(p, r.global_batch);
     }
