@@ -104,6 +104,483 @@ fn no_expert_kernels(backend: &str) -> ! {
     unreachable!("{backend}: no expert kernels (engine::validate refuses experts)")
 }
 
+/// The kernel ops of [`Backend`]: every method that meta implements as
+/// doing nothing, each signature (and doc) written once, here. The list is
+/// handed to `$callback`, a macro that turns it into items: the trait
+/// declares the ops through `declare_kernel_ops`, and meta's impl is
+/// `noop_kernel_ops` (in `meta.rs`), so meta spells no kernel's parameters.
+/// Why a callback: `macro_rules!` cannot name a trait's methods from outside,
+/// so the one list has to be the macro that both uses expand. Methods with a
+/// real answer on meta (`alloc`, `workspace_bytes`, `download_f32`,
+/// `sum_squares`, ...) stay written out in the trait. An entry is `fn
+/// name(&mut self, arg: Type, ...)` then `;` or a default body.
+macro_rules! kernel_ops {
+    ($callback:ident) => {
+        $callback! {
+            fn upload_f32(&mut self, dst: &mut Self::Buf, src: &[f32]);
+
+            fn upload_u32(&mut self, dst: &mut Self::Buf, src: &[u32]);
+
+            /// `dst (N) = src (N)` converted to `dst`'s element type (round to nearest
+            /// even when narrowing): fp32 master weights to 16-bit working weights.
+            fn convert(&mut self, dst: &mut Self::Buf, src: &Self::Buf, n: usize);
+
+            /// `dst[dst_off..dst_off + n] = src[src_off..src_off + n]` (or `+=` when
+            /// `accumulate`), converted to `dst`'s element type and rounded once:
+            /// shard extraction, and the copy-in and copy-out around collectives.
+            fn copy_slice(
+                &mut self,
+                dst: &mut Self::Buf,
+                dst_off: usize,
+                src: &Self::Buf,
+                src_off: usize,
+                n: usize,
+                accumulate: bool,
+            );
+
+            /// A block of columns between row-major matrices of `rows` rows:
+            /// `dst[i][dst_off..][..width] (+)= scale * src[i][src_off..][..width]`,
+            /// rows `dst_cols` and `src_cols` wide (`+=` when `accumulate`), in
+            /// `dst`'s dtype, computed in fp32 and rounded once. LoRA adds an
+            /// adapter's output into its slice of a fused projection and reads its
+            /// gradient back out. This default stages both through the host.
+            fn copy_cols(
+                &mut self,
+                dst: &mut Self::Buf,
+                dst_cols: usize,
+                dst_off: usize,
+                src: &Self::Buf,
+                src_cols: usize,
+                src_off: usize,
+                rows: usize,
+                width: usize,
+                scale: f32,
+                accumulate: bool,
+            ) {
+                let (Some(mut d), Some(s)) = (self.download_f32(dst), self.download_f32(src)) else {
+                    return;
+                };
+                copy_cols_host(
+                    &mut d, dst_cols, dst_off, &s, src_cols, src_off, rows, width, scale, accumulate,
+                );
+                self.upload_f32(dst, &d);
+            }
+
+            /// Raw bytes into a `U8` buffer (an NF4 weight in `nf4::Nf4::to_bytes`'s
+            /// layout). Only called where [`Backend::reads_nf4`].
+            fn upload_u8(&mut self, _dst: &mut Self::Buf, _src: &[u8]) {}
+            /// `out (numel)` = the NF4 weight in `src` dequantised, in `out`'s dtype
+            /// (rounded once). Only called where [`Backend::reads_nf4`].
+            fn nf4_dequantize(&mut self, _out: &mut Self::Buf, _src: &Self::Buf, _numel: usize) {}
+            fn fill(&mut self, buf: &mut Self::Buf, value: f32);
+
+            /// [`Backend::embed_forward`], or with `part: Some(lo)` a
+            /// vocabulary-parallel embedding's part (Megatron's
+            /// `VocabParallelEmbedding`): `wte` holds the table's rows `lo ..
+            /// lo + rows`; `out (N,C) = wte[tokens - lo]` for the tokens in that
+            /// range, 0 for the others (the group's all-reduce adds the parts), plus
+            /// `wpe[pos]` when given. Without a part every token must be in `wte`.
+            fn embed_forward_rows(
+                &mut self,
+                out: &mut Self::Buf,
+                tokens: &Self::Buf,
+                wte: &Self::Buf,
+                wpe: Option<&Self::Buf>,
+                n: usize,
+                t: usize,
+                c: usize,
+                part: Option<usize>,
+            );
+
+            /// [`Backend::embed_backward`], or a part's: `dwte[tokens - lo] +=
+            /// dout` for the tokens in its rows (others skipped), `dwpe[pos] +=
+            /// dout` when given.
+            fn embed_backward_rows(
+                &mut self,
+                dwte: &mut Self::Buf,
+                dwpe: Option<&mut Self::Buf>,
+                dout: &Self::Buf,
+                tokens: &Self::Buf,
+                n: usize,
+                t: usize,
+                c: usize,
+                part: Option<usize>,
+            );
+
+            /// LayerNorm over the last dim: `out (N,C)`, saves `mean (N)`, `rstd (N)`; `b` is optional.
+            fn layernorm_forward(
+                &mut self,
+                out: &mut Self::Buf,
+                mean: &mut Self::Buf,
+                rstd: &mut Self::Buf,
+                inp: &Self::Buf,
+                w: &Self::Buf,
+                b: Option<&Self::Buf>,
+                n: usize,
+                c: usize,
+                eps: f32,
+            );
+
+            /// Accumulates `dinp += ...`, `dw += ...`, `db += ...`.
+            fn layernorm_backward(
+                &mut self,
+                dinp: &mut Self::Buf,
+                dw: &mut Self::Buf,
+                db: Option<&mut Self::Buf>,
+                dout: &Self::Buf,
+                inp: &Self::Buf,
+                w: &Self::Buf,
+                mean: &Self::Buf,
+                rstd: &Self::Buf,
+                n: usize,
+                c: usize,
+            );
+
+            /// RMSNorm: `out (N,C) = inp * rstd * w`, saves `rstd (N)`.
+            fn rmsnorm_forward(
+                &mut self,
+                out: &mut Self::Buf,
+                rstd: &mut Self::Buf,
+                inp: &Self::Buf,
+                w: &Self::Buf,
+                n: usize,
+                c: usize,
+                eps: f32,
+            );
+
+            /// Accumulates `dinp += ...`, `dw += ...`.
+            fn rmsnorm_backward(
+                &mut self,
+                dinp: &mut Self::Buf,
+                dw: &mut Self::Buf,
+                dout: &Self::Buf,
+                inp: &Self::Buf,
+                w: &Self::Buf,
+                rstd: &Self::Buf,
+                n: usize,
+                c: usize,
+            );
+
+            /// `out (N,OC) = inp (N,C) @ w (OC,C)^T + bias (OC)`.
+            fn matmul_forward(
+                &mut self,
+                out: &mut Self::Buf,
+                inp: &Self::Buf,
+                w: &Self::Buf,
+                bias: Option<&Self::Buf>,
+                n: usize,
+                c: usize,
+                oc: usize,
+            );
+
+            /// `dinp (N,C) = dout @ w` (overwrites), `dw (OC,C) += dout^T @ inp`, `dbias (OC) += sum_rows dout`.
+            /// Without `dw` (a frozen weight) only `dinp` is computed, and `dbias` is ignored.
+            fn matmul_backward(
+                &mut self,
+                dinp: &mut Self::Buf,
+                dw: Option<&mut Self::Buf>,
+                dbias: Option<&mut Self::Buf>,
+                dout: &Self::Buf,
+                inp: &Self::Buf,
+                w: &Self::Buf,
+                n: usize,
+                c: usize,
+                oc: usize,
+            );
+
+            /// tanh-approximated GELU, `out (N) = gelu(inp)`.
+            fn gelu_forward(&mut self, out: &mut Self::Buf, inp: &Self::Buf, n: usize);
+
+            /// In place: `dout := dout * gelu'(inp)`.
+            fn gelu_backward(&mut self, dout: &mut Self::Buf, inp: &Self::Buf, n: usize);
+
+            /// SwiGLU: `out (N,I) = silu(gu[:, :I]) * gu[:, I:]`, `gu (N,2I)`.
+            fn swiglu_forward(&mut self, out: &mut Self::Buf, gu: &Self::Buf, n: usize, i: usize);
+
+            /// `dgu (N,2I)` from `dout (N,I)` (overwrites).
+            fn swiglu_backward(
+                &mut self,
+                dgu: &mut Self::Buf,
+                dout: &Self::Buf,
+                gu: &Self::Buf,
+                n: usize,
+                i: usize,
+            );
+
+            /// `out (N) = a + b`.
+            fn add(&mut self, out: &mut Self::Buf, a: &Self::Buf, b: &Self::Buf, n: usize);
+
+            /// Rotary embedding in place on the q and k parts of `qkv (B,T,qkv_width)`,
+            /// HF "rotate_half" pairing (i, i + hd/2), frequencies `theta^(-2i/hd)`.
+            fn rope_forward(&mut self, qkv: &mut Self::Buf, s: AttnShape, theta: f32);
+
+            /// In place: rotates the q and k gradients back (the inverse rotation).
+            fn rope_backward(&mut self, dqkv: &mut Self::Buf, s: AttnShape, theta: f32);
+
+            /// Eager causal attention: saves the probabilities `att (B,H,T,T)`,
+            /// writes `out (B,T,H*hd)` from `qkv (B,T,qkv_width)`.
+            fn attention_forward(
+                &mut self,
+                out: &mut Self::Buf,
+                att: &mut Self::Buf,
+                qkv: &Self::Buf,
+                s: AttnShape,
+            );
+
+            /// `dqkv (B,T,qkv_width)` (overwrites) from `dout (B,T,H*hd)`; `datt (B,H,T,T)` is scratch.
+            fn attention_backward(
+                &mut self,
+                dqkv: &mut Self::Buf,
+                datt: &mut Self::Buf,
+                dout: &Self::Buf,
+                qkv: &Self::Buf,
+                att: &Self::Buf,
+                s: AttnShape,
+            );
+
+            /// Flash-style causal attention (Dao et al., FlashAttention, 2022): keys and
+            /// values in tiles with an online softmax, so nothing T x T is stored. Writes
+            /// `out (B,T,H*hd)` and saves only the per-row log-sum-exp of the scaled
+            /// scores, `lse (B,H,T)`. `ws` is the declared workspace (scratch for tiles).
+            fn flash_attention_forward(
+                &mut self,
+                out: &mut Self::Buf,
+                lse: &mut Self::Buf,
+                qkv: &Self::Buf,
+                ws: &mut Self::Buf,
+                s: AttnShape,
+            );
+
+            /// Backward of [`Backend::flash_attention_forward`]: recomputes the
+            /// probabilities tile by tile from `lse`; writes `dqkv` (overwrites).
+            fn flash_attention_backward(
+                &mut self,
+                dqkv: &mut Self::Buf,
+                dout: &Self::Buf,
+                out: &Self::Buf,
+                lse: &Self::Buf,
+                qkv: &Self::Buf,
+                ws: &mut Self::Buf,
+                s: AttnShape,
+            );
+
+            /// Cross-entropy over the first `v` of `vp` columns of `logits (N,Vp)`:
+            /// `losses (N) = logsumexp(logits) - logits[target]`.
+            fn crossentropy_forward(
+                &mut self,
+                losses: &mut Self::Buf,
+                logits: &Self::Buf,
+                targets: &Self::Buf,
+                n: usize,
+                v: usize,
+                vp: usize,
+            );
+
+            /// In place: `logits := dloss * (softmax(logits) - onehot(target))`, padded columns 0.
+            fn crossentropy_backward(
+                &mut self,
+                logits: &mut Self::Buf,
+                targets: &Self::Buf,
+                dloss: f32,
+                n: usize,
+                v: usize,
+                vp: usize,
+            );
+
+            /// Vocabulary-parallel cross-entropy (Megatron's
+            /// `vocab_parallel_cross_entropy`), step 1 on one part: `logits (N,Vp)`
+            /// are the columns `lo ..` of the vocabulary, the first `v` of them real
+            /// (`v` may be 0). Per row: `stats (N,2) = [max, sum exp(x - max)]` over
+            /// the real columns (`[-inf, 0]` without any), and `tgt (N)` = the
+            /// target's logit when the target is in this part, else 0. All fp32.
+            fn crossentropy_part_stats(
+                &mut self,
+                stats: &mut Self::Buf,
+                tgt: &mut Self::Buf,
+                logits: &Self::Buf,
+                targets: &Self::Buf,
+                n: usize,
+                lo: usize,
+                v: usize,
+                vp: usize,
+            );
+
+            /// Step 2: from every part's stats, gathered rank after rank into
+            /// `stats (parts,N,2)`, and the summed target logits `tgt (N)`:
+            /// `lse (N) = M + ln(sum_r s_r exp(m_r - M))` with `M = max_r m_r`, and
+            /// `losses (N) = lse - tgt` (the sum in f64).
+            fn crossentropy_combine(
+                &mut self,
+                losses: &mut Self::Buf,
+                lse: &mut Self::Buf,
+                stats: &Self::Buf,
+                tgt: &Self::Buf,
+                n: usize,
+                parts: usize,
+            );
+
+            /// Step 3, in place on the part: `logits := dloss * exp(logits - lse) -
+            /// dloss * [lo + j == target]` over the real columns, padding 0.
+            fn crossentropy_part_backward(
+                &mut self,
+                logits: &mut Self::Buf,
+                lse: &Self::Buf,
+                targets: &Self::Buf,
+                dloss: f32,
+                n: usize,
+                lo: usize,
+                v: usize,
+                vp: usize,
+            );
+
+
+            // ---- mixture of experts (`engine::moe`) ------------------------------
+            // A routed row `j` of the permuted buffer holds token `idx[j]`; an
+            // index of `n` or more marks an empty capacity slot. `idx` is `U32`,
+            // `w` (the combine weights) `F32`. Only cpu and meta have these; the
+            // engine refuses experts elsewhere (`engine::validate`).
+
+            /// `out (M,C)`: row j is `x[idx[j]]`, times `w[j]` when given; empty
+            /// slots are zero. `dims` is `(M, N, C)`.
+            fn moe_gather(
+                &mut self,
+                _out: &mut Self::Buf,
+                _x: &Self::Buf,
+                _idx: &Self::Buf,
+                _w: Option<&Self::Buf>,
+                _dims: (usize, usize, usize),
+            ) {
+                no_expert_kernels(self.name())
+            }
+
+            /// `out (N,C) += w[j] · y[j]` into row `idx[j]` for each routed row
+            /// (`w` = 1 when absent), in row order.
+            fn moe_scatter(
+                &mut self,
+                _out: &mut Self::Buf,
+                _y: &Self::Buf,
+                _idx: &Self::Buf,
+                _w: Option<&Self::Buf>,
+                _dims: (usize, usize, usize),
+            ) {
+                no_expert_kernels(self.name())
+            }
+
+            /// `out (M) F32`: `a[idx[j]] · b[j]`, zero for an empty slot.
+            fn moe_row_dots(
+                &mut self,
+                _out: &mut Self::Buf,
+                _a: &Self::Buf,
+                _b: &Self::Buf,
+                _idx: &Self::Buf,
+                _dims: (usize, usize, usize),
+            ) {
+                no_expert_kernels(self.name())
+            }
+
+            /// Each expert's rows: for `e` in order, the next `counts[e]` rows of
+            /// `inp (M,C)` times expert `e`'s `w[e] (OC,C)ᵀ` into the same rows of
+            /// `out (M,OC)` (a grouped GEMM, as Megatron's `GroupedMLP`).
+            fn grouped_matmul_forward(
+                &mut self,
+                _out: &mut Self::Buf,
+                _inp: &Self::Buf,
+                _w: &Self::Buf,
+                _counts: &[usize],
+                _c: usize,
+                _oc: usize,
+            ) {
+                no_expert_kernels(self.name())
+            }
+
+            /// Its backward, group by group as [`Backend::matmul_backward`]:
+            /// `dinp` overwritten, `dw[e] += doutᵀ inp` unless frozen.
+            #[allow(clippy::too_many_arguments)]
+            fn grouped_matmul_backward(
+                &mut self,
+                _dinp: &mut Self::Buf,
+                _dw: Option<&mut Self::Buf>,
+                _dout: &Self::Buf,
+                _inp: &Self::Buf,
+                _w: &Self::Buf,
+                _counts: &[usize],
+                _c: usize,
+                _oc: usize,
+            ) {
+                no_expert_kernels(self.name())
+            }
+
+            /// One AdamW step on `n` elements (Loshchilov & Hutter, decoupled weight decay):
+            /// `g = grad*grad_scale; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2;
+            /// param -= lr * (m*m_corr / (sqrt(v*v_corr) + eps) + weight_decay*param)`.
+            fn adamw_update(
+                &mut self,
+                param: &mut Self::Buf,
+                grad: &Self::Buf,
+                m: &mut Self::Buf,
+                v: &mut Self::Buf,
+                n: usize,
+                h: AdamHyper,
+            );
+
+            /// 8-bit AdamW (Dettmers et al., 8-bit Optimizers via Block-wise
+            /// Quantization, 2022): `m` and `v` are `U8` codes into the signed and
+            /// unsigned dynamic maps, one fp32 absmax per 256-element block in
+            /// `m_absmax`, `v_absmax` (`ceil(n/256)` each). Dequantise, the AdamW update
+            /// of [`Backend::adamw_update`], requantise.
+            fn adamw8bit_update(
+                &mut self,
+                param: &mut Self::Buf,
+                grad: &Self::Buf,
+                m: &mut Self::Buf,
+                v: &mut Self::Buf,
+                m_absmax: &mut Self::Buf,
+                v_absmax: &mut Self::Buf,
+                n: usize,
+                h: AdamHyper,
+            );
+
+            /// SGD with momentum, PyTorch semantics (L2 weight decay added to the
+            /// gradient, no dampening): `g = grad*grad_scale + wd*param;
+            /// buf = momentum*buf + g; param -= lr*buf`.
+            fn sgd_update(
+                &mut self,
+                param: &mut Self::Buf,
+                grad: &Self::Buf,
+                momentum_buf: &mut Self::Buf,
+                n: usize,
+                h: SgdHyper,
+            );
+
+            /// Adafactor (Shazeer & Stern, 2018) as Hugging Face implements it; see
+            /// [`AdafactorHyper`]. `st` holds the factored (or, for 1-D tensors, full)
+            /// second moment and the optional first moment.
+            fn adafactor_update(
+                &mut self,
+                param: &mut Self::Buf,
+                grad: &Self::Buf,
+                st: AdafactorState<'_, Self::Buf>,
+                h: AdafactorHyper,
+            );
+        }
+    };
+}
+pub(crate) use kernel_ops;
+
+/// `kernel_ops!`'s entries as they are written: the trait's declarations
+/// (and default bodies).
+macro_rules! declare_kernel_ops {
+    ($(
+        $(#[$attr:meta])*
+        fn $name:ident(&mut $self:ident $(, $arg:ident: $ty:ty)* $(,)?) $tail:tt
+    )*) => {
+        $(
+            $(#[$attr])*
+            fn $name(&mut $self $(, $arg: $ty)*) $tail
+        )*
+    };
+}
+
 /// One backend. `Buf` is its device buffer; ops take buffers and explicit shapes.
 ///
 /// Conventions: `n` is the number of rows (tokens, `B*T`); arguments named `d*`
@@ -158,66 +635,14 @@ pub trait Backend {
     /// that use it.
     fn workspace_bytes(&self, s: AttnShape, fused: bool, dtype: DType) -> usize;
 
-    fn upload_f32(&mut self, dst: &mut Self::Buf, src: &[f32]);
-    fn upload_u32(&mut self, dst: &mut Self::Buf, src: &[u32]);
-    /// `dst (N) = src (N)` converted to `dst`'s element type (round to nearest
-    /// even when narrowing): fp32 master weights to 16-bit working weights.
-    fn convert(&mut self, dst: &mut Self::Buf, src: &Self::Buf, n: usize);
-    /// `dst[dst_off..dst_off + n] = src[src_off..src_off + n]` (or `+=` when
-    /// `accumulate`), converted to `dst`'s element type and rounded once:
-    /// shard extraction, and the copy-in and copy-out around collectives.
-    fn copy_slice(
-        &mut self,
-        dst: &mut Self::Buf,
-        dst_off: usize,
-        src: &Self::Buf,
-        src_off: usize,
-        n: usize,
-        accumulate: bool,
-    );
-    /// A block of columns between row-major matrices of `rows` rows:
-    /// `dst[i][dst_off..][..width] (+)= scale * src[i][src_off..][..width]`,
-    /// rows `dst_cols` and `src_cols` wide (`+=` when `accumulate`), in
-    /// `dst`'s dtype, computed in fp32 and rounded once. LoRA adds an
-    /// adapter's output into its slice of a fused projection and reads its
-    /// gradient back out. This default stages both through the host.
-    fn copy_cols(
-        &mut self,
-        dst: &mut Self::Buf,
-        dst_cols: usize,
-        dst_off: usize,
-        src: &Self::Buf,
-        src_cols: usize,
-        src_off: usize,
-        rows: usize,
-        width: usize,
-        scale: f32,
-        accumulate: bool,
-    ) {
-        let (Some(mut d), Some(s)) = (self.download_f32(dst), self.download_f32(src)) else {
-            return;
-        };
-        copy_cols_host(
-            &mut d, dst_cols, dst_off, &s, src_cols, src_off, rows, width, scale, accumulate,
-        );
-        self.upload_f32(dst, &d);
-    }
     /// Whether this backend stores and dequantises QLoRA's NF4 weights
     /// ([`Backend::upload_u8`], [`Backend::nf4_dequantize`]); the engine
     /// asks no other backend to.
     fn reads_nf4(&self) -> bool {
         false
     }
-    /// Raw bytes into a `U8` buffer (an NF4 weight in `nf4::Nf4::to_bytes`'s
-    /// layout). Only called where [`Backend::reads_nf4`].
-    fn upload_u8(&mut self, _dst: &mut Self::Buf, _src: &[u8]) {}
-    /// `out (numel)` = the NF4 weight in `src` dequantised, in `out`'s dtype
-    /// (rounded once). Only called where [`Backend::reads_nf4`].
-    fn nf4_dequantize(&mut self, _out: &mut Self::Buf, _src: &Self::Buf, _numel: usize) {}
     /// The buffer's contents, or `None` on a backend that holds no data.
     fn download_f32(&self, src: &Self::Buf) -> Option<Vec<f32>>;
-
-    fn fill(&mut self, buf: &mut Self::Buf, value: f32);
 
     /// `out (N,C) = wte[tokens] (+ wpe[pos])`, tokens `(B,T)` flattened to N, wte `(V,C)`, wpe `(maxT,C)`.
     fn embed_forward(
@@ -245,380 +670,12 @@ pub trait Backend {
     ) {
         self.embed_backward_rows(dwte, dwpe, dout, tokens, n, t, c, None);
     }
-    /// [`Backend::embed_forward`], or with `part: Some(lo)` a
-    /// vocabulary-parallel embedding's part (Megatron's
-    /// `VocabParallelEmbedding`): `wte` holds the table's rows `lo ..
-    /// lo + rows`; `out (N,C) = wte[tokens - lo]` for the tokens in that
-    /// range, 0 for the others (the group's all-reduce adds the parts), plus
-    /// `wpe[pos]` when given. Without a part every token must be in `wte`.
-    fn embed_forward_rows(
-        &mut self,
-        out: &mut Self::Buf,
-        tokens: &Self::Buf,
-        wte: &Self::Buf,
-        wpe: Option<&Self::Buf>,
-        n: usize,
-        t: usize,
-        c: usize,
-        part: Option<usize>,
-    );
-    /// [`Backend::embed_backward`], or a part's: `dwte[tokens - lo] +=
-    /// dout` for the tokens in its rows (others skipped), `dwpe[pos] +=
-    /// dout` when given.
-    fn embed_backward_rows(
-        &mut self,
-        dwte: &mut Self::Buf,
-        dwpe: Option<&mut Self::Buf>,
-        dout: &Self::Buf,
-        tokens: &Self::Buf,
-        n: usize,
-        t: usize,
-        c: usize,
-        part: Option<usize>,
-    );
-
-    /// LayerNorm over the last dim: `out (N,C)`, saves `mean (N)`, `rstd (N)`; `b` is optional.
-    fn layernorm_forward(
-        &mut self,
-        out: &mut Self::Buf,
-        mean: &mut Self::Buf,
-        rstd: &mut Self::Buf,
-        inp: &Self::Buf,
-        w: &Self::Buf,
-        b: Option<&Self::Buf>,
-        n: usize,
-        c: usize,
-        eps: f32,
-    );
-    /// Accumulates `dinp += ...`, `dw += ...`, `db += ...`.
-    fn layernorm_backward(
-        &mut self,
-        dinp: &mut Self::Buf,
-        dw: &mut Self::Buf,
-        db: Option<&mut Self::Buf>,
-        dout: &Self::Buf,
-        inp: &Self::Buf,
-        w: &Self::Buf,
-        mean: &Self::Buf,
-        rstd: &Self::Buf,
-        n: usize,
-        c: usize,
-    );
-
-    /// RMSNorm: `out (N,C) = inp * rstd * w`, saves `rstd (N)`.
-    fn rmsnorm_forward(
-        &mut self,
-        out: &mut Self::Buf,
-        rstd: &mut Self::Buf,
-        inp: &Self::Buf,
-        w: &Self::Buf,
-        n: usize,
-        c: usize,
-        eps: f32,
-    );
-    /// Accumulates `dinp += ...`, `dw += ...`.
-    fn rmsnorm_backward(
-        &mut self,
-        dinp: &mut Self::Buf,
-        dw: &mut Self::Buf,
-        dout: &Self::Buf,
-        inp: &Self::Buf,
-        w: &Self::Buf,
-        rstd: &Self::Buf,
-        n: usize,
-        c: usize,
-    );
-
-    /// `out (N,OC) = inp (N,C) @ w (OC,C)^T + bias (OC)`.
-    fn matmul_forward(
-        &mut self,
-        out: &mut Self::Buf,
-        inp: &Self::Buf,
-        w: &Self::Buf,
-        bias: Option<&Self::Buf>,
-        n: usize,
-        c: usize,
-        oc: usize,
-    );
-    /// `dinp (N,C) = dout @ w` (overwrites), `dw (OC,C) += dout^T @ inp`, `dbias (OC) += sum_rows dout`.
-    /// Without `dw` (a frozen weight) only `dinp` is computed, and `dbias` is ignored.
-    fn matmul_backward(
-        &mut self,
-        dinp: &mut Self::Buf,
-        dw: Option<&mut Self::Buf>,
-        dbias: Option<&mut Self::Buf>,
-        dout: &Self::Buf,
-        inp: &Self::Buf,
-        w: &Self::Buf,
-        n: usize,
-        c: usize,
-        oc: usize,
-    );
-
-    /// tanh-approximated GELU, `out (N) = gelu(inp)`.
-    fn gelu_forward(&mut self, out: &mut Self::Buf, inp: &Self::Buf, n: usize);
-    /// In place: `dout := dout * gelu'(inp)`.
-    fn gelu_backward(&mut self, dout: &mut Self::Buf, inp: &Self::Buf, n: usize);
-
-    /// SwiGLU: `out (N,I) = silu(gu[:, :I]) * gu[:, I:]`, `gu (N,2I)`.
-    fn swiglu_forward(&mut self, out: &mut Self::Buf, gu: &Self::Buf, n: usize, i: usize);
-    /// `dgu (N,2I)` from `dout (N,I)` (overwrites).
-    fn swiglu_backward(
-        &mut self,
-        dgu: &mut Self::Buf,
-        dout: &Self::Buf,
-        gu: &Self::Buf,
-        n: usize,
-        i: usize,
-    );
-
-    /// `out (N) = a + b`.
-    fn add(&mut self, out: &mut Self::Buf, a: &Self::Buf, b: &Self::Buf, n: usize);
-
-    /// Rotary embedding in place on the q and k parts of `qkv (B,T,qkv_width)`,
-    /// HF "rotate_half" pairing (i, i + hd/2), frequencies `theta^(-2i/hd)`.
-    fn rope_forward(&mut self, qkv: &mut Self::Buf, s: AttnShape, theta: f32);
-    /// In place: rotates the q and k gradients back (the inverse rotation).
-    fn rope_backward(&mut self, dqkv: &mut Self::Buf, s: AttnShape, theta: f32);
-
-    /// Eager causal attention: saves the probabilities `att (B,H,T,T)`,
-    /// writes `out (B,T,H*hd)` from `qkv (B,T,qkv_width)`.
-    fn attention_forward(
-        &mut self,
-        out: &mut Self::Buf,
-        att: &mut Self::Buf,
-        qkv: &Self::Buf,
-        s: AttnShape,
-    );
-    /// `dqkv (B,T,qkv_width)` (overwrites) from `dout (B,T,H*hd)`; `datt (B,H,T,T)` is scratch.
-    fn attention_backward(
-        &mut self,
-        dqkv: &mut Self::Buf,
-        datt: &mut Self::Buf,
-        dout: &Self::Buf,
-        qkv: &Self::Buf,
-        att: &Self::Buf,
-        s: AttnShape,
-    );
-
-    /// Flash-style causal attention (Dao et al., FlashAttention, 2022): keys and
-    /// values in tiles with an online softmax, so nothing T x T is stored. Writes
-    /// `out (B,T,H*hd)` and saves only the per-row log-sum-exp of the scaled
-    /// scores, `lse (B,H,T)`. `ws` is the declared workspace (scratch for tiles).
-    fn flash_attention_forward(
-        &mut self,
-        out: &mut Self::Buf,
-        lse: &mut Self::Buf,
-        qkv: &Self::Buf,
-        ws: &mut Self::Buf,
-        s: AttnShape,
-    );
-    /// Backward of [`Backend::flash_attention_forward`]: recomputes the
-    /// probabilities tile by tile from `lse`; writes `dqkv` (overwrites).
-    fn flash_attention_backward(
-        &mut self,
-        dqkv: &mut Self::Buf,
-        dout: &Self::Buf,
-        out: &Self::Buf,
-        lse: &Self::Buf,
-        qkv: &Self::Buf,
-        ws: &mut Self::Buf,
-        s: AttnShape,
-    );
-
-    /// Cross-entropy over the first `v` of `vp` columns of `logits (N,Vp)`:
-    /// `losses (N) = logsumexp(logits) - logits[target]`.
-    fn crossentropy_forward(
-        &mut self,
-        losses: &mut Self::Buf,
-        logits: &Self::Buf,
-        targets: &Self::Buf,
-        n: usize,
-        v: usize,
-        vp: usize,
-    );
-    /// In place: `logits := dloss * (softmax(logits) - onehot(target))`, padded columns 0.
-    fn crossentropy_backward(
-        &mut self,
-        logits: &mut Self::Buf,
-        targets: &Self::Buf,
-        dloss: f32,
-        n: usize,
-        v: usize,
-        vp: usize,
-    );
-
-    /// Vocabulary-parallel cross-entropy (Megatron's
-    /// `vocab_parallel_cross_entropy`), step 1 on one part: `logits (N,Vp)`
-    /// are the columns `lo ..` of the vocabulary, the first `v` of them real
-    /// (`v` may be 0). Per row: `stats (N,2) = [max, sum exp(x - max)]` over
-    /// the real columns (`[-inf, 0]` without any), and `tgt (N)` = the
-    /// target's logit when the target is in this part, else 0. All fp32.
-    fn crossentropy_part_stats(
-        &mut self,
-        stats: &mut Self::Buf,
-        tgt: &mut Self::Buf,
-        logits: &Self::Buf,
-        targets: &Self::Buf,
-        n: usize,
-        lo: usize,
-        v: usize,
-        vp: usize,
-    );
-    /// Step 2: from every part's stats, gathered rank after rank into
-    /// `stats (parts,N,2)`, and the summed target logits `tgt (N)`:
-    /// `lse (N) = M + ln(sum_r s_r exp(m_r - M))` with `M = max_r m_r`, and
-    /// `losses (N) = lse - tgt` (the sum in f64).
-    fn crossentropy_combine(
-        &mut self,
-        losses: &mut Self::Buf,
-        lse: &mut Self::Buf,
-        stats: &Self::Buf,
-        tgt: &Self::Buf,
-        n: usize,
-        parts: usize,
-    );
-    /// Step 3, in place on the part: `logits := dloss * exp(logits - lse) -
-    /// dloss * [lo + j == target]` over the real columns, padding 0.
-    fn crossentropy_part_backward(
-        &mut self,
-        logits: &mut Self::Buf,
-        lse: &Self::Buf,
-        targets: &Self::Buf,
-        dloss: f32,
-        n: usize,
-        lo: usize,
-        v: usize,
-        vp: usize,
-    );
-
-    // ---- mixture of experts (`engine::moe`) ------------------------------
-    // A routed row `j` of the permuted buffer holds token `idx[j]`; an
-    // index of `n` or more marks an empty capacity slot. `idx` is `U32`,
-    // `w` (the combine weights) `F32`. Only cpu and meta have these; the
-    // engine refuses experts elsewhere (`engine::validate`).
-
-    /// `out (M,C)`: row j is `x[idx[j]]`, times `w[j]` when given; empty
-    /// slots are zero. `dims` is `(M, N, C)`.
-    fn moe_gather(
-        &mut self,
-        _out: &mut Self::Buf,
-        _x: &Self::Buf,
-        _idx: &Self::Buf,
-        _w: Option<&Self::Buf>,
-        _dims: (usize, usize, usize),
-    ) {
-        no_expert_kernels(self.name())
-    }
-    /// `out (N,C) += w[j] · y[j]` into row `idx[j]` for each routed row
-    /// (`w` = 1 when absent), in row order.
-    fn moe_scatter(
-        &mut self,
-        _out: &mut Self::Buf,
-        _y: &Self::Buf,
-        _idx: &Self::Buf,
-        _w: Option<&Self::Buf>,
-        _dims: (usize, usize, usize),
-    ) {
-        no_expert_kernels(self.name())
-    }
-    /// `out (M) F32`: `a[idx[j]] · b[j]`, zero for an empty slot.
-    fn moe_row_dots(
-        &mut self,
-        _out: &mut Self::Buf,
-        _a: &Self::Buf,
-        _b: &Self::Buf,
-        _idx: &Self::Buf,
-        _dims: (usize, usize, usize),
-    ) {
-        no_expert_kernels(self.name())
-    }
-    /// Each expert's rows: for `e` in order, the next `counts[e]` rows of
-    /// `inp (M,C)` times expert `e`'s `w[e] (OC,C)ᵀ` into the same rows of
-    /// `out (M,OC)` (a grouped GEMM, as Megatron's `GroupedMLP`).
-    fn grouped_matmul_forward(
-        &mut self,
-        _out: &mut Self::Buf,
-        _inp: &Self::Buf,
-        _w: &Self::Buf,
-        _counts: &[usize],
-        _c: usize,
-        _oc: usize,
-    ) {
-        no_expert_kernels(self.name())
-    }
-    /// Its backward, group by group as [`Backend::matmul_backward`]:
-    /// `dinp` overwritten, `dw[e] += doutᵀ inp` unless frozen.
-    #[allow(clippy::too_many_arguments)]
-    fn grouped_matmul_backward(
-        &mut self,
-        _dinp: &mut Self::Buf,
-        _dw: Option<&mut Self::Buf>,
-        _dout: &Self::Buf,
-        _inp: &Self::Buf,
-        _w: &Self::Buf,
-        _counts: &[usize],
-        _c: usize,
-        _oc: usize,
-    ) {
-        no_expert_kernels(self.name())
-    }
 
     /// Sum of squares of `buf`, or `None` on a backend that holds no data.
     fn sum_squares(&mut self, buf: &Self::Buf, n: usize) -> Option<f64>;
 
-    /// One AdamW step on `n` elements (Loshchilov & Hutter, decoupled weight decay):
-    /// `g = grad*grad_scale; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2;
-    /// param -= lr * (m*m_corr / (sqrt(v*v_corr) + eps) + weight_decay*param)`.
-    fn adamw_update(
-        &mut self,
-        param: &mut Self::Buf,
-        grad: &Self::Buf,
-        m: &mut Self::Buf,
-        v: &mut Self::Buf,
-        n: usize,
-        h: AdamHyper,
-    );
-
-    /// 8-bit AdamW (Dettmers et al., 8-bit Optimizers via Block-wise
-    /// Quantization, 2022): `m` and `v` are `U8` codes into the signed and
-    /// unsigned dynamic maps, one fp32 absmax per 256-element block in
-    /// `m_absmax`, `v_absmax` (`ceil(n/256)` each). Dequantise, the AdamW update
-    /// of [`Backend::adamw_update`], requantise.
-    fn adamw8bit_update(
-        &mut self,
-        param: &mut Self::Buf,
-        grad: &Self::Buf,
-        m: &mut Self::Buf,
-        v: &mut Self::Buf,
-        m_absmax: &mut Self::Buf,
-        v_absmax: &mut Self::Buf,
-        n: usize,
-        h: AdamHyper,
-    );
-
-    /// SGD with momentum, PyTorch semantics (L2 weight decay added to the
-    /// gradient, no dampening): `g = grad*grad_scale + wd*param;
-    /// buf = momentum*buf + g; param -= lr*buf`.
-    fn sgd_update(
-        &mut self,
-        param: &mut Self::Buf,
-        grad: &Self::Buf,
-        momentum_buf: &mut Self::Buf,
-        n: usize,
-        h: SgdHyper,
-    );
-
-    /// Adafactor (Shazeer & Stern, 2018) as Hugging Face implements it; see
-    /// [`AdafactorHyper`]. `st` holds the factored (or, for 1-D tensors, full)
-    /// second moment and the optional first moment.
-    fn adafactor_update(
-        &mut self,
-        param: &mut Self::Buf,
-        grad: &Self::Buf,
-        st: AdafactorState<'_, Self::Buf>,
-        h: AdafactorHyper,
-    );
+    // The kernel ops: declared from the one list in `kernel_ops!` above.
+    kernel_ops!(declare_kernel_ops);
 }
 
 /// SGD hyper-parameters for one step.

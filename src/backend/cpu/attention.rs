@@ -29,7 +29,8 @@
 
 use rayon::prelude::*;
 
-use super::{CpuBackend, CpuBuf, dot, exp_f32, sum, vectorized};
+use super::math::{dot, exp_f32, sum, vectorized};
+use super::{CpuBackend, CpuBuf};
 use crate::backend::AttnShape;
 
 /// Query rows per block (FlashAttention's `Br`).

@@ -4,7 +4,8 @@
 
 use rayon::prelude::*;
 
-use super::{GEMM_BLOCK, Mat, Split, SyncPtr, sgemm_blocked};
+use super::matmul::{GEMM_BLOCK, Mat, Split, SyncPtr, sgemm_blocked};
+use super::{CpuBackend, CpuBuf};
 
 /// Row `j` of `out (M,C)`: `x[idx[j]]`, times `w[j]`; zero for an empty slot.
 pub(super) fn gather(
@@ -162,4 +163,83 @@ pub(super) fn grouped_backward(
         }
         r0 += rows;
     }
+}
+
+// ----------------------------------------------------------------------------
+// The `Backend` methods: buffers cut to their shapes, the kernels above on the pool.
+
+pub(super) fn moe_gather(
+    be: &mut CpuBackend,
+    out: &mut CpuBuf,
+    x: &CpuBuf,
+    idx: &CpuBuf,
+    w: Option<&CpuBuf>,
+    (m, n, c): (usize, usize, usize),
+) {
+    let (out, x) = (&mut out.wide_mut()[..m * c], &x.wide()[..n * c]);
+    let (idx, w) = (&idx.as_u32()[..m], w.map(|w| &w.as_f32()[..m]));
+    be.pool.install(|| gather(out, x, idx, w, n, c));
+}
+
+pub(super) fn moe_scatter(
+    be: &mut CpuBackend,
+    out: &mut CpuBuf,
+    y: &CpuBuf,
+    idx: &CpuBuf,
+    w: Option<&CpuBuf>,
+    (m, n, c): (usize, usize, usize),
+) {
+    let (out, y) = (&mut out.wide_mut()[..n * c], &y.wide()[..m * c]);
+    let (idx, w) = (&idx.as_u32()[..m], w.map(|w| &w.as_f32()[..m]));
+    be.pool.install(|| scatter(out, y, idx, w, n, c));
+}
+
+pub(super) fn moe_row_dots(
+    be: &mut CpuBackend,
+    out: &mut CpuBuf,
+    a: &CpuBuf,
+    b: &CpuBuf,
+    idx: &CpuBuf,
+    (m, n, c): (usize, usize, usize),
+) {
+    let (a, b) = (&a.wide()[..n * c], &b.wide()[..m * c]);
+    let (out, idx) = (&mut out.as_f32_mut()[..m], &idx.as_u32()[..m]);
+    be.pool.install(|| row_dots(out, a, b, idx, n, c));
+}
+
+pub(super) fn grouped_matmul_forward(
+    be: &mut CpuBackend,
+    out: &mut CpuBuf,
+    inp: &CpuBuf,
+    w: &CpuBuf,
+    counts: &[usize],
+    c: usize,
+    oc: usize,
+) {
+    let (m, e) = (counts.iter().sum::<usize>(), counts.len());
+    let out = &mut out.wide_mut()[..m * oc];
+    let (inp, w) = (&inp.wide()[..m * c], &w.wide()[..e * oc * c]);
+    be.pool
+        .install(|| grouped_forward(out, inp, w, counts, c, oc));
+}
+
+pub(super) fn grouped_matmul_backward(
+    be: &mut CpuBackend,
+    dinp: &mut CpuBuf,
+    dw: Option<&mut CpuBuf>,
+    dout: &CpuBuf,
+    inp: &CpuBuf,
+    w: &CpuBuf,
+    counts: &[usize],
+    c: usize,
+    oc: usize,
+) {
+    let (m, e) = (counts.iter().sum::<usize>(), counts.len());
+    let dinp = &mut dinp.wide_mut()[..m * c];
+    let mut dw = dw.map(|dw| dw.wide_mut());
+    let dw = dw.as_deref_mut().map(|d| &mut d[..e * oc * c]);
+    let (dout, inp) = (&dout.wide()[..m * oc], &inp.wide()[..m * c]);
+    let w = &w.wide()[..e * oc * c];
+    be.pool
+        .install(|| grouped_backward(dinp, dw, dout, inp, w, counts, c, oc));
 }

@@ -1,4 +1,4 @@
-//! The cpu backend's optimizers beyond AdamW: 8-bit AdamW, SGD, Adafactor.
+//! The cpu backend's optimizers: AdamW, 8-bit AdamW, SGD, Adafactor.
 //!
 //! Same rules as the rest of the cpu backend: flat loops over slices, work cut
 //! into fixed pieces that depend only on the shapes, and every reduction done as
@@ -17,10 +17,11 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+use super::math::vectorized;
 use super::{CpuBackend, CpuBuf};
 use crate::backend::{AdafactorHyper, AdafactorSecond, AdafactorState, AdamHyper, SgdHyper};
 
-/// Elements per rayon task for the elementwise passes (as in `cpu.rs`).
+/// Elements per rayon task for the elementwise passes (as in `math.rs`).
 const ELEMS_PER_TASK: usize = 1 << 14;
 /// Elements per quantisation block of 8-bit AdamW (bitsandbytes' blockwise
 /// optimizers use 256 on the cpu path and in Dettmers et al. 2022).
@@ -30,6 +31,49 @@ const BLOCKS_PER_TASK: usize = ELEMS_PER_TASK / QBLOCK;
 /// Columns per task in Adafactor's column means (each task owns its columns
 /// and walks all rows, so nothing is summed across threads).
 const COLS_PER_TASK: usize = 64;
+
+// ----------------------------------------------------------------------------
+// AdamW
+
+// param, grad, m, v (N).
+pub fn adamw(
+    be: &mut CpuBackend,
+    param: &mut CpuBuf,
+    grad: &CpuBuf,
+    m: &mut CpuBuf,
+    v: &mut CpuBuf,
+    n: usize,
+    h: AdamHyper,
+) {
+    let param = &mut param.wide_mut()[..n];
+    let grad = &grad.wide()[..n];
+    let m = &mut m.wide_mut()[..n];
+    let v = &mut v.wide_mut()[..n];
+    be.pool.install(|| {
+        param
+            .par_chunks_mut(ELEMS_PER_TASK)
+            .zip(m.par_chunks_mut(ELEMS_PER_TASK))
+            .zip(v.par_chunks_mut(ELEMS_PER_TASK))
+            .zip(grad.par_chunks(ELEMS_PER_TASK))
+            .for_each(|(((p, m), v), g)| {
+                vectorized(
+                    #[inline(always)]
+                    || {
+                        for (((p, m), v), &g) in
+                            p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g)
+                        {
+                            let g = g * h.grad_scale;
+                            *m = h.beta1 * *m + (1.0 - h.beta1) * g;
+                            *v = h.beta2 * *v + (1.0 - h.beta2) * g * g;
+                            let m_hat = *m * h.m_corr;
+                            let v_hat = *v * h.v_corr;
+                            *p -= h.lr * (m_hat / (v_hat.sqrt() + h.eps) + h.weight_decay * *p);
+                        }
+                    },
+                )
+            })
+    });
+}
 
 // ----------------------------------------------------------------------------
 // dynamic quantisation maps (8-bit AdamW)
@@ -156,7 +200,7 @@ fn adamw8bit_block(
         // code times absmax 0 is 0.
         let m = smap[mc[j] as usize] * m_scale;
         let v = umap[vc[j] as usize] * v_scale;
-        // exactly adamw_update in cpu.rs
+        // exactly `adamw` above
         let g = g[j] * h.grad_scale;
         let m = h.beta1 * m + (1.0 - h.beta1) * g;
         let v = h.beta2 * v + (1.0 - h.beta2) * g * g;
@@ -294,7 +338,7 @@ fn sum_f64(x: &[f32], f: impl Fn(f32) -> f64) -> f64 {
 }
 
 /// Sum of squares of `x` (n): per-task partial sums over fixed chunks, added
-/// in chunk order (as `sum_squares` in `cpu.rs`).
+/// in chunk order (as `sum_squares` in `loss.rs`).
 fn sum_squares(be: &CpuBackend, x: &[f32]) -> f64 {
     let partial: Vec<f64> = be.pool.install(|| {
         x.par_chunks(ELEMS_PER_TASK)
@@ -623,6 +667,7 @@ fn adafactor_full(
 mod tests {
     use super::*;
     use crate::backend::Backend;
+    use crate::backend::cpu::testutil::{FWD, close};
 
     /// xorshift64*: deterministic inputs without a dependency; uniform in [-1, 1).
     struct Rng(u64);
@@ -673,6 +718,37 @@ mod tests {
             v_corr: 1.0 / (1.0 - b2.powi(t)),
             grad_scale: 0.5,
         }
+    }
+
+    #[test]
+    fn adamw_matches_formula() {
+        let n = 40_000;
+        let mut rng = Rng(12);
+        let (p0, g, m0) = (rng.vec(n), rng.vec(n), rng.vec(n));
+        let v0: Vec<f32> = rng.vec(n).iter().map(|x| x.abs()).collect();
+        let h = AdamHyper {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            m_corr: 1.0 / (1.0 - 0.9f32.powi(3)),
+            v_corr: 1.0 / (1.0 - 0.95f32.powi(3)),
+            grad_scale: 0.5,
+        };
+        let (mut p, mut m, mut v) = (f(&p0), f(&m0), f(&v0));
+        be(2).adamw_update(&mut p, &f(&g), &mut m, &mut v, n, h);
+        let (mut wp, mut wm, mut wv) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        for i in 0..n {
+            let gi = g[i] as f64 * h.grad_scale as f64;
+            wm[i] = h.beta1 as f64 * m0[i] as f64 + (1.0 - h.beta1 as f64) * gi;
+            wv[i] = h.beta2 as f64 * v0[i] as f64 + (1.0 - h.beta2 as f64) * gi * gi;
+            let upd = wm[i] * h.m_corr as f64 / ((wv[i] * h.v_corr as f64).sqrt() + h.eps as f64);
+            wp[i] = p0[i] as f64 - h.lr as f64 * (upd + h.weight_decay as f64 * p0[i] as f64);
+        }
+        close(m.as_f32(), &wm, FWD, "adam m");
+        close(v.as_f32(), &wv, FWD, "adam v");
+        close(p.as_f32(), &wp, FWD, "adam param");
     }
 
     // (a) The formula gives a signed map from -0.99296875 (= -(1 - 0.9/128), the

@@ -2,7 +2,7 @@
 //! (`kernels/optim.cu`).
 //!
 //! Every kernel does the cpu backend's fp32 operations in the cpu's order
-//! (`adamw_update` in `cpu/mod.rs`, `cpu/optim.rs`), with the multiply-adds
+//! (`cpu/optim.rs`), with the multiply-adds
 //! kept out of FMA contraction, so elementwise results are bit-identical to the
 //! cpu's and the 8-bit codes match exactly. Per-step scalars (Adafactor's
 //! `lr_t`, `beta2_t`, the clip divisor) are computed here on the host with the
