@@ -693,6 +693,12 @@ fn secs_str(s: f64) -> String {
 }
 
 /// The report as a table.
+impl crate::report::Report for BalanceReport {
+    fn table(&self) -> String {
+        render_table(self)
+    }
+}
+
 pub fn render_table(r: &BalanceReport) -> String {
     use std::fmt::Write;
     let mut o = String::new();

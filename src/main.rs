@@ -3,7 +3,7 @@ use std::process::ExitCode;
 use clap::Parser;
 
 use memfit::cli::{Cli, Command, DocFormat, Format};
-use memfit::report::run::render_table;
+use memfit::report::Report;
 use memfit::run::run;
 
 /// Whether this command may open the cuda backend: then the NVIDIA
@@ -108,17 +108,6 @@ fn plan_watch(args: &memfit::cli::PlanArgs) -> i32 {
 /// error's exit code (2 bad input, 3 out of memory).
 type Outcome = memfit::error::Result<i32>;
 
-/// A command's result on stdout: pretty JSON, or the table `table` renders.
-fn emit<T: serde::Serialize>(format: Format, value: &T, table: impl FnOnce(&T) -> String) {
-    match format {
-        Format::Json => println!(
-            "{}",
-            serde_json::to_string_pretty(value).expect("reports serialise")
-        ),
-        Format::Table => print!("{}", table(value)),
-    }
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if may_use_cuda(&cli.command) {
@@ -171,7 +160,7 @@ fn main() -> ExitCode {
 /// of memory, a lost rank) after what it measured.
 fn run_main(args: &memfit::cli::RunArgs) -> Outcome {
     let (report, failure) = run(&args.options()?)?;
-    emit(args.format, &report, render_table);
+    report.print(args.format);
     failure.map_or(Ok(0), Err)
 }
 
@@ -194,7 +183,7 @@ fn plan_main(args: &memfit::cli::PlanArgs) -> Outcome {
 /// `memfit models` (`all` false) and `memfit profiles`.
 fn list_main(all: bool, format: Format) -> Outcome {
     let catalog = memfit::profiles_cmd::catalog(all)?;
-    emit(format, &catalog, memfit::profiles_cmd::render_table);
+    catalog.print(format);
     Ok(0)
 }
 
@@ -269,10 +258,10 @@ fn sweep_main(args: &memfit::cli::SweepArgs) -> Outcome {
         },
     };
     let report = memfit::sweep::driver::sweep(&opts)?;
-    emit(args.format, &report, |r| {
-        let table = memfit::sweep::markdown::table(r);
-        format!("{table}reports in {}\n", args.out.display())
-    });
+    report.print(args.format);
+    if args.format == Format::Table {
+        println!("reports in {}", args.out.display());
+    }
     match report.interrupted {
         true => Ok(memfit::sys::signals::stopped_exit_code()),
         false => Ok(0),
@@ -300,12 +289,12 @@ fn trial_main(spec: &str) -> Outcome {
 /// `memfit calibrate`: the host's roofline, from the cache or measured now.
 fn selftest_main(args: &memfit::cli::SelftestArgs) -> Outcome {
     let report = memfit::selftest::selftest(&args.device, args.steps as usize, args.seed)?;
-    emit(args.format, &report, memfit::selftest::render);
+    report.print(args.format);
     Ok(if report.pass { 0 } else { 1 })
 }
 
 fn calibrate_main(args: &memfit::cli::CalibrateArgs) -> Outcome {
-    use memfit::calibrate::{Source, load_or_measure};
+    use memfit::calibrate::load_or_measure;
     if args.threads == Some(0) {
         return Err(invalid("--threads", "must be at least 1"));
     }
@@ -313,32 +302,11 @@ fn calibrate_main(args: &memfit::cli::CalibrateArgs) -> Outcome {
         .threads
         .unwrap_or_else(memfit::calibrate::default_threads);
     let (c, source) = load_or_measure(threads, args.force)?;
-    emit(args.format, &c, |c| {
-        let source = match &source {
-            Source::Cached(p) => format!(
-                "cached in {} (memfit calibrate --force measures again)",
-                p.display()
-            ),
-            Source::Measured => format!("measured in {:.1} s", c.elapsed_s),
-        };
-        [
-            format!("host           {}", c.host),
-            format!("threads        {}", c.threads),
-            format!("GEMM fp32      {:.1} GFLOP/s", c.fp32_flops_per_s / 1e9),
-            format!("GEMM bf16      {:.1} GFLOP/s", c.bf16_flops_per_s / 1e9),
-            format!("GEMM fp16      {:.1} GFLOP/s", c.fp16_flops_per_s / 1e9),
-            format!(
-                "other kernels  {:.1} GFLOP/s fp32, {:.1} 16-bit (attention)",
-                c.fp32_kernel_flops_per_s / 1e9,
-                c.bf16_kernel_flops_per_s / 1e9
-            ),
-            format!("memory         {:.1} GB/s", c.bytes_per_s / 1e9),
-            format!("per op         {:.1} µs", c.op_overhead_s * 1e6),
-            source,
-        ]
-        .map(|line| line + "\n")
-        .concat()
-    });
+    memfit::report::Calibrated {
+        calibration: c,
+        source,
+    }
+    .print(args.format);
     Ok(0)
 }
 
@@ -370,7 +338,7 @@ fn tui_main(args: &memfit::cli::TuiArgs) -> Outcome {
 /// capacity (the best one is still printed) or --verify's run runs out of memory.
 fn balance_main(args: &memfit::cli::BalanceArgs) -> Outcome {
     let report = memfit::balance_cmd::balance(&args.options()?)?;
-    emit(args.format, &report, memfit::balance_cmd::render_table);
+    report.print(args.format);
     if report
         .verify
         .iter()

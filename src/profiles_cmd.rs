@@ -202,6 +202,12 @@ pub fn catalog(all: bool) -> Result<Catalog> {
 }
 
 /// The catalog as aligned tables, one per kind of profile.
+impl crate::report::Report for Catalog {
+    fn table(&self) -> String {
+        render_table(self)
+    }
+}
+
 pub fn render_table(c: &Catalog) -> String {
     let mut s = String::new();
     let w = (c.models.iter().map(|m| m.name.len()).max().unwrap_or(0)).max(16);

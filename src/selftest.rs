@@ -301,6 +301,12 @@ pub fn selftest(device: &DeviceSpec, steps: usize, seed: u64) -> Result<Selftest
 }
 
 /// The report as tables.
+impl crate::report::Report for SelftestReport {
+    fn table(&self) -> String {
+        render(self)
+    }
+}
+
 pub fn render(r: &SelftestReport) -> String {
     use crate::units::fmt_bytes;
     let mut s = String::new();

@@ -15,6 +15,20 @@ pub fn fmt_bytes(bytes: u64) -> String {
     format!("{value:.2} {}", UNITS[unit])
 }
 
+/// `part` as a percentage of `whole`; 0 when `whole` is 0 (no capacity
+/// known).
+pub fn percent_of(part: f64, whole: u64) -> f64 {
+    match whole {
+        0 => 0.0,
+        w => part / w as f64 * 100.0,
+    }
+}
+
+/// A change in percent, signed, one decimal: `+12.5%`, `-0.3%`.
+pub fn fmt_signed_pct(p: f64) -> String {
+    format!("{p:+.1}%")
+}
+
 /// A signed size: `+1.00 MiB`, `-1.00 MiB` (a margin, a difference).
 pub fn fmt_signed_bytes(b: i64) -> String {
     match b < 0 {
@@ -122,6 +136,15 @@ pub fn positive_bytes(b: u64) -> Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn percentages() {
+        assert_eq!(percent_of(20.0, 80), 25.0);
+        assert_eq!(percent_of(5.0, 0), 0.0, "no capacity known");
+        assert_eq!(fmt_signed_pct(12.54), "+12.5%");
+        assert_eq!(fmt_signed_pct(-0.3), "-0.3%");
+        assert_eq!(fmt_signed_pct(0.0), "+0.0%");
+    }
 
     #[test]
     fn iec_unit_is_the_unit_fmt_bytes_writes() {

@@ -4,6 +4,65 @@
 pub mod run;
 pub mod sweep;
 
+/// A command's result: one JSON document for scripts (`--format json`, its
+/// `Serialize`), or a table for a terminal. Every command that prints a
+/// result prints it through [`Report::print`].
+pub trait Report: serde::Serialize {
+    /// The result as aligned text, each line ended.
+    fn table(&self) -> String;
+
+    /// Writes the result on stdout in `format`.
+    fn print(&self, format: Format) {
+        match format {
+            Format::Json => println!(
+                "{}",
+                serde_json::to_string_pretty(self).expect("reports serialise")
+            ),
+            Format::Table => print!("{}", self.table()),
+        }
+    }
+}
+
+/// `memfit calibrate`'s result: the calibration (the JSON) and where it
+/// came from (the table's last line).
+#[derive(serde::Serialize)]
+#[serde(transparent)]
+pub struct Calibrated {
+    pub calibration: crate::calibrate::Calibration,
+    #[serde(skip)]
+    pub source: crate::calibrate::Source,
+}
+
+impl Report for Calibrated {
+    fn table(&self) -> String {
+        let c = &self.calibration;
+        let source = match &self.source {
+            crate::calibrate::Source::Cached(p) => format!(
+                "cached in {} (memfit calibrate --force measures again)",
+                p.display()
+            ),
+            crate::calibrate::Source::Measured => format!("measured in {:.1} s", c.elapsed_s),
+        };
+        [
+            format!("host           {}", c.host),
+            format!("threads        {}", c.threads),
+            format!("GEMM fp32      {:.1} GFLOP/s", c.fp32_flops_per_s / 1e9),
+            format!("GEMM bf16      {:.1} GFLOP/s", c.bf16_flops_per_s / 1e9),
+            format!("GEMM fp16      {:.1} GFLOP/s", c.fp16_flops_per_s / 1e9),
+            format!(
+                "other kernels  {:.1} GFLOP/s fp32, {:.1} 16-bit (attention)",
+                c.fp32_kernel_flops_per_s / 1e9,
+                c.bf16_kernel_flops_per_s / 1e9
+            ),
+            format!("memory         {:.1} GB/s", c.bytes_per_s / 1e9),
+            format!("per op         {:.1} µs", c.op_overhead_s * 1e6),
+            source,
+        ]
+        .map(|line| line + "\n")
+        .concat()
+    }
+}
+
 /// How a command writes its result (`--format`): the commands whose
 /// result is a document to paste take [`DocFormat`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

@@ -228,6 +228,12 @@ pub fn summarise_ranks(report: &mut RunReport) {
 }
 
 /// The human-readable report.
+impl super::Report for RunReport {
+    fn table(&self) -> String {
+        render_table(self)
+    }
+}
+
 pub fn render_table(r: &RunReport) -> String {
     let mut s = String::new();
     write_setup(&mut s, r);

@@ -78,7 +78,7 @@ fn opt_bytes(v: Option<u64>) -> String {
 
 fn fmt_pct(v: Option<f64>) -> String {
     match v {
-        Some(v) if v.is_finite() => format!("{v:+.1}%"),
+        Some(v) if v.is_finite() => crate::units::fmt_signed_pct(v),
         _ => NA.to_string(),
     }
 }

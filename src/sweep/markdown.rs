@@ -29,7 +29,7 @@ pub fn outcome_words(o: Outcome) -> &'static str {
 }
 
 fn pct(x: Option<f64>) -> String {
-    x.map_or("-".into(), |x| format!("{x:+.1}%"))
+    x.map_or("-".into(), crate::units::fmt_signed_pct)
 }
 
 /// Measured / predicted, e.g. `1.32x`.
@@ -492,6 +492,12 @@ pub fn nvml_section(report: &SweepReport) -> String {
 }
 
 /// The terminal summary: the same rows, aligned.
+impl crate::report::Report for SweepReport {
+    fn table(&self) -> String {
+        table(self)
+    }
+}
+
 pub fn table(report: &SweepReport) -> String {
     let rows = rows(report);
     let heads = headers(report);

@@ -232,11 +232,7 @@ pub fn fmt_elapsed(s: f64) -> String {
 }
 
 fn pct(b: f64, capacity: u64) -> f64 {
-    if capacity == 0 {
-        0.0
-    } else {
-        b / capacity as f64 * 100.0
-    }
+    crate::units::percent_of(b, capacity)
 }
 
 /// A margin ([`Row::margin`]) as every panel shows it: signed, `~` when
@@ -1762,7 +1758,7 @@ fn comparison_lines(app: &App, r: &Row) -> Vec<Line<'static>> {
         ));
     }
     if let Some(rec) = rec {
-        let e = |x: Option<f64>| x.map_or("-".into(), |x| format!("{x:+.1}%"));
+        let e = |x: Option<f64>| x.map_or("-".into(), crate::units::fmt_signed_pct);
         v.push(kv(
             "error",
             format!(

@@ -794,7 +794,7 @@ fn fmt_pct_of(b: u64, total: u64) -> String {
     if total == 0 {
         "?".into()
     } else {
-        format!("{:.1}", b as f64 / total as f64 * 100.0)
+        format!("{:.1}", crate::units::percent_of(b as f64, total))
     }
 }
 

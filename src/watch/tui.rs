@@ -91,11 +91,7 @@ fn fg(st: &WatchState, c: Color) -> Style {
 }
 
 fn pct(b: u64, total: u64) -> f64 {
-    if total == 0 {
-        0.0
-    } else {
-        b as f64 / total as f64 * 100.0
-    }
+    crate::units::percent_of(b as f64, total)
 }
 
 fn title_line(st: &WatchState, w: usize) -> Line<'static> {
