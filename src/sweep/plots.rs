@@ -1838,16 +1838,7 @@ pub(crate) mod tests {
             sharding: Sharding::None,
             gpus: 1,
             grad_accum: 16 / micro_batch,
-            framework: Default::default(),
-            finetune: Default::default(),
-            offload: Default::default(),
-            pipeline_stages: 1,
-            shard_group: None,
-            tensor_parallel: 1,
-            hpz_group: None,
-            sequence_parallel: false,
-            loss: Default::default(),
-            capacity_factor: Default::default(),
+            ..Point::default()
         }
     }
 

@@ -1121,16 +1121,7 @@ pub(crate) mod testdata {
             sharding,
             gpus: 1,
             grad_accum: 16 / mb,
-            framework: Default::default(),
-            finetune: Default::default(),
-            offload: Default::default(),
-            pipeline_stages: 1,
-            shard_group: None,
-            tensor_parallel: 1,
-            hpz_group: None,
-            sequence_parallel: false,
-            loss: Default::default(),
-            capacity_factor: Default::default(),
+            ..Point::default()
         }
     }
 

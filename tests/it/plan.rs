@@ -114,16 +114,7 @@ fn point(sharding: Sharding, gpus: usize) -> Point {
         sharding,
         gpus,
         grad_accum: 1,
-        framework: Default::default(),
-        finetune: Default::default(),
-        offload: Default::default(),
-        pipeline_stages: 1,
-        shard_group: None,
-        tensor_parallel: 1,
-        hpz_group: None,
-        sequence_parallel: false,
-        loss: Default::default(),
-        capacity_factor: Default::default(),
+        ..Point::default()
     }
 }
 
