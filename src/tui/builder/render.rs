@@ -258,7 +258,7 @@ fn render_form(b: &Builder, f: &mut Frame, area: Rect) {
     let lab_w = 11;
     let mut lines: Vec<Line<'static>> = Vec::new();
     let (mut sel_first, mut sel_last) = (0, 0);
-    for (i, field) in fields().into_iter().enumerate() {
+    for (i, field) in fields(b).into_iter().enumerate() {
         let selected = i == b.field;
         let lab_style = match (selected, focus) {
             (true, true) => bold().add_modifier(Modifier::REVERSED),

@@ -48,8 +48,12 @@ impl Field {
     }
 }
 
-/// The form, top to bottom.
-pub fn fields() -> Vec<Field> {
+/// The form, top to bottom: the capacity factor only for a mixture of
+/// experts (the last model that planned has experts), or while the grid
+/// lists a capacity, so that it can be taken out again.
+pub fn fields(b: &Builder) -> Vec<Field> {
+    let experts = (b.planned.as_ref()).is_some_and(|p| p.model.moe.is_some())
+        || (b.recipe.grid.capacity_factor.iter()).any(|c| !c.is_dropless());
     let mut v = vec![
         Field::Model,
         Field::Hardware,
@@ -58,7 +62,11 @@ pub fn fields() -> Vec<Field> {
         Field::SeqLen,
         Field::GlobalBatch,
     ];
-    v.extend(AXES.iter().map(|&a| Field::Axis(a)));
+    v.extend(
+        (AXES.iter())
+            .filter(|&&a| experts || a != Axis::CapacityFactor)
+            .map(|&a| Field::Axis(a)),
+    );
     v.push(Field::LoraRank);
     v
 }
@@ -235,7 +243,7 @@ impl Builder {
     }
 
     pub fn current_field(&self) -> Field {
-        let f = fields();
+        let f = fields(self);
         f[self.field.min(f.len() - 1)]
     }
 
@@ -431,7 +439,7 @@ fn on_key(b: &mut Builder, k: Key) -> Vec<Action> {
         Key::Up | Key::Char('k') => return move_by(b, -1),
         Key::Down | Key::Char('j') => return move_by(b, 1),
         Key::Home | Key::Char('g') if b.focus == Focus::Form => b.field = 0,
-        Key::End | Key::Char('G') if b.focus == Focus::Form => b.field = fields().len() - 1,
+        Key::End | Key::Char('G') if b.focus == Focus::Form => b.field = fields(b).len() - 1,
         Key::Left | Key::Char('h') => return step(b, -1),
         Key::Right | Key::Char('l') => return step(b, 1),
         Key::PageUp => b.scroll = b.scroll.saturating_sub(page(b)),
@@ -489,7 +497,7 @@ fn page(b: &Builder) -> u16 {
 fn move_by(b: &mut Builder, d: isize) -> Vec<Action> {
     match b.focus {
         Focus::Form => {
-            let n = fields().len() as isize;
+            let n = fields(b).len() as isize;
             b.field = (b.field as isize + d).clamp(0, n - 1) as usize;
             if let Field::Axis(a) = b.current_field() {
                 let n = a.options(&b.recipe.grid).len();

@@ -54,7 +54,7 @@ fn key(b: &mut Builder, k: Key) -> Vec<Action> {
 /// Puts the form's cursor on `f`.
 fn go(b: &mut Builder, f: Field) {
     b.focus = Focus::Form;
-    b.field = fields().iter().position(|x| *x == f).unwrap();
+    b.field = fields(b).iter().position(|x| *x == f).unwrap();
 }
 
 fn draw(b: &Builder, w: u16, h: u16) -> Vec<String> {
@@ -497,6 +497,17 @@ fn a_grid_too_big_to_replan_on_each_key_says_so() {
     r.grid.pipeline_stages = vec![1, 2, 4];
     let e = replan(&r).unwrap_err();
     assert!(e.starts_with("the grid has 5760 points"), "{e}");
+}
+
+/// A dense model's form has no capacity factor row: each value would be a
+/// point the planner refuses.
+#[test]
+fn a_dense_model_is_offered_no_capacity_factor() {
+    let b = started();
+    let dense = b.planned.as_ref().expect("the quickstart plans");
+    assert!(dense.model.moe.is_none());
+    assert!(!fields(&b).contains(&Field::Axis(Axis::CapacityFactor)));
+    assert!(fields(&b).contains(&Field::Axis(Axis::Loss)));
 }
 
 /// The form offers the capacity factor (dropless first): toggled on for a
