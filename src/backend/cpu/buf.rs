@@ -233,7 +233,7 @@ pub(super) fn free(be: &mut CpuBackend, buf: CpuBuf) {
 
 /// Copies `src` into the start of `dst` (which must be at least as long),
 /// rounding to nearest even when `dst` is 16-bit.
-pub(super) fn upload_f32(dst: &mut CpuBuf, src: &[f32]) {
+pub(super) fn upload_f32(_: &mut CpuBackend, dst: &mut CpuBuf, src: &[f32]) {
     assert!(
         src.len() <= dst.len(),
         "upload of {} f32 into a buffer of {}",
@@ -248,14 +248,14 @@ pub(super) fn upload_f32(dst: &mut CpuBuf, src: &[f32]) {
     }
 }
 
-pub(super) fn upload_u8(dst: &mut CpuBuf, src: &[u8]) {
+pub(super) fn upload_u8(_: &mut CpuBackend, dst: &mut CpuBuf, src: &[u8]) {
     match dst {
         CpuBuf::U8(d) => d[..src.len()].copy_from_slice(src),
         other => dtype_mismatch(DType::U8, other.dtype()),
     }
 }
 
-pub(super) fn nf4_dequantize(out: &mut CpuBuf, src: &CpuBuf, numel: usize) {
+pub(super) fn nf4_dequantize(_: &mut CpuBackend, out: &mut CpuBuf, src: &CpuBuf, numel: usize) {
     let CpuBuf::U8(bytes) = src else {
         dtype_mismatch(DType::U8, src.dtype())
     };
@@ -263,7 +263,7 @@ pub(super) fn nf4_dequantize(out: &mut CpuBuf, src: &CpuBuf, numel: usize) {
     crate::nf4::dequantize_bytes(bytes, numel, &mut wide[..numel]);
 }
 
-pub(super) fn upload_u32(dst: &mut CpuBuf, src: &[u32]) {
+pub(super) fn upload_u32(_: &mut CpuBackend, dst: &mut CpuBuf, src: &[u32]) {
     let dst = dst.as_u32_mut();
     assert!(
         src.len() <= dst.len(),
@@ -275,6 +275,7 @@ pub(super) fn upload_u32(dst: &mut CpuBuf, src: &[u32]) {
 }
 
 pub(super) fn copy_slice(
+    _: &mut CpuBackend,
     dst: &mut CpuBuf,
     dst_off: usize,
     src: &CpuBuf,

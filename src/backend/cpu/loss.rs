@@ -144,6 +144,7 @@ pub(super) fn crossentropy_part_stats(
 
 // lse = M + ln(sum_r s_r exp(m_r - M)) over the parts, losses = lse - tgt.
 pub(super) fn crossentropy_combine(
+    _: &mut CpuBackend,
     losses: &mut CpuBuf,
     lse: &mut CpuBuf,
     stats: &CpuBuf,

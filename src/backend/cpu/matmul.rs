@@ -283,6 +283,7 @@ pub(super) fn backward(
 }
 
 pub(super) fn copy_cols(
+    _: &mut CpuBackend,
     dst: &mut CpuBuf,
     dst_cols: usize,
     dst_off: usize,

@@ -46,8 +46,10 @@ mod testutil;
 
 use std::collections::HashMap;
 
+// The optimizer types are named by `kernel_ops!`'s signatures, which
+// resolve here.
 use crate::backend::{
-    AdafactorHyper, AdafactorState, AdamHyper, AttnShape, Backend, DType, SgdHyper,
+    AdafactorHyper, AdafactorState, AdamHyper, AttnShape, Backend, DType, SgdHyper, kernel_ops,
 };
 
 pub use buf::{CpuBuf, WideMut};
@@ -120,6 +122,58 @@ impl CpuBackend {
     }
 }
 
+/// Every kernel op under the trait method's name, each taking the backend
+/// then the method's arguments: what `forward_kernel_ops` calls.
+mod ops {
+    pub(super) use super::attention::{
+        backward as flash_attention_backward, forward as flash_attention_forward,
+    };
+    pub(super) use super::buf::{
+        convert, copy_slice, fill, nf4_dequantize, upload_f32, upload_u8, upload_u32,
+    };
+    pub(super) use super::eager_attention::{
+        backward as attention_backward, forward as attention_forward,
+    };
+    pub(super) use super::elementwise::{
+        add, gelu_backward, gelu_forward, swiglu_backward, swiglu_forward,
+    };
+    pub(super) use super::embed::{
+        backward_rows as embed_backward_rows, forward_rows as embed_forward_rows,
+    };
+    pub(super) use super::loss::{
+        crossentropy_backward, crossentropy_combine, crossentropy_forward,
+        crossentropy_part_backward, crossentropy_part_stats,
+    };
+    pub(super) use super::matmul::{
+        backward as matmul_backward, copy_cols, forward as matmul_forward,
+    };
+    pub(super) use super::moe::{
+        grouped_matmul_backward, grouped_matmul_forward, moe_gather, moe_row_dots, moe_scatter,
+    };
+    pub(super) use super::norm::{
+        layernorm_backward, layernorm_forward, rmsnorm_backward, rmsnorm_forward,
+    };
+    pub(super) use super::optim::{
+        adafactor as adafactor_update, adamw as adamw_update, adamw8bit as adamw8bit_update,
+        sgd as sgd_update,
+    };
+    pub(super) use super::rope::{backward as rope_backward, forward as rope_forward};
+}
+
+/// `kernel_ops!`'s entries on cpu: each method passes the backend and its
+/// arguments, in order, to the function of its name in [`ops`], so cpu
+/// spells no kernel's parameters either (the functions themselves do).
+macro_rules! forward_kernel_ops {
+    ($(
+        $(#[$attr:meta])*
+        fn $name:ident(&mut $self:ident $(, $arg:ident: $ty:ty)* $(,)?) $tail:tt
+    )*) => {
+        $(fn $name(&mut $self $(, $arg: $ty)*) {
+            ops::$name($self $(, $arg)*)
+        })*
+    };
+}
+
 impl Backend for CpuBackend {
     type Buf = CpuBuf;
 
@@ -139,434 +193,19 @@ impl Backend for CpuBackend {
         workspace_bytes(s, fused)
     }
 
-    fn upload_f32(&mut self, dst: &mut CpuBuf, src: &[f32]) {
-        buf::upload_f32(dst, src)
-    }
-
     fn reads_nf4(&self) -> bool {
         true
-    }
-
-    fn upload_u8(&mut self, dst: &mut CpuBuf, src: &[u8]) {
-        buf::upload_u8(dst, src)
-    }
-
-    fn nf4_dequantize(&mut self, out: &mut CpuBuf, src: &CpuBuf, numel: usize) {
-        buf::nf4_dequantize(out, src, numel)
-    }
-
-    fn upload_u32(&mut self, dst: &mut CpuBuf, src: &[u32]) {
-        buf::upload_u32(dst, src)
     }
 
     fn download_f32(&self, src: &CpuBuf) -> Option<Vec<f32>> {
         Some(src.wide().into_owned())
     }
 
-    fn copy_slice(
-        &mut self,
-        dst: &mut CpuBuf,
-        dst_off: usize,
-        src: &CpuBuf,
-        src_off: usize,
-        n: usize,
-        accumulate: bool,
-    ) {
-        buf::copy_slice(dst, dst_off, src, src_off, n, accumulate)
-    }
-
-    fn convert(&mut self, dst: &mut CpuBuf, src: &CpuBuf, n: usize) {
-        buf::convert(self, dst, src, n)
-    }
-
-    fn fill(&mut self, buf: &mut CpuBuf, value: f32) {
-        buf::fill(self, buf, value)
-    }
-
-    fn embed_forward_rows(
-        &mut self,
-        out: &mut CpuBuf,
-        tokens: &CpuBuf,
-        wte: &CpuBuf,
-        wpe: Option<&CpuBuf>,
-        n: usize,
-        t: usize,
-        c: usize,
-        part: Option<usize>,
-    ) {
-        embed::forward_rows(self, out, tokens, wte, wpe, n, t, c, part)
-    }
-
-    fn embed_backward_rows(
-        &mut self,
-        dwte: &mut CpuBuf,
-        dwpe: Option<&mut CpuBuf>,
-        dout: &CpuBuf,
-        tokens: &CpuBuf,
-        n: usize,
-        t: usize,
-        c: usize,
-        part: Option<usize>,
-    ) {
-        embed::backward_rows(self, dwte, dwpe, dout, tokens, n, t, c, part)
-    }
-
-    fn layernorm_forward(
-        &mut self,
-        out: &mut CpuBuf,
-        mean: &mut CpuBuf,
-        rstd: &mut CpuBuf,
-        inp: &CpuBuf,
-        w: &CpuBuf,
-        b: Option<&CpuBuf>,
-        n: usize,
-        c: usize,
-        eps: f32,
-    ) {
-        norm::layernorm_forward(self, out, mean, rstd, inp, w, b, n, c, eps)
-    }
-
-    fn layernorm_backward(
-        &mut self,
-        dinp: &mut CpuBuf,
-        dw: &mut CpuBuf,
-        db: Option<&mut CpuBuf>,
-        dout: &CpuBuf,
-        inp: &CpuBuf,
-        w: &CpuBuf,
-        mean: &CpuBuf,
-        rstd: &CpuBuf,
-        n: usize,
-        c: usize,
-    ) {
-        norm::layernorm_backward(self, dinp, dw, db, dout, inp, w, mean, rstd, n, c)
-    }
-
-    fn rmsnorm_forward(
-        &mut self,
-        out: &mut CpuBuf,
-        rstd: &mut CpuBuf,
-        inp: &CpuBuf,
-        w: &CpuBuf,
-        n: usize,
-        c: usize,
-        eps: f32,
-    ) {
-        norm::rmsnorm_forward(self, out, rstd, inp, w, n, c, eps)
-    }
-
-    fn rmsnorm_backward(
-        &mut self,
-        dinp: &mut CpuBuf,
-        dw: &mut CpuBuf,
-        dout: &CpuBuf,
-        inp: &CpuBuf,
-        w: &CpuBuf,
-        rstd: &CpuBuf,
-        n: usize,
-        c: usize,
-    ) {
-        norm::rmsnorm_backward(self, dinp, dw, dout, inp, w, rstd, n, c)
-    }
-
-    fn matmul_forward(
-        &mut self,
-        out: &mut CpuBuf,
-        inp: &CpuBuf,
-        w: &CpuBuf,
-        bias: Option<&CpuBuf>,
-        n: usize,
-        c: usize,
-        oc: usize,
-    ) {
-        matmul::forward(self, out, inp, w, bias, n, c, oc)
-    }
-
-    fn matmul_backward(
-        &mut self,
-        dinp: &mut CpuBuf,
-        dw: Option<&mut CpuBuf>,
-        dbias: Option<&mut CpuBuf>,
-        dout: &CpuBuf,
-        inp: &CpuBuf,
-        w: &CpuBuf,
-        n: usize,
-        c: usize,
-        oc: usize,
-    ) {
-        matmul::backward(self, dinp, dw, dbias, dout, inp, w, n, c, oc)
-    }
-
-    fn moe_gather(
-        &mut self,
-        out: &mut CpuBuf,
-        x: &CpuBuf,
-        idx: &CpuBuf,
-        w: Option<&CpuBuf>,
-        dims: (usize, usize, usize),
-    ) {
-        moe::moe_gather(self, out, x, idx, w, dims)
-    }
-
-    fn moe_scatter(
-        &mut self,
-        out: &mut CpuBuf,
-        y: &CpuBuf,
-        idx: &CpuBuf,
-        w: Option<&CpuBuf>,
-        dims: (usize, usize, usize),
-    ) {
-        moe::moe_scatter(self, out, y, idx, w, dims)
-    }
-
-    fn moe_row_dots(
-        &mut self,
-        out: &mut CpuBuf,
-        a: &CpuBuf,
-        b: &CpuBuf,
-        idx: &CpuBuf,
-        dims: (usize, usize, usize),
-    ) {
-        moe::moe_row_dots(self, out, a, b, idx, dims)
-    }
-
-    fn grouped_matmul_forward(
-        &mut self,
-        out: &mut CpuBuf,
-        inp: &CpuBuf,
-        w: &CpuBuf,
-        counts: &[usize],
-        c: usize,
-        oc: usize,
-    ) {
-        moe::grouped_matmul_forward(self, out, inp, w, counts, c, oc)
-    }
-
-    fn grouped_matmul_backward(
-        &mut self,
-        dinp: &mut CpuBuf,
-        dw: Option<&mut CpuBuf>,
-        dout: &CpuBuf,
-        inp: &CpuBuf,
-        w: &CpuBuf,
-        counts: &[usize],
-        c: usize,
-        oc: usize,
-    ) {
-        moe::grouped_matmul_backward(self, dinp, dw, dout, inp, w, counts, c, oc)
-    }
-
-    fn copy_cols(
-        &mut self,
-        dst: &mut CpuBuf,
-        dst_cols: usize,
-        dst_off: usize,
-        src: &CpuBuf,
-        src_cols: usize,
-        src_off: usize,
-        rows: usize,
-        width: usize,
-        scale: f32,
-        accumulate: bool,
-    ) {
-        matmul::copy_cols(
-            dst, dst_cols, dst_off, src, src_cols, src_off, rows, width, scale, accumulate,
-        )
-    }
-
-    fn gelu_forward(&mut self, out: &mut CpuBuf, inp: &CpuBuf, n: usize) {
-        elementwise::gelu_forward(self, out, inp, n)
-    }
-
-    fn gelu_backward(&mut self, dout: &mut CpuBuf, inp: &CpuBuf, n: usize) {
-        elementwise::gelu_backward(self, dout, inp, n)
-    }
-
-    fn swiglu_forward(&mut self, out: &mut CpuBuf, gu: &CpuBuf, n: usize, i: usize) {
-        elementwise::swiglu_forward(self, out, gu, n, i)
-    }
-
-    fn swiglu_backward(
-        &mut self,
-        dgu: &mut CpuBuf,
-        dout: &CpuBuf,
-        gu: &CpuBuf,
-        n: usize,
-        i: usize,
-    ) {
-        elementwise::swiglu_backward(self, dgu, dout, gu, n, i)
-    }
-
-    fn add(&mut self, out: &mut CpuBuf, a: &CpuBuf, b: &CpuBuf, n: usize) {
-        elementwise::add(self, out, a, b, n)
-    }
-
-    fn rope_forward(&mut self, qkv: &mut CpuBuf, s: AttnShape, theta: f32) {
-        rope::forward(self, qkv, s, theta)
-    }
-
-    fn rope_backward(&mut self, dqkv: &mut CpuBuf, s: AttnShape, theta: f32) {
-        rope::backward(self, dqkv, s, theta)
-    }
-
-    fn attention_forward(
-        &mut self,
-        out: &mut CpuBuf,
-        att: &mut CpuBuf,
-        qkv: &CpuBuf,
-        s: AttnShape,
-    ) {
-        eager_attention::forward(self, out, att, qkv, s)
-    }
-
-    fn attention_backward(
-        &mut self,
-        dqkv: &mut CpuBuf,
-        datt: &mut CpuBuf,
-        dout: &CpuBuf,
-        qkv: &CpuBuf,
-        att: &CpuBuf,
-        s: AttnShape,
-    ) {
-        eager_attention::backward(self, dqkv, datt, dout, qkv, att, s)
-    }
-
-    fn crossentropy_forward(
-        &mut self,
-        losses: &mut CpuBuf,
-        logits: &CpuBuf,
-        targets: &CpuBuf,
-        n: usize,
-        v: usize,
-        vp: usize,
-    ) {
-        loss::crossentropy_forward(self, losses, logits, targets, n, v, vp)
-    }
-
-    fn crossentropy_backward(
-        &mut self,
-        logits: &mut CpuBuf,
-        targets: &CpuBuf,
-        dloss: f32,
-        n: usize,
-        v: usize,
-        vp: usize,
-    ) {
-        loss::crossentropy_backward(self, logits, targets, dloss, n, v, vp)
-    }
-
-    fn crossentropy_part_stats(
-        &mut self,
-        stats: &mut CpuBuf,
-        tgt: &mut CpuBuf,
-        logits: &CpuBuf,
-        targets: &CpuBuf,
-        n: usize,
-        lo: usize,
-        v: usize,
-        vp: usize,
-    ) {
-        loss::crossentropy_part_stats(self, stats, tgt, logits, targets, n, lo, v, vp)
-    }
-
-    fn crossentropy_combine(
-        &mut self,
-        losses: &mut CpuBuf,
-        lse: &mut CpuBuf,
-        stats: &CpuBuf,
-        tgt: &CpuBuf,
-        n: usize,
-        parts: usize,
-    ) {
-        loss::crossentropy_combine(losses, lse, stats, tgt, n, parts)
-    }
-
-    fn crossentropy_part_backward(
-        &mut self,
-        logits: &mut CpuBuf,
-        lse: &CpuBuf,
-        targets: &CpuBuf,
-        dloss: f32,
-        n: usize,
-        lo: usize,
-        v: usize,
-        vp: usize,
-    ) {
-        loss::crossentropy_part_backward(self, logits, lse, targets, dloss, n, lo, v, vp)
-    }
-
     fn sum_squares(&mut self, buf: &CpuBuf, n: usize) -> Option<f64> {
         loss::sum_squares(self, buf, n)
     }
 
-    fn adamw_update(
-        &mut self,
-        param: &mut CpuBuf,
-        grad: &CpuBuf,
-        m: &mut CpuBuf,
-        v: &mut CpuBuf,
-        n: usize,
-        h: AdamHyper,
-    ) {
-        optim::adamw(self, param, grad, m, v, n, h)
-    }
-
-    fn flash_attention_forward(
-        &mut self,
-        out: &mut CpuBuf,
-        lse: &mut CpuBuf,
-        qkv: &CpuBuf,
-        ws: &mut CpuBuf,
-        s: AttnShape,
-    ) {
-        attention::forward(self, out, lse, qkv, ws, s)
-    }
-
-    fn flash_attention_backward(
-        &mut self,
-        dqkv: &mut CpuBuf,
-        dout: &CpuBuf,
-        out: &CpuBuf,
-        lse: &CpuBuf,
-        qkv: &CpuBuf,
-        ws: &mut CpuBuf,
-        s: AttnShape,
-    ) {
-        attention::backward(self, dqkv, dout, out, lse, qkv, ws, s)
-    }
-
-    fn adamw8bit_update(
-        &mut self,
-        param: &mut CpuBuf,
-        grad: &CpuBuf,
-        m: &mut CpuBuf,
-        v: &mut CpuBuf,
-        m_absmax: &mut CpuBuf,
-        v_absmax: &mut CpuBuf,
-        n: usize,
-        h: AdamHyper,
-    ) {
-        optim::adamw8bit(self, param, grad, m, v, m_absmax, v_absmax, n, h)
-    }
-
-    fn sgd_update(
-        &mut self,
-        param: &mut CpuBuf,
-        grad: &CpuBuf,
-        momentum_buf: &mut CpuBuf,
-        n: usize,
-        h: SgdHyper,
-    ) {
-        optim::sgd(self, param, grad, momentum_buf, n, h)
-    }
-
-    fn adafactor_update(
-        &mut self,
-        param: &mut CpuBuf,
-        grad: &CpuBuf,
-        st: AdafactorState<'_, CpuBuf>,
-        h: AdafactorHyper,
-    ) {
-        optim::adafactor(self, param, grad, st, h)
-    }
+    // The kernel ops: each forwards to its op group's function of the same
+    // name (`ops`), generated from the trait's one list.
+    kernel_ops!(forward_kernel_ops);
 }
