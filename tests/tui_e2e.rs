@@ -36,6 +36,26 @@ fn wait_for(session: &str, what: &[&str], secs: u64) -> String {
     }
 }
 
+/// The pane and the rows of panel `title` once a capture shows its whole
+/// top border:
+/// a capture taken while the terminal redraws after a resize can hold the
+/// title before the border's right corner.
+fn settled_panel(session: &str, title: &str, secs: u64) -> (String, Vec<String>) {
+    let start = Instant::now();
+    let head = format!("┌{title}");
+    loop {
+        let pane = wait_for(session, &[&head], secs);
+        let whole = (pane.lines())
+            .find(|l| l.contains(&head))
+            .is_some_and(|l| l.split_once(&head).is_some_and(|(_, r)| r.contains('┐')));
+        if whole || start.elapsed() >= Duration::from_secs(secs) {
+            let rows = panel_rows(&pane, title);
+            return (pane, rows);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 fn keys(session: &str, k: &str) {
     tmux(&["send-keys", "-t", session, k]);
     std::thread::sleep(Duration::from_millis(400));
@@ -192,8 +212,7 @@ fn tui_runs_a_sweep_in_tmux_and_quits_cleanly() {
         // 140x45: the recommendation panel never ends mid-sentence; what
         // it leaves out, it says `w` shows.
         tmux(&["resize-window", "-t", &session, "-x", "140", "-y", "45"]);
-        let p = wait_for(&session, &["┌recommendation ★ #"], 10);
-        let rows = panel_rows(&p, "recommendation ★ #");
+        let (p, rows) = settled_panel(&session, "recommendation ★ #", 10);
         let text = words(&rows);
         let whole = reasons
             .iter()
