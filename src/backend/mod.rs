@@ -495,7 +495,6 @@ macro_rules! kernel_ops {
 
             /// Its backward, group by group as [`Backend::matmul_backward`]:
             /// `dinp` overwritten, `dw[e] += doutᵀ inp` unless frozen.
-            #[allow(clippy::too_many_arguments)]
             fn grouped_matmul_backward(
                 &mut self,
                 _dinp: &mut Self::Buf,

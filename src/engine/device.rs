@@ -916,7 +916,6 @@ impl<B: Backend> Device<B> {
     }
 
     /// Its backward (`Backend::grouped_matmul_backward`).
-    #[allow(clippy::too_many_arguments)]
     pub fn grouped_matmul_backward(
         &mut self,
         dinp: &mut T<B>,

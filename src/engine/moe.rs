@@ -317,7 +317,6 @@ pub(super) fn combine<B: Backend>(
 /// `frozen`), and the gradient of their input `x` added into `dx` (the
 /// shared expert's) or returned new. `aux_scale` is d loss / d this
 /// micro-batch's load-balancing loss. Frees what the block saved.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn backward<B: Backend>(
     dev: &mut Device<B>,
     (p, g, frozen): (&[T<B>], &mut [T<B>], bool),

@@ -111,7 +111,6 @@ pub(super) fn grouped_forward(
 }
 
 /// The backward of [`grouped_forward`]: `dinp` overwritten, `dw[e] +=`.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn grouped_backward(
     dinp: &mut [f32],
     mut dw: Option<&mut [f32]>,
