@@ -441,8 +441,14 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
     }
     // A grid that named no framework measured memfit and planned the
     // target as hf-eager; pin the key only when the sweep's grid named it
-    // (an hf-eager trial, or a target planned as memfit).
+    // (an hf-eager trial, or a target planned as memfit), or when the
+    // device pinned below has a limit: that limit then decides what fits,
+    // and it chose this point by the framework measured on it (planned as
+    // hf-eager against it, a point that fitted could be out of memory).
+    let limited = (report.run_device.spec.parse::<crate::backend::DeviceSpec>())
+        .is_ok_and(|d| d.limit.is_some());
     let named = p.framework == crate::engine::Framework::HfEager
+        || limited
         || trial
             .target
             .as_ref()
@@ -941,6 +947,10 @@ mod tests {
             "{yaml}"
         );
         assert!(!back.allow_numerics_change);
+        // That limit decides what fits, so the framework measured on it is
+        // pinned too: planned as hf-eager (`memfit plan`'s default) against
+        // it, the recommendation could come out of memory.
+        assert_eq!(back.grid.framework, [crate::engine::Framework::Memfit]);
         let points = crate::plan::expand(&back);
         assert_eq!(points, vec![t.point]);
     }
