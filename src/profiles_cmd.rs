@@ -106,6 +106,11 @@ pub struct HardwareRecord {
     pub usd_per_hour: f64,
     /// The node's host memory; `null`: this machine's available memory.
     pub host_memory_bytes: Option<u64>,
+    /// The time model's kernels: SMs (a wave of GEMM tiles), and fused
+    /// attention's share of the dense peak; `null` where the profile has
+    /// no figure.
+    pub sm_count: Option<u32>,
+    pub fused_attention_efficiency: Option<f64>,
 }
 
 impl From<&HardwareProfile> for HardwareRecord {
@@ -126,6 +131,8 @@ impl From<&HardwareProfile> for HardwareRecord {
             inter_node_gbps: h.inter_node_gbps,
             usd_per_hour: h.usd_per_hour,
             host_memory_bytes: h.host_memory,
+            sm_count: h.sm_count,
+            fused_attention_efficiency: h.fused_attention_efficiency,
         }
     }
 }

@@ -108,6 +108,15 @@ pub struct HardwareProfile {
     pub host_memory_bandwidth_gbps: f64,
     /// The node's host memory; `None`: this machine's available memory.
     pub host_memory: Option<u64>,
+    // The kernels' shapes, for the time model: optional keys.
+    /// Streaming multiprocessors: how many GEMM tiles run at once (one
+    /// wave). `None`: GEMMs are priced without tile and wave quantization.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sm_count: Option<u32>,
+    /// The share of the dense 16-bit peak that fused (flash) attention's
+    /// forward and backward reach together. `None`: the GEMMs' share.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fused_attention_efficiency: Option<f64>,
 }
 
 impl HardwareProfile {
@@ -160,6 +169,8 @@ struct RawHardware {
     host_link_gbps: Option<f64>,
     host_memory_bandwidth_gbps: Option<f64>,
     host_memory: Option<Size>,
+    sm_count: Option<u32>,
+    fused_attention_efficiency: Option<f64>,
 }
 
 /// Defaults of the node keys for a profile file without them: an 8-GPU
@@ -463,6 +474,17 @@ pub fn parse_hardware_yaml(text: &str, location: &str) -> Result<HardwareProfile
         true,
     )?;
     check_count(text, location, "gpus_per_node", gpus_per_node)?;
+    if let Some(sms) = raw.sm_count {
+        check_count(text, location, "sm_count", sms)?;
+    }
+    if let Some(f) = raw.fused_attention_efficiency
+        && !(f > 0.0 && f <= 1.0)
+    {
+        return Err(invalid(
+            "fused_attention_efficiency",
+            format!("{f} is not a share of the peak in (0, 1]"),
+        ));
+    }
     let intra_node_nvls = raw.intra_node_nvls.unwrap_or(false);
     if intra_node_nvls && !nvlink {
         return Err(invalid(
@@ -512,6 +534,8 @@ pub fn parse_hardware_yaml(text: &str, location: &str) -> Result<HardwareProfile
         host_link_gbps,
         host_memory_bandwidth_gbps,
         host_memory,
+        sm_count: raw.sm_count,
+        fused_attention_efficiency: raw.fused_attention_efficiency,
     })
 }
 

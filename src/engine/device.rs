@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use super::ops::{Kind, Work};
 use crate::backend::{
     AdafactorHyper, AdafactorSecond, AdafactorState, AdamHyper, AttnShape, Backend, DType, SgdHyper,
 };
@@ -80,6 +81,73 @@ pub struct Roofline {
     pub kernel_flops_per_s: f64,
     pub bytes_per_s: f64,
     pub op_overhead_s: f64,
+    /// A GPU's GEMMs by their shape: `flops_per_s` is then the rate of a
+    /// large GEMM that fills every SM, and a GEMM whose M×N does not fill
+    /// its tiles and waves runs at that share of it. `None` (a CPU host,
+    /// measured): every GEMM at `flops_per_s`.
+    pub tiles: Option<Tiles>,
+    /// Fused (flash) attention kernels' rate; `None`: `kernel_flops_per_s`,
+    /// as every kernel that is not a GEMM.
+    pub attention_flops_per_s: Option<f64>,
+}
+
+/// How a GPU's GEMM kernels split the output: tiles of at most `m`×`n`
+/// elements, one thread block each, run `sms` at a time (one wave). A
+/// GEMM of M×N takes ⌈M/m⌉·⌈N/n⌉ tiles in ⌈tiles/sms⌉ waves, and pays for
+/// every element of the last, partial tile and wave: tile and wave
+/// quantization (NVIDIA, "Matrix Multiplication Background User's Guide",
+/// Deep Learning Performance documentation). A side shorter than a tile
+/// gets a tile of its size rounded up to a power of two (at least 16, the
+/// tensor cores' fragment), as cuBLAS's heuristics pick smaller tiles for
+/// skinny GEMMs (a LoRA rank's); such a GEMM is bound by its bytes anyway.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Tiles {
+    pub sms: usize,
+    pub m: usize,
+    pub n: usize,
+}
+
+impl Tiles {
+    /// The share of the time of `g`'s tiles and waves that does useful
+    /// work, in (0, 1].
+    pub fn utilisation(&self, g: &super::ops::Gemm) -> f64 {
+        let side = |dim: usize, most: usize| dim.max(1).next_power_of_two().clamp(16, most.max(16));
+        let (tile_m, tile_n) = (side(g.m, self.m), side(g.n, self.n));
+        let count = g.count.max(1);
+        let tiles = g.m.div_ceil(tile_m).max(1) * g.n.div_ceil(tile_n).max(1) * count;
+        let waves = tiles.div_ceil(self.sms.max(1));
+        let useful = (g.m * g.n * count) as f64;
+        let paid = (waves * self.sms.max(1) * tile_m * tile_n) as f64;
+        (useful / paid).clamp(f64::MIN_POSITIVE, 1.0)
+    }
+}
+
+impl Roofline {
+    /// Seconds `calls` runs of `work` take: `max(FLOPs / rate, bytes /
+    /// bandwidth)` plus a launch overhead each, where a GEMM's rate is
+    /// derated by its tiles and waves and a fused attention kernel runs at
+    /// its own rate.
+    pub fn seconds(&self, work: &Work, calls: u64) -> f64 {
+        let compute = match work.kind {
+            Kind::Gemm(gemms) => {
+                let mut s = 0.0;
+                for g in gemms.iter().flatten() {
+                    let share = self.tiles.map_or(1.0, |t| t.utilisation(g));
+                    s += g.flops() as f64 / (self.flops_per_s * share);
+                }
+                let rest = work.flops.saturating_sub(work.gemm_flops());
+                s + rest as f64 / self.kernel_flops_per_s
+            }
+            Kind::FusedAttention(_) => {
+                work.flops as f64
+                    / self
+                        .attention_flops_per_s
+                        .unwrap_or(self.kernel_flops_per_s)
+            }
+            Kind::Stream => work.flops as f64 / self.kernel_flops_per_s,
+        };
+        compute.max(work.bytes as f64 / self.bytes_per_s) + calls as f64 * self.op_overhead_s
+    }
 }
 
 /// Where offloaded work runs (ZeRO-Offload): the host's own roofline for
@@ -177,6 +245,62 @@ pub struct Meter {
     /// Bytes and messages sent to neighbouring pipeline stages.
     pub p2p_sent: u64,
     pub p2p_sends: u64,
+    /// Seconds of `cost` on the device in each stage of the step (forward,
+    /// backward, optimizer): what collectives of that stage can hide behind.
+    pub stage_s: [f64; 3],
+    /// While set, collectives are on the critical path: the next op needs
+    /// their result (a tensor-parallel group's).
+    pub critical: bool,
+    /// While set, collectives are the data-parallel gradient reduction
+    /// that follows the last micro-batch's backward in the engine, which
+    /// frameworks run bucket by bucket during that backward.
+    pub after_backward: bool,
+}
+
+/// What compute a collective can run beside, on the framework's own
+/// communication stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Beside {
+    /// The forward of the micro-batch that called it (ZeRO-3's prefetched
+    /// all-gathers).
+    Forward,
+    /// The backward of the micro-batch that called it (ZeRO-2/3's
+    /// reduce-scatters, ZeRO-3's gathers).
+    Backward,
+    /// The last micro-batch's backward (DDP's and ZeRO-1's bucketed
+    /// reductions, under `no_sync` until then).
+    LastBackward,
+    /// Nothing: the next op waits for it (a tensor-parallel group's, the
+    /// optimizer's gathers of updated weights).
+    Nothing,
+}
+
+/// The three parts of a step, for what overlaps what.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    Forward,
+    /// The backward pass, with a checkpointed block's recomputation.
+    Backward,
+    Optimizer,
+}
+
+impl Stage {
+    pub fn of(phase: Phase) -> Stage {
+        match phase {
+            Phase::Init | Phase::ForwardEmbed | Phase::Forward(_) | Phase::ForwardHead => {
+                Stage::Forward
+            }
+            Phase::BackwardHead
+            | Phase::Recompute(_)
+            | Phase::Backward(_)
+            | Phase::BackwardEmbed => Stage::Backward,
+            Phase::Optimizer => Stage::Optimizer,
+        }
+    }
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
 }
 
 impl Meter {
@@ -202,37 +326,31 @@ impl Meter {
             call_stride: 1,
             p2p_sent: 0,
             p2p_sends: 0,
+            stage_s: [0.0; 3],
+            critical: false,
+            after_backward: false,
         }
     }
 
-    /// Counts and prices `calls` runs of `op` that did `flops` and moved
-    /// `bytes` between them, with `ns` measured, in `phase`: the roofline's seconds
-    /// (each call pays the launch overhead), the offload and link totals,
-    /// the per-op table and the per-phase seconds.
-    fn charge(
-        &mut self,
-        op: &'static str,
-        (flops, bytes, ns, calls): (u64, u64, u64, u64),
-        at: At,
-        phase: Phase,
-    ) {
-        let price = |rl: Roofline| {
-            let rate = if op.starts_with("matmul") {
-                rl.flops_per_s
-            } else {
-                rl.kernel_flops_per_s
-            };
-            (flops as f64 / rate).max(bytes as f64 / rl.bytes_per_s)
-                + calls as f64 * rl.op_overhead_s
-        };
+    /// Counts and prices `calls` runs of `work`, with `ns` measured, in
+    /// `phase`: the roofline's seconds (each call pays the launch
+    /// overhead), the offload and link totals, the per-op table and the
+    /// per-phase seconds.
+    fn charge(&mut self, work: &Work, (ns, calls): (u64, u64), at: At, phase: Phase) {
+        let (op, flops, bytes) = (work.name, work.flops, work.bytes);
         let secs = match at {
-            At::Device => self.roofline.map_or(0.0, price),
-            At::Host => self.host_roofline.map_or(0.0, |h| price(h.cpu)),
+            At::Device => self.roofline.map_or(0.0, |r| r.seconds(work, calls)),
+            At::Host => self
+                .host_roofline
+                .map_or(0.0, |h| h.cpu.seconds(work, calls)),
             At::Link => self.host_roofline.map_or(0.0, |h| {
                 bytes as f64 / h.link_bytes_per_s + calls as f64 * h.link_latency_s
             }),
         };
         let optimizer = phase == Phase::Optimizer;
+        if at == At::Device {
+            self.stage_s[Stage::of(phase).index()] += secs;
+        }
         if at != At::Device {
             if at == At::Link {
                 self.link_bytes += bytes;
@@ -267,18 +385,25 @@ impl Meter {
         bytes: u64,
         world: usize,
         (sent, received): (u64, u64),
-        optimizer: bool,
+        stage: Stage,
     ) {
-        if optimizer {
+        if stage == Stage::Optimizer {
             self.optimizer_sent += sent;
         }
+        let beside = match (self.critical, self.after_backward, stage) {
+            (true, _, _) => Beside::Nothing,
+            (false, true, _) => Beside::LastBackward,
+            (false, false, Stage::Forward) => Beside::Forward,
+            (false, false, Stage::Backward) => Beside::Backward,
+            (false, false, Stage::Optimizer) => Beside::Nothing,
+        };
         if let Some(calls) = &mut self.collectives {
             calls.push(Call {
                 op,
                 bytes,
                 world,
                 stride: self.call_stride,
-                optimizer,
+                beside,
                 times: 1,
             });
         }
@@ -313,7 +438,8 @@ pub struct Call {
     pub world: usize,
     /// Ranks between two members of the group (`Device::call_stride`).
     pub stride: usize,
-    pub optimizer: bool,
+    /// What compute it can run beside.
+    pub beside: Beside,
     /// How many times it ran (a fast-forwarded micro-batch's calls are
     /// kept once, with its repeats counted here).
     pub times: u64,
@@ -342,6 +468,7 @@ pub struct Between {
     to_host: bool,
     call_stride: usize,
     roofline_s: f64,
+    stage_s: [f64; 3],
     offload_s: f64,
     sent: u64,
     received: u64,
@@ -375,6 +502,7 @@ impl<B: Backend> Device<B> {
             to_host: self.to_host,
             call_stride: self.meter.call_stride,
             roofline_s: self.meter.cost.roofline_s,
+            stage_s: self.meter.stage_s,
             offload_s: self.meter.offload_s,
             sent: self.meter.sent,
             received: self.meter.received,
@@ -395,6 +523,9 @@ impl<B: Backend> Device<B> {
         debug_assert!(self.be.planning() && a.returns_to_itself(b));
         let n = times as u64;
         self.meter.cost.roofline_s += (b.roofline_s - a.roofline_s) * times as f64;
+        for (s, (a, b)) in (self.meter.stage_s.iter_mut()).zip(a.stage_s.iter().zip(&b.stage_s)) {
+            *s += (b - a) * times as f64;
+        }
         self.meter.offload_s += (b.offload_s - a.offload_s) * times as f64;
         // Saturating: a plan's step may be 2^40 micro-batches of gigabytes.
         let more = |x: &mut u64, a: u64, b: u64| *x = x.saturating_add((b - a).saturating_mul(n));
@@ -466,6 +597,24 @@ impl<B: Backend> Device<B> {
         r
     }
 
+    /// Runs `f` with its collectives among adjacent ranks (stride 1) and on
+    /// the critical path: a tensor-parallel group's.
+    pub fn critical<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        let was = std::mem::replace(&mut self.meter.critical, true);
+        let r = self.with_stride(1, f);
+        self.meter.critical = was;
+        r
+    }
+
+    /// Runs `f`, whose collectives reduce the gradients after the last
+    /// micro-batch's backward (`Beside::LastBackward`).
+    pub fn after_backward<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        let was = std::mem::replace(&mut self.meter.after_backward, true);
+        let r = f(self);
+        self.meter.after_backward = was;
+        r
+    }
+
     /// The tracker that holds `t`'s bytes.
     fn tracker_of(&mut self, host: bool) -> &mut Tracker {
         match host {
@@ -485,40 +634,26 @@ impl<B: Backend> Device<B> {
     }
 
     /// Runs one backend op, counting its cost and timing it.
-    fn timed<R>(
-        &mut self,
-        op: &'static str,
-        flops: impl TryInto<u64>,
-        bytes: u64,
-        f: impl FnOnce(&mut B) -> R,
-    ) -> R {
-        self.timed_at(op, flops, bytes, At::Device, f)
+    fn timed<R>(&mut self, work: Work, f: impl FnOnce(&mut B) -> R) -> R {
+        self.timed_at(work, At::Device, f)
     }
 
     /// [`Device::timed`] for an op that may touch host memory: on the host
     /// it is priced on the host's roofline; across the link, `bytes` (what
     /// crosses it) at the link's bandwidth plus its latency.
-    fn timed_at<R>(
-        &mut self,
-        op: &'static str,
-        flops: impl TryInto<u64>,
-        bytes: u64,
-        at: At,
-        f: impl FnOnce(&mut B) -> R,
-    ) -> R {
+    fn timed_at<R>(&mut self, work: Work, at: At, f: impl FnOnce(&mut B) -> R) -> R {
         // Meta runs nothing: skip the clock, whose reads would cost more
         // than the op itself.
         let start = self.be.holds_data().then(Instant::now);
         let r = f(&mut self.be);
-        let flops = flops.try_into().unwrap_or(u64::MAX);
         let ns = start.map_or(0, |s| s.elapsed().as_nanos() as u64);
-        self.charge(op, flops, bytes, ns, at, 1);
+        self.charge(&work, ns, at, 1);
         r
     }
 
-    fn charge(&mut self, op: &'static str, flops: u64, bytes: u64, ns: u64, at: At, calls: u64) {
+    fn charge(&mut self, work: &Work, ns: u64, at: At, calls: u64) {
         let phase = self.tracker.phase();
-        self.meter.charge(op, (flops, bytes, ns, calls), at, phase);
+        self.meter.charge(work, (ns, calls), at, phase);
     }
 
     /// A zero-filled tensor, tracked under `category`; refused past the capacity.
@@ -584,7 +719,9 @@ impl<B: Backend> Device<B> {
 
     pub fn fill(&mut self, t: &mut T<B>, value: f32) {
         let at = Self::at(&[t.host]);
-        self.timed_at("fill", 0, b(t), at, |be| be.fill(&mut t.buf, value));
+        self.timed_at(Work::stream("fill", 0, b(t)), at, |be| {
+            be.fill(&mut t.buf, value)
+        });
     }
 
     /// The embedding; `part: Some(lo)`: a vocabulary-parallel part whose
@@ -600,9 +737,11 @@ impl<B: Backend> Device<B> {
     ) {
         let rows = (n * c * 4) as u64;
         self.timed(
-            "embed",
-            (n * c) as u64 * wpe.is_some() as u64,
-            b(out) + b(tokens) + rows * (1 + wpe.is_some() as u64),
+            Work::stream(
+                "embed",
+                (n * c) as u64 * wpe.is_some() as u64,
+                b(out) + b(tokens) + rows * (1 + wpe.is_some() as u64),
+            ),
             |be| {
                 let wpe = wpe.map(|w| &w.buf);
                 be.embed_forward_rows(&mut out.buf, &tokens.buf, &wte.buf, wpe, n, t, c, part)
@@ -623,9 +762,11 @@ impl<B: Backend> Device<B> {
     ) {
         let k = 1 + dwpe.is_some() as u64;
         self.timed(
-            "embed_backward",
-            (n * c) as u64 * k,
-            b(dout) + b(tokens) + 2 * k * (n * c * 4) as u64,
+            Work::stream(
+                "embed_backward",
+                (n * c) as u64 * k,
+                b(dout) + b(tokens) + 2 * k * (n * c * 4) as u64,
+            ),
             |be| {
                 let dwpe = dwpe.map(|w| &mut w.buf);
                 be.embed_backward_rows(&mut dwte.buf, dwpe, &dout.buf, &tokens.buf, n, t, c, part)
@@ -649,7 +790,7 @@ impl<B: Backend> Device<B> {
         let bytes = b(out) + b(rstd) + ob(mean.as_deref()) + b(inp) + b(w) + ob(bias);
         match mean {
             Some(mean) => {
-                self.timed("layernorm", (8 * n * c) as u64, bytes, |be| {
+                self.timed(Work::stream("layernorm", (8 * n * c) as u64, bytes), |be| {
                     be.layernorm_forward(
                         &mut out.buf,
                         &mut mean.buf,
@@ -664,7 +805,7 @@ impl<B: Backend> Device<B> {
                 });
             }
             None => {
-                self.timed("rmsnorm", (4 * n * c) as u64, bytes, |be| {
+                self.timed(Work::stream("rmsnorm", (4 * n * c) as u64, bytes), |be| {
                     be.rmsnorm_forward(&mut out.buf, &mut rstd.buf, &inp.buf, &w.buf, n, c, eps)
                 });
             }
@@ -695,34 +836,40 @@ impl<B: Backend> Device<B> {
             + b(rstd);
         match mean {
             Some(mean) => {
-                self.timed("layernorm_backward", (16 * n * c) as u64, bytes, |be| {
-                    be.layernorm_backward(
-                        &mut dinp.buf,
-                        &mut dw.buf,
-                        db.map(|x| &mut x.buf),
-                        &dout.buf,
-                        &inp.buf,
-                        &w.buf,
-                        &mean.buf,
-                        &rstd.buf,
-                        n,
-                        c,
-                    )
-                });
+                self.timed(
+                    Work::stream("layernorm_backward", (16 * n * c) as u64, bytes),
+                    |be| {
+                        be.layernorm_backward(
+                            &mut dinp.buf,
+                            &mut dw.buf,
+                            db.map(|x| &mut x.buf),
+                            &dout.buf,
+                            &inp.buf,
+                            &w.buf,
+                            &mean.buf,
+                            &rstd.buf,
+                            n,
+                            c,
+                        )
+                    },
+                );
             }
             None => {
-                self.timed("rmsnorm_backward", (10 * n * c) as u64, bytes, |be| {
-                    be.rmsnorm_backward(
-                        &mut dinp.buf,
-                        &mut dw.buf,
-                        &dout.buf,
-                        &inp.buf,
-                        &w.buf,
-                        &rstd.buf,
-                        n,
-                        c,
-                    )
-                });
+                self.timed(
+                    Work::stream("rmsnorm_backward", (10 * n * c) as u64, bytes),
+                    |be| {
+                        be.rmsnorm_backward(
+                            &mut dinp.buf,
+                            &mut dw.buf,
+                            &dout.buf,
+                            &inp.buf,
+                            &w.buf,
+                            &rstd.buf,
+                            n,
+                            c,
+                        )
+                    },
+                );
             }
         }
     }
@@ -738,9 +885,7 @@ impl<B: Backend> Device<B> {
         oc: usize,
     ) {
         self.timed(
-            "matmul",
-            (2 * n * c * oc) as u64,
-            b(out) + b(inp) + b(w) + ob(bias),
+            Work::matmul(n, c, oc, b(out) + b(inp) + b(w) + ob(bias)),
             |be| {
                 be.matmul_forward(
                     &mut out.buf,
@@ -776,8 +921,8 @@ impl<B: Backend> Device<B> {
             + (1 + trained as u64) * b(dout)
             + trained as u64 * b(inp)
             + b(w);
-        let flops = 2 * (1 + trained) * n * c * oc + dbias.is_some() as usize * n * oc;
-        self.timed("matmul_backward", flops as u64, bytes, |be| {
+        let work = Work::matmul_backward(n, c, oc, trained == 1, dbias.is_some(), bytes);
+        self.timed(work, |be| {
             be.matmul_backward(
                 &mut dinp.buf,
                 dw.map(|x| &mut x.buf),
@@ -795,9 +940,10 @@ impl<B: Backend> Device<B> {
     /// QLoRA's dequantisation of an NF4 weight into `out` (a streaming op).
     pub fn nf4_dequantize(&mut self, out: &mut T<B>, w: &T<B>) {
         let n = out.len;
-        self.timed("nf4_dequantize", 4 * n as u64, b(out) + b(w), |be| {
-            be.nf4_dequantize(&mut out.buf, &w.buf, n)
-        });
+        self.timed(
+            Work::stream("nf4_dequantize", 4 * n as u64, b(out) + b(w)),
+            |be| be.nf4_dequantize(&mut out.buf, &w.buf, n),
+        );
     }
 
     /// [`Backend::copy_cols`]: a column block between row-major matrices.
@@ -817,7 +963,7 @@ impl<B: Backend> Device<B> {
         let moved = (rows * width) as u64;
         let bytes =
             moved * (src.dtype.size() + (1 + accumulate as usize) * dst.dtype.size()) as u64;
-        self.timed("copy_cols", 2 * moved, bytes, |be| {
+        self.timed(Work::stream("copy_cols", 2 * moved, bytes), |be| {
             be.copy_cols(
                 &mut dst.buf,
                 dst_cols,
@@ -834,16 +980,15 @@ impl<B: Backend> Device<B> {
     }
 
     pub fn gelu_forward(&mut self, out: &mut T<B>, inp: &T<B>, n: usize) {
-        self.timed("gelu", (8 * n) as u64, b(out) + b(inp), |be| {
-            be.gelu_forward(&mut out.buf, &inp.buf, n)
-        });
+        self.timed(
+            Work::stream("gelu", (8 * n) as u64, b(out) + b(inp)),
+            |be| be.gelu_forward(&mut out.buf, &inp.buf, n),
+        );
     }
 
     pub fn gelu_backward(&mut self, dout: &mut T<B>, inp: &T<B>, n: usize) {
         self.timed(
-            "gelu_backward",
-            (16 * n) as u64,
-            2 * b(dout) + b(inp),
+            Work::stream("gelu_backward", (16 * n) as u64, 2 * b(dout) + b(inp)),
             |be| be.gelu_backward(&mut dout.buf, &inp.buf, n),
         );
     }
@@ -857,9 +1002,10 @@ impl<B: Backend> Device<B> {
         w: Option<&T<B>>,
         (m, n, c): (usize, usize, usize),
     ) {
-        self.timed("moe_gather", m * c, 2 * b(out) + b(idx) + ob(w), |be| {
-            be.moe_gather(&mut out.buf, &x.buf, &idx.buf, w.map(|w| &w.buf), (m, n, c))
-        });
+        self.timed(
+            Work::stream("moe_gather", m * c, 2 * b(out) + b(idx) + ob(w)),
+            |be| be.moe_gather(&mut out.buf, &x.buf, &idx.buf, w.map(|w| &w.buf), (m, n, c)),
+        );
     }
 
     /// The permuted rows summed back into their tokens (`Backend::moe_scatter`).
@@ -872,9 +1018,7 @@ impl<B: Backend> Device<B> {
         (m, n, c): (usize, usize, usize),
     ) {
         self.timed(
-            "moe_scatter",
-            2 * m * c,
-            2 * b(out) + b(y) + b(idx) + ob(w),
+            Work::stream("moe_scatter", 2 * m * c, 2 * b(out) + b(y) + b(idx) + ob(w)),
             |be| be.moe_scatter(&mut out.buf, &y.buf, &idx.buf, w.map(|w| &w.buf), (m, n, c)),
         );
     }
@@ -889,9 +1033,7 @@ impl<B: Backend> Device<B> {
         (m, n, c): (usize, usize, usize),
     ) {
         self.timed(
-            "moe_row_dots",
-            2 * m * c,
-            b(out) + 2 * b(y) + b(idx),
+            Work::stream("moe_row_dots", 2 * m * c, b(out) + 2 * b(y) + b(idx)),
             |be| be.moe_row_dots(&mut out.buf, &a.buf, &y.buf, &idx.buf, (m, n, c)),
         );
     }
@@ -908,9 +1050,14 @@ impl<B: Backend> Device<B> {
     ) {
         let m: usize = counts.iter().sum();
         self.timed(
-            "grouped_matmul",
-            2 * m * c * oc,
-            b(out) + b(inp) + b(w),
+            Work::grouped(
+                "grouped_matmul",
+                (m, counts.len()),
+                c,
+                oc,
+                1,
+                b(out) + b(inp) + b(w),
+            ),
             |be| be.grouped_matmul_forward(&mut out.buf, &inp.buf, &w.buf, counts, c, oc),
         );
     }
@@ -931,9 +1078,14 @@ impl<B: Backend> Device<B> {
         let passes = 1 + dw.is_some() as usize;
         let bytes = b(dinp) + b(dout) + b(w) + (dw.is_some() as u64) * (b(inp) + 2 * b(w));
         self.timed(
-            "grouped_matmul_backward",
-            passes * 2 * m * c * oc,
-            bytes,
+            Work::grouped(
+                "grouped_matmul_backward",
+                (m, counts.len()),
+                c,
+                oc,
+                passes,
+                bytes,
+            ),
             |be| {
                 be.grouped_matmul_backward(
                     &mut dinp.buf,
@@ -950,53 +1102,43 @@ impl<B: Backend> Device<B> {
     }
 
     pub fn swiglu_forward(&mut self, out: &mut T<B>, gu: &T<B>, n: usize, i: usize) {
-        self.timed("swiglu", (6 * n * i) as u64, b(out) + b(gu), |be| {
-            be.swiglu_forward(&mut out.buf, &gu.buf, n, i)
-        });
+        self.timed(
+            Work::stream("swiglu", (6 * n * i) as u64, b(out) + b(gu)),
+            |be| be.swiglu_forward(&mut out.buf, &gu.buf, n, i),
+        );
     }
 
     pub fn swiglu_backward(&mut self, dgu: &mut T<B>, dout: &T<B>, gu: &T<B>, n: usize, i: usize) {
         self.timed(
-            "swiglu_backward",
-            (12 * n * i) as u64,
-            b(dgu) + b(dout) + b(gu),
+            Work::stream(
+                "swiglu_backward",
+                (12 * n * i) as u64,
+                b(dgu) + b(dout) + b(gu),
+            ),
             |be| be.swiglu_backward(&mut dgu.buf, &dout.buf, &gu.buf, n, i),
         );
     }
 
     pub fn add(&mut self, out: &mut T<B>, a: &T<B>, x: &T<B>, n: usize) {
-        self.timed("add", n as u64, b(out) + b(a) + b(x), |be| {
+        self.timed(Work::stream("add", n as u64, b(out) + b(a) + b(x)), |be| {
             be.add(&mut out.buf, &a.buf, &x.buf, n)
         });
     }
 
-    fn rope_cost(s: AttnShape) -> u64 {
-        // 6 FLOPs per rotated pair (4 mul, 2 add) plus the sin/cos, per q and k head.
-        (s.b * s.t * (s.n_head + s.n_kv_head) * s.head_dim / 2 * 6) as u64
-    }
-
     pub fn rope_forward(&mut self, qkv: &mut T<B>, s: AttnShape, theta: f32) {
-        self.timed("rope", Self::rope_cost(s), 2 * b(qkv), |be| {
+        self.timed(Work::rope("rope", s, 2 * b(qkv)), |be| {
             be.rope_forward(&mut qkv.buf, s, theta)
         });
     }
 
     pub fn rope_backward(&mut self, dqkv: &mut T<B>, s: AttnShape, theta: f32) {
-        self.timed("rope_backward", Self::rope_cost(s), 2 * b(dqkv), |be| {
+        self.timed(Work::rope("rope_backward", s, 2 * b(dqkv)), |be| {
             be.rope_backward(&mut dqkv.buf, s, theta)
         });
     }
 
-    /// Causal pairs (t2 <= t) times heads times batch: what the kernels compute.
-    fn causal_pairs(s: AttnShape) -> u64 {
-        (s.b * s.n_head * s.t * (s.t + 1) / 2) as u64
-    }
-
     pub fn attention_forward(&mut self, out: &mut T<B>, att: &mut T<B>, qkv: &T<B>, s: AttnShape) {
-        // scores q.k, softmax (~5 per entry), att @ v
-        let pairs = Self::causal_pairs(s);
-        let flops = pairs * (4 * s.head_dim as u64 + 5);
-        self.timed("attention", flops, b(out) + 2 * b(att) + b(qkv), |be| {
+        self.timed(Work::attention(s, b(out) + 2 * b(att) + b(qkv)), |be| {
             be.attention_forward(&mut out.buf, &mut att.buf, &qkv.buf, s)
         });
     }
@@ -1010,13 +1152,8 @@ impl<B: Backend> Device<B> {
         att: &T<B>,
         s: AttnShape,
     ) {
-        // datt = dout.v, dv += att*dout, softmax backward, dq and dk
-        let pairs = Self::causal_pairs(s);
-        let flops = pairs * (8 * s.head_dim as u64 + 4);
         self.timed(
-            "attention_backward",
-            flops,
-            b(dqkv) + 2 * b(datt) + b(dout) + b(qkv) + b(att),
+            Work::attention_backward(s, b(dqkv) + 2 * b(datt) + b(dout) + b(qkv) + b(att)),
             |be| {
                 be.attention_backward(
                     &mut dqkv.buf,
@@ -1040,9 +1177,11 @@ impl<B: Backend> Device<B> {
         vp: usize,
     ) {
         self.timed(
-            "crossentropy",
-            (4 * n * v) as u64,
-            b(losses) + b(logits) + b(targets),
+            Work::stream(
+                "crossentropy",
+                (4 * n * v) as u64,
+                b(losses) + b(logits) + b(targets),
+            ),
             |be| be.crossentropy_forward(&mut losses.buf, &logits.buf, &targets.buf, n, v, vp),
         );
     }
@@ -1057,9 +1196,11 @@ impl<B: Backend> Device<B> {
         vp: usize,
     ) {
         self.timed(
-            "crossentropy_backward",
-            (5 * n * v) as u64,
-            2 * b(logits) + b(targets),
+            Work::stream(
+                "crossentropy_backward",
+                (5 * n * v) as u64,
+                2 * b(logits) + b(targets),
+            ),
             |be| be.crossentropy_backward(&mut logits.buf, &targets.buf, dloss, n, v, vp),
         );
     }
@@ -1075,9 +1216,11 @@ impl<B: Backend> Device<B> {
         (lo, v, vp): (usize, usize, usize),
     ) {
         self.timed(
-            "crossentropy",
-            (3 * n * v) as u64,
-            b(stats) + b(tgt) + b(logits) + b(targets),
+            Work::stream(
+                "crossentropy",
+                (3 * n * v) as u64,
+                b(stats) + b(tgt) + b(logits) + b(targets),
+            ),
             |be| {
                 let (s, g) = (&mut stats.buf, &mut tgt.buf);
                 be.crossentropy_part_stats(s, g, &logits.buf, &targets.buf, n, lo, v, vp)
@@ -1096,9 +1239,11 @@ impl<B: Backend> Device<B> {
         parts: usize,
     ) {
         self.timed(
-            "crossentropy",
-            (4 * n * parts) as u64,
-            b(losses) + b(lse) + b(stats) + b(tgt),
+            Work::stream(
+                "crossentropy",
+                (4 * n * parts) as u64,
+                b(losses) + b(lse) + b(stats) + b(tgt),
+            ),
             |be| {
                 let (l, s) = (&mut losses.buf, &mut lse.buf);
                 be.crossentropy_combine(l, s, &stats.buf, &tgt.buf, n, parts)
@@ -1117,9 +1262,11 @@ impl<B: Backend> Device<B> {
         (lo, v, vp): (usize, usize, usize),
     ) {
         self.timed(
-            "crossentropy_backward",
-            (3 * n * v) as u64,
-            2 * b(logits) + b(lse) + b(targets),
+            Work::stream(
+                "crossentropy_backward",
+                (3 * n * v) as u64,
+                2 * b(logits) + b(lse) + b(targets),
+            ),
             |be| {
                 let (x, l, tg) = (&mut logits.buf, &lse.buf, &targets.buf);
                 be.crossentropy_part_backward(x, l, tg, dloss, n, lo, v, vp)
@@ -1175,7 +1322,7 @@ impl<B: Backend> Device<B> {
             "copy_slice out of range"
         );
         let (op, at, bytes) = Self::copy_kind(dst, src, n, accumulate);
-        self.timed_at(op, n * accumulate as usize, bytes, at, |be| {
+        self.timed_at(Work::stream(op, n * accumulate as usize, bytes), at, |be| {
             be.copy_slice(&mut dst.buf, dst_off, &src.buf, src_off, n, accumulate)
         });
     }
@@ -1207,8 +1354,8 @@ impl<B: Backend> Device<B> {
             return;
         }
         let (op, at, bytes) = Self::copy_kind(dst, src, total, accumulate);
-        let flops = (total * accumulate as usize) as u64;
-        self.charge(op, flops, bytes, 0, at, count as u64);
+        let work = Work::stream(op, total * accumulate as usize, bytes);
+        self.charge(&work, 0, at, count as u64);
     }
 
     /// A copy of `n` elements from `src` to `dst`: its op name, where it
@@ -1228,14 +1375,14 @@ impl<B: Backend> Device<B> {
 
     fn count_wire(&mut self, comm: &dyn Collective<B::Buf>, op: Op, bytes: u64, root: usize) {
         let wire = wire_bytes(op, bytes, comm.world(), comm.rank(), root);
-        let optimizer = self.tracker.phase() == Phase::Optimizer;
-        self.meter.wire(op, bytes, comm.world(), wire, optimizer);
+        let stage = Stage::of(self.tracker.phase());
+        self.meter.wire(op, bytes, comm.world(), wire, stage);
     }
 
     /// In place: `t = sum over ranks of t`.
     pub fn all_reduce(&mut self, comm: &mut dyn Collective<B::Buf>, t: &mut T<B>) {
         self.count_wire(comm, Op::AllReduce, t.bytes(), 0);
-        self.timed("all_reduce", t.len, b(t), |_| {
+        self.timed(Work::stream("all_reduce", t.len, b(t)), |_| {
             comm.all_reduce_sum(&mut t.buf, t.len)
         });
     }
@@ -1249,16 +1396,17 @@ impl<B: Backend> Device<B> {
     ) {
         assert_eq!(inp.len, out.len * comm.world(), "reduce-scatter sizes");
         self.count_wire(comm, Op::ReduceScatter, inp.bytes(), 0);
-        self.timed("reduce_scatter", inp.len, b(inp) + b(out), |_| {
-            comm.reduce_scatter_sum(&mut out.buf, &inp.buf, out.len)
-        });
+        self.timed(
+            Work::stream("reduce_scatter", inp.len, b(inp) + b(out)),
+            |_| comm.reduce_scatter_sum(&mut out.buf, &inp.buf, out.len),
+        );
     }
 
     /// `out` = every rank's `inp` (one shard each), in rank order.
     pub fn all_gather(&mut self, comm: &mut dyn Collective<B::Buf>, out: &mut T<B>, inp: &T<B>) {
         assert_eq!(out.len, inp.len * comm.world(), "all-gather sizes");
         self.count_wire(comm, Op::AllGather, out.bytes(), 0);
-        self.timed("all_gather", 0, b(inp) + b(out), |_| {
+        self.timed(Work::stream("all_gather", 0, b(inp) + b(out)), |_| {
             comm.all_gather(&mut out.buf, &inp.buf, inp.len)
         });
     }
@@ -1266,7 +1414,7 @@ impl<B: Backend> Device<B> {
     /// In place: `t = root's t`.
     pub fn broadcast(&mut self, comm: &mut dyn Collective<B::Buf>, t: &mut T<B>, root: usize) {
         self.count_wire(comm, Op::Broadcast, t.bytes(), root);
-        self.timed("broadcast", 0, b(t), |_| {
+        self.timed(Work::stream("broadcast", 0, b(t)), |_| {
             comm.broadcast(&mut t.buf, t.len, root)
         });
     }
@@ -1276,13 +1424,17 @@ impl<B: Backend> Device<B> {
         self.meter.sent += t.bytes();
         self.meter.p2p_sent += t.bytes();
         self.meter.p2p_sends += 1;
-        self.timed("send", 0, b(t), |_| link.send(to, &t.buf, t.len));
+        self.timed(Work::stream("send", 0, b(t)), |_| {
+            link.send(to, &t.buf, t.len)
+        });
     }
 
     /// Fills `t` from a neighbouring pipeline stage.
     pub fn recv(&mut self, link: &mut dyn PointToPoint<B::Buf>, from: Peer, t: &mut T<B>) {
         self.meter.received += t.bytes();
-        self.timed("recv", 0, b(t), |_| link.recv(from, &mut t.buf, t.len));
+        self.timed(Work::stream("recv", 0, b(t)), |_| {
+            link.recv(from, &mut t.buf, t.len)
+        });
     }
 
     /// `dst = src` in `dst`'s dtype (fp32 master weights into 16-bit working weights).
@@ -1297,16 +1449,18 @@ impl<B: Backend> Device<B> {
             (true, true) => ("host_convert", At::Host, b(dst) + b(src)),
             (false, false) => ("convert", At::Device, b(dst) + b(src)),
         };
-        self.timed_at(op, 0, bytes, at, |be| {
+        self.timed_at(Work::stream(op, 0, bytes), at, |be| {
             be.convert(&mut dst.buf, &src.buf, src.len)
         });
     }
 
     pub fn sum_squares(&mut self, t: &T<B>) -> Option<f64> {
         let at = Self::at(&[t.host]);
-        self.timed_at("sum_squares", (2 * t.len) as u64, b(t), at, |be| {
-            be.sum_squares(&t.buf, t.len)
-        })
+        self.timed_at(
+            Work::stream("sum_squares", (2 * t.len) as u64, b(t)),
+            at,
+            |be| be.sum_squares(&t.buf, t.len),
+        )
     }
 
     pub fn adamw_update(
@@ -1319,16 +1473,20 @@ impl<B: Backend> Device<B> {
     ) {
         let bytes = 2 * b(param) + b(grad) + 2 * b(m) + 2 * b(v);
         let at = Self::at(&[param.host, grad.host, m.host]);
-        self.timed_at("adamw", (12 * param.len) as u64, bytes, at, |be| {
-            be.adamw_update(
-                &mut param.buf,
-                &grad.buf,
-                &mut m.buf,
-                &mut v.buf,
-                param.len,
-                h,
-            )
-        });
+        self.timed_at(
+            Work::stream("adamw", (12 * param.len) as u64, bytes),
+            at,
+            |be| {
+                be.adamw_update(
+                    &mut param.buf,
+                    &grad.buf,
+                    &mut m.buf,
+                    &mut v.buf,
+                    param.len,
+                    h,
+                )
+            },
+        );
     }
 
     pub fn flash_attention_forward(
@@ -1339,10 +1497,8 @@ impl<B: Backend> Device<B> {
         ws: &mut T<B>,
         s: AttnShape,
     ) {
-        // The same arithmetic as eager attention, plus the online-softmax rescaling.
-        let flops = Self::causal_pairs(s) * (4 * s.head_dim as u64 + 7);
         let bytes = b(out) + b(lse) + b(qkv);
-        self.timed("flash_attention", flops, bytes, |be| {
+        self.timed(Work::flash_attention(s, bytes), |be| {
             be.flash_attention_forward(&mut out.buf, &mut lse.buf, &qkv.buf, &mut ws.buf, s)
         });
     }
@@ -1357,10 +1513,8 @@ impl<B: Backend> Device<B> {
         ws: &mut T<B>,
         s: AttnShape,
     ) {
-        // Recomputes the scores (2*hd per pair) on top of the eager backward's work.
-        let flops = Self::causal_pairs(s) * (10 * s.head_dim as u64 + 6);
         let bytes = b(dqkv) + b(dout) + b(out) + b(lse) + b(qkv);
-        self.timed("flash_attention_backward", flops, bytes, |be| {
+        self.timed(Work::flash_attention_backward(s, bytes), |be| {
             be.flash_attention_backward(
                 &mut dqkv.buf,
                 &dout.buf,
@@ -1387,18 +1541,22 @@ impl<B: Backend> Device<B> {
         let n = param.len;
         // AdamW's 12 plus de- and requantisation (a map lookup and a binary search each).
         let at = Self::at(&[param.host, grad.host, m.host]);
-        self.timed_at("adamw8bit", (28 * n) as u64, bytes, at, |be| {
-            be.adamw8bit_update(
-                &mut param.buf,
-                &grad.buf,
-                &mut m.buf,
-                &mut v.buf,
-                &mut m_absmax.buf,
-                &mut v_absmax.buf,
-                n,
-                h,
-            )
-        });
+        self.timed_at(
+            Work::stream("adamw8bit", (28 * n) as u64, bytes),
+            at,
+            |be| {
+                be.adamw8bit_update(
+                    &mut param.buf,
+                    &grad.buf,
+                    &mut m.buf,
+                    &mut v.buf,
+                    &mut m_absmax.buf,
+                    &mut v_absmax.buf,
+                    n,
+                    h,
+                )
+            },
+        );
     }
 
     pub fn sgd_update(
@@ -1411,7 +1569,7 @@ impl<B: Backend> Device<B> {
         let n = param.len;
         let bytes = 2 * b(param) + b(grad) + 2 * b(momentum_buf);
         let at = Self::at(&[param.host, grad.host, momentum_buf.host]);
-        self.timed_at("sgd", (6 * n) as u64, bytes, at, |be| {
+        self.timed_at(Work::stream("sgd", (6 * n) as u64, bytes), at, |be| {
             be.sgd_update(&mut param.buf, &grad.buf, &mut momentum_buf.buf, n, h)
         });
     }
@@ -1449,8 +1607,10 @@ impl<B: Backend> Device<B> {
             second,
             m: m.map(|m| &mut m.buf),
         };
-        self.timed_at("adafactor", (20 * n) as u64, bytes, at, |be| {
-            be.adafactor_update(&mut param.buf, &grad.buf, st, h)
-        });
+        self.timed_at(
+            Work::stream("adafactor", (20 * n) as u64, bytes),
+            at,
+            |be| be.adafactor_update(&mut param.buf, &grad.buf, st, h),
+        );
     }
 }

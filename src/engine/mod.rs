@@ -20,6 +20,7 @@ mod init;
 pub mod lora;
 pub mod loss;
 pub mod moe;
+pub mod ops;
 pub mod optim;
 pub mod pipeline;
 pub mod shard;
@@ -1218,14 +1219,20 @@ impl<B: Backend> Engine<B> {
                 dev.all_reduce(&mut **e, &mut grads[idx.wte])
             });
         }
-        match dist.as_mut() {
-            Some(d) if d.sharding == Sharding::Ddp => d.all_reduce_grads(dev, grads),
-            Some(d) if d.sharding == Sharding::Zero1 => d.scatter_full_grads(dev, grads)?,
-            _ => {}
-        }
-        if let Some(d) = dist.as_mut() {
-            d.all_reduce_replicas(dev, owned);
-        }
+        // DDP's and ZeRO-1's reductions, and hybrid sharding's between
+        // replicas: the engine runs them after the last backward, the
+        // frameworks bucket by bucket during it (what the planner prices).
+        dev.after_backward(|dev| -> Result<(), OomError> {
+            match dist.as_mut() {
+                Some(d) if d.sharding == Sharding::Ddp => d.all_reduce_grads(dev, grads),
+                Some(d) if d.sharding == Sharding::Zero1 => d.scatter_full_grads(dev, grads)?,
+                _ => {}
+            }
+            if let Some(d) = dist.as_mut() {
+                d.all_reduce_replicas(dev, owned);
+            }
+            Ok(())
+        })?;
         let sharded = dist.as_ref().is_some_and(|d| d.sharding.shards_optimizer());
         // Sequence parallelism: each rank's norms saw only its tokens, so
         // their gradients (whole or sharded alike) are summed over the

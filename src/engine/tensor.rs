@@ -72,7 +72,7 @@ impl<B: Backend> Tp<B> {
     /// `t = the sum of t over the group`, priced as a collective among
     /// adjacent ranks (the group is placed first, Megatron's order).
     pub fn all_reduce(&mut self, dev: &mut Device<B>, t: &mut Tensor<B::Buf>) {
-        dev.with_stride(1, |dev| dev.all_reduce(&mut *self.comm, t));
+        dev.critical(|dev| dev.all_reduce(&mut *self.comm, t));
     }
 
     /// `out` = every rank's `inp`, rank after rank, among adjacent ranks.
@@ -82,7 +82,7 @@ impl<B: Backend> Tp<B> {
         out: &mut Tensor<B::Buf>,
         inp: &Tensor<B::Buf>,
     ) {
-        dev.with_stride(1, |dev| dev.all_gather(&mut *self.comm, out, inp));
+        dev.critical(|dev| dev.all_gather(&mut *self.comm, out, inp));
     }
 
     /// Tokens this rank keeps of a micro-batch's `n` between the split
@@ -128,7 +128,7 @@ impl<B: Backend> Tp<B> {
             return Ok(t);
         }
         let mut out = dev.alloc(t.len / self.size(), t.dtype, t.category)?;
-        dev.with_stride(1, |dev| dev.reduce_scatter(&mut *self.comm, &mut out, &t));
+        dev.critical(|dev| dev.reduce_scatter(&mut *self.comm, &mut out, &t));
         dev.free(t);
         Ok(out)
     }

@@ -7,11 +7,16 @@
 //! sizes (tests/it/sharding.rs), so rank 0 speaks for all. The hardware's
 //! runtime overhead (CUDA context, library workspaces) is added on top.
 //!
-//! Time is a model, not a measurement: a per-op roofline of the engine's own
-//! FLOP and byte counts against the GPU's peaks, derated by the efficiency
-//! factors below, plus communication time from the bytes each rank sends over
-//! the interconnect. Compute and communication are not overlapped (an upper
-//! bound: DDP and FSDP overlap much of it in practice).
+//! Time is a model, not a measurement: each op the engine runs is priced on
+//! the GPU's roofline from its FLOPs, bytes and shape (`engine::ops::Work`):
+//! a GEMM at the efficiency factor below, derated by the tiles and waves its
+//! M x N leaves idle on the GPU's SMs; fused attention at the rate
+//! FlashAttention-2 reaches on that GPU (the hardware profile); the rest by
+//! bytes at the memory efficiency below. Collectives are priced on the
+//! cluster's links (`comm::topology`); data-parallel ones cost only what the
+//! compute they run beside does not hide (`CommTime::exposed`), tensor-
+//! parallel ones and the optimizer's are waited for. The calibration table
+//! in the README (tests/it/calibration.rs) holds this against published runs.
 
 use std::collections::BTreeMap;
 use std::num::NonZeroUsize;
@@ -26,7 +31,7 @@ use crate::config::ModelConfig;
 use crate::config::hardware::{HardwareProfile, load_hardware};
 use crate::config::profile::{load_model, looks_like_path, parse_yaml, value_location};
 use crate::engine::cluster::Links;
-use crate::engine::device::{HostRoofline, Roofline};
+use crate::engine::device::{Beside, HostRoofline, Roofline, Tiles};
 use crate::engine::{
     Attention, Checkpointing, Comm, Engine, Finetune, Framework, LoraConfig, Loss, Offload,
     Optimizer, OptimizerImpl, Precision, Sharding, TrainConfig,
@@ -40,6 +45,10 @@ pub const COMPUTE_EFFICIENCY: f64 = 0.7;
 /// Fraction of the memory bandwidth that streaming kernels reach (STREAM-like
 /// copies reach 80-90% of HBM peak).
 pub const MEMORY_EFFICIENCY: f64 = 0.8;
+/// The output tile of one thread block of a 16-bit GEMM, square: CUTLASS's
+/// default threadblock shape for tensor-core GEMMs on Ampere and Hopper
+/// is 128x128 (cuBLAS picks among 64 to 256 per side by shape).
+pub const GEMM_TILE: usize = 128;
 /// Fixed cost of one op: a CUDA kernel launch and its tail, about 5 us on
 /// recent GPUs and drivers (one memfit op is one or a few kernels).
 pub const OP_OVERHEAD_S: f64 = 5e-6;
@@ -461,7 +470,13 @@ pub struct Prediction {
     /// usable - total; negative when it does not fit.
     pub margin_bytes: i64,
     pub compute_s: f64,
+    /// Communication the step waits for: what compute does not hide.
     pub comm_s: f64,
+    /// Communication that runs beside compute (DDP's and FSDP's gradient
+    /// reductions behind the backward, ZeRO-3's prefetched gathers), not
+    /// counted in `step_s`.
+    #[serde(default)]
+    pub comm_hidden_s: f64,
     /// Offload: seconds per step on the host link (gradients down, weights
     /// up) and in the CPU's optimizer update, not overlapped with compute.
     pub offload_s: f64,
@@ -1134,11 +1149,22 @@ pub fn plan_with(
 /// How the planner prices each op on `hw` at `precision`: the efficiency
 /// factors above applied to its dense peak and its memory bandwidth.
 pub fn roofline(hw: &HardwareProfile, precision: Precision) -> Roofline {
+    let tensor_cores = precision != Precision::Fp32;
     Roofline {
         flops_per_s: hw.peak_flops(precision) * COMPUTE_EFFICIENCY,
         kernel_flops_per_s: hw.peak_flops(precision) * COMPUTE_EFFICIENCY,
         bytes_per_s: hw.memory_bandwidth_gbps * 1e9 * MEMORY_EFFICIENCY,
         op_overhead_s: OP_OVERHEAD_S,
+        tiles: hw.sm_count.map(|sms| Tiles {
+            sms: sms as usize,
+            m: GEMM_TILE,
+            n: GEMM_TILE,
+        }),
+        // Flash attention runs on the tensor cores in 16 bits only.
+        attention_flops_per_s: hw
+            .fused_attention_efficiency
+            .filter(|_| tensor_cores)
+            .map(|f| hw.peak_flops(precision) * f),
     }
 }
 
@@ -1183,6 +1209,8 @@ impl Rates {
                     bytes_per_s: hw.host_memory_bandwidth_gbps * 1e9 * MEMORY_EFFICIENCY
                         / hw.gpus_per_node.max(1) as f64,
                     op_overhead_s: OP_OVERHEAD_S,
+                    tiles: None,
+                    attention_flops_per_s: None,
                 },
                 link_bytes_per_s: hw.host_link_gbps * 1e9 * HOST_LINK_EFFICIENCY,
                 link_latency_s: HOST_LINK_LATENCY_S,
@@ -1397,6 +1425,7 @@ fn unplanned(
         margin_bytes: 0,
         compute_s: 0.0,
         comm_s: 0.0,
+        comm_hidden_s: 0.0,
         offload_s: 0.0,
         step_s: 0.0,
         tokens_per_s: 0.0,
@@ -1494,9 +1523,10 @@ impl PointPlan<'_> {
         out.compute_s = s.all_s - out.offload_s;
         match (&self.topo, &s.calls) {
             (Some(t), Some(calls)) if !calls.is_empty() => {
-                let (secs, links) = price_collectives(t, calls);
-                out.comm_s = secs;
-                out.links = links;
+                let priced = price_collectives(t, calls);
+                out.comm_s = priced.exposed(s.stage_s, self.tc.grad_accum);
+                out.comm_hidden_s = priced.total() - out.comm_s;
+                out.links = priced.links;
             }
             _ => out.comm_s = s.sent / self.rates.link_bytes_per_s,
         }
@@ -1526,6 +1556,7 @@ impl PointPlan<'_> {
             .step_by(tps);
         let mut worst: Option<(u64, Engine<MetaBackend>)> = None;
         let (mut slot, mut opt_s, mut off_s, mut comm_s) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+        let mut hidden_s = 0.0f64;
         // The slowest stage's micro-batch slot without its sends: the
         // pipeline's compute; the rest of the slot is communication.
         let mut compute_slot = 0.0f64;
@@ -1573,9 +1604,10 @@ impl PointPlan<'_> {
                     );
                 }
                 if let Some(calls) = &st.calls {
-                    let (secs, l) = price_collectives(t, calls);
-                    dp_s = secs;
-                    crossed = union(crossed, l);
+                    let priced = price_collectives(t, calls);
+                    dp_s = priced.exposed(st.stage_s, self.tc.grad_accum);
+                    hidden_s = hidden_s.max(priced.total() - dp_s);
+                    crossed = union(crossed, priced.links);
                 }
             }
             slot = slot.max((st.all_s - st.opt_s + p2p_s) / k);
@@ -1595,6 +1627,7 @@ impl PointPlan<'_> {
         out.offload_s = off_s;
         out.compute_s = slots * compute_slot + opt_s - off_s;
         out.comm_s = comm_s + slots * (slot - compute_slot);
+        out.comm_hidden_s = hidden_s;
         out.links = crossed;
         worst.expect("a stage").1
     }
@@ -1656,6 +1689,8 @@ impl PointPlan<'_> {
 struct Stepped {
     e: Engine<MetaBackend>,
     all_s: f64,
+    /// Device seconds per stage (`engine::device::Stage`).
+    stage_s: [f64; 3],
     opt_s: f64,
     offload_s: f64,
     sent: f64,
@@ -1681,6 +1716,7 @@ fn step_meta(mut e: Engine<MetaBackend>, rates: &Rates, precision: Precision) ->
     (e.dev.meter.offload_s, e.dev.meter.offload_optimizer_s) = (0.0, 0.0);
     (e.dev.meter.link_bytes, e.dev.meter.link_optimizer_bytes) = (0, 0);
     (e.dev.meter.p2p_sent, e.dev.meter.p2p_sends) = (0, 0);
+    e.dev.meter.stage_s = [0.0; 3];
     e.dev.meter.collectives = Some(Vec::new());
     let sent0 = e.dev.meter.sent;
     if let Err(oom) = e.step_from(k, || unreachable!("meta reads no data")) {
@@ -1688,6 +1724,7 @@ fn step_meta(mut e: Engine<MetaBackend>, rates: &Rates, precision: Precision) ->
     }
     Stepped {
         all_s: e.dev.meter.cost.roofline_s,
+        stage_s: e.dev.meter.stage_s,
         opt_s: e.dev.meter.optimizer_cost.roofline_s,
         offload_s: e.dev.meter.offload_s,
         sent: (e.dev.meter.sent - sent0) as f64,
@@ -1712,20 +1749,63 @@ fn union(
     }
 }
 
-/// Seconds of one step's collectives, each priced as NCCL would run it over
-/// its group's placement in `topo` (its size, and how far apart its ranks
+/// One step's collectives priced on a topology: the seconds of those that
+/// run beside the forward, the backward and the last backward
+/// (`engine::device::Beside`), the longest such call of each, the seconds
+/// of those the next op waits for, and the widest set of links they
+/// crossed.
+struct CommTime {
+    beside: [f64; 3],
+    longest: [f64; 3],
+    waited: f64,
+    links: Option<crate::comm::topology::Links>,
+}
+
+impl CommTime {
+    fn total(&self) -> f64 {
+        self.beside.iter().sum::<f64>() + self.waited
+    }
+
+    /// The seconds a step of `k` micro-batches waits for communication,
+    /// given its device seconds per stage (`engine::device::Stage`).
+    /// Frameworks run data-parallel collectives on a stream of their own:
+    /// PyTorch DDP all-reduces gradient buckets as the last micro-batch's
+    /// backward fills them; FSDP reduce-scatters them during every
+    /// backward and prefetches the next unit's all-gather in the forward
+    /// and the backward; DeepSpeed with `overlap_comm` and Megatron with
+    /// `--overlap-grad-reduce --overlap-param-gather` do the same. So such
+    /// collectives cost only what exceeds the compute they run beside, and
+    /// at least their longest call (the last bucket, the first unit's
+    /// gather, which nothing runs beside). Tensor-parallel collectives and
+    /// the optimizer's gathers of updated weights are waited for whole.
+    fn exposed(&self, stage_s: [f64; 3], k: usize) -> f64 {
+        let compute = [stage_s[0], stage_s[1], stage_s[1] / k.max(1) as f64];
+        let mut secs = self.waited;
+        for ((beside, compute), longest) in self.beside.iter().zip(compute).zip(self.longest) {
+            secs += (beside - compute).max(longest).min(*beside);
+        }
+        secs
+    }
+}
+
+/// Prices one step's collectives, each as NCCL would run it over its
+/// group's placement in `topo` (its size, and how far apart its ranks
 /// are: consecutive, or a hybrid shard group apart), each as many times
-/// as it ran (`Call::times`); and the widest set of links they crossed.
+/// as it ran (`Call::times`).
 fn price_collectives(
     topo: &crate::comm::topology::Topology,
     calls: &[crate::engine::device::Call],
-) -> (f64, Option<crate::comm::topology::Links>) {
+) -> CommTime {
     use crate::comm::topology::Links;
-    let mut secs = 0.0;
-    let mut links = Some(Links::None);
+    let mut out = CommTime {
+        beside: [0.0; 3],
+        longest: [0.0; 3],
+        waited: 0.0,
+        links: Some(Links::None),
+    };
     // A step repeats a few distinct calls once per block: price each
-    // distinct one once (the sum still runs in call order, so the total is
-    // the same to the bit).
+    // distinct one once (the sums still run in call order, so the totals
+    // are the same to the bit).
     let mut priced: Vec<(
         (crate::comm::Op, u64, usize, usize),
         crate::comm::topology::Cost,
@@ -1743,10 +1823,28 @@ fn price_collectives(
                 cost
             }
         };
-        secs += c.times as f64 * cost.seconds;
-        links = union(links, Some(cost.links)).or(Some(Links::None));
+        let secs = c.times as f64 * cost.seconds;
+        let i = match c.beside {
+            Beside::Forward => 0,
+            Beside::Backward => 1,
+            Beside::LastBackward => 2,
+            Beside::Nothing => {
+                out.waited += secs;
+                continue_links(&mut out, cost.links);
+                continue;
+            }
+        };
+        out.beside[i] += secs;
+        out.longest[i] = out.longest[i].max(cost.seconds);
+        continue_links(&mut out, cost.links);
     }
-    (secs, links)
+    out
+}
+
+/// `out`'s links widened by one more call's.
+fn continue_links(out: &mut CommTime, links: crate::comm::topology::Links) {
+    use crate::comm::topology::Links;
+    out.links = union(out.links, Some(links)).or(Some(Links::None));
 }
 
 /// DeepSpeed's estimator for point `p`'s stage and offload, from the

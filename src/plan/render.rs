@@ -733,8 +733,15 @@ fn recommendation(plan: &Plan, bullet: &str) -> Vec<String> {
             hw.interconnect_gbps
         ),
     };
+    let hidden = match p.comm_hidden_s > 0.0 {
+        true => format!(
+            "; {:.3} s more runs beside the compute, as DDP and FSDP overlap it",
+            p.comm_hidden_s
+        ),
+        false => String::new(),
+    };
     out.push(format!(
-        "  {bullet}step {:.3} s = compute {:.3} s (roofline at {:.0}% of peak FLOP/s, {:.0}% of memory bandwidth) + communication {:.3} s ({comm}; crosses {}, not overlapped){offload}",
+        "  {bullet}step {:.3} s = compute {:.3} s (roofline at {:.0}% of peak FLOP/s for large GEMMs, less for shapes that leave SMs idle, {:.0}% of memory bandwidth) + communication {:.3} s waited for ({comm}; crosses {}{hidden}){offload}",
         p.step_s,
         p.compute_s,
         plan.efficiency["compute"] * 100.0,

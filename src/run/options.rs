@@ -124,7 +124,7 @@ fn merge(flags: &Knobs, r: &RunRecipe, timeline: Option<PathBuf>) -> Result<RunO
         // the runtime leaves of the GPU's memory.
         Some(RunDevice::Gpu(hw)) => (
             DeviceSpec::new(crate::backend::DeviceKind::Meta, Some(hw.usable_memory())),
-            Some(hw),
+            Some(*hw),
         ),
     };
     // The knobs marked [train] in run/knobs.rs set their fields; these

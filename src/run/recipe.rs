@@ -46,7 +46,7 @@ impl RunRecipe {
 #[derive(Clone, Debug, PartialEq)]
 pub enum RunDevice {
     Device(DeviceSpec),
-    Gpu(HardwareProfile),
+    Gpu(Box<HardwareProfile>),
 }
 
 impl std::str::FromStr for RunDevice {
@@ -60,7 +60,7 @@ impl std::str::FromStr for RunDevice {
             && !gpu.bytes().all(|b| b.is_ascii_digit())
         {
             return load_hardware(gpu.trim())
-                .map(RunDevice::Gpu)
+                .map(|hw| RunDevice::Gpu(Box::new(hw)))
                 .map_err(|e| format!("`{s}`: {e}"));
         }
         s.parse().map(RunDevice::Device).map_err(|e: String| {

@@ -14,6 +14,7 @@ mod common;
 
 mod balance;
 mod bounded_input;
+mod calibration;
 mod check;
 mod cli;
 mod cluster_plan;

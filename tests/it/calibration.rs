@@ -1,0 +1,140 @@
+//! The step-time model against published, measured throughput
+//! (tests/reference/calibration/table.yaml): each row's recipe states the
+//! published run's setup, `memfit plan` predicts it, and the README's table
+//! is exactly what this computes. Rows without `not_held` must be within
+//! the table's tolerance; the others say what of their setup memfit does
+//! not model, and their error is shown, not hidden.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Table {
+    tolerance: f64,
+    rows: Vec<Row>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Row {
+    id: String,
+    source: String,
+    setup: String,
+    published: String,
+    tokens_per_s_per_gpu: f64,
+    derived: String,
+    recipe: PathBuf,
+    #[serde(default)]
+    not_held: Option<String>,
+}
+
+fn dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/calibration")
+}
+
+/// Each row with memfit's tokens/s per GPU for its recipe.
+fn predicted(table: &Table) -> Vec<f64> {
+    table
+        .rows
+        .iter()
+        .map(|r| {
+            let plan = memfit::plan::plan_file(&dir().join(&r.recipe))
+                .unwrap_or_else(|e| panic!("{}: {e}", r.id));
+            assert_eq!(plan.points.len(), 1, "{}: one point a recipe", r.id);
+            let p = &plan.points[0];
+            assert!(p.tokens_per_s > 0.0, "{}: {:?}", r.id, p.verdict);
+            p.tokens_per_s / p.point.gpus as f64
+        })
+        .collect()
+}
+
+/// The README's table: one line a row.
+fn markdown(table: &Table, predicted: &[f64]) -> String {
+    let mut out = String::from(
+        "| Published run (source) | Published | tokens/s/GPU | memfit | error | held |\n\
+         |---|---|---:|---:|---:|---|\n",
+    );
+    for (r, p) in table.rows.iter().zip(predicted) {
+        let err = p / r.tokens_per_s_per_gpu - 1.0;
+        let held = match &r.not_held {
+            None => "yes".to_string(),
+            Some(why) => format!("no: {why}"),
+        };
+        out.push_str(&format!(
+            "| {} ([{}](tests/reference/calibration/{})) | {} | {:.0} | {:.0} | {:+.1}% | {} |\n",
+            r.setup,
+            r.source,
+            r.recipe.display(),
+            r.published,
+            r.tokens_per_s_per_gpu,
+            p,
+            err * 100.0,
+            held
+        ));
+    }
+    out
+}
+
+const BEGIN: &str = "<!-- calibration:begin (tests/it/calibration.rs writes this) -->\n";
+const END: &str = "<!-- calibration:end -->";
+
+#[test]
+fn the_readme_table_holds() {
+    let text = std::fs::read_to_string(dir().join("table.yaml")).unwrap();
+    let table: Table = serde_yaml_ng::from_str(&text).unwrap();
+    let predicted = predicted(&table);
+    for (r, p) in table.rows.iter().zip(&predicted) {
+        assert!(
+            r.tokens_per_s_per_gpu > 0.0 && !r.derived.is_empty(),
+            "{}: a figure and how it was derived",
+            r.id
+        );
+        let err = p / r.tokens_per_s_per_gpu - 1.0;
+        if r.not_held.is_none() {
+            assert!(
+                err.abs() <= table.tolerance,
+                "{}: memfit predicts {p:.0} tokens/s/GPU, {:+.1}% from the published {:.0} \
+                 (tolerance {:.0}%)",
+                r.id,
+                err * 100.0,
+                r.tokens_per_s_per_gpu,
+                table.tolerance * 100.0
+            );
+        }
+    }
+    let want = markdown(&table, &predicted);
+    let readme_path = Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md");
+    let readme = std::fs::read_to_string(&readme_path).unwrap();
+    let (Some(b), Some(e)) = (readme.find(BEGIN), readme.find(END)) else {
+        panic!("README.md has no calibration block ({BEGIN:?} ... {END:?})");
+    };
+    let have = &readme[b + BEGIN.len()..e];
+    if have != want {
+        if std::env::var_os("MEMFIT_WRITE_README").is_some() {
+            let new = format!("{}{BEGIN}{want}{}", &readme[..b], &readme[e..]);
+            std::fs::write(&readme_path, new).unwrap();
+        } else {
+            panic!(
+                "README.md's calibration table is not what memfit predicts now; \
+                 MEMFIT_WRITE_README=1 cargo test --release --test it calibration rewrites it.\n\
+                 want:\n{want}\nhave:\n{have}"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_held_row_has_a_recipe_of_one_point_and_every_recipe_a_row() {
+    let text = std::fs::read_to_string(dir().join("table.yaml")).unwrap();
+    let table: Table = serde_yaml_ng::from_str(&text).unwrap();
+    let mut listed: Vec<PathBuf> = table.rows.iter().map(|r| dir().join(&r.recipe)).collect();
+    listed.sort();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir().join("recipes"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    assert_eq!(listed, files, "table.yaml names every recipe once");
+}
