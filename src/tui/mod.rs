@@ -4,7 +4,6 @@
 
 pub mod app;
 pub mod builder;
-pub mod chart;
 pub mod render;
 pub mod term;
 #[cfg(test)]

@@ -11,13 +11,17 @@ use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Modifier, Style};
 use ratatui::text::{Line, Span};
-use ratatui::widgets::{Block, Paragraph, Row as TRow, Table, TableState};
+use ratatui::widgets::{Paragraph, Row as TRow, Table, TableState};
 
 use super::app::{App, ChartKind, GpuView, KEYMAP, Row, SortColumn, Status, View, visible};
-use super::chart;
 use crate::memory::Category;
 use crate::plan::{Point, name, usd};
 use crate::sweep::markdown::{cost_cell, cost_heading, ratio, tokens_cell};
+use crate::ui::chart::{self, Mark};
+use crate::ui::gpu::{GpuRows, gpu_rows};
+use crate::ui::style::{bold, dim, sep};
+use crate::ui::text::{clip, clip_spans, fmt_elapsed, spans_width, wrap_line};
+use crate::ui::widgets::{Hint, bar_spans, hint, hints, panel};
 use crate::units::fmt_bytes;
 
 /// Draws the whole screen.
@@ -51,83 +55,6 @@ fn screen_areas(app: &App, area: Rect) -> [Rect; 3] {
         Constraint::Length(status),
     ])
     .areas(area)
-}
-
-/// Word-wraps a styled line into lines of at most `width` columns, each
-/// after the first indented by `hang`. A word longer than a line is cut
-/// where the line ends; a non-breaking space keeps a figure with its unit.
-pub(crate) fn wrap_line(line: &Line<'static>, width: usize, hang: usize) -> Vec<Line<'static>> {
-    if width == 0 {
-        return vec![Line::default()];
-    }
-    let hang = hang.min(width / 2);
-    // Runs of spaces and of anything else, each with its span's style.
-    let mut tokens: Vec<(String, Style, bool)> = Vec::new();
-    for s in &line.spans {
-        let style = line.style.patch(s.style);
-        let mut cur = String::new();
-        let mut space = false;
-        for c in s.content.chars() {
-            let is_space = c == ' ';
-            if !cur.is_empty() && is_space != space {
-                tokens.push((std::mem::take(&mut cur), style, space));
-            }
-            space = is_space;
-            cur.push(c);
-        }
-        if !cur.is_empty() {
-            tokens.push((cur, style, space));
-        }
-    }
-    let mut out: Vec<Line<'static>> = Vec::new();
-    let mut cur: Vec<Span<'static>> = Vec::new();
-    let mut used = 0;
-    // Where the current line's text starts (past its indent).
-    let mut start = 0;
-    let mut pending: Option<(String, Style)> = None;
-    for (text, style, space) in tokens {
-        if space {
-            // Spaces at the start of a continuation line are dropped.
-            if used > start || out.is_empty() {
-                let p = pending.get_or_insert((String::new(), style));
-                p.0 += &text;
-            }
-            continue;
-        }
-        let mut word: Vec<char> = text.chars().collect();
-        let pad = pending.as_ref().map_or(0, |p| p.0.chars().count());
-        if used + pad + word.len() > width && used > start {
-            out.push(Line::from(std::mem::take(&mut cur)));
-            cur.push(Span::raw(" ".repeat(hang)));
-            used = hang;
-            start = hang;
-            pending = None;
-        }
-        if let Some((p, st)) = pending.take() {
-            let n = p.chars().count().min(width - used);
-            cur.push(Span::styled(p.chars().take(n).collect::<String>(), st));
-            used += n;
-        }
-        // A word longer than what is left: as much as fits, the rest on
-        // the next lines.
-        while used + word.len() > width {
-            let room = width - used;
-            if room > 0 {
-                cur.push(Span::styled(word[..room].iter().collect::<String>(), style));
-                word.drain(..room);
-            }
-            out.push(Line::from(std::mem::take(&mut cur)));
-            cur.push(Span::raw(" ".repeat(hang)));
-            used = hang;
-            start = hang;
-        }
-        used += word.len();
-        cur.push(Span::styled(word.into_iter().collect::<String>(), style));
-    }
-    if used > start || out.is_empty() {
-        out.push(Line::from(cur));
-    }
-    out
 }
 
 /// Wraps every line, a continuation indented by `hang(line)`.
@@ -220,17 +147,6 @@ pub fn knobs(p: &Point) -> String {
     s
 }
 
-/// `h:mm:ss`, or `m:ss` under an hour.
-pub fn fmt_elapsed(s: f64) -> String {
-    let t = s.max(0.0) as u64;
-    let (h, m, s) = (t / 3600, t / 60 % 60, t % 60);
-    if h > 0 {
-        format!("{h}:{m:02}:{s:02}")
-    } else {
-        format!("{m}:{s:02}")
-    }
-}
-
 fn pct(b: f64, capacity: u64) -> f64 {
     crate::units::percent_of(b, capacity)
 }
@@ -245,41 +161,6 @@ fn fmt_margin((m, predicted): (i64, bool)) -> String {
     )
 }
 
-/// `s` in at most `w` columns, cut with "…" when longer.
-pub(crate) fn clip(s: &str, w: usize) -> String {
-    if s.chars().count() <= w {
-        return s.to_string();
-    }
-    if w == 0 {
-        return String::new();
-    }
-    let mut out: String = s.chars().take(w - 1).collect();
-    out.push('…');
-    out
-}
-
-/// Spans in at most `width` columns: those that fit, the first that does
-/// not cut with "…", none after it.
-pub(crate) fn clip_spans(spans: Vec<Span<'static>>, width: usize) -> Line<'static> {
-    let mut left = width;
-    let mut out = Vec::new();
-    for s in spans {
-        let n = s.content.chars().count();
-        if n <= left {
-            left -= n;
-            out.push(s);
-        } else {
-            out.push(Span::styled(clip(&s.content, left), s.style));
-            break;
-        }
-    }
-    Line::from(out)
-}
-
-fn spans_width(spans: &[Span]) -> usize {
-    spans.iter().map(|s| s.content.chars().count()).sum()
-}
-
 /// The first variant that fits in `width`; the last one, cut, when none does.
 fn first_fitting(variants: Vec<Vec<Span<'static>>>, width: usize) -> Line<'static> {
     let n = variants.len();
@@ -291,30 +172,9 @@ fn first_fitting(variants: Vec<Vec<Span<'static>>>, width: usize) -> Line<'stati
     Line::default()
 }
 
-/// A bordered block whose title is cut to the block's width.
-pub(crate) fn panel(title: &str, area: Rect) -> Block<'static> {
-    Block::bordered().title(clip(title, area.width.saturating_sub(2) as usize))
-}
-
 /// A foreground colour, or none under NO_COLOR.
 fn fg(app: &App, c: Color) -> Style {
-    if app.header.no_color {
-        Style::default()
-    } else {
-        Style::default().fg(c)
-    }
-}
-
-pub(crate) fn bold() -> Style {
-    Style::default().add_modifier(Modifier::BOLD)
-}
-
-pub(crate) fn dim() -> Style {
-    Style::default().add_modifier(Modifier::DIM)
-}
-
-pub(crate) fn sep() -> Span<'static> {
-    Span::styled(" │ ", dim())
+    crate::ui::style::fg(app.header.no_color, c)
 }
 
 /// How a status is drawn: green fit, red failures, yellow running, dim skips;
@@ -462,29 +322,6 @@ fn progress_line(app: &App, width: usize) -> Line<'static> {
     clip_spans(l, width)
 }
 
-/// A key hint: the key, what it does, and the shorter key and word the
-/// compact footer uses.
-struct Hint {
-    key: &'static str,
-    what: &'static str,
-    short_key: &'static str,
-    short: &'static str,
-}
-
-const fn hint(
-    key: &'static str,
-    what: &'static str,
-    short_key: &'static str,
-    short: &'static str,
-) -> Hint {
-    Hint {
-        key,
-        what,
-        short_key,
-        short,
-    }
-}
-
 /// The grid's keys, the most needed first: the compact footer keeps as
 /// many as fit in this order, and `? help` (first) always shows; help
 /// lists them all.
@@ -522,36 +359,6 @@ const PAGE_HINTS: &[Hint] = &[
     hint("?", "help", "?", "help"),
     hint("w", "why", "w", "why"),
 ];
-
-/// The key hints in `width` columns: every one, spelled out, when that
-/// fits; else compact (short keys in bold, one space apart), as many as
-/// fit in order of need. The first always shows.
-fn hints(items: &[Hint], width: usize) -> Line<'static> {
-    let full: Vec<String> = items
-        .iter()
-        .map(|h| format!("{} {}", h.key, h.what))
-        .collect();
-    let line = full.join(" · ");
-    if line.chars().count() <= width {
-        return Line::from(Span::styled(line, dim()));
-    }
-    let mut spans = Vec::new();
-    let mut used = 0;
-    for (i, h) in items.iter().enumerate() {
-        let gap = usize::from(i > 0);
-        let n = gap + h.short_key.chars().count() + 1 + h.short.chars().count();
-        if i > 0 && used + n > width {
-            break;
-        }
-        if i > 0 {
-            spans.push(Span::raw(" "));
-        }
-        spans.push(Span::styled(h.short_key, bold()));
-        spans.push(Span::styled(format!(" {}", h.short), dim()));
-        used += n;
-    }
-    clip_spans(spans, width)
-}
 
 /// The status line: the filter being edited, a message (wrapped, up to
 /// three rows, so that a question reads whole), or the key hints.
@@ -782,12 +589,6 @@ fn grid_columns(app: &App, cells: &[Vec<String>], width: usize) -> Vec<(Col, usi
         .collect()
 }
 
-/// A memory bar `████░░░░` of `width` cells for `share` in 0..=1.
-pub(crate) fn bar(share: f64, width: usize) -> String {
-    let full = ((share.clamp(0.0, 1.0) * width as f64).round() as usize).min(width);
-    format!("{}{}", "█".repeat(full), "░".repeat(width - full))
-}
-
 /// The GPU panel's lines, nvitop-style: per GPU its memory (bar, IEC units,
 /// percent), utilisation, power and temperature, then its processes.
 fn gpu_lines(app: &App, width: usize, room: usize) -> Vec<Line<'static>> {
@@ -801,69 +602,13 @@ fn gpu_lines(app: &App, width: usize, room: usize) -> Vec<Line<'static>> {
     if snap.gpus.is_empty() {
         return vec![Line::from(Span::styled("NVML sees no GPU", dim()))];
     }
-    let mut lines = Vec::new();
-    for g in &snap.gpus {
-        let share = g.memory_used_bytes as f64 / g.memory_total_bytes.max(1) as f64;
-        let mem = format!(
-            "{}/{} {:>5.1}%",
-            fmt_bytes(g.memory_used_bytes),
-            fmt_bytes(g.memory_total_bytes),
-            share * 100.0
-        );
-        let mut rest = Vec::new();
-        if let Some(u) = g.utilization_pct {
-            rest.push(format!("util {u:>3}%"));
-        }
-        match (g.power_w, g.power_limit_w) {
-            (Some(p), Some(l)) => rest.push(format!("{p:.0}/{l:.0} W")),
-            (Some(p), None) => rest.push(format!("{p:.0} W")),
-            _ => {}
-        }
-        if let Some(t) = g.temperature_c {
-            rest.push(format!("{t}°C"));
-        }
-        let head = format!("{} {}", g.index, g.name);
-        let fixed =
-            head.chars().count() + mem.chars().count() + rest.join("  ").chars().count() + 6;
-        let bar_w = width.saturating_sub(fixed).clamp(0, 30);
-        let color = if share >= 0.9 {
-            Color::Red
-        } else if share >= 0.7 {
-            Color::Yellow
-        } else {
-            Color::Green
-        };
-        let mut spans = vec![Span::styled(head, bold()), Span::raw(" ")];
-        if bar_w >= 4 {
-            spans.push(Span::styled(
-                format!("[{}]", bar(share, bar_w - 2)),
-                fg(app, color),
-            ));
-            spans.push(Span::raw(" "));
-        }
-        spans.push(Span::raw(mem));
-        if !rest.is_empty() {
-            spans.push(Span::raw(format!("  {}", rest.join("  "))));
-        }
-        if let Some(e) = &g.error {
-            spans.push(Span::styled(format!("  {e}"), fg(app, Color::Red)));
-        }
-        lines.push(clip_spans(spans, width));
-        for p in &g.processes {
-            lines.push(Line::from(Span::styled(
-                clip(
-                    &format!(
-                        "  └ {:>7} {:<16} {}",
-                        p.pid,
-                        p.name.as_deref().unwrap_or("?"),
-                        p.used_bytes.map_or("n/a".into(), fmt_bytes)
-                    ),
-                    width,
-                ),
-                dim(),
-            )));
-        }
-    }
+    // The whole GPU's memory: red from 90% (no --warn-at here).
+    let o = GpuRows {
+        warn_at: 0.9,
+        job: &[],
+        no_color: app.header.no_color,
+    };
+    let mut lines = gpu_rows(&snap.gpus, width, o);
     lines.truncate(room.max(1));
     lines
 }
@@ -1126,52 +871,20 @@ fn render_memory(app: &App, row: Option<&Row>, f: &mut Frame, area: Rect) {
         .chain(r.samples.iter().filter_map(|s| s.nvml.map(|b| b as f64)))
         .chain([h.capacity as f64, predicted.unwrap_or(0) as f64])
         .fold(1.0f64, f64::max);
-    let key = |sample: &str, color: Color, label: String, short: &str| chart::Key {
-        sample: sample.into(),
-        style: fg(app, color),
-        label,
-        short: short.into(),
-    };
+    let nc = app.header.no_color;
     let mut rules = vec![
-        chart::Rule {
-            value: h.capacity as f64,
-            glyph: '━',
-            style: fg(app, Color::Red),
-        },
-        chart::Rule {
-            value: h.usable as f64,
-            glyph: '─',
-            style: fg(app, Color::Yellow),
-        },
+        Mark::Capacity.rule(h.capacity as f64, nc),
+        Mark::Warn.rule(h.usable as f64, nc),
     ];
     let mut legend = vec![
-        key(
-            "━",
-            Color::Red,
-            format!("capacity {}", fmt_bytes(h.capacity)),
-            "cap",
-        ),
-        key(
-            "─",
-            Color::Yellow,
-            format!("usable {}", fmt_bytes(h.usable)),
-            "usable",
-        ),
+        Mark::Capacity.key(nc, format!("capacity {}", fmt_bytes(h.capacity)), "cap"),
+        Mark::Warn.key(nc, format!("usable {}", fmt_bytes(h.usable)), "usable"),
     ];
     if let Some(p) = predicted {
-        rules.push(chart::Rule {
-            value: p as f64,
-            glyph: '┄',
-            style: fg(app, Color::Blue),
-        });
-        legend.push(key(
-            "┄",
-            Color::Blue,
-            format!("predicted {}", fmt_bytes(p)),
-            "pred",
-        ));
+        rules.push(Mark::Predicted.rule(p as f64, nc));
+        legend.push(Mark::Predicted.key(nc, format!("predicted {}", fmt_bytes(p)), "pred"));
     }
-    legend.push(key("⡠⠊", Color::Cyan, "tracked".into(), "tracked"));
+    legend.push(Mark::Measured.key(nc, "tracked", "tracked"));
     // On a GPU with NVML: the trial process's device memory as the driver
     // sees it (context, kernels, allocator reserve and tensors), a dot a
     // sample so that it reads apart from the tracked curve without colour.
@@ -1188,7 +901,12 @@ fn render_memory(app: &App, row: Option<&Row>, f: &mut Frame, area: Rect) {
         })
         .collect();
     if !dots.is_empty() {
-        legend.push(key("•", Color::Magenta, "NVML".into(), "NVML"));
+        legend.push(chart::Key::new(
+            "•",
+            fg(app, Color::Magenta),
+            "NVML",
+            "NVML",
+        ));
     }
     let plot = chart::Plot {
         x: [t0, t1],
@@ -1198,7 +916,7 @@ fn render_memory(app: &App, row: Option<&Row>, f: &mut Frame, area: Rect) {
         rules,
         curves: vec![chart::Curve {
             points: &device,
-            style: fg(app, Color::Cyan),
+            style: Mark::Measured.style(nc),
         }],
         dots,
         legend,
@@ -1245,12 +963,12 @@ fn render_throughput(app: &App, selected: Option<&Row>, f: &mut Frame, area: Rec
         .enumerate()
         .map(|(k, &(_, y))| dot(k, y, '•', fg(app, Color::Cyan)))
         .collect();
-    let mut legend = vec![chart::Key {
-        sample: "•".into(),
-        style: fg(app, Color::Cyan),
-        label: "a trial".into(),
-        short: "trial".into(),
-    }];
+    let mut legend = vec![chart::Key::new(
+        "•",
+        fg(app, Color::Cyan),
+        "a trial",
+        "trial",
+    )];
     // The recommended, then the selected over it.
     for (want, glyph, color, what) in [
         (app.recommendation, '★', Color::Green, "recommended"),
@@ -1261,12 +979,12 @@ fn render_throughput(app: &App, selected: Option<&Row>, f: &mut Frame, area: Rec
         };
         let style = fg(app, color).add_modifier(Modifier::BOLD);
         dots.push(dot(k, y, glyph, style));
-        legend.push(chart::Key {
-            sample: glyph.to_string(),
+        legend.push(chart::Key::new(
+            &glyph.to_string(),
             style,
-            label: format!("#{i} {what}"),
-            short: format!("#{i}"),
-        });
+            format!("#{i} {what}"),
+            &format!("#{i}"),
+        ));
     }
     let top = points.iter().map(|p| p.1).fold(0.0f64, f64::max);
     let plot = chart::Plot {
@@ -1313,9 +1031,6 @@ fn breakdown_lines(app: &App, r: &Row, width: u16) -> Vec<Line<'static>> {
         .into_iter()
         .map(|(n, b)| {
             let p = pct(b as f64, app.header.capacity);
-            let filled = ((p / 100.0) * bar_w as f64)
-                .round()
-                .clamp(0.0, bar_w as f64) as usize;
             let style = if n == "total" {
                 bold()
             } else {
@@ -1323,8 +1038,7 @@ fn breakdown_lines(app: &App, r: &Row, width: u16) -> Vec<Line<'static>> {
             };
             let mut spans = vec![Span::styled(format!("{n:<14}"), style)];
             if bar_w > 0 {
-                spans.push(Span::styled("█".repeat(filled), fg(app, Color::Cyan)));
-                spans.push(Span::styled("░".repeat(bar_w - filled), dim()));
+                spans.extend(bar_spans(p / 100.0, bar_w, fg(app, Color::Cyan)));
                 spans.push(Span::raw(" "));
             }
             spans.push(Span::styled(format!("{:>10}", fmt_bytes(b)), style));
@@ -1908,7 +1622,7 @@ fn detail_page(app: &App, width: usize) -> Vec<Line<'static>> {
 fn render_detail(app: &App, f: &mut Frame, area: Rect) {
     let Some(r) = app.selected_row() else {
         f.render_widget(
-            Paragraph::new("no trial selected").block(Block::bordered().title("detail")),
+            Paragraph::new("no trial selected").block(panel("detail", area)),
             area,
         );
         return;
@@ -1926,10 +1640,7 @@ fn render_detail(app: &App, f: &mut Frame, area: Rect) {
         };
         let [b, s] = Layout::vertical([Constraint::Length(11), Constraint::Min(0)]).areas(right);
         render_breakdown(app, Some(r), f, b);
-        f.render_widget(
-            Paragraph::new(step_lines(r)).block(Block::bordered().title("steps")),
-            s,
-        );
+        f.render_widget(Paragraph::new(step_lines(r)).block(panel("steps", s)), s);
     }
 }
 
@@ -2014,14 +1725,7 @@ mod tests {
     }
 
     fn lines(app: &App, w: u16, h: u16) -> Vec<String> {
-        let buf = buffer(app, w, h);
-        (0..h)
-            .map(|y| {
-                (0..w)
-                    .map(|x| buf[(x, y)].symbol().replace('\u{a0}', " "))
-                    .collect()
-            })
-            .collect()
+        crate::ui::testing::rows(&buffer(app, w, h))
     }
 
     fn screen(app: &App, w: u16, h: u16) -> String {
@@ -2827,13 +2531,8 @@ mod tests {
 
     #[test]
     fn helpers() {
-        assert_eq!(fmt_elapsed(83.0), "1:23");
-        assert_eq!(fmt_elapsed(3723.0), "1:02:03");
         assert_eq!(crate::units::fmt_signed_bytes(-(1 << 20)), "-1.00 MiB");
         assert_eq!(fmt_margin((1 << 20, true)), "~+1.00 MiB");
-        assert_eq!(clip("abcdef", 4), "abc…");
-        assert_eq!(clip("abc", 3), "abc");
-        assert_eq!(clip("abc", 0), "");
         let p = point(
             4,
             crate::engine::Sharding::Zero2,

@@ -10,14 +10,7 @@ use super::render::render;
 fn draw(app: &App, w: u16, h: u16) -> Vec<String> {
     let mut t = Terminal::new(TestBackend::new(w, h)).unwrap();
     t.draw(|f| render(app, f)).unwrap();
-    let buf = t.backend().buffer().clone();
-    (0..h)
-        .map(|y| {
-            (0..w)
-                .map(|x| buf[(x, y)].symbol().replace('\u{a0}', " "))
-                .collect()
-        })
-        .collect()
+    crate::ui::testing::rows(t.backend().buffer())
 }
 
 #[test]

@@ -29,9 +29,11 @@ use ratatui::widgets::Paragraph;
 
 use super::Session;
 use super::state::{Phase, Target, WatchState, fmt_pct};
-use crate::telemetry::GpuSample;
-use crate::tui::chart;
-use crate::tui::render::{bar, bold, clip, clip_spans, dim, fmt_elapsed, panel, sep};
+use crate::ui::chart::{self, Mark};
+use crate::ui::gpu::{GpuRows, gpu_rows};
+use crate::ui::style::{bold, dim, sep};
+use crate::ui::text::{clip, clip_spans, fmt_elapsed};
+use crate::ui::widgets::{hint, hints, panel};
 use crate::units::fmt_bytes;
 
 /// Draws the whole screen from the state alone.
@@ -83,11 +85,7 @@ pub fn render(st: &WatchState, f: &mut Frame) {
 }
 
 fn fg(st: &WatchState, c: Color) -> Style {
-    if st.no_color {
-        Style::default()
-    } else {
-        Style::default().fg(c)
-    }
+    crate::ui::style::fg(st.no_color, c)
 }
 
 fn pct(b: u64, total: u64) -> f64 {
@@ -267,84 +265,16 @@ fn gpu_lines(st: &WatchState, w: usize) -> Vec<Line<'static>> {
             dim(),
         )));
     }
-    // One bar width for every row, so that the bars line up.
-    let bar_w = snap
-        .gpus
-        .iter()
-        .map(|g| {
-            let (head, mem, rest) = gpu_parts(g);
-            w.saturating_sub(head.chars().count() + 2 + mem.chars().count() + rest.chars().count())
-        })
-        .min()
-        .unwrap_or(10)
-        .clamp(10, 40);
-    for g in &snap.gpus {
-        out.push(gpu_row(st, g, bar_w, w));
-        for p in &g.processes {
-            let job = st.job_pids.contains(&p.pid);
-            let text = format!(
-                "   └ {:>7} {:<16} {:>11}{}",
-                p.pid,
-                clip(p.name.as_deref().unwrap_or("?"), 16),
-                p.used_bytes.map_or("?".into(), fmt_bytes),
-                if job { "  job" } else { "" }
-            );
-            let style = if job { fg(st, Color::Cyan) } else { dim() };
-            out.push(Line::from(Span::styled(clip(&text, w), style)));
-        }
-    }
-    out
-}
-
-/// A GPU row's text around its bar: index and name, memory, the rest.
-fn gpu_parts(g: &GpuSample) -> (String, String, String) {
-    let mem = format!(
-        " {:>10}/{} {:>5.1}%",
-        fmt_bytes(g.memory_used_bytes),
-        fmt_bytes(g.memory_total_bytes),
-        pct(g.memory_used_bytes, g.memory_total_bytes)
-    );
-    let mut rest = match g.utilization_pct {
-        Some(u) => format!("  util {u:>3}%"),
-        None => "  util   ?".into(),
-    };
-    if let Some(p) = g.power_w {
-        rest += &match g.power_limit_w {
-            Some(l) => format!("  {p:>3.0}/{l:.0} W"),
-            None => format!("  {p:>3.0} W"),
-        };
-    }
-    if let Some(c) = g.temperature_c {
-        rest += &format!("  {c}°C");
-    }
-    if let Some(e) = &g.error {
-        rest += &format!("  {e}");
-    }
-    let head = format!("{:>2} {:<22} ", g.index, clip(&g.name, 22));
-    (head, mem, rest)
-}
-
-fn gpu_row(st: &WatchState, g: &GpuSample, bar_w: usize, w: usize) -> Line<'static> {
-    let share = pct(g.memory_used_bytes, g.memory_total_bytes);
-    let (head, mem, rest) = gpu_parts(g);
-    let color = if share >= st.warn_at * 100.0 {
-        Color::Red
-    } else if share >= st.warn_at * 100.0 - 15.0 {
-        Color::Yellow
-    } else {
-        Color::Green
-    };
-    clip_spans(
-        vec![
-            Span::styled(head, bold()),
-            Span::raw("["),
-            Span::styled(bar(share / 100.0, bar_w), fg(st, color)),
-            Span::raw("]"),
-            Span::raw(mem),
-            Span::raw(rest),
-        ],
+    out.extend(gpu_rows(
+        &snap.gpus,
         w,
-    )
+        GpuRows {
+            warn_at: st.warn_at,
+            job: &st.job_pids,
+            no_color: st.no_color,
+        },
+    ));
+    out
 }
 
 fn render_chart(st: &WatchState, f: &mut Frame, area: Rect) {
@@ -407,16 +337,16 @@ fn render_chart(st: &WatchState, f: &mut Frame, area: Rect) {
     } else {
         "used"
     };
-    let mut legend = vec![legend_key(
-        st,
-        "⡠⠊",
-        Color::Cyan,
-        main_name.into(),
-        main_name,
-    )];
+    let nc = st.no_color;
+    let mut legend = vec![Mark::Measured.key(nc, main_name, main_name)];
     let mut dots = Vec::new();
     if !used.is_empty() {
-        legend.push(legend_key(st, "·", Color::Green, "GPU used".into(), "used"));
+        legend.push(chart::Key::new(
+            "·",
+            fg(st, Color::Green),
+            "GPU used",
+            "used",
+        ));
         dots = used
             .iter()
             .map(|&(x, y)| chart::Dot {
@@ -439,7 +369,7 @@ fn render_chart(st: &WatchState, f: &mut Frame, area: Rect) {
         // The job last, over the reference lines.
         curves: vec![chart::Curve {
             points: &main,
-            style: fg(st, Color::Cyan),
+            style: Mark::Measured.style(nc),
         }],
         dots,
         legend,
@@ -469,22 +399,6 @@ fn chart_title(st: &WatchState) -> String {
     }
 }
 
-/// A legend entry: each line its own glyph (NO_COLOR loses nothing).
-fn legend_key(
-    st: &WatchState,
-    sample: &str,
-    color: Color,
-    label: String,
-    short: &str,
-) -> chart::Key {
-    chart::Key {
-        sample: sample.into(),
-        style: fg(st, color),
-        label,
-        short: short.into(),
-    }
-}
-
 /// The capacity and the warning level on it, and memfit's prediction, as
 /// rules across the chart, each with its legend entry.
 fn reference_lines(
@@ -493,46 +407,19 @@ fn reference_lines(
     predicted: Option<u64>,
     legend: &mut Vec<chart::Key>,
 ) -> Vec<chart::Rule> {
+    let nc = st.no_color;
     let mut rules = Vec::new();
     if let Some(c) = capacity {
-        legend.push(legend_key(
-            st,
-            "━",
-            Color::Red,
-            format!("capacity {}", fmt_bytes(c)),
-            "cap",
-        ));
-        rules.push(chart::Rule {
-            value: c as f64,
-            glyph: '━',
-            style: fg(st, Color::Red),
-        });
-        legend.push(legend_key(
-            st,
-            "─",
-            Color::Yellow,
-            format!("warn {}%", fmt_pct(st.warn_at * 100.0)),
-            "warn",
-        ));
-        rules.push(chart::Rule {
-            value: c as f64 * st.warn_at,
-            glyph: '─',
-            style: fg(st, Color::Yellow),
-        });
+        legend.push(Mark::Capacity.key(nc, format!("capacity {}", fmt_bytes(c)), "cap"));
+        rules.push(Mark::Capacity.rule(c as f64, nc));
+        let warn = format!("warn {}%", fmt_pct(st.warn_at * 100.0));
+        legend.push(Mark::Warn.key(nc, warn, "warn"));
+        rules.push(Mark::Warn.rule(c as f64 * st.warn_at, nc));
     }
     if let Some(p) = predicted {
-        legend.push(legend_key(
-            st,
-            "┄",
-            Color::Blue,
-            format!("memfit predicts {}", fmt_bytes(p)),
-            "pred",
-        ));
-        rules.push(chart::Rule {
-            value: p as f64,
-            glyph: '┄',
-            style: fg(st, Color::Blue),
-        });
+        let label = format!("memfit predicts {}", fmt_bytes(p));
+        legend.push(Mark::Predicted.key(nc, label, "pred"));
+        rules.push(Mark::Predicted.rule(p as f64, nc));
     }
     rules
 }
@@ -553,16 +440,18 @@ fn render_log(st: &WatchState, f: &mut Frame, area: Rect) {
     f.render_widget(Paragraph::new(lines).block(panel(&title, area)), area);
 }
 
+/// The footer: what `q` does now, spelled out when it fits.
 fn key_line(st: &WatchState, w: usize) -> Line<'static> {
-    let what = match (&st.target, &st.phase) {
-        (Target::Command { .. }, Phase::Stopping { .. }) => "q again: SIGKILL now",
-        (Target::Command { .. }, _) => {
-            "q quit: SIGTERM to the command, SIGKILL after the grace period"
-        }
-        (Target::Pid { .. }, _) => "q stop watching (the process keeps running)",
-        (Target::Gpus, _) => "q quit",
+    let (what, short) = match (&st.target, &st.phase) {
+        (Target::Command { .. }, Phase::Stopping { .. }) => ("again: SIGKILL now", "kill"),
+        (Target::Command { .. }, _) => (
+            "quit: SIGTERM to the command, SIGKILL after the grace period",
+            "quit",
+        ),
+        (Target::Pid { .. }, _) => ("stop watching (the process keeps running)", "stop"),
+        (Target::Gpus, _) => ("quit", "quit"),
     };
-    clip_spans(vec![Span::styled(what.to_string(), dim())], w)
+    hints(&[hint("q", what, "q", short)], w)
 }
 
 /// The terminal loop: samples in, a frame every 100 ms, keys; returns when
@@ -607,15 +496,7 @@ mod tests {
     fn screen(st: &WatchState, w: u16, h: u16) -> String {
         let mut t = Terminal::new(TestBackend::new(w, h)).unwrap();
         t.draw(|f| render(st, f)).unwrap();
-        let buf = t.backend().buffer().clone();
-        (0..h)
-            .map(|y| {
-                (0..w)
-                    .map(|x| buf[(x, y)].symbol().to_string())
-                    .collect::<String>()
-            })
-            .collect::<Vec<_>>()
-            .join("\n")
+        crate::ui::testing::rows(t.backend().buffer()).join("\n")
     }
 
     #[test]
@@ -646,11 +527,5 @@ mod tests {
         for (w, h) in [(100, 30), (10, 3)] {
             screen(&no_nvml, w, h);
         }
-    }
-
-    #[test]
-    fn bars_and_ticks() {
-        assert_eq!(bar(0.5, 4), "██░░");
-        assert_eq!(bar(2.0, 3), "███");
     }
 }

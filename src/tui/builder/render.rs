@@ -17,7 +17,10 @@ use super::state::{Builder, Field, Focus, KEYMAP, fields};
 use crate::engine::Framework;
 use crate::memory::Category;
 use crate::plan::{Prediction, Verdict, usd};
-use crate::tui::render::{bold, clip, clip_spans, dim, panel, wrap_line};
+use crate::ui::style::{bold, dim};
+use crate::ui::text::{clip, clip_spans, wrap_line};
+use crate::ui::widgets::panel;
+
 /// A byte size whose number and unit stay together on a wrapped line.
 fn fmt_bytes(x: u64) -> String {
     crate::units::fmt_bytes(x).replace(' ', "\u{a0}")
@@ -61,10 +64,7 @@ pub fn render(b: &Builder, f: &mut Frame) {
 }
 
 fn fg(b: &Builder, c: Color) -> Style {
-    match b.no_color {
-        true => Style::default(),
-        false => Style::default().fg(c),
-    }
+    crate::ui::style::fg(b.no_color, c)
 }
 
 fn fit_style(b: &Builder, fit: Fit) -> Style {

@@ -60,14 +60,7 @@ fn go(b: &mut Builder, f: Field) {
 fn draw(b: &Builder, w: u16, h: u16) -> Vec<String> {
     let mut t = Terminal::new(TestBackend::new(w, h)).unwrap();
     t.draw(|f| super::render::render(b, f)).unwrap();
-    let buf = t.backend().buffer().clone();
-    (0..h)
-        .map(|y| {
-            (0..w)
-                .map(|x| buf[(x, y)].symbol().replace('\u{a0}', " "))
-                .collect()
-        })
-        .collect()
+    crate::ui::testing::rows(t.backend().buffer())
 }
 
 #[test]

@@ -1,6 +1,15 @@
 //! What the two terminal interfaces (`memfit tui`, `memfit watch`) share:
 //! the terminal itself, in raw mode on the alternate screen for as long as
-//! a [`Screen`] lives.
+//! a [`Screen`] lives; the styles ([`style`]) and text helpers ([`text`])
+//! they draw with; their widgets: a titled panel, a fill bar and the key
+//! hints ([`widgets`]), the GPU rows ([`gpu`]) and the chart ([`chart`]).
+//! Number formats are [`crate::units`]'.
+
+pub mod chart;
+pub mod gpu;
+pub mod style;
+pub mod text;
+pub mod widgets;
 
 use std::io::Stdout;
 use std::sync::Arc;
@@ -68,4 +77,22 @@ fn leave() {
         LeaveAlternateScreen,
         crossterm::cursor::Show
     );
+}
+
+/// For unit tests that draw into a ratatui buffer.
+#[cfg(test)]
+pub mod testing {
+    use ratatui::buffer::Buffer;
+
+    /// The buffer's rows as text (a non-breaking space read as a space).
+    pub fn rows(buf: &Buffer) -> Vec<String> {
+        let a = buf.area;
+        (a.y..a.y + a.height)
+            .map(|y| {
+                (a.x..a.x + a.width)
+                    .map(|x| buf[(x, y)].symbol().replace('\u{a0}', " "))
+                    .collect()
+            })
+            .collect()
+    }
 }

@@ -1,5 +1,6 @@
 //! A small line chart drawn straight into a ratatui buffer: the live memory
-//! and throughput panels of `memfit tui`, and `memfit watch`'s memory.
+//! and throughput panels of `memfit tui`, and `memfit watch`'s memory; the
+//! memory charts draw their lines alike ([`Mark`]).
 //!
 //! ratatui's `Chart` spreads its y labels over the rows whatever their
 //! values, draws each dataset over the last (so a reference line one row
@@ -21,10 +22,11 @@
 
 use ratatui::buffer::Buffer;
 use ratatui::layout::Rect;
-use ratatui::style::Style;
+use ratatui::style::{Color, Style};
 use ratatui::text::Span;
 
-use super::render::{clip, clip_spans, dim};
+use super::style::{dim, fg};
+use super::text::{clip, clip_spans};
 
 /// What the y axis counts, for its tick labels.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -66,6 +68,68 @@ pub struct Key {
     pub style: Style,
     pub label: String,
     pub short: String,
+}
+
+impl Key {
+    pub fn new(sample: &str, style: Style, label: impl Into<String>, short: &str) -> Key {
+        Key {
+            sample: sample.into(),
+            style,
+            label: label.into(),
+            short: short.into(),
+        }
+    }
+}
+
+/// The lines of a memory chart, drawn alike on every screen, each its own
+/// glyph: the memory measured as a curve ⡠⠊ in cyan, the capacity ━ in
+/// red, the level under it that warns (`memfit tui`'s usable memory,
+/// `memfit watch`'s `--warn-at`) ─ in yellow, memfit's prediction ┄ in
+/// blue.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Mark {
+    Measured,
+    Capacity,
+    Warn,
+    Predicted,
+}
+
+impl Mark {
+    /// Its glyph in the legend.
+    pub fn sample(self) -> &'static str {
+        match self {
+            Mark::Measured => "⡠⠊",
+            Mark::Capacity => "━",
+            Mark::Warn => "─",
+            Mark::Predicted => "┄",
+        }
+    }
+
+    pub fn style(self, no_color: bool) -> Style {
+        fg(
+            no_color,
+            match self {
+                Mark::Measured => Color::Cyan,
+                Mark::Capacity => Color::Red,
+                Mark::Warn => Color::Yellow,
+                Mark::Predicted => Color::Blue,
+            },
+        )
+    }
+
+    /// Its legend entry.
+    pub fn key(self, no_color: bool, label: impl Into<String>, short: &str) -> Key {
+        Key::new(self.sample(), self.style(no_color), label, short)
+    }
+
+    /// A reference line at `value` (not for [`Mark::Measured`], a curve).
+    pub fn rule(self, value: f64, no_color: bool) -> Rule {
+        Rule {
+            value,
+            glyph: self.sample().chars().next().unwrap_or('─'),
+            style: self.style(no_color),
+        }
+    }
 }
 
 /// Everything one chart draws.
@@ -518,9 +582,7 @@ mod tests {
         let area = Rect::new(0, 0, w, h);
         let mut buf = Buffer::empty(area);
         draw(p, &mut buf, area);
-        (0..h)
-            .map(|y| (0..w).map(|x| buf[(x, y)].symbol().to_string()).collect())
-            .collect()
+        crate::ui::testing::rows(&buf)
     }
 
     fn plot(rules: Vec<Rule>) -> Plot<'static> {
@@ -619,6 +681,37 @@ mod tests {
                 draw(&p, &mut buf, area);
             }
         }
+    }
+
+    /// Every memory chart draws its lines with the same glyphs and
+    /// colours, each line its own glyph.
+    #[test]
+    fn marks_draw_alike() {
+        use ratatui::style::Color;
+        let mut p = plot(vec![
+            Mark::Capacity.rule(8.0 * MIB, false),
+            Mark::Predicted.rule(4.0 * MIB, false),
+        ]);
+        p.legend = vec![
+            Mark::Measured.key(false, "job", "job"),
+            Mark::Capacity.key(false, "capacity 8 MiB", "cap"),
+            Mark::Warn.key(true, "warn 90%", "warn"),
+        ];
+        let area = Rect::new(0, 0, 50, 7);
+        let mut buf = Buffer::empty(area);
+        draw(&p, &mut buf, area);
+        let rows = crate::ui::testing::rows(&buf);
+        assert!(rows[0].ends_with(&"━".repeat(44)), "{rows:?}");
+        assert!(rows[2].ends_with(&"┄".repeat(44)), "{rows:?}");
+        assert_eq!(buf[(10, 0)].fg, Color::Red);
+        assert_eq!(buf[(10, 2)].fg, Color::Blue);
+        assert_eq!(rows[6].trim_end(), "⡠⠊ job  ━ capacity 8 MiB  ─ warn 90%");
+        assert_eq!(buf[(0, 6)].fg, Color::Cyan);
+        // NO_COLOR: the glyph alone.
+        assert_eq!(buf[(26, 6)].symbol(), "─");
+        assert_eq!(buf[(26, 6)].fg, Color::Reset);
+        assert_eq!(Mark::Warn.rule(1.0, false).glyph, '─');
+        assert_eq!(Mark::Warn.style(false).fg, Some(Color::Yellow));
     }
 
     #[test]
