@@ -7,8 +7,8 @@ use clap::{Parser, Subcommand, ValueEnum};
 use crate::backend::DeviceSpec;
 use crate::engine::{Attention, Checkpointing, Optimizer, Precision, Schedule, TrainConfig};
 use crate::error::{Error, Result};
+use crate::knobs::Knobs;
 use crate::run::RunOptions;
-use crate::run::knobs::Knobs;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -544,7 +544,7 @@ pub use crate::config::limits::{MAX_THREADS, MAX_TRIAL_SECONDS, check_seconds, c
 
 // Flag values checked as clap parses them: a bad one stops the command
 // before anything runs, with clap's message naming the flag (exit code 2).
-use crate::run::knobs::threads;
+use crate::knobs::threads;
 
 fn seconds(s: &str) -> std::result::Result<f64, String> {
     check_seconds(s.parse().map_err(|e| format!("{e}"))?)

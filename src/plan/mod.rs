@@ -1891,7 +1891,7 @@ mod tests {
     use super::*;
     use crate::config::hardware::load_hardware;
     use crate::config::profile::load_model;
-    use crate::run::knobs::Knobs;
+    use crate::knobs::Knobs;
 
     /// A recipe parsed from `yaml`, with its model and hardware profiles.
     fn recipe(
@@ -1986,7 +1986,7 @@ mod tests {
 
     /// Every `memfit run` knob is a plan's axis, a plan recipe's key, or
     /// fixed in plans for a reason given here: a knob added to
-    /// `run::knobs` fails this test until the planner handles it.
+    /// `knobs` fails this test until the planner handles it.
     #[test]
     fn every_knob_is_an_axis_a_recipe_key_or_fixed_in_plans() {
         let (r, _, _) =
