@@ -51,16 +51,7 @@ fn main() {
         host_usd_per_hour: None,
         allow_numerics_change: true,
         device: None,
-        dropout: 0.0,
-        optimizer_impl: Default::default(),
-        set_to_none: true,
-        loss_chunks: None,
-        param_groups: Default::default(),
-        lora_rank: None,
-        lora_alpha: None,
-        lora_dropout: None,
-        lora_targets: None,
-        host_memory: None,
+        knobs: Default::default(),
         network: None,
     };
     let point = expand(&single)[0];

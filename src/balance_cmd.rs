@@ -22,12 +22,13 @@ use crate::backend::meta::MetaBackend;
 use crate::backend::{DeviceKind, DeviceSpec};
 use crate::balance::{block_partition, min_bottleneck};
 use crate::config::ModelConfig;
-use crate::config::hardware::{HardwareProfile, load_hardware};
+use crate::config::hardware::HardwareProfile;
 use crate::config::profile::load_model;
 use crate::data::DataSource;
 use crate::engine::pipeline::uniform_balance;
 use crate::engine::{Engine, Schedule, TrainConfig};
 use crate::error::{Error, Result};
+use crate::knobs::Knobs;
 use crate::memory::{Category, PeakBytes, Phase};
 use crate::run::{RunOptions, validate};
 use crate::units::fmt_bytes;
@@ -59,14 +60,14 @@ pub enum Target {
 }
 
 impl Target {
-    /// `cpu`, `cpu:limit=SIZE`, or `meta:GPU` (a hardware profile name).
-    pub fn parse(text: &str) -> Result<Self> {
-        if let Some(hw) = text.strip_prefix("meta:") {
-            return load_hardware(hw).map(|h| Target::Gpu(Box::new(h)));
+    /// The target of `--device` as `memfit run` resolves it: `cpu`,
+    /// `cpu:limit=SIZE`, `cuda[:N]` or `meta:GPU` (a hardware profile);
+    /// bare meta times nothing.
+    fn of(run: &RunOptions) -> Result<Self> {
+        if let Some(hw) = &run.target {
+            return Ok(Target::Gpu(Box::new(hw.clone())));
         }
-        let spec: DeviceSpec = text
-            .parse()
-            .map_err(|e: String| Error::invalid_arg("--device", e))?;
+        let spec = &run.device;
         match spec.kind {
             DeviceKind::Cpu => Ok(Target::Cpu { limit: spec.limit }),
             DeviceKind::Cuda => Ok(Target::Cuda {
@@ -76,9 +77,18 @@ impl Target {
             DeviceKind::Meta => Err(Error::invalid_arg(
                 "--device",
                 format!(
-                    "`{text}`: balance runs on cpu or cuda[:N], or predicts for a GPU with meta:NAME (see `memfit profiles`)"
+                    "`{spec}`: balance runs on cpu or cuda[:N], or predicts for a GPU with meta:NAME (see `memfit profiles`)"
                 ),
             )),
+        }
+    }
+
+    /// The device the stages' knobs are checked against: the one the
+    /// layers are timed on (a GPU profile is priced on meta).
+    fn check_device(&self) -> DeviceSpec {
+        match self {
+            Target::Gpu(_) => DeviceSpec::new(DeviceKind::Meta, None),
+            _ => self.run_device(),
         }
     }
 
@@ -119,6 +129,119 @@ impl Target {
             },
             _ => DeviceSpec::new(DeviceKind::Cpu, None),
         }
+    }
+}
+
+/// The `memfit run` knobs balance cannot honour, and why: it prices one
+/// rank per pipeline stage, one step, without data or tensor parallelism
+/// or ZeRO. `--ranks` equal to the stages, `--sharding none`,
+/// `--offload none` and `--tensor-parallel 1` say what balance does, and
+/// pass.
+pub const REFUSED: &[(&str, &str)] = &[
+    (
+        "steps",
+        "balance prices one step of each stage, and times each layer over --repeats steps",
+    ),
+    (
+        "data",
+        "balance prices stages on meta, which reads no tokens, and times layers on synthetic ones",
+    ),
+    ("threads", "balance times the layers on every core"),
+    (
+        "partition",
+        "balance finds the partition, and prints it for `memfit run --partition`",
+    ),
+    (
+        "ranks",
+        "balance prices one rank per stage (--ranks equal to --stages), with no data-parallel replicas",
+    ),
+    (
+        "sharding",
+        "balance prices one rank per stage, with no data-parallel replicas to shard over",
+    ),
+    (
+        "bucket_view",
+        "DDP's, and balance prices one rank per stage, with no data-parallel replicas",
+    ),
+    (
+        "offload",
+        "ZeRO-Offload's, and balance prices stages without ZeRO",
+    ),
+    (
+        "host_memory",
+        "offloaded tensors', and balance prices stages without ZeRO-Offload",
+    ),
+    (
+        "shard_group",
+        "hybrid sharding's, and balance prices stages without ZeRO",
+    ),
+    (
+        "hpz_group",
+        "ZeRO++'s, and balance prices stages without ZeRO",
+    ),
+    (
+        "tensor_parallel",
+        "balance prices whole stages, with no tensor-parallel groups",
+    ),
+    (
+        "sequence_parallel",
+        "tensor parallelism's, and balance prices whole stages, with no tensor-parallel groups",
+    ),
+];
+
+/// balance's micro-batch unless `--micro-batch` is given (run's is 4).
+pub const DEFAULT_MICRO_BATCH: usize = 1;
+
+impl BalanceOptions {
+    /// balance's options from its knobs, resolved as `memfit run` resolves
+    /// them (`run::options::resolve`), with balance's own micro-batch
+    /// default; a knob in [`REFUSED`] is refused, naming its flag.
+    pub fn from_knobs(knobs: &Knobs, by: By, repeats: usize, verify: bool) -> Result<Self> {
+        let mut k = knobs.clone();
+        k.micro_batch.get_or_insert(DEFAULT_MICRO_BATCH);
+        let stages = k.pipeline_stages.unwrap_or(1);
+        // Spelling out what balance does anyway is no refusal.
+        let says_what_balance_does = |name: &str| match name {
+            "ranks" => k.ranks == Some(stages),
+            "sharding" => k.sharding == Some(crate::engine::Sharding::None),
+            "offload" => k.offload == Some(crate::engine::Offload::None),
+            "tensor_parallel" => k.tensor_parallel == Some(1),
+            _ => false,
+        };
+        if let Some((name, why)) =
+            (REFUSED.iter()).find(|(name, _)| k.has(name) && !says_what_balance_does(name))
+        {
+            return Err(Error::invalid_arg(
+                &format!("--{}", name.replace('_', "-")),
+                format!(
+                    "`memfit balance` cannot honour it: {why}; leave it out, or use `memfit run` or `memfit plan`"
+                ),
+            ));
+        }
+        let run = crate::run::options::resolve(None, &k, None).map_err(balance_flags)?;
+        Ok(BalanceOptions {
+            target: Target::of(&run)?,
+            model: run.model,
+            train: run.train,
+            by,
+            repeats,
+            verify,
+        })
+    }
+}
+
+/// An error naming `memfit run`'s spelling of a flag, in balance's.
+fn balance_flags(e: Error) -> Error {
+    match e {
+        Error::InvalidArg { flag, message } => Error::InvalidArg {
+            flag: match flag.as_str() {
+                "--pipeline-stages" => "--stages".into(),
+                "--grad-accum" => "--microbatches".into(),
+                _ => flag,
+            },
+            message,
+        },
+        e => e,
     }
 }
 
@@ -433,11 +556,7 @@ fn check_options(opts: &BalanceOptions, model: &ModelConfig) -> Result<()> {
             model: opts.model.clone(),
             train: t.clone(),
             steps: 1,
-            device: DeviceSpec {
-                kind: DeviceKind::Meta,
-                limit: None,
-                ordinal: None,
-            },
+            device: opts.target.check_device(),
             target: None,
             data: None,
             threads: None,
@@ -447,18 +566,7 @@ fn check_options(opts: &BalanceOptions, model: &ModelConfig) -> Result<()> {
         },
         model,
     )
-    .map_err(|e| match e {
-        // Name balance's own flags.
-        Error::InvalidArg { flag, message } => Error::InvalidArg {
-            flag: match flag.as_str() {
-                "--pipeline-stages" => "--stages".into(),
-                "--grad-accum" => "--microbatches".into(),
-                _ => flag,
-            },
-            message,
-        },
-        e => e,
-    })?;
+    .map_err(balance_flags)?;
     // Every stage is priced by a meta step of K micro-batches, many times
     // over in the search: K = 2^20 ran for minutes without a word.
     if k > MAX_MICROBATCHES {

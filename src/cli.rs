@@ -5,10 +5,9 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::backend::DeviceSpec;
-use crate::engine::{Attention, Checkpointing, Optimizer, Precision, Schedule, TrainConfig};
 use crate::error::{Error, Result};
+use crate::knobs::Knobs;
 use crate::run::RunOptions;
-use crate::run::knobs::Knobs;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -291,46 +290,43 @@ pub fn parse_run(args: &[String]) -> Result<RunOptions> {
     }
 }
 
+/// `memfit balance`: `memfit run`'s knobs (resolved as run resolves them)
+/// with balance's spelling, defaults and help where they differ: `--model`,
+/// `--stages` (run's `--pipeline-stages`, its alias) and `--microbatches` required, a
+/// micro-batch of 1, `--device` as balance takes it. The knobs balance
+/// refuses (`balance_cmd::REFUSED`) are left out of its help.
 #[derive(Debug, clap::Args)]
+#[command(
+    mut_arg("model", |a| a.required(true).help(
+        "A built-in profile name, a profile YAML or a Hugging Face config.json"
+    )),
+    mut_arg("pipeline_stages", |a| a.required(true).long("stages").value_name("STAGES")
+        .visible_alias("pipeline-stages").help(
+        "Pipeline stages, each a rank holding a contiguous run of blocks (the embedding with the first, the head with the last)"
+    )),
+    mut_arg("microbatches", |a| a.required(true).help(
+        "Micro-batches each step pushes through the pipeline"
+    )),
+    mut_arg("micro_batch", |a| a.help("Sequences per micro-batch [default: 1]")),
+    mut_arg("device", |a| a.help(
+        "cpu (layers timed here; cpu:limit=SIZE sets a capacity), cuda[:N] (timed on the GPU) or meta:GPU (times from the GPU profile's roofline, capacity its memory) [default: cpu]"
+    )),
+    mut_args(|a| {
+        let refused = crate::balance_cmd::REFUSED.iter().any(|(k, _)| a.get_id() == *k);
+        // One knob with two flags: balance's is --microbatches.
+        match refused || a.get_id() == "grad_accum" {
+            true => a.hide(true),
+            false => a,
+        }
+    }),
+)]
 pub struct BalanceArgs {
-    /// A built-in profile name, a profile YAML or a Hugging Face config.json.
-    #[arg(long)]
-    pub model: String,
-    /// Pipeline stages.
-    #[arg(long)]
-    pub stages: usize,
-    /// Micro-batches per step.
-    #[arg(long)]
-    pub microbatches: usize,
-    /// Pipeline schedule.
-    #[arg(long, value_enum, default_value_t = Schedule::OneFOneB)]
-    pub schedule: Schedule,
-    /// Sequences per micro-batch.
-    #[arg(long, default_value_t = 1)]
-    pub micro_batch: usize,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = 64)]
-    pub seq_len: usize,
-    /// Precision of weights, activations and gradients.
-    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
-    pub precision: Precision,
-    /// Optimizer (its state is part of each stage's peak).
-    #[arg(long, value_enum, default_value_t = Optimizer::Adamw)]
-    pub optimizer: Optimizer,
-    /// Activation checkpointing.
-    #[arg(long, value_enum, default_value_t = Checkpointing::None)]
-    pub checkpointing: Checkpointing,
-    /// Attention kernel.
-    #[arg(long, value_enum, default_value_t = Attention::Eager)]
-    pub attention: Attention,
+    #[command(flatten)]
+    pub knobs: Knobs,
     /// memory: minimise the largest stage peak; time: minimise the slowest
     /// stage with every stage within the capacity.
     #[arg(long, value_enum, default_value_t = crate::balance_cmd::By::Memory)]
     pub by: crate::balance_cmd::By,
-    /// cpu (layers timed here; cpu:limit=SIZE sets a capacity) or meta:GPU
-    /// (times from the GPU profile's roofline, capacity its memory).
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
     /// cpu timing: steps timed per layer, after one warm-up (the median counts).
     #[arg(long, default_value_t = 5)]
     pub repeats: usize,
@@ -345,26 +341,12 @@ pub struct BalanceArgs {
 
 impl BalanceArgs {
     pub fn options(&self) -> Result<crate::balance_cmd::BalanceOptions> {
-        Ok(crate::balance_cmd::BalanceOptions {
-            model: self.model.clone(),
-            train: TrainConfig {
-                seq_len: self.seq_len,
-                micro_batch: self.micro_batch,
-                grad_accum: self.microbatches,
-                optimizer: self.optimizer,
-                precision: self.precision,
-                checkpointing: self.checkpointing,
-                attention: self.attention,
-                ranks: self.stages,
-                pipeline_stages: self.stages,
-                schedule: self.schedule,
-                ..TrainConfig::default()
-            },
-            by: self.by,
-            target: crate::balance_cmd::Target::parse(&self.device)?,
-            repeats: self.repeats,
-            verify: self.verify,
-        })
+        crate::balance_cmd::BalanceOptions::from_knobs(
+            &self.knobs,
+            self.by,
+            self.repeats,
+            self.verify,
+        )
     }
 }
 
@@ -544,7 +526,7 @@ pub use crate::config::limits::{MAX_THREADS, MAX_TRIAL_SECONDS, check_seconds, c
 
 // Flag values checked as clap parses them: a bad one stops the command
 // before anything runs, with clap's message naming the flag (exit code 2).
-use crate::run::knobs::threads;
+use crate::knobs::threads;
 
 fn seconds(s: &str) -> std::result::Result<f64, String> {
     check_seconds(s.parse().map_err(|e| format!("{e}"))?)

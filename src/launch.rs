@@ -59,7 +59,7 @@ pub fn is_rank() -> bool {
 /// Returns the exit code.
 pub fn rank_main(
     recipe: Option<&std::path::Path>,
-    knobs: &crate::run::knobs::Knobs,
+    knobs: &crate::knobs::Knobs,
     timeline: Option<std::path::PathBuf>,
     format: Format,
 ) -> i32 {

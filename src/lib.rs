@@ -18,6 +18,7 @@ pub mod engine;
 pub mod error;
 #[cfg(feature = "test-hooks")]
 pub mod faults;
+pub mod knobs;
 pub mod launch;
 pub mod memory;
 pub mod nf4;

@@ -2,7 +2,6 @@
 //! report losses, throughput, FLOPs and peak memory per category.
 
 mod checks;
-pub mod knobs;
 pub mod options;
 mod process;
 pub mod recipe;

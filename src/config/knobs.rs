@@ -2,7 +2,7 @@
 //! profile's peak rate per [`Precision`]), the derive list every knob enum
 //! shares ([`knob_enum!`], used by the engine's own knob enums too), and how
 //! a knob value is spelled ([`name`]). The flags and run-recipe keys that
-//! take them are `run::knobs::Knobs`.
+//! take them are `knobs::Knobs`.
 
 /// Declares a knob's value enum: copyable, hashable, with a default, read
 /// from recipes (serde) and flags (clap) under the same names. The enum's

@@ -34,9 +34,10 @@ use crate::engine::cluster::Links;
 use crate::engine::device::{Beside, HostRoofline, Roofline, Tiles};
 use crate::engine::{
     Attention, Checkpointing, Comm, Engine, Finetune, Framework, LoraConfig, Loss, Offload,
-    Optimizer, OptimizerImpl, Precision, Sharding, TrainConfig,
+    Optimizer, Precision, Sharding, TrainConfig,
 };
 use crate::error::{Error, Result};
+use crate::knobs::Knobs;
 use crate::memory::{Category, PeakBytes};
 
 /// Fraction of the dense peak FLOP/s that large training GEMMs sustain
@@ -68,8 +69,16 @@ pub const HOST_LINK_LATENCY_S: f64 = 10e-6;
 pub const MAX_TOKENS_PER_STEP: u128 = 1 << 50;
 
 /// A planning recipe (recipes/*.yaml).
-#[derive(Clone, Debug, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+///
+/// Its keys are its own (the model, the hardware, the grid, the batch) and
+/// the knobs a plan holds fixed over its grid ([`RECIPE_KNOBS`]), read into
+/// [`Knobs`] as `memfit run` reads them, so that their names, types and
+/// defaults are the knobs' ([`PlanRecipe::hf_knobs`], [`PlanRecipe::lora`]).
+/// A knob that is a grid axis, or that plans fix ([`FIXED_KNOBS`]), is
+/// refused with the reason; any other key as unknown. Every error names
+/// the file, line and column (a hand-written `Deserialize`, since serde's
+/// `flatten` drops both the refusal of unknown keys and the locations).
+#[derive(Clone, Debug)]
 pub struct PlanRecipe {
     /// A profile name, a profile YAML path, or a Hugging Face config.json path.
     pub model: String,
@@ -78,94 +87,120 @@ pub struct PlanRecipe {
     pub seq_len: usize,
     /// Sequences per optimizer step, over all GPUs.
     pub global_batch: usize,
-    #[serde(default)]
     pub grid: Grid,
     /// Fraction of the capacity to keep free.
-    #[serde(default = "default_headroom")]
     pub headroom: f64,
     /// Overrides the hardware's $/GPU-hour.
-    #[serde(default)]
     pub cost: Option<f64>,
     /// What an hour of this host costs, for sweeps whose trials run on cpu:
     /// their measured throughput is priced at it (the host runs every rank).
     /// Without it, cpu trials are ranked by tokens/s, which is the same order.
-    #[serde(default)]
     pub host_usd_per_hour: Option<f64>,
     /// Whether fp16, adamw8bit and adafactor may be recommended.
-    #[serde(default = "yes")]
     pub allow_numerics_change: bool,
     /// Where `memfit sweep` runs its trials (`cpu`, `cpu:limit=64MiB`, `meta`).
     /// A limit is the capacity that decides what fits, in place of the
     /// hardware's memory and runtime overhead.
-    #[serde(default)]
     pub device: Option<crate::backend::DeviceSpec>,
-    /// hf-eager points: the model's dropout probability (transformers'
-    /// `resid_pdrop`/`attn_pdrop`/`embd_pdrop`, Llama's `attention_dropout`).
-    #[serde(default)]
-    pub dropout: f32,
-    /// hf-eager points: `torch.optim.AdamW`'s implementation.
-    #[serde(default)]
-    pub optimizer_impl: OptimizerImpl,
-    /// hf-eager points: `optimizer.zero_grad(set_to_none=...)`.
-    #[serde(default = "yes")]
-    pub set_to_none: bool,
-    /// hf-eager points: the optimizer's parameter groups.
-    #[serde(default)]
-    pub param_groups: crate::engine::ParamGroups,
-    /// `loss: chunked` points: the parts the sequence is split into
-    /// (torchtune's num_output_chunks, 8).
-    #[serde(default)]
-    pub loss_chunks: Option<usize>,
-    /// LoRA points: rank, alpha, dropout (hf-eager) and targets, as the
-    /// `memfit run` flags take them; absent keys take PEFT's defaults.
-    #[serde(default)]
-    pub lora_rank: Option<usize>,
-    #[serde(default)]
-    pub lora_alpha: Option<f32>,
-    #[serde(default)]
-    pub lora_dropout: Option<f32>,
-    #[serde(default)]
-    pub lora_targets: Option<Vec<crate::engine::lora::Target>>,
-    /// Offload points: each node's host memory, shared by its GPUs'
-    /// offloaded tensors (`64GiB`; default: this machine's available
-    /// memory, as `memfit run --host-memory` takes it).
-    #[serde(default)]
-    pub host_memory: Option<crate::units::Bytes>,
+    /// The knobs of [`RECIPE_KNOBS`] the recipe sets, one value for every
+    /// point: hf-eager's (dropout, optimizer_impl, set_to_none,
+    /// param_groups), `loss: chunked`'s loss_chunks, LoRA's (absent keys
+    /// take PEFT's defaults) and offload's host_memory (each node's host
+    /// memory, shared by its GPUs' offloaded tensors; default: this
+    /// machine's available memory). The other knobs stay unset.
+    pub knobs: Knobs,
     /// The network between nodes, a network profile name or path
     /// (`profiles/networks/`), in place of the one the hardware profile's
     /// nodes have.
-    #[serde(default)]
     pub network: Option<String>,
 }
+
+/// The knobs a plan recipe takes as keys of its own, one value for the
+/// whole grid (the knobs `model`, `seq_len` and `device` are
+/// [`PlanRecipe`]'s fields: a plan's device is no `meta:GPU`).
+pub const RECIPE_KNOBS: &[&str] = &[
+    "dropout",
+    "optimizer_impl",
+    "set_to_none",
+    "param_groups",
+    "loss_chunks",
+    "lora_rank",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_targets",
+    "host_memory",
+];
+
+/// The knobs plans hold at `memfit run`'s default, with the reason; a plan
+/// recipe that sets one is refused with it.
+pub const FIXED_KNOBS: &[(&str, &str)] = &[
+    (
+        "ranks",
+        "plans take the rank count from the grid's `gpus` axis",
+    ),
+    (
+        "grad_accum",
+        "plans derive it from global_batch / (micro_batch x data-parallel ranks)",
+    ),
+    (
+        "microbatches",
+        "the same knob as grad_accum, which plans derive from global_batch / (micro_batch x data-parallel ranks)",
+    ),
+    ("steps", "a plan prices one step"),
+    ("data", "a plan runs on meta, which reads no tokens"),
+    ("seed", "a plan runs on meta, which holds no values"),
+    ("threads", "cpu worker threads, and a plan runs on meta"),
+    ("lr", "a value, not a byte or a second"),
+    ("weight_decay", "a value, not a byte or a second"),
+    ("beta2", "a value, not a byte or a second"),
+    ("momentum", "SGD's, which plans do not offer"),
+    (
+        "grad_clip",
+        "plans clip at the default norm, as Hugging Face's Trainer does",
+    ),
+    (
+        "beta1",
+        "plans price Adafactor without its first moment (transformers' default)",
+    ),
+    (
+        "bucket_view",
+        "plans price DDP's buckets as their own buffers (PyTorch's default)",
+    ),
+    (
+        "schedule",
+        "plans price 1F1B, the default pipeline schedule",
+    ),
+    ("partition", "plans split the blocks evenly over the stages"),
+];
 
 impl PlanRecipe {
     /// The engine's knobs for point `p`, with the recipe's framework knobs.
     pub fn train_config(&self, p: &Point) -> TrainConfig {
-        let hf = crate::engine::framework::HfKnobs {
-            dropout: self.dropout,
-            optimizer_impl: self.optimizer_impl,
-            set_to_none: self.set_to_none,
-            param_groups: self.param_groups,
-            loss_chunks: self.loss_chunks(),
-        };
-        p.train_config_with(self.seq_len, &hf, &self.lora())
+        p.train_config_with(self.seq_len, &self.hf_knobs(), &self.lora())
+    }
+
+    /// The recipe's hf-eager and chunked-loss knobs, `memfit run`'s
+    /// defaults (`TrainConfig`'s) where absent.
+    pub fn hf_knobs(&self) -> crate::engine::framework::HfKnobs {
+        let mut t = TrainConfig::default();
+        self.knobs.apply(&mut t);
+        crate::engine::framework::HfKnobs {
+            dropout: t.dropout,
+            optimizer_impl: t.optimizer_impl,
+            set_to_none: t.set_to_none,
+            param_groups: t.param_groups,
+            loss_chunks: t.loss_chunks,
+        }
     }
 
     /// The chunked loss's parts, torchtune's default where absent.
     pub fn loss_chunks(&self) -> usize {
-        self.loss_chunks
-            .unwrap_or(crate::engine::loss::DEFAULT_CHUNKS)
+        self.hf_knobs().loss_chunks
     }
 
     /// The recipe's LoRA knobs, PEFT's defaults where absent.
     pub fn lora(&self) -> LoraConfig {
-        let d = LoraConfig::default();
-        LoraConfig {
-            rank: self.lora_rank.unwrap_or(d.rank),
-            alpha: self.lora_alpha.unwrap_or(d.alpha),
-            dropout: self.lora_dropout.unwrap_or(d.dropout),
-            targets: self.lora_targets.clone().unwrap_or(d.targets),
-        }
+        self.knobs.lora()
     }
 
     /// The capacity that decides what fits, and the runtime overhead on top
@@ -179,15 +214,10 @@ impl PlanRecipe {
     }
 }
 
+mod recipe_keys;
+
 mod axes;
 pub use axes::{Axis, AxisValue, Grid, Point};
-
-fn default_headroom() -> f64 {
-    0.05
-}
-fn yes() -> bool {
-    true
-}
 
 /// A grid point's mixture-of-experts capacity factor
 /// (`TrainConfig::capacity_factor`) in hundredths, so that a [`Point`]
@@ -738,11 +768,12 @@ fn check_recipe(
             format!("`cost` {c} must be a positive $/GPU-hour"),
         ));
     }
-    if !(0.0..1.0).contains(&r.dropout) {
+    let dropout = r.hf_knobs().dropout;
+    if !(0.0..1.0).contains(&dropout) {
         return Err(err(
             "dropout",
             None,
-            format!("`dropout` {} is outside [0, 1)", r.dropout),
+            format!("`dropout` {dropout} is outside [0, 1)"),
         ));
     }
     if r.grid.finetune.iter().any(|&f| f != Finetune::Full) {
@@ -1668,7 +1699,7 @@ impl PointPlan<'_> {
         out.host = e.dev.host.as_ref().map(|h| {
             let per_node = rates.gpus_per_node.min(p.gpus);
             let node_bytes = h.peak_bytes().total * per_node as u64;
-            let capacity = r.host_memory.map_or(rates.host_memory, |b| b.0);
+            let capacity = r.knobs.host_memory.map_or(rates.host_memory, |b| b.0);
             HostPrediction {
                 peak_bytes: h.peak_bytes(),
                 ranks_per_node: per_node,
@@ -1989,7 +2020,6 @@ mod tests {
     use super::*;
     use crate::config::hardware::load_hardware;
     use crate::config::profile::load_model;
-    use crate::run::knobs::Knobs;
 
     /// A recipe parsed from `yaml`, with its model and hardware profiles.
     fn recipe(
@@ -2083,50 +2113,20 @@ mod tests {
     }
 
     /// Every `memfit run` knob is a plan's axis, a plan recipe's key, or
-    /// fixed in plans for a reason given here: a knob added to
-    /// `run::knobs` fails this test until the planner handles it.
+    /// fixed in plans for a reason given in `FIXED_KNOBS`: a knob added to
+    /// `knobs` fails this test until the planner handles it (and a recipe
+    /// setting it is refused as an unknown key until then). Each recipe key
+    /// is read into the recipe's knobs, and each axis or fixed knob a
+    /// recipe sets is refused with its reason.
     #[test]
     fn every_knob_is_an_axis_a_recipe_key_or_fixed_in_plans() {
-        let (r, _, _) =
-            recipe("model: gpt2\nhardware: h100-sxm-80gb\nseq_len: 64\nglobal_batch: 8\n");
-        let json = serde_json::to_value(&r).unwrap();
-        let keys: Vec<&String> = json.as_object().unwrap().keys().collect();
-        let axes: Vec<&String> = json["grid"].as_object().unwrap().keys().collect();
-        let fixed = [
-            ("ranks", "the `gpus` axis"),
-            (
-                "grad_accum",
-                "global_batch / (micro_batch x data-parallel ranks)",
-            ),
-            ("microbatches", "the same knob as grad_accum"),
-            ("steps", "a plan prices one step"),
-            ("data", "meta reads no tokens"),
-            ("seed", "meta holds no values"),
-            ("threads", "cpu worker threads; a plan runs on meta"),
-            ("lr", "a value, not a byte or a second"),
-            ("weight_decay", "a value, not a byte or a second"),
-            ("beta2", "a value, not a byte or a second"),
-            ("momentum", "SGD's, which plans do not offer"),
-            (
-                "grad_clip",
-                "plans clip at the default norm, as Hugging Face's Trainer does",
-            ),
-            (
-                "beta1",
-                "Adafactor without its first moment (transformers' default)",
-            ),
-            (
-                "bucket_view",
-                "DDP's buckets are their own buffers (PyTorch's default)",
-            ),
-            ("schedule", "1F1B, the default pipeline schedule"),
-            ("partition", "the even split of blocks over stages"),
-        ];
+        let head = "model: gpt2\nhardware: h100-sxm-80gb\nseq_len: 64\nglobal_batch: 8\n";
+        let own: Vec<&str> = recipe_keys::own_keys().collect();
         for name in Knobs::NAMES {
             let ways = [
-                axes.iter().any(|a| a == name),
-                keys.iter().any(|k| k == name),
-                fixed.iter().any(|(f, _)| f == name),
+                Axis::ALL.iter().any(|a| a.key() == *name),
+                own.contains(name) || RECIPE_KNOBS.contains(name),
+                FIXED_KNOBS.iter().any(|(f, _)| f == name),
             ];
             assert_eq!(
                 ways.iter().filter(|&&w| w).count(),
@@ -2136,9 +2136,38 @@ mod tests {
                 ways[1],
                 ways[2]
             );
+            let value = match *name {
+                "set_to_none" => "false",
+                "optimizer_impl" => "fused",
+                "param_groups" => "trainer",
+                "lora_targets" => "[q]",
+                "host_memory" => "1GiB",
+                "dropout" | "lora_alpha" | "lora_dropout" => "0.5",
+                _ => "2",
+            };
+            let read: Result<PlanRecipe> =
+                parse_yaml(&format!("{head}{name}: {value}\n"), "r.yaml");
+            match (ways, RECIPE_KNOBS.contains(name)) {
+                (_, true) => assert!(read.unwrap().knobs.has(name), "{name}"),
+                ([true, _, _], _) => {
+                    let err = read.unwrap_err().to_string();
+                    assert!(err.contains("r.yaml:5:1: "), "{err}");
+                    assert!(err.contains("is a grid axis"), "{err}");
+                }
+                ([_, _, true], _) => {
+                    let err = read.unwrap_err().to_string();
+                    assert!(err.contains("r.yaml:5:1: "), "{err}");
+                    assert!(err.contains("plans hold fixed"), "{err}");
+                }
+                // The recipe's own keys: `model`, `seq_len`, `device`.
+                _ => assert!(own.contains(name), "{name}"),
+            }
         }
-        for (f, _) in fixed {
-            assert!(Knobs::NAMES.contains(&f), "`{f}` is no knob");
+        for f in RECIPE_KNOBS
+            .iter()
+            .chain(FIXED_KNOBS.iter().map(|(f, _)| f))
+        {
+            assert!(Knobs::NAMES.contains(f), "`{f}` is no knob");
         }
     }
 

@@ -7,14 +7,14 @@
 use std::path::{Path, PathBuf};
 
 use super::RunOptions;
-use super::knobs::Knobs;
-use super::recipe::{RunDevice, RunRecipe, load_run_recipe};
+use super::recipe::{RunRecipe, load_run_recipe};
 use crate::backend::DeviceSpec;
 use crate::config::knobs::group;
 use crate::config::limits::check_threads;
 use crate::config::profile::load_model;
-use crate::engine::{Finetune, Framework, LoraConfig, TrainConfig};
+use crate::engine::{Finetune, Framework, TrainConfig};
 use crate::error::{Error, Result};
+use crate::knobs::{Knobs, RunDevice};
 
 /// The run's options: each knob from its flag, else the recipe, else the
 /// default. With a recipe they are validated here, so that an error in a
@@ -110,13 +110,7 @@ fn merge(flags: &Knobs, r: &RunRecipe, timeline: Option<PathBuf>) -> Result<RunO
             "applies to pipelines only; add --pipeline-stages 2 or more",
         )?;
     }
-    let dl = LoraConfig::default();
-    let lora = LoraConfig {
-        rank: k.lora_rank.unwrap_or(dl.rank),
-        alpha: k.lora_alpha.unwrap_or(dl.alpha),
-        dropout: k.lora_dropout.unwrap_or(dl.dropout),
-        targets: k.lora_targets.clone().unwrap_or(dl.targets),
-    };
+    let lora = k.lora();
     let (device, target) = match k.device.clone() {
         None => (DeviceSpec::new(crate::backend::DeviceKind::Cpu, None), None),
         Some(RunDevice::Device(d)) => (d, None),
@@ -127,7 +121,7 @@ fn merge(flags: &Knobs, r: &RunRecipe, timeline: Option<PathBuf>) -> Result<RunO
             Some(*hw),
         ),
     };
-    // The knobs marked [train] in run/knobs.rs set their fields; these
+    // The knobs marked [train] in src/knobs.rs set their fields; these
     // need more than a copy.
     let mut train = TrainConfig {
         // A flag (either spelling) overrides the recipe's key (either).

@@ -3,13 +3,9 @@
 
 use std::path::Path;
 
-use serde::Deserialize;
-
-use super::knobs::Knobs;
-use crate::backend::DeviceSpec;
-use crate::config::hardware::{HardwareProfile, load_hardware};
 use crate::config::profile::{parse_yaml, value_location};
 use crate::error::{Error, Result};
+use crate::knobs::Knobs;
 
 /// A run recipe: the knobs it sets (every key optional, the long flags'
 /// names with `_` for `-`) and the file it came from.
@@ -35,81 +31,6 @@ impl RunRecipe {
             location: value_location(&origin.text, &origin.location, key, None),
             message: format!("`{key}`: {message}"),
         }
-    }
-}
-
-/// Where `memfit run` runs (`--device`, a run recipe's `device:`): a device
-/// as [`DeviceSpec`] parses it, or `meta:GPU`, one step on meta predicting a
-/// GPU profile: the engine's allocations as the cuda backend makes them,
-/// within the profile's memory less its runtime overhead (as `memfit
-/// balance --device meta:GPU` takes it).
-#[derive(Clone, Debug, PartialEq)]
-pub enum RunDevice {
-    Device(DeviceSpec),
-    Gpu(Box<HardwareProfile>),
-}
-
-impl std::str::FromStr for RunDevice {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        // `meta:limit=1GiB` and `meta:1` are DeviceSpec's to parse (and
-        // refuse); anything else after `meta:` names a GPU profile.
-        if let Some(gpu) = s.trim().strip_prefix("meta:")
-            && !gpu.contains('=')
-            && !gpu.bytes().all(|b| b.is_ascii_digit())
-        {
-            return load_hardware(gpu.trim())
-                .map(|hw| RunDevice::Gpu(Box::new(hw)))
-                .map_err(|e| format!("`{s}`: {e}"));
-        }
-        s.parse().map(RunDevice::Device).map_err(|e: String| {
-            format!("{e}; or meta:GPU to predict a GPU profile (see `memfit profiles`)")
-        })
-    }
-}
-
-impl std::fmt::Display for RunDevice {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            RunDevice::Device(d) => write!(f, "{d}"),
-            RunDevice::Gpu(hw) => write!(f, "meta:{}", hw.name),
-        }
-    }
-}
-
-impl<'de> Deserialize<'de> for RunDevice {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Visitor;
-        impl serde::de::Visitor<'_> for Visitor {
-            type Value = RunDevice;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a device such as cpu, cpu:limit=512MiB, meta or meta:t4")
-            }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<RunDevice, E> {
-                v.parse().map_err(E::custom)
-            }
-        }
-        d.deserialize_str(Visitor)
-    }
-}
-
-/// Parsed as the scalar is read, so that a bad value's error carries the
-/// scalar's line and column (an error raised after it would be placed at
-/// the start of the enclosing mapping).
-impl<'de> Deserialize<'de> for DeviceSpec {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Visitor;
-        impl serde::de::Visitor<'_> for Visitor {
-            type Value = DeviceSpec;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a device such as cpu, cpu:limit=512MiB or meta")
-            }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<DeviceSpec, E> {
-                v.parse().map_err(E::custom)
-            }
-        }
-        d.deserialize_str(Visitor)
     }
 }
 

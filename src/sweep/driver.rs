@@ -498,13 +498,7 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
             .iter()
             .any(|&f| f != crate::engine::Finetune::Full)
             .then(|| recipe.lora()),
-        hf_knobs: Some(crate::report::sweep::HfKnobs {
-            dropout: recipe.dropout,
-            optimizer_impl: recipe.optimizer_impl,
-            set_to_none: recipe.set_to_none,
-            param_groups: recipe.param_groups,
-            loss_chunks: recipe.loss_chunks(),
-        }),
+        hf_knobs: Some(recipe.hf_knobs()),
         seq_len: recipe.seq_len,
         global_batch: recipe.global_batch,
         grid_size: preds.len(),

@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::error::Result;
+use crate::knobs::Knobs;
 use crate::report::Format;
-use crate::run::knobs::Knobs;
 use crate::sys::{Signal, proc};
 use crate::telemetry::{Snapshot, Telemetry};
 use crate::units::fmt_bytes;

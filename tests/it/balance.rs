@@ -286,3 +286,76 @@ fn a_capacity_no_split_fits_exits_3_with_the_best_split_printed() {
         );
     }
 }
+
+/// balance takes `memfit run`'s knobs: one it cannot honour is refused by
+/// its flag, one that says what balance does anyway passes, run's
+/// `--pipeline-stages` spells `--stages`, and the micro-batch stays 1
+/// unless given.
+#[test]
+fn run_knobs_balance_cannot_honour_are_refused_by_flag() {
+    let base = [
+        "balance",
+        "--model",
+        "gpt2-tiny",
+        "--stages",
+        "2",
+        "--microbatches",
+        "2",
+        "--device",
+        "meta:h100-sxm-80gb",
+        "--format",
+        "json",
+    ];
+    let refused = [
+        ("--steps", "3"),
+        ("--data", "README.md"),
+        ("--threads", "2"),
+        ("--partition", "0:1,1:2"),
+        ("--ranks", "4"),
+        ("--sharding", "zero1"),
+        ("--bucket-view", "true"),
+        ("--offload", "optimizer"),
+        ("--host-memory", "1GiB"),
+        ("--shard-group", "2"),
+        ("--hpz-group", "2"),
+        ("--tensor-parallel", "2"),
+        ("--sequence-parallel", "true"),
+    ];
+    assert_eq!(refused.len(), memfit::balance_cmd::REFUSED.len());
+    for (flag, value) in refused {
+        let out = memfit(&[&base[..], &[flag, value]].concat());
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{flag}: {err}");
+        assert!(
+            err.contains(&format!("{flag}: `memfit balance` cannot honour it")),
+            "{flag}: {err}"
+        );
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+    }
+    let plain = memfit(&base);
+    assert!(plain.status.success(), "{}", stderr(&plain));
+    let plain = json(&plain);
+    assert_eq!(plain["micro_batch"], 1);
+    let args = [
+        "--ranks",
+        "2",
+        "--sharding",
+        "none",
+        "--tensor-parallel",
+        "1",
+        "--offload",
+        "none",
+    ];
+    let same = memfit(&[&base[..], &args].concat());
+    assert!(same.status.success(), "{}", stderr(&same));
+    assert_eq!(json(&same)["optimal"], plain["optimal"]);
+    let spelled = [&base[..3], &["--pipeline-stages"], &base[4..]].concat();
+    let out = memfit(&[&spelled[..], &["--micro-batch", "2", "--seed", "7"]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let doc = json(&out);
+    assert_eq!(
+        (doc["stages"].as_u64(), doc["micro_batch"].as_u64()),
+        (Some(2), Some(2))
+    );
+    assert_eq!(doc["config"]["seed"], 7);
+}

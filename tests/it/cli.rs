@@ -774,7 +774,7 @@ fn run_predicts_a_gpu_profile_and_names_its_allocation_profile() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
-/// `--beta2` (a knob added through the `[train]` path of run/knobs.rs): it
+/// `--beta2` (a knob added through the `[train]` path of src/knobs.rs): it
 /// changes AdamW's updates, the report names it, a recipe's key sets it,
 /// and it is refused where it would do nothing.
 #[test]

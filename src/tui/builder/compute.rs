@@ -486,42 +486,48 @@ pub fn to_yaml(r: &PlanRecipe) -> String {
     if !r.allow_numerics_change {
         s.push_str("allow_numerics_change: false\n");
     }
-    if r.dropout != 0.0 {
-        let _ = writeln!(s, "dropout: {}", r.dropout);
+    // The fixed knobs, those set and off their defaults.
+    let (k, hf, d) = (
+        &r.knobs,
+        r.hf_knobs(),
+        crate::engine::framework::HfKnobs::default(),
+    );
+    if hf.dropout != d.dropout {
+        let _ = writeln!(s, "dropout: {}", hf.dropout);
     }
-    if r.optimizer_impl != Default::default() {
+    if hf.optimizer_impl != d.optimizer_impl {
         let _ = writeln!(
             s,
             "optimizer_impl: {}",
-            serde_json::to_string(&r.optimizer_impl).expect("serialises")
+            serde_json::to_string(&hf.optimizer_impl).expect("serialises")
         );
     }
-    if !r.set_to_none {
-        s.push_str("set_to_none: false\n");
+    if hf.set_to_none != d.set_to_none {
+        let _ = writeln!(s, "set_to_none: {}", hf.set_to_none);
     }
-    if r.param_groups != Default::default() {
-        let _ = writeln!(s, "param_groups: {}", crate::plan::name(r.param_groups));
+    if hf.param_groups != d.param_groups {
+        let _ = writeln!(s, "param_groups: {}", crate::plan::name(hf.param_groups));
     }
-    if let Some(k) = r.loss_chunks {
-        let _ = writeln!(s, "loss_chunks: {k}");
+    if let Some(c) = k.loss_chunks {
+        let _ = writeln!(s, "loss_chunks: {c}");
     }
-    if let Some(k) = r.lora_rank {
-        let _ = writeln!(s, "lora_rank: {k}");
+    if let Some(n) = k.lora_rank {
+        let _ = writeln!(s, "lora_rank: {n}");
     }
-    if let Some(a) = r.lora_alpha {
+    if let Some(a) = k.lora_alpha {
         let _ = writeln!(s, "lora_alpha: {a}");
     }
-    if let Some(d) = r.lora_dropout {
+    if let Some(d) = k.lora_dropout {
         let _ = writeln!(s, "lora_dropout: {d}");
     }
-    if let Some(t) = &r.lora_targets {
+    if let Some(t) = &k.lora_targets {
         let _ = writeln!(
             s,
             "lora_targets: {}",
             serde_json::to_string(t).expect("serialises")
         );
     }
-    if let Some(h) = r.host_memory {
+    if let Some(h) = k.host_memory {
         let _ = writeln!(s, "host_memory: {}", h.0);
     }
     s.push_str("grid:\n");

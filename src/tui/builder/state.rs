@@ -563,7 +563,7 @@ fn step(b: &mut Builder, d: isize) -> Vec<Action> {
         }
         Field::SeqLen => r.seq_len = scale(r.seq_len, d),
         Field::GlobalBatch => r.global_batch = scale(r.global_batch, d),
-        Field::LoraRank => r.lora_rank = Some(scale(r.lora().rank, d)),
+        Field::LoraRank => r.knobs.lora_rank = Some(scale(r.lora().rank, d)),
     }
     replan(b)
 }
@@ -698,7 +698,7 @@ fn apply_text(r: &mut PlanRecipe, f: Field, text: &str) -> Result<(), String> {
         Field::Device => r.device = Some(text.parse().map_err(|e| format!("run device: {e}"))?),
         Field::SeqLen => r.seq_len = whole("seq_len")?,
         Field::GlobalBatch => r.global_batch = whole("global_batch")?,
-        Field::LoraRank => r.lora_rank = Some(whole("lora_rank")?),
+        Field::LoraRank => r.knobs.lora_rank = Some(whole("lora_rank")?),
         Field::Axis(_) => {}
     }
     Ok(())

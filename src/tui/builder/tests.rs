@@ -194,7 +194,7 @@ fn the_written_recipe_plans_to_the_same_predictions() {
     r.hardware = "a100-40gb".into();
     r.network = Some("ib-hdr-200".into());
     r.device = Some("cpu:limit=25165825".parse().unwrap());
-    r.lora_rank = Some(4);
+    r.knobs.lora_rank = Some(4);
     r.grid.framework = vec![
         crate::engine::Framework::Memfit,
         crate::engine::Framework::HfEager,

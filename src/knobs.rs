@@ -3,16 +3,23 @@
 //! knob is optional, so that a flag overrides the recipe's key and a knob
 //! neither gives takes its default (`run::options::resolve`). What the
 //! flags and keys share is generated from the one list below: the merge
-//! ([`Knobs::or`]), which knobs a source gave ([`Knobs::has`]) and, for the
-//! knobs marked `[train]`, setting the engine's `TrainConfig`
-//! ([`Knobs::apply`]).
+//! ([`Knobs::or`]), which knobs a source gave ([`Knobs::has`]), reading one
+//! key into its field ([`Knobs::read_key`], for a plan recipe's fixed
+//! knobs) and, for the knobs marked `[train]`, setting the engine's
+//! `TrainConfig` ([`Knobs::apply`]).
+//!
+//! It sits below `plan` and `balance_cmd`, so that `memfit plan`'s recipe
+//! keys and `memfit balance`'s flags are these knobs too, not copies.
 
 use std::path::PathBuf;
 
-use super::recipe::RunDevice;
+use serde::Deserialize;
+
+use crate::backend::DeviceSpec;
+use crate::config::hardware::{HardwareProfile, load_hardware};
 use crate::engine::{
-    Attention, Checkpointing, Finetune, Framework, Loss, Offload, Optimizer, OptimizerImpl,
-    ParamGroups, Precision, Schedule, Sharding, lora::Target,
+    Attention, Checkpointing, Finetune, Framework, LoraConfig, Loss, Offload, Optimizer,
+    OptimizerImpl, ParamGroups, Precision, Schedule, Sharding, lora::Target,
 };
 use crate::units::Bytes;
 
@@ -62,6 +69,22 @@ macro_rules! knobs {
                     $( stringify!($name) => self.$name.is_some(), )*
                     _ => false,
                 }
+            }
+
+            /// Reads the value of key `name` from `map` into its knob, as
+            /// a derived `Deserialize` reads a field (so a bad value keeps
+            /// its file, line and column); `false`, reading nothing, when
+            /// no knob is called `name`.
+            pub fn read_key<'de, A: serde::de::MapAccess<'de>>(
+                &mut self,
+                name: &str,
+                map: &mut A,
+            ) -> Result<bool, A::Error> {
+                match name {
+                    $( stringify!($name) => self.$name = map.next_value()?, )*
+                    _ => return Ok(false),
+                }
+                Ok(true)
             }
         }
     };
@@ -295,4 +318,93 @@ fn set_to_none() -> impl clap::builder::TypedValueParser<Value = bool> {
         PossibleValue::new("false").help("the gradients stay resident between steps, zeroed"),
     ])
     .map(|v| v == "true")
+}
+
+impl Knobs {
+    /// The LoRA knobs, PEFT's defaults where absent (`memfit run`'s and a
+    /// plan recipe's).
+    pub fn lora(&self) -> LoraConfig {
+        let d = LoraConfig::default();
+        LoraConfig {
+            rank: self.lora_rank.unwrap_or(d.rank),
+            alpha: self.lora_alpha.unwrap_or(d.alpha),
+            dropout: self.lora_dropout.unwrap_or(d.dropout),
+            targets: self.lora_targets.clone().unwrap_or(d.targets),
+        }
+    }
+}
+
+/// Where `memfit run` runs (`--device`, a run recipe's `device:`): a device
+/// as [`DeviceSpec`] parses it, or `meta:GPU`, one step on meta predicting a
+/// GPU profile: the engine's allocations as the cuda backend makes them,
+/// within the profile's memory less its runtime overhead (as `memfit
+/// balance --device meta:GPU` takes it).
+#[derive(Clone, Debug, PartialEq)]
+pub enum RunDevice {
+    Device(DeviceSpec),
+    Gpu(Box<HardwareProfile>),
+}
+
+impl std::str::FromStr for RunDevice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        // `meta:limit=1GiB` and `meta:1` are DeviceSpec's to parse (and
+        // refuse); anything else after `meta:` names a GPU profile.
+        if let Some(gpu) = s.trim().strip_prefix("meta:")
+            && !gpu.contains('=')
+            && !gpu.bytes().all(|b| b.is_ascii_digit())
+        {
+            return load_hardware(gpu.trim())
+                .map(|hw| RunDevice::Gpu(Box::new(hw)))
+                .map_err(|e| format!("`{s}`: {e}"));
+        }
+        s.parse().map(RunDevice::Device).map_err(|e: String| {
+            format!("{e}; or meta:GPU to predict a GPU profile (see `memfit profiles`)")
+        })
+    }
+}
+
+impl std::fmt::Display for RunDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RunDevice::Device(d) => write!(f, "{d}"),
+            RunDevice::Gpu(hw) => write!(f, "meta:{}", hw.name),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for RunDevice {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = RunDevice;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a device such as cpu, cpu:limit=512MiB, meta or meta:t4")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<RunDevice, E> {
+                v.parse().map_err(E::custom)
+            }
+        }
+        d.deserialize_str(Visitor)
+    }
+}
+
+/// Parsed as the scalar is read, so that a bad value's error carries the
+/// scalar's line and column (an error raised after it would be placed at
+/// the start of the enclosing mapping).
+impl<'de> Deserialize<'de> for DeviceSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = DeviceSpec;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a device such as cpu, cpu:limit=512MiB or meta")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<DeviceSpec, E> {
+                v.parse().map_err(E::custom)
+            }
+        }
+        d.deserialize_str(Visitor)
+    }
 }
