@@ -503,3 +503,97 @@ use crate::eta::{self, Z};
         .collect();
     assert!(names.is_empty(), "{names:?}");
 }
+
+/// `(line, lines, name)` of every `fn` with a body in `src`'s non-test
+/// code: from the line of `fn` to the line of the brace that closes its
+/// body. A `fn` inside a `macro_rules!` template counts as written.
+fn function_lengths(src: &str) -> Vec<(usize, usize, String)> {
+    let (bytes, kind) = without_test_code(src);
+    let ident = |b: u8| b.is_ascii_alphanumeric() || b == b'_';
+    let line_at = |i: usize| bytes[..i].iter().filter(|&&b| b == b'\n').count() + 1;
+    let mut out = Vec::new();
+    for i in 0..bytes.len().saturating_sub(3) {
+        let starts = kind[i] == Kind::Code
+            && bytes[i..].starts_with(b"fn ")
+            && (i == 0 || !ident(bytes[i - 1]));
+        if !starts {
+            continue;
+        }
+        let name: String = bytes[i + 3..]
+            .iter()
+            .take_while(|&&b| ident(b) || b == b'$')
+            .map(|&b| b as char)
+            .collect();
+        // The body opens at the first `{` outside parentheses and brackets;
+        // a `;` first is a declaration without one.
+        let (mut j, mut nest) = (i + 3, 0i32);
+        let open = loop {
+            if j >= bytes.len() {
+                break None;
+            }
+            if kind[j] == Kind::Code {
+                match bytes[j] {
+                    b'(' | b'[' | b'<' => nest += 1,
+                    b')' | b']' | b'>' if bytes[j - 1] != b'-' => nest -= 1,
+                    b'{' if nest <= 0 => break Some(j),
+                    b';' if nest <= 0 => break None,
+                    _ => {}
+                }
+            }
+            j += 1;
+        };
+        let Some(open) = open else { continue };
+        let mut depth = 0i32;
+        let mut k = open;
+        while k < bytes.len() {
+            if kind[k] == Kind::Code {
+                match bytes[k] {
+                    b'{' => depth += 1,
+                    b'}' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            break;
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            k += 1;
+        }
+        let first = line_at(i);
+        out.push((first, line_at(k.min(bytes.len() - 1)) - first + 1, name));
+    }
+    out
+}
+
+/// Issue 25's bound: no function in `src/` is over 150 lines, and the
+/// training step's forward and backward (`engine/step.rs`) are under 120:
+/// a long function is split where it changes subject.
+#[test]
+fn no_function_in_src_is_over_150_lines() {
+    let mut paths = Vec::new();
+    rust_files(&root().join("src"), &mut paths);
+    let mut long = Vec::new();
+    for p in &paths {
+        let text = fs::read_to_string(p).unwrap();
+        let rel = p.strip_prefix(root()).unwrap().display().to_string();
+        for (line, lines, name) in function_lengths(&text) {
+            let step = rel == "src/engine/step.rs" && (name == "forward" || name == "backward");
+            if lines > 150 || (step && lines >= 120) {
+                long.push(format!("{rel}:{line}: fn {name} is {lines} lines"));
+            }
+        }
+    }
+    assert!(long.is_empty(), "{}", long.join("\n"));
+}
+
+#[test]
+fn function_lengths_are_read_from_fn_to_its_closing_brace() {
+    let src = "fn a() -> Vec<u8> {\n    let s = \"}\";\n    vec![]\n}\ntrait T { fn d(&self); }\n#[cfg(test)]\nfn t() {\n}\nfn b<F: Fn() -> u8>(f: F) { '}'; }\n";
+    let got = function_lengths(src);
+    assert_eq!(
+        got,
+        [(1, 4, "a".to_string()), (9, 1, "b".to_string())],
+        "{got:?}"
+    );
+}

@@ -707,6 +707,12 @@ fn recommendation(plan: &Plan, bullet: &str) -> Vec<String> {
             ));
         }
     }
+    out.push(step_line(plan, p, bullet));
+    out
+}
+
+/// How the recommended point's step time adds up.
+fn step_line(plan: &Plan, p: &Prediction, bullet: &str) -> String {
     let offload = match p.host {
         Some(_) => format!(
             " + offload {:.3} s (host link at {:.0}% of {} GB/s, CPU update at the node's memory bandwidth)",
@@ -740,7 +746,7 @@ fn recommendation(plan: &Plan, bullet: &str) -> Vec<String> {
         ),
         false => String::new(),
     };
-    out.push(format!(
+    format!(
         "  {bullet}step {:.3} s = compute {:.3} s (roofline at {:.0}% of peak FLOP/s for large GEMMs, less for shapes that leave SMs idle, {:.0}% of memory bandwidth) + communication {:.3} s waited for ({comm}; crosses {}{hidden}){offload}",
         p.step_s,
         p.compute_s,
@@ -748,8 +754,7 @@ fn recommendation(plan: &Plan, bullet: &str) -> Vec<String> {
         plan.efficiency["memory"] * 100.0,
         p.comm_s,
         links(plan, p)
-    ));
-    out
+    )
 }
 
 /// The recommended point's margin: what is left below the usable limit
