@@ -23,6 +23,9 @@ pub struct GpuRows<'a> {
 
 /// The widest a GPU name's column gets; longer names are cut.
 const NAME_W: usize = 22;
+/// The narrowest it gets to leave a bar room, and the narrowest bar.
+const NAME_MIN: usize = 8;
+const BAR_MIN: usize = 4;
 
 /// A GPU row's text around its bar: index and name (in a column `name_w`
 /// wide, two spaces after it), memory, the rest.
@@ -51,28 +54,37 @@ fn parts(g: &GpuSample, name_w: usize) -> (String, String, String) {
 }
 
 /// The rows of `gpus` in `width` columns: a row per GPU, its name in a
-/// column as wide as the longest (at most 22), its bar as wide as the room
-/// left (the same for every GPU, so that the bars line up; 4 to 40 cells,
-/// the row's end cut when even 4 do not fit), then a row per process on it.
+/// column as wide as the longest (at most 22, and narrower, to 8, where a
+/// bar would not fit), its bar as wide as the room left (the same for
+/// every GPU, so that the bars line up; 4 to 40 cells, the row's end cut
+/// when even 4 do not fit), then a row per process on it.
 pub fn gpu_rows(gpus: &[GpuSample], width: usize, o: GpuRows) -> Vec<Line<'static>> {
-    let name_w = gpus
+    // The room a bar has beside the rest of every row, its name column
+    // `name_w` wide.
+    let room = |name_w: usize| {
+        gpus.iter()
+            .map(|g| {
+                let (head, mem, rest) = parts(g, name_w);
+                let err = g.error.as_ref().map_or(0, |e| e.chars().count() + 2);
+                width.saturating_sub(
+                    head.chars().count() + 2 + mem.chars().count() + rest.chars().count() + err,
+                )
+            })
+            .min()
+            .unwrap_or(10)
+    };
+    // Names give way before the bar does: down to NAME_MIN columns, so
+    // that a narrow screen still shows every figure (an 80-column tui).
+    let mut name_w = gpus
         .iter()
         .map(|g| g.name.chars().count())
         .max()
         .unwrap_or(0)
         .min(NAME_W);
-    let bar_w = gpus
-        .iter()
-        .map(|g| {
-            let (head, mem, rest) = parts(g, name_w);
-            let err = g.error.as_ref().map_or(0, |e| e.chars().count() + 2);
-            width.saturating_sub(
-                head.chars().count() + 2 + mem.chars().count() + rest.chars().count() + err,
-            )
-        })
-        .min()
-        .unwrap_or(10)
-        .clamp(4, 40);
+    while name_w > NAME_MIN && room(name_w) < BAR_MIN {
+        name_w -= 1;
+    }
+    let bar_w = room(name_w).clamp(BAR_MIN, 40);
     let mut out = Vec::new();
     for g in gpus {
         let share = g.memory_used_bytes as f64 / g.memory_total_bytes.max(1) as f64;
@@ -232,12 +244,15 @@ mod tests {
     fn narrow_rows_keep_a_bar_and_cut_the_end() {
         let mut g = gpu(0, "a GPU with a very long marketing name", 40 * GIB, &[]);
         g.error = Some("GPU is lost".into());
+        // The name gives way first, to 8 columns; then the row's end.
         let r = rows(&draw(&[g.clone()], 60, PLAIN));
-        assert!(
-            r[0].starts_with(" 0 a GPU with a very lon…  [██░░]"),
-            "{r:?}"
-        );
+        assert!(r[0].starts_with(" 0 a GPU w…  [██░░]"), "{r:?}");
         assert!(r[0].ends_with('…'), "{r:?}");
+        // An 80-column tui: an H100's row keeps every figure whole.
+        let h100 = gpu(0, "NVIDIA H100 80GB HBM3", 73 * GIB, &[]);
+        let r = rows(&draw(&[h100], 80, PLAIN));
+        assert!(r[0].starts_with(" 0 NVIDIA H100 …  [████]"), "{r:?}");
+        assert!(r[0].ends_with("312/700 W  64°C"), "{r:?}");
         let r = rows(&draw(&[g], 200, PLAIN));
         assert!(r[0].trim_end().ends_with("64°C  GPU is lost"), "{r:?}");
         for w in 0..12 {
