@@ -134,10 +134,36 @@ impl Target {
 
 /// The `memfit run` knobs balance cannot honour, and why: it prices one
 /// rank per pipeline stage, one step, without data or tensor parallelism
-/// or ZeRO. `--ranks` equal to the stages, `--sharding none`,
-/// `--offload none` and `--tensor-parallel 1` say what balance does, and
+/// or ZeRO, in bytes and seconds that no optimizer value changes.
+/// `--ranks` equal to the stages, `--sharding none`, `--offload none`,
+/// `--tensor-parallel 1`, `--shard-group 0`, `--hpz-group 0` and
+/// `--bucket-view`/`--sequence-parallel false` say what balance does, and
 /// pass.
 pub const REFUSED: &[(&str, &str)] = &[
+    (
+        "seed",
+        "weights' and tokens' values, and balance reports bytes and seconds, which no value changes",
+    ),
+    (
+        "lr",
+        "a value, not a byte or a second, and balance reports bytes and seconds",
+    ),
+    (
+        "weight_decay",
+        "a value, not a byte or a second, and balance reports bytes and seconds",
+    ),
+    (
+        "beta2",
+        "a value, not a byte or a second, and balance reports bytes and seconds",
+    ),
+    (
+        "momentum",
+        "a value, not a byte or a second (SGD's buffer is held either way), and balance reports bytes and seconds",
+    ),
+    (
+        "grad_clip",
+        "a value, not a byte or a second, and balance reports bytes and seconds",
+    ),
     (
         "steps",
         "balance prices one step of each stage, and times each layer over --repeats steps",
@@ -206,6 +232,10 @@ impl BalanceOptions {
             "sharding" => k.sharding == Some(crate::engine::Sharding::None),
             "offload" => k.offload == Some(crate::engine::Offload::None),
             "tensor_parallel" => k.tensor_parallel == Some(1),
+            "shard_group" => k.shard_group == Some(0),
+            "hpz_group" => k.hpz_group == Some(0),
+            "bucket_view" => k.bucket_view == Some(false),
+            "sequence_parallel" => k.sequence_parallel == Some(false),
             _ => false,
         };
         if let Some((name, why)) =

@@ -307,6 +307,12 @@ fn run_knobs_balance_cannot_honour_are_refused_by_flag() {
         "json",
     ];
     let refused = [
+        ("--seed", "7"),
+        ("--lr", "5"),
+        ("--weight-decay", "0"),
+        ("--beta2", "0.95"),
+        ("--momentum", "0.5"),
+        ("--grad-clip", "0"),
         ("--steps", "3"),
         ("--data", "README.md"),
         ("--threads", "2"),
@@ -345,17 +351,31 @@ fn run_knobs_balance_cannot_honour_are_refused_by_flag() {
         "1",
         "--offload",
         "none",
+        "--shard-group",
+        "0",
+        "--hpz-group",
+        "0",
+        "--bucket-view",
+        "false",
+        "--sequence-parallel",
+        "false",
     ];
     let same = memfit(&[&base[..], &args].concat());
     assert!(same.status.success(), "{}", stderr(&same));
     assert_eq!(json(&same)["optimal"], plain["optimal"]);
     let spelled = [&base[..3], &["--pipeline-stages"], &base[4..]].concat();
-    let out = memfit(&[&spelled[..], &["--micro-batch", "2", "--seed", "7"]].concat());
+    let out = memfit(
+        &[
+            &spelled[..],
+            &["--micro-batch", "2", "--attention", "fused"],
+        ]
+        .concat(),
+    );
     assert!(out.status.success(), "{}", stderr(&out));
     let doc = json(&out);
     assert_eq!(
         (doc["stages"].as_u64(), doc["micro_batch"].as_u64()),
         (Some(2), Some(2))
     );
-    assert_eq!(doc["config"]["seed"], 7);
+    assert_eq!(doc["config"]["attention"], "fused");
 }
