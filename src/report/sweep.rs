@@ -328,6 +328,14 @@ pub struct SweepReport {
     /// The hardware profile's file, as `model_file`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hardware_file: Option<String>,
+    /// The recipe's `network:`, a profile name or its file (absolute),
+    /// which put the hardware's nodes on another fabric.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<String>,
+    /// The recipe's `host_memory:` in bytes, each node's host memory for
+    /// offloaded tensors.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_memory: Option<u64>,
     /// The device the trials ran on, e.g. `cpu:limit=64MiB` (`run_device.spec`).
     pub device: String,
     pub run_device: RunDevice,
@@ -390,6 +398,8 @@ impl SweepReport {
             model_file: None,
             hardware: "t4".into(),
             hardware_file: None,
+            network: None,
+            host_memory: None,
             device: "cpu:limit=64MiB".into(),
             run_device: RunDevice {
                 spec: "cpu:limit=64MiB".into(),

@@ -490,6 +490,17 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
             s.push_str(&format!("lora_targets: [{}]\n", t.join(", ")));
         }
     }
+    // The nodes' fabric and host memory the sweep planned with.
+    if let Some(net) = &report.network {
+        let net = match crate::config::profile::looks_like_path(net) {
+            true => file_seen_from(dir, net),
+            false => net.clone(),
+        };
+        s.push_str(&format!("network: {}\n", yaml_str(&net)));
+    }
+    if let Some(bytes) = report.host_memory {
+        s.push_str(&format!("host_memory: {bytes}B\n"));
+    }
     s.push_str(&format!("headroom: {:?}\n", report.headroom));
     let usd = report.target.usd_per_gpu_hour;
     if usd.is_finite() && usd > 0.0 {
@@ -668,6 +679,8 @@ mod tests {
             model_file: None,
             hardware: "t4".into(),
             hardware_file: None,
+            network: None,
+            host_memory: None,
             device: "cpu:limit=64MiB".into(),
             capacity_bytes: 64 << 20,
             runtime_overhead_bytes: 0,
@@ -953,6 +966,25 @@ mod tests {
         assert_eq!(back.grid.framework, [crate::engine::Framework::Memfit]);
         let points = crate::plan::expand(&back);
         assert_eq!(points, vec![t.point]);
+    }
+
+    /// The fabric and the host memory the sweep planned with are pinned:
+    /// without them the recipe would plan another network's collectives
+    /// and another capacity for offloaded tensors.
+    #[test]
+    fn the_network_and_host_memory_are_pinned() {
+        let (mut r, t) = zero2_bf16();
+        assert!(!pinned_recipe(&r, &t, Path::new(".")).contains("network"));
+        r.network = Some("ib-ndr-400".into());
+        r.host_memory = Some(64 << 30);
+        let yaml = pinned_recipe(&r, &t, Path::new("."));
+        let back: PlanRecipe = serde_yaml_ng::from_str(&yaml).expect(&yaml);
+        assert_eq!(back.network.as_deref(), Some("ib-ndr-400"), "{yaml}");
+        assert_eq!(
+            back.knobs.host_memory.map(|b| b.0),
+            Some(64 << 30),
+            "{yaml}"
+        );
     }
 
     #[test]

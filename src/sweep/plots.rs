@@ -1998,6 +1998,8 @@ pub(crate) mod tests {
             model_file: None,
             hardware: "cpu-test".into(),
             hardware_file: None,
+            network: None,
+            host_memory: None,
             device: "cpu:limit=64MiB".into(),
             capacity_bytes: 64 * MIB,
             runtime_overhead_bytes: 0,
