@@ -63,6 +63,15 @@ macro_rules! knobs {
                 )? )*
             }
 
+            /// Unsets every knob whose name `keep` refuses.
+            pub fn retain(&mut self, mut keep: impl FnMut(&str) -> bool) {
+                $(
+                    if !keep(stringify!($name)) {
+                        self.$name = None;
+                    }
+                )*
+            }
+
             /// Whether knob `name` (a key, `seq_len`) is set.
             pub fn has(&self, name: &str) -> bool {
                 match name {

@@ -713,6 +713,33 @@ pub fn check(r: &PlanRecipe, model: &ModelConfig) -> std::result::Result<(), Str
 }
 
 /// Semantic checks the YAML types cannot express, located at the offending key.
+/// What a recipe knob of [`RECIPE_KNOBS`] needs of the grid to apply to
+/// any point, when `grid` lacks it: set, it would change nothing.
+/// An empty `framework` list is the command's default, which may be
+/// hf-eager.
+pub fn unused_by(grid: &Grid, knob: &str) -> Option<&'static str> {
+    let lora = grid.finetune.iter().any(|&f| f != Finetune::Full);
+    let hf = grid.framework.is_empty() || grid.framework.contains(&Framework::HfEager);
+    let (used, needs) = match knob {
+        "lora_rank" | "lora_alpha" | "lora_dropout" | "lora_targets" => {
+            (lora, "a `grid.finetune` of lora or qlora")
+        }
+        "loss_chunks" => (
+            grid.loss.contains(&Loss::Chunked),
+            "a `grid.loss` of chunked",
+        ),
+        "host_memory" => (
+            grid.offload.iter().any(|o| o.optimizer()),
+            "a `grid.offload` other than none",
+        ),
+        "dropout" | "optimizer_impl" | "set_to_none" | "param_groups" => {
+            (hf, "a `grid.framework` of hf-eager")
+        }
+        _ => (true, ""),
+    };
+    (!used).then_some(needs)
+}
+
 fn check_recipe(
     r: &PlanRecipe,
     model: &ModelConfig,
@@ -722,6 +749,18 @@ fn check_recipe(
         location: at(key, value),
         message,
     };
+    // As `memfit run` refuses a knob its other knobs leave without effect.
+    for &name in RECIPE_KNOBS {
+        if let Some(needs) = unused_by(&r.grid, name).filter(|_| r.knobs.has(name)) {
+            return Err(err(
+                name,
+                None,
+                format!(
+                    "`{name}` applies to no point of the grid: it needs {needs}; add one, or leave `{name}` out"
+                ),
+            ));
+        }
+    }
     if r.seq_len == 0 || r.seq_len > model.max_seq_len {
         return Err(err(
             "seq_len",

@@ -212,6 +212,14 @@ fn invalid_recipes_get_located_messages() {
             "negative-headroom.yaml",
             vec!["negative-headroom.yaml:5:1", "headroom"],
         ),
+        (
+            "unused-knob.yaml",
+            vec![
+                "unused-knob.yaml:5:1",
+                "`lora_rank` applies to no point of the grid",
+                "grid.finetune",
+            ],
+        ),
     ] {
         let out = memfit(&["plan", &fixture(file)]);
         assert_eq!(out.status.code(), Some(2), "{file}");

@@ -486,7 +486,16 @@ pub fn to_yaml(r: &PlanRecipe) -> String {
     if !r.allow_numerics_change {
         s.push_str("allow_numerics_change: false\n");
     }
-    // The fixed knobs, those set and off their defaults.
+    // The fixed knobs, those set and off their defaults, and only those
+    // some point of the grid uses (a plan recipe refuses the others).
+    let mut written = r.grid.clone();
+    written.frameworks_or(Framework::Memfit);
+    let mut k = r.knobs.clone();
+    k.retain(|name| crate::plan::unused_by(&written, name).is_none());
+    let r = &crate::plan::PlanRecipe {
+        knobs: k.clone(),
+        ..r.clone()
+    };
     let (k, hf, d) = (
         &r.knobs,
         r.hf_knobs(),
