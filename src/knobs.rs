@@ -242,6 +242,12 @@ knobs! {
     /// optimizer+params (and the weight shard; zero3) [default: none].
     #[arg(long, value_enum)]
     offload: Offload [train],
+    /// torchtune's activation offloading (enable_activation_offloading):
+    /// each checkpointed block's input waits in host memory from its
+    /// forward to its backward, crossing the host link twice; needs
+    /// --checkpointing full [default: false; the bare flag: true].
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = switch())]
+    offload_activations: bool [train],
     /// Hybrid sharding (FSDP's HYBRID_SHARD): ZeRO shards over groups of
     /// this many consecutive ranks (a node's GPUs) and replicates across
     /// the groups, all-reducing gradient shards between them; 0 is off

@@ -133,6 +133,11 @@ pub struct TrainConfig {
     pub lora: LoraConfig,
     /// ZeRO-Offload: what lives in host memory (`shard::Offload`).
     pub offload: Offload,
+    /// torchtune's activation offloading under full checkpointing: each
+    /// block's input, the one tensor a checkpointed block saves, waits in
+    /// host memory from its forward to its backward (`step.rs`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub offload_activations: bool,
     /// The host memory offloaded tensors may take, per rank (`None`: no
     /// limit).
     pub host_memory: Option<u64>,
@@ -208,6 +213,7 @@ impl Default for TrainConfig {
             finetune: Finetune::Full,
             lora: LoraConfig::default(),
             offload: Offload::None,
+            offload_activations: false,
             host_memory: None,
             shard_group: None,
             tensor_parallel: 1,
@@ -769,7 +775,7 @@ impl<B: Backend> Engine<B> {
             offload.check(train.sharding).is_none(),
             "offload without the ZeRO stage it needs (run::validate says so)"
         );
-        if offload.optimizer() {
+        if offload.optimizer() || train.offload_activations {
             assert!(
                 dev.be.offloads(),
                 "this backend cannot place tensors in host memory (run::validate says so)"

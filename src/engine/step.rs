@@ -374,6 +374,10 @@ impl<'e, B: Backend> Pass<'e, B> {
             self.hook(Stage::Block(l), true, false)?;
             resid.push(out.expect("asked for the block output"));
             blocks.push(self.checkpoint(a, &mut cast_cache));
+            // The block's input is what its recomputation starts from.
+            if self.train.offload_activations {
+                self.offload_input(&mut resid[j])?;
+            }
         }
         let head = match last {
             true => Some(self.head_forward(&resid, targets.as_ref(), host_targets, dloss)?),
@@ -709,6 +713,25 @@ impl<'e, B: Backend> Pass<'e, B> {
         }
     }
 
+    /// torchtune's activation offloading (`OffloadActivations`, synchronous):
+    /// `x` moves to host memory, over the host link, until its backward.
+    fn offload_input(&mut self, x: &mut T<B>) -> Result<(), OomError> {
+        let mut h = self.dev.on_host(|d| d.alloc(x.len, x.dtype, x.category))?;
+        self.dev.copy_slice(&mut h, 0, x, 0, x.len, false);
+        let on_device = std::mem::replace(x, h);
+        self.dev.free(on_device);
+        Ok(())
+    }
+
+    /// `x` back from host memory for its block's backward.
+    fn restore_input(&mut self, x: &mut T<B>) -> Result<(), OomError> {
+        let mut d = self.dev.alloc(x.len, x.dtype, x.category)?;
+        self.dev.copy_slice(&mut d, 0, x, 0, x.len, false);
+        let on_host = std::mem::replace(x, d);
+        self.dev.free(on_host);
+        Ok(())
+    }
+
     /// A stage before the last: its output goes to the next stage, which
     /// keeps it; this stage needs it no more (Megatron-LM frees it too).
     fn send_output(&mut self, resid: &mut Vec<T<B>>) {
@@ -950,6 +973,9 @@ impl<'e, B: Backend> Pass<'e, B> {
             self.hook(Stage::Block(l), false, true)?;
             if self.lazy {
                 self.make_block_grads(l, &units[l + 1])?;
+            }
+            if resid[j].host {
+                self.restore_input(&mut resid[j])?;
             }
             let a = match blocks.pop().expect("one entry per block") {
                 Some(a) => a,

@@ -176,6 +176,20 @@ pub fn loss(t: &TrainConfig) -> Result<()> {
     }
 }
 
+/// Checks `--offload-activations`: it moves what a checkpointed block
+/// saves, its input, so it needs full checkpointing (torchtune pairs the
+/// two; without checkpointing it would offload every saved tensor, which
+/// memfit does not model).
+pub fn offload_activations(t: &TrainConfig) -> Result<()> {
+    if t.offload_activations && t.checkpointing != super::Checkpointing::Full {
+        return Err(Error::invalid_arg(
+            "--offload-activations",
+            "offloads each checkpointed block's input; add --checkpointing full",
+        ));
+    }
+    Ok(())
+}
+
 /// Checks `--pipeline-stages` and `--partition` against the model.
 pub fn pipeline(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
     let (stages, layers) = (t.pipeline_stages, model.n_layer);

@@ -171,6 +171,10 @@ pub const FIXED_KNOBS: &[(&str, &str)] = &[
         "plans price 1F1B, the default pipeline schedule",
     ),
     ("partition", "plans split the blocks evenly over the stages"),
+    (
+        "offload_activations",
+        "plans do not offer activation offloading yet: `memfit run --offload-activations` predicts one configuration",
+    ),
 ];
 
 impl PlanRecipe {

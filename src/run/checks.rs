@@ -25,10 +25,10 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
     if let Some(why) = t.offload.check(t.sharding) {
         return Err(Error::invalid_arg("--offload", why));
     }
-    if !t.offload.optimizer() && t.host_memory.is_some() {
+    if !t.offload.optimizer() && !t.offload_activations && t.host_memory.is_some() {
         return Err(Error::invalid_arg(
             "--host-memory",
-            "applies to offload only; add --offload optimizer",
+            "applies to offload only; add --offload optimizer or --offload-activations",
         ));
     }
     crate::engine::validate::pipeline(t, model)?;
@@ -44,6 +44,7 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
     }
     crate::engine::validate::tensor_parallel(t, model)?;
     crate::engine::validate::loss(t)?;
+    crate::engine::validate::offload_activations(t)?;
     crate::engine::validate::sharding(t, MAX_RANKS)
 }
 

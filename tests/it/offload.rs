@@ -282,3 +282,50 @@ fn offload_is_priced_on_the_host_link() {
         .unwrap();
     assert!(slow > 2.0 * fast, "{slow} vs {fast}");
 }
+
+/// torchtune's activation offloading: each checkpointed block's input
+/// waits in host memory between its forward and its backward. The copies
+/// are exact, so training is bit for bit as without it; the device holds
+/// less, the host the offloaded inputs, and meta predicts both.
+#[test]
+fn offloaded_activations_train_bit_for_bit_and_meta_predicts_both_memories() {
+    for model in ["llama-tiny", "gpt2-tiny"] {
+        let run = |extra: &[&str]| {
+            ok_json(
+                &["run", "--model", model, "--steps", "3", "--format", "json"],
+                extra,
+            )
+        };
+        let flags = ["--checkpointing", "full"];
+        let base = run(&flags);
+        let off = run(&[&flags[..], &["--offload-activations"]].concat());
+        assert_eq!(losses(&base), losses(&off), "{model}");
+        let (b, o) = (&base["peak_bytes"], &off["peak_bytes"]);
+        assert!(
+            o["activations"].as_u64() < b["activations"].as_u64(),
+            "{model}: {b} {o}"
+        );
+        assert_eq!(o["parameters"], b["parameters"], "{model}");
+        // Every block's input but the last block's output, which the head
+        // reads: n_layer tensors of micro-batch x tokens x width, fp32.
+        let cfg = &off["config"];
+        let (mb, t) = (
+            cfg["micro_batch"].as_u64().unwrap(),
+            cfg["seq_len"].as_u64().unwrap(),
+        );
+        let model_cfg = memfit::config::profile::load_model(model).unwrap();
+        let inputs = model_cfg.n_layer as u64 * mb * t * model_cfg.d_model as u64 * 4;
+        let host = &off["host"];
+        assert_eq!(host["peak_bytes"]["activations"], inputs, "{model}");
+        assert_eq!(host["peak_bytes"]["total"], inputs, "{model}");
+        // Down in the forward, up in the backward, every step.
+        assert_eq!(host["link_bytes_per_step"], 2 * inputs, "{model}");
+        let meta = run(&[&flags[..], &["--offload-activations", "--device", "meta"]].concat());
+        assert_eq!(meta["peak_bytes"], off["peak_bytes"], "{model}");
+        assert_eq!(meta["host"]["peak_bytes"], host["peak_bytes"], "{model}");
+    }
+    refused(
+        &["run", "--model", "llama-tiny", "--offload-activations"],
+        "--offload-activations: offloads each checkpointed block's input; add --checkpointing full",
+    );
+}
