@@ -45,6 +45,7 @@ fn main() {
             sequence_parallel: vec![false],
             loss: vec![Default::default()],
             capacity_factor: vec![Default::default()],
+            offload_activations: vec![false],
         },
         headroom: 0.05,
         cost: None,
@@ -104,6 +105,7 @@ fn main() {
             sequence_parallel: vec![false],
             loss: vec![Default::default()],
             capacity_factor: vec![Default::default()],
+            offload_activations: vec![false],
         },
         ..single
     };

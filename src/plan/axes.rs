@@ -240,6 +240,10 @@ axes! {
     /// a point's JSON leaves out so that dense plans read as before.
     CapacityFactor capacity_factor: Capacity = Capacity::DROPLESS,
         point #[serde(skip_serializing_if = "Capacity::is_dropless")];
+    /// torchtune's activation offloading, with full checkpointing: false
+    /// and/or true; a point's JSON leaves out false.
+    OffloadActivations offload_activations: bool = false,
+        point #[serde(skip_serializing_if = "std::ops::Not::not")];
 }
 
 /// A grid that names no framework plans the one its command chooses

@@ -171,10 +171,6 @@ pub const FIXED_KNOBS: &[(&str, &str)] = &[
         "plans price 1F1B, the default pipeline schedule",
     ),
     ("partition", "plans split the blocks evenly over the stages"),
-    (
-        "offload_activations",
-        "plans do not offer activation offloading yet: `memfit run --offload-activations` predicts one configuration",
-    ),
 ];
 
 impl PlanRecipe {
@@ -358,6 +354,7 @@ impl Point {
             sequence_parallel: self.sequence_parallel,
             loss: self.loss,
             capacity_factor: self.capacity_factor.factor(),
+            offload_activations: self.offload_activations,
             ..TrainConfig::default()
         }
     }
@@ -430,6 +427,10 @@ impl Point {
         let ft = match self.sequence_parallel {
             false => ft,
             true => format!("{ft}sp "),
+        };
+        let ft = match self.offload_activations {
+            false => ft,
+            true => format!("{ft}offload:activations "),
         };
         let ft = match self.loss {
             Loss::Full => ft,
@@ -733,8 +734,8 @@ pub fn unused_by(grid: &Grid, knob: &str) -> Option<&'static str> {
             "a `grid.loss` of chunked",
         ),
         "host_memory" => (
-            grid.offload.iter().any(|o| o.optimizer()),
-            "a `grid.offload` other than none",
+            grid.offload.iter().any(|o| o.optimizer()) || grid.offload_activations.contains(&true),
+            "a `grid.offload` other than none or a `grid.offload_activations` of true",
         ),
         "dropout" | "optimizer_impl" | "set_to_none" | "param_groups" => {
             (hf, "a `grid.framework` of hf-eager")
@@ -938,6 +939,9 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
         return Some(reason);
     }
     if let Err(e) = crate::engine::validate::loss(&tc) {
+        return Some(why(e));
+    }
+    if let Err(e) = crate::engine::validate::offload_activations(&tc) {
         return Some(why(e));
     }
     if let Some(reason) = p.offload.check(p.sharding) {

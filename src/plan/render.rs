@@ -160,9 +160,16 @@ fn columns(plan: &Plan, rows: &[usize]) -> Vec<Column> {
     col("framework", "fw", true, 100, &|p| name(p.point.framework));
     col("tune", "tune", true, 180, &|p| name(p.point.finetune));
     col("loss", "loss", true, 175, &|p| name(p.point.loss));
-    col("offload", "offload", true, 185, &|p| {
-        p.point.offload.name().into()
-    });
+    col(
+        "offload",
+        "offload",
+        true,
+        185,
+        &|p| match p.point.offload_activations {
+            false => p.point.offload.name().into(),
+            true => format!("{}+act", p.point.offload.name()),
+        },
+    );
     col("gpus", "gpus", true, 200, &|p| p.point.gpus.to_string());
     col("pp", "pp", true, 170, &|p| {
         p.point.pipeline_stages.to_string()
@@ -685,7 +692,11 @@ fn recommendation(plan: &Plan, bullet: &str) -> Vec<String> {
     if let Some(h) = &p.host {
         out.push(format!(
             "  {bullet}host memory (offload {}): {} per GPU ({}), {} for a node's {} GPU(s) of {} ({} to spare); {} over the host link per step",
-            p.point.offload.name(),
+            match (p.point.offload, p.point.offload_activations) {
+                (crate::engine::Offload::None, true) => "activations".to_string(),
+                (o, true) => format!("{} and activations", o.name()),
+                (o, false) => o.name().to_string(),
+            },
             fmt_bytes(h.peak_bytes.total),
             crate::memory::Category::ALL
                 .iter()

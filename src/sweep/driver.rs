@@ -161,6 +161,11 @@ pub fn trial_id(p: &Point) -> String {
         false => fw,
         true => format!("{fw}sp-"),
     };
+    // Only when set, so that the ids of points without it are as before.
+    let fw = match p.offload_activations {
+        false => fw,
+        true => format!("{fw}actoff-"),
+    };
     let fw = match p.loss {
         crate::engine::Loss::Full => fw,
         l => format!("{fw}{}-", crate::config::knobs::name(l)),

@@ -434,6 +434,11 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
         ),
         ("loss", name(p.loss), "full"),
         ("capacity_factor", p.capacity_factor.spelled(), "null"),
+        (
+            "offload_activations",
+            p.offload_activations.to_string(),
+            "false",
+        ),
     ] {
         if v != default {
             s.push_str(&format!("  {k}: [{v}]\n"));

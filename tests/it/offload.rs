@@ -329,3 +329,45 @@ fn offloaded_activations_train_bit_for_bit_and_meta_predicts_both_memories() {
         "--offload-activations: offloads each checkpointed block's input; add --checkpointing full",
     );
 }
+
+/// A plan axis: an 8B LoRA step on a 24 GB card with checkpointing holds
+/// its 32 block inputs (micro-batch 2 x 2048 tokens x 4096, bf16: 1 GiB)
+/// on the host instead, pays their two copies over PCIe, and a point
+/// without checkpointing is invalid with the flag's reason.
+#[test]
+fn activation_offloading_is_a_plan_axis_with_its_host_bytes_and_link_time() {
+    let p = plan(
+        "model: llama-3.1-8b\nhardware: rtx-4090\nseq_len: 2048\nglobal_batch: 2\ngrid:\n  micro_batch: [2]\n  precision: [bf16]\n  finetune: [lora]\n  checkpointing: [none, full]\n  offload_activations: [false, true]\n",
+    );
+    let find = |ckpt: &str, off: bool| {
+        p["points"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| {
+                x["point"]["checkpointing"] == ckpt
+                    && x["point"]["offload_activations"].as_bool().unwrap_or(false) == off
+            })
+            .unwrap_or_else(|| panic!("{ckpt} {off}"))
+    };
+    let (on, off) = (find("full", true), find("full", false));
+    assert!(off["point"].get("offload_activations").is_none(), "{off}");
+    let inputs = 32u64 * 2 * 2048 * 4096 * 2;
+    assert_eq!(on["host"]["peak_bytes"]["activations"], inputs);
+    assert_eq!(on["host"]["link_bytes_per_step"], 2 * inputs);
+    assert!(off["host"].is_null());
+    let peak = |x: &Value| x["peak_bytes"]["total"].as_u64().unwrap();
+    assert!(peak(on) < peak(off), "{} {}", peak(on), peak(off));
+    assert!(on["offload_s"].as_f64().unwrap() > 0.0);
+    assert!(on["tokens_per_s"].as_f64() < off["tokens_per_s"].as_f64());
+    let bad = find("none", true);
+    assert_eq!(bad["status"], "invalid", "{bad}");
+    assert!(
+        bad["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("--checkpointing full")
+            || bad.to_string().contains("--checkpointing full"),
+        "{bad}"
+    );
+}

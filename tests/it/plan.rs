@@ -52,6 +52,7 @@ fn predictions_equal_cpu_measured_peaks() {
                 sequence_parallel: vec![false],
                 loss: vec![Default::default()],
                 capacity_factor: vec![Default::default()],
+                offload_activations: vec![false],
             },
             headroom: 0.05,
             cost: None,

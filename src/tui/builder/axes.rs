@@ -13,7 +13,7 @@ use crate::plan::{Capacity, Grid, Point, name};
 pub use crate::plan::Axis;
 
 /// Every grid axis the planner has, in the order the form lists them.
-pub const AXES: [Axis; 17] = [
+pub const AXES: [Axis; 18] = [
     Axis::MicroBatch,
     Axis::Precision,
     Axis::Checkpointing,
@@ -29,6 +29,7 @@ pub const AXES: [Axis; 17] = [
     Axis::Framework,
     Axis::Finetune,
     Axis::Offload,
+    Axis::OffloadActivations,
     Axis::Loss,
     Axis::CapacityFactor,
 ];
@@ -74,6 +75,7 @@ impl Axis {
             Axis::Framework => "framework",
             Axis::Finetune => "finetune",
             Axis::Offload => "offload",
+            Axis::OffloadActivations => "offload_act",
             Axis::Loss => "loss",
             Axis::CapacityFactor => "capacity",
         }
@@ -95,7 +97,9 @@ impl Axis {
             Axis::TensorParallel => preset(&[1, 2, 4, 8], &grid.tensor_parallel),
             Axis::ShardGroup => preset(&[0, 2, 4, 8], &sizes(&grid.shard_group)),
             Axis::HpzGroup => preset(&[0, 2, 4, 8], &sizes(&grid.hpz_group)),
-            Axis::SequenceParallel => vec!["false".into(), "true".into()],
+            Axis::SequenceParallel | Axis::OffloadActivations => {
+                vec!["false".into(), "true".into()]
+            }
             Axis::Precision => names::<Precision>(),
             Axis::Checkpointing => names::<Checkpointing>(),
             Axis::Attention => names::<Attention>(),
@@ -133,6 +137,8 @@ impl Axis {
             Axis::Checkpointing if v == "none" => "nockpt".into(),
             Axis::Checkpointing => format!("ckpt:{v}"),
             Axis::Offload => format!("offload:{v}"),
+            Axis::OffloadActivations if v == "true" => "actoff".into(),
+            Axis::OffloadActivations => "no-actoff".into(),
             Axis::CapacityFactor if v == "null" => "dropless".into(),
             Axis::CapacityFactor => format!("cf{v}"),
             _ => v.to_string(),
