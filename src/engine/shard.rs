@@ -156,6 +156,16 @@ impl Offload {
             Offload::OptimizerParams => "optimizer+params",
         }
     }
+    /// What lives in host memory, for a label: this offload's state, and
+    /// with `activations` (`--offload-activations`) the block inputs.
+    pub fn host_label(self, activations: bool) -> String {
+        match (self, activations) {
+            (Offload::None, true) => "activations".into(),
+            (o, true) => format!("{} and activations", o.name()),
+            (o, false) => o.name().into(),
+        }
+    }
+
     /// Why `self` cannot run with `sharding`, if it cannot.
     pub fn check(self, sharding: Sharding) -> Option<&'static str> {
         match self {

@@ -692,11 +692,7 @@ fn recommendation(plan: &Plan, bullet: &str) -> Vec<String> {
     if let Some(h) = &p.host {
         out.push(format!(
             "  {bullet}host memory (offload {}): {} per GPU ({}), {} for a node's {} GPU(s) of {} ({} to spare); {} over the host link per step",
-            match (p.point.offload, p.point.offload_activations) {
-                (crate::engine::Offload::None, true) => "activations".to_string(),
-                (o, true) => format!("{} and activations", o.name()),
-                (o, false) => o.name().to_string(),
-            },
+            p.point.offload.host_label(p.point.offload_activations),
             fmt_bytes(h.peak_bytes.total),
             crate::memory::Category::ALL
                 .iter()

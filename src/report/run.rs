@@ -453,14 +453,10 @@ fn write_peaks(s: &mut String, r: &RunReport) {
 fn write_host(s: &mut String, r: &RunReport) {
     let (c, n) = (&r.config, r.ranks.len());
     if let Some(h) = &r.host {
-        let what = match (c.train.offload, c.train.offload_activations) {
-            (crate::engine::Offload::None, true) => "activations".to_string(),
-            (o, true) => format!("{} and activations", o.name()),
-            (o, false) => o.name().to_string(),
-        };
         let _ = writeln!(
             s,
-            "\nhost memory (offload {what}){}:",
+            "\nhost memory (offload {}){}:",
+            c.train.offload.host_label(c.train.offload_activations),
             h.capacity_bytes.map_or(String::new(), |c| format!(
                 " (capacity {} per rank)",
                 fmt_bytes(c)
