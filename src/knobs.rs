@@ -347,6 +347,20 @@ impl Knobs {
             targets: self.lora_targets.clone().unwrap_or(d.targets),
         }
     }
+
+    /// The hf-eager and chunked-loss knobs, `memfit run`'s defaults
+    /// (`TrainConfig`'s) where absent (a plan recipe's).
+    pub fn hf(&self) -> crate::engine::framework::HfKnobs {
+        let mut t = crate::engine::TrainConfig::default();
+        self.apply(&mut t);
+        crate::engine::framework::HfKnobs {
+            dropout: t.dropout,
+            optimizer_impl: t.optimizer_impl,
+            set_to_none: t.set_to_none,
+            param_groups: t.param_groups,
+            loss_chunks: t.loss_chunks,
+        }
+    }
 }
 
 /// Where `memfit run` runs (`--device`, a run recipe's `device:`): a device

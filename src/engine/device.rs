@@ -138,7 +138,7 @@ impl Roofline {
                 let rest = work.flops.saturating_sub(work.gemm_flops());
                 s + rest as f64 / self.kernel_flops_per_s
             }
-            Kind::FusedAttention(_) => {
+            Kind::FusedAttention => {
                 work.flops as f64
                     / self
                         .attention_flops_per_s

@@ -224,6 +224,13 @@ impl Default for TrainConfig {
 }
 
 impl TrainConfig {
+    /// Whether anything lives in host memory: ZeRO-Offload's state or
+    /// offloaded activations (then the device has a host tracker, and
+    /// `host_memory` bounds it).
+    pub fn uses_host(&self) -> bool {
+        self.offload.optimizer() || self.offload_activations
+    }
+
     /// These knobs with `other`'s batch shape: its micro-batch, accumulation,
     /// attention kernel and checkpointing. Of what an engine allocates, only
     /// the workspace reads them ([`Engine::unshaped`]); the step reads them
@@ -775,7 +782,7 @@ impl<B: Backend> Engine<B> {
             offload.check(train.sharding).is_none(),
             "offload without the ZeRO stage it needs (run::validate says so)"
         );
-        if offload.optimizer() || train.offload_activations {
+        if train.uses_host() {
             assert!(
                 dev.be.offloads(),
                 "this backend cannot place tensors in host memory (run::validate says so)"

@@ -37,7 +37,7 @@ pub enum Kind {
     /// streaming kernel's.
     Gemm([Option<Gemm>; 2]),
     /// A fused (flash) attention kernel: its own efficiency.
-    FusedAttention(AttnShape),
+    FusedAttention,
     /// Everything else: norms, activations, eager attention's pieces,
     /// the loss, copies, the optimizer update, collectives' local work.
     Stream,
@@ -145,7 +145,7 @@ impl Work {
             name: "flash_attention",
             flops: Self::causal_pairs(s) * (4 * s.head_dim as u64 + 7),
             bytes,
-            kind: Kind::FusedAttention(s),
+            kind: Kind::FusedAttention,
         }
     }
 
@@ -156,7 +156,7 @@ impl Work {
             name: "flash_attention_backward",
             flops: Self::causal_pairs(s) * (10 * s.head_dim as u64 + 6),
             bytes,
-            kind: Kind::FusedAttention(s),
+            kind: Kind::FusedAttention,
         }
     }
 

@@ -376,7 +376,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             blocks.push(self.checkpoint(a, &mut cast_cache));
             // The block's input is what its recomputation starts from.
             if self.train.offload_activations {
-                self.offload_input(&mut resid[j])?;
+                self.move_input(&mut resid[j], true)?;
             }
         }
         let head = match last {
@@ -713,22 +713,18 @@ impl<'e, B: Backend> Pass<'e, B> {
         }
     }
 
-    /// torchtune's activation offloading (`OffloadActivations`, synchronous):
-    /// `x` moves to host memory, over the host link, until its backward.
-    fn offload_input(&mut self, x: &mut T<B>) -> Result<(), OomError> {
-        let mut h = self.dev.on_host(|d| d.alloc(x.len, x.dtype, x.category))?;
-        self.dev.copy_slice(&mut h, 0, x, 0, x.len, false);
-        let on_device = std::mem::replace(x, h);
-        self.dev.free(on_device);
-        Ok(())
-    }
-
-    /// `x` back from host memory for its block's backward.
-    fn restore_input(&mut self, x: &mut T<B>) -> Result<(), OomError> {
-        let mut d = self.dev.alloc(x.len, x.dtype, x.category)?;
-        self.dev.copy_slice(&mut d, 0, x, 0, x.len, false);
-        let on_host = std::mem::replace(x, d);
-        self.dev.free(on_host);
+    /// torchtune's activation offloading (`OffloadActivations`,
+    /// synchronous): `x` moves to host memory (`to_host`) after its block's
+    /// forward, and back before its backward, over the host link.
+    fn move_input(&mut self, x: &mut T<B>, to_host: bool) -> Result<(), OomError> {
+        let alloc = |d: &mut Device<B>| d.alloc(x.len, x.dtype, x.category);
+        let mut moved = match to_host {
+            true => self.dev.on_host(alloc)?,
+            false => alloc(self.dev)?,
+        };
+        self.dev.copy_slice(&mut moved, 0, x, 0, x.len, false);
+        let left = std::mem::replace(x, moved);
+        self.dev.free(left);
         Ok(())
     }
 
@@ -975,7 +971,7 @@ impl<'e, B: Backend> Pass<'e, B> {
                 self.make_block_grads(l, &units[l + 1])?;
             }
             if resid[j].host {
-                self.restore_input(&mut resid[j])?;
+                self.move_input(&mut resid[j], false)?;
             }
             let a = match blocks.pop().expect("one entry per block") {
                 Some(a) => a,

@@ -182,15 +182,7 @@ impl PlanRecipe {
     /// The recipe's hf-eager and chunked-loss knobs, `memfit run`'s
     /// defaults (`TrainConfig`'s) where absent.
     pub fn hf_knobs(&self) -> crate::engine::framework::HfKnobs {
-        let mut t = TrainConfig::default();
-        self.knobs.apply(&mut t);
-        crate::engine::framework::HfKnobs {
-            dropout: t.dropout,
-            optimizer_impl: t.optimizer_impl,
-            set_to_none: t.set_to_none,
-            param_groups: t.param_groups,
-            loss_chunks: t.loss_chunks,
-        }
+        self.knobs.hf()
     }
 
     /// The chunked loss's parts, torchtune's default where absent.
@@ -619,7 +611,10 @@ pub fn load_recipe(path: &Path) -> Result<(PlanRecipe, ModelConfig, HardwareProf
     let mut recipe: PlanRecipe = parse_yaml(&text, &location)?;
     // Paths in a recipe are relative to the recipe, as run recipes' are.
     let base = path.parent().unwrap_or(Path::new("."));
-    for spec in [&mut recipe.model, &mut recipe.hardware] {
+    for spec in [&mut recipe.model, &mut recipe.hardware]
+        .into_iter()
+        .chain(recipe.network.as_mut())
+    {
         if looks_like_path(spec) && Path::new(spec.as_str()).is_relative() {
             *spec = base.join(&*spec).display().to_string();
         }
@@ -665,11 +660,7 @@ pub fn load_recipe(path: &Path) -> Result<(PlanRecipe, ModelConfig, HardwareProf
     let model = load_model(&recipe.model).map_err(|e| relocate(e, at("model", None)))?;
     let mut hw = load_hardware(&recipe.hardware).map_err(|e| relocate(e, at("hardware", None)))?;
     if let Some(spec) = &recipe.network {
-        let spec = match looks_like_path(spec) && Path::new(spec.as_str()).is_relative() {
-            true => base.join(spec).display().to_string(),
-            false => spec.clone(),
-        };
-        let net = crate::config::hardware::load_network(&spec)
+        let net = crate::config::hardware::load_network(spec)
             .map_err(|e| relocate(e, at("network", None)))?;
         hw.use_network(&net);
     }
@@ -1901,6 +1892,7 @@ fn price_collectives(
                 cost
             }
         };
+        out.links = union(out.links, Some(cost.links)).or(Some(Links::None));
         let secs = c.times as f64 * cost.seconds;
         let i = match c.beside {
             Beside::Forward => 0,
@@ -1908,21 +1900,13 @@ fn price_collectives(
             Beside::LastBackward => 2,
             Beside::Nothing => {
                 out.waited += secs;
-                continue_links(&mut out, cost.links);
                 continue;
             }
         };
         out.beside[i] += secs;
         out.longest[i] = out.longest[i].max(cost.seconds);
-        continue_links(&mut out, cost.links);
     }
     out
-}
-
-/// `out`'s links widened by one more call's.
-fn continue_links(out: &mut CommTime, links: crate::comm::topology::Links) {
-    use crate::comm::topology::Links;
-    out.links = union(out.links, Some(links)).or(Some(Links::None));
 }
 
 /// DeepSpeed's estimator for point `p`'s stage and offload, from the

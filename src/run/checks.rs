@@ -25,7 +25,7 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
     if let Some(why) = t.offload.check(t.sharding) {
         return Err(Error::invalid_arg("--offload", why));
     }
-    if !t.offload.optimizer() && !t.offload_activations && t.host_memory.is_some() {
+    if !t.uses_host() && t.host_memory.is_some() {
         return Err(Error::invalid_arg(
             "--host-memory",
             "applies to offload only; add --offload optimizer or --offload-activations",

@@ -470,16 +470,7 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
         model_file: file_of(&recipe.model),
         hardware: hw.name.clone(),
         hardware_file: file_of(&recipe.hardware),
-        network: recipe.network.as_ref().map(|n| {
-            // A path in a recipe is relative to the recipe's folder.
-            let base = opts.recipe.parent().unwrap_or(std::path::Path::new("."));
-            match crate::config::profile::looks_like_path(n)
-                && std::path::Path::new(n).is_relative()
-            {
-                true => file_of(&base.join(n).display().to_string()).unwrap_or_else(|| n.clone()),
-                false => file_of(n).unwrap_or_else(|| n.clone()),
-            }
-        }),
+        network: (recipe.network.as_ref()).map(|n| file_of(n).unwrap_or_else(|| n.clone())),
         host_memory: recipe.knobs.host_memory.map(|b| b.0),
         device: trial_device.to_string(),
         run_device: run_device(

@@ -492,15 +492,7 @@ pub fn to_yaml(r: &PlanRecipe) -> String {
     written.frameworks_or(Framework::Memfit);
     let mut k = r.knobs.clone();
     k.retain(|name| crate::plan::unused_by(&written, name).is_none());
-    let r = &crate::plan::PlanRecipe {
-        knobs: k.clone(),
-        ..r.clone()
-    };
-    let (k, hf, d) = (
-        &r.knobs,
-        r.hf_knobs(),
-        crate::engine::framework::HfKnobs::default(),
-    );
+    let (hf, d) = (k.hf(), crate::engine::framework::HfKnobs::default());
     if hf.dropout != d.dropout {
         let _ = writeln!(s, "dropout: {}", hf.dropout);
     }
