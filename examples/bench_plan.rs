@@ -46,6 +46,7 @@ fn main() {
             loss: vec![Default::default()],
             capacity_factor: vec![Default::default()],
             offload_activations: vec![false],
+            expert_parallel: vec![1],
         },
         headroom: 0.05,
         cost: None,
@@ -106,6 +107,7 @@ fn main() {
             loss: vec![Default::default()],
             capacity_factor: vec![Default::default()],
             offload_activations: vec![false],
+            expert_parallel: vec![1],
         },
         ..single
     };

@@ -210,6 +210,10 @@ pub const REFUSED: &[(&str, &str)] = &[
         "balance prices whole stages, with no tensor-parallel groups",
     ),
     (
+        "expert_parallel",
+        "balance prices one rank per stage, and expert parallelism splits the experts over data-parallel replicas",
+    ),
+    (
         "sequence_parallel",
         "tensor parallelism's, and balance prices whole stages, with no tensor-parallel groups",
     ),
@@ -232,6 +236,7 @@ impl BalanceOptions {
             "sharding" => k.sharding == Some(crate::engine::Sharding::None),
             "offload" => k.offload == Some(crate::engine::Offload::None),
             "tensor_parallel" => k.tensor_parallel == Some(1),
+            "expert_parallel" => k.expert_parallel == Some(1),
             "shard_group" => k.shard_group == Some(0),
             "hpz_group" => k.hpz_group == Some(0),
             "bucket_view" => k.bucket_view == Some(false),

@@ -274,6 +274,13 @@ knobs! {
     /// --moe-pad-expert-input-to-capacity) [default: dropless].
     #[arg(long)]
     capacity_factor: f32,
+    /// Expert parallelism (Megatron-Core's --expert-model-parallel-size):
+    /// groups of this many consecutive data-parallel ranks split a
+    /// mixture's experts between them, exchanging tokens all-to-all; the
+    /// experts' gradients and ZeRO state are shared within the ranks that
+    /// hold the same experts [default: 1].
+    #[arg(long)]
+    expert_parallel: usize [train],
     /// Host memory offloaded tensors may take, per rank, e.g. 64GiB
     /// [default: this machine's available memory].
     #[arg(long, value_parser = host_bytes)]

@@ -25,6 +25,9 @@ pub enum Op {
     ReduceScatter,
     AllGather,
     Broadcast,
+    /// Expert parallelism's token exchange: each rank sends a part of its
+    /// buffer to every rank (NCCL: grouped `ncclSend`/`ncclRecv`).
+    AllToAll,
 }
 
 /// Collective operations on device buffers of type `Buf`. Every rank calls the
@@ -46,6 +49,14 @@ pub trait Collective<Buf>: Send {
 
     /// In place: `buf[..n] = root's buf[..n]`.
     fn broadcast(&mut self, buf: &mut Buf, n: usize, root: usize);
+
+    /// All-to-all with per-pair counts: `counts[s * world + d]` elements go
+    /// from rank `s` to rank `d`. Each rank's `inp` holds its sends to rank
+    /// 0, 1, ... one after another; `out` receives from rank 0, 1, ... one
+    /// after another. Every rank passes the same `counts` (expert
+    /// parallelism all-gathers them first, as Megatron-Core's dispatcher
+    /// does).
+    fn all_to_all(&mut self, out: &mut Buf, inp: &Buf, counts: &[usize]);
 
     /// A host scalar summed over ranks in rank order (gradient norms, losses).
     fn all_reduce_scalar(&mut self, x: f64) -> f64;
@@ -95,6 +106,7 @@ pub fn wire_bytes(op: Op, bytes: u64, world: usize, rank: usize, root: usize) ->
             let x = (n - 1) * b / n;
             (x, x)
         }
+        Op::AllToAll => unreachable!("all-to-all's bytes come from its counts: all_to_all_bytes"),
         Op::Broadcast => {
             let pos = (rank + world - root) % world;
             let sent = if pos + 1 < world { b } else { 0 };
@@ -103,6 +115,34 @@ pub fn wire_bytes(op: Op, bytes: u64, world: usize, rank: usize, root: usize) ->
         }
     };
     (sent as u64, recv as u64)
+}
+
+/// What `rank` sends and receives, in elements, in an all-to-all of
+/// `counts` (as [`Collective::all_to_all`] takes them), its own part
+/// excluded: `(sent, received)`.
+pub fn all_to_all_elems(counts: &[usize], world: usize, rank: usize) -> (usize, usize) {
+    let sent = (0..world)
+        .filter(|&d| d != rank)
+        .map(|d| counts[rank * world + d])
+        .sum();
+    let recv = (0..world)
+        .filter(|&s| s != rank)
+        .map(|s| counts[s * world + rank])
+        .sum();
+    (sent, recv)
+}
+
+/// Where rank `src`'s part for rank `dst` starts in `src`'s send buffer,
+/// and where it lands in `dst`'s receive buffer.
+pub fn all_to_all_offsets(
+    counts: &[usize],
+    world: usize,
+    src: usize,
+    dst: usize,
+) -> (usize, usize) {
+    let send = (0..dst).map(|d| counts[src * world + d]).sum();
+    let recv = (0..src).map(|s| counts[s * world + dst]).sum();
+    (send, recv)
 }
 
 /// A pipeline stage's neighbour.
@@ -167,6 +207,7 @@ impl Collective<()> for MetaComm {
     fn reduce_scatter_sum(&mut self, _: &mut (), _: &(), _: usize) {}
     fn all_gather(&mut self, _: &mut (), _: &(), _: usize) {}
     fn broadcast(&mut self, _: &mut (), _: usize, _: usize) {}
+    fn all_to_all(&mut self, _: &mut (), _: &(), _: &[usize]) {}
     /// Meta has no values to add; the engine never asks it for one.
     fn all_reduce_scalar(&mut self, x: f64) -> f64 {
         x
@@ -193,5 +234,17 @@ mod tests {
         assert_eq!(wire_bytes(Op::Broadcast, 1000, 4, 3, 0), (0, 1000));
         assert_eq!(wire_bytes(Op::Broadcast, 1000, 4, 0, 1), (0, 1000));
         assert_eq!(wire_bytes(Op::AllReduce, 1000, 1, 0, 0), (0, 0));
+    }
+
+    #[test]
+    fn all_to_all_counts_and_offsets() {
+        // 3 ranks; row s: what rank s sends to 0, 1, 2.
+        let c = [1, 2, 3, 4, 5, 6, 7, 8, 9];
+        assert_eq!(all_to_all_elems(&c, 3, 0), (5, 11));
+        assert_eq!(all_to_all_elems(&c, 3, 1), (10, 10));
+        // Rank 2's part for rank 1 starts after its 7 for rank 0, and lands
+        // after rank 0's 2 and rank 1's 5.
+        assert_eq!(all_to_all_offsets(&c, 3, 2, 1), (7, 7));
+        assert_eq!(all_to_all_offsets(&c, 3, 0, 0), (0, 0));
     }
 }

@@ -1210,6 +1210,9 @@ impl<Buf> Collective<Buf> for Elsewhere {
     fn broadcast(&mut self, _: &mut Buf, _: usize, _: usize) {
         unreachable!("engine bug: a collective of a rank in another process")
     }
+    fn all_to_all(&mut self, _: &mut Buf, _: &Buf, _: &[usize]) {
+        unreachable!("engine bug: a collective of a rank in another process")
+    }
     fn all_reduce_scalar(&mut self, _: f64) -> f64 {
         unreachable!("engine bug: a collective of a rank in another process")
     }

@@ -333,7 +333,7 @@ pub fn bus_factor(op: Op, ranks: usize) -> f64 {
     let n = ranks.max(1) as f64;
     match op {
         Op::AllReduce => 2.0 * (n - 1.0) / n,
-        Op::ReduceScatter | Op::AllGather => (n - 1.0) / n,
+        Op::ReduceScatter | Op::AllGather | Op::AllToAll => (n - 1.0) / n,
         Op::Broadcast => 1.0,
     }
 }
@@ -345,6 +345,7 @@ pub fn op_name(op: Op) -> &'static str {
         Op::ReduceScatter => "reduce_scatter",
         Op::AllGather => "all_gather",
         Op::Broadcast => "broadcast",
+        Op::AllToAll => "alltoall",
     }
 }
 
@@ -567,10 +568,34 @@ impl Topology {
             network_bw = network_bw.min(LL_NETWORK_BUSBW);
         }
         let seconds = match algorithm {
+            // NCCL's all-to-all is one send and one receive per peer, all
+            // at once (not a ring): a rank's `(g - 1)/n` of the buffer for
+            // its node's peers crosses NVLink while the rest leaves through
+            // its own NIC (one per GPU on these nodes), after one hop each.
+            Algorithm::Ring if op == Op::AllToAll => {
+                let g = group.ranks_per_node.min(n);
+                let own_nic = network_bw / group.fewest_ranks_per_node() as f64;
+                let intra = s * (g - 1) as f64 / n as f64 / intra_bw;
+                let network = s * (n - g) as f64 / n as f64 / own_nic;
+                let latency = base_latency(Algorithm::Ring, protocol)
+                    + if g > 1 {
+                        intra_hop(Algorithm::Ring)
+                    } else {
+                        0.0
+                    }
+                    + if nodes > 1 {
+                        inter_hop(Algorithm::Ring)
+                    } else {
+                        0.0
+                    };
+                latency + intra.max(network)
+            }
             Algorithm::Ring => {
                 let (steps, network_steps) = match op {
                     Op::AllReduce => (2 * (n - 1), 2 * (nodes - 1)),
-                    Op::ReduceScatter | Op::AllGather | Op::Broadcast => (n - 1, nodes - 1),
+                    Op::ReduceScatter | Op::AllGather | Op::Broadcast | Op::AllToAll => {
+                        (n - 1, nodes - 1)
+                    }
                 };
                 // One rank per node: every step waits on the network in full,
                 // and NCCL prices those hops at the tree's network figure.

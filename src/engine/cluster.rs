@@ -44,6 +44,11 @@ pub struct Links<B: Backend> {
     /// ZeRO++ hpZ: the rank's group of consecutive data-parallel ranks (a
     /// node), in which zero3's backward gathers run (`shard.rs`).
     pub hpz: Option<Comm<B>>,
+    /// Expert parallelism: the rank's group of consecutive data-parallel
+    /// ranks that split the experts (tokens go all-to-all within it), and
+    /// its expert-data-parallel group, the ranks that hold the same
+    /// experts (their gradients and ZeRO state are shared there).
+    pub ep: Option<[Comm<B>; 2]>,
 }
 
 impl<B: Backend> Links<B> {
@@ -55,6 +60,7 @@ impl<B: Backend> Links<B> {
             replicate: None,
             tp: None,
             hpz: None,
+            ep: None,
         }
     }
 
@@ -63,6 +69,7 @@ impl<B: Backend> Links<B> {
         let mut v: Vec<AbortHandle> = [&self.comm, &self.replicate, &self.tp, &self.hpz]
             .into_iter()
             .flatten()
+            .chain(self.ep.iter().flatten())
             .map(|c| c.abort_handle())
             .collect();
         v.extend(self.pipe.iter().flat_map(Pipe::abort_handles));
@@ -160,18 +167,62 @@ pub fn links<B: Backend>(
             }
         }
     }
+    let mut ep = expert_groups::<B>(train, &group);
     let mut out = Vec::with_capacity(train.ranks);
     let all = comms.into_iter().zip(pipes).zip(replicate).zip(tp).zip(hpz);
-    for ((((comm, pipe), replicate), tp), hpz) in all {
+    for (r, ((((comm, pipe), replicate), tp), hpz)) in all.enumerate() {
         out.push(Links {
             comm,
             pipe,
             replicate,
             tp,
             hpz,
+            ep: ep[r].take(),
         });
     }
     out
+}
+
+/// Expert parallelism's groups, by global rank: at each stage and
+/// tensor-parallel position, groups of `P` consecutive replicas split the
+/// experts (Megatron-Core's order: the expert-parallel ranks adjacent
+/// within the data-parallel ones), and the replicas `P` apart hold the
+/// same experts.
+fn expert_groups<B: Backend>(
+    train: &TrainConfig,
+    group: &impl Fn(usize) -> Vec<Comm<B>>,
+) -> Vec<Option<[Comm<B>; 2]>> {
+    let (stages, tps) = (train.pipeline_stages.max(1), train.tensor_parallel.max(1));
+    let (replicas, p) = (train.data_ranks(), train.expert_parallel.max(1));
+    let rank = |s: usize, d: usize, t: usize| (s * replicas + d) * tps + t;
+    let mut ep: Vec<Option<Comm<B>>> = (0..train.ranks).map(|_| None).collect();
+    let mut edp: Vec<Option<Comm<B>>> = (0..train.ranks).map(|_| None).collect();
+    if p == 1 {
+        return (0..train.ranks).map(|_| None).collect();
+    }
+    for s in 0..stages {
+        for t in 0..tps {
+            for i in 0..replicas / p {
+                for (j, c) in group(p).into_iter().enumerate() {
+                    ep[rank(s, i * p + j, t)] = Some(c);
+                }
+            }
+            for j in 0..p {
+                for (i, c) in group(replicas / p).into_iter().enumerate() {
+                    edp[rank(s, i * p + j, t)] = Some(c);
+                }
+            }
+        }
+    }
+    ep.into_iter()
+        .zip(edp)
+        .map(|(a, b)| {
+            Some([
+                a.expect("every rank in a group"),
+                b.expect("and its replicas"),
+            ])
+        })
+        .collect()
 }
 
 /// Runs `f(rank, item)` for every rank, in parallel when there is more than

@@ -1419,6 +1419,30 @@ impl<B: Backend> Device<B> {
         });
     }
 
+    /// Expert parallelism's exchange: `counts[s * world + d]` elements of
+    /// `inp` go from rank `s` to rank `d` ([`Collective::all_to_all`]);
+    /// `out` holds what this rank receives. Priced as nccl-tests'
+    /// `alltoall` of this rank's send buffer.
+    pub fn all_to_all(
+        &mut self,
+        comm: &mut dyn Collective<B::Buf>,
+        out: &mut T<B>,
+        inp: &T<B>,
+        counts: &[usize],
+    ) {
+        let (world, rank) = (comm.world(), comm.rank());
+        let es = inp.dtype.size() as u64;
+        let (sent, recv) = crate::comm::all_to_all_elems(counts, world, rank);
+        let row: usize = counts[rank * world..(rank + 1) * world].iter().sum();
+        let stage = Stage::of(self.tracker.phase());
+        let wire = (sent as u64 * es, recv as u64 * es);
+        self.meter
+            .wire(Op::AllToAll, row as u64 * es, world, wire, stage);
+        self.timed(Work::stream("all_to_all", 0, b(inp) + b(out)), |_| {
+            comm.all_to_all(&mut out.buf, &inp.buf, counts)
+        });
+    }
+
     /// Sends `t` to a neighbouring pipeline stage.
     pub fn send(&mut self, link: &mut dyn PointToPoint<B::Buf>, to: Peer, t: &T<B>) {
         self.meter.sent += t.bytes();

@@ -172,20 +172,21 @@ fn alloc_nf4_params<B: Backend>(
 
 /// Fills the weights (and the fp32 master copy) with the seeded
 /// initialisation of the whole model (`full_specs`), each rank keeping its
-/// tensor-parallel slices and ZeRO shards of it.
+/// tensor-parallel slices (or expert-parallel experts) and ZeRO shards of
+/// it.
 pub(super) fn upload_weights<B: Backend>(
     dev: &mut Device<B>,
     full_specs: &[ParamSpec],
     train: &TrainConfig,
     held: &Holdings,
-    tp: Option<&Tp<B>>,
+    splits: Option<&[Option<super::tensor::Split>]>,
     mut dist: Option<&mut Dist<B>>,
     states: &mut States<B>,
 ) {
     let sharding = train.sharding;
     let mut host = init_weights(full_specs, train.seed);
-    if let Some(tp) = tp {
-        for (h, split) in host.iter_mut().zip(&tp.splits) {
+    if let Some(splits) = splits {
+        for (h, split) in host.iter_mut().zip(splits) {
             if let Some(s) = split {
                 *h = s.take(h);
             }
@@ -194,7 +195,7 @@ pub(super) fn upload_weights<B: Backend>(
     // The elements of each tensor this rank owns under sharding.
     let extent: Vec<(usize, usize)> = match &dist {
         Some(d) => (0..held.numel.len())
-            .map(|i| (d.offset(i), d.valid(i, d.rank)))
+            .map(|i| (d.offset(i), d.own(i)))
             .collect(),
         None => held.numel.iter().map(|&n| (0, n)).collect(),
     };
@@ -238,9 +239,9 @@ pub(super) fn broadcast_weights<B: Backend>(
     held: &Holdings,
     params: &mut [T<B>],
 ) {
-    for (t, _) in (params.iter_mut().zip(&held.owned)).filter(|(_, o)| **o) {
+    for (i, (t, _)) in (params.iter_mut().zip(&held.owned).enumerate()).filter(|(_, (_, o))| **o) {
         if t.dtype != DType::U8 {
-            dev.broadcast(&mut *d.comm, t, 0);
+            d.broadcast_param(dev, i, t);
         }
     }
 }

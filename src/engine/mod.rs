@@ -15,6 +15,7 @@
 
 pub mod cluster;
 pub mod device;
+pub mod expert;
 pub mod framework;
 mod init;
 pub mod lora;
@@ -161,6 +162,18 @@ pub struct TrainConfig {
     /// `None`: dropless.
     #[serde(default)]
     pub capacity_factor: Option<f32>,
+    /// Expert parallelism (`moe.rs`, `shard.rs`): consecutive data-parallel
+    /// ranks that split a mixture's experts between them (1: none).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub expert_parallel: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn is_one(x: &usize) -> bool {
+    *x == 1
 }
 
 // `Precision` is declared with the knob enums the configuration reads
@@ -219,6 +232,7 @@ impl Default for TrainConfig {
             tensor_parallel: 1,
             hpz_group: None,
             capacity_factor: None,
+            expert_parallel: 1,
         }
     }
 }
@@ -466,6 +480,8 @@ pub struct Engine<B: Backend> {
     /// This rank's tensor-parallel group and slices (`None`: no tensor
     /// parallelism).
     tp: Option<Tp<B>>,
+    /// This rank's place in its expert-parallel group (`expert.rs`).
+    ep: Option<expert::Ep<B>>,
     /// This rank's widths of the split projections (the model's without
     /// tensor parallelism).
     widths: tensor::Widths,
@@ -497,6 +513,10 @@ impl Engine<crate::backend::meta::MetaBackend> {
             Some(t) => Some(t.fork()?),
             None => None,
         };
+        let ep = match &self.ep {
+            Some(t) => Some(t.fork()?),
+            None => None,
+        };
         let hf =
             (self.hf.as_ref()).map(|_| HfRules::new(&self.model, &train, self.dev.be.is_gpu()));
         let mut e = Engine {
@@ -522,6 +542,7 @@ impl Engine<crate::backend::meta::MetaBackend> {
             adapters: self.adapters.clone(),
             trainable: self.trainable.clone(),
             tp,
+            ep,
             widths: self.widths,
         };
         Some(e.alloc_workspace().map(|()| e))
@@ -608,7 +629,12 @@ impl<B: Backend> Engine<B> {
             replicate,
             tp,
             hpz,
+            ep,
         } = links;
+        let (ep, mut edp) = match ep {
+            Some([a, b]) => (Some(a), Some(b)),
+            None => (None, None),
+        };
         let mut model = model;
         let hf = (train.framework == Framework::HfEager).then(|| {
             // Hugging Face models do not pad the vocabulary.
@@ -629,6 +655,12 @@ impl<B: Backend> Engine<B> {
             let splits = tensor::split_layout(&model, &mut specs, &idx, size, rank);
             let sp = train.sequence_parallel;
             Tp { comm, splits, sp }
+        });
+        let ep = ep.map(|comm| {
+            let (size, rank) = (comm.world(), comm.rank());
+            let splits = expert::split_layout(&mut specs, &idx, size, rank);
+            let load = expert::ExpertLoad::default();
+            expert::Ep { comm, splits, load }
         });
         let widths = tensor::widths(&model, tp.as_ref().map_or(1, Tp::size));
         let trainable: Vec<bool> = (0..specs.len())
@@ -653,7 +685,8 @@ impl<B: Backend> Engine<B> {
                 .map(|b| b.iter().flat_map(|a| [a.a, a.b]).collect())
                 .collect();
             let numel = held.numel.clone();
-            let mut d = Dist::new(c, train.sharding, numel, &idx, &ads, &trainable);
+            let edp = edp.take();
+            let mut d = Dist::new(c, train.sharding, numel, &idx, (&ads, &trainable), edp);
             d.grads_on_host = train.offload.optimizer();
             d
         });
@@ -681,13 +714,14 @@ impl<B: Backend> Engine<B> {
         }
         let workspace = dev.placeholder(DType::F32, Category::Workspace);
         if dev.be.holds_data() {
-            let tp = tp.as_ref();
+            let splits =
+                (tp.as_ref().map(|t| &t.splits[..])).or(ep.as_ref().map(|e| &e.splits[..]));
             init::upload_weights(
                 &mut dev,
                 &full_specs,
                 &train,
                 &held,
-                tp,
+                splits,
                 dist.as_mut(),
                 &mut states,
             );
@@ -741,8 +775,17 @@ impl<B: Backend> Engine<B> {
             adapters,
             trainable,
             tp,
+            ep,
             widths,
         })
+    }
+
+    /// Dropless expert parallelism on meta: which routing to plan
+    /// (`expert::ExpertLoad`); cpu routes for real.
+    pub fn assume_expert_load(&mut self, load: expert::ExpertLoad) {
+        if let Some(ep) = self.ep.as_mut() {
+            ep.load = load;
+        }
     }
 
     /// LoRA's adapters per block, their tensors appended to `specs` (none
@@ -1280,6 +1323,7 @@ impl<B: Backend> Engine<B> {
             pipe,
             idx,
             tp,
+            ep,
             ..
         } = self;
         let sharded = dist.as_ref().is_some_and(|d| d.sharding.shards_optimizer());
@@ -1294,11 +1338,17 @@ impl<B: Backend> Engine<B> {
         // Tensor parallelism: the slices of a split tensor add up over the
         // group; a replicated one is the same on every rank and counts once.
         let mut split_sq = Some(0.0f64);
+        // Expert parallelism, unsharded: each rank's experts are its own
+        // (sharded, the all-reduce below already adds every rank's shards).
+        let mut expert_sq = Some(0.0f64);
         for (i, g) in local.iter().enumerate() {
             if counted(i) {
-                let sum = match tp.as_ref().is_some_and(|tp| tp.splits[i].is_some()) {
-                    true => &mut split_sq,
-                    false => &mut norm_sq,
+                let sum = match () {
+                    _ if tp.as_ref().is_some_and(|tp| tp.splits[i].is_some()) => &mut split_sq,
+                    _ if !sharded && ep.as_ref().is_some_and(|e| e.splits[i].is_some()) => {
+                        &mut expert_sq
+                    }
+                    _ => &mut norm_sq,
                 };
                 *sum = sum.zip(dev.sum_squares(g)).map(|(a, b)| a + b);
             }
@@ -1306,6 +1356,10 @@ impl<B: Backend> Engine<B> {
         if let Some(tp) = tp.as_mut() {
             split_sq = split_sq.map(|s| tp.comm.all_reduce_scalar(s));
         }
+        if let Some(ep) = ep.as_mut() {
+            expert_sq = expert_sq.map(|s| ep.comm.all_reduce_scalar(s));
+        }
+        split_sq = split_sq.zip(expert_sq).map(|(a, b)| a + b);
         norm_sq = norm_sq.zip(split_sq).map(|(a, b)| a + b);
         if let Some(d) = dist.as_mut()
             && sharded
@@ -1418,7 +1472,7 @@ fn sharded_update<B: Backend>(
 ) -> Result<(), OomError> {
     let tmp = Category::Temporaries;
     for (i, spec) in specs.iter().enumerate().filter(|(i, _)| owned[*i]) {
-        let (s, own, off) = (d.shard[i], d.valid(i, d.rank), d.offset(i));
+        let (s, own, off, world) = (d.shard[i], d.own(i), d.offset(i), d.world_of(i));
         let wdt = if d.sharding.shards_parameters() {
             d.param_shards[i].dtype
         } else {
@@ -1456,10 +1510,10 @@ fn sharded_update<B: Backend>(
                 t
             }
         };
-        let mut recv = dev.alloc(s * d.world, wdt, Category::Communication)?;
-        dev.all_gather(&mut *d.comm, &mut recv, &send);
+        let mut recv = dev.alloc(s * world, wdt, Category::Communication)?;
+        d.all_gather_param(dev, i, &mut recv, &send);
         dev.free(send);
-        dev.copy_pieces(&mut params[i], &recv, d.world, d.numel[i], false, |r| {
+        dev.copy_pieces(&mut params[i], &recv, world, d.numel[i], false, |r| {
             (r * s, r * s, d.valid(i, r))
         });
         dev.free(recv);

@@ -32,6 +32,7 @@
 //! `load_balancing_loss_func` computes one such loss over every layer's
 //! logits at once and without the `1/k`, so its value differs.
 
+use super::expert::{self, Ep};
 use super::*;
 use crate::config::model::{MoeConfig, MoeIndex};
 
@@ -235,13 +236,22 @@ pub(super) struct MoeActs<X> {
     pub eo: X,
     /// The host's routing (`None` on a backend without data).
     pub routing: Option<Routing>,
-    /// Each expert's rows.
+    /// Each expert's rows (under expert parallelism, each local expert's,
+    /// from every rank of the group).
     pub counts: Vec<usize>,
+    /// Expert parallelism: the exchange and, for each row of `xp`, `h`
+    /// and `act` (this rank's experts' rows, by expert), its row as it
+    /// arrived (`expert::Exchange::sort_index`, U32). `eo` is then the
+    /// outputs back on this rank, in its own permuted order.
+    pub ep: Option<(expert::Exchange, X)>,
 }
 
 pub(super) fn free_moe<B: Backend>(dev: &mut Device<B>, a: MoeActs<T<B>>) {
     for x in [a.probs, a.idx, a.weight, a.xp, a.h, a.act, a.eo] {
         dev.free(x);
+    }
+    if let Some((_, sort)) = a.ep {
+        dev.free(sort);
     }
 }
 
@@ -250,7 +260,7 @@ pub(super) fn free_moe<B: Backend>(dev: &mut Device<B>, a: MoeActs<T<B>>) {
 /// wanted.
 pub(super) fn forward<B: Backend>(
     dev: &mut Device<B>,
-    p: &[T<B>],
+    (p, ep): (&[T<B>], Option<&mut Ep<B>>),
     mi: MoeIndex,
     m: &MoeConfig,
     x: &T<B>,
@@ -273,6 +283,10 @@ pub(super) fn forward<B: Backend>(
     let counts = routing
         .as_ref()
         .map_or_else(|| sh.planned_counts(), |r| r.counts.clone());
+    if let Some(ep) = ep {
+        let r = (probs, idx, weight, routing);
+        return experts_elsewhere(dev, (p, ep), mi, x, r, &counts, sh);
+    }
     let mut xp = dev.alloc(rows * c, dt, act)?;
     dev.moe_gather(&mut xp, x, &idx, None, (rows, n, c));
     let mut h = dev.alloc(rows * 2 * i, dt, act)?;
@@ -291,6 +305,58 @@ pub(super) fn forward<B: Backend>(
         eo,
         routing,
         counts,
+        ep: None,
+    })
+}
+
+/// [`forward`]'s experts under expert parallelism: this rank's permuted
+/// rows go to the ranks that hold their experts, this rank's experts run
+/// on the rows that arrive, and their outputs come back (`expert.rs`).
+fn experts_elsewhere<B: Backend>(
+    dev: &mut Device<B>,
+    (p, ep): (&[T<B>], &mut Ep<B>),
+    mi: MoeIndex,
+    x: &T<B>,
+    (probs, idx, weight, routing): (T<B>, T<B>, T<B>, Option<Routing>),
+    counts: &[usize],
+    sh: MoeShape,
+) -> Result<MoeActs<T<B>>, OomError> {
+    let (n, c, i, rows) = (sh.n, sh.c, sh.i, sh.rows());
+    let (dt, act, tmp) = (x.dtype, Category::Activations, Category::Temporaries);
+    let mut xp = dev.alloc(rows * c, dt, tmp)?;
+    dev.moe_gather(&mut xp, x, &idx, None, (rows, n, c));
+    let ex = expert::exchange(dev, ep, counts, &sh)?;
+    let xr = expert::all_to_all(dev, ep, &xp, &ex, (c, false, tmp))?;
+    dev.free(xp);
+    // Each local expert's rows together, from every rank.
+    let (got, local) = (ex.received(), ex.local_counts());
+    let sort = expert::upload_index(dev, &ex)?;
+    let mut xs = dev.alloc(got * c, dt, act)?;
+    dev.moe_gather(&mut xs, &xr, &sort, None, (got, got, c));
+    dev.free(xr);
+    let mut h = dev.alloc(got * 2 * i, dt, act)?;
+    dev.grouped_matmul_forward(&mut h, &xs, &p[mi.up], &local, c, 2 * i);
+    let mut a = dev.alloc(got * i, dt, act)?;
+    dev.swiglu_forward(&mut a, &h, got, i);
+    let mut eos = dev.alloc(got * c, dt, tmp)?;
+    dev.grouped_matmul_forward(&mut eos, &a, &p[mi.down], &local, i, c);
+    // Back in arrival order, and home.
+    let mut eor = dev.alloc_zeroed(got * c, dt, tmp)?;
+    dev.moe_scatter(&mut eor, &eos, &sort, None, (got, got, c));
+    dev.free(eos);
+    let eo = expert::all_to_all(dev, ep, &eor, &ex, (c, true, act))?;
+    dev.free(eor);
+    Ok(MoeActs {
+        probs,
+        idx,
+        weight,
+        xp: xs,
+        h,
+        act: a,
+        eo,
+        routing,
+        counts: local,
+        ep: Some((ex, sort)),
     })
 }
 
@@ -312,6 +378,9 @@ pub(super) fn combine<B: Backend>(
     Ok(y)
 }
 
+/// The weights, their gradients, and whether they are frozen.
+type Weights<'a, B> = (&'a [T<B>], &'a mut [T<B>], bool);
+
 /// The routed experts' backward from the block output's gradient `dy`:
 /// the experts' and the router's weight gradients accumulated (none when
 /// `frozen`), and the gradient of their input `x` added into `dx` (the
@@ -319,7 +388,7 @@ pub(super) fn combine<B: Backend>(
 /// micro-batch's load-balancing loss. Frees what the block saved.
 pub(super) fn backward<B: Backend>(
     dev: &mut Device<B>,
-    (p, g, frozen): (&[T<B>], &mut [T<B>], bool),
+    ((p, g, frozen), ep): (Weights<'_, B>, Option<&mut Ep<B>>),
     mi: MoeIndex,
     m: &MoeConfig,
     a: MoeActs<T<B>>,
@@ -336,18 +405,36 @@ pub(super) fn backward<B: Backend>(
     dev.moe_row_dots(&mut dweight, dy, &a.eo, &a.idx, dims);
     let mut deo = dev.alloc(rows * c, dt, tmp)?;
     dev.moe_gather(&mut deo, dy, &a.idx, Some(&a.weight), dims);
+    // Expert parallelism: the gradients go where the experts ran, in
+    // their order there.
+    let mut ep = ep.zip(a.ep.as_ref());
+    let got = ep.as_ref().map_or(rows, |(_, (ex, _))| ex.received());
+    if let Some((ep, (ex, sort))) = ep.as_mut() {
+        let der = expert::all_to_all(dev, ep, &deo, ex, (c, false, tmp))?;
+        dev.free(deo);
+        deo = dev.alloc(got * c, dt, tmp)?;
+        dev.moe_gather(&mut deo, &der, sort, None, (got, got, c));
+        dev.free(der);
+    }
     // The experts, down then gate|up.
-    let mut dact = dev.alloc(rows * i, dt, tmp)?;
+    let mut dact = dev.alloc(got * i, dt, tmp)?;
     let dw = (!frozen).then(|| &mut g[mi.down]);
     dev.grouped_matmul_backward(&mut dact, dw, &deo, &a.act, &p[mi.down], &a.counts, i, c);
     dev.free(deo);
-    let mut dh = dev.alloc(rows * 2 * i, dt, tmp)?;
-    dev.swiglu_backward(&mut dh, &dact, &a.h, rows, i);
+    let mut dh = dev.alloc(got * 2 * i, dt, tmp)?;
+    dev.swiglu_backward(&mut dh, &dact, &a.h, got, i);
     dev.free(dact);
-    let mut dxp = dev.alloc(rows * c, dt, tmp)?;
+    let mut dxp = dev.alloc(got * c, dt, tmp)?;
     let dw = (!frozen).then(|| &mut g[mi.up]);
     dev.grouped_matmul_backward(&mut dxp, dw, &dh, &a.xp, &p[mi.up], &a.counts, c, 2 * i);
     dev.free(dh);
+    if let Some((ep, (ex, sort))) = ep.as_mut() {
+        let mut dxr = dev.alloc_zeroed(got * c, dt, tmp)?;
+        dev.moe_scatter(&mut dxr, &dxp, sort, None, (got, got, c));
+        dev.free(dxp);
+        dxp = expert::all_to_all(dev, ep, &dxr, ex, (c, true, tmp))?;
+        dev.free(dxr);
+    }
     // The dispatch: each row's gradient back to its token.
     let mut dx = match dx {
         Some(dx) => dx,

@@ -79,6 +79,7 @@
 use super::T;
 use super::device::{Comm, Device};
 use crate::backend::{Backend, DType};
+use crate::comm::Collective;
 use crate::config::model::ParamIndex;
 use crate::memory::{Category, OomError};
 
@@ -218,6 +219,10 @@ pub fn buckets(bytes: &[usize]) -> Vec<Vec<usize>> {
 pub struct Bucket<X> {
     pub params: Vec<usize>,
     pub buf: Option<X>,
+    /// Expert parallelism: a bucket of expert tensors, all-reduced over
+    /// the ranks that hold the same experts (Megatron-Core buckets them
+    /// apart for that reason).
+    pub experts: bool,
 }
 
 /// The FSDP units of a model with LoRA adapters: each block's adapters
@@ -282,6 +287,18 @@ pub struct Dist<B: Backend> {
     /// ZeRO++ hpZ: this rank's group of consecutive data-parallel ranks,
     /// in which the backward gathers run (set by [`Dist::set_hpz`]).
     hpz: Option<Comm<B>>,
+    /// Expert parallelism: the ranks that hold this rank's experts (the
+    /// expert-data-parallel group), over which the expert units are
+    /// sharded and reduced; `None` without it.
+    edp: Option<Comm<B>>,
+    /// Units whose tensors are experts (sharded over `edp`); each block's
+    /// expert unit, if split off.
+    expert_unit: Vec<bool>,
+    block_experts: Vec<Option<usize>>,
+    /// Each tensor's unit.
+    unit_of: Vec<usize>,
+    /// Transformer blocks (units `1 ..= blocks`; the head is next).
+    blocks: usize,
     /// hpZ: each unit's secondary shard once written this step (tensor
     /// `i`'s part at `unit_off[i] * N/G`, `shard[i] * N/G` long).
     secondary: Vec<Option<T<B>>>,
@@ -327,6 +344,11 @@ impl Dist<crate::backend::meta::MetaBackend> {
             comm: self.comm.fork()?,
             replicate: fork(&self.replicate)?,
             hpz: fork(&self.hpz)?,
+            edp: fork(&self.edp)?,
+            expert_unit: self.expert_unit.clone(),
+            block_experts: self.block_experts.clone(),
+            unit_of: self.unit_of.clone(),
+            blocks: self.blocks,
             sharding: self.sharding,
             rank: self.rank,
             world: self.world,
@@ -356,23 +378,53 @@ impl<B: Backend> Dist<B> {
     /// `numel`: what this rank holds of each tensor before sharding;
     /// `adapters[l]`: block `l`'s LoRA tensors (none for full training),
     /// which join its unit ([`units_with`]); `trainable`: which tensors
-    /// have gradients.
+    /// have gradients; `edp`: under expert parallelism, the ranks that
+    /// hold this rank's experts. Each routed block's experts are then a
+    /// unit of their own, after the head, sharded and reduced over `edp`
+    /// (DeepSpeed-MoE's and Megatron-Core's expert-data-parallel group).
     pub fn new(
         comm: Comm<B>,
         sharding: Sharding,
         numel: Vec<usize>,
         idx: &ParamIndex,
-        adapters: &[Vec<usize>],
-        trainable: &[bool],
+        (adapters, trainable): (&[Vec<usize>], &[bool]),
+        edp: Option<Comm<B>>,
     ) -> Self {
         let (rank, world) = (comm.rank(), comm.world());
-        let units = units_with(idx, adapters);
+        let mut units = units_with(idx, adapters);
+        let blocks = idx.blocks.len();
+        let mut block_experts = vec![None; blocks];
+        if edp.is_some() {
+            for (l, b) in idx.blocks.iter().enumerate() {
+                if let Some(m) = b.moe {
+                    units[1 + l].retain(|&i| i != m.up && i != m.down);
+                    block_experts[l] = Some(units.len());
+                    units.push(vec![m.up, m.down]);
+                }
+            }
+        }
+        let expert_unit: Vec<bool> = (0..units.len()).map(|u| u > blocks + 1).collect();
+        let mut unit_of = vec![0; numel.len()];
+        for (u, list) in units.iter().enumerate() {
+            for &i in list {
+                unit_of[i] = u;
+            }
+        }
         assert_eq!(
             units.iter().map(Vec::len).sum::<usize>(),
             numel.len(),
             "every tensor in exactly one unit"
         );
-        let shard: Vec<usize> = numel.iter().map(|n| n.div_ceil(world)).collect();
+        let edp_world = edp.as_ref().map_or(1, |c| c.world());
+        let shard: Vec<usize> = (numel.iter().enumerate())
+            .map(|(i, n)| {
+                n.div_ceil(if expert_unit[unit_of[i]] {
+                    edp_world
+                } else {
+                    world
+                })
+            })
+            .collect();
         let (unit_off, unit_len) = flat_layout(&units, &shard);
         let masked = |v: &[usize]| -> Vec<usize> {
             v.iter()
@@ -404,6 +456,11 @@ impl<B: Backend> Dist<B> {
             grads_on_host: false,
             replicate: None,
             hpz: None,
+            edp,
+            expert_unit,
+            block_experts,
+            unit_of,
+            blocks,
             secondary: Vec::new(),
             secondary_stale: false,
             gathered: vec![false; n_units],
@@ -420,7 +477,68 @@ impl<B: Backend> Dist<B> {
 
     /// The first element of tensor `i` this rank owns.
     pub fn offset(&self, i: usize) -> usize {
-        self.rank * self.shard[i]
+        self.rank_of(i) * self.shard[i]
+    }
+
+    /// Elements of tensor `i` this rank owns.
+    pub fn own(&self, i: usize) -> usize {
+        self.valid(i, self.rank_of(i))
+    }
+
+    /// Tensor `i`'s group: this rank's place in it, and its size (the
+    /// expert-data-parallel group for an expert tensor).
+    pub fn rank_of(&self, i: usize) -> usize {
+        self.place(self.unit_of[i]).0
+    }
+    pub fn world_of(&self, i: usize) -> usize {
+        self.place(self.unit_of[i]).1
+    }
+
+    /// Unit `u`'s group: `(rank, world)`.
+    fn place(&self, u: usize) -> (usize, usize) {
+        match (self.expert_unit[u], &self.edp) {
+            (true, Some(e)) => (e.rank(), e.world()),
+            _ => (self.rank, self.world),
+        }
+    }
+
+    /// Unit `u`'s group, and the ranks between two of its members (the
+    /// expert-data-parallel group's are an expert-parallel group apart).
+    fn group_of(&mut self, stride: usize, u: usize) -> (&mut dyn Collective<B::Buf>, usize) {
+        match (self.expert_unit[u], self.edp.as_mut()) {
+            (true, Some(e)) => {
+                let p = self.world / e.world();
+                (&mut **e, stride * p)
+            }
+            _ => (&mut *self.comm, stride),
+        }
+    }
+
+    /// Whether tensor `i` is an expert sharded over its own group.
+    pub fn is_expert(&self, i: usize) -> bool {
+        self.expert_unit[self.unit_of[i]]
+    }
+
+    /// ddp: tensor `i`'s weights from rank 0 of its group, as DDP's
+    /// constructor broadcasts them.
+    pub fn broadcast_param(&mut self, dev: &mut Device<B>, i: usize, t: &mut T<B>) {
+        let stride = dev.meter.call_stride;
+        let (comm, stride) = self.group_of(stride, self.unit_of[i]);
+        dev.with_stride(stride, |dev| dev.broadcast(comm, t, 0));
+    }
+
+    /// zero1/2: every rank's updated shard of tensor `i` (`send`) gathered
+    /// into `recv`, over the tensor's group.
+    pub fn all_gather_param(
+        &mut self,
+        dev: &mut Device<B>,
+        i: usize,
+        recv: &mut T<B>,
+        send: &T<B>,
+    ) {
+        let stride = dev.meter.call_stride;
+        let (comm, stride) = self.group_of(stride, self.unit_of[i]);
+        dev.with_stride(stride, |dev| dev.all_gather(comm, recv, send));
     }
 
     /// ZeRO++ hpZ: backward gathers run in `group`, this rank's group of
@@ -458,7 +576,7 @@ impl<B: Backend> Dist<B> {
         0
     }
     fn head(&self) -> usize {
-        self.units.len() - 1
+        self.blocks + 1
     }
 
     /// Units whose weights a stage's forward (and backward) reads.
@@ -467,14 +585,16 @@ impl<B: Backend> Dist<B> {
             // The embedding's backward is a scatter-add: it reads no weights.
             Stage::Embed if backward => vec![],
             Stage::Embed => vec![self.embed()],
-            Stage::Block(l) => vec![1 + l],
+            Stage::Block(l) => std::iter::once(1 + l)
+                .chain(self.block_experts[l])
+                .collect(),
             Stage::Head if self.tied => vec![self.head(), self.embed()],
             Stage::Head => vec![self.head()],
         }
     }
 
     fn next(&self, s: Stage, backward: bool) -> Option<Stage> {
-        let blocks = self.units.len() - 2;
+        let blocks = self.blocks;
         match (s, backward) {
             (Stage::Embed, false) if blocks > 0 => Some(Stage::Block(0)),
             (Stage::Embed, false) => Some(Stage::Head),
@@ -540,11 +660,15 @@ impl<B: Backend> Dist<B> {
     ) -> Result<(), OomError> {
         if backward {
             let own = match s {
-                Stage::Embed => self.embed(),
-                Stage::Block(l) => 1 + l,
-                Stage::Head => self.head(),
+                Stage::Embed => vec![self.embed()],
+                Stage::Block(l) => std::iter::once(1 + l)
+                    .chain(self.block_experts[l])
+                    .collect(),
+                Stage::Head => vec![self.head()],
             };
-            self.reduce_grads(dev, g, own)?;
+            for u in own {
+                self.reduce_grads(dev, g, u)?;
+            }
         } else if s == Stage::Head {
             return Ok(());
         }
@@ -576,7 +700,7 @@ impl<B: Backend> Dist<B> {
         if backward && self.secondary.get(u).is_some_and(Option::is_some) {
             return self.gather_secondary(dev, p, u);
         }
-        let (su, world) = (self.unit_len[u], self.world);
+        let (su, world) = (self.unit_len[u], self.place(u).1);
         let dt = self.param_shards[self.units[u][0]].dtype;
         let comm = Category::Communication;
         let mut send = dev.alloc(su, dt, comm)?;
@@ -591,7 +715,8 @@ impl<B: Backend> Dist<B> {
             );
         }
         let mut recv = dev.alloc(world * su, dt, comm)?;
-        dev.all_gather(&mut *self.comm, &mut recv, &send);
+        let (group, stride) = self.group_of(dev.meter.call_stride, u);
+        dev.with_stride(stride, |dev| dev.all_gather(group, &mut recv, &send));
         dev.free(send);
         for &i in &self.units[u] {
             let mut full = dev.alloc(self.numel[i], dt, Category::Parameters)?;
@@ -762,7 +887,7 @@ impl<B: Backend> Dist<B> {
         u: usize,
         free_full: bool,
     ) -> Result<(), OomError> {
-        let (su, world) = (self.grad_len[u], self.world);
+        let (su, world) = (self.grad_len[u], self.place(u).1);
         if su == 0 {
             return Ok(());
         }
@@ -785,7 +910,8 @@ impl<B: Backend> Dist<B> {
             }
         }
         let mut recv = dev.alloc(su, dt, comm)?;
-        dev.reduce_scatter(&mut *self.comm, &mut recv, &send);
+        let (group, stride) = self.group_of(dev.meter.call_stride, u);
+        dev.with_stride(stride, |dev| dev.reduce_scatter(group, &mut recv, &send));
         dev.free(send);
         for &i in &with_grads {
             let (off, s) = (self.grad_off[i], self.grad_shard[i]);
@@ -798,11 +924,19 @@ impl<B: Backend> Dist<B> {
     /// ddp: sums the full gradients over ranks, bucket by bucket (through
     /// each bucket's own buffer unless gradients are its views).
     pub fn all_reduce_grads(&mut self, dev: &mut Device<B>, g: &mut [T<B>]) {
+        let stride = dev.meter.call_stride;
+        let p = self.world / self.edp.as_ref().map_or(self.world, |e| e.world());
         for b in &mut self.buckets {
+            let (comm, stride): (&mut dyn Collective<B::Buf>, usize) =
+                match (b.experts, self.edp.as_mut()) {
+                    (true, Some(e)) => (&mut **e, stride * p),
+                    _ => (&mut *self.comm, stride),
+                };
+            let was = std::mem::replace(&mut dev.meter.call_stride, stride);
             match &mut b.buf {
                 None => {
                     for &i in &b.params {
-                        dev.all_reduce(&mut *self.comm, &mut g[i]);
+                        dev.all_reduce(comm, &mut g[i]);
                     }
                 }
                 Some(buf) => {
@@ -811,7 +945,7 @@ impl<B: Backend> Dist<B> {
                         dev.copy_slice(buf, off, &g[i], 0, g[i].len, false);
                         off += g[i].len;
                     }
-                    dev.all_reduce(&mut *self.comm, buf);
+                    dev.all_reduce(comm, buf);
                     let mut off = 0;
                     for &i in &b.params {
                         let n = g[i].len;
@@ -820,6 +954,7 @@ impl<B: Backend> Dist<B> {
                     }
                 }
             }
+            dev.meter.call_stride = was;
         }
     }
 
@@ -832,15 +967,27 @@ impl<B: Backend> Dist<B> {
         dt: DType,
         bucket_view: bool,
     ) -> Result<(), OomError> {
-        let bytes: Vec<usize> = self.grad_numel.iter().map(|n| n * dt.size()).collect();
-        for params in buckets(&bytes) {
-            let buf = if bucket_view {
-                None
-            } else {
-                let n = params.iter().map(|&i| self.grad_numel[i]).sum();
-                Some(dev.alloc(n, dt, Category::Communication)?)
-            };
-            self.buckets.push(Bucket { params, buf });
+        // Expert tensors in buckets of their own, after the others.
+        for experts in [false, true] {
+            let bytes: Vec<usize> = (self.grad_numel.iter().enumerate())
+                .map(|(i, n)| match self.is_expert(i) == experts {
+                    true => n * dt.size(),
+                    false => 0,
+                })
+                .collect();
+            for params in buckets(&bytes) {
+                let buf = if bucket_view {
+                    None
+                } else {
+                    let n = params.iter().map(|&i| self.grad_numel[i]).sum();
+                    Some(dev.alloc(n, dt, Category::Communication)?)
+                };
+                self.buckets.push(Bucket {
+                    params,
+                    buf,
+                    experts,
+                });
+            }
         }
         Ok(())
     }

@@ -193,6 +193,7 @@ pub(super) struct Pass<'e, B: Backend> {
     dist: &'e mut Option<Dist<B>>,
     pipe: &'e mut Option<Pipe<B>>,
     tp: &'e mut Option<Tp<B>>,
+    ep: &'e mut Option<super::expert::Ep<B>>,
     hf: Option<&'e HfRules>,
     widths: tensor::Widths,
     s: AttnShape,
@@ -233,6 +234,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             pipe,
             hf,
             tp,
+            ep,
             widths,
             lazy_grads,
             ..
@@ -262,6 +264,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             dist,
             pipe,
             tp,
+            ep,
             scratch: None,
             dloss: 0.0,
         }
@@ -493,7 +496,10 @@ impl<'e, B: Backend> Pass<'e, B> {
             _ => (None, None),
         };
         let moe = match (ly.moe, self.model.moe_at(l)) {
-            (Some((mi, sh)), Some(m)) => Some(moe::forward(self.dev, self.p, mi, m, &ln2, sh)?),
+            (Some((mi, sh)), Some(m)) => {
+                let ep = self.ep.as_mut();
+                Some(moe::forward(self.dev, (self.p, ep), mi, m, &ln2, sh)?)
+            }
             _ => None,
         };
         // The framework profile's saved tensors beyond the engine's own.
@@ -1165,7 +1171,8 @@ impl<'e, B: Backend> Pass<'e, B> {
                 let aux_scale = self.dloss * self.n as f32;
                 let pg = (&self.p[..], &mut self.g[..], self.frozen);
                 let io = (&*dres, &a.ln2);
-                moe::backward(self.dev, pg, mi, m, acts, io, dln2, sh, aux_scale)?
+                let ep = self.ep.as_mut();
+                moe::backward(self.dev, (pg, ep), mi, m, acts, io, dln2, sh, aux_scale)?
             }
             _ => dln2.expect("a block has a dense MLP or experts"),
         };

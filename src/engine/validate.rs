@@ -8,6 +8,7 @@ use std::num::NonZeroUsize;
 use super::{Finetune, Framework, Optimizer, Sharding, TrainConfig};
 use crate::config::ModelConfig;
 use crate::config::knobs::name;
+use crate::config::model::MoeConfig;
 use crate::error::{Error, Result};
 
 /// Checks what a model's architecture adds to the llama family (q and k
@@ -45,6 +46,15 @@ fn not_yet(knob: &str, why: &str, layer: &str) -> Result<()> {
 fn experts(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
     let flag = "--capacity-factor";
     let Some(m) = &model.moe else {
+        if t.expert_parallel > 1 {
+            return Err(Error::invalid_arg(
+                "--expert-parallel",
+                format!(
+                    "splits a mixture's experts, and {} has no experts",
+                    model.name
+                ),
+            ));
+        }
         return match t.capacity_factor {
             Some(_) => Err(Error::invalid_arg(
                 flag,
@@ -74,6 +84,7 @@ fn experts(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
             ));
         }
     }
+    expert_parallel(t, model, m)?;
     let refuse = |knob: &str, why: &str| not_yet(knob, why, &format!("{} has experts", model.name));
     if t.tensor_parallel > 1 {
         return refuse("--tensor-parallel", "splits the dense projections");
@@ -98,6 +109,46 @@ fn experts(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
                 ),
             ));
         }
+    }
+    Ok(())
+}
+
+/// Checks `--expert-parallel` against the mixture and the layout: the
+/// group is consecutive data-parallel ranks, each holding `E/P` experts.
+fn expert_parallel(t: &TrainConfig, model: &ModelConfig, m: &MoeConfig) -> Result<()> {
+    let p = t.expert_parallel;
+    let bad = |why: String| Err(Error::invalid_arg("--expert-parallel", why));
+    if p == 0 {
+        return bad("must be 1 (off) or more".into());
+    }
+    if p == 1 {
+        return Ok(());
+    }
+    let replicas = t.data_ranks();
+    if !replicas.is_multiple_of(p) {
+        return bad(format!(
+            "groups of {p} must split the {replicas} data-parallel ranks evenly (--ranks {} over {} pipeline stages)",
+            t.ranks,
+            t.pipeline_stages.max(1)
+        ));
+    }
+    if !m.n_experts.is_multiple_of(p) {
+        return bad(format!(
+            "{} has {} experts, which {p} ranks cannot hold evenly",
+            model.name, m.n_experts
+        ));
+    }
+    let layout = [
+        (t.shard_group.is_some(), "--shard-group"),
+        (t.hpz_group.is_some(), "--hpz-group"),
+        (t.offload != super::Offload::None, "--offload"),
+    ];
+    if let Some((_, flag)) = layout.iter().find(|(on, _)| *on) {
+        return not_yet(
+            flag,
+            "it regroups the ranks that share a ZeRO state",
+            "--expert-parallel shares the experts' state within their own group",
+        );
     }
     Ok(())
 }

@@ -19,6 +19,10 @@ use crate::engine::{
     Attention, Checkpointing, Finetune, Framework, Loss, Offload, Optimizer, Precision, Sharding,
 };
 
+fn is_one(x: &usize) -> bool {
+    *x == 1
+}
+
 /// A value on a plan axis, as recipes, reports and the TUI spell it.
 pub trait AxisValue: Copy + PartialEq + Sized {
     fn spell(&self) -> String;
@@ -240,6 +244,10 @@ axes! {
     /// a point's JSON leaves out so that dense plans read as before.
     CapacityFactor capacity_factor: Capacity = Capacity::DROPLESS,
         point #[serde(skip_serializing_if = "Capacity::is_dropless")];
+    /// Expert parallelism: consecutive data-parallel GPUs that split a
+    /// mixture's experts (1: none, which a point's JSON leaves out).
+    ExpertParallel expert_parallel: usize = 1,
+        point #[serde(skip_serializing_if = "is_one")];
     /// torchtune's activation offloading, with full checkpointing: false
     /// and/or true; a point's JSON leaves out false.
     OffloadActivations offload_activations: bool = false,

@@ -347,6 +347,7 @@ impl Point {
             loss: self.loss,
             capacity_factor: self.capacity_factor.factor(),
             offload_activations: self.offload_activations,
+            expert_parallel: self.expert_parallel,
             ..TrainConfig::default()
         }
     }
@@ -432,6 +433,10 @@ impl Point {
             true => ft,
             false => format!("{ft}cf{} ", self.capacity_factor),
         };
+        let ft = match self.expert_parallel {
+            1 => ft,
+            e => format!("{ft}ep{e} "),
+        };
         format!(
             "{fw}{ft}mb{} x{} {} {} {} ckpt:{} {} {}",
             self.micro_batch,
@@ -513,6 +518,11 @@ pub struct Prediction {
     /// Offload points: host memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host: Option<HostPrediction>,
+    /// Dropless expert parallelism: what `total_bytes` would be if every
+    /// token of the rank's expert-parallel group chose its experts first
+    /// (`total_bytes` plans an even spread; routing decides between them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worst_routing_bytes: Option<u64>,
     /// ZeRO-2 and ZeRO-3 points: what DeepSpeed's own estimator
     /// (`estimate_zero2/3_model_states_mem_needs`) says the model states
     /// take, beside the engine's peak, since an exported `ds_config.json`
@@ -1468,6 +1478,7 @@ fn predict_shared(
         _ => plan.pipeline(&mut out),
     };
     plan.read_engine(&mut out, &e, usable, overhead);
+    out.worst_routing_bytes = plan.worst_routing_bytes(overhead);
     out
 }
 
@@ -1500,6 +1511,7 @@ fn unplanned(
         tokens_per_s: 0.0,
         usd_per_mtok: 0.0,
         host: None,
+        worst_routing_bytes: None,
         deepspeed: None,
         links: None,
         engine_bytes_per_param: 0.0,
@@ -1533,7 +1545,6 @@ impl PointPlan<'_> {
         out: &mut Prediction,
         shared: Option<&std::sync::Mutex<Shared>>,
     ) -> Engine<MetaBackend> {
-        let replicas = self.tc.data_ranks();
         // Every micro-batch of the step, as a GPU runs them: the second
         // one finds the first one's freed blocks cached, and the caching
         // allocator can reserve more there (hf-eager ZeRO-3 on Llama-3.1-8B
@@ -1541,23 +1552,7 @@ impl PointPlan<'_> {
         // micro-batch alone does). The engine fast-forwards once a
         // micro-batch ends where it started (`Engine::step_from`), so a
         // step of 64 costs about what 2 or 3 do.
-        let distributed = replicas > 1 || self.p.sharding != Sharding::None;
-        let g = self.tc.shard_ranks();
-        let comm = distributed.then(|| Box::new(MetaComm::new(0, g)) as Comm<MetaBackend>);
-        let replicate =
-            (g < replicas).then(|| Box::new(MetaComm::new(0, replicas / g)) as Comm<MetaBackend>);
-        // ZeRO++ hpZ: the backward gathers' group, a node's GPUs.
-        let hpz = (self.tc.hpz_group)
-            .map(NonZeroUsize::get)
-            .filter(|&g| g > 1)
-            .map(|g| Box::new(MetaComm::new(0, g)) as Comm<MetaBackend>);
-        let links = Links {
-            comm,
-            pipe: None,
-            replicate,
-            tp: tp_comm(&self.tc),
-            hpz,
-        };
+        let links = self.rank_links();
         let e = match shared {
             None => Engine::new_linked(
                 self.model.clone(),
@@ -1602,6 +1597,53 @@ impl PointPlan<'_> {
         s.e
     }
 
+    /// Rank 0's links, on meta, where one rank stands for the step.
+    fn rank_links(&self) -> Links<MetaBackend> {
+        let replicas = self.tc.data_ranks();
+        let distributed = replicas > 1 || self.p.sharding != Sharding::None;
+        let g = self.tc.shard_ranks();
+        let comm = distributed.then(|| Box::new(MetaComm::new(0, g)) as Comm<MetaBackend>);
+        let replicate =
+            (g < replicas).then(|| Box::new(MetaComm::new(0, replicas / g)) as Comm<MetaBackend>);
+        // ZeRO++ hpZ: the backward gathers' group, a node's GPUs.
+        let hpz = (self.tc.hpz_group)
+            .map(NonZeroUsize::get)
+            .filter(|&g| g > 1)
+            .map(|g| Box::new(MetaComm::new(0, g)) as Comm<MetaBackend>);
+        Links {
+            comm,
+            pipe: None,
+            replicate,
+            tp: tp_comm(&self.tc),
+            hpz,
+            ep: ep_comms(&self.tc),
+        }
+    }
+
+    /// Dropless expert parallelism: the rank's total if every token of its
+    /// group chose its experts first (`ExpertLoad::Worst`); the point's
+    /// own peak plans an even spread. `None` elsewhere, and for pipelines.
+    fn worst_routing_bytes(&self, overhead: u64) -> Option<u64> {
+        let tc = &self.tc;
+        if tc.expert_parallel <= 1 || tc.capacity_factor.is_some() || tc.pipeline_stages > 1 {
+            return None;
+        }
+        let mut e = Engine::new_linked(
+            self.model.clone(),
+            tc.clone(),
+            self.meta.clone(),
+            None,
+            self.rank_links(),
+        )
+        .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
+        e.assume_expert_load(crate::engine::expert::ExpertLoad::Worst);
+        e.step_from(tc.grad_accum, || unreachable!("meta reads no data"))
+            .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
+        let pk = e.dev.tracker.peak_bytes().total;
+        let held = e.dev.caching.as_ref().map_or(pk, |c| c.peak_reserved);
+        Some(held + overhead)
+    }
+
     /// With pipeline stages: every stage's first rank stepped alone; the
     /// pipeline's times into `out`; the stage with the highest peak.
     fn pipeline(&self, out: &mut Prediction) -> Engine<MetaBackend> {
@@ -1640,6 +1682,7 @@ impl PointPlan<'_> {
                 replicate: None,
                 tp: link.tp,
                 hpz: None,
+                ep: ep_comms(&self.tc),
             };
             let e = Engine::new_linked(
                 self.model.clone(),
@@ -1772,6 +1815,19 @@ struct Stepped {
 fn tp_comm(tc: &TrainConfig) -> Option<Comm<MetaBackend>> {
     (tc.tensor_parallel > 1)
         .then(|| Box::new(MetaComm::new(0, tc.tensor_parallel)) as Comm<MetaBackend>)
+}
+
+/// Expert parallelism's two groups for one rank: the experts' split and
+/// the replicas of its experts.
+fn ep_comms(tc: &TrainConfig) -> Option<[Comm<MetaBackend>; 2]> {
+    let p = tc.expert_parallel;
+    (p > 1).then(|| {
+        let edp = tc.data_ranks() / p;
+        [
+            Box::new(MetaComm::new(0, p)) as Comm<MetaBackend>,
+            Box::new(MetaComm::new(0, edp)) as Comm<MetaBackend>,
+        ]
+    })
 }
 
 /// Runs one step of `train.grad_accum` micro-batches on a new meta rank

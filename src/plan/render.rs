@@ -220,6 +220,12 @@ fn columns(plan: &Plan, rows: &[usize]) -> Vec<Column> {
             },
         );
     }
+    // Expert parallelism's group, only where a point sets one.
+    if pts.iter().any(|p| p.point.expert_parallel > 1) {
+        col("ep", "ep", true, 169, &|p| {
+            p.point.expert_parallel.to_string()
+        });
+    }
     col("prec", "prec", true, 160, &|p| name(p.point.precision));
     col("optimizer", "opt", true, 165, &|p| name(p.point.optimizer));
     col("ckpt", "ckpt", true, 155, &|p| name(p.point.checkpointing));

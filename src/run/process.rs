@@ -342,6 +342,7 @@ impl<Buf> crate::comm::Collective<Buf> for Probe {
     fn reduce_scatter_sum(&mut self, _: &mut Buf, _: &Buf, _: usize) {}
     fn all_gather(&mut self, _: &mut Buf, _: &Buf, _: usize) {}
     fn broadcast(&mut self, _: &mut Buf, _: usize, _: usize) {}
+    fn all_to_all(&mut self, _: &mut Buf, _: &Buf, _: &[usize]) {}
     fn all_reduce_scalar(&mut self, x: f64) -> f64 {
         x
     }
@@ -428,8 +429,10 @@ fn process_links<B: Backend>(
             replicate,
             tp,
             hpz,
+            ep,
         } = l;
-        for c in comm.iter().chain(replicate).chain(tp).chain(hpz) {
+        let ep = ep.iter().flatten();
+        for c in comm.iter().chain(replicate).chain(tp).chain(hpz).chain(ep) {
             place(c.abort_handle(), r);
         }
         if let Some(p) = pipe {

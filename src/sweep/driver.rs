@@ -179,6 +179,10 @@ pub fn trial_id(p: &Point) -> String {
         true => fw,
         false => format!("{fw}cf{}-", p.capacity_factor),
     };
+    let fw = match p.expert_parallel {
+        1 => fw,
+        e => format!("{fw}ep{e}-"),
+    };
     format!(
         "{fw}gpus{}-{}-{}-{}-ckpt_{}-{}-mb{}-accum{}",
         p.gpus,

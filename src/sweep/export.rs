@@ -434,6 +434,7 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
         ),
         ("loss", name(p.loss), "full"),
         ("capacity_factor", p.capacity_factor.spelled(), "null"),
+        ("expert_parallel", p.expert_parallel.to_string(), "1"),
         (
             "offload_activations",
             p.offload_activations.to_string(),

@@ -326,6 +326,7 @@ fn run_knobs_balance_cannot_honour_are_refused_by_flag() {
         ("--hpz-group", "2"),
         ("--tensor-parallel", "2"),
         ("--sequence-parallel", "true"),
+        ("--expert-parallel", "2"),
     ];
     assert_eq!(refused.len(), memfit::balance_cmd::REFUSED.len());
     for (flag, value) in refused {
@@ -355,6 +356,8 @@ fn run_knobs_balance_cannot_honour_are_refused_by_flag() {
         "0",
         "--hpz-group",
         "0",
+        "--expert-parallel",
+        "1",
         "--bucket-view",
         "false",
         "--sequence-parallel",

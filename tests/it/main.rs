@@ -22,6 +22,7 @@ mod cuda_cli;
 mod cuda_double;
 mod cuda_kernels;
 mod engine;
+mod expert_parallel;
 mod fuzz_parsers;
 mod gradcheck;
 mod help;

@@ -101,6 +101,16 @@ fn launched_ranks_train_as_threaded_ranks_do() {
             "2",
         ][..],
         &["--sharding", "zero3", "--hpz-group", "2"][..],
+        // Expert parallelism: pairs of ranks split moe-tiny's experts and
+        // exchange tokens all-to-all, dropless (each rank's peak its own).
+        &[
+            "--model",
+            "moe-tiny",
+            "--sharding",
+            "zero2",
+            "--expert-parallel",
+            "2",
+        ][..],
     ] {
         let args = [&["--ranks", "4"][..], layout].concat();
         assert_same(4, &args, &[]);

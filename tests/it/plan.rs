@@ -53,6 +53,7 @@ fn predictions_equal_cpu_measured_peaks() {
                 loss: vec![Default::default()],
                 capacity_factor: vec![Default::default()],
                 offload_activations: vec![false],
+                expert_parallel: vec![1],
             },
             headroom: 0.05,
             cost: None,

@@ -293,6 +293,29 @@ impl Collective<CpuBuf> for CpuComm {
         }
     }
 
+    fn all_to_all(&mut self, out: &mut CpuBuf, inp: &CpuBuf, counts: &[usize]) {
+        const OP: &str = "all_to_all";
+        check_float(out, OP);
+        check_float(inp, OP);
+        let (world, me) = (self.world, self.rank);
+        assert_eq!(counts.len(), world * world, "engine bug: cpu {OP} counts");
+        let row = |s: usize| counts[s * world..(s + 1) * world].iter().sum::<usize>();
+        let recv: usize = (0..world).map(|s| counts[s * world + me]).sum();
+        check_len(inp, row(me), OP, "inp");
+        check_len(out, recv, OP, "out");
+        if self.deposit(|s| put(s, &inp.wide()[..row(me)])) {
+            self.collect(|slots| {
+                let mut dst = out.wide_mut();
+                for src in 0..world {
+                    let n = counts[src * world + me];
+                    let (from, to) = crate::comm::all_to_all_offsets(counts, world, src, me);
+                    let p = part(slots, src, row(src), OP);
+                    dst[to..to + n].copy_from_slice(&p[from..from + n]);
+                }
+            });
+        }
+    }
+
     fn all_reduce_scalar(&mut self, x: f64) -> f64 {
         if !self.deposit(|s| s.scalar = x) {
             return x;
@@ -551,6 +574,30 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn all_to_all_delivers_each_pair_its_part() {
+        // Rank s sends s * 3 + d + 1 elements to rank d, each valued
+        // 100 s + d, so every element names its pair.
+        let world = 3;
+        let counts: Vec<usize> = (0..world * world).map(|x| x + 1).collect();
+        let got = run(world, |c| {
+            let me = c.rank();
+            let send: Vec<f32> = (0..world)
+                .flat_map(|d| vec![(100 * me + d) as f32; counts[me * world + d]])
+                .collect();
+            let n: usize = (0..world).map(|s| counts[s * world + me]).sum();
+            let mut out = CpuBuf::F32(vec![-1.0; n]);
+            c.all_to_all(&mut out, &CpuBuf::F32(send), &counts);
+            out.wide().to_vec()
+        });
+        for (me, v) in got.iter().enumerate() {
+            let want: Vec<f32> = (0..world)
+                .flat_map(|s| vec![(100 * s + me) as f32; counts[s * world + me]])
+                .collect();
+            assert_eq!(v, &want, "rank {me}");
         }
     }
 

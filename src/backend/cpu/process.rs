@@ -100,6 +100,11 @@ impl ProcessComm {
     /// One message from every other member, in group order (`None` at this
     /// rank's index), each `len` values; `None` if the group failed.
     fn recv_each(&self, len: usize, op: &str) -> Option<Vec<Option<Vec<f32>>>> {
+        self.recv_sized(|_| len, op)
+    }
+
+    /// [`ProcessComm::recv_each`] with member `i`'s message `len(i)` long.
+    fn recv_sized(&self, len: impl Fn(usize) -> usize, op: &str) -> Option<Vec<Option<Vec<f32>>>> {
         let mut out = Vec::with_capacity(self.members.len());
         for (i, &peer) in self.members.iter().enumerate() {
             if i == self.me {
@@ -107,6 +112,7 @@ impl ProcessComm {
                 continue;
             }
             let v = decode(&self.group.recv(peer, self.channel)?);
+            let len = len(i);
             if v.len() != len {
                 self.group.wrong_size(format_args!(
                     "process-group {op}: rank {peer} contributed {} elements, expected {len}",
@@ -190,6 +196,32 @@ impl Collective<CpuBuf> for ProcessComm {
         let mut dst = out.wide_mut();
         for (r, p) in theirs.iter().enumerate() {
             dst[r * shard..(r + 1) * shard].copy_from_slice(p.as_deref().unwrap_or(&mine));
+        }
+    }
+
+    fn all_to_all(&mut self, out: &mut CpuBuf, inp: &CpuBuf, counts: &[usize]) {
+        const OP: &str = "all_to_all";
+        check_float(out, OP);
+        check_float(inp, OP);
+        let (world, me) = (self.members.len(), self.me);
+        assert_eq!(counts.len(), world * world, "engine bug: {OP} counts");
+        let at = |s: usize, d: usize| crate::comm::all_to_all_offsets(counts, world, s, d);
+        let n = |s: usize, d: usize| counts[s * world + d];
+        let recv: usize = (0..world).map(|s| n(s, me)).sum();
+        let sent: usize = (0..world).map(|d| n(me, d)).sum();
+        check_len(inp, sent, OP, "inp");
+        check_len(out, recv, OP, "out");
+        let all = inp.wide()[..sent].to_vec();
+        if !self.send_each(|d| encode(&all[at(me, d).0..][..n(me, d)])) {
+            return;
+        }
+        let Some(theirs) = self.recv_sized(|s| n(s, me), OP) else {
+            return;
+        };
+        let mut dst = out.wide_mut();
+        for (s, p) in theirs.iter().enumerate() {
+            let mine = &all[at(me, me).0..][..n(me, me)];
+            dst[at(s, me).1..][..n(s, me)].copy_from_slice(p.as_deref().unwrap_or(mine));
         }
     }
 

@@ -125,6 +125,15 @@ impl<C: Collective<CpuBuf>> Collective<CudaBuf> for Staged<C> {
         self.inner.broadcast(&mut h, n, root);
         to_device(&*self.st, &h, buf);
     }
+    fn all_to_all(&mut self, out: &mut CudaBuf, inp: &CudaBuf, counts: &[usize]) {
+        let (world, rank) = (self.inner.world(), self.inner.rank());
+        let sent: usize = counts[rank * world..(rank + 1) * world].iter().sum();
+        let recv: usize = (0..world).map(|s| counts[s * world + rank]).sum();
+        let h_in = to_host(&*self.st, inp, sent);
+        let mut h_out = to_host(&*self.st, out, recv);
+        self.inner.all_to_all(&mut h_out, &h_in, counts);
+        to_device(&*self.st, &h_out, out);
+    }
     fn all_reduce_scalar(&mut self, x: f64) -> f64 {
         self.inner.all_reduce_scalar(x)
     }

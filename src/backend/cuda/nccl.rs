@@ -388,6 +388,49 @@ impl Collective<CudaBuf> for NcclComm {
         });
     }
 
+    /// NCCL has no all-to-all with per-pair counts; like PyTorch's
+    /// `all_to_all_single` it is a group of one `ncclSend` and one
+    /// `ncclRecv` per peer (NCCL's user guide, "Point-to-point
+    /// communication": all-to-all). The C-level NCCL double has no
+    /// send/recv, and `--device cuda` refuses experts today, so no test
+    /// reaches this.
+    fn all_to_all(&mut self, out: &mut CudaBuf, inp: &CudaBuf, counts: &[usize]) {
+        let (world, me) = (self.world(), self.rank());
+        assert_eq!(
+            counts.len(),
+            world * world,
+            "engine bug: NCCL all_to_all counts"
+        );
+        assert_eq!(out.dtype, inp.dtype, "engine bug: NCCL all_to_all dtypes");
+        let es = inp.dtype.size() as u64;
+        let dt = nccl_dtype(inp.dtype, "all_to_all");
+        let n = |s: usize, d: usize| counts[s * world + d];
+        let at = |s: usize, d: usize| crate::comm::all_to_all_offsets(counts, world, s, d);
+        let (sent, recv): (usize, usize) = (
+            (0..world).map(|d| n(me, d)).sum(),
+            (0..world).map(|s| n(s, me)).sum(),
+        );
+        assert!(
+            inp.len >= sent && out.len >= recv,
+            "engine bug: NCCL all_to_all past a buffer"
+        );
+        let (src, dst) = (inp.ptr, out.ptr);
+        self.call("all-to-all", |c, s| {
+            nccl::group_start()?;
+            for p in 0..world {
+                let (send_at, recv_at) = (at(me, p).0 as u64, at(p, me).1 as u64);
+                // SAFETY: each part lies inside its buffer (checked above).
+                unsafe {
+                    let from = (src + send_at * es) as *const _;
+                    nccl::send(from, n(me, p), dt, p as i32, c, s)?;
+                    let to = (dst + recv_at * es) as *mut _;
+                    nccl::recv(to, n(p, me), dt, p as i32, c, s)?;
+                }
+            }
+            nccl::group_end()
+        });
+    }
+
     fn all_reduce_scalar(&mut self, x: f64) -> f64 {
         self.host.all_reduce_scalar(x)
     }

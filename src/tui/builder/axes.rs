@@ -78,6 +78,7 @@ impl Axis {
             Axis::OffloadActivations => "offload_act",
             Axis::Loss => "loss",
             Axis::CapacityFactor => "capacity",
+            Axis::ExpertParallel => "expert_par",
         }
     }
 
@@ -95,6 +96,7 @@ impl Axis {
             Axis::Gpus => preset(&[1, 2, 4, 8, 16, 32, 64, 128], &grid.gpus),
             Axis::PipelineStages => preset(&[1, 2, 4, 8], &grid.pipeline_stages),
             Axis::TensorParallel => preset(&[1, 2, 4, 8], &grid.tensor_parallel),
+            Axis::ExpertParallel => preset(&[1, 2, 4, 8], &grid.expert_parallel),
             Axis::ShardGroup => preset(&[0, 2, 4, 8], &sizes(&grid.shard_group)),
             Axis::HpzGroup => preset(&[0, 2, 4, 8], &sizes(&grid.hpz_group)),
             Axis::SequenceParallel | Axis::OffloadActivations => {

@@ -48,12 +48,15 @@ impl Field {
     }
 }
 
-/// The form, top to bottom: the capacity factor only for a mixture of
-/// experts (the last model that planned has experts), or while the grid
-/// lists a capacity, so that it can be taken out again.
+/// The form, top to bottom: the capacity factor and expert parallelism
+/// only for a mixture of experts (the last model that planned has
+/// experts), or while the grid lists one of them, so that it can be taken
+/// out again.
 pub fn fields(b: &Builder) -> Vec<Field> {
     let experts = (b.planned.as_ref()).is_some_and(|p| p.model.moe.is_some())
-        || (b.recipe.grid.capacity_factor.iter()).any(|c| !c.is_dropless());
+        || (b.recipe.grid.capacity_factor.iter()).any(|c| !c.is_dropless())
+        || b.recipe.grid.expert_parallel.iter().any(|&e| e > 1);
+    let moe_only = [Axis::CapacityFactor, Axis::ExpertParallel];
     let mut v = vec![
         Field::Model,
         Field::Hardware,
@@ -64,7 +67,7 @@ pub fn fields(b: &Builder) -> Vec<Field> {
     ];
     v.extend(
         (AXES.iter())
-            .filter(|&&a| experts || a != Axis::CapacityFactor)
+            .filter(|&&a| experts || !moe_only.contains(&a))
             .map(|&a| Field::Axis(a)),
     );
     v.push(Field::LoraRank);
