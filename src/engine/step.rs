@@ -493,7 +493,21 @@ impl<'e, B: Backend> Pass<'e, B> {
             _ => (None, None),
         };
         let moe = match (ly.moe, self.model.moe_at(l)) {
-            (Some((mi, sh)), Some(m)) => Some(moe::forward(self.dev, self.p, mi, m, &ln2, sh)?),
+            (Some((mi, sh)), Some(m)) => {
+                let edt = match self.hf.is_some_and(|h| h.autocast) {
+                    true => DType::F32,
+                    false => ln2.dtype,
+                };
+                let saved = self.hf.map_or(&[][..], |h| &h.experts_saved[..]);
+                Some(moe::forward(
+                    self.dev,
+                    self.p,
+                    mi,
+                    m,
+                    (&ln2, edt, saved),
+                    sh,
+                )?)
+            }
             _ => None,
         };
         // The framework profile's saved tensors beyond the engine's own.
@@ -1048,7 +1062,11 @@ impl<'e, B: Backend> Pass<'e, B> {
     /// its adapters'), made as autograd first reaches them.
     fn make_block_grads(&mut self, l: usize, unit: &[usize]) -> Result<(), OomError> {
         let ads = self.lora(l).0;
+        // The stacked experts' gradients are made by their own backward
+        // (`moe::fresh_grad`).
+        let experts = self.idx.blocks[l].moe.map(|m| [m.up, m.down]);
         let ids: Vec<usize> = (unit.iter().copied())
+            .filter(|i| experts.is_none_or(|e| !e.contains(i)))
             .chain(ads.iter().flat_map(|a| [a.a, a.b]))
             .collect();
         make_grads(
@@ -1163,9 +1181,10 @@ impl<'e, B: Backend> Pass<'e, B> {
                 // d loss / d this micro-batch's load-balancing loss: its
                 // tokens' share of the step's, as `dloss` is one token's.
                 let aux_scale = self.dloss * self.n as f32;
+                let fresh = self.hf.map(|_| self.lazy);
                 let pg = (&self.p[..], &mut self.g[..], self.frozen);
                 let io = (&*dres, &a.ln2);
-                moe::backward(self.dev, pg, mi, m, acts, io, dln2, sh, aux_scale)?
+                moe::backward(self.dev, pg, fresh, mi, m, acts, io, dln2, sh, aux_scale)?
             }
             _ => dln2.expect("a block has a dense MLP or experts"),
         };
