@@ -37,18 +37,18 @@ knob_enum! {
     }
 }
 
-/// What of `model` hf-eager does not model yet (its rules follow
-/// transformers' GPT-2 and Llama modules), as a refusal says it ("has
-/// experts"); `None` when it models all of it.
+/// What of `model` hf-eager does not model yet, as a refusal says it ("has
+/// a shared expert"); `None` when it models all of it. Its rules follow
+/// transformers' GPT-2 and Llama modules, and the Llama-like ones the
+/// fixtures measure: Phi-3, Qwen2, Qwen3 (q/k norms, heads of their own
+/// width), and Mixtral, Qwen3-MoE and OLMoE (every block routed, no shared
+/// expert). Qwen2-MoE's and DeepSeek-MoE's shared experts, and dense
+/// blocks before the routed ones, have no fixture yet.
 pub fn hf_unmodelled(model: &crate::config::ModelConfig) -> Option<&'static str> {
-    if model.moe.is_some() {
-        Some("has experts")
-    } else if model.qk_norm.is_some() {
-        Some("normalises q and k")
-    } else if model.head_dim.is_some() {
-        Some("has heads wider than d_model / n_head")
-    } else {
-        None
+    match &model.moe {
+        Some(m) if m.d_shared > 0 => Some("has a shared expert"),
+        Some(m) if m.first_dense > 0 => Some("has dense blocks before its routed ones"),
+        _ => None,
     }
 }
 
@@ -168,6 +168,9 @@ pub struct HfRules {
     pub embed_saved: Vec<(usize, DType)>,
     /// Saved by every block until its backward.
     pub block_saved: Vec<(usize, DType)>,
+    /// Saved by a routed block's experts with the engine's (`moe::MoeActs`),
+    /// freed with its SwiGLU's.
+    pub experts_saved: Vec<(usize, DType)>,
     /// Autocast: where in `block_saved` the block's weight casts are. They
     /// live in autocast's cache until the forward leaves autocast, so a
     /// checkpointed block, which saves nothing else, still holds them to
@@ -218,6 +221,7 @@ impl HfRules {
         x.dropout(&mut block, &mut embed);
         x.rope(&mut embed);
         let (head, head_forward) = x.head();
+        let experts_saved = x.experts();
         let Step {
             dt,
             sixteen,
@@ -231,6 +235,7 @@ impl HfRules {
             head_forward,
             embed_saved: embed,
             block_saved: block,
+            experts_saved,
             head_saved: head,
             // The loss upcasts 16-bit logits (`logits.float()`) either way.
             loss_saved: match sixteen {
@@ -279,6 +284,9 @@ struct Step<'a> {
     math: bool,
     /// RoPE's cos or sin (T x head_dim).
     rope: usize,
+    /// Every block's routed experts (`hf_unmodelled` refuses a model
+    /// whose blocks differ).
+    moe: Option<&'a crate::config::model::MoeConfig>,
 }
 
 impl<'a> Step<'a> {
@@ -330,6 +338,7 @@ impl<'a> Step<'a> {
             dff,
             math,
             rope: s.t * s.head_dim,
+            moe: model.moe.as_ref(),
         }
     }
 
@@ -358,9 +367,12 @@ impl<'a> Step<'a> {
                 // LlamaRMSNorm upcasts: x * rsqrt(var + eps) is saved fp32,
                 // the output (weight * that) feeds the projections, each of
                 // which casts it again: q, k and v after the first norm, gate
-                // and up after the second; the engine keeps one cast each.
+                // and up after the second (with experts, the router alone:
+                // grouped_mm is not autocast, see `experts`); the engine
+                // keeps one cast each.
                 block.extend([(n * c, f32), (n * c, f32)]);
-                block.extend([(n * c, dt); 3]);
+                let after_ln2 = if self.moe.is_some() { 1 } else { 2 };
+                block.extend(vec![(n * c, dt); 3 + after_ln2 - 2]);
             } else if sixteen {
                 // A 16-bit model: the norm upcasts its input (the fp32 copy
                 // is saved by x * rsqrt) and casts the product back, which
@@ -377,7 +389,77 @@ impl<'a> Step<'a> {
             }
             // LlamaMLP: down(silu(gate(x)) * up(x)) keeps gate, silu(gate),
             // up and the product; the engine keeps gate|up and the product.
-            block.push((n * dff, dt));
+            if self.moe.is_none() {
+                block.push((n * dff, dt));
+            }
+        }
+        self.qk_norms(&mut block);
+        block
+    }
+
+    /// Qwen3's per-head and OLMoE's full-width q and k norms
+    /// (Qwen3RMSNorm, OlmoeRMSNorm: LlamaRMSNorm's code, on the q and k
+    /// projections' outputs before RoPE, modeling_qwen3.py and
+    /// modeling_olmoe.py `*Attention.forward`). `hidden.pow(2)` and
+    /// `hidden * rsqrt(..)` save the fp32 input, `weight * hidden.to(dtype)`
+    /// saves the normalised product in the input's dtype; the engine keeps
+    /// the input in its dtype and the statistics. In fp32 the product is
+    /// the extra; in 16 bits (autocast, where q and k are the projections'
+    /// 16-bit outputs, or a 16-bit module) the upcast input's other half
+    /// and the 16-bit product.
+    fn qk_norms(&self, block: &mut Saved) {
+        let Step {
+            model,
+            n,
+            q,
+            kv,
+            dt,
+            sixteen,
+            ..
+        } = *self;
+        if model.qk_norm.is_some() {
+            let copies = if sixteen { 2 } else { 1 };
+            block.extend(vec![(n * (q + kv), dt); copies]);
+        }
+    }
+
+    /// A routed block as transformers 5.x runs it by default:
+    /// `config._experts_implementation` "grouped_mm"
+    /// (modeling_utils.py `get_correct_experts_implementation`), i.e.
+    /// `grouped_mm_experts_forward` (integrations/moe.py) after the model's
+    /// `*TopKRouter.forward` (modeling_mixtral.py, modeling_qwen3_moe.py,
+    /// modeling_olmoe.py). Every shape is fixed by the N x top_k choices,
+    /// whatever the routing. Beyond the engine's saved set (the
+    /// probabilities, each row's token and weight, the permuted input,
+    /// gate|up, the SwiGLU product, the experts' output, `moe::MoeActs`):
+    /// - `act_fn(gate) * up` (`_default_apply_gate`) saves silu(gate) too;
+    /// - `torch.topk`'s int64 indices; with `norm_topk_prob` (Mixtral
+    ///   always) the in-place `/= sum` saves its divisor (N) and a copy of
+    ///   the values it overwrites (N x k, fp32);
+    /// - the indices are int64 where the engine's are u32: `perm // top_k`
+    ///   (saved by `hidden_states[..]`), `perm` (by `sample_weights[perm]`)
+    ///   and `inv_perm` (by `weighted_out[inv_perm]`), S rows each, and the
+    ///   E int32 offsets `grouped_mm` saves.
+    ///
+    /// `grouped_mm` is not autocast-enabled and casts its input to the
+    /// weight's dtype: under autocast the experts run in fp32, which the
+    /// engine does too (`moe::forward`'s `edt`).
+    fn experts(&self) -> Saved {
+        let Step {
+            n, dt, autocast, ..
+        } = *self;
+        let mut block = Vec::new();
+        let Some(m) = self.moe else {
+            return block;
+        };
+        let (k, rows) = (m.top_k, n * m.top_k);
+        let edt = if autocast { DType::F32 } else { dt };
+        block.push((rows * m.d_expert, edt));
+        // int64 as two u32 each: topk's indices, and three S-row index
+        // tensors where the engine keeps one u32 row index; the offsets.
+        block.push((2 * n * k + 5 * rows + m.n_experts, DType::U32));
+        if m.norm_topk {
+            block.push((n * k + n, DType::F32));
         }
         block
     }
@@ -399,16 +481,18 @@ impl<'a> Step<'a> {
         if autocast {
             // The block input and the residual after attention are fp32.
             block.extend([(n * c, dt); 2]);
-            casts = Some(block.len()..block.len() + 4);
             // The weight-cast cache (torch/csrc/autograd/autocast_mode.cpp:
             // a leaf's cast is cached for the forward): every projection's
             // 16-bit weight copy is saved by its matmul until the backward.
-            block.extend([
-                (c * model.qkv_width(), dt),
-                (q * c, dt),
-                (c * model.up_width(), dt),
-                (dff * c, dt),
-            ]);
+            // With experts, the router's: the experts' grouped_mm is not
+            // autocast (see `experts`).
+            let mut w = vec![(c * model.qkv_width(), dt), (q * c, dt)];
+            match self.moe {
+                Some(m) => w.push((m.n_experts * c, dt)),
+                None => w.extend([(c * model.up_width(), dt), (dff * c, dt)]),
+            }
+            casts = Some(block.len()..block.len() + w.len());
+            block.extend(w);
         }
         casts
     }

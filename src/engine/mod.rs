@@ -1668,24 +1668,22 @@ fn full_head_backward<B: Backend>(
     dev.free(targets);
     let head = idx.lm_head.unwrap_or(idx.wte);
     let tied = idx.lm_head.is_none();
-    // hf-eager: autograd makes the head's weight gradient, a temporary
-    // while the matmul's node runs (the logits' gradient alive); once the
-    // node returns, AccumulateGrad takes it as the gradient (set_to_none)
-    // or adds it into the resident one, and MemTracker counts it as a
-    // gradient from then on. Tied, it waits for the embedding's (see
-    // hf_embed_grads).
-    let mut incoming = None;
-    if let Some(h) = &mut hf {
-        if h.lazy {
-            hf_norm_grads(dev, g, h, idx)?;
-            make_grads(dev, g, h.specs, h.trainable, &[head], tmp)?;
-        } else if h.trainable[head] {
-            let dw = dev.alloc(h.specs[head].numel(), g[head].dtype, tmp)?;
-            match tied {
-                true => *h.dw = Some(dw),
-                false => incoming = Some(dw),
-            }
-        }
+    // hf-eager: autograd makes the head's weight gradient (hf_head_grad).
+    // Autocast: the matmul read the weight's 16-bit cast, so its weight
+    // gradient is 16-bit, and the cast's backward (ToCopyBackward) makes
+    // the fp32 one from it once the matmul's node has run and released the
+    // logits' gradient (as the chunked loss's, below).
+    let autocast = hf
+        .as_ref()
+        .is_some_and(|h| h.rules.autocast && h.trainable[head]);
+    let (mut cast, mut incoming) = (None, None);
+    if let Some(h) = hf.as_mut().filter(|h| h.lazy) {
+        hf_norm_grads(dev, g, h, idx)?;
+    }
+    match hf.as_mut() {
+        Some(h) if autocast => cast = Some(dev.alloc(h.specs[head].numel(), dt, tmp)?),
+        Some(h) => incoming = hf_head_grad(dev, g, h, head, tied)?,
+        None => {}
     }
     let mut dlnf = dev.alloc(n * c, dt, tmp)?;
     let gathered = gather(dev, tp, lnf)?;
@@ -1697,6 +1695,10 @@ fn full_head_backward<B: Backend>(
     dev.matmul_backward(&mut dlnf, dw, None, &logits, inp, &p[head], n, c, vpl);
     dev.free_opt(gathered);
     dev.free(logits);
+    if let (Some(h), Some(cast)) = (hf.as_mut(), cast) {
+        incoming = hf_head_grad(dev, g, h, head, tied)?;
+        dev.free(cast);
+    }
     if let Some(h) = hf.filter(|_| !tied) {
         if h.lazy && h.trainable[head] {
             dev.retag(&mut g[head], Category::Gradients);
@@ -1707,6 +1709,37 @@ fn full_head_backward<B: Backend>(
         }
     }
     Ok(dlnf)
+}
+
+/// hf-eager: the head weight's gradient as autograd makes it, a temporary
+/// until the matmul's node returns; then AccumulateGrad takes it as the
+/// gradient (set_to_none) or adds it into the resident one, and MemTracker
+/// counts it as a gradient from then on. Returns that incoming gradient
+/// when untied and resident (handed over by the caller); tied, it waits
+/// for the embedding's (see hf_embed_grads).
+fn hf_head_grad<B: Backend>(
+    dev: &mut Device<B>,
+    g: &mut [T<B>],
+    h: &mut HfHead<'_, B>,
+    head: usize,
+    tied: bool,
+) -> Result<Option<T<B>>, OomError> {
+    let tmp = Category::Temporaries;
+    if h.lazy {
+        make_grads(dev, g, h.specs, h.trainable, &[head], tmp)?;
+        return Ok(None);
+    }
+    if !h.trainable[head] {
+        return Ok(None);
+    }
+    let dw = dev.alloc(h.specs[head].numel(), g[head].dtype, tmp)?;
+    match tied {
+        true => {
+            *h.dw = Some(dw);
+            Ok(None)
+        }
+        false => Ok(Some(dw)),
+    }
 }
 
 /// torchtune's chunked loss backward (`--loss chunked`, hf-eager): autograd

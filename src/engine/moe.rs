@@ -234,6 +234,9 @@ pub(super) struct MoeActs<X> {
     pub h: X,
     pub act: X,
     pub eo: X,
+    /// hf-eager: what transformers saves beyond these
+    /// (`HfRules::experts_saved`).
+    pub extra: Vec<X>,
     /// The host's routing (`None` on a backend without data).
     pub routing: Option<Routing>,
     /// Each expert's rows (under expert parallelism, each local expert's,
@@ -250,6 +253,9 @@ pub(super) fn free_moe<B: Backend>(dev: &mut Device<B>, a: MoeActs<T<B>>) {
     for x in [a.probs, a.idx, a.weight, a.xp, a.h, a.act, a.eo] {
         dev.free(x);
     }
+    for x in a.extra {
+        dev.free(x);
+    }
     if let Some((_, sort)) = a.ep {
         dev.free(sort);
     }
@@ -257,13 +263,16 @@ pub(super) fn free_moe<B: Backend>(dev: &mut Device<B>, a: MoeActs<T<B>>) {
 
 /// The routed experts of one block: the router, dispatch and experts, all
 /// saved; the combine is [`combine`], run when the block's output is
-/// wanted.
+/// wanted. The experts' rows are in `edt`: the activations' dtype, except
+/// hf-eager's autocast, where transformers' grouped_mm runs in the
+/// weights' fp32 (`framework::Step::experts`; planned on meta only).
+/// `hf_saved`: hf-eager's `HfRules::experts_saved`, saved beside.
 pub(super) fn forward<B: Backend>(
     dev: &mut Device<B>,
     (p, ep): (&[T<B>], Option<&mut Ep<B>>),
     mi: MoeIndex,
     m: &MoeConfig,
-    x: &T<B>,
+    (x, edt, hf_saved): (&T<B>, DType, &[(usize, DType)]),
     sh: MoeShape,
 ) -> Result<MoeActs<T<B>>, OomError> {
     let (n, c, e, i, rows) = (sh.n, sh.c, sh.e, sh.i, sh.rows());
@@ -284,18 +293,25 @@ pub(super) fn forward<B: Backend>(
         .as_ref()
         .map_or_else(|| sh.planned_counts(), |r| r.counts.clone());
     if let Some(ep) = ep {
+        // hf-eager refuses expert parallelism (`validate`): no extras.
+        assert!(
+            hf_saved.is_empty() && edt == dt,
+            "expert parallelism is memfit's own"
+        );
         let r = (probs, idx, weight, routing);
         return experts_elsewhere(dev, (p, ep), mi, x, r, &counts, sh);
     }
-    let mut xp = dev.alloc(rows * c, dt, act)?;
+    let mut xp = dev.alloc(rows * c, edt, act)?;
     dev.moe_gather(&mut xp, x, &idx, None, (rows, n, c));
-    let mut h = dev.alloc(rows * 2 * i, dt, act)?;
+    let mut h = dev.alloc(rows * 2 * i, edt, act)?;
     dev.grouped_matmul_forward(&mut h, &xp, &p[mi.up], &counts, c, 2 * i);
-    let mut a = dev.alloc(rows * i, dt, act)?;
+    let mut a = dev.alloc(rows * i, edt, act)?;
     dev.swiglu_forward(&mut a, &h, rows, i);
-    let mut eo = dev.alloc(rows * c, dt, act)?;
+    let extra = alloc_saved(dev, hf_saved)?;
+    let mut eo = dev.alloc(rows * c, edt, act)?;
     dev.grouped_matmul_forward(&mut eo, &a, &p[mi.down], &counts, i, c);
     Ok(MoeActs {
+        extra,
         probs,
         idx,
         weight,
@@ -356,6 +372,7 @@ fn experts_elsewhere<B: Backend>(
         eo,
         routing,
         counts: local,
+        extra: Vec::new(),
         ep: Some((ex, sort)),
     })
 }
@@ -385,10 +402,12 @@ type Weights<'a, B> = (&'a [T<B>], &'a mut [T<B>], bool);
 /// the experts' and the router's weight gradients accumulated (none when
 /// `frozen`), and the gradient of their input `x` added into `dx` (the
 /// shared expert's) or returned new. `aux_scale` is d loss / d this
-/// micro-batch's load-balancing loss. Frees what the block saved.
+/// micro-batch's load-balancing loss. `fresh`: hf-eager's autograd, which
+/// makes each stacked weight's gradient anew (`Some(set_to_none)`, see
+/// [`fresh_grad`]). Frees what the block saved.
 pub(super) fn backward<B: Backend>(
     dev: &mut Device<B>,
-    ((p, g, frozen), ep): (Weights<'_, B>, Option<&mut Ep<B>>),
+    ((p, g, frozen), ep, fresh): (Weights<'_, B>, Option<&mut Ep<B>>, Option<bool>),
     mi: MoeIndex,
     m: &MoeConfig,
     a: MoeActs<T<B>>,
@@ -398,53 +417,85 @@ pub(super) fn backward<B: Backend>(
     aux_scale: f32,
 ) -> Result<T<B>, OomError> {
     let (n, c, e, i, rows) = (sh.n, sh.c, sh.e, sh.i, sh.rows());
-    let (dt, tmp) = (dy.dtype, Category::Temporaries);
+    let (dt, edt, tmp) = (dy.dtype, a.xp.dtype, Category::Temporaries);
+    let fresh = fresh.filter(|_| !frozen);
     let dims = (rows, n, c);
     // The combine: each row's weight gradient, and the experts' output gradient.
     let mut dweight = dev.alloc_f32(rows, tmp)?;
     dev.moe_row_dots(&mut dweight, dy, &a.eo, &a.idx, dims);
-    let mut deo = dev.alloc(rows * c, dt, tmp)?;
+    let mut deo = dev.alloc(rows * c, edt, tmp)?;
     dev.moe_gather(&mut deo, dy, &a.idx, Some(&a.weight), dims);
+    // Each saved tensor is freed once the last op that reads it has run, as
+    // autograd frees a node's saved tensors after the node.
+    let MoeActs {
+        probs,
+        idx,
+        weight,
+        xp,
+        h,
+        act,
+        eo,
+        extra,
+        routing,
+        counts,
+        ep: exchanged,
+    } = a;
+    dev.free(eo);
     // Expert parallelism: the gradients go where the experts ran, in
     // their order there.
-    let mut ep = ep.zip(a.ep.as_ref());
+    let mut ep = ep.zip(exchanged);
     let got = ep.as_ref().map_or(rows, |(_, (ex, _))| ex.received());
     if let Some((ep, (ex, sort))) = ep.as_mut() {
         let der = expert::all_to_all(dev, ep, &deo, ex, (c, false, tmp))?;
         dev.free(deo);
-        deo = dev.alloc(got * c, dt, tmp)?;
+        deo = dev.alloc(got * c, edt, tmp)?;
         dev.moe_gather(&mut deo, &der, sort, None, (got, got, c));
         dev.free(der);
     }
     // The experts, down then gate|up.
-    let mut dact = dev.alloc(got * i, dt, tmp)?;
+    let mut dact = dev.alloc(got * i, edt, tmp)?;
+    let made = fresh_grad(dev, (p, g), mi.down, fresh)?;
     let dw = (!frozen).then(|| &mut g[mi.down]);
-    dev.grouped_matmul_backward(&mut dact, dw, &deo, &a.act, &p[mi.down], &a.counts, i, c);
+    dev.grouped_matmul_backward(&mut dact, dw, &deo, &act, &p[mi.down], &counts, i, c);
+    fresh_grad_handed(dev, g, mi.down, (fresh, made));
     dev.free(deo);
-    let mut dh = dev.alloc(got * 2 * i, dt, tmp)?;
-    dev.swiglu_backward(&mut dh, &dact, &a.h, got, i);
+    dev.free(act);
+    let mut dh = dev.alloc(got * 2 * i, edt, tmp)?;
+    dev.swiglu_backward(&mut dh, &dact, &h, got, i);
     dev.free(dact);
-    let mut dxp = dev.alloc(got * c, dt, tmp)?;
+    dev.free(h);
+    for x in extra {
+        dev.free(x);
+    }
+    let mut dxp = dev.alloc(got * c, edt, tmp)?;
+    let made = fresh_grad(dev, (p, g), mi.up, fresh)?;
     let dw = (!frozen).then(|| &mut g[mi.up]);
-    dev.grouped_matmul_backward(&mut dxp, dw, &dh, &a.xp, &p[mi.up], &a.counts, c, 2 * i);
+    dev.grouped_matmul_backward(&mut dxp, dw, &dh, &xp, &p[mi.up], &counts, c, 2 * i);
+    fresh_grad_handed(dev, g, mi.up, (fresh, made));
     dev.free(dh);
+    dev.free(xp);
     if let Some((ep, (ex, sort))) = ep.as_mut() {
-        let mut dxr = dev.alloc_zeroed(got * c, dt, tmp)?;
+        let mut dxr = dev.alloc_zeroed(got * c, edt, tmp)?;
         dev.moe_scatter(&mut dxr, &dxp, sort, None, (got, got, c));
         dev.free(dxp);
         dxp = expert::all_to_all(dev, ep, &dxr, ex, (c, true, tmp))?;
         dev.free(dxr);
+    }
+    if let Some((_, (_, sort))) = ep {
+        dev.free(sort);
     }
     // The dispatch: each row's gradient back to its token.
     let mut dx = match dx {
         Some(dx) => dx,
         None => dev.alloc_zeroed(n * c, dt, tmp)?,
     };
-    dev.moe_scatter(&mut dx, &dxp, &a.idx, None, dims);
+    dev.moe_scatter(&mut dx, &dxp, &idx, None, dims);
     dev.free(dxp);
+    dev.free(idx);
+    dev.free(weight);
     // The router: its logits' gradient, made on the host from the routing.
     let mut dlogits = dev.alloc(n * e, dt, tmp)?;
-    if let (Some(r), Some(dw)) = (&a.routing, dev.be.download_f32(&dweight.buf)) {
+    if let (Some(r), Some(dw)) = (&routing, dev.be.download_f32(&dweight.buf)) {
         let dl = router_grad(r, &dw, m, aux_scale);
         dev.be.upload_f32(&mut dlogits.buf, &dl);
     }
@@ -455,8 +506,54 @@ pub(super) fn backward<B: Backend>(
     dev.free(dlogits);
     dev.copy_slice(&mut dx, 0, &dxr, 0, n * c, true);
     dev.free(dxr);
-    free_moe(dev, a);
+    dev.free(probs);
     Ok(dx)
+}
+
+/// A stacked expert weight's gradient as PyTorch's autograd makes it
+/// (hf-eager; `fresh` is `Some(set_to_none)`): `grouped_mm`'s backward
+/// returns a new weight-sized tensor (aten `_grouped_mm`'s derivative,
+/// transformers' `_grouped_mm_fallback_backward` alike), which MemTracker
+/// counts as a temporary until AccumulateGrad's hook hands it over. With
+/// `set_to_none` it becomes `.grad` (the engine's gradient, made here
+/// rather than with its block's); with resident gradients it is added
+/// into `.grad` and freed: a gradient-sized stand-in, returned, while the
+/// engine accumulates in place. These outweigh the loss's temporaries for
+/// a mixture (Mixtral's gate|up: E x 2I x C), unlike any dense weight.
+fn fresh_grad<B: Backend>(
+    dev: &mut Device<B>,
+    (p, g): (&[T<B>], &mut [T<B>]),
+    w: usize,
+    fresh: Option<bool>,
+) -> Result<Option<T<B>>, OomError> {
+    let (len, tmp) = (p[w].len, Category::Temporaries);
+    match fresh {
+        Some(true) if g[w].len == 0 => {
+            let t = dev.alloc(len, g[w].dtype, tmp)?;
+            let placeholder = std::mem::replace(&mut g[w], t);
+            dev.drop_placeholder(placeholder);
+            Ok(None)
+        }
+        Some(false) => Ok(Some(dev.alloc(len, g[w].dtype, tmp)?)),
+        _ => Ok(None),
+    }
+}
+
+/// After the op: AccumulateGrad's hook makes the fresh gradient a
+/// gradient (the engine's own, or the stand-in, then freed).
+fn fresh_grad_handed<B: Backend>(
+    dev: &mut Device<B>,
+    g: &mut [T<B>],
+    w: usize,
+    (fresh, made): (Option<bool>, Option<T<B>>),
+) {
+    if fresh == Some(true) && g[w].category == Category::Temporaries {
+        dev.retag(&mut g[w], Category::Gradients);
+    }
+    if let Some(mut d) = made {
+        dev.retag(&mut d, Category::Gradients);
+        dev.free(d);
+    }
 }
 
 /// Qwen2-MoE's gate on the shared expert: `σ(x gᵀ)` per token (f32), the

@@ -497,8 +497,14 @@ impl<'e, B: Backend> Pass<'e, B> {
         };
         let moe = match (ly.moe, self.model.moe_at(l)) {
             (Some((mi, sh)), Some(m)) => {
+                let edt = match self.hf.is_some_and(|h| h.autocast) {
+                    true => DType::F32,
+                    false => ln2.dtype,
+                };
+                let saved = self.hf.map_or(&[][..], |h| &h.experts_saved[..]);
                 let ep = self.ep.as_mut();
-                Some(moe::forward(self.dev, (self.p, ep), mi, m, &ln2, sh)?)
+                let x = (&ln2, edt, saved);
+                Some(moe::forward(self.dev, (self.p, ep), mi, m, x, sh)?)
             }
             _ => None,
         };
@@ -1054,7 +1060,11 @@ impl<'e, B: Backend> Pass<'e, B> {
     /// its adapters'), made as autograd first reaches them.
     fn make_block_grads(&mut self, l: usize, unit: &[usize]) -> Result<(), OomError> {
         let ads = self.lora(l).0;
+        // The stacked experts' gradients are made by their own backward
+        // (`moe::fresh_grad`).
+        let experts = self.idx.blocks[l].moe.map(|m| [m.up, m.down]);
         let ids: Vec<usize> = (unit.iter().copied())
+            .filter(|i| experts.is_none_or(|e| !e.contains(i)))
             .chain(ads.iter().flat_map(|a| [a.a, a.b]))
             .collect();
         make_grads(
@@ -1169,10 +1179,12 @@ impl<'e, B: Backend> Pass<'e, B> {
                 // d loss / d this micro-batch's load-balancing loss: its
                 // tokens' share of the step's, as `dloss` is one token's.
                 let aux_scale = self.dloss * self.n as f32;
+                let fresh = self.hf.map(|_| self.lazy);
                 let pg = (&self.p[..], &mut self.g[..], self.frozen);
                 let io = (&*dres, &a.ln2);
                 let ep = self.ep.as_mut();
-                moe::backward(self.dev, (pg, ep), mi, m, acts, io, dln2, sh, aux_scale)?
+                let w = (pg, ep, fresh);
+                moe::backward(self.dev, w, mi, m, acts, io, dln2, sh, aux_scale)?
             }
             _ => dln2.expect("a block has a dense MLP or experts"),
         };

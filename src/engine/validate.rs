@@ -25,7 +25,7 @@ pub fn architecture(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
     match super::framework::hf_unmodelled(model) {
         Some(what) if t.framework != Framework::Memfit => not_yet(
             "--framework",
-            "hf-eager follows Hugging Face's Llama modules",
+            "hf-eager follows the transformers modules its fixtures measure",
             &format!("{} {what}", model.name),
         ),
         _ => Ok(()),
@@ -67,6 +67,14 @@ fn experts(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
         };
     };
     if let Some(f) = t.capacity_factor {
+        if t.framework == Framework::HfEager {
+            // grouped_mm_experts_forward (transformers integrations/moe.py)
+            // runs every one of the N x top_k choices.
+            return Err(Error::invalid_arg(
+                flag,
+                "drops tokens, which transformers' experts never do (they are dropless); leave it out with --framework hf-eager",
+            ));
+        }
         if !(f.is_finite() && f > 0.0) {
             return Err(Error::invalid_arg(
                 flag,
@@ -137,6 +145,13 @@ fn expert_parallel(t: &TrainConfig, model: &ModelConfig, m: &MoeConfig) -> Resul
             "{} has {} experts, which {p} ranks cannot hold evenly",
             model.name, m.n_experts
         ));
+    }
+    if t.framework != Framework::Memfit {
+        return not_yet(
+            "--framework",
+            "hf-eager follows Hugging Face's experts, which transformers' Trainer runs whole on every rank",
+            "--expert-parallel splits them as Megatron-Core does",
+        );
     }
     let layout = [
         (t.shard_group.is_some(), "--shard-group"),

@@ -473,9 +473,24 @@ fn what_experts_do_not_combine_with_is_refused_by_name() {
         err.contains("--finetune") && err.contains("has experts"),
         "{err}"
     );
+    // hf-eager models Mixtral's, Qwen3-MoE's and OLMoE's blocks, not a
+    // shared expert, and transformers' experts never drop tokens.
     let err = run(&["--model", "moe-tiny", "--framework", "hf-eager"]);
     assert!(
-        err.contains("--framework") && err.contains("has experts"),
+        err.contains("--framework") && err.contains("has a shared expert"),
+        "{err}"
+    );
+    let mixtral = [
+        "--model",
+        "mixtral-8x7b",
+        "--device",
+        "meta",
+        "--framework",
+        "hf-eager",
+    ];
+    let err = run(&[&mixtral[..], &["--capacity-factor", "1.0"]].concat());
+    assert!(
+        err.contains("--capacity-factor") && err.contains("dropless"),
         "{err}"
     );
     let err = run(&[
@@ -554,11 +569,11 @@ fn the_cli_trains_and_plans_experts() {
     assert!(total > 10 << 30, "{v}");
 }
 
-/// A plan recipe of a model with experts that names no framework plans
-/// memfit's engine (hf-eager does not model transformers' MoE modules),
-/// and some of Mixtral's points fit on 8 H100s.
+/// A plan recipe of Mixtral that names no framework plans hf-eager (what
+/// transformers' MoE modules allocate, `tests/it/hf_reference.rs`), and
+/// some of its points fit on 8 H100s.
 #[test]
-fn a_mixtral_plan_recipe_plans_on_memfits_engine() {
+fn a_mixtral_plan_recipe_plans_hf_eager() {
     let recipe = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/recipes/mixtral-8x7b-8xh100.yaml"
@@ -573,7 +588,7 @@ fn a_mixtral_plan_recipe_plans_on_memfits_engine() {
     assert_eq!(v["active_parameters"], 12_879_925_248u64);
     let points = v["points"].as_array().unwrap();
     assert_eq!(points.len(), 16);
-    assert!(points.iter().all(|p| p["point"]["framework"] == "memfit"));
+    assert!(points.iter().all(|p| p["point"]["framework"] == "hf-eager"));
     assert!(points.iter().any(|p| p["status"] == "fits"));
     assert!(v["recommendation"].is_object());
 }

@@ -174,6 +174,106 @@ MODELS["phi3-mini-2l"] = dict(
         use_cache=False,
     ),
 )
+# Issue 30's new families, each with a few of its layers. Qwen3-0.6B
+# (Qwen/Qwen3-0.6B config.json): q and k normalised per head, heads of 128
+# on a 1024-wide stream (16 x 128 = 2048 != 1024), tied. Mixtral-8x7B
+# (mistralai/Mixtral-8x7B-v0.1 config.json): 8 experts, 2 per token.
+# Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json): 128 experts, 8 per token,
+# renormalised, with Qwen3's q/k norms and 128-wide heads on a 2048-wide
+# stream. OLMoE-1B-7B (allenai/OLMoE-1B-7B-0924 config.json): 64 experts, 8
+# per token, not renormalised, q and k normalised over their full width.
+# The experts run as transformers builds them by default
+# (`config._experts_implementation` "grouped_mm": the tokens sorted by
+# expert and two grouped GEMMs, shapes fixed by N x top_k, whatever the
+# routing); the fixture records the implementation it ran.
+MODELS["qwen3-0.6b-4l"] = dict(
+    family="qwen3",
+    hf=dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
+        hidden_act="silu",
+        use_cache=False,
+    ),
+)
+MODELS["mixtral-8x7b-2l"] = dict(
+    family="mixtral",
+    hf=dict(
+        model_type="mixtral",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        router_aux_loss_coef=0.02,
+        use_cache=False,
+    ),
+)
+MODELS["qwen3-30b-a3b-2l"] = dict(
+    family="qwen3_moe",
+    hf=dict(
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        router_aux_loss_coef=0.001,
+        use_cache=False,
+    ),
+)
+MODELS["olmoe-1b-7b-2l"] = dict(
+    family="olmoe",
+    hf=dict(
+        model_type="olmoe",
+        vocab_size=50304,
+        hidden_size=2048,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=False,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        router_aux_loss_coef=0.01,
+        use_cache=False,
+    ),
+)
 MODELS["qwen2.5-7b-2l"] = dict(
     family="qwen2",
     hf=dict(
@@ -194,6 +294,15 @@ MODELS["qwen2.5-7b-2l"] = dict(
 )
 
 
+# Families built like Llama (attention_dropout is their dropout knob).
+LLAMA_LIKE = {
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+}
+
+
 def build_model(model_name, dropout, attention):
     spec = MODELS[model_name]
     hf = dict(spec["hf"])
@@ -209,6 +318,10 @@ def build_model(model_name, dropout, attention):
         hf.update(attention_dropout=dropout)
         config = transformers.Qwen2Config(**{k: v for k, v in hf.items() if k != "model_type"})
         cls = transformers.Qwen2ForCausalLM
+    elif spec["family"] in LLAMA_LIKE:
+        hf.update(attention_dropout=dropout)
+        config_cls, cls = LLAMA_LIKE[spec["family"]]
+        config = config_cls(**{k: v for k, v in hf.items() if k != "model_type"})
     else:
         hf.update(attention_dropout=dropout)
         config = transformers.LlamaConfig(**{k: v for k, v in hf.items() if k != "model_type"})
@@ -246,6 +359,10 @@ def cfg(model, **kw):
         "tinyllama-4l": "tinyllama-4l",
         "qwen2.5-7b-2l": "qwen7b-2l",
         "phi3-mini-2l": "phi3-2l",
+        "qwen3-0.6b-4l": "qwen3-0.6b-4l",
+        "mixtral-8x7b-2l": "mixtral-2l",
+        "qwen3-30b-a3b-2l": "qwen3moe-2l",
+        "olmoe-1b-7b-2l": "olmoe-2l",
     }[model]
     name = f"{short}-b{c['batch']}-t{c['seq_len']}-{c['precision']}-d{c['dropout']:g}-{c['attention']}-{c['optimizer'].replace('adamw-', '')}"
     if not c["set_to_none"]:
@@ -338,6 +455,26 @@ def all_configs():
         out.append(cfg("tinyllama-4l", batch=1, seq_len=1152, checkpointing=ck, attention="sdpa"))
         out.append(cfg("gpt2", batch=2, seq_len=96, checkpointing=ck))
     out.append(cfg("llama-1b-4l", batch=2, seq_len=896, checkpointing="non-reentrant", precision="bf16-autocast", attention="sdpa"))
+    # Issue 30's new families (Qwen3's q/k norms and own head width;
+    # experts in Mixtral, Qwen3-MoE and OLMoE), at shapes no other config
+    # uses: the peak in the optimizer step (foreach, short sequences) and
+    # in the backward (long ones; single-tensor with resident gradients),
+    # eager and sdpa, fp32 and bf16 autocast.
+    out.append(cfg("qwen3-0.6b-4l", batch=2, seq_len=576))
+    out.append(cfg("qwen3-0.6b-4l", batch=1, seq_len=56))
+    out.append(cfg("qwen3-0.6b-4l", batch=2, seq_len=576, attention="sdpa", set_to_none=False, optimizer="adamw-single-tensor"))
+    out.append(cfg("qwen3-0.6b-4l", batch=3, seq_len=320, precision="bf16-autocast", attention="sdpa"))
+    out.append(cfg("qwen3-0.6b-4l", batch=3, seq_len=320, precision="bf16-autocast"))
+    out.append(cfg("mixtral-8x7b-2l", batch=1, seq_len=200))
+    out.append(cfg("mixtral-8x7b-2l", batch=2, seq_len=1536, set_to_none=False, optimizer="adamw-single-tensor"))
+    out.append(cfg("mixtral-8x7b-2l", batch=2, seq_len=1536, attention="sdpa", set_to_none=False, optimizer="adamw-single-tensor"))
+    out.append(cfg("mixtral-8x7b-2l", batch=2, seq_len=1536, precision="bf16-autocast", attention="sdpa", set_to_none=False, optimizer="adamw-single-tensor"))
+    out.append(cfg("qwen3-30b-a3b-2l", batch=1, seq_len=136))
+    out.append(cfg("qwen3-30b-a3b-2l", batch=2, seq_len=704, set_to_none=False, optimizer="adamw-single-tensor"))
+    out.append(cfg("qwen3-30b-a3b-2l", batch=2, seq_len=704, precision="bf16-autocast", attention="sdpa", set_to_none=False, optimizer="adamw-single-tensor"))
+    out.append(cfg("olmoe-1b-7b-2l", batch=1, seq_len=120))
+    out.append(cfg("olmoe-1b-7b-2l", batch=2, seq_len=832, set_to_none=False, optimizer="adamw-single-tensor"))
+    out.append(cfg("olmoe-1b-7b-2l", batch=2, seq_len=832, precision="bf16-autocast", attention="sdpa", set_to_none=False, optimizer="adamw-single-tensor"))
     return out
 
 
@@ -563,6 +700,10 @@ def run_config(c, device="cpu"):
             groups=c["groups"],
             checkpointing=c["checkpointing"],
             device=f"fake-{dev}",
+            # How transformers ran the experts (None without them).
+            experts_implementation=getattr(model.config, "_experts_implementation", None)
+            if hasattr(model.config, "num_experts_per_tok")
+            else None,
             peak_bytes=catmax,
             split_at_peak=split,
             peak_phase=mt.peak_phase,
