@@ -43,6 +43,8 @@ knob_enum! {
 pub fn hf_unmodelled(model: &crate::config::ModelConfig) -> Option<&'static str> {
     if model.moe.is_some() {
         Some("has experts")
+    } else if model.family == crate::config::Family::Gemma {
+        Some("is a Gemma (sandwich norms, GeGLU, soft-capped logits, sliding windows)")
     } else if model.qk_norm.is_some() {
         Some("normalises q and k")
     } else if model.head_dim.is_some() {

@@ -23,6 +23,7 @@ mod cuda_double;
 mod cuda_kernels;
 mod engine;
 mod fuzz_parsers;
+mod gemma;
 mod gradcheck;
 mod help;
 mod hf_import;
