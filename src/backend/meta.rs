@@ -7,7 +7,8 @@
 // The optimizer types are named by `kernel_ops!`'s signatures, which
 // resolve here.
 use super::{
-    AdafactorHyper, AdafactorState, AdamHyper, AttnShape, Backend, DType, SgdHyper, kernel_ops,
+    AdafactorHyper, AdafactorState, AdamHyper, AttnOpts, AttnShape, Backend, DType, SgdHyper,
+    kernel_ops,
 };
 
 /// Which backend's workspace a meta backend declares.

@@ -98,6 +98,44 @@ impl AttnShape {
     }
 }
 
+/// What Gemma changes in attention ([`Backend::attention_forward_with`]):
+/// the scores' scale, a soft cap on them, and a sliding window.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnOpts {
+    /// The scores are `scale · q·k` (`head_dim ** -0.5` by default;
+    /// Gemma: `query_pre_attn_scalar ** -0.5`).
+    pub scale: f32,
+    /// Scores become `cap · tanh(s / cap)` before the mask and the softmax.
+    pub softcap: Option<f32>,
+    /// Query `i` sees keys `i + 1 - window ..= i` only.
+    pub window: Option<usize>,
+}
+
+impl AttnOpts {
+    /// Plain causal attention scaled by `head_dim ** -0.5`.
+    pub fn standard(s: AttnShape) -> Self {
+        AttnOpts {
+            scale: 1.0 / (s.head_dim as f32).sqrt(),
+            softcap: None,
+            window: None,
+        }
+    }
+
+    /// Whether these are [`AttnOpts::standard`]'s (a window as long as the
+    /// sequence masks nothing), so the plain kernels run.
+    pub fn is_standard(&self, s: AttnShape) -> bool {
+        self.scale == AttnOpts::standard(s).scale
+            && self.softcap.is_none()
+            && self.window.is_none_or(|w| w >= s.t)
+    }
+}
+
+/// A backend without Gemma's kernels is never asked for them:
+/// `run::validate` refuses Gemma on it first.
+fn no_gemma_kernels(backend: &str) -> ! {
+    unreachable!("{backend}: no Gemma kernels (run::validate refuses Gemma there)")
+}
+
 /// A backend without the mixture-of-experts kernels is never asked for
 /// them: `engine::validate` refuses experts on it first.
 fn no_expert_kernels(backend: &str) -> ! {
@@ -433,6 +471,141 @@ macro_rules! kernel_ops {
                 vp: usize,
             );
 
+
+            // ---- Gemma 2 and 3 -----------------------------------------------------
+            // Only cpu and meta have these; `run::validate` refuses Gemma on cuda.
+
+            /// RMSNorm with weight `1 + w` (Gemma's): `out (N,C) = inp * rstd *
+            /// (1 + w)`, saves `rstd (N)`.
+            fn gemma_rmsnorm_forward(
+                &mut self,
+                _out: &mut Self::Buf,
+                _rstd: &mut Self::Buf,
+                _inp: &Self::Buf,
+                _w: &Self::Buf,
+                _n: usize,
+                _c: usize,
+                _eps: f32,
+            ) {
+                no_gemma_kernels(self.name())
+            }
+
+            /// Accumulates `dinp += ...`, `dw += ...` (as for `w` alone).
+            fn gemma_rmsnorm_backward(
+                &mut self,
+                _dinp: &mut Self::Buf,
+                _dw: &mut Self::Buf,
+                _dout: &Self::Buf,
+                _inp: &Self::Buf,
+                _w: &Self::Buf,
+                _rstd: &Self::Buf,
+                _n: usize,
+                _c: usize,
+            ) {
+                no_gemma_kernels(self.name())
+            }
+
+            /// GeGLU: `out (N,I) = gelu_tanh(gu[:, :I]) * gu[:, I:]`, `gu (N,2I)`.
+            fn geglu_forward(&mut self, _out: &mut Self::Buf, _gu: &Self::Buf, _n: usize, _i: usize) {
+                no_gemma_kernels(self.name())
+            }
+
+            /// `dgu (N,2I)` from `dout (N,I)` (overwrites).
+            fn geglu_backward(
+                &mut self,
+                _dgu: &mut Self::Buf,
+                _dout: &Self::Buf,
+                _gu: &Self::Buf,
+                _n: usize,
+                _i: usize,
+            ) {
+                no_gemma_kernels(self.name())
+            }
+
+            /// In place: `x (N) *= factor`, rounded once to `x`'s type.
+            fn scale(&mut self, _x: &mut Self::Buf, _n: usize, _factor: f32) {
+                no_gemma_kernels(self.name())
+            }
+
+            /// In place: `x (N) = cap · tanh(x / cap)`.
+            fn softcap_forward(&mut self, _x: &mut Self::Buf, _n: usize, _cap: f32) {
+                no_gemma_kernels(self.name())
+            }
+
+            /// [`Backend::crossentropy_backward`] of logits soft-capped by `cap`:
+            /// `logits` hold the capped `y`, and become the gradient of the
+            /// logits before the cap, `dloss · (softmax(y) - onehot) · (1 - (y/cap)²)`.
+            fn crossentropy_softcap_backward(
+                &mut self,
+                _logits: &mut Self::Buf,
+                _targets: &Self::Buf,
+                _dloss: f32,
+                _n: usize,
+                _v: usize,
+                _vp: usize,
+                _cap: f32,
+            ) {
+                no_gemma_kernels(self.name())
+            }
+
+            /// [`Backend::attention_forward`] with [`AttnOpts`]; with a soft cap it
+            /// saves each score's `tanh(s / cap)` in `tanh (B,H,T,T)`.
+            fn attention_forward_with(
+                &mut self,
+                _out: &mut Self::Buf,
+                _att: &mut Self::Buf,
+                _tanh: Option<&mut Self::Buf>,
+                _qkv: &Self::Buf,
+                _s: AttnShape,
+                _o: AttnOpts,
+            ) {
+                no_gemma_kernels(self.name())
+            }
+
+            /// [`Backend::attention_backward`] with [`AttnOpts`] (and the saved `tanh`).
+            fn attention_backward_with(
+                &mut self,
+                _dqkv: &mut Self::Buf,
+                _datt: &mut Self::Buf,
+                _dout: &Self::Buf,
+                _qkv: &Self::Buf,
+                _att: &Self::Buf,
+                _tanh: Option<&Self::Buf>,
+                _s: AttnShape,
+                _o: AttnOpts,
+            ) {
+                no_gemma_kernels(self.name())
+            }
+
+            /// [`Backend::flash_attention_forward`] with [`AttnOpts`] (the soft cap
+            /// as FlashAttention-2's `softcap`; nothing more is saved).
+            fn flash_attention_forward_with(
+                &mut self,
+                _out: &mut Self::Buf,
+                _lse: &mut Self::Buf,
+                _qkv: &Self::Buf,
+                _ws: &mut Self::Buf,
+                _s: AttnShape,
+                _o: AttnOpts,
+            ) {
+                no_gemma_kernels(self.name())
+            }
+
+            /// [`Backend::flash_attention_backward`] with [`AttnOpts`], the capped
+            /// scores recomputed.
+            fn flash_attention_backward_with(
+                &mut self,
+                _dqkv: &mut Self::Buf,
+                _dout: &Self::Buf,
+                _out: &Self::Buf,
+                _lse: &Self::Buf,
+                _qkv: &Self::Buf,
+                _ws: &mut Self::Buf,
+                _s: AttnShape,
+                _o: AttnOpts,
+            ) {
+                no_gemma_kernels(self.name())
+            }
 
             // ---- mixture of experts (`engine::moe`) ------------------------------
             // A routed row `j` of the permuted buffer holds token `idx[j]`; an

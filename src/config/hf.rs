@@ -1,7 +1,10 @@
 //! Import of a Hugging Face `config.json` as a [`ModelConfig`].
 //!
 //! Supported `model_type`s: `gpt2` (family gpt2) and `llama`, `mistral`,
-//! `qwen2` (family llama; qwen2 with biases on q, k and v). Keys memfit has no
+//! `qwen2` (family llama; qwen2 with biases on q, k and v), the MoE
+//! families, and `gemma2`, `gemma3_text` and `gemma3` (family gemma; of a
+//! multimodal `gemma3` config only the text model in its `text_config` is
+//! imported, the vision tower left out). Keys memfit has no
 //! use for (dropout, token ids, `rope_scaling`, `sliding_window`, ...) are
 //! ignored; keys that would change the parameter layout in a way memfit cannot
 //! model are errors that name the key. Errors are [`Error::Config`] with
@@ -17,7 +20,7 @@ use super::profile::strip_marks;
 use crate::{Error, Result};
 
 const SUPPORTED: &str = "memfit imports gpt2, llama, mistral, qwen2, phi3, qwen3, mixtral, qwen2_moe, \
-     qwen3_moe, olmoe and deepseek (DeepSeek-MoE) configs";
+     qwen3_moe, olmoe, deepseek (DeepSeek-MoE), gemma2, gemma3_text and gemma3 (its text model) configs";
 
 /// Reads and imports a Hugging Face `config.json`; errors name the file.
 pub fn load_hf_config(path: &Path) -> Result<ModelConfig> {
@@ -50,6 +53,7 @@ pub fn import_hf_config(text: &str, location: &str) -> Result<ModelConfig> {
         text,
         location,
         model_type: "",
+        nested: None,
     };
     let model_type = match map.get("model_type") {
         None | Some(Value::Null) => {
@@ -84,13 +88,15 @@ pub fn import_hf_config(text: &str, location: &str) -> Result<ModelConfig> {
                 ),
             ));
         }
-        "gemma" | "gemma2" | "gemma3" | "gemma3_text" => {
+        "gemma2" | "gemma3_text" => super::gemma::import(&cfg, name)?,
+        "gemma3" => super::gemma::import_text_config(&cfg, name)?,
+        "gemma" => {
             return Err(cfg.error(
                 "model_type",
                 format!(
-                    "`model_type` {model_type:?} scales its embedding, soft-caps its logits \
-                     and (Gemma 2/3) alternates sliding-window and global attention with \
-                     extra norms, none of which memfit's engine models yet; {SUPPORTED}"
+                    "`model_type` \"gemma\" is Gemma 1, whose blocks have two norms where \
+                     Gemma 2 and 3 have four; memfit's gemma family lays out Gemma 2 and 3 only; \
+                     {SUPPORTED}"
                 ),
             ));
         }
@@ -146,10 +152,11 @@ fn import_gpt2(cfg: &Fields, name: String) -> Result<ModelConfig> {
         moe: None,
         head_dim: None,
         qk_norm: None,
+        gemma: None,
     })
 }
 
-fn import_llama(cfg: &Fields, name: String) -> Result<ModelConfig> {
+pub(super) fn import_llama(cfg: &Fields, name: String) -> Result<ModelConfig> {
     cfg.check_str("hidden_act", &["silu", "swish"])?;
     let qwen2 = matches!(cfg.model_type, "qwen2" | "qwen2_moe");
     if !qwen2 {
@@ -241,6 +248,7 @@ fn import_llama(cfg: &Fields, name: String) -> Result<ModelConfig> {
         },
         head_dim,
         qk_norm,
+        gemma: None,
     })
 }
 
@@ -401,17 +409,30 @@ fn hf_field_names(message: &str, model_type: &str) -> String {
     parts.join("`")
 }
 
-/// The config's top-level keys, with what errors need to say where they are.
-struct Fields<'a> {
-    map: &'a Map<String, Value>,
-    text: &'a str,
-    location: &'a str,
-    model_type: &'a str,
+/// The config's top-level keys (or a nested `text_config`'s), with what
+/// errors need to say where they are.
+pub(super) struct Fields<'a> {
+    pub(super) map: &'a Map<String, Value>,
+    pub(super) text: &'a str,
+    pub(super) location: &'a str,
+    pub(super) model_type: &'a str,
+    /// The object the keys are in (`text_config`), when not the top level:
+    /// errors then name the file and `text_config.key`.
+    pub(super) nested: Option<&'a str>,
 }
 
 impl Fields<'_> {
-    /// An error at `key`'s line and column when it is a top-level key of the text.
-    fn error(&self, key: &str, message: String) -> Error {
+    /// An error at `key`'s line and column when it is a top-level key of the
+    /// text; a nested key is named with its object.
+    pub(super) fn error(&self, key: &str, message: String) -> Error {
+        if let Some(outer) = self.nested {
+            let message = message.replacen(&format!("`{key}`"), &format!("`{outer}.{key}`"), 1);
+            let location = match top_level_key_position(self.text, outer) {
+                Some((line, column)) => format!("{}:{line}:{column}", self.location),
+                None => self.location.to_string(),
+            };
+            return Error::Config { location, message };
+        }
         let location = match top_level_key_position(self.text, key) {
             Some((line, column)) => format!("{}:{line}:{column}", self.location),
             None => self.location.to_string(),
@@ -419,11 +440,11 @@ impl Fields<'_> {
         Error::Config { location, message }
     }
 
-    fn get(&self, key: &str) -> Option<&Value> {
+    pub(super) fn get(&self, key: &str) -> Option<&Value> {
         self.map.get(key).filter(|v| !v.is_null())
     }
 
-    fn int(&self, key: &str) -> Result<usize> {
+    pub(super) fn int(&self, key: &str) -> Result<usize> {
         match self.map.get(key) {
             None => Err(self.error(
                 key,
@@ -443,7 +464,7 @@ impl Fields<'_> {
         }
     }
 
-    fn opt_int(&self, key: &str) -> Result<Option<usize>> {
+    pub(super) fn opt_int(&self, key: &str) -> Result<Option<usize>> {
         let Some(v) = self.get(key) else {
             return Ok(None);
         };
@@ -460,7 +481,7 @@ impl Fields<'_> {
         }
     }
 
-    fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
+    pub(super) fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
         let Some(v) = self.get(key) else {
             return Ok(None);
         };
@@ -470,7 +491,7 @@ impl Fields<'_> {
         }
     }
 
-    fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+    pub(super) fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
         let Some(v) = self.get(key) else {
             return Ok(None);
         };
@@ -481,7 +502,7 @@ impl Fields<'_> {
     }
 
     /// If `key` is present, its value must be one of `allowed`.
-    fn check_str(&self, key: &str, allowed: &[&str]) -> Result<()> {
+    pub(super) fn check_str(&self, key: &str, allowed: &[&str]) -> Result<()> {
         let Some(v) = self.get(key) else {
             return Ok(());
         };

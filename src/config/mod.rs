@@ -1,6 +1,7 @@
 //! Configuration: model profiles, Hugging Face imports, hardware and network
 //! profiles, the knob enums they read, and how input files are read.
 
+mod gemma;
 pub mod hardware;
 pub mod hf;
 pub mod input;
@@ -10,4 +11,4 @@ pub mod limits;
 pub mod model;
 pub mod profile;
 
-pub use model::{Family, ModelConfig};
+pub use model::{Family, GemmaConfig, ModelConfig};

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-/// The two architectures the engine implements.
+/// The architectures the engine implements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Family {
@@ -12,6 +12,10 @@ pub enum Family {
     /// RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, no biases
     /// (Qwen2: biases on q, k and v, see `ModelConfig::qkv_bias`).
     Llama,
+    /// Gemma 2 and 3 (text): llama's block with RMSNorms of weight `1 + w`
+    /// around both sublayers ("sandwich" norms), a GeGLU MLP, the embedding
+    /// scaled by √C and tied to the head, and what [`GemmaConfig`] adds.
+    Gemma,
 }
 
 /// A model profile (profiles/models/*.yaml).
@@ -60,6 +64,58 @@ pub struct ModelConfig {
     /// RMSNorm on q and k before RoPE (llama family only).
     #[serde(default)]
     pub qk_norm: Option<QkNorm>,
+    /// What Gemma 2 and 3 set apart (family gemma only; absent means
+    /// `GemmaConfig::default()`).
+    #[serde(default)]
+    pub gemma: Option<GemmaConfig>,
+}
+
+/// Gemma 2's and 3's attention and head (transformers'
+/// `modeling_gemma2.py`, `modeling_gemma3.py`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GemmaConfig {
+    /// The scores are scaled by `query_pre_attn_scalar ** -0.5` (not
+    /// `head_dim ** -0.5`); absent means `head_dim`.
+    #[serde(default)]
+    pub query_pre_attn_scalar: Option<f32>,
+    /// Attention logits soft-capped, `cap · tanh(s / cap)`, before the mask
+    /// and the softmax (Gemma 2: 50; Gemma 3: none).
+    #[serde(default)]
+    pub attn_softcap: Option<f32>,
+    /// The head's logits soft-capped before the loss (Gemma 2: 30; Gemma 3: none).
+    #[serde(default)]
+    pub final_softcap: Option<f32>,
+    /// Keys a sliding layer's query sees, itself included (`sliding_window`:
+    /// Gemma 2: 4096; Gemma 3: 512 at 1B, 1024 above); absent: every layer global.
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    /// Every `global_every`-th layer attends globally, the others slide
+    /// (Gemma 2: 2, so the even layers slide; Gemma 3: 6,
+    /// `sliding_window_pattern`).
+    #[serde(default = "two")]
+    pub global_every: usize,
+    /// The RoPE base of the sliding layers (Gemma 3's
+    /// `rope_local_base_freq`, 10000); absent: `rope_theta` everywhere.
+    #[serde(default)]
+    pub rope_local_theta: Option<f32>,
+}
+
+fn two() -> usize {
+    2
+}
+
+impl Default for GemmaConfig {
+    fn default() -> Self {
+        GemmaConfig {
+            query_pre_attn_scalar: None,
+            attn_softcap: None,
+            final_softcap: None,
+            sliding_window: None,
+            global_every: 2,
+            rope_local_theta: None,
+        }
+    }
 }
 
 /// Where a model normalises its queries and keys.
@@ -123,6 +179,29 @@ impl MoeConfig {
 
 fn one() -> usize {
     1
+}
+
+/// Gemma's settings are positive numbers where set.
+fn validate_gemma(g: &GemmaConfig) -> Result<(), String> {
+    for (field, v) in [
+        ("gemma.query_pre_attn_scalar", g.query_pre_attn_scalar),
+        ("gemma.attn_softcap", g.attn_softcap),
+        ("gemma.final_softcap", g.final_softcap),
+        ("gemma.rope_local_theta", g.rope_local_theta),
+    ] {
+        if let Some(v) = v
+            && !(v.is_finite() && v > 0.0)
+        {
+            return Err(format!("`{field}` must be a positive number, got {v}"));
+        }
+    }
+    if g.sliding_window == Some(0) {
+        return Err("`gemma.sliding_window` must be positive".into());
+    }
+    if g.global_every == 0 {
+        return Err("`gemma.global_every` must be positive (1: every layer global)".into());
+    }
+    Ok(())
 }
 
 /// Limits on a model's dimensions (`ModelConfig::validate`): several times
@@ -205,6 +284,10 @@ pub struct BlockIndex {
     pub k_norm: Option<usize>,
     pub o_w: usize,
     pub o_b: Option<usize>,
+    /// Gemma's norm of the attention's output before the residual add
+    /// (`post_attention_layernorm`).
+    pub post_attn_norm: Option<usize>,
+    /// The MLP's input norm (Gemma: `pre_feedforward_layernorm`).
     pub ln2_w: usize,
     pub ln2_b: Option<usize>,
     /// gpt2: fc `(4C, C)`; llama: fused gate|up `(2I, C)`. In a block
@@ -213,6 +296,9 @@ pub struct BlockIndex {
     pub up_b: Option<usize>,
     pub down_w: Option<usize>,
     pub down_b: Option<usize>,
+    /// Gemma's norm of the MLP's output before the residual add
+    /// (`post_feedforward_layernorm`).
+    pub post_mlp_norm: Option<usize>,
     /// A block with experts: the router and the stacked experts.
     pub moe: Option<MoeIndex>,
 }
@@ -253,12 +339,14 @@ impl BlockIndex {
             self.k_norm,
             Some(self.o_w),
             self.o_b,
+            self.post_attn_norm,
             Some(self.ln2_w),
             self.ln2_b,
         ]
         .into_iter()
         .chain(moe.into_iter().flatten())
         .chain([self.up_w, self.up_b, self.down_w, self.down_b])
+        .chain([self.post_mlp_norm])
         .flatten()
     }
 }
@@ -302,13 +390,71 @@ impl ModelConfig {
         self.vocab_size.div_ceil(self.pad_vocab_to) * self.pad_vocab_to
     }
     pub fn tied(&self) -> bool {
-        self.tie_embeddings.unwrap_or(self.family == Family::Gpt2)
+        self.tie_embeddings.unwrap_or(self.family != Family::Llama)
     }
     pub fn norm_eps(&self) -> f32 {
         self.norm_eps.unwrap_or(match self.family {
             Family::Gpt2 => 1e-5,
             Family::Llama => 1e-5,
+            Family::Gemma => 1e-6,
         })
+    }
+
+    /// Gemma's attention and head settings (family gemma only).
+    pub fn gemma(&self) -> Option<&GemmaConfig> {
+        const DEFAULT: GemmaConfig = GemmaConfig {
+            query_pre_attn_scalar: None,
+            attn_softcap: None,
+            final_softcap: None,
+            sliding_window: None,
+            global_every: 2,
+            rope_local_theta: None,
+        };
+        match self.family {
+            Family::Gemma => Some(self.gemma.as_ref().unwrap_or(&DEFAULT)),
+            _ => None,
+        }
+    }
+
+    /// Whether every norm multiplies by `1 + w` (Gemma's RMSNorm), its
+    /// weights starting at zero.
+    pub fn offset_norms(&self) -> bool {
+        self.family == Family::Gemma
+    }
+
+    /// The attention scores' scale: `query_pre_attn_scalar ** -0.5`
+    /// (Gemma), else `head_dim ** -0.5`.
+    pub fn attn_scale(&self) -> f32 {
+        let d = self.gemma().and_then(|g| g.query_pre_attn_scalar);
+        1.0 / d.unwrap_or(self.head_dim() as f32).sqrt()
+    }
+
+    /// Block `l`'s sliding window (keys each query sees, itself included),
+    /// `None` for a global layer.
+    pub fn sliding_window(&self, l: usize) -> Option<usize> {
+        let g = self.gemma()?;
+        let w = g.sliding_window?;
+        (!(l + 1).is_multiple_of(g.global_every.max(1))).then_some(w)
+    }
+
+    /// Block `l`'s RoPE base: Gemma 3's local base on a sliding layer,
+    /// `rope_theta` otherwise.
+    pub fn rope_theta_at(&self, l: usize) -> f32 {
+        let local = self.gemma().and_then(|g| g.rope_local_theta);
+        match (local, self.sliding_window(l)) {
+            (Some(t), Some(_)) => t,
+            _ => self.rope_theta(),
+        }
+    }
+
+    /// The attention logits' soft cap, if any.
+    pub fn attn_softcap(&self) -> Option<f32> {
+        self.gemma().and_then(|g| g.attn_softcap)
+    }
+
+    /// The final logits' soft cap, if any.
+    pub fn final_softcap(&self) -> Option<f32> {
+        self.gemma().and_then(|g| g.final_softcap)
     }
     /// Whether the fused q|k|v projection has a bias (gpt2: always).
     pub fn has_qkv_bias(&self) -> bool {
@@ -321,11 +467,12 @@ impl ModelConfig {
     pub fn qkv_width(&self) -> usize {
         (self.n_head + 2 * self.n_kv_head()) * self.head_dim()
     }
-    /// Width of the first MLP projection output (gpt2: 4C; llama: gate|up = 2I).
+    /// Width of the first MLP projection output (gpt2: 4C; llama, gemma:
+    /// gate|up = 2I).
     pub fn up_width(&self) -> usize {
         match self.family {
             Family::Gpt2 => self.d_ff(),
-            Family::Llama => 2 * self.d_ff(),
+            Family::Llama | Family::Gemma => 2 * self.d_ff(),
         }
     }
 
@@ -456,7 +603,7 @@ impl ModelConfig {
                     return Err("gpt2's heads are d_model / n_head wide and unnormalised: drop `head_dim` and `qk_norm` (llama only)".into());
                 }
             }
-            Family::Llama => {
+            Family::Llama | Family::Gemma => {
                 if !self.head_dim().is_multiple_of(2) {
                     return Err(format!(
                         "RoPE needs an even head dimension, got {}",
@@ -465,10 +612,15 @@ impl ModelConfig {
                 }
             }
         }
-        Ok(())
+        match (&self.gemma, self.family) {
+            (Some(g), Family::Gemma) => validate_gemma(g),
+            (Some(_), _) => Err("`gemma` holds Gemma's settings: it needs `family: gemma`".into()),
+            (None, _) => Ok(()),
+        }
     }
 
     fn validate_moe(&self, m: &MoeConfig) -> Result<(), String> {
+        // (A Gemma block with experts would need GeGLU experts.)
         if self.family != Family::Llama {
             return Err("experts (`moe`) need the llama family's SwiGLU MLP".into());
         }
@@ -525,6 +677,9 @@ impl ModelConfig {
     pub fn param_layout(&self) -> (Vec<ParamSpec>, ParamIndex) {
         let c = self.d_model;
         let gpt2 = self.family == Family::Gpt2;
+        let gemma = self.offset_norms();
+        // Gemma's norms multiply by `1 + w`: their weights start at zero.
+        let norm_init = if gemma { Init::Zeros } else { Init::Ones };
         let std = 0.02f32;
         let resid_std = std / (2.0 * self.n_layer as f32).sqrt();
         let mut specs = Vec::new();
@@ -553,7 +708,7 @@ impl ModelConfig {
                 part,
                 suffix: "",
             };
-            let ln1_w = push(p("ln_1.weight"), vec![c], Init::Ones);
+            let ln1_w = push(p("ln_1.weight"), vec![c], norm_init);
             let ln1_b = gpt2.then(|| push(p("ln_1.bias"), vec![c], Init::Zeros));
             let qkv_w = push(
                 p("attn.qkv.weight"),
@@ -565,8 +720,8 @@ impl ModelConfig {
                 .then(|| push(p("attn.qkv.bias"), vec![self.qkv_width()], Init::Zeros));
             let (q_norm, k_norm) = match self.qk_norm_widths() {
                 Some((q, k)) => (
-                    Some(push(p("attn.q_norm.weight"), vec![q], Init::Ones)),
-                    Some(push(p("attn.k_norm.weight"), vec![k], Init::Ones)),
+                    Some(push(p("attn.q_norm.weight"), vec![q], norm_init)),
+                    Some(push(p("attn.k_norm.weight"), vec![k], norm_init)),
                 ),
                 None => (None, None),
             };
@@ -576,7 +731,9 @@ impl ModelConfig {
                 Init::Normal(resid_std),
             );
             let o_b = gpt2.then(|| push(p("attn.o.bias"), vec![c], Init::Zeros));
-            let ln2_w = push(p("ln_2.weight"), vec![c], Init::Ones);
+            let post_attn_norm =
+                gemma.then(|| push(p("attn.post_norm.weight"), vec![c], norm_init));
+            let ln2_w = push(p("ln_2.weight"), vec![c], norm_init);
             let ln2_b = gpt2.then(|| push(p("ln_2.bias"), vec![c], Init::Zeros));
             let moe = self.moe_at(l).map(|m| {
                 let (e, i) = (m.n_experts, m.d_expert);
@@ -602,6 +759,7 @@ impl ModelConfig {
             let up_b = gpt2.then(|| push(p("mlp.up.bias"), vec![self.up_width()], Init::Zeros));
             let down_w = dense.map(|f| push(p(down), vec![c, f], Init::Normal(resid_std)));
             let down_b = gpt2.then(|| push(p("mlp.down.bias"), vec![c], Init::Zeros));
+            let post_mlp_norm = gemma.then(|| push(p("mlp.post_norm.weight"), vec![c], norm_init));
             idx.blocks.push(BlockIndex {
                 ln1_w,
                 ln1_b,
@@ -611,16 +769,18 @@ impl ModelConfig {
                 k_norm,
                 o_w,
                 o_b,
+                post_attn_norm,
                 ln2_w,
                 ln2_b,
                 up_w,
                 up_b,
                 down_w,
                 down_b,
+                post_mlp_norm,
                 moe,
             });
         }
-        idx.lnf_w = push(ParamName::top("ln_f.weight"), vec![c], Init::Ones);
+        idx.lnf_w = push(ParamName::top("ln_f.weight"), vec![c], norm_init);
         idx.lnf_b = gpt2.then(|| push(ParamName::top("ln_f.bias"), vec![c], Init::Zeros));
         if !self.tied() {
             idx.lm_head = Some(push(

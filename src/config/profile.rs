@@ -17,6 +17,7 @@ static BUILTIN_MODELS: &[(&str, &str)] = builtin!(
     "gpt2-tiny",
     "llama-tiny",
     "moe-tiny",
+    "gemma-tiny",
     "gpt2",
     "gpt2-medium",
     "gpt2-large",
@@ -33,6 +34,11 @@ static BUILTIN_MODELS: &[(&str, &str)] = builtin!(
     "phi-3-mini",
     "qwen1.5-moe-a2.7b",
     "deepseek-moe-16b",
+    "gemma-2-2b",
+    "gemma-2-9b",
+    "gemma-2-27b",
+    "gemma-3-1b",
+    "gemma-3-4b",
 );
 
 /// The built-in model profiles, `(name, yaml text)`, in a stable order.

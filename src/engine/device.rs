@@ -12,7 +12,8 @@ use serde::Serialize;
 
 use super::ops::{Kind, Work};
 use crate::backend::{
-    AdafactorHyper, AdafactorSecond, AdafactorState, AdamHyper, AttnShape, Backend, DType, SgdHyper,
+    AdafactorHyper, AdafactorSecond, AdafactorState, AdamHyper, AttnOpts, AttnShape, Backend,
+    DType, SgdHyper,
 };
 use crate::comm::{Collective, Op, Peer, PointToPoint, wire_bytes};
 use crate::memory::{ByCategory, Category, OomError, Phase, Tracker};
@@ -774,7 +775,8 @@ impl<B: Backend> Device<B> {
         );
     }
 
-    /// LayerNorm when `mean` is given (gpt2), RMSNorm otherwise (llama).
+    /// LayerNorm when `mean` is given (gpt2), RMSNorm otherwise (llama),
+    /// with weight `1 + w` when `offset` (Gemma).
     pub fn norm_forward(
         &mut self,
         out: &mut T<B>,
@@ -786,6 +788,7 @@ impl<B: Backend> Device<B> {
         n: usize,
         c: usize,
         eps: f32,
+        offset: bool,
     ) {
         let bytes = b(out) + b(rstd) + ob(mean.as_deref()) + b(inp) + b(w) + ob(bias);
         match mean {
@@ -798,6 +801,20 @@ impl<B: Backend> Device<B> {
                         &inp.buf,
                         &w.buf,
                         bias.map(|x| &x.buf),
+                        n,
+                        c,
+                        eps,
+                    )
+                });
+            }
+            None if offset => {
+                let work = Work::stream("gemma_rmsnorm", (5 * n * c) as u64, bytes);
+                self.timed(work, |be| {
+                    be.gemma_rmsnorm_forward(
+                        &mut out.buf,
+                        &mut rstd.buf,
+                        &inp.buf,
+                        &w.buf,
                         n,
                         c,
                         eps,
@@ -825,6 +842,7 @@ impl<B: Backend> Device<B> {
         rstd: &T<B>,
         n: usize,
         c: usize,
+        offset: bool,
     ) {
         let bytes = 2 * b(dinp)
             + 2 * b(dw)
@@ -847,6 +865,23 @@ impl<B: Backend> Device<B> {
                             &inp.buf,
                             &w.buf,
                             &mean.buf,
+                            &rstd.buf,
+                            n,
+                            c,
+                        )
+                    },
+                );
+            }
+            None if offset => {
+                self.timed(
+                    Work::stream("gemma_rmsnorm_backward", (11 * n * c) as u64, bytes),
+                    |be| {
+                        be.gemma_rmsnorm_backward(
+                            &mut dinp.buf,
+                            &mut dw.buf,
+                            &dout.buf,
+                            &inp.buf,
+                            &w.buf,
                             &rstd.buf,
                             n,
                             c,
@@ -1119,6 +1154,39 @@ impl<B: Backend> Device<B> {
         );
     }
 
+    pub fn geglu_forward(&mut self, out: &mut T<B>, gu: &T<B>, n: usize, i: usize) {
+        self.timed(
+            Work::stream("geglu", (10 * n * i) as u64, b(out) + b(gu)),
+            |be| be.geglu_forward(&mut out.buf, &gu.buf, n, i),
+        );
+    }
+
+    pub fn geglu_backward(&mut self, dgu: &mut T<B>, dout: &T<B>, gu: &T<B>, n: usize, i: usize) {
+        self.timed(
+            Work::stream(
+                "geglu_backward",
+                (20 * n * i) as u64,
+                b(dgu) + b(dout) + b(gu),
+            ),
+            |be| be.geglu_backward(&mut dgu.buf, &dout.buf, &gu.buf, n, i),
+        );
+    }
+
+    /// In place: `x *= factor` (Gemma's embedding scale and its backward).
+    pub fn scale(&mut self, x: &mut T<B>, factor: f32) {
+        let n = x.len;
+        self.timed(Work::stream("scale", n as u64, 2 * b(x)), |be| {
+            be.scale(&mut x.buf, n, factor)
+        });
+    }
+
+    /// In place: `x = cap · tanh(x / cap)` over its first `n` elements.
+    pub fn softcap_forward(&mut self, x: &mut T<B>, n: usize, cap: f32) {
+        self.timed(Work::stream("softcap", (4 * n) as u64, 2 * b(x)), |be| {
+            be.softcap_forward(&mut x.buf, n, cap)
+        });
+    }
+
     pub fn add(&mut self, out: &mut T<B>, a: &T<B>, x: &T<B>, n: usize) {
         self.timed(Work::stream("add", n as u64, b(out) + b(a) + b(x)), |be| {
             be.add(&mut out.buf, &a.buf, &x.buf, n)
@@ -1140,6 +1208,61 @@ impl<B: Backend> Device<B> {
     pub fn attention_forward(&mut self, out: &mut T<B>, att: &mut T<B>, qkv: &T<B>, s: AttnShape) {
         self.timed(Work::attention(s, b(out) + 2 * b(att) + b(qkv)), |be| {
             be.attention_forward(&mut out.buf, &mut att.buf, &qkv.buf, s)
+        });
+    }
+
+    /// Eager attention with Gemma's options (`tanh`: the soft cap's saved
+    /// values); the plain kernel where the options are the standard ones.
+    pub fn attention_forward_with(
+        &mut self,
+        out: &mut T<B>,
+        att: &mut T<B>,
+        tanh: Option<&mut T<B>>,
+        qkv: &T<B>,
+        s: AttnShape,
+        o: AttnOpts,
+    ) {
+        if o.is_standard(s) && tanh.is_none() {
+            return self.attention_forward(out, att, qkv, s);
+        }
+        let bytes = b(out) + 2 * b(att) + b(qkv) + ob(tanh.as_deref());
+        self.timed(Work::attention(s, bytes), |be| {
+            be.attention_forward_with(
+                &mut out.buf,
+                &mut att.buf,
+                tanh.map(|x| &mut x.buf),
+                &qkv.buf,
+                s,
+                o,
+            )
+        });
+    }
+
+    /// The backward of [`Device::attention_forward_with`].
+    pub fn attention_backward_with(
+        &mut self,
+        dqkv: &mut T<B>,
+        datt: &mut T<B>,
+        dout: &T<B>,
+        (qkv, att, tanh): (&T<B>, &T<B>, Option<&T<B>>),
+        s: AttnShape,
+        o: AttnOpts,
+    ) {
+        if o.is_standard(s) && tanh.is_none() {
+            return self.attention_backward(dqkv, datt, dout, qkv, att, s);
+        }
+        let bytes = b(dqkv) + 2 * b(datt) + b(dout) + b(qkv) + b(att) + ob(tanh);
+        self.timed(Work::attention_backward(s, bytes), |be| {
+            be.attention_backward_with(
+                &mut dqkv.buf,
+                &mut datt.buf,
+                &dout.buf,
+                &qkv.buf,
+                &att.buf,
+                tanh.map(|x| &x.buf),
+                s,
+                o,
+            )
         });
     }
 
@@ -1202,6 +1325,38 @@ impl<B: Backend> Device<B> {
                 2 * b(logits) + b(targets),
             ),
             |be| be.crossentropy_backward(&mut logits.buf, &targets.buf, dloss, n, v, vp),
+        );
+    }
+
+    /// [`Device::crossentropy_backward`], of logits soft-capped by `cap` when given.
+    pub fn crossentropy_backward_capped(
+        &mut self,
+        logits: &mut T<B>,
+        targets: &T<B>,
+        dloss: f32,
+        (n, v, vp): (usize, usize, usize),
+        cap: Option<f32>,
+    ) {
+        let Some(cap) = cap else {
+            return self.crossentropy_backward(logits, targets, dloss, n, v, vp);
+        };
+        self.timed(
+            Work::stream(
+                "crossentropy_softcap_backward",
+                (9 * n * v) as u64,
+                2 * b(logits) + b(targets),
+            ),
+            |be| {
+                be.crossentropy_softcap_backward(
+                    &mut logits.buf,
+                    &targets.buf,
+                    dloss,
+                    n,
+                    v,
+                    vp,
+                    cap,
+                )
+            },
         );
     }
 
@@ -1524,6 +1679,54 @@ impl<B: Backend> Device<B> {
         let bytes = b(out) + b(lse) + b(qkv);
         self.timed(Work::flash_attention(s, bytes), |be| {
             be.flash_attention_forward(&mut out.buf, &mut lse.buf, &qkv.buf, &mut ws.buf, s)
+        });
+    }
+
+    /// Fused attention with Gemma's options; the plain kernel where they
+    /// are the standard ones.
+    pub fn flash_attention_forward_with(
+        &mut self,
+        out: &mut T<B>,
+        lse: &mut T<B>,
+        qkv: &T<B>,
+        ws: &mut T<B>,
+        s: AttnShape,
+        o: AttnOpts,
+    ) {
+        if o.is_standard(s) {
+            return self.flash_attention_forward(out, lse, qkv, ws, s);
+        }
+        let bytes = b(out) + b(lse) + b(qkv);
+        self.timed(Work::flash_attention(s, bytes), |be| {
+            be.flash_attention_forward_with(&mut out.buf, &mut lse.buf, &qkv.buf, &mut ws.buf, s, o)
+        });
+    }
+
+    /// The backward of [`Device::flash_attention_forward_with`].
+    pub fn flash_attention_backward_with(
+        &mut self,
+        dqkv: &mut T<B>,
+        dout: &T<B>,
+        (out, lse, qkv): (&T<B>, &T<B>, &T<B>),
+        ws: &mut T<B>,
+        s: AttnShape,
+        o: AttnOpts,
+    ) {
+        if o.is_standard(s) {
+            return self.flash_attention_backward(dqkv, dout, out, lse, qkv, ws, s);
+        }
+        let bytes = b(dqkv) + b(dout) + b(out) + b(lse) + b(qkv);
+        self.timed(Work::flash_attention_backward(s, bytes), |be| {
+            be.flash_attention_backward_with(
+                &mut dqkv.buf,
+                &dout.buf,
+                &out.buf,
+                &lse.buf,
+                &qkv.buf,
+                &mut ws.buf,
+                s,
+                o,
+            )
         });
     }
 

@@ -45,6 +45,9 @@ knob_enum! {
 /// expert). Qwen2-MoE's and DeepSeek-MoE's shared experts, and dense
 /// blocks before the routed ones, have no fixture yet.
 pub fn hf_unmodelled(model: &crate::config::ModelConfig) -> Option<&'static str> {
+    if model.family == crate::config::Family::Gemma {
+        return Some("is a Gemma (sandwich norms, GeGLU, soft-capped logits, sliding windows)");
+    }
     match &model.moe {
         Some(m) if m.d_shared > 0 => Some("has a shared expert"),
         Some(m) if m.first_dense > 0 => Some("has dense blocks before its routed ones"),

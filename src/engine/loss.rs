@@ -97,7 +97,7 @@ pub(super) struct Fused<X> {
 /// `losses`, and the gradients of `x` and `w` for a loss scaled by `dloss`
 /// per token. `targets` are the micro-batch's, on the host (`None` on a
 /// backend without data); `dw_dtype` is the weight gradient's, `None` for a
-/// frozen head.
+/// frozen head; `cap` soft-caps the logits (Gemma 2).
 pub(super) fn fused_forward<B: Backend>(
     dev: &mut Device<B>,
     x: &T<B>,
@@ -107,7 +107,7 @@ pub(super) fn fused_forward<B: Backend>(
     dloss: f32,
     dw_dtype: Option<DType>,
     rows: &[usize],
-    (c, v, vp): (usize, usize, usize),
+    (c, v, vp, cap): (usize, usize, usize, Option<f32>),
 ) -> Result<Fused<T<B>>, OomError> {
     let (act, tmp) = (Category::Activations, Category::Temporaries);
     let dt = x.dtype;
@@ -127,11 +127,15 @@ pub(super) fn fused_forward<B: Backend>(
         }
         let mut logits = dev.alloc(r * vp, dt, tmp)?;
         dev.matmul_forward(&mut logits, &xc, w, None, r, c, vp);
+        // Gemma 2's final soft cap (Liger's `softcap`), in place.
+        if let Some(cap) = cap {
+            dev.softcap_forward(&mut logits, r * vp, cap);
+        }
         let mut lc = dev.alloc_f32(r, tmp)?;
         dev.crossentropy_forward(&mut lc, &logits, &tc, r, v, vp);
         dev.copy_slice(losses, off, &lc, 0, r, false);
         // Liger's kernel writes the logits' gradient over the logits.
-        dev.crossentropy_backward(&mut logits, &tc, dloss, r, v, vp);
+        dev.crossentropy_backward_capped(&mut logits, &tc, dloss, (r, v, vp), cap);
         let mut dxc = dev.alloc(r * c, dt, tmp)?;
         dev.matmul_backward(&mut dxc, dw.as_mut(), None, &logits, &xc, w, r, c, vp);
         dev.copy_slice(&mut dx, off * c, &dxc, 0, r * c, false);

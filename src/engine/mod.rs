@@ -356,6 +356,13 @@ struct BlockActs<X> {
     extra: Vec<X>,
     /// LoRA: each adapter's `x A^T (N, r)`, in the block's adapter order.
     lora_t: Vec<X>,
+    /// Eager attention under Gemma 2's soft cap: each score's `tanh(s /
+    /// cap)` (B,H,T,T), which the cap's backward reads.
+    tanh: Option<X>,
+    /// Gemma's post-norms of the attention's and the MLP's outputs: each
+    /// one's input (N,C) and rstd (N).
+    post_attn: Option<(X, X)>,
+    post_mlp: Option<(X, X)>,
 }
 
 /// Everything a forward pass leaves for the backward pass (of this
@@ -1541,6 +1548,7 @@ fn head_backward<B: Backend>(
     (mut tp, vocab): (Option<&mut Tp<B>>, (usize, usize, usize)),
     mut hf: Option<HfHead<'_, B>>,
     (frozen, scratch): (bool, &mut NormScratch<B>),
+    (offset, cap): (bool, Option<f32>),
     hook: &mut HeadHook<'_, B>,
 ) -> Result<T<B>, OomError> {
     let tmp = Category::Temporaries;
@@ -1577,7 +1585,7 @@ fn head_backward<B: Backend>(
                 (n, c, v, vp),
                 (tp.as_deref_mut(), vocab),
                 hf.as_mut(),
-                frozen,
+                (frozen, cap),
             )?
         }
         LossActs::Logits { parts, .. } => chunked_head_backward(
@@ -1588,7 +1596,7 @@ fn head_backward<B: Backend>(
             dloss,
             (n, c, v, vp, dt),
             hf.as_mut(),
-            frozen,
+            (frozen, cap),
         )?,
     };
     // Each rank's columns of the head saw the whole input: its gradient is
@@ -1612,6 +1620,7 @@ fn head_backward<B: Backend>(
         &lnf_rstd,
         nl,
         c,
+        offset,
     );
     for x in [dlnf, lnf_rstd].into_iter().chain(lnf).chain(extra) {
         dev.free(x);
@@ -1635,7 +1644,7 @@ fn full_head_backward<B: Backend>(
     (n, c, v, vp): (usize, usize, usize, usize),
     (tp, (lo, vl, vpl)): (Option<&mut Tp<B>>, (usize, usize, usize)),
     mut hf: Option<&mut HfHead<'_, B>>,
-    frozen: bool,
+    (frozen, cap): (bool, Option<f32>),
 ) -> Result<T<B>, OomError> {
     let tmp = Category::Temporaries;
     let dt = lnf.dtype;
@@ -1652,7 +1661,7 @@ fn full_head_backward<B: Backend>(
         None => Vec::new(),
     };
     match lse {
-        None => dev.crossentropy_backward(&mut logits, &targets, dloss, n, v, vp),
+        None => dev.crossentropy_backward_capped(&mut logits, &targets, dloss, (n, v, vp), cap),
         Some(lse) => {
             let part = (lo, vl, vpl);
             dev.crossentropy_part_backward(&mut logits, &lse, &targets, dloss, n, part);
@@ -1757,7 +1766,7 @@ fn chunked_head_backward<B: Backend>(
     dloss: f32,
     (n, c, v, vp, dt): (usize, usize, usize, usize, DType),
     mut hf: Option<&mut HfHead<'_, B>>,
-    frozen: bool,
+    (frozen, cap): (bool, Option<f32>),
 ) -> Result<T<B>, OomError> {
     let tmp = Category::Temporaries;
     let head = idx.lm_head.unwrap_or(idx.wte);
@@ -1794,7 +1803,7 @@ fn chunked_head_backward<B: Backend>(
             0 => Vec::new(),
             e => vec![dev.alloc_f32(r * e, tmp)?, dev.alloc_f32(r * e, tmp)?],
         };
-        dev.crossentropy_backward(&mut logits, &tc, dloss, r, v, vp);
+        dev.crossentropy_backward_capped(&mut logits, &tc, dloss, (r, v, vp), cap);
         for t in grads.into_iter().chain(extra).chain([tc]) {
             dev.free(t);
         }
@@ -2002,7 +2011,7 @@ fn norm_layer<B: Backend>(
     x: &T<B>,
     w: &T<B>,
     b: Option<&T<B>>,
-    layernorm: bool,
+    (layernorm, offset): (bool, bool),
     n: usize,
     c: usize,
     eps: f32,
@@ -2017,7 +2026,18 @@ fn norm_layer<B: Backend>(
         None
     };
     let mut rstd = dev.alloc_f32(n, act)?;
-    dev.norm_forward(&mut out, mean.as_mut(), &mut rstd, x, w, b, n, c, eps);
+    dev.norm_forward(
+        &mut out,
+        mean.as_mut(),
+        &mut rstd,
+        x,
+        w,
+        b,
+        n,
+        c,
+        eps,
+        offset,
+    );
     Ok((out, mean, rstd))
 }
 
@@ -2047,10 +2067,14 @@ fn free_block<B: Backend>(dev: &mut Device<B>, a: BlockActs<T<B>>) {
     if let Some(g) = a.gate {
         moe::free_gate(dev, g);
     }
-    for (x, rstd) in a.qk.into_iter().flatten() {
+    for (x, rstd) in (a.qk.into_iter().flatten())
+        .chain(a.post_attn)
+        .chain(a.post_mlp)
+    {
         dev.free(x);
         dev.free(rstd);
     }
+    dev.free_opt(a.tanh);
     dev.free_opt(a.ln1_mean);
     dev.free_opt(a.ln2_mean);
     for x in a.extra.into_iter().chain(a.lora_t) {

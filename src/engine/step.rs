@@ -13,6 +13,7 @@
 //! what the PyTorch fixtures were matched against.
 
 use super::*;
+use crate::backend::AttnOpts;
 use crate::config::model::MoeIndex;
 
 /// One projection of a block: its weight and bias (indices into the flat
@@ -49,6 +50,9 @@ struct BlockLayers {
     up: Option<Linear>,
     down: Option<Linear>,
     moe: Option<(MoeIndex, moe::MoeShape)>,
+    /// Gemma's norms of the attention's and the MLP's outputs.
+    post_attn: Option<usize>,
+    post_mlp: Option<usize>,
 }
 
 impl BlockLayers {
@@ -84,6 +88,8 @@ impl BlockLayers {
             up: (bi.up_w).map(|w| linear(w, bi.up_b, Proj::Up, c, wd.up, false)),
             down: (bi.down_w).map(|w| linear(w, bi.down_b, Proj::Down, wd.dff, c, true)),
             moe: None,
+            post_attn: bi.post_attn_norm,
+            post_mlp: bi.post_mlp_norm,
         }
     }
 }
@@ -308,8 +314,8 @@ impl<'e, B: Backend> Pass<'e, B> {
     fn norm(&mut self, x: &T<B>, (w, b): (usize, Option<usize>)) -> Result<NormOut<B>, OomError> {
         let (gpt2, c) = (self.model.family == Family::Gpt2, self.model.d_model);
         let b = b.map(|i| &self.p[i]);
-        let eps = self.model.norm_eps();
-        norm_layer(self.dev, x, &self.p[w], b, gpt2, self.nl, c, eps)
+        let (eps, offset) = (self.model.norm_eps(), self.model.offset_norms());
+        norm_layer(self.dev, x, &self.p[w], b, (gpt2, offset), self.nl, c, eps)
     }
 
     /// The backward of [`Pass::norm`]: `dres += d(norm input)`, and the
@@ -324,8 +330,43 @@ impl<'e, B: Backend> Pass<'e, B> {
     ) {
         let c = self.model.d_model;
         let (dw, db) = norm_grads(self.g, &mut self.scratch, w, b);
-        let nl = self.nl;
-        (self.dev).norm_backward(dres, dw, db, dout, x, &self.p[w], mean, rstd, nl, c);
+        let (nl, offset) = (self.nl, self.model.offset_norms());
+        (self.dev).norm_backward(dres, dw, db, dout, x, &self.p[w], mean, rstd, nl, c, offset);
+    }
+
+    /// Gemma's norm of a sublayer's output `y` (saved, with its rstd) into
+    /// a temporary the residual add consumes.
+    fn post_norm(&mut self, y: &T<B>, w: usize) -> Result<(T<B>, T<B>), OomError> {
+        let (nl, c) = (self.nl, self.model.d_model);
+        let mut out = self.dev.alloc(nl * c, y.dtype, Category::Temporaries)?;
+        let mut rstd = self.dev.alloc_f32(nl, Category::Activations)?;
+        let (eps, wt) = (self.model.norm_eps(), &self.p[w]);
+        (self.dev).norm_forward(&mut out, None, &mut rstd, y, wt, None, nl, c, eps, true);
+        Ok((out, rstd))
+    }
+
+    /// The backward of [`Pass::post_norm`]: the gradient of its input `y`
+    /// from that of its output `dout`.
+    fn post_norm_backward(
+        &mut self,
+        dout: &T<B>,
+        w: usize,
+        (y, rstd): &(T<B>, T<B>),
+    ) -> Result<T<B>, OomError> {
+        let len = self.nl * self.model.d_model;
+        let mut dy = self.dev.alloc_zeroed(len, self.dt, Category::Temporaries)?;
+        self.norm_backward(&mut dy, dout, y, (w, None), (None, rstd));
+        Ok(dy)
+    }
+
+    /// Block `l`'s attention options: Gemma's scale, soft cap and window.
+    fn attn_opts(&self, l: usize) -> AttnOpts {
+        let m = self.model;
+        AttnOpts {
+            scale: m.attn_scale(),
+            softcap: m.attn_softcap(),
+            window: m.sliding_window(l),
+        }
     }
 
     /// `a + b` into a new activation; `b` (a projection's output) is freed.
@@ -456,9 +497,24 @@ impl<'e, B: Backend> Pass<'e, B> {
         let wpe = (idx.wpe.map(|i| &self.p[i])).filter(|_| tp.is_none_or(|tp| tp.rank() == 0));
         let shape = (n, self.train.seq_len, c);
         (self.dev).embed_forward(&mut emb, tokens, &self.p[idx.wte], wpe, shape, part);
+        if let Some(f) = self.embed_scale() {
+            self.dev.scale(&mut emb, f);
+        }
         let emb = self.reduce(emb)?;
         self.hook(Stage::Embed, true, false)?;
         Ok(emb)
+    }
+
+    /// Gemma's embedding scale: √C in the activations' dtype, as
+    /// transformers' `Gemma2Model` casts its `normalizer` to the hidden
+    /// states' dtype before multiplying.
+    fn embed_scale(&self) -> Option<f32> {
+        let c = (self.model.d_model as f32).sqrt();
+        self.model.offset_norms().then(|| match self.dt {
+            DType::Bf16 => half::bf16::from_f32(c).to_f32(),
+            DType::F16 => half::f16::from_f32(c).to_f32(),
+            _ => c,
+        })
     }
 
     /// One transformer block's forward from its input `x` (N,C): the saved
@@ -478,12 +534,21 @@ impl<'e, B: Backend> Pass<'e, B> {
         let mut qkv = ly.qkv.forward(self, l, &ln1, act, &mut lora_t)?;
         let qk = self.qk_norm_forward(l, &mut qkv)?;
         if self.model.family != Family::Gpt2 {
-            self.dev.rope_forward(&mut qkv, s, self.model.rope_theta());
+            self.dev
+                .rope_forward(&mut qkv, s, self.model.rope_theta_at(l));
         }
-        let (atty, att) = self.attention_forward(&qkv)?;
-        let proj = ly.o.forward(self, l, &atty, tmp, &mut lora_t)?;
+        let (atty, att, tanh) = self.attention_forward(l, &qkv)?;
+        // Gemma keeps the projection's output for its post-norm's backward.
+        let cat = if ly.post_attn.is_some() { act } else { tmp };
+        let proj = ly.o.forward(self, l, &atty, cat, &mut lora_t)?;
         let proj = self.reduce(proj)?;
-        let res2 = self.residual(x, proj)?;
+        let (res2, post_attn) = match ly.post_attn {
+            Some(w) => {
+                let (y, rstd) = self.post_norm(&proj, w)?;
+                (self.residual(x, y)?, Some((proj, rstd)))
+            }
+            None => (self.residual(x, proj)?, None),
+        };
         // MLP: ln2 -> up -> gelu | swiglu -> down (and the routed
         // experts), + residual
         let (ln2, ln2_mean, ln2_rstd) = self.norm(&res2, ly.ln2)?;
@@ -515,9 +580,10 @@ impl<'e, B: Backend> Pass<'e, B> {
         // whose backward reads it (so a recomputation makes it too).
         let gate_w = ly.moe.and_then(|(mi, _)| mi.shared_gate);
         let nc = (self.n, self.model.d_model);
-        let dense = match (ly.down.zip(a.as_ref()), with_out || gate_w.is_some()) {
+        let keep = gate_w.is_some() || ly.post_mlp.is_some();
+        let dense = match (ly.down.zip(a.as_ref()), with_out || keep) {
             (Some((down, a)), true) => {
-                let cat = if gate_w.is_some() { act } else { tmp };
+                let cat = if keep { act } else { tmp };
                 let y = down.forward(self, l, a, cat, &mut lora_t)?;
                 Some(self.reduce(y)?)
             }
@@ -532,6 +598,21 @@ impl<'e, B: Backend> Pass<'e, B> {
                 let g = moe::gate_forward(self.dev, &self.p[gw], &ln2, ys, nc)?;
                 let y = with_out.then(|| moe::gated(self.dev, &g, nc)).transpose()?;
                 (y, Some(g))
+            }
+            (_, dense) => (dense, None),
+        };
+        // Gemma: the MLP's output (kept) through its post-norm.
+        let (dense, post_mlp) = match (ly.post_mlp, dense) {
+            (Some(w), Some(y)) => {
+                let (out, rstd) = self.post_norm(&y, w)?;
+                let out = match with_out {
+                    true => Some(out),
+                    false => {
+                        self.dev.free(out);
+                        None
+                    }
+                };
+                (out, Some((y, rstd)))
             }
             (_, dense) => (dense, None),
         };
@@ -563,6 +644,9 @@ impl<'e, B: Backend> Pass<'e, B> {
             qk,
             extra,
             lora_t,
+            tanh,
+            post_attn,
+            post_mlp,
         };
         Ok((a, out))
     }
@@ -613,8 +697,9 @@ impl<'e, B: Backend> Pass<'e, B> {
             .alloc(n * width, qkv.dtype, Category::Temporaries)?;
         let mut rstd = self.dev.alloc_f32(rows, act)?;
         let eps = self.model.norm_eps();
+        let offset = self.model.offset_norms();
         (self.dev).norm_forward(
-            &mut out, None, &mut rstd, &x, &self.p[w], None, rows, nw, eps,
+            &mut out, None, &mut rstd, &x, &self.p[w], None, rows, nw, eps, offset,
         );
         self.dev
             .copy_cols(qkv, cols, off, &out, width, 0, n, width, 1.0, false);
@@ -660,8 +745,9 @@ impl<'e, B: Backend> Pass<'e, B> {
             Some(s) => s,
             None => &mut self.g[w],
         };
+        let offset = self.model.offset_norms();
         (self.dev).norm_backward(
-            &mut dx, dw, None, &dout, x, &self.p[w], None, rstd, rows, nw,
+            &mut dx, dw, None, &dout, x, &self.p[w], None, rstd, rows, nw, offset,
         );
         self.dev
             .copy_cols(dqkv, cols, off, &dx, width, 0, n, width, 1.0, false);
@@ -671,25 +757,36 @@ impl<'e, B: Backend> Pass<'e, B> {
         Ok(())
     }
 
-    /// Attention over `qkv`: its output (N, local heads x head_dim) and
-    /// what the backward needs of it (eager: the probabilities; fused: the
-    /// per-row log-sum-exp).
-    fn attention_forward(&mut self, qkv: &T<B>) -> Result<(T<B>, T<B>), OomError> {
-        let (s, act) = (self.s, Category::Activations);
+    /// Block `l`'s attention over `qkv`: its output (N, local heads x
+    /// head_dim), what the backward needs of it (eager: the probabilities;
+    /// fused: the per-row log-sum-exp) and, eager with Gemma 2's soft cap,
+    /// the scores' tanh (B,H,T,T), which the cap's backward reads.
+    #[allow(clippy::type_complexity)]
+    fn attention_forward(
+        &mut self,
+        l: usize,
+        qkv: &T<B>,
+    ) -> Result<(T<B>, T<B>, Option<T<B>>), OomError> {
+        let (s, act, o) = (self.s, Category::Activations, self.attn_opts(l));
         let mut atty = self.dev.alloc(self.n * self.widths.attn, self.dt, act)?;
-        let att = match self.train.attention {
+        let tt = s.b * s.n_head * s.t * s.t;
+        let (att, tanh) = match self.train.attention {
             Attention::Eager => {
-                let mut att = self.dev.alloc(s.b * s.n_head * s.t * s.t, self.dt, act)?;
-                self.dev.attention_forward(&mut atty, &mut att, qkv, s);
-                att
+                let mut att = self.dev.alloc(tt, self.dt, act)?;
+                let mut tanh = (o.softcap)
+                    .map(|_| self.dev.alloc(tt, self.dt, act))
+                    .transpose()?;
+                (self.dev).attention_forward_with(&mut atty, &mut att, tanh.as_mut(), qkv, s, o);
+                (att, tanh)
             }
             Attention::Fused => {
                 let mut lse = self.dev.alloc_f32(s.b * s.n_head * s.t, act)?;
-                (self.dev).flash_attention_forward(&mut atty, &mut lse, qkv, self.workspace, s);
-                lse
+                let ws = &mut *self.workspace;
+                (self.dev).flash_attention_forward_with(&mut atty, &mut lse, qkv, ws, s, o);
+                (lse, None)
             }
         };
-        Ok((atty, att))
+        Ok((atty, att, tanh))
     }
 
     /// The MLP's nonlinearity over its `dff` inner columns: GELU (gpt2) or
@@ -699,7 +796,8 @@ impl<'e, B: Backend> Pass<'e, B> {
         let mut a = self.dev.alloc(n * dff, self.dt, Category::Activations)?;
         match self.model.family {
             Family::Gpt2 => self.dev.gelu_forward(&mut a, up, n * dff),
-            _ => self.dev.swiglu_forward(&mut a, up, n, dff),
+            Family::Gemma => self.dev.geglu_forward(&mut a, up, n, dff),
+            Family::Llama => self.dev.swiglu_forward(&mut a, up, n, dff),
         }
         Ok(a)
     }
@@ -824,6 +922,9 @@ impl<'e, B: Backend> Pass<'e, B> {
         let inp = gathered.as_ref().unwrap_or(&lnf);
         (self.dev).matmul_forward(&mut logits, inp, &self.p[head], None, n, c, vpl);
         self.dev.free_opt(gathered);
+        if let Some(cap) = self.model.final_softcap() {
+            self.dev.softcap_forward(&mut logits, n * vpl, cap);
+        }
         let mut losses = self.dev.alloc_f32(n, act)?;
         let lse = match self.tp.as_mut() {
             None => {
@@ -872,6 +973,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             self.model.d_model,
             self.model.vocab_size,
             self.model.padded_vocab(),
+            self.model.final_softcap(),
         );
         let hf_live = self.hf.map_or(&[][..], |h| &h.head_forward[..]);
         let live = alloc_saved(self.dev, hf_live)?;
@@ -924,6 +1026,9 @@ impl<'e, B: Backend> Pass<'e, B> {
             let mut logits = dev.alloc(r * vp, dt, act)?;
             let extra = alloc_per_token(dev, hf, |h| &h.loss_saved, r)?;
             dev.matmul_forward(&mut logits, &input, &self.p[head], None, r, c, vp);
+            if let Some(cap) = self.model.final_softcap() {
+                dev.softcap_forward(&mut logits, r * vp, cap);
+            }
             let mut lc = dev.alloc_f32(r, Category::Temporaries)?;
             dev.crossentropy_forward(&mut lc, &logits, &tc, r, v, vp);
             dev.copy_slice(&mut losses, off, &lc, 0, r, false);
@@ -1001,6 +1106,10 @@ impl<'e, B: Backend> Pass<'e, B> {
         // A first stage holding only the embedding sent its output on.
         let input = resid.pop();
         let first = tokens.is_some();
+        // Gemma: the embedding was scaled by √C, so is its gradient.
+        if let (Some(f), Some(_)) = (self.embed_scale(), &tokens) {
+            self.dev.scale(&mut dres, f);
+        }
         match &tokens {
             Some(tokens) => self.embed_backward(tokens, &dres, head_dw.take())?,
             None => {
@@ -1123,6 +1232,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             (self.tp.as_mut(), part),
             hf,
             (self.frozen, &mut self.scratch),
+            (self.model.offset_norms(), self.model.final_softcap()),
             &mut hook,
         )
     }
@@ -1140,8 +1250,14 @@ impl<'e, B: Backend> Pass<'e, B> {
         let ly = BlockLayers::of(self, l);
         let mut a = a;
         let routed = a.moe.take();
+        // Gemma: the MLP's post-norm first; d(mlp output) is then its input's.
+        let dpost = match (ly.post_mlp, &a.post_mlp) {
+            (Some(w), Some(saved)) => Some(self.post_norm_backward(dres, w, saved)?),
+            _ => None,
+        };
         let ts = &a.lora_t;
-        // MLP: dres is d(out) = d(mlp output).
+        let dmlp = dpost.as_ref().unwrap_or(&*dres);
+        // MLP: dmlp is d(mlp output).
         let dln2 = match (ly.up, ly.down, &a.up, &a.act) {
             (Some(up), Some(down), Some(u), Some(act)) => {
                 // Qwen2-MoE's gate: the shared expert sees σ · dres.
@@ -1159,7 +1275,7 @@ impl<'e, B: Backend> Pass<'e, B> {
                     }
                     _ => None,
                 };
-                let dout = gated.as_ref().map_or(&*dres, |(d, _)| d);
+                let dout = gated.as_ref().map_or(dmlp, |(d, _)| d);
                 let dact = down.backward(self, l, dout, act, ts)?;
                 let dup = self.activation_backward(dact, u, down.inp)?;
                 let mut dln2 = up.backward(self, l, &dup, &a.ln2, ts)?;
@@ -1188,15 +1304,23 @@ impl<'e, B: Backend> Pass<'e, B> {
             }
             _ => dln2.expect("a block has a dense MLP or experts"),
         };
+        self.dev.free_opt(dpost);
         // Each rank's up projection saw a slice of the MLP: the norm's
         // output gradient is the sum over the group.
         let dln2 = self.reduce(dln2)?;
         let stats = (a.ln2_mean.as_ref(), &a.ln2_rstd);
         self.norm_backward(dres, &dln2, &a.res2, ly.ln2, stats);
         self.dev.free(dln2);
-        // attention: dres is now d(res2) = d(o-proj output)
-        let datty = ly.o.backward(self, l, dres, &a.atty, ts)?;
-        let mut dqkv = self.attention_backward(datty, &a)?;
+        // attention: dres is now d(res2) = d(o-proj output), or under
+        // Gemma's post-norm that of the norm's output.
+        let dpost = match (ly.post_attn, &a.post_attn) {
+            (Some(w), Some(saved)) => Some(self.post_norm_backward(dres, w, saved)?),
+            _ => None,
+        };
+        let dproj = dpost.as_ref().unwrap_or(&*dres);
+        let datty = ly.o.backward(self, l, dproj, &a.atty, ts)?;
+        self.dev.free_opt(dpost);
+        let mut dqkv = self.attention_backward(l, datty, &a)?;
         if let Some(qk) = &a.qk {
             self.qk_norm_backward(l, &mut dqkv, qk)?;
         }
@@ -1226,31 +1350,40 @@ impl<'e, B: Backend> Pass<'e, B> {
         let mut dgu = self
             .dev
             .alloc(n * 2 * dff, self.dt, Category::Temporaries)?;
-        self.dev.swiglu_backward(&mut dgu, &dact, up, n, dff);
+        match self.model.family {
+            Family::Gemma => self.dev.geglu_backward(&mut dgu, &dact, up, n, dff),
+            _ => self.dev.swiglu_backward(&mut dgu, &dact, up, n, dff),
+        }
         self.dev.free(dact);
         Ok(dgu)
     }
 
     /// The attention's backward, from its output's gradient (`datty`,
     /// consumed) to the gradient of q|k|v before RoPE.
-    fn attention_backward(&mut self, datty: T<B>, a: &BlockActs<T<B>>) -> Result<T<B>, OomError> {
-        let (s, tmp) = (self.s, Category::Temporaries);
+    fn attention_backward(
+        &mut self,
+        l: usize,
+        datty: T<B>,
+        a: &BlockActs<T<B>>,
+    ) -> Result<T<B>, OomError> {
+        let (s, tmp, o) = (self.s, Category::Temporaries, self.attn_opts(l));
         let mut dqkv = self.dev.alloc(self.n * self.widths.qkv, self.dt, tmp)?;
         match self.train.attention {
             Attention::Eager => {
                 let mut datt = self.dev.alloc(s.b * s.n_head * s.t * s.t, self.dt, tmp)?;
-                (self.dev).attention_backward(&mut dqkv, &mut datt, &datty, &a.qkv, &a.att, s);
+                let saved = (&a.qkv, &a.att, a.tanh.as_ref());
+                (self.dev).attention_backward_with(&mut dqkv, &mut datt, &datty, saved, s, o);
                 self.dev.free(datt);
             }
             Attention::Fused => {
-                let (out, lse, ws) = (&a.atty, &a.att, &mut *self.workspace);
-                (self.dev).flash_attention_backward(&mut dqkv, &datty, out, lse, &a.qkv, ws, s);
+                let (saved, ws) = ((&a.atty, &a.att, &a.qkv), &mut *self.workspace);
+                (self.dev).flash_attention_backward_with(&mut dqkv, &datty, saved, ws, s, o);
             }
         }
         self.dev.free(datty);
         if self.model.family != Family::Gpt2 {
             self.dev
-                .rope_backward(&mut dqkv, s, self.model.rope_theta());
+                .rope_backward(&mut dqkv, s, self.model.rope_theta_at(l));
         }
         Ok(dqkv)
     }

@@ -14,6 +14,13 @@ use crate::error::{Error, Result};
 /// Checks what a model's architecture adds to the llama family (q and k
 /// norms, a head width of its own, experts) against the other knobs.
 pub fn architecture(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
+    if t.tensor_parallel > 1 && model.family == crate::config::Family::Gemma {
+        return not_yet(
+            "--tensor-parallel",
+            "tensor parallelism splits the heads and the vocabulary that Gemma's q/k norms and soft caps read whole",
+            &format!("{} is a Gemma", model.name),
+        );
+    }
     if t.tensor_parallel > 1 && model.qk_norm.is_some() {
         return not_yet(
             "--tensor-parallel",

@@ -42,6 +42,15 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
             ),
         ));
     }
+    if model.family == crate::config::Family::Gemma && opts.device.kind == DeviceKind::Cuda {
+        return Err(Error::invalid_arg(
+            "--device",
+            format!(
+                "{} is a Gemma, which trains on cpu and plans on meta (for GPUs too); the cuda backend has no kernels for Gemma's norms, GeGLU, soft caps and sliding windows yet",
+                model.name
+            ),
+        ));
+    }
     crate::engine::validate::tensor_parallel(t, model)?;
     crate::engine::validate::loss(t)?;
     crate::engine::validate::offload_activations(t)?;

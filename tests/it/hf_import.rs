@@ -139,7 +139,7 @@ fn unsupported_model_type() {
     assert!(msg.contains(":14:3: "), "the line of `model_type`: {msg}");
     assert!(
         msg.contains(
-            "`model_type` \"bert\" is not supported; memfit imports gpt2, llama, mistral, qwen2, phi3, qwen3, mixtral, qwen2_moe, qwen3_moe, olmoe and deepseek (DeepSeek-MoE) configs"
+            "`model_type` \"bert\" is not supported; memfit imports gpt2, llama, mistral, qwen2, phi3, qwen3, mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek (DeepSeek-MoE), gemma2, gemma3_text and gemma3 (its text model) configs"
         ),
         "{msg}"
     );

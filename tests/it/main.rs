@@ -24,6 +24,7 @@ mod cuda_kernels;
 mod engine;
 mod expert_parallel;
 mod fuzz_parsers;
+mod gemma;
 mod gradcheck;
 mod help;
 mod hf_import;

@@ -504,7 +504,7 @@ fn what_experts_do_not_combine_with_is_refused_by_name() {
         "2",
     ]);
     assert!(err.contains("--tensor-parallel"), "{err}");
-    for (model_type, what) in [("deepseek_v3", "latent attention"), ("gemma2", "soft-caps")] {
+    for (model_type, what) in [("deepseek_v3", "latent attention"), ("gemma", "Gemma 1")] {
         let text = format!(r#"{{"model_type": "{model_type}", "hidden_size": 64}}"#);
         let err = import_hf_config(&text, "config.json")
             .unwrap_err()

@@ -29,9 +29,10 @@
 
 use rayon::prelude::*;
 
+use super::elementwise::softcap;
 use super::math::{dot, exp_f32, sum, vectorized};
 use super::{CpuBackend, CpuBuf};
-use crate::backend::AttnShape;
+use crate::backend::{AttnOpts, AttnShape};
 
 /// Query rows per block (FlashAttention's `Br`).
 const BR: usize = 64;
@@ -181,6 +182,23 @@ fn live_keys(r: usize, c0: usize, nc: usize) -> usize {
     (r + 1).saturating_sub(c0).min(nc)
 }
 
+/// The first key of tile `[c0, ..)` inside query row `r`'s window (keys
+/// `r + 1 - window ..= r`), capped at `live`: keys before it are masked.
+#[inline(always)]
+fn window_start(r: usize, c0: usize, live: usize, window: Option<usize>) -> usize {
+    window.map_or(0, |w| {
+        (r + 1).saturating_sub(w).saturating_sub(c0).min(live)
+    })
+}
+
+/// The first key tile any row of block `r0..` sees: tiles wholly before
+/// the block's first window are skipped (a sliding window saves compute,
+/// not memory).
+#[inline(always)]
+fn first_tile(r0: usize, bc: usize, window: Option<usize>) -> usize {
+    window.map_or(0, |w| (r0 + 1).saturating_sub(w) / bc * bc)
+}
+
 /// Copies the key or value tile `x[c0..c0+nc]` of one head into `xt (hd, nc)`,
 /// transposed. `qkv (T, w)` is the sequence's rows, `col` the head's column.
 #[inline(always)]
@@ -236,6 +254,21 @@ pub fn forward(
     ws: &mut CpuBuf,
     s: AttnShape,
 ) {
+    forward_with(be, out, lse, qkv, ws, s, AttnOpts::standard(s))
+}
+
+/// [`forward`] with Gemma's options: the scores' scale, their soft cap
+/// (applied before the mask and the softmax, as FlashAttention-2's
+/// `softcap`), and a sliding window.
+pub fn forward_with(
+    be: &mut CpuBackend,
+    out: &mut CpuBuf,
+    lse: &mut CpuBuf,
+    qkv: &CpuBuf,
+    ws: &mut CpuBuf,
+    s: AttnShape,
+    o: AttnOpts,
+) {
     let AttnShape {
         b,
         t,
@@ -255,7 +288,6 @@ pub fn forward(
     let ws = &mut ws.wide_mut()[..tl.slots * tl.slot_len];
     let (out, lse) = (SyncPtr(out.as_mut_ptr()), SyncPtr(lse.as_mut_ptr()));
     let ntasks = b * nh * tl.nqb;
-    let scale = 1.0 / (hd as f32).sqrt();
     be.pool.install(|| {
         ws.par_chunks_mut(tl.slot_len)
             .enumerate()
@@ -269,7 +301,7 @@ pub fn forward(
                     let r1 = (r0 + tl.br).min(t);
                     vectorized(
                         #[inline(always)]
-                        || forward_block(&mut sl, seq, s, tl, (h, h / rep), (r0, r1), scale),
+                        || forward_block(&mut sl, seq, s, tl, (h, h / rep), (r0, r1), o),
                     );
                     // SAFETY: rows r0..r1 of batch bi, head h's columns of out
                     // and head h's row of lse: in bounds (lengths sliced above),
@@ -301,7 +333,7 @@ fn forward_block(
     tl: Tiling,
     (h, g): (usize, usize),
     (r0, r1): (usize, usize),
-    scale: f32,
+    o: AttnOpts,
 ) {
     let (nh, nkv, hd, w, bc) = (s.n_head, s.n_kv_head, s.head_dim, s.qkv_width(), tl.bc);
     let nr = r1 - r0;
@@ -312,26 +344,34 @@ fn forward_block(
     // Key tiles up to the block's last row; the causal mask is applied by
     // visiting only each row's live keys, so nothing is ever -inf but the
     // initial max.
-    for c0 in (0..r1).step_by(bc) {
+    for c0 in (first_tile(r0, bc, o.window)..r1).step_by(bc) {
         let nc = bc.min(r1 - c0);
         let kt = &mut sl.kt[..hd * nc];
         transpose_tile(kt, seq, w, kcol, c0, nc);
         for i in 0..nr {
             let r = r0 + i;
             let live = live_keys(r, c0, nc);
-            if live == 0 {
+            let lo = window_start(r, c0, live, o.window);
+            if live == lo {
                 continue;
             }
             let q = &seq[r * w + h * hd..][..hd];
-            // S_i (live) = scale * q_i K^T
+            // S_i (live) = scale * q_i K^T, soft-capped
             let srow = &mut sl.s[i * bc..][..live];
-            row_times_tile(srow, q, scale, kt, nc);
-            // Online softmax: new max, rescale what was summed under the old one.
+            row_times_tile(srow, q, o.scale, kt, nc);
+            if let Some(cap) = o.softcap {
+                for x in srow[lo..].iter_mut() {
+                    *x = softcap(*x, cap);
+                }
+            }
+            // Online softmax: new max, rescale what was summed under the old
+            // one; keys before the window weigh 0.
             let m_old = sl.m[i];
-            let m_new = m_old.max(max(srow));
+            let m_new = m_old.max(max(&srow[lo..]));
             for p in srow.iter_mut() {
                 *p = exp_f32(*p - m_new);
             }
+            srow[..lo].fill(0.0);
             let acc = &mut sl.acc[i * hd..][..hd];
             if m_old != f32::NEG_INFINITY {
                 let corr = exp_f32(m_old - m_new);
@@ -373,6 +413,22 @@ pub fn backward(
     ws: &mut CpuBuf,
     s: AttnShape,
 ) {
+    backward_with(be, dqkv, dout, out, lse, qkv, ws, s, AttnOpts::standard(s))
+}
+
+/// [`backward`] with Gemma's options ([`forward_with`]): the soft cap's
+/// derivative `1 - tanh²` from the recomputed scores, nothing saved.
+pub fn backward_with(
+    be: &mut CpuBackend,
+    dqkv: &mut CpuBuf,
+    dout: &CpuBuf,
+    out: &CpuBuf,
+    lse: &CpuBuf,
+    qkv: &CpuBuf,
+    ws: &mut CpuBuf,
+    s: AttnShape,
+    o: AttnOpts,
+) {
     let AttnShape {
         b,
         t,
@@ -395,7 +451,6 @@ pub fn backward(
     let groups = tl.slots.min(ntasks);
     let ws = &mut ws.wide_mut()[..groups * tl.slot_len];
     let dqkv = SyncPtr(dqkv.as_mut_ptr());
-    let scale = 1.0 / (hd as f32).sqrt();
     be.pool.install(|| {
         ws.par_chunks_mut(tl.slot_len)
             .enumerate()
@@ -424,18 +479,7 @@ pub fn backward(
                             let r1 = (r0 + tl.br).min(t);
                             vectorized(
                                 #[inline(always)]
-                                || {
-                                    backward_block(
-                                        &mut sl,
-                                        &io,
-                                        lse_h,
-                                        s,
-                                        tl,
-                                        (h, g),
-                                        (r0, r1),
-                                        scale,
-                                    )
-                                },
+                                || backward_block(&mut sl, &io, lse_h, s, tl, (h, g), (r0, r1), o),
                             );
                         }
                     }
@@ -463,10 +507,10 @@ fn backward_block(
     tl: Tiling,
     (h, g): (usize, usize),
     (r0, r1): (usize, usize),
-    scale: f32,
+    o: AttnOpts,
 ) {
     let (nh, nkv, hd, w, bc) = (s.n_head, s.n_kv_head, s.head_dim, s.qkv_width(), tl.bc);
-    let ow = s.out_width();
+    let (scale, ow) = (o.scale, s.out_width());
     let nr = r1 - r0;
     let (qcol, kcol, vcol) = (h * hd, (nh + g) * hd, (nh + nkv + g) * hd);
     let q_row = |r: usize| &io.qkv[r * w + qcol..][..hd];
@@ -480,7 +524,7 @@ fn backward_block(
         ll[i] = lse[r];
     }
     sl.acc[..nr * hd].fill(0.0);
-    for c0 in (0..r1).step_by(bc) {
+    for c0 in (first_tile(r0, bc, o.window)..r1).step_by(bc) {
         let nc = bc.min(r1 - c0);
         let (kt, vt) = (&mut sl.kt[..hd * nc], &mut sl.vt[..hd * nc]);
         transpose_tile(kt, io.qkv, w, kcol, c0, nc);
@@ -492,20 +536,29 @@ fn backward_block(
             if live == 0 {
                 continue;
             }
+            let lo = window_start(r, c0, live, o.window);
             let (q, dy) = (q_row(r), do_row(r));
-            // P_i (live) = exp(scale * q_i K^T - lse_i)
+            // Y_i (live) = cap(scale * q_i K^T), then dP_i (live) = dO_i V^T.
             let prow = &mut sl.s[i * bc..][..live];
             row_times_tile(prow, q, scale, kt, nc);
-            for p in prow.iter_mut() {
-                *p = exp_f32(*p - ll[i]);
+            if let Some(cap) = o.softcap {
+                for y in prow.iter_mut() {
+                    *y = softcap(*y, cap);
+                }
             }
-            // dP_i (live) = dO_i V^T, then dS_i = P_i * (dP_i - D_i), stored
-            // times scale: both dQ and dK want dS * scale.
             let dsrow = &mut sl.dp[i * bc..][..live];
             row_times_tile(dsrow, dy, 1.0, vt, nc);
-            for (ds, &p) in dsrow.iter_mut().zip(prow.iter()) {
-                *ds = p * (*ds - dd[i]) * scale;
+            // P_i = exp(Y_i - lse_i), dS_i = P_i * (dP_i - D_i) times the soft
+            // cap's derivative 1 - (y / cap)², stored times scale: both dQ
+            // and dK want dS * scale. Keys before the window weigh 0.
+            for (ds, p) in dsrow.iter_mut().zip(prow.iter_mut()) {
+                let y = *p;
+                let dcap = o.softcap.map_or(1.0, |cap| 1.0 - (y / cap) * (y / cap));
+                *p = exp_f32(y - ll[i]);
+                *ds = *p * (*ds - dd[i]) * scale * dcap;
             }
+            prow[..lo].fill(0.0);
+            dsrow[..lo].fill(0.0);
             // dQ_i (hd) += dS_i (live) @ K (live, hd)
             let acc = &mut sl.acc[i * hd..][..hd];
             for (j, &ds) in dsrow.iter().enumerate() {

@@ -7,7 +7,7 @@ use rayon::prelude::*;
 use super::math::{dot, softmax_inplace, vectorized};
 use super::matmul::{Mat, SyncPtr, sgemm};
 use super::{CpuBackend, CpuBuf};
-use crate::backend::AttnShape;
+use crate::backend::{AttnOpts, AttnShape};
 
 // out (B,T,H*hd), att (B,H,T,T), qkv (B,T,qkv_width).
 // One task per (b, h): scores = q k^T / sqrt(hd) by GEMM (the full T x T;
@@ -18,6 +18,22 @@ pub(super) fn forward(
     att: &mut CpuBuf,
     qkv: &CpuBuf,
     s: AttnShape,
+) {
+    forward_with(be, out, att, None, qkv, s, AttnOpts::standard(s))
+}
+
+// With Gemma's options: the scores scaled by `o.scale`, soft-capped (each
+// live score's `tanh(s / cap)` saved in `tanh (B,H,T,T)` for the backward,
+// as autograd saves tanh's output in transformers' eager attention, the
+// masked entries 0), and keys outside a sliding window masked.
+pub(super) fn forward_with(
+    be: &mut CpuBackend,
+    out: &mut CpuBuf,
+    att: &mut CpuBuf,
+    tanh: Option<&mut CpuBuf>,
+    qkv: &CpuBuf,
+    s: AttnShape,
+    o: AttnOpts,
 ) {
     let AttnShape {
         b,
@@ -38,8 +54,17 @@ pub(super) fn forward(
     let qkv = &qkv.wide()[..b * t * w];
     let out = &mut out.wide_mut()[..b * t * ow];
     let att = &mut att.wide_mut()[..b * nh * t * t];
-    let scale = 1.0 / (hd as f32).sqrt();
+    let scale = o.scale;
     let out_ptr = SyncPtr(out.as_mut_ptr());
+    assert_eq!(
+        tanh.is_some(),
+        o.softcap.is_some(),
+        "a soft cap saves its tanh"
+    );
+    let mut tanh = tanh.map(|x| x.wide_mut());
+    let tanh_ptr = tanh
+        .as_mut()
+        .map(|x| SyncPtr(x[..b * nh * t * t].as_mut_ptr()));
     be.pool.install(|| {
         att.par_chunks_mut(t * t).enumerate().for_each(|(bh, a)| {
             let (bi, h) = (bh / nh, bh % nh);
@@ -63,12 +88,25 @@ pub(super) fn forward(
                     scale,
                 )
             };
+            // SAFETY: this task's own (T,T) chunk of `tanh`.
+            let mut th = tanh_ptr
+                .map(|p| unsafe { std::slice::from_raw_parts_mut(p.get().add(bh * t * t), t * t) });
             vectorized(
                 #[inline(always)]
                 || {
                     for (ti, row) in a.chunks_exact_mut(t).enumerate() {
+                        let lo = o.window.map_or(0, |w| (ti + 1).saturating_sub(w));
                         let (live, masked) = row.split_at_mut(ti + 1);
-                        softmax_inplace(live);
+                        if let (Some(cap), Some(th)) = (o.softcap, th.as_deref_mut()) {
+                            let th = &mut th[ti * t..][..t];
+                            th.fill(0.0);
+                            for (x, z) in live[lo..].iter_mut().zip(&mut th[lo..]) {
+                                *z = (*x / cap).tanh();
+                                *x = cap * *z;
+                            }
+                        }
+                        softmax_inplace(&mut live[lo..]);
+                        live[..lo].fill(0.0);
                         masked.fill(0.0);
                     }
                 },
@@ -106,6 +144,33 @@ pub(super) fn backward(
     att: &CpuBuf,
     s: AttnShape,
 ) {
+    backward_with(
+        be,
+        dqkv,
+        datt,
+        dout,
+        qkv,
+        att,
+        None,
+        s,
+        AttnOpts::standard(s),
+    )
+}
+
+// With Gemma's options ([`forward_with`]): the soft cap's derivative
+// `1 - tanh²` read from the saved `tanh`; masked probabilities are 0, so
+// the window needs nothing more.
+pub(super) fn backward_with(
+    be: &mut CpuBackend,
+    dqkv: &mut CpuBuf,
+    datt: &mut CpuBuf,
+    dout: &CpuBuf,
+    qkv: &CpuBuf,
+    att: &CpuBuf,
+    tanh: Option<&CpuBuf>,
+    s: AttnShape,
+    o: AttnOpts,
+) {
     let AttnShape {
         b,
         t,
@@ -127,7 +192,14 @@ pub(super) fn backward(
     let dout = &dout.wide()[..b * t * ow];
     let qkv = &qkv.wide()[..b * t * w];
     let att = &att.wide()[..b * nh * t * t];
-    let scale = 1.0 / (hd as f32).sqrt();
+    let scale = o.scale;
+    assert_eq!(
+        tanh.is_some(),
+        o.softcap.is_some(),
+        "a soft cap reads its tanh"
+    );
+    let tanh = tanh.map(|x| x.wide());
+    let tanh = tanh.as_deref().map(|x| &x[..b * nh * t * t]);
     let dqkv_ptr = SyncPtr(dqkv.as_mut_ptr());
     be.pool.install(|| {
         datt.par_chunks_mut(rep * t * t)
@@ -145,6 +217,7 @@ pub(super) fn backward(
                 for (j, da) in dslab.chunks_exact_mut(t * t).enumerate() {
                     let h = g * rep + j;
                     let a = &att[(bi * nh + h) * t * t..][..t * t];
+                    let th = tanh.map(|x| &x[(bi * nh + h) * t * t..][..t * t]);
                     let q = row0[h * hd..].as_ptr();
                     let dq = unsafe { drow0.add(h * hd) };
                     let dy = dout[bi * t * ow + h * hd..].as_ptr();
@@ -189,6 +262,12 @@ pub(super) fn backward(
                                 let local = dot(p, live);
                                 for (d, &p) in live.iter_mut().zip(p) {
                                     *d = p * (*d - local);
+                                }
+                                // The soft cap: d s = d y (1 - tanh²).
+                                if let Some(th) = th {
+                                    for (d, &z) in live.iter_mut().zip(&th[ti * t..]) {
+                                        *d *= 1.0 - z * z;
+                                    }
                                 }
                                 masked.fill(0.0);
                             }

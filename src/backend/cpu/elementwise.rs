@@ -154,6 +154,126 @@ pub(super) fn add(be: &mut CpuBackend, out: &mut CpuBuf, a: &CpuBuf, b: &CpuBuf,
     });
 }
 
+/// `gelu(x)` and its derivative (the tanh approximation above).
+#[inline(always)]
+fn gelu_and_grad(x: f32) -> (f32, f32) {
+    let u = GELU_SCALE * (x + GELU_CUBE * x * x * x);
+    let du = GELU_SCALE * (1.0 + 3.0 * GELU_CUBE * x * x);
+    let s = sigmoid(2.0 * u);
+    (x * s, s + 2.0 * x * s * (1.0 - s) * du)
+}
+
+// GeGLU (Shazeer, GLU Variants Improve Transformer, 2020; Gemma's MLP,
+// `gelu_pytorch_tanh(gate) * up`): out (N,I) from gu (N,2I) rows
+// [gate (I) | up (I)].
+pub(super) fn geglu_forward(
+    be: &mut CpuBackend,
+    out: &mut CpuBuf,
+    gu: &CpuBuf,
+    n: usize,
+    i: usize,
+) {
+    if n == 0 || i == 0 {
+        return;
+    }
+    let out = &mut out.wide_mut()[..n * i];
+    let gu = &gu.wide()[..n * 2 * i];
+    let rows = rows_per_task(2 * i);
+    be.pool.install(|| {
+        out.par_chunks_mut(i * rows)
+            .zip(gu.par_chunks(2 * i * rows))
+            .for_each(|(out, gu)| {
+                vectorized(
+                    #[inline(always)]
+                    || {
+                        for (o, gu) in out.chunks_exact_mut(i).zip(gu.chunks_exact(2 * i)) {
+                            let (g, u) = gu.split_at(i);
+                            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                                *o = gelu_and_grad(g).0 * u;
+                            }
+                        }
+                    },
+                )
+            })
+    });
+}
+
+// dgu (N,2I) from dout (N,I) and gu (N,2I): d gate = dy u gelu'(g),
+// d up = dy gelu(g).
+pub(super) fn geglu_backward(
+    be: &mut CpuBackend,
+    dgu: &mut CpuBuf,
+    dout: &CpuBuf,
+    gu: &CpuBuf,
+    n: usize,
+    i: usize,
+) {
+    if n == 0 || i == 0 {
+        return;
+    }
+    let dgu = &mut dgu.wide_mut()[..n * 2 * i];
+    let dout = &dout.wide()[..n * i];
+    let gu = &gu.wide()[..n * 2 * i];
+    let rows = rows_per_task(2 * i);
+    be.pool.install(|| {
+        dgu.par_chunks_mut(2 * i * rows)
+            .zip(dout.par_chunks(i * rows))
+            .zip(gu.par_chunks(2 * i * rows))
+            .for_each(|((dgu, dout), gu)| {
+                vectorized(
+                    #[inline(always)]
+                    || {
+                        for ((dgu, dy), gu) in dgu
+                            .chunks_exact_mut(2 * i)
+                            .zip(dout.chunks_exact(i))
+                            .zip(gu.chunks_exact(2 * i))
+                        {
+                            let (dg, du) = dgu.split_at_mut(i);
+                            let (g, u) = gu.split_at(i);
+                            for ((((dg, du), &dy), &g), &u) in
+                                dg.iter_mut().zip(du.iter_mut()).zip(dy).zip(g).zip(u)
+                            {
+                                let (a, da) = gelu_and_grad(g);
+                                *dg = dy * u * da;
+                                *du = dy * a;
+                            }
+                        }
+                    },
+                )
+            })
+    });
+}
+
+// In place: x (N) *= factor (Gemma's embedding times √C, and its backward).
+pub(super) fn scale(be: &mut CpuBackend, x: &mut CpuBuf, n: usize, factor: f32) {
+    let x = &mut x.wide_mut()[..n];
+    be.pool.install(|| {
+        x.par_chunks_mut(ELEMS_PER_TASK).for_each(|x| {
+            for v in x.iter_mut() {
+                *v *= factor;
+            }
+        })
+    });
+}
+
+// In place: x (N) = cap · tanh(x / cap), Gemma 2's logit soft-capping.
+pub(super) fn softcap_forward(be: &mut CpuBackend, x: &mut CpuBuf, n: usize, cap: f32) {
+    let x = &mut x.wide_mut()[..n];
+    be.pool.install(|| {
+        x.par_chunks_mut(ELEMS_PER_TASK).for_each(|x| {
+            for v in x.iter_mut() {
+                *v = softcap(*v, cap);
+            }
+        })
+    });
+}
+
+/// `cap · tanh(x / cap)`.
+#[inline(always)]
+pub(super) fn softcap(x: f32, cap: f32) -> f32 {
+    cap * (x / cap).tanh()
+}
+
 #[cfg(test)]
 mod tests {
     use crate::backend::cpu::testutil::*;

@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use super::math::{exp_inplace_sum_f64, max, sum_exp_f64, vectorized};
+use super::math::{exp_f32, exp_inplace_sum_f64, max, sum_exp_f64, vectorized};
 use super::{CpuBackend, CpuBuf};
 
 /// Fixed chunk of `sum_squares`: partial sums are per chunk, in order, so the
@@ -241,6 +241,55 @@ pub(super) fn sum_squares(be: &mut CpuBackend, buf: &CpuBuf, n: usize) -> Option
             .collect()
     });
     Some(partial.iter().sum())
+}
+
+/// [`crossentropy_backward`] of soft-capped logits (Gemma 2's
+/// `final_logit_softcapping`): `logits (N,Vp)` hold `y = cap · tanh(z /
+/// cap)`, and become `dz = dloss · (softmax(y) - onehot) · (1 - (y /
+/// cap)²)` in place, padded columns 0. Two passes over a row (the sum,
+/// then each element from its own `y`), so nothing beside the row is kept.
+pub(super) fn crossentropy_softcap_backward(
+    be: &mut CpuBackend,
+    logits: &mut CpuBuf,
+    targets: &CpuBuf,
+    dloss: f32,
+    n: usize,
+    v: usize,
+    vp: usize,
+    cap: f32,
+) {
+    if n == 0 {
+        return;
+    }
+    assert!(
+        v > 0 && v <= vp,
+        "cross-entropy needs 0 < v <= vp, got v={v} vp={vp}"
+    );
+    let logits = &mut logits.wide_mut()[..n * vp];
+    let targets = &targets.as_u32()[..n];
+    be.pool.install(|| {
+        logits
+            .par_chunks_mut(vp)
+            .zip(targets.par_iter())
+            .for_each(|(row, &tgt)| {
+                vectorized(
+                    #[inline(always)]
+                    || {
+                        let tgt = tgt as usize;
+                        assert!(tgt < v, "target {tgt} >= vocab {v}");
+                        let (y, pad) = row.split_at_mut(v);
+                        let m = max(y);
+                        let k = (dloss as f64 / sum_exp_f64(y, m)) as f32;
+                        for (j, e) in y.iter_mut().enumerate() {
+                            let t = *e / cap;
+                            let onehot = if j == tgt { dloss } else { 0.0 };
+                            *e = (exp_f32(*e - m) * k - onehot) * (1.0 - t * t);
+                        }
+                        pad.fill(0.0);
+                    },
+                )
+            })
+    });
 }
 
 #[cfg(test)]

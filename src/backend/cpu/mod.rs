@@ -49,7 +49,8 @@ use std::collections::HashMap;
 // The optimizer types are named by `kernel_ops!`'s signatures, which
 // resolve here.
 use crate::backend::{
-    AdafactorHyper, AdafactorState, AdamHyper, AttnShape, Backend, DType, SgdHyper, kernel_ops,
+    AdafactorHyper, AdafactorState, AdamHyper, AttnOpts, AttnShape, Backend, DType, SgdHyper,
+    kernel_ops,
 };
 
 pub use buf::{CpuBuf, WideMut};
@@ -126,23 +127,26 @@ impl CpuBackend {
 /// then the method's arguments: what `forward_kernel_ops` calls.
 mod ops {
     pub(super) use super::attention::{
-        backward as flash_attention_backward, forward as flash_attention_forward,
+        backward as flash_attention_backward, backward_with as flash_attention_backward_with,
+        forward as flash_attention_forward, forward_with as flash_attention_forward_with,
     };
     pub(super) use super::buf::{
         convert, copy_slice, fill, nf4_dequantize, upload_f32, upload_u8, upload_u32,
     };
     pub(super) use super::eager_attention::{
-        backward as attention_backward, forward as attention_forward,
+        backward as attention_backward, backward_with as attention_backward_with,
+        forward as attention_forward, forward_with as attention_forward_with,
     };
     pub(super) use super::elementwise::{
-        add, gelu_backward, gelu_forward, swiglu_backward, swiglu_forward,
+        add, geglu_backward, geglu_forward, gelu_backward, gelu_forward, scale, softcap_forward,
+        swiglu_backward, swiglu_forward,
     };
     pub(super) use super::embed::{
         backward_rows as embed_backward_rows, forward_rows as embed_forward_rows,
     };
     pub(super) use super::loss::{
         crossentropy_backward, crossentropy_combine, crossentropy_forward,
-        crossentropy_part_backward, crossentropy_part_stats,
+        crossentropy_part_backward, crossentropy_part_stats, crossentropy_softcap_backward,
     };
     pub(super) use super::matmul::{
         backward as matmul_backward, copy_cols, forward as matmul_forward,
@@ -151,7 +155,8 @@ mod ops {
         grouped_matmul_backward, grouped_matmul_forward, moe_gather, moe_row_dots, moe_scatter,
     };
     pub(super) use super::norm::{
-        layernorm_backward, layernorm_forward, rmsnorm_backward, rmsnorm_forward,
+        gemma_rmsnorm_backward, gemma_rmsnorm_forward, layernorm_backward, layernorm_forward,
+        rmsnorm_backward, rmsnorm_forward,
     };
     pub(super) use super::optim::{
         adafactor as adafactor_update, adamw as adamw_update, adamw8bit as adamw8bit_update,

@@ -163,6 +163,52 @@ pub(super) fn rmsnorm_forward(
     c: usize,
     eps: f32,
 ) {
+    rmsnorm_forward_with(be, out, rstd, inp, w, n, c, eps, 0.0)
+}
+
+/// Gemma's RMSNorm: the weight is `1 + w` (transformers' `Gemma2RMSNorm`,
+/// computed in fp32 and rounded once, as here).
+pub(super) fn gemma_rmsnorm_forward(
+    be: &mut CpuBackend,
+    out: &mut CpuBuf,
+    rstd: &mut CpuBuf,
+    inp: &CpuBuf,
+    w: &CpuBuf,
+    n: usize,
+    c: usize,
+    eps: f32,
+) {
+    rmsnorm_forward_with(be, out, rstd, inp, w, n, c, eps, 1.0)
+}
+
+/// The backward of [`gemma_rmsnorm_forward`]: `dw` is as for `w` alone
+/// (the offset is a constant), `dinp` reads `1 + w`.
+pub(super) fn gemma_rmsnorm_backward(
+    be: &mut CpuBackend,
+    dinp: &mut CpuBuf,
+    dw: &mut CpuBuf,
+    dout: &CpuBuf,
+    inp: &CpuBuf,
+    w: &CpuBuf,
+    rstd: &CpuBuf,
+    n: usize,
+    c: usize,
+) {
+    rmsnorm_backward_with(be, dinp, dw, dout, inp, w, rstd, n, c, 1.0)
+}
+
+/// RMSNorm with weight `w + offset` (0: llama's; 1: Gemma's).
+fn rmsnorm_forward_with(
+    be: &mut CpuBackend,
+    out: &mut CpuBuf,
+    rstd: &mut CpuBuf,
+    inp: &CpuBuf,
+    w: &CpuBuf,
+    n: usize,
+    c: usize,
+    eps: f32,
+    offset: f32,
+) {
     if n == 0 || c == 0 {
         return;
     }
@@ -186,7 +232,7 @@ pub(super) fn rmsnorm_forward(
                         {
                             let r = 1.0 / (dot(x, x) / c as f32 + eps).sqrt();
                             for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
-                                *o = x * r * w;
+                                *o = x * r * (w + offset);
                             }
                             *r_out = r;
                         }
@@ -207,6 +253,21 @@ pub(super) fn rmsnorm_backward(
     rstd: &CpuBuf,
     n: usize,
     c: usize,
+) {
+    rmsnorm_backward_with(be, dinp, dw, dout, inp, w, rstd, n, c, 0.0)
+}
+
+fn rmsnorm_backward_with(
+    be: &mut CpuBackend,
+    dinp: &mut CpuBuf,
+    dw: &mut CpuBuf,
+    dout: &CpuBuf,
+    inp: &CpuBuf,
+    w: &CpuBuf,
+    rstd: &CpuBuf,
+    n: usize,
+    c: usize,
+    offset: f32,
 ) {
     if n == 0 || c == 0 {
         return;
@@ -232,10 +293,11 @@ pub(super) fn rmsnorm_backward(
                             let r = rstd[row];
                             let x = &inp[row * c..][..c];
                             let dy = &dout[row * c..][..c];
-                            let (sxw, _) = sum2_zip3(x, dy, w, |x, dy, w| (dy * w * x, 0.0));
+                            let (sxw, _) =
+                                sum2_zip3(x, dy, w, |x, dy, w| (dy * (w + offset) * x, 0.0));
                             let k = sxw * r * r * r / c as f32;
                             for (((dx, &x), &dy), &w) in dx.iter_mut().zip(x).zip(dy).zip(w) {
-                                *dx += r * w * dy - x * k;
+                                *dx += r * (w + offset) * dy - x * k;
                             }
                         }
                     },
