@@ -605,7 +605,13 @@ pub struct Recommendation {
 /// Loads, validates and plans a recipe file.
 pub fn plan_file(path: &Path) -> Result<Plan> {
     let (mut recipe, model, hw) = load_recipe(path)?;
-    recipe.grid.frameworks_or(Framework::plan_default(&model));
+    // transformers runs every expert on every rank: a grid that splits
+    // them plans memfit's engine throughout, so its points compare on one.
+    let default = match recipe.grid.expert_parallel.iter().any(|&e| e > 1) {
+        true => Framework::Memfit,
+        false => Framework::plan_default(&model),
+    };
+    recipe.grid.frameworks_or(default);
     let mut plan = plan(&recipe, &model, &hw);
     plan.recipe = path.to_path_buf();
     Ok(plan)
@@ -1032,6 +1038,38 @@ pub fn closed_form(p: &Point) -> ClosedForm {
     };
     ClosedForm {
         formula: format!("{head}{shard} = {} B/param{held}", fmt(value)),
+        bytes_per_param: value,
+    }
+}
+
+/// [`closed_form`] under expert parallelism, per parameter a GPU holds:
+/// the dense parameters whole and ZeRO-sharded over its `D` data-parallel
+/// GPUs, its `1/P` of the experts sharded over the `D/P` GPUs that hold
+/// the same experts (DeepSpeed-MoE's and Megatron-Core's
+/// expert-data-parallel group), weighted by how many of each it holds.
+pub fn expert_closed_form(p: &Point, model: &ModelConfig) -> ClosedForm {
+    let dense_form = closed_form(p);
+    let (specs, idx) = model.param_layout();
+    let experts: f64 = (idx.blocks.iter().filter_map(|b| b.moe))
+        .flat_map(|m| [m.up, m.down])
+        .map(|i| specs[i].numel() as f64)
+        .sum();
+    let total: f64 = specs.iter().map(|s| s.numel() as f64).sum();
+    let ep = p.expert_parallel;
+    let expert_form = closed_form(&Point {
+        gpus: p.gpus / ep,
+        ..*p
+    });
+    let (dense, held) = (total - experts, experts / ep as f64);
+    let value =
+        (dense * dense_form.bytes_per_param + held * expert_form.bytes_per_param) / (dense + held);
+    ClosedForm {
+        formula: format!(
+            "dense {}; each GPU's 1/{ep} of the experts {}; by the parameters it holds: {} B/param held",
+            dense_form.formula,
+            expert_form.formula,
+            fmt_bpp(value)
+        ),
         bytes_per_param: value,
     }
 }
@@ -1516,6 +1554,7 @@ fn unplanned(
         links: None,
         engine_bytes_per_param: 0.0,
         closed_form: match p.finetune {
+            Finetune::Full if p.expert_parallel > 1 => expert_closed_form(p, model),
             Finetune::Full => closed_form(p),
             Finetune::Lora | Finetune::Qlora => lora_closed_form(p, model, &r.lora()),
         },

@@ -260,6 +260,20 @@ fn columns(plan: &Plan, rows: &[usize]) -> Vec<Column> {
             false => "-".into(),
         },
     );
+    // Dropless expert parallelism: the peak if the routing sent every
+    // token of the group to this rank's experts first.
+    if pts.iter().any(|p| p.worst_routing_bytes.is_some()) {
+        col(
+            &format!("worst-routed {unit}"),
+            &format!("worst {unit}"),
+            false,
+            235,
+            &|p| match (valid(p), p.worst_routing_bytes) {
+                (true, Some(w)) => in_unit(w as f64, size),
+                _ => "-".into(),
+            },
+        );
+    }
     let (unit, size) = most(&|p| p.margin_bytes.unsigned_abs());
     col(
         &format!("margin {unit}"),
@@ -648,6 +662,17 @@ fn recommendation(plan: &Plan, bullet: &str) -> Vec<String> {
             fmt_bytes(a.max_memory_allocated),
             fmt_bytes(pk.total),
             fmt_bytes(a.max_memory_reserved)
+        ));
+    }
+    if let Some(w) = p.worst_routing_bytes {
+        out.push(format!(
+            "  {bullet}dropless routing over {} expert-parallel GPUs: the peak above spreads every GPU's tokens evenly over the experts; if every token of the group chose one GPU's experts first it would hold {} ({}); a capacity factor (grid.capacity_factor) bounds it",
+            p.point.expert_parallel,
+            fmt_bytes(w),
+            match w as i64 <= p.usable_bytes as i64 {
+                true => "still fits",
+                false => "out of memory",
+            }
         ));
     }
     if let Some(mb) = p.reserved_from_micro_batch {

@@ -302,3 +302,71 @@ fn what_expert_parallelism_does_not_combine_with_is_refused_by_name() {
         assert!(!err.contains("panicked"), "{err}");
     }
 }
+
+/// `grid.expert_parallel` plans what `memfit run --expert-parallel` gives
+/// on meta; dropless points carry the worst routing's peak beside their
+/// balanced one, and a grid that splits experts plans memfit's engine.
+#[test]
+fn the_expert_parallel_axis_plans_what_run_gives() {
+    let dir = crate::common::scratch("plan-expert-parallel");
+    let recipe = dir.join("ep.yaml");
+    std::fs::write(
+        &recipe,
+        "model: moe-tiny\nhardware: h100-sxm-80gb\nseq_len: 32\nglobal_batch: 8\ngrid:\n  micro_batch: [2]\n  precision: [bf16]\n  sharding: [zero2]\n  gpus: [4]\n  expert_parallel: [1, 2, 4]\n  capacity_factor: [null, 1.25]\n",
+    )
+    .unwrap();
+    let path = recipe.to_str().unwrap();
+    let doc = crate::common::plan_json(&memfit(&["plan", path, "--format", "json"]));
+    let points = doc["points"].as_array().unwrap();
+    assert_eq!(points.len(), 6);
+    for p in points {
+        assert_eq!(p["status"], "fits", "{p}");
+        assert_eq!(p["point"]["framework"], "memfit", "{p}");
+        let ep = p["point"]
+            .get("expert_parallel")
+            .map_or(1, |e| e.as_u64().unwrap());
+        let cf = p["point"].get("capacity_factor").map(|f| f.to_string());
+        let ep_s = ep.to_string();
+        let mut args = vec![
+            "run",
+            "--model",
+            "moe-tiny",
+            "--device",
+            "meta:h100-sxm-80gb",
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "2",
+            "--precision",
+            "bf16",
+            "--attention",
+            "fused",
+            "--ranks",
+            "4",
+            "--sharding",
+            "zero2",
+            "--expert-parallel",
+            &ep_s,
+            "--format",
+            "json",
+        ];
+        if let Some(f) = &cf {
+            args.extend(["--capacity-factor", f]);
+        }
+        let run = crate::common::ok_json(&args, &[]);
+        assert_eq!(p["peak_bytes"], run["peak_bytes"], "ep {ep} cf {cf:?}");
+        // The worst routing only where routing decides: dropless, split.
+        let worst = p.get("worst_routing_bytes").map(|w| w.as_u64().unwrap());
+        match (ep, &cf) {
+            (1, _) | (_, Some(_)) => assert_eq!(worst, None, "{p}"),
+            _ => assert!(worst.unwrap() > p["total_bytes"].as_u64().unwrap(), "{p}"),
+        }
+    }
+    let out = memfit(&["plan", path]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(" ep ") && text.contains("worst-routed"),
+        "{text}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
