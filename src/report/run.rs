@@ -513,6 +513,13 @@ fn write_ranks(s: &mut String, r: &RunReport) {
                 fmt_bytes(rr.received_bytes_per_step)
             );
         }
+        let t = &r.config.train;
+        if t.expert_parallel > 1 && t.capacity_factor.is_none() && !r.device.starts_with("meta") {
+            let _ = writeln!(
+                s,
+                "  (dropless expert parallelism: each rank's peak follows the tokens it received; predicted assumes an even spread)"
+            );
+        }
     }
     if !r.stages.is_empty() {
         let _ = writeln!(
