@@ -90,6 +90,10 @@ pub fn zero_stage(s: Sharding) -> u8 {
 ///   optimizer (the Hugging Face Trainer does, from `optim=`, when the
 ///   config has no optimizer section) and DeepSpeed wraps it. No `scheduler`
 ///   section either: the schedule is the client's choice.
+/// - Nothing for a mixture's expert parallelism or capacity factor: in
+///   DeepSpeed-MoE both are arguments of the model's `deepspeed.moe.layer.MoE`
+///   (`ep_size`, `capacity_factor`), not config keys; the pinned recipe
+///   records them.
 pub fn deepspeed_config(_report: &SweepReport, trial: &TrialRecord) -> Value {
     let p = &trial.point;
     let tc = train_config(p);

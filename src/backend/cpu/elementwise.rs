@@ -66,6 +66,34 @@ pub(super) fn swiglu_forward(
     n: usize,
     i: usize,
 ) {
+    gated_forward(be, out, gu, (n, i), |g, u| g * sigmoid(g) * u);
+}
+
+// dgu (N,2I) from dout (N,I) and gu (N,2I).
+pub(super) fn swiglu_backward(
+    be: &mut CpuBackend,
+    dgu: &mut CpuBuf,
+    dout: &CpuBuf,
+    gu: &CpuBuf,
+    n: usize,
+    i: usize,
+) {
+    // silu'(g) = s (1 + g (1 - s)), s = sigmoid(g).
+    gated_backward(be, dgu, (dout, gu), (n, i), |dy, g, u| {
+        let s = sigmoid(g);
+        (dy * u * s * (1.0 + g * (1.0 - s)), dy * g * s)
+    });
+}
+
+/// A gated unit's forward: out (N,I) = f(gate, up) element by element, gu
+/// (N,2I) rows [gate (I) | up (I)] (SwiGLU, GeGLU).
+fn gated_forward(
+    be: &mut CpuBackend,
+    out: &mut CpuBuf,
+    gu: &CpuBuf,
+    (n, i): (usize, usize),
+    f: impl Fn(f32, f32) -> f32 + Sync,
+) {
     if n == 0 || i == 0 {
         return;
     }
@@ -82,7 +110,7 @@ pub(super) fn swiglu_forward(
                         for (o, gu) in out.chunks_exact_mut(i).zip(gu.chunks_exact(2 * i)) {
                             let (g, u) = gu.split_at(i);
                             for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                                *o = g * sigmoid(g) * u;
+                                *o = f(g, u);
                             }
                         }
                     },
@@ -91,14 +119,14 @@ pub(super) fn swiglu_forward(
     });
 }
 
-// dgu (N,2I) from dout (N,I) and gu (N,2I).
-pub(super) fn swiglu_backward(
+/// A gated unit's backward: dgu (N,2I) from dout (N,I) and gu (N,2I),
+/// `f(dy, gate, up)` giving (d gate, d up).
+fn gated_backward(
     be: &mut CpuBackend,
     dgu: &mut CpuBuf,
-    dout: &CpuBuf,
-    gu: &CpuBuf,
-    n: usize,
-    i: usize,
+    (dout, gu): (&CpuBuf, &CpuBuf),
+    (n, i): (usize, usize),
+    f: impl Fn(f32, f32, f32) -> (f32, f32) + Sync,
 ) {
     if n == 0 || i == 0 {
         return;
@@ -122,13 +150,10 @@ pub(super) fn swiglu_backward(
                         {
                             let (dg, du) = dgu.split_at_mut(i);
                             let (g, u) = gu.split_at(i);
-                            // silu'(g) = s (1 + g (1 - s)), s = sigmoid(g).
                             for ((((dg, du), &dy), &g), &u) in
                                 dg.iter_mut().zip(du.iter_mut()).zip(dy).zip(g).zip(u)
                             {
-                                let s = sigmoid(g);
-                                *dg = dy * u * s * (1.0 + g * (1.0 - s));
-                                *du = dy * g * s;
+                                (*dg, *du) = f(dy, g, u);
                             }
                         }
                     },
@@ -173,29 +198,7 @@ pub(super) fn geglu_forward(
     n: usize,
     i: usize,
 ) {
-    if n == 0 || i == 0 {
-        return;
-    }
-    let out = &mut out.wide_mut()[..n * i];
-    let gu = &gu.wide()[..n * 2 * i];
-    let rows = rows_per_task(2 * i);
-    be.pool.install(|| {
-        out.par_chunks_mut(i * rows)
-            .zip(gu.par_chunks(2 * i * rows))
-            .for_each(|(out, gu)| {
-                vectorized(
-                    #[inline(always)]
-                    || {
-                        for (o, gu) in out.chunks_exact_mut(i).zip(gu.chunks_exact(2 * i)) {
-                            let (g, u) = gu.split_at(i);
-                            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                                *o = gelu_and_grad(g).0 * u;
-                            }
-                        }
-                    },
-                )
-            })
-    });
+    gated_forward(be, out, gu, (n, i), |g, u| gelu_and_grad(g).0 * u);
 }
 
 // dgu (N,2I) from dout (N,I) and gu (N,2I): d gate = dy u gelu'(g),
@@ -208,39 +211,9 @@ pub(super) fn geglu_backward(
     n: usize,
     i: usize,
 ) {
-    if n == 0 || i == 0 {
-        return;
-    }
-    let dgu = &mut dgu.wide_mut()[..n * 2 * i];
-    let dout = &dout.wide()[..n * i];
-    let gu = &gu.wide()[..n * 2 * i];
-    let rows = rows_per_task(2 * i);
-    be.pool.install(|| {
-        dgu.par_chunks_mut(2 * i * rows)
-            .zip(dout.par_chunks(i * rows))
-            .zip(gu.par_chunks(2 * i * rows))
-            .for_each(|((dgu, dout), gu)| {
-                vectorized(
-                    #[inline(always)]
-                    || {
-                        for ((dgu, dy), gu) in dgu
-                            .chunks_exact_mut(2 * i)
-                            .zip(dout.chunks_exact(i))
-                            .zip(gu.chunks_exact(2 * i))
-                        {
-                            let (dg, du) = dgu.split_at_mut(i);
-                            let (g, u) = gu.split_at(i);
-                            for ((((dg, du), &dy), &g), &u) in
-                                dg.iter_mut().zip(du.iter_mut()).zip(dy).zip(g).zip(u)
-                            {
-                                let (a, da) = gelu_and_grad(g);
-                                *dg = dy * u * da;
-                                *du = dy * a;
-                            }
-                        }
-                    },
-                )
-            })
+    gated_backward(be, dgu, (dout, gu), (n, i), |dy, g, u| {
+        let (a, da) = gelu_and_grad(g);
+        (dy * u * da, dy * a)
     });
 }
 

@@ -58,6 +58,27 @@ pub(super) fn crossentropy_backward(
     v: usize,
     vp: usize,
 ) {
+    each_row(be, (logits, targets), (n, v, vp), |x, tgt| {
+        // One exp per element: write exp(x - max) in place, then scale.
+        let m = max(x);
+        let total = exp_inplace_sum_f64(x, m);
+        let k = (dloss as f64 / total) as f32;
+        for e in x.iter_mut() {
+            *e *= k;
+        }
+        x[tgt] -= dloss;
+    });
+}
+
+/// Runs `f(row, target)` on every row's first `v` columns of `logits
+/// (N,Vp)` in parallel, then zeroes the padded columns `[v, vp)`: the
+/// shape of the cross-entropy backwards.
+fn each_row(
+    be: &mut CpuBackend,
+    (logits, targets): (&mut CpuBuf, &CpuBuf),
+    (n, v, vp): (usize, usize, usize),
+    f: impl Fn(&mut [f32], usize) + Sync,
+) {
     if n == 0 {
         return;
     }
@@ -78,14 +99,7 @@ pub(super) fn crossentropy_backward(
                         let tgt = tgt as usize;
                         assert!(tgt < v, "target {tgt} >= vocab {v}");
                         let (x, pad) = row.split_at_mut(v);
-                        // One exp per element: write exp(x - max) in place, then scale.
-                        let m = max(x);
-                        let total = exp_inplace_sum_f64(x, m);
-                        let k = (dloss as f64 / total) as f32;
-                        for e in x.iter_mut() {
-                            *e *= k;
-                        }
-                        x[tgt] -= dloss;
+                        f(x, tgt);
                         pad.fill(0.0);
                     },
                 )
@@ -258,37 +272,14 @@ pub(super) fn crossentropy_softcap_backward(
     vp: usize,
     cap: f32,
 ) {
-    if n == 0 {
-        return;
-    }
-    assert!(
-        v > 0 && v <= vp,
-        "cross-entropy needs 0 < v <= vp, got v={v} vp={vp}"
-    );
-    let logits = &mut logits.wide_mut()[..n * vp];
-    let targets = &targets.as_u32()[..n];
-    be.pool.install(|| {
-        logits
-            .par_chunks_mut(vp)
-            .zip(targets.par_iter())
-            .for_each(|(row, &tgt)| {
-                vectorized(
-                    #[inline(always)]
-                    || {
-                        let tgt = tgt as usize;
-                        assert!(tgt < v, "target {tgt} >= vocab {v}");
-                        let (y, pad) = row.split_at_mut(v);
-                        let m = max(y);
-                        let k = (dloss as f64 / sum_exp_f64(y, m)) as f32;
-                        for (j, e) in y.iter_mut().enumerate() {
-                            let t = *e / cap;
-                            let onehot = if j == tgt { dloss } else { 0.0 };
-                            *e = (exp_f32(*e - m) * k - onehot) * (1.0 - t * t);
-                        }
-                        pad.fill(0.0);
-                    },
-                )
-            })
+    each_row(be, (logits, targets), (n, v, vp), |y, tgt| {
+        let m = max(y);
+        let k = (dloss as f64 / sum_exp_f64(y, m)) as f32;
+        for (j, e) in y.iter_mut().enumerate() {
+            let t = *e / cap;
+            let onehot = if j == tgt { dloss } else { 0.0 };
+            *e = (exp_f32(*e - m) * k - onehot) * (1.0 - t * t);
+        }
     });
 }
 
