@@ -311,3 +311,22 @@ fn mixtral_qlora_on_4090s_plans() {
         assert_eq!(fits, ep == 2, "{p}");
     }
 }
+
+/// Replicated on two 4090s nothing fits, and the plan does not send a
+/// QLoRA grid to ZeRO-3, which QLoRA refuses.
+#[test]
+fn a_qlora_grid_that_does_not_fit_is_not_sent_to_zero3() {
+    let src = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/recipes/mixtral-8x7b-qlora-2x4090.yaml"
+    );
+    let text = std::fs::read_to_string(src).unwrap();
+    let text = text.replace("expert_parallel: [1, 2]", "expert_parallel: [1]");
+    let path = std::env::temp_dir().join(format!("qlora-experts-ddp-{}.yaml", std::process::id()));
+    std::fs::write(&path, text).unwrap();
+    let out = memfit(&["plan", path.to_str().unwrap()]);
+    std::fs::remove_file(&path).unwrap();
+    let table = String::from_utf8(out.stdout).unwrap();
+    assert!(table.contains("no point fits"), "{table}");
+    assert!(!table.contains("zero3"), "{table}");
+}
