@@ -317,12 +317,25 @@ pub struct MoeIndex {
 
 impl BlockIndex {
     /// The block's dense projection weights, q|k|v, o, up and down (a
-    /// routed block's shared expert's, if any): what QLoRA stores in NF4
-    /// and tensor parallelism splits.
+    /// routed block's shared expert's, if any): what tensor parallelism
+    /// splits.
     pub fn projections(&self) -> impl Iterator<Item = usize> + '_ {
         [Some(self.qkv_w), Some(self.o_w), self.up_w, self.down_w]
             .into_iter()
             .flatten()
+    }
+
+    /// The routed experts' stacked weights, gate|up `(E, 2I, C)` and down
+    /// `(E, C, I)` (none in a dense block).
+    pub fn experts(&self) -> impl Iterator<Item = usize> + '_ {
+        self.moe.map(|m| [m.up, m.down]).into_iter().flatten()
+    }
+
+    /// What QLoRA stores in NF4: the projections and the routed experts'
+    /// stacks, each quantised whole in 64-value blocks (the router, the
+    /// shared expert's gate, norms and biases stay in the working dtype).
+    pub fn nf4(&self) -> impl Iterator<Item = usize> + '_ {
+        self.projections().chain(self.experts())
     }
 
     /// Every tensor of the block, in layout order.

@@ -148,16 +148,17 @@ pub(super) fn alloc_states<B: Backend>(
     })
 }
 
-/// QLoRA's weights: the block projections in NF4, exactly as many bytes
-/// as `nf4::storage_bytes` counts; the rest in the working dtype.
+/// QLoRA's weights: the block projections and the routed experts' stacks
+/// (`BlockIndex::nf4`; under expert parallelism this rank's experts) in
+/// NF4, exactly as many bytes as `nf4::storage_bytes` counts; the rest in
+/// the working dtype.
 fn alloc_nf4_params<B: Backend>(
     dev: &mut Device<B>,
     held: &Holdings,
     lay: &StateLayout<'_>,
 ) -> Result<Vec<T<B>>, OomError> {
-    let nf4: std::collections::HashSet<usize> = (lay.idx.blocks.iter())
-        .flat_map(|b| b.projections())
-        .collect();
+    let nf4: std::collections::HashSet<usize> =
+        (lay.idx.blocks.iter()).flat_map(|b| b.nf4()).collect();
     let numel = &held.numel;
     (0..numel.len())
         .map(|i| match nf4.contains(&i) {

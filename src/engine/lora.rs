@@ -32,7 +32,8 @@ knob_enum! {
         Full,
         /// LoRA adapters on frozen weights.
         Lora,
-        /// LoRA on a base whose block projections are stored in 4-bit
+        /// LoRA on a base whose block projections (and a mixture's stacked
+        /// experts) are stored in 4-bit
         /// NormalFloat (`crate::nf4`) and dequantised to the compute dtype per
         /// matmul (Dettmers et al., QLoRA, 2023). cpu, cuda and meta.
         Qlora,

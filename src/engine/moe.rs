@@ -304,12 +304,18 @@ pub(super) fn forward<B: Backend>(
     let mut xp = dev.alloc(rows * c, edt, act)?;
     dev.moe_gather(&mut xp, x, &idx, None, (rows, n, c));
     let mut h = dev.alloc(rows * 2 * i, edt, act)?;
-    dev.grouped_matmul_forward(&mut h, &xp, &p[mi.up], &counts, c, 2 * i);
+    let wq = stacked(dev, &p[mi.up], e * 2 * i * c, edt)?;
+    let w = wq.as_ref().unwrap_or(&p[mi.up]);
+    dev.grouped_matmul_forward(&mut h, &xp, w, &counts, c, 2 * i);
+    dev.free_opt(wq);
     let mut a = dev.alloc(rows * i, edt, act)?;
     dev.swiglu_forward(&mut a, &h, rows, i);
     let extra = alloc_saved(dev, hf_saved)?;
     let mut eo = dev.alloc(rows * c, edt, act)?;
-    dev.grouped_matmul_forward(&mut eo, &a, &p[mi.down], &counts, i, c);
+    let wq = stacked(dev, &p[mi.down], e * c * i, edt)?;
+    let w = wq.as_ref().unwrap_or(&p[mi.down]);
+    dev.grouped_matmul_forward(&mut eo, &a, w, &counts, i, c);
+    dev.free_opt(wq);
     Ok(MoeActs {
         extra,
         probs,
@@ -350,12 +356,20 @@ fn experts_elsewhere<B: Backend>(
     let mut xs = dev.alloc(got * c, dt, act)?;
     dev.moe_gather(&mut xs, &xr, &sort, None, (got, got, c));
     dev.free(xr);
+    // This rank's experts only: `local` has one count per local expert.
+    let el = local.len();
     let mut h = dev.alloc(got * 2 * i, dt, act)?;
-    dev.grouped_matmul_forward(&mut h, &xs, &p[mi.up], &local, c, 2 * i);
+    let wq = stacked(dev, &p[mi.up], el * 2 * i * c, dt)?;
+    let w = wq.as_ref().unwrap_or(&p[mi.up]);
+    dev.grouped_matmul_forward(&mut h, &xs, w, &local, c, 2 * i);
+    dev.free_opt(wq);
     let mut a = dev.alloc(got * i, dt, act)?;
     dev.swiglu_forward(&mut a, &h, got, i);
     let mut eos = dev.alloc(got * c, dt, tmp)?;
-    dev.grouped_matmul_forward(&mut eos, &a, &p[mi.down], &local, i, c);
+    let wq = stacked(dev, &p[mi.down], el * c * i, dt)?;
+    let w = wq.as_ref().unwrap_or(&p[mi.down]);
+    dev.grouped_matmul_forward(&mut eos, &a, w, &local, i, c);
+    dev.free_opt(wq);
     // Back in arrival order, and home.
     let mut eor = dev.alloc_zeroed(got * c, dt, tmp)?;
     dev.moe_scatter(&mut eor, &eos, &sort, None, (got, got, c));
@@ -375,6 +389,24 @@ fn experts_elsewhere<B: Backend>(
         extra: Vec::new(),
         ep: Some((ex, sort)),
     })
+}
+
+/// QLoRA: the dequantised copy of a stacked expert weight (`numel`
+/// values: every expert this rank holds) that one grouped GEMM reads, in
+/// the rows' dtype, a tracked temporary the caller frees right after;
+/// the backward dequantises again rather than keeping it. `None` for a
+/// weight stored as is. A stacked weight is NF4 exactly when its storage
+/// is bytes (`init::alloc_nf4_params`). The whole stack at once, as
+/// bitsandbytes' `Bnb4bitParametrization` dequantises a parameter
+/// (`bitsandbytes/nn/parametrize.py`); bitsandbytes' `Experts4bit`
+/// dequantises one expert at a time instead (docs/moe.md).
+fn stacked<B: Backend>(
+    dev: &mut Device<B>,
+    w: &T<B>,
+    numel: usize,
+    dt: DType,
+) -> Result<Option<T<B>>, OomError> {
+    dequant(dev, w, numel, w.dtype == DType::U8, dt)
 }
 
 /// The experts' outputs weighted back into their tokens: added into the
@@ -453,10 +485,15 @@ pub(super) fn backward<B: Backend>(
         dev.free(der);
     }
     // The experts, down then gate|up.
+    // (Each expert's rows: `counts` has one per local expert.)
+    let el = counts.len();
     let mut dact = dev.alloc(got * i, edt, tmp)?;
     let made = fresh_grad(dev, (p, g), mi.down, fresh)?;
     let dw = (!frozen).then(|| &mut g[mi.down]);
-    dev.grouped_matmul_backward(&mut dact, dw, &deo, &act, &p[mi.down], &counts, i, c);
+    let wq = stacked(dev, &p[mi.down], el * c * i, edt)?;
+    let w = wq.as_ref().unwrap_or(&p[mi.down]);
+    dev.grouped_matmul_backward(&mut dact, dw, &deo, &act, w, &counts, i, c);
+    dev.free_opt(wq);
     fresh_grad_handed(dev, g, mi.down, (fresh, made));
     dev.free(deo);
     dev.free(act);
@@ -470,7 +507,10 @@ pub(super) fn backward<B: Backend>(
     let mut dxp = dev.alloc(got * c, edt, tmp)?;
     let made = fresh_grad(dev, (p, g), mi.up, fresh)?;
     let dw = (!frozen).then(|| &mut g[mi.up]);
-    dev.grouped_matmul_backward(&mut dxp, dw, &dh, &xp, &p[mi.up], &counts, c, 2 * i);
+    let wq = stacked(dev, &p[mi.up], el * 2 * i * c, edt)?;
+    let w = wq.as_ref().unwrap_or(&p[mi.up]);
+    dev.grouped_matmul_backward(&mut dxp, dw, &dh, &xp, w, &counts, c, 2 * i);
+    dev.free_opt(wq);
     fresh_grad_handed(dev, g, mi.up, (fresh, made));
     dev.free(dh);
     dev.free(xp);

@@ -104,15 +104,24 @@ fn experts(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
     if t.tensor_parallel > 1 {
         return refuse("--tensor-parallel", "splits the dense projections");
     }
-    // LoRA on the attention only (PEFT's `target_modules` of q, k, v and
-    // o): the experts, the router and any shared expert stay frozen.
-    if t.finetune == Finetune::Qlora {
-        return refuse(
-            "--finetune",
-            "QLoRA stores the projections in NF4, the experts' grouped GEMM reads them whole",
-        );
+    // QLoRA stores the stacked experts in NF4 (`BlockIndex::nf4`), which
+    // transformers does not: its bitsandbytes integration converts
+    // `nn.Linear` modules only (`replace_with_bnb_linear`,
+    // `Bnb4BitHfQuantizer::param_needs_quantization`), and its experts
+    // are stacked `nn.Parameter`s (docs/moe.md).
+    if t.finetune == Finetune::Qlora && t.framework != Framework::Memfit {
+        return Err(Error::invalid_arg(
+            "--framework",
+            format!(
+                "hf-eager follows transformers, whose bitsandbytes 4-bit loading quantises nn.Linear modules only and leaves {}'s stacked experts in 16 bits, while memfit's QLoRA stores them in NF4; plan QLoRA on a mixture with --framework memfit",
+                model.name
+            ),
+        ));
     }
-    if t.finetune == Finetune::Lora {
+    // LoRA on the attention only (PEFT's `target_modules` of q, k, v and
+    // o): the experts, the router and any shared expert stay frozen (and
+    // under QLoRA the experts are NF4).
+    if t.finetune != Finetune::Full {
         use super::lora::Target;
         let mlp = [Target::Gate, Target::Up, Target::Down];
         if t.lora.targets.is_empty() || t.lora.targets.iter().any(|x| mlp.contains(x)) {

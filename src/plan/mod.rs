@@ -1076,7 +1076,8 @@ pub fn expert_closed_form(p: &Point, model: &ModelConfig) -> ClosedForm {
 
 /// The closed form for a LoRA or QLoRA point, in bytes per base parameter:
 /// the frozen base holds its weights alone (16-bit, or fp32 under fp32; for
-/// QLoRA the block projections in NF4, as `nf4::storage_bytes` counts them),
+/// QLoRA the block projections and a mixture's stacked experts in NF4
+/// (`BlockIndex::nf4`), as `nf4::storage_bytes` counts them),
 /// and only the adapters, a fraction `a` of the base's size, carry full
 /// training's `w + g + k`, sharded as the ZeRO stage shards them (ZeRO-3
 /// partitions the frozen base too). [`closed_form`]'s `2+2+12` would price
@@ -1094,15 +1095,16 @@ pub fn lora_closed_form(p: &Point, model: &ModelConfig, lora: &LoraConfig) -> Cl
     let a = (base..specs.len()).map(numel).sum::<f64>() / psi;
     let (wb, what) = match p.finetune {
         Finetune::Qlora => {
-            let nf4: Vec<usize> = (idx.blocks.iter()).flat_map(|b| b.projections()).collect();
+            let nf4: Vec<usize> = (idx.blocks.iter()).flat_map(|b| b.nf4()).collect();
             let quantised: f64 = nf4.iter().map(|&i| numel(i)).sum();
             let nf4_bytes: f64 = (nf4.iter())
                 .map(|&i| crate::nf4::storage_bytes(specs[i].numel()) as f64)
                 .sum();
-            (
-                (nf4_bytes + w * (psi - quantised)) / psi,
-                "QLoRA (block projections in NF4)",
-            )
+            let what = match model.moe.is_some() {
+                true => "QLoRA (block projections and experts in NF4)",
+                false => "QLoRA (block projections in NF4)",
+            };
+            ((nf4_bytes + w * (psi - quantised)) / psi, what)
         }
         _ => (w, "LoRA"),
     };

@@ -890,7 +890,10 @@ pub fn no_fit_advice(plan: &Plan) -> Vec<String> {
         out.push("  activation checkpointing (grid.checkpointing: [full])".into());
     }
     let most = pts.iter().map(|p| p.point.gpus).max().unwrap_or(1);
-    if !tried(&|p| p.sharding == Sharding::Zero3) {
+    // QLoRA refuses zero3 (its NF4 blocks), so a grid of QLoRA alone is
+    // not sent there.
+    let zero3_runs = tried(&|p| p.finetune != Finetune::Qlora);
+    if !tried(&|p| p.sharding == Sharding::Zero3) && zero3_runs {
         out.push(format!(
             "  ZeRO-3 over more GPUs, every state sharded (grid.sharding: [zero3], grid.gpus: [{}])",
             (most * 2).max(2)

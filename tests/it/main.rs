@@ -43,6 +43,7 @@ mod pipeline;
 mod pipeline_cli;
 mod plan;
 mod plan_render;
+mod qlora_experts;
 mod sharding;
 mod slurm;
 mod sweep;
