@@ -874,3 +874,34 @@ fn the_cli_runs_experts_and_qk_norms_tensor_parallel_and_refuses_the_rest() {
     );
     assert!(err.contains("qk_norm: full"), "{err}");
 }
+
+/// Qwen3-30B-A3B on one node of 8 H100s: expert parallelism, tensor
+/// parallelism or both. Tensor parallelism 8 cannot split the 4 key/value
+/// heads; the plan recommends expert parallelism 8, and the tensor- and
+/// expert-parallel points that fit are priced.
+#[test]
+fn planning_qwen3_30b_a3b_weighs_expert_and_tensor_parallelism() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/recipes/qwen3-30b-a3b-1node.yaml"
+    );
+    let out = memfit(&["plan", path, "--format", "json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let r = json(&out);
+    let points = r["points"].as_array().unwrap();
+    let at = |tp: u64, ep: u64| {
+        points.iter().filter(move |p| {
+            p["point"]["tensor_parallel"].as_u64().unwrap_or(1) == tp
+                && p["point"]["expert_parallel"].as_u64().unwrap_or(1) == ep
+        })
+    };
+    assert!(at(8, 1).all(|p| p["status"] == "invalid"));
+    assert!(at(1, 1).all(|p| p["status"] == "does_not_fit"));
+    for (tp, ep) in [(2, 4), (4, 1), (4, 2)] {
+        assert!(at(tp, ep).any(|p| p["status"] == "fits"), "tp {tp} ep {ep}");
+    }
+    let index = r["recommendation"]["index"].as_u64().unwrap() as usize;
+    let best = &points[index]["point"];
+    assert_eq!(best["expert_parallel"], 8, "{best}");
+    assert_eq!(best["tensor_parallel"].as_u64().unwrap_or(1), 1, "{best}");
+}
