@@ -171,6 +171,16 @@ fn alloc_nf4_params<B: Backend>(
         .collect()
 }
 
+/// How this rank's tensors were cut from the whole model's: tensor
+/// parallelism's slices first, then expert parallelism's experts of those
+/// (`expert::split_layout` reads the sliced shapes).
+pub(super) fn layouts<'a, B: Backend>(
+    tp: Option<&'a super::tensor::Tp<B>>,
+    ep: Option<&'a super::expert::Ep<B>>,
+) -> [Option<&'a [Option<super::tensor::Split>]>; 2] {
+    [tp.map(|t| &t.splits[..]), ep.map(|e| &e.splits[..])]
+}
+
 /// Fills the weights (and the fp32 master copy) with the seeded
 /// initialisation of the whole model (`full_specs`), each rank keeping its
 /// tensor-parallel slices (or expert-parallel experts) and ZeRO shards of
@@ -180,14 +190,16 @@ pub(super) fn upload_weights<B: Backend>(
     full_specs: &[ParamSpec],
     train: &TrainConfig,
     held: &Holdings,
-    splits: Option<&[Option<super::tensor::Split>]>,
+    splits: &[Option<&[Option<super::tensor::Split>]>],
     mut dist: Option<&mut Dist<B>>,
     states: &mut States<B>,
 ) {
     let sharding = train.sharding;
     let mut host = init_weights(full_specs, train.seed);
-    if let Some(splits) = splits {
-        for (h, split) in host.iter_mut().zip(splits) {
+    // Each layout in turn (tensor parallelism's, then expert parallelism's
+    // of what it kept).
+    for splits in splits.iter().flatten() {
+        for (h, split) in host.iter_mut().zip(*splits) {
             if let Some(s) = split {
                 *h = s.take(h);
             }

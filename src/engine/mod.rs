@@ -618,6 +618,33 @@ impl<B: Backend> Engine<B> {
         Ok(e)
     }
 
+    /// This rank's tensor- and expert-parallel groups, and its shapes in
+    /// `specs`: tensor parallelism's slices, then expert parallelism's
+    /// experts of those.
+    #[allow(clippy::type_complexity)]
+    fn split_groups(
+        model: &ModelConfig,
+        train: &TrainConfig,
+        (specs, idx): (&mut [ParamSpec], &ParamIndex),
+        tp: Option<Comm<B>>,
+        ep: Option<Comm<B>>,
+    ) -> (Option<Tp<B>>, Option<expert::Ep<B>>) {
+        let tp = tp.map(|comm| {
+            assert_eq!(comm.world(), train.tensor_parallel, "one rank per split");
+            let (size, rank) = (comm.world(), comm.rank());
+            let splits = tensor::split_layout(model, specs, idx, size, rank);
+            let sp = train.sequence_parallel;
+            Tp { comm, splits, sp }
+        });
+        let ep = ep.map(|comm| {
+            let (size, rank) = (comm.world(), comm.rank());
+            let splits = expert::split_layout(specs, idx, size, rank);
+            let load = expert::ExpertLoad::default();
+            expert::Ep { comm, splits, load }
+        });
+        (tp, ep)
+    }
+
     /// [`Engine::new_linked`] but for the one tensor whose size depends on
     /// the batch's shape (micro-batch, attention kernel, checkpointing): the
     /// workspace, a placeholder until [`Engine::alloc_workspace`]. Nothing
@@ -656,19 +683,7 @@ impl<B: Backend> Engine<B> {
         // Tensor parallelism: the full shapes seed the weights, each rank
         // keeps its slices.
         let full_specs = specs.clone();
-        let tp = tp.map(|comm| {
-            assert_eq!(comm.world(), train.tensor_parallel, "one rank per split");
-            let (size, rank) = (comm.world(), comm.rank());
-            let splits = tensor::split_layout(&model, &mut specs, &idx, size, rank);
-            let sp = train.sequence_parallel;
-            Tp { comm, splits, sp }
-        });
-        let ep = ep.map(|comm| {
-            let (size, rank) = (comm.world(), comm.rank());
-            let splits = expert::split_layout(&mut specs, &idx, size, rank);
-            let load = expert::ExpertLoad::default();
-            expert::Ep { comm, splits, load }
-        });
+        let (tp, ep) = Self::split_groups(&model, &train, (&mut specs, &idx), tp, ep);
         let widths = tensor::widths(&model, tp.as_ref().map_or(1, Tp::size));
         let trainable: Vec<bool> = (0..specs.len())
             .map(|i| train.finetune == Finetune::Full || i >= base)
@@ -721,14 +736,13 @@ impl<B: Backend> Engine<B> {
         }
         let workspace = dev.placeholder(DType::F32, Category::Workspace);
         if dev.be.holds_data() {
-            let splits =
-                (tp.as_ref().map(|t| &t.splits[..])).or(ep.as_ref().map(|e| &e.splits[..]));
+            let splits = init::layouts(tp.as_ref(), ep.as_ref());
             init::upload_weights(
                 &mut dev,
                 &full_specs,
                 &train,
                 &held,
-                splits,
+                &splits,
                 dist.as_mut(),
                 &mut states,
             );
@@ -1299,13 +1313,22 @@ impl<B: Backend> Engine<B> {
         let sharded = dist.as_ref().is_some_and(|d| d.sharding.shards_optimizer());
         // Sequence parallelism: each rank's norms saw only its tokens, so
         // their gradients (whole or sharded alike) are summed over the
-        // group, as Megatron all-reduces them before the step.
-        if let Some(tp) = tp.as_mut().filter(|tp| tp.sp) {
+        // group, as Megatron all-reduces them before the step. The per-head
+        // q and k norms saw only this rank's heads, so theirs are summed
+        // too, with or without it (Megatron-Core's `finalize_model_grads`
+        // all-reduces `q_layernorm` and `k_layernorm` likewise).
+        if let Some(tp) = tp.as_mut() {
+            let sp = tp.sp;
             let norms: Vec<usize> = idx
                 .blocks
                 .iter()
-                .flat_map(|b| [Some(b.ln1_w), b.ln1_b, Some(b.ln2_w), b.ln2_b])
-                .chain([Some(idx.lnf_w), idx.lnf_b])
+                .flat_map(|b| {
+                    let ln = [Some(b.ln1_w), b.ln1_b, Some(b.ln2_w), b.ln2_b];
+                    ln.into_iter()
+                        .filter(move |_| sp)
+                        .chain([b.q_norm, b.k_norm])
+                })
+                .chain([Some(idx.lnf_w), idx.lnf_b].into_iter().filter(|_| sp))
                 .flatten()
                 .filter(|&i| owned[i])
                 .collect();
@@ -1347,26 +1370,33 @@ impl<B: Backend> Engine<B> {
         let mut split_sq = Some(0.0f64);
         // Expert parallelism, unsharded: each rank's experts are its own
         // (sharded, the all-reduce below already adds every rank's shards).
+        // With both, an expert's slice is its own at each tensor-parallel
+        // position and expert-parallel rank: summed over the one group,
+        // then with the other split tensors over the other.
         let mut expert_sq = Some(0.0f64);
         for (i, g) in local.iter().enumerate() {
             if counted(i) {
                 let sum = match () {
-                    _ if tp.as_ref().is_some_and(|tp| tp.splits[i].is_some()) => &mut split_sq,
                     _ if !sharded && ep.as_ref().is_some_and(|e| e.splits[i].is_some()) => {
                         &mut expert_sq
                     }
+                    _ if tp.as_ref().is_some_and(|tp| tp.splits[i].is_some()) => &mut split_sq,
                     _ => &mut norm_sq,
                 };
                 *sum = sum.zip(dev.sum_squares(g)).map(|(a, b)| a + b);
             }
         }
-        if let Some(tp) = tp.as_mut() {
-            split_sq = split_sq.map(|s| tp.comm.all_reduce_scalar(s));
-        }
         if let Some(ep) = ep.as_mut() {
             expert_sq = expert_sq.map(|s| ep.comm.all_reduce_scalar(s));
         }
-        split_sq = split_sq.zip(expert_sq).map(|(a, b)| a + b);
+        match tp.as_mut() {
+            // Under tensor parallelism every expert tensor is split too.
+            Some(tp) => {
+                split_sq = split_sq.zip(expert_sq).map(|(a, b)| a + b);
+                split_sq = split_sq.map(|s| tp.comm.all_reduce_scalar(s));
+            }
+            None => split_sq = split_sq.zip(expert_sq).map(|(a, b)| a + b),
+        }
         norm_sq = norm_sq.zip(split_sq).map(|(a, b)| a + b);
         if let Some(d) = dist.as_mut()
             && sharded

@@ -261,6 +261,9 @@ pub(super) fn free_moe<B: Backend>(dev: &mut Device<B>, a: MoeActs<T<B>>) {
     }
 }
 
+/// The weights, and the rank's expert- and tensor-parallel groups.
+type Groups<'a, B> = (&'a [T<B>], Option<&'a mut Ep<B>>, Option<&'a mut Tp<B>>);
+
 /// The routed experts of one block: the router, dispatch and experts, all
 /// saved; the combine is [`combine`], run when the block's output is
 /// wanted. The experts' rows are in `edt`: the activations' dtype, except
@@ -269,7 +272,7 @@ pub(super) fn free_moe<B: Backend>(dev: &mut Device<B>, a: MoeActs<T<B>>) {
 /// `hf_saved`: hf-eager's `HfRules::experts_saved`, saved beside.
 pub(super) fn forward<B: Backend>(
     dev: &mut Device<B>,
-    (p, ep): (&[T<B>], Option<&mut Ep<B>>),
+    (p, ep, tp): Groups<'_, B>,
     mi: MoeIndex,
     m: &MoeConfig,
     (x, edt, hf_saved): (&T<B>, DType, &[(usize, DType)]),
@@ -299,7 +302,9 @@ pub(super) fn forward<B: Backend>(
             "expert parallelism is memfit's own"
         );
         let r = (probs, idx, weight, routing);
-        return experts_elsewhere(dev, (p, ep), mi, x, r, &counts, sh);
+        let mut a = experts_elsewhere(dev, (p, ep), mi, x, r, &counts, sh)?;
+        reduce_rows(dev, tp, &mut a.eo);
+        return Ok(a);
     }
     let mut xp = dev.alloc(rows * c, edt, act)?;
     dev.moe_gather(&mut xp, x, &idx, None, (rows, n, c));
@@ -316,6 +321,7 @@ pub(super) fn forward<B: Backend>(
     let w = wq.as_ref().unwrap_or(&p[mi.down]);
     dev.grouped_matmul_forward(&mut eo, &a, w, &counts, i, c);
     dev.free_opt(wq);
+    reduce_rows(dev, tp, &mut eo);
     Ok(MoeActs {
         extra,
         probs,
@@ -329,6 +335,17 @@ pub(super) fn forward<B: Backend>(
         counts,
         ep: None,
     })
+}
+
+/// Tensor parallelism: each rank's experts hold `I/T` of every expert's
+/// width, so their outputs are partial sums, all-reduced over the group
+/// row by row before the combine (as Megatron-Core reduces the experts'
+/// output before un-permuting it), so that the combine weights' gradients
+/// (`moe_row_dots`) and the router's read whole rows on every rank.
+fn reduce_rows<B: Backend>(dev: &mut Device<B>, tp: Option<&mut Tp<B>>, eo: &mut T<B>) {
+    if let Some(tp) = tp {
+        tp.all_reduce(dev, eo);
+    }
 }
 
 /// [`forward`]'s experts under expert parallelism: this rank's permuted
@@ -436,10 +453,18 @@ type Weights<'a, B> = (&'a [T<B>], &'a mut [T<B>], bool);
 /// shared expert's) or returned new. `aux_scale` is d loss / d this
 /// micro-batch's load-balancing loss. `fresh`: hf-eager's autograd, which
 /// makes each stacked weight's gradient anew (`Some(set_to_none)`, see
-/// [`fresh_grad`]). Frees what the block saved.
+/// [`fresh_grad`]). `router_dx`: whether the replicated router's input
+/// gradient is added (under tensor parallelism, on the group's first rank
+/// only: the experts' part is each rank's partial sum, which the caller
+/// reduces). Frees what the block saved.
 pub(super) fn backward<B: Backend>(
     dev: &mut Device<B>,
-    ((p, g, frozen), ep, fresh): (Weights<'_, B>, Option<&mut Ep<B>>, Option<bool>),
+    ((p, g, frozen), ep, fresh, router_dx): (
+        Weights<'_, B>,
+        Option<&mut Ep<B>>,
+        Option<bool>,
+        bool,
+    ),
     mi: MoeIndex,
     m: &MoeConfig,
     a: MoeActs<T<B>>,
@@ -544,7 +569,9 @@ pub(super) fn backward<B: Backend>(
     let dw = (!frozen).then(|| &mut g[mi.router]);
     dev.matmul_backward(&mut dxr, dw, None, &dlogits, x, &p[mi.router], n, c, e);
     dev.free(dlogits);
-    dev.copy_slice(&mut dx, 0, &dxr, 0, n * c, true);
+    if router_dx {
+        dev.copy_slice(&mut dx, 0, &dxr, 0, n * c, true);
+    }
     dev.free(dxr);
     dev.free(probs);
     Ok(dx)

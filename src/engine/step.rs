@@ -60,12 +60,15 @@ impl BlockLayers {
         let (model, c) = (ps.model, ps.model.d_model);
         let mut ly = Self::new(&ps.idx.blocks[l], ps.widths, c);
         if let (Some(mi), Some(m)) = (ps.idx.blocks[l].moe, model.moe_at(l)) {
-            // Tensor parallelism refuses experts: the shared expert is whole.
-            let dff = model.dense_ff(l).unwrap_or(0);
+            // The shared expert and every routed one are split over the
+            // tensor-parallel group as the dense MLP is (`tensor.rs`).
+            let size = ps.tp.as_ref().map_or(1, |tp| tp.size());
+            let dff = model.dense_ff(l).unwrap_or(0) / size;
             if let (Some(up), Some(down)) = (&mut ly.up, &mut ly.down) {
                 (up.out, down.inp) = (2 * dff, dff);
             }
-            let sh = moe::MoeShape::new(m, c, ps.n, ps.train.capacity_factor);
+            let mut sh = moe::MoeShape::new(m, c, ps.n, ps.train.capacity_factor);
+            sh.i /= size;
             ly.moe = Some((mi, sh));
         }
         ly
@@ -302,6 +305,14 @@ impl<'e, B: Backend> Pass<'e, B> {
     }
 
     /// A row-parallel output's partial sums summed over the group.
+    /// Whether this rank is its tensor-parallel group's first (or has no
+    /// group): where a replicated layer's input gradient joins the
+    /// column-parallel layers' partial sums, so that the group's reduce
+    /// counts it once.
+    fn tp_first(&self) -> bool {
+        self.tp.as_ref().is_none_or(|tp| tp.rank() == 0)
+    }
+
     fn reduce(&mut self, t: T<B>) -> Result<T<B>, OomError> {
         match self.tp.as_mut() {
             Some(tp) => tp.reduce(self.dev, t),
@@ -567,9 +578,9 @@ impl<'e, B: Backend> Pass<'e, B> {
                     false => ln2.dtype,
                 };
                 let saved = self.hf.map_or(&[][..], |h| &h.experts_saved[..]);
-                let ep = self.ep.as_mut();
+                let (ep, tp) = (self.ep.as_mut(), self.tp.as_mut());
                 let x = (&ln2, edt, saved);
-                Some(moe::forward(self.dev, (self.p, ep), mi, m, x, sh)?)
+                Some(moe::forward(self.dev, (self.p, ep, tp), mi, m, x, sh)?)
             }
             _ => None,
         };
@@ -657,7 +668,9 @@ impl<'e, B: Backend> Pass<'e, B> {
     fn qk_pieces(&self, l: usize) -> Option<[QkPiece; 2]> {
         let (bi, m) = (&self.idx.blocks[l], self.model);
         let (qw, kw, (nq, nk)) = (bi.q_norm?, bi.k_norm?, m.qk_norm_widths()?);
-        let (q, kv) = (m.attn_width(), m.n_kv_head() * m.head_dim());
+        // This rank's heads: under tensor parallelism its query heads, then
+        // its key heads (per-head norms only, `validate::architecture`).
+        let (q, kv) = (self.widths.attn, (self.widths.qkv - self.widths.attn) / 2);
         Some([((0, q), nq, qw), ((q, kv), nk, kw)])
     }
 
@@ -1282,8 +1295,12 @@ impl<'e, B: Backend> Pass<'e, B> {
                 self.dev.free(dup);
                 if let Some((dys, dx)) = gated {
                     self.dev.free(dys);
+                    // The gate is replicated: its whole input gradient is
+                    // added once to the group's partial sums.
                     let len = dln2.len;
-                    self.dev.copy_slice(&mut dln2, 0, &dx, 0, len, true);
+                    if self.tp_first() {
+                        self.dev.copy_slice(&mut dln2, 0, &dx, 0, len, true);
+                    }
                     self.dev.free(dx);
                 }
                 Some(dln2)
@@ -1296,10 +1313,11 @@ impl<'e, B: Backend> Pass<'e, B> {
                 // tokens' share of the step's, as `dloss` is one token's.
                 let aux_scale = self.dloss * self.n as f32;
                 let fresh = self.hf.map(|_| self.lazy);
+                let first = self.tp_first();
                 let pg = (&self.p[..], &mut self.g[..], self.frozen);
                 let io = (&*dres, &a.ln2);
                 let ep = self.ep.as_mut();
-                let w = (pg, ep, fresh);
+                let w = (pg, ep, fresh, first);
                 moe::backward(self.dev, w, mi, m, acts, io, dln2, sh, aux_scale)?
             }
             _ => dln2.expect("a block has a dense MLP or experts"),

@@ -220,6 +220,27 @@ impl Split {
     }
 }
 
+/// Rank `rank`'s rows of `n` stacked MLPs of inner width `dff` (the up,
+/// or with `fused` the gate|up, projection): the same `dff / size` slice
+/// of each (of each half).
+fn mlp_rows(dff: usize, n: usize, fused: bool, size: usize, rank: usize) -> Vec<(usize, usize)> {
+    let il = dff / size;
+    let halves = if fused { 2 } else { 1 };
+    (0..n * halves).map(|h| (h * dff + rank * il, il)).collect()
+}
+
+/// Rank `rank`'s columns of a down projection `(rows, dff)` (stacked
+/// experts: `rows` is `E · C`).
+fn mlp_cols(rows: usize, dff: usize, size: usize, rank: usize) -> Split {
+    let il = dff / size;
+    Split::Cols {
+        rows,
+        cols: dff,
+        start: rank * il,
+        len: il,
+    }
+}
+
 /// One rank's widths of the split projections, per token.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Widths {
@@ -249,10 +270,19 @@ pub fn check(model: &ModelConfig, size: usize) -> Option<String> {
     if size <= 1 {
         return None;
     }
+    let moe = model.moe.as_ref();
     let dims = [
         ("attention heads (n_head)", model.n_head),
         ("key/value heads (n_kv_head)", model.n_kv_head()),
         ("MLP width (d_ff)", model.d_ff()),
+        (
+            "experts' width (moe.d_expert)",
+            moe.map_or(0, |m| m.d_expert),
+        ),
+        (
+            "shared expert's width (moe.d_shared)",
+            moe.map_or(0, |m| m.d_shared),
+        ),
         (
             "vocabulary rows (vocab_size padded to pad_vocab_to)",
             model.padded_vocab(),
@@ -287,28 +317,15 @@ pub fn split_layout(
         (h * hd + rank * kl * hd, kl * hd),
         ((h + k) * hd + rank * kl * hd, kl * hd),
     ];
-    let dff = model.d_ff();
-    let il = dff / size;
-    let up: Vec<(usize, usize)> = match model.up_width() == dff {
-        true => vec![(rank * il, il)],
-        // llama's fused gate|up: the same slice of each half.
-        false => vec![(rank * il, il), (dff + rank * il, il)],
-    };
     let rows = |cols: usize, parts: &[(usize, usize)]| Split::Rows {
         cols,
         parts: parts.to_vec(),
     };
-    for b in &idx.blocks {
+    let fused = model.up_width() != model.d_ff();
+    for (l, b) in idx.blocks.iter().enumerate() {
         splits[b.qkv_w] = Some(rows(c, &qkv));
         if let Some(i) = b.qkv_b {
             splits[i] = Some(rows(1, &qkv));
-        }
-        let (Some(up_w), Some(down_w)) = (b.up_w, b.down_w) else {
-            unreachable!("tensor parallelism refuses experts (engine::validate)");
-        };
-        splits[up_w] = Some(rows(c, &up));
-        if let Some(i) = b.up_b {
-            splits[i] = Some(rows(1, &up));
         }
         splits[b.o_w] = Some(Split::Cols {
             rows: c,
@@ -316,12 +333,23 @@ pub fn split_layout(
             start: rank * hl * hd,
             len: hl * hd,
         });
-        splits[down_w] = Some(Split::Cols {
-            rows: c,
-            cols: dff,
-            start: rank * il,
-            len: il,
-        });
+        // The dense MLP, or a routed block's shared expert (if any).
+        if let (Some(up_w), Some(down_w), Some(dff)) = (b.up_w, b.down_w, model.dense_ff(l)) {
+            let up = mlp_rows(dff, 1, fused, size, rank);
+            splits[up_w] = Some(rows(c, &up));
+            if let Some(i) = b.up_b {
+                splits[i] = Some(rows(1, &up));
+            }
+            splits[down_w] = Some(mlp_cols(c, dff, size, rank));
+        }
+        // Every routed expert split as the dense MLP is (Megatron-Core's
+        // expert tensor parallelism at its default, the TP size): the
+        // same slice of each expert's gate and up, its columns of down.
+        if let (Some(mi), Some(m)) = (b.moe, model.moe_at(l)) {
+            let (e, i) = (m.n_experts, m.d_expert);
+            splits[mi.up] = Some(rows(c, &mlp_rows(i, e, true, size, rank)));
+            splits[mi.down] = Some(mlp_cols(e * c, i, size, rank));
+        }
     }
     // The vocabulary-parallel embedding and head: rows of the padded table.
     let vrows = model.padded_vocab() / size;
@@ -329,6 +357,17 @@ pub fn split_layout(
         splits[i] = Some(rows(c, &[(rank * vrows, vrows)]));
     }
     for (spec, split) in specs.iter_mut().zip(&splits) {
+        if spec.shape.len() == 3 {
+            // A stacked expert tensor stays `(E, rows, cols)`, its rows or
+            // columns split (expert parallelism then takes whole experts).
+            let [e, r, c] = [spec.shape[0], spec.shape[1], spec.shape[2]];
+            spec.shape = match split {
+                Some(Split::Rows { .. }) => vec![e, r / size, c],
+                Some(Split::Cols { .. }) => vec![e, r, c / size],
+                None => continue,
+            };
+            continue;
+        }
         match split {
             Some(Split::Rows { cols, parts }) => {
                 let n: usize = parts.iter().map(|p| p.1).sum();
@@ -351,7 +390,7 @@ mod tests {
 
     #[test]
     fn parts_tile_every_tensor_once() {
-        for name in ["gpt2-tiny", "llama-tiny"] {
+        for name in ["gpt2-tiny", "llama-tiny", "moe-tiny"] {
             let model = load_model(name).unwrap();
             let (full, idx) = model.param_layout();
             let size = 2;

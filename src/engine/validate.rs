@@ -21,11 +21,14 @@ pub fn architecture(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
             &format!("{} is a Gemma", model.name),
         );
     }
-    if t.tensor_parallel > 1 && model.qk_norm.is_some() {
+    // Per-head norms (Qwen3) read one head each, which a rank holds
+    // whole; a norm over every head of a token (OLMoE) would need its sum
+    // of squares all-reduced over the group, forward and backward.
+    if t.tensor_parallel > 1 && model.qk_norm == Some(crate::config::model::QkNorm::Full) {
         return not_yet(
             "--tensor-parallel",
-            "tensor parallelism splits the heads the norms read",
-            &format!("{} normalises q and k", model.name),
+            "tensor parallelism splits the heads, and a q/k norm over all of a token's heads (qk_norm: full) would need its sum of squares all-reduced over the group",
+            &format!("{} normalises the whole q and k", model.name),
         );
     }
     experts(t, model)?;
@@ -101,8 +104,11 @@ fn experts(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
     }
     expert_parallel(t, model, m)?;
     let refuse = |knob: &str, why: &str| not_yet(knob, why, &format!("{} has experts", model.name));
-    if t.tensor_parallel > 1 {
-        return refuse("--tensor-parallel", "splits the dense projections");
+    if t.tensor_parallel > 1 && t.sequence_parallel {
+        return refuse(
+            "--sequence-parallel",
+            "it keeps 1/T of the tokens on each rank, which the experts would gather before routing and reduce-scatter after the combine",
+        );
     }
     // QLoRA stores the stacked experts in NF4 (`BlockIndex::nf4`), which
     // transformers does not: its bitsandbytes integration converts

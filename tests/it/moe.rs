@@ -495,6 +495,8 @@ fn what_experts_do_not_combine_with_is_refused_by_name() {
         err.contains("--capacity-factor") && err.contains("dropless"),
         "{err}"
     );
+    // Tensor parallelism splits the experts, but not with sequence
+    // parallelism (tests/it/tensor_parallel.rs runs the rest).
     let err = run(&[
         "--model",
         "moe-tiny",
@@ -504,8 +506,12 @@ fn what_experts_do_not_combine_with_is_refused_by_name() {
         "2",
         "--tensor-parallel",
         "2",
+        "--sequence-parallel",
     ]);
-    assert!(err.contains("--tensor-parallel"), "{err}");
+    assert!(
+        err.contains("--sequence-parallel") && err.contains("has experts"),
+        "{err}"
+    );
     for (model_type, what) in [("deepseek_v3", "latent attention"), ("gemma", "Gemma 1")] {
         let text = format!(r#"{{"model_type": "{model_type}", "hidden_size": 64}}"#);
         let err = import_hf_config(&text, "config.json")

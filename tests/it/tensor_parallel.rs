@@ -595,3 +595,313 @@ fn sequence_parallelism_splits_the_tokens_between_the_projections() {
     // Once a step: every norm weight's gradient (llama: 2 a block + ln_f).
     assert_eq!(count(Op::AllReduce, 4 * c), 2 * l + 1);
 }
+
+/// A tiny model of `model_type` from its config.json (as `moe.rs` imports
+/// them): Qwen3's per-head q/k norms and heads of their own width,
+/// Qwen3-MoE's norms and experts, Qwen2-MoE's gated shared expert.
+fn tiny(model_type: &str, extra: &str) -> ModelConfig {
+    let text = format!(
+        r#"{{"model_type": "{model_type}", "hidden_size": 64, "intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 64, "vocab_size": 256, {extra}}}"#
+    );
+    memfit::config::hf::import_hf_config(&text, "config.json").unwrap()
+}
+
+/// moe-tiny (a dense block, then 2 of 4 experts beside a shared expert)
+/// and the tiny Qwen3, Qwen3-MoE and Qwen2-MoE.
+fn experts_and_norms() -> Vec<ModelConfig> {
+    let experts = r#""num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24"#;
+    vec![
+        load_model("moe-tiny").unwrap(),
+        tiny("qwen3", r#""head_dim": 32"#),
+        tiny("qwen3_moe", &format!(r#""head_dim": 32, {experts}"#)),
+        tiny(
+            "qwen2_moe",
+            &format!(r#"{experts}, "shared_expert_intermediate_size": 40"#),
+        ),
+    ]
+}
+
+/// Experts split over a tensor-parallel group (every expert's gate|up by
+/// columns, down by rows, the router replicated) and per-head q/k norms
+/// on each rank's heads train as one rank does: alone, under ZeRO, and
+/// with expert parallelism among the replicas at each position.
+#[test]
+fn experts_and_per_head_norms_train_as_one_rank() {
+    for model in experts_and_norms() {
+        let name = model.name.clone();
+        for precision in [Precision::Fp32, Precision::Bf16] {
+            for (ranks, sharding, expert_parallel) in [
+                (2, Sharding::None, 1),
+                (4, Sharding::Zero2, 1),
+                (4, Sharding::Zero1, 2),
+            ] {
+                if expert_parallel > 1 && model.moe.is_none() {
+                    continue;
+                }
+                let tc = TrainConfig {
+                    seq_len: 16,
+                    micro_batch: 2,
+                    grad_accum: 2,
+                    lr: Some(1e-3),
+                    precision,
+                    optimizer: Optimizer::Adamw,
+                    ranks,
+                    sharding,
+                    tensor_parallel: 2,
+                    expert_parallel,
+                    ..TrainConfig::default()
+                };
+                let what = format!("{name} {precision:?} {sharding:?} EP {expert_parallel}");
+                let (want, want_losses) = train_single(&model, &tc, 3);
+                let mut c = cpu_cluster(&model, &tc);
+                let mut data = DataSource::synthetic(model.vocab_size, 11);
+                for want_loss in want_losses {
+                    let r = c
+                        .step_from(tc.grad_accum, || data.next_batch(2, 16))
+                        .unwrap();
+                    let loss = r.loss.unwrap();
+                    let rel = ((loss - want_loss) / want_loss).abs();
+                    eprintln!("{what}: loss {loss} vs {want_loss} ({rel:e})");
+                    // bf16 rounds each rank's partial sums before the
+                    // all-reduce (as the dense test allows, 1e-3).
+                    let tol = match precision {
+                        Precision::Fp32 => 1e-5,
+                        _ => 1e-3,
+                    };
+                    assert!(rel < tol, "{what}: loss {loss} vs {want_loss}");
+                }
+                if expert_parallel > 1 {
+                    // The replicas hold different experts: the losses say it.
+                    continue;
+                }
+                let d = max_diff(&full_params(&c, &want), &want);
+                eprintln!("{what}: max |diff| {d:e}");
+                let tol = match precision {
+                    Precision::Fp32 => 1e-4,
+                    _ => tolerance(precision),
+                };
+                assert!(d <= tol, "{what}: {d}");
+            }
+        }
+    }
+}
+
+/// Meta predicts every rank of a tensor-parallel job with experts and q/k
+/// norms byte for byte: peaks, the allocation timeline, what is sent and
+/// received (with expert parallelism, under a capacity factor, which fixes
+/// what each rank receives).
+#[test]
+fn meta_predicts_tensor_parallel_experts_and_norms() {
+    let timeline = |t: &memfit::memory::Tracker| -> Vec<(String, &'static str, i64)> {
+        t.timeline()
+            .iter()
+            .map(|e| (e.phase.to_string(), e.category.name(), e.bytes))
+            .collect()
+    };
+    for model in experts_and_norms() {
+        for (ranks, stages, sharding, checkpointing, expert_parallel) in [
+            (2, 1, Sharding::None, Checkpointing::None, 1),
+            (4, 1, Sharding::Zero3, Checkpointing::Full, 1),
+            (4, 2, Sharding::None, Checkpointing::Full, 1),
+            (8, 1, Sharding::Zero1, Checkpointing::None, 2),
+        ] {
+            let moe = model.moe.is_some();
+            if expert_parallel > 1 && !moe {
+                continue;
+            }
+            let tc = TrainConfig {
+                seq_len: 16,
+                micro_batch: 2,
+                grad_accum: 2,
+                precision: Precision::Bf16,
+                checkpointing,
+                ranks,
+                sharding,
+                pipeline_stages: stages,
+                tensor_parallel: 2,
+                expert_parallel,
+                capacity_factor: (expert_parallel > 1).then_some(1.0),
+                ..TrainConfig::default()
+            };
+            let what = format!("{} N={ranks} S={stages} {sharding:?}", model.name);
+            let mut cpu = cpu_cluster(&model, &tc);
+            let mut meta = meta_cluster(&model, &tc);
+            let mut data = DataSource::synthetic(model.vocab_size, 5);
+            for _ in 0..2 {
+                let r = cpu.step_from(2, || data.next_batch(2, 16)).unwrap();
+                assert!(r.loss.unwrap().is_finite(), "{what}");
+                meta.step_from(2, || unreachable!()).unwrap();
+            }
+            for (c, m) in cpu.ranks.iter().zip(&meta.ranks) {
+                let (ct, mt) = (&c.dev.tracker, &m.dev.tracker);
+                assert_eq!(ct.peak_bytes(), mt.peak_bytes(), "{what}");
+                assert_eq!(timeline(ct), timeline(mt), "{what}");
+                assert_eq!(
+                    (c.dev.meter.sent, c.dev.meter.received),
+                    (m.dev.meter.sent, m.dev.meter.received),
+                    "{what}"
+                );
+            }
+            for (i, dev) in cpu.release().into_iter().enumerate() {
+                assert_eq!(dev.tracker.live().total(), 0, "{what}: rank {i} leaked");
+            }
+        }
+    }
+}
+
+/// Each rank keeps `1/T` of every expert (stacked, still `(E, ..)`) and
+/// of the shared expert, and the whole router and shared gate.
+#[test]
+fn experts_split_as_the_dense_mlp() {
+    let model = load_model("moe-tiny").unwrap();
+    let tc = TrainConfig {
+        seq_len: 16,
+        micro_batch: 2,
+        ranks: 2,
+        tensor_parallel: 2,
+        ..TrainConfig::default()
+    };
+    let c = meta_cluster(&model, &tc);
+    let (full, _) = model.param_layout();
+    let e = &c.ranks[1];
+    let mut halved = 0;
+    for (spec, local) in full.iter().zip(e.param_specs()) {
+        let name = spec.name.to_string();
+        if name.contains("router") || name.contains("gate.weight") {
+            assert_eq!(local.shape, spec.shape, "{}: replicated", spec.name);
+        } else if name.contains("experts") || name.contains("shared") {
+            assert_eq!(local.numel() * 2, spec.numel(), "{}: halved", spec.name);
+            assert_eq!(local.shape.len(), spec.shape.len(), "{}", spec.name);
+            if name.contains("experts") {
+                assert_eq!(local.shape[0], spec.shape[0], "{}: every expert", spec.name);
+            }
+            halved += 1;
+        }
+    }
+    assert!(halved >= 4, "experts and the shared expert: {halved}");
+}
+
+#[test]
+fn the_cli_runs_experts_and_qk_norms_tensor_parallel_and_refuses_the_rest() {
+    let base = [
+        "run",
+        "--model",
+        "moe-tiny",
+        "--steps",
+        "3",
+        "--seq-len",
+        "16",
+        "--format",
+        "json",
+    ];
+    let one = ok_json(&base, &[]);
+    let tp = ok_json(&base, &["--tensor-parallel", "2"]);
+    for (a, b) in losses(&one).iter().zip(losses(&tp)) {
+        assert!(((a - b) / a).abs() < 1e-5, "{a} vs {b}");
+    }
+    let meta = ok_json(&base, &["--tensor-parallel", "2", "--device", "meta"]);
+    for (c, m) in tp["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(meta["ranks"].as_array().unwrap())
+    {
+        assert_eq!(c["peak_bytes"], m["peak_bytes"]);
+        assert_eq!(c["sent_bytes_per_step"], m["sent_bytes_per_step"]);
+    }
+    let tp = [&base[..], &["--tensor-parallel", "2"]].concat();
+    let err = refused(
+        &[&tp[..], &["--sequence-parallel"]].concat(),
+        "--sequence-parallel",
+    );
+    assert!(err.contains("has experts"), "{err}");
+    // Qwen3-30B-A3B (per-head norms, 128 experts) splits 4 ways (its 4
+    // key/value heads bound it) and plans, alone and with experts split.
+    let q = [
+        "run",
+        "--model",
+        "qwen3-30b-a3b",
+        "--device",
+        "meta",
+        "--seq-len",
+        "4096",
+        "--precision",
+        "bf16",
+        "--checkpointing",
+        "full",
+        "--attention",
+        "fused",
+    ];
+    ok_json(
+        &q,
+        &["--ranks", "4", "--tensor-parallel", "4", "--format", "json"],
+    );
+    refused(
+        &[&q[..], &["--ranks", "8", "--tensor-parallel", "8"]].concat(),
+        "n_kv_head",
+    );
+    ok_json(
+        &q,
+        &[
+            "--ranks",
+            "8",
+            "--tensor-parallel",
+            "2",
+            "--expert-parallel",
+            "4",
+            "--sharding",
+            "zero1",
+            "--format",
+            "json",
+        ],
+    );
+    // OLMoE's norm over every head of a token is refused by name.
+    let err = refused(
+        &[
+            "run",
+            "--model",
+            "olmoe-1b-7b",
+            "--device",
+            "meta",
+            "--ranks",
+            "2",
+            "--tensor-parallel",
+            "2",
+        ],
+        "--tensor-parallel",
+    );
+    assert!(err.contains("qk_norm: full"), "{err}");
+}
+
+/// Qwen3-30B-A3B on one node of 8 H100s: expert parallelism, tensor
+/// parallelism or both. Tensor parallelism 8 cannot split the 4 key/value
+/// heads; the plan recommends expert parallelism 8, and the tensor- and
+/// expert-parallel points that fit are priced.
+#[test]
+fn planning_qwen3_30b_a3b_weighs_expert_and_tensor_parallelism() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/recipes/qwen3-30b-a3b-1node.yaml"
+    );
+    let out = memfit(&["plan", path, "--format", "json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let r = json(&out);
+    let points = r["points"].as_array().unwrap();
+    let at = |tp: u64, ep: u64| {
+        points.iter().filter(move |p| {
+            p["point"]["tensor_parallel"].as_u64().unwrap_or(1) == tp
+                && p["point"]["expert_parallel"].as_u64().unwrap_or(1) == ep
+        })
+    };
+    assert!(at(8, 1).all(|p| p["status"] == "invalid"));
+    assert!(at(1, 1).all(|p| p["status"] == "does_not_fit"));
+    for (tp, ep) in [(2, 4), (4, 1), (4, 2)] {
+        assert!(at(tp, ep).any(|p| p["status"] == "fits"), "tp {tp} ep {ep}");
+    }
+    let index = r["recommendation"]["index"].as_u64().unwrap() as usize;
+    let best = &points[index]["point"];
+    assert_eq!(best["expert_parallel"], 8, "{best}");
+    assert_eq!(best["tensor_parallel"].as_u64().unwrap_or(1), 1, "{best}");
+}
