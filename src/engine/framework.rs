@@ -41,13 +41,12 @@ knob_enum! {
 /// a shared expert"); `None` when it models all of it. Its rules follow
 /// transformers' GPT-2 and Llama modules, and the Llama-like ones the
 /// fixtures measure: Phi-3, Qwen2, Qwen3 (q/k norms, heads of their own
-/// width), and Mixtral, Qwen3-MoE and OLMoE (every block routed, no shared
-/// expert). Qwen2-MoE's and DeepSeek-MoE's shared experts, and dense
+/// width), Mixtral, Qwen3-MoE and OLMoE (every block routed, no shared
+/// expert), and Gemma 2 and Gemma 3 text (`modeling_gemma2.py`,
+/// `modeling_gemma3.py`: sandwich norms, GeGLU, soft caps, sliding
+/// windows). Qwen2-MoE's and DeepSeek-MoE's shared experts, and dense
 /// blocks before the routed ones, have no fixture yet.
 pub fn hf_unmodelled(model: &crate::config::ModelConfig) -> Option<&'static str> {
-    if model.family == crate::config::Family::Gemma {
-        return Some("is a Gemma (sandwich norms, GeGLU, soft-capped logits, sliding windows)");
-    }
     match &model.moe {
         Some(m) if m.d_shared > 0 => Some("has a shared expert"),
         Some(m) if m.first_dense > 0 => Some("has dense blocks before its routed ones"),
@@ -174,6 +173,9 @@ pub struct HfRules {
     /// Saved by a routed block's experts with the engine's (`moe::MoeActs`),
     /// freed with its SwiGLU's.
     pub experts_saved: Vec<(usize, DType)>,
+    /// Saved by a sliding-window block (Gemma) beyond `block_saved`, with
+    /// them: sdpa's float mask and repeated k/v (`Step::sliding`).
+    pub sliding_saved: Vec<(usize, DType)>,
     /// Autocast: where in `block_saved` the block's weight casts are. They
     /// live in autocast's cache until the forward leaves autocast, so a
     /// checkpointed block, which saves nothing else, still holds them to
@@ -225,6 +227,7 @@ impl HfRules {
         x.rope(&mut embed);
         let (head, head_forward) = x.head();
         let experts_saved = x.experts();
+        let sliding_saved = x.sliding();
         let Step {
             dt,
             sixteen,
@@ -239,12 +242,9 @@ impl HfRules {
             embed_saved: embed,
             block_saved: block,
             experts_saved,
+            sliding_saved,
             head_saved: head,
-            // The loss upcasts 16-bit logits (`logits.float()`) either way.
-            loss_saved: match sixteen {
-                true => vec![(v, dt)],
-                false => Vec::new(),
-            },
+            loss_saved: x.loss_saved(),
             logits: match sixteen {
                 true => vec![(v, dt), (v, f32)],
                 false => vec![(v, f32)],
@@ -267,8 +267,9 @@ struct Step<'a> {
     model: &'a ModelConfig,
     train: &'a TrainConfig,
     cuda: bool,
-    /// Tokens (B x T) and the model width.
+    /// Tokens (B x T), the sequence (T) and the model width.
     n: usize,
+    t: usize,
     c: usize,
     /// One layer's attention scores (B x heads x T x T).
     scores: usize,
@@ -327,6 +328,7 @@ impl<'a> Step<'a> {
             train,
             cuda,
             n,
+            t: s.t,
             c,
             scores,
             q,
@@ -396,8 +398,51 @@ impl<'a> Step<'a> {
                 block.push((n * dff, dt));
             }
         }
+        self.gemma_norms(&mut block);
         self.qk_norms(&mut block);
         block
+    }
+
+    /// Gemma's RMSNorm (`Gemma2RMSNorm.forward`, modeling_gemma2.py, and
+    /// Gemma3RMSNorm's same code): `_norm(x.float())` then `output * (1.0
+    /// + weight.float())`, cast back by `type_as(x)` only after the
+    /// multiply. `x.float()` (a copy of a 16-bit input) is saved by `pow`
+    /// and by `x * rsqrt`, the fp32 normalised `x * rsqrt` by the multiply
+    /// by `1 + w`; the fp32 output, or its 16-bit cast, is what the next op
+    /// reads. The two post-norms (`post_attention_layernorm` and
+    /// `post_feedforward_layernorm`, Gemma2DecoderLayer.forward) feed the
+    /// residual add, which saves nothing; the engine keeps their input (the
+    /// projection's output, in `dt`) and rstd. In fp32 the normalised
+    /// product is the extra; a 16-bit input (the projections' outputs under
+    /// autocast or in a 16-bit module) adds the fp32 copy's other half and
+    /// the fp32 product. The pre-norms: in fp32 and under autocast (whose
+    /// residual stream is fp32, `x.float()` no copy) they save what
+    /// Llama's do (`norms_and_mlp`); in a 16-bit module the normalised
+    /// product stays fp32 where Llama's `weight * hidden.to(input_dtype)`
+    /// saves it 16-bit: a `dt` half more each.
+    fn gemma_norms(&self, block: &mut Saved) {
+        let Step {
+            model,
+            n,
+            c,
+            dt,
+            sixteen,
+            autocast,
+            ..
+        } = *self;
+        if !model.offset_norms() {
+            return;
+        }
+        let f32 = DType::F32;
+        for _post in 0..2 {
+            match sixteen {
+                true => block.extend([(n * c, f32), (n * c, dt)]),
+                false => block.push((n * c, dt)),
+            }
+        }
+        if sixteen && !autocast {
+            block.extend([(n * c, dt); 2]);
+        }
     }
 
     /// Qwen3's per-head and OLMoE's full-width q and k norms
@@ -421,7 +466,14 @@ impl<'a> Step<'a> {
             ..
         } = *self;
         if model.qk_norm.is_some() {
-            let copies = if sixteen { 2 } else { 1 };
+            // Gemma 3's q_norm and k_norm (Gemma3Attention.forward) keep
+            // the product fp32 (see `gemma_norms`): with a 16-bit q and k,
+            // the fp32 copy's other half and the fp32 product.
+            let copies = match (sixteen, model.offset_norms()) {
+                (false, _) => 1,
+                (true, false) => 2,
+                (true, true) => 3,
+            };
             block.extend(vec![(n * (q + kv), dt); copies]);
         }
     }
@@ -609,7 +661,70 @@ impl<'a> Step<'a> {
             // forward and shared by every layer.
             let rope_dt = if autocast { f32 } else { dt };
             embed.extend([(self.rope, rope_dt); 2]);
+            // Gemma3TextModel.forward makes a pair per layer type present
+            // (`for layer_type in set(config.layer_types)`), each from its
+            // own base (Gemma3RotaryEmbedding); Gemma 2 has one.
+            let m = self.model;
+            let local = m.gemma().is_some_and(|g| g.rope_local_theta.is_some());
+            let sliding = (0..m.n_layer).filter(|&l| m.sliding_window(l).is_some());
+            let sliding = sliding.count();
+            if local && sliding > 0 && sliding < m.n_layer {
+                embed.extend([(self.rope, rope_dt); 2]);
+            }
         }
+    }
+
+    /// What a sliding-window layer saves beyond the others under sdpa.
+    /// transformers builds its mask unless the window covers the sequence
+    /// (masking_utils.py `_ignore_causal_mask_sdpa`: no skip when
+    /// `kv_length >= local_attention_size`); with a mask,
+    /// `sdpa_attention_forward` (integrations/sdpa_attention.py) gives up
+    /// `enable_gqa` (`use_gqa_in_sdpa` wants no mask) and calls
+    /// `repeat_kv`, which copies k and v unless there is one kv head (the
+    /// expanded size-1 dimension then reshapes as a view); and SDPA turns
+    /// the boolean mask into a float one in the query's dtype
+    /// (`convert_boolean_attn_mask`, aten/src/ATen/native/transformers/
+    /// attention.cpp), (B, 1, T, T), which the cpu flash kernel saves for
+    /// its backward. The eager path builds its masks once per forward and
+    /// saves none (`attn_weights + attention_mask`).
+    fn sliding(&self) -> Saved {
+        let Step {
+            model,
+            n,
+            t,
+            q,
+            kv,
+            dt,
+            math,
+            ..
+        } = *self;
+        let mut saved = Vec::new();
+        let window = (0..model.n_layer).find_map(|l| model.sliding_window(l));
+        if math || window.is_none_or(|w| t < w) {
+            return saved;
+        }
+        saved.push((n * t, dt));
+        if kv < q && model.n_kv_head() > 1 {
+            saved.extend([(n * (q - kv), dt); 2]);
+        }
+        saved
+    }
+
+    /// Per token, what is saved with the log_softmax output until the
+    /// loss's backward. The loss upcasts 16-bit logits (`logits.float()`,
+    /// ForCausalLMLoss) either way. Gemma 2's final soft cap
+    /// (Gemma2ForCausalLM.forward: `logits / cap`, `torch.tanh`, `* cap`)
+    /// saves tanh's output, in the logits' dtype; the division and the
+    /// multiplication by a number save nothing.
+    fn loss_saved(&self) -> Saved {
+        let mut saved = Vec::new();
+        if self.sixteen {
+            saved.push((self.v, self.dt));
+        }
+        if self.model.final_softcap().is_some() {
+            saved.push((self.v, self.dt));
+        }
+        saved
     }
 
     /// What the final norm and the head save, and what is alive only

@@ -585,7 +585,10 @@ impl<'e, B: Backend> Pass<'e, B> {
             _ => None,
         };
         // The framework profile's saved tensors beyond the engine's own.
-        let extra = alloc_saved(self.dev, self.hf.map_or(&[][..], |h| &h.block_saved[..]))?;
+        let mut extra = alloc_saved(self.dev, self.hf.map_or(&[][..], |h| &h.block_saved[..]))?;
+        if let Some(h) = self.hf.filter(|_| self.model.sliding_window(l).is_some()) {
+            extra.extend(alloc_saved(self.dev, &h.sliding_saved)?);
+        }
         // The dense MLP's (or shared expert's) output: a temporary summed
         // into the block's, or under Qwen2-MoE's gate kept with the gate,
         // whose backward reads it (so a recomputation makes it too).

@@ -109,8 +109,10 @@ fn run_both(model: &ModelConfig, tc: &TrainConfig) -> (Tracker, Tracker, Vec<f32
 
 /// Test-size models of issue 30's families, as config.json imports them:
 /// Qwen3 (per-head q/k norms, 32-wide heads on a 64-wide stream), Mixtral
-/// (every block routed, 2 of 4 experts, renormalised) and OLMoE (full q/k
-/// norms, 2 of 4 experts, not renormalised).
+/// (every block routed, 2 of 4 experts, renormalised), OLMoE (full q/k
+/// norms, 2 of 4 experts, not renormalised) and Gemma 3 (q/k norms of
+/// `1 + w`, two RoPE bases, an 8-token window on every other layer, which
+/// the tests' 16 and 32 tokens pass).
 fn new_families() -> Vec<ModelConfig> {
     [
         ("qwen3", r#""head_dim": 32"#),
@@ -119,6 +121,10 @@ fn new_families() -> Vec<ModelConfig> {
             r#""num_local_experts": 4, "num_experts_per_tok": 2"#,
         ),
         ("olmoe", r#""num_experts": 4, "num_experts_per_tok": 2"#),
+        (
+            "gemma3_text",
+            r#""head_dim": 16, "sliding_window": 8, "sliding_window_pattern": 2"#,
+        ),
     ]
     .into_iter()
     .map(|(model_type, extra)| {
@@ -137,7 +143,7 @@ fn new_families() -> Vec<ModelConfig> {
 /// the losses are memfit's own, bit for bit.
 #[test]
 fn hf_eager_meta_equals_cpu_and_keeps_the_numerics() {
-    let tiny = ["gpt2-tiny", "llama-tiny"].map(|m| load_model(m).unwrap());
+    let tiny = ["gpt2-tiny", "llama-tiny", "gemma-tiny"].map(|m| load_model(m).unwrap());
     for model in tiny.iter().chain(&new_families()) {
         for (attention, opt_impl, set_to_none, ckpt) in [
             (
@@ -361,7 +367,7 @@ fn plan_recipe_lora_keys_are_checked() {
 #[test]
 fn every_mode_releases_everything() {
     use memfit::engine::{Finetune, Precision, Sharding};
-    let tiny = ["gpt2-tiny", "llama-tiny"].map(|m| load_model(m).unwrap());
+    let tiny = ["gpt2-tiny", "llama-tiny", "gemma-tiny"].map(|m| load_model(m).unwrap());
     for model in tiny.iter().chain(&new_families()) {
         for (framework, finetune, precision, set_to_none, ckpt) in [
             (

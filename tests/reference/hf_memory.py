@@ -293,6 +293,68 @@ MODELS["qwen2.5-7b-2l"] = dict(
     ),
 )
 
+# Gemma 2 and Gemma 3 (text), a few of their layers: sandwich norms,
+# (1 + w) RMSNorms in fp32, GeGLU, the embedding scaled by sqrt(C), and
+# sliding windows. Gemma-2-2B (google/gemma-2-2b config.json): soft caps 50
+# on the scores and 30 on the logits, 10 of its 26 layers (sliding and
+# global alternate). Gemma-3-1B (google/gemma-3-1b-pt config.json):
+# per-head q/k norms, two RoPE bases, a 512-token window on 5 layers of 6,
+# no soft caps; 18 of its 26 layers. Enough layers that the optimizer step
+# can outweigh the tied 256k-row embedding's backward (its weight's
+# gradient, the head's and their sum: fewer layers and every peak is
+# there). `layer_types` is written out so memfit imports the pattern.
+MODELS["gemma-2-2b-10l"] = dict(
+    family="gemma2",
+    hf=dict(
+        model_type="gemma2",
+        vocab_size=256000,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=10,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        layer_types=["sliding_attention", "full_attention"] * 5,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+        use_cache=False,
+    ),
+)
+MODELS["gemma-3-1b-18l"] = dict(
+    family="gemma3_text",
+    hf=dict(
+        model_type="gemma3_text",
+        vocab_size=262144,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=18,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3,
+        attn_logit_softcapping=None,
+        final_logit_softcapping=None,
+        tie_word_embeddings=True,
+        use_cache=False,
+    ),
+)
+
 
 # Families built like Llama (attention_dropout is their dropout knob).
 LLAMA_LIKE = {
@@ -300,6 +362,8 @@ LLAMA_LIKE = {
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }
 
 
@@ -363,6 +427,8 @@ def cfg(model, **kw):
         "mixtral-8x7b-2l": "mixtral-2l",
         "qwen3-30b-a3b-2l": "qwen3moe-2l",
         "olmoe-1b-7b-2l": "olmoe-2l",
+        "gemma-2-2b-10l": "gemma2-10l",
+        "gemma-3-1b-18l": "gemma3-18l",
     }[model]
     name = f"{short}-b{c['batch']}-t{c['seq_len']}-{c['precision']}-d{c['dropout']:g}-{c['attention']}-{c['optimizer'].replace('adamw-', '')}"
     if not c["set_to_none"]:
@@ -475,6 +541,21 @@ def all_configs():
     out.append(cfg("olmoe-1b-7b-2l", batch=1, seq_len=120))
     out.append(cfg("olmoe-1b-7b-2l", batch=2, seq_len=832, set_to_none=False, optimizer="adamw-single-tensor"))
     out.append(cfg("olmoe-1b-7b-2l", batch=2, seq_len=832, precision="bf16-autocast", attention="sdpa", set_to_none=False, optimizer="adamw-single-tensor"))
+    # Gemma 2 and Gemma 3 (text), at shapes no other config uses: the peak
+    # in the optimizer step (foreach, short sequences) and in the backward
+    # (single-tensor with resident gradients), eager, sdpa (Gemma 3 only:
+    # Gemma 2's `_supports_sdpa` is False, its soft cap has no sdpa form),
+    # fp32 and bf16 autocast. Gemma 3's 576 and 640 tokens pass its 512
+    # window, so its sliding layers get their own mask.
+    out.append(cfg("gemma-2-2b-10l", batch=1, seq_len=72))
+    out.append(cfg("gemma-2-2b-10l", batch=2, seq_len=576, set_to_none=False, optimizer="adamw-single-tensor"))
+    out.append(cfg("gemma-2-2b-10l", batch=2, seq_len=576))
+    out.append(cfg("gemma-2-2b-10l", batch=2, seq_len=576, precision="bf16-autocast", set_to_none=False, optimizer="adamw-single-tensor"))
+    out.append(cfg("gemma-3-1b-18l", batch=1, seq_len=56))
+    out.append(cfg("gemma-3-1b-18l", batch=2, seq_len=640, set_to_none=False, optimizer="adamw-single-tensor"))
+    out.append(cfg("gemma-3-1b-18l", batch=2, seq_len=640, attention="sdpa", set_to_none=False, optimizer="adamw-single-tensor"))
+    out.append(cfg("gemma-3-1b-18l", batch=3, seq_len=320, precision="bf16-autocast", attention="sdpa"))
+    out.append(cfg("gemma-3-1b-18l", batch=3, seq_len=576, precision="bf16-autocast", set_to_none=False, optimizer="adamw-single-tensor"))
     return out
 
 
