@@ -142,7 +142,6 @@ struct Column {
 /// Every column, each a cell per point of `rows`.
 fn columns(plan: &Plan, rows: &[usize]) -> Vec<Column> {
     let pts: Vec<&Prediction> = rows.iter().map(|&i| &plan.points[i]).collect();
-    let valid = |p: &Prediction| !matches!(p.verdict, Verdict::Invalid { .. });
     let mut cols = Vec::new();
     let mut col =
         |head: &str, short: &str, knob: bool, keep: u8, f: &dyn Fn(&Prediction) -> String| {
@@ -235,6 +234,18 @@ fn columns(plan: &Plan, rows: &[usize]) -> Vec<Column> {
         0 => "-".into(),
         a => a.to_string(),
     });
+    figure_columns(plan, &pts, &mut col);
+    cols
+}
+
+/// Adds a column: its head, short head, whether it is a knob, how long it
+/// is kept, and its cell for a point.
+type AddColumn<'a> = dyn FnMut(&str, &str, bool, u8, &dyn Fn(&Prediction) -> String) + 'a;
+
+/// The predictions' columns: the peak and what it leaves, the links, the
+/// throughput and the price, the status.
+fn figure_columns(plan: &Plan, pts: &[&Prediction], col: &mut AddColumn<'_>) {
+    let valid = |p: &Prediction| !matches!(p.verdict, Verdict::Invalid { .. });
     // Sizes in one unit per column, named in the header.
     let most = |f: &dyn Fn(&Prediction) -> u64| {
         iec_unit(
@@ -302,7 +313,6 @@ fn columns(plan: &Plan, rows: &[usize]) -> Vec<Column> {
         false => "-".into(),
     });
     col("status", "status", false, KEEP, &|p| status(p));
-    cols
 }
 
 /// The table's columns with the row numbers filled in, and the knobs that
