@@ -308,19 +308,7 @@ pub(super) fn forward<B: Backend>(
     }
     let mut xp = dev.alloc(rows * c, edt, act)?;
     dev.moe_gather(&mut xp, x, &idx, None, (rows, n, c));
-    let mut h = dev.alloc(rows * 2 * i, edt, act)?;
-    let wq = stacked(dev, &p[mi.up], e * 2 * i * c, edt)?;
-    let w = wq.as_ref().unwrap_or(&p[mi.up]);
-    dev.grouped_matmul_forward(&mut h, &xp, w, &counts, c, 2 * i);
-    dev.free_opt(wq);
-    let mut a = dev.alloc(rows * i, edt, act)?;
-    dev.swiglu_forward(&mut a, &h, rows, i);
-    let extra = alloc_saved(dev, hf_saved)?;
-    let mut eo = dev.alloc(rows * c, edt, act)?;
-    let wq = stacked(dev, &p[mi.down], e * c * i, edt)?;
-    let w = wq.as_ref().unwrap_or(&p[mi.down]);
-    dev.grouped_matmul_forward(&mut eo, &a, w, &counts, i, c);
-    dev.free_opt(wq);
+    let (h, a, extra, mut eo) = experts_ffn(dev, (p, mi), &xp, &counts, (i, c), (act, hf_saved))?;
     reduce_rows(dev, tp, &mut eo);
     Ok(MoeActs {
         extra,
@@ -374,19 +362,7 @@ fn experts_elsewhere<B: Backend>(
     dev.moe_gather(&mut xs, &xr, &sort, None, (got, got, c));
     dev.free(xr);
     // This rank's experts only: `local` has one count per local expert.
-    let el = local.len();
-    let mut h = dev.alloc(got * 2 * i, dt, act)?;
-    let wq = stacked(dev, &p[mi.up], el * 2 * i * c, dt)?;
-    let w = wq.as_ref().unwrap_or(&p[mi.up]);
-    dev.grouped_matmul_forward(&mut h, &xs, w, &local, c, 2 * i);
-    dev.free_opt(wq);
-    let mut a = dev.alloc(got * i, dt, act)?;
-    dev.swiglu_forward(&mut a, &h, got, i);
-    let mut eos = dev.alloc(got * c, dt, tmp)?;
-    let wq = stacked(dev, &p[mi.down], el * c * i, dt)?;
-    let w = wq.as_ref().unwrap_or(&p[mi.down]);
-    dev.grouped_matmul_forward(&mut eos, &a, w, &local, i, c);
-    dev.free_opt(wq);
+    let (h, a, _, eos) = experts_ffn(dev, (p, mi), &xs, &local, (i, c), (tmp, &[]))?;
     // Back in arrival order, and home.
     let mut eor = dev.alloc_zeroed(got * c, dt, tmp)?;
     dev.moe_scatter(&mut eor, &eos, &sort, None, (got, got, c));
@@ -408,22 +384,59 @@ fn experts_elsewhere<B: Backend>(
     })
 }
 
-/// QLoRA: the dequantised copy of a stacked expert weight (`numel`
-/// values: every expert this rank holds) that one grouped GEMM reads, in
-/// the rows' dtype, a tracked temporary the caller frees right after;
-/// the backward dequantises again rather than keeping it. `None` for a
-/// weight stored as is. A stacked weight is NF4 exactly when its storage
-/// is bytes (`init::alloc_nf4_params`). The whole stack at once, as
-/// bitsandbytes' `Bnb4bitParametrization` dequantises a parameter
+/// What [`experts_ffn`] leaves: `h`, `a`, the extras and the output.
+type Ffn<B> = (T<B>, T<B>, Vec<T<B>>, T<B>);
+
+/// The experts' FFN on `xs (rows, C)`, rows grouped by expert as
+/// `counts` says (one count per expert this rank holds): gate|up `h (rows,
+/// 2I)` and SwiGLU `a (rows, I)`, saved, then `saved` (hf-eager's extras,
+/// allocated where transformers saves them) and the output `(rows, C)` of
+/// `out` category. The rows' dtype is `xs`'s; `(i, c)`: the experts' width
+/// on this rank and the model's.
+fn experts_ffn<B: Backend>(
+    dev: &mut Device<B>,
+    (p, mi): (&[T<B>], MoeIndex),
+    xs: &T<B>,
+    counts: &[usize],
+    (i, c): (usize, usize),
+    (out, saved): (Category, &[(usize, DType)]),
+) -> Result<Ffn<B>, OomError> {
+    let (rows, dt, act) = (xs.len / c, xs.dtype, Category::Activations);
+    let el = counts.len();
+    let mut h = dev.alloc(rows * 2 * i, dt, act)?;
+    with_stacked(dev, &p[mi.up], el * 2 * i * c, dt, |dev, w| {
+        dev.grouped_matmul_forward(&mut h, xs, w, counts, c, 2 * i)
+    })?;
+    let mut a = dev.alloc(rows * i, dt, act)?;
+    dev.swiglu_forward(&mut a, &h, rows, i);
+    let extra = alloc_saved(dev, saved)?;
+    let mut eo = dev.alloc(rows * c, dt, out)?;
+    with_stacked(dev, &p[mi.down], el * c * i, dt, |dev, w| {
+        dev.grouped_matmul_forward(&mut eo, &a, w, counts, i, c)
+    })?;
+    Ok((h, a, extra, eo))
+}
+
+/// Runs `f` on a stacked expert weight as one grouped GEMM reads it:
+/// under QLoRA a dequantised copy (`numel` values: every expert this rank
+/// holds) in the rows' dtype `dt`, a tracked temporary freed right after;
+/// the backward dequantises again rather than keeping it. A stacked
+/// weight is NF4 exactly when its storage is bytes
+/// (`init::alloc_nf4_params`). The whole stack at once, as bitsandbytes'
+/// `Bnb4bitParametrization` dequantises a parameter
 /// (`bitsandbytes/nn/parametrize.py`); bitsandbytes' `Experts4bit`
 /// dequantises one expert at a time instead (docs/moe.md).
-fn stacked<B: Backend>(
+fn with_stacked<B: Backend, R>(
     dev: &mut Device<B>,
     w: &T<B>,
     numel: usize,
     dt: DType,
-) -> Result<Option<T<B>>, OomError> {
-    dequant(dev, w, numel, w.dtype == DType::U8, dt)
+    f: impl FnOnce(&mut Device<B>, &T<B>) -> R,
+) -> Result<R, OomError> {
+    let wq = dequant(dev, w, numel, w.dtype == DType::U8, dt)?;
+    let r = f(dev, wq.as_ref().unwrap_or(w));
+    dev.free_opt(wq);
+    Ok(r)
 }
 
 /// The experts' outputs weighted back into their tokens: added into the
@@ -515,10 +528,9 @@ pub(super) fn backward<B: Backend>(
     let mut dact = dev.alloc(got * i, edt, tmp)?;
     let made = fresh_grad(dev, (p, g), mi.down, fresh)?;
     let dw = (!frozen).then(|| &mut g[mi.down]);
-    let wq = stacked(dev, &p[mi.down], el * c * i, edt)?;
-    let w = wq.as_ref().unwrap_or(&p[mi.down]);
-    dev.grouped_matmul_backward(&mut dact, dw, &deo, &act, w, &counts, i, c);
-    dev.free_opt(wq);
+    with_stacked(dev, &p[mi.down], el * c * i, edt, |dev, w| {
+        dev.grouped_matmul_backward(&mut dact, dw, &deo, &act, w, &counts, i, c)
+    })?;
     fresh_grad_handed(dev, g, mi.down, (fresh, made));
     dev.free(deo);
     dev.free(act);
@@ -532,10 +544,9 @@ pub(super) fn backward<B: Backend>(
     let mut dxp = dev.alloc(got * c, edt, tmp)?;
     let made = fresh_grad(dev, (p, g), mi.up, fresh)?;
     let dw = (!frozen).then(|| &mut g[mi.up]);
-    let wq = stacked(dev, &p[mi.up], el * 2 * i * c, edt)?;
-    let w = wq.as_ref().unwrap_or(&p[mi.up]);
-    dev.grouped_matmul_backward(&mut dxp, dw, &dh, &xp, w, &counts, c, 2 * i);
-    dev.free_opt(wq);
+    with_stacked(dev, &p[mi.up], el * 2 * i * c, edt, |dev, w| {
+        dev.grouped_matmul_backward(&mut dxp, dw, &dh, &xp, w, &counts, c, 2 * i)
+    })?;
     fresh_grad_handed(dev, g, mi.up, (fresh, made));
     dev.free(dh);
     dev.free(xp);
