@@ -291,9 +291,8 @@ pub struct Dist<B: Backend> {
     /// expert-data-parallel group), over which the expert units are
     /// sharded and reduced; `None` without it.
     edp: Option<Comm<B>>,
-    /// Units whose tensors are experts (sharded over `edp`); each block's
-    /// expert unit, if split off.
-    expert_unit: Vec<bool>,
+    /// Each block's expert unit, if split off (the units after the head's;
+    /// sharded over `edp`).
     block_experts: Vec<Option<usize>>,
     /// Each tensor's unit.
     unit_of: Vec<usize>,
@@ -306,6 +305,24 @@ pub struct Dist<B: Backend> {
     secondary_stale: bool,
     gathered: Vec<bool>,
     grads_live: Vec<bool>,
+}
+
+/// The data-parallel group `comm` (of `world` ranks, `stride` apart), or
+/// for `experts` the expert-data-parallel group `edp`, whose members are
+/// an expert-parallel group apart.
+fn pick<'a, B: Backend>(
+    comm: &'a mut Comm<B>,
+    edp: Option<&'a mut Comm<B>>,
+    world: usize,
+    (experts, stride): (bool, usize),
+) -> (&'a mut dyn Collective<B::Buf>, usize) {
+    match (experts, edp) {
+        (true, Some(e)) => {
+            let p = world / e.world();
+            (&mut **e, stride * p)
+        }
+        _ => (&mut **comm, stride),
+    }
 }
 
 /// A step of the forward or backward schedule, for the unit hooks.
@@ -345,7 +362,6 @@ impl Dist<crate::backend::meta::MetaBackend> {
             replicate: fork(&self.replicate)?,
             hpz: fork(&self.hpz)?,
             edp: fork(&self.edp)?,
-            expert_unit: self.expert_unit.clone(),
             block_experts: self.block_experts.clone(),
             unit_of: self.unit_of.clone(),
             blocks: self.blocks,
@@ -403,7 +419,7 @@ impl<B: Backend> Dist<B> {
                 }
             }
         }
-        let expert_unit: Vec<bool> = (0..units.len()).map(|u| u > blocks + 1).collect();
+        let expert_unit = |u: usize| u > blocks + 1;
         let mut unit_of = vec![0; numel.len()];
         for (u, list) in units.iter().enumerate() {
             for &i in list {
@@ -418,7 +434,7 @@ impl<B: Backend> Dist<B> {
         let edp_world = edp.as_ref().map_or(1, |c| c.world());
         let shard: Vec<usize> = (numel.iter().enumerate())
             .map(|(i, n)| {
-                n.div_ceil(if expert_unit[unit_of[i]] {
+                n.div_ceil(if expert_unit(unit_of[i]) {
                     edp_world
                 } else {
                     world
@@ -457,7 +473,6 @@ impl<B: Backend> Dist<B> {
             replicate: None,
             hpz: None,
             edp,
-            expert_unit,
             block_experts,
             unit_of,
             blocks,
@@ -494,29 +509,33 @@ impl<B: Backend> Dist<B> {
         self.place(self.unit_of[i]).1
     }
 
+    /// Whether unit `u` holds experts (the units after the head's).
+    fn expert_unit(&self, u: usize) -> bool {
+        u > self.blocks + 1
+    }
+
     /// Unit `u`'s group: `(rank, world)`.
     fn place(&self, u: usize) -> (usize, usize) {
-        match (self.expert_unit[u], &self.edp) {
+        match (self.expert_unit(u), &self.edp) {
             (true, Some(e)) => (e.rank(), e.world()),
             _ => (self.rank, self.world),
         }
     }
 
-    /// Unit `u`'s group, and the ranks between two of its members (the
-    /// expert-data-parallel group's are an expert-parallel group apart).
+    /// Unit `u`'s group, and the ranks between two of its members.
     fn group_of(&mut self, stride: usize, u: usize) -> (&mut dyn Collective<B::Buf>, usize) {
-        match (self.expert_unit[u], self.edp.as_mut()) {
-            (true, Some(e)) => {
-                let p = self.world / e.world();
-                (&mut **e, stride * p)
-            }
-            _ => (&mut *self.comm, stride),
-        }
+        let experts = self.expert_unit(u);
+        pick::<B>(
+            &mut self.comm,
+            self.edp.as_mut(),
+            self.world,
+            (experts, stride),
+        )
     }
 
     /// Whether tensor `i` is an expert sharded over its own group.
     pub fn is_expert(&self, i: usize) -> bool {
-        self.expert_unit[self.unit_of[i]]
+        self.expert_unit(self.unit_of[i])
     }
 
     /// ddp: tensor `i`'s weights from rank 0 of its group, as DDP's
@@ -925,13 +944,13 @@ impl<B: Backend> Dist<B> {
     /// each bucket's own buffer unless gradients are its views).
     pub fn all_reduce_grads(&mut self, dev: &mut Device<B>, g: &mut [T<B>]) {
         let stride = dev.meter.call_stride;
-        let p = self.world / self.edp.as_ref().map_or(self.world, |e| e.world());
         for b in &mut self.buckets {
-            let (comm, stride): (&mut dyn Collective<B::Buf>, usize) =
-                match (b.experts, self.edp.as_mut()) {
-                    (true, Some(e)) => (&mut **e, stride * p),
-                    _ => (&mut *self.comm, stride),
-                };
+            let (comm, stride) = pick::<B>(
+                &mut self.comm,
+                self.edp.as_mut(),
+                self.world,
+                (b.experts, stride),
+            );
             let was = std::mem::replace(&mut dev.meter.call_stride, stride);
             match &mut b.buf {
                 None => {
