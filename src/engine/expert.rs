@@ -196,34 +196,31 @@ impl Exchange {
 /// rows here, the rest of its `N·k` to the first experts elsewhere).
 fn planned(sh: &MoeShape, p: usize, me: usize, load: ExpertLoad) -> Vec<usize> {
     let (e, l) = (sh.e, sh.e / p);
-    let even = sh.planned_counts();
-    let mut counts = Vec::with_capacity(p * e);
-    for _ in 0..p {
-        match (sh.cap, load) {
-            (None, ExpertLoad::Worst) => {
-                let mine = sh.n * sh.k.min(l);
-                let mut row = vec![0; e];
-                // Spread over the local experts, then the rest over the others.
-                for (j, c) in split_even(mine, l).into_iter().enumerate() {
-                    row[me * l + j] = c;
-                }
-                let others: Vec<usize> = (0..e).filter(|x| x / l != me).collect();
-                for (x, c) in others
-                    .iter()
-                    .zip(split_even(sh.n * sh.k - mine, others.len()))
-                {
-                    row[*x] = c;
-                }
-                counts.extend(row);
+    // What each rank sends: the same from every rank of the group.
+    let row = match (sh.cap, load) {
+        (None, ExpertLoad::Worst) => {
+            let mine = sh.n * sh.k.min(l);
+            let mut row = vec![0; e];
+            // Spread over the local experts, then the rest over the others.
+            for (j, c) in split_even(mine, l).into_iter().enumerate() {
+                row[me * l + j] = c;
             }
-            _ => counts.extend(&even),
+            let others: Vec<usize> = (0..e).filter(|x| x / l != me).collect();
+            for (x, c) in others
+                .iter()
+                .zip(split_even(sh.n * sh.k - mine, others.len()))
+            {
+                row[*x] = c;
+            }
+            row
         }
-    }
-    counts
+        _ => sh.planned_counts(),
+    };
+    row.repeat(p)
 }
 
 /// `n` split into `parts` counts as even as can be (the first ones larger).
-fn split_even(n: usize, parts: usize) -> Vec<usize> {
+pub(super) fn split_even(n: usize, parts: usize) -> Vec<usize> {
     if parts == 0 {
         return Vec::new();
     }

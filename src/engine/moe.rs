@@ -77,10 +77,7 @@ impl MoeShape {
     pub fn planned_counts(&self) -> Vec<usize> {
         match self.cap {
             Some(cap) => vec![cap; self.e],
-            None => {
-                let (q, r) = (self.rows() / self.e, self.rows() % self.e);
-                (0..self.e).map(|x| q + (x < r) as usize).collect()
-            }
+            None => expert::split_even(self.rows(), self.e),
         }
     }
 }
