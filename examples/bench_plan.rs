@@ -47,6 +47,7 @@ fn main() {
             capacity_factor: vec![Default::default()],
             offload_activations: vec![false],
             expert_parallel: vec![1],
+            tp_comm_overlap: vec![false],
         },
         headroom: 0.05,
         cost: None,
@@ -108,6 +109,7 @@ fn main() {
             capacity_factor: vec![Default::default()],
             offload_activations: vec![false],
             expert_parallel: vec![1],
+            tp_comm_overlap: vec![false],
         },
         ..single
     };

@@ -131,11 +131,7 @@ impl Roofline {
     pub fn seconds(&self, work: &Work, calls: u64) -> f64 {
         let compute = match work.kind {
             Kind::Gemm(gemms) => {
-                let mut s = 0.0;
-                for g in gemms.iter().flatten() {
-                    let share = self.tiles.map_or(1.0, |t| t.utilisation(g));
-                    s += g.flops() as f64 / (self.flops_per_s * share);
-                }
+                let s: f64 = gemms.iter().flatten().map(|g| self.gemm_seconds(g)).sum();
                 let rest = work.flops.saturating_sub(work.gemm_flops());
                 s + rest as f64 / self.kernel_flops_per_s
             }
@@ -148,6 +144,13 @@ impl Roofline {
             Kind::Stream => work.flops as f64 / self.kernel_flops_per_s,
         };
         compute.max(work.bytes as f64 / self.bytes_per_s) + calls as f64 * self.op_overhead_s
+    }
+
+    /// Seconds one GEMM's arithmetic takes at its tiles' and waves' share
+    /// of the GEMM rate.
+    pub fn gemm_seconds(&self, g: &super::ops::Gemm) -> f64 {
+        let share = self.tiles.map_or(1.0, |t| t.utilisation(g));
+        g.flops() as f64 / (self.flops_per_s * share)
     }
 }
 
@@ -256,6 +259,26 @@ pub struct Meter {
     /// that follows the last micro-batch's backward in the engine, which
     /// frameworks run bucket by bucket during that backward.
     pub after_backward: bool,
+    /// While set, collectives are a split projection's sequence-parallel
+    /// gather or reduce-scatter, paired with the GEMM after or before it
+    /// (`Call::gemm_s`).
+    pub pair: Option<Pair>,
+    /// Seconds of the first GEMM of the last GEMM op priced (a backward's
+    /// input gradient, the GEMM a reduce-scatter of it runs beside).
+    last_gemm_s: f64,
+    /// Collectives (indices into `collectives`) waiting for the GEMM after
+    /// them.
+    awaiting_gemm: Vec<usize>,
+}
+
+/// Which GEMM a tensor-parallel collective is paired with, as Transformer
+/// Engine's userbuffers overlap them: a gather with the GEMM that reads
+/// what it gathers, a reduce-scatter with the GEMM that makes what it
+/// reduces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pair {
+    Next,
+    Previous,
 }
 
 /// What compute a collective can run beside, on the framework's own
@@ -330,6 +353,9 @@ impl Meter {
             stage_s: [0.0; 3],
             critical: false,
             after_backward: false,
+            pair: None,
+            last_gemm_s: 0.0,
+            awaiting_gemm: Vec::new(),
         }
     }
 
@@ -351,6 +377,7 @@ impl Meter {
         let optimizer = phase == Phase::Optimizer;
         if at == At::Device {
             self.stage_s[Stage::of(phase).index()] += secs;
+            self.paired_gemm(work);
         }
         if at != At::Device {
             if at == At::Link {
@@ -377,6 +404,23 @@ impl Meter {
         }
     }
 
+    /// Notes a GEMM op's first GEMM's seconds for the collectives paired
+    /// with it (`Pair`), when the planner records collectives.
+    fn paired_gemm(&mut self, work: &Work) {
+        let (Some(r), Kind::Gemm([Some(g), _])) = (self.roofline, work.kind) else {
+            return;
+        };
+        if self.collectives.is_none() {
+            return;
+        }
+        self.last_gemm_s = r.gemm_seconds(&g);
+        if let Some(calls) = &mut self.collectives {
+            for i in self.awaiting_gemm.drain(..) {
+                calls[i].gemm_s = Some(self.last_gemm_s);
+            }
+        }
+    }
+
     /// One collective `op` of nccl-tests' `size` `bytes` over `world`
     /// ranks, of which this rank sent and received `(sent, received)`:
     /// the wire totals and, for a planner, the log its topology prices.
@@ -399,6 +443,14 @@ impl Meter {
             (false, false, Stage::Optimizer) => Beside::Nothing,
         };
         if let Some(calls) = &mut self.collectives {
+            let gemm_s = match self.pair {
+                None => None,
+                Some(Pair::Previous) => Some(self.last_gemm_s),
+                Some(Pair::Next) => {
+                    self.awaiting_gemm.push(calls.len());
+                    Some(0.0)
+                }
+            };
             calls.push(Call {
                 op,
                 bytes,
@@ -406,6 +458,7 @@ impl Meter {
                 stride: self.call_stride,
                 beside,
                 times: 1,
+                gemm_s,
             });
         }
         self.sent += sent;
@@ -444,6 +497,10 @@ pub struct Call {
     /// How many times it ran (a fast-forwarded micro-batch's calls are
     /// kept once, with its repeats counted here).
     pub times: u64,
+    /// A split projection's sequence-parallel collective: the seconds of
+    /// the GEMM it is paired with (`Pair`), which Megatron's
+    /// `--tp-comm-overlap` runs it beside.
+    pub gemm_s: Option<f64>,
 }
 
 /// A rank's collectives, as the engine holds them.
@@ -604,6 +661,15 @@ impl<B: Backend> Device<B> {
         let was = std::mem::replace(&mut self.meter.critical, true);
         let r = self.with_stride(1, f);
         self.meter.critical = was;
+        r
+    }
+
+    /// Runs `f`, whose collectives are paired with the GEMM `pair` names
+    /// (`Call::gemm_s`).
+    pub fn beside_gemm<R>(&mut self, pair: Pair, f: impl FnOnce(&mut Self) -> R) -> R {
+        let was = self.meter.pair.replace(pair);
+        let r = f(self);
+        self.meter.pair = was;
         r
     }
 

@@ -12,6 +12,7 @@
 //! the tracker: meta, cpu and cuda run this same code, and its order is
 //! what the PyTorch fixtures were matched against.
 
+use super::device::Pair;
 use super::*;
 use crate::backend::AttnOpts;
 use crate::config::model::MoeIndex;
@@ -122,7 +123,7 @@ impl Linear {
         let w = wq.as_ref().unwrap_or(&ps.p[self.w]);
         let gathered = match self.row {
             true => None,
-            false => gather(ps.dev, ps.tp.as_mut(), x)?,
+            false => (ps.dev).beside_gemm(Pair::Next, |dev| gather(dev, ps.tp.as_mut(), x))?,
         };
         let inp = gathered.as_ref().unwrap_or(x);
         let first = ps.tp.as_ref().is_none_or(|tp| tp.rank() == 0);
@@ -171,7 +172,8 @@ impl Linear {
         let wq = dequant(ps.dev, &ps.p[self.w], self.inp * self.out, ps.qlora, dt)?;
         let w = wq.as_ref().unwrap_or(&ps.p[self.w]);
         let local = if self.row { dout } else { x };
-        let gathered = gather(ps.dev, ps.tp.as_mut(), local)?;
+        let gathered =
+            (ps.dev).beside_gemm(Pair::Next, |dev| gather(dev, ps.tp.as_mut(), local))?;
         let full = gathered.as_ref().unwrap_or(local);
         let (d, inp) = if self.row { (full, x) } else { (dout, full) };
         ps.dev
@@ -318,6 +320,16 @@ impl<'e, B: Backend> Pass<'e, B> {
             Some(tp) => tp.reduce(self.dev, t),
             None => Ok(t),
         }
+    }
+
+    /// [`Pass::reduce`] of the output (or input gradient) of the split
+    /// projection's GEMM just run, paired with it (`Pair::Previous`).
+    fn reduce_gemm(&mut self, t: T<B>) -> Result<T<B>, OomError> {
+        let tp = self.tp.as_mut();
+        (self.dev).beside_gemm(Pair::Previous, |dev| match tp {
+            Some(tp) => tp.reduce(dev, t),
+            None => Ok(t),
+        })
     }
 
     /// A norm over this rank's tokens of `x`: its output, mean (LayerNorm)
@@ -552,7 +564,7 @@ impl<'e, B: Backend> Pass<'e, B> {
         // Gemma keeps the projection's output for its post-norm's backward.
         let cat = if ly.post_attn.is_some() { act } else { tmp };
         let proj = ly.o.forward(self, l, &atty, cat, &mut lora_t)?;
-        let proj = self.reduce(proj)?;
+        let proj = self.reduce_gemm(proj)?;
         let (res2, post_attn) = match ly.post_attn {
             Some(w) => {
                 let (y, rstd) = self.post_norm(&proj, w)?;
@@ -599,7 +611,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             (Some((down, a)), true) => {
                 let cat = if keep { act } else { tmp };
                 let y = down.forward(self, l, a, cat, &mut lora_t)?;
-                Some(self.reduce(y)?)
+                Some(self.reduce_gemm(y)?)
             }
             (Some((down, a)), false) => {
                 down.save_adapter_inputs(self, l, a, &mut lora_t)?;
@@ -1328,7 +1340,7 @@ impl<'e, B: Backend> Pass<'e, B> {
         self.dev.free_opt(dpost);
         // Each rank's up projection saw a slice of the MLP: the norm's
         // output gradient is the sum over the group.
-        let dln2 = self.reduce(dln2)?;
+        let dln2 = self.reduce_gemm(dln2)?;
         let stats = (a.ln2_mean.as_ref(), &a.ln2_rstd);
         self.norm_backward(dres, &dln2, &a.res2, ly.ln2, stats);
         self.dev.free(dln2);
@@ -1347,7 +1359,7 @@ impl<'e, B: Backend> Pass<'e, B> {
         }
         let dln1 = ly.qkv.backward(self, l, &dqkv, &a.ln1, ts)?;
         self.dev.free(dqkv);
-        let dln1 = self.reduce(dln1)?;
+        let dln1 = self.reduce_gemm(dln1)?;
         let stats = (a.ln1_mean.as_ref(), &a.ln1_rstd);
         self.norm_backward(dres, &dln1, x, ly.ln1, stats);
         self.dev.free(dln1);

@@ -252,6 +252,11 @@ axes! {
     /// and/or true; a point's JSON leaves out false.
     OffloadActivations offload_activations: bool = false,
         point #[serde(skip_serializing_if = "std::ops::Not::not")];
+    /// Megatron's `--tp-comm-overlap` (Transformer Engine's userbuffers),
+    /// with sequence parallelism: false and/or true; a point's JSON
+    /// leaves out false.
+    TpCommOverlap tp_comm_overlap: bool = false,
+        point #[serde(skip_serializing_if = "std::ops::Not::not")];
 }
 
 /// A grid that names no framework plans the one its command chooses

@@ -425,6 +425,10 @@ impl Point {
             false => ft,
             true => format!("{ft}offload:activations "),
         };
+        let ft = match self.tp_comm_overlap {
+            false => ft,
+            true => format!("{ft}tp-overlap "),
+        };
         let ft = match self.loss {
             Loss::Full => ft,
             l => format!("{ft}loss:{} ", name(l)),
@@ -950,6 +954,11 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
     }
     if let Err(e) = crate::engine::validate::offload_activations(&tc) {
         return Some(why(e));
+    }
+    if p.tp_comm_overlap && !(p.tensor_parallel > 1 && p.sequence_parallel) {
+        return Some(
+            "tp_comm_overlap needs tensor_parallel above 1 with sequence_parallel (Megatron-LM's --tp-comm-overlap requires --sequence-parallel)".into(),
+        );
     }
     if let Some(reason) = p.offload.check(p.sharding) {
         return Some(reason.into());
@@ -1628,7 +1637,7 @@ impl PointPlan<'_> {
         out.compute_s = s.all_s - out.offload_s;
         match (&self.topo, &s.calls) {
             (Some(t), Some(calls)) if !calls.is_empty() => {
-                let priced = price_collectives(t, calls);
+                let priced = price_collectives(t, calls, self.p.tp_comm_overlap);
                 out.comm_s = priced.exposed(s.stage_s, self.tc.grad_accum);
                 out.comm_hidden_s = priced.total() - out.comm_s;
                 out.links = priced.links;
@@ -1757,7 +1766,7 @@ impl PointPlan<'_> {
                     );
                 }
                 if let Some(calls) = &st.calls {
-                    let priced = price_collectives(t, calls);
+                    let priced = price_collectives(t, calls, self.p.tp_comm_overlap);
                     dp_s = priced.exposed(st.stage_s, self.tc.grad_accum);
                     hidden_s = hidden_s.max(priced.total() - dp_s);
                     crossed = union(crossed, priced.links);
@@ -1924,12 +1933,15 @@ struct CommTime {
     beside: [f64; 3],
     longest: [f64; 3],
     waited: f64,
+    /// What Transformer Engine's overlap hid of the tensor-parallel
+    /// collectives behind their GEMMs.
+    beside_gemms: f64,
     links: Option<crate::comm::topology::Links>,
 }
 
 impl CommTime {
     fn total(&self) -> f64 {
-        self.beside.iter().sum::<f64>() + self.waited
+        self.beside.iter().sum::<f64>() + self.waited + self.beside_gemms
     }
 
     /// The seconds a step of `k` micro-batches waits for communication,
@@ -1957,16 +1969,20 @@ impl CommTime {
 /// Prices one step's collectives, each as NCCL would run it over its
 /// group's placement in `topo` (its size, and how far apart its ranks
 /// are: consecutive, or a hybrid shard group apart), each as many times
-/// as it ran (`Call::times`).
+/// as it ran (`Call::times`). With `tp_overlap`, a split projection's
+/// sequence-parallel collective runs beside its GEMM
+/// ([`tp_overlap_exposed`]).
 fn price_collectives(
     topo: &crate::comm::topology::Topology,
     calls: &[crate::engine::device::Call],
+    tp_overlap: bool,
 ) -> CommTime {
     use crate::comm::topology::Links;
     let mut out = CommTime {
         beside: [0.0; 3],
         longest: [0.0; 3],
         waited: 0.0,
+        beside_gemms: 0.0,
         links: Some(Links::None),
     };
     // A step repeats a few distinct calls once per block: price each
@@ -1991,6 +2007,12 @@ fn price_collectives(
         };
         out.links = union(out.links, Some(cost.links)).or(Some(Links::None));
         let secs = c.times as f64 * cost.seconds;
+        if let Some(gemm_s) = c.gemm_s.filter(|_| tp_overlap) {
+            let exposed = c.times as f64 * tp_overlap_exposed(cost.seconds, gemm_s, c.world);
+            out.waited += exposed;
+            out.beside_gemms += secs - exposed;
+            continue;
+        }
         let i = match c.beside {
             Beside::Forward => 0,
             Beside::Backward => 1,
@@ -2004,6 +2026,26 @@ fn price_collectives(
         out.longest[i] = out.longest[i].max(cost.seconds);
     }
     out
+}
+
+/// What a tensor-parallel collective of `comm` seconds still costs when
+/// Transformer Engine's userbuffers overlap it with its GEMM of `gemm`
+/// seconds over a group of `t` ranks (Megatron-LM's `--tp-comm-overlap`).
+/// Its ring exchange splits both into `t` chunks: each step computes one
+/// chunk's GEMM while the next chunk crosses the ring, and the last
+/// chunk's GEMM has nothing beside it. The step takes
+/// `(t-1)·max(gemm/t, comm/(t-1)) + gemm/t`, so beyond the GEMM the
+/// collective costs `max(0, comm - gemm·(t-1)/t)`. The decomposition is
+/// Wang et al.'s ("Overlap Communication with Dependent Computation via
+/// Decomposition in Large Deep Learning Models", ASPLOS 2023); Transformer
+/// Engine's `te.Linear` splits its GEMMs the same way under
+/// `ub_overlap_ag` and `ub_overlap_rs`. memfit pairs each collective with
+/// one GEMM (in the backward, the input gradient's); TE's bulk overlaps
+/// beside the weight gradient's GEMM (`ub_bulk_wgrad`, `ub_bulk_dgrad`)
+/// can hide more.
+fn tp_overlap_exposed(comm: f64, gemm: f64, t: usize) -> f64 {
+    let t = t.max(1) as f64;
+    (comm - gemm * (t - 1.0) / t).max(0.0)
 }
 
 /// DeepSpeed's estimator for point `p`'s stage and offload, from the
@@ -2163,6 +2205,51 @@ mod tests {
         (r, model, hw)
     }
 
+    /// Megatron's `--tp-comm-overlap` moves the sequence-parallel
+    /// collectives' seconds from waited for to hidden, each at most by
+    /// its GEMM's `(T-1)/T`, and changes no byte; without sequence
+    /// parallelism the point is invalid, as Megatron refuses the flag.
+    #[test]
+    fn tp_comm_overlap_hides_sequence_parallel_collectives_behind_their_gemms() {
+        let yaml = "model: llama-3.1-8b\nhardware: h100-sxm-80gb\nseq_len: 4096\nglobal_batch: 32\ngrid:\n  framework: [memfit]\n  micro_batch: [1]\n  sharding: [zero1]\n  gpus: [16]\n  tensor_parallel: [2, 8]\n  sequence_parallel: [false, true]\n  tp_comm_overlap: [false, true]\n";
+        let (r, model, hw) = recipe(yaml);
+        let plan = plan(&r, &model, &hw);
+        let find = |t: usize, sp: bool, ov: bool| {
+            (plan.points.iter())
+                .find(|p| {
+                    let q = &p.point;
+                    (q.tensor_parallel, q.sequence_parallel, q.tp_comm_overlap) == (t, sp, ov)
+                })
+                .unwrap()
+        };
+        for t in [2, 8] {
+            let invalid = find(t, false, true);
+            assert!(
+                matches!(&invalid.verdict, Verdict::Invalid { reason } if reason.contains("--sequence-parallel")),
+                "{:?}",
+                invalid.verdict
+            );
+            let (off, on) = (find(t, true, false), find(t, true, true));
+            assert_eq!(off.peak_bytes, on.peak_bytes);
+            assert!(
+                on.comm_s < off.comm_s,
+                "tp{t}: {} vs {}",
+                on.comm_s,
+                off.comm_s
+            );
+            assert!(on.step_s < off.step_s);
+            let (all_off, all_on) = (off.comm_s + off.comm_hidden_s, on.comm_s + on.comm_hidden_s);
+            assert!(
+                (all_on - all_off).abs() <= 1e-9 * all_off,
+                "{all_on} vs {all_off}"
+            );
+        }
+        // The ring's split: what exceeds the GEMM's (T-1)/T stays exposed.
+        assert_eq!(tp_overlap_exposed(1.0, 0.5, 2), 0.75);
+        assert_eq!(tp_overlap_exposed(1.0, 4.0, 8), 0.0);
+        assert_eq!(tp_overlap_exposed(1.0, 8.0, 1), 1.0);
+    }
+
     /// The planner fast-forwards over micro-batches that repeat one another
     /// (`Engine::step_from`). Over points that exercise every feature a
     /// micro-batch touches, it plans exactly what running every micro-batch
@@ -2180,6 +2267,7 @@ mod tests {
             "  hpz_group: [2]\n",
             "  shard_group: [2]\n",
             "  tensor_parallel: [2]\n  sequence_parallel: [true]\n",
+            "  tensor_parallel: [2]\n  sequence_parallel: [true]\n  tp_comm_overlap: [true]\n",
         ] {
             let r: PlanRecipe = serde_yaml_ng::from_str(&format!("{yaml}{extra}").replace(
                 "  offload: [none, optimizer]\n",

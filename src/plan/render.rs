@@ -178,9 +178,10 @@ fn columns(plan: &Plan, rows: &[usize]) -> Vec<Column> {
         "tp",
         true,
         170,
-        &|p| match p.point.sequence_parallel {
-            true => format!("{}+sp", p.point.tensor_parallel),
-            false => p.point.tensor_parallel.to_string(),
+        &|p| match (p.point.sequence_parallel, p.point.tp_comm_overlap) {
+            (true, true) => format!("{}+sp+ov", p.point.tensor_parallel),
+            (true, false) => format!("{}+sp", p.point.tensor_parallel),
+            _ => p.point.tensor_parallel.to_string(),
         },
     );
     // Hybrid sharding's group: ZeRO over that many ranks, replicas across
@@ -787,9 +788,13 @@ fn step_line(plan: &Plan, p: &Prediction, bullet: &str) -> String {
             hw.interconnect_gbps
         ),
     };
+    let who = match p.point.tp_comm_overlap {
+        true => "DDP, FSDP and Megatron's --tp-comm-overlap (Transformer Engine's userbuffers)",
+        false => "DDP and FSDP",
+    };
     let hidden = match p.comm_hidden_s > 0.0 {
         true => format!(
-            "; {:.3} s more runs beside the compute, as DDP and FSDP overlap it",
+            "; {:.3} s more runs beside the compute, as {who} overlap it",
             p.comm_hidden_s
         ),
         false => String::new(),

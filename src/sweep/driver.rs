@@ -162,6 +162,11 @@ pub fn trial_id(p: &Point) -> String {
         true => format!("{fw}sp-"),
     };
     // Only when set, so that the ids of points without it are as before.
+    let fw = match p.tp_comm_overlap {
+        false => fw,
+        true => format!("{fw}tpov-"),
+    };
+    // Only when set, so that the ids of points without it are as before.
     let fw = match p.offload_activations {
         false => fw,
         true => format!("{fw}actoff-"),
@@ -375,6 +380,12 @@ fn check_measurable(recipe: &crate::plan::PlanRecipe, path: &std::path::Path) ->
     };
     for p in expand(recipe) {
         let t = recipe.train_config(&p);
+        if p.tp_comm_overlap {
+            return refuse(format!(
+                "point {}: `tp_comm_overlap` is priced, not run: the trials' ranks wait for every collective, and only a GPU plan runs one beside its GEMM",
+                p.label()
+            ));
+        }
         if t.finetune != crate::engine::Finetune::Full && t.lora.dropout > 0.0 {
             return refuse(
                 "`lora_dropout` is modelled, not computed: the engine's kernels have no dropout"

@@ -444,6 +444,7 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
             p.offload_activations.to_string(),
             "false",
         ),
+        ("tp_comm_overlap", p.tp_comm_overlap.to_string(), "false"),
     ] {
         if v != default {
             s.push_str(&format!("  {k}: [{v}]\n"));

@@ -54,6 +54,7 @@ fn predictions_equal_cpu_measured_peaks() {
                 capacity_factor: vec![Default::default()],
                 offload_activations: vec![false],
                 expert_parallel: vec![1],
+                tp_comm_overlap: vec![false],
             },
             headroom: 0.05,
             cost: None,

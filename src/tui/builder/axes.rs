@@ -13,7 +13,7 @@ use crate::plan::{Capacity, Grid, Point, name};
 pub use crate::plan::Axis;
 
 /// Every grid axis the planner has, in the order the form lists them.
-pub const AXES: [Axis; 18] = [
+pub const AXES: [Axis; 20] = [
     Axis::MicroBatch,
     Axis::Precision,
     Axis::Checkpointing,
@@ -24,6 +24,7 @@ pub const AXES: [Axis; 18] = [
     Axis::PipelineStages,
     Axis::TensorParallel,
     Axis::SequenceParallel,
+    Axis::TpCommOverlap,
     Axis::ShardGroup,
     Axis::HpzGroup,
     Axis::Framework,
@@ -32,6 +33,7 @@ pub const AXES: [Axis; 18] = [
     Axis::OffloadActivations,
     Axis::Loss,
     Axis::CapacityFactor,
+    Axis::ExpertParallel,
 ];
 
 fn names<T: ValueEnum>() -> Vec<String> {
@@ -79,6 +81,7 @@ impl Axis {
             Axis::Loss => "loss",
             Axis::CapacityFactor => "capacity",
             Axis::ExpertParallel => "expert_par",
+            Axis::TpCommOverlap => "tp_overlap",
         }
     }
 
@@ -99,7 +102,7 @@ impl Axis {
             Axis::ExpertParallel => preset(&[1, 2, 4, 8], &grid.expert_parallel),
             Axis::ShardGroup => preset(&[0, 2, 4, 8], &sizes(&grid.shard_group)),
             Axis::HpzGroup => preset(&[0, 2, 4, 8], &sizes(&grid.hpz_group)),
-            Axis::SequenceParallel | Axis::OffloadActivations => {
+            Axis::SequenceParallel | Axis::OffloadActivations | Axis::TpCommOverlap => {
                 vec!["false".into(), "true".into()]
             }
             Axis::Precision => names::<Precision>(),
@@ -141,6 +144,9 @@ impl Axis {
             Axis::Offload => format!("offload:{v}"),
             Axis::OffloadActivations if v == "true" => "actoff".into(),
             Axis::OffloadActivations => "no-actoff".into(),
+            Axis::TpCommOverlap if v == "true" => "tp-overlap".into(),
+            Axis::TpCommOverlap => "no-tp-overlap".into(),
+            Axis::ExpertParallel => format!("ep{v}"),
             Axis::CapacityFactor if v == "null" => "dropless".into(),
             Axis::CapacityFactor => format!("cf{v}"),
             _ => v.to_string(),

@@ -50,13 +50,20 @@ impl Field {
 
 /// The form, top to bottom: the capacity factor and expert parallelism
 /// only for a mixture of experts (the last model that planned has
-/// experts), or while the grid lists one of them, so that it can be taken
-/// out again.
+/// experts), tensor-parallel overlap only while the grid lists tensor
+/// parallelism, or while the grid lists one of them, so that it can be
+/// taken out again.
 pub fn fields(b: &Builder) -> Vec<Field> {
+    let g = &b.recipe.grid;
     let experts = (b.planned.as_ref()).is_some_and(|p| p.model.moe.is_some())
-        || (b.recipe.grid.capacity_factor.iter()).any(|c| !c.is_dropless())
-        || b.recipe.grid.expert_parallel.iter().any(|&e| e > 1);
-    let moe_only = [Axis::CapacityFactor, Axis::ExpertParallel];
+        || (g.capacity_factor.iter()).any(|c| !c.is_dropless())
+        || g.expert_parallel.iter().any(|&e| e > 1);
+    let tp = g.tensor_parallel.iter().any(|&t| t > 1) || g.tp_comm_overlap.contains(&true);
+    let shown = |a: Axis| match a {
+        Axis::CapacityFactor | Axis::ExpertParallel => experts,
+        Axis::TpCommOverlap => tp,
+        _ => true,
+    };
     let mut v = vec![
         Field::Model,
         Field::Hardware,
@@ -67,7 +74,7 @@ pub fn fields(b: &Builder) -> Vec<Field> {
     ];
     v.extend(
         (AXES.iter())
-            .filter(|&&a| experts || !moe_only.contains(&a))
+            .filter(|&&a| shown(a))
             .map(|&a| Field::Axis(a)),
     );
     v.push(Field::LoraRank);

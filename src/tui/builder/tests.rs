@@ -542,3 +542,25 @@ fn the_capacity_factor_is_an_axis_of_the_form() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Expert parallelism is a row of a mixture's form and tensor-parallel
+/// overlap one of a form whose grid lists tensor parallelism; neither is
+/// offered where every value would plan the same or be refused.
+#[test]
+fn expert_parallelism_and_tp_overlap_are_rows_where_they_apply() {
+    let b = started();
+    assert!(!fields(&b).contains(&Field::Axis(Axis::ExpertParallel)));
+    assert!(!fields(&b).contains(&Field::Axis(Axis::TpCommOverlap)));
+    let mut r = default_recipe();
+    r.model = "moe-tiny".into();
+    r.grid.framework = vec![crate::engine::Framework::Memfit];
+    r.grid.tensor_parallel = vec![1, 2];
+    let mut b = super::new_builder(r, std::env::temp_dir(), false);
+    b.hardware = super::hardware_choices(&[]);
+    let a = start(&mut b);
+    run(&mut b, a);
+    assert!(fields(&b).contains(&Field::Axis(Axis::ExpertParallel)));
+    assert!(fields(&b).contains(&Field::Axis(Axis::TpCommOverlap)));
+    assert_eq!(Axis::ExpertParallel.show("4"), "ep4");
+    assert_eq!(Axis::TpCommOverlap.show("true"), "tp-overlap");
+}
