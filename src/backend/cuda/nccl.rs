@@ -392,9 +392,9 @@ impl Collective<CudaBuf> for NcclComm {
     /// NCCL has no all-to-all with per-pair counts; like PyTorch's
     /// `all_to_all_single` it is a group of one `ncclSend` and one
     /// `ncclRecv` per peer (NCCL's user guide, "Point-to-point
-    /// communication": all-to-all). The C-level NCCL double has no
-    /// send/recv, and `--device cuda` refuses experts today, so no test
-    /// reaches this.
+    /// communication": all-to-all). Tested against the C-level NCCL double
+    /// (`tests/it/cuda_double.rs`), never on a GPU: `--device cuda` refuses
+    /// experts, so no training run reaches it yet.
     fn all_to_all(&mut self, out: &mut CudaBuf, inp: &CudaBuf, counts: &[usize]) {
         let (world, me) = (self.world(), self.rank());
         assert_eq!(
