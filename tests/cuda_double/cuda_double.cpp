@@ -1,8 +1,9 @@
 // A C-level test double of the CUDA driver API, cuBLAS and NCCL: the calls
 // memfit's real GPU path makes through cudarc, so that path (context, module
 // load, kernel parameter marshalling, streams, copies, the cuBLAS call's
-// transposes, strides and types, NCCL's id, init and collectives) runs in
-// `cargo test` on a machine without a GPU.
+// transposes, strides and types, NCCL's id, init, collectives, and its
+// grouped point-to-point sends and receives) runs in `cargo test` on a
+// machine without a GPU.
 //
 // build.rs compiles this file with the SIMT emulator (src/backend/cuda/simt,
 // every kernel compiled for the host) into one shared object and lays it out
@@ -26,7 +27,12 @@
 // allocated, or another device's), launch dimensions or dynamic shared
 // memory over the device's limits, PTX newer than the driver, a module for
 // another architecture, a kernel the module does not hold, GEMM leading
-// dimensions too small or operands that run past their allocation.
+// dimensions too small or operands that run past their allocation. NCCL
+// misuse fails with ncclInvalidArgument or ncclInvalidUsage: a send and its
+// receive of different counts or types (which real NCCL leaves undefined),
+// an ncclGroupEnd without its ncclGroupStart, a send to itself whose receive
+// is not in the same group (a hang on real NCCL), and a collective inside a
+// group (which this double cannot defer).
 //
 // Configuration (environment, read at cuInit):
 //   MEMFIT_CUDA_DOUBLE_MEMORY   device memory in bytes (K/M/G/KiB/MiB/GiB
@@ -838,7 +844,8 @@ const int MAX_RANKS = 64;
 // Bytes each rank stages per step of a collective.
 const size_t SLOT = 1 << 20;
 
-// The segment all ranks of a communicator map: a header, then one slot a rank.
+// The segment all ranks of a communicator map: a header, one slot a rank,
+// then a channel for every ordered pair of ranks (`Chan`, below).
 struct Shared {
     std::atomic<int> joined;
     std::atomic<int> arrived;
@@ -848,14 +855,43 @@ struct Shared {
     pid_t pids[MAX_RANKS];
 };
 
+// Rank src's channel to rank dst, for ncclSend and ncclRecv: one message at
+// a time, numbered from 1. Each side posts its count and type for message
+// k (then stores k in `sent` or `received`) only once both sides finished
+// k-1, so neither header is overwritten before the other side read it.
+// `staged` and `taken` count the bytes ever put into the channel's buffer
+// and taken out of it: the sender stages a chunk when they are equal.
+struct Chan {
+    std::atomic<uint64_t> sent, received;
+    std::atomic<uint64_t> send_done, recv_done;
+    std::atomic<uint64_t> staged, taken;
+    uint64_t send_count, recv_count;
+    int send_dt, recv_dt;
+};
+
 struct Comm {
     Shared* sh;
     size_t bytes;
     int rank, nranks, dev;
     std::atomic<int> error{ncclSuccess};
     double timeout;
+    Chan* chans;                  // nranks * nranks, by source then destination
+    unsigned char* chan_data;     // their buffers, chan_bytes each
+    size_t chan_bytes;
+    std::vector<uint64_t> sends, recvs;  // messages this rank posted to and from each peer
     unsigned char* slot(int r) { return reinterpret_cast<unsigned char*>(sh + 1) + (size_t)r * SLOT; }
+    Chan* chan(int src, int dst) { return chans + (size_t)src * nranks + dst; }
+    unsigned char* buffer(int src, int dst) { return chan_data + ((size_t)src * nranks + dst) * chan_bytes; }
 };
+
+// Where a segment's channels start, and its size: each rank's channels to
+// its peers share one slot's worth of buffer.
+size_t chans_at(int nranks) { return (sizeof(Shared) + (size_t)nranks * SLOT + 63) / 64 * 64; }
+size_t chan_bytes(int nranks) { return SLOT / (size_t)nranks / 64 * 64; }
+size_t segment_bytes(int nranks) {
+    size_t pairs = (size_t)nranks * nranks;
+    return chans_at(nranks) + pairs * sizeof(Chan) + pairs * chan_bytes(nranks);
+}
 
 double now() {
     timespec t;
@@ -863,8 +899,35 @@ double now() {
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
-// Every rank arrives before any leaves. A dead peer, an abort or the
-// timeout ends the wait with an error, as NCCL's watchdog would.
+// Turn `spins` of a wait for peers that began at `t0`: an abort, an error
+// on the comm, a dead peer or the timeout ends the wait with an error, as
+// NCCL's watchdog would. ncclSuccess to wait on (`idle`, then look again).
+int watch(Comm* c, unsigned spins, double t0) {
+    Shared* sh = c->sh;
+    if (sh->aborted.load() || c->error.load() != ncclSuccess) return ncclRemoteError;
+    if (spins < 1000 || spins % 1000 != 0) return ncclSuccess;
+    for (int r = 0; r < c->nranks; r++) {
+        if (sh->pids[r] > 0 && kill(sh->pids[r], 0) != 0 && errno == ESRCH) {
+            say("NCCL: rank %d (pid %d) is gone", r, (int)sh->pids[r]);
+            sh->aborted.store(1);
+            return ncclRemoteError;
+        }
+    }
+    if (now() - t0 > c->timeout) {
+        say("NCCL: rank %d waited %.0f s for its peers", c->rank, c->timeout);
+        return ncclRemoteError;
+    }
+    return ncclSuccess;
+}
+
+void idle(unsigned spins) {
+    if (spins < 1000)
+        sched_yield();
+    else
+        usleep(100);
+}
+
+// Every rank arrives before any leaves.
 int barrier(Comm* c) {
     Shared* sh = c->sh;
     unsigned gen = sh->generation.load();
@@ -875,25 +938,8 @@ int barrier(Comm* c) {
     }
     double t0 = now();
     for (unsigned spins = 0; sh->generation.load() == gen; spins++) {
-        if (sh->aborted.load() || c->error.load() != ncclSuccess) return ncclRemoteError;
-        if (spins < 1000) {
-            sched_yield();
-            continue;
-        }
-        usleep(100);
-        if (spins % 1000 == 0) {
-            for (int r = 0; r < c->nranks; r++) {
-                if (sh->pids[r] > 0 && kill(sh->pids[r], 0) != 0 && errno == ESRCH) {
-                    say("NCCL: rank %d (pid %d) is gone", r, (int)sh->pids[r]);
-                    sh->aborted.store(1);
-                    return ncclRemoteError;
-                }
-            }
-            if (now() - t0 > c->timeout) {
-                say("NCCL: rank %d waited %.0f s for its peers", c->rank, c->timeout);
-                return ncclRemoteError;
-            }
-        }
+        if (int rc = watch(c, spins, t0)) return rc;
+        idle(spins);
     }
     return ncclSuccess;
 }
@@ -986,7 +1032,7 @@ API int ncclCommInitRank(Comm** out, int nranks, ncclUniqueId id, int rank) {
         return ncclInvalidArgument;
     }
     const char* name = std::strchr(id.internal, '/');
-    size_t bytes = sizeof(Shared) + (size_t)nranks * SLOT;
+    size_t bytes = segment_bytes(nranks);
     int fd = shm_open(name, O_CREAT | O_RDWR, 0600);
     if (fd < 0 || ftruncate(fd, (off_t)bytes) != 0) {
         say("%s: shared memory %s: %s", fn, name, std::strerror(errno));
@@ -1003,6 +1049,11 @@ API int ncclCommInitRank(Comm** out, int nranks, ncclUniqueId id, int rank) {
     c->nranks = nranks;
     c->dev = dev;
     c->timeout = (double)env_int("MEMFIT_NCCL_DOUBLE_TIMEOUT", 300);
+    c->chans = reinterpret_cast<Chan*>(static_cast<unsigned char*>(m) + chans_at(nranks));
+    c->chan_data = reinterpret_cast<unsigned char*>(c->chans + (size_t)nranks * nranks);
+    c->chan_bytes = chan_bytes(nranks);
+    c->sends.assign((size_t)nranks, 0);
+    c->recvs.assign((size_t)nranks, 0);
     c->sh->pids[rank] = getpid();
     c->sh->joined.fetch_add(1);
     {
@@ -1059,13 +1110,43 @@ API int ncclCommCuDevice(Comm* c, int* d) {
     *d = c->dev;
     return ncclSuccess;
 }
-API int ncclGroupStart() { return ncclSuccess; }
-API int ncclGroupEnd() { return ncclSuccess; }
+
+namespace {
+// A queued ncclSend or ncclRecv, and how far it got (`step`).
+struct P2p {
+    Comm* c;
+    bool send;
+    int peer, dt, e;
+    unsigned char* buf;
+    size_t count;
+    uint64_t seq;  // its message's number on its channel
+    int phase;     // 0 post the header, 1 read the peer's, 2 move the data, 3 done
+    size_t moved;  // bytes
+};
+
+// This thread's group (NCCL keeps it per thread too): its depth, the
+// operations queued in it, and the first error a call in it returned.
+thread_local int group_depth = 0;
+thread_local std::vector<P2p> group_ops;
+thread_local int group_error = ncclSuccess;
+
+int group_fails(int rc) {
+    if (group_depth > 0 && group_error == ncclSuccess) group_error = rc;
+    return rc;
+}
+}  // namespace
 
 // What every collective checks first: a live communicator on the current
 // device, a type memfit sends (ncclSum where it reduces), a live stream.
 // The element code, or -1 with `*rc` set.
 int begin(Comm* c, const char* fn, int dt, int op, bool reduces, void* stream, int* rc) {
+    if (group_depth > 0) {
+        say("%s inside ncclGroupStart/ncclGroupEnd: this double runs collectives at once and cannot defer "
+            "them (it groups ncclSend and ncclRecv only)",
+            fn);
+        *rc = group_fails(ncclInvalidUsage);
+        return -1;
+    }
     if ((*rc = check_comm(c, fn))) return -1;
     int e = elem(dt);
     if (e < 0 || (reduces && op != 0)) {
@@ -1179,4 +1260,197 @@ API int ncclBroadcast(const void* send, void* recv, size_t count, int dt, int ro
             if (c->rank == root) std::memcpy(c->slot(root), in + off * es, n * es);
         },
         [&](size_t off, size_t n) { std::memcpy(out + off * es, c->slot(root), n * es); });
+}
+
+// ---------------------------------------------------------------- NCCL point-to-point
+
+// ncclSend and ncclRecv, and the groups around them (NCCL's user guide,
+// "Point-to-point communication" and "Group calls"). Between
+// ncclGroupStart and ncclGroupEnd a thread's sends and receives are checked
+// and queued; groups nest, and only the ncclGroupEnd that brings the depth
+// back to 0 runs what was queued, all of it together, so a rank may post a
+// send and a receive to every peer, itself included, in any order. A call
+// outside a group is a group of its own. The n-th send from rank s to rank
+// d meets the n-th receive d posts from s, through the pair's channel
+// (`Chan`): both sides post their count and type, which must agree (NCCL
+// requires it and checks nothing; here a mismatch fails both sides with
+// ncclInvalidUsage before a byte moves), then the data goes through the
+// channel's buffer a chunk at a time. The group polls every operation in
+// turn until all are done, so no order of them can deadlock.
+
+namespace {
+const char* dt_name(int dt) { return dt == 7 ? "float32" : dt == 9 ? "bfloat16" : dt == 6 ? "float16" : "?"; }
+
+// Advances `op` as far as it goes without waiting; sets `moved` when it
+// did anything. ncclSuccess (done when `op.phase` is 3), or an error.
+int step(P2p& op, bool& moved) {
+    Comm* c = op.c;
+    int src = op.send ? c->rank : op.peer, dst = op.send ? op.peer : c->rank;
+    Chan* ch = c->chan(src, dst);
+    uint64_t k = op.seq;
+    if (op.phase == 0) {
+        bool ready = op.send ? ch->send_done.load() == k - 1 && ch->recv_done.load() >= k - 1
+                             : ch->recv_done.load() == k - 1 && ch->send_done.load() >= k - 1;
+        if (!ready) return ncclSuccess;
+        if (op.send) {
+            ch->send_count = op.count;
+            ch->send_dt = op.dt;
+            ch->sent.store(k);
+        } else {
+            ch->recv_count = op.count;
+            ch->recv_dt = op.dt;
+            ch->received.store(k);
+        }
+        op.phase = 1;
+        moved = true;
+    }
+    if (op.phase == 1) {
+        if ((op.send ? ch->received.load() : ch->sent.load()) < k) return ncclSuccess;
+        if (ch->send_count != ch->recv_count || ch->send_dt != ch->recv_dt) {
+            say("%s: rank %d's send #%llu to rank %d is %llu %s, and rank %d's receive for it %llu %s: a send and "
+                "its receive must have the same count and type",
+                op.send ? "ncclSend" : "ncclRecv", src, (unsigned long long)k, dst,
+                (unsigned long long)ch->send_count, dt_name(ch->send_dt), dst, (unsigned long long)ch->recv_count,
+                dt_name(ch->recv_dt));
+            return ncclInvalidUsage;
+        }
+        op.phase = 2;
+        moved = true;
+    }
+    if (op.phase != 2) return ncclSuccess;
+    size_t total = op.count * esize(op.e);
+    unsigned char* box = c->buffer(src, dst);
+    if (op.send) {
+        if (op.moved < total && ch->staged.load() == ch->taken.load()) {
+            size_t n = total - op.moved < c->chan_bytes ? total - op.moved : c->chan_bytes;
+            std::memcpy(box, op.buf + op.moved, n);
+            op.moved += n;
+            ch->staged.fetch_add(n);
+            moved = true;
+        }
+        if (op.moved == total) ch->send_done.store(k);
+    } else {
+        uint64_t staged = ch->staged.load(), taken = ch->taken.load();
+        if (staged > taken) {
+            size_t n = (size_t)(staged - taken);
+            if (op.moved + n > total) {
+                say("ncclRecv: rank %d staged %zu bytes past the %zu of message #%llu to rank %d", src,
+                    op.moved + n - total, total, (unsigned long long)k, dst);
+                return ncclInternalError;
+            }
+            std::memcpy(op.buf + op.moved, box, n);
+            op.moved += n;
+            ch->taken.store(staged);
+            moved = true;
+        }
+        if (op.moved == total) ch->recv_done.store(k);
+    }
+    if (op.moved == total) op.phase = 3;
+    return ncclSuccess;
+}
+
+// Runs a group's operations together until every one is done.
+int launch(std::vector<P2p>& ops) {
+    // The group is the only place a rank's send to itself can meet its
+    // receive: this thread runs nothing else until the group is done.
+    std::map<Comm*, int> self;
+    for (auto& op : ops)
+        if (op.peer == op.c->rank) self[op.c] += op.send ? 1 : -1;
+    for (auto& s : self) {
+        if (s.second != 0) {
+            say("ncclGroupEnd: rank %d has %d more send(s) to itself than receive(s) from itself in one group; "
+                "each needs its partner in the same group",
+                s.first->rank, s.second);
+            return ncclInvalidUsage;
+        }
+    }
+    {
+        std::lock_guard<std::mutex> g(S().mu);
+        for (auto& op : ops) {
+            if (!comms().count(op.c)) {
+                say("ncclGroupEnd: communicator %p was destroyed after a call on it was queued", (void*)op.c);
+                return ncclInvalidArgument;
+            }
+        }
+    }
+    for (auto& op : ops) {
+        if (int rc = op.c->error.load()) return rc;
+        op.seq = ++(op.send ? op.c->sends : op.c->recvs)[(size_t)op.peer];
+    }
+    double t0 = now();
+    for (unsigned spins = 0;; spins++) {
+        bool moved = false, done = true;
+        for (auto& op : ops) {
+            if (op.phase == 3) continue;
+            if (int rc = step(op, moved)) return fail(op.c, rc);
+            done = done && op.phase == 3;
+        }
+        if (done) return ncclSuccess;
+        if (moved) {
+            t0 = now();
+            spins = 0;
+            continue;
+        }
+        for (auto& op : ops)
+            if (op.phase != 3)
+                if (int rc = watch(op.c, spins, t0)) return fail(op.c, rc);
+        idle(spins);
+    }
+}
+
+int post(bool send, const void* buf, size_t count, int dt, int peer, Comm* c, void* stream) {
+    const char* fn = send ? "ncclSend" : "ncclRecv";
+    if (int rc = check_comm(c, fn)) return group_fails(rc);
+    int e = elem(dt);
+    if (e < 0) {
+        say("%s: only float32, float16 and bfloat16 are supported here (type %d)", fn, dt);
+        return group_fails(ncclInvalidArgument);
+    }
+    if (peer < 0 || peer >= c->nranks) {
+        say("%s: peer %d of %d ranks", fn, peer, c->nranks);
+        return group_fails(ncclInvalidArgument);
+    }
+    if (!stream_live(stream, fn) || !buf_ok(buf, count * esize(e), c, fn, send ? "send buffer" : "receive buffer"))
+        return group_fails(ncclInvalidArgument);
+    P2p op{c, send, peer, dt, e, static_cast<unsigned char*>(const_cast<void*>(buf)), count, 0, 0, 0};
+    if (group_depth > 0) {
+        group_ops.push_back(op);
+        return ncclSuccess;
+    }
+    std::vector<P2p> one{op};
+    return launch(one);
+}
+}  // namespace
+
+API int ncclSend(const void* send, size_t count, int dt, int peer, Comm* c, void* stream) {
+    return post(true, send, count, dt, peer, c, stream);
+}
+
+API int ncclRecv(void* recv, size_t count, int dt, int peer, Comm* c, void* stream) {
+    return post(false, recv, count, dt, peer, c, stream);
+}
+
+API int ncclGroupStart() {
+    group_depth++;
+    return ncclSuccess;
+}
+
+// Only the outermost end runs the group; one whose calls failed runs none
+// of them and returns the first failure, as NCCL does.
+API int ncclGroupEnd() {
+    if (group_depth == 0) {
+        say("ncclGroupEnd without ncclGroupStart");
+        return ncclInvalidUsage;
+    }
+    if (--group_depth > 0) return ncclSuccess;
+    std::vector<P2p> ops;
+    ops.swap(group_ops);
+    int rc = group_error;
+    group_error = ncclSuccess;
+    if (rc != ncclSuccess) {
+        say("ncclGroupEnd: a call in the group failed (%s), so none of its %zu queued operation(s) ran",
+            ncclGetErrorString(rc), ops.size());
+        return rc;
+    }
+    return launch(ops);
 }

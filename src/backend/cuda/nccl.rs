@@ -2,8 +2,9 @@
 //! `memfit launch` or torchrun): NCCL on a real GPU, or the TCP process group
 //! staged through the host.
 //!
-//! * [`NcclComm`]: `ncclAllReduce`, `ncclReduceScatter`, `ncclAllGather` and
-//!   `ncclBroadcast` through cudarc's NCCL bindings, loaded at run time like
+//! * [`NcclComm`]: `ncclAllReduce`, `ncclReduceScatter`, `ncclAllGather`,
+//!   `ncclBroadcast`, and all-to-all as a group of `ncclSend`/`ncclRecv`,
+//!   through cudarc's NCCL bindings, loaded at run time like
 //!   the rest of cudarc here, so memfit builds and runs without libnccl; every
 //!   entry point checks [`nccl_available`] first (cudarc panics when a library
 //!   is missing) and says what is missing instead. The unique id travels in
@@ -391,9 +392,9 @@ impl Collective<CudaBuf> for NcclComm {
     /// NCCL has no all-to-all with per-pair counts; like PyTorch's
     /// `all_to_all_single` it is a group of one `ncclSend` and one
     /// `ncclRecv` per peer (NCCL's user guide, "Point-to-point
-    /// communication": all-to-all). The C-level NCCL double has no
-    /// send/recv, and `--device cuda` refuses experts today, so no test
-    /// reaches this.
+    /// communication": all-to-all). Tested against the C-level NCCL double
+    /// (`tests/it/cuda_double.rs`), never on a GPU: `--device cuda` refuses
+    /// experts, so no training run reaches it yet.
     fn all_to_all(&mut self, out: &mut CudaBuf, inp: &CudaBuf, counts: &[usize]) {
         let (world, me) = (self.world(), self.rank());
         assert_eq!(
@@ -417,17 +418,21 @@ impl Collective<CudaBuf> for NcclComm {
         let (src, dst) = (inp.ptr, out.ptr);
         self.call("all-to-all", |c, s| {
             nccl::group_start()?;
+            let mut posted = Ok(nccl::NcclStatus::Success);
             for p in 0..world {
                 let (send_at, recv_at) = (at(me, p).0 as u64, at(p, me).1 as u64);
                 // SAFETY: each part lies inside its buffer (checked above).
-                unsafe {
+                posted = posted.and_then(|_| unsafe {
                     let from = (src + send_at * es) as *const _;
                     nccl::send(from, n(me, p), dt, p as i32, c, s)?;
                     let to = (dst + recv_at * es) as *mut _;
-                    nccl::recv(to, n(p, me), dt, p as i32, c, s)?;
-                }
+                    nccl::recv(to, n(p, me), dt, p as i32, c, s)
+                });
             }
-            nccl::group_end()
+            // The group is closed even when a call in it failed: a thread
+            // left inside one would have NCCL defer its every later call.
+            let ended = nccl::group_end();
+            posted.and(ended)
         });
     }
 
