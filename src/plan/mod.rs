@@ -1672,26 +1672,64 @@ impl PointPlan<'_> {
 
     /// Dropless expert parallelism: the rank's total if every token of its
     /// group chose its experts first (`ExpertLoad::Worst`); the point's
-    /// own peak plans an even spread. `None` elsewhere, and for pipelines.
+    /// own peak plans an even spread. With pipeline stages, the highest
+    /// stage's. `None` elsewhere.
     fn worst_routing_bytes(&self, overhead: u64) -> Option<u64> {
         let tc = &self.tc;
-        if tc.expert_parallel <= 1 || tc.capacity_factor.is_some() || tc.pipeline_stages > 1 {
+        if tc.expert_parallel <= 1 || tc.capacity_factor.is_some() {
             return None;
         }
-        let mut e = Engine::new_linked(
-            self.model.clone(),
-            tc.clone(),
-            self.meta.clone(),
-            None,
-            self.rank_links(),
-        )
-        .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
-        e.assume_expert_load(crate::engine::expert::ExpertLoad::Worst);
-        e.step_from(tc.grad_accum, || unreachable!("meta reads no data"))
+        let links = match tc.pipeline_stages > 1 {
+            true => self.stage_links(),
+            false => vec![self.rank_links()],
+        };
+        let worst = links.into_iter().map(|links| {
+            let mut e = Engine::new_linked(
+                self.model.clone(),
+                tc.clone(),
+                self.meta.clone(),
+                None,
+                links,
+            )
             .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
-        let pk = e.dev.tracker.peak_bytes().total;
-        let held = e.dev.caching.as_ref().map_or(pk, |c| c.peak_reserved);
-        Some(held + overhead)
+            e.assume_expert_load(crate::engine::expert::ExpertLoad::Worst);
+            e.step_from(tc.grad_accum, || unreachable!("meta reads no data"))
+                .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
+            let pk = e.dev.tracker.peak_bytes().total;
+            e.dev.caching.as_ref().map_or(pk, |c| c.peak_reserved)
+        });
+        worst.max().map(|held| held + overhead)
+    }
+
+    /// With pipeline stages: each stage's first rank's links (its first
+    /// tensor-parallel rank, ranks `s·T`), in stage order.
+    fn stage_links(&self) -> Vec<Links<MetaBackend>> {
+        let (stages, tps) = (
+            self.tc.pipeline_stages.max(1),
+            self.tc.tensor_parallel.max(1),
+        );
+        let replicas = self.tc.data_ranks();
+        // One replica's stages and tensor-parallel groups; the data- and
+        // expert-parallel groups are the stage's own (`MetaComm`s).
+        let wiring = TrainConfig {
+            ranks: stages * tps,
+            sharding: Sharding::None,
+            expert_parallel: 1,
+            ..self.tc.clone()
+        };
+        let distributed = replicas > 1 || self.p.sharding != Sharding::None;
+        (crate::engine::cluster::meta_links(self.model, &wiring).into_iter())
+            .step_by(tps)
+            .map(|link| Links {
+                comm: distributed
+                    .then(|| Box::new(MetaComm::new(0, replicas)) as Comm<MetaBackend>),
+                pipe: link.pipe,
+                replicate: None,
+                tp: link.tp,
+                hpz: None,
+                ep: ep_comms(&self.tc),
+            })
+            .collect()
     }
 
     /// With pipeline stages: every stage's first rank stepped alone; the
@@ -1706,15 +1744,6 @@ impl PointPlan<'_> {
         // (K + S - 1) micro-batch slots of its slowest stage, plus the
         // slowest optimizer step (GPipe's and 1F1B's bubble).
         let tps = self.tc.tensor_parallel.max(1);
-        let wiring = TrainConfig {
-            ranks: stages * tps,
-            sharding: Sharding::None,
-            ..self.tc.clone()
-        };
-        // Each stage's first tensor-parallel rank (ranks s*T).
-        let links = crate::engine::cluster::meta_links(self.model, &wiring)
-            .into_iter()
-            .step_by(tps);
         let mut worst: Option<(u64, Engine<MetaBackend>)> = None;
         let (mut slot, mut opt_s, mut off_s, mut comm_s) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
         let mut hidden_s = 0.0f64;
@@ -1722,18 +1751,7 @@ impl PointPlan<'_> {
         // pipeline's compute; the rest of the slot is communication.
         let mut compute_slot = 0.0f64;
         let mut crossed = None;
-        for (s, link) in links.into_iter().enumerate() {
-            let distributed = replicas > 1 || self.p.sharding != Sharding::None;
-            let comm =
-                distributed.then(|| Box::new(MetaComm::new(0, replicas)) as Comm<MetaBackend>);
-            let links = Links {
-                comm,
-                pipe: link.pipe,
-                replicate: None,
-                tp: link.tp,
-                hpz: None,
-                ep: ep_comms(&self.tc),
-            };
+        for (s, links) in self.stage_links().into_iter().enumerate() {
             let e = Engine::new_linked(
                 self.model.clone(),
                 self.tc.clone(),

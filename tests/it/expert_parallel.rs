@@ -370,3 +370,75 @@ fn the_expert_parallel_axis_plans_what_run_gives() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// With pipeline stages too, a point plans what `memfit run` gives on
+/// meta, and a dropless split carries the worst routing's peak: its
+/// highest stage's, at least the balanced one (planning such a point
+/// used to panic wiring the stages' expert groups).
+#[test]
+fn expert_parallel_pipelines_plan_what_run_gives_with_their_worst_routing() {
+    let dir = crate::common::scratch("plan-expert-parallel-pp");
+    let recipe = dir.join("ep-pp.yaml");
+    std::fs::write(
+        &recipe,
+        "model: moe-tiny\nhardware: h100-sxm-80gb\nseq_len: 32\nglobal_batch: 16\ngrid:\n  micro_batch: [2]\n  precision: [bf16]\n  sharding: [zero1]\n  gpus: [8]\n  pipeline_stages: [2]\n  expert_parallel: [1, 2, 4]\n",
+    )
+    .unwrap();
+    let doc = crate::common::plan_json(&memfit(&[
+        "plan",
+        recipe.to_str().unwrap(),
+        "--format",
+        "json",
+    ]));
+    let points = doc["points"].as_array().unwrap();
+    assert_eq!(points.len(), 3);
+    for p in points {
+        assert_eq!(p["status"], "fits", "{p}");
+        let ep = p["point"]
+            .get("expert_parallel")
+            .map_or(1, |e| e.as_u64().unwrap());
+        let ep_s = ep.to_string();
+        let run = crate::common::ok_json(
+            &[
+                "run",
+                "--model",
+                "moe-tiny",
+                "--device",
+                "meta:h100-sxm-80gb",
+                "--seq-len",
+                "32",
+                "--micro-batch",
+                "2",
+                "--grad-accum",
+                "2",
+                "--precision",
+                "bf16",
+                "--attention",
+                "fused",
+                "--ranks",
+                "8",
+                "--pipeline-stages",
+                "2",
+                "--sharding",
+                "zero1",
+                "--expert-parallel",
+                &ep_s,
+                "--format",
+                "json",
+            ],
+            &[],
+        );
+        // The highest rank's total (run's categories are each one's
+        // highest over the ranks).
+        assert_eq!(
+            p["peak_bytes"]["total"], run["peak_bytes"]["total"],
+            "ep {ep}"
+        );
+        let worst = p.get("worst_routing_bytes").map(|w| w.as_u64().unwrap());
+        match ep {
+            1 => assert_eq!(worst, None, "{p}"),
+            _ => assert!(worst.unwrap() >= p["total_bytes"].as_u64().unwrap(), "{p}"),
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
