@@ -85,25 +85,25 @@ impl<B: Backend> Ep<B> {
 }
 
 /// The experts rank `rank` of `size` holds: its rows of each routed
-/// block's stacked experts, whose shapes in `specs` become `(E/P, ..)`.
+/// block's stacked experts, and of `adapters` (LoRA's on the experts,
+/// stacked alike), whose shapes in `specs` become `(E/P, ..)`.
 pub fn split_layout(
     specs: &mut [ParamSpec],
-    idx: &ParamIndex,
+    (idx, adapters): (&ParamIndex, &[usize]),
     size: usize,
     rank: usize,
 ) -> Vec<Option<Split>> {
     let mut splits = vec![None; specs.len()];
-    for m in idx.blocks.iter().filter_map(|b| b.moe) {
-        for i in [m.up, m.down] {
-            let shape = specs[i].shape.clone();
-            let (e, rows, cols) = (shape[0], shape[1], shape[2]);
-            let local = e / size;
-            splits[i] = Some(Split::Rows {
-                cols,
-                parts: vec![(rank * local * rows, local * rows)],
-            });
-            specs[i].shape = vec![local, rows, cols];
-        }
+    let experts = (idx.blocks.iter().filter_map(|b| b.moe)).flat_map(|m| [m.up, m.down]);
+    for i in experts.chain(adapters.iter().copied()) {
+        let shape = specs[i].shape.clone();
+        let (e, rows, cols) = (shape[0], shape[1], shape[2]);
+        let local = e / size;
+        splits[i] = Some(Split::Rows {
+            cols,
+            parts: vec![(rank * local * rows, local * rows)],
+        });
+        specs[i].shape = vec![local, rows, cols];
     }
     splits
 }

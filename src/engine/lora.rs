@@ -104,9 +104,15 @@ pub enum Target {
     Up,
     /// MLP down (`down_proj`; GPT-2: `mlp.c_proj`).
     Down,
+    /// Every routed expert's gate, up and down (Mixtral's per-expert `w1`,
+    /// `w3`, `w2`; Qwen-MoE's `experts.N.gate_proj`, `up_proj`,
+    /// `down_proj`): three stacked adapters per routed block.
+    Experts,
 }
 
 impl Target {
+    /// What no target list means: every dense projection (not the
+    /// experts; a mixture must name its targets, `validate::moe`).
     pub const ALL: [Target; 7] = [
         Target::Q,
         Target::K,
@@ -149,17 +155,39 @@ impl LoraConfig {
     }
 }
 
-/// Which of a block's fused projections an adapter belongs to.
+/// Which of a block's fused projections an adapter belongs to. The
+/// `Expert*` ones sit on the routed experts' stacked weights
+/// (`moe::experts_ffn`), and come after a block's others.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Proj {
     Qkv,
     O,
     Up,
     Down,
+    /// The experts' gate|up `(E, 2I, C)`: gate writes columns `0..I`.
+    ExpertUp,
+    /// The experts' down `(E, C, I)`.
+    ExpertDown,
+}
+
+impl Proj {
+    pub fn on_experts(self) -> bool {
+        matches!(self, Proj::ExpertUp | Proj::ExpertDown)
+    }
+}
+
+/// A block's adapters as `(on its dense projections, on its experts)`:
+/// [`layout`] puts the experts' last.
+pub fn split_experts(ads: &[Adapter]) -> (&[Adapter], &[Adapter]) {
+    let at = ads.partition_point(|a| !a.proj.on_experts());
+    debug_assert!(ads[at..].iter().all(|a| a.proj.on_experts()));
+    ads.split_at(at)
 }
 
 /// One adapter: its projection, the slice of that projection's output it
 /// writes, its input width, and its two tensors' indices in the flat list.
+/// On the experts, `A (E, r, inp)` and `B (E, width, r)` are stacked as
+/// the experts are, one adapter per expert.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Adapter {
     pub proj: Proj,
@@ -183,6 +211,26 @@ pub fn check(model: &ModelConfig, cfg: &LoraConfig) -> Result<(), (&'static str,
     if !(0.0..1.0).contains(&cfg.dropout) {
         return Err(("dropout", format!("{} is outside [0, 1)", cfg.dropout)));
     }
+    if model.moe.is_none() && cfg.targets.contains(&Target::Experts) {
+        return Err((
+            "targets",
+            format!(
+                "{} has no routed experts to adapt; its MLP takes gate, up and down",
+                model.name
+            ),
+        ));
+    }
+    let mlp = [Target::Gate, Target::Up, Target::Down];
+    let dense = (0..model.n_layer).any(|l| model.dense_ff(l).is_some());
+    if !dense && cfg.targets.iter().any(|t| mlp.contains(t)) {
+        return Err((
+            "targets",
+            format!(
+                "{} has no dense MLP (no shared expert, no dense block) for gate, up or down to adapt; its routed experts take experts",
+                model.name
+            ),
+        ));
+    }
     if model.family == Family::Gpt2 && cfg.targets.contains(&Target::Gate) {
         return Err((
             "targets",
@@ -196,6 +244,10 @@ pub fn check(model: &ModelConfig, cfg: &LoraConfig) -> Result<(), (&'static str,
 }
 
 /// Appends every block's adapters to `specs` and returns them per block.
+/// The MLP targets adapt a block's dense MLP, of its own width
+/// (`ModelConfig::dense_ff`): a mixture's dense blocks and shared expert,
+/// none in a routed block without one. `experts` adapts a routed block's
+/// experts, after the rest ([`split_experts`]).
 pub fn layout(
     model: &ModelConfig,
     cfg: &LoraConfig,
@@ -204,7 +256,7 @@ pub fn layout(
     let c = model.d_model;
     let hd = model.head_dim();
     let (q, kv) = (model.n_head * hd, model.n_kv_head() * hd);
-    let (dff, r) = (model.d_ff(), cfg.rank);
+    let r = cfg.rank;
     let gpt2 = model.family == Family::Gpt2;
     let mut targets = match cfg.targets.is_empty() {
         true => Target::ALL.to_vec(),
@@ -223,55 +275,104 @@ pub fn layout(
         // One c_attn adapter, placed where q was.
         targets.retain(|t| !matches!(t, Target::K | Target::V));
     }
+    let mlp = |t: &Target| matches!(t, Target::Gate | Target::Up | Target::Down);
     (0..model.n_layer)
         .map(|l| {
-            targets
-                .iter()
-                .map(|&t| {
-                    let (proj, off, width, inp, name) = match (t, gpt2) {
-                        (Target::Q, true) => (Proj::Qkv, 0, 3 * c, c, "attn.c_attn"),
-                        (Target::Q, false) => (Proj::Qkv, 0, q, c, "self_attn.q_proj"),
-                        (Target::K, _) => (Proj::Qkv, q, kv, c, "self_attn.k_proj"),
-                        (Target::V, _) => (Proj::Qkv, q + kv, kv, c, "self_attn.v_proj"),
-                        (Target::O, true) => (Proj::O, 0, c, c, "attn.c_proj"),
-                        (Target::O, false) => (Proj::O, 0, c, q, "self_attn.o_proj"),
-                        (Target::Gate, _) => (Proj::Up, 0, dff, c, "mlp.gate_proj"),
-                        (Target::Up, true) => (Proj::Up, 0, dff, c, "mlp.c_fc"),
-                        (Target::Up, false) => (Proj::Up, dff, dff, c, "mlp.up_proj"),
-                        (Target::Down, true) => (Proj::Down, 0, c, dff, "mlp.c_proj"),
-                        (Target::Down, false) => (Proj::Down, 0, c, dff, "mlp.down_proj"),
-                    };
-                    let a = specs.len();
-                    specs.push(ParamSpec {
-                        name: ParamName {
-                            layer: Some(l),
-                            part: name,
-                            suffix: ".lora_A",
-                        },
-                        shape: vec![r, inp],
-                        init: Init::Normal((1.0 / (3.0 * inp as f64)).sqrt() as f32),
-                    });
-                    specs.push(ParamSpec {
-                        name: ParamName {
-                            layer: Some(l),
-                            part: name,
-                            suffix: ".lora_B",
-                        },
-                        shape: vec![width, r],
-                        init: Init::Zeros,
-                    });
-                    Adapter {
-                        proj,
-                        off,
-                        width,
-                        inp,
-                        a,
-                        b: a + 1,
+            let dense = model.dense_ff(l);
+            let mut ads = Vec::new();
+            for &t in &targets {
+                let dff = dense.unwrap_or(0);
+                let (proj, off, width, inp, name) = match (t, gpt2) {
+                    _ if mlp(&t) && dense.is_none() => continue,
+                    (Target::Experts, _) => {
+                        if let Some(m) = model.moe_at(l) {
+                            ads.extend(expert_adapters(l, (c, m.n_experts, m.d_expert), r, specs));
+                        }
+                        continue;
                     }
-                })
-                .collect()
+                    (Target::Q, true) => (Proj::Qkv, 0, 3 * c, c, "attn.c_attn"),
+                    (Target::Q, false) => (Proj::Qkv, 0, q, c, "self_attn.q_proj"),
+                    (Target::K, _) => (Proj::Qkv, q, kv, c, "self_attn.k_proj"),
+                    (Target::V, _) => (Proj::Qkv, q + kv, kv, c, "self_attn.v_proj"),
+                    (Target::O, true) => (Proj::O, 0, c, c, "attn.c_proj"),
+                    (Target::O, false) => (Proj::O, 0, c, q, "self_attn.o_proj"),
+                    (Target::Gate, _) => (Proj::Up, 0, dff, c, "mlp.gate_proj"),
+                    (Target::Up, true) => (Proj::Up, 0, dff, c, "mlp.c_fc"),
+                    (Target::Up, false) => (Proj::Up, dff, dff, c, "mlp.up_proj"),
+                    (Target::Down, true) => (Proj::Down, 0, c, dff, "mlp.c_proj"),
+                    (Target::Down, false) => (Proj::Down, 0, c, dff, "mlp.down_proj"),
+                };
+                let (a, b) = push_pair(specs, (l, name), &[], (r, inp, width));
+                ads.push(Adapter {
+                    proj,
+                    off,
+                    width,
+                    inp,
+                    a,
+                    b,
+                });
+            }
+            ads
         })
         .collect()
+}
+
+/// Appends one adapter's `A (.., r, inp)` (PEFT's kaiming-uniform
+/// deviation, `1/sqrt(3 inp)`) and `B (.., width, r)` (zeros), with
+/// `lead` dimensions before each (the experts' `E`); their indices.
+fn push_pair(
+    specs: &mut Vec<ParamSpec>,
+    (l, part): (usize, &'static str),
+    lead: &[usize],
+    (r, inp, width): (usize, usize, usize),
+) -> (usize, usize) {
+    let a = specs.len();
+    let name = |suffix| ParamName {
+        layer: Some(l),
+        part,
+        suffix,
+    };
+    specs.push(ParamSpec {
+        name: name(".lora_A"),
+        shape: [lead, &[r, inp]].concat(),
+        init: Init::Normal((1.0 / (3.0 * inp as f64)).sqrt() as f32),
+    });
+    specs.push(ParamSpec {
+        name: name(".lora_B"),
+        shape: [lead, &[width, r]].concat(),
+        init: Init::Zeros,
+    });
+    (a, a + 1)
+}
+
+/// A routed block's expert adapters: gate and up each their own (as PEFT
+/// wraps a Qwen-MoE expert's separate `gate_proj` and `up_proj`, or
+/// Mixtral's `w1` and `w3`), writing columns `0..I` and `I..2I` of the
+/// experts' gate|up, and down; each stacked over the `E` experts.
+fn expert_adapters(
+    l: usize,
+    (c, e, i): (usize, usize, usize),
+    r: usize,
+    specs: &mut Vec<ParamSpec>,
+) -> Vec<Adapter> {
+    [
+        (Proj::ExpertUp, 0, i, c, "mlp.experts.gate_proj"),
+        (Proj::ExpertUp, i, i, c, "mlp.experts.up_proj"),
+        (Proj::ExpertDown, 0, c, i, "mlp.experts.down_proj"),
+    ]
+    .into_iter()
+    .map(|(proj, off, width, inp, name)| {
+        let (a, b) = push_pair(specs, (l, name), &[e], (r, inp, width));
+        Adapter {
+            proj,
+            off,
+            width,
+            inp,
+            a,
+            b,
+        }
+    })
+    .collect()
 }
 
 /// Trainable parameters LoRA adds: `r (in + out)` per adapter.

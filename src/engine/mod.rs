@@ -625,7 +625,7 @@ impl<B: Backend> Engine<B> {
     fn split_groups(
         model: &ModelConfig,
         train: &TrainConfig,
-        (specs, idx): (&mut [ParamSpec], &ParamIndex),
+        (specs, (idx, expert_ads)): (&mut [ParamSpec], (&ParamIndex, &[usize])),
         tp: Option<Comm<B>>,
         ep: Option<Comm<B>>,
     ) -> (Option<Tp<B>>, Option<expert::Ep<B>>) {
@@ -638,7 +638,7 @@ impl<B: Backend> Engine<B> {
         });
         let ep = ep.map(|comm| {
             let (size, rank) = (comm.world(), comm.rank());
-            let splits = expert::split_layout(specs, idx, size, rank);
+            let splits = expert::split_layout(specs, (idx, expert_ads), size, rank);
             let load = expert::ExpertLoad::default();
             expert::Ep { comm, splits, load }
         });
@@ -683,7 +683,17 @@ impl<B: Backend> Engine<B> {
         // Tensor parallelism: the full shapes seed the weights, each rank
         // keeps its slices.
         let full_specs = specs.clone();
-        let (tp, ep) = Self::split_groups(&model, &train, (&mut specs, &idx), tp, ep);
+        let on_experts = |a: &&Adapter| a.proj.on_experts();
+        let expert_ads: Vec<Vec<usize>> = (adapters.iter())
+            .map(|b| {
+                b.iter()
+                    .filter(on_experts)
+                    .flat_map(|a| [a.a, a.b])
+                    .collect()
+            })
+            .collect();
+        let ids = (&idx, &expert_ads.concat()[..]);
+        let (tp, ep) = Self::split_groups(&model, &train, (&mut specs, ids), tp, ep);
         let widths = tensor::widths(&model, tp.as_ref().map_or(1, Tp::size));
         let trainable: Vec<bool> = (0..specs.len())
             .map(|i| train.finetune == Finetune::Full || i >= base)
@@ -708,7 +718,8 @@ impl<B: Backend> Engine<B> {
                 .collect();
             let numel = held.numel.clone();
             let edp = edp.take();
-            let mut d = Dist::new(c, train.sharding, numel, &idx, (&ads, &trainable), edp);
+            let ads = (&ads[..], &expert_ads[..]);
+            let mut d = Dist::new(c, train.sharding, numel, &idx, (ads, &trainable), edp);
             d.grads_on_host = train.offload.optimizer();
             d
         });

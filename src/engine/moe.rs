@@ -244,6 +244,9 @@ pub(super) struct MoeActs<X> {
     /// arrived (`expert::Exchange::sort_index`, U32). `eo` is then the
     /// outputs back on this rank, in its own permuted order.
     pub ep: Option<(expert::Exchange, X)>,
+    /// LoRA on the experts: each adapter's `x_e A_eᵀ (rows, r)`, in the
+    /// block's expert-adapter order (gate, up, down).
+    pub lora_t: Vec<X>,
 }
 
 pub(super) fn free_moe<B: Backend>(dev: &mut Device<B>, a: MoeActs<T<B>>) {
@@ -256,7 +259,14 @@ pub(super) fn free_moe<B: Backend>(dev: &mut Device<B>, a: MoeActs<T<B>>) {
     if let Some((_, sort)) = a.ep {
         dev.free(sort);
     }
+    for x in a.lora_t {
+        dev.free(x);
+    }
 }
+
+/// LoRA on a routed block's experts: its adapters on them
+/// (`lora::split_experts`; none without) and their scale `alpha / r`.
+pub(super) type ExpertLora<'a> = (&'a [Adapter], f32);
 
 /// The weights, and the rank's expert- and tensor-parallel groups.
 type Groups<'a, B> = (&'a [T<B>], Option<&'a mut Ep<B>>, Option<&'a mut Tp<B>>);
@@ -270,7 +280,7 @@ type Groups<'a, B> = (&'a [T<B>], Option<&'a mut Ep<B>>, Option<&'a mut Tp<B>>);
 pub(super) fn forward<B: Backend>(
     dev: &mut Device<B>,
     (p, ep, tp): Groups<'_, B>,
-    mi: MoeIndex,
+    (mi, lora): (MoeIndex, ExpertLora<'_>),
     m: &MoeConfig,
     (x, edt, hf_saved): (&T<B>, DType, &[(usize, DType)]),
     sh: MoeShape,
@@ -299,16 +309,19 @@ pub(super) fn forward<B: Backend>(
             "expert parallelism is memfit's own"
         );
         let r = (probs, idx, weight, routing);
-        let mut a = experts_elsewhere(dev, (p, ep), mi, x, r, &counts, sh)?;
+        let mut a = experts_elsewhere(dev, (p, ep), (mi, lora), x, r, &counts, sh)?;
         reduce_rows(dev, tp, &mut a.eo);
         return Ok(a);
     }
     let mut xp = dev.alloc(rows * c, edt, act)?;
     dev.moe_gather(&mut xp, x, &idx, None, (rows, n, c));
-    let (h, a, extra, mut eo) = experts_ffn(dev, (p, mi), &xp, &counts, (i, c), (act, hf_saved))?;
+    let ffn = (p, mi, lora);
+    let (h, a, extra, mut eo, lora_t) =
+        experts_ffn(dev, ffn, &xp, &counts, (i, c), (act, hf_saved))?;
     reduce_rows(dev, tp, &mut eo);
     Ok(MoeActs {
         extra,
+        lora_t,
         probs,
         idx,
         weight,
@@ -339,7 +352,7 @@ fn reduce_rows<B: Backend>(dev: &mut Device<B>, tp: Option<&mut Tp<B>>, eo: &mut
 fn experts_elsewhere<B: Backend>(
     dev: &mut Device<B>,
     (p, ep): (&[T<B>], &mut Ep<B>),
-    mi: MoeIndex,
+    (mi, lora): (MoeIndex, ExpertLora<'_>),
     x: &T<B>,
     (probs, idx, weight, routing): (T<B>, T<B>, T<B>, Option<Routing>),
     counts: &[usize],
@@ -359,7 +372,7 @@ fn experts_elsewhere<B: Backend>(
     dev.moe_gather(&mut xs, &xr, &sort, None, (got, got, c));
     dev.free(xr);
     // This rank's experts only: `local` has one count per local expert.
-    let (h, a, _, eos) = experts_ffn(dev, (p, mi), &xs, &local, (i, c), (tmp, &[]))?;
+    let (h, a, _, eos, lora_t) = experts_ffn(dev, (p, mi, lora), &xs, &local, (i, c), (tmp, &[]))?;
     // Back in arrival order, and home.
     let mut eor = dev.alloc_zeroed(got * c, dt, tmp)?;
     dev.moe_scatter(&mut eor, &eos, &sort, None, (got, got, c));
@@ -378,21 +391,25 @@ fn experts_elsewhere<B: Backend>(
         counts: local,
         extra: Vec::new(),
         ep: Some((ex, sort)),
+        lora_t,
     })
 }
 
-/// What [`experts_ffn`] leaves: `h`, `a`, the extras and the output.
-type Ffn<B> = (T<B>, T<B>, Vec<T<B>>, T<B>);
+/// What [`experts_ffn`] leaves: `h`, `a`, the extras, the output and the
+/// adapters' saved `x_e A_eᵀ`.
+type Ffn<B> = (T<B>, T<B>, Vec<T<B>>, T<B>, Vec<T<B>>);
 
 /// The experts' FFN on `xs (rows, C)`, rows grouped by expert as
 /// `counts` says (one count per expert this rank holds): gate|up `h (rows,
 /// 2I)` and SwiGLU `a (rows, I)`, saved, then `saved` (hf-eager's extras,
 /// allocated where transformers saves them) and the output `(rows, C)` of
 /// `out` category. The rows' dtype is `xs`'s; `(i, c)`: the experts' width
-/// on this rank and the model's.
+/// on this rank and the model's. LoRA on the experts adds each expert's
+/// `s · (x_e A_eᵀ) B_eᵀ` to its rows of gate|up and of the output after
+/// the frozen GEMM (and its dequantised stack) is done.
 fn experts_ffn<B: Backend>(
     dev: &mut Device<B>,
-    (p, mi): (&[T<B>], MoeIndex),
+    (p, mi, lora): (&[T<B>], MoeIndex, ExpertLora<'_>),
     xs: &T<B>,
     counts: &[usize],
     (i, c): (usize, usize),
@@ -404,6 +421,9 @@ fn experts_ffn<B: Backend>(
     with_stacked(dev, &p[mi.up], el * 2 * i * c, dt, |dev, w| {
         dev.grouped_matmul_forward(&mut h, xs, w, counts, c, 2 * i)
     })?;
+    let mut ts = Vec::new();
+    let up = (Proj::ExpertUp, 2 * i);
+    lora_experts_forward(dev, p, lora, up, xs, &mut h, counts, &mut ts)?;
     let mut a = dev.alloc(rows * i, dt, act)?;
     dev.swiglu_forward(&mut a, &h, rows, i);
     let extra = alloc_saved(dev, saved)?;
@@ -411,7 +431,82 @@ fn experts_ffn<B: Backend>(
     with_stacked(dev, &p[mi.down], el * c * i, dt, |dev, w| {
         dev.grouped_matmul_forward(&mut eo, &a, w, counts, i, c)
     })?;
-    Ok((h, a, extra, eo))
+    let down = (Proj::ExpertDown, c);
+    lora_experts_forward(dev, p, lora, down, &a, &mut eo, counts, &mut ts)?;
+    Ok((h, a, extra, eo, ts))
+}
+
+/// LoRA on one of the experts' grouped GEMMs, whose input is `xs (rows,
+/// in)`, grouped by expert as `counts` says, and whose output is `out
+/// (rows, cols)`: for each adapter on `proj`, per expert `t_e = x_e A_eᵀ
+/// (rows_e, r)` (saved, pushed onto `saved`) and `s · t_e B_eᵀ` added into
+/// the adapter's columns of `out`. Each is one grouped GEMM over the
+/// same groups as the experts' own.
+#[allow(clippy::too_many_arguments)]
+fn lora_experts_forward<B: Backend>(
+    dev: &mut Device<B>,
+    p: &[T<B>],
+    (ads, scale): ExpertLora<'_>,
+    (proj, cols): (Proj, usize),
+    xs: &T<B>,
+    out: &mut T<B>,
+    counts: &[usize],
+    saved: &mut Vec<T<B>>,
+) -> Result<(), OomError> {
+    let (rows, el) = (out.len / cols, counts.len());
+    for ad in ads.iter().filter(|a| a.proj == proj) {
+        let r = p[ad.a].len / (el * ad.inp);
+        let mut t = dev.alloc(rows * r, xs.dtype, Category::Activations)?;
+        dev.grouped_matmul_forward(&mut t, xs, &p[ad.a], counts, ad.inp, r);
+        let mut u = dev.alloc(rows * ad.width, xs.dtype, Category::Temporaries)?;
+        dev.grouped_matmul_forward(&mut u, &t, &p[ad.b], counts, r, ad.width);
+        dev.copy_cols(
+            out, cols, ad.off, &u, ad.width, 0, rows, ad.width, scale, true,
+        );
+        dev.free(u);
+        saved.push(t);
+    }
+    Ok(())
+}
+
+/// The backward of [`lora_experts_forward`] on `proj`: from the GEMM's
+/// output gradient `dout (rows, cols)` and its saved input `xs`,
+/// accumulates each expert's `dB_e` and `dA_e` and adds the adapters' part
+/// of the input gradient into `dinp (rows, in)`; frees `ts`, the saved
+/// `x_e A_eᵀ` of the adapters on `proj`, in their order.
+#[allow(clippy::too_many_arguments)]
+fn lora_experts_backward<B: Backend>(
+    dev: &mut Device<B>,
+    (p, g): (&[T<B>], &mut [T<B>]),
+    (ads, scale): ExpertLora<'_>,
+    ts: Vec<T<B>>,
+    (proj, cols): (Proj, usize),
+    (dout, xs): (&T<B>, &T<B>),
+    dinp: &mut T<B>,
+    counts: &[usize],
+) -> Result<(), OomError> {
+    let (rows, el, tmp) = (dout.len / cols, counts.len(), Category::Temporaries);
+    for (ad, t) in ads.iter().filter(|a| a.proj == proj).zip(ts) {
+        let r = p[ad.a].len / (el * ad.inp);
+        // d(t_e B_eᵀ) = s · dout[:, slice]
+        let mut du = dev.alloc(rows * ad.width, dout.dtype, tmp)?;
+        dev.copy_cols(
+            &mut du, ad.width, 0, dout, cols, ad.off, rows, ad.width, scale, false,
+        );
+        let mut dt = dev.alloc(rows * r, dout.dtype, tmp)?;
+        let (pb, gb) = (&p[ad.b], Some(&mut g[ad.b]));
+        dev.grouped_matmul_backward(&mut dt, gb, &du, &t, pb, counts, r, ad.width);
+        dev.free(du);
+        dev.free(t);
+        let mut dx = dev.alloc(rows * ad.inp, dout.dtype, tmp)?;
+        let (pa, ga) = (&p[ad.a], Some(&mut g[ad.a]));
+        dev.grouped_matmul_backward(&mut dx, ga, &dt, xs, pa, counts, ad.inp, r);
+        dev.free(dt);
+        let len = rows * ad.inp;
+        dev.copy_cols(dinp, len, 0, &dx, len, 0, 1, len, 1.0, true);
+        dev.free(dx);
+    }
+    Ok(())
 }
 
 /// Runs `f` on a stacked expert weight as one grouped GEMM reads it:
@@ -475,7 +570,7 @@ pub(super) fn backward<B: Backend>(
         Option<bool>,
         bool,
     ),
-    mi: MoeIndex,
+    (mi, lora): (MoeIndex, ExpertLora<'_>),
     m: &MoeConfig,
     a: MoeActs<T<B>>,
     (dy, x): (&T<B>, &T<B>),
@@ -506,6 +601,7 @@ pub(super) fn backward<B: Backend>(
         routing,
         counts,
         ep: exchanged,
+        lora_t,
     } = a;
     dev.free(eo);
     // Expert parallelism: the gradients go where the experts ran, in
@@ -519,34 +615,11 @@ pub(super) fn backward<B: Backend>(
         dev.moe_gather(&mut deo, &der, sort, None, (got, got, c));
         dev.free(der);
     }
-    // The experts, down then gate|up.
-    // (Each expert's rows: `counts` has one per local expert.)
-    let el = counts.len();
-    let mut dact = dev.alloc(got * i, edt, tmp)?;
-    let made = fresh_grad(dev, (p, g), mi.down, fresh)?;
-    let dw = (!frozen).then(|| &mut g[mi.down]);
-    with_stacked(dev, &p[mi.down], el * c * i, edt, |dev, w| {
-        dev.grouped_matmul_backward(&mut dact, dw, &deo, &act, w, &counts, i, c)
-    })?;
-    fresh_grad_handed(dev, g, mi.down, (fresh, made));
-    dev.free(deo);
-    dev.free(act);
-    let mut dh = dev.alloc(got * 2 * i, edt, tmp)?;
-    dev.swiglu_backward(&mut dh, &dact, &h, got, i);
-    dev.free(dact);
-    dev.free(h);
-    for x in extra {
-        dev.free(x);
-    }
-    let mut dxp = dev.alloc(got * c, edt, tmp)?;
-    let made = fresh_grad(dev, (p, g), mi.up, fresh)?;
-    let dw = (!frozen).then(|| &mut g[mi.up]);
-    with_stacked(dev, &p[mi.up], el * 2 * i * c, edt, |dev, w| {
-        dev.grouped_matmul_backward(&mut dxp, dw, &dh, &xp, w, &counts, c, 2 * i)
-    })?;
-    fresh_grad_handed(dev, g, mi.up, (fresh, made));
-    dev.free(dh);
-    dev.free(xp);
+    // The experts, down then gate|up. (Each expert's rows: `counts` has
+    // one per local expert.)
+    let saved = (xp, h, act, extra, lora_t);
+    let pg = (p, &mut *g, frozen, fresh);
+    let mut dxp = experts_backward(dev, pg, (mi, lora), saved, deo, &counts, (i, c))?;
     if let Some((ep, (ex, sort))) = ep.as_mut() {
         let mut dxr = dev.alloc_zeroed(got * c, edt, tmp)?;
         dev.moe_scatter(&mut dxr, &dxp, sort, None, (got, got, c));
@@ -583,6 +656,69 @@ pub(super) fn backward<B: Backend>(
     dev.free(dxr);
     dev.free(probs);
     Ok(dx)
+}
+
+/// The saved `xp`, `h`, `act`, the extras and the adapters' `x_e A_eᵀ`.
+type FfnSaved<B> = (T<B>, T<B>, T<B>, Vec<T<B>>, Vec<T<B>>);
+
+/// The experts' FFN backward on the rows this rank's experts ran: from
+/// their output gradient `deo (rows, C)` back through down, SwiGLU and
+/// gate|up (each with its adapters) to the rows' input gradient, returned;
+/// weight gradients as [`backward`] says. Frees `deo` and what
+/// [`experts_ffn`] saved, each after the last op that reads it.
+fn experts_backward<B: Backend>(
+    dev: &mut Device<B>,
+    (p, g, frozen, fresh): (&[T<B>], &mut [T<B>], bool, Option<bool>),
+    (mi, lora): (MoeIndex, ExpertLora<'_>),
+    (xp, h, act, extra, mut lora_t): FfnSaved<B>,
+    deo: T<B>,
+    counts: &[usize],
+    (i, c): (usize, usize),
+) -> Result<T<B>, OomError> {
+    let (edt, tmp, el) = (xp.dtype, Category::Temporaries, counts.len());
+    let got = xp.len / c;
+    // The adapters' saved inputs: gate|up's first, as the forward made them.
+    let ups = (lora.0.iter()).filter(|a| a.proj == Proj::ExpertUp).count();
+    let down_t = lora_t.split_off(ups);
+    let mut dact = dev.alloc(got * i, edt, tmp)?;
+    let made = fresh_grad(dev, (p, g), mi.down, fresh)?;
+    let dw = (!frozen).then(|| &mut g[mi.down]);
+    with_stacked(dev, &p[mi.down], el * c * i, edt, |dev, w| {
+        dev.grouped_matmul_backward(&mut dact, dw, &deo, &act, w, counts, i, c)
+    })?;
+    fresh_grad_handed(dev, g, mi.down, (fresh, made));
+    let down = (Proj::ExpertDown, c);
+    lora_experts_backward(
+        dev,
+        (p, g),
+        lora,
+        down_t,
+        down,
+        (&deo, &act),
+        &mut dact,
+        counts,
+    )?;
+    dev.free(deo);
+    dev.free(act);
+    let mut dh = dev.alloc(got * 2 * i, edt, tmp)?;
+    dev.swiglu_backward(&mut dh, &dact, &h, got, i);
+    dev.free(dact);
+    dev.free(h);
+    for x in extra {
+        dev.free(x);
+    }
+    let mut dxp = dev.alloc(got * c, edt, tmp)?;
+    let made = fresh_grad(dev, (p, g), mi.up, fresh)?;
+    let dw = (!frozen).then(|| &mut g[mi.up]);
+    with_stacked(dev, &p[mi.up], el * 2 * i * c, edt, |dev, w| {
+        dev.grouped_matmul_backward(&mut dxp, dw, &dh, &xp, w, counts, c, 2 * i)
+    })?;
+    fresh_grad_handed(dev, g, mi.up, (fresh, made));
+    let up = (Proj::ExpertUp, 2 * i);
+    lora_experts_backward(dev, (p, g), lora, lora_t, up, (&dh, &xp), &mut dxp, counts)?;
+    dev.free(dh);
+    dev.free(xp);
+    Ok(dxp)
 }
 
 /// A stacked expert weight's gradient as PyTorch's autograd makes it

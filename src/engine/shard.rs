@@ -393,7 +393,9 @@ impl Dist<crate::backend::meta::MetaBackend> {
 impl<B: Backend> Dist<B> {
     /// `numel`: what this rank holds of each tensor before sharding;
     /// `adapters[l]`: block `l`'s LoRA tensors (none for full training),
-    /// which join its unit ([`units_with`]); `trainable`: which tensors
+    /// which join its unit ([`units_with`]), except that under expert
+    /// parallelism those on its experts (`on_experts[l]`) join the
+    /// experts' unit, held and reduced as the experts are; `trainable`: which tensors
     /// have gradients; `edp`: under expert parallelism, the ranks that
     /// hold this rank's experts. Each routed block's experts are then a
     /// unit of their own, after the head, sharded and reduced over `edp`
@@ -403,7 +405,7 @@ impl<B: Backend> Dist<B> {
         sharding: Sharding,
         numel: Vec<usize>,
         idx: &ParamIndex,
-        (adapters, trainable): (&[Vec<usize>], &[bool]),
+        ((adapters, on_experts), trainable): ((&[Vec<usize>], &[Vec<usize>]), &[bool]),
         edp: Option<Comm<B>>,
     ) -> Self {
         let (rank, world) = (comm.rank(), comm.world());
@@ -413,9 +415,10 @@ impl<B: Backend> Dist<B> {
         if edp.is_some() {
             for (l, b) in idx.blocks.iter().enumerate() {
                 if let Some(m) = b.moe {
-                    units[1 + l].retain(|&i| i != m.up && i != m.down);
+                    let ads = on_experts.get(l).map_or(&[][..], |v| &v[..]);
+                    units[1 + l].retain(|&i| i != m.up && i != m.down && !ads.contains(&i));
                     block_experts[l] = Some(units.len());
-                    units.push(vec![m.up, m.down]);
+                    units.push([&[m.up, m.down][..], ads].concat());
                 }
             }
         }

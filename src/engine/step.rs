@@ -281,11 +281,22 @@ impl<'e, B: Backend> Pass<'e, B> {
         }
     }
 
-    /// Block `l`'s adapters, their scale and whether the base is NF4.
+    /// Block `l`'s adapters on its dense projections, their scale and
+    /// whether the base is NF4.
     fn lora(&self, l: usize) -> (&'e [Adapter], f32, bool) {
-        let adapters: &'e [Vec<Adapter>] = self.adapters;
-        let ads = adapters.get(l).map_or(&[][..], |v| &v[..]);
+        let ads = lora::split_experts(self.block_adapters(l)).0;
         (ads, self.train.lora.scale(), self.qlora)
+    }
+
+    /// Block `l`'s adapters on its routed experts, and their scale.
+    fn expert_lora(&self, l: usize) -> moe::ExpertLora<'e> {
+        let ads = lora::split_experts(self.block_adapters(l)).1;
+        (ads, self.train.lora.scale())
+    }
+
+    fn block_adapters(&self, l: usize) -> &'e [Adapter] {
+        let adapters: &'e [Vec<Adapter>] = self.adapters;
+        adapters.get(l).map_or(&[][..], |v| &v[..])
     }
 
     /// ZeRO's hooks around a stage: zero3 gathers a unit's weights before
@@ -590,9 +601,17 @@ impl<'e, B: Backend> Pass<'e, B> {
                     false => ln2.dtype,
                 };
                 let saved = self.hf.map_or(&[][..], |h| &h.experts_saved[..]);
+                let lora = self.expert_lora(l);
                 let (ep, tp) = (self.ep.as_mut(), self.tp.as_mut());
                 let x = (&ln2, edt, saved);
-                Some(moe::forward(self.dev, (self.p, ep, tp), mi, m, x, sh)?)
+                Some(moe::forward(
+                    self.dev,
+                    (self.p, ep, tp),
+                    (mi, lora),
+                    m,
+                    x,
+                    sh,
+                )?)
             }
             _ => None,
         };
@@ -1196,7 +1215,7 @@ impl<'e, B: Backend> Pass<'e, B> {
     /// hf-eager with `set_to_none`: block `l`'s gradients (its unit's and
     /// its adapters'), made as autograd first reaches them.
     fn make_block_grads(&mut self, l: usize, unit: &[usize]) -> Result<(), OomError> {
-        let ads = self.lora(l).0;
+        let ads = self.block_adapters(l);
         // The stacked experts' gradients are made by their own backward
         // (`moe::fresh_grad`).
         let experts = self.idx.blocks[l].moe.map(|m| [m.up, m.down]);
@@ -1329,10 +1348,12 @@ impl<'e, B: Backend> Pass<'e, B> {
                 let aux_scale = self.dloss * self.n as f32;
                 let fresh = self.hf.map(|_| self.lazy);
                 let first = self.tp_first();
+                let lora = self.expert_lora(l);
                 let pg = (&self.p[..], &mut self.g[..], self.frozen);
                 let io = (&*dres, &a.ln2);
                 let ep = self.ep.as_mut();
                 let w = (pg, ep, fresh, first);
+                let mi = (mi, lora);
                 moe::backward(self.dev, w, mi, m, acts, io, dln2, sh, aux_scale)?
             }
             _ => dln2.expect("a block has a dense MLP or experts"),

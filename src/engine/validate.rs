@@ -124,19 +124,25 @@ fn experts(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
             ),
         ));
     }
-    // LoRA on the attention only (PEFT's `target_modules` of q, k, v and
-    // o): the experts, the router and any shared expert stay frozen (and
-    // under QLoRA the experts are NF4).
+    // LoRA on a mixture names its targets: `experts` adapts every routed
+    // expert (`lora::layout`), gate, up and down the dense MLPs (the
+    // shared expert's and the dense blocks'); no list would mean every
+    // dense projection and leave the experts frozen.
     if t.finetune != Finetune::Full {
         use super::lora::Target;
-        let mlp = [Target::Gate, Target::Up, Target::Down];
-        if t.lora.targets.is_empty() || t.lora.targets.iter().any(|x| mlp.contains(x)) {
+        if t.lora.targets.is_empty() {
             return Err(Error::invalid_arg(
                 "--lora-targets",
                 format!(
-                    "adapters on the MLPs would sit on {}'s experts, which memfit does not build yet; adapt the attention only: --lora-targets q,k,v,o",
+                    "{} has experts: name what to adapt, e.g. q,k,v,o (the attention) or q,k,v,o,experts (and every routed expert's gate, up and down)",
                     model.name
                 ),
+            ));
+        }
+        if t.lora.targets.contains(&Target::Experts) && t.framework != Framework::Memfit {
+            return Err(Error::invalid_arg(
+                "--framework",
+                "--lora-targets experts adapts the stacked experts in memfit's engine; transformers' experts are stacked nn.Parameters, which PEFT's target_modules cannot wrap, so hf-eager has no allocation profile to follow: use --framework memfit or adapt q,k,v,o",
             ));
         }
     }

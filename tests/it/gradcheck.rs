@@ -30,12 +30,16 @@ struct Checked {
     rng: Rng,
 }
 
-fn at_perturbed_weights(model: &ModelConfig, seed: u64) -> Checked {
-    let tc = TrainConfig {
+/// The checks' batch shape: 2 sequences of 8 tokens.
+pub(crate) fn small(tc: TrainConfig) -> TrainConfig {
+    TrainConfig {
         seq_len: 8,
         micro_batch: 2,
-        ..TrainConfig::default()
-    };
+        ..tc
+    }
+}
+
+fn at_perturbed_weights(model: &ModelConfig, tc: TrainConfig, seed: u64) -> Checked {
     let mut e = Engine::new(model.clone(), tc, CpuBackend::new(2).unwrap(), None).unwrap();
     // Move away from the init (zero biases, unit norms) so every tensor gets a real gradient.
     let mut rng = Rng::new(seed);
@@ -92,14 +96,23 @@ fn gradcheck(name: &str) {
 }
 
 fn gradcheck_model(model: &ModelConfig) {
+    gradcheck_trained(model, small(TrainConfig::default()));
+}
+
+/// Every tensor that trains under `tc` (LoRA: the adapters; a frozen
+/// tensor has no gradient) against finite differences.
+pub(crate) fn gradcheck_trained(model: &ModelConfig, tc: TrainConfig) {
     let name = &model.name;
-    let mut c = at_perturbed_weights(model, 42);
+    let mut c = at_perturbed_weights(model, tc, 42);
     let specs = c.e.param_specs().to_vec();
     let mut worst = (0.0f64, String::new());
     // Entries checked, and skipped where a mixture of experts' routing jumps.
     let (mut checked, mut jumps) = (0, 0);
     for (i, spec) in specs.iter().enumerate() {
         let g = c.grads[i].clone();
+        if g.is_empty() {
+            continue;
+        }
         let gmax = g.iter().fold(0f32, |a, &x| a.max(x.abs()));
         assert!(gmax > 0.0, "{name}: {} has an all-zero gradient", spec.name);
         // The largest entry, then random entries whose gradient is not
@@ -177,7 +190,7 @@ fn qkv_bias_gradient_matches_finite_difference() {
         "max_position_embeddings": 64, "vocab_size": 256, "tie_word_embeddings": true
     }"#;
     let model = import_hf_config(text, "qwen2-tiny.json").unwrap();
-    let mut c = at_perturbed_weights(&model, 7);
+    let mut c = at_perturbed_weights(&model, small(TrainConfig::default()), 7);
     let (_, idx) = model.param_layout();
     for block in &idx.blocks {
         let i = block.qkv_b.expect("qkv bias");
@@ -273,7 +286,7 @@ fn gemma3_tiny_gradients_match_finite_differences() {
 /// The fused kernels' gradients against the eager ones (checked above
 /// against finite differences) at the same weights and batch.
 fn gradcheck_fused(model: &ModelConfig) {
-    let eager = at_perturbed_weights(model, 42);
+    let eager = at_perturbed_weights(model, small(TrainConfig::default()), 42);
     let tc = TrainConfig {
         seq_len: 8,
         micro_batch: 2,

@@ -77,15 +77,18 @@ fn lora_learns_and_leaves_the_base_bit_identical() {
 }
 
 /// After training, W + (alpha/r) B A in a fully trainable engine computes
-/// the LoRA model's loss.
+/// the LoRA model's loss; on a mixture each expert's `W_e + (alpha/r) B_e
+/// A_e` too (and the shared expert's and dense block's MLPs).
 #[test]
 fn merged_weights_equal_base_plus_scaled_ba() {
-    for name in ["gpt2-tiny", "llama-tiny"] {
+    for name in ["gpt2-tiny", "llama-tiny", "moe-tiny"] {
         let model = load_model(name).unwrap();
         let mut tc = lora_tc(4);
+        let mlp = [Target::Gate, Target::Up, Target::Down];
         tc.lora.targets = match name {
             "gpt2-tiny" => vec![Target::Q, Target::O, Target::Down],
-            _ => vec![Target::K, Target::V, Target::Gate, Target::Up, Target::Down],
+            "moe-tiny" => [&[Target::K, Target::V, Target::Experts][..], &mlp].concat(),
+            _ => [&[Target::K, Target::V][..], &mlp].concat(),
         };
         let mut e =
             Engine::new(model.clone(), tc.clone(), CpuBackend::new(2).unwrap(), None).unwrap();
@@ -103,18 +106,33 @@ fn merged_weights_equal_base_plus_scaled_ba() {
         for (l, ads) in adapters.iter().enumerate() {
             let bi = &idx.blocks[l];
             for ad in ads {
-                let w = match ad.proj {
-                    Proj::Qkv => bi.qkv_w,
-                    Proj::O => bi.o_w,
-                    Proj::Up => bi.up_w.unwrap(),
-                    Proj::Down => bi.down_w.unwrap(),
+                let (w, experts) = match ad.proj {
+                    Proj::Qkv => (bi.qkv_w, 1),
+                    Proj::O => (bi.o_w, 1),
+                    Proj::Up => (bi.up_w.unwrap(), 1),
+                    Proj::Down => (bi.down_w.unwrap(), 1),
+                    Proj::ExpertUp => (bi.moe.unwrap().up, model.moe.as_ref().unwrap().n_experts),
+                    Proj::ExpertDown => {
+                        (bi.moe.unwrap().down, model.moe.as_ref().unwrap().n_experts)
+                    }
                 };
-                let (a, b) = (&all[ad.a], &all[ad.b]);
-                let r = a.len() / ad.inp;
-                for o in 0..ad.width {
-                    for i in 0..ad.inp {
-                        let ba: f32 = (0..r).map(|k| b[o * r + k] * a[k * ad.inp + i]).sum();
-                        merged[w][(ad.off + o) * ad.inp + i] += scale * ba;
+                // Each expert's weight, A and B: one block of the stacks.
+                let per = |len: usize| len / experts;
+                let (pw, pa, pb) = (
+                    per(merged[w].len()),
+                    per(all[ad.a].len()),
+                    per(all[ad.b].len()),
+                );
+                for x in 0..experts {
+                    let a = &all[ad.a][x * pa..(x + 1) * pa];
+                    let b = &all[ad.b][x * pb..(x + 1) * pb];
+                    let r = a.len() / ad.inp;
+                    let we = &mut merged[w][x * pw..(x + 1) * pw];
+                    for o in 0..ad.width {
+                        for i in 0..ad.inp {
+                            let ba: f32 = (0..r).map(|k| b[o * r + k] * a[k * ad.inp + i]).sum();
+                            we[(ad.off + o) * ad.inp + i] += scale * ba;
+                        }
                     }
                 }
             }

@@ -33,6 +33,7 @@ mod hpz;
 mod hybrid;
 mod knobs;
 mod lora;
+mod lora_experts;
 mod loss;
 mod moe;
 mod multinode;
