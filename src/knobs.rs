@@ -212,8 +212,11 @@ knobs! {
     /// hf-eager: PEFT's lora_dropout (its masks; meta only) [default: 0].
     #[arg(long)]
     lora_dropout: f32,
-    /// Projections to adapt, comma-separated: q,k,v,o,gate,up,down (GPT-2:
-    /// q, k and v are one c_attn adapter; no gate) [default: all of them].
+    /// Projections to adapt, comma-separated: q,k,v,o,gate,up,down, and on
+    /// a mixture experts (every routed expert's gate, up and down; there
+    /// gate, up and down adapt the shared expert and dense blocks) (GPT-2:
+    /// q, k and v are one c_attn adapter; no gate) [default: every dense
+    /// projection; a mixture names its targets].
     #[arg(long, value_enum, value_delimiter = ',')]
     lora_targets: Vec<Target>,
     /// Ranks (simulated GPUs), each with its own device and memory: pipeline

@@ -618,7 +618,7 @@ pub(super) fn backward<B: Backend>(
     // The experts, down then gate|up. (Each expert's rows: `counts` has
     // one per local expert.)
     let saved = (xp, h, act, extra, lora_t);
-    let pg = (p, &mut *g, frozen, fresh);
+    let pg = ((p, &mut *g, frozen), fresh);
     let mut dxp = experts_backward(dev, pg, (mi, lora), saved, deo, &counts, (i, c))?;
     if let Some((ep, (ex, sort))) = ep.as_mut() {
         let mut dxr = dev.alloc_zeroed(got * c, edt, tmp)?;
@@ -668,7 +668,7 @@ type FfnSaved<B> = (T<B>, T<B>, T<B>, Vec<T<B>>, Vec<T<B>>);
 /// [`experts_ffn`] saved, each after the last op that reads it.
 fn experts_backward<B: Backend>(
     dev: &mut Device<B>,
-    (p, g, frozen, fresh): (&[T<B>], &mut [T<B>], bool, Option<bool>),
+    ((p, g, frozen), fresh): (Weights<'_, B>, Option<bool>),
     (mi, lora): (MoeIndex, ExpertLora<'_>),
     (xp, h, act, extra, mut lora_t): FfnSaved<B>,
     deo: T<B>,

@@ -251,6 +251,9 @@ pub fn units(idx: &ParamIndex) -> Vec<Vec<usize>> {
     out
 }
 
+/// LoRA's tensors per block: all of them, and those on its experts.
+pub type BlockAdapters<'a> = (&'a [Vec<usize>], &'a [Vec<usize>]);
+
 /// One rank's view of a data-parallel job.
 pub struct Dist<B: Backend> {
     pub comm: Comm<B>,
@@ -405,7 +408,7 @@ impl<B: Backend> Dist<B> {
         sharding: Sharding,
         numel: Vec<usize>,
         idx: &ParamIndex,
-        ((adapters, on_experts), trainable): ((&[Vec<usize>], &[Vec<usize>]), &[bool]),
+        ((adapters, on_experts), trainable): (BlockAdapters<'_>, &[bool]),
         edp: Option<Comm<B>>,
     ) -> Self {
         let (rank, world) = (comm.rank(), comm.world());
