@@ -198,6 +198,19 @@ pub struct Adapter {
     pub b: usize,
 }
 
+/// Each block's adapters' tensors, or (`experts_only`) those of its
+/// adapters on experts, which expert parallelism splits and reduces with
+/// the experts.
+pub fn tensors(adapters: &[Vec<Adapter>], experts_only: bool) -> Vec<Vec<usize>> {
+    let pick = |b: &[Adapter]| match experts_only {
+        true => split_experts(b).1.to_vec(),
+        false => b.to_vec(),
+    };
+    (adapters.iter())
+        .map(|b| pick(b).iter().flat_map(|a| [a.a, a.b]).collect())
+        .collect()
+}
+
 /// Why a target list cannot work on this model, if it cannot.
 /// The error names the knob (`rank`, `alpha`, `dropout`, `targets`): the
 /// flag `--lora-<knob>` or the recipe key `lora_<knob>`.

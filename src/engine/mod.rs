@@ -683,15 +683,7 @@ impl<B: Backend> Engine<B> {
         // Tensor parallelism: the full shapes seed the weights, each rank
         // keeps its slices.
         let full_specs = specs.clone();
-        let on_experts = |a: &&Adapter| a.proj.on_experts();
-        let expert_ads: Vec<Vec<usize>> = (adapters.iter())
-            .map(|b| {
-                b.iter()
-                    .filter(on_experts)
-                    .flat_map(|a| [a.a, a.b])
-                    .collect()
-            })
-            .collect();
+        let expert_ads = lora::tensors(&adapters, true);
         let ids = (&idx, &expert_ads.concat()[..]);
         let (tp, ep) = Self::split_groups(&model, &train, (&mut specs, ids), tp, ep);
         let widths = tensor::widths(&model, tp.as_ref().map_or(1, Tp::size));
@@ -712,10 +704,7 @@ impl<B: Backend> Engine<B> {
                 train.shard_ranks(),
                 "one communicator rank per replica of the shard group"
             );
-            let ads: Vec<Vec<usize>> = adapters
-                .iter()
-                .map(|b| b.iter().flat_map(|a| [a.a, a.b]).collect())
-                .collect();
+            let ads = lora::tensors(&adapters, false);
             let numel = held.numel.clone();
             let edp = edp.take();
             let ads = (&ads[..], &expert_ads[..]);

@@ -459,15 +459,22 @@ fn what_experts_do_not_combine_with_is_refused_by_name() {
         err.contains("--lora-targets") && err.contains("q,k,v,o"),
         "{err}"
     );
+    // gate, up and down adapt a mixture's dense MLPs (moe-tiny's shared
+    // expert and dense block); Qwen3-MoE has none.
     let err = run(&[
         "--model",
-        "moe-tiny",
+        "qwen3-30b-a3b",
+        "--device",
+        "meta",
         "--finetune",
         "lora",
         "--lora-targets",
         "q,up",
     ]);
-    assert!(err.contains("--lora-targets"), "{err}");
+    assert!(
+        err.contains("--lora-targets") && err.contains("no dense MLP"),
+        "{err}"
+    );
     // QLoRA stores the experts in NF4 and adapts the attention alone
     // (tests/it/qlora_experts.rs): every projection's adapters are refused.
     let err = run(&["--model", "moe-tiny", "--finetune", "qlora"]);
