@@ -442,3 +442,46 @@ fn expert_parallel_pipelines_plan_what_run_gives_with_their_worst_routing() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// LoRA adapters on the experts (`--lora-targets experts`) go with their
+/// experts: split over the ranks, they train as without expert
+/// parallelism, the adapters' gradients reduced over the ranks that hold
+/// the same experts.
+#[test]
+fn expert_adapters_split_over_ranks_train_as_data_parallelism_does() {
+    use memfit::engine::lora::Target;
+    use memfit::engine::{Finetune, LoraConfig};
+    let model = model();
+    for sharding in [Sharding::Ddp, Sharding::Zero2] {
+        for cf in [None, Some(1.25)] {
+            let base = TrainConfig {
+                capacity_factor: cf,
+                finetune: Finetune::Lora,
+                lora: LoraConfig {
+                    targets: vec![Target::Q, Target::V, Target::Experts],
+                    ..LoraConfig::default()
+                },
+                lr: Some(1e-2),
+                ..config(4, 1, sharding, 1)
+            };
+            let want = train(&mut cpu_cluster(&model, &base), &base, 3);
+            let tc = TrainConfig {
+                expert_parallel: 2,
+                ..base.clone()
+            };
+            let got = train(&mut cpu_cluster(&model, &tc), &tc, 3);
+            for ((l, g), (wl, wg)) in got.iter().zip(&want) {
+                let what = format!("{sharding:?} cf {cf:?}");
+                assert!(
+                    (l - wl).abs() <= 1e-5 * wl.abs(),
+                    "{what}: loss {l} vs {wl}"
+                );
+                assert!(
+                    (g - wg).abs() <= 1e-4 * wg.abs(),
+                    "{what}: norm {g} vs {wg}"
+                );
+            }
+            assert!(got[2].0 < got[0].0, "it learns");
+        }
+    }
+}
