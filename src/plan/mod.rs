@@ -171,6 +171,7 @@ pub const FIXED_KNOBS: &[(&str, &str)] = &[
         "plans price 1F1B, the default pipeline schedule",
     ),
     ("partition", "plans split the blocks evenly over the stages"),
+    ("virtual_stages", "plans do not price interleaved 1F1B yet"),
 ];
 
 impl PlanRecipe {
