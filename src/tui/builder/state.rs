@@ -50,13 +50,19 @@ impl Field {
 
 /// The form, top to bottom: the capacity factor and expert parallelism
 /// only for a mixture of experts (the last model that planned has
-/// experts), or while the grid lists one of them, so that it can be taken
-/// out again.
+/// experts), virtual stages only for a pipeline, or while the grid lists
+/// one of them, so that it can be taken out again.
 pub fn fields(b: &Builder) -> Vec<Field> {
+    let g = &b.recipe.grid;
     let experts = (b.planned.as_ref()).is_some_and(|p| p.model.moe.is_some())
-        || (b.recipe.grid.capacity_factor.iter()).any(|c| !c.is_dropless())
-        || b.recipe.grid.expert_parallel.iter().any(|&e| e > 1);
-    let moe_only = [Axis::CapacityFactor, Axis::ExpertParallel];
+        || (g.capacity_factor.iter()).any(|c| !c.is_dropless())
+        || g.expert_parallel.iter().any(|&e| e > 1);
+    let pipelines = (g.pipeline_stages.iter().chain(&g.virtual_stages)).any(|&s| s > 1);
+    let shown = |a: Axis| match a {
+        Axis::CapacityFactor | Axis::ExpertParallel => experts,
+        Axis::VirtualStages => pipelines,
+        _ => true,
+    };
     let mut v = vec![
         Field::Model,
         Field::Hardware,
@@ -67,7 +73,7 @@ pub fn fields(b: &Builder) -> Vec<Field> {
     ];
     v.extend(
         (AXES.iter())
-            .filter(|&&a| experts || !moe_only.contains(&a))
+            .filter(|&&a| shown(a))
             .map(|&a| Field::Axis(a)),
     );
     v.push(Field::LoraRank);
