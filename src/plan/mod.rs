@@ -1750,14 +1750,18 @@ impl PointPlan<'_> {
             .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
             let st = step_meta(e, self.rates, self.p.precision);
             // Stage s's replicas are ranks (s*D + d)*T + t: they talk among
-            // themselves, and each sends to its counterpart in stage s+1;
-            // with virtual stages, round the ring, to both neighbours.
+            // themselves, and each sends activations to its counterpart in
+            // stage s+1 and gradients to the one in s-1 (with virtual
+            // stages round the ring, so every stage has both); its sends
+            // go at the pace of the slowest of those links.
             let (mut p2p_s, mut dp_s) = (0.0, 0.0);
             if let Some(t) = &self.topo {
                 let gpn = t.gpus_per_node;
                 let at = |s: usize, d: usize| (s * replicas + d) * tps / gpn;
-                let peers = match v {
-                    1 => vec![s + 1],
+                let peers: Vec<usize> = match v {
+                    1 => (s.checked_sub(1).into_iter())
+                        .chain((s + 1 < stages).then_some(s + 1))
+                        .collect(),
                     _ => vec![(s + 1) % stages, (s + stages - 1) % stages],
                 };
                 let crosses = (peers.iter()).any(|&n| (0..replicas).any(|d| at(s, d) != at(n, d)));

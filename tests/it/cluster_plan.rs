@@ -343,3 +343,30 @@ fn virtual_stages_are_a_plan_axis_with_a_smaller_bubble() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains(" vpp "), "{text}");
 }
+
+/// Regression: a pipeline's last stage priced its sends on the link to a
+/// stage past the end (rank `S x D x T`), so two stages of four
+/// tensor-parallel GPUs filling one 8-GPU node read as crossing
+/// InfiniBand. Each stage's sends go to the stages beside it: within the
+/// node, NVLink only.
+#[test]
+fn a_pipeline_inside_one_node_sends_over_nvlink_only() {
+    let on = |gpus: usize| {
+        plan(
+            &format!("pp-one-node-{gpus}"),
+            &format!(
+                "model: llama-3.1-8b\nhardware: h100-sxm-80gb\nseq_len: 2048\nglobal_batch: 8\ngrid:\n  framework: [memfit]\n  micro_batch: [1]\n  checkpointing: [full]\n  sharding: [none]\n  gpus: [{gpus}]\n  tensor_parallel: [4]\n  pipeline_stages: [2]\n"
+            ),
+        )
+    };
+    let x = &on(8)["points"][0];
+    assert_eq!(x["status"], "fits", "{x}");
+    assert_eq!(x["links"], "intra", "{x}");
+    // One stage per node: the activations cross the network.
+    let y = &plan(
+        "pp-two-nodes",
+        "model: llama-3.1-8b\nhardware: h100-sxm-80gb\nseq_len: 2048\nglobal_batch: 8\ngrid:\n  framework: [memfit]\n  micro_batch: [1]\n  checkpointing: [full]\n  sharding: [none]\n  gpus: [16]\n  tensor_parallel: [8]\n  pipeline_stages: [2]\n",
+    )["points"][0];
+    assert_eq!(y["links"], "intra_inter", "{y}");
+    assert!(y["comm_s"].as_f64() > x["comm_s"].as_f64(), "{x} {y}");
+}
