@@ -157,6 +157,14 @@ fn pipeline_stages_are_a_plan_axis_priced_stage_by_stage() {
         reason.contains("cannot be split into 3 pipeline stages"),
         "{reason}"
     );
+    // Regression: more stages than llama-tiny's 2 blocks and 2 ends made
+    // the even split underflow and the plan panic.
+    let invalid = plan(
+        "cluster-pp-deep",
+        "model: llama-tiny\nhardware: h100-sxm-80gb\nseq_len: 64\nglobal_batch: 8\ngrid:\n  gpus: [8]\n  pipeline_stages: [8]\n",
+    );
+    let reason = invalid["points"][0]["reason"].as_str().unwrap();
+    assert!(reason.contains("8 is outside 1..=4"), "{reason}");
 }
 
 /// Llama 3 405B's pre-training layout (The Llama 3 Herd of Models, Table 4:
