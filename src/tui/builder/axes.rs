@@ -13,7 +13,7 @@ use crate::plan::{Capacity, Grid, Point, name};
 pub use crate::plan::Axis;
 
 /// Every grid axis the planner has, in the order the form lists them.
-pub const AXES: [Axis; 19] = [
+pub const AXES: [Axis; 20] = [
     Axis::MicroBatch,
     Axis::Precision,
     Axis::Checkpointing,
@@ -33,6 +33,7 @@ pub const AXES: [Axis; 19] = [
     Axis::OffloadActivations,
     Axis::Loss,
     Axis::CapacityFactor,
+    Axis::ExpertParallel,
 ];
 
 fn names<T: ValueEnum>() -> Vec<String> {
@@ -147,6 +148,7 @@ impl Axis {
             Axis::OffloadActivations => "no-actoff".into(),
             Axis::CapacityFactor if v == "null" => "dropless".into(),
             Axis::CapacityFactor => format!("cf{v}"),
+            Axis::ExpertParallel => format!("ep{v}"),
             _ => v.to_string(),
         }
     }

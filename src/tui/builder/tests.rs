@@ -585,3 +585,32 @@ fn virtual_stages_are_an_axis_of_the_form_with_a_pipeline() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Regression: expert parallelism was missing from the builder's axes, so
+/// a loaded grid's `expert_parallel` was never on the form and the written
+/// recipe dropped it (planning other points than the builder showed).
+#[test]
+fn expert_parallel_is_on_the_form_and_in_the_written_recipe() {
+    let mut r = default_recipe();
+    r.model = "moe-tiny".into();
+    r.grid.framework = vec![crate::engine::Framework::Memfit];
+    r.grid.micro_batch = vec![2];
+    r.grid.gpus = vec![2];
+    r.grid.sharding = vec![crate::engine::Sharding::Zero2];
+    r.grid.expert_parallel = vec![1, 2];
+    let mut b = super::new_builder(r, std::env::temp_dir(), false);
+    b.hardware = super::hardware_choices(&[]);
+    let a = start(&mut b);
+    run(&mut b, a);
+    assert!(fields(&b).contains(&Field::Axis(Axis::ExpertParallel)));
+    assert!(to_yaml(&b.recipe).contains("  expert_parallel: [1, 2]\n"));
+    let planned = b.planned.clone().unwrap();
+    let dir = std::env::temp_dir().join(format!("memfit-builder-ep-{}", std::process::id()));
+    let path = write_recipe(&b.recipe, &dir).unwrap();
+    let written = crate::plan::plan_file(&path).unwrap();
+    assert_eq!(
+        serde_json::to_value(&written.points).unwrap(),
+        serde_json::to_value(&planned.plan.points).unwrap(),
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
