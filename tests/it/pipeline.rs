@@ -426,3 +426,57 @@ fn interleaving_holds_more_chunks_and_sends_once_per_chunk_boundary() {
         sent(&one) * (2 * stages as u64 - 1)
     );
 }
+
+#[test]
+fn interleaved_1f1b_composes_with_tensor_and_expert_parallelism() {
+    // 2 stages x 2 chunks, each a tensor-parallel pair (each rank holds
+    // slices, so the losses are compared): trains as one device, and meta
+    // predicts every rank.
+    let m = deeper("llama-tiny", 4);
+    let tc = TrainConfig {
+        ranks: 4,
+        tensor_parallel: 2,
+        ..interleaved(2, 2, 2)
+    };
+    let (_, want) = train_single(&m, &tc, 3);
+    let got = train(&mut cpu_cluster(&m, &tc, None), &tc, 3);
+    println!("tensor-parallel pairs, S=2 V=2: losses {got:?} vs one device {want:?}");
+    for (a, b) in got.iter().zip(&want) {
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "{got:?} vs {want:?}");
+    }
+    let mut cpu = cpu_cluster(&m, &tc, None);
+    train(&mut cpu, &tc, 1);
+    let mut meta = meta_cluster(&m, &tc);
+    meta.step_from(tc.grad_accum, || unreachable!("meta reads no data"))
+        .unwrap();
+    assert_eq!(peaks(&cpu), peaks(&meta), "tensor-parallel pairs");
+
+    // A mixture in 2 x 2 chunks over 2 replicas that split its experts
+    // (capacity-bounded, so meta's routing is cpu's): each chunk's routed
+    // block adds its balancing loss, and the step is the one plain 1F1B
+    // takes.
+    let mut moe = load_model("moe-tiny").unwrap();
+    moe.moe.as_mut().unwrap().first_dense = 0;
+    let tc = |v| TrainConfig {
+        seq_len: 16,
+        ranks: 4,
+        sharding: Sharding::Zero1,
+        expert_parallel: 2,
+        capacity_factor: Some(1.5),
+        ..interleaved(2, v, 2)
+    };
+    let losses = |v| {
+        let tc = tc(v);
+        let mut c = cpu_cluster(&moe, &tc, None);
+        let got = train(&mut c, &tc, 1);
+        let mut meta = meta_cluster(&moe, &tc);
+        meta.step_from(tc.grad_accum, || unreachable!("meta reads no data"))
+            .unwrap();
+        assert_eq!(peaks(&c), peaks(&meta), "V={v}");
+        got
+    };
+    let (one, two) = (losses(1), losses(2));
+    for (a, b) in one.iter().zip(&two) {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "{one:?} vs {two:?}");
+    }
+}
