@@ -50,7 +50,7 @@ pub fn stage_peak(layers: &[Layer], s: usize, stages: usize, k: usize, sched: Sc
     let (st, act) = layers.iter().fold((0u64, 0u64), |(a, b), l| {
         (a + l.static_bytes, b + l.per_micro_batch_bytes)
     });
-    st + sched.in_flight(s, stages, k) as u64 * act
+    st + sched.in_flight(s, stages, 1, k) as u64 * act
 }
 
 fn evaluate(layers: &[Layer], bounds: Vec<usize>, k: usize, sched: Schedule) -> Partition {
@@ -77,7 +77,7 @@ pub fn optimal(layers: &[Layer], stages: usize, k: usize, sched: Schedule) -> Op
         act[i + 1] = act[i] + l.per_micro_batch_bytes;
     }
     let cost = |s: usize, i: usize, j: usize| {
-        (st[j] - st[i]) + sched.in_flight(s, stages, k) as u64 * (act[j] - act[i])
+        (st[j] - st[i]) + sched.in_flight(s, stages, 1, k) as u64 * (act[j] - act[i])
     };
     // best[s][j]: the smallest largest peak putting layers 0..j in stages 0..=s.
     let inf = u64::MAX;
@@ -476,7 +476,7 @@ mod tests {
             "the embedding stands alone: {opt:?}"
         );
         // 1F1B keeps fewer micro-batches on stage 0 than GPipe when K > S.
-        assert!(Schedule::OneFOneB.in_flight(0, 4, 8) < Schedule::Gpipe.in_flight(0, 4, 8));
+        assert!(Schedule::OneFOneB.in_flight(0, 4, 1, 8) < Schedule::Gpipe.in_flight(0, 4, 1, 8));
     }
 
     #[test]

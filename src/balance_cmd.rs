@@ -217,6 +217,10 @@ pub const REFUSED: &[(&str, &str)] = &[
         "sequence_parallel",
         "tensor parallelism's, and balance prices whole stages, with no tensor-parallel groups",
     ),
+    (
+        "virtual_stages",
+        "balance splits the layers into one contiguous run per stage, and interleaving gives each stage several model chunks (for those, run `memfit run --virtual-stages V --partition` with one range per chunk)",
+    ),
 ];
 
 /// balance's micro-batch unless `--micro-batch` is given (run's is 4).
@@ -241,6 +245,7 @@ impl BalanceOptions {
             "hpz_group" => k.hpz_group == Some(0),
             "bucket_view" => k.bucket_view == Some(false),
             "sequence_parallel" => k.sequence_parallel == Some(false),
+            "virtual_stages" => k.virtual_stages == Some(1),
             _ => false,
         };
         if let Some((name, why)) =
@@ -392,7 +397,7 @@ pub fn stage_peak(
     // Stage s as a pipeline run wires it, holding `blocks`.
     let mut link = crate::engine::cluster::meta_links(model, &one).swap_remove(s);
     if let Some(p) = &mut link.pipe {
-        p.layers = blocks;
+        p.chunks = vec![blocks];
     }
     let mut e = Engine::new_linked(model.clone(), one, meta.clone(), None, link)
         .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));

@@ -301,8 +301,16 @@ knobs! {
     /// most stages - s micro-batches) [default: 1f1b].
     #[arg(long, value_enum)]
     schedule: Schedule [train],
-    /// Blocks per stage as half-open ranges, e.g. 0:6,6:12 (what `memfit
-    /// balance` prints) [default: an even split, the first stages taking the rest].
+    /// Virtual pipeline stages (Megatron-LM's interleaved 1F1B): the model
+    /// is cut into stages x V chunks, stage s holding chunks s, s + stages,
+    /// ...; the bubble shrinks V-fold for V times the point-to-point
+    /// messages. Needs --schedule 1f1b and --grad-accum a multiple of the
+    /// stages [default: 1].
+    #[arg(long)]
+    virtual_stages: usize [train],
+    /// Blocks per stage (per model chunk with --virtual-stages, in model
+    /// order) as half-open ranges, e.g. 0:6,6:12 (what `memfit balance`
+    /// prints) [default: an even split, the first stages taking the rest].
     #[arg(long)]
     partition: String,
     /// cpu worker threads [default: all cores].

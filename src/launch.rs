@@ -154,6 +154,8 @@ struct Part {
 struct RecordPart {
     stage: Option<usize>,
     layers: Option<[usize; 2]>,
+    #[serde(default)]
+    chunks: Vec<[usize; 2]>,
     peak: PeakBytes,
     at_peak: PeakBytes,
     sent: u64,
@@ -189,6 +191,7 @@ impl Part {
         let record = report.and_then(|r| r.ranks.first()).map(|r| RecordPart {
             stage: r.stage,
             layers: r.layers,
+            chunks: r.chunks.clone(),
             peak: r.peak_bytes,
             at_peak: r.peak_breakdown.into(),
             sent: r.sent_bytes_per_step,
@@ -340,6 +343,7 @@ fn combine(
                 rank: p.rank,
                 stage: r.stage,
                 layers: r.layers,
+                chunks: r.chunks.clone(),
                 peak_bytes: r.peak,
                 peak_breakdown: by_category(&r.at_peak),
                 sent_bytes_per_step: r.sent,

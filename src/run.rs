@@ -208,8 +208,8 @@ pub fn cuda_links(
                 .map(|c| Box::new(c) as _)
                 .collect()
         },
-        |s| {
-            CudaP2p::chain(s, stager.clone())
+        |s, ring| {
+            CudaP2p::chain(s, ring, stager.clone())
                 .into_iter()
                 .map(|p| Box::new(p) as _)
                 .collect()
@@ -593,7 +593,7 @@ fn fill_peaks(
     report: &mut RunReport,
     trackers: &[Tracker],
     wire: &[(u64, u64)],
-    stages: &[Option<(usize, std::ops::Range<usize>)>],
+    stages: &[Option<crate::engine::pipeline::Place>],
 ) {
     report.ranks = trackers
         .iter()
@@ -603,7 +603,11 @@ fn fill_peaks(
         .map(|(rank, ((t, &(sent, received)), st))| RankRecord {
             rank,
             stage: st.as_ref().map(|s| s.0),
-            layers: st.as_ref().map(|s| [s.1.start, s.1.end]),
+            layers: st.as_ref().map(|s| [s.1[0].start, s.1[0].end]),
+            chunks: match st {
+                Some((_, c)) if c.len() > 1 => c.iter().map(|r| [r.start, r.end]).collect(),
+                _ => Vec::new(),
+            },
             peak_bytes: t.peak_bytes(),
             peak_breakdown: t.at_peak(),
             sent_bytes_per_step: sent,

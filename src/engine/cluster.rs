@@ -8,7 +8,7 @@ use std::num::NonZeroUsize;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::Mutex;
 
-use super::pipeline::stage_layers;
+use super::pipeline::rank_chunks;
 use super::{Comm, Engine, Pipe, StepReport, TrainConfig};
 use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
@@ -78,7 +78,9 @@ impl<B: Backend> Links<B> {
 }
 
 /// Every rank's links for `train`: `group(w)` makes a collective group of
-/// `w` ranks, `chain(s)` the point-to-point links of `s` stages. Ranks are
+/// `w` ranks, `chain(s, ring)` the point-to-point links of `s` stages (with
+/// `ring`, virtual stages', the last stage's next is the first, and the
+/// first's previous the last). Ranks are
 /// placed as [`TrainConfig::place`] says. The replicas at one stage and
 /// tensor-parallel position form one data-parallel group (or, under hybrid
 /// sharding, shard groups of consecutive replicas and the replica groups
@@ -90,7 +92,7 @@ pub fn links<B: Backend>(
     model: &ModelConfig,
     train: &TrainConfig,
     group: impl Fn(usize) -> Vec<Comm<B>>,
-    chain: impl Fn(usize) -> Vec<Box<dyn PointToPoint<B::Buf>>>,
+    chain: impl Fn(usize, bool) -> Vec<Box<dyn PointToPoint<B::Buf>>>,
 ) -> Vec<Links<B>> {
     let stages = train.pipeline_stages.max(1);
     let tps = train.tensor_parallel.max(1);
@@ -125,9 +127,10 @@ pub fn links<B: Backend>(
     if stages > 1 {
         let balance = train.balance(model.n_layer);
         let tied = model.param_layout().1.lm_head.is_none();
+        let ring = train.virtual_stages > 1;
         for d in 0..replicas {
             for t in 0..tps {
-                let mut p2p = chain(stages).into_iter();
+                let mut p2p = chain(stages, ring).into_iter();
                 let mut grp = group(stages).into_iter();
                 let mut embed = if tied { group(2) } else { Vec::new() }.into_iter();
                 for s in 0..stages {
@@ -135,7 +138,8 @@ pub fn links<B: Backend>(
                     pipes[rank(s, d, t)] = Some(Pipe {
                         stage: s,
                         stages,
-                        layers: stage_layers(&balance, s),
+                        chunks: rank_chunks(&balance, s, stages),
+                        chunk: 0,
                         schedule: train.schedule,
                         p2p: p2p.next().expect("one link per stage"),
                         group: grp.next().expect("one rank per stage"),
@@ -396,7 +400,7 @@ pub fn meta_links(model: &ModelConfig, train: &TrainConfig) -> Vec<Links<MetaBac
                 .map(|r| Box::new(MetaComm::new(r, w)) as Comm<MetaBackend>)
                 .collect()
         },
-        |s| (0..s).map(|_| Box::new(MetaP2p) as _).collect(),
+        |s, _| (0..s).map(|_| Box::new(MetaP2p) as _).collect(),
     )
 }
 
@@ -412,8 +416,8 @@ pub fn cpu_links(model: &ModelConfig, train: &TrainConfig) -> Vec<Links<CpuBacke
                 .map(|c| Box::new(c) as Comm<CpuBackend>)
                 .collect()
         },
-        |s| {
-            cpu_pipeline(s)
+        |s, ring| {
+            cpu_pipeline(s, ring)
                 .into_iter()
                 .map(|p| Box::new(p) as _)
                 .collect()

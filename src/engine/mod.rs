@@ -107,7 +107,13 @@ pub struct TrainConfig {
     /// reduce-scattered after each row-parallel one.
     pub sequence_parallel: bool,
     pub schedule: Schedule,
-    /// Blocks per stage; `None` splits them evenly.
+    /// Virtual pipeline stages (Megatron-LM's interleaved 1F1B): model
+    /// chunks per stage, the model being cut into `pipeline_stages x this`
+    /// chunks (1: one contiguous run of blocks per stage).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub virtual_stages: usize,
+    /// Blocks per model chunk (per stage without virtual stages), in model
+    /// order; `None` splits them evenly.
     pub partition: Option<Vec<usize>>,
     /// Whose implementation's allocations the schedule follows (`framework.rs`).
     pub framework: Framework,
@@ -215,6 +221,7 @@ impl Default for TrainConfig {
             pipeline_stages: 1,
             sequence_parallel: false,
             schedule: Schedule::OneFOneB,
+            virtual_stages: 1,
             partition: None,
             framework: Framework::Memfit,
             dropout: 0.0,
@@ -283,11 +290,18 @@ impl TrainConfig {
         }
     }
 
-    /// Blocks per pipeline stage: the partition given, or an even split.
+    /// Model chunks of a pipeline: a chunk per stage, or `V` per stage
+    /// with virtual stages.
+    pub fn chunks(&self) -> usize {
+        self.pipeline_stages.max(1) * self.virtual_stages.max(1)
+    }
+
+    /// Blocks per model chunk (per pipeline stage without virtual stages):
+    /// the partition given, or an even split.
     pub fn balance(&self, n_layer: usize) -> Vec<usize> {
         self.partition
             .clone()
-            .unwrap_or_else(|| pipeline::uniform_balance(n_layer, self.pipeline_stages.max(1)))
+            .unwrap_or_else(|| pipeline::uniform_balance(n_layer, self.chunks()))
     }
 
     /// The optimizer settings with defaults resolved: lr 3e-4 for the AdamW
@@ -470,6 +484,9 @@ pub struct Engine<B: Backend> {
     owned: Vec<bool>,
     /// Optimizer steps taken.
     step: u64,
+    /// The most micro-batches (of one chunk each, with virtual stages)
+    /// whose activations the last step held at once.
+    held_most: usize,
     /// Steps skipped because the gradient was not finite.
     skipped_steps: u64,
     /// fp16: the current loss scale and the overflow-free steps since it last changed.
@@ -541,6 +558,7 @@ impl Engine<crate::backend::meta::MetaBackend> {
             pipe: None,
             owned: self.owned.clone(),
             step: 0,
+            held_most: 0,
             skipped_steps: 0,
             loss_scale: self.loss_scale,
             good_steps: 0,
@@ -692,9 +710,7 @@ impl<B: Backend> Engine<B> {
             .collect();
         let mut dev = Self::device(be, capacity, &train, hf.is_some());
         let owned = match &pipe {
-            Some(p) => {
-                pipeline::owned_tensors(&idx, specs.len(), p.stage, p.stages, p.layers.clone())
-            }
+            Some(p) => pipeline::owned_tensors(&idx, specs.len(), p.stage, p.stages, &p.chunks),
             None => vec![true; specs.len()],
         };
         let held = init::Holdings::new(&specs, owned, &trainable);
@@ -788,6 +804,7 @@ impl<B: Backend> Engine<B> {
             pipe,
             owned: held.owned,
             step: 0,
+            held_most: 0,
             skipped_steps: 0,
             loss_scale,
             good_steps: 0,
@@ -963,9 +980,10 @@ impl<B: Backend> Engine<B> {
         })
     }
 
-    /// This rank's pipeline stage and block range (`None` without a pipeline).
-    pub fn stage(&self) -> Option<(usize, std::ops::Range<usize>)> {
-        self.pipe.as_ref().map(|p| (p.stage, p.layers.clone()))
+    /// This rank's pipeline stage and its chunks' block ranges (one chunk
+    /// without virtual stages; `None` without a pipeline).
+    pub fn stage(&self) -> Option<pipeline::Place> {
+        self.pipe.as_ref().map(|p| (p.stage, p.chunks.clone()))
     }
 
     /// How tensor parallelism split tensor `i` on this rank (`None`:
@@ -1001,6 +1019,13 @@ impl<B: Backend> Engine<B> {
         attn_shape(&self.model, &self.train)
     }
 
+    /// The most micro-batches whose activations the last step held at
+    /// once (micro-batches of one chunk each, with virtual stages): what
+    /// the schedule lets a stage hold ([`Schedule::in_flight`]).
+    pub fn held_micro_batches(&self) -> usize {
+        self.held_most
+    }
+
     /// Optimizer steps skipped so far because the gradient was not finite.
     pub fn skipped_steps(&self) -> u64 {
         self.skipped_steps
@@ -1032,13 +1057,19 @@ impl<B: Backend> Engine<B> {
         // One stage: forward, backward, one micro-batch after another (not
         // a list: a planner's step may be 2^40 micro-batches, fast-forwarded).
         let ops: Box<dyn Iterator<Item = pipeline::Op>> = match &self.pipe {
-            Some(p) => Box::new(p.schedule.ops(p.stage, p.stages, k).into_iter()),
-            None => {
-                Box::new((0..k).flat_map(|i| [pipeline::Op::Forward(i), pipeline::Op::Backward(i)]))
+            Some(p) => {
+                let v = p.chunks.len();
+                Box::new(p.schedule.ops(p.stage, p.stages, v, k).into_iter())
             }
+            None => Box::new(
+                (0..k).flat_map(|i| [pipeline::Op::Forward(i, 0), pipeline::Op::Backward(i, 0)]),
+            ),
         };
-        // Micro-batches forwarded and not yet backwarded, oldest first.
-        let mut in_flight = std::collections::VecDeque::new();
+        // Micro-batches forwarded and not yet backwarded, oldest first, per
+        // chunk of this rank (each chunk runs its micro-batches in order).
+        let chunks = self.pipe.as_ref().map_or(1, |p| p.chunks.len());
+        let mut in_flight: Vec<std::collections::VecDeque<_>> =
+            (0..chunks).map(|_| Default::default()).collect();
         // A planner's device fast-forwards: once a micro-batch ends in the
         // state it started from, every later one would repeat it exactly,
         // so their counts are added and they are not run (a step of 64
@@ -1055,25 +1086,32 @@ impl<B: Backend> Engine<B> {
         let fast = self.dev.be.planning() && self.pipe.is_none() && !tests_run_every_micro_batch();
         let mut before = (fast && self.dev.caching.is_none()).then(|| self.dev.between());
         let (mut done, mut skip) = (0, false);
+        self.held_most = 0;
         for op in ops {
             if skip {
                 break;
             }
             match op {
-                pipeline::Op::Forward(_) => {
+                pipeline::Op::Forward(_, c) => {
+                    self.run_chunk(c);
                     let acts = self.forward(&mut next, dloss)?;
                     if self.pipe.as_ref().is_none_or(Pipe::last) {
                         let loss = self.read_loss(&acts);
                         loss_sum = loss_sum.zip(loss).map(|(s, l)| s + l as f64);
                     } else if let Some(aux) = acts.aux {
-                        // An earlier stage's routed blocks: their part of
+                        // An earlier chunk's routed blocks: their part of
                         // the loss, summed over the stages below.
                         loss_sum = loss_sum.map(|s| s + aux);
                     }
-                    in_flight.push_back(acts);
+                    in_flight[c].push_back(acts);
+                    let held = in_flight.iter().map(|q| q.len()).sum();
+                    self.held_most = self.held_most.max(held);
                 }
-                pipeline::Op::Backward(_) => {
-                    let acts = in_flight.pop_front().expect("forwarded before backwarded");
+                pipeline::Op::Backward(_, c) => {
+                    self.run_chunk(c);
+                    let acts = in_flight[c]
+                        .pop_front()
+                        .expect("forwarded before backwarded");
                     self.backward(acts, dloss)?;
                     done += 1;
                     if fast && done < k {
@@ -1106,6 +1144,14 @@ impl<B: Backend> Engine<B> {
             grad_norm,
             skipped,
         })
+    }
+
+    /// Points a pipeline stage at its chunk `c` for the next forward or
+    /// backward (a rank without virtual stages has only chunk 0).
+    fn run_chunk(&mut self, c: usize) {
+        if let Some(p) = &mut self.pipe {
+            p.chunk = c;
+        }
     }
 
     /// Forward and backward without an optimizer step: fills the gradients and

@@ -306,15 +306,17 @@ impl<'e, B: Backend> Pass<'e, B> {
         unit_hook(self.dist, (self.dev, self.p, self.g), st, after, backward)
     }
 
-    /// Whether this rank holds the embedding and the head.
+    /// Whether the running chunk holds the embedding and the head (the
+    /// whole model without a pipeline).
     fn ends(&self) -> (bool, bool) {
         let pipe = self.pipe.as_ref();
         (pipe.is_none_or(Pipe::first), pipe.is_none_or(Pipe::last))
     }
 
+    /// The running chunk's blocks.
     fn layers(&self) -> std::ops::Range<usize> {
         let all = 0..self.model.n_layer;
-        self.pipe.as_ref().map_or(all, |p| p.layers.clone())
+        self.pipe.as_ref().map_or(all, Pipe::layers)
     }
 
     /// A row-parallel output's partial sums summed over the group.
@@ -507,9 +509,10 @@ impl<'e, B: Backend> Pass<'e, B> {
         Ok((tokens, targets, host_targets))
     }
 
-    /// The residual stream into the stage's first block: the embedding, or
-    /// the previous stage's output, kept in its receive buffer until this
-    /// micro-batch's backward.
+    /// The residual stream into the chunk's first block: the embedding, or
+    /// the previous chunk's output (the previous stage's; with virtual
+    /// stages the last stage's comes round to the first), kept in its
+    /// receive buffer until this micro-batch's backward of the chunk.
     fn stage_input(&mut self, tokens: Option<&T<B>>) -> Result<T<B>, OomError> {
         let (model, idx, n, c) = (self.model, self.idx, self.n, self.model.d_model);
         let Some(tokens) = tokens else {
@@ -885,7 +888,8 @@ impl<'e, B: Backend> Pass<'e, B> {
         Ok(())
     }
 
-    /// A stage before the last: its output goes to the next stage, which
+    /// A chunk before the model's last: its output goes to the next stage
+    /// (round to the first from the last, with virtual stages), which
     /// keeps it; this stage needs it no more (Megatron-LM frees it too).
     fn send_output(&mut self, resid: &mut Vec<T<B>>) {
         let pp = self.pipe.as_mut().expect("a stage before the last");

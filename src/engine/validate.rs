@@ -284,7 +284,8 @@ pub fn offload_activations(t: &TrainConfig) -> Result<()> {
     Ok(())
 }
 
-/// Checks `--pipeline-stages` and `--partition` against the model.
+/// Checks `--pipeline-stages`, `--virtual-stages` and `--partition`
+/// against the model and the schedule.
 pub fn pipeline(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
     let (stages, layers) = (t.pipeline_stages, model.n_layer);
     if stages == 0 || stages > layers + 2 {
@@ -297,22 +298,32 @@ pub fn pipeline(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
             ),
         ));
     }
+    virtual_stages(t, model)?;
+    let chunks = t.chunks();
     if let Some(p) = &t.partition {
-        if p.len() != stages {
+        let what = match t.virtual_stages {
+            1 => format!("{stages} pipeline stages"),
+            v => format!("{chunks} model chunks ({stages} stages x {v} virtual stages)"),
+        };
+        if p.len() != chunks {
             return Err(Error::invalid_arg(
                 "--partition",
-                format!("{} ranges for {stages} pipeline stages", p.len()),
+                format!("{} ranges for {what}", p.len()),
             ));
         }
-        // Only the first stage (which holds the embedding) and the last
+        // Only the first chunk (which holds the embedding) and the last
         // (the head) may hold no block.
-        if let Some(s) =
-            (0..stages).find(|&s| p[s] == 0 && (stages == 1 || (s > 0 && s + 1 < stages)))
+        if let Some(c) =
+            (0..chunks).find(|&c| p[c] == 0 && (chunks == 1 || (c > 0 && c + 1 < chunks)))
         {
+            let what = match t.virtual_stages {
+                1 => "stage",
+                _ => "chunk",
+            };
             return Err(Error::invalid_arg(
                 "--partition",
                 format!(
-                    "stage {s} holds no block; only the first and the last stage, which hold the embedding and the head, may"
+                    "{what} {c} holds no block; only the first and the last {what}, which hold the embedding and the head, may"
                 ),
             ));
         }
@@ -326,6 +337,53 @@ pub fn pipeline(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
                 ),
             ));
         }
+    }
+    Ok(())
+}
+
+/// Checks `--virtual-stages` (Megatron-LM's interleaved 1F1B) against the
+/// pipeline: it needs one, with the 1F1B schedule, enough layers for
+/// `S x V` chunks, and micro-batches in whole groups of `S`.
+fn virtual_stages(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
+    let (stages, v, k) = (t.pipeline_stages, t.virtual_stages, t.grad_accum);
+    let bad = |why: String| Err(Error::invalid_arg("--virtual-stages", why));
+    if v == 0 {
+        return bad("must be at least 1 (1: no interleaving)".into());
+    }
+    if v == 1 {
+        return Ok(());
+    }
+    if stages < 2 {
+        return bad(format!(
+            "interleaves each pipeline stage's {v} model chunks, and there is no pipeline; add --pipeline-stages 2 or more"
+        ));
+    }
+    if t.schedule != super::Schedule::OneFOneB {
+        return bad(format!(
+            "interleaving is a 1F1B schedule (Megatron-LM's), and --schedule is {}; use --schedule 1f1b",
+            t.schedule.name()
+        ));
+    }
+    let layers = model.n_layer + 2;
+    if stages * v > layers {
+        return bad(format!(
+            "{stages} stages x {v} virtual stages make {} model chunks, and {} has {} blocks, an embedding and a head ({layers} layers), so some chunk would hold nothing; use at most {} virtual stages",
+            stages * v,
+            model.name,
+            model.n_layer,
+            layers / stages
+        ));
+    }
+    if !k.is_multiple_of(stages) {
+        // Megatron-Core's schedule table runs groups of S micro-batches
+        // through each chunk in turn and refuses a last group smaller
+        // than S (`forward_backward_pipelining_with_interleaving`).
+        return Err(Error::invalid_arg(
+            "--grad-accum",
+            format!(
+                "{k} micro-batches per step do not make whole groups of {stages}, one per pipeline stage, which the interleaved schedule (--virtual-stages {v}) runs through each chunk in turn, as Megatron-LM requires; use a multiple of {stages}"
+            ),
+        ));
     }
     Ok(())
 }

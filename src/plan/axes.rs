@@ -221,6 +221,10 @@ axes! {
     Offload offload: Offload = Offload::None;
     /// Pipeline stages; `gpus` is then stages x data-parallel replicas.
     PipelineStages pipeline_stages: usize = 1;
+    /// Virtual pipeline stages (interleaved 1F1B, Megatron-LM's): model
+    /// chunks per stage (1: none, which a point's JSON leaves out).
+    VirtualStages virtual_stages: usize = 1,
+        point #[serde(skip_serializing_if = "is_one")];
     /// Hybrid sharding: ZeRO over groups of this many GPUs (a node's),
     /// replicated across groups; 0 (or null) shards over every GPU.
     ShardGroup shard_group: Option<NonZeroUsize> = None,

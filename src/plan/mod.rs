@@ -340,6 +340,7 @@ impl Point {
             finetune: self.finetune,
             offload: self.offload,
             pipeline_stages: self.pipeline_stages,
+            virtual_stages: self.virtual_stages,
             shard_group: self.shard_group,
             tensor_parallel: self.tensor_parallel,
             hpz_group: self.hpz_group,
@@ -404,6 +405,10 @@ impl Point {
         let ft = match self.pipeline_stages {
             1 => ft,
             s => format!("{ft}pp{s} "),
+        };
+        let ft = match self.virtual_stages {
+            1 => ft,
+            v => format!("{ft}vpp{v} "),
         };
         let ft = match self.shard_group {
             None => ft,
@@ -935,6 +940,11 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
     };
     let tc = r.train_config(p);
     if let Err(e) = crate::engine::validate::tensor_parallel(&tc, model) {
+        return Some(why(e));
+    }
+    if p.grad_accum > 0
+        && let Err(e) = crate::engine::validate::pipeline(&tc, model)
+    {
         return Some(why(e));
     }
     if let Err(e) = crate::engine::validate::architecture(&tc, model) {
@@ -1737,12 +1747,17 @@ impl PointPlan<'_> {
     fn pipeline(&self, out: &mut Prediction) -> Engine<MetaBackend> {
         let k = self.tc.grad_accum as f64;
         let stages = self.tc.pipeline_stages.max(1);
+        let v = self.tc.virtual_stages.max(1);
         let replicas = self.tc.data_ranks();
         // Every stage alone (its allocations depend only on its place),
         // stepped through all K micro-batches, since its in-flight
-        // activations depend on K. The pipeline's step is then
-        // (K + S - 1) micro-batch slots of its slowest stage, plus the
-        // slowest optimizer step (GPipe's and 1F1B's bubble).
+        // activations depend on K. A slot is the slowest stage's time for
+        // one micro-batch through all its chunks. The pipeline's step is
+        // then (K + S - 1) slots (GPipe's and 1F1B's bubble), or with V
+        // virtual stages K + (S - 1) / V slots (the interleaved bubble,
+        // (S - 1) / (V K) of the ideal step: Narayanan et al., SC'21,
+        // 2.2.2), plus the slowest optimizer step. The V-fold messages
+        // are in each stage's own sends.
         let tps = self.tc.tensor_parallel.max(1);
         let mut worst: Option<(u64, Engine<MetaBackend>)> = None;
         let (mut slot, mut opt_s, mut off_s, mut comm_s) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
@@ -1762,12 +1777,21 @@ impl PointPlan<'_> {
             .unwrap_or_else(|oom| unreachable!("meta has no capacity: {oom}"));
             let st = step_meta(e, self.rates, self.p.precision);
             // Stage s's replicas are ranks (s*D + d)*T + t: they talk among
-            // themselves, and each sends to its counterpart in stage s+1.
+            // themselves, and each sends activations to its counterpart in
+            // stage s+1 and gradients to the one in s-1 (with virtual
+            // stages round the ring, so every stage has both); its sends
+            // go at the pace of the slowest of those links.
             let (mut p2p_s, mut dp_s) = (0.0, 0.0);
             if let Some(t) = &self.topo {
                 let gpn = t.gpus_per_node;
                 let at = |s: usize, d: usize| (s * replicas + d) * tps / gpn;
-                let crosses = (0..replicas).any(|d| at(s, d) != at(s + 1, d));
+                let peers: Vec<usize> = match v {
+                    1 => (s.checked_sub(1).into_iter())
+                        .chain((s + 1 < stages).then_some(s + 1))
+                        .collect(),
+                    _ => vec![(s + 1) % stages, (s + stages - 1) % stages],
+                };
+                let crosses = (peers.iter()).any(|&n| (0..replicas).any(|d| at(s, d) != at(n, d)));
                 let link = match crosses {
                     true => &t.inter,
                     false => &t.intra,
@@ -1803,7 +1827,7 @@ impl PointPlan<'_> {
         // Pipeline sends are communication: on a slow network they, not
         // the stages' compute, set the slot (issue 27: compute read 50.0 s
         // on 25 GbE and 25.6 s on InfiniBand for the same layout).
-        let slots = k + stages as f64 - 1.0;
+        let slots = k + (stages as f64 - 1.0) / v as f64;
         out.offload_s = off_s;
         out.compute_s = slots * compute_slot + opt_s - off_s;
         out.comm_s = comm_s + slots * (slot - compute_slot);

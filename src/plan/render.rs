@@ -173,6 +173,13 @@ fn columns(plan: &Plan, rows: &[usize]) -> Vec<Column> {
     col("pp", "pp", true, 170, &|p| {
         p.point.pipeline_stages.to_string()
     });
+    // Virtual stages (interleaved 1F1B), only where a point sets them, so
+    // that other plans read as before.
+    if pts.iter().any(|p| p.point.virtual_stages > 1) {
+        col("vpp", "vpp", true, 169, &|p| {
+            p.point.virtual_stages.to_string()
+        });
+    }
     col(
         "tp",
         "tp",

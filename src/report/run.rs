@@ -37,11 +37,16 @@ pub struct RunConfigRecord {
 #[derive(Clone, Debug, Serialize)]
 pub struct RankRecord {
     pub rank: usize,
-    /// Its pipeline stage, and the blocks `[lo, hi)` it holds (pipelines only).
+    /// Its pipeline stage, and the blocks `[lo, hi)` it holds (pipelines
+    /// only; with virtual stages, its first chunk's).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stage: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub layers: Option<[usize; 2]>,
+    /// With virtual stages: the blocks `[lo, hi)` of each of its model
+    /// chunks, in model order.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub chunks: Vec<[usize; 2]>,
     pub peak_bytes: PeakBytes,
     pub peak_breakdown: ByCategory,
     /// Bytes this rank sent and received in collectives during the last step
@@ -81,9 +86,14 @@ pub struct HostRecord {
 #[derive(Clone, Debug, Serialize)]
 pub struct StageRecord {
     pub stage: usize,
-    /// Blocks `[lo, hi)`; the first stage also holds the embedding, the last the head.
+    /// Blocks `[lo, hi)`; the first stage also holds the embedding, the
+    /// last the head (with virtual stages, its first chunk's).
     pub layers: [usize; 2],
-    /// Micro-batches whose activations the schedule lets it hold at once.
+    /// With virtual stages: each of its model chunks' blocks `[lo, hi)`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub chunks: Vec<[usize; 2]>,
+    /// Micro-batches whose activations the schedule lets it hold at once
+    /// (with virtual stages, micro-batches of one chunk each).
     pub in_flight: usize,
     pub peak_bytes: PeakBytes,
     pub peak_breakdown: ByCategory,
@@ -215,7 +225,13 @@ pub fn summarise_ranks(report: &mut RunReport) {
             per_stage.push(StageRecord {
                 stage,
                 layers,
-                in_flight: t.schedule.in_flight(stage, t.pipeline_stages, t.grad_accum),
+                chunks: r.chunks.clone(),
+                in_flight: t.schedule.in_flight(
+                    stage,
+                    t.pipeline_stages,
+                    t.virtual_stages,
+                    t.grad_accum,
+                ),
                 peak_bytes: r.peak_bytes,
                 peak_breakdown: r.peak_breakdown,
             });
@@ -407,17 +423,16 @@ fn write_peaks(s: &mut String, r: &RunReport) {
         "\npeak memory{}{}:",
         if n > 1 {
             let t = &c.train;
+            let schedule = match t.virtual_stages {
+                1 => t.schedule.name().to_string(),
+                v => format!("interleaved {} of {v} chunks each", t.schedule.name()),
+            };
             let layout = match (t.pipeline_stages > 1, t.data_ranks() > 1) {
                 (false, _) => crate::plan::name(t.sharding),
-                (true, false) => format!(
-                    "{} pipeline stages, {}",
-                    t.pipeline_stages,
-                    t.schedule.name()
-                ),
+                (true, false) => format!("{} pipeline stages, {schedule}", t.pipeline_stages),
                 (true, true) => format!(
-                    "{} pipeline stages, {}, x {} {} replicas",
+                    "{} pipeline stages, {schedule}, x {} {} replicas",
                     t.pipeline_stages,
-                    t.schedule.name(),
                     t.data_ranks(),
                     crate::plan::name(t.sharding)
                 ),
@@ -522,17 +537,27 @@ fn write_ranks(s: &mut String, r: &RunReport) {
         }
     }
     if !r.stages.is_empty() {
+        // With virtual stages a stage's blocks are its chunks', in order.
+        let blocks = |st: &StageRecord| match st.chunks.is_empty() {
+            true => format!("{}:{}", st.layers[0], st.layers[1]),
+            false => (st.chunks.iter().map(|c| format!("{}:{}", c[0], c[1])))
+                .collect::<Vec<_>>()
+                .join(","),
+        };
+        let w = (r.stages.iter())
+            .map(|st| blocks(st).len())
+            .fold(8, usize::max);
         let _ = writeln!(
             s,
-            "\n  {:<6} {:>8} {:>10} {:>12} {:>12}",
+            "\n  {:<6} {:>w$} {:>10} {:>12} {:>12}",
             "stage", "blocks", "in flight", "peak", "activations"
         );
         for st in &r.stages {
             let _ = writeln!(
                 s,
-                "  {:<6} {:>8} {:>10} {:>12} {:>12}",
+                "  {:<6} {:>w$} {:>10} {:>12} {:>12}",
                 st.stage,
-                format!("{}:{}", st.layers[0], st.layers[1]),
+                blocks(st),
                 st.in_flight,
                 fmt_bytes(st.peak_bytes.total),
                 fmt_bytes(st.peak_bytes.get(Category::Activations))

@@ -106,7 +106,7 @@ fn merge(flags: &Knobs, r: &RunRecipe, timeline: Option<PathBuf>) -> Result<RunO
     // schedule or a partition given there would do nothing.
     if stages == 1 {
         refuse(
-            &["schedule", "partition"],
+            &["schedule", "virtual_stages", "partition"],
             "applies to pipelines only; add --pipeline-stages 2 or more",
         )?;
     }

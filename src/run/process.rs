@@ -399,7 +399,7 @@ fn process_links<B: Backend>(
                 .map(|p| Box::new(p) as Comm<B>)
                 .collect()
         },
-        |s| {
+        |s, _| {
             let id = (true, next(&chains));
             probes(id, s)
                 .into_iter()
@@ -470,18 +470,20 @@ fn process_links<B: Backend>(
                 })
                 .collect()
         },
-        |s| {
+        |s, ring| {
             let id = (true, next(&chains));
             let Some(ranks) = ranks_of(id, s) else {
                 *unknown.borrow_mut() = true;
                 return (0..s).map(|_| Box::new(Elsewhere) as _).collect();
             };
+            // A ring (virtual stages): the last stage's next is the first.
+            let (first, last) = (ranks.first().copied(), ranks.last().copied());
             (0..s)
                 .map(|i| match ranks[i] == rank {
                     true => p2p(
                         channel(id),
-                        i.checked_sub(1).map(|j| ranks[j]),
-                        ranks.get(i + 1).copied(),
+                        i.checked_sub(1).map(|j| ranks[j]).or(last.filter(|_| ring)),
+                        ranks.get(i + 1).copied().or(first.filter(|_| ring)),
                     ),
                     false => Box::new(Elsewhere) as _,
                 })

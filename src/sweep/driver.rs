@@ -149,6 +149,11 @@ pub fn trial_id(p: &Point) -> String {
         1 => fw,
         s => format!("{fw}pp{s}-"),
     };
+    // Only when set, so that the ids of other points are as before.
+    let fw = match p.virtual_stages {
+        1 => fw,
+        v => format!("{fw}vpp{v}-"),
+    };
     let fw = match p.shard_group {
         None => fw,
         Some(g) => format!("{fw}hybrid{g}-"),
@@ -2770,6 +2775,37 @@ mod tests {
     use super::*;
     use crate::engine::{Checkpointing, Optimizer};
     use crate::sweep::plots::tests::{peaks, point, trial};
+
+    /// A pipeline's trial id names its virtual stages only when it
+    /// interleaves, so that the ids of every other point (journals,
+    /// `--resume`, `memfit check` baselines) are as before.
+    #[test]
+    fn virtual_stages_join_the_trial_id_only_when_set() {
+        let pp = Point {
+            pipeline_stages: 2,
+            gpus: 2,
+            grad_accum: 4,
+            ..point(1, Checkpointing::None, Optimizer::Adamw)
+        };
+        let plain = trial_id(&pp);
+        assert_eq!(
+            plain,
+            "pp2-gpus2-none-bf16-adamw-ckpt_none-fused-mb1-accum4"
+        );
+        let v2 = trial_id(&Point {
+            virtual_stages: 2,
+            ..pp
+        });
+        assert_eq!(v2, plain.replace("pp2-", "pp2-vpp2-"));
+        assert!(
+            Point {
+                virtual_stages: 2,
+                ..pp
+            }
+            .label()
+            .contains("pp2 vpp2 ")
+        );
+    }
 
     #[test]
     fn thousands_are_grouped() {

@@ -428,6 +428,7 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
     for (k, v, default) in [
         ("offload", p.offload.name().to_string(), "none"),
         ("pipeline_stages", p.pipeline_stages.to_string(), "1"),
+        ("virtual_stages", p.virtual_stages.to_string(), "1"),
         ("shard_group", group::spelled(p.shard_group), "0"),
         ("tensor_parallel", p.tensor_parallel.to_string(), "1"),
         ("hpz_group", group::spelled(p.hpz_group), "0"),
@@ -1020,6 +1021,28 @@ mod tests {
         let (r, t) = zero2_bf16();
         assert!(!pinned_recipe(&r, &t, Path::new(".")).contains("hpz"));
         assert!(!crate::sweep::driver::trial_id(&t.point).contains("hpz"));
+    }
+
+    /// Virtual stages pin their grid key beside the pipeline's, so that
+    /// `memfit plan recommended.yaml` replans the interleaved point; at 1
+    /// neither appears.
+    #[test]
+    fn virtual_stages_are_pinned() {
+        // 8 GPUs: 4 stages x 2 replicas, 16 sequences in 8 micro-batches each.
+        let mut p = point(1, Precision::Bf16, Optimizer::Adamw, Sharding::Ddp, 8, 8);
+        p.pipeline_stages = 4;
+        p.virtual_stages = 2;
+        let t = trial(p);
+        let r = report(vec![t.clone()]);
+        let yaml = pinned_recipe(&r, &t, Path::new("."));
+        assert!(
+            yaml.contains("  pipeline_stages: [4]\n  virtual_stages: [2]\n"),
+            "{yaml}"
+        );
+        let back: PlanRecipe = serde_yaml_ng::from_str(&yaml).expect(&yaml);
+        assert_eq!(crate::plan::expand(&back), vec![t.point]);
+        let (r, t) = zero2_bf16();
+        assert!(!pinned_recipe(&r, &t, Path::new(".")).contains("virtual"));
     }
 
     /// A capacity factor pins its grid key and names itself in the trial

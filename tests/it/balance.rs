@@ -327,6 +327,7 @@ fn run_knobs_balance_cannot_honour_are_refused_by_flag() {
         ("--tensor-parallel", "2"),
         ("--sequence-parallel", "true"),
         ("--expert-parallel", "2"),
+        ("--virtual-stages", "2"),
     ];
     assert_eq!(refused.len(), memfit::balance_cmd::REFUSED.len());
     for (flag, value) in refused {
@@ -362,6 +363,8 @@ fn run_knobs_balance_cannot_honour_are_refused_by_flag() {
         "false",
         "--sequence-parallel",
         "false",
+        "--virtual-stages",
+        "1",
     ];
     let same = memfit(&[&base[..], &args].concat());
     assert!(same.status.success(), "{}", stderr(&same));

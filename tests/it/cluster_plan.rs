@@ -157,6 +157,14 @@ fn pipeline_stages_are_a_plan_axis_priced_stage_by_stage() {
         reason.contains("cannot be split into 3 pipeline stages"),
         "{reason}"
     );
+    // Regression: more stages than llama-tiny's 2 blocks and 2 ends made
+    // the even split underflow and the plan panic.
+    let invalid = plan(
+        "cluster-pp-deep",
+        "model: llama-tiny\nhardware: h100-sxm-80gb\nseq_len: 64\nglobal_batch: 8\ngrid:\n  gpus: [8]\n  pipeline_stages: [8]\n",
+    );
+    let reason = invalid["points"][0]["reason"].as_str().unwrap();
+    assert!(reason.contains("8 is outside 1..=4"), "{reason}");
 }
 
 /// Llama 3 405B's pre-training layout (The Llama 3 Herd of Models, Table 4:
@@ -231,4 +239,142 @@ fn pipeline_sends_are_communication_not_compute() {
         let sum = f(x, "compute_s") + f(x, "comm_s") + f(x, "offload_s");
         assert!((f(x, "step_s") / sum - 1.0).abs() < 1e-12);
     }
+}
+
+/// Interleaved 1F1B as a plan axis (`grid.virtual_stages`): each point's
+/// peak is `memfit run --device meta:GPU`'s for the same layout, the
+/// bubble shrinks from (S - 1) slots to (S - 1) / V, and the points a
+/// pipeline cannot interleave are invalid with Megatron's reasons.
+#[test]
+fn virtual_stages_are_a_plan_axis_with_a_smaller_bubble() {
+    let p = plan(
+        "cluster-vpp",
+        "model: llama-3.1-8b\nhardware: h100-sxm-80gb\nseq_len: 2048\nglobal_batch: 8\ngrid:\n  framework: [memfit]\n  micro_batch: [1]\n  checkpointing: [full]\n  gpus: [4]\n  pipeline_stages: [4]\n  virtual_stages: [1, 2]\n",
+    );
+    let pts = p["points"].as_array().unwrap();
+    assert_eq!(pts.len(), 2);
+    let by = |v: u64| {
+        (pts.iter())
+            .find(|x| {
+                x["point"]
+                    .get("virtual_stages")
+                    .map_or(1, |v| v.as_u64().unwrap())
+                    == v
+            })
+            .unwrap()
+    };
+    // A point's JSON names virtual stages only when above 1.
+    assert!(by(1)["point"].get("virtual_stages").is_none());
+    for v in [1u64, 2] {
+        let x = by(v);
+        assert_eq!(x["status"], "fits", "{x}");
+        assert_eq!(x["point"]["grad_accum"], 8);
+        let out = memfit(&[
+            "run",
+            "--model",
+            "llama-3.1-8b",
+            "--device",
+            "meta:h100-sxm-80gb",
+            "--seq-len",
+            "2048",
+            "--micro-batch",
+            "1",
+            "--precision",
+            "bf16",
+            "--attention",
+            "fused",
+            "--checkpointing",
+            "full",
+            "--ranks",
+            "4",
+            "--pipeline-stages",
+            "4",
+            "--virtual-stages",
+            &v.to_string(),
+            "--grad-accum",
+            "8",
+            "--format",
+            "json",
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let run = json(&out);
+        assert_eq!(
+            x["peak_bytes"]["total"], run["peak_bytes"]["total"],
+            "vpp{v}"
+        );
+    }
+    // The same compute in K + (S - 1) / V slots instead of K + S - 1: with
+    // S = 4, K = 8, a step of 9.5 slots instead of 11.
+    let f = |v: u64, k: &str| by(v)[k].as_f64().unwrap();
+    println!(
+        "S=4 K=8: compute {} s (V=1) vs {} s (V=2); comm {} s vs {} s; peak {} vs {}",
+        f(1, "compute_s"),
+        f(2, "compute_s"),
+        f(1, "comm_s"),
+        f(2, "comm_s"),
+        by(1)["peak_bytes"]["total"],
+        by(2)["peak_bytes"]["total"]
+    );
+    assert!(f(2, "compute_s") < f(1, "compute_s"));
+    let ratio = f(2, "compute_s") / f(1, "compute_s");
+    assert!(ratio > 9.0 / 11.0 && ratio < 10.0 / 11.0, "{ratio}");
+    assert!(f(2, "step_s") < f(1, "step_s"));
+    // Stage 0 holds 2 x 3 + 4 + 1 = 11 chunks of 4 blocks against 4
+    // micro-batches of 8: more activations.
+    assert!(by(2)["peak_bytes"]["total"].as_u64() > by(1)["peak_bytes"]["total"].as_u64());
+
+    // Without a pipeline, and with micro-batches not in groups of S.
+    let invalid = plan(
+        "cluster-vpp-bad",
+        "model: llama-tiny\nhardware: h100-sxm-80gb\nseq_len: 64\nglobal_batch: 3\ngrid:\n  gpus: [1, 2]\n  pipeline_stages: [1, 2]\n  virtual_stages: [2]\n",
+    );
+    let reasons: Vec<&str> = (invalid["points"].as_array().unwrap().iter())
+        .filter_map(|x| x["reason"].as_str())
+        .collect();
+    assert!(
+        reasons.iter().any(|r| r.contains("there is no pipeline")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.iter().any(|r| r.contains("whole groups of 2")),
+        "{reasons:?}"
+    );
+    // The table shows the axis where a point interleaves.
+    let path = scratch("cluster-vpp-table").join("p.yaml");
+    std::fs::write(
+        &path,
+        "model: llama-3.1-8b\nhardware: h100-sxm-80gb\nseq_len: 2048\nglobal_batch: 8\ngrid:\n  framework: [memfit]\n  checkpointing: [full]\n  gpus: [4]\n  pipeline_stages: [4]\n  virtual_stages: [1, 2]\n",
+    )
+    .unwrap();
+    let out = memfit(&["plan", path.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains(" vpp "), "{text}");
+}
+
+/// Regression: a pipeline's last stage priced its sends on the link to a
+/// stage past the end (rank `S x D x T`), so two stages of four
+/// tensor-parallel GPUs filling one 8-GPU node read as crossing
+/// InfiniBand. Each stage's sends go to the stages beside it: within the
+/// node, NVLink only.
+#[test]
+fn a_pipeline_inside_one_node_sends_over_nvlink_only() {
+    let on = |gpus: usize| {
+        plan(
+            &format!("pp-one-node-{gpus}"),
+            &format!(
+                "model: llama-3.1-8b\nhardware: h100-sxm-80gb\nseq_len: 2048\nglobal_batch: 8\ngrid:\n  framework: [memfit]\n  micro_batch: [1]\n  checkpointing: [full]\n  sharding: [none]\n  gpus: [{gpus}]\n  tensor_parallel: [4]\n  pipeline_stages: [2]\n"
+            ),
+        )
+    };
+    let x = &on(8)["points"][0];
+    assert_eq!(x["status"], "fits", "{x}");
+    assert_eq!(x["links"], "intra", "{x}");
+    // One stage per node: the activations cross the network.
+    let y = &plan(
+        "pp-two-nodes",
+        "model: llama-3.1-8b\nhardware: h100-sxm-80gb\nseq_len: 2048\nglobal_batch: 8\ngrid:\n  framework: [memfit]\n  micro_batch: [1]\n  checkpointing: [full]\n  sharding: [none]\n  gpus: [16]\n  tensor_parallel: [8]\n  pipeline_stages: [2]\n",
+    )["points"][0];
+    assert_eq!(y["links"], "intra_inter", "{y}");
+    assert!(y["comm_s"].as_f64() > x["comm_s"].as_f64(), "{x} {y}");
 }

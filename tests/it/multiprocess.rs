@@ -137,6 +137,29 @@ fn launched_pipeline_and_offload_match_threads() {
         ],
         &[],
     );
+    // Interleaved 1F1B over two processes: each is the other's previous
+    // and next stage (the ring of virtual stages), so activations and
+    // gradients must not share a channel.
+    let doc = assert_same(
+        2,
+        &[
+            "--model",
+            "gpt2-tiny",
+            "--ranks",
+            "2",
+            "--pipeline-stages",
+            "2",
+            "--virtual-stages",
+            "2",
+            "--grad-accum",
+            "4",
+        ],
+        &[],
+    );
+    assert_eq!(
+        doc["ranks"][0]["chunks"],
+        serde_json::json!([[0, 0], [1, 2]])
+    );
     // ZeRO-Offload: host peaks per rank and per node, bf16.
     let doc = assert_same(
         2,

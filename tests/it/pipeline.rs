@@ -1,6 +1,8 @@
-//! Pipeline parallelism: both schedules train to the parameters one device
-//! reaches on the same global batch, meta predicts every stage byte for
-//! byte, and 1F1B holds fewer micro-batches on the first stage than GPipe.
+//! Pipeline parallelism: both schedules, and interleaved 1F1B (virtual
+//! stages), train to the parameters one device reaches on the same global
+//! batch, meta predicts every stage byte for byte, 1F1B holds fewer
+//! micro-batches on the first stage than GPipe, and each stage holds the
+//! micro-batches its schedule says.
 
 use crate::common::training::{tolerance, train_single};
 
@@ -106,7 +108,11 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 // replicas add theirs in rank order.
 
 fn check_equivalent(model: &str, tc: TrainConfig) {
-    let m = load_model(model).unwrap();
+    check_equivalent_model(&load_model(model).unwrap(), tc);
+}
+
+fn check_equivalent_model(m: &ModelConfig, tc: TrainConfig) {
+    let (model, m) = (&m.name, m.clone());
     let steps = 3;
     let (want, want_loss) = train_single(&m, &tc, steps);
     let mut c = cpu_cluster(&m, &tc, None);
@@ -114,8 +120,10 @@ fn check_equivalent(model: &str, tc: TrainConfig) {
     let got = gathered(&c);
     let d = max_diff(&got, &want);
     let label = format!(
-        "{model} S={} ranks={} K={} {:?} {:?} {:?} {:?} {:?}",
+        "{model} ({} blocks) S={} V={} ranks={} K={} {:?} {:?} {:?} {:?} {:?}",
+        m.n_layer,
         tc.pipeline_stages,
+        tc.virtual_stages,
         tc.ranks,
         tc.grad_accum,
         tc.schedule,
@@ -279,4 +287,196 @@ fn a_stage_that_runs_out_of_memory_stops_the_pipeline_without_hanging() {
     // stage 1, waiting for its activations, was released and finished.
     assert_eq!(err.0, 0, "{err:?}");
     assert!(err.1.live.total() > 0);
+}
+
+/// `name` with `n_layer` blocks: enough for more model chunks.
+fn deeper(name: &str, n_layer: usize) -> ModelConfig {
+    ModelConfig {
+        n_layer,
+        ..load_model(name).unwrap()
+    }
+}
+
+fn interleaved(stages: usize, v: usize, k: usize) -> TrainConfig {
+    TrainConfig {
+        virtual_stages: v,
+        ..pipelined(stages, k, Schedule::OneFOneB)
+    }
+}
+
+#[test]
+fn interleaved_1f1b_trains_like_one_device() {
+    // gpt2-tiny's 2 blocks and its ends in 2 x 2 chunks: the embedding
+    // alone and block 1 on rank 0, block 0 and the (tied) head alone on
+    // rank 1, whose chunk-0 output goes round to rank 0.
+    check_equivalent("gpt2-tiny", interleaved(2, 2, 4));
+    // Three chunks per rank, K = S (every forward in the warm-up on rank 0).
+    check_equivalent_model(&deeper("gpt2-tiny", 4), interleaved(2, 3, 2));
+    check_equivalent_model(&deeper("gpt2-tiny", 4), interleaved(2, 3, 6));
+    // Three stages, an untied head, mixed precision and recomputation.
+    check_equivalent_model(
+        &deeper("llama-tiny", 6),
+        TrainConfig {
+            precision: Precision::Bf16,
+            checkpointing: Checkpointing::Full,
+            ..interleaved(3, 2, 6)
+        },
+    );
+    // A partition of one range per chunk, in model order.
+    check_equivalent_model(
+        &deeper("llama-tiny", 4),
+        TrainConfig {
+            partition: Some(vec![0, 2, 1, 1]),
+            ..interleaved(2, 2, 4)
+        },
+    );
+}
+
+#[test]
+fn interleaved_1f1b_composes_with_data_parallelism() {
+    // 2 stages x 2 chunks x 2 replicas.
+    for sharding in [Sharding::Ddp, Sharding::Zero1] {
+        check_equivalent(
+            "gpt2-tiny",
+            TrainConfig {
+                ranks: 4,
+                sharding,
+                ..interleaved(2, 2, 2)
+            },
+        );
+    }
+}
+
+#[test]
+fn meta_predicts_every_interleaved_stage_byte_for_byte() {
+    for (m, stages, v, k) in [
+        (load_model("gpt2-tiny").unwrap(), 2, 2, 4),
+        (deeper("gpt2-tiny", 4), 2, 3, 4),
+        (deeper("llama-tiny", 4), 3, 2, 6),
+        (deeper("gpt2-tiny", 6), 4, 2, 8),
+    ] {
+        for (precision, checkpointing) in [
+            (Precision::Fp32, Checkpointing::None),
+            (Precision::Bf16, Checkpointing::Full),
+        ] {
+            let tc = TrainConfig {
+                precision,
+                checkpointing,
+                ..interleaved(stages, v, k)
+            };
+            let label = format!(
+                "{} S={stages} V={v} K={k} {precision:?} {checkpointing:?}",
+                m.name
+            );
+            let mut cpu = cpu_cluster(&m, &tc, None);
+            train(&mut cpu, &tc, 1);
+            let mut meta = meta_cluster(&m, &tc);
+            meta.step_from(tc.grad_accum, || unreachable!("meta reads no data"))
+                .unwrap();
+            let (a, b) = (peaks(&cpu), peaks(&meta));
+            assert_eq!(a, b, "{label}");
+            // Each stage held what Megatron's schedule holds: its warm-up
+            // forwards and one more, in chunk-micro-batches.
+            for (s, (c, e)) in cpu.ranks.iter().zip(&meta.ranks).enumerate() {
+                let want = Schedule::OneFOneB.in_flight(s, stages, v, k);
+                assert_eq!(c.held_micro_batches(), want, "{label}: stage {s}");
+                assert_eq!(e.held_micro_batches(), want, "{label}: stage {s}");
+            }
+            println!(
+                "{label}: stage peaks {:?}",
+                a.iter().map(|p| p.0.total).collect::<Vec<_>>()
+            );
+        }
+    }
+}
+
+#[test]
+fn interleaving_holds_more_chunks_and_sends_once_per_chunk_boundary() {
+    // 6 blocks and the ends: 2 layers per chunk at V = 2, 4 per stage at V = 1.
+    let m = deeper("gpt2-tiny", 6);
+    let (stages, k) = (2, 4);
+    let run = |v| {
+        let tc = interleaved(stages, v, k);
+        let mut c = cpu_cluster(&m, &tc, None);
+        train(&mut c, &tc, 1);
+        (c.ranks.iter())
+            .map(|e| {
+                (
+                    e.held_micro_batches(),
+                    e.dev.tracker.peak_bytes().get(Category::Activations),
+                    e.dev.meter.p2p_sent,
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let (one, two) = (run(1), run(2));
+    println!(
+        "S={stages} K={k}: (held, activation peak, p2p bytes) per stage, V=1 {one:?}, V=2 {two:?}"
+    );
+    // Stage 0 holds 2 micro-batches of 4 layers at V = 1, and
+    // (2-1) x 2 + (2-1) x 2 + 1 = 5 chunk-micro-batches of 2 at V = 2.
+    assert_eq!((one[0].0, two[0].0), (2, 5));
+    assert!(two[0].1 > one[0].1, "{one:?} vs {two:?}");
+    // Each of the K micro-batches crosses every chunk boundary once each
+    // way, 2K(SV - 1) messages against 2K(S - 1): here 3 times the bytes.
+    let sent = |x: &[(usize, u64, u64)]| x.iter().map(|r| r.2).sum::<u64>();
+    assert!(sent(&one) > 0);
+    assert_eq!(
+        sent(&two) * (stages as u64 - 1),
+        sent(&one) * (2 * stages as u64 - 1)
+    );
+}
+
+#[test]
+fn interleaved_1f1b_composes_with_tensor_and_expert_parallelism() {
+    // 2 stages x 2 chunks, each a tensor-parallel pair (each rank holds
+    // slices, so the losses are compared): trains as one device, and meta
+    // predicts every rank.
+    let m = deeper("llama-tiny", 4);
+    let tc = TrainConfig {
+        ranks: 4,
+        tensor_parallel: 2,
+        ..interleaved(2, 2, 2)
+    };
+    let (_, want) = train_single(&m, &tc, 3);
+    let got = train(&mut cpu_cluster(&m, &tc, None), &tc, 3);
+    println!("tensor-parallel pairs, S=2 V=2: losses {got:?} vs one device {want:?}");
+    for (a, b) in got.iter().zip(&want) {
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "{got:?} vs {want:?}");
+    }
+    let mut cpu = cpu_cluster(&m, &tc, None);
+    train(&mut cpu, &tc, 1);
+    let mut meta = meta_cluster(&m, &tc);
+    meta.step_from(tc.grad_accum, || unreachable!("meta reads no data"))
+        .unwrap();
+    assert_eq!(peaks(&cpu), peaks(&meta), "tensor-parallel pairs");
+
+    // A mixture in 2 x 2 chunks over 2 replicas that split its experts
+    // (capacity-bounded, so meta's routing is cpu's): each chunk's routed
+    // block adds its balancing loss, and the step is the one plain 1F1B
+    // takes.
+    let mut moe = load_model("moe-tiny").unwrap();
+    moe.moe.as_mut().unwrap().first_dense = 0;
+    let tc = |v| TrainConfig {
+        seq_len: 16,
+        ranks: 4,
+        sharding: Sharding::Zero1,
+        expert_parallel: 2,
+        capacity_factor: Some(1.5),
+        ..interleaved(2, v, 2)
+    };
+    let losses = |v| {
+        let tc = tc(v);
+        let mut c = cpu_cluster(&moe, &tc, None);
+        let got = train(&mut c, &tc, 1);
+        let mut meta = meta_cluster(&moe, &tc);
+        meta.step_from(tc.grad_accum, || unreachable!("meta reads no data"))
+            .unwrap();
+        assert_eq!(peaks(&c), peaks(&meta), "V={v}");
+        got
+    };
+    let (one, two) = (losses(1), losses(2));
+    for (a, b) in one.iter().zip(&two) {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "{one:?} vs {two:?}");
+    }
 }

@@ -676,3 +676,215 @@ fn pipeline_with_data_parallel_replicas() {
         );
     }
 }
+
+/// Interleaved 1F1B (`--virtual-stages`) as a user runs it: each stage's
+/// chunks in the JSON document and the table, the in-flight count of
+/// Megatron's warm-up, the losses of plain accumulation, meta's prediction
+/// of every rank byte for byte, and a recipe's key.
+#[test]
+fn virtual_stages_run_interleaved_1f1b() {
+    let want_losses = losses(&run_json(&["--grad-accum", "4"]));
+    let flags = [
+        "--pipeline-stages",
+        "2",
+        "--virtual-stages",
+        "2",
+        "--grad-accum",
+        "4",
+    ];
+    let cpu = run_json(&flags);
+    assert_losses_match(&losses(&cpu), &want_losses, "--virtual-stages 2");
+    assert_eq!(cpu["config"]["virtual_stages"], 2);
+    // gpt2-tiny's 2 blocks and its ends in 4 chunks: the embedding alone,
+    // block 0, block 1, the head alone; stage 0 holds chunks 0 and 2.
+    let st = stages(&cpu);
+    let chunks = |s: &Value| s["chunks"].clone();
+    assert_eq!(chunks(&st[0]), serde_json::json!([[0, 0], [1, 2]]));
+    assert_eq!(chunks(&st[1]), serde_json::json!([[0, 1], [2, 2]]));
+    assert_eq!(layers(&st[0]["layers"]), [0, 0], "the first chunk's");
+    // Megatron's warm-up, (S - s - 1) x 2 + (V - 1) x S, and one more.
+    assert_eq!(st[0]["in_flight"], 5);
+    assert_eq!(st[1]["in_flight"], 3);
+    let mut meta_flags = flags.to_vec();
+    meta_flags.extend(["--device", "meta"]);
+    let meta = run_json(&meta_flags);
+    let rank_peaks = |d: &Value| -> Vec<Value> {
+        (d["ranks"].as_array().unwrap().iter())
+            .map(|r| r["peak_bytes"].clone())
+            .collect()
+    };
+    assert_eq!(rank_peaks(&cpu), rank_peaks(&meta), "per rank, cpu vs meta");
+    // Without virtual stages the document has no `virtual_stages` or `chunks`.
+    let plain = run_json(&["--pipeline-stages", "2", "--grad-accum", "4"]);
+    assert!(plain["config"].get("virtual_stages").is_none());
+    assert!(stages(&plain)[0].get("chunks").is_none());
+
+    // The table names the chunks and the schedule.
+    let mut table = vec![
+        "run",
+        "--model",
+        "gpt2-tiny",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "2",
+        "--steps",
+        "1",
+    ];
+    table.extend(flags);
+    let out = memfit(&table);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("interleaved 1f1b of 2 chunks each"), "{text}");
+    assert!(text.contains("0:0,1:2"), "{text}");
+
+    // A recipe's key, and a bad one blamed at its line and column.
+    let dir = TempDir::new("virtual");
+    let recipe = dir.write(
+        "interleaved.yaml",
+        "model: gpt2-tiny\nseq_len: 32\nmicro_batch: 2\nsteps: 2\npipeline_stages: 2\nvirtual_stages: 2\ngrad_accum: 4\n",
+    );
+    let out = memfit(&["run", "--recipe", &recipe, "--format", "json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let doc = json(&out);
+    assert_eq!(stages(&doc)[0]["chunks"], chunks(&st[0]));
+    let bad = dir.write(
+        "bad-virtual.yaml",
+        "model: gpt2-tiny\npipeline_stages: 2\nschedule: gpipe\nvirtual_stages: 2\n",
+    );
+    let out = memfit(&["run", "--recipe", &bad, "--steps", "1"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("bad-virtual.yaml:4:1: `virtual_stages`"),
+        "{err}"
+    );
+    assert!(err.contains("--schedule 1f1b"), "{err}");
+}
+
+#[test]
+fn bad_virtual_stages_exit_2_naming_the_flag() {
+    for (args, flag, says) in [
+        // No pipeline to interleave.
+        (
+            vec!["--virtual-stages", "2"],
+            "--virtual-stages",
+            "pipelines only",
+        ),
+        (
+            vec!["--pipeline-stages", "1", "--virtual-stages", "2"],
+            "--virtual-stages",
+            "pipelines only",
+        ),
+        (
+            vec!["--pipeline-stages", "2", "--virtual-stages", "0"],
+            "--virtual-stages",
+            "at least 1",
+        ),
+        // Interleaving is 1F1B's.
+        (
+            vec![
+                "--pipeline-stages",
+                "2",
+                "--virtual-stages",
+                "2",
+                "--schedule",
+                "gpipe",
+                "--grad-accum",
+                "4",
+            ],
+            "--virtual-stages",
+            "--schedule 1f1b",
+        ),
+        // gpt2-tiny: 2 blocks and the two ends, so at most 4 chunks.
+        (
+            vec![
+                "--pipeline-stages",
+                "2",
+                "--virtual-stages",
+                "3",
+                "--grad-accum",
+                "4",
+            ],
+            "--virtual-stages",
+            "at most 2 virtual stages",
+        ),
+        // Micro-batches in whole groups of S (Megatron's requirement).
+        (
+            vec![
+                "--pipeline-stages",
+                "2",
+                "--virtual-stages",
+                "2",
+                "--grad-accum",
+                "3",
+            ],
+            "--grad-accum",
+            "multiple of 2",
+        ),
+        // A partition lists one range per chunk.
+        (
+            vec![
+                "--pipeline-stages",
+                "2",
+                "--virtual-stages",
+                "2",
+                "--grad-accum",
+                "2",
+                "--partition",
+                "0:1,1:2",
+            ],
+            "--partition",
+            "4 model chunks",
+        ),
+        (
+            vec![
+                "--pipeline-stages",
+                "2",
+                "--virtual-stages",
+                "2",
+                "--grad-accum",
+                "2",
+                "--partition",
+                "0:1,1:1,1:2,2:2",
+            ],
+            "--partition",
+            "chunk 1 holds no block",
+        ),
+        // LoRA does not run with pipelines at all.
+        (
+            vec![
+                "--pipeline-stages",
+                "2",
+                "--virtual-stages",
+                "2",
+                "--grad-accum",
+                "2",
+                "--finetune",
+                "lora",
+            ],
+            "--pipeline-stages",
+            "pipeline",
+        ),
+    ] {
+        let mut all = vec![
+            "run",
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "2",
+            "--steps",
+            "1",
+        ];
+        all.extend(args.iter());
+        let out = memfit(&all);
+        let msg = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {msg}");
+        assert!(
+            msg.contains(&format!("memfit: {flag}:")) && msg.contains(says),
+            "{args:?}: expected `memfit: {flag}: ...{says}...`, got: {msg}"
+        );
+        assert!(!msg.contains("panicked"), "{args:?}: {msg}");
+        assert!(out.stdout.is_empty(), "{args:?}: no document on an error");
+    }
+}

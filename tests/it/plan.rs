@@ -46,6 +46,7 @@ fn predictions_equal_cpu_measured_peaks() {
                 finetune: vec![memfit::engine::Finetune::Full],
                 offload: vec![memfit::engine::Offload::None],
                 pipeline_stages: vec![1],
+                virtual_stages: vec![1],
                 shard_group: vec![None],
                 tensor_parallel: vec![1],
                 hpz_group: vec![None],

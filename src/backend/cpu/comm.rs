@@ -358,8 +358,10 @@ pub struct CpuP2p {
     aborted: Arc<AtomicBool>,
 }
 
-/// The links of a chain of `stages` stages, stage `s` at index `s`.
-pub fn cpu_pipeline(stages: usize) -> Vec<CpuP2p> {
+/// The links of a chain of `stages` stages, stage `s` at index `s`; with
+/// `ring` (virtual stages) the last stage links on to the first, over
+/// channels of their own (two stages then have two links each way).
+pub fn cpu_pipeline(stages: usize, ring: bool) -> Vec<CpuP2p> {
     let aborted = Arc::new(AtomicBool::new(false));
     let mut out: Vec<CpuP2p> = (0..stages)
         .map(|_| CpuP2p {
@@ -370,13 +372,15 @@ pub fn cpu_pipeline(stages: usize) -> Vec<CpuP2p> {
             aborted: Arc::clone(&aborted),
         })
         .collect();
-    for s in 1..stages {
+    let links = if ring { stages } else { stages - 1 };
+    for a in 0..links {
+        let b = (a + 1) % stages;
         let (fwd_tx, fwd_rx) = channel();
         let (bwd_tx, bwd_rx) = channel();
-        out[s - 1].to_next = Some(fwd_tx);
-        out[s].from_prev = Some(fwd_rx);
-        out[s].to_prev = Some(bwd_tx);
-        out[s - 1].from_next = Some(bwd_rx);
+        out[a].to_next = Some(fwd_tx);
+        out[b].from_prev = Some(fwd_rx);
+        out[b].to_prev = Some(bwd_tx);
+        out[a].from_next = Some(bwd_rx);
     }
     out
 }

@@ -299,12 +299,18 @@ impl Drop for ProcessComm {
 /// One pipeline stage's links to its neighbours in other processes. A send
 /// hands its data to the kernel and returns (the neighbour's reader thread
 /// drains it), so it never waits for the matching receive, like `isend`.
+/// Activations (towards `next`) and gradients (towards `prev`) travel on
+/// channels of their own: in a ring of two stages (virtual stages) the
+/// neighbour before and the one after are the same rank, which sends both.
 pub struct ProcessP2p {
     group: Arc<ProcessGroup>,
     channel: u32,
     prev: Option<usize>,
     next: Option<usize>,
 }
+
+/// Set on the channel of the messages that travel towards the embedding.
+const BACKWARD: u32 = 1 << 30;
 
 impl ProcessP2p {
     /// This rank's pipeline links: `prev` and `next` are global ranks.
@@ -314,7 +320,8 @@ impl ProcessP2p {
         prev: Option<usize>,
         next: Option<usize>,
     ) -> ProcessP2p {
-        ProcessGroup::check_channel(channel);
+        assert!(channel < BACKWARD, "engine bug: pipeline channel {channel}");
+        ProcessGroup::check_channel(channel | BACKWARD);
         ProcessP2p {
             group: Arc::clone(group),
             channel,
@@ -323,6 +330,7 @@ impl ProcessP2p {
         }
     }
 
+    /// The rank of neighbour `p`.
     fn peer(&self, p: Peer) -> usize {
         match p {
             Peer::Prev => self.prev,
@@ -330,18 +338,28 @@ impl ProcessP2p {
         }
         .expect("engine bug: a message to a stage that does not exist")
     }
+
+    /// The channel of a message sent to `to` (or, with `recv`, received
+    /// from it): a send to the next stage and a receive from the previous
+    /// are activations, the others gradients.
+    fn channel(&self, p: Peer, recv: bool) -> u32 {
+        match (p, recv) {
+            (Peer::Next, false) | (Peer::Prev, true) => self.channel,
+            _ => self.channel | BACKWARD,
+        }
+    }
 }
 
 impl PointToPoint<CpuBuf> for ProcessP2p {
     fn send(&mut self, to: Peer, buf: &CpuBuf, n: usize) {
-        let peer = self.peer(to);
+        let (peer, ch) = (self.peer(to), self.channel(to, false));
         self.group
-            .send_data(peer, self.channel, &encode(&buf.read_range(0, n)));
+            .send_data(peer, ch, &encode(&buf.read_range(0, n)));
     }
 
     fn recv(&mut self, from: Peer, buf: &mut CpuBuf, n: usize) {
-        let peer = self.peer(from);
-        let Some(m) = self.group.recv(peer, self.channel) else {
+        let (peer, ch) = (self.peer(from), self.channel(from, true));
+        let Some(m) = self.group.recv(peer, ch) else {
             return;
         };
         let v = decode(&m);

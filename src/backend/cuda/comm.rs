@@ -86,8 +86,9 @@ impl CudaComm {
 }
 
 impl CudaP2p {
-    pub fn chain(stages: usize, st: Arc<dyn Stager>) -> Vec<CudaP2p> {
-        crate::backend::cpu::comm::cpu_pipeline(stages)
+    /// A chain of `stages` stages, a ring with `ring` (virtual stages).
+    pub fn chain(stages: usize, ring: bool, st: Arc<dyn Stager>) -> Vec<CudaP2p> {
+        crate::backend::cpu::comm::cpu_pipeline(stages, ring)
             .into_iter()
             .map(|inner| Staged::new(inner, st.clone()))
             .collect()

@@ -13,7 +13,7 @@ use crate::plan::{Capacity, Grid, Point, name};
 pub use crate::plan::Axis;
 
 /// Every grid axis the planner has, in the order the form lists them.
-pub const AXES: [Axis; 20] = [
+pub const AXES: [Axis; 21] = [
     Axis::MicroBatch,
     Axis::Precision,
     Axis::Checkpointing,
@@ -22,6 +22,7 @@ pub const AXES: [Axis; 20] = [
     Axis::Sharding,
     Axis::Gpus,
     Axis::PipelineStages,
+    Axis::VirtualStages,
     Axis::TensorParallel,
     Axis::SequenceParallel,
     Axis::TpCommOverlap,
@@ -70,6 +71,7 @@ impl Axis {
             Axis::Sharding => "sharding",
             Axis::Gpus => "gpus",
             Axis::PipelineStages => "pipeline",
+            Axis::VirtualStages => "virtual_stg",
             Axis::TensorParallel => "tensor_par",
             Axis::SequenceParallel => "seq_par",
             Axis::ShardGroup => "hybrid_grp",
@@ -98,6 +100,7 @@ impl Axis {
             Axis::MicroBatch => preset(&[1, 2, 4, 8, 16, 32, 64], &grid.micro_batch),
             Axis::Gpus => preset(&[1, 2, 4, 8, 16, 32, 64, 128], &grid.gpus),
             Axis::PipelineStages => preset(&[1, 2, 4, 8], &grid.pipeline_stages),
+            Axis::VirtualStages => preset(&[1, 2, 3, 4], &grid.virtual_stages),
             Axis::TensorParallel => preset(&[1, 2, 4, 8], &grid.tensor_parallel),
             Axis::ExpertParallel => preset(&[1, 2, 4, 8], &grid.expert_parallel),
             Axis::ShardGroup => preset(&[0, 2, 4, 8], &sizes(&grid.shard_group)),
@@ -132,6 +135,7 @@ impl Axis {
             Axis::MicroBatch => format!("mb{v}"),
             Axis::Gpus => format!("x{v}"),
             Axis::PipelineStages => format!("pp{v}"),
+            Axis::VirtualStages => format!("vpp{v}"),
             Axis::TensorParallel => format!("tp{v}"),
             Axis::ShardGroup if v == "0" => "no-hybrid".into(),
             Axis::ShardGroup => format!("hybrid{v}"),
@@ -146,9 +150,9 @@ impl Axis {
             Axis::OffloadActivations => "no-actoff".into(),
             Axis::TpCommOverlap if v == "true" => "tp-overlap".into(),
             Axis::TpCommOverlap => "no-tp-overlap".into(),
-            Axis::ExpertParallel => format!("ep{v}"),
             Axis::CapacityFactor if v == "null" => "dropless".into(),
             Axis::CapacityFactor => format!("cf{v}"),
+            Axis::ExpertParallel => format!("ep{v}"),
             _ => v.to_string(),
         }
     }

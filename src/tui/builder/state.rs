@@ -50,18 +50,20 @@ impl Field {
 
 /// The form, top to bottom: the capacity factor and expert parallelism
 /// only for a mixture of experts (the last model that planned has
-/// experts), tensor-parallel overlap only while the grid lists tensor
-/// parallelism, or while the grid lists one of them, so that it can be
-/// taken out again.
+/// experts), virtual stages only for a pipeline, tensor-parallel overlap
+/// only while the grid lists tensor parallelism, or while the grid lists
+/// one of them, so that it can be taken out again.
 pub fn fields(b: &Builder) -> Vec<Field> {
     let g = &b.recipe.grid;
     let experts = (b.planned.as_ref()).is_some_and(|p| p.model.moe.is_some())
         || (g.capacity_factor.iter()).any(|c| !c.is_dropless())
         || g.expert_parallel.iter().any(|&e| e > 1);
     let tp = g.tensor_parallel.iter().any(|&t| t > 1) || g.tp_comm_overlap.contains(&true);
+    let pipelines = (g.pipeline_stages.iter().chain(&g.virtual_stages)).any(|&s| s > 1);
     let shown = |a: Axis| match a {
         Axis::CapacityFactor | Axis::ExpertParallel => experts,
         Axis::TpCommOverlap => tp,
+        Axis::VirtualStages => pipelines,
         _ => true,
     };
     let mut v = vec![

@@ -543,6 +543,78 @@ fn the_capacity_factor_is_an_axis_of_the_form() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Virtual stages are on the form while the grid has a pipeline (and off
+/// it otherwise); toggled on they plan a point per value, the fit map names
+/// them, and the written recipe plans to the same predictions.
+#[test]
+fn virtual_stages_are_an_axis_of_the_form_with_a_pipeline() {
+    let b = started();
+    assert!(!fields(&b).contains(&Field::Axis(Axis::VirtualStages)));
+    let mut r = default_recipe();
+    r.grid.framework = vec![crate::engine::Framework::Memfit];
+    r.grid.micro_batch = vec![1];
+    r.grid.gpus = vec![2];
+    r.grid.pipeline_stages = vec![2];
+    let mut b = super::new_builder(r, std::env::temp_dir(), false);
+    b.hardware = super::hardware_choices(&[]);
+    let a = start(&mut b);
+    run(&mut b, a);
+    assert!(fields(&b).contains(&Field::Axis(Axis::VirtualStages)));
+    assert_eq!(
+        Axis::VirtualStages.options(&b.recipe.grid),
+        ["1", "2", "3", "4"]
+    );
+    go(&mut b, Field::Axis(Axis::VirtualStages));
+    b.value = 1; // 2
+    key(&mut b, Key::Char(' '));
+    assert_eq!(Axis::VirtualStages.get(&b.recipe.grid), ["1", "2"]);
+    let planned = b.planned.clone().unwrap();
+    let vs: Vec<usize> = (planned.plan.points.iter())
+        .map(|p| p.point.virtual_stages)
+        .collect();
+    assert!(vs.contains(&1) && vs.contains(&2), "{vs:?}");
+    let labels: Vec<&str> = b.map.rows.iter().map(|r| r.label.as_str()).collect();
+    assert!(labels.iter().any(|l| l.contains("vpp2")), "{labels:?}");
+    assert!(to_yaml(&b.recipe).contains("  virtual_stages: [1, 2]\n"));
+    let dir = std::env::temp_dir().join(format!("memfit-builder-vpp-{}", std::process::id()));
+    let path = write_recipe(&b.recipe, &dir).unwrap();
+    let written = crate::plan::plan_file(&path).unwrap();
+    assert_eq!(
+        serde_json::to_value(&written.points).unwrap(),
+        serde_json::to_value(&planned.plan.points).unwrap(),
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Regression: expert parallelism was missing from the builder's axes, so
+/// a loaded grid's `expert_parallel` was never on the form and the written
+/// recipe dropped it (planning other points than the builder showed).
+#[test]
+fn expert_parallel_is_on_the_form_and_in_the_written_recipe() {
+    let mut r = default_recipe();
+    r.model = "moe-tiny".into();
+    r.grid.framework = vec![crate::engine::Framework::Memfit];
+    r.grid.micro_batch = vec![2];
+    r.grid.gpus = vec![2];
+    r.grid.sharding = vec![crate::engine::Sharding::Zero2];
+    r.grid.expert_parallel = vec![1, 2];
+    let mut b = super::new_builder(r, std::env::temp_dir(), false);
+    b.hardware = super::hardware_choices(&[]);
+    let a = start(&mut b);
+    run(&mut b, a);
+    assert!(fields(&b).contains(&Field::Axis(Axis::ExpertParallel)));
+    assert!(to_yaml(&b.recipe).contains("  expert_parallel: [1, 2]\n"));
+    let planned = b.planned.clone().unwrap();
+    let dir = std::env::temp_dir().join(format!("memfit-builder-ep-{}", std::process::id()));
+    let path = write_recipe(&b.recipe, &dir).unwrap();
+    let written = crate::plan::plan_file(&path).unwrap();
+    assert_eq!(
+        serde_json::to_value(&written.points).unwrap(),
+        serde_json::to_value(&planned.plan.points).unwrap(),
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Expert parallelism is a row of a mixture's form and tensor-parallel
 /// overlap one of a form whose grid lists tensor parallelism; neither is
 /// offered where every value would plan the same or be refused.

@@ -19,6 +19,7 @@ pub fn train_single(
         ranks: 1,
         sharding: Sharding::None,
         pipeline_stages: 1,
+        virtual_stages: 1,
         partition: None,
         tensor_parallel: 1,
         ..tc.clone()
