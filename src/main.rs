@@ -83,7 +83,7 @@ fn plan_watch(args: &memfit::cli::PlanArgs) -> i32 {
         } else if now != seen {
             missing_since = None;
             seen = now;
-            let text = match memfit::plan::plan_file(&args.recipe) {
+            let text = match memfit::plan::plan_file_measured(&args.recipe) {
                 Ok(plan) => render_plan(&plan, args),
                 Err(e) => format!("memfit: {e}\n"),
             };
@@ -166,7 +166,7 @@ fn run_main(args: &memfit::cli::RunArgs) -> Outcome {
 
 /// `memfit plan`: exit 1 when no point of the grid fits.
 fn plan_main(args: &memfit::cli::PlanArgs) -> Outcome {
-    let plan = memfit::plan::plan_file(&args.recipe)?;
+    let plan = memfit::plan::plan_file_measured(&args.recipe)?;
     print!("{}", render_plan(&plan, args));
     // Nothing to recommend is a failed plan, for scripts too.
     if plan.recommendation.is_some() {

@@ -380,3 +380,210 @@ pub fn date(unix_s: u64) -> String {
     let (y, m, d, ..) = crate::units::utc_civil(unix_s);
     format!("{y:04}-{m:02}-{d:02}")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::device::{Curve, Roofline, Tiles};
+    use crate::engine::ops::Gemm;
+
+    fn curve() -> Curve {
+        Curve::new(&[(1e9, 1e13), (1e6, 1e11), (1e12, 5e14), (1e15, 6e14)]).unwrap()
+    }
+
+    #[test]
+    fn a_curve_is_exact_at_its_measured_points() {
+        let c = curve();
+        for (x, y) in [(1e6, 1e11), (1e9, 1e13), (1e12, 5e14), (1e15, 6e14)] {
+            assert!((c.at(x) / y - 1.0).abs() < 1e-12, "{x}: {} != {y}", c.at(x));
+        }
+    }
+
+    #[test]
+    fn a_curve_is_monotone_and_log_linear_between_its_points() {
+        let c = curve();
+        let mut last = c.at(1e6);
+        for i in 1..=900 {
+            let x = 1e6 * 10f64.powf(i as f64 / 100.0);
+            let y = c.at(x);
+            assert!(y >= last, "falls at {x}: {y} < {last}");
+            last = y;
+        }
+        // Halfway between 1e6 and 1e9 in log x is halfway in log y.
+        assert!((c.at(10f64.powf(7.5)) / 1e12 - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_curve_is_clamped_outside_what_was_measured() {
+        let c = curve();
+        assert_eq!(c.at(1.0), 1e11);
+        assert_eq!(c.at(0.0), 1e11);
+        assert_eq!(c.at(f64::NAN), 1e11);
+        assert_eq!(c.at(1e20), 6e14);
+        assert_eq!(c.at(f64::INFINITY), 6e14);
+    }
+
+    #[test]
+    fn a_curve_keeps_the_best_of_equal_sizes_and_refuses_nonsense() {
+        let c = Curve::new(&[(10.0, 1.0), (10.0, 3.0), (-1.0, 5.0), (20.0, f64::NAN)]).unwrap();
+        assert_eq!((c.at(10.0), c.first()), (3.0, (10.0, 3.0)));
+        assert!(Curve::new(&[]).is_none());
+        assert!(Curve::new(&[(0.0, 1.0)]).is_none());
+        let many: Vec<(f64, f64)> = (1..=17).map(|i| (i as f64, 1.0)).collect();
+        assert!(Curve::new(&many).is_none());
+    }
+
+    fn measured_roofline() -> Roofline {
+        Roofline {
+            flops_per_s: 1e15,
+            kernel_flops_per_s: 1e14,
+            bytes_per_s: 1e12,
+            op_overhead_s: 0.0,
+            tiles: Some(Tiles {
+                sms: 132,
+                m: 128,
+                n: 128,
+            }),
+            attention_flops_per_s: Some(3e14),
+            gemm_curve: Some(curve()),
+            attention_curve: Curve::new(&[(512.0, 1e14), (4096.0, 4e14)]),
+        }
+    }
+
+    #[test]
+    fn a_measured_gemm_is_priced_at_the_curve_for_its_flops() {
+        let r = measured_roofline();
+        let g = Gemm::new(1000, 1000, 500); // 1e9 FLOPs
+        assert!((r.gemm_seconds(&g) / (1e9 / 1e13) - 1.0).abs() < 1e-9);
+        // Without the curve the tile model and the profile's peak price it.
+        let profile = Roofline {
+            gemm_curve: None,
+            ..r
+        };
+        assert!((profile.gemm_seconds(&g) - r.gemm_seconds(&g)).abs() > 1e-6);
+    }
+
+    #[test]
+    fn below_the_curve_the_tile_model_derates_the_smallest_measured_rate() {
+        let r = measured_roofline();
+        // 1e6 FLOPs is the smallest point, a square of side about 79.
+        let square = Gemm::new(79, 79, 80);
+        // 5.8e5 FLOPs in a 32×32 tile it fills to 28%, less than the
+        // square fills its 128×128 one (38%).
+        let skinny = Gemm::new(17, 17, 1000);
+        let rate = |g: &Gemm| g.flops() as f64 / r.gemm_seconds(g);
+        let want = 1e11 * (289.0 / 1024.0) / (6241.0 / 16384.0);
+        assert!(
+            (rate(&skinny) / want - 1.0).abs() < 1e-9,
+            "{}",
+            rate(&skinny)
+        );
+        assert!(rate(&square) <= 1e11 * (1.0 + 1e-9));
+        // Without tiles (no SM count), it is the smallest point's rate.
+        let flat = Roofline { tiles: None, ..r };
+        assert!((skinny.flops() as f64 / flat.gemm_seconds(&skinny) / 1e11 - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn fused_attention_is_read_by_its_sequence_length() {
+        use crate::backend::AttnShape;
+        let r = measured_roofline();
+        let at = |t: usize| {
+            let s = AttnShape {
+                b: 1,
+                t,
+                n_head: 8,
+                n_kv_head: 8,
+                head_dim: 128,
+            };
+            let w = Work::flash_attention(s, 0);
+            w.flops as f64 / r.seconds(&w, 0)
+        };
+        assert!((at(512) / 1e14 - 1.0).abs() < 1e-9);
+        assert!((at(4096) / 4e14 - 1.0).abs() < 1e-9);
+        // Two thirds of the way in log t: two thirds of the way in log rate.
+        let want = 1e14 * 4f64.powf(2.0 / 3.0);
+        assert!((at(2048) / want - 1.0).abs() < 1e-9, "{}", at(2048));
+        assert!((at(65536) / 4e14 - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn file_names_are_the_gpus_sanitised() {
+        assert_eq!(
+            file_name("NVIDIA H100 80GB HBM3"),
+            "gpu-nvidia-h100-80gb-hbm3.json"
+        );
+        assert_eq!(file_name("../A100/(SXM4)"), "gpu-a100-sxm4.json");
+    }
+
+    #[test]
+    fn the_ladders_scale_with_max_dim() {
+        let full = gemm_ladder(DEFAULT_MAX_DIM);
+        let squares: Vec<usize> = (full.iter())
+            .filter(|g| g.3 == "square")
+            .map(|g| g.0)
+            .collect();
+        assert_eq!(squares, [256, 512, 1024, 2048, 4096, 8192]);
+        assert!(full.contains(&(8192, 8192, 2048, "mlp-up")));
+        assert!(full.contains(&(8192, 16, 2048, "lora")));
+        assert!(gemm_ladder(64).iter().all(|g| g.0.max(g.1).max(g.2) <= 64));
+        let t: Vec<usize> = attention_ladder(DEFAULT_MAX_DIM)
+            .iter()
+            .map(|s| s.t)
+            .collect();
+        assert_eq!(t, [512, 1024, 2048, 4096, 8192]);
+        assert!(
+            attention_ladder(DEFAULT_MAX_DIM)
+                .iter()
+                .all(|s| s.n_head == 16)
+        );
+        assert_eq!(attention_ladder(64).len(), 2);
+        // Every point fits the shared Curve.
+        assert!(full.len() <= crate::engine::device::CURVE_POINTS);
+    }
+
+    #[test]
+    fn a_plan_on_the_bound_profile_takes_the_measured_figures() {
+        use crate::config::gpu_calibration::*;
+        let mut hw = crate::config::hardware::load_hardware("h100-sxm-80gb").unwrap();
+        let before = crate::plan::roofline(&hw, crate::engine::Precision::Bf16);
+        let point = |dtype: &str, s: usize, rate: f64| GemmPoint {
+            dtype: dtype.into(),
+            m: s,
+            n: s,
+            k: s,
+            flops: 2 * (s * s * s) as u64,
+            seconds: 2.0 * (s * s * s) as f64 / rate,
+            flops_per_s: rate,
+            shape: "square".into(),
+        };
+        hw.measured = Some(Box::new(GpuCalibration {
+            gpu: "g".into(),
+            memory: 80 << 30,
+            profile: Some(hw.name.clone()),
+            memfit_version: "0".into(),
+            measured_unix_s: 0,
+            elapsed_s: 0.0,
+            max_dim: 1024,
+            gemm: vec![
+                point("bf16", 256, 1e14),
+                point("bf16", 1024, 5e14),
+                point("fp32", 1024, 4e13),
+            ],
+            attention: vec![],
+            bytes_per_s: 2e12,
+            op_overhead_s: 3e-6,
+            file: None,
+        }));
+        let after = crate::plan::roofline(&hw, crate::engine::Precision::Bf16);
+        assert_eq!((after.bytes_per_s, after.op_overhead_s), (2e12, 3e-6));
+        assert_eq!(after.flops_per_s, 5e14);
+        assert!(after.gemm_curve.is_some() && after.attention_curve.is_none());
+        assert_eq!(after.attention_flops_per_s, before.attention_flops_per_s);
+        let fp32 = crate::plan::roofline(&hw, crate::engine::Precision::Fp32);
+        assert_eq!(fp32.flops_per_s, 4e13);
+        // fp16 was not measured: the profile's rate, with the measured bandwidth.
+        let fp16 = crate::plan::roofline(&hw, crate::engine::Precision::Fp16);
+        assert!(fp16.gemm_curve.is_none() && fp16.bytes_per_s == 2e12);
+    }
+}

@@ -606,9 +606,24 @@ pub struct Recommendation {
     pub reasons: Vec<String>,
 }
 
-/// Loads, validates and plans a recipe file.
+/// Loads, validates and plans a recipe file, on its hardware profile's
+/// figures alone.
 pub fn plan_file(path: &Path) -> Result<Plan> {
-    let (mut recipe, model, hw) = load_recipe(path)?;
+    plan_file_with(path, false)
+}
+
+/// [`plan_file`], pricing steps with the GPU calibration stored for the
+/// recipe's hardware profile when there is one (`memfit calibrate --device
+/// cuda`; [`crate::calibrate::gpu::bound_to`]): what `memfit plan` runs.
+pub fn plan_file_measured(path: &Path) -> Result<Plan> {
+    plan_file_with(path, true)
+}
+
+fn plan_file_with(path: &Path, measured: bool) -> Result<Plan> {
+    let (mut recipe, model, mut hw) = load_recipe(path)?;
+    if measured {
+        hw.measured = crate::calibrate::gpu::bound_to(&hw.name).map(Box::new);
+    }
     // transformers runs every expert on every rank: a grid that splits
     // them plans memfit's engine throughout, so its points compare on one.
     let default = match recipe.grid.expert_parallel.iter().any(|&e| e > 1) {
