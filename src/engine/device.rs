@@ -148,7 +148,7 @@ impl Curve {
     /// two, the nearest end's outside them.
     pub fn at(&self, x: f64) -> f64 {
         let n = self.len;
-        if !(x > self.x[0]) {
+        if x.is_nan() || x <= self.x[0] {
             return self.y[0];
         }
         if x >= self.x[n - 1] {
