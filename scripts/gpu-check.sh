@@ -10,6 +10,10 @@
 #   1. the binary: $MEMFIT_BIN, else target/release/memfit, else a build,
 #   2. `memfit selftest --device cuda`: every op against the cpu backend,
 #      gpt2-tiny and llama-tiny trained on both, meta == cuda peaks,
+#   2b. `memfit calibrate --device cuda --force`: the GPU's GEMM curve per
+#      dtype, fused attention's curve by sequence length, bandwidth and
+#      per-kernel overhead (printed into summary.txt; the JSON in the logs),
+#      then the same GPT-2 plan with and without the measurement,
 #   3. GPT-2 124M, bf16, B=16, T=1024, fused attention, AdamW: tokens/s and
 #      MFU from the engine's own FLOP count,
 #   4. NVML: a one-trial gpt2 bf16 sweep, whose NVML per-process peak must
@@ -71,6 +75,29 @@ SELFTEST_RC=$?
 timeout 120 "$BIN" selftest --device cuda --steps 5 >"$W/selftest.txt" 2>&1 || true
 tail -n 25 "$W/selftest.txt" | tee -a "$W/summary.txt"
 log "selftest exit code $SELFTEST_RC (0 = every comparison passed)"
+
+log "calibrate --device cuda (GEMM, fused attention, bandwidth curves)"
+# A scratch cache: the measurement is this run's, whatever the machine holds.
+export MEMFIT_CACHE_DIR="$W/cache"
+timeout 180 "$BIN" calibrate --device cuda --force >"$W/calibrate.txt" 2>&1
+echo "exit $?" >>"$W/calibrate.txt"
+cat "$W/calibrate.txt" | tee -a "$W/summary.txt"
+timeout 60 "$BIN" calibrate --device cuda --format json >"$W/calibrate.json" 2>>"$W/calibrate.txt"
+# The GPT-2 step of step 3, planned on the profile the GPU was bound to,
+# with the profile's figures and with the measured ones.
+PROFILE=$(sed -n 's/^  "profile": "\(.*\)",$/\1/p' "$W/calibrate.json")
+if [ -n "$PROFILE" ]; then
+    printf 'model: gpt2\nhardware: %s\nseq_len: 1024\nglobal_batch: 16\ngrid:\n  micro_batch: [16]\n  precision: [bf16]\n  attention: [fused]\n  optimizer: [adamw]\n  gpus: [1]\n' \
+        "$PROFILE" >"$W/gpt2-calibrated.yaml"
+    for M in 1 ""; do
+        log "plan of GPT-2 124M on $PROFILE, MEMFIT_NO_GPU_CALIBRATION=$M"
+        MEMFIT_NO_GPU_CALIBRATION=$M timeout 60 "$BIN" plan "$W/gpt2-calibrated.yaml" 2>&1 \
+            | tr -s ' \n' ' ' | grep -o 'step [0-9.]* s = compute [^)]*)' | tee -a "$W/summary.txt"
+    done
+else
+    log "no hardware profile matched this GPU: no plan uses the calibration"
+fi
+unset MEMFIT_CACHE_DIR
 
 for ATTN in eager fused; do
     log "GPT-2 124M bf16 B=16 T=1024 $ATTN attention (memfit, cuda)"

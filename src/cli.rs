@@ -59,12 +59,22 @@ pub enum Command {
     /// slowest stage), with the uniform split and fairscale's heuristic
     /// beside it; --verify runs the split on cpu and compares.
     Balance(Box<BalanceArgs>),
-    /// Measure this host's FLOP/s, memory bandwidth and per-op cost (cached).
+    /// Measure this host's (or a GPU's) FLOP/s, bandwidth and per-op cost (cached).
     ///
-    /// GEMM FLOP/s per precision, other kernels' FLOP/s, memory bandwidth and
-    /// the fixed cost of an op, in a few seconds: the roofline that cpu
-    /// sweeps predict step times with. Cached per host CPU; --force measures
-    /// again.
+    /// On the host (the default, or --device cpu): GEMM FLOP/s per precision,
+    /// other kernels' FLOP/s, memory bandwidth and the fixed cost of an op,
+    /// in a few seconds: the roofline that cpu sweeps predict step times
+    /// with. Cached per host CPU.
+    ///
+    /// With --device cuda[:N]: the GPU's GEMM curve per dtype over a ladder
+    /// of shapes, fused attention's curve by sequence length, its memory
+    /// bandwidth and per-kernel overhead, through the cuda backend's own
+    /// ops (under a minute at the default --max-dim). Stored per GPU model
+    /// beside the host's calibration and bound to a hardware profile
+    /// (--profile, or the built-in one the GPU's name and memory match):
+    /// `memfit plan` on that profile then prices steps with the measured
+    /// curves and says so (MEMFIT_NO_GPU_CALIBRATION=1 turns that off).
+    /// --force measures again.
     Calibrate(CalibrateArgs),
     /// Check the cuda backend against the cpu backend: the GPU acceptance test.
     ///
@@ -352,7 +362,24 @@ impl BalanceArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct CalibrateArgs {
-    /// cpu threads to calibrate with [default: all cores].
+    /// What to measure: cpu (this host, the default) or cuda / cuda:N (a GPU;
+    /// with MEMFIT_CUDA_EMULATE set, the emulated one).
+    #[arg(long)]
+    pub device: Option<DeviceSpec>,
+    /// With --device cuda: the hardware profile (built-in name or YAML path)
+    /// this GPU is, whose plans use the measurement [default: the built-in
+    /// profile matching the GPU's name and memory].
+    #[arg(long, value_name = "NAME|PATH")]
+    pub profile: Option<String>,
+    /// With --device cuda: the largest GEMM side and sequence length
+    /// measured; the whole ladder scales with it (squares from max-dim/32,
+    /// sequences from max-dim/16). Small values are for the emulated GPU,
+    /// which runs kernels on the host.
+    #[arg(long, default_value_t = crate::calibrate::gpu::DEFAULT_MAX_DIM as u64,
+          value_parser = clap::value_parser!(u64).range(crate::calibrate::gpu::MIN_MAX_DIM as u64..=65536))]
+    pub max_dim: u64,
+    /// cpu threads to calibrate with (the emulated GPU's, with --device
+    /// cuda) [default: all cores].
     #[arg(long, value_parser = threads)]
     pub threads: Option<usize>,
     /// Measure again even when a cached calibration exists.

@@ -83,7 +83,7 @@ fn plan_watch(args: &memfit::cli::PlanArgs) -> i32 {
         } else if now != seen {
             missing_since = None;
             seen = now;
-            let text = match memfit::plan::plan_file(&args.recipe) {
+            let text = match memfit::plan::plan_file_measured(&args.recipe) {
                 Ok(plan) => render_plan(&plan, args),
                 Err(e) => format!("memfit: {e}\n"),
             };
@@ -166,7 +166,7 @@ fn run_main(args: &memfit::cli::RunArgs) -> Outcome {
 
 /// `memfit plan`: exit 1 when no point of the grid fits.
 fn plan_main(args: &memfit::cli::PlanArgs) -> Outcome {
-    let plan = memfit::plan::plan_file(&args.recipe)?;
+    let plan = memfit::plan::plan_file_measured(&args.recipe)?;
     print!("{}", render_plan(&plan, args));
     // Nothing to recommend is a failed plan, for scripts too.
     if plan.recommendation.is_some() {
@@ -293,20 +293,70 @@ fn selftest_main(args: &memfit::cli::SelftestArgs) -> Outcome {
     Ok(if report.pass { 0 } else { 1 })
 }
 
+/// `memfit calibrate`: the host's roofline, or with `--device cuda[:N]`
+/// the GPU's curves, from the cache or measured now.
 fn calibrate_main(args: &memfit::cli::CalibrateArgs) -> Outcome {
-    use memfit::calibrate::load_or_measure;
+    use memfit::backend::DeviceKind;
+    use memfit::calibrate::{gpu, load_or_measure};
     if args.threads == Some(0) {
         return Err(invalid("--threads", "must be at least 1"));
     }
     let threads = args
         .threads
         .unwrap_or_else(memfit::calibrate::default_threads);
-    let (c, source) = load_or_measure(threads, args.force)?;
-    memfit::report::Calibrated {
-        calibration: c,
-        source,
+    let device = args.device.as_ref();
+    if device.is_some_and(|d| d.limit.is_some()) {
+        return Err(invalid(
+            "--device",
+            "a calibration measures the whole device: leave out `limit=`",
+        ));
     }
-    .print(args.format);
+    match device.map(|d| d.kind) {
+        None | Some(DeviceKind::Cpu) => {
+            if args.profile.is_some() {
+                return Err(invalid(
+                    "--profile",
+                    "binds a GPU's calibration to a hardware profile: give it with --device cuda (the host's calibration prices cpu sweeps, not a profile's plans)",
+                ));
+            }
+            let (c, source) = load_or_measure(threads, args.force)?;
+            memfit::report::Calibrated {
+                calibration: c,
+                source,
+            }
+            .print(args.format);
+        }
+        Some(DeviceKind::Meta) => {
+            return Err(invalid(
+                "--device",
+                "meta computes nothing, so there is nothing to time: calibrate measures this host (cpu, the default) or a GPU (cuda or cuda:N)",
+            ));
+        }
+        Some(DeviceKind::Cuda) => {
+            let profile = match &args.profile {
+                Some(p) => Some(memfit::config::hardware::load_hardware(p)?.name),
+                None => None,
+            };
+            let opts = gpu::Options {
+                ordinal: device.and_then(|d| d.ordinal).unwrap_or(0),
+                threads,
+                profile,
+                max_dim: args.max_dim as usize,
+                force: args.force,
+            };
+            let (c, source) = gpu::load_or_measure(&opts, |name, memory| {
+                memfit::config::hardware::match_profile(name, memory).map(String::from)
+            })?;
+            if c.profile.is_none() && args.format == Format::Json {
+                eprintln!("memfit: {}", memfit::report::unbound(&c.gpu));
+            }
+            memfit::report::GpuCalibrated {
+                calibration: c,
+                source,
+            }
+            .print(args.format);
+        }
+    }
     Ok(0)
 }
 

@@ -117,6 +117,11 @@ pub struct HardwareProfile {
     /// forward and backward reach together. `None`: the GEMMs' share.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fused_attention_efficiency: Option<f64>,
+    /// This GPU's roofline as `memfit calibrate --device cuda` measured it,
+    /// when a stored calibration is bound to this profile and the plan
+    /// uses it (`plan::plan_file_measured`); never read from a profile file.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub measured: Option<Box<super::gpu_calibration::GpuCalibration>>,
 }
 
 impl HardwareProfile {
@@ -536,6 +541,7 @@ pub fn parse_hardware_yaml(text: &str, location: &str) -> Result<HardwareProfile
         host_memory,
         sm_count: raw.sm_count,
         fused_attention_efficiency: raw.fused_attention_efficiency,
+        measured: None,
     })
 }
 
@@ -600,6 +606,33 @@ fn suggest<'a>(word: &str, names: &[&'a str]) -> Vec<&'a str> {
     super::profile::closest(&word, names.iter().copied())
         .map(|name| vec![name])
         .unwrap_or_default()
+}
+
+/// The built-in hardware profile a GPU that NVML names `gpu_name`, with
+/// `memory_total` bytes, is: the one whose model words ("A100", "RTX 4090")
+/// are all in the name, the closest in memory when several are.
+pub fn match_profile(gpu_name: &str, memory_total: u64) -> Option<&'static str> {
+    let tokens: Vec<String> = gpu_name
+        .split(|c: char| !c.is_ascii_alphanumeric())
+        .filter(|t| !t.is_empty())
+        .map(str::to_ascii_uppercase)
+        .collect();
+    builtin_hardware()
+        .iter()
+        .filter_map(|(n, _)| load_hardware(n).ok().map(|hw| (*n, hw)))
+        .filter(|(_, hw)| {
+            let words: Vec<String> = (hw.display_name.split_whitespace())
+                .map(str::to_ascii_uppercase)
+                .filter(|w| {
+                    !matches!(w.as_str(), "NVIDIA" | "GEFORCE" | "(AWS)")
+                        && !w.starts_with("SXM")
+                        && !w.ends_with("GB")
+                })
+                .collect();
+            !words.is_empty() && words.iter().all(|w| tokens.contains(w))
+        })
+        .min_by_key(|(_, hw)| hw.memory.abs_diff(memory_total))
+        .map(|(n, _)| n)
 }
 
 #[cfg(test)]

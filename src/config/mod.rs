@@ -2,6 +2,7 @@
 //! profiles, the knob enums they read, and how input files are read.
 
 mod gemma;
+pub mod gpu_calibration;
 pub mod hardware;
 pub mod hf;
 pub mod input;

@@ -90,6 +90,75 @@ pub struct Roofline {
     /// Fused (flash) attention kernels' rate; `None`: `kernel_flops_per_s`,
     /// as every kernel that is not a GEMM.
     pub attention_flops_per_s: Option<f64>,
+    /// A GPU's GEMM rate measured by FLOPs per call (`memfit calibrate
+    /// --device cuda`): replaces `flops_per_s` and, where it covers the
+    /// GEMM, the tile and wave model (see [`Roofline::gemm_seconds`]).
+    pub gemm_curve: Option<Curve>,
+    /// Fused attention's rate measured by sequence length: replaces
+    /// `attention_flops_per_s`.
+    pub attention_curve: Option<Curve>,
+}
+
+/// Most points a [`Curve`] holds (a fixed array keeps [`Roofline`] `Copy`).
+pub const CURVE_POINTS: usize = 16;
+
+/// A rate measured at a few sizes, read between them on log-log axes
+/// (piecewise power laws, which is how achieved FLOP/s grows with a
+/// kernel's size until the GPU is full) and clamped to the end points
+/// outside them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Curve {
+    len: usize,
+    x: [f64; CURVE_POINTS],
+    y: [f64; CURVE_POINTS],
+}
+
+impl Curve {
+    /// The curve through `points` (size, rate), in any order. Points that
+    /// are not finite and positive are left out, and of points at the same
+    /// size the best rate is kept (a roofline takes the peak). `None` when
+    /// no point is left or more than [`CURVE_POINTS`] are.
+    pub fn new(points: &[(f64, f64)]) -> Option<Curve> {
+        let ok = |v: f64| v.is_finite() && v > 0.0;
+        let mut p: Vec<(f64, f64)> = (points.iter().copied())
+            .filter(|&(x, y)| ok(x) && ok(y))
+            .collect();
+        p.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.total_cmp(&a.1)));
+        p.dedup_by(|later, kept| later.0 == kept.0);
+        if p.is_empty() || p.len() > CURVE_POINTS {
+            return None;
+        }
+        let mut c = Curve {
+            len: p.len(),
+            x: [0.0; CURVE_POINTS],
+            y: [0.0; CURVE_POINTS],
+        };
+        for (i, (x, y)) in p.into_iter().enumerate() {
+            (c.x[i], c.y[i]) = (x, y);
+        }
+        Some(c)
+    }
+
+    /// The smallest measured size and its rate.
+    pub fn first(&self) -> (f64, f64) {
+        (self.x[0], self.y[0])
+    }
+
+    /// The rate at `x`: exact at a measured size, log-log linear between
+    /// two, the nearest end's outside them.
+    pub fn at(&self, x: f64) -> f64 {
+        let n = self.len;
+        if x.is_nan() || x <= self.x[0] {
+            return self.y[0];
+        }
+        if x >= self.x[n - 1] {
+            return self.y[n - 1];
+        }
+        let i = self.x[..n].partition_point(|&v| v <= x);
+        let (x0, x1, y0, y1) = (self.x[i - 1], self.x[i], self.y[i - 1], self.y[i]);
+        let f = (x / x0).ln() / (x1 / x0).ln();
+        (y0.ln() + f * (y1 / y0).ln()).exp()
+    }
 }
 
 /// How a GPU's GEMM kernels split the output: tiles of at most `m`×`n`
@@ -135,11 +204,12 @@ impl Roofline {
                 let rest = work.flops.saturating_sub(work.gemm_flops());
                 s + rest as f64 / self.kernel_flops_per_s
             }
-            Kind::FusedAttention => {
-                work.flops as f64
-                    / self
-                        .attention_flops_per_s
-                        .unwrap_or(self.kernel_flops_per_s)
+            Kind::FusedAttention { t } => {
+                let rate = match &self.attention_curve {
+                    Some(c) => c.at(t as f64),
+                    None => (self.attention_flops_per_s).unwrap_or(self.kernel_flops_per_s),
+                };
+                work.flops as f64 / rate
             }
             Kind::Stream => work.flops as f64 / self.kernel_flops_per_s,
         };
@@ -147,10 +217,28 @@ impl Roofline {
     }
 
     /// Seconds one GEMM's arithmetic takes at its tiles' and waves' share
-    /// of the GEMM rate.
+    /// of the GEMM rate; with a measured curve, at the curve's rate for its
+    /// FLOPs (which already holds the tiles and waves of the shapes it
+    /// measured). Below the smallest GEMM measured, that GEMM's rate is
+    /// derated by the tiles and waves `g` leaves idle beyond what it did
+    /// (taken as a square of its FLOPs): the measurement does not cover
+    /// such a shape, and the tile model is what says how it falls.
     pub fn gemm_seconds(&self, g: &super::ops::Gemm) -> f64 {
-        let share = self.tiles.map_or(1.0, |t| t.utilisation(g));
-        g.flops() as f64 / (self.flops_per_s * share)
+        let flops = g.flops() as f64;
+        let Some(curve) = &self.gemm_curve else {
+            let share = self.tiles.map_or(1.0, |t| t.utilisation(g));
+            return flops / (self.flops_per_s * share);
+        };
+        let (x0, y0) = curve.first();
+        if flops >= x0 {
+            return flops / curve.at(flops);
+        }
+        let side = (x0 / 2.0).cbrt().round().max(1.0) as usize;
+        let square = super::ops::Gemm::new(side, side, side);
+        let share = (self.tiles).map_or(1.0, |t| {
+            (t.utilisation(g) / t.utilisation(&square)).min(1.0)
+        });
+        flops / (y0 * share)
     }
 }
 

@@ -36,8 +36,9 @@ pub enum Kind {
     /// the weight's); FLOPs beyond theirs (a bias gradient) are priced as a
     /// streaming kernel's.
     Gemm([Option<Gemm>; 2]),
-    /// A fused (flash) attention kernel: its own efficiency.
-    FusedAttention,
+    /// A fused (flash) attention kernel over sequences of `t` tokens: its
+    /// own efficiency, which a measured curve reads by `t`.
+    FusedAttention { t: usize },
     /// Everything else: norms, activations, eager attention's pieces,
     /// the loss, copies, the optimizer update, collectives' local work.
     Stream,
@@ -145,7 +146,7 @@ impl Work {
             name: "flash_attention",
             flops: Self::causal_pairs(s) * (4 * s.head_dim as u64 + 7),
             bytes,
-            kind: Kind::FusedAttention,
+            kind: Kind::FusedAttention { t: s.t },
         }
     }
 
@@ -156,7 +157,7 @@ impl Work {
             name: "flash_attention_backward",
             flops: Self::causal_pairs(s) * (10 * s.head_dim as u64 + 6),
             bytes,
-            kind: Kind::FusedAttention,
+            kind: Kind::FusedAttention { t: s.t },
         }
     }
 

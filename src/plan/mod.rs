@@ -31,7 +31,7 @@ use crate::config::ModelConfig;
 use crate::config::hardware::{HardwareProfile, load_hardware};
 use crate::config::profile::{load_model, looks_like_path, parse_yaml, value_location};
 use crate::engine::cluster::Links;
-use crate::engine::device::{Beside, HostRoofline, Roofline, Tiles};
+use crate::engine::device::{Beside, Curve, HostRoofline, Roofline, Tiles};
 use crate::engine::{
     Attention, Checkpointing, Comm, Engine, Finetune, Framework, LoraConfig, Loss, Offload,
     Optimizer, Precision, Sharding, TrainConfig,
@@ -611,9 +611,24 @@ pub struct Recommendation {
     pub reasons: Vec<String>,
 }
 
-/// Loads, validates and plans a recipe file.
+/// Loads, validates and plans a recipe file, on its hardware profile's
+/// figures alone.
 pub fn plan_file(path: &Path) -> Result<Plan> {
-    let (mut recipe, model, hw) = load_recipe(path)?;
+    plan_file_with(path, false)
+}
+
+/// [`plan_file`], pricing steps with the GPU calibration stored for the
+/// recipe's hardware profile when there is one (`memfit calibrate --device
+/// cuda`; [`crate::calibrate::gpu::bound_to`]): what `memfit plan` runs.
+pub fn plan_file_measured(path: &Path) -> Result<Plan> {
+    plan_file_with(path, true)
+}
+
+fn plan_file_with(path: &Path, measured: bool) -> Result<Plan> {
+    let (mut recipe, model, mut hw) = load_recipe(path)?;
+    if measured {
+        hw.measured = crate::calibrate::gpu::bound_to(&hw.name).map(Box::new);
+    }
     // transformers runs every expert on every rank: a grid that splits
     // them plans memfit's engine throughout, so its points compare on one.
     let default = match recipe.grid.expert_parallel.iter().any(|&e| e > 1) {
@@ -1285,8 +1300,30 @@ pub fn plan_with(
 }
 
 /// How the planner prices each op on `hw` at `precision`: the efficiency
-/// factors above applied to its dense peak and its memory bandwidth.
+/// factors above applied to its dense peak and its memory bandwidth; or,
+/// when `hw` carries a measured calibration (`memfit calibrate --device
+/// cuda`), the measured GEMM curve for `precision`, fused attention's curve
+/// (16 bits), bandwidth and per-kernel overhead. Other kernels' arithmetic
+/// stays at the profile's derated peak: they are bound by their bytes.
 pub fn roofline(hw: &HardwareProfile, precision: Precision) -> Roofline {
+    let profile = profile_roofline(hw, precision);
+    let Some(m) = &hw.measured else {
+        return profile;
+    };
+    let gemm_curve = Curve::new(&m.gemm_curve(precision));
+    Roofline {
+        flops_per_s: gemm_curve.map_or(profile.flops_per_s, |c| c.at(f64::INFINITY)),
+        bytes_per_s: m.bytes_per_s,
+        op_overhead_s: m.op_overhead_s,
+        gemm_curve,
+        attention_curve: (precision != Precision::Fp32)
+            .then(|| Curve::new(&m.attention_curve()))
+            .flatten(),
+        ..profile
+    }
+}
+
+fn profile_roofline(hw: &HardwareProfile, precision: Precision) -> Roofline {
     let tensor_cores = precision != Precision::Fp32;
     Roofline {
         flops_per_s: hw.peak_flops(precision) * COMPUTE_EFFICIENCY,
@@ -1303,6 +1340,8 @@ pub fn roofline(hw: &HardwareProfile, precision: Precision) -> Roofline {
             .fused_attention_efficiency
             .filter(|_| tensor_cores)
             .map(|f| hw.peak_flops(precision) * f),
+        gemm_curve: None,
+        attention_curve: None,
     }
 }
 
@@ -1349,6 +1388,8 @@ impl Rates {
                     op_overhead_s: OP_OVERHEAD_S,
                     tiles: None,
                     attention_flops_per_s: None,
+                    gemm_curve: None,
+                    attention_curve: None,
                 },
                 link_bytes_per_s: hw.host_link_gbps * 1e9 * HOST_LINK_EFFICIENCY,
                 link_latency_s: HOST_LINK_LATENCY_S,

@@ -806,12 +806,22 @@ fn step_line(plan: &Plan, p: &Prediction, bullet: &str) -> String {
         ),
         false => String::new(),
     };
+    let roofline = match &plan.hardware.measured {
+        Some(m) => format!(
+            "roofline measured on {} by `memfit calibrate --device cuda` on {}",
+            m.gpu,
+            crate::calibrate::gpu::date(m.measured_unix_s)
+        ),
+        None => format!(
+            "roofline at {:.0}% of peak FLOP/s for large GEMMs, less for shapes that leave SMs idle, {:.0}% of memory bandwidth",
+            plan.efficiency["compute"] * 100.0,
+            plan.efficiency["memory"] * 100.0,
+        ),
+    };
     format!(
-        "  {bullet}step {:.3} s = compute {:.3} s (roofline at {:.0}% of peak FLOP/s for large GEMMs, less for shapes that leave SMs idle, {:.0}% of memory bandwidth) + communication {:.3} s waited for ({comm}; crosses {}{hidden}){offload}",
+        "  {bullet}step {:.3} s = compute {:.3} s ({roofline}) + communication {:.3} s waited for ({comm}; crosses {}{hidden}){offload}",
         p.step_s,
         p.compute_s,
-        plan.efficiency["compute"] * 100.0,
-        plan.efficiency["memory"] * 100.0,
         p.comm_s,
         links(plan, p)
     )

@@ -362,43 +362,13 @@ pub fn log_name(argv: &[String], now: std::time::SystemTime, pid: u32) -> String
     let unix_s = now
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let (y, mo, d, h, mi, s) = utc_civil(unix_s);
+    let (y, mo, d, h, mi, s) = crate::units::utc_civil(unix_s);
     let program = if program.is_empty() {
         "command".to_string()
     } else {
         program
     };
     format!("{y:04}{mo:02}{d:02}-{h:02}{mi:02}{s:02}-{program}-{pid}.log")
-}
-
-/// The UTC (year, month, day, hour, minute, second) of `unix_s` seconds
-/// since 1970, by Howard Hinnant's days-to-civil algorithm (the proleptic
-/// Gregorian calendar in 400-year eras of 146,097 days, years starting in
-/// March so that the leap day comes last).
-fn utc_civil(unix_s: u64) -> (i64, u64, u64, u64, u64, u64) {
-    let days = (unix_s / 86_400) as i64 + 719_468; // days since 0000-03-01
-    let era = days.div_euclid(146_097);
-    let day_of_era = days - era * 146_097;
-    let year_of_era =
-        (day_of_era - day_of_era / 1_460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
-    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
-    let month_from_march = (5 * day_of_year + 2) / 153;
-    let day = day_of_year - (153 * month_from_march + 2) / 5 + 1;
-    let month = if month_from_march < 10 {
-        month_from_march + 3
-    } else {
-        month_from_march - 9
-    };
-    let year = year_of_era + era * 400 + i64::from(month <= 2);
-    let secs = unix_s % 86_400;
-    (
-        year,
-        month as u64,
-        day as u64,
-        secs / 3_600,
-        secs / 60 % 60,
-        secs % 60,
-    )
 }
 
 /// Starts the command: stdio inherited when headless (no `log`); with the

@@ -163,6 +163,45 @@ fn selftest_passes_on_the_real_driver_path() {
     assert!(text.contains("selftest passed"), "{text}");
 }
 
+/// `memfit calibrate --device cuda` on cudarc's real path (tiny ladder,
+/// scratch cache): the double's GPU name keys the file, and every figure is
+/// positive.
+#[test]
+fn calibrate_measures_the_double_through_the_real_driver_path() {
+    if double().is_none() {
+        return;
+    }
+    let cache = std::env::temp_dir().join(format!("memfit-gcal-double-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cache);
+    let args = [
+        "calibrate",
+        "--device",
+        "cuda",
+        "--profile",
+        "h100-sxm-80gb",
+        "--max-dim",
+        "32",
+        "--format",
+        "json",
+    ];
+    let out = on_double(&args, &[("MEMFIT_CACHE_DIR", cache.to_str().unwrap())]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let c = json(&out);
+    let gpu = c["gpu"].as_str().unwrap_or_default();
+    assert!(gpu.contains("memfit CUDA double"), "{gpu}");
+    let rates = (c["gemm"].as_array().unwrap().iter())
+        .chain(c["attention"].as_array().unwrap())
+        .map(|p| p["flops_per_s"].as_f64().unwrap());
+    assert!(
+        rates
+            .chain([c["bytes_per_s"].as_f64().unwrap()])
+            .all(|r| r > 0.0)
+    );
+    let stored = std::fs::read_dir(&cache).unwrap().count();
+    assert_eq!(stored, 1, "one file for the GPU");
+    let _ = std::fs::remove_dir_all(&cache);
+}
+
 fn doctor(env: &[(&str, &str)], unset: &[&str]) -> (Option<i32>, Value) {
     let mut c = Command::new(env!("CARGO_BIN_EXE_memfit"));
     for v in unset.iter().chain(&[libs::READY_ENV]) {

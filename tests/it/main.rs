@@ -25,6 +25,7 @@ mod engine;
 mod expert_parallel;
 mod fuzz_parsers;
 mod gemma;
+mod gpu_calibration;
 mod gradcheck;
 mod help;
 mod hf_import;

@@ -370,6 +370,7 @@ fn plan_watch_replans_when_the_recipe_changes() {
     };
     std::fs::write(&recipe, text(8)).unwrap();
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .env("MEMFIT_NO_GPU_CALIBRATION", "1")
         .args(["plan", "--watch", "--format", "json"])
         .arg(&recipe)
         .stdout(std::process::Stdio::piped())
@@ -522,6 +523,7 @@ fn what_a_point_holds_never_falls_as_its_micro_batch_grows() {
     )
     .unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .env("MEMFIT_NO_GPU_CALIBRATION", "1")
         .args(["plan", path.to_str().unwrap(), "--format", "json"])
         .output()
         .unwrap();

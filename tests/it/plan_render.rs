@@ -18,6 +18,7 @@ fn recipe(name: &str) -> String {
 /// `memfit plan ARGS` with `COLUMNS` set to `width`: its stdout.
 fn plan_at(width: usize, args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_memfit"))
+        .env("MEMFIT_NO_GPU_CALIBRATION", "1")
         .arg("plan")
         .args(args)
         .env("COLUMNS", width.to_string())

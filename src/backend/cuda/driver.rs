@@ -171,6 +171,9 @@ pub struct Gemm {
 pub trait Driver {
     /// What runs the kernels, for reports ("NVIDIA H200, sm_90, 140 GiB").
     fn describe(&self) -> String;
+    /// The GPU's model name as the driver reports it ("NVIDIA H100 80GB
+    /// HBM3"), what calibrations are keyed on.
+    fn gpu_name(&self) -> String;
     /// Total device memory in bytes.
     fn total_bytes(&self) -> u64;
     /// Bytes the driver, context, modules and library handles hold that are

@@ -118,6 +118,9 @@ impl Driver for EmuDriver {
             self.threads
         )
     }
+    fn gpu_name(&self) -> String {
+        "emulated GPU".into()
+    }
     fn total_bytes(&self) -> u64 {
         self.capacity
     }

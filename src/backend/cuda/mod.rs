@@ -290,6 +290,9 @@ impl Driver for AnyDriver {
     fn describe(&self) -> String {
         each!(self, d => d.describe())
     }
+    fn gpu_name(&self) -> String {
+        each!(self, d => d.gpu_name())
+    }
     fn total_bytes(&self) -> u64 {
         each!(self, d => d.total_bytes())
     }

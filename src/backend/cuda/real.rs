@@ -273,6 +273,9 @@ impl Driver for CudaDriver {
             crate::units::fmt_bytes(self.total)
         )
     }
+    fn gpu_name(&self) -> String {
+        self.name.clone()
+    }
     fn total_bytes(&self) -> u64 {
         self.total
     }

@@ -392,32 +392,7 @@ pub fn fixes(p: &Planned, point: &Point) -> Vec<Fix> {
     out
 }
 
-/// The built-in hardware profile a GPU that NVML names `gpu_name`, with
-/// `memory_total` bytes, is: the one whose model words ("A100", "RTX 4090")
-/// are all in the name, the closest in memory when several are.
-pub fn match_profile(gpu_name: &str, memory_total: u64) -> Option<&'static str> {
-    let tokens: Vec<String> = gpu_name
-        .split(|c: char| !c.is_ascii_alphanumeric())
-        .filter(|t| !t.is_empty())
-        .map(str::to_ascii_uppercase)
-        .collect();
-    builtin_hardware()
-        .iter()
-        .filter_map(|(n, _)| load_hardware(n).ok().map(|hw| (*n, hw)))
-        .filter(|(_, hw)| {
-            let words: Vec<String> = (hw.display_name.split_whitespace())
-                .map(str::to_ascii_uppercase)
-                .filter(|w| {
-                    !matches!(w.as_str(), "NVIDIA" | "GEFORCE" | "(AWS)")
-                        && !w.starts_with("SXM")
-                        && !w.ends_with("GB")
-                })
-                .collect();
-            !words.is_empty() && words.iter().all(|w| tokens.contains(w))
-        })
-        .min_by_key(|(_, hw)| hw.memory.abs_diff(memory_total))
-        .map(|(n, _)| n)
-}
+pub use crate::config::hardware::match_profile;
 
 /// A path spec made absolute, so that the written recipe finds it from its
 /// own folder (`memfit plan` reads a recipe's paths relative to it).

@@ -13,6 +13,8 @@ use serde_json::Value;
 /// caller's `COLUMNS`, so that `plan`'s table has its default width).
 pub fn memfit(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_memfit"))
+        // Plans must not depend on a GPU calibration in this machine's cache.
+        .env("MEMFIT_NO_GPU_CALIBRATION", "1")
         .args(args)
         .env_remove("COLUMNS")
         .output()

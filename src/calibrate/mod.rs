@@ -17,7 +17,9 @@
 //! - Per-op overhead: the median time of an `add` of 256 elements (thread
 //!   pool dispatch and call overhead, what bounds tiny models).
 
-use std::path::PathBuf;
+pub mod gpu;
+
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -96,6 +98,8 @@ impl Calibration {
             // fused attention kernel is one of the kernels measured.
             tiles: None,
             attention_flops_per_s: None,
+            gemm_curve: None,
+            attention_curve: None,
         }
     }
 
@@ -140,6 +144,22 @@ pub fn cache_dir() -> Option<PathBuf> {
 
 fn cache_file(threads: usize) -> Option<PathBuf> {
     cache_dir().map(|d| d.join(format!("calibration-{threads}t.json")))
+}
+
+/// Writes `value` as JSON to `path` through a temporary file and a rename
+/// (so that a reader never sees half a file); a cache that cannot be
+/// written is not an error, the figures are still used.
+fn write_atomically(path: &Path, value: &impl Serialize) {
+    let _ = path
+        .parent()
+        .map(std::fs::create_dir_all)
+        .transpose()
+        .ok()
+        .and_then(|_| {
+            let tmp = path.with_extension(format!("json.{}", std::process::id()));
+            std::fs::write(&tmp, serde_json::to_string_pretty(value).ok()?).ok()?;
+            std::fs::rename(&tmp, path).ok()
+        });
 }
 
 /// Runs `f` until `budget_s` is spent (at least `min_runs` times) and
@@ -295,16 +315,7 @@ pub fn load_or_measure(threads: usize, force: bool) -> Result<(Calibration, Sour
     }
     let c = measure(threads)?;
     if let Some(p) = &path {
-        let _ = p
-            .parent()
-            .map(std::fs::create_dir_all)
-            .transpose()
-            .ok()
-            .and_then(|_| {
-                let tmp = p.with_extension(format!("json.{}", std::process::id()));
-                std::fs::write(&tmp, serde_json::to_string_pretty(&c).ok()?).ok()?;
-                std::fs::rename(&tmp, p).ok()
-            });
+        write_atomically(p, &c);
     }
     Ok((c, Source::Measured))
 }
