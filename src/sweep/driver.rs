@@ -417,7 +417,10 @@ fn check_measurable(recipe: &crate::plan::PlanRecipe, path: &std::path::Path) ->
 }
 
 pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
-    let (mut recipe, model, hw) = load_recipe(&opts.recipe)?;
+    let (mut recipe, model, mut hw) = load_recipe(&opts.recipe)?;
+    // The target GPU priced as `memfit plan` prices it: with the
+    // calibration `memfit calibrate --device cuda` bound to its profile.
+    hw.measured = crate::calibrate::gpu::bound_to(&hw.name).map(Box::new);
     if let Some(d) = &opts.device {
         recipe.device = Some(d.clone());
     }

@@ -44,6 +44,9 @@ pub fn load(r: &PlanRecipe) -> Result<(ModelConfig, HardwareProfile), String> {
         let net = load_network(net).map_err(|e| one_line("network", e))?;
         hw.use_network(&net);
     }
+    // Steps priced as `memfit plan` prices them: with the GPU calibration
+    // bound to the profile, where `memfit calibrate --device cuda` stored one.
+    hw.measured = crate::calibrate::gpu::bound_to(&hw.name).map(Box::new);
     Ok((model, hw))
 }
 

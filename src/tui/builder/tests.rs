@@ -207,7 +207,7 @@ fn the_written_recipe_plans_to_the_same_predictions() {
     let shown = replan(&r).expect("plans");
     let dir = std::env::temp_dir().join(format!("memfit-builder-write-{}", std::process::id()));
     let path = write_recipe(&r, &dir).unwrap();
-    let written = crate::plan::plan_file(&path).unwrap();
+    let written = crate::plan::plan_file_measured(&path).unwrap();
     assert_eq!(
         serde_json::to_value(&written.points).unwrap(),
         serde_json::to_value(&shown.plan.points).unwrap(),
@@ -535,7 +535,7 @@ fn the_capacity_factor_is_an_axis_of_the_form() {
     assert!(to_yaml(&b.recipe).contains("  capacity_factor: [null, 1.25]\n"));
     let dir = std::env::temp_dir().join(format!("memfit-builder-cap-{}", std::process::id()));
     let path = write_recipe(&b.recipe, &dir).unwrap();
-    let written = crate::plan::plan_file(&path).unwrap();
+    let written = crate::plan::plan_file_measured(&path).unwrap();
     assert_eq!(
         serde_json::to_value(&written.points).unwrap(),
         serde_json::to_value(&planned.plan.points).unwrap(),
@@ -578,7 +578,7 @@ fn virtual_stages_are_an_axis_of_the_form_with_a_pipeline() {
     assert!(to_yaml(&b.recipe).contains("  virtual_stages: [1, 2]\n"));
     let dir = std::env::temp_dir().join(format!("memfit-builder-vpp-{}", std::process::id()));
     let path = write_recipe(&b.recipe, &dir).unwrap();
-    let written = crate::plan::plan_file(&path).unwrap();
+    let written = crate::plan::plan_file_measured(&path).unwrap();
     assert_eq!(
         serde_json::to_value(&written.points).unwrap(),
         serde_json::to_value(&planned.plan.points).unwrap(),
@@ -607,7 +607,7 @@ fn expert_parallel_is_on_the_form_and_in_the_written_recipe() {
     let planned = b.planned.clone().unwrap();
     let dir = std::env::temp_dir().join(format!("memfit-builder-ep-{}", std::process::id()));
     let path = write_recipe(&b.recipe, &dir).unwrap();
-    let written = crate::plan::plan_file(&path).unwrap();
+    let written = crate::plan::plan_file_measured(&path).unwrap();
     assert_eq!(
         serde_json::to_value(&written.points).unwrap(),
         serde_json::to_value(&planned.plan.points).unwrap(),
