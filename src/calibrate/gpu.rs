@@ -246,21 +246,13 @@ fn attention_points(
 /// (bytes/s of a large `add`, seconds per tiny kernel).
 fn bandwidth_and_overhead(be: &mut Gpu, max_dim: usize, room: u64) -> (f64, f64) {
     let n = (max_dim * max_dim).min((room / 12) as usize).max(1 << 12);
-    let mut a = be.alloc(n, DType::F32);
-    let mut x = be.alloc(n, DType::F32);
-    let mut out = be.alloc(n, DType::F32);
-    be.fill(&mut a, 1.0);
-    be.fill(&mut x, 2.0);
+    let [a, x, mut out] = super::add_operands(be, n);
     let seconds = best_s(be, 3, |be| be.add(&mut out, &a, &x, n));
     for b in [a, x, out] {
         be.free(b);
     }
     let small = 256;
-    let mut a = be.alloc(small, DType::F32);
-    let mut x = be.alloc(small, DType::F32);
-    let mut out = be.alloc(small, DType::F32);
-    be.fill(&mut a, 1.0);
-    be.fill(&mut x, 2.0);
+    let [a, x, mut out] = super::add_operands(be, small);
     let mut rounds = Vec::new();
     let start = Instant::now();
     while rounds.len() < 5 || start.elapsed().as_secs_f64() < BUDGET_S {

@@ -249,6 +249,17 @@ fn kernel_rate(threads: usize, dtype: DType, budget_s: f64) -> Result<f64> {
     Ok(best)
 }
 
+/// The operands of an `add` of `n` f32 elements, the bandwidth and
+/// overhead measurements' kernel: `a` and `x` filled, `out` to write.
+fn add_operands<B: Backend>(be: &mut B, n: usize) -> [B::Buf; 3] {
+    let mut a = be.alloc(n, DType::F32);
+    let mut x = be.alloc(n, DType::F32);
+    let out = be.alloc(n, DType::F32);
+    be.fill(&mut a, 1.0);
+    be.fill(&mut x, 2.0);
+    [a, x, out]
+}
+
 /// Measures this host's roofline with `threads` cpu threads (about 2 s).
 pub fn measure(threads: usize) -> Result<Calibration> {
     let start = Instant::now();
@@ -260,22 +271,14 @@ pub fn measure(threads: usize) -> Result<Calibration> {
     let bf16_kernel = kernel_rate(threads, DType::Bf16, 0.3)?;
     // 3 x 64 MiB: far past any last-level cache.
     let n = 16 << 20;
-    let mut a = be.alloc(n, DType::F32);
-    let mut x = be.alloc(n, DType::F32);
-    let mut out = be.alloc(n, DType::F32);
-    be.fill(&mut a, 1.0);
-    be.fill(&mut x, 2.0);
+    let [a, x, mut out] = add_operands(&mut be, n);
     let t = times(0.5, 3, || be.add(&mut out, &a, &x, n));
     let bytes_per_s = (3 * n * 4) as f64 / best(&t);
     for b in [a, x, out] {
         be.free(b);
     }
     let small = 256;
-    let mut a = be.alloc(small, DType::F32);
-    let mut x = be.alloc(small, DType::F32);
-    let mut out = be.alloc(small, DType::F32);
-    be.fill(&mut a, 1.0);
-    be.fill(&mut x, 2.0);
+    let [a, x, mut out] = add_operands(&mut be, small);
     let mut t = times(0.2, 200, || be.add(&mut out, &a, &x, small));
     t.sort_by(f64::total_cmp);
     let op_overhead_s = t[t.len() / 2];
