@@ -69,7 +69,7 @@ pub enum Command {
     /// With --device cuda[:N]: the GPU's GEMM curve per dtype over a ladder
     /// of shapes, fused attention's curve by sequence length, its memory
     /// bandwidth and per-kernel overhead, through the cuda backend's own
-    /// ops (under a minute at the default --max-dim). Stored per GPU model
+    /// ops (each point timed for about 0.15 s). Stored per GPU model
     /// beside the host's calibration and bound to a hardware profile
     /// (--profile, or the built-in one the GPU's name and memory match):
     /// `memfit plan` on that profile then prices steps with the measured
