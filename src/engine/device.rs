@@ -351,8 +351,13 @@ pub struct Meter {
     /// gather or reduce-scatter, paired with the GEMM after or before it
     /// (`Call::gemm_s`).
     pub pair: Option<Pair>,
-    /// Seconds of the first GEMM of the last GEMM op priced (a backward's
-    /// input gradient, the GEMM a reduce-scatter of it runs beside).
+    /// While set, GEMM ops are a split projection's own (`Device::split_gemm`),
+    /// the ones its collectives pair with: not a router's, an expert's or an
+    /// adapter's.
+    split_gemm: bool,
+    /// Seconds of the first GEMM of the last split projection's GEMM op (a
+    /// backward's input gradient, the GEMM a reduce-scatter of it runs
+    /// beside).
     last_gemm_s: f64,
     /// Collectives (indices into `collectives`) waiting for the GEMM after
     /// them.
@@ -442,6 +447,7 @@ impl Meter {
             critical: false,
             after_backward: false,
             pair: None,
+            split_gemm: false,
             last_gemm_s: 0.0,
             awaiting_gemm: Vec::new(),
         }
@@ -498,13 +504,17 @@ impl Meter {
         let (Some(r), Kind::Gemm([Some(g), _])) = (self.roofline, work.kind) else {
             return;
         };
-        if self.collectives.is_none() {
+        if self.collectives.is_none() || !self.split_gemm {
             return;
         }
         self.last_gemm_s = r.gemm_seconds(&g);
         if let Some(calls) = &mut self.collectives {
             for i in self.awaiting_gemm.drain(..) {
-                calls[i].gemm_s = Some(self.last_gemm_s);
+                // A log replaced since the gather was recorded has no
+                // such call left to pair.
+                if let Some(c) = calls.get_mut(i) {
+                    c.gemm_s = Some(self.last_gemm_s);
+                }
             }
         }
     }
@@ -758,6 +768,15 @@ impl<B: Backend> Device<B> {
         let was = self.meter.pair.replace(pair);
         let r = f(self);
         self.meter.pair = was;
+        r
+    }
+
+    /// Runs `f`, a split projection's own GEMM, which its sequence-parallel
+    /// collectives pair with (`Pair`).
+    pub fn split_gemm<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        let was = std::mem::replace(&mut self.meter.split_gemm, true);
+        let r = f(self);
+        self.meter.split_gemm = was;
         r
     }
 

@@ -128,8 +128,7 @@ impl Linear {
         let inp = gathered.as_ref().unwrap_or(x);
         let first = ps.tp.as_ref().is_none_or(|tp| tp.rank() == 0);
         let b = (self.b.filter(|_| first || !self.row)).map(|i| &ps.p[i]);
-        ps.dev
-            .matmul_forward(&mut y, inp, w, b, n, self.inp, self.out);
+        (ps.dev).split_gemm(|dev| dev.matmul_forward(&mut y, inp, w, b, n, self.inp, self.out));
         ps.dev.free_opt(gathered);
         ps.dev.free_opt(wq);
         let lora = ps.lora(l);
@@ -176,8 +175,9 @@ impl Linear {
             (ps.dev).beside_gemm(Pair::Next, |dev| gather(dev, ps.tp.as_mut(), local))?;
         let full = gathered.as_ref().unwrap_or(local);
         let (d, inp) = if self.row { (full, x) } else { (dout, full) };
-        ps.dev
-            .matmul_backward(&mut dx, dw, db, d, inp, w, n, self.inp, self.out);
+        (ps.dev).split_gemm(|dev| {
+            dev.matmul_backward(&mut dx, dw, db, d, inp, w, n, self.inp, self.out)
+        });
         ps.dev.free_opt(gathered);
         ps.dev.free_opt(wq);
         let lora = ps.lora(l);
