@@ -133,6 +133,13 @@ pub fn positive_bytes(b: u64) -> Result<u64, String> {
     }
 }
 
+/// Seconds since the Unix epoch now (0 on a clock set before it).
+pub fn now_unix_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
 /// The UTC (year, month, day, hour, minute, second) of `unix_s` seconds
 /// since 1970, by Howard Hinnant's days-to-civil algorithm (the proleptic
 /// Gregorian calendar in 400-year eras of 146,097 days, years starting in

@@ -77,12 +77,6 @@ pub fn file_name(gpu: &str) -> String {
     format!("gpu-{}.json", s.trim_matches('-'))
 }
 
-fn now_unix_s() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
-
 /// The best seconds of `f` over repeats within [`BUDGET_S`] (at least
 /// `min_runs`, after one warm-up call that is not counted: first calls
 /// compile kernels and pick cuBLAS algorithms), each timed to a
@@ -292,7 +286,7 @@ pub fn measure(be: Gpu, max_dim: usize, profile: Option<String>) -> Result<GpuCa
         memory,
         profile,
         memfit_version: env!("CARGO_PKG_VERSION").into(),
-        measured_unix_s: now_unix_s(),
+        measured_unix_s: crate::units::now_unix_s(),
         elapsed_s: start.elapsed().as_secs_f64(),
         max_dim,
         gemm,
@@ -365,6 +359,13 @@ pub fn bound_to(profile: &str) -> Option<GpuCalibration> {
     let (p, mut c) = found.pop()?;
     c.file = Some(p);
     Some(c)
+}
+
+/// `hw` priced with the calibration bound to its profile, where one is
+/// stored: what `memfit plan`, the TUI's builder and a sweep's target GPU
+/// plan with.
+pub fn attach_bound(hw: &mut crate::config::hardware::HardwareProfile) {
+    hw.measured = bound_to(&hw.name).map(Box::new);
 }
 
 /// `YYYY-MM-DD` (UTC) of `unix_s`.

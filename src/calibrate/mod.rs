@@ -293,9 +293,7 @@ pub fn measure(threads: usize) -> Result<Calibration> {
         bytes_per_s,
         op_overhead_s,
         memfit_version: env!("CARGO_PKG_VERSION").into(),
-        measured_unix_s: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
+        measured_unix_s: crate::units::now_unix_s(),
         elapsed_s: start.elapsed().as_secs_f64(),
     })
 }

@@ -1679,10 +1679,7 @@ fn head_backward<B: Backend>(
     // the sum over the group (this rank's tokens of it under sequence
     // parallelism).
     let nl = tp.as_ref().map_or(n, |tp| tp.rows(n));
-    let dlnf = match tp {
-        Some(tp) => tp.reduce(dev, dlnf)?,
-        None => dlnf,
-    };
+    let dlnf = reduce(dev, tp, dlnf)?;
     let mut dres = dev.alloc(nl * c, dt, tmp)?;
     let (dw, db) = norm_grads(g, scratch, idx.lnf_w, idx.lnf_b);
     dev.norm_backward(
@@ -2064,6 +2061,19 @@ fn hf_embed_handed<B: Backend>(
     if let Some(mut d) = dense {
         dev.retag(&mut d, Category::Gradients);
         dev.free(d);
+    }
+}
+
+/// A row-parallel output's partial sums summed over the tensor-parallel
+/// group (`t` itself without one).
+fn reduce<B: Backend>(
+    dev: &mut Device<B>,
+    tp: Option<&mut Tp<B>>,
+    t: T<B>,
+) -> Result<T<B>, OomError> {
+    match tp {
+        Some(tp) => tp.reduce(dev, t),
+        None => Ok(t),
     }
 }
 

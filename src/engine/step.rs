@@ -329,20 +329,14 @@ impl<'e, B: Backend> Pass<'e, B> {
     }
 
     fn reduce(&mut self, t: T<B>) -> Result<T<B>, OomError> {
-        match self.tp.as_mut() {
-            Some(tp) => tp.reduce(self.dev, t),
-            None => Ok(t),
-        }
+        reduce(self.dev, self.tp.as_mut(), t)
     }
 
     /// [`Pass::reduce`] of the output (or input gradient) of the split
     /// projection's GEMM just run, paired with it (`Pair::Previous`).
     fn reduce_gemm(&mut self, t: T<B>) -> Result<T<B>, OomError> {
         let tp = self.tp.as_mut();
-        (self.dev).beside_gemm(Pair::Previous, |dev| match tp {
-            Some(tp) => tp.reduce(dev, t),
-            None => Ok(t),
-        })
+        (self.dev).beside_gemm(Pair::Previous, |dev| reduce(dev, tp, t))
     }
 
     /// A norm over this rank's tokens of `x`: its output, mean (LayerNorm)

@@ -627,7 +627,7 @@ pub fn plan_file_measured(path: &Path) -> Result<Plan> {
 fn plan_file_with(path: &Path, measured: bool) -> Result<Plan> {
     let (mut recipe, model, mut hw) = load_recipe(path)?;
     if measured {
-        hw.measured = crate::calibrate::gpu::bound_to(&hw.name).map(Box::new);
+        crate::calibrate::gpu::attach_bound(&mut hw);
     }
     // transformers runs every expert on every rank: a grid that splits
     // them plans memfit's engine throughout, so its points compare on one.

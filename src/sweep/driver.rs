@@ -420,7 +420,7 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
     let (mut recipe, model, mut hw) = load_recipe(&opts.recipe)?;
     // The target GPU priced as `memfit plan` prices it: with the
     // calibration `memfit calibrate --device cuda` bound to its profile.
-    hw.measured = crate::calibrate::gpu::bound_to(&hw.name).map(Box::new);
+    crate::calibrate::gpu::attach_bound(&mut hw);
     if let Some(d) = &opts.device {
         recipe.device = Some(d.clone());
     }
@@ -1336,9 +1336,7 @@ impl OutLock {
                 command: command.into(),
                 pid: std::process::id(),
                 host: hostname(),
-                started_unix_s: std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_secs()),
+                started_unix_s: crate::units::now_unix_s(),
             };
             let text = serde_json::to_string(&me).expect("holder serialises") + "\n";
             file.set_len(0).map_err(io)?;

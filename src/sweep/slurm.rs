@@ -214,9 +214,7 @@ impl Job {
             job: job.to_string(),
             cluster,
             tasks,
-            submitted_unix_s: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
+            submitted_unix_s: crate::units::now_unix_s(),
         })
     }
 

@@ -499,9 +499,7 @@ impl<'o> SweepScreen<'o> {
     /// fresh screen.
     fn start_over(&mut self) -> Result<()> {
         let opts = self.opts;
-        let stamp = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
+        let stamp = crate::units::now_unix_s();
         let aside = opts.out.join(format!("trials.{stamp}.jsonl"));
         let _ = std::fs::rename(&self.journal, &aside);
         // Starting over is a new sweep: the grid builder may

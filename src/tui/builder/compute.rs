@@ -46,7 +46,7 @@ pub fn load(r: &PlanRecipe) -> Result<(ModelConfig, HardwareProfile), String> {
     }
     // Steps priced as `memfit plan` prices them: with the GPU calibration
     // bound to the profile, where `memfit calibrate --device cuda` stored one.
-    hw.measured = crate::calibrate::gpu::bound_to(&hw.name).map(Box::new);
+    crate::calibrate::gpu::attach_bound(&mut hw);
     Ok((model, hw))
 }
 
