@@ -30,6 +30,7 @@ use crate::backend::cuda::driver::Driver;
 use crate::backend::cuda::{AnyDriver, CudaBackend};
 use crate::backend::{AttnShape, Backend, DType};
 use crate::config::gpu_calibration::{AttentionPoint, GemmPoint, GpuCalibration};
+use crate::config::knobs::Precision;
 use crate::engine::device::Device;
 use crate::engine::ops::Work;
 use crate::error::{Error, Result};
@@ -368,6 +369,39 @@ pub fn attach_bound(hw: &mut crate::config::hardware::HardwareProfile) {
     hw.measured = bound_to(&hw.name).map(Box::new);
 }
 
+/// What a plan's step line says of the roofline `m` measured, for a point
+/// at `precision`: which GPU, when and by which memfit; and what it did not
+/// measure, so a figure priced at the profile's rate is never called
+/// measured. A calibration from another memfit version is still used (its
+/// GEMMs are cuBLAS's), but the line says so: its attention and per-kernel
+/// overhead are memfit's own kernels, which that version may have run
+/// differently.
+pub fn describe(m: &GpuCalibration, precision: Precision, profile_efficiency: f64) -> String {
+    let mut s = format!(
+        "roofline measured on {} by `memfit calibrate --device cuda` on {}",
+        m.gpu,
+        date(m.measured_unix_s)
+    );
+    let dtype = crate::config::gpu_calibration::precision_name(precision);
+    if m.gemm_curve(precision).is_empty() {
+        s += &format!(
+            "; its {dtype} GEMMs were not measured and run at {:.0}% of the profile's peak",
+            profile_efficiency * 100.0
+        );
+    }
+    if precision != Precision::Fp32 && m.attention_curve().is_empty() {
+        s += "; fused attention was not measured and runs at the profile's rate";
+    }
+    let ours = env!("CARGO_PKG_VERSION");
+    if m.memfit_version != ours {
+        s += &format!(
+            "; measured by memfit {}, this is {ours}: `memfit calibrate --device cuda --force` measures again",
+            m.memfit_version
+        );
+    }
+    s
+}
+
 /// `YYYY-MM-DD` (UTC) of `unix_s`.
 pub fn date(unix_s: u64) -> String {
     let (y, m, d, ..) = crate::units::utc_civil(unix_s);
@@ -578,5 +612,23 @@ mod tests {
         // fp16 was not measured: the profile's rate, with the measured bandwidth.
         let fp16 = crate::plan::roofline(&hw, crate::engine::Precision::Fp16);
         assert!(fp16.gemm_curve.is_none() && fp16.bytes_per_s == 2e12);
+        // And the step line says what was not measured, and by whom it was.
+        let m = hw.measured.as_deref().unwrap();
+        let said = describe(m, Precision::Fp16, 0.7);
+        assert!(
+            said.contains("its fp16 GEMMs were not measured and run at 70% of the profile's peak"),
+            "{said}"
+        );
+        assert!(said.contains("fused attention was not measured"), "{said}");
+        assert!(said.contains("measured by memfit 0, this is"), "{said}");
+        let bf16 = describe(m, Precision::Bf16, 0.7);
+        assert!(!bf16.contains("GEMMs were not measured"), "{bf16}");
+        let fp32 = describe(m, Precision::Fp32, 0.7);
+        assert!(!fp32.contains("not measured"), "{fp32}");
+        let current = GpuCalibration {
+            memfit_version: env!("CARGO_PKG_VERSION").into(),
+            ..m.clone()
+        };
+        assert!(!describe(&current, Precision::Fp32, 0.7).contains("this is"));
     }
 }

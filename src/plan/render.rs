@@ -807,11 +807,9 @@ fn step_line(plan: &Plan, p: &Prediction, bullet: &str) -> String {
         false => String::new(),
     };
     let roofline = match &plan.hardware.measured {
-        Some(m) => format!(
-            "roofline measured on {} by `memfit calibrate --device cuda` on {}",
-            m.gpu,
-            crate::calibrate::gpu::date(m.measured_unix_s)
-        ),
+        Some(m) => {
+            crate::calibrate::gpu::describe(m, p.point.precision, plan.efficiency["compute"])
+        }
         None => format!(
             "roofline at {:.0}% of peak FLOP/s for large GEMMs, less for shapes that leave SMs idle, {:.0}% of memory bandwidth",
             plan.efficiency["compute"] * 100.0,
