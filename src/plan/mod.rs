@@ -310,11 +310,13 @@ impl Point {
         }
         // Against AdamW: quantized states, a factored second moment, or
         // another update rule altogether (SGD with momentum).
-        match self.optimizer {
+        // Paging moves the state, not its values: a paged optimizer
+        // changes what its unpaged one changes.
+        match self.optimizer.unpaged() {
             Optimizer::Adamw8bit => v.push("adamw8bit"),
             Optimizer::Adafactor => v.push("adafactor"),
             Optimizer::Sgd => v.push("sgd"),
-            Optimizer::Adamw => {}
+            Optimizer::Adamw | Optimizer::PagedAdamw | Optimizer::PagedAdamw8bit => {}
         }
         // A capacity drops the tokens beyond it (dropless trains on all).
         if !self.capacity_factor.is_dropless() {
@@ -980,6 +982,9 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
     if let Err(e) = crate::engine::validate::offload_activations(&tc) {
         return Some(why(e));
     }
+    if let Err(e) = crate::engine::validate::paged(&tc) {
+        return Some(why(e));
+    }
     if p.tp_comm_overlap && !(p.tensor_parallel > 1 && p.sequence_parallel) {
         return Some(
             "tp_comm_overlap needs tensor_parallel above 1 with sequence_parallel (Megatron-LM's --tp-comm-overlap requires --sequence-parallel)".into(),
@@ -1006,10 +1011,13 @@ fn state_bytes(p: &Point) -> (f64, f64, String) {
     let mixed = p.precision != Precision::Fp32;
     let w = if mixed { 2.0 } else { 4.0 };
     let master = if mixed { 4.0 } else { 0.0 };
+    // A paged optimizer's state is the same bytes, wherever they live.
     let (state, state_name): (f64, &str) = match p.optimizer {
         Optimizer::Adamw => (8.0, "AdamW"),
+        Optimizer::PagedAdamw => (8.0, "paged AdamW"),
         // Two 1-byte codes plus two fp32 absmax per 256-element block.
         Optimizer::Adamw8bit => (2.0 + 8.0 / 256.0, "8-bit AdamW"),
+        Optimizer::PagedAdamw8bit => (2.0 + 8.0 / 256.0, "paged 8-bit AdamW"),
         // Factored: (rows + cols) / (rows * cols) per matrix, about 0.
         Optimizer::Adafactor => (0.0, "Adafactor"),
         Optimizer::Sgd => (4.0, "SGD+momentum"),
