@@ -602,7 +602,7 @@ fn paged_record<B: Backend>(
         r.paged_bytes = Some(bytes);
     }
     Some(PagedRecord {
-        memory: crate::report::run::PAGED_MEMORY,
+        memory: crate::plan::PAGED_MEMORY,
         peak_bytes: top,
     })
 }

@@ -99,9 +99,6 @@ pub struct PagedRecord {
     pub peak_bytes: u64,
 }
 
-/// What [`PagedRecord::memory`] says.
-pub const PAGED_MEMORY: &str = "paged optimizer state, unified memory, outside PyTorch's counters";
-
 /// One pipeline stage: its blocks, and its peaks (the highest of its replicas').
 #[derive(Clone, Debug, Serialize)]
 pub struct StageRecord {
