@@ -845,6 +845,24 @@ mod tests {
         );
     }
 
+    #[test]
+    fn hf_snippet_names_paged_optimizers_as_transformers_does() {
+        for (o, want) in [
+            (Optimizer::PagedAdamw, "paged_adamw_32bit"),
+            (Optimizer::PagedAdamw8bit, "paged_adamw_8bit"),
+        ] {
+            let t = trial(point(2, Precision::Bf16, o, Sharding::None, 1, 8));
+            let py = hf_training_args(&report(vec![t.clone()]), &t);
+            for line in [
+                format!("    optim=\"{want}\",\n"),
+                "    adam_beta2=0.999,\n".into(),
+                "# Paged optimizers need bitsandbytes".into(),
+            ] {
+                assert!(py.contains(&line), "missing {line:?} in\n{py}");
+            }
+        }
+    }
+
     /// Every export variant is Python that parses (with python3 when this
     /// host has it; skipped, saying so, when it does not).
     #[test]
