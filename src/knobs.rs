@@ -131,7 +131,7 @@ knobs! {
     /// Seed for weights and data [default: 1337].
     #[arg(long)]
     seed: u64 [train],
-    /// adamw, adamw8bit, adafactor or sgd [default: adamw].
+    /// adamw, adamw8bit, paged-adamw, paged-adamw8bit, adafactor or sgd [default: adamw].
     #[arg(long, value_enum)]
     optimizer: Optimizer [train],
     /// Learning rate [default: 3e-4 for AdamW, 1e-2 for SGD, Adafactor's relative step].

@@ -161,6 +161,8 @@ struct RecordPart {
     sent: u64,
     received: u64,
     host_peak: Option<PeakBytes>,
+    #[serde(default)]
+    paged: Option<u64>,
     predicted: Option<u64>,
     nvml: Option<u64>,
 }
@@ -197,6 +199,7 @@ impl Part {
             sent: r.sent_bytes_per_step,
             received: r.received_bytes_per_step,
             host_peak: r.host_peak_bytes,
+            paged: r.paged_bytes,
             predicted: r.predicted_peak_bytes,
             nvml: r.nvml_peak_bytes,
         });
@@ -349,6 +352,7 @@ fn combine(
                 sent_bytes_per_step: r.sent,
                 received_bytes_per_step: r.received,
                 host_peak_bytes: r.host_peak,
+                paged_bytes: r.paged,
                 predicted_peak_bytes: r.predicted,
                 nvml_peak_bytes: r.nvml,
             })
@@ -370,6 +374,12 @@ fn combine(
         }
         h.peak_bytes = top;
         h.node_bytes = nodes.values().copied().max().unwrap_or(0);
+    }
+    if let Some(p) = &mut report.paged {
+        p.peak_bytes = (report.ranks.iter())
+            .filter_map(|r| r.paged_bytes)
+            .max()
+            .unwrap_or(0);
     }
     // One replica's work: every stage and tensor-parallel rank of replica 0.
     let sum = |f: fn(&Part) -> &String| -> u128 {

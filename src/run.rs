@@ -29,8 +29,8 @@ use crate::engine::{
 use crate::error::{Error, Result};
 use crate::memory::{ByCategory, Category, OomError, PeakBytes, Tracker};
 use crate::report::run::{
-    ErrorRecord, GpuRecord, HostRecord, RankRecord, RunConfigRecord, RunReport, StepRecord,
-    TargetRecord, summarise_ranks,
+    ErrorRecord, GpuRecord, HostRecord, PagedRecord, RankRecord, RunConfigRecord, RunReport,
+    StepRecord, TargetRecord, summarise_ranks,
 };
 use crate::sys::mem_available;
 
@@ -401,6 +401,7 @@ impl Part<'_> {
             gpu: None,
             allocator: None,
             host: None,
+            paged: None,
         }
     }
 
@@ -561,6 +562,7 @@ impl Part<'_> {
             }
         }
         report.host = host_record(&mut report.ranks, &cluster.ranks);
+        report.paged = paged_record(&mut report.ranks, &cluster.ranks);
         trackers
     }
 }
@@ -584,6 +586,24 @@ fn host_record<B: Backend>(ranks: &mut [RankRecord], engines: &[Engine<B>]) -> O
         peak_bytes: top,
         node_bytes: node,
         link_bytes_per_step: engines[0].dev.meter.link_bytes,
+    })
+}
+
+/// A paged optimizer: each rank's state in unified memory, and the highest.
+fn paged_record<B: Backend>(
+    ranks: &mut [RankRecord],
+    engines: &[Engine<B>],
+) -> Option<PagedRecord> {
+    engines.first()?.dev.paged.as_ref()?;
+    let mut top = 0;
+    for (r, e) in ranks.iter_mut().zip(engines) {
+        let bytes = e.dev.paged.as_ref().map(|t| t.peak_bytes().total)?;
+        top = top.max(bytes);
+        r.paged_bytes = Some(bytes);
+    }
+    Some(PagedRecord {
+        memory: crate::plan::PAGED_MEMORY,
+        peak_bytes: top,
     })
 }
 
@@ -613,6 +633,7 @@ fn fill_peaks(
             sent_bytes_per_step: sent,
             received_bytes_per_step: received,
             host_peak_bytes: None,
+            paged_bytes: None,
             predicted_peak_bytes: None,
             nvml_peak_bytes: None,
         })

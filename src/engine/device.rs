@@ -29,6 +29,9 @@ pub struct Tensor<Buf> {
     pub block: u64,
     /// Offloaded: held in host memory (the host tracker), not on the device.
     pub host: bool,
+    /// A paged optimizer's state: in unified memory (the paged tracker),
+    /// outside the device's tracker and the caching allocator.
+    pub paged: bool,
 }
 
 /// A meta tensor holds no data: a copy is its description, for a planning
@@ -578,6 +581,13 @@ pub struct Device<B: Backend> {
     pub host: Option<Tracker>,
     /// While set, [`Device::alloc`] places tensors in host memory.
     to_host: bool,
+    /// A paged optimizer: the unified memory its large states live in
+    /// (`cudaMallocManaged`), tracked apart from the device's allocations:
+    /// no capacity (the driver pages what does not fit to the host) and
+    /// never in the caching allocator's counters. `None` otherwise.
+    pub paged: Option<Tracker>,
+    /// While set, [`Device::alloc`] places tensors in unified memory.
+    to_paged: bool,
 }
 
 /// One collective as the planner prices it: nccl-tests' `size` (one rank's
@@ -620,6 +630,7 @@ fn ob<Buf>(t: Option<&Tensor<Buf>>) -> u64 {
 pub struct Between {
     live: ByCategory,
     host_live: Option<ByCategory>,
+    paged_live: Option<ByCategory>,
     layout: Option<crate::caching::Layout>,
     to_host: bool,
     call_stride: usize,
@@ -642,6 +653,7 @@ impl Between {
     pub fn returns_to_itself(&self, then: &Between) -> bool {
         self.live == then.live
             && self.host_live == then.host_live
+            && self.paged_live == then.paged_live
             && self.to_host == then.to_host
             && self.call_stride == then.call_stride
             && self.layout == then.layout
@@ -654,6 +666,7 @@ impl<B: Backend> Device<B> {
         Between {
             live: self.tracker.live(),
             host_live: self.host.as_ref().map(Tracker::live),
+            paged_live: self.paged.as_ref().map(Tracker::live),
             layout: self.caching.as_ref().map(|c| c.layout()),
             to_host: self.to_host,
             call_stride: self.meter.call_stride,
@@ -717,7 +730,34 @@ impl<B: Backend> Device<B> {
             caching: None,
             host: None,
             to_host: false,
+            paged: None,
+            to_paged: false,
         }
+    }
+
+    /// Gives the device a unified memory for a paged optimizer's states.
+    pub fn add_paged(&mut self) {
+        let t = Tracker::new(None);
+        self.paged = Some(if self.be.planning() {
+            t.for_planning()
+        } else if self.be.holds_data() {
+            t
+        } else {
+            t.without_clock()
+        });
+    }
+
+    /// Runs `f` with every allocation it makes placed in unified memory
+    /// (bitsandbytes' `get_paged`).
+    pub fn paged<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        assert!(
+            self.paged.is_some() && !self.to_host,
+            "paging needs unified memory (Device::add_paged), never host memory"
+        );
+        let was = std::mem::replace(&mut self.to_paged, true);
+        let r = f(self);
+        self.to_paged = was;
+        r
     }
 
     /// Gives the device a host memory to offload to, of `capacity` bytes.
@@ -789,11 +829,12 @@ impl<B: Backend> Device<B> {
         r
     }
 
-    /// The tracker that holds `t`'s bytes.
-    fn tracker_of(&mut self, host: bool) -> &mut Tracker {
-        match host {
-            true => self.host.as_mut().expect("a host tensor needs a host"),
-            false => &mut self.tracker,
+    /// The tracker that holds the bytes of a tensor placed at `host` or `paged`.
+    fn tracker_of(&mut self, host: bool, paged: bool) -> &mut Tracker {
+        match (host, paged) {
+            (true, _) => self.host.as_mut().expect("a host tensor needs a host"),
+            (false, true) => (self.paged.as_mut()).expect("a paged tensor needs unified memory"),
+            (false, false) => &mut self.tracker,
         }
     }
 
@@ -838,10 +879,11 @@ impl<B: Backend> Device<B> {
         category: Category,
     ) -> Result<T<B>, OomError> {
         let bytes = (len * dtype.size()) as u64;
-        let host = self.to_host;
-        self.tracker_of(host).alloc(category, bytes)?;
+        let (host, paged) = (self.to_host, self.to_paged);
+        self.tracker_of(host, paged).alloc(category, bytes)?;
+        // Unified memory is cudaMallocManaged's, not the caching allocator's.
         let block = match &mut self.caching {
-            Some(c) if bytes > 0 && !host => c.malloc(bytes),
+            Some(c) if bytes > 0 && !host && !paged => c.malloc(bytes),
             _ => 0,
         };
         let buf = match host {
@@ -855,6 +897,7 @@ impl<B: Backend> Device<B> {
             category,
             block,
             host,
+            paged,
         })
     }
 
@@ -876,7 +919,7 @@ impl<B: Backend> Device<B> {
     }
 
     pub fn free(&mut self, t: T<B>) {
-        self.tracker_of(t.host).free(t.category, t.bytes());
+        self.tracker_of(t.host, t.paged).free(t.category, t.bytes());
         if let Some(c) = &mut self.caching
             && t.block != 0
         {
@@ -1607,7 +1650,7 @@ impl<B: Backend> Device<B> {
     /// as PyTorch's `MemTracker` reclassifies a temporary once autograd
     /// hands it over as a parameter's gradient.
     pub fn retag(&mut self, t: &mut T<B>, category: Category) {
-        let tracker = self.tracker_of(t.host);
+        let tracker = self.tracker_of(t.host, t.paged);
         tracker.free(t.category, t.bytes());
         tracker
             .alloc(category, t.bytes())
@@ -1626,6 +1669,7 @@ impl<B: Backend> Device<B> {
             category,
             block: 0,
             host: false,
+            paged: false,
         }
     }
 

@@ -308,7 +308,10 @@ impl TrainConfig {
     /// variants, 1e-2 for SGD, Hugging Face's relative step for Adafactor.
     pub fn opt(&self) -> OptConfig {
         let (lr, beta1) = match self.optimizer {
-            Optimizer::Adamw | Optimizer::Adamw8bit => (
+            Optimizer::Adamw
+            | Optimizer::Adamw8bit
+            | Optimizer::PagedAdamw
+            | Optimizer::PagedAdamw8bit => (
                 Some(self.lr.unwrap_or(3e-4)),
                 Some(self.beta1.unwrap_or(0.9)),
             ),
@@ -869,6 +872,9 @@ impl<B: Backend> Engine<B> {
                 "this backend cannot place tensors in host memory (run::validate says so)"
             );
             dev.add_host(train.host_memory);
+        }
+        if train.optimizer.is_paged() {
+            dev.add_paged();
         }
         if hf && gpu {
             // What PyTorch's CUDA caching allocator reserves for these tensors.

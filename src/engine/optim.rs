@@ -17,6 +17,17 @@ knob_enum! {
         Adamw,
         /// Block-wise 8-bit m and v (Dettmers et al. 2022): about 2.03 bytes per parameter.
         Adamw8bit,
+        /// AdamW with m and v in CUDA unified memory (bitsandbytes'
+        /// `PagedAdamW`/`PagedAdamW32bit`, transformers' `optim="paged_adamw_32bit"`):
+        /// numerics of `adamw`, state outside PyTorch's allocator (from 100,000 elements).
+        #[value(alias = "paged_adamw_32bit", alias = "paged-adamw32bit")]
+        #[serde(rename = "paged-adamw", alias = "paged_adamw_32bit", alias = "paged-adamw32bit")]
+        PagedAdamw,
+        /// `adamw8bit` with its 8-bit m and v in unified memory (bitsandbytes'
+        /// `PagedAdamW8bit`, transformers' `optim="paged_adamw_8bit"`).
+        #[value(alias = "paged_adamw_8bit")]
+        #[serde(rename = "paged-adamw8bit", alias = "paged_adamw_8bit")]
+        PagedAdamw8bit,
         /// Factored second moment (Shazeer & Stern 2018): O(rows + cols) per matrix.
         Adafactor,
         /// SGD with momentum: 4 bytes per parameter.
@@ -27,9 +38,32 @@ knob_enum! {
 impl Optimizer {
     /// Whether it changes the numerics compared with fp32 AdamW (marked in reports).
     pub fn changes_numerics(self) -> bool {
-        self != Optimizer::Adamw
+        self.unpaged() != Optimizer::Adamw
+    }
+
+    /// The optimizer a paged one computes as (itself when not paged).
+    pub fn unpaged(self) -> Optimizer {
+        match self {
+            Optimizer::PagedAdamw => Optimizer::Adamw,
+            Optimizer::PagedAdamw8bit => Optimizer::Adamw8bit,
+            o => o,
+        }
+    }
+
+    /// Whether its large states live in unified memory (paged).
+    pub fn is_paged(self) -> bool {
+        self != self.unpaged()
     }
 }
+
+/// bitsandbytes pages a state tensor only from this many elements of its
+/// parameter (of this rank's shard under FSDP); smaller ones, and 8-bit
+/// AdamW's absmax, are ordinary device tensors (`Optimizer8bit.get_state_buffer`:
+/// `p.numel() < 1e5` -> `torch.zeros_like`, else `F.get_paged`, a
+/// `cudaMallocManaged(..., cudaMemAttachHost)` buffer;
+/// bitsandbytes-foundation/bitsandbytes @ 95f9af3: bitsandbytes/optim/optimizer.py,
+/// csrc/pythonInterface.cpp `cget_managed_ptr`).
+pub const PAGED_MIN_NUMEL: usize = 100_000;
 
 /// bitsandbytes keeps tensors smaller than this in 32-bit state (`min_8bit_size`).
 pub const MIN_8BIT_SIZE: usize = 4096;
@@ -133,24 +167,27 @@ pub fn alloc_state<B: Backend>(
             if !own {
                 return Ok(OptState::Absent);
             }
-            Ok(match cfg.kind {
-                Optimizer::Adamw => OptState::Adam {
-                    m: dev.alloc_f32(n, cat)?,
-                    v: dev.alloc_f32(n, cat)?,
-                },
+            // Paged: m and v of a large enough tensor in unified memory.
+            let paged = cfg.kind.is_paged() && n >= PAGED_MIN_NUMEL;
+            let moments = |dev: &mut Device<B>, dtype| match paged {
+                true => dev.paged(|dev| Ok((dev.alloc(n, dtype, cat)?, dev.alloc(n, dtype, cat)?))),
+                false => Ok((dev.alloc(n, dtype, cat)?, dev.alloc(n, dtype, cat)?)),
+            };
+            Ok(match cfg.kind.unpaged() {
                 Optimizer::Adamw8bit if n >= MIN_8BIT_SIZE => {
                     let blocks = n.div_ceil(QBLOCK);
+                    let (m, v) = moments(dev, DType::U8)?;
                     OptState::Adam8 {
-                        m: dev.alloc(n, DType::U8, cat)?,
-                        v: dev.alloc(n, DType::U8, cat)?,
+                        m,
+                        v,
                         m_absmax: dev.alloc_f32(blocks, cat)?,
                         v_absmax: dev.alloc_f32(blocks, cat)?,
                     }
                 }
-                Optimizer::Adamw8bit => OptState::Adam {
-                    m: dev.alloc_f32(n, cat)?,
-                    v: dev.alloc_f32(n, cat)?,
-                },
+                Optimizer::Adamw | Optimizer::Adamw8bit => {
+                    let (m, v) = moments(dev, DType::F32)?;
+                    OptState::Adam { m, v }
+                }
                 Optimizer::Adafactor => {
                     assert_eq!(
                         n,
@@ -182,6 +219,7 @@ pub fn alloc_state<B: Backend>(
                 Optimizer::Sgd => OptState::Sgd {
                     momentum: dev.alloc_f32(n, cat)?,
                 },
+                Optimizer::PagedAdamw | Optimizer::PagedAdamw8bit => unreachable!("unpaged"),
             })
         })
         .collect()

@@ -454,7 +454,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             }
         }
         let head = match last {
-            true => Some(self.head_forward(&resid, targets.as_ref(), host_targets, dloss)?),
+            true => Some(self.head_forward(&mut resid, targets.as_ref(), host_targets, dloss)?),
             false => {
                 self.send_output(&mut resid);
                 None
@@ -895,15 +895,22 @@ impl<'e, B: Backend> Pass<'e, B> {
     /// The final norm, the head and the loss, on the last stage.
     fn head_forward(
         &mut self,
-        resid: &[T<B>],
+        resid: &mut [T<B>],
         targets: Option<&T<B>>,
         host_targets: Option<Vec<u32>>,
         dloss: f32,
     ) -> Result<HeadActs<T<B>>, OomError> {
         self.dev.tracker.set_phase(Phase::ForwardHead);
         self.hook(Stage::Head, false, false)?;
-        let x = resid.last().expect("embedding output");
+        let x = resid.last_mut().expect("embedding output");
         let (lnf, lnf_mean, lnf_rstd) = self.norm(x, (self.idx.lnf_w, self.idx.lnf_b))?;
+        // The final norm saved its input, the last block's output: torchtune
+        // offloads it too (only the output projection runs under its
+        // `NoOpManager`; torchtune 0.6.1: training/_activation_offloading.py,
+        // `get_act_offloading_ctx_manager`), until the head's backward.
+        if self.train.offload_activations {
+            self.move_input(x, true)?;
+        }
         let head_extra = match self.hf {
             Some(h) => alloc_saved(self.dev, &h.head_saved)?,
             None => Vec::new(),
@@ -1120,6 +1127,10 @@ impl<'e, B: Backend> Pass<'e, B> {
         let mut dres = match head {
             Some(h) => {
                 let targets = targets.expect("the last stage reads the targets");
+                let x = resid.last_mut().expect("embedding output");
+                if x.host {
+                    self.move_input(x, false)?;
+                }
                 let x = resid.last().expect("embedding output");
                 self.head_backward(h, targets, x, dloss, &mut head_dw)?
             }

@@ -284,6 +284,24 @@ pub fn offload_activations(t: &TrainConfig) -> Result<()> {
     Ok(())
 }
 
+/// Checks a paged optimizer (`paged-adamw`, `paged-adamw8bit`) against
+/// offload: `--offload optimizer` already keeps the state in host memory
+/// (DeepSpeed's CPU optimizer updates it there), so there is nothing left
+/// in device memory to page.
+pub fn paged(t: &TrainConfig) -> Result<()> {
+    if t.optimizer.is_paged() && t.offload.optimizer() {
+        return Err(Error::invalid_arg(
+            "--optimizer",
+            format!(
+                "{} pages its state between device and host memory; --offload {} keeps it in host memory already: choose one",
+                name(t.optimizer),
+                t.offload.name()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks `--pipeline-stages`, `--virtual-stages` and `--partition`
 /// against the model and the schedule.
 pub fn pipeline(t: &TrainConfig, model: &ModelConfig) -> Result<()> {

@@ -203,7 +203,7 @@ axes! {
     Checkpointing checkpointing: Checkpointing = Checkpointing::None;
     /// fp32, bf16 and/or fp16.
     Precision precision: Precision = Precision::Bf16;
-    /// adamw, adamw8bit, adafactor and/or sgd.
+    /// adamw, adamw8bit, paged-adamw, paged-adamw8bit, adafactor and/or sgd.
     Optimizer optimizer: Optimizer = Optimizer::Adamw;
     /// none (one GPU), ddp, zero1, zero2 and/or zero3.
     Sharding sharding: Sharding = Sharding::None;

@@ -310,11 +310,13 @@ impl Point {
         }
         // Against AdamW: quantized states, a factored second moment, or
         // another update rule altogether (SGD with momentum).
-        match self.optimizer {
+        // Paging moves the state, not its values: a paged optimizer
+        // changes what its unpaged one changes.
+        match self.optimizer.unpaged() {
             Optimizer::Adamw8bit => v.push("adamw8bit"),
             Optimizer::Adafactor => v.push("adafactor"),
             Optimizer::Sgd => v.push("sgd"),
-            Optimizer::Adamw => {}
+            Optimizer::Adamw | Optimizer::PagedAdamw | Optimizer::PagedAdamw8bit => {}
         }
         // A capacity drops the tokens beyond it (dropless trains on all).
         if !self.capacity_factor.is_dropless() {
@@ -527,6 +529,9 @@ pub struct Prediction {
     /// Offload points: host memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host: Option<HostPrediction>,
+    /// Paged optimizers: the state in unified memory, outside `total_bytes`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paged: Option<PagedPrediction>,
     /// Dropless expert parallelism: what `total_bytes` would be if every
     /// token of the rank's expert-parallel group chose its experts first
     /// (`total_bytes` plans an even spread; routing decides between them).
@@ -569,6 +574,78 @@ pub struct HostPrediction {
     /// DeepSpeed's estimator for the same stage and offload (ZeRO-2 or
     /// ZeRO-3; `None` for ZeRO-1, which it has none for), zero_init on.
     pub deepspeed: Option<deepspeed::Estimate>,
+}
+
+/// Where a paged optimizer's state lives, as reports say it.
+pub const PAGED_MEMORY: &str = "paged optimizer state, unified memory, outside PyTorch's counters";
+
+/// A paged optimizer's state on the target (`paged-adamw`,
+/// `paged-adamw8bit`): bitsandbytes allocates it with `cudaMallocManaged`,
+/// so neither the engine's device peak nor PyTorch's allocated and
+/// reserved counters (`total_bytes`) hold it. It fits the GPU in what the
+/// device peak and the runtime overhead leave under the usable limit
+/// (`margin_bytes`); the driver evicts the rest to host memory
+/// (oversubscription) and migrates it back when the update touches it.
+///
+/// The time: bitsandbytes prefetches each paged state to the device before
+/// its update (`Optimizer8bit.step` -> `prefetch_state` ->
+/// `cudaMemPrefetchAsync`; bitsandbytes @ 95f9af3:
+/// bitsandbytes/optim/optimizer.py, csrc/pythonInterface.cpp `cprefetch`),
+/// and the forward and backward's allocations push it out again, so every
+/// step the overflow crosses the host link up and back down, not
+/// overlapped, at the rate offload's copies run at (prefetched migration
+/// streams at about a pinned copy's bandwidth: NVIDIA, "Maximizing Unified
+/// Memory Performance in CUDA", 2017). It is a lower bound: a driver that
+/// evicts the least recently used pages under this cyclic order can move
+/// the whole paged state each way.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct PagedPrediction {
+    /// Where these bytes live, in words ([`PAGED_MEMORY`]).
+    pub memory: String,
+    /// One rank's paged optimizer state.
+    pub bytes: u64,
+    /// What of it stays in device memory.
+    pub resident_bytes: u64,
+    /// What pages out to host memory (one rank's).
+    pub host_bytes: u64,
+    /// GPUs (ranks) on one node, whose overflows share its host memory.
+    pub ranks_per_node: usize,
+    /// The node's host memory, less what offload holds there.
+    pub host_capacity_bytes: u64,
+    /// host capacity - `host_bytes` x `ranks_per_node`.
+    pub host_margin_bytes: i64,
+    /// The overflow up and down: 2 x `host_bytes` per step.
+    pub link_bytes_per_step: u64,
+    /// The host link's rate it moves at (bytes/s).
+    pub link_bytes_per_s: f64,
+    pub seconds_per_step: f64,
+}
+
+impl PagedPrediction {
+    /// Places the state in the `room` a point's device peak leaves (its
+    /// margin), and prices the overflow's round trip.
+    fn place(&mut self, room: i64) {
+        self.resident_bytes = self.bytes.min(room.max(0) as u64);
+        self.host_bytes = self.bytes - self.resident_bytes;
+        let node = self.host_bytes.saturating_mul(self.ranks_per_node as u64);
+        self.host_margin_bytes = self.host_capacity_bytes as i64 - node as i64;
+        self.link_bytes_per_step = 2 * self.host_bytes;
+        self.seconds_per_step = self.link_bytes_per_step as f64 / self.link_bytes_per_s;
+    }
+}
+
+/// Settles a paged point after its margin changed: the state's place, the
+/// step's time and price, and the verdict.
+fn settle_paged(p: &mut Prediction) {
+    let Some(g) = &mut p.paged else {
+        return;
+    };
+    g.place(p.margin_bytes);
+    let tokens = p.tokens_per_s * p.step_s;
+    let was = p.tokens_per_s;
+    p.step_s = p.compute_s + p.comm_s + p.offload_s + g.seconds_per_step;
+    p.tokens_per_s = tokens / p.step_s;
+    p.usd_per_mtok *= was / p.tokens_per_s;
 }
 
 /// PyTorch's caching allocator's high-water marks, as `torch.cuda` names them.
@@ -980,6 +1057,9 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
     if let Err(e) = crate::engine::validate::offload_activations(&tc) {
         return Some(why(e));
     }
+    if let Err(e) = crate::engine::validate::paged(&tc) {
+        return Some(why(e));
+    }
     if p.tp_comm_overlap && !(p.tensor_parallel > 1 && p.sequence_parallel) {
         return Some(
             "tp_comm_overlap needs tensor_parallel above 1 with sequence_parallel (Megatron-LM's --tp-comm-overlap requires --sequence-parallel)".into(),
@@ -1006,10 +1086,13 @@ fn state_bytes(p: &Point) -> (f64, f64, String) {
     let mixed = p.precision != Precision::Fp32;
     let w = if mixed { 2.0 } else { 4.0 };
     let master = if mixed { 4.0 } else { 0.0 };
+    // A paged optimizer's state is the same bytes, wherever they live.
     let (state, state_name): (f64, &str) = match p.optimizer {
         Optimizer::Adamw => (8.0, "AdamW"),
+        Optimizer::PagedAdamw => (8.0, "paged AdamW"),
         // Two 1-byte codes plus two fp32 absmax per 256-element block.
         Optimizer::Adamw8bit => (2.0 + 8.0 / 256.0, "8-bit AdamW"),
+        Optimizer::PagedAdamw8bit => (2.0 + 8.0 / 256.0, "paged 8-bit AdamW"),
         // Factored: (rows + cols) / (rows * cols) per matrix, about 0.
         Optimizer::Adafactor => (0.0, "Adafactor"),
         Optimizer::Sgd => (4.0, "SGD+momentum"),
@@ -1482,6 +1565,7 @@ pub fn monotone_in_micro_batch(preds: &mut [Prediction]) {
                 p.total_bytes = s.0 + p.runtime_overhead_bytes;
                 p.margin_bytes = p.usable_bytes as i64 - p.total_bytes as i64;
                 p.reserved_from_micro_batch = Some(s.1);
+                settle_paged(p);
                 p.verdict = fit_verdict(p);
             }
         }
@@ -1497,14 +1581,20 @@ pub fn unlifted(p: &Prediction) -> Prediction {
         out.reserved_from_micro_batch = None;
         out.total_bytes = a.max_memory_reserved + p.runtime_overhead_bytes;
         out.margin_bytes = p.usable_bytes as i64 - out.total_bytes as i64;
+        settle_paged(&mut out);
         out.verdict = fit_verdict(&out);
     }
     out
 }
 
-/// Fits when the device's margin and the host's (offload) are not negative.
+/// Fits when the device's margin and the host's (offload, a paged
+/// optimizer's overflow) are not negative. A paged state never makes the
+/// device's margin negative: what does not fit pages out.
 fn fit_verdict(p: &Prediction) -> Verdict {
-    if p.margin_bytes >= 0 && p.host.as_ref().is_none_or(|h| h.margin_bytes >= 0) {
+    if p.margin_bytes >= 0
+        && p.host.as_ref().is_none_or(|h| h.margin_bytes >= 0)
+        && p.paged.as_ref().is_none_or(|g| g.host_margin_bytes >= 0)
+    {
         Verdict::Fits
     } else {
         Verdict::DoesNotFit
@@ -1607,6 +1697,7 @@ fn unplanned(
         comm_s: 0.0,
         comm_hidden_s: 0.0,
         offload_s: 0.0,
+        paged: None,
         step_s: 0.0,
         tokens_per_s: 0.0,
         usd_per_mtok: 0.0,
@@ -1925,6 +2016,21 @@ impl PointPlan<'_> {
                 deepspeed: deepspeed_estimate(e, p, per_node),
             }
         });
+        let host_capacity = r.knobs.host_memory.map_or(rates.host_memory, |b| b.0);
+        out.paged = e.dev.paged.as_ref().map(|g| PagedPrediction {
+            memory: PAGED_MEMORY.into(),
+            bytes: g.peak_bytes().total,
+            resident_bytes: 0,
+            host_bytes: 0,
+            ranks_per_node: rates.gpus_per_node.min(p.gpus),
+            host_capacity_bytes: host_capacity
+                .saturating_sub(out.host.as_ref().map_or(0, |h| h.node_bytes)),
+            host_margin_bytes: 0,
+            link_bytes_per_step: 0,
+            link_bytes_per_s: rates.host.link_bytes_per_s,
+            seconds_per_step: 0.0,
+        });
+        settle_paged(out);
         out.verdict = fit_verdict(out);
         out.peak_bytes = Some(pk);
     }

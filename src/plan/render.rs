@@ -311,6 +311,18 @@ fn figure_columns(plan: &Plan, pts: &[&Prediction], col: &mut AddColumn<'_>) {
                 .map_or("-".into(), |h| fmt_bytes(h.node_bytes))
         });
     }
+    if pts.iter().any(|p| p.paged.is_some()) {
+        // Unified memory: on the device / paged out to the host.
+        col("paged dev/host", "paged", false, 140, &|p| {
+            p.paged.as_ref().map_or("-".into(), |g| {
+                format!(
+                    "{}/{}",
+                    fmt_bytes(g.resident_bytes),
+                    fmt_bytes(g.host_bytes)
+                )
+            })
+        });
+    }
     col("links", "links", true, 90, &|p| links(plan, p));
     col("tokens/s", "tok/s", false, 125, &|p| match valid(p) {
         true => format!("{:.0}", p.tokens_per_s),
@@ -763,8 +775,31 @@ fn recommendation(plan: &Plan, bullet: &str) -> Vec<String> {
             ));
         }
     }
+    out.extend(paged_line(p, bullet));
     out.push(step_line(plan, p, bullet));
     out
+}
+
+/// A paged optimizer's state: where it is, beside the peak it is not in.
+fn paged_line(p: &Prediction, bullet: &str) -> Option<String> {
+    let g = p.paged.as_ref()?;
+    let rest = match g.host_bytes {
+        0 => "all of it stays on the device, in the room the peak leaves".to_string(),
+        h => format!(
+            "{} of it stays on the device, in the room the peak leaves, and the driver pages {} to host memory ({} for a node's {} GPU(s), {} to spare)",
+            fmt_bytes(g.resident_bytes),
+            fmt_bytes(h),
+            fmt_bytes(h * g.ranks_per_node as u64),
+            g.ranks_per_node,
+            fmt_bytes(g.host_margin_bytes.max(0) as u64)
+        ),
+    };
+    Some(format!(
+        "  {bullet}{} ({}): {} per GPU, not in the peak above (cudaMallocManaged, not PyTorch's allocator); {rest}",
+        g.memory,
+        super::name(p.point.optimizer),
+        fmt_bytes(g.bytes)
+    ))
 }
 
 /// How the recommended point's step time adds up.
@@ -778,6 +813,18 @@ fn step_line(plan: &Plan, p: &Prediction, bullet: &str) -> String {
         ),
         None => String::new(),
     };
+    let paged = match &p.paged {
+        Some(g) if g.host_bytes > 0 => format!(
+            " + paging {:.3} s ({} of paged optimizer state to host memory and back each step, on the host link at {:.0}% of {} GB/s)",
+            g.seconds_per_step,
+            fmt_bytes(g.host_bytes),
+            super::HOST_LINK_EFFICIENCY * 100.0,
+            plan.hardware.host_link_gbps
+        ),
+        Some(_) => " (the paged optimizer state stays on the device: no paging)".into(),
+        None => String::new(),
+    };
+    let offload = offload + &paged;
     let hw = &plan.hardware;
     let comm = match p.links {
         Some(crate::comm::topology::Links::None) => "one GPU: no collective moves data".into(),

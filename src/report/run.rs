@@ -56,6 +56,10 @@ pub struct RankRecord {
     /// Offload: this rank's peaks in host memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host_peak_bytes: Option<PeakBytes>,
+    /// A paged optimizer: this rank's state in unified memory (outside
+    /// `peak_bytes`, which is what the device's allocator holds).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub paged_bytes: Option<u64>,
     /// What the meta backend predicts for this rank's peak (runs that
     /// compute only): the same engine, rank and step, computing nothing.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -80,6 +84,19 @@ pub struct HostRecord {
     pub node_bytes: u64,
     /// Bytes rank 0 moved between device and host in the last step.
     pub link_bytes_per_step: u64,
+}
+
+/// A paged optimizer (`paged-adamw`, `paged-adamw8bit`): the state
+/// bitsandbytes allocates with `cudaMallocManaged`, which neither the
+/// tracked device peak nor PyTorch's `max_memory_allocated`/`reserved`
+/// counts. It sits in device memory while there is room and the driver
+/// pages the rest to host memory.
+#[derive(Clone, Debug, Serialize)]
+pub struct PagedRecord {
+    /// Where these bytes live, in words.
+    pub memory: &'static str,
+    /// The highest of the ranks' paged bytes (optimizer state only).
+    pub peak_bytes: u64,
 }
 
 /// One pipeline stage: its blocks, and its peaks (the highest of its replicas').
@@ -183,6 +200,9 @@ pub struct RunReport {
     /// Offload only: host memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host: Option<HostRecord>,
+    /// A paged optimizer only: its unified memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub paged: Option<PagedRecord>,
 }
 
 /// The GPU profile a `--device meta:GPU` run predicts.
@@ -257,6 +277,15 @@ pub fn render_table(r: &RunReport) -> String {
     write_steps(&mut s, r);
     write_peaks(&mut s, r);
     write_host(&mut s, r);
+    if let Some(p) = &r.paged {
+        let _ = writeln!(
+            s,
+            "\n{}:\n  {:<12} {:>12} per rank (not in the peaks above)",
+            p.memory,
+            "optimizer",
+            fmt_bytes(p.peak_bytes)
+        );
+    }
     write_ranks(&mut s, r);
     if let Some(e) = &r.error {
         let _ = writeln!(s, "\nerror: {}", e.message);

@@ -54,6 +54,16 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
     crate::engine::validate::tensor_parallel(t, model)?;
     crate::engine::validate::loss(t)?;
     crate::engine::validate::offload_activations(t)?;
+    crate::engine::validate::paged(t)?;
+    if t.optimizer.is_paged() && opts.device.kind == DeviceKind::Cuda {
+        return Err(Error::invalid_arg(
+            "--optimizer",
+            format!(
+                "{} keeps its state in CUDA unified memory (cudaMallocManaged), which the cuda backend does not allocate yet; it trains on cpu and plans on meta",
+                crate::plan::name(t.optimizer)
+            ),
+        ));
+    }
     crate::engine::validate::sharding(t, MAX_RANKS)
 }
 
@@ -107,7 +117,10 @@ fn check_hyperparameters(t: &TrainConfig) -> Result<()> {
             format!("{} is outside [0, 1)", t.beta2),
         ));
     }
-    let adam = matches!(t.optimizer, Optimizer::Adamw | Optimizer::Adamw8bit);
+    let adam = matches!(
+        t.optimizer.unpaged(),
+        Optimizer::Adamw | Optimizer::Adamw8bit
+    );
     if !adam && t.beta2 != TrainConfig::default().beta2 {
         return Err(Error::invalid_arg(
             "--beta2",

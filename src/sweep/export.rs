@@ -154,7 +154,11 @@ pub fn deepspeed_config(_report: &SweepReport, trial: &TrialRecord) -> Value {
                 },
             });
         }
-        Optimizer::Adamw8bit | Optimizer::Adafactor | Optimizer::Sgd => {
+        Optimizer::Adamw8bit
+        | Optimizer::PagedAdamw
+        | Optimizer::PagedAdamw8bit
+        | Optimizer::Adafactor
+        | Optimizer::Sgd => {
             cfg["zero_allow_untested_optimizer"] = json!(true);
         }
     }
@@ -184,6 +188,9 @@ fn optim_name(o: Optimizer) -> &'static str {
     match o {
         Optimizer::Adamw => "adamw_torch",
         Optimizer::Adamw8bit => "adamw_bnb_8bit",
+        // transformers' OptimizerNames: bitsandbytes' AdamW with is_paged=True.
+        Optimizer::PagedAdamw => "paged_adamw_32bit",
+        Optimizer::PagedAdamw8bit => "paged_adamw_8bit",
         Optimizer::Adafactor => "adafactor",
         Optimizer::Sgd => "sgd",
     }
@@ -312,7 +319,7 @@ pub fn hf_training_args(report: &SweepReport, trial: &TrialRecord) -> String {
     arg("bf16", py_bool(p.precision == Precision::Bf16).into());
     arg("fp16", py_bool(p.precision == Precision::Fp16).into());
     arg("optim", py_str(optim_name(p.optimizer)));
-    match p.optimizer {
+    match p.optimizer.unpaged() {
         Optimizer::Adamw | Optimizer::Adamw8bit => {
             arg("learning_rate", py_float(clean(opt.lr.unwrap_or(3e-4))));
             arg("adam_beta1", py_float(clean(opt.beta1.unwrap_or(0.9))));
@@ -324,7 +331,7 @@ pub fn hf_training_args(report: &SweepReport, trial: &TrialRecord) -> String {
             arg("learning_rate", py_float(clean(opt.lr.unwrap_or(1e-2))));
             arg("weight_decay", py_float(clean(opt.weight_decay)));
         }
-        Optimizer::Adafactor => {}
+        Optimizer::Adafactor | Optimizer::PagedAdamw | Optimizer::PagedAdamw8bit => {}
     }
     arg("max_grad_norm", py_float(clean(tc.grad_clip)));
     if stage > 0 {
@@ -334,6 +341,10 @@ pub fn hf_training_args(report: &SweepReport, trial: &TrialRecord) -> String {
     match p.optimizer {
         Optimizer::Adamw8bit => s.push_str(
             "# adamw_bnb_8bit needs bitsandbytes (pip install bitsandbytes).\n",
+        ),
+        Optimizer::PagedAdamw | Optimizer::PagedAdamw8bit => s.push_str(
+            "# Paged optimizers need bitsandbytes (pip install bitsandbytes) and CUDA: their state is\n\
+             # in unified memory, which torch.cuda.max_memory_allocated/reserved do not count.\n",
         ),
         Optimizer::Adafactor => s.push_str(
             "# The Trainer's adafactor runs a fixed learning_rate (relative_step=False); memfit measured\n\
@@ -832,6 +843,24 @@ mod tests {
             code.contains(&"    attn_implementation=\"sdpa\",  "),
             "{load}"
         );
+    }
+
+    #[test]
+    fn hf_snippet_names_paged_optimizers_as_transformers_does() {
+        for (o, want) in [
+            (Optimizer::PagedAdamw, "paged_adamw_32bit"),
+            (Optimizer::PagedAdamw8bit, "paged_adamw_8bit"),
+        ] {
+            let t = trial(point(2, Precision::Bf16, o, Sharding::None, 1, 8));
+            let py = hf_training_args(&report(vec![t.clone()]), &t);
+            for line in [
+                format!("    optim=\"{want}\",\n"),
+                "    adam_beta2=0.999,\n".into(),
+                "# Paged optimizers need bitsandbytes".into(),
+            ] {
+                assert!(py.contains(&line), "missing {line:?} in\n{py}");
+            }
+        }
     }
 
     /// Every export variant is Python that parses (with python3 when this

@@ -41,6 +41,7 @@ mod multinode;
 mod multiprocess;
 mod nf4;
 mod offload;
+mod paged;
 mod pipeline;
 mod pipeline_cli;
 mod plan;

@@ -460,6 +460,15 @@ pub fn detail_lines(b: &Builder, p: &Planned, i: usize) -> Vec<Line<'static>> {
             signed(h.margin_bytes)
         )));
     }
+    if let Some(g) = &x.paged {
+        out.push(Line::from(format!(
+            "paged optimizer state (unified memory, not in the peak) {}: {} on the GPU, {} paged to host ({:.1} ms a step)",
+            fmt_bytes(g.bytes),
+            fmt_bytes(g.resident_bytes),
+            fmt_bytes(g.host_bytes),
+            g.seconds_per_step * 1e3
+        )));
+    }
     let per_node = (p.hw.gpus_per_node as usize).max(1);
     let nodes = x.point.gpus.div_ceil(per_node);
     out.push(Line::from(format!(

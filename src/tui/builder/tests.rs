@@ -636,3 +636,39 @@ fn expert_parallelism_and_tp_overlap_are_rows_where_they_apply() {
     assert_eq!(Axis::ExpertParallel.show("4"), "ep4");
     assert_eq!(Axis::TpCommOverlap.show("true"), "tp-overlap");
 }
+
+/// A paged optimizer's point says where its state is: on the GPU and
+/// paged out, beside the peak that does not hold it.
+#[test]
+fn the_detail_says_where_a_paged_optimizers_state_is() {
+    let mut r = default_recipe();
+    r.model = "gpt2".into();
+    r.device = None;
+    r.seq_len = 1024;
+    r.global_batch = 8;
+    r.grid.micro_batch = vec![8];
+    r.grid.optimizer = vec![crate::engine::Optimizer::PagedAdamw];
+    let mut b = builder();
+    b.recipe = r.clone();
+    let p = replan(&r).unwrap();
+    let x = &p.plan.points[0];
+    let g = x.paged.as_ref().expect("a paged point");
+    assert_eq!(g.resident_bytes + g.host_bytes, g.bytes);
+    let text: Vec<String> = super::render::detail_lines(&b, &p, 0)
+        .iter()
+        .map(|l| l.to_string().replace('\u{a0}', " "))
+        .collect();
+    let text = text.join("\n");
+    let want = format!(
+        "paged optimizer state (unified memory, not in the peak) {}: {} on the GPU",
+        crate::units::fmt_bytes(g.bytes),
+        crate::units::fmt_bytes(g.resident_bytes)
+    );
+    assert!(text.contains(&want), "{want} in {text}");
+    // The grid builder offers both paged optimizers.
+    let offered = super::axes::Axis::Optimizer.options(&r.grid);
+    assert!(
+        offered.contains(&"paged-adamw8bit".to_string()),
+        "{offered:?}"
+    );
+}
