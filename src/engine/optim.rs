@@ -85,6 +85,13 @@ pub struct OptConfig {
     pub eps: f32,
     pub weight_decay: f32,
     pub momentum: f32,
+    /// The dtype of AdamW's m and v and of SGD's momentum: fp32, or bf16
+    /// under pure bf16 (torch.optim keeps them `zeros_like(param)`).
+    /// 8-bit AdamW and Adafactor keep theirs whatever the weights are
+    /// (bitsandbytes: 8-bit codes, fp32 below `min_8bit_size`;
+    /// transformers' Adafactor: made from the gradient upcast to fp32).
+    #[serde(skip)]
+    pub state_dtype: DType,
 }
 
 type T<B> = Tensor<<B as Backend>::Buf>;
@@ -135,8 +142,8 @@ pub fn alloc_state<B: Backend>(
             }
             Ok(match cfg.kind {
                 Optimizer::Adamw => OptState::Adam {
-                    m: dev.alloc_f32(n, cat)?,
-                    v: dev.alloc_f32(n, cat)?,
+                    m: dev.alloc(n, cfg.state_dtype, cat)?,
+                    v: dev.alloc(n, cfg.state_dtype, cat)?,
                 },
                 Optimizer::Adamw8bit if n >= MIN_8BIT_SIZE => {
                     let blocks = n.div_ceil(QBLOCK);
@@ -180,7 +187,7 @@ pub fn alloc_state<B: Backend>(
                 // Momentum is required to be positive (validated with the flags), so
                 // the buffer always exists, as in PyTorch with momentum != 0.
                 Optimizer::Sgd => OptState::Sgd {
-                    momentum: dev.alloc_f32(n, cat)?,
+                    momentum: dev.alloc(n, cfg.state_dtype, cat)?,
                 },
             })
         })

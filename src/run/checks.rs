@@ -54,7 +54,8 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
     crate::engine::validate::tensor_parallel(t, model)?;
     crate::engine::validate::loss(t)?;
     crate::engine::validate::offload_activations(t)?;
-    crate::engine::validate::sharding(t, MAX_RANKS)
+    crate::engine::validate::sharding(t, MAX_RANKS)?;
+    crate::engine::validate::step_knobs(t)
 }
 
 /// The sequence length, micro-batch, accumulation and step counts.

@@ -468,12 +468,16 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
     if named {
         s.push_str(&format!("  framework: [{}]\n", name(p.framework)));
     }
+    if report.hf_knobs.is_some_and(|h| h.optimizer_in_backward) {
+        s.push_str("optimizer_in_backward: true\n");
+    }
     if let Some(crate::report::sweep::HfKnobs {
         dropout,
         optimizer_impl: opt_impl,
         set_to_none,
         param_groups,
         loss_chunks,
+        ..
     }) = report.hf_knobs
         && p.framework == crate::engine::Framework::HfEager
     {
