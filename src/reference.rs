@@ -58,6 +58,10 @@ pub struct FixtureConfig {
     /// `use_reentrant` false (`non-reentrant`) or true (`reentrant`).
     #[serde(default = "no_checkpointing")]
     pub checkpointing: String,
+    /// torchtune's optimizer in the backward: one AdamW per parameter,
+    /// stepped from its post-accumulate-grad hook.
+    #[serde(default)]
+    pub optimizer_in_bwd: bool,
     pub peak_bytes: Categories,
     pub peak_phase: String,
 }
@@ -203,6 +207,9 @@ pub fn config(c: &FixtureConfig) -> Result<(ModelConfig, TrainConfig)> {
         dropout: c.dropout,
         optimizer_impl,
         set_to_none: c.set_to_none,
+        optimizer_in_backward: c.optimizer_in_bwd,
+        // torchtune refuses clipping with the optimizer in the backward.
+        grad_clip: if c.optimizer_in_bwd { 0.0 } else { 1.0 },
         ..TrainConfig::default()
     };
     Ok((model, train))
