@@ -306,8 +306,12 @@ impl Point {
     /// The knobs of this point that change numerics against fp32/bf16 AdamW.
     pub fn numerics_changes(&self) -> Vec<&'static str> {
         let mut v = Vec::new();
-        if self.precision.changes_numerics() {
-            v.push("fp16");
+        match self.precision {
+            Precision::Fp16 => v.push("fp16"),
+            // No master copy: updates below a weight's bf16 resolution
+            // are lost.
+            Precision::Bf16Pure => v.push("bf16-pure"),
+            _ => {}
         }
         // Against AdamW: quantized states, a factored second moment, or
         // another update rule altogether (SGD with momentum).
@@ -2276,7 +2280,7 @@ fn reasons(preds: &[Prediction], ranking: &[usize], r: &PlanRecipe) -> Vec<Strin
     }
     if !r.allow_numerics_change {
         v.push(
-            "fp16, adamw8bit, adafactor, sgd and capacity factors were not considered (allow_numerics_change: false)"
+            "fp16, bf16-pure, adamw8bit, adafactor, sgd and capacity factors were not considered (allow_numerics_change: false)"
                 .into(),
         );
     }
