@@ -710,9 +710,8 @@ impl<B: Backend> Engine<B> {
             model.pad_vocab_to = 1;
             HfRules::new(&model, &train, be.is_gpu())
         });
-        let lazy_grads = (hf.as_ref().is_some_and(|h| h.lazy_grads) || train.optimizer_in_backward)
-            && comm.is_none()
-            && pipe.is_none();
+        let lazy = hf.as_ref().is_some_and(|h| h.lazy_grads) || train.optimizer_in_backward;
+        let lazy_grads = lazy && comm.is_none() && pipe.is_none();
         let (mut specs, idx) = model.param_layout();
         let base = specs.len();
         let adapters = Self::adapters(&model, &train, &be, pipe.is_some(), &mut specs);

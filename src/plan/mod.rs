@@ -2459,6 +2459,7 @@ mod tests {
             );
             let value = match *name {
                 "set_to_none" => "false",
+                "optimizer_in_backward" => "true",
                 "optimizer_impl" => "fused",
                 "param_groups" => "trainer",
                 "lora_targets" => "[q]",

@@ -386,6 +386,31 @@ pub fn hf_training_args(report: &SweepReport, trial: &TrialRecord) -> String {
     s
 }
 
+/// The recipe's knobs of the user's stack for `p`, as plan-recipe lines:
+/// the optimizer in the backward (either framework), and hf-eager's.
+fn pinned_stack_knobs(h: &crate::report::sweep::HfKnobs, p: &Point) -> String {
+    let mut s = String::new();
+    if h.optimizer_in_backward {
+        s.push_str("optimizer_in_backward: true\n");
+    }
+    if p.framework != crate::engine::Framework::HfEager {
+        return s;
+    }
+    s.push_str(&format!(
+        "dropout: {:?}\noptimizer_impl: {}\nset_to_none: {}\n",
+        h.dropout,
+        name(h.optimizer_impl),
+        h.set_to_none
+    ));
+    if h.param_groups != Default::default() {
+        s.push_str(&format!("param_groups: {}\n", name(h.param_groups)));
+    }
+    if p.loss == crate::engine::Loss::Chunked {
+        s.push_str(&format!("loss_chunks: {}\n", h.loss_chunks));
+    }
+    s
+}
+
 /// A YAML scalar, quoted when plain would not round-trip.
 fn yaml_str(s: &str) -> String {
     serde_yaml_ng::to_string(s)
@@ -502,29 +527,8 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
     if named {
         s.push_str(&format!("  framework: [{}]\n", name(p.framework)));
     }
-    if report.hf_knobs.is_some_and(|h| h.optimizer_in_backward) {
-        s.push_str("optimizer_in_backward: true\n");
-    }
-    if let Some(crate::report::sweep::HfKnobs {
-        dropout,
-        optimizer_impl: opt_impl,
-        set_to_none,
-        param_groups,
-        loss_chunks,
-        ..
-    }) = report.hf_knobs
-        && p.framework == crate::engine::Framework::HfEager
-    {
-        s.push_str(&format!(
-            "dropout: {dropout:?}\noptimizer_impl: {}\nset_to_none: {set_to_none}\n",
-            name(opt_impl)
-        ));
-        if param_groups != Default::default() {
-            s.push_str(&format!("param_groups: {}\n", name(param_groups)));
-        }
-        if p.loss == crate::engine::Loss::Chunked {
-            s.push_str(&format!("loss_chunks: {loss_chunks}\n"));
-        }
+    if let Some(h) = report.hf_knobs {
+        s.push_str(&pinned_stack_knobs(&h, p));
     }
     if let Some(l) = report
         .lora
