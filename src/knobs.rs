@@ -154,6 +154,13 @@ knobs! {
     /// Clip gradients to this global norm; 0 turns clipping off [default: 1.0].
     #[arg(long)]
     grad_clip: f32 [train],
+    /// The optimizer step fused into the backward (torchtune's
+    /// optimizer_in_bwd): each unit's parameters are stepped as soon as
+    /// their gradients are complete, and the gradients freed; one rank, no
+    /// accumulation, no clipping (--grad-clip 0) [default: false; the bare
+    /// flag: true].
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = switch())]
+    optimizer_in_backward: bool [train],
     /// none, or full: keep only each block's input and recompute the block in the
     /// backward pass [default: none].
     #[arg(long, value_enum)]
@@ -163,7 +170,9 @@ knobs! {
     attention: Attention [train],
     /// fp32, or mixed precision: bf16, or fp16 with dynamic loss scaling;
     /// 16-bit weights, activations and gradients, fp32 master weights
-    /// (hf-eager: autocast, fp32 weights and no master copy) [default: fp32].
+    /// (hf-eager: autocast, fp32 weights and no master copy); or bf16-pure
+    /// (torchtune's dtype: bf16, model.to(torch.bfloat16)): bf16 weights,
+    /// gradients and AdamW state, no master copy [default: fp32].
     #[arg(long, value_enum)]
     precision: Precision [train],
     /// Whose allocations to hold: memfit (the engine's own) or hf-eager
@@ -377,6 +386,7 @@ impl Knobs {
             set_to_none: t.set_to_none,
             param_groups: t.param_groups,
             loss_chunks: t.loss_chunks,
+            optimizer_in_backward: t.optimizer_in_backward,
         }
     }
 }

@@ -488,11 +488,13 @@ impl Part<'_> {
                     let secs = start.elapsed().as_secs_f64();
                     times.push(secs);
                     let enough = self.opts.timing.is_some_and(|t| t.done(&times));
-                    if let (Some(loss), Some(grad_norm)) = (r.loss, r.grad_norm) {
+                    // A norm is measured wherever the loss is, except with
+                    // the optimizer in the backward.
+                    if let Some(loss) = r.loss {
                         report.steps.push(StepRecord {
                             step,
                             loss,
-                            grad_norm,
+                            grad_norm: r.grad_norm,
                             ms: secs * 1e3,
                             skipped: r.skipped,
                             loss_scale: e0.loss_scale(),

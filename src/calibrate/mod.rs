@@ -85,12 +85,14 @@ impl Calibration {
         Roofline {
             flops_per_s: match precision {
                 Precision::Fp32 => self.fp32_flops_per_s,
-                Precision::Bf16 => self.bf16_flops_per_s,
+                Precision::Bf16 | Precision::Bf16Pure => self.bf16_flops_per_s,
                 Precision::Fp16 => self.fp16_flops_per_s,
             },
             kernel_flops_per_s: match precision {
                 Precision::Fp32 => self.fp32_kernel_flops_per_s,
-                Precision::Bf16 | Precision::Fp16 => self.bf16_kernel_flops_per_s,
+                Precision::Bf16 | Precision::Fp16 | Precision::Bf16Pure => {
+                    self.bf16_kernel_flops_per_s
+                }
             },
             bytes_per_s: self.bytes_per_s,
             op_overhead_s: self.op_overhead_s,

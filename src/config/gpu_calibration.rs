@@ -107,7 +107,8 @@ impl GpuCalibration {
 pub fn precision_name(p: Precision) -> &'static str {
     match p {
         Precision::Fp32 => "fp32",
-        Precision::Bf16 => "bf16",
+        // Pure bf16 runs the same bf16 GEMMs.
+        Precision::Bf16 | Precision::Bf16Pure => "bf16",
         Precision::Fp16 => "fp16",
     }
 }

@@ -136,9 +136,9 @@ impl HardwareProfile {
 
     /// Peak dense FLOP/s for matmuls at `precision`.
     pub fn peak_flops(&self, precision: Precision) -> f64 {
-        let tflops = match precision {
+        let tflops = match precision.rate() {
             Precision::Fp32 => self.fp32_tflops,
-            Precision::Bf16 => self.bf16_tflops,
+            Precision::Bf16 | Precision::Bf16Pure => self.bf16_tflops,
             Precision::Fp16 => self.fp16_tflops,
         };
         tflops * 1e12

@@ -41,28 +41,64 @@ knob_enum! {
     /// does. Per parameter with AdamW: 2 (weights) + 2 (gradients) + 12 (fp32
     /// master, m, v) = 16 bytes, the ZeRO paper's `2 + 2 + K` with K = 12;
     /// fp32 is 4 + 4 + 8 = 16 with no master copy.
+    ///
+    /// `bf16-pure` is the other 16-bit layout: every tensor in bf16 and no
+    /// master copy, what torchtune's single-device recipes train with
+    /// (`dtype: bf16`: the model built in bf16, `torch.optim.AdamW` over
+    /// it) and what `model.to(torch.bfloat16)` + a plain optimizer gives.
+    /// AdamW's m and v are bf16 too (torch.optim makes its state
+    /// `zeros_like(param)`): 2 + 2 + 4 = 8 bytes per parameter.
     #[serde(rename_all = "lowercase")]
     pub enum Precision {
         /// IEEE single precision throughout: no master copy, no loss scaling.
         #[default]
         Fp32,
-        /// bfloat16: fp32's range, so no loss scaling.
+        /// bfloat16 mixed precision: fp32's range, so no loss scaling; an
+        /// fp32 master copy and optimizer state.
         Bf16,
         /// IEEE half with dynamic loss scaling.
         Fp16,
+        /// Pure bfloat16 (torchtune's `dtype: bf16`): bf16 weights,
+        /// gradients and optimizer state, no master copy; each update is
+        /// computed in fp32 per element and rounded when stored.
+        #[serde(rename = "bf16-pure")]
+        #[value(name = "bf16-pure")]
+        Bf16Pure,
     }
 }
 
 impl Precision {
     /// Whether the optimizer keeps fp32 master weights.
     pub fn has_master(self) -> bool {
+        matches!(self, Precision::Bf16 | Precision::Fp16)
+    }
+
+    /// Whether every tensor, the optimizer's state included, is 16-bit
+    /// (no master copy): `bf16-pure`.
+    pub fn is_pure(self) -> bool {
+        self == Precision::Bf16Pure
+    }
+
+    /// Whether the kernels compute in a 16-bit type (mixed or pure).
+    pub fn is_16bit(self) -> bool {
         self != Precision::Fp32
     }
 
+    /// The precision whose tensor-core rate the kernels run at: pure bf16
+    /// multiplies as mixed bf16 does.
+    pub fn rate(self) -> Precision {
+        match self {
+            Precision::Bf16Pure => Precision::Bf16,
+            p => p,
+        }
+    }
+
     /// Whether results may differ from fp32 beyond rounding noise (fp16's
-    /// narrow range needs loss scaling and can skip steps).
+    /// narrow range needs loss scaling and can skip steps; pure bf16
+    /// rounds every update into 8-bit-mantissa weights, so small updates
+    /// are lost, which an fp32 master copy keeps).
     pub fn changes_numerics(self) -> bool {
-        self == Precision::Fp16
+        matches!(self, Precision::Fp16 | Precision::Bf16Pure)
     }
 }
 

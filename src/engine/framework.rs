@@ -133,6 +133,10 @@ pub struct HfKnobs {
     /// torchtune's chunked loss: the parts the sequence is split into.
     #[serde(default = "super::loss::default_chunks")]
     pub loss_chunks: usize,
+    /// torchtune's `optimizer_in_bwd`, on every point of either framework
+    /// (absent from reports of before it existed: off).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub optimizer_in_backward: bool,
 }
 
 impl Default for HfKnobs {
@@ -144,6 +148,7 @@ impl Default for HfKnobs {
             set_to_none: d.set_to_none,
             param_groups: d.param_groups,
             loss_chunks: d.loss_chunks,
+            optimizer_in_backward: d.optimizer_in_backward,
         }
     }
 }
@@ -153,10 +158,11 @@ impl Default for HfKnobs {
 /// full training (LoRA users load the frozen base in the 16-bit type,
 /// `torch_dtype=torch.bfloat16`, so its activations are a 16-bit module's
 /// whatever autocast adds). The engine's kernels cannot compute autocast:
-/// such a configuration is planned on meta only.
+/// such a configuration is planned on meta only. Pure bf16 is a bf16
+/// module (`model.to(torch.bfloat16)`), never autocast.
 pub fn is_autocast(train: &TrainConfig) -> bool {
     train.framework == Framework::HfEager
-        && train.precision != super::Precision::Fp32
+        && train.precision.has_master()
         && !train.sharding.shards_optimizer()
         && train.finetune == crate::engine::Finetune::Full
 }

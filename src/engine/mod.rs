@@ -80,6 +80,11 @@ pub struct TrainConfig {
     pub momentum: f32,
     /// Global-norm clipping threshold; 0 disables.
     pub grad_clip: f32,
+    /// torchtune's `optimizer_in_bwd`: each unit's parameters are stepped
+    /// in the backward as soon as their gradients are complete, and the
+    /// gradients freed (`step.rs`, [`Engine::step_unit`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub optimizer_in_backward: bool,
     pub seed: u64,
     pub checkpointing: Checkpointing,
     pub attention: Attention,
@@ -189,7 +194,7 @@ impl Precision {
     pub fn dtype(self) -> DType {
         match self {
             Precision::Fp32 => DType::F32,
-            Precision::Bf16 => DType::Bf16,
+            Precision::Bf16 | Precision::Bf16Pure => DType::Bf16,
             Precision::Fp16 => DType::F16,
         }
     }
@@ -209,6 +214,7 @@ impl Default for TrainConfig {
             weight_decay: 0.1,
             momentum: 0.9,
             grad_clip: 1.0,
+            optimizer_in_backward: false,
             seed: 1337,
             checkpointing: Checkpointing::None,
             attention: Attention::Eager,
@@ -326,6 +332,10 @@ impl TrainConfig {
             eps: self.eps,
             weight_decay: self.weight_decay,
             momentum: self.momentum,
+            state_dtype: match self.precision.is_pure() {
+                true => DType::Bf16,
+                false => DType::F32,
+            },
         }
     }
 }
@@ -498,8 +508,14 @@ pub struct Engine<B: Backend> {
     /// hf-eager: what PyTorch holds beyond the engine's own tensors.
     hf: Option<HfRules>,
     /// hf-eager with `set_to_none` on one rank: gradients exist from the
-    /// backward that makes them to the end of the optimizer step.
+    /// backward that makes them to the end of the optimizer step. With
+    /// the optimizer in the backward (either framework): from the
+    /// backward of their unit to its step, right after it.
     lazy_grads: bool,
+    /// Whether the running backward steps each unit as its gradients are
+    /// complete (`optimizer_in_backward`, during [`Engine::step_from`]
+    /// only: [`Engine::compute_grads`] leaves the weights alone).
+    stepping: bool,
     /// LoRA: each block's adapters (empty for full training).
     adapters: Vec<Vec<Adapter>>,
     /// Which tensors train (LoRA freezes the base's).
@@ -567,6 +583,7 @@ impl Engine<crate::backend::meta::MetaBackend> {
             good_steps: 0,
             hf,
             lazy_grads: self.lazy_grads,
+            stepping: false,
             adapters: self.adapters.clone(),
             trainable: self.trainable.clone(),
             tp,
@@ -696,8 +713,8 @@ impl<B: Backend> Engine<B> {
             model.pad_vocab_to = 1;
             HfRules::new(&model, &train, be.is_gpu())
         });
-        let lazy_grads =
-            hf.as_ref().is_some_and(|h| h.lazy_grads) && comm.is_none() && pipe.is_none();
+        let lazy = hf.as_ref().is_some_and(|h| h.lazy_grads) || train.optimizer_in_backward;
+        let lazy_grads = lazy && comm.is_none() && pipe.is_none();
         let (mut specs, idx) = model.param_layout();
         let base = specs.len();
         let adapters = Self::adapters(&model, &train, &be, pipe.is_some(), &mut specs);
@@ -813,6 +830,7 @@ impl<B: Backend> Engine<B> {
             good_steps: 0,
             hf,
             lazy_grads,
+            stepping: false,
             adapters,
             trainable,
             tp,
@@ -1054,6 +1072,11 @@ impl<B: Backend> Engine<B> {
         mut next: impl FnMut() -> Batch,
     ) -> Result<StepReport, OomError> {
         self.zero_grads();
+        if self.train.optimizer_in_backward {
+            // The backward takes this step, unit by unit.
+            self.step += 1;
+            self.stepping = true;
+        }
         let mut loss_sum = Some(0.0f64);
         // d(mean over k micro-batches of the mean over n tokens) / d(token
         // loss), times fp16's loss scale (1 otherwise) and summed over
@@ -1137,7 +1160,13 @@ impl<B: Backend> Engine<B> {
             // Only the last stage computed the loss; every stage reports it.
             loss_sum = loss_sum.map(|s| p.group.all_reduce_scalar(s));
         }
-        let (grad_norm, skipped) = self.optimizer_step()?;
+        self.stepping = false;
+        let (grad_norm, skipped) = match self.train.optimizer_in_backward {
+            // Taken in the backward, with no global norm (torchtune's
+            // recipe reports none either).
+            true => (None, false),
+            false => self.optimizer_step()?,
+        };
         if self.lazy_grads {
             // zero_grad(set_to_none=True) after the update.
             release_grads(&mut self.dev, &mut self.grads);
@@ -1515,18 +1544,22 @@ fn local_update<B: Backend>(
         _ => vec![ids.collect()],
     };
     for group in groups {
+        // The temporaries are in the state's dtype (torch's
+        // `exp_avg_sq.sqrt()`): fp32, or bf16 under pure bf16, which
+        // updates the bf16 weights themselves.
         let mut foreach = Vec::new();
         if torch_impl == Some(OptimizerImpl::Foreach) {
             for &i in &group {
-                foreach.push(dev.alloc_f32(updated[i].len, Category::Optimizer)?);
+                let t = &updated[i];
+                foreach.push(dev.alloc(t.len, t.dtype, Category::Optimizer)?);
             }
         }
         let mut denom = None;
         for i in group {
             if torch_impl == Some(OptimizerImpl::SingleTensor) {
-                let len = updated[i].len;
-                let sqrt = dev.alloc_f32(len, Category::Optimizer)?;
-                let div = dev.alloc_f32(len, Category::Optimizer)?;
+                let (len, dt) = (updated[i].len, updated[i].dtype);
+                let sqrt = dev.alloc(len, dt, Category::Optimizer)?;
+                let div = dev.alloc(len, dt, Category::Optimizer)?;
                 dev.free(sqrt);
                 dev.free_opt(denom.replace(div));
             }

@@ -119,6 +119,13 @@ pub struct OptConfig {
     pub eps: f32,
     pub weight_decay: f32,
     pub momentum: f32,
+    /// The dtype of AdamW's m and v and of SGD's momentum: fp32, or bf16
+    /// under pure bf16 (torch.optim keeps them `zeros_like(param)`).
+    /// 8-bit AdamW and Adafactor keep theirs whatever the weights are
+    /// (bitsandbytes: 8-bit codes, fp32 below `min_8bit_size`;
+    /// transformers' Adafactor: made from the gradient upcast to fp32).
+    #[serde(skip)]
+    pub state_dtype: DType,
 }
 
 type T<B> = Tensor<<B as Backend>::Buf>;
@@ -185,7 +192,15 @@ pub fn alloc_state<B: Backend>(
                     }
                 }
                 Optimizer::Adamw | Optimizer::Adamw8bit => {
-                    let (m, v) = moments(dev, DType::F32)?;
+                    // torch.optim's AdamW keeps its moments in the
+                    // parameters' dtype (`zeros_like`); bitsandbytes' 32-bit
+                    // state (paged AdamW's, 8-bit AdamW's small tensors) is
+                    // fp32 whatever the parameters are.
+                    let dtype = match cfg.kind {
+                        Optimizer::Adamw => cfg.state_dtype,
+                        _ => DType::F32,
+                    };
+                    let (m, v) = moments(dev, dtype)?;
                     OptState::Adam { m, v }
                 }
                 Optimizer::Adafactor => {
@@ -217,7 +232,7 @@ pub fn alloc_state<B: Backend>(
                 // Momentum is required to be positive (validated with the flags), so
                 // the buffer always exists, as in PyTorch with momentum != 0.
                 Optimizer::Sgd => OptState::Sgd {
-                    momentum: dev.alloc_f32(n, cat)?,
+                    momentum: dev.alloc(n, cfg.state_dtype, cat)?,
                 },
                 Optimizer::PagedAdamw | Optimizer::PagedAdamw8bit => unreachable!("unpaged"),
             })

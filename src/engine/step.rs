@@ -225,6 +225,17 @@ pub(super) struct Pass<'e, B: Backend> {
     scratch: NormScratch<B>,
     /// The backward's d loss / d token loss (`Pass::backward` sets it).
     dloss: f32,
+    /// The optimizer in the backward: the master copy, the state and the
+    /// step's number, when this backward steps each unit as its gradients
+    /// are complete ([`Pass::step_unit`]).
+    stepper: Option<Stepper<'e, B>>,
+}
+
+/// What [`Pass::step_unit`] updates besides the weights.
+struct Stepper<'e, B: Backend> {
+    master: &'e mut Vec<T<B>>,
+    opt: &'e mut Vec<OptState<T<B>>>,
+    step: u64,
 }
 
 impl<'e, B: Backend> Pass<'e, B> {
@@ -248,9 +259,18 @@ impl<'e, B: Backend> Pass<'e, B> {
             ep,
             widths,
             lazy_grads,
+            master,
+            opt,
+            step,
+            stepping,
             ..
         } = e;
         let n = train.micro_batch * train.seq_len;
+        let stepper = stepping.then_some(Stepper {
+            master,
+            opt,
+            step: *step,
+        });
         let hf: &'e Option<HfRules> = hf;
         Pass {
             nl: tp.as_ref().map_or(n, |tp| tp.rows(n)),
@@ -278,6 +298,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             ep,
             scratch: None,
             dloss: 0.0,
+            stepper,
         }
     }
 
@@ -304,6 +325,61 @@ impl<'e, B: Backend> Pass<'e, B> {
     /// gradients, reduce-scattered into the shards when it is done.
     fn hook(&mut self, st: Stage, after: bool, backward: bool) -> Result<(), OomError> {
         unit_hook(self.dist, (self.dev, self.p, self.g), st, after, backward)
+    }
+
+    /// The optimizer in the backward: the trainable tensors of `ids`, whose
+    /// gradients are now complete, are stepped one by one, each gradient
+    /// freed right after its step (torchtune's `OptimizerInBackward` steps
+    /// one optimizer per parameter and `zero_grad`s it, so torch.optim's
+    /// temporaries are one parameter's at a time), in the backward's
+    /// phase. memfit steps a unit (a block, the head, the embedding) at
+    /// its end, where PyTorch steps each parameter as its AccumulateGrad
+    /// runs: a block's gradients live to the block's end. Nothing unless
+    /// this backward steps.
+    fn step_unit(&mut self, ids: impl IntoIterator<Item = usize>) -> Result<(), OomError> {
+        let Some(st) = self.stepper.as_mut() else {
+            return Ok(());
+        };
+        let cfg = self.train.opt();
+        let torch = self.hf.map(|h| (h.optimizer_impl, ParamGroups::One));
+        let mut one = vec![false; self.specs.len()];
+        for i in ids {
+            if !self.trainable[i] || self.g[i].len == 0 {
+                continue;
+            }
+            one[i] = true;
+            let states = (
+                &mut self.p[..],
+                &mut st.master[..],
+                &mut st.opt[..],
+                &self.g[..],
+            );
+            local_update(
+                self.dev,
+                states,
+                self.specs,
+                &one,
+                &cfg,
+                torch,
+                (st.step, 1.0),
+            )?;
+            one[i] = false;
+            let ph = self.dev.placeholder(self.g[i].dtype, Category::Gradients);
+            let g = std::mem::replace(&mut self.g[i], ph);
+            self.dev.free(g);
+        }
+        Ok(())
+    }
+
+    /// The optimizer in the backward under memfit's own schedule: the
+    /// gradients of `ids` made (zeroed) as their unit's backward starts
+    /// (hf-eager makes them where autograd does).
+    fn make_unit_grads(&mut self, ids: &[usize]) -> Result<(), OomError> {
+        if !self.lazy || self.hf.is_some() {
+            return Ok(());
+        }
+        let (specs, trainable) = (self.specs, self.trainable);
+        make_grads(self.dev, self.g, specs, trainable, ids, Category::Gradients)
     }
 
     /// Whether the running chunk holds the embedding and the head (the
@@ -1132,7 +1208,14 @@ impl<'e, B: Backend> Pass<'e, B> {
                     self.move_input(x, false)?;
                 }
                 let x = resid.last().expect("embedding output");
-                self.head_backward(h, targets, x, dloss, &mut head_dw)?
+                // A tied head writes the embedding's gradient first.
+                let head_unit = units.last().expect("a head unit");
+                let tied = self.idx.lm_head.is_none().then_some(self.idx.wte);
+                let ids: Vec<usize> = head_unit.iter().copied().chain(tied).collect();
+                self.make_unit_grads(&ids)?;
+                let d = self.head_backward(h, targets, x, dloss, &mut head_dw)?;
+                self.step_unit(head_unit.iter().copied())?;
+                d
             }
             None => self.recv_grad(&layers)?,
         };
@@ -1158,6 +1241,9 @@ impl<'e, B: Backend> Pass<'e, B> {
                 self.dev.free(out);
             }
             self.hook(Stage::Block(l), true, true)?;
+            let ads = self.block_adapters(l).iter().flat_map(|a| [a.a, a.b]);
+            let ids: Vec<usize> = units[l + 1].iter().copied().chain(ads).collect();
+            self.step_unit(ids)?;
         }
         // A first stage holding only the embedding sent its output on.
         let input = resid.pop();
@@ -1185,6 +1271,7 @@ impl<'e, B: Backend> Pass<'e, B> {
         }
         if first {
             self.hook(Stage::Embed, true, true)?;
+            self.step_unit(units[0].iter().copied())?;
         }
         // A pipeline's last stage has the tied head but not the embedding:
         // the head's gradient temporary ends with this backward there.
@@ -1225,9 +1312,10 @@ impl<'e, B: Backend> Pass<'e, B> {
     /// its adapters'), made as autograd first reaches them.
     fn make_block_grads(&mut self, l: usize, unit: &[usize]) -> Result<(), OomError> {
         let ads = self.block_adapters(l);
-        // The stacked experts' gradients are made by their own backward
-        // (`moe::fresh_grad`).
-        let experts = self.idx.blocks[l].moe.map(|m| [m.up, m.down]);
+        // hf-eager: the stacked experts' gradients are made by their own
+        // backward (`moe::fresh_grad`); memfit's schedule makes them here.
+        let experts =
+            (self.idx.blocks[l].moe.filter(|_| self.hf.is_some())).map(|m| [m.up, m.down]);
         let ids: Vec<usize> = (unit.iter().copied())
             .filter(|i| experts.is_none_or(|e| !e.contains(i)))
             .chain(ads.iter().flat_map(|a| [a.a, a.b]))
@@ -1469,6 +1557,8 @@ impl<'e, B: Backend> Pass<'e, B> {
             true => hf_embed_grads(self.dev, self.g, specs, trainable, idx, lazy, head_dw)?,
             false => None,
         };
+        let ids: Vec<usize> = std::iter::once(idx.wte).chain(idx.wpe).collect();
+        self.make_unit_grads(&ids)?;
         if !self.frozen {
             let part = self.tp.as_ref().map(|tp| tp.vocab(model).0);
             let gathered = gather(self.dev, self.tp.as_mut(), dres)?;

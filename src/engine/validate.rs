@@ -531,3 +531,60 @@ fn hpz_refusal(t: &TrainConfig) -> Option<String> {
         return None;
     })
 }
+
+/// Checks `--precision bf16-pure` and `--optimizer-in-backward` against
+/// the other knobs.
+///
+/// Pure bf16 (no master copy) is built for one rank, ddp, and zero3 as
+/// FSDP2 runs it (`fully_shard` of a bf16 module: bf16 weight and state
+/// shards, bf16 reduce-scatters). DeepSpeed's bf16 mode always keeps an
+/// fp32 master copy in its ZeRO-1/2 partitions and its ZeRO-Offload and
+/// ZeRO++ paths, so those are refused.
+///
+/// The optimizer step in the backward is torchtune's `optimizer_in_bwd`
+/// (pytorch/torchtune @ bd2a0fc: recipes/full_finetune_single_device.py
+/// refuses it with `gradient_accumulation_steps > 1` and with
+/// `clip_grad_norm`; torchtune/modules/optim.py's `OptimizerInBackward`
+/// steps one optimizer per parameter from its
+/// `register_post_accumulate_grad_hook` and frees the gradient), built for
+/// one rank: full training, LoRA and QLoRA (only adapters have
+/// gradients), memfit and hf-eager.
+pub fn step_knobs(t: &TrainConfig) -> Result<()> {
+    if t.precision.is_pure() {
+        let refused = match t.sharding {
+            Sharding::Zero1 | Sharding::Zero2 => Some(format!(
+                "{} is DeepSpeed's ZeRO, whose bf16 mode keeps an fp32 master copy in its partitions; pure bf16 shards as FSDP2's fully_shard of a bf16 module: use --sharding zero3, ddp or one rank",
+                name(t.sharding)
+            )),
+            _ if t.hpz_group.is_some() => Some("ZeRO++ hpZ is DeepSpeed's, which keeps an fp32 master copy; pure bf16 shards as FSDP2 does: drop --hpz-group".into()),
+            _ if t.offload.optimizer() => Some("ZeRO-Offload updates an fp32 master copy on the host; pure bf16 keeps none: drop --offload".into()),
+            _ => None,
+        };
+        if let Some(why) = refused {
+            return Err(Error::invalid_arg("--precision", why));
+        }
+    }
+    if !t.optimizer_in_backward {
+        return Ok(());
+    }
+    let flag = "--optimizer-in-backward";
+    let refused = if t.grad_accum > 1 {
+        Some("steps each parameter in the backward that completes its gradient, so gradients cannot accumulate over micro-batches (torchtune refuses gradient_accumulation_steps > 1 with optimizer_in_bwd): use --grad-accum 1".to_string())
+    } else if t.grad_clip > 0.0 {
+        Some("clipping needs the global norm of every gradient before any step, and the backward steps each unit as soon as its gradients are complete (torchtune refuses clip_grad_norm with optimizer_in_bwd): add --grad-clip 0".into())
+    } else if t.precision == super::Precision::Fp16 {
+        Some("fp16's loss scaler checks every gradient for overflow before the step, which the backward has already taken: use bf16, bf16-pure or fp32".into())
+    } else if t.ranks > 1 || t.sharding != Sharding::None {
+        Some("is built for one rank (torchtune's single-device recipes); data, tensor, pipeline and expert parallelism reduce or shard gradients across ranks before the step: use --ranks 1 and no --sharding".into())
+    } else if t.framework == Framework::HfEager && !t.set_to_none {
+        Some("torchtune's hooks free each gradient after its step (zero_grad's default set_to_none=True), so --set-to-none false changes nothing: drop it".into())
+    } else if t.framework == Framework::HfEager && t.param_groups == super::ParamGroups::Trainer {
+        Some("steps one optimizer per parameter (torchtune's OptimizerInBackward), so the Trainer's parameter groups change nothing: drop --param-groups".into())
+    } else {
+        None
+    };
+    match refused {
+        Some(why) => Err(Error::invalid_arg(flag, why)),
+        None => Ok(()),
+    }
+}

@@ -201,7 +201,7 @@ axes! {
     Attention attention: Attention = Attention::Fused;
     /// none and/or full.
     Checkpointing checkpointing: Checkpointing = Checkpointing::None;
-    /// fp32, bf16 and/or fp16.
+    /// fp32, bf16, fp16 and/or bf16-pure.
     Precision precision: Precision = Precision::Bf16;
     /// adamw, adamw8bit, paged-adamw, paged-adamw8bit, adafactor and/or sgd.
     Optimizer optimizer: Optimizer = Optimizer::Adamw;

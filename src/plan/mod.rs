@@ -124,6 +124,7 @@ pub const RECIPE_KNOBS: &[&str] = &[
     "set_to_none",
     "param_groups",
     "loss_chunks",
+    "optimizer_in_backward",
     "lora_rank",
     "lora_alpha",
     "lora_dropout",
@@ -156,7 +157,7 @@ pub const FIXED_KNOBS: &[(&str, &str)] = &[
     ("momentum", "SGD's, which plans do not offer"),
     (
         "grad_clip",
-        "plans clip at the default norm, as Hugging Face's Trainer does",
+        "plans clip at the default norm, as Hugging Face's Trainer does (and not at all with optimizer_in_backward, which torchtune refuses with clipping)",
     ),
     (
         "beta1",
@@ -305,8 +306,12 @@ impl Point {
     /// The knobs of this point that change numerics against fp32/bf16 AdamW.
     pub fn numerics_changes(&self) -> Vec<&'static str> {
         let mut v = Vec::new();
-        if self.precision.changes_numerics() {
-            v.push("fp16");
+        match self.precision {
+            Precision::Fp16 => v.push("fp16"),
+            // No master copy: updates below a weight's bf16 resolution
+            // are lost.
+            Precision::Bf16Pure => v.push("bf16-pure"),
+            _ => {}
         }
         // Against AdamW: quantized states, a factored second moment, or
         // another update rule altogether (SGD with momentum).
@@ -377,6 +382,11 @@ impl Point {
         lora: &LoraConfig,
     ) -> TrainConfig {
         let mut tc = self.train_config(seq_len);
+        if hf.optimizer_in_backward {
+            // torchtune refuses clipping with it (`validate::step_knobs`).
+            tc.optimizer_in_backward = true;
+            tc.grad_clip = 0.0;
+        }
         if self.framework == Framework::HfEager {
             tc.dropout = hf.dropout;
             tc.optimizer_impl = hf.optimizer_impl;
@@ -1060,6 +1070,9 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
     if let Err(e) = crate::engine::validate::paged(&tc) {
         return Some(why(e));
     }
+    if let Err(e) = crate::engine::validate::step_knobs(&tc) {
+        return Some(why(e));
+    }
     if p.tp_comm_overlap && !(p.tensor_parallel > 1 && p.sequence_parallel) {
         return Some(
             "tp_comm_overlap needs tensor_parallel above 1 with sequence_parallel (Megatron-LM's --tp-comm-overlap requires --sequence-parallel)".into(),
@@ -1083,23 +1096,31 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
 /// `k` for the master weights and optimizer state (gradients are `w` too),
 /// with the words the formulas name them by.
 fn state_bytes(p: &Point) -> (f64, f64, String) {
-    let mixed = p.precision != Precision::Fp32;
-    let w = if mixed { 2.0 } else { 4.0 };
-    let master = if mixed { 4.0 } else { 0.0 };
-    // A paged optimizer's state is the same bytes, wherever they live.
+    let sixteen = p.precision.is_16bit();
+    let w = if sixteen { 2.0 } else { 4.0 };
+    let master = if p.precision.has_master() { 4.0 } else { 0.0 };
+    // Pure bf16: AdamW's moments and SGD's momentum in the weights' dtype
+    // (torch.optim's `zeros_like(param)`); 8-bit AdamW's and Adafactor's
+    // state are what they are in any precision (`optim::state_dtype`).
+    let unit = if p.precision.is_pure() { 2.0 } else { 4.0 };
     let (state, state_name): (f64, &str) = match p.optimizer {
-        Optimizer::Adamw => (8.0, "AdamW"),
+        Optimizer::Adamw => (2.0 * unit, "AdamW"),
+        // bitsandbytes' 32-bit state is fp32 in any precision, wherever it lives.
         Optimizer::PagedAdamw => (8.0, "paged AdamW"),
         // Two 1-byte codes plus two fp32 absmax per 256-element block.
         Optimizer::Adamw8bit => (2.0 + 8.0 / 256.0, "8-bit AdamW"),
         Optimizer::PagedAdamw8bit => (2.0 + 8.0 / 256.0, "paged 8-bit AdamW"),
         // Factored: (rows + cols) / (rows * cols) per matrix, about 0.
         Optimizer::Adafactor => (0.0, "Adafactor"),
-        Optimizer::Sgd => (4.0, "SGD+momentum"),
+        Optimizer::Sgd => (unit, "SGD+momentum"),
     };
     let words = format!(
         "{state_name} {}",
-        if mixed { "mixed precision" } else { "fp32" }
+        match p.precision {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16Pure => "pure bf16",
+            _ => "mixed precision",
+        }
     );
     (w, master + state, words)
 }
@@ -1399,7 +1420,8 @@ pub fn roofline(hw: &HardwareProfile, precision: Precision) -> Roofline {
         bytes_per_s: m.bytes_per_s,
         op_overhead_s: m.op_overhead_s,
         gemm_curve,
-        attention_curve: (precision != Precision::Fp32)
+        attention_curve: precision
+            .is_16bit()
             .then(|| Curve::new(&m.attention_curve()))
             .flatten(),
         ..profile
@@ -1407,7 +1429,7 @@ pub fn roofline(hw: &HardwareProfile, precision: Precision) -> Roofline {
 }
 
 fn profile_roofline(hw: &HardwareProfile, precision: Precision) -> Roofline {
-    let tensor_cores = precision != Precision::Fp32;
+    let tensor_cores = precision.is_16bit();
     Roofline {
         flops_per_s: hw.peak_flops(precision) * COMPUTE_EFFICIENCY,
         kernel_flops_per_s: hw.peak_flops(precision) * COMPUTE_EFFICIENCY,
@@ -1510,7 +1532,7 @@ impl Rates {
     fn of(&self, precision: Precision) -> Roofline {
         self.roofline[match precision {
             Precision::Fp32 => 0,
-            Precision::Bf16 => 1,
+            Precision::Bf16 | Precision::Bf16Pure => 1,
             Precision::Fp16 => 2,
         }]
     }
@@ -2364,7 +2386,7 @@ fn reasons(preds: &[Prediction], ranking: &[usize], r: &PlanRecipe) -> Vec<Strin
     }
     if !r.allow_numerics_change {
         v.push(
-            "fp16, adamw8bit, adafactor, sgd and capacity factors were not considered (allow_numerics_change: false)"
+            "fp16, bf16-pure, adamw8bit, adafactor, sgd and capacity factors were not considered (allow_numerics_change: false)"
                 .into(),
         );
     }
@@ -2543,6 +2565,7 @@ mod tests {
             );
             let value = match *name {
                 "set_to_none" => "false",
+                "optimizer_in_backward" => "true",
                 "optimizer_impl" => "fused",
                 "param_groups" => "trainer",
                 "lora_targets" => "[q]",

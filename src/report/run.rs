@@ -14,7 +14,11 @@ use crate::units::fmt_bytes;
 pub struct StepRecord {
     pub step: usize,
     pub loss: f32,
-    pub grad_norm: f32,
+    /// The gradient's global norm before clipping; absent with the
+    /// optimizer in the backward, which steps each unit before the last
+    /// gradient exists (torchtune's recipe reports none either).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grad_norm: Option<f32>,
     pub ms: f64,
     /// The update was skipped because the gradient was not finite.
     pub skipped: bool,
@@ -402,10 +406,10 @@ fn write_steps(s: &mut String, r: &RunReport) {
             let tps = r.tokens_per_step as f64 / (st.ms / 1e3);
             let _ = writeln!(
                 s,
-                "{:>5} {:>9.4} {:>9.4} {:>10.1} {:>10.0}{}",
+                "{:>5} {:>9.4} {:>9} {:>10.1} {:>10.0}{}",
                 st.step,
                 st.loss,
-                st.grad_norm,
+                st.grad_norm.map_or("-".into(), |g| format!("{g:.4}")),
                 st.ms,
                 tps,
                 if st.skipped { "  skipped" } else { "" }

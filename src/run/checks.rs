@@ -64,7 +64,8 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
             ),
         ));
     }
-    crate::engine::validate::sharding(t, MAX_RANKS)
+    crate::engine::validate::sharding(t, MAX_RANKS)?;
+    crate::engine::validate::step_knobs(t)
 }
 
 /// The sequence length, micro-batch, accumulation and step counts.

@@ -267,9 +267,15 @@ pub fn hf_training_args(report: &SweepReport, trial: &TrialRecord) -> String {
         p.gpus,
         if p.gpus == 1 { "" } else { "s" }
     ));
+    let pure = p.precision.is_pure();
     match p.sharding {
         Sharding::Ddp => s.push_str(&format!(
             "# Launch on {n} GPUs with DDP: torchrun --nproc_per_node={n} train.py\n",
+            n = p.gpus
+        )),
+        // Pure bf16 shards as FSDP2 does; DeepSpeed would keep a master.
+        Sharding::Zero3 if pure => s.push_str(&format!(
+            "# Launch on {n} GPUs with FSDP2 (full shard of the bf16 model): torchrun --nproc_per_node={n} train.py\n",
             n = p.gpus
         )),
         Sharding::Zero1 | Sharding::Zero2 | Sharding::Zero3 => s.push_str(&format!(
@@ -296,8 +302,18 @@ pub fn hf_training_args(report: &SweepReport, trial: &TrialRecord) -> String {
             "memfit measured eager attention (B x H x T x T probabilities kept)",
         ),
     };
+    // Pure bf16: the model itself in bf16, so the optimizer's state is too.
+    let dtype = match pure {
+        true => {
+            "    torch_dtype=torch.bfloat16,  # pure bf16: bf16 weights, gradients and AdamW state, no fp32 master\n"
+        }
+        false => "",
+    };
+    if pure {
+        s.push_str("import torch\n");
+    }
     s.push_str(&format!(
-        "model = AutoModelForCausalLM.from_pretrained(\n    CHECKPOINT,\n    attn_implementation={},  # {why}\n)\n\n",
+        "model = AutoModelForCausalLM.from_pretrained(\n    CHECKPOINT,\n    attn_implementation={},  # {why}\n{dtype})\n\n",
         py_str(attn)
     ));
     s.push_str("training_args = TrainingArguments(\n");
@@ -333,11 +349,29 @@ pub fn hf_training_args(report: &SweepReport, trial: &TrialRecord) -> String {
         }
         Optimizer::Adafactor | Optimizer::PagedAdamw | Optimizer::PagedAdamw8bit => {}
     }
-    arg("max_grad_norm", py_float(clean(tc.grad_clip)));
-    if stage > 0 {
+    let in_bwd = report.hf_knobs.is_some_and(|h| h.optimizer_in_backward);
+    let clip = if in_bwd { 0.0 } else { tc.grad_clip };
+    arg("max_grad_norm", py_float(clean(clip)));
+    if pure && p.sharding == Sharding::Zero3 {
+        arg("fsdp", py_str("full_shard"));
+        arg("fsdp_config", "{\"fsdp_version\": 2}".into());
+    } else if stage > 0 {
         arg("deepspeed", py_str("ds_config.json"));
     }
     s.push_str(")\n");
+    if pure {
+        s.push_str(
+            "# bf16=False: the model is already bf16 (autocast would change nothing); DeepSpeed is not used,\n\
+             # its bf16 mode always keeps an fp32 master copy, so no ds_config.json is written.\n",
+        );
+    }
+    if in_bwd {
+        s.push_str(
+            "# memfit planned the optimizer step inside the backward (torchtune's optimizer_in_bwd: True,\n\
+             # one optimizer per parameter stepped from register_post_accumulate_grad_hook, max_grad_norm 0);\n\
+             # the Trainer has no such option: run torchtune's recipe, or register the hooks yourself.\n",
+        );
+    }
     match p.optimizer {
         Optimizer::Adamw8bit => s.push_str(
             "# adamw_bnb_8bit needs bitsandbytes (pip install bitsandbytes).\n",
@@ -359,6 +393,31 @@ pub fn hf_training_args(report: &SweepReport, trial: &TrialRecord) -> String {
             py_float(clean(opt.weight_decay))
         )),
         Optimizer::Adamw => {}
+    }
+    s
+}
+
+/// The recipe's knobs of the user's stack for `p`, as plan-recipe lines:
+/// the optimizer in the backward (either framework), and hf-eager's.
+fn pinned_stack_knobs(h: &crate::report::sweep::HfKnobs, p: &Point) -> String {
+    let mut s = String::new();
+    if h.optimizer_in_backward {
+        s.push_str("optimizer_in_backward: true\n");
+    }
+    if p.framework != crate::engine::Framework::HfEager {
+        return s;
+    }
+    s.push_str(&format!(
+        "dropout: {:?}\noptimizer_impl: {}\nset_to_none: {}\n",
+        h.dropout,
+        name(h.optimizer_impl),
+        h.set_to_none
+    ));
+    if h.param_groups != Default::default() {
+        s.push_str(&format!("param_groups: {}\n", name(h.param_groups)));
+    }
+    if p.loss == crate::engine::Loss::Chunked {
+        s.push_str(&format!("loss_chunks: {}\n", h.loss_chunks));
     }
     s
 }
@@ -479,25 +538,8 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
     if named {
         s.push_str(&format!("  framework: [{}]\n", name(p.framework)));
     }
-    if let Some(crate::report::sweep::HfKnobs {
-        dropout,
-        optimizer_impl: opt_impl,
-        set_to_none,
-        param_groups,
-        loss_chunks,
-    }) = report.hf_knobs
-        && p.framework == crate::engine::Framework::HfEager
-    {
-        s.push_str(&format!(
-            "dropout: {dropout:?}\noptimizer_impl: {}\nset_to_none: {set_to_none}\n",
-            name(opt_impl)
-        ));
-        if param_groups != Default::default() {
-            s.push_str(&format!("param_groups: {}\n", name(param_groups)));
-        }
-        if p.loss == crate::engine::Loss::Chunked {
-            s.push_str(&format!("loss_chunks: {loss_chunks}\n"));
-        }
+    if let Some(h) = report.hf_knobs {
+        s.push_str(&pinned_stack_knobs(&h, p));
     }
     if let Some(l) = report
         .lora
@@ -621,10 +663,14 @@ pub fn write_exports(report: &SweepReport, dir: &Path) -> Result<Vec<PathBuf>> {
         .expect("a JSON value serializes");
     ds.push('\n');
     let mut files = vec![
-        ("ds_config.json", ds),
         ("training_args.py", hf_training_args(report, trial)),
         ("recommended.yaml", pinned_recipe(report, trial, dir)),
     ];
+    // DeepSpeed's bf16 mode always keeps an fp32 master copy: pure bf16
+    // has no DeepSpeed config (training_args.py says so).
+    if !trial.point.precision.is_pure() {
+        files.insert(0, ("ds_config.json", ds));
+    }
     if let Some(peft) = peft_config(report, trial) {
         files.push(("peft_config.py", peft));
     }
@@ -1129,5 +1175,66 @@ mod tests {
         r.recommendation = None;
         assert!(write_exports(&r, &dir).unwrap().is_empty());
         assert!(!dir.exists());
+    }
+
+    /// Pure bf16 has no DeepSpeed layout (its bf16 mode always keeps an
+    /// fp32 master): no ds_config.json, the model loaded in bf16 without
+    /// autocast, FSDP2 for zero3; the optimizer in the backward turns
+    /// clipping off and is pinned in the recipe.
+    #[test]
+    fn pure_bf16_exports_no_deepspeed_config_and_loads_the_model_in_bf16() {
+        let dir = std::env::temp_dir().join(format!("memfit-export-pure-{}", std::process::id()));
+        let write = |r: &SweepReport| {
+            let _ = std::fs::remove_dir_all(&dir);
+            let paths = write_exports(r, &dir).unwrap();
+            let names: Vec<_> = paths
+                .iter()
+                .map(|p| p.file_name().unwrap().to_str().unwrap().to_string())
+                .collect();
+            assert_eq!(names, ["training_args.py", "recommended.yaml"]);
+            let py = std::fs::read_to_string(&paths[0]).unwrap();
+            let yaml = std::fs::read_to_string(&paths[1]).unwrap();
+            (py, yaml)
+        };
+        let p = point(
+            2,
+            Precision::Bf16Pure,
+            Optimizer::Adamw,
+            Sharding::Zero3,
+            4,
+            2,
+        );
+        let (py, _) = write(&report(vec![trial(p)]));
+        for needle in [
+            "torch_dtype=torch.bfloat16",
+            "bf16=False",
+            "fsdp=\"full_shard\"",
+            "FSDP2",
+        ] {
+            assert!(py.contains(needle), "{needle} missing from:\n{py}");
+        }
+        assert!(!py.contains("deepspeed="), "{py}");
+        // One GPU, the optimizer in the backward: no clipping, said so.
+        let p = point(
+            2,
+            Precision::Bf16Pure,
+            Optimizer::Adamw,
+            Sharding::None,
+            1,
+            1,
+        );
+        let mut r = report(vec![trial(p)]);
+        r.hf_knobs = Some(crate::report::sweep::HfKnobs {
+            optimizer_in_backward: true,
+            ..Default::default()
+        });
+        let (py, yaml) = write(&r);
+        for needle in ["max_grad_norm=0.0", "optimizer_in_bwd"] {
+            assert!(py.contains(needle), "{needle} missing from:\n{py}");
+        }
+        let back: PlanRecipe = serde_yaml_ng::from_str(&yaml).expect(&yaml);
+        assert_eq!(back.grid.precision, vec![Precision::Bf16Pure]);
+        assert!(back.hf_knobs().optimizer_in_backward, "{yaml}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -46,6 +46,7 @@ mod pipeline;
 mod pipeline_cli;
 mod plan;
 mod plan_render;
+mod pure_bf16;
 mod qlora_experts;
 mod sharding;
 mod slurm;

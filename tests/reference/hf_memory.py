@@ -410,6 +410,7 @@ BASE = dict(
     loss="full",
     groups="one",
     checkpointing="none",
+    optimizer_in_bwd=False,
 )
 
 
@@ -439,6 +440,8 @@ def cfg(model, **kw):
         name += "-" + c["groups"] + "groups"
     if c["checkpointing"] != "none":
         name += "-ckpt-" + c["checkpointing"]
+    if c["optimizer_in_bwd"]:
+        name += "-inbwd"
     c["name"] = name
     return c
 
@@ -556,6 +559,22 @@ def all_configs():
     out.append(cfg("gemma-3-1b-18l", batch=2, seq_len=640, attention="sdpa", set_to_none=False, optimizer="adamw-single-tensor"))
     out.append(cfg("gemma-3-1b-18l", batch=3, seq_len=320, precision="bf16-autocast", attention="sdpa"))
     out.append(cfg("gemma-3-1b-18l", batch=3, seq_len=576, precision="bf16-autocast", set_to_none=False, optimizer="adamw-single-tensor"))
+    # Pure bf16 (`bf16-model`: the module in bf16, AdamW's state bf16, no
+    # master copy; torchtune's `dtype: bf16`) at shapes no other config
+    # uses: an untied Llama at an odd T with single-tensor AdamW (peak in
+    # the backward), Qwen3 short enough to peak in the optimizer step, and
+    # GPT-2 with torchtune's chunked loss.
+    out.append(cfg("tinyllama-4l", batch=1, seq_len=333, precision="bf16-model", attention="sdpa", optimizer="adamw-single-tensor"))
+    out.append(cfg("qwen3-0.6b-4l", batch=1, seq_len=77, precision="bf16-model"))
+    out.append(cfg("gpt2", batch=2, seq_len=500, precision="bf16-model", loss="chunked-4", optimizer="adamw-single-tensor"))
+    # torchtune's optimizer in the backward (`optimizer_in_bwd`: one AdamW
+    # per parameter, stepped and zero_grad'ed from its
+    # register_post_accumulate_grad_hook), pure bf16 and fp32, with and
+    # without torchtune's chunked loss and activation checkpointing.
+    out.append(cfg("llama-1b-4l", batch=2, seq_len=384, precision="bf16-model", optimizer_in_bwd=True))
+    out.append(cfg("tinyllama-4l", batch=1, seq_len=700, precision="bf16-model", attention="sdpa", loss="chunked-8", optimizer_in_bwd=True))
+    out.append(cfg("gpt2", batch=2, seq_len=200, optimizer="adamw-single-tensor", optimizer_in_bwd=True))
+    out.append(cfg("qwen3-0.6b-4l", batch=2, seq_len=448, precision="bf16-model", attention="sdpa", checkpointing="non-reentrant", optimizer_in_bwd=True))
     return out
 
 
@@ -618,6 +637,44 @@ def chunked_loss(model, x, chunks):
         )
         del logits
     return total / total_elements
+
+
+class InBackward:
+    """torchtune's optimizer in the backward (torchtune/modules/optim.py,
+    `OptimizerInBackward`, pytorch/torchtune @ bd2a0fc, written out:
+    torchtune itself is not installed): one optimizer per parameter, whose
+    `register_post_accumulate_grad_hook` steps it and then `zero_grad()`s
+    it (set_to_none, freeing the gradient); `step` and `zero_grad` of the
+    loop are no-ops. The hooks are registered after the forward and
+    removed after the backward: MemTracker installs its own
+    post-accumulate hook (which reads `p.grad`) during the forward, and
+    hooks run in registration order, so MemTracker sees each gradient
+    before the step frees it, as it would with torchtune's hooks
+    registered after its own."""
+
+    def __init__(self, model, make):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizers = [make([p]) for p in self.params]
+        self.handles = []
+
+    def register(self):
+        for p, o in zip(self.params, self.optimizers):
+            def hook(param, o=o):
+                o.step()
+                o.zero_grad()
+
+            self.handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def step(self):
+        pass
+
+    def zero_grad(self, set_to_none=True):
+        pass
 
 
 # -------------------------------------------------------------- tracking ----
@@ -698,13 +755,18 @@ def run_config(c, device="cpu"):
             torch.set_default_dtype(previous)
         dtypes = sorted({str(p.dtype) for p in model.parameters()})
         n_params = sum(p.numel() for p in model.parameters())
-        opt = torch.optim.AdamW(
-            param_groups(model, c["groups"]),
-            lr=1e-4,
-            weight_decay=0.01,
-            foreach=(c["optimizer"] == "adamw-foreach"),
-            fused=False,
-        )
+
+        def adamw(params):
+            return torch.optim.AdamW(
+                params,
+                lr=1e-4,
+                weight_decay=0.01,
+                foreach=(c["optimizer"] == "adamw-foreach"),
+                fused=False,
+            )
+
+        in_bwd = InBackward(model, adamw) if c["optimizer_in_bwd"] else None
+        opt = in_bwd if in_bwd is not None else adamw(param_groups(model, c["groups"]))
         vocab = hf_fields["vocab_size"]
         x = torch.randint(0, vocab, (c["batch"], c["seq_len"]), dtype=torch.long)
 
@@ -722,7 +784,11 @@ def run_config(c, device="cpu"):
                 else:
                     loss = chunked_loss(model, x, int(c["loss"].split("-")[1]))
             ph("backward")
+            if in_bwd is not None:
+                in_bwd.register()
             loss.backward()
+            if in_bwd is not None:
+                in_bwd.remove()
             del loss
             ph("optimizer")
             opt.step()
@@ -732,7 +798,8 @@ def run_config(c, device="cpu"):
 
         step()  # step 1, untracked: creates AdamW's state
         mt = PhaseMemTracker()
-        mt.track_external(model, opt, x)
+        optimizers = in_bwd.optimizers if in_bwd is not None else [opt]
+        mt.track_external(model, *optimizers, x)
         with mt:
             mt.set_phase("start")
             step(mt)
@@ -780,6 +847,7 @@ def run_config(c, device="cpu"):
             loss=c["loss"],
             groups=c["groups"],
             checkpointing=c["checkpointing"],
+            optimizer_in_bwd=c["optimizer_in_bwd"],
             device=f"fake-{dev}",
             # How transformers ran the experts (None without them).
             experts_implementation=getattr(model.config, "_experts_implementation", None)

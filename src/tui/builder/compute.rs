@@ -487,6 +487,9 @@ pub fn to_yaml(r: &PlanRecipe) -> String {
     if hf.param_groups != d.param_groups {
         let _ = writeln!(s, "param_groups: {}", crate::plan::name(hf.param_groups));
     }
+    if hf.optimizer_in_backward {
+        let _ = writeln!(s, "optimizer_in_backward: true");
+    }
     if let Some(c) = k.loss_chunks {
         let _ = writeln!(s, "loss_chunks: {c}");
     }
