@@ -135,6 +135,11 @@ pub struct TrainConfig {
     /// `chunked`: the parts the sequence is split into.
     #[serde(default = "loss::default_chunks")]
     pub loss_chunks: usize,
+    /// hf-eager only: Liger's RMSNorm, SwiGLU and RoPE kernels in place of
+    /// transformers' (`apply_liger_kernel_to_<family>()`, `framework.rs`);
+    /// absent from reports of before it existed.
+    #[serde(default)]
+    pub liger: bool,
     /// Full training, or LoRA adapters on frozen weights (`lora.rs`).
     pub finetune: Finetune,
     pub lora: LoraConfig,
@@ -230,6 +235,7 @@ impl Default for TrainConfig {
             param_groups: ParamGroups::One,
             loss: Loss::Full,
             loss_chunks: loss::DEFAULT_CHUNKS,
+            liger: false,
             finetune: Finetune::Full,
             lora: LoraConfig::default(),
             offload: Offload::None,

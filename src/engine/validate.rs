@@ -270,6 +270,15 @@ pub fn loss(t: &TrainConfig) -> Result<()> {
     }
 }
 
+/// Checks `--liger` against the framework and the model
+/// (`framework::liger_unsupported`).
+pub fn liger(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
+    match super::framework::liger_unsupported(model, t).filter(|_| t.liger) {
+        Some(why) => Err(Error::invalid_arg("--liger", why)),
+        None => Ok(()),
+    }
+}
+
 /// Checks `--offload-activations`: it moves what a checkpointed block
 /// saves, its input, so it needs full checkpointing (torchtune pairs the
 /// two; without checkpointing it would offload every saved tensor, which

@@ -53,6 +53,7 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
     }
     crate::engine::validate::tensor_parallel(t, model)?;
     crate::engine::validate::loss(t)?;
+    crate::engine::validate::liger(t, model)?;
     crate::engine::validate::offload_activations(t)?;
     crate::engine::validate::sharding(t, MAX_RANKS)
 }

@@ -474,6 +474,7 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
         set_to_none,
         param_groups,
         loss_chunks,
+        liger,
     }) = report.hf_knobs
         && p.framework == crate::engine::Framework::HfEager
     {
@@ -486,6 +487,9 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
         }
         if p.loss == crate::engine::Loss::Chunked {
             s.push_str(&format!("loss_chunks: {loss_chunks}\n"));
+        }
+        if liger {
+            s.push_str("liger: true\n");
         }
     }
     if let Some(l) = report
