@@ -188,9 +188,6 @@ pub fn liger_unsupported(model: &ModelConfig, train: &TrainConfig) -> Option<Str
         Family::Llama if model.qk_norm.is_some() => Some(
             "Liger swaps Qwen3's q/k norms only when patched before the model is built, not on an instance (the Trainer's use_liger_kernel), so which ones a run has is not in its config",
         ),
-        Family::Llama if train.tensor_parallel > 1 => Some(
-            "Liger under tensor parallelism (DTensor inputs gathered whole) has no memfit rule",
-        ),
         Family::Llama => None,
     };
     why.map(|w| format!("{name}: {w}; leave --liger out"))
