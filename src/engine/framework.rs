@@ -775,6 +775,15 @@ impl<'a> Step<'a> {
             ..
         } = *self;
         let f32 = DType::F32;
+        if train.attention == Attention::FlashAttention2 && self.cuda {
+            // flash_attn's `mha_fwd` (Dao-AILab/flash-attention @ 0251105a:
+            // csrc/flash_attn/flash_api.cpp) makes `rng_state`, two int64
+            // on the GPU, whatever the dropout, and `FlashAttnFunc` saves
+            // it with q, k, v, the output and the log-sum-exp (flash_attn/
+            // flash_attn_interface.py); sdpa's flash kernel keeps its
+            // philox seed and offset as host scalars without dropout.
+            block.push((4, DType::U32));
+        }
         if math {
             if !gpt2 && kv < q {
                 // eager_attention_forward calls repeat_kv on k and v
@@ -782,7 +791,7 @@ impl<'a> Step<'a> {
                 // matmuls save, n_head wide instead of n_kv_head.
                 block.extend([(n * (q - kv), dt); 2]);
             }
-            if train.attention == Attention::Fused {
+            if train.attention.fused() {
                 // The math path's probabilities, where flash keeps only the
                 // log-sum-exp (the engine's fused saved set).
                 block.push((scores, dt));

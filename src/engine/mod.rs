@@ -894,7 +894,7 @@ impl<B: Backend> Engine<B> {
             false => self.train.precision.dtype(),
         };
         let shape = attn_shape(&self.model, &self.train);
-        let fused = self.train.attention == Attention::Fused;
+        let fused = self.train.attention.fused();
         let bytes = self.dev.be.workspace_bytes(shape, fused, wdt);
         let ws = self.dev.alloc_f32(bytes.div_ceil(4), Category::Workspace)?;
         let placeholder = std::mem::replace(&mut self.workspace, ws);

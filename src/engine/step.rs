@@ -826,7 +826,7 @@ impl<'e, B: Backend> Pass<'e, B> {
                 (self.dev).attention_forward_with(&mut atty, &mut att, tanh.as_mut(), qkv, s, o);
                 (att, tanh)
             }
-            Attention::Fused => {
+            Attention::Fused | Attention::FlashAttention2 => {
                 let mut lse = self.dev.alloc_f32(s.b * s.n_head * s.t, act)?;
                 let ws = &mut *self.workspace;
                 (self.dev).flash_attention_forward_with(&mut atty, &mut lse, qkv, ws, s, o);
@@ -1455,7 +1455,7 @@ impl<'e, B: Backend> Pass<'e, B> {
                 (self.dev).attention_backward_with(&mut dqkv, &mut datt, &datty, saved, s, o);
                 self.dev.free(datt);
             }
-            Attention::Fused => {
+            Attention::Fused | Attention::FlashAttention2 => {
                 let (saved, ws) = ((&a.atty, &a.att, &a.qkv), &mut *self.workspace);
                 (self.dev).flash_attention_backward_with(&mut dqkv, &datty, saved, ws, s, o);
             }

@@ -995,6 +995,9 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
     if let Err(e) = crate::engine::validate::liger(&tc, model) {
         return Some(why(e));
     }
+    if let Err(e) = crate::engine::validate::flash_attention_2(&tc) {
+        return Some(why(e));
+    }
     if let Err(e) = crate::engine::validate::offload_activations(&tc) {
         return Some(why(e));
     }

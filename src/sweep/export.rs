@@ -280,9 +280,10 @@ pub fn hf_training_args(report: &SweepReport, trial: &TrialRecord) -> String {
     // The attention kernel is part of what was measured: eager keeps the
     // B x H x T x T probabilities for the backward pass, fused does not.
     let (attn, why) = match p.attention {
-        Attention::Fused => (
-            "sdpa",
-            "memfit measured fused attention; \"flash_attention_2\" is fused too",
+        Attention::Fused => ("sdpa", "memfit measured fused attention"),
+        Attention::FlashAttention2 => (
+            "flash_attention_2",
+            "memfit planned FlashAttention-2 (pip install flash-attn)",
         ),
         Attention::Eager => (
             "eager",
@@ -327,6 +328,19 @@ pub fn hf_training_args(report: &SweepReport, trial: &TrialRecord) -> String {
         Optimizer::Adafactor => {}
     }
     arg("max_grad_norm", py_float(clean(tc.grad_clip)));
+    // Liger's kernels (hf-eager's `liger`); the Trainer's default config
+    // also fuses the head with the loss, which memfit's `loss` says.
+    let liger = report.hf_knobs.is_some_and(|h| h.liger)
+        && p.framework == crate::engine::Framework::HfEager;
+    if liger {
+        arg("use_liger_kernel", "True".into());
+        if p.loss != crate::engine::Loss::FusedLinear {
+            arg(
+                "liger_kernel_config",
+                "{\"fused_linear_cross_entropy\": False}".into(),
+            );
+        }
+    }
     if stage > 0 {
         arg("deepspeed", py_str("ds_config.json"));
     }
@@ -886,6 +900,7 @@ mod tests {
             let py = hf_training_args(&report(vec![t.clone()]), &t);
             let want = match attention {
                 Attention::Fused => "    attn_implementation=\"sdpa\",",
+                Attention::FlashAttention2 => "    attn_implementation=\"flash_attention_2\",",
                 Attention::Eager => "    attn_implementation=\"eager\",",
             };
             assert!(py.contains(want), "{py}");

@@ -210,3 +210,89 @@ fn what_liger_is_not_modelled_for_is_refused_by_name() {
     assert!(err.contains("leave `liger` out"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `--attention flash-attention-2` is sdpa's fused kernel plus flash_attn's
+/// rng state (two int64 per layer, on the GPU); it is refused where
+/// flash_attn cannot run (fp32, a cpu device) and with memfit's engine.
+#[test]
+fn flash_attention_2_holds_sdpas_tensors_and_its_rng_state() {
+    let model = load_model("llama-tiny").unwrap();
+    let t = |attention| TrainConfig {
+        attention,
+        precision: Precision::Bf16,
+        ..tc(true)
+    };
+    let peak = |attention| {
+        let mut e = Engine::new(
+            model.clone(),
+            t(attention),
+            MetaBackend::emulating_cuda(),
+            None,
+        )
+        .unwrap();
+        e.step_from(1, || unreachable!("meta reads no batch"))
+            .unwrap();
+        e.dev.tracker.peak_bytes()
+    };
+    use memfit::engine::Attention;
+    let (sdpa, fa2) = (peak(Attention::Fused), peak(Attention::FlashAttention2));
+    assert_eq!(
+        fa2.activations - sdpa.activations,
+        16 * model.n_layer as u64
+    );
+    assert_eq!(
+        (fa2.total - fa2.activations),
+        (sdpa.total - sdpa.activations)
+    );
+    let bytes = |r: &HfRules| {
+        r.block_saved
+            .iter()
+            .map(|&(e, d)| e * d.size())
+            .sum::<usize>()
+    };
+    let cpu = HfRules::new(&model, &t(Attention::FlashAttention2), false);
+    assert_eq!(
+        bytes(&cpu),
+        bytes(&HfRules::new(&model, &t(Attention::Fused), false))
+    );
+
+    let run = [
+        "run",
+        "--model",
+        "llama-tiny",
+        "--steps",
+        "1",
+        "--seq-len",
+        "32",
+    ];
+    let fa2 = ["--attention", "flash-attention-2"];
+    let hf = ["--framework", "hf-eager"];
+    refused(
+        &[&run[..], &fa2, &["--device", "meta:rtx-4090"]].concat(),
+        "add --framework hf-eager",
+    );
+    refused(
+        &[&run[..], &fa2, &hf, &["--device", "meta:rtx-4090"]].concat(),
+        "flash-attention-2 computes in fp16 or bf16 only",
+    );
+    refused(
+        &[
+            &run[..],
+            &fa2,
+            &hf,
+            &["--device", "meta", "--precision", "bf16"],
+        ]
+        .concat(),
+        "runs on CUDA GPUs only",
+    );
+    let out = memfit(
+        &[
+            &run[..],
+            &["--attention", "flash_attention_2"],
+            &hf,
+            &["--device", "meta:rtx-4090", "--precision", "bf16"],
+        ]
+        .concat(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+}
