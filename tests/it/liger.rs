@@ -296,3 +296,32 @@ fn flash_attention_2_holds_sdpas_tensors_and_its_rng_state() {
     );
     assert!(out.status.success(), "{}", stderr(&out));
 }
+
+/// The figures docs/hf-eager.md and docs/finetuning.md quote for the
+/// recipe (peak GiB with the runtime overhead, tokens/s).
+#[test]
+fn the_fa2_liger_recipe_plans_the_documented_figures() {
+    let recipe = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/recipes/llama-8b-hf-fa2-liger-4090.yaml"
+    );
+    let out = memfit(&["plan", recipe, "--format", "json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let plan = json(&out);
+    let want = [
+        ("lora", 1, 17.24, 1986.0),
+        ("lora", 4, 19.96, 2139.0),
+        ("qlora", 1, 7.95, 1875.0),
+        ("qlora", 4, 12.06, 2106.0),
+    ];
+    for (tune, mb, gib, tokens) in want {
+        let p = (plan["points"].as_array().unwrap().iter())
+            .find(|p| p["point"]["finetune"] == tune && p["point"]["micro_batch"] == mb)
+            .unwrap_or_else(|| panic!("{tune} mb{mb}"));
+        let total = p["total_bytes"].as_f64().unwrap() / (1u64 << 30) as f64;
+        assert_eq!(format!("{total:.2}"), format!("{gib:.2}"), "{tune} mb{mb}");
+        let tps = p["tokens_per_s"].as_f64().unwrap();
+        assert_eq!(tps.round(), tokens, "{tune} mb{mb}");
+        assert_eq!(p["point"]["attention"], "flash-attention-2");
+    }
+}
