@@ -396,6 +396,33 @@ fn file_seen_from(dir: &Path, file: &str) -> String {
     }
 }
 
+/// The pinned recipe's hf-eager keys: the recipe's values, the ones off
+/// their defaults and those the point uses.
+fn hf_knob_keys(hf: crate::report::sweep::HfKnobs, p: &Point) -> String {
+    let crate::report::sweep::HfKnobs {
+        dropout,
+        optimizer_impl: opt_impl,
+        set_to_none,
+        param_groups,
+        loss_chunks,
+        liger,
+    } = hf;
+    let mut s = format!(
+        "dropout: {dropout:?}\noptimizer_impl: {}\nset_to_none: {set_to_none}\n",
+        name(opt_impl)
+    );
+    if param_groups != Default::default() {
+        s.push_str(&format!("param_groups: {}\n", name(param_groups)));
+    }
+    if p.loss == crate::engine::Loss::Chunked {
+        s.push_str(&format!("loss_chunks: {loss_chunks}\n"));
+    }
+    if liger {
+        s.push_str("liger: true\n");
+    }
+    s
+}
+
 /// The recipe pinned to `trial`'s point: the report's model, hardware,
 /// seq_len, global_batch, headroom, price and numerics policy, and a grid of
 /// one-value lists. `memfit plan recommended.yaml` replans exactly that point.
@@ -482,29 +509,10 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
     if named {
         s.push_str(&format!("  framework: [{}]\n", name(p.framework)));
     }
-    if let Some(crate::report::sweep::HfKnobs {
-        dropout,
-        optimizer_impl: opt_impl,
-        set_to_none,
-        param_groups,
-        loss_chunks,
-        liger,
-    }) = report.hf_knobs
-        && p.framework == crate::engine::Framework::HfEager
+    if p.framework == crate::engine::Framework::HfEager
+        && let Some(hf) = report.hf_knobs
     {
-        s.push_str(&format!(
-            "dropout: {dropout:?}\noptimizer_impl: {}\nset_to_none: {set_to_none}\n",
-            name(opt_impl)
-        ));
-        if param_groups != Default::default() {
-            s.push_str(&format!("param_groups: {}\n", name(param_groups)));
-        }
-        if p.loss == crate::engine::Loss::Chunked {
-            s.push_str(&format!("loss_chunks: {loss_chunks}\n"));
-        }
-        if liger {
-            s.push_str("liger: true\n");
-        }
+        s.push_str(&hf_knob_keys(hf, p));
     }
     if let Some(l) = report
         .lora
@@ -1016,6 +1024,47 @@ mod tests {
             Some(64 << 30),
             "{yaml}"
         );
+    }
+
+    /// hf-eager's `liger` is pinned with the point and exported as the
+    /// Trainer's `use_liger_kernel`; flash-attention-2 as transformers
+    /// spells it.
+    #[test]
+    fn liger_and_flash_attention_2_are_pinned_and_exported() {
+        let mut p = point(1, Precision::Bf16, Optimizer::Adamw, Sharding::None, 1, 16);
+        p.framework = crate::engine::Framework::HfEager;
+        p.attention = Attention::FlashAttention2;
+        p.loss = crate::engine::Loss::FusedLinear;
+        let t = trial(p);
+        let mut r = report(vec![t.clone()]);
+        r.hf_knobs = Some(crate::engine::framework::HfKnobs {
+            liger: true,
+            ..Default::default()
+        });
+        let yaml = pinned_recipe(&r, &t, Path::new("."));
+        assert!(yaml.contains("liger: true\n"), "{yaml}");
+        let back: PlanRecipe = serde_yaml_ng::from_str(&yaml).expect(&yaml);
+        assert!(back.hf_knobs().liger, "{yaml}");
+        assert_eq!(crate::plan::expand(&back), vec![t.point]);
+        let py = hf_training_args(&r, &t);
+        assert!(py.contains("    use_liger_kernel=True,\n"), "{py}");
+        assert!(!py.contains("liger_kernel_config"), "{py}");
+        assert!(
+            py.contains("attn_implementation=\"flash_attention_2\""),
+            "{py}"
+        );
+        // Liger's kernels with transformers' loss: FLCE turned off.
+        let mut t2 = t.clone();
+        t2.point.loss = crate::engine::Loss::Full;
+        let py = hf_training_args(&r, &t2);
+        assert!(
+            py.contains("{\"fused_linear_cross_entropy\": False}"),
+            "{py}"
+        );
+        // Without it, neither appears.
+        r.hf_knobs = Some(Default::default());
+        assert!(!pinned_recipe(&r, &t, Path::new(".")).contains("liger"));
+        assert!(!hf_training_args(&r, &t).contains("liger"));
     }
 
     #[test]
