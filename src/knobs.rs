@@ -208,6 +208,13 @@ knobs! {
     /// num_output_chunks) [default: 8].
     #[arg(long)]
     loss_chunks: usize [train],
+    /// hf-eager: Liger's RMSNorm, SwiGLU and RoPE kernels in place of
+    /// transformers' (liger_kernel's apply_liger_kernel_to_llama() and its
+    /// siblings, or the Trainer's use_liger_kernel=True, whose fused linear
+    /// cross-entropy is --loss fused-linear); Llama-family dense models
+    /// [default: false].
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = switch())]
+    liger: bool [train],
     /// full (every weight trains) or lora (adapters on frozen weights; one
     /// rank, no pipeline) [default: full].
     #[arg(long, value_enum)]
@@ -387,6 +394,7 @@ impl Knobs {
             param_groups: t.param_groups,
             loss_chunks: t.loss_chunks,
             optimizer_in_backward: t.optimizer_in_backward,
+            liger: t.liger,
         }
     }
 }

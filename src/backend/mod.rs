@@ -345,6 +345,17 @@ macro_rules! kernel_ops {
                 i: usize,
             );
 
+            /// In place: `gu (N,2I)` becomes its own gradient from `dout
+            /// (N,I)`, as Liger's SwiGLU backward writes d gate and d up
+            /// into gate and up (each element is read before it is written).
+            fn swiglu_backward_in_place(
+                &mut self,
+                gu: &mut Self::Buf,
+                dout: &Self::Buf,
+                n: usize,
+                i: usize,
+            );
+
             /// `out (N) = a + b`.
             fn add(&mut self, out: &mut Self::Buf, a: &Self::Buf, b: &Self::Buf, n: usize);
 

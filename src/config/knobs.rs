@@ -110,15 +110,27 @@ knob_enum! {
         #[default]
         Eager,
         /// Flash-style tiles with an online softmax; saves only B*H*T row
-        /// statistics. Also spelled `sdpa` and `flash-attention-2`:
-        /// transformers' `attn_implementation="sdpa"` (checked against
-        /// PyTorch) and `"flash_attention_2"`, whose kernel saves the same
-        /// q, k, v, output and log-sum-exp on a GPU (flash_attn's
-        /// `_flash_attn_forward`; k and v stay n_kv_head wide, as sdpa's do
-        /// with `enable_gqa`).
-        #[value(alias = "sdpa", alias = "flash-attention-2")]
-        #[serde(alias = "sdpa", alias = "flash-attention-2", alias = "flash_attention_2")]
+        /// statistics. Also spelled `sdpa`: transformers'
+        /// `attn_implementation="sdpa"` (checked against PyTorch).
+        #[value(alias = "sdpa")]
+        #[serde(alias = "sdpa")]
         Fused,
+        /// transformers' `attn_implementation="flash_attention_2"`
+        /// (flash_attn's `FlashAttnFunc`): the fused kernel's saved set,
+        /// which PyTorch's sdpa vendors, plus flash_attn's rng state on
+        /// the GPU; fp16 and bf16 only (docs/hf-eager.md, "Liger and
+        /// FlashAttention-2").
+        #[value(name = "flash-attention-2", alias = "flash_attention_2")]
+        #[serde(rename = "flash-attention-2", alias = "flash_attention_2")]
+        FlashAttention2,
+    }
+}
+
+impl Attention {
+    /// Whether the engine runs its fused (flash) kernel: everything but
+    /// eager attention.
+    pub fn fused(self) -> bool {
+        self != Attention::Eager
     }
 }
 

@@ -866,6 +866,17 @@ impl<B: Backend> Device<B> {
         r
     }
 
+    /// Charges work no backend op runs: a framework profile's kernels
+    /// beyond the engine's own (hf-eager's unfused norms, SwiGLU and RoPE,
+    /// `framework::Unfused`), priced as `kernels` launches of streaming
+    /// work over `bytes`.
+    pub fn charge_unfused(&mut self, name: &'static str, u: super::framework::Unfused) {
+        if u.kernels == 0 && u.bytes == 0 {
+            return;
+        }
+        self.charge(&Work::stream(name, 0u64, u.bytes), 0, At::Device, u.kernels);
+    }
+
     fn charge(&mut self, work: &Work, ns: u64, at: At, calls: u64) {
         let phase = self.tracker.phase();
         self.meter.charge(work, (ns, calls), at, phase);
@@ -1367,6 +1378,14 @@ impl<B: Backend> Device<B> {
                 b(dgu) + b(dout) + b(gu),
             ),
             |be| be.swiglu_backward(&mut dgu.buf, &dout.buf, &gu.buf, n, i),
+        );
+    }
+
+    /// [`Device::swiglu_backward`] into `gu` itself (Liger's).
+    pub fn swiglu_backward_in_place(&mut self, gu: &mut T<B>, dout: &T<B>, n: usize, i: usize) {
+        self.timed(
+            Work::stream("swiglu_backward", (12 * n * i) as u64, 2 * b(gu) + b(dout)),
+            |be| be.swiglu_backward_in_place(&mut gu.buf, &dout.buf, n, i),
         );
     }
 

@@ -137,6 +137,10 @@ pub struct HfKnobs {
     /// (absent from reports of before it existed: off).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub optimizer_in_backward: bool,
+    /// Liger's RMSNorm, SwiGLU and RoPE kernels ([`liger_unsupported`]);
+    /// absent from reports of before it existed: off.
+    #[serde(default)]
+    pub liger: bool,
 }
 
 impl Default for HfKnobs {
@@ -149,6 +153,78 @@ impl Default for HfKnobs {
             param_groups: d.param_groups,
             loss_chunks: d.loss_chunks,
             optimizer_in_backward: d.optimizer_in_backward,
+            liger: d.liger,
+        }
+    }
+}
+
+/// What of `model` and `train` Liger's kernels (`--liger`) are not
+/// modelled for, as a refusal says it; `None` when they are.
+///
+/// `apply_liger_kernel_to_llama()` (linkedin/Liger-Kernel @ ead96b61:
+/// src/liger_kernel/transformers/monkey_patch.py), and its mistral, qwen2
+/// and phi3 siblings, patch the same three pieces of a dense Llama-family
+/// block the same way: `LigerRMSNorm` (casting_mode "llama", in_place
+/// True), `LigerSwiGLUMLP` (`LigerPhi3SwiGLUMLP` for Phi-3: gate|up
+/// chunked, then the same function) and `liger_rotary_pos_emb`. memfit
+/// models those (`Step::liger_rules` says what each holds). Not modelled,
+/// refused by name: GPT-2 (Liger has no GPT-2 patch), Gemma (GeGLU, the
+/// "gemma" casting mode and `in_place=False`), experts (`LigerExperts`
+/// over transformers' grouped experts) and q/k norms (Qwen3's
+/// `Qwen3RMSNorm` class is swapped before a model is built, but an
+/// instance patched by the Trainer's `use_liger_kernel` keeps
+/// transformers' q/k norms: which one a run has is not in its config).
+pub fn liger_unsupported(model: &ModelConfig, train: &TrainConfig) -> Option<String> {
+    let name = &model.name;
+    if train.framework != Framework::HfEager {
+        return Some(
+            "Liger's kernels replace transformers' modules, a PyTorch allocation profile: add --framework hf-eager (memfit's own engine already fuses its norms, SwiGLU and RoPE)"
+                .into(),
+        );
+    }
+    let why = match model.family {
+        Family::Gpt2 => Some("Liger has no GPT-2 patch (LayerNorm, GELU, learned positions)"),
+        Family::Gemma => Some(
+            "Liger's Gemma patch (GeGLU, RMSNorm in its gemma casting mode, not in place) has no memfit rule yet",
+        ),
+        Family::Llama if model.moe.is_some() => {
+            Some("Liger's expert patch (LigerExperts) has no memfit rule yet")
+        }
+        Family::Llama if model.qk_norm.is_some() => Some(
+            "Liger swaps Qwen3's q/k norms only when patched before the model is built, not on an instance (the Trainer's use_liger_kernel), so which ones a run has is not in its config",
+        ),
+        Family::Llama => None,
+    };
+    why.map(|w| format!("{name}: {w}; leave --liger out"))
+}
+
+/// Kernels and bytes that transformers' eager ops launch and move beyond
+/// one fused pass over the same tensors (Liger's kernel, or the engine's
+/// own op, which the meter already charges): what running them unfused
+/// adds to a step's time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Unfused {
+    pub kernels: u64,
+    pub bytes: u64,
+}
+
+impl std::ops::Add for Unfused {
+    type Output = Unfused;
+    fn add(self, o: Unfused) -> Unfused {
+        Unfused {
+            kernels: self.kernels + o.kernels,
+            bytes: self.bytes + o.bytes,
+        }
+    }
+}
+
+impl Unfused {
+    /// `hf` kernels moving `hf_bytes` where one fused kernel moves
+    /// `fused_bytes`.
+    fn beyond(hf: u64, hf_bytes: usize, fused_bytes: usize) -> Unfused {
+        Unfused {
+            kernels: hf.saturating_sub(1),
+            bytes: hf_bytes.saturating_sub(fused_bytes) as u64,
         }
     }
 }
@@ -214,6 +290,15 @@ pub struct HfRules {
     pub param_groups: ParamGroups,
     /// 16-bit by autocast: fp32 parameters and gradients, no master copy.
     pub autocast: bool,
+    /// Liger's kernels replace transformers' RMSNorm, SwiGLU and RoPE
+    /// (`Step::liger`): among what the engine does, SwiGLU's backward
+    /// writes gate|up's gradient into the saved gate|up.
+    pub liger: bool,
+    /// What transformers' eager ops move beyond one fused pass, per block
+    /// (forward, backward) and for the final norm: charged to the meter
+    /// beside the engine's own ops, none where Liger's kernels run.
+    pub unfused_block: [Unfused; 2],
+    pub unfused_head: [Unfused; 2],
 }
 
 impl HfRules {
@@ -232,6 +317,7 @@ impl HfRules {
         x.dropout(&mut block, &mut embed);
         x.rope(&mut embed);
         let (head, head_forward) = x.head();
+        let (unfused_block, unfused_head) = x.unfused();
         let experts_saved = x.experts();
         let sliding_saved = x.sliding();
         let Step {
@@ -260,6 +346,9 @@ impl HfRules {
             lazy_grads: train.set_to_none,
             optimizer_impl: train.optimizer_impl,
             param_groups: train.param_groups,
+            liger: x.liger,
+            unfused_block,
+            unfused_head,
         }
     }
 }
@@ -297,6 +386,9 @@ struct Step<'a> {
     /// Every block's routed experts (`hf_unmodelled` refuses a model
     /// whose blocks differ).
     moe: Option<&'a crate::config::model::MoeConfig>,
+    /// Liger's RMSNorm, SwiGLU and RoPE ([`liger_unsupported`] refuses the
+    /// models it is not for).
+    liger: bool,
 }
 
 impl<'a> Step<'a> {
@@ -350,6 +442,7 @@ impl<'a> Step<'a> {
             math,
             rope: s.t * s.head_dim,
             moe: model.moe.as_ref(),
+            liger: train.liger,
         }
     }
 
@@ -367,6 +460,7 @@ impl<'a> Step<'a> {
         } = *self;
         let f32 = DType::F32;
         let mut block = Vec::new();
+        let liger = self.liger;
         if gpt2 {
             // NewGELUActivation (transformers/activations.py):
             // 0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3))) saves x, 0.5*x,
@@ -381,7 +475,11 @@ impl<'a> Step<'a> {
                 // and up after the second (with experts, the router alone:
                 // grouped_mm is not autocast, see `experts`); the engine
                 // keeps one cast each.
-                block.extend([(n * c, f32), (n * c, f32)]);
+                // Liger's RMSNorm saves its input (the residual stream,
+                // which the engine keeps) and rstd: not the fp32 product.
+                if !liger {
+                    block.extend([(n * c, f32), (n * c, f32)]);
+                }
                 let after_ln2 = if self.moe.is_some() { 1 } else { 2 };
                 block.extend(vec![(n * c, dt); 3 + after_ln2 - 2]);
             } else if sixteen {
@@ -390,23 +488,132 @@ impl<'a> Step<'a> {
                 // weight * that saves beside the output; the 16-bit input
                 // itself is then saved by nothing (residual adds save
                 // nothing), so the engine's residual tensor stands for that
-                // cast and the fp32 copy is what is added.
-                block.extend([(n * c, f32); 2]);
+                // cast and the fp32 copy is what is added. Liger's RMSNorm
+                // reads the 16-bit input whole and casts in registers.
+                if !liger {
+                    block.extend([(n * c, f32); 2]);
+                }
             } else {
                 // LlamaRMSNorm (modeling_llama.py): x * rsqrt(var + eps) and
                 // weight * that, both saved by the multiplies; the engine
-                // keeps one output per norm.
-                block.extend([(n * c, dt); 2]);
+                // keeps one output per norm (Liger's: see `liger_norm`).
+                if !liger {
+                    block.extend([(n * c, dt); 2]);
+                }
             }
             // LlamaMLP: down(silu(gate(x)) * up(x)) keeps gate, silu(gate),
-            // up and the product; the engine keeps gate|up and the product.
-            if self.moe.is_none() {
+            // up and the product; the engine keeps gate|up and the product,
+            // as Liger's LigerSiLUMulFunction saves gate and up alone.
+            if self.moe.is_none() && !liger {
                 block.push((n * dff, dt));
             }
         }
         self.gemma_norms(&mut block);
         self.qk_norms(&mut block);
         block
+    }
+
+    /// What transformers' eager RMSNorm, SwiGLU and RoPE launch and move
+    /// beyond one fused pass, per block (forward, backward) and for the
+    /// final norm; none for the pieces Liger's kernels replace, whose
+    /// memory is this (linkedin/Liger-Kernel @ ead96b61, src/liger_kernel/
+    /// ops/):
+    /// - `LigerRMSNormFunction` (rms_norm.py): `Y = empty` in X's dtype,
+    ///   `RSTD` fp32 (N) in the llama and gemma casting modes; saves X (a
+    ///   view of the input: the residual stream the engine keeps), W and
+    ///   RSTD. Its backward writes dX into dY (`in_place=True`, the llama
+    ///   patch) and sums fp32 `(sm_count, C)` partials into dW. Against
+    ///   `LlamaRMSNorm` no `x * rsqrt` product is saved (`norms_and_mlp`,
+    ///   `head`): N·C fewer per norm, fp32 ones under autocast and in a
+    ///   16-bit module.
+    /// - `LigerSiLUMulFunction` (swiglu.py): `c = empty_like(a)`, saves a
+    ///   and b (gate and up); its backward writes da and db into a and b.
+    ///   Against `silu(gate) * up`, no silu(gate) is saved, and the
+    ///   backward makes no gate|up gradient: the engine writes it into
+    ///   the saved gate|up (`HfRules::liger`).
+    /// - `LigerRopeFunction` (rope.py): rotates q and k in place (their
+    ///   projections' outputs, contiguous once transposed back) and saves
+    ///   cos and sin, the tensors transformers makes once per forward:
+    ///   transformers' `q * cos + rotate_half(q) * sin` saves the same, so
+    ///   only its forward and backward temporaries (below) go.
+    ///
+    /// Bytes count each kernel's reads and writes of the N-row tensors
+    /// (`LlamaRMSNorm.forward`, `LlamaMLP.forward`, `apply_rotary_pos_emb`
+    /// and `rotate_half` in modeling_llama.py, and autograd's backward of
+    /// each op); the per-row statistics and the broadcast weight, cos and
+    /// sin are left out, and so is the residual add both sides run. The
+    /// experts' activation is not priced here, and Gemma's pre-norms are
+    /// priced as Llama's (the same ops, its `1 + w` over C).
+    fn unfused(&self) -> ([Unfused; 2], [Unfused; 2]) {
+        let Step {
+            train,
+            n,
+            c,
+            q,
+            kv,
+            dt,
+            sixteen,
+            autocast,
+            gpt2,
+            dff,
+            ..
+        } = *self;
+        let none = [Unfused::default(); 2];
+        if gpt2 || self.liger {
+            return (none, none);
+        }
+        let d = dt.size();
+        // The norm's input: the fp32 residual stream under autocast, the
+        // module's type otherwise; `x.to(float32)` and `.to(input_dtype)`
+        // copy only a 16-bit input.
+        let x = if autocast { 4 } else { d };
+        let cast = (sixteen && !autocast) as usize;
+        let s = n * c;
+        // pow, mean, x * rsqrt, weight * that (+ the two casts) over N·C;
+        // `+ eps` and rsqrt over N rows.
+        let norm_fwd = Unfused::beyond(
+            6 + 2 * cast as u64,
+            s * (8 + 4 + 8 + 2 * x) + cast * s * (2 * x + 8),
+            2 * s * x,
+        );
+        // weight * g (and g * h summed when the weight trains), g * rstd,
+        // (g * x) summed for rstd's gradient, mean's and pow's backward and
+        // the sum of x's two gradients (+ the two casts' backward).
+        let trains = train.finetune == crate::engine::Finetune::Full;
+        let norm_bwd = Unfused::beyond(
+            9 + 2 * trains as u64 + 2 * cast as u64,
+            s * (2 * x + 8 + 16 + 4 + 12 + 12)
+                + trains as usize * 3 * s * x
+                + cast * s * (2 * x + 8),
+            3 * s * x,
+        );
+        // silu(gate) then the product: gate|up read, silu written and
+        // read; the backward's two products and silu's backward.
+        let (mlp_fwd, mlp_bwd) = match self.moe {
+            None => {
+                let i = n * dff * d;
+                (
+                    Unfused::beyond(2, 5 * i, 3 * i),
+                    Unfused::beyond(3, 9 * i, 5 * i),
+                )
+            }
+            Some(_) => (Unfused::default(), Unfused::default()),
+        };
+        // q * cos, -x2, cat, * sin and the sum for q and for k, whose
+        // products with the fp32 cos and sin are fp32 under autocast
+        // (`LlamaRotaryEmbedding` returns them in the hidden states' type);
+        // the backward: two products, neg, the two halves' slice_backward
+        // (a zeroed full tensor and a copy each) and the sums.
+        let rot = n * (q + kv);
+        let p = if autocast { 4 } else { d };
+        let rope_fwd = Unfused::beyond(10, rot * (5 * d + 5 * p), 2 * rot * d);
+        let rope_bwd = Unfused::beyond(18, 15 * rot * p, 2 * rot * d);
+        let two = |u: Unfused| u + u;
+        let block = [
+            two(norm_fwd) + mlp_fwd + rope_fwd,
+            two(norm_bwd) + mlp_bwd + rope_bwd,
+        ];
+        (block, [norm_fwd, norm_bwd])
     }
 
     /// Gemma's RMSNorm (`Gemma2RMSNorm.forward`, modeling_gemma2.py, and
@@ -574,6 +781,15 @@ impl<'a> Step<'a> {
             ..
         } = *self;
         let f32 = DType::F32;
+        if train.attention == Attention::FlashAttention2 && self.cuda {
+            // flash_attn's `mha_fwd` (Dao-AILab/flash-attention @ 0251105a:
+            // csrc/flash_attn/flash_api.cpp) makes `rng_state`, two int64
+            // on the GPU, whatever the dropout, and `FlashAttnFunc` saves
+            // it with q, k, v, the output and the log-sum-exp (flash_attn/
+            // flash_attn_interface.py); sdpa's flash kernel keeps its
+            // philox seed and offset as host scalars without dropout.
+            block.push((4, DType::U32));
+        }
         if math {
             if !gpt2 && kv < q {
                 // eager_attention_forward calls repeat_kv on k and v
@@ -581,7 +797,7 @@ impl<'a> Step<'a> {
                 // matmuls save, n_head wide instead of n_kv_head.
                 block.extend([(n * (q - kv), dt); 2]);
             }
-            if train.attention == Attention::Fused {
+            if train.attention.fused() {
                 // The math path's probabilities, where flash keeps only the
                 // log-sum-exp (the engine's fused saved set).
                 block.push((scores, dt));
@@ -750,10 +966,11 @@ impl<'a> Step<'a> {
         let f32 = DType::F32;
         let mut head = Vec::new();
         if !gpt2 {
-            // The final LlamaRMSNorm's x * rsqrt (see the blocks').
-            match (autocast, sixteen) {
-                (true, _) => head.push((n * c, f32)),
-                (false, true) => head.push((n * c, f32)),
+            // The final LlamaRMSNorm's x * rsqrt (see the blocks'); none
+            // with Liger's.
+            match (autocast || sixteen, self.liger) {
+                (_, true) => {}
+                (true, false) => head.push((n * c, f32)),
                 (false, false) => head.push((n * c, dt)),
             }
         }

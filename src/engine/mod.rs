@@ -140,6 +140,11 @@ pub struct TrainConfig {
     /// `chunked`: the parts the sequence is split into.
     #[serde(default = "loss::default_chunks")]
     pub loss_chunks: usize,
+    /// hf-eager only: Liger's RMSNorm, SwiGLU and RoPE kernels in place of
+    /// transformers' (`apply_liger_kernel_to_<family>()`, `framework.rs`);
+    /// absent from reports of before it existed.
+    #[serde(default)]
+    pub liger: bool,
     /// Full training, or LoRA adapters on frozen weights (`lora.rs`).
     pub finetune: Finetune,
     pub lora: LoraConfig,
@@ -236,6 +241,7 @@ impl Default for TrainConfig {
             param_groups: ParamGroups::One,
             loss: Loss::Full,
             loss_chunks: loss::DEFAULT_CHUNKS,
+            liger: false,
             finetune: Finetune::Full,
             lora: LoraConfig::default(),
             offload: Offload::None,
@@ -912,7 +918,7 @@ impl<B: Backend> Engine<B> {
             false => self.train.precision.dtype(),
         };
         let shape = attn_shape(&self.model, &self.train);
-        let fused = self.train.attention == Attention::Fused;
+        let fused = self.train.attention.fused();
         let bytes = self.dev.be.workspace_bytes(shape, fused, wdt);
         let ws = self.dev.alloc_f32(bytes.div_ceil(4), Category::Workspace)?;
         let placeholder = std::mem::replace(&mut self.workspace, ws);

@@ -693,6 +693,9 @@ impl<'e, B: Backend> Pass<'e, B> {
         if let Some(h) = self.hf.filter(|_| self.model.sliding_window(l).is_some()) {
             extra.extend(alloc_saved(self.dev, &h.sliding_saved)?);
         }
+        if let Some(h) = self.hf {
+            self.dev.charge_unfused("hf_unfused", h.unfused_block[0]);
+        }
         // The dense MLP's (or shared expert's) output: a temporary summed
         // into the block's, or under Qwen2-MoE's gate kept with the gate,
         // whose backward reads it (so a recomputation makes it too).
@@ -899,7 +902,7 @@ impl<'e, B: Backend> Pass<'e, B> {
                 (self.dev).attention_forward_with(&mut atty, &mut att, tanh.as_mut(), qkv, s, o);
                 (att, tanh)
             }
-            Attention::Fused => {
+            Attention::Fused | Attention::FlashAttention2 => {
                 let mut lse = self.dev.alloc_f32(s.b * s.n_head * s.t, act)?;
                 let ws = &mut *self.workspace;
                 (self.dev).flash_attention_forward_with(&mut atty, &mut lse, qkv, ws, s, o);
@@ -988,7 +991,10 @@ impl<'e, B: Backend> Pass<'e, B> {
             self.move_input(x, true)?;
         }
         let head_extra = match self.hf {
-            Some(h) => alloc_saved(self.dev, &h.head_saved)?,
+            Some(h) => {
+                self.dev.charge_unfused("hf_unfused", h.unfused_head[0]);
+                alloc_saved(self.dev, &h.head_saved)?
+            }
             None => Vec::new(),
         };
         let targets = targets.expect("the last stage reads the targets");
@@ -1352,6 +1358,9 @@ impl<'e, B: Backend> Pass<'e, B> {
         let (n, c) = (self.n, model.d_model);
         let (v, vp) = (model.vocab_size, model.padded_vocab());
         let part = self.tp.as_ref().map_or((0, v, vp), |tp| tp.vocab(model));
+        if let Some(h) = self.hf {
+            self.dev.charge_unfused("hf_unfused", h.unfused_head[1]);
+        }
         let hf = self.hf.map(|h| HfHead {
             rules: h,
             lazy: self.lazy,
@@ -1393,6 +1402,9 @@ impl<'e, B: Backend> Pass<'e, B> {
     ) -> Result<(), OomError> {
         let ly = BlockLayers::of(self, l);
         let mut a = a;
+        if let Some(h) = self.hf {
+            self.dev.charge_unfused("hf_unfused", h.unfused_block[1]);
+        }
         let routed = a.moe.take();
         // Gemma: the MLP's post-norm first; d(mlp output) is then its input's.
         let dpost = match (ly.post_mlp, &a.post_mlp) {
@@ -1402,7 +1414,8 @@ impl<'e, B: Backend> Pass<'e, B> {
         let ts = &a.lora_t;
         let dmlp = dpost.as_ref().unwrap_or(&*dres);
         // MLP: dmlp is d(mlp output).
-        let dln2 = match (ly.up, ly.down, &a.up, &a.act) {
+        let liger = self.hf.is_some_and(|h| h.liger);
+        let dln2 = match (ly.up, ly.down, a.up.as_mut(), &a.act) {
             (Some(up), Some(down), Some(u), Some(act)) => {
                 // Qwen2-MoE's gate: the shared expert sees σ · dres.
                 let gated = match (&a.gate, ly.moe.and_then(|(mi, _)| mi.shared_gate)) {
@@ -1421,9 +1434,19 @@ impl<'e, B: Backend> Pass<'e, B> {
                 };
                 let dout = gated.as_ref().map_or(dmlp, |(d, _)| d);
                 let dact = down.backward(self, l, dout, act, ts)?;
-                let dup = self.activation_backward(dact, u, down.inp)?;
-                let mut dln2 = up.backward(self, l, &dup, &a.ln2, ts)?;
-                self.dev.free(dup);
+                let dup = match liger {
+                    // Liger's SwiGLU backward writes gate|up's gradient
+                    // into the saved gate|up (framework.rs, `Step::unfused`).
+                    true => {
+                        let (n, i) = (self.n, down.inp);
+                        self.dev.swiglu_backward_in_place(u, &dact, n, i);
+                        self.dev.free(dact);
+                        None
+                    }
+                    false => Some(self.activation_backward(dact, u, down.inp)?),
+                };
+                let mut dln2 = up.backward(self, l, dup.as_ref().unwrap_or(u), &a.ln2, ts)?;
+                self.dev.free_opt(dup);
                 if let Some((dys, dx)) = gated {
                     self.dev.free(dys);
                     // The gate is replicated: its whole input gradient is
@@ -1455,6 +1478,11 @@ impl<'e, B: Backend> Pass<'e, B> {
             }
             _ => dln2.expect("a block has a dense MLP or experts"),
         };
+        if liger {
+            // Its gradient, handed to the up projection's backward, is
+            // freed once that has run.
+            self.dev.free_opt(a.up.take());
+        }
         self.dev.free_opt(dpost);
         // Each rank's up projection saw a slice of the MLP: the norm's
         // output gradient is the sum over the group.
@@ -1526,7 +1554,7 @@ impl<'e, B: Backend> Pass<'e, B> {
                 (self.dev).attention_backward_with(&mut dqkv, &mut datt, &datty, saved, s, o);
                 self.dev.free(datt);
             }
-            Attention::Fused => {
+            Attention::Fused | Attention::FlashAttention2 => {
                 let (saved, ws) = ((&a.atty, &a.att, &a.qkv), &mut *self.workspace);
                 (self.dev).flash_attention_backward_with(&mut dqkv, &datty, saved, ws, s, o);
             }

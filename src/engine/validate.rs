@@ -270,6 +270,39 @@ pub fn loss(t: &TrainConfig) -> Result<()> {
     }
 }
 
+/// Checks `--liger` against the framework and the model
+/// (`framework::liger_unsupported`).
+pub fn liger(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
+    match super::framework::liger_unsupported(model, t).filter(|_| t.liger) {
+        Some(why) => Err(Error::invalid_arg("--liger", why)),
+        None => Ok(()),
+    }
+}
+
+/// Checks `--attention flash-attention-2`: transformers' FlashAttention-2
+/// path, which flash_attn runs in fp16 and bf16 only (its `mha_fwd`
+/// checks the type; transformers casts fp32 q, k and v to the autocast
+/// type, or else to its linear layers' type, fp32 in an fp32 model:
+/// integrations/flash_attention.py `get_target_dtype`).
+pub fn flash_attention_2(t: &TrainConfig) -> Result<()> {
+    if t.attention != super::Attention::FlashAttention2 {
+        return Ok(());
+    }
+    if t.framework != Framework::HfEager {
+        return Err(Error::invalid_arg(
+            "--attention",
+            "flash-attention-2 is transformers' attn_implementation, a PyTorch allocation profile: add --framework hf-eager (memfit's own engine runs its fused kernel: --attention fused)",
+        ));
+    }
+    if t.precision == super::Precision::Fp32 {
+        return Err(Error::invalid_arg(
+            "--attention",
+            "flash-attention-2 computes in fp16 or bf16 only (flash_attn refuses fp32 q, k and v); use --precision bf16, or --attention fused (sdpa) for fp32",
+        ));
+    }
+    Ok(())
+}
+
 /// Checks `--offload-activations`: it moves what a checkpointed block
 /// saves, its input, so it needs full checkpointing (torchtune pairs the
 /// two; without checkpointing it would offload every saved tensor, which

@@ -125,6 +125,7 @@ pub const RECIPE_KNOBS: &[&str] = &[
     "param_groups",
     "loss_chunks",
     "optimizer_in_backward",
+    "liger",
     "lora_rank",
     "lora_alpha",
     "lora_dropout",
@@ -393,6 +394,7 @@ impl Point {
             tc.set_to_none = hf.set_to_none;
             tc.param_groups = hf.param_groups;
             tc.loss_chunks = hf.loss_chunks;
+            tc.liger = hf.liger;
         }
         if self.finetune != Finetune::Full {
             tc.lora = lora.clone();
@@ -855,7 +857,7 @@ pub fn unused_by(grid: &Grid, knob: &str) -> Option<&'static str> {
             grid.offload.iter().any(|o| o.optimizer()) || grid.offload_activations.contains(&true),
             "a `grid.offload` other than none or a `grid.offload_activations` of true",
         ),
-        "dropout" | "optimizer_impl" | "set_to_none" | "param_groups" => {
+        "dropout" | "optimizer_impl" | "set_to_none" | "param_groups" | "liger" => {
             (hf, "a `grid.framework` of hf-eager")
         }
         _ => (true, ""),
@@ -882,6 +884,19 @@ fn check_recipe(
                     "`{name}` applies to no point of the grid: it needs {needs}; add one, or leave `{name}` out"
                 ),
             ));
+        }
+    }
+    if r.knobs.liger == Some(true) {
+        // What Liger's kernels are modelled for depends on the model alone
+        // on an hf-eager point (tensor parallelism is refused per point).
+        let hf = TrainConfig {
+            framework: Framework::HfEager,
+            liger: true,
+            ..TrainConfig::default()
+        };
+        if let Some(why) = crate::engine::framework::liger_unsupported(model, &hf) {
+            let why = why.replace("leave --liger out", "leave `liger` out");
+            return Err(err("liger", None, why));
         }
     }
     if r.seq_len == 0 || r.seq_len > model.max_seq_len {
@@ -1062,6 +1077,12 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
         return Some(reason);
     }
     if let Err(e) = crate::engine::validate::loss(&tc) {
+        return Some(why(e));
+    }
+    if let Err(e) = crate::engine::validate::liger(&tc, model) {
+        return Some(why(e));
+    }
+    if let Err(e) = crate::engine::validate::flash_attention_2(&tc) {
         return Some(why(e));
     }
     if let Err(e) = crate::engine::validate::offload_activations(&tc) {
@@ -2564,10 +2585,10 @@ mod tests {
                 ways[2]
             );
             let value = match *name {
-                "set_to_none" => "false",
                 "optimizer_in_backward" => "true",
                 "optimizer_impl" => "fused",
                 "param_groups" => "trainer",
+                "set_to_none" | "liger" => "false",
                 "lora_targets" => "[q]",
                 "host_memory" => "1GiB",
                 "dropout" | "lora_alpha" | "lora_dropout" => "0.5",

@@ -53,6 +53,8 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
     }
     crate::engine::validate::tensor_parallel(t, model)?;
     crate::engine::validate::loss(t)?;
+    crate::engine::validate::liger(t, model)?;
+    crate::engine::validate::flash_attention_2(t)?;
     crate::engine::validate::offload_activations(t)?;
     crate::engine::validate::paged(t)?;
     if t.optimizer.is_paged() && opts.device.kind == DeviceKind::Cuda {
@@ -250,6 +252,14 @@ fn check_finetune(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
 /// PyTorch would.
 fn check_framework(opts: &RunOptions) -> Result<()> {
     let t = &opts.train;
+    // flash_attn has CUDA kernels only: a GPU, or meta predicting one.
+    let gpu = opts.device.kind == DeviceKind::Cuda || opts.target.is_some();
+    if t.attention == crate::engine::Attention::FlashAttention2 && !gpu {
+        return Err(Error::invalid_arg(
+            "--attention",
+            "flash-attention-2 (flash_attn) runs on CUDA GPUs only: plan it with --device meta:GPU (e.g. meta:rtx-4090) or `memfit plan`, or use --attention fused (sdpa) here",
+        ));
+    }
     if t.framework == Framework::HfEager && opts.device.kind != DeviceKind::Meta {
         // hf-eager holds PyTorch's tensors but computes with the engine's
         // kernels, which are fp32 or fully 16-bit (not autocast's fp32

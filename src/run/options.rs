@@ -88,7 +88,13 @@ fn merge(flags: &Knobs, r: &RunRecipe, timeline: Option<PathBuf>) -> Result<RunO
         // The engine's own schedule has no dropout, keeps its gradients
         // resident and updates in place: these would do nothing there.
         refuse(
-            &["dropout", "optimizer_impl", "set_to_none", "param_groups"],
+            &[
+                "dropout",
+                "optimizer_impl",
+                "set_to_none",
+                "param_groups",
+                "liger",
+            ],
             "describes PyTorch's implementation; add --framework hf-eager",
         )?;
     }

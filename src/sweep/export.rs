@@ -293,9 +293,10 @@ pub fn hf_training_args(report: &SweepReport, trial: &TrialRecord) -> String {
     // The attention kernel is part of what was measured: eager keeps the
     // B x H x T x T probabilities for the backward pass, fused does not.
     let (attn, why) = match p.attention {
-        Attention::Fused => (
-            "sdpa",
-            "memfit measured fused attention; \"flash_attention_2\" is fused too",
+        Attention::Fused => ("sdpa", "memfit measured fused attention"),
+        Attention::FlashAttention2 => (
+            "flash_attention_2",
+            "memfit planned FlashAttention-2 (pip install flash-attn)",
         ),
         Attention::Eager => (
             "eager",
@@ -352,6 +353,19 @@ pub fn hf_training_args(report: &SweepReport, trial: &TrialRecord) -> String {
     let in_bwd = report.hf_knobs.is_some_and(|h| h.optimizer_in_backward);
     let clip = if in_bwd { 0.0 } else { tc.grad_clip };
     arg("max_grad_norm", py_float(clean(clip)));
+    // Liger's kernels (hf-eager's `liger`); the Trainer's default config
+    // also fuses the head with the loss, which memfit's `loss` says.
+    let liger = report.hf_knobs.is_some_and(|h| h.liger)
+        && p.framework == crate::engine::Framework::HfEager;
+    if liger {
+        arg("use_liger_kernel", "True".into());
+        if p.loss != crate::engine::Loss::FusedLinear {
+            arg(
+                "liger_kernel_config",
+                "{\"fused_linear_cross_entropy\": False}".into(),
+            );
+        }
+    }
     if pure && p.sharding == Sharding::Zero3 {
         arg("fsdp", py_str("full_shard"));
         arg("fsdp_config", "{\"fsdp_version\": 2}".into());
@@ -418,6 +432,9 @@ fn pinned_stack_knobs(h: &crate::report::sweep::HfKnobs, p: &Point) -> String {
     }
     if p.loss == crate::engine::Loss::Chunked {
         s.push_str(&format!("loss_chunks: {}\n", h.loss_chunks));
+    }
+    if h.liger {
+        s.push_str("liger: true\n");
     }
     s
 }
@@ -957,6 +974,7 @@ mod tests {
             let py = hf_training_args(&report(vec![t.clone()]), &t);
             let want = match attention {
                 Attention::Fused => "    attn_implementation=\"sdpa\",",
+                Attention::FlashAttention2 => "    attn_implementation=\"flash_attention_2\",",
                 Attention::Eager => "    attn_implementation=\"eager\",",
             };
             assert!(py.contains(want), "{py}");
@@ -1072,6 +1090,47 @@ mod tests {
             Some(64 << 30),
             "{yaml}"
         );
+    }
+
+    /// hf-eager's `liger` is pinned with the point and exported as the
+    /// Trainer's `use_liger_kernel`; flash-attention-2 as transformers
+    /// spells it.
+    #[test]
+    fn liger_and_flash_attention_2_are_pinned_and_exported() {
+        let mut p = point(1, Precision::Bf16, Optimizer::Adamw, Sharding::None, 1, 16);
+        p.framework = crate::engine::Framework::HfEager;
+        p.attention = Attention::FlashAttention2;
+        p.loss = crate::engine::Loss::FusedLinear;
+        let t = trial(p);
+        let mut r = report(vec![t.clone()]);
+        r.hf_knobs = Some(crate::engine::framework::HfKnobs {
+            liger: true,
+            ..Default::default()
+        });
+        let yaml = pinned_recipe(&r, &t, Path::new("."));
+        assert!(yaml.contains("liger: true\n"), "{yaml}");
+        let back: PlanRecipe = serde_yaml_ng::from_str(&yaml).expect(&yaml);
+        assert!(back.hf_knobs().liger, "{yaml}");
+        assert_eq!(crate::plan::expand(&back), vec![t.point]);
+        let py = hf_training_args(&r, &t);
+        assert!(py.contains("    use_liger_kernel=True,\n"), "{py}");
+        assert!(!py.contains("liger_kernel_config"), "{py}");
+        assert!(
+            py.contains("attn_implementation=\"flash_attention_2\""),
+            "{py}"
+        );
+        // Liger's kernels with transformers' loss: FLCE turned off.
+        let mut t2 = t.clone();
+        t2.point.loss = crate::engine::Loss::Full;
+        let py = hf_training_args(&r, &t2);
+        assert!(
+            py.contains("{\"fused_linear_cross_entropy\": False}"),
+            "{py}"
+        );
+        // Without it, neither appears.
+        r.hf_knobs = Some(Default::default());
+        assert!(!pinned_recipe(&r, &t, Path::new(".")).contains("liger"));
+        assert!(!hf_training_args(&r, &t).contains("liger"));
     }
 
     #[test]

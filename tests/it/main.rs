@@ -33,6 +33,7 @@ mod hf_reference;
 mod hpz;
 mod hybrid;
 mod knobs;
+mod liger;
 mod lora;
 mod lora_experts;
 mod loss;

@@ -85,6 +85,42 @@ pub(super) fn swiglu_backward(
     });
 }
 
+// gu (N,2I) := its gradient from dout (N,I), in place.
+pub(super) fn swiglu_backward_in_place(
+    be: &mut CpuBackend,
+    gu: &mut CpuBuf,
+    dout: &CpuBuf,
+    n: usize,
+    i: usize,
+) {
+    if n == 0 || i == 0 {
+        return;
+    }
+    let gu = &mut gu.wide_mut()[..n * 2 * i];
+    let dout = &dout.wide()[..n * i];
+    let rows = rows_per_task(2 * i);
+    be.pool.install(|| {
+        gu.par_chunks_mut(2 * i * rows)
+            .zip(dout.par_chunks(i * rows))
+            .for_each(|(gu, dout)| {
+                vectorized(
+                    #[inline(always)]
+                    || {
+                        for (gu, dy) in gu.chunks_exact_mut(2 * i).zip(dout.chunks_exact(i)) {
+                            let (g, u) = gu.split_at_mut(i);
+                            for ((g, u), &dy) in g.iter_mut().zip(u.iter_mut()).zip(dy) {
+                                let (gv, uv) = (*g, *u);
+                                let s = sigmoid(gv);
+                                *g = dy * uv * s * (1.0 + gv * (1.0 - s));
+                                *u = dy * gv * s;
+                            }
+                        }
+                    },
+                )
+            })
+    });
+}
+
 /// A gated unit's forward: out (N,I) = f(gate, up) element by element, gu
 /// (N,2I) rows [gate (I) | up (I)] (SwiGLU, GeGLU).
 fn gated_forward(

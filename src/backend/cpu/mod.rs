@@ -139,7 +139,7 @@ mod ops {
     };
     pub(super) use super::elementwise::{
         add, geglu_backward, geglu_forward, gelu_backward, gelu_forward, scale, softcap_forward,
-        swiglu_backward, swiglu_forward,
+        swiglu_backward, swiglu_backward_in_place, swiglu_forward,
     };
     pub(super) use super::embed::{
         backward_rows as embed_backward_rows, forward_rows as embed_forward_rows,

@@ -298,7 +298,10 @@ fn swiglu<B: Backend>(
     be.swiglu_forward(&mut out, &gub, n, i);
     let mut dgu = be.alloc(n * 2 * i, dt);
     be.swiglu_backward(&mut dgu, &dyb, &gub, n, i);
-    vec![down(be, &out), down(be, &dgu)]
+    // Liger's: the gradient written into gate|up itself.
+    let mut inplace = up(be, gu, dt);
+    be.swiglu_backward_in_place(&mut inplace, &dyb, n, i);
+    vec![down(be, &out), down(be, &dgu), down(be, &inplace)]
 }
 
 fn matmul<B: Backend>(

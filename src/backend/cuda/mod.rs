@@ -704,6 +704,28 @@ impl<D: Driver> Backend for CudaBackend<D> {
         );
     }
 
+    fn swiglu_backward_in_place(&mut self, gu: &mut CudaBuf, dout: &CudaBuf, n: usize, i: usize) {
+        if n * i == 0 {
+            return;
+        }
+        // swiglu_backward_kernel reads an element's gate and up before it
+        // writes their gradients there, so dgu may be gu itself.
+        self.launch(
+            "swiglu_backward_kernel",
+            LaunchCfg::elementwise(n * i),
+            &[
+                gu.arg(),
+                gu.dt(),
+                dout.arg(),
+                dout.dt(),
+                gu.arg(),
+                gu.dt(),
+                n64(n),
+                n64(i),
+            ],
+        );
+    }
+
     fn swiglu_backward(
         &mut self,
         dgu: &mut CudaBuf,

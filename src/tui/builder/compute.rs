@@ -493,6 +493,9 @@ pub fn to_yaml(r: &PlanRecipe) -> String {
     if let Some(c) = k.loss_chunks {
         let _ = writeln!(s, "loss_chunks: {c}");
     }
+    if hf.liger != d.liger {
+        let _ = writeln!(s, "liger: {}", hf.liger);
+    }
     if let Some(n) = k.lora_rank {
         let _ = writeln!(s, "lora_rank: {n}");
     }

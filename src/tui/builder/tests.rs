@@ -672,3 +672,17 @@ fn the_detail_says_where_a_paged_optimizers_state_is() {
         "{offered:?}"
     );
 }
+
+/// hf-eager's `liger` key survives the builder's recipe.
+#[test]
+fn the_builders_recipe_keeps_liger() {
+    let yaml = "model: llama-tiny\nhardware: rtx-4090\nseq_len: 64\nglobal_batch: 4\nliger: true\ngrid:\n  micro_batch: [1, 2]\n  framework: [hf-eager]\n";
+    let r: crate::plan::PlanRecipe =
+        crate::config::profile::parse_yaml(yaml, "r.yaml").expect("parses");
+    assert!(r.hf_knobs().liger);
+    let written = to_yaml(&r);
+    assert!(written.contains("\nliger: true\n"), "{written}");
+    let back: crate::plan::PlanRecipe =
+        crate::config::profile::parse_yaml(&written, "w.yaml").expect(&written);
+    assert!(back.hf_knobs().liger, "{written}");
+}
