@@ -154,8 +154,10 @@ knobs! {
     /// Clip gradients to this global norm; 0 turns clipping off [default: 1.0].
     #[arg(long)]
     grad_clip: f32 [train],
-    /// none, or full: keep only each block's input and recompute the block in the
-    /// backward pass [default: none].
+    /// none; full: keep only each block's input and recompute the block in the
+    /// backward pass; selective: torchtitan's per-op policy (keep the
+    /// attention's and every other matmul's outputs, recompute the rest)
+    /// [default: none].
     #[arg(long, value_enum)]
     checkpointing: Checkpointing [train],
     /// eager (materialises B*H*T*T probabilities) or fused (flash-style) [default: eager].

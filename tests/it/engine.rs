@@ -286,3 +286,106 @@ fn gradient_accumulation_matches_one_larger_micro_batch() {
     // One AdamW step moves a weight by about lr = 3e-4; f32 summation order differs.
     assert!(worst < 1e-6, "parameters differ by up to {worst}");
 }
+
+/// Live activation bytes when the forward ends (the first event of a
+/// later phase).
+fn activations_after_forward(t: &Tracker) -> i64 {
+    use memfit::memory::Phase;
+    let forward = |p: Phase| {
+        matches!(
+            p,
+            Phase::ForwardEmbed | Phase::Forward(_) | Phase::ForwardHead
+        )
+    };
+    (t.timeline().iter())
+        .take_while(|e| e.phase == Phase::Init || forward(e.phase))
+        .filter(|e| e.category == Category::Activations)
+        .map(|e| e.bytes)
+        .sum()
+}
+
+#[test]
+fn selective_checkpointing_keeps_gradients_and_keeps_what_torchtitan_saves() {
+    use memfit::engine::{Attention, Precision};
+    for name in ["gpt2-tiny", "llama-tiny"] {
+        let model = load_model(name).unwrap();
+        let batch = DataSource::synthetic(model.vocab_size, 9).next_batch(4, 64);
+        for (precision, attention) in [
+            (Precision::Fp32, Attention::Eager),
+            (Precision::Fp32, Attention::Fused),
+            (Precision::Bf16, Attention::Fused),
+        ] {
+            let tc = |checkpointing| TrainConfig {
+                checkpointing,
+                precision,
+                attention,
+                ..train(64, 4)
+            };
+            let run = |checkpointing| {
+                let tc = tc(checkpointing);
+                let mut e =
+                    Engine::new(model.clone(), tc, CpuBackend::new(2).unwrap(), None).unwrap();
+                let loss = e.compute_grads(&batch).unwrap();
+                (
+                    loss,
+                    e.grads_host().unwrap(),
+                    e.dev.tracker.clone(),
+                    e.dev.meter.cost.flops(),
+                )
+            };
+            let what = format!("{name} {precision:?} {attention:?}");
+            let (loss0, grads0, t0, flops0) = run(Checkpointing::None);
+            let (loss1, grads1, t1, flops1) = run(Checkpointing::Selective);
+            let (_, _, t2, flops2) = run(Checkpointing::Full);
+            assert_eq!(loss0, loss1, "{what}");
+            assert!(
+                grads0 == grads1,
+                "{what}: gradients differ under selective checkpointing"
+            );
+            // What a block keeps beyond its input (`engine/step/sac.rs`):
+            // q and v, the fused attention's output and log-sum-exp, llama's
+            // gate and MLP output, gpt2's fc output.
+            let (b, t, c) = (4i64, 64i64, model.d_model as i64);
+            let n = b * t;
+            let kv = (model.n_kv_head() * model.head_dim()) as i64;
+            let mut cols = c + kv;
+            let mut bytes = 0;
+            if attention == Attention::Fused {
+                cols += c;
+                bytes += b * model.n_head as i64 * t * 4;
+            }
+            cols += match model.family {
+                memfit::config::Family::Gpt2 => 4 * c,
+                _ => model.d_ff.unwrap() as i64 + c,
+            };
+            let width = if precision == Precision::Bf16 { 2 } else { 4 };
+            bytes += n * cols * width;
+            let kept = activations_after_forward(&t1) - activations_after_forward(&t2);
+            assert_eq!(kept, model.n_layer as i64 * bytes, "{what}");
+            let (p0, p1, p2) = (t0.peak_bytes(), t1.peak_bytes(), t2.peak_bytes());
+            assert!(
+                p2.activations < p1.activations && p1.activations < p0.activations,
+                "{what}"
+            );
+            // The recomputation: more than none, less than the whole forward again.
+            assert!(
+                flops0 < flops1 && flops1 < flops2,
+                "{what}: {flops0} {flops1} {flops2}"
+            );
+            // meta allocates what cpu does, in the same order.
+            let (cpu, meta, cf, mf) = both(&model, &tc(Checkpointing::Selective));
+            assert_eq!(cpu.peak_bytes(), meta.peak_bytes(), "{what}");
+            assert_eq!(cpu.at_peak(), meta.at_peak(), "{what}");
+            assert_eq!(cf, mf, "{what}");
+            assert_eq!(common::events(&cpu), common::events(&meta), "{what}");
+            eprintln!(
+                "{what}: activations none {} selective {} full {} bytes; FLOPs x{:.3} / x{:.3}",
+                p0.activations,
+                p1.activations,
+                p2.activations,
+                flops1 as f64 / flops0 as f64,
+                flops2 as f64 / flops0 as f64
+            );
+        }
+    }
+}
