@@ -669,23 +669,16 @@ impl<'e, B: Backend> Pass<'e, B> {
             }
             (_, dense) => (dense, None),
         };
-        let mut down = None;
-        let out = match with_out {
+        let (out, down) = match with_out {
             true => {
                 let mlp = match (&moe, ly.moe) {
                     (Some(m), Some((_, sh))) => moe::combine(self.dev, m, dense, sh)?,
                     _ => dense.expect("a block has a dense MLP or experts"),
                 };
-                match saved_down {
-                    true => {
-                        let out = self.residual_keeping(&res2, &mlp)?;
-                        down = Some(mlp);
-                        Some(out)
-                    }
-                    false => Some(self.residual(&res2, mlp)?),
-                }
+                let out = self.residual_keeping(&res2, &mlp)?;
+                (Some(out), self.dev.keep_if(saved_down, mlp))
             }
-            false => None,
+            false => (None, None),
         };
         let a = BlockActs {
             ln1,
