@@ -870,16 +870,18 @@ impl<'e, B: Backend> Pass<'e, B> {
         mut a: BlockActs<T<B>>,
         cast_cache: &mut Vec<T<B>>,
     ) -> Result<Saved<T<B>>, OomError> {
+        if self.train.checkpointing == Checkpointing::None {
+            return Ok(Saved::All(a));
+        }
+        if let Some(r) = self.hf.and_then(|h| h.block_casts.clone()) {
+            cast_cache.extend(a.extra.drain(r));
+        }
         match self.train.checkpointing {
-            Checkpointing::None => Ok(Saved::All(a)),
-            Checkpointing::Full => {
-                if let Some(r) = self.hf.and_then(|h| h.block_casts.clone()) {
-                    cast_cache.extend(a.extra.drain(r));
-                }
+            Checkpointing::Selective => Ok(Saved::Ops(self.keep_ops(l, a)?)),
+            _ => {
                 free_block(self.dev, a);
                 Ok(Saved::Input)
             }
-            Checkpointing::Selective => Ok(Saved::Ops(self.keep_ops(l, a)?)),
         }
     }
 

@@ -45,7 +45,7 @@ pub fn architecture(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
 
 /// Checks `--checkpointing selective` (torchtitan's per-op policy,
 /// `engine/step/sac.rs`): built for the dense blocks of torchtitan's
-/// Llama and of GPT-2, trained whole by memfit's own schedule.
+/// Llama and of GPT-2, trained whole.
 fn checkpointing(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
     if t.checkpointing != super::Checkpointing::Selective {
         return Ok(());
@@ -56,11 +56,6 @@ fn checkpointing(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
             format!("selective (torchtitan's per-op policy) {why}; --checkpointing full covers it"),
         ))
     };
-    if t.framework == Framework::HfEager {
-        return refuse(
-            "runs under --framework memfit only: hf-eager follows transformers' gradient checkpointing, which has no per-op policy, and its saved-tensor rules are not modelled under one".into(),
-        );
-    }
     if t.finetune != Finetune::Full {
         return refuse(format!(
             "is not built for --finetune {}: the adapters' inputs have no place in torchtitan's policy, which trains no adapters",

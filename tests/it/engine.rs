@@ -306,19 +306,22 @@ fn activations_after_forward(t: &Tracker) -> i64 {
 
 #[test]
 fn selective_checkpointing_keeps_gradients_and_keeps_what_torchtitan_saves() {
-    use memfit::engine::{Attention, Precision};
+    use memfit::engine::{Attention, Framework, Precision};
     for name in ["gpt2-tiny", "llama-tiny"] {
         let model = load_model(name).unwrap();
         let batch = DataSource::synthetic(model.vocab_size, 9).next_batch(4, 64);
-        for (precision, attention) in [
-            (Precision::Fp32, Attention::Eager),
-            (Precision::Fp32, Attention::Fused),
-            (Precision::Bf16, Attention::Fused),
+        for (precision, attention, framework) in [
+            (Precision::Fp32, Attention::Eager, Framework::Memfit),
+            (Precision::Fp32, Attention::Fused, Framework::Memfit),
+            (Precision::Bf16, Attention::Fused, Framework::Memfit),
+            (Precision::Fp32, Attention::Fused, Framework::HfEager),
+            (Precision::Fp32, Attention::Eager, Framework::HfEager),
         ] {
             let tc = |checkpointing| TrainConfig {
                 checkpointing,
                 precision,
                 attention,
+                framework,
                 ..train(64, 4)
             };
             let run = |checkpointing| {
@@ -333,7 +336,7 @@ fn selective_checkpointing_keeps_gradients_and_keeps_what_torchtitan_saves() {
                     e.dev.meter.cost.flops(),
                 )
             };
-            let what = format!("{name} {precision:?} {attention:?}");
+            let what = format!("{name} {precision:?} {attention:?} {framework:?}");
             let (loss0, grads0, t0, flops0) = run(Checkpointing::None);
             let (loss1, grads1, t1, flops1) = run(Checkpointing::Selective);
             let (_, _, t2, flops2) = run(Checkpointing::Full);

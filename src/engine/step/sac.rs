@@ -125,7 +125,7 @@ impl<B: Backend> Pass<'_, B> {
             down,
         } = a;
         debug_assert!(moe.is_none() && gate.is_none() && qk.is_none() && post_attn.is_none());
-        debug_assert!(extra.is_empty() && lora_t.is_empty() && post_mlp.is_none());
+        debug_assert!(lora_t.is_empty() && post_mlp.is_none());
         let pieces = self.qkv_pieces();
         let qkv = self.pack(qkv, self.widths.qkv, &pieces)?;
         let up = up.expect("selective checkpointing: a dense MLP (validate)");
@@ -140,7 +140,10 @@ impl<B: Backend> Pass<'_, B> {
                 None
             }
         };
-        for x in [ln1, ln1_rstd, res2, ln2, ln2_rstd].into_iter().chain(act) {
+        // hf-eager: what autograd saved for the other ops, made again by
+        // the recomputation.
+        let rest = [ln1, ln1_rstd, res2, ln2, ln2_rstd].into_iter().chain(act);
+        for x in rest.chain(extra) {
             self.dev.free(x);
         }
         for x in [ln1_mean, ln2_mean, tanh].into_iter().flatten() {
@@ -208,6 +211,10 @@ impl<B: Backend> Pass<'_, B> {
         let pieces = self.up_pieces(&ly);
         let up = self.unpack(&lin, &ln2, up, &pieces, None)?;
         let act = self.activation_forward(&up, down_lin.inp)?;
+        // hf-eager: every op's saved tensors are made again, those of the
+        // ops whose outputs were kept included (sdpa's inputs), as PyTorch's
+        // recomputation reruns the block to rebuild its autograd graph.
+        let extra = alloc_saved(self.dev, self.hf.map_or(&[][..], |h| &h.block_saved[..]))?;
         self.dev.tracker.set_phase(Phase::Backward(l));
         Ok(BlockActs {
             ln1,
@@ -225,7 +232,7 @@ impl<B: Backend> Pass<'_, B> {
             moe: None,
             gate: None,
             qk: None,
-            extra: Vec::new(),
+            extra,
             lora_t: Vec::new(),
             tanh,
             post_attn: None,
