@@ -145,6 +145,11 @@ pub struct TrainConfig {
     /// host memory from its forward to its backward (`step.rs`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub offload_activations: bool,
+    /// Full checkpointing of every N-th block only (blocks N-1, 2N-1, ...),
+    /// the others keeping everything: torchtitan's layer SAC,
+    /// `selective_ac_option = "N"` (1: every block).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub checkpoint_every: usize,
     /// The host memory offloaded tensors may take, per rank (`None`: no
     /// limit).
     pub host_memory: Option<u64>,
@@ -234,6 +239,7 @@ impl Default for TrainConfig {
             lora: LoraConfig::default(),
             offload: Offload::None,
             offload_activations: false,
+            checkpoint_every: 1,
             host_memory: None,
             shard_group: None,
             tensor_parallel: 1,

@@ -870,7 +870,11 @@ impl<'e, B: Backend> Pass<'e, B> {
         mut a: BlockActs<T<B>>,
         cast_cache: &mut Vec<T<B>>,
     ) -> Result<Saved<T<B>>, OomError> {
-        if self.train.checkpointing == Checkpointing::None {
+        // torchtitan's layer SAC counts the blocks from 1 and checkpoints
+        // each whose count is a multiple of N (parallelize_llama.py @
+        // 9dec370, `_apply_ac_to_transformer_block`, `use_layer_sac`).
+        let skipped = !(l + 1).is_multiple_of(self.train.checkpoint_every.max(1));
+        if self.train.checkpointing == Checkpointing::None || skipped {
             return Ok(Saved::All(a));
         }
         if let Some(r) = self.hf.and_then(|h| h.block_casts.clone()) {

@@ -323,6 +323,28 @@ pub fn offload_activations(t: &TrainConfig) -> Result<()> {
             "offloads each checkpointed block's input; add --checkpointing full",
         ));
     }
+    let flag = "--checkpoint-every";
+    if t.checkpoint_every == 0 {
+        return Err(Error::invalid_arg(
+            flag,
+            "0 checkpoints no block: use --checkpointing none, or N >= 1",
+        ));
+    }
+    if t.checkpoint_every > 1 && t.checkpointing != super::Checkpointing::Full {
+        return Err(Error::invalid_arg(
+            flag,
+            format!(
+                "picks the blocks --checkpointing full recomputes (torchtitan's layer SAC), and checkpointing is {}",
+                name(t.checkpointing)
+            ),
+        ));
+    }
+    if t.checkpoint_every > 1 && t.offload_activations {
+        return Err(Error::invalid_arg(
+            flag,
+            "with --offload-activations is not built: the blocks left whole would offload only their input",
+        ));
+    }
     Ok(())
 }
 

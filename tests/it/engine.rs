@@ -392,3 +392,57 @@ fn selective_checkpointing_keeps_gradients_and_keeps_what_torchtitan_saves() {
         }
     }
 }
+
+/// torchtitan's layer SAC (`--checkpoint-every N`): only the N-th, 2N-th,
+/// ... blocks are checkpointed; gradients unchanged, meta == cpu.
+#[test]
+fn checkpointing_every_nth_block_recomputes_only_those() {
+    let mut model = load_model("llama-tiny").unwrap();
+    model.n_layer = 4;
+    let batch = DataSource::synthetic(model.vocab_size, 3).next_batch(2, 32);
+    let tc = |checkpointing, checkpoint_every| TrainConfig {
+        checkpointing,
+        checkpoint_every,
+        ..train(32, 2)
+    };
+    let run = |tc: TrainConfig| {
+        let mut e = Engine::new(model.clone(), tc, CpuBackend::new(2).unwrap(), None).unwrap();
+        let loss = e.compute_grads(&batch).unwrap();
+        let t = e.dev.tracker.clone();
+        (loss, e.grads_host().unwrap(), t, e.dev.meter.cost.flops())
+    };
+    let (loss0, grads0, t0, f0) = run(tc(Checkpointing::None, 1));
+    let (loss2, grads2, t2, f2) = run(tc(Checkpointing::Full, 2));
+    let (_, _, t1, f1) = run(tc(Checkpointing::Full, 1));
+    assert_eq!(loss0, loss2);
+    assert!(
+        grads0 == grads2,
+        "gradients differ under layer checkpointing"
+    );
+    // Blocks 1 and 3 recompute; 0 and 2 keep everything.
+    let recomputed = |t: &Tracker| {
+        let mut ls: Vec<usize> = (t.timeline().iter())
+            .filter_map(|e| match e.phase {
+                memfit::memory::Phase::Recompute(l) => Some(l),
+                _ => None,
+            })
+            .collect();
+        ls.dedup();
+        ls
+    };
+    assert_eq!(recomputed(&t2), [3, 1]);
+    assert_eq!(recomputed(&t1), [3, 2, 1, 0]);
+    assert!(recomputed(&t0).is_empty());
+    // Half the blocks' saved tensors: between none and full.
+    let kept = activations_after_forward(&t2);
+    let (none, full) = (
+        activations_after_forward(&t0),
+        activations_after_forward(&t1),
+    );
+    assert_eq!(2 * kept, none + full, "{none} {kept} {full}");
+    assert!(f0 < f2 && f2 < f1);
+    let (cpu, meta, cf, mf) = both(&model, &tc(Checkpointing::Full, 2));
+    assert_eq!(cpu.peak_bytes(), meta.peak_bytes());
+    assert_eq!(cf, mf);
+    assert_eq!(common::events(&cpu), common::events(&meta));
+}
