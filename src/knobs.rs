@@ -161,8 +161,10 @@ knobs! {
     /// flag: true].
     #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = switch())]
     optimizer_in_backward: bool [train],
-    /// none, or full: keep only each block's input and recompute the block in the
-    /// backward pass [default: none].
+    /// none; full: keep only each block's input and recompute the block in the
+    /// backward pass; selective: torchtitan's per-op policy (keep the
+    /// attention's and every other matmul's outputs, recompute the rest)
+    /// [default: none].
     #[arg(long, value_enum)]
     checkpointing: Checkpointing [train],
     /// eager (materialises B*H*T*T probabilities) or fused (flash-style) [default: eager].
@@ -267,6 +269,12 @@ knobs! {
     /// --checkpointing full [default: false; the bare flag: true].
     #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = switch())]
     offload_activations: bool [train],
+    /// With --checkpointing full: checkpoint only every N-th block (the
+    /// N-th, 2N-th, ...), the others keeping what their backward reads:
+    /// torchtitan's layer SAC (selective_ac_option = "N") [default: 1,
+    /// every block].
+    #[arg(long, value_name = "N")]
+    checkpoint_every: usize [train],
     /// Hybrid sharding (FSDP's HYBRID_SHARD): ZeRO shards over groups of
     /// this many consecutive ranks (a node's GPUs) and replicates across
     /// the groups, all-reducing gradient shards between them; 0 is off

@@ -144,6 +144,12 @@ knob_enum! {
         /// Each block keeps only its input; backward recomputes the block's forward
         /// first (one extra forward per block, about +33% compute).
         Full,
+        /// torchtitan's selective (per-op) checkpointing, `mode = "selective"`,
+        /// `selective_ac_option = "op"`: each block keeps its input and the
+        /// outputs of the ops on torchtitan's save list (the attention kernel
+        /// and every other matmul of the block, counted in call order), and
+        /// its backward recomputes the rest (`engine/step/sac.rs`).
+        Selective,
     }
 }
 

@@ -945,6 +945,17 @@ impl<B: Backend> Device<B> {
         }
     }
 
+    /// `t` when `keep`, else freed.
+    pub fn keep_if(&mut self, keep: bool, t: T<B>) -> Option<T<B>> {
+        match keep {
+            true => Some(t),
+            false => {
+                self.free(t);
+                None
+            }
+        }
+    }
+
     pub fn fill(&mut self, t: &mut T<B>, value: f32) {
         let at = Self::at(&[t.host]);
         self.timed_at(Work::stream("fill", 0, b(t)), at, |be| {

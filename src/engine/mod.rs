@@ -155,6 +155,11 @@ pub struct TrainConfig {
     /// host memory from its forward to its backward (`step.rs`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub offload_activations: bool,
+    /// Full checkpointing of every N-th block only (blocks N-1, 2N-1, ...),
+    /// the others keeping everything: torchtitan's layer SAC,
+    /// `selective_ac_option = "N"` (1: every block).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub checkpoint_every: usize,
     /// The host memory offloaded tensors may take, per rank (`None`: no
     /// limit).
     pub host_memory: Option<u64>,
@@ -246,6 +251,7 @@ impl Default for TrainConfig {
             lora: LoraConfig::default(),
             offload: Offload::None,
             offload_activations: false,
+            checkpoint_every: 1,
             host_memory: None,
             shard_group: None,
             tensor_parallel: 1,
@@ -396,6 +402,39 @@ struct BlockActs<X> {
     /// one's input (N,C) and rstd (N).
     post_attn: Option<(X, X)>,
     post_mlp: Option<(X, X)>,
+    /// Selective checkpointing: the MLP's output (N,C), which torchtitan's
+    /// policy saves (llama's down projection is the block's 7th matmul)
+    /// though the backward never reads it; held as torchtitan holds it.
+    down: Option<X>,
+}
+
+/// What a block's forward leaves for its backward, beside its input (in
+/// `Acts::resid`). Unboxed as the `Option` it replaced was: a box would be
+/// a heap allocation per block per micro-batch in the planner's meta runs.
+#[allow(clippy::large_enum_variant)]
+enum Saved<X> {
+    /// Everything its backward reads (no checkpointing).
+    All(BlockActs<X>),
+    /// Nothing more (full checkpointing): the backward recomputes the block.
+    Input,
+    /// Selective checkpointing: the outputs of the ops torchtitan's policy
+    /// saves; the backward recomputes the rest (`step/sac.rs`).
+    Ops(Kept<X>),
+}
+
+/// The ops' outputs a block keeps under selective checkpointing.
+struct Kept<X> {
+    /// The saved columns of q|k|v (q after RoPE, then v), packed: (N, q + v).
+    qkv: X,
+    /// Fused attention: its output (N,C) and log-sum-exp (B,H,T); eager
+    /// attention is recomputed (PyTorch's eager attention is bmm and softmax,
+    /// none of them on the save list).
+    attn: Option<(X, X)>,
+    /// The saved columns of the MLP's first projection: llama's gate (N,I),
+    /// gpt2's whole fc output (N,4C).
+    up: X,
+    /// The MLP's output when the policy saves it (llama).
+    down: Option<X>,
 }
 
 /// Everything a forward pass leaves for the backward pass (of this
@@ -412,7 +451,7 @@ struct Acts<X> {
     /// (it feeds the head); the others send it on and free it.
     resid: Vec<X>,
     /// Each block's saved tensors; `None` when checkpointed (recomputed in backward).
-    blocks: Vec<Option<BlockActs<X>>>,
+    blocks: Vec<Saved<X>>,
     /// Last stage only.
     head: Option<HeadActs<X>>,
     /// The framework profile's tensors saved with the embedding.
@@ -1225,8 +1264,8 @@ impl<B: Backend> Engine<B> {
 
     fn free_acts(&mut self, acts: Acts<T<B>>) {
         let dev = &mut self.dev;
-        for a in acts.blocks.into_iter().rev().flatten() {
-            free_block(dev, a);
+        for a in acts.blocks.into_iter().rev() {
+            free_saved(dev, a);
         }
         for x in acts.resid.into_iter().rev() {
             dev.free(x);
@@ -2184,6 +2223,22 @@ fn attn_shape(model: &ModelConfig, train: &TrainConfig) -> AttnShape {
     }
 }
 
+fn free_saved<B: Backend>(dev: &mut Device<B>, s: Saved<T<B>>) {
+    match s {
+        Saved::All(a) => free_block(dev, a),
+        Saved::Input => {}
+        Saved::Ops(k) => {
+            dev.free(k.qkv);
+            if let Some((atty, lse)) = k.attn {
+                dev.free(atty);
+                dev.free(lse);
+            }
+            dev.free(k.up);
+            dev.free_opt(k.down);
+        }
+    }
+}
+
 fn free_block<B: Backend>(dev: &mut Device<B>, a: BlockActs<T<B>>) {
     for x in [
         a.ln1, a.ln1_rstd, a.qkv, a.att, a.atty, a.res2, a.ln2, a.ln2_rstd,
@@ -2206,6 +2261,7 @@ fn free_block<B: Backend>(dev: &mut Device<B>, a: BlockActs<T<B>>) {
         dev.free(rstd);
     }
     dev.free_opt(a.tanh);
+    dev.free_opt(a.down);
     dev.free_opt(a.ln1_mean);
     dev.free_opt(a.ln2_mean);
     for x in a.extra.into_iter().chain(a.lora_t) {

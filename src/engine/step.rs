@@ -12,6 +12,8 @@
 //! the tracker: meta, cpu and cuda run this same code, and its order is
 //! what the PyTorch fixtures were matched against.
 
+mod sac;
+
 use super::device::Pair;
 use super::*;
 use crate::backend::AttnOpts;
@@ -477,10 +479,16 @@ impl<'e, B: Backend> Pass<'e, B> {
 
     /// `a + b` into a new activation; `b` (a projection's output) is freed.
     fn residual(&mut self, a: &T<B>, b: T<B>) -> Result<T<B>, OomError> {
+        let out = self.residual_keeping(a, &b)?;
+        self.dev.free(b);
+        Ok(out)
+    }
+
+    /// `a + b` into a new activation, `b` left as it is.
+    fn residual_keeping(&mut self, a: &T<B>, b: &T<B>) -> Result<T<B>, OomError> {
         let len = self.nl * self.model.d_model;
         let mut out = self.dev.alloc(len, self.dt, Category::Activations)?;
-        self.dev.add(&mut out, a, &b, len);
-        self.dev.free(b);
+        self.dev.add(&mut out, a, b, len);
         Ok(out)
     }
 
@@ -523,7 +531,8 @@ impl<'e, B: Backend> Pass<'e, B> {
             }
             self.hook(Stage::Block(l), true, false)?;
             resid.push(out.expect("asked for the block output"));
-            blocks.push(self.checkpoint(a, &mut cast_cache));
+            let saved = self.checkpoint(l, a, &mut cast_cache)?;
+            blocks.push(saved);
             // The block's input is what its recomputation starts from.
             if self.train.offload_activations {
                 self.move_input(&mut resid[j], true)?;
@@ -702,9 +711,11 @@ impl<'e, B: Backend> Pass<'e, B> {
         let gate_w = ly.moe.and_then(|(mi, _)| mi.shared_gate);
         let nc = (self.n, self.model.d_model);
         let keep = gate_w.is_some() || ly.post_mlp.is_some();
+        // Selective checkpointing keeps it when torchtitan's policy saves it.
+        let saved_down = with_out && self.saves(sac::Mm::Down);
         let dense = match (ly.down.zip(a.as_ref()), with_out || keep) {
             (Some((down, a)), true) => {
-                let cat = if keep { act } else { tmp };
+                let cat = if keep || saved_down { act } else { tmp };
                 let y = down.forward(self, l, a, cat, &mut lora_t)?;
                 Some(self.reduce_gemm(y)?)
             }
@@ -737,15 +748,16 @@ impl<'e, B: Backend> Pass<'e, B> {
             }
             (_, dense) => (dense, None),
         };
-        let out = match with_out {
+        let (out, down) = match with_out {
             true => {
                 let mlp = match (&moe, ly.moe) {
                     (Some(m), Some((_, sh))) => moe::combine(self.dev, m, dense, sh)?,
                     _ => dense.expect("a block has a dense MLP or experts"),
                 };
-                Some(self.residual(&res2, mlp)?)
+                let out = self.residual_keeping(&res2, &mlp)?;
+                (Some(out), self.dev.keep_if(saved_down, mlp))
             }
-            false => None,
+            false => (None, None),
         };
         let a = BlockActs {
             ln1,
@@ -768,6 +780,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             tanh,
             post_attn,
             post_mlp,
+            down,
         };
         Ok((a, out))
     }
@@ -925,23 +938,32 @@ impl<'e, B: Backend> Pass<'e, B> {
         Ok(a)
     }
 
-    /// What a block keeps for its backward: everything, or under
+    /// What block `l` keeps for its backward: everything; under full
     /// checkpointing nothing (its input is already in the residual list;
     /// the backward recomputes the rest), hf-eager's autocast weight casts
-    /// moved to `cast_cache`.
+    /// moved to `cast_cache`; under selective checkpointing the outputs of
+    /// the ops torchtitan's policy saves.
     fn checkpoint(
         &mut self,
+        l: usize,
         mut a: BlockActs<T<B>>,
         cast_cache: &mut Vec<T<B>>,
-    ) -> Option<BlockActs<T<B>>> {
+    ) -> Result<Saved<T<B>>, OomError> {
+        // torchtitan's layer SAC counts the blocks from 1 and checkpoints
+        // each whose count is a multiple of N (parallelize_llama.py @
+        // 9dec370, `_apply_ac_to_transformer_block`, `use_layer_sac`).
+        let skipped = !(l + 1).is_multiple_of(self.train.checkpoint_every.max(1));
+        if self.train.checkpointing == Checkpointing::None || skipped {
+            return Ok(Saved::All(a));
+        }
+        if let Some(r) = self.hf.and_then(|h| h.block_casts.clone()) {
+            cast_cache.extend(a.extra.drain(r));
+        }
         match self.train.checkpointing {
-            Checkpointing::None => Some(a),
-            Checkpointing::Full => {
-                if let Some(r) = self.hf.and_then(|h| h.block_casts.clone()) {
-                    cast_cache.extend(a.extra.drain(r));
-                }
+            Checkpointing::Selective => Ok(Saved::Ops(self.keep_ops(l, a)?)),
+            _ => {
                 free_block(self.dev, a);
-                None
+                Ok(Saved::Input)
             }
         }
     }
@@ -1236,8 +1258,9 @@ impl<'e, B: Backend> Pass<'e, B> {
                 self.move_input(&mut resid[j], false)?;
             }
             let a = match blocks.pop().expect("one entry per block") {
-                Some(a) => a,
-                None => self.recompute(l, &resid[j])?,
+                Saved::All(a) => a,
+                Saved::Input => self.recompute(l, &resid[j])?,
+                Saved::Ops(kept) => self.recompute_ops(l, &resid[j], kept)?,
             };
             self.block_backward(l, a, &resid[j], &mut dres)?;
             // Block l's output: its consumers (block l+1 or the head) are

@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 /// Checks what a model's architecture adds to the llama family (q and k
 /// norms, a head width of its own, experts) against the other knobs.
 pub fn architecture(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
+    checkpointing(t, model)?;
     if t.tensor_parallel > 1 && model.family == crate::config::Family::Gemma {
         return not_yet(
             "--tensor-parallel",
@@ -39,6 +40,52 @@ pub fn architecture(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
             &format!("{} {what}", model.name),
         ),
         _ => Ok(()),
+    }
+}
+
+/// Checks `--checkpointing selective` (torchtitan's per-op policy,
+/// `engine/step/sac.rs`): built for the dense blocks of torchtitan's
+/// Llama and of GPT-2, trained whole.
+fn checkpointing(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
+    if t.checkpointing != super::Checkpointing::Selective {
+        return Ok(());
+    }
+    let refuse = |why: String| {
+        Err(Error::invalid_arg(
+            "--checkpointing",
+            format!("selective (torchtitan's per-op policy) {why}; --checkpointing full covers it"),
+        ))
+    };
+    if t.finetune != Finetune::Full {
+        return refuse(format!(
+            "is not built for --finetune {}: the adapters' inputs have no place in torchtitan's policy, which trains no adapters",
+            name(t.finetune)
+        ));
+    }
+    if t.attention == super::Attention::FlashAttention2 {
+        return refuse(
+            "is not built with --attention flash-attention-2: torchtitan's save list names sdpa's flash and efficient kernels, not flash_attn's op, which the policy would recompute; --attention fused is sdpa".into(),
+        );
+    }
+    if t.tensor_parallel > 1 {
+        return refuse(
+            "is not built with --tensor-parallel: torchtitan's policy also saves the sequence-parallel reduce-scatters, and memfit's recomputation of a column slice would gather its input again".into(),
+        );
+    }
+    let layer = match model {
+        m if m.moe.is_some() => Some("has experts (torchtitan's Llama 3 has none)"),
+        m if m.qk_norm.is_some() => {
+            Some("normalises q and k, which the policy would keep unrotated")
+        }
+        m if m.family == crate::config::Family::Gemma => Some("is a Gemma (post-norms, soft caps)"),
+        _ => None,
+    };
+    match layer {
+        Some(what) => refuse(format!(
+            "covers blocks shaped as torchtitan's Llama and GPT-2, and {} {what}",
+            model.name
+        )),
+        None => Ok(()),
     }
 }
 
@@ -312,6 +359,28 @@ pub fn offload_activations(t: &TrainConfig) -> Result<()> {
         return Err(Error::invalid_arg(
             "--offload-activations",
             "offloads each checkpointed block's input; add --checkpointing full",
+        ));
+    }
+    let flag = "--checkpoint-every";
+    if t.checkpoint_every == 0 {
+        return Err(Error::invalid_arg(
+            flag,
+            "0 checkpoints no block: use --checkpointing none, or N >= 1",
+        ));
+    }
+    if t.checkpoint_every > 1 && t.checkpointing != super::Checkpointing::Full {
+        return Err(Error::invalid_arg(
+            flag,
+            format!(
+                "picks the blocks --checkpointing full recomputes (torchtitan's layer SAC), and checkpointing is {}",
+                name(t.checkpointing)
+            ),
+        ));
+    }
+    if t.checkpoint_every > 1 && t.offload_activations {
+        return Err(Error::invalid_arg(
+            flag,
+            "with --offload-activations is not built: the blocks left whole would offload only their input",
         ));
     }
     Ok(())

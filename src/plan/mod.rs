@@ -173,6 +173,10 @@ pub const FIXED_KNOBS: &[(&str, &str)] = &[
         "plans price 1F1B, the default pipeline schedule",
     ),
     ("partition", "plans split the blocks evenly over the stages"),
+    (
+        "checkpoint_every",
+        "plans checkpoint every block or none (grid.checkpointing); price layer SAC with `memfit run --device meta:GPU --checkpoint-every N`",
+    ),
 ];
 
 impl PlanRecipe {

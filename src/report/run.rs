@@ -316,7 +316,13 @@ fn write_setup(s: &mut String, r: &RunReport) {
         c.train.grad_accum,
         crate::plan::name(c.train.precision),
         crate::plan::name(c.train.optimizer),
-        crate::plan::name(c.train.checkpointing),
+        match c.train.checkpoint_every {
+            1 => crate::plan::name(c.train.checkpointing),
+            n => format!(
+                "{} every {n} blocks",
+                crate::plan::name(c.train.checkpointing)
+            ),
+        },
         crate::plan::name(c.train.attention),
         c.threads
             .map_or(String::new(), |t| format!(", {t} threads")),

@@ -82,7 +82,9 @@ pub fn zero_stage(s: Sharding) -> u8 {
 ///   none of those). That section only configures DeepSpeed's
 ///   `deepspeed.checkpointing` API; with Hugging Face models what actually
 ///   recomputes is `gradient_checkpointing=True` in `TrainingArguments`
-///   (or `model.gradient_checkpointing_enable()`).
+///   (or `model.gradient_checkpointing_enable()`). Selective checkpointing
+///   (torchtitan's per-op policy) gets no section: DeepSpeed's API
+///   recomputes whole blocks.
 /// - `optimizer`: for adamw, DeepSpeed's `AdamW` with memfit's lr, betas, eps
 ///   and weight decay. DeepSpeed has no 8-bit AdamW, no Adafactor and no SGD
 ///   of its own, so for adamw8bit, adafactor and sgd the section is left out
@@ -326,7 +328,19 @@ pub fn hf_training_args(report: &SweepReport, trial: &TrialRecord) -> String {
         p.grad_accum.max(1).to_string(),
     );
     let ckpt = p.checkpointing == Checkpointing::Full;
-    arg("gradient_checkpointing", py_bool(ckpt).into());
+    if p.checkpointing == Checkpointing::Selective {
+        arg(
+            "# memfit planned torchtitan's selective (per-op) checkpointing, which\n    \
+             # TrainingArguments cannot express: wrap each decoder layer in\n    \
+             # torch.utils.checkpoint.checkpoint(..., use_reentrant=False, context_fn=...)\n    \
+             # with create_selective_checkpoint_contexts and torchtitan's policy\n    \
+             # (torchtitan/distributed/activation_checkpoint.py)\n    \
+             gradient_checkpointing",
+            py_bool(false).into(),
+        );
+    } else {
+        arg("gradient_checkpointing", py_bool(ckpt).into());
+    }
     if ckpt {
         arg(
             "gradient_checkpointing_kwargs",
@@ -950,6 +964,13 @@ mod tests {
                 Attention::Eager,
             ),
             (
+                Precision::Bf16,
+                Optimizer::Adamw,
+                Sharding::Zero3,
+                Checkpointing::Selective,
+                Attention::Fused,
+            ),
+            (
                 Precision::Fp32,
                 Optimizer::Sgd,
                 Sharding::None,
@@ -999,6 +1020,20 @@ mod tests {
                 String::from_utf8_lossy(&out.stderr)
             ),
         }
+    }
+
+    /// TrainingArguments has no selective checkpointing: the snippet says
+    /// how torchtitan builds it and leaves gradient_checkpointing off.
+    #[test]
+    fn hf_snippet_names_selective_checkpointing() {
+        let mut p = point(2, Precision::Bf16, Optimizer::Adamw, Sharding::Zero3, 8, 1);
+        p.checkpointing = Checkpointing::Selective;
+        let t = trial(p);
+        let py = hf_training_args(&report(vec![t.clone()]), &t);
+        assert!(py.contains("create_selective_checkpoint_contexts"), "{py}");
+        assert!(py.contains("\n    gradient_checkpointing=False,\n"), "{py}");
+        let ds = deepspeed_config(&report(vec![t.clone()]), &t);
+        assert!(ds.get("activation_checkpointing").is_none());
     }
 
     #[test]

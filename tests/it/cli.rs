@@ -820,3 +820,115 @@ fn beta2_reaches_adamw_and_is_refused_where_it_does_nothing() {
         assert!(msg.contains("--beta2") && msg.contains(why), "{msg}");
     }
 }
+
+/// `--checkpointing selective` and `--checkpoint-every` reach the engine
+/// (the report names them, the peak moves) and are refused by name where
+/// they are not built or would do nothing.
+#[test]
+fn selective_and_layer_checkpointing_flags_reach_the_engine_or_are_refused() {
+    let peak = |extra: &[&str]| {
+        let base = [
+            "run",
+            "--model",
+            "llama-tiny",
+            "--device",
+            "meta",
+            "--seq-len",
+            "64",
+            "--format",
+            "json",
+        ];
+        let doc = ok_json(&base, extra);
+        let c = &doc["config"];
+        let every = c.get("checkpoint_every").map_or(1, |v| v.as_u64().unwrap());
+        let ckpt = c["checkpointing"].as_str().unwrap().to_string();
+        (
+            ckpt,
+            every,
+            doc["peak_bytes"]["activations"].as_u64().unwrap(),
+        )
+    };
+    let (_, _, none) = peak(&[]);
+    let (c, _, selective) = peak(&["--checkpointing", "selective"]);
+    assert_eq!(c, "selective");
+    let (_, _, full) = peak(&["--checkpointing", "full"]);
+    let (_, every, half) = peak(&["--checkpointing", "full", "--checkpoint-every", "2"]);
+    assert_eq!(every, 2);
+    assert!(
+        full < selective && selective < none,
+        "{full} {selective} {none}"
+    );
+    assert!(full < half && half < none, "{full} {half} {none}");
+    for (args, flag, why) in [
+        (
+            &["--checkpoint-every", "2"][..],
+            "--checkpoint-every",
+            "checkpointing is none",
+        ),
+        (
+            &["--checkpointing", "full", "--checkpoint-every", "0"][..],
+            "--checkpoint-every",
+            "0 checkpoints no block",
+        ),
+        (
+            &["--checkpointing", "selective", "--finetune", "lora"][..],
+            "--checkpointing",
+            "--finetune lora",
+        ),
+        (
+            &["--checkpointing", "selective", "--offload-activations"][..],
+            "--offload-activations",
+            "full",
+        ),
+    ] {
+        let mut a = vec!["run", "--model", "llama-tiny", "--device", "meta"];
+        a.extend_from_slice(args);
+        let out = memfit(&a);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let msg = stderr(&out);
+        assert!(msg.contains(flag) && msg.contains(why), "{msg}");
+    }
+    // flash_attn's op is not on torchtitan's save list (a GPU plan: FA2 is
+    // refused on cpu).
+    let out = memfit(&[
+        "run",
+        "--model",
+        "llama-tiny",
+        "--device",
+        "meta:h100-sxm-80gb",
+        "--framework",
+        "hf-eager",
+        "--precision",
+        "bf16",
+        "--attention",
+        "flash-attention-2",
+        "--checkpointing",
+        "selective",
+    ]);
+    let msg = stderr(&out);
+    assert!(
+        out.status.code() == Some(2) && msg.contains("not flash_attn's op"),
+        "{msg}"
+    );
+    for (model, why) in [
+        ("qwen3-8b", "normalises q and k"),
+        ("gemma-tiny", "is a Gemma"),
+        ("moe-tiny", "has experts"),
+    ] {
+        let a = [
+            "run",
+            "--model",
+            model,
+            "--device",
+            "meta",
+            "--seq-len",
+            "64",
+        ];
+        let out = memfit(&[&a[..], &["--checkpointing", "selective"]].concat());
+        let msg = stderr(&out);
+        assert!(
+            out.status.code() == Some(2) && msg.contains(why),
+            "{model}: {msg}"
+        );
+    }
+}

@@ -286,3 +286,163 @@ fn gradient_accumulation_matches_one_larger_micro_batch() {
     // One AdamW step moves a weight by about lr = 3e-4; f32 summation order differs.
     assert!(worst < 1e-6, "parameters differ by up to {worst}");
 }
+
+/// Live activation bytes when the forward ends (the first event of a
+/// later phase).
+fn activations_after_forward(t: &Tracker) -> i64 {
+    use memfit::memory::Phase;
+    let forward = |p: Phase| {
+        matches!(
+            p,
+            Phase::ForwardEmbed | Phase::Forward(_) | Phase::ForwardHead
+        )
+    };
+    (t.timeline().iter())
+        .take_while(|e| e.phase == Phase::Init || forward(e.phase))
+        .filter(|e| e.category == Category::Activations)
+        .map(|e| e.bytes)
+        .sum()
+}
+
+#[test]
+fn selective_checkpointing_keeps_gradients_and_keeps_what_torchtitan_saves() {
+    use memfit::engine::{Attention, Framework, Precision};
+    for name in ["gpt2-tiny", "llama-tiny"] {
+        let model = load_model(name).unwrap();
+        let batch = DataSource::synthetic(model.vocab_size, 9).next_batch(4, 64);
+        for (precision, attention, framework) in [
+            (Precision::Fp32, Attention::Eager, Framework::Memfit),
+            (Precision::Fp32, Attention::Fused, Framework::Memfit),
+            (Precision::Bf16, Attention::Fused, Framework::Memfit),
+            (Precision::Fp32, Attention::Fused, Framework::HfEager),
+            (Precision::Fp32, Attention::Eager, Framework::HfEager),
+        ] {
+            let tc = |checkpointing| TrainConfig {
+                checkpointing,
+                precision,
+                attention,
+                framework,
+                ..train(64, 4)
+            };
+            let run = |checkpointing| {
+                let tc = tc(checkpointing);
+                let mut e =
+                    Engine::new(model.clone(), tc, CpuBackend::new(2).unwrap(), None).unwrap();
+                let loss = e.compute_grads(&batch).unwrap();
+                (
+                    loss,
+                    e.grads_host().unwrap(),
+                    e.dev.tracker.clone(),
+                    e.dev.meter.cost.flops(),
+                )
+            };
+            let what = format!("{name} {precision:?} {attention:?} {framework:?}");
+            let (loss0, grads0, t0, flops0) = run(Checkpointing::None);
+            let (loss1, grads1, t1, flops1) = run(Checkpointing::Selective);
+            let (_, _, t2, flops2) = run(Checkpointing::Full);
+            assert_eq!(loss0, loss1, "{what}");
+            assert!(
+                grads0 == grads1,
+                "{what}: gradients differ under selective checkpointing"
+            );
+            // What a block keeps beyond its input (`engine/step/sac.rs`):
+            // q and v, the fused attention's output and log-sum-exp, llama's
+            // gate and MLP output, gpt2's fc output.
+            let (b, t, c) = (4i64, 64i64, model.d_model as i64);
+            let n = b * t;
+            let kv = (model.n_kv_head() * model.head_dim()) as i64;
+            let mut cols = c + kv;
+            let mut bytes = 0;
+            if attention == Attention::Fused {
+                cols += c;
+                bytes += b * model.n_head as i64 * t * 4;
+            }
+            cols += match model.family {
+                memfit::config::Family::Gpt2 => 4 * c,
+                _ => model.d_ff.unwrap() as i64 + c,
+            };
+            let width = if precision == Precision::Bf16 { 2 } else { 4 };
+            bytes += n * cols * width;
+            let kept = activations_after_forward(&t1) - activations_after_forward(&t2);
+            assert_eq!(kept, model.n_layer as i64 * bytes, "{what}");
+            let (p0, p1, p2) = (t0.peak_bytes(), t1.peak_bytes(), t2.peak_bytes());
+            assert!(
+                p2.activations < p1.activations && p1.activations < p0.activations,
+                "{what}"
+            );
+            // The recomputation: more than none, less than the whole forward again.
+            assert!(
+                flops0 < flops1 && flops1 < flops2,
+                "{what}: {flops0} {flops1} {flops2}"
+            );
+            // meta allocates what cpu does, in the same order.
+            let (cpu, meta, cf, mf) = both(&model, &tc(Checkpointing::Selective));
+            assert_eq!(cpu.peak_bytes(), meta.peak_bytes(), "{what}");
+            assert_eq!(cpu.at_peak(), meta.at_peak(), "{what}");
+            assert_eq!(cf, mf, "{what}");
+            assert_eq!(common::events(&cpu), common::events(&meta), "{what}");
+            eprintln!(
+                "{what}: activations none {} selective {} full {} bytes; FLOPs x{:.3} / x{:.3}",
+                p0.activations,
+                p1.activations,
+                p2.activations,
+                flops1 as f64 / flops0 as f64,
+                flops2 as f64 / flops0 as f64
+            );
+        }
+    }
+}
+
+/// torchtitan's layer SAC (`--checkpoint-every N`): only the N-th, 2N-th,
+/// ... blocks are checkpointed; gradients unchanged, meta == cpu.
+#[test]
+fn checkpointing_every_nth_block_recomputes_only_those() {
+    let mut model = load_model("llama-tiny").unwrap();
+    model.n_layer = 4;
+    let batch = DataSource::synthetic(model.vocab_size, 3).next_batch(2, 32);
+    let tc = |checkpointing, checkpoint_every| TrainConfig {
+        checkpointing,
+        checkpoint_every,
+        ..train(32, 2)
+    };
+    let run = |tc: TrainConfig| {
+        let mut e = Engine::new(model.clone(), tc, CpuBackend::new(2).unwrap(), None).unwrap();
+        let loss = e.compute_grads(&batch).unwrap();
+        let t = e.dev.tracker.clone();
+        (loss, e.grads_host().unwrap(), t, e.dev.meter.cost.flops())
+    };
+    let (loss0, grads0, t0, f0) = run(tc(Checkpointing::None, 1));
+    let (loss2, grads2, t2, f2) = run(tc(Checkpointing::Full, 2));
+    let (_, _, t1, f1) = run(tc(Checkpointing::Full, 1));
+    assert_eq!(loss0, loss2);
+    assert!(
+        grads0 == grads2,
+        "gradients differ under layer checkpointing"
+    );
+    // Blocks 1 and 3 recompute; 0 and 2 keep everything.
+    let recomputed = |t: &Tracker| {
+        let mut ls: Vec<usize> = (t.timeline().iter())
+            .filter_map(|e| match e.phase {
+                memfit::memory::Phase::Recompute(l) => Some(l),
+                _ => None,
+            })
+            .collect();
+        ls.dedup();
+        ls
+    };
+    assert_eq!(recomputed(&t2), [3, 1]);
+    assert_eq!(recomputed(&t1), [3, 2, 1, 0]);
+    assert!(recomputed(&t0).is_empty());
+    // Half the blocks' saved tensors: between none and full.
+    let kept = activations_after_forward(&t2);
+    let (none, full) = (
+        activations_after_forward(&t0),
+        activations_after_forward(&t1),
+    );
+    assert_eq!(2 * kept, none + full, "{none} {kept} {full}");
+    assert!(f0 < f2 && f2 < f1);
+    let (cpu, meta, cf, mf) = both(&model, &tc(Checkpointing::Full, 2));
+    assert_eq!(cpu.peak_bytes(), meta.peak_bytes());
+    assert_eq!(cf, mf);
+    assert_eq!(common::events(&cpu), common::events(&meta));
+}

@@ -213,6 +213,7 @@ fn meta_predicts_every_stage_byte_for_byte() {
             for (precision, checkpointing) in [
                 (Precision::Fp32, Checkpointing::None),
                 (Precision::Bf16, Checkpointing::Full),
+                (Precision::Bf16, Checkpointing::Selective),
             ] {
                 let tc = TrainConfig {
                     precision,

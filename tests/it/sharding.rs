@@ -263,6 +263,13 @@ fn meta_matches_cpu_on_every_rank() {
             ),
             (3, Precision::Bf16, Optimizer::Adamw, Checkpointing::Full),
             (2, Precision::Fp16, Optimizer::Sgd, Checkpointing::Full),
+            // Selective checkpointing copies rows of weights zero3 gathers.
+            (
+                2,
+                Precision::Bf16,
+                Optimizer::Adamw,
+                Checkpointing::Selective,
+            ),
         ] {
             for sharding in LEVELS {
                 let tc = TrainConfig {
