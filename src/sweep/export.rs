@@ -248,19 +248,11 @@ fn provenance(report: &SweepReport, trial: &TrialRecord) -> Vec<String> {
         .collect()
 }
 
-/// A Hugging Face snippet: `TrainingArguments(...)` for `trial`, with the
-/// model-loading line and the launch command as comments where they matter.
-/// For zero1-3 it points at `ds_config.json` ([`deepspeed_config`]); the
-/// optimizer hyper-parameters equal that config's, as the Trainer requires.
-pub fn hf_training_args(report: &SweepReport, trial: &TrialRecord) -> String {
-    let p = &trial.point;
-    let tc = train_config(p);
-    let opt = tc.opt();
-    let stage = zero_stage(p.sharding);
+/// The training script's first lines: the global batch it makes, and how
+/// to launch it on the point's GPUs.
+fn launch_lines(p: &Point, stage: u8) -> String {
     let mut s = String::new();
-    for line in provenance(report, trial) {
-        s.push_str(&format!("# {line}\n"));
-    }
+    let pure = p.precision.is_pure();
     s.push_str(&format!(
         "# Global batch {} = {} per device x {} accumulation steps x {} GPU{}.\n",
         global_batch(p),
@@ -269,7 +261,6 @@ pub fn hf_training_args(report: &SweepReport, trial: &TrialRecord) -> String {
         p.gpus,
         if p.gpus == 1 { "" } else { "s" }
     ));
-    let pure = p.precision.is_pure();
     match p.sharding {
         Sharding::Ddp => s.push_str(&format!(
             "# Launch on {n} GPUs with DDP: torchrun --nproc_per_node={n} train.py\n",
@@ -287,6 +278,24 @@ pub fn hf_training_args(report: &SweepReport, trial: &TrialRecord) -> String {
         )),
         Sharding::None => {}
     }
+    s
+}
+
+/// A Hugging Face snippet: `TrainingArguments(...)` for `trial`, with the
+/// model-loading line and the launch command as comments where they matter.
+/// For zero1-3 it points at `ds_config.json` ([`deepspeed_config`]); the
+/// optimizer hyper-parameters equal that config's, as the Trainer requires.
+pub fn hf_training_args(report: &SweepReport, trial: &TrialRecord) -> String {
+    let p = &trial.point;
+    let tc = train_config(p);
+    let opt = tc.opt();
+    let stage = zero_stage(p.sharding);
+    let mut s = String::new();
+    for line in provenance(report, trial) {
+        s.push_str(&format!("# {line}\n"));
+    }
+    s.push_str(&launch_lines(p, stage));
+    let pure = p.precision.is_pure();
     s.push_str("from transformers import AutoModelForCausalLM, TrainingArguments\n\n");
     s.push_str(&format!(
         "CHECKPOINT = \"path/or/hub-id\"  # a checkpoint of memfit's model {}\n",

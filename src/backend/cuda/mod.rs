@@ -264,6 +264,35 @@ impl<D: Driver> CudaBackend<D> {
     }
 }
 
+impl<D: Driver> CudaBackend<D> {
+    /// `swiglu_backward_kernel` writing into `dgu` (a buffer's pointer and
+    /// dtype code: `gu`'s own for the in-place backward).
+    fn launch_swiglu_backward(
+        &mut self,
+        dgu: [Arg; 2],
+        dout: &CudaBuf,
+        gu: &CudaBuf,
+        n: usize,
+        i: usize,
+    ) {
+        let [d, d_dt] = dgu;
+        self.launch(
+            "swiglu_backward_kernel",
+            LaunchCfg::elementwise(n * i),
+            &[
+                d,
+                d_dt,
+                dout.arg(),
+                dout.dt(),
+                gu.arg(),
+                gu.dt(),
+                n64(n),
+                n64(i),
+            ],
+        );
+    }
+}
+
 impl<D: Driver> Drop for CudaBackend<D> {
     fn drop(&mut self) {
         self.empty_cache();
@@ -710,20 +739,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         }
         // swiglu_backward_kernel reads an element's gate and up before it
         // writes their gradients there, so dgu may be gu itself.
-        self.launch(
-            "swiglu_backward_kernel",
-            LaunchCfg::elementwise(n * i),
-            &[
-                gu.arg(),
-                gu.dt(),
-                dout.arg(),
-                dout.dt(),
-                gu.arg(),
-                gu.dt(),
-                n64(n),
-                n64(i),
-            ],
-        );
+        self.launch_swiglu_backward([gu.arg(), gu.dt()], dout, gu, n, i);
     }
 
     fn swiglu_backward(
@@ -737,20 +753,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         if n * i == 0 {
             return;
         }
-        self.launch(
-            "swiglu_backward_kernel",
-            LaunchCfg::elementwise(n * i),
-            &[
-                dgu.arg(),
-                dgu.dt(),
-                dout.arg(),
-                dout.dt(),
-                gu.arg(),
-                gu.dt(),
-                n64(n),
-                n64(i),
-            ],
-        );
+        self.launch_swiglu_backward([dgu.arg(), dgu.dt()], dout, gu, n, i);
     }
 
     fn add(&mut self, out: &mut CudaBuf, a: &CudaBuf, b: &CudaBuf, n: usize) {
