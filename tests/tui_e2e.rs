@@ -420,8 +420,9 @@ fn the_grid_builder_plans_writes_and_measures_in_tmux() {
         for k in ["l", "Space", "l", "l", "Space", "l", "Space", "l", "Space"] {
             keys(&session, k);
         }
-        // precision: bf16 off; checkpointing: full off; attention: fused off.
-        for k in ["j", "h", "Space", "j", "Space", "j", "Space"] {
+        // precision: bf16 off (the cursor comes down on the row's last
+        // value, bf16-pure); checkpointing: full off; attention: fused off.
+        for k in ["j", "h", "h", "Space", "j", "Space", "j", "Space"] {
             keys(&session, k);
         }
         let p = wait_for(&session, &["│ 2 points"], 10);
