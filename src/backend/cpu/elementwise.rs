@@ -78,11 +78,15 @@ pub(super) fn swiglu_backward(
     n: usize,
     i: usize,
 ) {
-    // silu'(g) = s (1 + g (1 - s)), s = sigmoid(g).
-    gated_backward(be, dgu, (dout, gu), (n, i), |dy, g, u| {
-        let s = sigmoid(g);
-        (dy * u * s * (1.0 + g * (1.0 - s)), dy * g * s)
-    });
+    gated_backward(be, dgu, (dout, gu), (n, i), swiglu_grad);
+}
+
+/// SwiGLU's (d gate, d up) at one element: silu'(g) = s (1 + g (1 - s)),
+/// s = sigmoid(g).
+#[inline(always)]
+fn swiglu_grad(dy: f32, g: f32, u: f32) -> (f32, f32) {
+    let s = sigmoid(g);
+    (dy * u * s * (1.0 + g * (1.0 - s)), dy * g * s)
 }
 
 // gu (N,2I) := its gradient from dout (N,I), in place.
@@ -109,10 +113,7 @@ pub(super) fn swiglu_backward_in_place(
                         for (gu, dy) in gu.chunks_exact_mut(2 * i).zip(dout.chunks_exact(i)) {
                             let (g, u) = gu.split_at_mut(i);
                             for ((g, u), &dy) in g.iter_mut().zip(u.iter_mut()).zip(dy) {
-                                let (gv, uv) = (*g, *u);
-                                let s = sigmoid(gv);
-                                *g = dy * uv * s * (1.0 + gv * (1.0 - s));
-                                *u = dy * gv * s;
+                                (*g, *u) = swiglu_grad(dy, *g, *u);
                             }
                         }
                     },
