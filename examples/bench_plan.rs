@@ -57,6 +57,7 @@ fn main() {
         device: None,
         knobs: Default::default(),
         network: None,
+        attention_kernel: None,
     };
     let point = expand(&single)[0];
     let (cap, overhead) = single.capacity(&hw);

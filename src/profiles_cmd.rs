@@ -111,6 +111,13 @@ pub struct HardwareRecord {
     /// no figure.
     pub sm_count: Option<u32>,
     pub fused_attention_efficiency: Option<f64>,
+    /// Fused attention kernels' published rates, TFLOP/s by kernel, head
+    /// dimension and sequence length (a plan recipe's `attention_kernel`
+    /// picks one); empty where the profile gives none.
+    pub attention_kernels: std::collections::BTreeMap<
+        crate::config::attention_kernels::AttentionKernel,
+        crate::config::attention_kernels::KernelRates,
+    >,
 }
 
 impl From<&HardwareProfile> for HardwareRecord {
@@ -133,6 +140,7 @@ impl From<&HardwareProfile> for HardwareRecord {
             host_memory_bytes: h.host_memory,
             sm_count: h.sm_count,
             fused_attention_efficiency: h.fused_attention_efficiency,
+            attention_kernels: h.attention_kernels.clone(),
         }
     }
 }

@@ -472,6 +472,7 @@ mod tests {
                 n: 128,
             }),
             attention_flops_per_s: Some(3e14),
+            attention_table: None,
             gemm_curve: Some(curve()),
             attention_curve: Curve::new(&[(512.0, 1e14), (4096.0, 4e14)]),
         }

@@ -100,6 +100,7 @@ impl Calibration {
             // fused attention kernel is one of the kernels measured.
             tiles: None,
             attention_flops_per_s: None,
+            attention_table: None,
             gemm_curve: None,
             attention_curve: None,
         }

@@ -13,6 +13,9 @@ use std::path::Path;
 
 use serde::Deserialize;
 
+use std::collections::BTreeMap;
+
+use super::attention_kernels::{AttentionKernel, KernelRates};
 use super::knobs::Precision;
 use super::profile::{key_location, parse_yaml};
 use crate::units::parse_bytes;
@@ -117,6 +120,14 @@ pub struct HardwareProfile {
     /// forward and backward reach together. `None`: the GEMMs' share.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fused_attention_efficiency: Option<f64>,
+    /// Fused attention kernels' published rates on this GPU, by kernel
+    /// ([`attention_kernels`](super::attention_kernels)); where the
+    /// kernel priced has some, they replace `fused_attention_efficiency`.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub attention_kernels: BTreeMap<AttentionKernel, KernelRates>,
+    /// The kernel fused attention is priced at: a plan recipe's
+    /// `attention_kernel` ([`HardwareProfile::use_attention_kernel`]).
+    pub attention_kernel: AttentionKernel,
     /// This GPU's roofline as `memfit calibrate --device cuda` measured it,
     /// when a stored calibration is bound to this profile and the plan
     /// uses it (`plan::plan_file_measured`); never read from a profile file.
@@ -132,6 +143,32 @@ impl HardwareProfile {
         self.inter_node_latency_us = net.latency_us;
         self.inter_node_pod_nodes = net.pod_nodes;
         self.inter_node_oversubscription = net.oversubscription;
+    }
+
+    /// Prices fused attention at `kernel`'s published rates. The default
+    /// kernel (FlashAttention-2) needs none: without them the profile's
+    /// `fused_attention_efficiency` prices it. Any other kernel must have
+    /// rates in this profile.
+    pub fn use_attention_kernel(&mut self, kernel: AttentionKernel) -> Result<(), String> {
+        if kernel != AttentionKernel::default() && !self.attention_kernels.contains_key(&kernel) {
+            let have: Vec<&str> = self.attention_kernels.keys().map(|k| k.name()).collect();
+            return Err(format!(
+                "hardware profile `{}` gives no rates for the `{kernel}` attention kernel, so a plan cannot price it; {}",
+                self.name,
+                match have.is_empty() {
+                    true => "it gives none for any kernel (its `attention_kernels` key is absent): fused attention is priced at its `fused_attention_efficiency`".to_string(),
+                    false => format!("it gives rates for {}", have.join(", ")),
+                }
+            ));
+        }
+        self.attention_kernel = kernel;
+        Ok(())
+    }
+
+    /// The published rates fused attention is priced at, if the profile
+    /// has them for the kernel chosen.
+    pub fn attention_rates(&self) -> Option<&KernelRates> {
+        self.attention_kernels.get(&self.attention_kernel)
     }
 
     /// Peak dense FLOP/s for matmuls at `precision`.
@@ -176,6 +213,8 @@ struct RawHardware {
     host_memory: Option<Size>,
     sm_count: Option<u32>,
     fused_attention_efficiency: Option<f64>,
+    #[serde(default)]
+    attention_kernels: BTreeMap<AttentionKernel, KernelRates>,
 }
 
 /// Defaults of the node keys for a profile file without them: an 8-GPU
@@ -490,6 +529,10 @@ pub fn parse_hardware_yaml(text: &str, location: &str) -> Result<HardwareProfile
             format!("{f} is not a share of the peak in (0, 1]"),
         ));
     }
+    for (&kernel, rates) in &raw.attention_kernels {
+        super::attention_kernels::check(kernel, rates)
+            .map_err(|m| invalid("attention_kernels", m))?;
+    }
     let intra_node_nvls = raw.intra_node_nvls.unwrap_or(false);
     if intra_node_nvls && !nvlink {
         return Err(invalid(
@@ -541,6 +584,8 @@ pub fn parse_hardware_yaml(text: &str, location: &str) -> Result<HardwareProfile
         host_memory,
         sm_count: raw.sm_count,
         fused_attention_efficiency: raw.fused_attention_efficiency,
+        attention_kernels: raw.attention_kernels,
+        attention_kernel: AttentionKernel::default(),
         measured: None,
     })
 }

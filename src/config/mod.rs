@@ -8,6 +8,8 @@ pub mod hf;
 pub mod input;
 #[macro_use]
 pub mod knobs;
+// After `knobs`, whose `knob_enum!` it uses.
+pub mod attention_kernels;
 pub mod limits;
 pub mod model;
 pub mod profile;

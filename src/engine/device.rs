@@ -16,6 +16,7 @@ use crate::backend::{
     DType, SgdHyper,
 };
 use crate::comm::{Collective, Op, Peer, PointToPoint, wire_bytes};
+use crate::config::attention_kernels::{KernelRates, MAX_HEAD_DIMS};
 use crate::memory::{ByCategory, Category, OomError, Phase, Tracker};
 
 /// A device buffer with its size, element type and memory category.
@@ -97,9 +98,67 @@ pub struct Roofline {
     /// --device cuda`): replaces `flops_per_s` and, where it covers the
     /// GEMM, the tile and wave model (see [`Roofline::gemm_seconds`]).
     pub gemm_curve: Option<Curve>,
+    /// Fused attention's published rates by head dimension and sequence
+    /// length (the hardware profile's, for the kernel the plan prices):
+    /// replaces `attention_flops_per_s`.
+    pub attention_table: Option<AttentionTable>,
     /// Fused attention's rate measured by sequence length: replaces
-    /// `attention_flops_per_s`.
+    /// `attention_table` and `attention_flops_per_s`.
     pub attention_curve: Option<Curve>,
+}
+
+/// One attention kernel's published rates: a [`Curve`] by sequence length
+/// at each head dimension listed, read between two head dimensions
+/// linearly in log(head_dim) and at the nearest one outside them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionTable {
+    len: usize,
+    head_dims: [f64; MAX_HEAD_DIMS],
+    curves: [Curve; MAX_HEAD_DIMS],
+}
+
+impl AttentionTable {
+    /// The table of `rates` (TFLOP/s), in FLOP/s; `None` if it has no
+    /// point or more than the fixed arrays hold (a profile's own check
+    /// refuses both).
+    pub fn new(rates: &KernelRates) -> Option<AttentionTable> {
+        let mut curves = Vec::new();
+        for (&head_dim, by_t) in rates {
+            let points: Vec<(f64, f64)> = (by_t.iter())
+                .map(|(&t, &tflops)| (t as f64, tflops * 1e12))
+                .collect();
+            curves.push((head_dim as f64, Curve::new(&points)?));
+        }
+        let first = curves.first()?.1;
+        if curves.len() > MAX_HEAD_DIMS {
+            return None;
+        }
+        let mut table = AttentionTable {
+            len: curves.len(),
+            head_dims: [0.0; MAX_HEAD_DIMS],
+            curves: [first; MAX_HEAD_DIMS],
+        };
+        for (i, (d, c)) in curves.into_iter().enumerate() {
+            (table.head_dims[i], table.curves[i]) = (d, c);
+        }
+        Some(table)
+    }
+
+    /// FLOP/s at sequences of `t` tokens and heads of `head_dim`.
+    pub fn at(&self, t: usize, head_dim: usize) -> f64 {
+        let (n, d, x) = (self.len, &self.head_dims, t as f64);
+        let hd = head_dim as f64;
+        if n == 1 || hd <= d[0] {
+            return self.curves[0].at(x);
+        }
+        if hd >= d[n - 1] {
+            return self.curves[n - 1].at(x);
+        }
+        let i = d[..n].partition_point(|&v| v <= hd);
+        let f = (hd / d[i - 1]).ln() / (d[i] / d[i - 1]).ln();
+        let (lo, hi) = (self.curves[i - 1].at(x), self.curves[i].at(x));
+        lo + f * (hi - lo)
+    }
 }
 
 /// Most points a [`Curve`] holds (a fixed array keeps [`Roofline`] `Copy`).
@@ -207,10 +266,11 @@ impl Roofline {
                 let rest = work.flops.saturating_sub(work.gemm_flops());
                 s + rest as f64 / self.kernel_flops_per_s
             }
-            Kind::FusedAttention { t } => {
-                let rate = match &self.attention_curve {
-                    Some(c) => c.at(t as f64),
-                    None => (self.attention_flops_per_s).unwrap_or(self.kernel_flops_per_s),
+            Kind::FusedAttention { t, head_dim } => {
+                let rate = match (&self.attention_curve, &self.attention_table) {
+                    (Some(c), _) => c.at(t as f64),
+                    (None, Some(table)) => table.at(t, head_dim),
+                    (None, None) => (self.attention_flops_per_s).unwrap_or(self.kernel_flops_per_s),
                 };
                 work.flops as f64 / rate
             }

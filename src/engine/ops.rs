@@ -36,9 +36,10 @@ pub enum Kind {
     /// the weight's); FLOPs beyond theirs (a bias gradient) are priced as a
     /// streaming kernel's.
     Gemm([Option<Gemm>; 2]),
-    /// A fused (flash) attention kernel over sequences of `t` tokens: its
-    /// own efficiency, which a measured curve reads by `t`.
-    FusedAttention { t: usize },
+    /// A fused (flash) attention kernel over sequences of `t` tokens with
+    /// heads of `head_dim`: its own rate, which published rates read by
+    /// both and a measured curve by `t`.
+    FusedAttention { t: usize, head_dim: usize },
     /// Everything else: norms, activations, eager attention's pieces,
     /// the loss, copies, the optimizer update, collectives' local work.
     Stream,
@@ -146,7 +147,10 @@ impl Work {
             name: "flash_attention",
             flops: Self::causal_pairs(s) * (4 * s.head_dim as u64 + 7),
             bytes,
-            kind: Kind::FusedAttention { t: s.t },
+            kind: Kind::FusedAttention {
+                t: s.t,
+                head_dim: s.head_dim,
+            },
         }
     }
 
@@ -157,7 +161,10 @@ impl Work {
             name: "flash_attention_backward",
             flops: Self::causal_pairs(s) * (10 * s.head_dim as u64 + 6),
             bytes,
-            kind: Kind::FusedAttention { t: s.t },
+            kind: Kind::FusedAttention {
+                t: s.t,
+                head_dim: s.head_dim,
+            },
         }
     }
 

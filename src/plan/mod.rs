@@ -28,10 +28,11 @@ use serde::{Deserialize, Serialize};
 use crate::backend::meta::MetaBackend;
 use crate::comm::MetaComm;
 use crate::config::ModelConfig;
+use crate::config::attention_kernels::AttentionKernel;
 use crate::config::hardware::{HardwareProfile, load_hardware};
 use crate::config::profile::{load_model, looks_like_path, parse_yaml, value_location};
 use crate::engine::cluster::Links;
-use crate::engine::device::{Beside, Curve, HostRoofline, Roofline, Tiles};
+use crate::engine::device::{AttentionTable, Beside, Curve, HostRoofline, Roofline, Tiles};
 use crate::engine::{
     Attention, Checkpointing, Comm, Engine, Finetune, Framework, LoraConfig, Loss, Offload,
     Optimizer, Precision, Sharding, TrainConfig,
@@ -113,6 +114,11 @@ pub struct PlanRecipe {
     /// (`profiles/networks/`), in place of the one the hardware profile's
     /// nodes have.
     pub network: Option<String>,
+    /// The fused-attention kernel whose published rates (the hardware
+    /// profile's `attention_kernels`) price fused attention; absent:
+    /// FlashAttention-2, or the profile's `fused_attention_efficiency`
+    /// where it gives no rates.
+    pub attention_kernel: Option<AttentionKernel>,
 }
 
 /// The knobs a plan recipe takes as keys of its own, one value for the
@@ -797,8 +803,30 @@ pub fn load_recipe(path: &Path) -> Result<(PlanRecipe, ModelConfig, HardwareProf
             .map_err(|e| relocate(e, at("network", None)))?;
         hw.use_network(&net);
     }
+    if let Some(k) = recipe.attention_kernel {
+        use_attention_kernel(&recipe.grid, k, &mut hw).map_err(|message| Error::Config {
+            location: at("attention_kernel", Some(k.name())),
+            message,
+        })?;
+    }
     check_recipe(&recipe, &model, &at)?;
     Ok((recipe, model, hw))
+}
+
+/// Prices `grid`'s fused attention on `hw` at kernel `k`'s published
+/// rates; refused where the profile has none for it, or where no point of
+/// the grid runs fused attention (the key would change nothing).
+pub fn use_attention_kernel(
+    grid: &Grid,
+    k: AttentionKernel,
+    hw: &mut HardwareProfile,
+) -> std::result::Result<(), String> {
+    if !grid.attention.iter().any(|a| a.fused()) {
+        return Err(format!(
+            "`attention_kernel: {k}` prices fused attention, and the grid's `attention` lists only eager: add fused (or flash-attention-2) to `grid.attention`, or drop the key"
+        ));
+    }
+    hw.use_attention_kernel(k)
 }
 
 /// Prefixes an unknown-model or unknown-hardware error, or a file that
@@ -1470,6 +1498,9 @@ fn profile_roofline(hw: &HardwareProfile, precision: Precision) -> Roofline {
             .fused_attention_efficiency
             .filter(|_| tensor_cores)
             .map(|f| hw.peak_flops(precision) * f),
+        attention_table: (hw.attention_rates())
+            .filter(|_| tensor_cores)
+            .and_then(AttentionTable::new),
         gemm_curve: None,
         attention_curve: None,
     }
@@ -1518,6 +1549,7 @@ impl Rates {
                     op_overhead_s: OP_OVERHEAD_S,
                     tiles: None,
                     attention_flops_per_s: None,
+                    attention_table: None,
                     gemm_curve: None,
                     attention_curve: None,
                 },
@@ -2439,6 +2471,57 @@ mod tests {
         let model = load_model(&r.model).unwrap();
         let hw = load_hardware(&r.hardware).unwrap();
         (r, model, hw)
+    }
+
+    /// A profile's published attention rates, read as the profile gives
+    /// them at its points, log-log between sequence lengths, linearly in
+    /// log(head_dim) between head dimensions and at the nearest outside;
+    /// 16-bit only, since flash attention runs on the tensor cores.
+    #[test]
+    fn attention_rates_are_read_between_the_published_points() {
+        let mut hw = load_hardware("a100-80gb").unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b;
+        let table = roofline(&hw, Precision::Bf16).attention_table.unwrap();
+        for (t, hd, expect) in [
+            (2048, 128, 155e12),
+            (512, 64, 88e12),
+            (100_000, 128, 189e12),
+            (2048, 256, 155e12),
+            (2048, 32, 140e12),
+        ] {
+            assert!(
+                close(table.at(t, hd), expect),
+                "{t} {hd}: {}",
+                table.at(t, hd)
+            );
+        }
+        let between = table.at(2048, 96);
+        let f = (96f64 / 64.0).ln() / 2f64.ln();
+        assert!((between - (140e12 + f * 15e12)).abs() < 1e3, "{between}");
+        let t = table.at(2896, 128);
+        let g = (2896f64 / 2048.0).ln() / 2f64.ln();
+        let expect = (155e12f64.ln() + g * (173f64 / 155.0).ln()).exp();
+        assert!((t - expect).abs() < 1e3, "{t} vs {expect}");
+        assert!(roofline(&hw, Precision::Fp32).attention_table.is_none());
+        hw.use_attention_kernel(AttentionKernel::FlashAttentionTriton)
+            .unwrap();
+        let triton = roofline(&hw, Precision::Bf16).attention_table.unwrap();
+        assert!(close(triton.at(2048, 128), 68e12));
+        // A work item priced on it takes its FLOPs over that rate.
+        let s = crate::backend::AttnShape {
+            b: 1,
+            t: 2048,
+            n_head: 16,
+            n_kv_head: 16,
+            head_dim: 128,
+        };
+        let w = crate::engine::ops::Work::flash_attention(s, 0);
+        let r = roofline(&hw, Precision::Bf16);
+        let priced = r.seconds(&w, 1) - r.op_overhead_s;
+        assert!(
+            close(priced, w.flops as f64 / triton.at(2048, 128)),
+            "{priced}"
+        );
     }
 
     /// Megatron's `--tp-comm-overlap` moves the sequence-parallel

@@ -28,6 +28,7 @@ enum Own {
     HostUsdPerHour,
     AllowNumericsChange,
     Device,
+    AttentionKernel,
     Network,
 }
 
@@ -42,6 +43,7 @@ const OWN: &[(&str, Own)] = &[
     ("host_usd_per_hour", Own::HostUsdPerHour),
     ("allow_numerics_change", Own::AllowNumericsChange),
     ("device", Own::Device),
+    ("attention_kernel", Own::AttentionKernel),
     ("network", Own::Network),
 ];
 
@@ -140,6 +142,7 @@ impl<'de> Visitor<'de> for RecipeVisitor {
         let mut allow_numerics_change: Option<bool> = None;
         let mut device = None;
         let mut network = None;
+        let mut attention_kernel = None;
         let mut knobs = Knobs::default();
         let mut seen: Vec<&'static str> = Vec::new();
         while let Some(key) = map.next_key_seed(KeySeed)? {
@@ -159,6 +162,7 @@ impl<'de> Visitor<'de> for RecipeVisitor {
                     Own::HostUsdPerHour => host_usd_per_hour = map.next_value()?,
                     Own::AllowNumericsChange => allow_numerics_change = Some(map.next_value()?),
                     Own::Device => device = map.next_value()?,
+                    Own::AttentionKernel => attention_kernel = map.next_value()?,
                     Own::Network => network = map.next_value()?,
                 },
                 Key::Knob(name) => {
@@ -182,6 +186,7 @@ impl<'de> Visitor<'de> for RecipeVisitor {
             device,
             knobs,
             network,
+            attention_kernel,
         })
     }
 }

@@ -858,9 +858,10 @@ fn step_line(plan: &Plan, p: &Prediction, bullet: &str) -> String {
             crate::calibrate::gpu::describe(m, p.point.precision, plan.efficiency["compute"])
         }
         None => format!(
-            "roofline at {:.0}% of peak FLOP/s for large GEMMs, less for shapes that leave SMs idle, {:.0}% of memory bandwidth",
+            "roofline at {:.0}% of peak FLOP/s for large GEMMs, less for shapes that leave SMs idle, {:.0}% of memory bandwidth{}",
             plan.efficiency["compute"] * 100.0,
             plan.efficiency["memory"] * 100.0,
+            attention_rate(hw, p),
         ),
     };
     format!(
@@ -870,6 +871,22 @@ fn step_line(plan: &Plan, p: &Prediction, bullet: &str) -> String {
         p.comm_s,
         links(plan, p)
     )
+}
+
+/// How the point's fused attention is priced, where the profile says:
+/// at its kernel's published rates or at its share of the peak.
+fn attention_rate(hw: &crate::config::hardware::HardwareProfile, p: &Prediction) -> String {
+    if !(p.point.attention.fused() && p.point.precision.is_16bit()) {
+        return String::new();
+    }
+    match (hw.attention_rates(), hw.fused_attention_efficiency) {
+        (Some(_), _) => format!(
+            ", fused attention at {}'s published rates for its head dimension and sequence length",
+            hw.attention_kernel
+        ),
+        (None, Some(f)) => format!(", fused attention at {:.0}% of peak", f * 100.0),
+        (None, None) => String::new(),
+    }
 }
 
 /// The recommended point's margin: what is left below the usable limit

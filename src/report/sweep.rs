@@ -332,6 +332,10 @@ pub struct SweepReport {
     /// which put the hardware's nodes on another fabric.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<String>,
+    /// The recipe's `attention_kernel:`, whose published rates priced the
+    /// target's fused attention.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_kernel: Option<crate::config::attention_kernels::AttentionKernel>,
     /// The recipe's `host_memory:` in bytes, each node's host memory for
     /// offloaded tensors.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -399,6 +403,7 @@ impl SweepReport {
             hardware: "t4".into(),
             hardware_file: None,
             network: None,
+            attention_kernel: None,
             host_memory: None,
             device: "cpu:limit=64MiB".into(),
             run_device: RunDevice {

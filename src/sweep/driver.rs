@@ -494,6 +494,7 @@ pub fn prepare(opts: &SweepOptions) -> Result<Prepared> {
         hardware: hw.name.clone(),
         hardware_file: file_of(&recipe.hardware),
         network: (recipe.network.as_ref()).map(|n| file_of(n).unwrap_or_else(|| n.clone())),
+        attention_kernel: recipe.attention_kernel,
         host_memory: recipe.knobs.host_memory.map(|b| b.0),
         device: trial_device.to_string(),
         run_device: run_device(

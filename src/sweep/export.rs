@@ -603,6 +603,9 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
         };
         s.push_str(&format!("network: {}\n", yaml_str(&net)));
     }
+    if let Some(k) = report.attention_kernel.filter(|_| p.attention.fused()) {
+        s.push_str(&format!("attention_kernel: {k}\n"));
+    }
     if let Some(bytes) = report.host_memory {
         s.push_str(&format!("host_memory: {bytes}B\n"));
     }
@@ -789,6 +792,7 @@ mod tests {
             hardware: "t4".into(),
             hardware_file: None,
             network: None,
+            attention_kernel: None,
             host_memory: None,
             device: "cpu:limit=64MiB".into(),
             capacity_bytes: 64 << 20,

@@ -1999,6 +1999,7 @@ pub(crate) mod tests {
             hardware: "cpu-test".into(),
             hardware_file: None,
             network: None,
+            attention_kernel: None,
             host_memory: None,
             device: "cpu:limit=64MiB".into(),
             capacity_bytes: 64 * MIB,

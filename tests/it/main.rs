@@ -12,6 +12,7 @@
 
 mod common;
 
+mod attention_kernels;
 mod balance;
 mod bounded_input;
 mod calibration;

@@ -62,6 +62,7 @@ fn predictions_equal_cpu_measured_peaks() {
             host_usd_per_hour: None,
             knobs: Default::default(),
             network: None,
+            attention_kernel: None,
             allow_numerics_change: true,
             // A plan for the cpu backend (a GPU plan declares the cuda
             // backend's attention workspace; tests/it/cuda_cli.rs checks that one).
@@ -161,6 +162,7 @@ fn published_bytes_per_parameter_are_reproduced() {
         host_usd_per_hour: None,
         knobs: Default::default(),
         network: None,
+        attention_kernel: None,
         allow_numerics_change: true,
         device: None,
     };
@@ -300,6 +302,7 @@ fn allow_numerics_change_false_rules_out_fp16_and_8bit() {
         host_usd_per_hour: None,
         knobs: Default::default(),
         network: None,
+        attention_kernel: None,
         allow_numerics_change: false,
         device: None,
     };

@@ -44,6 +44,15 @@ pub fn load(r: &PlanRecipe) -> Result<(ModelConfig, HardwareProfile), String> {
         let net = load_network(net).map_err(|e| one_line("network", e))?;
         hw.use_network(&net);
     }
+    // The recipe's kernel, while some point runs fused attention (a grid
+    // toggled to eager only leaves it unused, and `to_yaml` unwritten).
+    if let Some(k) = r
+        .attention_kernel
+        .filter(|_| r.grid.attention.iter().any(|a| a.fused()))
+    {
+        hw.use_attention_kernel(k)
+            .map_err(|e| format!("attention_kernel: {e}"))?;
+    }
     // Steps priced as `memfit plan` prices them: with the GPU calibration
     // bound to the profile, where `memfit calibrate --device cuda` stored one.
     crate::calibrate::gpu::attach_bound(&mut hw);
@@ -367,6 +376,10 @@ pub fn fixes(p: &Planned, point: &Point) -> Vec<Fix> {
             if let Some(net) = r.network.as_deref().and_then(|n| load_network(n).ok()) {
                 hw.use_network(&net);
             }
+            // A GPU without the recipe's kernel's rates prices the default.
+            if let Some(k) = r.attention_kernel {
+                let _ = hw.use_attention_kernel(k);
+            }
             let rates = Rates::gpu(&hw, r.cost.unwrap_or(hw.usd_per_hour));
             let (cap, overhead) = r.capacity(&hw);
             let target = PlanTarget {
@@ -436,6 +449,14 @@ pub fn to_yaml(r: &PlanRecipe) -> String {
     let _ = writeln!(s, "hardware: {}", scalar(&r.hardware));
     if let Some(n) = &r.network {
         let _ = writeln!(s, "network: {}", scalar(n));
+    }
+    // Only where a point runs fused attention: `memfit plan` refuses the
+    // key on a grid that does not.
+    if let Some(k) = r
+        .attention_kernel
+        .filter(|_| r.grid.attention.iter().any(|a| a.fused()))
+    {
+        let _ = writeln!(s, "attention_kernel: {k}");
     }
     if let Some(d) = &r.device {
         // Display rounds a limit to two decimals of its unit; bytes do not.
