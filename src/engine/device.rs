@@ -1791,11 +1791,13 @@ impl<B: Backend> Device<B> {
 
     /// `count` copies as [`Device::copy_slice`], the `r`th given by
     /// `piece(r) = (dst_off, src_off, n)`, `total` elements in all: what a
-    /// ZeRO gather or scatter does once per rank. A backend without data
-    /// moves nothing, so it charges the `count` copies at once (the same
-    /// calls, bytes and launch overheads) instead of walking every rank:
-    /// a gather over 16,384 ranks would otherwise cost a plan 16,384 steps
-    /// per tensor.
+    /// ZeRO gather or scatter does once per rank. Charged as one kernel,
+    /// whatever the rank count: FSDP2 copies a unit's gathered shards out
+    /// with one `split_with_sizes_copy` and its gradients in with one
+    /// `_chunk_cat` (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py),
+    /// not a launch per rank. A backend without data moves nothing and
+    /// skips the walk over the ranks: a gather over 16,384 ranks would
+    /// otherwise cost a plan 16,384 steps per tensor.
     pub fn copy_pieces(
         &mut self,
         dst: &mut T<B>,
@@ -1805,19 +1807,25 @@ impl<B: Backend> Device<B> {
         accumulate: bool,
         piece: impl Fn(usize) -> (usize, usize, usize),
     ) {
-        if self.be.holds_data() {
+        let (op, at, bytes) = Self::copy_kind(dst, src, total, accumulate);
+        let work = Work::stream(op, total * accumulate as usize, bytes);
+        if !self.be.holds_data() {
+            self.charge(&work, 0, at, 1);
+            return;
+        }
+        self.timed_at(work, at, |be| {
             let mut moved = 0;
             for r in 0..count {
                 let (dst_off, src_off, n) = piece(r);
-                self.copy_slice(dst, dst_off, src, src_off, n, accumulate);
+                assert!(
+                    dst_off + n <= dst.len && src_off + n <= src.len,
+                    "copy_pieces out of range"
+                );
+                be.copy_slice(&mut dst.buf, dst_off, &src.buf, src_off, n, accumulate);
                 moved += n;
             }
             debug_assert_eq!(moved, total, "copy_pieces' total");
-            return;
-        }
-        let (op, at, bytes) = Self::copy_kind(dst, src, total, accumulate);
-        let work = Work::stream(op, total * accumulate as usize, bytes);
-        self.charge(&work, 0, at, count as u64);
+        });
     }
 
     /// A copy of `n` elements from `src` to `dst`: its op name, where it
