@@ -1383,7 +1383,8 @@ impl<B: Backend> Engine<B> {
                 let torch = hf.as_ref().map(|h| (h.optimizer_impl, h.param_groups));
                 let states = (&mut params[..], &mut master[..], &mut opt[..], &grads[..]);
                 let step = (self.step, grad_scale);
-                local_update(dev, states, specs, &owned, &cfg, torch, step)?;
+                let ids: Vec<usize> = (0..specs.len()).filter(|&i| owned[i]).collect();
+                local_update(dev, states, specs, &ids, &cfg, torch, step)?;
             }
         }
         if fp16 {
@@ -1561,13 +1562,15 @@ impl<B: Backend> Engine<B> {
 /// ddp's replicas): mixed precision updates the fp32
 /// master copy, then rounds it into the 16-bit weights the next forward
 /// reads. hf-eager (`torch`): torch.optim updates one parameter group after
-/// another, with AdamW's own temporaries (`OptimizerImpl`).
+/// another, with AdamW's own temporaries (`OptimizerImpl`). `ids`: the
+/// tensors to update, in order (every trainable one this rank holds, or
+/// one unit's with the optimizer in the backward).
 #[allow(clippy::type_complexity)]
 fn local_update<B: Backend>(
     dev: &mut Device<B>,
     (params, master, opt, grads): (&mut [T<B>], &mut [T<B>], &mut [OptState<T<B>>], &[T<B>]),
     specs: &[ParamSpec],
-    owned: &[bool],
+    ids: &[usize],
     cfg: &optim::OptConfig,
     torch: Option<(OptimizerImpl, ParamGroups)>,
     (step, grad_scale): (u64, f32),
@@ -1580,13 +1583,12 @@ fn local_update<B: Backend>(
     let torch_impl = torch
         .filter(|_| cfg.kind == Optimizer::Adamw)
         .map(|(i, _)| i);
-    let ids = (0..specs.len()).filter(|&i| owned[i]);
     let groups: Vec<Vec<usize>> = match torch.map(|(_, g)| g) {
         Some(ParamGroups::Trainer) => {
-            let (decay, rest) = ids.partition(|&i| specs[i].shape.len() >= 2);
+            let (decay, rest) = ids.iter().partition(|&&i| specs[i].shape.len() >= 2);
             vec![decay, rest]
         }
-        _ => vec![ids.collect()],
+        _ => vec![ids.to_vec()],
     };
     for group in groups {
         // The temporaries are in the state's dtype (torch's
@@ -1616,9 +1618,10 @@ fn local_update<B: Backend>(
             dev.free(t);
         }
     }
-    let pairs = params.iter_mut().zip(master.iter()).zip(owned);
-    for ((p, m), _) in pairs.filter(|(_, o)| **o) {
-        dev.convert(p, m);
+    if !master.is_empty() {
+        for &i in ids {
+            dev.convert(&mut params[i], &master[i]);
+        }
     }
     Ok(())
 }

@@ -241,6 +241,15 @@ struct Stepper<'e, B: Backend> {
 }
 
 impl<'e, B: Backend> Pass<'e, B> {
+    /// hf-eager: charges the launches and bytes of transformers' unfused
+    /// kernels that `pick` names (a block's or the head's, forward or
+    /// backward); the engine's own profile has none.
+    fn charge_unfused(&mut self, pick: impl Fn(&HfRules) -> super::framework::Unfused) {
+        if let Some(h) = self.hf {
+            self.dev.charge_unfused("hf_unfused", pick(h));
+        }
+    }
+
     pub(super) fn new(e: &'e mut Engine<B>) -> Self {
         let s = e.attn_shape();
         let Engine {
@@ -344,12 +353,10 @@ impl<'e, B: Backend> Pass<'e, B> {
         };
         let cfg = self.train.opt();
         let torch = self.hf.map(|h| (h.optimizer_impl, ParamGroups::One));
-        let mut one = vec![false; self.specs.len()];
         for i in ids {
             if !self.trainable[i] || self.g[i].len == 0 {
                 continue;
             }
-            one[i] = true;
             let states = (
                 &mut self.p[..],
                 &mut st.master[..],
@@ -360,12 +367,11 @@ impl<'e, B: Backend> Pass<'e, B> {
                 self.dev,
                 states,
                 self.specs,
-                &one,
+                &[i],
                 &cfg,
                 torch,
                 (st.step, 1.0),
             )?;
-            one[i] = false;
             let ph = self.dev.placeholder(self.g[i].dtype, Category::Gradients);
             let g = std::mem::replace(&mut self.g[i], ph);
             self.dev.free(g);
@@ -702,9 +708,7 @@ impl<'e, B: Backend> Pass<'e, B> {
         if let Some(h) = self.hf.filter(|_| self.model.sliding_window(l).is_some()) {
             extra.extend(alloc_saved(self.dev, &h.sliding_saved)?);
         }
-        if let Some(h) = self.hf {
-            self.dev.charge_unfused("hf_unfused", h.unfused_block[0]);
-        }
+        self.charge_unfused(|h| h.unfused_block[0]);
         // The dense MLP's (or shared expert's) output: a temporary summed
         // into the block's, or under Qwen2-MoE's gate kept with the gate,
         // whose backward reads it (so a recomputation makes it too).
@@ -1012,11 +1016,9 @@ impl<'e, B: Backend> Pass<'e, B> {
         if self.train.offload_activations {
             self.move_input(x, true)?;
         }
+        self.charge_unfused(|h| h.unfused_head[0]);
         let head_extra = match self.hf {
-            Some(h) => {
-                self.dev.charge_unfused("hf_unfused", h.unfused_head[0]);
-                alloc_saved(self.dev, &h.head_saved)?
-            }
+            Some(h) => alloc_saved(self.dev, &h.head_saved)?,
             None => Vec::new(),
         };
         let targets = targets.expect("the last stage reads the targets");
@@ -1381,9 +1383,7 @@ impl<'e, B: Backend> Pass<'e, B> {
         let (n, c) = (self.n, model.d_model);
         let (v, vp) = (model.vocab_size, model.padded_vocab());
         let part = self.tp.as_ref().map_or((0, v, vp), |tp| tp.vocab(model));
-        if let Some(h) = self.hf {
-            self.dev.charge_unfused("hf_unfused", h.unfused_head[1]);
-        }
+        self.charge_unfused(|h| h.unfused_head[1]);
         let hf = self.hf.map(|h| HfHead {
             rules: h,
             lazy: self.lazy,
@@ -1425,9 +1425,7 @@ impl<'e, B: Backend> Pass<'e, B> {
     ) -> Result<(), OomError> {
         let ly = BlockLayers::of(self, l);
         let mut a = a;
-        if let Some(h) = self.hf {
-            self.dev.charge_unfused("hf_unfused", h.unfused_block[1]);
-        }
+        self.charge_unfused(|h| h.unfused_block[1]);
         let routed = a.moe.take();
         // Gemma: the MLP's post-norm first; d(mlp output) is then its input's.
         let dpost = match (ly.post_mlp, &a.post_mlp) {
