@@ -238,6 +238,13 @@ fn field_value(b: &Builder, f: Field) -> String {
         Field::SeqLen => format!("{} tokens", r.seq_len),
         Field::GlobalBatch => format!("{} sequences", r.global_batch),
         Field::LoraRank => format!("{} (lora/qlora points)", r.lora().rank),
+        Field::AttentionKernel => {
+            let k = r.attention_kernel.unwrap_or_default();
+            match r.grid.attention.iter().any(|a| a.fused()) {
+                true => format!("{k} (prices fused points)"),
+                false => format!("{k} (no fused point)"),
+            }
+        }
         Field::Axis(_) => String::new(),
     }
 }

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use super::axes::{AXES, Axis};
 use super::compute::{Change, FitMap, Fix, Planned, fit_map};
 use crate::backend::DeviceSpec;
+use crate::config::attention_kernels::AttentionKernel;
 use crate::plan::{PlanRecipe, Point};
 use crate::tui::app::Key;
 
@@ -25,6 +26,7 @@ pub enum Field {
     SeqLen,
     GlobalBatch,
     LoraRank,
+    AttentionKernel,
     Axis(Axis),
 }
 
@@ -38,6 +40,7 @@ impl Field {
             Field::SeqLen => "seq_len",
             Field::GlobalBatch => "glob_batch",
             Field::LoraRank => "lora_rank",
+            Field::AttentionKernel => "attn_kernel",
             Field::Axis(a) => a.label(),
         }
     }
@@ -80,6 +83,7 @@ pub fn fields(b: &Builder) -> Vec<Field> {
             .map(|&a| Field::Axis(a)),
     );
     v.push(Field::LoraRank);
+    v.push(Field::AttentionKernel);
     v
 }
 
@@ -291,6 +295,9 @@ impl Builder {
             Field::SeqLen => r.seq_len.to_string(),
             Field::GlobalBatch => r.global_batch.to_string(),
             Field::LoraRank => r.lora().rank.to_string(),
+            Field::AttentionKernel => r
+                .attention_kernel
+                .map_or_else(String::new, |k| k.to_string()),
             Field::Axis(a) => a.get(&r.grid).join(" "),
         }
     }
@@ -576,6 +583,13 @@ fn step(b: &mut Builder, d: isize) -> Vec<Action> {
         Field::SeqLen => r.seq_len = scale(r.seq_len, d),
         Field::GlobalBatch => r.global_batch = scale(r.global_batch, d),
         Field::LoraRank => r.knobs.lora_rank = Some(scale(r.lora().rank, d)),
+        Field::AttentionKernel => {
+            // None (the default, FlashAttention-2) first, then the others.
+            let mut all = vec![None];
+            all.extend(AttentionKernel::ALL[1..].iter().copied().map(Some));
+            let at = all.iter().position(|k| *k == r.attention_kernel);
+            r.attention_kernel = all[cycle(all.len(), at)];
+        }
     }
     replan(b)
 }
@@ -711,6 +725,14 @@ fn apply_text(r: &mut PlanRecipe, f: Field, text: &str) -> Result<(), String> {
         Field::SeqLen => r.seq_len = whole("seq_len")?,
         Field::GlobalBatch => r.global_batch = whole("global_batch")?,
         Field::LoraRank => r.knobs.lora_rank = Some(whole("lora_rank")?),
+        Field::AttentionKernel if text.is_empty() => r.attention_kernel = None,
+        Field::AttentionKernel => {
+            let k = <AttentionKernel as clap::ValueEnum>::from_str(text, true).map_err(|_| {
+                let names: Vec<&str> = AttentionKernel::ALL.iter().map(|k| k.name()).collect();
+                format!("attn_kernel: `{text}` is not one of {}", names.join(", "))
+            })?;
+            r.attention_kernel = (k != AttentionKernel::default()).then_some(k);
+        }
         Field::Axis(_) => {}
     }
     Ok(())

@@ -120,6 +120,50 @@ fn a_stale_plan_is_dropped() {
     assert_eq!(b.planned.as_ref().unwrap().plan.seq_len, 32);
 }
 
+/// The attention kernel cycles from the default through the others; each
+/// replans at its published rates (slower than FlashAttention-2 on an
+/// A100, the same bytes), and a GPU without its figures says so in one
+/// line, keeping the last plan.
+#[test]
+fn the_attention_kernel_cycles_and_prices_the_fused_points() {
+    use crate::config::attention_kernels::AttentionKernel;
+    let mut b = started();
+    go(&mut b, Field::AttentionKernel);
+    key(&mut b, Key::Right);
+    assert_eq!(
+        b.recipe.attention_kernel,
+        Some(AttentionKernel::FlashAttention)
+    );
+    let e = b
+        .error
+        .clone()
+        .expect("the T4 profile has no attention rates");
+    assert!(
+        e.contains("gives no rates for the `flash-attention` attention kernel"),
+        "{e}"
+    );
+    key(&mut b, Key::Left);
+    assert_eq!(b.recipe.attention_kernel, None);
+    b.recipe.hardware = "a100-80gb".into();
+    b.recipe.grid.attention = vec![crate::engine::Attention::Fused];
+    b.recipe.grid.precision = vec![crate::engine::Precision::Bf16];
+    let fa2 = replan(&b.recipe).expect("plans");
+    key(&mut b, Key::Right);
+    assert!(b.error.is_none(), "{:?}", b.error);
+    let fa1 = b.planned.clone().unwrap();
+    assert_eq!(fa1.hw.attention_kernel, AttentionKernel::FlashAttention);
+    for (x, y) in fa2.plan.points.iter().zip(&fa1.plan.points) {
+        assert_eq!(x.total_bytes, y.total_bytes);
+        assert!(y.step_s > x.step_s, "{} vs {}", y.step_s, x.step_s);
+    }
+    assert!(to_yaml(&b.recipe).contains("attention_kernel: flash-attention\n"));
+    let rows = draw(&b, 120, 50).join("\n");
+    assert!(
+        rows.contains("attn_kernel flash-attention (prices fused"),
+        "{rows}"
+    );
+}
+
 #[test]
 fn choices_cycle_and_bad_input_is_one_line() {
     let mut b = started();
@@ -193,6 +237,7 @@ fn the_written_recipe_plans_to_the_same_predictions() {
     r.model = "llama-tiny".into();
     r.hardware = "a100-40gb".into();
     r.network = Some("ib-hdr-200".into());
+    r.attention_kernel = Some(crate::config::attention_kernels::AttentionKernel::Xformers);
     r.device = Some("cpu:limit=25165825".parse().unwrap());
     r.knobs.lora_rank = Some(4);
     r.grid.framework = vec![
