@@ -9,11 +9,10 @@
 //! another network than the one a hardware profile assumes; they load the same
 //! way ([`load_network`]). `comm::topology` prices collectives on both.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use serde::Deserialize;
-
-use std::collections::BTreeMap;
 
 use super::attention_kernels::{AttentionKernel, KernelRates};
 use super::knobs::Precision;
