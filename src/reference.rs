@@ -191,6 +191,8 @@ pub fn config(c: &FixtureConfig) -> Result<(ModelConfig, TrainConfig)> {
     let checkpointing = match c.checkpointing.as_str() {
         "none" => Checkpointing::None,
         "non-reentrant" | "reentrant" => Checkpointing::Full,
+        // torchtitan's per-op policy on transformers' layers.
+        "selective" => Checkpointing::Selective,
         k => return Err(bad("checkpointing", k)),
     };
     let train = TrainConfig {

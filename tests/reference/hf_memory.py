@@ -524,6 +524,13 @@ def all_configs():
         out.append(cfg("tinyllama-4l", batch=1, seq_len=1152, checkpointing=ck, attention="sdpa"))
         out.append(cfg("gpt2", batch=2, seq_len=96, checkpointing=ck))
     out.append(cfg("llama-1b-4l", batch=2, seq_len=896, checkpointing="non-reentrant", precision="bf16-autocast", attention="sdpa"))
+    # torchtitan's selective (per-op) checkpointing on transformers' Llama
+    # (its q, k, v, o, gate, up, down are aten.mm in torchtitan's order), at
+    # shapes no other config uses: the peak in the backward (single-tensor,
+    # resident gradients) and in the optimizer step (foreach).
+    out.append(cfg("llama-1b-4l", batch=2, seq_len=704, checkpointing="selective", attention="sdpa", optimizer="adamw-single-tensor", set_to_none=False))
+    out.append(cfg("llama-1b-4l", batch=1, seq_len=192, checkpointing="selective", attention="sdpa"))
+    out.append(cfg("tinyllama-4l", batch=2, seq_len=1216, checkpointing="selective", attention="sdpa", precision="bf16-autocast"))
     # Issue 30's new families (Qwen3's q/k norms and own head width;
     # experts in Mixtral, Qwen3-MoE and OLMoE), at shapes no other config
     # uses: the peak in the optimizer step (foreach, short sequences) and
@@ -727,6 +734,41 @@ def to_memfit(snap):
     return dict(total=total, **out)
 
 
+def torchtitan_op_sac():
+    """torchtitan's selective (per-op) activation checkpointing context, as
+    its `_apply_ac_to_transformer_block` builds it (torchtitan @ 9dec370,
+    torchtitan/parallelisms/parallelize_llama.py): save the outputs of the
+    ops on its save list, except every second `aten.mm` of the block
+    (counted separately in the forward and in the recomputation), and
+    recompute everything else. Its list names the CUDA sdpa kernels; on
+    this cpu reference sdpa runs `_scaled_dot_product_flash_attention_for_cpu`,
+    the same saved set, so it is on the list too."""
+    from collections import defaultdict
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    save = {
+        aten.mm.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten.abs.default,
+        aten.max.default,
+    }
+    meta = defaultdict(int)
+
+    def policy(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        key = f"{mode}_mm_count"
+        if func == aten.mm.default:
+            meta[key] += 1
+        keep = func in save and not (func == aten.mm.default and meta[key] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def run_config(c, device="cpu"):
     torch.manual_seed(0)
     fake = FakeTensorMode()
@@ -742,7 +784,16 @@ def run_config(c, device="cpu"):
             torch.set_default_dtype(torch.bfloat16)
         try:
             model, hf_fields = build_model(c["model"], c["dropout"], c["attention"])
-            if c["checkpointing"] != "none":
+            if c["checkpointing"] == "selective":
+                # torchtitan's per-op policy on transformers' layers: the
+                # non-reentrant checkpoint with a selective context.
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={
+                        "use_reentrant": False,
+                        "context_fn": torchtitan_op_sac,
+                    }
+                )
+            elif c["checkpointing"] != "none":
                 # transformers' gradient checkpointing (every decoder layer
                 # a GradientCheckpointingLayer), torch.utils.checkpoint with
                 # use_reentrant as named.
