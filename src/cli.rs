@@ -67,7 +67,7 @@ pub enum Command {
     /// with. Cached per host CPU.
     ///
     /// With --device cuda[:N]: the GPU's GEMM curve per dtype over a ladder
-    /// of shapes, fused attention's curve by sequence length, its memory
+    /// of shapes, fused attention by sequence length at head dims 64 and 128, its memory
     /// bandwidth and per-kernel overhead, through the cuda backend's own
     /// ops (each point timed for about 0.15 s). Stored per GPU model
     /// beside the host's calibration and bound to a hardware profile

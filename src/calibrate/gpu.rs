@@ -112,20 +112,24 @@ pub fn gemm_ladder(max_dim: usize) -> Vec<(usize, usize, usize, &'static str)> {
     out
 }
 
-/// The attention shapes measured at `max_dim`: head_dim 128, as many heads
-/// as a `max_dim/4`-wide model has (1 to 16), `2·max_dim` tokens a call.
+/// The attention shapes measured at `max_dim`: head_dim 128 with as many
+/// heads as a `max_dim/4`-wide model has (1 to 16), and head_dim 64 with
+/// twice as many (the two head dims hardware profiles publish rates at,
+/// which a plan reads between), `2·max_dim` tokens a call.
 pub fn attention_ladder(max_dim: usize) -> Vec<AttnShape> {
     let heads = (max_dim / 4 / 128).clamp(1, 16);
     let mut out = Vec::new();
     let mut t = (max_dim / 16).max(32).next_power_of_two();
     while t <= max_dim {
-        out.push(AttnShape {
-            b: (2 * max_dim / t).max(1),
-            t,
-            n_head: heads,
-            n_kv_head: heads,
-            head_dim: 128,
-        });
+        for (head_dim, n_head) in [(128, heads), (64, 2 * heads)] {
+            out.push(AttnShape {
+                b: (2 * max_dim / t).max(1),
+                t,
+                n_head,
+                n_kv_head: n_head,
+                head_dim,
+            });
+        }
         t *= 2;
     }
     out
@@ -389,7 +393,7 @@ pub fn describe(m: &GpuCalibration, precision: Precision, profile_efficiency: f6
             profile_efficiency * 100.0
         );
     }
-    if precision != Precision::Fp32 && m.attention_curve().is_empty() {
+    if precision != Precision::Fp32 && m.attention.is_empty() {
         s += "; fused attention was not measured and runs at the profile's rate";
     }
     let ours = env!("CARGO_PKG_VERSION");
@@ -472,9 +476,10 @@ mod tests {
                 n: 128,
             }),
             attention_flops_per_s: Some(3e14),
-            attention_table: None,
+            attention_table: crate::engine::device::AttentionTable::new(
+                &serde_yaml_ng::from_str("128: {512: 100, 4096: 400}").unwrap(),
+            ),
             gemm_curve: Some(curve()),
-            attention_curve: Curve::new(&[(512.0, 1e14), (4096.0, 4e14)]),
         }
     }
 
@@ -555,17 +560,16 @@ mod tests {
         assert!(full.contains(&(8192, 8192, 2048, "mlp-up")));
         assert!(full.contains(&(8192, 16, 2048, "lora")));
         assert!(gemm_ladder(64).iter().all(|g| g.0.max(g.1).max(g.2) <= 64));
-        let t: Vec<usize> = attention_ladder(DEFAULT_MAX_DIM)
+        let shapes: Vec<(usize, usize, usize)> = attention_ladder(DEFAULT_MAX_DIM)
             .iter()
-            .map(|s| s.t)
+            .map(|s| (s.t, s.head_dim, s.n_head))
             .collect();
-        assert_eq!(t, [512, 1024, 2048, 4096, 8192]);
-        assert!(
-            attention_ladder(DEFAULT_MAX_DIM)
-                .iter()
-                .all(|s| s.n_head == 16)
-        );
-        assert_eq!(attention_ladder(64).len(), 2);
+        let want: Vec<(usize, usize, usize)> = [512, 1024, 2048, 4096, 8192]
+            .into_iter()
+            .flat_map(|t| [(t, 128, 16), (t, 64, 32)])
+            .collect();
+        assert_eq!(shapes, want);
+        assert_eq!(attention_ladder(64).len(), 4);
         // Every point fits the shared Curve.
         assert!(full.len() <= crate::engine::device::CURVE_POINTS);
     }
@@ -606,7 +610,9 @@ mod tests {
         let after = crate::plan::roofline(&hw, crate::engine::Precision::Bf16);
         assert_eq!((after.bytes_per_s, after.op_overhead_s), (2e12, 3e-6));
         assert_eq!(after.flops_per_s, 5e14);
-        assert!(after.gemm_curve.is_some() && after.attention_curve.is_none());
+        assert!(after.gemm_curve.is_some());
+        // Attention was not measured: the profile's published rates stay.
+        assert_eq!(after.attention_table, before.attention_table);
         assert_eq!(after.attention_flops_per_s, before.attention_flops_per_s);
         let fp32 = crate::plan::roofline(&hw, crate::engine::Precision::Fp32);
         assert_eq!(fp32.flops_per_s, 4e13);

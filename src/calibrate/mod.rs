@@ -102,7 +102,6 @@ impl Calibration {
             attention_flops_per_s: None,
             attention_table: None,
             gemm_curve: None,
-            attention_curve: None,
         }
     }
 

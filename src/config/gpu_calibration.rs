@@ -83,11 +83,17 @@ impl GpuCalibration {
             .collect()
     }
 
-    /// The (sequence length, FLOP/s) points of fused attention.
-    pub fn attention_curve(&self) -> Vec<(f64, f64)> {
-        (self.attention.iter())
-            .map(|p| (p.seq_len as f64, p.flops_per_s))
-            .collect()
+    /// Fused attention's measured rates as a hardware profile holds
+    /// published ones: head dimension -> sequence length -> TFLOP/s (the
+    /// best of points measured at the same shape).
+    pub fn attention_rates(&self) -> super::attention_kernels::KernelRates {
+        let mut rates = super::attention_kernels::KernelRates::new();
+        for p in &self.attention {
+            let (hd, t) = (p.head_dim as u32, p.seq_len as u32);
+            let at = rates.entry(hd).or_default().entry(t).or_insert(0.0);
+            *at = f64::max(*at, p.flops_per_s / 1e12);
+        }
+        rates
     }
 
     /// Whether every figure is one a GPU can have: finite and positive,

@@ -98,13 +98,11 @@ pub struct Roofline {
     /// --device cuda`): replaces `flops_per_s` and, where it covers the
     /// GEMM, the tile and wave model (see [`Roofline::gemm_seconds`]).
     pub gemm_curve: Option<Curve>,
-    /// Fused attention's published rates by head dimension and sequence
-    /// length (the hardware profile's, for the kernel the plan prices):
-    /// replaces `attention_flops_per_s`.
+    /// Fused attention's rates by head dimension and sequence length:
+    /// measured on this GPU (`memfit calibrate --device cuda`), else the
+    /// hardware profile's published ones for the kernel the plan prices.
+    /// Replaces `attention_flops_per_s`.
     pub attention_table: Option<AttentionTable>,
-    /// Fused attention's rate measured by sequence length: replaces
-    /// `attention_table` and `attention_flops_per_s`.
-    pub attention_curve: Option<Curve>,
 }
 
 /// One attention kernel's published rates: a [`Curve`] by sequence length
@@ -267,10 +265,9 @@ impl Roofline {
                 s + rest as f64 / self.kernel_flops_per_s
             }
             Kind::FusedAttention { t, head_dim } => {
-                let rate = match (&self.attention_curve, &self.attention_table) {
-                    (Some(c), _) => c.at(t as f64),
-                    (None, Some(table)) => table.at(t, head_dim),
-                    (None, None) => (self.attention_flops_per_s).unwrap_or(self.kernel_flops_per_s),
+                let rate = match &self.attention_table {
+                    Some(table) => table.at(t, head_dim),
+                    None => (self.attention_flops_per_s).unwrap_or(self.kernel_flops_per_s),
                 };
                 work.flops as f64 / rate
             }

@@ -1473,10 +1473,12 @@ pub fn roofline(hw: &HardwareProfile, precision: Precision) -> Roofline {
         bytes_per_s: m.bytes_per_s,
         op_overhead_s: m.op_overhead_s,
         gemm_curve,
-        attention_curve: precision
-            .is_16bit()
-            .then(|| Curve::new(&m.attention_curve()))
-            .flatten(),
+        // Measured attention, where it was (16 bits: flash attention
+        // runs on the tensor cores), replaces the profile's published rates.
+        attention_table: (precision.is_16bit())
+            .then(|| AttentionTable::new(&m.attention_rates()))
+            .flatten()
+            .or(profile.attention_table),
         ..profile
     }
 }
@@ -1502,7 +1504,6 @@ fn profile_roofline(hw: &HardwareProfile, precision: Precision) -> Roofline {
             .filter(|_| tensor_cores)
             .and_then(AttentionTable::new),
         gemm_curve: None,
-        attention_curve: None,
     }
 }
 
@@ -1551,7 +1552,6 @@ impl Rates {
                     attention_flops_per_s: None,
                     attention_table: None,
                     gemm_curve: None,
-                    attention_curve: None,
                 },
                 link_bytes_per_s: hw.host_link_gbps * 1e9 * HOST_LINK_EFFICIENCY,
                 link_latency_s: HOST_LINK_LATENCY_S,
