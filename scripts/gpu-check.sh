@@ -11,7 +11,7 @@
 #   2. `memfit selftest --device cuda`: every op against the cpu backend,
 #      gpt2-tiny and llama-tiny trained on both, meta == cuda peaks,
 #   2b. `memfit calibrate --device cuda --force`: the GPU's GEMM curve per
-#      dtype, fused attention's curve by sequence length, bandwidth and
+#      dtype, fused attention by sequence length at head dims 64 and 128, bandwidth and
 #      per-kernel overhead (printed into summary.txt; the JSON in the logs),
 #      then the same GPT-2 plan with and without the measurement,
 #   3. GPT-2 124M, bf16, B=16, T=1024, fused attention, AdamW: tokens/s and
