@@ -299,6 +299,10 @@ pub struct HfRules {
     /// beside the engine's own ops, none where Liger's kernels run.
     pub unfused_block: [Unfused; 2],
     pub unfused_head: [Unfused; 2],
+    /// What a GPU flash kernel's backward allocates for itself and frees
+    /// as it returns (each element count and type), on top of the
+    /// gradients it writes ([`Step::attention_backward_scratch`]).
+    pub attention_backward_scratch: Vec<(usize, DType)>,
 }
 
 impl HfRules {
@@ -349,6 +353,7 @@ impl HfRules {
             liger: x.liger,
             unfused_block,
             unfused_head,
+            attention_backward_scratch: x.attention_backward_scratch(),
         }
     }
 }
@@ -894,6 +899,52 @@ impl<'a> Step<'a> {
                 embed.extend([(self.rope, rope_dt); 2]);
             }
         }
+    }
+
+    /// The flash backward's own buffers on a GPU: `mha_bwd`
+    /// (Dao-AILab/flash-attention @ 0251105a: csrc/flash_attn/flash_api.cpp,
+    /// which PyTorch's sdpa flash kernel vendors) makes `softmax_d`, fp32
+    /// (B, H, T rounded up to 128), which the engine's attention workspace
+    /// already stands for (B, H, T, fp32, held through the step), and, as
+    /// its backward loops over key blocks, `dq_accum`, fp32 (B, T rounded
+    /// up to 128, H, head_dim rounded up to 32); with fewer kv heads than
+    /// heads it writes
+    /// `dk_expanded` and `dv_expanded` (B, T, H, head_dim) in the inputs'
+    /// type and sums them into dk and dv. transformers hands flash_attn
+    /// its k and v unexpanded, and sdpa too where it passes `enable_gqa`
+    /// (no mask: a model without an active sliding window, as
+    /// [`Step::sliding`] says). Only the 16-bit flash kernel: on a cpu
+    /// there is none, and fp32 sdpa on a GPU runs the memory-efficient
+    /// kernel, whose scratch is not modelled.
+    fn attention_backward_scratch(&self) -> Saved {
+        let Step {
+            model,
+            train,
+            cuda,
+            math,
+            sixteen,
+            t,
+            n,
+            q,
+            kv,
+            dt,
+            ..
+        } = *self;
+        if !cuda || math || !sixteen || !train.attention.fused() {
+            return Vec::new();
+        }
+        let s = super::attn_shape(model, train);
+        let round = |x: usize, m: usize| x.div_ceil(m) * m;
+        let t_r = round(t, 128);
+        let hd_r = round(s.head_dim, if s.head_dim <= 128 { 32 } else { 64 });
+        let f32 = DType::F32;
+        let mut out = vec![(s.b * t_r * s.n_head * hd_r, f32)];
+        let masked = (0..model.n_layer).any(|l| model.sliding_window(l).is_some_and(|w| t >= w));
+        let gqa = train.attention == Attention::FlashAttention2 || !masked;
+        if kv < q && gqa {
+            out.extend([(n * q, dt); 2]);
+        }
+        out
     }
 
     /// What a sliding-window layer saves beyond the others under sdpa.

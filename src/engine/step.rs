@@ -1576,8 +1576,20 @@ impl<'e, B: Backend> Pass<'e, B> {
                 self.dev.free(datt);
             }
             Attention::Fused | Attention::FlashAttention2 => {
+                // hf-eager on a GPU: the flash kernel's own buffers, alive
+                // for the call.
+                let scratch = self
+                    .hf
+                    .map_or(&[][..], |h| &h.attention_backward_scratch[..]);
+                let mut bufs = Vec::with_capacity(scratch.len());
+                for &(len, dt) in scratch {
+                    bufs.push(self.dev.alloc(len, dt, tmp)?);
+                }
                 let (saved, ws) = ((&a.atty, &a.att, &a.qkv), &mut *self.workspace);
                 (self.dev).flash_attention_backward_with(&mut dqkv, &datty, saved, ws, s, o);
+                for b in bufs {
+                    self.dev.free(b);
+                }
             }
         }
         self.dev.free(datty);

@@ -325,3 +325,78 @@ fn the_fa2_liger_recipe_plans_the_documented_figures() {
         assert_eq!(p["point"]["attention"], "flash-attention-2");
     }
 }
+
+/// On a GPU the 16-bit flash backward allocates its own buffers for the
+/// call (flash_api.cpp `mha_bwd`): fp32 `dq_accum` (B, T↑128, H,
+/// head_dim↑32), and with grouped k/v the expanded dk and dv (its
+/// `softmax_d` is the engine's attention workspace); none on a cpu, none for fp32 (memory-efficient
+/// kernel), none for eager attention; sdpa gives up the grouped kernel
+/// where a sliding window masks the sequence.
+#[test]
+fn the_gpu_flash_backward_holds_its_own_buffers() {
+    use memfit::engine::Attention;
+    let model = load_model("llama-3.1-8b").unwrap();
+    let t = |attention, precision| TrainConfig {
+        seq_len: 1000,
+        micro_batch: 2,
+        framework: Framework::HfEager,
+        attention,
+        precision,
+        ..TrainConfig::default()
+    };
+    let scratch = |m: &memfit::config::ModelConfig, c: TrainConfig, cuda: bool| {
+        HfRules::new(m, &c, cuda).attention_backward_scratch
+    };
+    let (t_r, h, hd) = (1024, 32, 128);
+    let want = vec![
+        (2 * t_r * h * hd, DType::F32),
+        (2 * 1000 * h * hd, DType::Bf16),
+        (2 * 1000 * h * hd, DType::Bf16),
+    ];
+    for a in [Attention::Fused, Attention::FlashAttention2] {
+        assert_eq!(scratch(&model, t(a, Precision::Bf16), true), want, "{a:?}");
+        assert!(scratch(&model, t(a, Precision::Bf16), false).is_empty());
+    }
+    assert!(scratch(&model, t(Attention::Fused, Precision::Fp32), true).is_empty());
+    assert!(scratch(&model, t(Attention::Eager, Precision::Bf16), true).is_empty());
+    // Gemma 2's 4,096-token window masks an 8k sequence: sdpa runs on
+    // repeated k and v (no expanded buffers), flash_attn on grouped ones.
+    let gemma = load_model("gemma-2-2b").unwrap();
+    let long = |a| TrainConfig {
+        seq_len: 8192,
+        micro_batch: 1,
+        ..t(a, Precision::Bf16)
+    };
+    assert_eq!(scratch(&gemma, long(Attention::Fused), true).len(), 1);
+    assert_eq!(
+        scratch(&gemma, long(Attention::FlashAttention2), true).len(),
+        3
+    );
+    // The engine allocates them, back to back, before each layer's flash
+    // backward on the emulated GPU, and frees them after it.
+    let tiny = load_model("llama-tiny").unwrap();
+    let c = TrainConfig {
+        seq_len: 64,
+        micro_batch: 2,
+        ..t(Attention::Fused, Precision::Bf16)
+    };
+    let sizes: Vec<i64> = (HfRules::new(&tiny, &c, true)
+        .attention_backward_scratch
+        .iter())
+    .map(|&(e, d)| (e * d.size()) as i64)
+    .collect();
+    assert_eq!(sizes.len(), 3);
+    let layers = tiny.n_layer;
+    let mut e = Engine::new(tiny, c, MetaBackend::emulating_cuda(), None).unwrap();
+    e.step_from(1, || unreachable!()).unwrap();
+    let allocs: Vec<i64> = (e.dev.tracker.timeline().iter())
+        .filter(|ev| matches!(ev.phase, memfit::memory::Phase::Backward(_)))
+        .filter(|ev| ev.category == memfit::memory::Category::Temporaries)
+        .map(|ev| ev.bytes)
+        .collect();
+    let runs = allocs
+        .windows(sizes.len())
+        .filter(|w| *w == &sizes[..])
+        .count();
+    assert_eq!(runs, layers, "{allocs:?}");
+}
