@@ -263,6 +263,30 @@ pub fn render_table(c: &Catalog) -> String {
                 h.usd_per_hour
             );
         }
+        // Which profiles publish fused-attention rates, grouped by the
+        // kernels they have (a plan recipe's `attention_kernel`).
+        let mut groups: Vec<(String, Vec<&str>)> = Vec::new();
+        for h in hw.iter().filter(|h| !h.attention_kernels.is_empty()) {
+            let kernels: Vec<&str> = h.attention_kernels.keys().map(|k| k.name()).collect();
+            let kernels = kernels.join(", ");
+            match groups.iter_mut().find(|(k, _)| *k == kernels) {
+                Some((_, names)) => names.push(&h.name),
+                None => groups.push((kernels, vec![&h.name])),
+            }
+        }
+        if !groups.is_empty() {
+            let _ = writeln!(
+                s,
+                "attention kernels with published rates (a plan recipe's attention_kernel):"
+            );
+            for (kernels, names) in groups {
+                let _ = writeln!(s, "  {}: {kernels}", names.join(", "));
+            }
+            let _ = writeln!(
+                s,
+                "  the others: fused attention at a share of the peak (flash-attention-2 only)"
+            );
+        }
     }
     if let Some(nets) = &c.networks {
         let _ = writeln!(

@@ -628,9 +628,17 @@ fn models_and_profiles_print_documented_json() {
         "eth-25",
         "h100-sxm-80gb",
         "gpt2-tiny",
+        "a100-40gb, a100-80gb: flash-attention-2, flash-attention, flash-attention-triton, xformers",
     ] {
         assert!(table.contains(needle), "{needle} missing:\n{table}");
     }
+    // The JSON holds each profile's published attention rates.
+    let a100 = hw.iter().find(|h| h["name"] == "a100-80gb").unwrap();
+    assert_eq!(
+        a100["attention_kernels"]["flash-attention-triton"]["128"]["2048"],
+        68.0
+    );
+    assert_eq!(t4["attention_kernels"], serde_json::json!({}));
     let out = memfit(&["models", "--format", "yaml"]);
     assert_eq!(out.status.code(), Some(2));
 }
