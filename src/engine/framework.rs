@@ -908,14 +908,13 @@ impl<'a> Step<'a> {
     /// already stands for (B, H, T, fp32, held through the step), and, as
     /// its backward loops over key blocks, `dq_accum`, fp32 (B, T rounded
     /// up to 128, H, head_dim rounded up to 32); with fewer kv heads than
-    /// heads it writes
-    /// `dk_expanded` and `dv_expanded` (B, T, H, head_dim) in the inputs'
-    /// type and sums them into dk and dv. transformers hands flash_attn
-    /// its k and v unexpanded, and sdpa too where it passes `enable_gqa`
-    /// (no mask: a model without an active sliding window, as
-    /// [`Step::sliding`] says). Only the 16-bit flash kernel: on a cpu
-    /// there is none, and fp32 sdpa on a GPU runs the memory-efficient
-    /// kernel, whose scratch is not modelled.
+    /// heads it writes `dk_expanded` and `dv_expanded` (B, T, H, head_dim)
+    /// in the inputs' type and sums them into dk and dv. transformers
+    /// hands flash_attn its k and v unexpanded, and sdpa too where it
+    /// passes `enable_gqa` (no mask: a model without an active sliding
+    /// window, as [`Step::sliding`] says). Only the 16-bit flash kernel:
+    /// on a cpu there is none, and fp32 sdpa on a GPU runs the
+    /// memory-efficient kernel, whose scratch is not modelled.
     fn attention_backward_scratch(&self) -> Saved {
         let Step {
             model,
