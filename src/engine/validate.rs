@@ -294,8 +294,20 @@ pub fn tensor_parallel(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
     Ok(())
 }
 
+/// The knobs of the user's training stack, each against the rest: the
+/// loss, Liger, FlashAttention-2, activation offloading and paged
+/// optimizers, in that order (`memfit run` and a plan's points check the
+/// same, so a point is refused with the message a run would give).
+pub fn stack(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
+    loss(t)?;
+    liger(t, model)?;
+    flash_attention_2(t)?;
+    offload_activations(t)?;
+    paged(t)
+}
+
 /// Checks `--loss` and `--loss-chunks` against the other knobs.
-pub fn loss(t: &TrainConfig) -> Result<()> {
+fn loss(t: &TrainConfig) -> Result<()> {
     use super::Loss;
     match t.loss {
         Loss::Full => Ok(()),
@@ -319,7 +331,7 @@ pub fn loss(t: &TrainConfig) -> Result<()> {
 
 /// Checks `--liger` against the framework and the model
 /// (`framework::liger_unsupported`).
-pub fn liger(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
+fn liger(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
     match super::framework::liger_unsupported(model, t).filter(|_| t.liger) {
         Some(why) => Err(Error::invalid_arg("--liger", why)),
         None => Ok(()),
@@ -331,7 +343,7 @@ pub fn liger(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
 /// checks the type; transformers casts fp32 q, k and v to the autocast
 /// type, or else to its linear layers' type, fp32 in an fp32 model:
 /// integrations/flash_attention.py `get_target_dtype`).
-pub fn flash_attention_2(t: &TrainConfig) -> Result<()> {
+fn flash_attention_2(t: &TrainConfig) -> Result<()> {
     if t.attention != super::Attention::FlashAttention2 {
         return Ok(());
     }
@@ -354,7 +366,7 @@ pub fn flash_attention_2(t: &TrainConfig) -> Result<()> {
 /// saves, its input, so it needs full checkpointing (torchtune pairs the
 /// two; without checkpointing it would offload every saved tensor, which
 /// memfit does not model).
-pub fn offload_activations(t: &TrainConfig) -> Result<()> {
+fn offload_activations(t: &TrainConfig) -> Result<()> {
     if t.offload_activations && t.checkpointing != super::Checkpointing::Full {
         return Err(Error::invalid_arg(
             "--offload-activations",
@@ -390,7 +402,7 @@ pub fn offload_activations(t: &TrainConfig) -> Result<()> {
 /// offload: `--offload optimizer` already keeps the state in host memory
 /// (DeepSpeed's CPU optimizer updates it there), so there is nothing left
 /// in device memory to page.
-pub fn paged(t: &TrainConfig) -> Result<()> {
+fn paged(t: &TrainConfig) -> Result<()> {
     if t.optimizer.is_paged() && t.offload.optimizer() {
         return Err(Error::invalid_arg(
             "--optimizer",

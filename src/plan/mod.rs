@@ -1108,19 +1108,7 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
     if let Some((_, reason)) = crate::engine::lora::check_parallel(&tc) {
         return Some(reason);
     }
-    if let Err(e) = crate::engine::validate::loss(&tc) {
-        return Some(why(e));
-    }
-    if let Err(e) = crate::engine::validate::liger(&tc, model) {
-        return Some(why(e));
-    }
-    if let Err(e) = crate::engine::validate::flash_attention_2(&tc) {
-        return Some(why(e));
-    }
-    if let Err(e) = crate::engine::validate::offload_activations(&tc) {
-        return Some(why(e));
-    }
-    if let Err(e) = crate::engine::validate::paged(&tc) {
+    if let Err(e) = crate::engine::validate::stack(&tc, model) {
         return Some(why(e));
     }
     if let Err(e) = crate::engine::validate::step_knobs(&tc) {

@@ -52,11 +52,7 @@ pub fn validate(opts: &RunOptions, model: &ModelConfig) -> Result<()> {
         ));
     }
     crate::engine::validate::tensor_parallel(t, model)?;
-    crate::engine::validate::loss(t)?;
-    crate::engine::validate::liger(t, model)?;
-    crate::engine::validate::flash_attention_2(t)?;
-    crate::engine::validate::offload_activations(t)?;
-    crate::engine::validate::paged(t)?;
+    crate::engine::validate::stack(t, model)?;
     if t.optimizer.is_paged() && opts.device.kind == DeviceKind::Cuda {
         return Err(Error::invalid_arg(
             "--optimizer",
