@@ -772,14 +772,21 @@ impl<B: Backend> Device<B> {
         }
     }
 
-    pub fn new(be: B, capacity: Option<u64>) -> Self {
-        let tracker = if be.planning() {
-            Tracker::new(capacity).for_planning()
+    /// `t` as the backend keeps its books: a planner's (peaks only, no
+    /// timeline), a run's with data (events timed), or a meta run's
+    /// (events without a clock).
+    fn tracker_for(be: &B, t: Tracker) -> Tracker {
+        if be.planning() {
+            t.for_planning()
         } else if be.holds_data() {
-            Tracker::new(capacity)
+            t
         } else {
-            Tracker::new(capacity).without_clock()
-        };
+            t.without_clock()
+        }
+    }
+
+    pub fn new(be: B, capacity: Option<u64>) -> Self {
+        let tracker = Self::tracker_for(&be, Tracker::new(capacity));
         Device {
             meter: Meter::new(be.planning()),
             be,
@@ -794,14 +801,7 @@ impl<B: Backend> Device<B> {
 
     /// Gives the device a unified memory for a paged optimizer's states.
     pub fn add_paged(&mut self) {
-        let t = Tracker::new(None);
-        self.paged = Some(if self.be.planning() {
-            t.for_planning()
-        } else if self.be.holds_data() {
-            t
-        } else {
-            t.without_clock()
-        });
+        self.paged = Some(Self::tracker_for(&self.be, Tracker::new(None)));
     }
 
     /// Runs `f` with every allocation it makes placed in unified memory
@@ -820,13 +820,7 @@ impl<B: Backend> Device<B> {
     /// Gives the device a host memory to offload to, of `capacity` bytes.
     pub fn add_host(&mut self, capacity: Option<u64>) {
         let t = Tracker::new(capacity).for_host();
-        self.host = Some(if self.be.planning() {
-            t.for_planning()
-        } else if self.be.holds_data() {
-            t
-        } else {
-            t.without_clock()
-        });
+        self.host = Some(Self::tracker_for(&self.be, t));
     }
 
     /// Runs `f` with every allocation it makes placed in host memory.
