@@ -702,18 +702,16 @@ pub fn write_exports(report: &SweepReport, dir: &Path) -> Result<Vec<PathBuf>> {
         path: dir.to_path_buf(),
         source,
     })?;
-    let mut ds = serde_json::to_string_pretty(&deepspeed_config(report, trial))
-        .expect("a JSON value serializes");
-    ds.push('\n');
-    let mut files = vec![
-        ("training_args.py", hf_training_args(report, trial)),
-        ("recommended.yaml", pinned_recipe(report, trial, dir)),
-    ];
+    let mut files = Vec::new();
     // DeepSpeed's bf16 mode always keeps an fp32 master copy: pure bf16
     // has no DeepSpeed config (training_args.py says so).
     if !trial.point.precision.is_pure() {
-        files.insert(0, ("ds_config.json", ds));
+        let ds = serde_json::to_string_pretty(&deepspeed_config(report, trial))
+            .expect("a JSON value serializes");
+        files.push(("ds_config.json", ds + "\n"));
     }
+    files.push(("training_args.py", hf_training_args(report, trial)));
+    files.push(("recommended.yaml", pinned_recipe(report, trial, dir)));
     if let Some(peft) = peft_config(report, trial) {
         files.push(("peft_config.py", peft));
     }
