@@ -176,9 +176,14 @@ pub fn alloc_state<B: Backend>(
             }
             // Paged: m and v of a large enough tensor in unified memory.
             let paged = cfg.kind.is_paged() && n >= PAGED_MIN_NUMEL;
-            let moments = |dev: &mut Device<B>, dtype| match paged {
-                true => dev.paged(|dev| Ok((dev.alloc(n, dtype, cat)?, dev.alloc(n, dtype, cat)?))),
-                false => Ok((dev.alloc(n, dtype, cat)?, dev.alloc(n, dtype, cat)?)),
+            let moments = |dev: &mut Device<B>, dtype| {
+                let pair = |dev: &mut Device<B>| {
+                    Ok((dev.alloc(n, dtype, cat)?, dev.alloc(n, dtype, cat)?))
+                };
+                match paged {
+                    true => dev.paged(pair),
+                    false => pair(dev),
+                }
             };
             Ok(match cfg.kind.unpaged() {
                 Optimizer::Adamw8bit if n >= MIN_8BIT_SIZE => {
