@@ -2440,13 +2440,22 @@ fn hf_norm_grads<B: Backend>(
     make_grads(dev, g, h.specs, h.trainable, &norm, Category::Gradients)
 }
 
+/// The tensors of `saved` (a framework's extras), as activations.
 fn alloc_saved<B: Backend>(
     dev: &mut Device<B>,
     saved: &[(usize, DType)],
 ) -> Result<Vec<T<B>>, OomError> {
-    saved
-        .iter()
-        .map(|&(n, dt)| dev.alloc(n, dt, Category::Activations))
+    alloc_each(dev, saved, Category::Activations)
+}
+
+/// A tensor of each `(elements, dtype)` of `list`, under `category`.
+fn alloc_each<B: Backend>(
+    dev: &mut Device<B>,
+    list: &[(usize, DType)],
+    category: Category,
+) -> Result<Vec<T<B>>, OomError> {
+    list.iter()
+        .map(|&(n, dt)| dev.alloc(n, dt, category))
         .collect()
 }
 

@@ -1581,10 +1581,7 @@ impl<'e, B: Backend> Pass<'e, B> {
                 let scratch = self
                     .hf
                     .map_or(&[][..], |h| &h.attention_backward_scratch[..]);
-                let mut bufs = Vec::with_capacity(scratch.len());
-                for &(len, dt) in scratch {
-                    bufs.push(self.dev.alloc(len, dt, tmp)?);
-                }
+                let bufs = alloc_each(self.dev, scratch, tmp)?;
                 let (saved, ws) = ((&a.atty, &a.att, &a.qkv), &mut *self.workspace);
                 (self.dev).flash_attention_backward_with(&mut dqkv, &datty, saved, ws, s, o);
                 for b in bufs {
