@@ -105,31 +105,23 @@ fn paged_state_is_outside_an_emulated_capacity() {
     let p = run("paged-adamw", "meta", &[]);
     let cap = (u(&b["peak_bytes"]["total"]) + u(&p["peak_bytes"]["total"])) / 2;
     let dev = format!("cpu:limit={cap}");
-    let out = memfit(&[
-        "run",
-        "--model",
-        MODEL,
-        "--steps",
-        "1",
-        "--device",
-        &dev,
-        "--optimizer",
-        "adamw",
-    ]);
-    assert_eq!(out.status.code(), Some(3), "out of memory");
+    let one_step = |optimizer: &str| {
+        memfit(&[
+            "run",
+            "--model",
+            MODEL,
+            "--steps",
+            "1",
+            "--device",
+            &dev,
+            "--optimizer",
+            optimizer,
+        ])
+    };
+    assert_eq!(one_step("adamw").status.code(), Some(3), "out of memory");
     let r = run("paged-adamw", &dev, &[]);
     assert_eq!(losses(&r).len(), 3);
-    let table = memfit(&[
-        "run",
-        "--model",
-        MODEL,
-        "--steps",
-        "1",
-        "--device",
-        &dev,
-        "--optimizer",
-        "paged-adamw",
-    ]);
+    let table = one_step("paged-adamw");
     let text = String::from_utf8_lossy(&table.stdout);
     assert!(
         text.contains("paged optimizer state, unified memory, outside PyTorch's counters"),
