@@ -170,6 +170,27 @@ impl HardwareProfile {
         self.attention_kernels.get(&self.attention_kernel)
     }
 
+    /// The same GPU held to a lower SM clock (a power limit): every rate the
+    /// SM clock sets (the tensor cores' 16-bit peaks, the fp32 peak and the
+    /// published fused-attention rates) scaled so the bf16 peak is
+    /// `bf16_tflops`. Memory bandwidth, links and shares of the peak are the
+    /// memory's and the network's, and stay. A stored measurement is dropped:
+    /// it was taken at the clock this replaces.
+    pub fn at_tensor_rate(&self, bf16_tflops: f64) -> HardwareProfile {
+        let f = bf16_tflops / self.bf16_tflops;
+        let mut hw = self.clone();
+        hw.bf16_tflops *= f;
+        hw.fp16_tflops *= f;
+        hw.fp32_tflops *= f;
+        for rates in hw.attention_kernels.values_mut() {
+            for by_len in rates.values_mut() {
+                by_len.values_mut().for_each(|r| *r *= f);
+            }
+        }
+        hw.measured = None;
+        hw
+    }
+
     /// Peak dense FLOP/s for matmuls at `precision`.
     pub fn peak_flops(&self, precision: Precision) -> f64 {
         let tflops = match precision.rate() {
@@ -722,6 +743,25 @@ mod tests {
             assert!(hw.bf16_tflops >= hw.fp32_tflops, "{name}");
             assert!(hw.fp16_tflops >= hw.fp32_tflops, "{name}");
         }
+    }
+
+    #[test]
+    fn a_lower_clock_scales_the_rates_the_sm_clock_sets_and_nothing_else() {
+        let hw = load_hardware("h100-sxm-80gb").unwrap();
+        let low = hw.at_tensor_rate(835.0);
+        let f = 835.0 / 989.4;
+        assert_eq!(low.bf16_tflops, 835.0);
+        assert!((low.fp16_tflops - hw.fp16_tflops * f).abs() < 1e-9);
+        assert!((low.fp32_tflops - hw.fp32_tflops * f).abs() < 1e-9);
+        let fa2 = |h: &HardwareProfile| {
+            h.attention_kernels[&AttentionKernel::FlashAttention2][&128][&2048]
+        };
+        assert!((fa2(&low) - fa2(&hw) * f).abs() < 1e-9);
+        assert_eq!(low.memory_bandwidth_gbps, hw.memory_bandwidth_gbps);
+        assert_eq!(low.interconnect_gbps, hw.interconnect_gbps);
+        assert_eq!(low.inter_node_gbps, hw.inter_node_gbps);
+        assert_eq!(low.memory, hw.memory);
+        assert_eq!(hw.at_tensor_rate(hw.bf16_tflops), hw);
     }
 
     #[test]

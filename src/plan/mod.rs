@@ -713,18 +713,30 @@ pub struct Recommendation {
 /// Loads, validates and plans a recipe file, on its hardware profile's
 /// figures alone.
 pub fn plan_file(path: &Path) -> Result<Plan> {
-    plan_file_with(path, false)
+    plan_file_with(path, false, |_| {})
+}
+
+/// [`plan_file`] on the recipe's hardware profile as `adjust` changes it:
+/// e.g. [`HardwareProfile::at_tensor_rate`] for GPUs held to a lower clock
+/// than their profile's datasheet rates.
+pub fn plan_file_on(path: &Path, adjust: impl FnOnce(&mut HardwareProfile)) -> Result<Plan> {
+    plan_file_with(path, false, adjust)
 }
 
 /// [`plan_file`], pricing steps with the GPU calibration stored for the
 /// recipe's hardware profile when there is one (`memfit calibrate --device
 /// cuda`; [`crate::calibrate::gpu::bound_to`]): what `memfit plan` runs.
 pub fn plan_file_measured(path: &Path) -> Result<Plan> {
-    plan_file_with(path, true)
+    plan_file_with(path, true, |_| {})
 }
 
-fn plan_file_with(path: &Path, measured: bool) -> Result<Plan> {
+fn plan_file_with(
+    path: &Path,
+    measured: bool,
+    adjust: impl FnOnce(&mut HardwareProfile),
+) -> Result<Plan> {
     let (mut recipe, model, mut hw) = load_recipe(path)?;
+    adjust(&mut hw);
     if measured {
         crate::calibrate::gpu::attach_bound(&mut hw);
     }
