@@ -49,6 +49,7 @@ fn main() {
             offload_activations: vec![false],
             expert_parallel: vec![1],
             tp_comm_overlap: vec![false],
+            overlap_param_gather: vec![false],
         },
         headroom: 0.05,
         cost: None,
@@ -113,6 +114,7 @@ fn main() {
             offload_activations: vec![false],
             expert_parallel: vec![1],
             tp_comm_overlap: vec![false],
+            overlap_param_gather: vec![false],
         },
         ..single
     };

@@ -407,6 +407,9 @@ pub struct Meter {
     /// that follows the last micro-batch's backward in the engine, which
     /// frameworks run bucket by bucket during that backward.
     pub after_backward: bool,
+    /// While set, collectives gather the weights the optimizer step just
+    /// updated (zero1/2), which the next step's forward reads first.
+    pub updated_weights: bool,
     /// While set, collectives are a split projection's sequence-parallel
     /// gather or reduce-scatter, paired with the GEMM after or before it
     /// (`Call::gemm_s`).
@@ -447,8 +450,12 @@ pub enum Beside {
     /// The last micro-batch's backward (DDP's and ZeRO-1's bucketed
     /// reductions, under `no_sync` until then).
     LastBackward,
-    /// Nothing: the next op waits for it (a tensor-parallel group's, the
-    /// optimizer's gathers of updated weights).
+    /// The next step's first forward: the optimizer's gathers of the
+    /// weights it updated (zero1/2), which Megatron-LM's
+    /// `--overlap-param-gather` runs bucket by bucket as that forward
+    /// reaches them; without it, the step waits for them whole.
+    NextForward,
+    /// Nothing: the next op waits for it (a tensor-parallel group's).
     Nothing,
 }
 
@@ -506,6 +513,7 @@ impl Meter {
             stage_s: [0.0; 3],
             critical: false,
             after_backward: false,
+            updated_weights: false,
             pair: None,
             split_gemm: false,
             last_gemm_s: 0.0,
@@ -598,6 +606,7 @@ impl Meter {
             (false, true, _) => Beside::LastBackward,
             (false, false, Stage::Forward) => Beside::Forward,
             (false, false, Stage::Backward) => Beside::Backward,
+            (false, false, Stage::Optimizer) if self.updated_weights => Beside::NextForward,
             (false, false, Stage::Optimizer) => Beside::Nothing,
         };
         if let Some(calls) = &mut self.collectives {
@@ -877,6 +886,15 @@ impl<B: Backend> Device<B> {
         let was = std::mem::replace(&mut self.meter.after_backward, true);
         let r = f(self);
         self.meter.after_backward = was;
+        r
+    }
+
+    /// Runs `f`, whose collectives gather the weights the optimizer step
+    /// updated (`Beside::NextForward`).
+    pub fn updated_weights<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        let was = std::mem::replace(&mut self.meter.updated_weights, true);
+        let r = f(self);
+        self.meter.updated_weights = was;
         r
     }
 

@@ -563,7 +563,7 @@ impl<B: Backend> Dist<B> {
     ) {
         let stride = dev.meter.call_stride;
         let (comm, stride) = self.group_of(stride, self.unit_of[i]);
-        dev.with_stride(stride, |dev| dev.all_gather(comm, recv, send));
+        dev.updated_weights(|dev| dev.with_stride(stride, |dev| dev.all_gather(comm, recv, send)));
     }
 
     /// ZeRO++ hpZ: backward gathers run in `group`, this rank's group of

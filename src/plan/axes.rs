@@ -261,6 +261,12 @@ axes! {
     /// leaves out false.
     TpCommOverlap tp_comm_overlap: bool = false,
         point #[serde(skip_serializing_if = "std::ops::Not::not")];
+    /// Megatron's `--overlap-param-gather`, with zero1 or zero2: the
+    /// gathers of the weights the optimizer step updated run beside the
+    /// next step's first forward instead of before it; false and/or true;
+    /// a point's JSON leaves out false.
+    OverlapParamGather overlap_param_gather: bool = false,
+        point #[serde(skip_serializing_if = "std::ops::Not::not")];
 }
 
 /// A grid that names no framework plans the one its command chooses

@@ -458,6 +458,10 @@ impl Point {
             false => ft,
             true => format!("{ft}tp-overlap "),
         };
+        let ft = match self.overlap_param_gather {
+            false => ft,
+            true => format!("{ft}param-gather-overlap "),
+        };
         let ft = match self.loss {
             Loss::Full => ft,
             l => format!("{ft}loss:{} ", name(l)),
@@ -1129,6 +1133,13 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
     if p.tp_comm_overlap && !(p.tensor_parallel > 1 && p.sequence_parallel) {
         return Some(
             "tp_comm_overlap needs tensor_parallel above 1 with sequence_parallel (Megatron-LM's --tp-comm-overlap requires --sequence-parallel)".into(),
+        );
+    }
+    if p.overlap_param_gather
+        && !(matches!(p.sharding, Sharding::Zero1 | Sharding::Zero2) && tc.data_ranks() > 1)
+    {
+        return Some(
+            "overlap_param_gather overlaps the gathers of the weights zero1 and zero2 update on each data-parallel rank's shard (Megatron-LM's --overlap-param-gather, with its distributed optimizer); this point makes none".into(),
         );
     }
     if let Some(reason) = p.offload.check(p.sharding) {
@@ -1858,7 +1869,7 @@ impl PointPlan<'_> {
         out.compute_s = s.all_s - out.offload_s;
         match (&self.topo, &s.calls) {
             (Some(t), Some(calls)) if !calls.is_empty() => {
-                let priced = price_collectives(t, calls, self.p.tp_comm_overlap);
+                let priced = price_collectives(t, calls, self.p.overlaps());
                 out.comm_s = priced.exposed(s.stage_s, self.tc.grad_accum);
                 out.comm_hidden_s = priced.total() - out.comm_s;
                 out.links = priced.links;
@@ -2019,7 +2030,7 @@ impl PointPlan<'_> {
                     );
                 }
                 if let Some(calls) = &st.calls {
-                    let priced = price_collectives(t, calls, self.p.tp_comm_overlap);
+                    let priced = price_collectives(t, calls, self.p.overlaps());
                     dp_s = priced.exposed(st.stage_s, self.tc.grad_accum);
                     hidden_s = hidden_s.max(priced.total() - dp_s);
                     crossed = union(crossed, priced.links);
@@ -2198,8 +2209,10 @@ fn union(
 /// of those the next op waits for, and the widest set of links they
 /// crossed.
 struct CommTime {
-    beside: [f64; 3],
-    longest: [f64; 3],
+    /// Beside the forward, the backward, the last backward and the next
+    /// step's first forward (`Beside`'s order).
+    beside: [f64; 4],
+    longest: [f64; 4],
     waited: f64,
     /// What Transformer Engine's overlap hid of the tensor-parallel
     /// collectives behind their GEMMs.
@@ -2219,13 +2232,17 @@ impl CommTime {
     /// backward fills them; FSDP reduce-scatters them during every
     /// backward and prefetches the next unit's all-gather in the forward
     /// and the backward; DeepSpeed with `overlap_comm` and Megatron with
-    /// `--overlap-grad-reduce --overlap-param-gather` do the same. So such
-    /// collectives cost only what exceeds the compute they run beside, and
-    /// at least their longest call (the last bucket, the first unit's
-    /// gather, which nothing runs beside). Tensor-parallel collectives and
-    /// the optimizer's gathers of updated weights are waited for whole.
+    /// `--overlap-grad-reduce` do the same, and Megatron's
+    /// `--overlap-param-gather` gathers the updated weights bucket by
+    /// bucket during the next step's first forward. So such collectives
+    /// cost only what exceeds the compute they run beside, and at least
+    /// their longest call (the last bucket, the first unit's gather, which
+    /// nothing runs beside). Tensor-parallel collectives, and the
+    /// optimizer's gathers of updated weights without that flag, are
+    /// waited for whole.
     fn exposed(&self, stage_s: [f64; 3], k: usize) -> f64 {
-        let compute = [stage_s[0], stage_s[1], stage_s[1] / k.max(1) as f64];
+        let k = k.max(1) as f64;
+        let compute = [stage_s[0], stage_s[1], stage_s[1] / k, stage_s[0] / k];
         let mut secs = self.waited;
         for ((beside, compute), longest) in self.beside.iter().zip(compute).zip(self.longest) {
             secs += (beside - compute).max(longest).min(*beside);
@@ -2237,18 +2254,19 @@ impl CommTime {
 /// Prices one step's collectives, each as NCCL would run it over its
 /// group's placement in `topo` (its size, and how far apart its ranks
 /// are: consecutive, or a hybrid shard group apart), each as many times
-/// as it ran (`Call::times`). With `tp_overlap`, a split projection's
+/// as it ran (`Call::times`). With `overlaps.tp`, a split projection's
 /// sequence-parallel collective runs beside its GEMM
-/// ([`tp_overlap_exposed`]).
+/// ([`tp_overlap_exposed`]); with `overlaps.param_gather`, the gathers of
+/// updated weights run beside the next step's first forward.
 fn price_collectives(
     topo: &crate::comm::topology::Topology,
     calls: &[crate::engine::device::Call],
-    tp_overlap: bool,
+    overlaps: Overlaps,
 ) -> CommTime {
     use crate::comm::topology::Links;
     let mut out = CommTime {
-        beside: [0.0; 3],
-        longest: [0.0; 3],
+        beside: [0.0; 4],
+        longest: [0.0; 4],
         waited: 0.0,
         beside_gemms: 0.0,
         links: Some(Links::None),
@@ -2275,7 +2293,7 @@ fn price_collectives(
         };
         out.links = union(out.links, Some(cost.links)).or(Some(Links::None));
         let secs = c.times as f64 * cost.seconds;
-        if let Some(gemm_s) = c.gemm_s.filter(|_| tp_overlap) {
+        if let Some(gemm_s) = c.gemm_s.filter(|_| overlaps.tp) {
             let exposed = c.times as f64 * tp_overlap_exposed(cost.seconds, gemm_s, c.world);
             out.waited += exposed;
             out.beside_gemms += secs - exposed;
@@ -2285,7 +2303,8 @@ fn price_collectives(
             Beside::Forward => 0,
             Beside::Backward => 1,
             Beside::LastBackward => 2,
-            Beside::Nothing => {
+            Beside::NextForward if overlaps.param_gather => 3,
+            Beside::NextForward | Beside::Nothing => {
                 out.waited += secs;
                 continue;
             }
@@ -2294,6 +2313,24 @@ fn price_collectives(
         out.longest[i] = out.longest[i].max(cost.seconds);
     }
     out
+}
+
+/// Which of Megatron-LM's communication overlaps a point prices.
+#[derive(Clone, Copy, Debug, Default)]
+struct Overlaps {
+    /// `--tp-comm-overlap`.
+    tp: bool,
+    /// `--overlap-param-gather`.
+    param_gather: bool,
+}
+
+impl Point {
+    fn overlaps(&self) -> Overlaps {
+        Overlaps {
+            tp: self.tp_comm_overlap,
+            param_gather: self.overlap_param_gather,
+        }
+    }
 }
 
 /// What a tensor-parallel collective of `comm` seconds still costs when
@@ -2569,6 +2606,57 @@ mod tests {
         assert_eq!(tp_overlap_exposed(1.0, 8.0, 1), 1.0);
     }
 
+    /// Megatron's `--overlap-param-gather` moves zero1's and zero2's
+    /// gathers of updated weights from waited for to beside the next
+    /// step's first forward, and changes no byte; other sharding makes no
+    /// such gathers, so the flag makes the point invalid there.
+    #[test]
+    fn overlap_param_gather_hides_the_updated_weights_gathers_behind_the_first_forward() {
+        let yaml = "model: llama-3.1-8b\nhardware: h100-sxm-80gb\nseq_len: 4096\nglobal_batch: 64\ngrid:\n  framework: [memfit]\n  micro_batch: [1]\n  sharding: [ddp, zero1, zero2, zero3]\n  gpus: [16]\n  tensor_parallel: [8]\n  overlap_param_gather: [false, true]\n";
+        let (r, model, hw) = recipe(yaml);
+        let plan = plan(&r, &model, &hw);
+        let find = |s: Sharding, ov: bool| {
+            (plan.points.iter())
+                .find(|p| (p.point.sharding, p.point.overlap_param_gather) == (s, ov))
+                .unwrap()
+        };
+        for s in [Sharding::Ddp, Sharding::Zero3] {
+            let invalid = find(s, true);
+            assert!(
+                matches!(&invalid.verdict, Verdict::Invalid { reason } if reason.contains("--overlap-param-gather")),
+                "{:?}",
+                invalid.verdict
+            );
+        }
+        for s in [Sharding::Zero1, Sharding::Zero2] {
+            let (off, on) = (find(s, false), find(s, true));
+            assert_eq!(off.peak_bytes, on.peak_bytes);
+            assert!(
+                on.comm_s < off.comm_s,
+                "{s:?}: {} vs {}",
+                on.comm_s,
+                off.comm_s
+            );
+            assert!(on.step_s < off.step_s);
+            let (all_off, all_on) = (off.comm_s + off.comm_hidden_s, on.comm_s + on.comm_hidden_s);
+            assert!(
+                (all_on - all_off).abs() <= 1e-9 * all_off,
+                "{all_on} vs {all_off}"
+            );
+        }
+        // Beside the first micro-batch's forward only (its pre-hooks wait
+        // for each bucket), and never less than the longest gather.
+        let t = CommTime {
+            beside: [0.0, 0.0, 0.0, 1.0],
+            longest: [0.0, 0.0, 0.0, 0.1],
+            waited: 0.0,
+            beside_gemms: 0.0,
+            links: None,
+        };
+        assert!((t.exposed([0.8, 1.6, 0.1], 4) - 0.8).abs() < 1e-12);
+        assert!((t.exposed([8.0, 16.0, 0.1], 4) - 0.1).abs() < 1e-12);
+    }
+
     /// The planner fast-forwards over micro-batches that repeat one another
     /// (`Engine::step_from`). Over points that exercise every feature a
     /// micro-batch touches, it plans exactly what running every micro-batch
@@ -2587,6 +2675,7 @@ mod tests {
             "  shard_group: [2]\n",
             "  tensor_parallel: [2]\n  sequence_parallel: [true]\n",
             "  tensor_parallel: [2]\n  sequence_parallel: [true]\n  tp_comm_overlap: [true]\n",
+            "  overlap_param_gather: [true]\n",
         ] {
             let r: PlanRecipe = serde_yaml_ng::from_str(&format!("{yaml}{extra}").replace(
                 "  offload: [none, optimizer]\n",

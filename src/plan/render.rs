@@ -842,9 +842,16 @@ fn step_line(plan: &Plan, p: &Prediction, bullet: &str) -> String {
             hw.interconnect_gbps
         ),
     };
-    let who = match p.point.tp_comm_overlap {
-        true => "DDP, FSDP and Megatron's --tp-comm-overlap (Transformer Engine's userbuffers)",
-        false => "DDP and FSDP",
+    let megatron: Vec<&str> = [
+        (p.point.tp_comm_overlap).then_some("--tp-comm-overlap (Transformer Engine's userbuffers)"),
+        (p.point.overlap_param_gather).then_some("--overlap-param-gather"),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let who = match megatron.is_empty() {
+        true => "DDP and FSDP".to_string(),
+        false => format!("DDP, FSDP and Megatron's {}", megatron.join(" and ")),
     };
     let hidden = match p.comm_hidden_s > 0.0 {
         true => format!(

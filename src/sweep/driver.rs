@@ -172,6 +172,11 @@ pub fn trial_id(p: &Point) -> String {
         true => format!("{fw}tpov-"),
     };
     // Only when set, so that the ids of points without it are as before.
+    let fw = match p.overlap_param_gather {
+        false => fw,
+        true => format!("{fw}pgov-"),
+    };
+    // Only when set, so that the ids of points without it are as before.
     let fw = match p.offload_activations {
         false => fw,
         true => format!("{fw}actoff-"),
@@ -385,11 +390,16 @@ fn check_measurable(recipe: &crate::plan::PlanRecipe, path: &std::path::Path) ->
     };
     for p in expand(recipe) {
         let t = recipe.train_config(&p);
-        if p.tp_comm_overlap {
-            return refuse(format!(
-                "point {}: `tp_comm_overlap` is priced, not run: the trials' ranks wait for every collective, and only a GPU plan runs one beside its GEMM",
-                p.label()
-            ));
+        for (on, key) in [
+            (p.tp_comm_overlap, "tp_comm_overlap"),
+            (p.overlap_param_gather, "overlap_param_gather"),
+        ] {
+            if on {
+                return refuse(format!(
+                    "point {}: `{key}` is priced, not run: the trials' ranks wait for every collective, and only a GPU plan runs one beside compute",
+                    p.label()
+                ));
+            }
         }
         if t.finetune != crate::engine::Finetune::Full && t.lora.dropout > 0.0 {
             return refuse(

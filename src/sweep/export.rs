@@ -556,6 +556,11 @@ pub fn pinned_recipe(report: &SweepReport, trial: &TrialRecord, dir: &Path) -> S
             "false",
         ),
         ("tp_comm_overlap", p.tp_comm_overlap.to_string(), "false"),
+        (
+            "overlap_param_gather",
+            p.overlap_param_gather.to_string(),
+            "false",
+        ),
     ] {
         if v != default {
             s.push_str(&format!("  {k}: [{v}]\n"));

@@ -56,6 +56,7 @@ fn predictions_equal_cpu_measured_peaks() {
                 offload_activations: vec![false],
                 expert_parallel: vec![1],
                 tp_comm_overlap: vec![false],
+                overlap_param_gather: vec![false],
             },
             headroom: 0.05,
             cost: None,

@@ -1047,33 +1047,45 @@ fn a_meta_sweep_says_its_throughput_is_predicted_not_measured() {
     assert_eq!(rec.ranking.unwrap().method, "predicted");
 }
 
-/// `tp_comm_overlap` is a GPU plan's pricing: a sweep whose trials compute
-/// would run the same trial twice, so it is refused before any runs,
-/// naming the recipe, with a way out.
+/// `tp_comm_overlap` and `overlap_param_gather` are a GPU plan's pricing:
+/// a sweep whose trials compute would run the same trial twice, so it is
+/// refused before any runs, naming the recipe and the key, with a way out.
 #[test]
-fn a_computing_sweep_refuses_tp_comm_overlap() {
+fn a_computing_sweep_refuses_megatrons_overlaps() {
     let dir = out_dir("tpov");
     std::fs::create_dir_all(&dir).unwrap();
-    let recipe = dir.join("tpov.yaml");
-    std::fs::write(
-        &recipe,
-        "model: llama-tiny\nhardware: h100-sxm-80gb\nseq_len: 32\nglobal_batch: 4\ngrid:\n  micro_batch: [2]\n  precision: [fp32]\n  sharding: [none]\n  gpus: [2]\n  tensor_parallel: [2]\n  sequence_parallel: [true]\n  tp_comm_overlap: [false, true]\n",
-    )
-    .unwrap();
-    let out = dir.join("out");
-    let o = memfit(&[
-        "sweep",
-        recipe.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    let e = err(&o);
-    assert_eq!(o.status.code(), Some(2), "{e}");
-    assert!(
-        e.contains("tpov.yaml") && e.contains("`tp_comm_overlap` is priced, not run"),
-        "{e}"
-    );
-    assert!(e.contains("--device meta"), "{e}");
-    assert!(!out.join("trials.jsonl").exists());
+    for (key, grid) in [
+        (
+            "tp_comm_overlap",
+            "  sharding: [none]\n  gpus: [2]\n  tensor_parallel: [2]\n  sequence_parallel: [true]\n  tp_comm_overlap: [false, true]\n",
+        ),
+        (
+            "overlap_param_gather",
+            "  sharding: [zero1]\n  gpus: [2]\n  overlap_param_gather: [false, true]\n",
+        ),
+    ] {
+        let recipe = dir.join(format!("{key}.yaml"));
+        std::fs::write(
+            &recipe,
+            format!("model: llama-tiny\nhardware: h100-sxm-80gb\nseq_len: 32\nglobal_batch: 4\ngrid:\n  micro_batch: [2]\n  precision: [fp32]\n{grid}"),
+        )
+        .unwrap();
+        let out = dir.join(format!("out-{key}"));
+        let o = memfit(&[
+            "sweep",
+            recipe.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        let e = err(&o);
+        assert_eq!(o.status.code(), Some(2), "{e}");
+        assert!(
+            e.contains(&format!("{key}.yaml"))
+                && e.contains(&format!("`{key}` is priced, not run")),
+            "{e}"
+        );
+        assert!(e.contains("--device meta"), "{e}");
+        assert!(!out.join("trials.jsonl").exists());
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }

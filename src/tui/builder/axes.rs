@@ -13,7 +13,7 @@ use crate::plan::{Capacity, Grid, Point, name};
 pub use crate::plan::Axis;
 
 /// Every grid axis the planner has, in the order the form lists them.
-pub const AXES: [Axis; 21] = [
+pub const AXES: [Axis; 22] = [
     Axis::MicroBatch,
     Axis::Precision,
     Axis::Checkpointing,
@@ -28,6 +28,7 @@ pub const AXES: [Axis; 21] = [
     Axis::TpCommOverlap,
     Axis::ShardGroup,
     Axis::HpzGroup,
+    Axis::OverlapParamGather,
     Axis::Framework,
     Axis::Finetune,
     Axis::Offload,
@@ -84,6 +85,7 @@ impl Axis {
             Axis::CapacityFactor => "capacity",
             Axis::ExpertParallel => "expert_par",
             Axis::TpCommOverlap => "tp_overlap",
+            Axis::OverlapParamGather => "param_ovlp",
         }
     }
 
@@ -105,7 +107,10 @@ impl Axis {
             Axis::ExpertParallel => preset(&[1, 2, 4, 8], &grid.expert_parallel),
             Axis::ShardGroup => preset(&[0, 2, 4, 8], &sizes(&grid.shard_group)),
             Axis::HpzGroup => preset(&[0, 2, 4, 8], &sizes(&grid.hpz_group)),
-            Axis::SequenceParallel | Axis::OffloadActivations | Axis::TpCommOverlap => {
+            Axis::SequenceParallel
+            | Axis::OffloadActivations
+            | Axis::TpCommOverlap
+            | Axis::OverlapParamGather => {
                 vec!["false".into(), "true".into()]
             }
             Axis::Precision => names::<Precision>(),
@@ -150,6 +155,8 @@ impl Axis {
             Axis::OffloadActivations => "no-actoff".into(),
             Axis::TpCommOverlap if v == "true" => "tp-overlap".into(),
             Axis::TpCommOverlap => "no-tp-overlap".into(),
+            Axis::OverlapParamGather if v == "true" => "param-gather-overlap".into(),
+            Axis::OverlapParamGather => "no-param-gather-overlap".into(),
             Axis::CapacityFactor if v == "null" => "dropless".into(),
             Axis::CapacityFactor => format!("cf{v}"),
             Axis::ExpertParallel => format!("ep{v}"),

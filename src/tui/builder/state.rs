@@ -13,6 +13,7 @@ use super::axes::{AXES, Axis};
 use super::compute::{Change, FitMap, Fix, Planned, fit_map};
 use crate::backend::DeviceSpec;
 use crate::config::attention_kernels::AttentionKernel;
+use crate::engine::Sharding;
 use crate::plan::{PlanRecipe, Point};
 use crate::tui::app::Key;
 
@@ -54,7 +55,8 @@ impl Field {
 /// The form, top to bottom: the capacity factor and expert parallelism
 /// only for a mixture of experts (the last model that planned has
 /// experts), virtual stages only for a pipeline, tensor-parallel overlap
-/// only while the grid lists tensor parallelism, or while the grid lists
+/// only while the grid lists tensor parallelism, the parameter-gather
+/// overlap only while it lists zero1 or zero2, or while the grid lists
 /// one of them, so that it can be taken out again.
 pub fn fields(b: &Builder) -> Vec<Field> {
     let g = &b.recipe.grid;
@@ -62,10 +64,13 @@ pub fn fields(b: &Builder) -> Vec<Field> {
         || (g.capacity_factor.iter()).any(|c| !c.is_dropless())
         || g.expert_parallel.iter().any(|&e| e > 1);
     let tp = g.tensor_parallel.iter().any(|&t| t > 1) || g.tp_comm_overlap.contains(&true);
+    let zero12 = (g.sharding.iter()).any(|s| matches!(s, Sharding::Zero1 | Sharding::Zero2))
+        || g.overlap_param_gather.contains(&true);
     let pipelines = (g.pipeline_stages.iter().chain(&g.virtual_stages)).any(|&s| s > 1);
     let shown = |a: Axis| match a {
         Axis::CapacityFactor | Axis::ExpertParallel => experts,
         Axis::TpCommOverlap => tp,
+        Axis::OverlapParamGather => zero12,
         Axis::VirtualStages => pipelines,
         _ => true,
     };

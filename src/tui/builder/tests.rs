@@ -682,6 +682,24 @@ fn expert_parallelism_and_tp_overlap_are_rows_where_they_apply() {
     assert_eq!(Axis::TpCommOverlap.show("true"), "tp-overlap");
 }
 
+/// Megatron's parameter-gather overlap is a row only while the grid lists
+/// zero1 or zero2, whose gathers of updated weights it overlaps.
+#[test]
+fn the_param_gather_overlap_is_a_row_with_zero1_or_zero2() {
+    let mut r = default_recipe();
+    r.grid.sharding = vec![crate::engine::Sharding::Ddp];
+    let mut b = builder();
+    b.recipe = r.clone();
+    assert!(!fields(&b).contains(&Field::Axis(Axis::OverlapParamGather)));
+    b.recipe.grid.sharding = vec![crate::engine::Sharding::Ddp, crate::engine::Sharding::Zero2];
+    assert!(fields(&b).contains(&Field::Axis(Axis::OverlapParamGather)));
+    assert_eq!(
+        Axis::OverlapParamGather.show("true"),
+        "param-gather-overlap"
+    );
+    assert_eq!(Axis::OverlapParamGather.label(), "param_ovlp");
+}
+
 /// A paged optimizer's point says where its state is: on the GPU and
 /// paged out, beside the peak that does not hold it.
 #[test]
