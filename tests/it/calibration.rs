@@ -1,9 +1,10 @@
 //! The step-time model against published, measured throughput
 //! (tests/reference/calibration/table.yaml): each row's recipe states the
 //! published run's setup, `memfit plan` predicts it, and the README's table
-//! is exactly what this computes. Rows without `not_held` must be within
-//! the table's tolerance; the others say what of their setup memfit does
-//! not model, and their error is shown, not hidden.
+//! is exactly what this computes. Every row's run must fit in memfit's
+//! plan (it ran). Rows without `not_held` must be within the table's
+//! tolerance; the others say what of their setup memfit does not model,
+//! and their error is shown, not hidden.
 
 use std::path::{Path, PathBuf};
 
@@ -79,6 +80,15 @@ fn predicted(table: &Table) -> Vec<Predicted> {
             let per_gpu = |plan: memfit::plan::Plan| {
                 assert_eq!(plan.points.len(), 1, "{}: one point a recipe", r.id);
                 let p = &plan.points[0];
+                // The published run ran: a plan that says it does not fit
+                // is wrong about memory, whatever it says of time.
+                assert!(
+                    matches!(p.verdict, memfit::plan::Verdict::Fits),
+                    "{}: the published run fits, memfit says {:?} ({:.2} GiB)",
+                    r.id,
+                    p.verdict,
+                    p.total_bytes as f64 / (1u64 << 30) as f64
+                );
                 assert!(p.tokens_per_s > 0.0, "{}: {:?}", r.id, p.verdict);
                 p.tokens_per_s / p.point.gpus as f64
             };
