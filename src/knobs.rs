@@ -210,6 +210,13 @@ knobs! {
     /// num_output_chunks) [default: 8].
     #[arg(long)]
     loss_chunks: usize [train],
+    /// --loss chunked: each part's projection and cross-entropy compiled,
+    /// as torchtune's `compile: True` compiles its loss; torch.compile's
+    /// graph saves the part's logits in their own type and two fp32 per
+    /// token instead of an fp32 log-softmax, and makes no fp32 copies
+    /// (hf-eager) [default: false].
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = switch())]
+    compile_loss: bool [train],
     /// hf-eager: Liger's RMSNorm, SwiGLU and RoPE kernels in place of
     /// transformers' (liger_kernel's apply_liger_kernel_to_llama() and its
     /// siblings, or the Trainer's use_liger_kernel=True, whose fused linear
@@ -401,6 +408,7 @@ impl Knobs {
             set_to_none: t.set_to_none,
             param_groups: t.param_groups,
             loss_chunks: t.loss_chunks,
+            compile_loss: t.compile_loss,
             optimizer_in_backward: t.optimizer_in_backward,
             liger: t.liger,
         }

@@ -133,6 +133,10 @@ pub struct HfKnobs {
     /// torchtune's chunked loss: the parts the sequence is split into.
     #[serde(default = "super::loss::default_chunks")]
     pub loss_chunks: usize,
+    /// torchtune's `compile: True` on its chunked loss (absent from reports
+    /// of before it existed: eager).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub compile_loss: bool,
     /// torchtune's `optimizer_in_bwd`, on every point of either framework
     /// (absent from reports of before it existed: off).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -152,6 +156,7 @@ impl Default for HfKnobs {
             set_to_none: d.set_to_none,
             param_groups: d.param_groups,
             loss_chunks: d.loss_chunks,
+            compile_loss: d.compile_loss,
             optimizer_in_backward: d.optimizer_in_backward,
             liger: d.liger,
         }
@@ -278,10 +283,13 @@ pub struct HfRules {
     /// the forward, when the loop drops the model output; chunked: a
     /// chunk's, while its loss is computed.
     pub logits: Vec<(usize, DType)>,
-    /// Per token: `nll_loss_backward`'s and `_log_softmax_backward_data`'s
-    /// outputs (V fp32 each), alive together at the start of the loss's
-    /// backward (a chunk's, chunked).
-    pub loss_grads: usize,
+    /// Per token: what the loss's backward allocates beside the engine's
+    /// logits buffer, which becomes the logits' gradient: eager,
+    /// `nll_loss_backward`'s and `_log_softmax_backward_data`'s outputs (V
+    /// fp32 each), alive together at its start (a chunk's, chunked);
+    /// compiled (`--compile-loss`), one fp32 per row (the gradient is
+    /// written into the saved logits, [`Step::compiled_loss`]).
+    pub loss_grads: Vec<(usize, DType)>,
     /// Gradients are created by the backward and freed by `zero_grad`
     /// (`set_to_none=True`, PyTorch's default since 2.0), instead of staying
     /// resident and zeroed.
@@ -341,12 +349,16 @@ impl HfRules {
             sliding_saved,
             head_saved: head,
             loss_saved: x.loss_saved(),
-            logits: match sixteen {
-                true => vec![(v, dt), (v, f32)],
-                false => vec![(v, f32)],
+            logits: match (train.compile_loss, sixteen) {
+                (true, _) => Vec::new(),
+                (false, true) => vec![(v, dt), (v, f32)],
+                (false, false) => vec![(v, f32)],
             },
             autocast,
-            loss_grads: v,
+            loss_grads: match train.compile_loss {
+                true => vec![(1, f32)],
+                false => vec![(v, f32), (v, f32)],
+            },
             lazy_grads: train.set_to_none,
             optimizer_impl: train.optimizer_impl,
             param_groups: train.param_groups,
@@ -989,6 +1001,9 @@ impl<'a> Step<'a> {
     /// saves tanh's output, in the logits' dtype; the division and the
     /// multiplication by a number save nothing.
     fn loss_saved(&self) -> Saved {
+        if self.train.compile_loss {
+            return Self::compiled_loss();
+        }
         let mut saved = Vec::new();
         if self.sixteen {
             saved.push((self.v, self.dt));
@@ -997,6 +1012,23 @@ impl<'a> Step<'a> {
             saved.push((self.v, self.dt));
         }
         saved
+    }
+
+    /// Per token, what torch.compile's graph of a chunk's projection and
+    /// cross-entropy (torchtune's `compute_cross_entropy` under `compile:
+    /// True`) saves beyond the projection's output, which the engine's
+    /// logits buffer is: the row's max and log-sum-exp, fp32. Inductor's
+    /// min-cut partitioner never recomputes the matmul, so its output is
+    /// saved in its own dtype, and recomputes the upcast and the softmax
+    /// from it in the backward instead of saving eager's fp32 log-softmax;
+    /// the forward allocates nothing else a row's logits long, and the
+    /// backward writes the logits' gradient into the saved output (its
+    /// generated code reuses the buffer, `buf1 = mm; del mm  # reuse`),
+    /// with one fp32 per row beside it (`HfRules::loss_grads`). Read from
+    /// the graphs torch 2.15 generates (tests/reference/compiled_loss.py
+    /// checks the saved tensors against memfit's).
+    fn compiled_loss() -> Saved {
+        vec![(1, DType::F32), (1, DType::F32)]
     }
 
     /// What the final norm and the head save, and what is alive only

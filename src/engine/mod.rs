@@ -140,6 +140,12 @@ pub struct TrainConfig {
     /// `chunked`: the parts the sequence is split into.
     #[serde(default = "loss::default_chunks")]
     pub loss_chunks: usize,
+    /// `chunked`, hf-eager: each part's projection and cross-entropy
+    /// compiled by torch.compile, as torchtune's `compile: True` compiles
+    /// `LinearCrossEntropyLoss.compute_cross_entropy` (`loss.rs`); absent
+    /// from reports of before it existed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub compile_loss: bool,
     /// hf-eager only: Liger's RMSNorm, SwiGLU and RoPE kernels in place of
     /// transformers' (`apply_liger_kernel_to_<family>()`, `framework.rs`);
     /// absent from reports of before it existed.
@@ -246,6 +252,7 @@ impl Default for TrainConfig {
             param_groups: ParamGroups::One,
             loss: Loss::Full,
             loss_chunks: loss::DEFAULT_CHUNKS,
+            compile_loss: false,
             liger: false,
             finetune: Finetune::Full,
             lora: LoraConfig::default(),
@@ -1814,10 +1821,7 @@ fn full_head_backward<B: Backend>(
     // output; then the first and the saved output go and the engine's
     // buffer (now the logits' gradient) is a temporary.
     let loss_grads = match &hf {
-        Some(h) => vec![
-            dev.alloc_f32(n * h.rules.loss_grads, tmp)?,
-            dev.alloc_f32(n * h.rules.loss_grads, tmp)?,
-        ],
+        Some(h) => alloc_rows(dev, &h.rules.loss_grads, n, tmp)?,
         None => Vec::new(),
     };
     match lse {
@@ -1958,10 +1962,9 @@ fn chunked_head_backward<B: Backend>(
             input.expect("a chunk keeps its rows"),
             tc.expect("a chunk keeps its targets"),
         );
-        let per_row = hf.as_ref().map_or(0, |h| h.rules.loss_grads);
-        let grads = match per_row {
-            0 => Vec::new(),
-            e => vec![dev.alloc_f32(r * e, tmp)?, dev.alloc_f32(r * e, tmp)?],
+        let grads = match hf.as_ref() {
+            Some(h) => alloc_rows(dev, &h.rules.loss_grads, r, tmp)?,
+            None => Vec::new(),
         };
         dev.crossentropy_backward_capped(&mut logits, &tc, dloss, (r, v, vp), cap);
         for t in grads.into_iter().chain(extra).chain([tc]) {
@@ -2446,6 +2449,19 @@ fn alloc_saved<B: Backend>(
     saved: &[(usize, DType)],
 ) -> Result<Vec<T<B>>, OomError> {
     alloc_each(dev, saved, Category::Activations)
+}
+
+/// A tensor of each `(elements per row, dtype)` of `list` for `rows` rows,
+/// under `category`.
+fn alloc_rows<B: Backend>(
+    dev: &mut Device<B>,
+    list: &[(usize, DType)],
+    rows: usize,
+    category: Category,
+) -> Result<Vec<T<B>>, OomError> {
+    list.iter()
+        .map(|&(e, dt)| dev.alloc(e * rows, dt, category))
+        .collect()
 }
 
 /// A tensor of each `(elements, dtype)` of `list`, under `category`.

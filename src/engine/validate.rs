@@ -300,6 +300,15 @@ pub fn tensor_parallel(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
 /// same, so a point is refused with the message a run would give).
 pub fn stack(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
     loss(t)?;
+    if t.compile_loss && model.final_softcap().is_some() {
+        return Err(Error::invalid_arg(
+            "--compile-loss",
+            format!(
+                "{}'s final logit soft cap is not modelled compiled (what inductor saves of its tanh); leave --compile-loss out",
+                model.name
+            ),
+        ));
+    }
     liger(t, model)?;
     flash_attention_2(t)?;
     offload_activations(t)?;
@@ -309,6 +318,12 @@ pub fn stack(t: &TrainConfig, model: &ModelConfig) -> Result<()> {
 /// Checks `--loss` and `--loss-chunks` against the other knobs.
 fn loss(t: &TrainConfig) -> Result<()> {
     use super::Loss;
+    if t.compile_loss && t.loss != Loss::Chunked {
+        return Err(Error::invalid_arg(
+            "--compile-loss",
+            "models torchtune's compiled LinearCrossEntropyLoss.compute_cross_entropy, one part of --loss chunked at a time: add --loss chunked",
+        ));
+    }
     match t.loss {
         Loss::Full => Ok(()),
         Loss::Chunked if t.framework == Framework::Memfit => Err(Error::invalid_arg(
@@ -318,6 +333,7 @@ fn loss(t: &TrainConfig) -> Result<()> {
         Loss::Chunked if t.loss_chunks == 0 => {
             Err(Error::invalid_arg("--loss-chunks", "must be at least 1"))
         }
+
         _ if t.tensor_parallel > 1 => Err(Error::invalid_arg(
             "--loss",
             format!(

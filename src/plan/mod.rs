@@ -130,6 +130,7 @@ pub const RECIPE_KNOBS: &[&str] = &[
     "set_to_none",
     "param_groups",
     "loss_chunks",
+    "compile_loss",
     "optimizer_in_backward",
     "liger",
     "lora_rank",
@@ -404,6 +405,8 @@ impl Point {
             tc.set_to_none = hf.set_to_none;
             tc.param_groups = hf.param_groups;
             tc.loss_chunks = hf.loss_chunks;
+            // The recipe's one value, on the points it applies to.
+            tc.compile_loss = hf.compile_loss && self.loss == Loss::Chunked;
             tc.liger = hf.liger;
         }
         if self.finetune != Finetune::Full {
@@ -897,7 +900,7 @@ pub fn unused_by(grid: &Grid, knob: &str) -> Option<&'static str> {
         "lora_rank" | "lora_alpha" | "lora_dropout" | "lora_targets" => {
             (lora, "a `grid.finetune` of lora or qlora")
         }
-        "loss_chunks" => (
+        "loss_chunks" | "compile_loss" => (
             grid.loss.contains(&Loss::Chunked),
             "a `grid.loss` of chunked",
         ),
@@ -2764,7 +2767,7 @@ mod tests {
                 "optimizer_in_backward" => "true",
                 "optimizer_impl" => "fused",
                 "param_groups" => "trainer",
-                "set_to_none" | "liger" => "false",
+                "set_to_none" | "liger" | "compile_loss" => "false",
                 "lora_targets" => "[q]",
                 "host_memory" => "1GiB",
                 "dropout" | "lora_alpha" | "lora_dropout" => "0.5",

@@ -379,8 +379,12 @@ fn write_knobs(s: &mut String, r: &RunReport) {
         crate::engine::Loss::Chunked => {
             let _ = writeln!(
                 s,
-                "loss: chunked, the sequence in {} parts (torchtune's LinearCrossEntropyLoss)",
-                t.loss_chunks
+                "loss: chunked, the sequence in {} parts (torchtune's LinearCrossEntropyLoss{})",
+                t.loss_chunks,
+                match t.compile_loss {
+                    true => ", each compiled by torch.compile",
+                    false => "",
+                }
             );
         }
         crate::engine::Loss::FusedLinear => {

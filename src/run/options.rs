@@ -106,7 +106,10 @@ fn merge(flags: &Knobs, r: &RunRecipe, timeline: Option<PathBuf>) -> Result<RunO
     }
     let loss = k.loss.unwrap_or(d.loss);
     if loss != crate::engine::Loss::Chunked {
-        refuse(&["loss_chunks"], "applies to --loss chunked only")?;
+        refuse(
+            &["loss_chunks", "compile_loss"],
+            "applies to --loss chunked only",
+        )?;
     }
     // Without a pipeline both schedules are plain accumulation: a
     // schedule or a partition given there would do nothing.

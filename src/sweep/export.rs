@@ -455,6 +455,9 @@ fn pinned_stack_knobs(h: &crate::report::sweep::HfKnobs, p: &Point) -> String {
     }
     if p.loss == crate::engine::Loss::Chunked {
         s.push_str(&format!("loss_chunks: {}\n", h.loss_chunks));
+        if h.compile_loss {
+            s.push_str("compile_loss: true\n");
+        }
     }
     if h.liger {
         s.push_str("liger: true\n");

@@ -11,7 +11,9 @@ use memfit::backend::cpu::CpuBackend;
 use memfit::backend::meta::MetaBackend;
 use memfit::config::profile::load_model;
 use memfit::data::DataSource;
-use memfit::engine::{Checkpointing, Engine, Framework, Loss, OptimizerImpl, TrainConfig};
+use memfit::engine::{
+    Checkpointing, Engine, Framework, Loss, OptimizerImpl, Precision, TrainConfig,
+};
 
 fn tc(loss: Loss, framework: Framework) -> TrainConfig {
     TrainConfig {
@@ -313,4 +315,79 @@ fn the_fused_loss_trains_under_sharding_and_lora() {
             assert!((a - b).abs() < 1e-4, "{fused:?}: loss {a} vs full {b}");
         }
     }
+}
+
+/// `--compile-loss` changes what the chunked loss holds, not what it
+/// computes: the losses are eager's to the bit and meta predicts cpu's
+/// bytes (fp32, which cpu runs); in bf16 (meta), with a vocabulary far
+/// wider than the model, the parts no longer hold eager's fp32 log-softmax
+/// and copies. Without `--loss chunked`, or in a plan recipe whose grid
+/// has no chunked point, it is refused.
+#[test]
+fn the_compiled_loss_holds_less_and_computes_the_same() {
+    let mut model = load_model("llama-tiny").unwrap();
+    model.vocab_size = 32768;
+    let t = |compile: bool, precision: Precision| {
+        let t = TrainConfig {
+            compile_loss: compile,
+            loss_chunks: 4,
+            precision,
+            ..tc(Loss::Chunked, Framework::HfEager)
+        };
+        memfit::engine::validate::stack(&t, &model).unwrap();
+        t
+    };
+    let run = |compile: bool| {
+        let t = t(compile, Precision::Fp32);
+        let mut cpu =
+            Engine::new(model.clone(), t.clone(), CpuBackend::new(2).unwrap(), None).unwrap();
+        let mut meta =
+            Engine::new(model.clone(), t.clone(), MetaBackend::emulating_cpu(), None).unwrap();
+        let mut data = DataSource::synthetic(model.vocab_size, 3);
+        let mut losses = Vec::new();
+        for _ in 0..2 {
+            let batch = [data.next_batch(4, 32)];
+            losses.push(cpu.step(&batch).unwrap().loss.unwrap());
+            meta.step(&batch).unwrap();
+        }
+        let (c, m) = (&cpu.dev.tracker, &meta.dev.tracker);
+        assert_eq!(c.peak_bytes(), m.peak_bytes(), "compile {compile}");
+        assert_eq!(common::events(c), common::events(m), "compile {compile}");
+        losses
+    };
+    assert_eq!(run(false), run(true));
+    let peak = |compile: bool| {
+        let t = t(compile, Precision::Bf16Pure);
+        let mut meta = Engine::new(model.clone(), t, MetaBackend::emulating_cpu(), None).unwrap();
+        let batch = [DataSource::synthetic(model.vocab_size, 3).next_batch(4, 32)];
+        meta.step(&batch).unwrap();
+        meta.dev.tracker.peak_bytes().total
+    };
+    // Eager saves 4 bytes a vocabulary entry a row (the bf16 output's
+    // fp32 log-softmax), compiled 2 (the output itself) and 8 a row.
+    let rows = 4 * 32;
+    let saved_less = (rows * 32768 * 2 - rows * 8) as u64;
+    let (eager, compiled) = (peak(false), peak(true));
+    assert!(
+        compiled + saved_less <= eager,
+        "{compiled} + {saved_less} vs {eager}"
+    );
+    refused(
+        &["run", "--device", "meta", "--steps", "1", "--compile-loss"],
+        "applies to --loss chunked only",
+    );
+    let dir = scratch("compile-loss");
+    let recipe = dir.join("r.yaml");
+    std::fs::write(
+        &recipe,
+        "model: llama-tiny\nhardware: rtx-4090\nseq_len: 64\nglobal_batch: 4\ncompile_loss: true\ngrid:\n  micro_batch: [1]\n  framework: [hf-eager]\n",
+    )
+    .unwrap();
+    let o = memfit(&["plan", recipe.to_str().unwrap()]);
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("r.yaml") && e.contains("`compile_loss` applies to no point"),
+        "{e}"
+    );
 }

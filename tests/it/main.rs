@@ -19,6 +19,7 @@ mod calibration;
 mod check;
 mod cli;
 mod cluster_plan;
+mod compiled_loss;
 mod cuda_cli;
 mod cuda_double;
 mod cuda_kernels;

@@ -514,6 +514,9 @@ pub fn to_yaml(r: &PlanRecipe) -> String {
     if let Some(c) = k.loss_chunks {
         let _ = writeln!(s, "loss_chunks: {c}");
     }
+    if hf.compile_loss {
+        let _ = writeln!(s, "compile_loss: true");
+    }
     if hf.liger != d.liger {
         let _ = writeln!(s, "liger: {}", hf.liger);
     }

@@ -736,16 +736,20 @@ fn the_detail_says_where_a_paged_optimizers_state_is() {
     );
 }
 
-/// hf-eager's `liger` key survives the builder's recipe.
+/// hf-eager's `liger` and `compile_loss` keys survive the builder's recipe.
 #[test]
-fn the_builders_recipe_keeps_liger() {
-    let yaml = "model: llama-tiny\nhardware: rtx-4090\nseq_len: 64\nglobal_batch: 4\nliger: true\ngrid:\n  micro_batch: [1, 2]\n  framework: [hf-eager]\n";
+fn the_builders_recipe_keeps_liger_and_the_compiled_loss() {
+    let yaml = "model: llama-tiny\nhardware: rtx-4090\nseq_len: 64\nglobal_batch: 4\nliger: true\ncompile_loss: true\ngrid:\n  micro_batch: [1, 2]\n  framework: [hf-eager]\n  loss: [chunked]\n";
     let r: crate::plan::PlanRecipe =
         crate::config::profile::parse_yaml(yaml, "r.yaml").expect("parses");
-    assert!(r.hf_knobs().liger);
+    assert!(r.hf_knobs().liger && r.hf_knobs().compile_loss);
     let written = to_yaml(&r);
     assert!(written.contains("\nliger: true\n"), "{written}");
+    assert!(written.contains("\ncompile_loss: true\n"), "{written}");
     let back: crate::plan::PlanRecipe =
         crate::config::profile::parse_yaml(&written, "w.yaml").expect(&written);
-    assert!(back.hf_knobs().liger, "{written}");
+    assert!(
+        back.hf_knobs().liger && back.hf_knobs().compile_loss,
+        "{written}"
+    );
 }
