@@ -2564,6 +2564,24 @@ mod tests {
         );
     }
 
+    /// An overlap flag's point against the same point without it: the
+    /// same bytes and the same communication, less of it waited for.
+    fn overlap_hides(off: &Prediction, on: &Prediction, what: &str) {
+        assert_eq!(off.peak_bytes, on.peak_bytes, "{what}");
+        assert!(
+            on.comm_s < off.comm_s,
+            "{what}: {} vs {}",
+            on.comm_s,
+            off.comm_s
+        );
+        assert!(on.step_s < off.step_s, "{what}");
+        let (all_off, all_on) = (off.comm_s + off.comm_hidden_s, on.comm_s + on.comm_hidden_s);
+        assert!(
+            (all_on - all_off).abs() <= 1e-9 * all_off,
+            "{what}: {all_on} vs {all_off}"
+        );
+    }
+
     /// Megatron's `--tp-comm-overlap` moves the sequence-parallel
     /// collectives' seconds from waited for to hidden, each at most by
     /// its GEMM's `(T-1)/T`, and changes no byte; without sequence
@@ -2588,20 +2606,7 @@ mod tests {
                 "{:?}",
                 invalid.verdict
             );
-            let (off, on) = (find(t, true, false), find(t, true, true));
-            assert_eq!(off.peak_bytes, on.peak_bytes);
-            assert!(
-                on.comm_s < off.comm_s,
-                "tp{t}: {} vs {}",
-                on.comm_s,
-                off.comm_s
-            );
-            assert!(on.step_s < off.step_s);
-            let (all_off, all_on) = (off.comm_s + off.comm_hidden_s, on.comm_s + on.comm_hidden_s);
-            assert!(
-                (all_on - all_off).abs() <= 1e-9 * all_off,
-                "{all_on} vs {all_off}"
-            );
+            overlap_hides(find(t, true, false), find(t, true, true), &format!("tp{t}"));
         }
         // The ring's split: what exceeds the GEMM's (T-1)/T stays exposed.
         assert_eq!(tp_overlap_exposed(1.0, 0.5, 2), 0.75);
@@ -2632,20 +2637,7 @@ mod tests {
             );
         }
         for s in [Sharding::Zero1, Sharding::Zero2] {
-            let (off, on) = (find(s, false), find(s, true));
-            assert_eq!(off.peak_bytes, on.peak_bytes);
-            assert!(
-                on.comm_s < off.comm_s,
-                "{s:?}: {} vs {}",
-                on.comm_s,
-                off.comm_s
-            );
-            assert!(on.step_s < off.step_s);
-            let (all_off, all_on) = (off.comm_s + off.comm_hidden_s, on.comm_s + on.comm_hidden_s);
-            assert!(
-                (all_on - all_off).abs() <= 1e-9 * all_off,
-                "{all_on} vs {all_off}"
-            );
+            overlap_hides(find(s, false), find(s, true), &format!("{s:?}"));
         }
         // Beside the first micro-batch's forward only (its pre-hooks wait
         // for each bucket), and never less than the longest gather.
