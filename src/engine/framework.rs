@@ -288,7 +288,7 @@ pub struct HfRules {
     /// `nll_loss_backward`'s and `_log_softmax_backward_data`'s outputs (V
     /// fp32 each), alive together at its start (a chunk's, chunked);
     /// compiled (`--compile-loss`), one fp32 per row (the gradient is
-    /// written into the saved logits, [`Step::compiled_loss`]).
+    /// written into the saved logits, `Step::compiled_loss`).
     pub loss_grads: Vec<(usize, DType)>,
     /// Gradients are created by the backward and freed by `zero_grad`
     /// (`set_to_none=True`, PyTorch's default since 2.0), instead of staying

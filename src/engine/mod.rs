@@ -2413,7 +2413,6 @@ fn norm_grads<'a, X>(
     }
 }
 
-/// Allocates a framework profile's saved tensors (`HfRules`) as activations.
 /// hf-eager's per-token tensors (`pick` of its rules) for `rows` tokens,
 /// saved as activations; nothing without hf-eager.
 fn alloc_per_token<B: Backend>(
@@ -2423,10 +2422,7 @@ fn alloc_per_token<B: Backend>(
     rows: usize,
 ) -> Result<Vec<T<B>>, OomError> {
     match hf {
-        Some(h) => {
-            let sizes: Vec<_> = pick(h).iter().map(|&(e, dt)| (e * rows, dt)).collect();
-            alloc_saved(dev, &sizes)
-        }
+        Some(h) => alloc_rows(dev, pick(h), rows, Category::Activations),
         None => Ok(Vec::new()),
     }
 }
