@@ -14,6 +14,8 @@ use serde::Deserialize;
 #[serde(deny_unknown_fields)]
 struct Table {
     tolerance: f64,
+    /// For the rows whose source gives the run's peak memory.
+    memory_tolerance: f64,
     rows: Vec<Row>,
 }
 
@@ -34,6 +36,22 @@ struct Row {
     lower_clock: Option<LowerClock>,
     #[serde(default)]
     not_held: Option<String>,
+    /// The run's peak memory per GPU, where the source gives it.
+    #[serde(default)]
+    memory: Option<Memory>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Memory {
+    gib: f64,
+    /// Which of PyTorch's counters the figure is: `max_reserved`
+    /// (`reserved_bytes.all.peak`) or `max_allocated`.
+    metric: String,
+    /// Where the source says which counter it logs.
+    source: String,
+    #[serde(default)]
+    not_held: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -51,6 +69,10 @@ struct Predicted {
     high: f64,
     /// The profile's bf16 TFLOPS, where a bound replaced it at `low`.
     profile_tflops: f64,
+    /// PyTorch's caching allocator as memfit models it (hf-eager on a
+    /// GPU): `max_memory_allocated` and `max_memory_reserved`, bytes.
+    allocated: Option<u64>,
+    reserved: Option<u64>,
 }
 
 impl Predicted {
@@ -70,7 +92,8 @@ fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/calibration")
 }
 
-/// Each row with memfit's tokens/s per GPU for its recipe.
+/// Each row with memfit's tokens/s per GPU for its recipe, and its
+/// caching allocator's peaks.
 fn predicted(table: &Table) -> Vec<Predicted> {
     table
         .rows
@@ -90,22 +113,24 @@ fn predicted(table: &Table) -> Vec<Predicted> {
                     p.total_bytes as f64 / (1u64 << 30) as f64
                 );
                 assert!(p.tokens_per_s > 0.0, "{}: {:?}", r.id, p.verdict);
-                p.tokens_per_s / p.point.gpus as f64
+                (p.tokens_per_s / p.point.gpus as f64, p.allocator)
             };
-            let at_profile =
+            let (at_profile, allocator) =
                 per_gpu(memfit::plan::plan_file(&path).unwrap_or_else(|e| panic!("{}: {e}", r.id)));
+            let mut p = Predicted {
+                low: at_profile,
+                high: at_profile,
+                profile_tflops: 0.0,
+                allocated: allocator.map(|a| a.max_memory_allocated),
+                reserved: allocator.map(|a| a.max_memory_reserved),
+            };
             let Some(lower) = &r.lower_clock else {
-                return Predicted {
-                    low: at_profile,
-                    high: at_profile,
-                    profile_tflops: 0.0,
-                };
+                return p;
             };
             assert!(!lower.source.is_empty(), "{}: the bound's source", r.id);
-            let mut profile_tflops = 0.0;
-            let at_bound = per_gpu(
+            let (at_bound, _) = per_gpu(
                 memfit::plan::plan_file_on(&path, |hw| {
-                    profile_tflops = hw.bf16_tflops;
+                    p.profile_tflops = hw.bf16_tflops;
                     *hw = hw.at_tensor_rate(lower.bf16_tflops)
                 })
                 .unwrap_or_else(|e| panic!("{}: {e}", r.id)),
@@ -115,13 +140,51 @@ fn predicted(table: &Table) -> Vec<Predicted> {
                 "{}: a lower clock plans slower",
                 r.id
             );
-            Predicted {
-                low: at_bound,
-                high: at_profile,
-                profile_tflops,
-            }
+            p.low = at_bound;
+            p
         })
         .collect()
+}
+
+/// memfit's figure for a row's published peak memory, GiB.
+fn memfit_memory(r: &Row, m: &Memory, p: Predicted) -> f64 {
+    let bytes = match m.metric.as_str() {
+        "max_reserved" => p.reserved,
+        "max_allocated" => p.allocated,
+        other => panic!(
+            "{}: `{other}` is no metric (max_reserved, max_allocated)",
+            r.id
+        ),
+    };
+    let bytes = bytes.unwrap_or_else(|| panic!("{}: no caching allocator in the plan", r.id));
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+/// The README's memory table: the rows whose source gives the peak.
+fn memory_markdown(table: &Table, predicted: &[Predicted]) -> String {
+    let mut out = String::from(
+        "| Published run | counter | published GiB | memfit GiB | error | held |\n\
+         |---|---|---:|---:|---:|---|\n",
+    );
+    for (r, &p) in table.rows.iter().zip(predicted) {
+        let Some(m) = &r.memory else { continue };
+        let ours = memfit_memory(r, m, p);
+        let held = match &m.not_held {
+            None => "yes".to_string(),
+            Some(why) => format!("no: {why}"),
+        };
+        out.push_str(&format!(
+            "| {} | {} ({}) | {:.1} | {:.2} | {:+.1}% | {} |\n",
+            r.setup,
+            m.metric,
+            m.source,
+            m.gib,
+            ours,
+            (ours / m.gib - 1.0) * 100.0,
+            held
+        ));
+    }
+    out
 }
 
 /// The README's table: one line a row.
@@ -196,7 +259,26 @@ fn the_readme_table_holds() {
             );
         }
     }
-    let want = markdown(&table, &predicted);
+    for (r, &p) in table.rows.iter().zip(&predicted) {
+        let Some(m) = r.memory.as_ref().filter(|m| m.not_held.is_none()) else {
+            continue;
+        };
+        let err = memfit_memory(r, m, p) / m.gib - 1.0;
+        assert!(
+            err.abs() <= table.memory_tolerance,
+            "{}: memfit's {} is {:+.2}% from the published {} GiB",
+            r.id,
+            m.metric,
+            err * 100.0,
+            m.gib
+        );
+    }
+    let want = format!(
+        "{}\nPeak memory per GPU, where the run's source gives it, against \
+         memfit's model of PyTorch's caching allocator for the same plan:\n\n{}",
+        markdown(&table, &predicted),
+        memory_markdown(&table, &predicted)
+    );
     let readme_path = Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md");
     let readme = std::fs::read_to_string(&readme_path).unwrap();
     let (Some(b), Some(e)) = (readme.find(BEGIN), readme.find(END)) else {
