@@ -15,7 +15,9 @@
 //! bytes at the memory efficiency below. Collectives are priced on the
 //! cluster's links (`comm::topology`); data-parallel ones cost only what the
 //! compute they run beside does not hide (`CommTime::exposed`), tensor-
-//! parallel ones and the optimizer's are waited for. The calibration table
+//! parallel ones are waited for (beyond their GEMMs, with Megatron's
+//! `--tp-comm-overlap`), and so are the optimizer's gathers of updated
+//! weights (beside the next forward, with `--overlap-param-gather`). The calibration table
 //! in the README (tests/it/calibration.rs) holds this against published runs.
 
 use std::collections::BTreeMap;
@@ -1136,6 +1138,11 @@ fn invalid_reason(r: &PlanRecipe, model: &ModelConfig, p: &Point) -> Option<Stri
     if p.tp_comm_overlap && !(p.tensor_parallel > 1 && p.sequence_parallel) {
         return Some(
             "tp_comm_overlap needs tensor_parallel above 1 with sequence_parallel (Megatron-LM's --tp-comm-overlap requires --sequence-parallel)".into(),
+        );
+    }
+    if p.overlap_param_gather && p.framework == Framework::HfEager {
+        return Some(
+            "overlap_param_gather is Megatron-LM's; hf-eager's zero1 and zero2 stand for DeepSpeed's, which waits for the gathers of updated weights".into(),
         );
     }
     if p.overlap_param_gather
@@ -2638,6 +2645,22 @@ mod tests {
         }
         for s in [Sharding::Zero1, Sharding::Zero2] {
             overlap_hides(find(s, false), find(s, true), &format!("{s:?}"));
+        }
+        // One data-parallel rank gathers nothing; hf-eager's zero1/2 are
+        // DeepSpeed's, which waits.
+        let yaml = "model: llama-tiny\nhardware: h100-sxm-80gb\nseq_len: 64\nglobal_batch: 8\ngrid:\n  framework: [memfit, hf-eager]\n  micro_batch: [1]\n  sharding: [zero1]\n  gpus: [2]\n  tensor_parallel: [1, 2]\n  overlap_param_gather: [true]\n";
+        let (r, model, hw) = recipe(yaml);
+        let small = crate::plan::plan(&r, &model, &hw);
+        for p in &small.points {
+            let q = &p.point;
+            let valid = q.framework == Framework::Memfit && q.tensor_parallel == 1;
+            assert_eq!(
+                !matches!(p.verdict, Verdict::Invalid { .. }),
+                valid,
+                "{}: {:?}",
+                q.label(),
+                p.verdict
+            );
         }
         // Beside the first micro-batch's forward only (its pre-hooks wait
         // for each bucket), and never less than the longest gather.

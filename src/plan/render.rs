@@ -203,16 +203,17 @@ fn columns(plan: &Plan, rows: &[usize]) -> Vec<Column> {
             Some(g) => g.to_string(),
         },
     );
-    col(
-        "sharding",
-        "shard",
-        true,
-        190,
-        &|p| match p.point.hpz_group {
+    col("sharding", "shard", true, 190, &|p| {
+        let s = match p.point.hpz_group {
             None => name(p.point.sharding),
             Some(g) => format!("{}+hpz{g}", name(p.point.sharding)),
-        },
-    );
+        };
+        // Megatron's --overlap-param-gather, as the tp column's "+ov".
+        match p.point.overlap_param_gather {
+            true => format!("{s}+pg"),
+            false => s,
+        }
+    });
     // A mixture of experts' capacity factor ("-": dropless), only where a
     // point sets one, so that dense plans read as before.
     if pts.iter().any(|p| !p.point.capacity_factor.is_dropless()) {

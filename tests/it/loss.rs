@@ -376,6 +376,25 @@ fn the_compiled_loss_holds_less_and_computes_the_same() {
         &["run", "--device", "meta", "--steps", "1", "--compile-loss"],
         "applies to --loss chunked only",
     );
+    // A final logit soft cap's tanh is not modelled compiled.
+    let gemma = refused(
+        &[
+            "run",
+            "--device",
+            "meta",
+            "--steps",
+            "1",
+            "--model",
+            "gemma-tiny",
+            "--framework",
+            "hf-eager",
+            "--loss",
+            "chunked",
+            "--compile-loss",
+        ],
+        "--compile-loss",
+    );
+    assert!(gemma.contains("soft cap"), "{gemma}");
     let dir = scratch("compile-loss");
     let recipe = dir.join("r.yaml");
     std::fs::write(

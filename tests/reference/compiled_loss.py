@@ -42,6 +42,13 @@ def loss_fn(weight):
     return compute_cross_entropy
 
 
+def ce_only(logits_chunk, target_chunk):
+    # CEWithChunkedOutputLoss.compute_cross_entropy (torchtune @ 30b8519,
+    # modules/loss/ce_chunked_output_loss.py), which training.compile_loss
+    # compiles alone there: the model made the chunk's logits in eager.
+    return F.cross_entropy(logits_chunk.float(), target_chunk, reduction="sum")
+
+
 def saved_per_row(fn, hidden, targets, weight):
     seen = {}
 
@@ -97,6 +104,26 @@ def main():
                 "backward_reuses_saved_logits": bool(re.search(r"= mm; del mm\s+# reuse", backward)),
             }
         )
+    # torchtune @ 30b8519's compiled loss: the upcast and cross-entropy
+    # alone, the logits chunk an input of the graph (bf16).
+    torch._dynamo.reset()
+    logits = torch.randn(ROWS, VOCAB, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (ROWS,))
+    compiled = torch.compile(ce_only)
+    _, codes = run_and_get_code(lambda: compiled(logits, targets).backward())
+    forward, backward = codes
+    cases.append(
+        {
+            "dtype": "bf16",
+            "mode": "compiled-ce-only",
+            "saved_per_row_bytes": saved_per_row(
+                torch.compile(ce_only), torch.randn(ROWS, VOCAB, dtype=torch.bfloat16, requires_grad=True), targets, torch.empty(0)
+            ),
+            "forward_buffers": buffers(forward),
+            "backward_buffers": buffers(backward),
+            "backward_reuses_saved_logits": bool(re.search(r"# reuse", backward)),
+        }
+    )
     out = {
         "source": "tests/reference/compiled_loss.py",
         "torch": torch.__version__,
