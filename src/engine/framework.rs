@@ -270,6 +270,10 @@ pub struct HfRules {
     pub block_casts: Option<std::ops::Range<usize>>,
     /// Saved by the final norm and the head until the head's backward.
     pub head_saved: Vec<(usize, DType)>,
+    /// Under torchtune's activation offloading, what its pack hook copies
+    /// to the host from the final norm beyond `head_saved`, which then goes
+    /// to the host too ([`Step::head_offloaded`]); empty otherwise.
+    pub head_offloaded: Vec<(usize, DType)>,
     /// Alive while the head's forward runs (a fused loss under autocast:
     /// the weight's cast).
     pub head_forward: Vec<(usize, DType)>,
@@ -348,6 +352,7 @@ impl HfRules {
             experts_saved,
             sliding_saved,
             head_saved: head,
+            head_offloaded: x.head_offloaded(),
             loss_saved: x.loss_saved(),
             logits: match (train.compile_loss, sixteen) {
                 (true, _) => Vec::new(),
@@ -1029,6 +1034,34 @@ impl<'a> Step<'a> {
     /// checks the saved tensors against memfit's).
     fn compiled_loss() -> Saved {
         vec![(1, DType::F32), (1, DType::F32)]
+    }
+
+    /// Under torchtune's activation offloading (`OffloadActivations`, whose
+    /// pack hook copies every tensor an op saves, once per op that saves
+    /// it), what transformers' final RMSNorm sends to the host beyond the
+    /// engine's two: its fp32 input (the 16-bit model's upcast), saved by
+    /// `pow` and again by the multiplication by `rsqrt`, and `rsqrt`, saved
+    /// by itself and by that multiplication. The engine's offloaded input
+    /// and `head_saved` (the normalised product, or in a 16-bit model the
+    /// fp32 upcast) stand for the rest: 12 bytes an element in fp32, 10 in
+    /// bf16, as tests/reference/offload_activations.py measures. GPT-2's
+    /// LayerNorm is one op that saves its input once; Liger's norm and
+    /// autocast are not modelled here.
+    fn head_offloaded(&self) -> Saved {
+        let Step {
+            train,
+            n,
+            c,
+            autocast,
+            gpt2,
+            liger,
+            ..
+        } = *self;
+        if !train.offload_activations || gpt2 || liger || autocast {
+            return Vec::new();
+        }
+        let f32 = DType::F32;
+        vec![(n * c, f32), (n, f32), (n, f32)]
     }
 
     /// What the final norm and the head save, and what is alive only

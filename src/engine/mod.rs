@@ -1775,6 +1775,10 @@ fn head_backward<B: Backend>(
     let nl = tp.as_ref().map_or(n, |tp| tp.rows(n));
     let dlnf = reduce(dev, tp, dlnf)?;
     let mut dres = dev.alloc(nl * c, dt, tmp)?;
+    // What the norm saved to the host comes back for its backward.
+    let extra = (extra.into_iter())
+        .map(|t| to_device(dev, t))
+        .collect::<Result<Vec<_>, _>>()?;
     let (dw, db) = norm_grads(g, scratch, idx.lnf_w, idx.lnf_b);
     dev.norm_backward(
         &mut dres,
@@ -2445,6 +2449,18 @@ fn alloc_saved<B: Backend>(
     saved: &[(usize, DType)],
 ) -> Result<Vec<T<B>>, OomError> {
     alloc_each(dev, saved, Category::Activations)
+}
+
+/// `t`, brought back from host memory as torchtune's unpack hook does: a
+/// new device copy, the host's dropped. A device tensor stays as it is.
+fn to_device<B: Backend>(dev: &mut Device<B>, t: T<B>) -> Result<T<B>, OomError> {
+    if !t.host {
+        return Ok(t);
+    }
+    let mut d = dev.alloc(t.len, t.dtype, t.category)?;
+    dev.copy_slice(&mut d, 0, &t, 0, t.len, false);
+    dev.free(t);
+    Ok(d)
 }
 
 /// A tensor of each `(elements per row, dtype)` of `list` for `rows` rows,

@@ -1018,6 +1018,18 @@ impl<'e, B: Backend> Pass<'e, B> {
         }
         self.charge_unfused(|h| h.unfused_head[0]);
         let head_extra = match self.hf {
+            // Offloaded: what the final norm saves goes to the host with
+            // its input (`Step::head_offloaded`).
+            Some(h) if !h.head_offloaded.is_empty() => {
+                let list: Vec<_> = (h.head_saved.iter().chain(&h.head_offloaded))
+                    .copied()
+                    .collect();
+                let mut saved = alloc_saved(self.dev, &list)?;
+                for t in saved.iter_mut() {
+                    self.move_input(t, true)?;
+                }
+                saved
+            }
             Some(h) => alloc_saved(self.dev, &h.head_saved)?,
             None => Vec::new(),
         };

@@ -152,13 +152,24 @@ CONFIGS = [
     # Shapes no hf_memory.py configuration uses.
     dict(name="gpt2-b2-t512-fp32-sdpa-ckpt-offload", model="gpt2", batch=2, seq_len=512, attention="sdpa"),
     dict(name="gpt2-b3-t256-fp32-eager-ckpt-offload", model="gpt2", batch=3, seq_len=256, attention="eager"),
+    # Llama's final RMSNorm is several ops, each saving what it needs.
+    dict(name="llama-1b-4l-b2-t192-fp32-sdpa-ckpt-offload", model="llama-1b-4l", batch=2, seq_len=192, attention="sdpa"),
+    dict(name="llama-1b-4l-b1-t320-bf16-model-sdpa-ckpt-offload", model="llama-1b-4l", batch=1, seq_len=320, attention="sdpa", dtype="bf16"),
 ]
 
 
 def run(c):
     torch.manual_seed(0)
     with FakeTensorMode(), torch.device("cpu"):
-        model, hf_fields = hm.build_model(c["model"], 0.0, c["attention"])
+        # torchtune's dtype bf16: the module itself in bf16, built under a
+        # bf16 default dtype (fake parameters cannot be swapped by `.to`).
+        previous = torch.get_default_dtype()
+        if c.get("dtype") == "bf16":
+            torch.set_default_dtype(torch.bfloat16)
+        try:
+            model, hf_fields = hm.build_model(c["model"], 0.0, c["attention"])
+        finally:
+            torch.set_default_dtype(previous)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, foreach=True, fused=False)
         vocab = hf_fields["vocab_size"]
@@ -200,7 +211,7 @@ def run(c):
             model_config={k: v for k, v in hf_fields.items() if k != "use_cache"},
             batch=c["batch"],
             seq_len=c["seq_len"],
-            precision="fp32",
+            precision="bf16-model" if c.get("dtype") == "bf16" else "fp32",
             dropout=0.0,
             attention=c["attention"],
             optimizer="adamw-foreach",
