@@ -58,17 +58,21 @@ fn rules(precision: Precision, vocab: usize, compile: bool) -> (HfRules, DType) 
     (HfRules::new(&model, &train, true), precision.dtype())
 }
 
+fn fixture() -> Fixture {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/reference/compiled_loss.json"
+    );
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
 fn bytes(list: &[(usize, DType)]) -> usize {
     list.iter().map(|&(n, dt)| n * dt.size()).sum()
 }
 
 #[test]
 fn the_compiled_loss_holds_what_torch_compiles_graph_holds() {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/reference/compiled_loss.json"
-    );
-    let f: Fixture = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let f = fixture();
     assert_eq!(
         f.cases.len(),
         5,
@@ -134,11 +138,7 @@ fn the_compiled_loss_holds_what_torch_compiles_graph_holds() {
 /// `LinearCrossEntropyLoss`) holds there; docs/finetuning.md says so.
 #[test]
 fn the_older_compiled_loss_holds_one_more_part_in_its_backward() {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/reference/compiled_loss.json"
-    );
-    let f: Fixture = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let f = fixture();
     let old = (f.cases.iter())
         .find(|c| c.mode == "compiled-ce-only")
         .expect("30b8519's case");
