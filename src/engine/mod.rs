@@ -1729,7 +1729,7 @@ fn head_backward<B: Backend>(
         lnf_rstd,
         loss,
         losses,
-        extra,
+        mut extra,
     } = h;
     dev.tracker.set_phase(Phase::BackwardHead);
     hook(dev, p, g, false)?;
@@ -1776,9 +1776,9 @@ fn head_backward<B: Backend>(
     let dlnf = reduce(dev, tp, dlnf)?;
     let mut dres = dev.alloc(nl * c, dt, tmp)?;
     // What the norm saved to the host comes back for its backward.
-    let extra = (extra.into_iter())
-        .map(|t| to_device(dev, t))
-        .collect::<Result<Vec<_>, _>>()?;
+    for t in extra.iter_mut() {
+        move_tensor(dev, t, false)?;
+    }
     let (dw, db) = norm_grads(g, scratch, idx.lnf_w, idx.lnf_b);
     dev.norm_backward(
         &mut dres,
@@ -2448,19 +2448,29 @@ fn alloc_saved<B: Backend>(
     dev: &mut Device<B>,
     saved: &[(usize, DType)],
 ) -> Result<Vec<T<B>>, OomError> {
-    alloc_each(dev, saved, Category::Activations)
+    alloc_rows(dev, saved, 1, Category::Activations)
 }
 
-/// `t`, brought back from host memory as torchtune's unpack hook does: a
-/// new device copy, the host's dropped. A device tensor stays as it is.
-fn to_device<B: Backend>(dev: &mut Device<B>, t: T<B>) -> Result<T<B>, OomError> {
-    if !t.host {
-        return Ok(t);
+/// Moves `x` to host memory (`to_host`) or back to the device, over the
+/// host link, as torchtune's pack and unpack hooks do: a new copy there,
+/// the old one freed. A tensor already where it goes stays.
+fn move_tensor<B: Backend>(
+    dev: &mut Device<B>,
+    x: &mut T<B>,
+    to_host: bool,
+) -> Result<(), OomError> {
+    if x.host == to_host {
+        return Ok(());
     }
-    let mut d = dev.alloc(t.len, t.dtype, t.category)?;
-    dev.copy_slice(&mut d, 0, &t, 0, t.len, false);
-    dev.free(t);
-    Ok(d)
+    let alloc = |d: &mut Device<B>| d.alloc(x.len, x.dtype, x.category);
+    let mut moved = match to_host {
+        true => dev.on_host(alloc)?,
+        false => alloc(dev)?,
+    };
+    dev.copy_slice(&mut moved, 0, x, 0, x.len, false);
+    let left = std::mem::replace(x, moved);
+    dev.free(left);
+    Ok(())
 }
 
 /// A tensor of each `(elements per row, dtype)` of `list` for `rows` rows,
@@ -2473,17 +2483,6 @@ fn alloc_rows<B: Backend>(
 ) -> Result<Vec<T<B>>, OomError> {
     list.iter()
         .map(|&(e, dt)| dev.alloc(e * rows, dt, category))
-        .collect()
-}
-
-/// A tensor of each `(elements, dtype)` of `list`, under `category`.
-fn alloc_each<B: Backend>(
-    dev: &mut Device<B>,
-    list: &[(usize, DType)],
-    category: Category,
-) -> Result<Vec<T<B>>, OomError> {
-    list.iter()
-        .map(|&(n, dt)| dev.alloc(n, dt, category))
         .collect()
 }
 

@@ -541,7 +541,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             blocks.push(saved);
             // The block's input is what its recomputation starts from.
             if self.train.offload_activations {
-                self.move_input(&mut resid[j], true)?;
+                move_tensor(self.dev, &mut resid[j], true)?;
             }
         }
         let head = match last {
@@ -972,21 +972,6 @@ impl<'e, B: Backend> Pass<'e, B> {
         }
     }
 
-    /// torchtune's activation offloading (`OffloadActivations`,
-    /// synchronous): `x` moves to host memory (`to_host`) after its block's
-    /// forward, and back before its backward, over the host link.
-    fn move_input(&mut self, x: &mut T<B>, to_host: bool) -> Result<(), OomError> {
-        let alloc = |d: &mut Device<B>| d.alloc(x.len, x.dtype, x.category);
-        let mut moved = match to_host {
-            true => self.dev.on_host(alloc)?,
-            false => alloc(self.dev)?,
-        };
-        self.dev.copy_slice(&mut moved, 0, x, 0, x.len, false);
-        let left = std::mem::replace(x, moved);
-        self.dev.free(left);
-        Ok(())
-    }
-
     /// A chunk before the model's last: its output goes to the next stage
     /// (round to the first from the last, with virtual stages), which
     /// keeps it; this stage needs it no more (Megatron-LM frees it too).
@@ -1014,7 +999,7 @@ impl<'e, B: Backend> Pass<'e, B> {
         // `NoOpManager`; torchtune 0.6.1: training/_activation_offloading.py,
         // `get_act_offloading_ctx_manager`), until the head's backward.
         if self.train.offload_activations {
-            self.move_input(x, true)?;
+            move_tensor(self.dev, x, true)?;
         }
         self.charge_unfused(|h| h.unfused_head[0]);
         let head_extra = match self.hf {
@@ -1026,7 +1011,7 @@ impl<'e, B: Backend> Pass<'e, B> {
                     .collect();
                 let mut saved = alloc_saved(self.dev, &list)?;
                 for t in saved.iter_mut() {
-                    self.move_input(t, true)?;
+                    move_tensor(self.dev, t, true)?;
                 }
                 saved
             }
@@ -1245,10 +1230,10 @@ impl<'e, B: Backend> Pass<'e, B> {
         let mut dres = match head {
             Some(h) => {
                 let targets = targets.expect("the last stage reads the targets");
+                // Offloaded, the final norm's input comes back for its
+                // backward.
                 let x = resid.last_mut().expect("embedding output");
-                if x.host {
-                    self.move_input(x, false)?;
-                }
+                move_tensor(self.dev, x, false)?;
                 let x = resid.last().expect("embedding output");
                 // A tied head writes the embedding's gradient first.
                 let head_unit = units.last().expect("a head unit");
@@ -1268,9 +1253,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             if self.lazy {
                 self.make_block_grads(l, &units[l + 1])?;
             }
-            if resid[j].host {
-                self.move_input(&mut resid[j], false)?;
-            }
+            move_tensor(self.dev, &mut resid[j], false)?;
             let a = match blocks.pop().expect("one entry per block") {
                 Saved::All(a) => a,
                 Saved::Input => self.recompute(l, &resid[j])?,
@@ -1593,7 +1576,7 @@ impl<'e, B: Backend> Pass<'e, B> {
                 let scratch = self
                     .hf
                     .map_or(&[][..], |h| &h.attention_backward_scratch[..]);
-                let bufs = alloc_each(self.dev, scratch, tmp)?;
+                let bufs = alloc_rows(self.dev, scratch, 1, tmp)?;
                 let (saved, ws) = ((&a.atty, &a.att, &a.qkv), &mut *self.workspace);
                 (self.dev).flash_attention_backward_with(&mut dqkv, &datty, saved, ws, s, o);
                 for b in bufs {

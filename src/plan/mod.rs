@@ -1879,7 +1879,7 @@ impl PointPlan<'_> {
         out.compute_s = s.all_s - out.offload_s;
         match (&self.topo, &s.calls) {
             (Some(t), Some(calls)) if !calls.is_empty() => {
-                let priced = price_collectives(t, calls, self.p.overlaps());
+                let priced = price_collectives(t, calls, self.p);
                 out.comm_s = priced.exposed(s.stage_s, self.tc.grad_accum);
                 out.comm_hidden_s = priced.total() - out.comm_s;
                 out.links = priced.links;
@@ -2040,7 +2040,7 @@ impl PointPlan<'_> {
                     );
                 }
                 if let Some(calls) = &st.calls {
-                    let priced = price_collectives(t, calls, self.p.overlaps());
+                    let priced = price_collectives(t, calls, self.p);
                     dp_s = priced.exposed(st.stage_s, self.tc.grad_accum);
                     hidden_s = hidden_s.max(priced.total() - dp_s);
                     crossed = union(crossed, priced.links);
@@ -2264,14 +2264,14 @@ impl CommTime {
 /// Prices one step's collectives, each as NCCL would run it over its
 /// group's placement in `topo` (its size, and how far apart its ranks
 /// are: consecutive, or a hybrid shard group apart), each as many times
-/// as it ran (`Call::times`). With `overlaps.tp`, a split projection's
-/// sequence-parallel collective runs beside its GEMM
-/// ([`tp_overlap_exposed`]); with `overlaps.param_gather`, the gathers of
-/// updated weights run beside the next step's first forward.
+/// as it ran (`Call::times`). With the point's `tp_comm_overlap`, a split
+/// projection's sequence-parallel collective runs beside its GEMM
+/// ([`tp_overlap_exposed`]); with its `overlap_param_gather`, the gathers
+/// of updated weights run beside the next step's first forward.
 fn price_collectives(
     topo: &crate::comm::topology::Topology,
     calls: &[crate::engine::device::Call],
-    overlaps: Overlaps,
+    p: &Point,
 ) -> CommTime {
     use crate::comm::topology::Links;
     let mut out = CommTime {
@@ -2303,7 +2303,7 @@ fn price_collectives(
         };
         out.links = union(out.links, Some(cost.links)).or(Some(Links::None));
         let secs = c.times as f64 * cost.seconds;
-        if let Some(gemm_s) = c.gemm_s.filter(|_| overlaps.tp) {
+        if let Some(gemm_s) = c.gemm_s.filter(|_| p.tp_comm_overlap) {
             let exposed = c.times as f64 * tp_overlap_exposed(cost.seconds, gemm_s, c.world);
             out.waited += exposed;
             out.beside_gemms += secs - exposed;
@@ -2313,7 +2313,7 @@ fn price_collectives(
             Beside::Forward => 0,
             Beside::Backward => 1,
             Beside::LastBackward => 2,
-            Beside::NextForward if overlaps.param_gather => 3,
+            Beside::NextForward if p.overlap_param_gather => 3,
             Beside::NextForward | Beside::Nothing => {
                 out.waited += secs;
                 continue;
@@ -2323,24 +2323,6 @@ fn price_collectives(
         out.longest[i] = out.longest[i].max(cost.seconds);
     }
     out
-}
-
-/// Which of Megatron-LM's communication overlaps a point prices.
-#[derive(Clone, Copy, Debug, Default)]
-struct Overlaps {
-    /// `--tp-comm-overlap`.
-    tp: bool,
-    /// `--overlap-param-gather`.
-    param_gather: bool,
-}
-
-impl Point {
-    fn overlaps(&self) -> Overlaps {
-        Overlaps {
-            tp: self.tp_comm_overlap,
-            param_gather: self.overlap_param_gather,
-        }
-    }
 }
 
 /// What a tensor-parallel collective of `comm` seconds still costs when
