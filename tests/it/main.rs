@@ -26,6 +26,7 @@ mod cuda_kernels;
 mod engine;
 mod expert_parallel;
 mod fuzz_parsers;
+mod gemm_shapes;
 mod gemma;
 mod gpu_calibration;
 mod gradcheck;
