@@ -248,6 +248,15 @@ pub fn is_autocast(train: &TrainConfig) -> bool {
         && train.finetune == crate::engine::Finetune::Full
 }
 
+/// Eager attention's mask: its elements and type, and whether torchtune's
+/// activation offloading copies it to the host once per checkpointed block.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EagerMask {
+    pub len: usize,
+    pub dtype: DType,
+    pub offloaded: bool,
+}
+
 /// What `hf-eager` holds beyond the engine's own tensors, for one model and
 /// one set of knobs. Sizes are elements with their dtype.
 #[derive(Clone, Debug, PartialEq)]
@@ -274,6 +283,9 @@ pub struct HfRules {
     /// to the host from the final norm beyond `head_saved`, which then goes
     /// to the host too ([`Step::head_offloaded`]); empty otherwise.
     pub head_offloaded: Vec<(usize, DType)>,
+    /// Eager attention's (B, 1, T, T) float mask, which transformers builds
+    /// once per forward and hands every block ([`Step::eager_mask`]).
+    pub eager_mask: Option<EagerMask>,
     /// Alive while the head's forward runs (a fused loss under autocast:
     /// the weight's cast).
     pub head_forward: Vec<(usize, DType)>,
@@ -353,6 +365,7 @@ impl HfRules {
             sliding_saved,
             head_saved: head,
             head_offloaded: x.head_offloaded(),
+            eager_mask: x.eager_mask(),
             loss_saved: x.loss_saved(),
             logits: match (train.compile_loss, sixteen) {
                 (true, _) => Vec::new(),
@@ -1062,6 +1075,52 @@ impl<'a> Step<'a> {
         }
         let f32 = DType::F32;
         vec![(n * c, f32), (n, f32), (n, f32)]
+    }
+
+    /// Eager attention's mask (masking_utils.py `create_causal_mask` with
+    /// the eager interface; a model with sliding and full layers makes one
+    /// of each): a dense (B, 1, T, T) tensor in the embeddings'
+    /// type (fp32 under autocast, whose embeddings are fp32), 0 where a key
+    /// is seen and the type's lowest value elsewhere, made as the blocks
+    /// start and dropped as the base model's forward returns, after the
+    /// final norm; `attn_weights + attention_mask` saves nothing. A
+    /// checkpointed block holds it until its backward: non-reentrant
+    /// checkpointing saves a block's positional tensor arguments
+    /// (`_NoopSaveInputs`) and keeps its keyword ones in the recomputation's
+    /// closure, so the mask lives until the lowest checkpointed block's
+    /// backward. Under torchtune's offloading, saved means packed: GPT-2
+    /// passes the mask positionally (`block(hidden_states,
+    /// past_key_values, causal_mask, ...)`), so each block's pack hook
+    /// copies it to the host, the checkpoints no longer hold the device's,
+    /// and each block's recomputation brings its copy back; Llama passes it
+    /// by keyword, which stays on the device as without offloading
+    /// (tests/reference/offload_activations.py measures both).
+    fn eager_mask(&self) -> Option<EagerMask> {
+        let Step {
+            train,
+            n,
+            t,
+            dt,
+            sixteen,
+            autocast,
+            gpt2,
+            ..
+        } = *self;
+        // With both kinds of layer (Gemma), one mask of each kind
+        // (`causal_mask_mapping`): both are made, whatever T.
+        let layers = 0..self.model.n_layer;
+        let sliding = layers
+            .clone()
+            .any(|l| self.model.sliding_window(l).is_some());
+        let full = layers
+            .clone()
+            .any(|l| self.model.sliding_window(l).is_none());
+        let masks = 1 + (sliding && full) as usize;
+        (train.attention == Attention::Eager).then(|| EagerMask {
+            len: n * t * masks,
+            dtype: if sixteen && !autocast { dt } else { DType::F32 },
+            offloaded: train.offload_activations && gpt2,
+        })
     }
 
     /// What the final norm and the head save, and what is alive only

@@ -422,8 +422,11 @@ struct BlockActs<X> {
 enum Saved<X> {
     /// Everything its backward reads (no checkpointing).
     All(BlockActs<X>),
-    /// Nothing more (full checkpointing): the backward recomputes the block.
-    Input,
+    /// Nothing more (full checkpointing): the backward recomputes the
+    /// block. What offloading copied to the host from the block's inputs
+    /// beyond the engine's (GPT-2's eager mask), brought back for the
+    /// recomputation.
+    Input(Vec<X>),
     /// Selective checkpointing: the outputs of the ops torchtitan's policy
     /// saves; the backward recomputes the rest (`step/sac.rs`).
     Ops(Kept<X>),
@@ -463,6 +466,9 @@ struct Acts<X> {
     head: Option<HeadActs<X>>,
     /// The framework profile's tensors saved with the embedding.
     extra: Vec<X>,
+    /// hf-eager, eager attention: the mask, while checkpointed blocks hold
+    /// it (`HfRules::eager_mask`).
+    mask: Option<X>,
     /// This stage's routed blocks' load-balancing losses (`None` on a
     /// backend without data).
     aux: Option<f64>,
@@ -2236,7 +2242,11 @@ fn attn_shape(model: &ModelConfig, train: &TrainConfig) -> AttnShape {
 fn free_saved<B: Backend>(dev: &mut Device<B>, s: Saved<T<B>>) {
     match s {
         Saved::All(a) => free_block(dev, a),
-        Saved::Input => {}
+        Saved::Input(host) => {
+            for x in host {
+                dev.free(x);
+            }
+        }
         Saved::Ops(k) => {
             dev.free(k.qkv);
             if let Some((atty, lse)) = k.attn {

@@ -522,13 +522,17 @@ impl<'e, B: Backend> Pass<'e, B> {
             (Some(h), true) => alloc_saved(self.dev, &h.embed_saved)?,
             _ => Vec::new(),
         };
+        let mut mask = match self.hf.and_then(|h| h.eager_mask) {
+            Some(m) => Some(self.dev.alloc(m.len, m.dtype, Category::Activations)?),
+            None => None,
+        };
         let mut resid = vec![input];
         let mut blocks = Vec::with_capacity(layers.len());
         // hf-eager, autocast: the checkpointed blocks' weight casts, held
         // by autocast's cache to the end of the forward.
         let mut cast_cache = Vec::new();
         let mut aux = self.dev.be.holds_data().then_some(0.0);
-        for (j, l) in layers.enumerate() {
+        for (j, l) in layers.clone().enumerate() {
             self.dev.tracker.set_phase(Phase::Forward(l));
             self.hook(Stage::Block(l), false, false)?;
             let (a, out) = self.block_forward(l, &resid[j], true)?;
@@ -537,16 +541,27 @@ impl<'e, B: Backend> Pass<'e, B> {
             }
             self.hook(Stage::Block(l), true, false)?;
             resid.push(out.expect("asked for the block output"));
-            let saved = self.checkpoint(l, a, &mut cast_cache)?;
+            let saved = self.checkpoint(l, a, &mut cast_cache, mask.as_ref())?;
             blocks.push(saved);
             // The block's input is what its recomputation starts from.
             if self.train.offload_activations {
                 move_tensor(self.dev, &mut resid[j], true)?;
             }
         }
+        // The mask stays while a checkpoint holds it; otherwise it goes
+        // with the base model's forward, after the final norm.
+        let held = self
+            .hf
+            .and_then(|h| h.eager_mask)
+            .is_some_and(|m| !m.offloaded)
+            && (layers.clone()).any(|l| self.checkpointed(l));
+        let kept = if held { mask.take() } else { None };
         let head = match last {
-            true => Some(self.head_forward(&mut resid, targets.as_ref(), host_targets, dloss)?),
+            true => {
+                Some(self.head_forward(&mut resid, targets.as_ref(), host_targets, dloss, mask)?)
+            }
             false => {
+                self.dev.free_opt(mask);
                 self.send_output(&mut resid);
                 None
             }
@@ -561,6 +576,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             blocks,
             head,
             extra,
+            mask: kept,
             aux,
         })
     }
@@ -947,17 +963,26 @@ impl<'e, B: Backend> Pass<'e, B> {
     /// the backward recomputes the rest), hf-eager's autocast weight casts
     /// moved to `cast_cache`; under selective checkpointing the outputs of
     /// the ops torchtitan's policy saves.
+    /// Whether block `l` is checkpointed. torchtitan's layer SAC counts the
+    /// blocks from 1 and checkpoints each whose count is a multiple of N
+    /// (parallelize_llama.py @ 9dec370, `_apply_ac_to_transformer_block`,
+    /// `use_layer_sac`).
+    fn checkpointed(&self, l: usize) -> bool {
+        self.train.checkpointing != Checkpointing::None
+            && (l + 1).is_multiple_of(self.train.checkpoint_every.max(1))
+    }
+
+    /// What block `l` leaves for its backward. `mask`: eager attention's,
+    /// which offloading copies to the host with a checkpointed GPT-2
+    /// block's inputs.
     fn checkpoint(
         &mut self,
         l: usize,
         mut a: BlockActs<T<B>>,
         cast_cache: &mut Vec<T<B>>,
+        mask: Option<&T<B>>,
     ) -> Result<Saved<T<B>>, OomError> {
-        // torchtitan's layer SAC counts the blocks from 1 and checkpoints
-        // each whose count is a multiple of N (parallelize_llama.py @
-        // 9dec370, `_apply_ac_to_transformer_block`, `use_layer_sac`).
-        let skipped = !(l + 1).is_multiple_of(self.train.checkpoint_every.max(1));
-        if self.train.checkpointing == Checkpointing::None || skipped {
+        if !self.checkpointed(l) {
             return Ok(Saved::All(a));
         }
         if let Some(r) = self.hf.and_then(|h| h.block_casts.clone()) {
@@ -967,7 +992,19 @@ impl<'e, B: Backend> Pass<'e, B> {
             Checkpointing::Selective => Ok(Saved::Ops(self.keep_ops(l, a)?)),
             _ => {
                 free_block(self.dev, a);
-                Ok(Saved::Input)
+                let mut host = Vec::new();
+                if let Some(m) = mask.filter(|_| {
+                    self.hf
+                        .and_then(|h| h.eager_mask)
+                        .is_some_and(|m| m.offloaded)
+                }) {
+                    let mut copy = self
+                        .dev
+                        .on_host(|dev| dev.alloc(m.len, m.dtype, m.category))?;
+                    self.dev.copy_slice(&mut copy, 0, m, 0, m.len, false);
+                    host.push(copy);
+                }
+                Ok(Saved::Input(host))
             }
         }
     }
@@ -989,11 +1026,15 @@ impl<'e, B: Backend> Pass<'e, B> {
         targets: Option<&T<B>>,
         host_targets: Option<Vec<u32>>,
         dloss: f32,
+        mask: Option<T<B>>,
     ) -> Result<HeadActs<T<B>>, OomError> {
         self.dev.tracker.set_phase(Phase::ForwardHead);
         self.hook(Stage::Head, false, false)?;
         let x = resid.last_mut().expect("embedding output");
         let (lnf, lnf_mean, lnf_rstd) = self.norm(x, (self.idx.lnf_w, self.idx.lnf_b))?;
+        // The base model's forward returns: eager attention's mask goes,
+        // unless a checkpoint holds it (then `mask` is `None` here).
+        self.dev.free_opt(mask);
         // The final norm saved its input, the last block's output: torchtune
         // offloads it too (only the output projection runs under its
         // `NoOpManager`; torchtune 0.6.1: training/_activation_offloading.py,
@@ -1220,8 +1261,11 @@ impl<'e, B: Backend> Pass<'e, B> {
             mut blocks,
             head,
             extra,
+            mut mask,
             aux: _,
         } = acts;
+        // The lowest checkpointed block's backward releases the mask.
+        let lowest = layers.clone().find(|&l| self.checkpointed(l));
         // hf-eager, tied head: the head's weight gradient, a temporary until
         // the embedding's backward adds its own (resident gradients only;
         // with set_to_none it is the gradient buffer itself).
@@ -1256,10 +1300,23 @@ impl<'e, B: Backend> Pass<'e, B> {
             move_tensor(self.dev, &mut resid[j], false)?;
             let a = match blocks.pop().expect("one entry per block") {
                 Saved::All(a) => a,
-                Saved::Input => self.recompute(l, &resid[j])?,
+                Saved::Input(mut host) => {
+                    for x in host.iter_mut() {
+                        move_tensor(self.dev, x, false)?;
+                    }
+                    let a = self.recompute(l, &resid[j])?;
+                    // The recomputation's inputs go as it returns.
+                    for x in host {
+                        self.dev.free(x);
+                    }
+                    a
+                }
                 Saved::Ops(kept) => self.recompute_ops(l, &resid[j], kept)?,
             };
             self.block_backward(l, a, &resid[j], &mut dres)?;
+            if Some(l) == lowest {
+                self.dev.free_opt(mask.take());
+            }
             // Block l's output: its consumers (block l+1 or the head) are
             // done. (A stage before the last sent its top block's output on.)
             if resid.len() > j + 1 {
@@ -1271,6 +1328,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             let ids: Vec<usize> = units[l + 1].iter().copied().chain(ads).collect();
             self.step_unit(ids)?;
         }
+        self.dev.free_opt(mask);
         // A first stage holding only the embedding sent its output on.
         let input = resid.pop();
         let first = tokens.is_some();

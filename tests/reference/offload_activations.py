@@ -155,6 +155,12 @@ CONFIGS = [
     # Llama's final RMSNorm is several ops, each saving what it needs.
     dict(name="llama-1b-4l-b2-t192-fp32-sdpa-ckpt-offload", model="llama-1b-4l", batch=2, seq_len=192, attention="sdpa"),
     dict(name="llama-1b-4l-b1-t320-bf16-model-sdpa-ckpt-offload", model="llama-1b-4l", batch=1, seq_len=320, attention="sdpa", dtype="bf16"),
+    # Eager attention's (B, 1, T, T) float mask: GPT-2 passes it to each
+    # checkpointed block positionally (saved, so offloaded once per block),
+    # Llama as a keyword (held by the checkpoint, not saved).
+    dict(name="gpt2-b2-t768-fp32-eager-ckpt-offload", model="gpt2", batch=2, seq_len=768, attention="eager"),
+    dict(name="gpt2-b1-t640-bf16-model-eager-ckpt-offload", model="gpt2", batch=1, seq_len=640, attention="eager", dtype="bf16"),
+    dict(name="llama-1b-4l-b2-t448-fp32-eager-ckpt-offload", model="llama-1b-4l", batch=2, seq_len=448, attention="eager"),
 ]
 
 
