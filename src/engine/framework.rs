@@ -274,14 +274,19 @@ pub struct HfRules {
     pub sliding_saved: Vec<(usize, DType)>,
     /// Autocast: where in `block_saved` the block's weight casts are. They
     /// live in autocast's cache until the forward leaves autocast, so a
-    /// checkpointed block, which saves nothing else, still holds them to
+    /// checkpointed block, which keeps only its input, still holds them to
     /// the end of the forward (and makes them again when recomputed).
     pub block_casts: Option<std::ops::Range<usize>>,
     /// Saved by the final norm and the head until the head's backward.
     pub head_saved: Vec<(usize, DType)>,
+    /// How many of `head_saved`, first, the final norm saves (offloading
+    /// sends them to the host); the rest the output projection saves
+    /// (which torchtune's `NoOpManager` keeps on the device).
+    pub head_norm_saved: usize,
     /// Under torchtune's activation offloading, what its pack hook copies
-    /// to the host from the final norm beyond `head_saved`, which then goes
-    /// to the host too ([`Step::head_offloaded`]); empty otherwise.
+    /// to the host from the final norm beyond `head_saved`, whose norm part
+    /// (`head_norm_saved`) then goes to the host too
+    /// ([`Step::head_offloaded`]); empty otherwise.
     pub head_offloaded: Vec<(usize, DType)>,
     /// Eager attention's (B, 1, T, T) float mask, which transformers builds
     /// once per forward and hands every block ([`Step::eager_mask`]).
@@ -344,7 +349,7 @@ impl HfRules {
         let mut embed = Vec::new();
         x.dropout(&mut block, &mut embed);
         x.rope(&mut embed);
-        let (head, head_forward) = x.head();
+        let (head, head_norm_saved, head_forward) = x.head();
         let (unfused_block, unfused_head) = x.unfused();
         let experts_saved = x.experts();
         let sliding_saved = x.sliding();
@@ -364,6 +369,7 @@ impl HfRules {
             experts_saved,
             sliding_saved,
             head_saved: head,
+            head_norm_saved,
             head_offloaded: x.head_offloaded(),
             eager_mask: x.eager_mask(),
             loss_saved: x.loss_saved(),
@@ -1057,20 +1063,22 @@ impl<'a> Step<'a> {
     /// by itself and by that multiplication. The engine's offloaded input
     /// and `head_saved` (the normalised product, or in a 16-bit model the
     /// fp32 upcast) stand for the rest: 12 bytes an element in fp32, 10 in
-    /// bf16, as tests/reference/offload_activations.py measures. GPT-2's
-    /// LayerNorm is one op that saves its input once; Liger's norm and
-    /// autocast are not modelled here.
+    /// bf16, as tests/reference/offload_activations.py measures. Under
+    /// autocast the input is the fp32 residual stream and the norm's ops
+    /// run in fp32, as in an fp32 model; `head_saved`'s norm part then also
+    /// holds the input's other half (its head part, the output projection's
+    /// weight cast, stays on the device). GPT-2's LayerNorm is one op that
+    /// saves its input once; Liger's norm is not modelled here.
     fn head_offloaded(&self) -> Saved {
         let Step {
             train,
             n,
             c,
-            autocast,
             gpt2,
             liger,
             ..
         } = *self;
-        if !train.offload_activations || gpt2 || liger || autocast {
+        if !train.offload_activations || gpt2 || liger {
             return Vec::new();
         }
         let f32 = DType::F32;
@@ -1125,7 +1133,7 @@ impl<'a> Step<'a> {
 
     /// What the final norm and the head save, and what is alive only
     /// while the head's forward runs.
-    fn head(&self) -> (Saved, Saved) {
+    fn head(&self) -> (Saved, usize, Saved) {
         let Step {
             train,
             n,
@@ -1151,8 +1159,12 @@ impl<'a> Step<'a> {
         let fused = train.loss == super::Loss::FusedLinear;
         let mut head_forward = Vec::new();
         if autocast {
-            // The last block's output is fp32; the head's weight cast.
+            // The last block's output is fp32, which the norm saves.
             head.push((n * c, dt));
+        }
+        let norm_saved = head.len();
+        if autocast {
+            // The head's weight cast.
             match fused {
                 // Liger's function saves only its gradients: the cast lives
                 // in autocast's cache until the forward leaves autocast.
@@ -1165,6 +1177,6 @@ impl<'a> Step<'a> {
                 head.push((n * c, dt));
             }
         }
-        (head, head_forward)
+        (head, norm_saved, head_forward)
     }
 }

@@ -423,13 +423,28 @@ enum Saved<X> {
     /// Everything its backward reads (no checkpointing).
     All(BlockActs<X>),
     /// Nothing more (full checkpointing): the backward recomputes the
-    /// block. What offloading copied to the host from the block's inputs
-    /// beyond the engine's (GPT-2's eager mask), brought back for the
-    /// recomputation.
-    Input(Vec<X>),
+    /// block from its input, and hf-eager's rest of it ([`Input`]).
+    Input(Input<X>),
     /// Selective checkpointing: the outputs of the ops torchtitan's policy
-    /// saves; the backward recomputes the rest (`step/sac.rs`).
-    Ops(Kept<X>),
+    /// saves; the backward recomputes the rest (`step/sac.rs`). With them,
+    /// under autocast, the fp32 input's other half (as `Input::half`).
+    Ops(Kept<X>, Option<X>),
+}
+
+/// What a fully checkpointed block keeps beyond the engine's input
+/// (`resid`), under hf-eager: both on the host when activations are
+/// offloaded, and back on the device for the block's backward.
+struct Input<X> {
+    /// Autocast: the input is PyTorch's fp32 residual stream, the engine's
+    /// in 16 bits; this is its other half, until the recomputation remakes
+    /// the block's saved tensors, among which hf-eager's own other half
+    /// (`HfRules::block_saved`) stands for it (PyTorch's recomputed norm
+    /// saves the same storage).
+    half: Option<X>,
+    /// GPT-2's eager mask, which the pack hook copied with the block's
+    /// positional inputs (`HfRules::eager_mask`); the recomputation drops
+    /// it as it returns.
+    mask: Option<X>,
 }
 
 /// The ops' outputs a block keeps under selective checkpointing.
@@ -1288,6 +1303,7 @@ impl<B: Backend> Engine<B> {
         for t in acts.extra {
             dev.free(t);
         }
+        dev.free_opt(acts.mask);
         if let Some(h) = acts.head {
             let loss: Vec<T<B>> = match h.loss {
                 LossActs::Logits { parts, lse } => parts
@@ -2242,12 +2258,12 @@ fn attn_shape(model: &ModelConfig, train: &TrainConfig) -> AttnShape {
 fn free_saved<B: Backend>(dev: &mut Device<B>, s: Saved<T<B>>) {
     match s {
         Saved::All(a) => free_block(dev, a),
-        Saved::Input(host) => {
-            for x in host {
-                dev.free(x);
-            }
+        Saved::Input(Input { half, mask }) => {
+            dev.free_opt(half);
+            dev.free_opt(mask);
         }
-        Saved::Ops(k) => {
+        Saved::Ops(k, half) => {
+            dev.free_opt(half);
             dev.free(k.qkv);
             if let Some((atty, lse)) = k.attn {
                 dev.free(atty);

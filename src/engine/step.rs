@@ -541,7 +541,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             }
             self.hook(Stage::Block(l), true, false)?;
             resid.push(out.expect("asked for the block output"));
-            let saved = self.checkpoint(l, a, &mut cast_cache, mask.as_ref())?;
+            let saved = self.checkpoint(l, a, &mut cast_cache, (&resid[j], mask.as_ref()))?;
             blocks.push(saved);
             // The block's input is what its recomputation starts from.
             if self.train.offload_activations {
@@ -958,11 +958,37 @@ impl<'e, B: Backend> Pass<'e, B> {
         Ok(a)
     }
 
-    /// What block `l` keeps for its backward: everything; under full
-    /// checkpointing nothing (its input is already in the residual list;
-    /// the backward recomputes the rest), hf-eager's autocast weight casts
-    /// moved to `cast_cache`; under selective checkpointing the outputs of
-    /// the ops torchtitan's policy saves.
+    /// Block `l`'s activations for its backward, from what its forward
+    /// kept: all of them, or made again from its input `x` (and what
+    /// offloading sent to the host with it, brought back first).
+    fn block_acts(
+        &mut self,
+        l: usize,
+        saved: Saved<T<B>>,
+        x: &T<B>,
+    ) -> Result<BlockActs<T<B>>, OomError> {
+        Ok(match saved {
+            Saved::All(a) => a,
+            Saved::Input(Input { mut half, mut mask }) => {
+                for t in half.iter_mut().chain(mask.as_mut()) {
+                    move_tensor(self.dev, t, false)?;
+                }
+                let a = self.recompute(l, x)?;
+                // The mask goes as the recomputation returns; the input's
+                // other half is the recomputed block's now
+                // (`HfRules::block_saved` has it).
+                self.dev.free_opt(mask);
+                self.dev.free_opt(half);
+                a
+            }
+            Saved::Ops(kept, half) => {
+                let a = self.recompute_ops(l, x, kept)?;
+                self.dev.free_opt(half);
+                a
+            }
+        })
+    }
+
     /// Whether block `l` is checkpointed. torchtitan's layer SAC counts the
     /// blocks from 1 and checkpoints each whose count is a multiple of N
     /// (parallelize_llama.py @ 9dec370, `_apply_ac_to_transformer_block`,
@@ -972,15 +998,19 @@ impl<'e, B: Backend> Pass<'e, B> {
             && (l + 1).is_multiple_of(self.train.checkpoint_every.max(1))
     }
 
-    /// What block `l` leaves for its backward. `mask`: eager attention's,
-    /// which offloading copies to the host with a checkpointed GPT-2
-    /// block's inputs.
+    /// What block `l` keeps for its backward: everything, unless it is
+    /// checkpointed. Under full checkpointing its input (already in the
+    /// residual list) and hf-eager's rest of it ([`Input`]; `mask`: eager
+    /// attention's, which offloading copies to the host with a GPT-2
+    /// block's inputs); under selective checkpointing the outputs of the
+    /// ops torchtitan's policy saves. The backward recomputes the rest.
+    /// hf-eager's autocast weight casts move to `cast_cache`.
     fn checkpoint(
         &mut self,
         l: usize,
         mut a: BlockActs<T<B>>,
         cast_cache: &mut Vec<T<B>>,
-        mask: Option<&T<B>>,
+        (input, mask): (&T<B>, Option<&T<B>>),
     ) -> Result<Saved<T<B>>, OomError> {
         if !self.checkpointed(l) {
             return Ok(Saved::All(a));
@@ -989,22 +1019,41 @@ impl<'e, B: Backend> Pass<'e, B> {
             cast_cache.extend(a.extra.drain(r));
         }
         match self.train.checkpointing {
-            Checkpointing::Selective => Ok(Saved::Ops(self.keep_ops(l, a)?)),
+            Checkpointing::Selective => {
+                let kept = self.keep_ops(l, a)?;
+                // Autocast: the fp32 input's other half, as below (no
+                // offloading: it wants full checkpointing).
+                let half = match self.hf.is_some_and(|h| h.autocast) {
+                    true => Some(self.dev.alloc(input.len, input.dtype, input.category)?),
+                    false => None,
+                };
+                Ok(Saved::Ops(kept, half))
+            }
             _ => {
                 free_block(self.dev, a);
-                let mut host = Vec::new();
-                if let Some(m) = mask.filter(|_| {
-                    self.hf
-                        .and_then(|h| h.eager_mask)
-                        .is_some_and(|m| m.offloaded)
-                }) {
-                    let mut copy = self
-                        .dev
-                        .on_host(|dev| dev.alloc(m.len, m.dtype, m.category))?;
-                    self.dev.copy_slice(&mut copy, 0, m, 0, m.len, false);
-                    host.push(copy);
-                }
-                Ok(Saved::Input(host))
+                let offload = self.train.offload_activations;
+                // Offloaded, each is a copy the pack hook makes on the host.
+                let mut keep = |x: &T<B>| -> Result<T<B>, OomError> {
+                    if !offload {
+                        return self.dev.alloc(x.len, x.dtype, x.category);
+                    }
+                    let mut copy = self.dev.on_host(|d| d.alloc(x.len, x.dtype, x.category))?;
+                    self.dev.copy_slice(&mut copy, 0, x, 0, x.len, false);
+                    Ok(copy)
+                };
+                let half = match self.hf.is_some_and(|h| h.autocast) {
+                    true => Some(keep(input)?),
+                    false => None,
+                };
+                let copied = self
+                    .hf
+                    .and_then(|h| h.eager_mask)
+                    .is_some_and(|m| m.offloaded);
+                let mask = match mask.filter(|_| copied) {
+                    Some(m) => Some(keep(m)?),
+                    None => None,
+                };
+                Ok(Saved::Input(Input { half, mask }))
             }
         }
     }
@@ -1046,13 +1095,16 @@ impl<'e, B: Backend> Pass<'e, B> {
         let head_extra = match self.hf {
             // Offloaded: what the final norm saves goes to the host with
             // its input (`Step::head_offloaded`).
-            Some(h) if !h.head_offloaded.is_empty() => {
+            Some(h) if self.train.offload_activations => {
                 let list: Vec<_> = (h.head_saved.iter().chain(&h.head_offloaded))
                     .copied()
                     .collect();
                 let mut saved = alloc_saved(self.dev, &list)?;
-                for t in saved.iter_mut() {
-                    move_tensor(self.dev, t, true)?;
+                let head = h.head_norm_saved..h.head_saved.len();
+                for (i, t) in saved.iter_mut().enumerate() {
+                    if !head.contains(&i) {
+                        move_tensor(self.dev, t, true)?;
+                    }
                 }
                 saved
             }
@@ -1298,21 +1350,8 @@ impl<'e, B: Backend> Pass<'e, B> {
                 self.make_block_grads(l, &units[l + 1])?;
             }
             move_tensor(self.dev, &mut resid[j], false)?;
-            let a = match blocks.pop().expect("one entry per block") {
-                Saved::All(a) => a,
-                Saved::Input(mut host) => {
-                    for x in host.iter_mut() {
-                        move_tensor(self.dev, x, false)?;
-                    }
-                    let a = self.recompute(l, &resid[j])?;
-                    // The recomputation's inputs go as it returns.
-                    for x in host {
-                        self.dev.free(x);
-                    }
-                    a
-                }
-                Saved::Ops(kept) => self.recompute_ops(l, &resid[j], kept)?,
-            };
+            let saved = blocks.pop().expect("one entry per block");
+            let a = self.block_acts(l, saved, &resid[j])?;
             self.block_backward(l, a, &resid[j], &mut dres)?;
             if Some(l) == lowest {
                 self.dev.free_opt(mask.take());

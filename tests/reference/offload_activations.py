@@ -161,6 +161,10 @@ CONFIGS = [
     dict(name="gpt2-b2-t768-fp32-eager-ckpt-offload", model="gpt2", batch=2, seq_len=768, attention="eager"),
     dict(name="gpt2-b1-t640-bf16-model-eager-ckpt-offload", model="gpt2", batch=1, seq_len=640, attention="eager", dtype="bf16"),
     dict(name="llama-1b-4l-b2-t448-fp32-eager-ckpt-offload", model="llama-1b-4l", batch=2, seq_len=448, attention="eager"),
+    # bf16 autocast over an fp32 model (a Trainer's `bf16=True`), forward
+    # and loss under autocast.
+    dict(name="gpt2-b2-t384-bf16-autocast-sdpa-ckpt-offload", model="gpt2", batch=2, seq_len=384, attention="sdpa", autocast=True),
+    dict(name="llama-1b-4l-b2-t224-bf16-autocast-sdpa-ckpt-offload", model="llama-1b-4l", batch=2, seq_len=224, attention="sdpa", autocast=True),
 ]
 
 
@@ -187,12 +191,15 @@ def run(c):
         model.lm_head.register_forward_hook(lambda *a: noop.__exit__(), always_call=True)
         copies = HostCopies()
 
+        amp = torch.autocast("cpu", dtype=torch.bfloat16) if c.get("autocast") else contextlib.nullcontext()
+
         def step(mt=None):
             ph = mt.set_phase if mt is not None else (lambda p: None)
             ph("forward")
-            with ctx:
-                logits = model(input_ids=x).logits
-            loss = model.loss_function(logits=logits, labels=x, vocab_size=vocab)
+            with amp:
+                with ctx:
+                    logits = model(input_ids=x).logits
+                loss = model.loss_function(logits=logits, labels=x, vocab_size=vocab)
             del logits
             ph("backward")
             loss.backward()
@@ -217,7 +224,7 @@ def run(c):
             model_config={k: v for k, v in hf_fields.items() if k != "use_cache"},
             batch=c["batch"],
             seq_len=c["seq_len"],
-            precision="bf16-model" if c.get("dtype") == "bf16" else "fp32",
+            precision="bf16-model" if c.get("dtype") == "bf16" else "bf16-autocast" if c.get("autocast") else "fp32",
             dropout=0.0,
             attention=c["attention"],
             optimizer="adamw-foreach",
