@@ -99,8 +99,8 @@ fn the_tile_model_follows_measured_h100_gemms_across_training_shapes() {
 /// the largest 80%, memfit's 70%.
 /// That is a choice, not an oversight: with the measured rates in its place,
 /// memfit's plans of every H100 run in the README's calibration table come
-/// out 8 to 12 points faster (docs/plan-sweep-check.md), so 70% stands for a GEMM
-/// inside a step, not alone.
+/// out 1 to 13 points faster (docs/plan-sweep-check.md), so 70% stands for
+/// a GEMM inside a step, not alone.
 #[test]
 fn memfit_prices_h100_gemms_below_their_isolated_rate() {
     assert_eq!(COMPUTE_EFFICIENCY, 0.7);
