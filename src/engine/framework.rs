@@ -1104,30 +1104,20 @@ impl<'a> Step<'a> {
     /// by keyword, which stays on the device as without offloading
     /// (tests/reference/offload_activations.py measures both).
     fn eager_mask(&self) -> Option<EagerMask> {
-        let Step {
-            train,
-            n,
-            t,
-            dt,
-            sixteen,
-            autocast,
-            gpt2,
-            ..
-        } = *self;
         // With both kinds of layer (Gemma), one mask of each kind
         // (`causal_mask_mapping`): both are made, whatever T.
-        let layers = 0..self.model.n_layer;
-        let sliding = layers
-            .clone()
-            .any(|l| self.model.sliding_window(l).is_some());
-        let full = layers
-            .clone()
-            .any(|l| self.model.sliding_window(l).is_none());
-        let masks = 1 + (sliding && full) as usize;
+        let windows: Vec<_> = (0..self.model.n_layer)
+            .map(|l| self.model.sliding_window(l).is_some())
+            .collect();
+        let masks = 1 + (windows.contains(&true) && windows.contains(&false)) as usize;
+        let train = self.train;
         (train.attention == Attention::Eager).then(|| EagerMask {
-            len: n * t * masks,
-            dtype: if sixteen && !autocast { dt } else { DType::F32 },
-            offloaded: train.offload_activations && gpt2,
+            len: self.n * self.t * masks,
+            dtype: match self.sixteen && !self.autocast {
+                true => self.dt,
+                false => DType::F32,
+            },
+            offloaded: train.offload_activations && self.gpt2,
         })
     }
 
