@@ -2488,15 +2488,22 @@ fn move_tensor<B: Backend>(
     if x.host == to_host {
         return Ok(());
     }
-    let alloc = |d: &mut Device<B>| d.alloc(x.len, x.dtype, x.category);
-    let mut moved = match to_host {
-        true => dev.on_host(alloc)?,
-        false => alloc(dev)?,
-    };
-    dev.copy_slice(&mut moved, 0, x, 0, x.len, false);
+    let moved = copy_tensor(dev, x, to_host)?;
     let left = std::mem::replace(x, moved);
     dev.free(left);
     Ok(())
+}
+
+/// A copy of `x` in host memory (`to_host`) or on the device, over the
+/// host link when it crosses it; `x` stays.
+fn copy_tensor<B: Backend>(dev: &mut Device<B>, x: &T<B>, to_host: bool) -> Result<T<B>, OomError> {
+    let alloc = |d: &mut Device<B>| d.alloc(x.len, x.dtype, x.category);
+    let mut copy = match to_host {
+        true => dev.on_host(alloc)?,
+        false => alloc(dev)?,
+    };
+    dev.copy_slice(&mut copy, 0, x, 0, x.len, false);
+    Ok(copy)
 }
 
 /// A tensor of each `(elements per row, dtype)` of `list` for `rows` rows,

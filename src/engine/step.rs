@@ -15,6 +15,7 @@
 mod sac;
 
 use super::device::Pair;
+use super::framework::EagerMask;
 use super::*;
 use crate::backend::AttnOpts;
 use crate::config::model::MoeIndex;
@@ -522,7 +523,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             (Some(h), true) => alloc_saved(self.dev, &h.embed_saved)?,
             _ => Vec::new(),
         };
-        let mut mask = match self.hf.and_then(|h| h.eager_mask) {
+        let mut mask = match self.eager_mask() {
             Some(m) => Some(self.dev.alloc(m.len, m.dtype, Category::Activations)?),
             None => None,
         };
@@ -550,10 +551,7 @@ impl<'e, B: Backend> Pass<'e, B> {
         }
         // The mask stays while a checkpoint holds it; otherwise it goes
         // with the base model's forward, after the final norm.
-        let held = self
-            .hf
-            .and_then(|h| h.eager_mask)
-            .is_some_and(|m| !m.offloaded)
+        let held = self.eager_mask().is_some_and(|m| !m.offloaded)
             && (layers.clone()).any(|l| self.checkpointed(l));
         let kept = if held { mask.take() } else { None };
         let head = match last {
@@ -1021,41 +1019,44 @@ impl<'e, B: Backend> Pass<'e, B> {
         match self.train.checkpointing {
             Checkpointing::Selective => {
                 let kept = self.keep_ops(l, a)?;
-                // Autocast: the fp32 input's other half, as below (no
-                // offloading: it wants full checkpointing).
-                let half = match self.hf.is_some_and(|h| h.autocast) {
-                    true => Some(self.dev.alloc(input.len, input.dtype, input.category)?),
-                    false => None,
-                };
+                let half = self.input_half(input)?;
                 Ok(Saved::Ops(kept, half))
             }
             _ => {
                 free_block(self.dev, a);
-                let offload = self.train.offload_activations;
-                // Offloaded, each is a copy the pack hook makes on the host.
-                let mut keep = |x: &T<B>| -> Result<T<B>, OomError> {
-                    if !offload {
-                        return self.dev.alloc(x.len, x.dtype, x.category);
-                    }
-                    let mut copy = self.dev.on_host(|d| d.alloc(x.len, x.dtype, x.category))?;
-                    self.dev.copy_slice(&mut copy, 0, x, 0, x.len, false);
-                    Ok(copy)
-                };
-                let half = match self.hf.is_some_and(|h| h.autocast) {
-                    true => Some(keep(input)?),
-                    false => None,
-                };
-                let copied = self
-                    .hf
-                    .and_then(|h| h.eager_mask)
-                    .is_some_and(|m| m.offloaded);
+                let half = self.input_half(input)?;
+                let copied = self.eager_mask().is_some_and(|m| m.offloaded);
                 let mask = match mask.filter(|_| copied) {
-                    Some(m) => Some(keep(m)?),
+                    Some(m) => Some(self.keep_beside(m)?),
                     None => None,
                 };
                 Ok(Saved::Input(Input { half, mask }))
             }
         }
+    }
+
+    /// hf-eager, autocast: the other half of a checkpointed block's fp32
+    /// `input` ([`Input::half`]).
+    fn input_half(&mut self, input: &T<B>) -> Result<Option<T<B>>, OomError> {
+        match self.hf.is_some_and(|h| h.autocast) {
+            true => self.keep_beside(input).map(Some),
+            false => Ok(None),
+        }
+    }
+
+    /// A tensor a checkpoint keeps the size of `x`: on the device, or,
+    /// with activations offloaded, the copy the pack hook makes on the
+    /// host (offloading wants full checkpointing).
+    fn keep_beside(&mut self, x: &T<B>) -> Result<T<B>, OomError> {
+        match self.train.offload_activations {
+            true => copy_tensor(self.dev, x, true),
+            false => self.dev.alloc(x.len, x.dtype, x.category),
+        }
+    }
+
+    /// hf-eager, eager attention: the mask's rule.
+    fn eager_mask(&self) -> Option<EagerMask> {
+        self.hf.and_then(|h| h.eager_mask)
     }
 
     /// A chunk before the model's last: its output goes to the next stage

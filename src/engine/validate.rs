@@ -333,7 +333,6 @@ fn loss(t: &TrainConfig) -> Result<()> {
         Loss::Chunked if t.loss_chunks == 0 => {
             Err(Error::invalid_arg("--loss-chunks", "must be at least 1"))
         }
-
         _ if t.tensor_parallel > 1 => Err(Error::invalid_arg(
             "--loss",
             format!(
