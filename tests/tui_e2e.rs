@@ -36,24 +36,40 @@ fn wait_for(session: &str, what: &[&str], secs: u64) -> String {
     }
 }
 
-/// The pane and the rows of panel `title` once a capture shows its whole
-/// top border:
-/// a capture taken while the terminal redraws after a resize can hold the
-/// title before the border's right corner.
+/// The pane and the rows of panel `title` once the panel is whole and
+/// still: a capture taken while the terminal redraws after a resize can
+/// hold the title before the border's right corner, or the top rows of a
+/// panel whose lower rows are not drawn yet. Whole means both top corners
+/// and a bottom-left corner under the top-left one; still means two
+/// captures 200 ms apart are the same.
 fn settled_panel(session: &str, title: &str, secs: u64) -> (String, Vec<String>) {
     let start = Instant::now();
     let head = format!("┌{title}");
+    let mut last = String::new();
     loop {
         let pane = wait_for(session, &[&head], secs);
-        let whole = (pane.lines())
-            .find(|l| l.contains(&head))
-            .is_some_and(|l| l.split_once(&head).is_some_and(|(_, r)| r.contains('┐')));
-        if whole || start.elapsed() >= Duration::from_secs(secs) {
+        let closed = panel_closed(&pane, &head);
+        if (closed && pane == last) || start.elapsed() >= Duration::from_secs(secs) {
             let rows = panel_rows(&pane, title);
             return (pane, rows);
         }
+        last = pane;
         std::thread::sleep(Duration::from_millis(200));
     }
+}
+
+/// Whether the panel whose top border starts with `head` has its top-right
+/// corner and, below its rows, a bottom-left corner.
+fn panel_closed(pane: &str, head: &str) -> bool {
+    let lines: Vec<Vec<char>> = pane.lines().map(|l| l.chars().collect()).collect();
+    let Some((y, x)) = find_head(&lines, head) else {
+        return false;
+    };
+    if !lines[y][x + head.chars().count()..].contains(&'┐') {
+        return false;
+    }
+    let below = lines[y + 1..].iter().find(|l| l.get(x) != Some(&'│'));
+    below.is_some_and(|l| l.get(x) == Some(&'└'))
 }
 
 fn keys(session: &str, k: &str) {
@@ -73,16 +89,7 @@ fn words(rows: &[String]) -> String {
 /// The inside of the panel whose top border starts with `title`.
 fn panel_rows(pane: &str, title: &str) -> Vec<String> {
     let lines: Vec<Vec<char>> = pane.lines().map(|l| l.chars().collect()).collect();
-    let needle: Vec<char> = format!("┌{title}").chars().collect();
-    let (y, x) = lines
-        .iter()
-        .enumerate()
-        .find_map(|(y, l)| {
-            let x = l
-                .windows(needle.len())
-                .position(|w| w == needle.as_slice())?;
-            Some((y, x))
-        })
+    let (y, x) = find_head(&lines, &format!("┌{title}"))
         .unwrap_or_else(|| panic!("no panel {title:?} in\n{pane}"));
     let right = (x + 1..lines[y].len())
         .find(|&i| lines[y][i] == '┐')
@@ -92,6 +99,17 @@ fn panel_rows(pane: &str, title: &str) -> Vec<String> {
         .take_while(|l| l.get(x) == Some(&'│'))
         .map(|l| l[x + 1..right.min(l.len())].iter().collect())
         .collect()
+}
+
+/// The row and column where `head` starts on screen.
+fn find_head(lines: &[Vec<char>], head: &str) -> Option<(usize, usize)> {
+    let needle: Vec<char> = head.chars().collect();
+    lines.iter().enumerate().find_map(|(y, l)| {
+        let x = l
+            .windows(needle.len())
+            .position(|w| w == needle.as_slice())?;
+        Some((y, x))
+    })
 }
 
 /// A full-screen page read to its end: PageDown until the border says
@@ -238,7 +256,8 @@ fn tui_runs_a_sweep_in_tmux_and_quits_cleanly() {
 
         // 80x24: everything still reads; the footer keeps `? help`.
         tmux(&["resize-window", "-t", &session, "-x", "80", "-y", "24"]);
-        let p = wait_for(&session, &["(emulated)", "┌recommendation ★ #"], 10);
+        wait_for(&session, &["(emulated)"], 10);
+        let (p, _) = settled_panel(&session, "recommendation ★ #", 10);
         assert!(p.contains("│★ #"), "{p}");
         assert!(p.contains("w: why"), "{p}");
         let foot = p.lines().last().unwrap_or_default();
