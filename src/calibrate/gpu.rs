@@ -469,6 +469,7 @@ mod tests {
             flops_per_s: 1e15,
             kernel_flops_per_s: 1e14,
             bytes_per_s: 1e12,
+            norm_share: 1.0,
             op_overhead_s: 0.0,
             tiles: Some(Tiles {
                 sms: 132,

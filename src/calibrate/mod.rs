@@ -95,6 +95,9 @@ impl Calibration {
                 }
             },
             bytes_per_s: self.bytes_per_s,
+            // The host's norms are the engine's own kernels, which its
+            // calibration times.
+            norm_share: 1.0,
             op_overhead_s: self.op_overhead_s,
             // Measured on this host's GEMM kernel: no GPU tiles, and the
             // fused attention kernel is one of the kernels measured.

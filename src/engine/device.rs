@@ -85,6 +85,11 @@ pub struct Roofline {
     pub flops_per_s: f64,
     pub kernel_flops_per_s: f64,
     pub bytes_per_s: f64,
+    /// The share of `bytes_per_s` a normalization kernel (`Kind::Norm`)
+    /// reaches: 1 on a CPU host (its calibration times the engine's own
+    /// kernels); on a GPU, PyTorch's LayerNorm's measured share
+    /// (`plan::NORM_EFFICIENCY` over `plan::MEMORY_EFFICIENCY`).
+    pub norm_share: f64,
     pub op_overhead_s: f64,
     /// A GPU's GEMMs by their shape: `flops_per_s` is then the rate of a
     /// large GEMM that fills every SM, and a GEMM whose M×N does not fill
@@ -271,9 +276,13 @@ impl Roofline {
                 };
                 work.flops as f64 / rate
             }
-            Kind::Stream => work.flops as f64 / self.kernel_flops_per_s,
+            Kind::Norm | Kind::Stream => work.flops as f64 / self.kernel_flops_per_s,
         };
-        compute.max(work.bytes as f64 / self.bytes_per_s) + calls as f64 * self.op_overhead_s
+        let bytes_per_s = match work.kind {
+            Kind::Norm => self.bytes_per_s * self.norm_share,
+            _ => self.bytes_per_s,
+        };
+        compute.max(work.bytes as f64 / bytes_per_s) + calls as f64 * self.op_overhead_s
     }
 
     /// Seconds one GEMM's arithmetic takes at its tiles' and waves' share
@@ -1100,7 +1109,7 @@ impl<B: Backend> Device<B> {
         let bytes = b(out) + b(rstd) + ob(mean.as_deref()) + b(inp) + b(w) + ob(bias);
         match mean {
             Some(mean) => {
-                self.timed(Work::stream("layernorm", (8 * n * c) as u64, bytes), |be| {
+                self.timed(Work::norm("layernorm", (8 * n * c) as u64, bytes), |be| {
                     be.layernorm_forward(
                         &mut out.buf,
                         &mut mean.buf,
@@ -1115,7 +1124,7 @@ impl<B: Backend> Device<B> {
                 });
             }
             None if offset => {
-                let work = Work::stream("gemma_rmsnorm", (5 * n * c) as u64, bytes);
+                let work = Work::norm("gemma_rmsnorm", (5 * n * c) as u64, bytes);
                 self.timed(work, |be| {
                     be.gemma_rmsnorm_forward(
                         &mut out.buf,
@@ -1129,7 +1138,7 @@ impl<B: Backend> Device<B> {
                 });
             }
             None => {
-                self.timed(Work::stream("rmsnorm", (4 * n * c) as u64, bytes), |be| {
+                self.timed(Work::norm("rmsnorm", (4 * n * c) as u64, bytes), |be| {
                     be.rmsnorm_forward(&mut out.buf, &mut rstd.buf, &inp.buf, &w.buf, n, c, eps)
                 });
             }
@@ -1162,7 +1171,7 @@ impl<B: Backend> Device<B> {
         match mean {
             Some(mean) => {
                 self.timed(
-                    Work::stream("layernorm_backward", (16 * n * c) as u64, bytes),
+                    Work::norm("layernorm_backward", (16 * n * c) as u64, bytes),
                     |be| {
                         be.layernorm_backward(
                             &mut dinp.buf,
@@ -1181,7 +1190,7 @@ impl<B: Backend> Device<B> {
             }
             None if offset => {
                 self.timed(
-                    Work::stream("gemma_rmsnorm_backward", (11 * n * c) as u64, bytes),
+                    Work::norm("gemma_rmsnorm_backward", (11 * n * c) as u64, bytes),
                     |be| {
                         be.gemma_rmsnorm_backward(
                             &mut dinp.buf,
@@ -1198,7 +1207,7 @@ impl<B: Backend> Device<B> {
             }
             None => {
                 self.timed(
-                    Work::stream("rmsnorm_backward", (10 * n * c) as u64, bytes),
+                    Work::norm("rmsnorm_backward", (10 * n * c) as u64, bytes),
                     |be| {
                         be.rmsnorm_backward(
                             &mut dinp.buf,

@@ -40,8 +40,12 @@ pub enum Kind {
     /// heads of `head_dim`: its own rate, which published rates read by
     /// both and a measured curve by `t`.
     FusedAttention { t: usize, head_dim: usize },
-    /// Everything else: norms, activations, eager attention's pieces,
-    /// the loss, copies, the optimizer update, collectives' local work.
+    /// A normalization kernel (LayerNorm, RMSNorm, forward or backward):
+    /// each row reduced, then written. Priced at the roofline's norm
+    /// bandwidth, below a streaming kernel's (`Roofline::norm_share`).
+    Norm,
+    /// Everything else: activations, eager attention's pieces, the loss,
+    /// copies, the optimizer update, collectives' local work.
     Stream,
 }
 
@@ -62,6 +66,14 @@ impl Work {
             flops: flops.try_into().unwrap_or(u64::MAX),
             bytes,
             kind: Kind::Stream,
+        }
+    }
+
+    /// A normalization kernel (`Kind::Norm`): `flops` over `bytes`.
+    pub fn norm(name: &'static str, flops: impl TryInto<u64>, bytes: u64) -> Work {
+        Work {
+            kind: Kind::Norm,
+            ..Work::stream(name, flops, bytes)
         }
     }
 

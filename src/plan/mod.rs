@@ -51,8 +51,18 @@ use crate::memory::{Category, PeakBytes};
 /// (tests/it/gemm_shapes.rs, docs/plan-sweep-check.md).
 pub const COMPUTE_EFFICIENCY: f64 = 0.7;
 /// Fraction of the memory bandwidth that streaming kernels reach (STREAM-like
-/// copies reach 80-90% of HBM peak).
+/// copies reach 80-90% of HBM peak; PyTorch's own elementwise kernels,
+/// `relu` then `square` over 4,096 x 8,192 to 16,384 bf16, 82-86% of an
+/// H100 SXM's: Liger-Kernel's benchmark data, tests/reference/memory_bound).
 pub const MEMORY_EFFICIENCY: f64 = 0.8;
+/// Fraction of the memory bandwidth that normalization kernels reach
+/// (`Kind::Norm`): PyTorch's `torch.nn.LayerNorm` over 4,096 rows of 4,096
+/// to 16,384 fp32 runs its forward at 52-61% and its backward at 45-50% of
+/// an H100 SXM's bandwidth, and its forward at 51-54% of an A100 SXM4
+/// 80GB's, by the bytes memfit counts for them (Liger-Kernel's benchmark
+/// data, tests/reference/memory_bound/liger-h100-a100.yaml, which
+/// tests/it/memory_bound.rs holds memfit's prices to).
+pub const NORM_EFFICIENCY: f64 = 0.5;
 /// The output tile of one thread block of a 16-bit GEMM, square: CUTLASS's
 /// default threadblock shape for tensor-core GEMMs on Ampere and Hopper
 /// is 128x128 (cuBLAS picks among 64 to 256 per side by shape).
@@ -1471,6 +1481,7 @@ pub fn plan_with(
         efficiency: BTreeMap::from([
             ("compute", COMPUTE_EFFICIENCY),
             ("memory", MEMORY_EFFICIENCY),
+            ("norm", NORM_EFFICIENCY),
             ("communication", COMM_EFFICIENCY),
             ("op_overhead_s", OP_OVERHEAD_S),
         ]),
@@ -1514,6 +1525,7 @@ fn profile_roofline(hw: &HardwareProfile, precision: Precision) -> Roofline {
         flops_per_s: hw.peak_flops(precision) * COMPUTE_EFFICIENCY,
         kernel_flops_per_s: hw.peak_flops(precision) * COMPUTE_EFFICIENCY,
         bytes_per_s: hw.memory_bandwidth_gbps * 1e9 * MEMORY_EFFICIENCY,
+        norm_share: NORM_EFFICIENCY / MEMORY_EFFICIENCY,
         op_overhead_s: OP_OVERHEAD_S,
         tiles: hw.sm_count.map(|sms| Tiles {
             sms: sms as usize,
@@ -1572,6 +1584,7 @@ impl Rates {
                     kernel_flops_per_s: f64::INFINITY,
                     bytes_per_s: hw.host_memory_bandwidth_gbps * 1e9 * MEMORY_EFFICIENCY
                         / hw.gpus_per_node.max(1) as f64,
+                    norm_share: 1.0,
                     op_overhead_s: OP_OVERHEAD_S,
                     tiles: None,
                     attention_flops_per_s: None,

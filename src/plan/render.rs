@@ -866,9 +866,10 @@ fn step_line(plan: &Plan, p: &Prediction, bullet: &str) -> String {
             crate::calibrate::gpu::describe(m, p.point.precision, plan.efficiency["compute"])
         }
         None => format!(
-            "roofline at {:.0}% of peak FLOP/s for large GEMMs, less for shapes that leave SMs idle, {:.0}% of memory bandwidth{}",
+            "roofline at {:.0}% of peak FLOP/s for large GEMMs, less for shapes that leave SMs idle, {:.0}% of memory bandwidth ({:.0}% for norms){}",
             plan.efficiency["compute"] * 100.0,
             plan.efficiency["memory"] * 100.0,
+            plan.efficiency["norm"] * 100.0,
             attention_rate(hw, p),
         ),
     };

@@ -40,6 +40,7 @@ mod liger;
 mod lora;
 mod lora_experts;
 mod loss;
+mod memory_bound;
 mod moe;
 mod multinode;
 mod multiprocess;
