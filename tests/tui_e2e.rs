@@ -36,6 +36,22 @@ fn wait_for(session: &str, what: &[&str], secs: u64) -> String {
     }
 }
 
+/// What the pane shows once `what` is all there and the screen is still:
+/// two captures 200 ms apart the same (a capture taken while the terminal
+/// redraws can hold part of a screen).
+fn wait_still(session: &str, what: &[&str], secs: u64) -> String {
+    let start = Instant::now();
+    let mut last = wait_for(session, what, secs);
+    loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let now = wait_for(session, what, secs);
+        if now == last || start.elapsed() >= Duration::from_secs(secs) {
+            return now;
+        }
+        last = now;
+    }
+}
+
 /// The pane and the rows of panel `title` once the panel is whole and
 /// still: a capture taken while the terminal redraws after a resize can
 /// hold the title before the border's right corner, or the top rows of a
@@ -45,15 +61,12 @@ fn wait_for(session: &str, what: &[&str], secs: u64) -> String {
 fn settled_panel(session: &str, title: &str, secs: u64) -> (String, Vec<String>) {
     let start = Instant::now();
     let head = format!("┌{title}");
-    let mut last = String::new();
     loop {
-        let pane = wait_for(session, &[&head], secs);
-        let closed = panel_closed(&pane, &head);
-        if (closed && pane == last) || start.elapsed() >= Duration::from_secs(secs) {
+        let pane = wait_still(session, &[&head], secs);
+        if panel_closed(&pane, &head) || start.elapsed() >= Duration::from_secs(secs) {
             let rows = panel_rows(&pane, title);
             return (pane, rows);
         }
-        last = pane;
         std::thread::sleep(Duration::from_millis(200));
     }
 }
@@ -118,7 +131,7 @@ fn read_page(session: &str, title: &str) -> (Vec<String>, String) {
     let mut seen: Vec<String> = Vec::new();
     let mut first_border = String::new();
     for _ in 0..40 {
-        let p = pane(session);
+        let p = wait_still(session, &[&format!("┌{title}")], 10);
         let rows = panel_rows(&p, title);
         let border = p
             .lines()
@@ -308,7 +321,7 @@ fn tui_runs_a_sweep_in_tmux_and_quits_cleanly() {
 
         // Again on the same output (the shell starts it at once): the
         // question reads whole at 80x24.
-        let p = wait_for(&session, &["Resume?"], 60);
+        let p = wait_still(&session, &["Resume?"], 60);
         let at = p.lines().position(|l| l.starts_with("Resume?")).unwrap();
         let question = words(&p.lines().skip(at).map(str::to_string).collect::<Vec<_>>());
         let journal = out.join("trials.jsonl");
