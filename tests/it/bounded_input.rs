@@ -2,9 +2,9 @@
 //! files that never end, huge grids, deep YAML, absurd model sizes, byte
 //! order marks, and run recipes whose errors must name the recipe.
 
-use crate::common::stderr;
+use crate::common::{scratch, scratch_file, stderr};
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -49,13 +49,6 @@ fn bad_input(o: &Output, want: &[&str]) -> String {
     err
 }
 
-fn temp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("memfit-bounded-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
 fn fixture(path: &str) -> String {
     format!("{}/tests/fixtures/{path}", env!("CARGO_MANIFEST_DIR"))
 }
@@ -68,7 +61,7 @@ const PLAN_HEAD: &str = "model: gpt2-tiny\nhardware: t4\nseq_len: 16\nglobal_bat
 
 #[test]
 fn model_dev_zero_is_refused_instead_of_read_forever() {
-    let dir = temp_dir("dev-zero");
+    let dir = scratch("dev-zero");
     let recipe = dir.join("plan.yaml");
     std::fs::write(&recipe, PLAN_HEAD.replace("gpt2-tiny", "/dev/zero")).unwrap();
     // The recipe's file and line, then what is wrong with the model file.
@@ -96,7 +89,7 @@ fn model_dev_zero_is_refused_instead_of_read_forever() {
 
 #[test]
 fn a_fifo_recipe_is_refused_instead_of_waiting_for_a_writer() {
-    let dir = temp_dir("fifo");
+    let dir = scratch("fifo");
     let fifo = dir.join("recipe.yaml");
     let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
     assert!(made.success());
@@ -109,7 +102,7 @@ fn a_fifo_recipe_is_refused_instead_of_waiting_for_a_writer() {
 
 #[test]
 fn files_over_four_mib_are_refused() {
-    let dir = temp_dir("big");
+    let dir = scratch("big");
     let recipe = dir.join("plan.yaml");
     let mut text = PLAN_HEAD.to_string();
     text.push_str(&"# padding\n".repeat(500_000));
@@ -129,7 +122,7 @@ fn files_over_four_mib_are_refused() {
 #[test]
 fn a_grid_of_millions_of_points_is_an_error_before_expansion() {
     // 2000 x 3 x 2 x 2 x 4 x 2 x 2 = 384,000 points; a 5M-point grid ran for minutes.
-    let dir = temp_dir("grid");
+    let dir = scratch("grid");
     let recipe = dir.join("plan.yaml");
     let mbs: Vec<String> = (1..=2000).map(|i| i.to_string()).collect();
     std::fs::write(
@@ -157,7 +150,7 @@ fn a_grid_of_millions_of_points_is_an_error_before_expansion() {
 #[test]
 fn deep_yaml_nesting_is_a_located_error_not_minutes_of_parsing() {
     // 200,000 levels took libyaml over a minute (its cost grows with the square).
-    let dir = temp_dir("deep");
+    let dir = scratch("deep");
     let recipe = dir.join("plan.yaml");
     let n = 200_000;
     std::fs::write(
@@ -197,7 +190,7 @@ fn a_million_layer_model_is_refused_naming_the_key_and_the_limit() {
         ],
     );
     // A Hugging Face config names its own key.
-    let dir = temp_dir("layers");
+    let dir = scratch("layers");
     let config = dir.join("config.json");
     std::fs::write(
         &config,
@@ -222,7 +215,7 @@ fn a_million_layer_model_is_refused_naming_the_key_and_the_limit() {
 
 #[test]
 fn a_byte_order_mark_is_accepted_and_lines_stay_right() {
-    let dir = temp_dir("bom");
+    let dir = scratch("bom");
     let bom = "\u{feff}";
     let recipe = dir.join("plan.yaml");
     std::fs::write(&recipe, format!("{bom}{PLAN_HEAD}")).unwrap();
@@ -322,9 +315,7 @@ fn a_huge_thread_count_is_refused_instead_of_starting_for_minutes() {
         &quick(&["run", "--threads", "100000", "--steps", "1"]),
         &["--threads", "at most 4096"],
     );
-    let dir = temp_dir("threads");
-    let recipe = dir.join("run.yaml");
-    std::fs::write(&recipe, "model: gpt2-tiny\nthreads: 100000\n").unwrap();
+    let recipe = scratch_file("threads", "run.yaml", "model: gpt2-tiny\nthreads: 100000\n");
     bad_input(
         &quick(&["run", "--recipe", s(&recipe)]),
         &["run.yaml:2:1: `threads`: must be at most 4096"],
@@ -339,13 +330,11 @@ fn a_huge_thread_count_is_refused_instead_of_starting_for_minutes() {
 /// million tokens, "beating the runner-up by NaN%".
 #[test]
 fn a_global_batch_past_run_bounds_is_refused_not_priced_at_infinity() {
-    let dir = temp_dir("huge-batch");
-    let recipe = dir.join("plan.yaml");
-    std::fs::write(
-        &recipe,
+    let recipe = scratch_file(
+        "huge-batch",
+        "plan.yaml",
         PLAN_HEAD.replace("global_batch: 8", "global_batch: 9223372036854775808"),
-    )
-    .unwrap();
+    );
     let err = bad_input(
         &quick(&["plan", s(&recipe)]),
         &["plan.yaml:4:1:", "`global_batch`", "2^50 tokens"],
@@ -411,7 +400,7 @@ fn a_step_past_two_to_the_64_bytes_is_refused_not_wrapped() {
 /// /dev/zero`) read until memory ran out: 2.1 GB in 4 s under a cap.
 #[test]
 fn data_and_reports_from_devices_are_refused_instead_of_read_forever() {
-    let dir = temp_dir("data-dev");
+    let dir = scratch("data-dev");
     let tiny = ["--model", "gpt2-tiny", "--seq-len", "16", "--steps", "1"];
     for dev in ["/dev/zero", "/dev/urandom"] {
         let mut args = vec!["run", "--data", dev];
@@ -436,7 +425,7 @@ fn data_and_reports_from_devices_are_refused_instead_of_read_forever() {
 /// forever, waiting for a writer (or a reader) that never came.
 #[test]
 fn fifos_are_refused_instead_of_waiting_forever() {
-    let dir = temp_dir("fifo-io");
+    let dir = scratch("fifo-io");
     let fifo = dir.join("pipe");
     assert!(
         Command::new("mkfifo")
@@ -533,7 +522,7 @@ fn small_hostile_values_are_refused_or_shown_plainly() {
     assert!(stderr(&o).contains("out of range"), "{}", stderr(&o));
 
     // `seq_len: !!str 64` was read as 64.
-    let dir = temp_dir("small-hostile");
+    let dir = scratch("small-hostile");
     let recipe = dir.join("plan.yaml");
     std::fs::write(
         &recipe,

@@ -5,11 +5,10 @@
 //! from `run_check`, which returns the code.
 
 use crate::common;
-use crate::common::memfit;
+use crate::common::{memfit, scratch};
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use memfit::check::{
     CheckOptions, CheckReport, CheckRequest, CheckVerdict, Metric, compare, gate, load_pair,
@@ -17,19 +16,6 @@ use memfit::check::{
 };
 use memfit::report::DocFormat;
 use memfit::report::sweep::{Outcome, SCHEMA_VERSION, SweepReport, TrialRecord};
-
-/// A fresh directory under the system temp dir.
-fn scratch(tag: &str) -> PathBuf {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "memfit-check-{}-{}-{tag}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 /// The baseline's report.json, swept once per test run.
 fn fixture() -> PathBuf {

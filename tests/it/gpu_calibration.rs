@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use crate::common::{json, stderr};
+use crate::common::{json, scratch, stderr};
 use serde_json::Value;
 
 /// memfit on the emulated GPU, with `cache` as its cache.
@@ -38,13 +38,6 @@ fn positive(v: &Value, key: &str) -> f64 {
     let x = v[key].as_f64().unwrap_or_else(|| panic!("{key} in {v}"));
     assert!(x.is_finite() && x > 0.0, "{key} = {x}");
     x
-}
-
-fn scratch(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("memfit-gcal-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 /// Measures, stores, and reuses: every figure positive, the GEMM ladder

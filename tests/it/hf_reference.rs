@@ -6,7 +6,7 @@ use crate::common;
 
 use std::path::Path;
 
-use crate::common::{json, memfit, refused, scratch, stderr};
+use crate::common::{json, memfit, refused, scratch, scratch_file, stderr};
 use memfit::backend::cpu::CpuBackend;
 use memfit::backend::meta::MetaBackend;
 use memfit::config::ModelConfig;
@@ -212,13 +212,11 @@ fn hf_eager_meta_equals_cpu_and_keeps_the_numerics() {
 /// a GPU; its peak less the hardware's runtime overhead is PyTorch's.
 #[test]
 fn plan_reproduces_the_issues_cuda_dropout_figure() {
-    let dir = scratch("hfref-plan");
-    let recipe = dir.join("gpt2.yaml");
-    std::fs::write(
-        &recipe,
+    let recipe = scratch_file(
+        "hfref-plan",
+        "gpt2.yaml",
         "model: gpt2\nhardware: h100-sxm-80gb\nseq_len: 1024\nglobal_batch: 4\ndropout: 0.1\nset_to_none: false\ngrid:\n  micro_batch: [4]\n  precision: [fp32]\n  attention: [eager]\n",
-    )
-    .unwrap();
+    );
     let out = memfit(&["plan", recipe.to_str().unwrap(), "--format", "json"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let plan = json(&out);

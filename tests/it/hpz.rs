@@ -4,7 +4,9 @@
 //! meta predicts every rank byte for byte, it costs exactly the secondary
 //! shards, and the planner prices the backward's gathers inside the node.
 
-use crate::common::{events, json, losses, memfit, ok_json, refused, scratch, stderr};
+use crate::common::{
+    events, json, losses, memfit, ok_json, refused, scratch, scratch_file, stderr,
+};
 
 use std::num::NonZeroUsize;
 
@@ -462,9 +464,7 @@ fn the_cli_runs_hpz_and_meta_predicts_it() {
         assert_eq!(c["sent_bytes_per_step"], m["sent_bytes_per_step"]);
     }
     // The recipe key is the flag's.
-    let dir = scratch("hpz-recipe");
-    let recipe = dir.join("r.yaml");
-    std::fs::write(&recipe, "hpz_group: 2\n").unwrap();
+    let recipe = scratch_file("hpz-recipe", "r.yaml", "hpz_group: 2\n");
     let from_recipe = run(&["--recipe", recipe.to_str().unwrap()]);
     assert_eq!(from_recipe["peak_bytes"], hpz["peak_bytes"]);
     std::fs::write(&recipe, "hpz_group: 3\n").unwrap();

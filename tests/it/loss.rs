@@ -6,7 +6,7 @@
 
 use crate::common;
 
-use crate::common::{json, memfit, refused, scratch, stderr};
+use crate::common::{json, memfit, refused, scratch_file, stderr};
 use memfit::backend::cpu::CpuBackend;
 use memfit::backend::meta::MetaBackend;
 use memfit::config::profile::load_model;
@@ -241,13 +241,11 @@ fn losses_that_would_do_nothing_are_refused() {
 /// reason.
 #[test]
 fn plans_take_the_loss_as_an_axis() {
-    let dir = scratch("loss-plan");
-    let recipe = dir.join("r.yaml");
-    std::fs::write(
-        &recipe,
+    let recipe = scratch_file(
+        "loss-plan",
+        "r.yaml",
         "model: llama-3.2-1b\nhardware: rtx-4090\nseq_len: 2048\nglobal_batch: 1\nloss_chunks: 4\ngrid:\n  micro_batch: [1]\n  precision: [bf16]\n  framework: [hf-eager, memfit]\n  finetune: [lora]\n  loss: [full, chunked, fused-linear]\n",
-    )
-    .unwrap();
+    );
     let out = memfit(&["plan", recipe.to_str().unwrap(), "--format", "json"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let plan = json(&out);
@@ -395,13 +393,11 @@ fn the_compiled_loss_holds_less_and_computes_the_same() {
         "--compile-loss",
     );
     assert!(gemma.contains("soft cap"), "{gemma}");
-    let dir = scratch("compile-loss");
-    let recipe = dir.join("r.yaml");
-    std::fs::write(
-        &recipe,
+    let recipe = scratch_file(
+        "compile-loss",
+        "r.yaml",
         "model: llama-tiny\nhardware: rtx-4090\nseq_len: 64\nglobal_batch: 4\ncompile_loss: true\ngrid:\n  micro_batch: [1]\n  framework: [hf-eager]\n",
-    )
-    .unwrap();
+    );
     let o = memfit(&["plan", recipe.to_str().unwrap()]);
     let e = stderr(&o);
     assert_eq!(o.status.code(), Some(2), "{e}");

@@ -1,7 +1,9 @@
 //! ZeRO-Offload: the host as a second tracked memory, trained for real on
 //! cpu, planned on meta, and DeepSpeed's estimators beside the engine.
 
-use crate::common::{json, losses, memfit, ok_json, plan_json, refused, scratch, stderr};
+use crate::common::{
+    json, losses, memfit, ok_json, plan_json, refused, scratch, scratch_file, stderr,
+};
 use serde_json::Value;
 
 fn run(extra: &[&str]) -> Value {
@@ -186,13 +188,11 @@ fn offload_without_its_zero_stage_is_refused() {
 
 #[test]
 fn recipe_keys_offload_and_host_memory() {
-    let dir = scratch("offload-recipe");
-    let path = dir.join("r.yaml");
-    std::fs::write(
-        &path,
+    let path = scratch_file(
+        "offload-recipe",
+        "r.yaml",
         "model: llama-tiny\nsharding: zero3\noffload: optimizer+params\nhost_memory: 2GiB\nsteps: 1\n",
-    )
-    .unwrap();
+    );
     let out = memfit(&[
         "run",
         "--recipe",

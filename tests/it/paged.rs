@@ -4,7 +4,7 @@
 //! device peak and the caching allocator), and plans that place them in
 //! the room the peak leaves and price what pages out.
 
-use crate::common::{losses, memfit, ok_json, plan_json, refused, scratch};
+use crate::common::{losses, memfit, ok_json, plan_json, refused, scratch_file};
 use serde_json::Value;
 
 /// A Llama whose embedding, head and MLP matrices hold at least 100,000
@@ -173,16 +173,14 @@ fn paged_optimizers_refuse_offload_and_the_cuda_backend_by_name() {
 /// AdamW's state does not fit beside the peak and a paged one does, partly
 /// paged out at the larger micro-batches.
 fn a10g_plan() -> Value {
-    let dir = scratch("paged-plan");
-    let recipe = dir.join("r.yaml");
-    std::fs::write(
-        &recipe,
+    let recipe = scratch_file(
+        "paged-plan",
+        "r.yaml",
         "model: llama-3.2-1b\nhardware: a10g\nseq_len: 1024\nglobal_batch: 8\nhost_memory: 64GiB\n\
          grid:\n  micro_batch: [1, 2, 4]\n  precision: [fp16]\n  checkpointing: [full]\n  \
          framework: [hf-eager]\n  optimizer: [adamw, paged-adamw, paged_adamw_8bit]\n  \
          offload: [none, optimizer]\n  sharding: [none, zero2]\n",
-    )
-    .unwrap();
+    );
     plan_json(&memfit(&[
         "plan",
         recipe.to_str().unwrap(),
@@ -252,15 +250,13 @@ fn plans_place_the_paged_state_in_the_room_the_peak_leaves_and_price_the_rest() 
 
 #[test]
 fn a_paged_plan_says_where_the_state_is_and_what_paging_costs() {
-    let dir = scratch("paged-plan-text");
-    let recipe = dir.join("r.yaml");
-    std::fs::write(
-        &recipe,
+    let recipe = scratch_file(
+        "paged-plan-text",
+        "r.yaml",
         "model: llama-3.2-1b\nhardware: a10g\nseq_len: 1024\nglobal_batch: 8\n\
          grid:\n  micro_batch: [4]\n  precision: [fp16]\n  checkpointing: [full]\n  \
          framework: [hf-eager]\n  optimizer: [paged-adamw]\n",
-    )
-    .unwrap();
+    );
     let out = memfit(&["plan", recipe.to_str().unwrap()]);
     let text = String::from_utf8_lossy(&out.stdout).replace("\n    ", " ");
     for needle in [

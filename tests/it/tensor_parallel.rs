@@ -4,7 +4,7 @@
 //! byte; memory and traffic follow the split.
 
 use crate::common::training::{tolerance, train_single};
-use crate::common::{json, losses, memfit, ok_json, refused, scratch, stderr};
+use crate::common::{json, losses, memfit, ok_json, refused, scratch, scratch_file, stderr};
 
 use memfit::backend::Backend;
 use memfit::backend::cpu::CpuBackend;
@@ -526,9 +526,7 @@ fn planning_llama_70b_takes_a_tensor_and_pipeline_parallel_layout() {
     )
     .unwrap()
     .replace("gpus_per_node: 8", "gpus_per_node: 4");
-    let dir = scratch("tp-plan-4-per-node");
-    let hw_path = dir.join("h100-4.yaml");
-    std::fs::write(&hw_path, hw).unwrap();
+    let hw_path = scratch_file("tp-plan-4-per-node", "h100-4.yaml", hw);
     let q = plan("tp-plan-70b-4", &recipe(hw_path.to_str().unwrap()));
     let qs = q["points"].as_array().unwrap();
     let comm = |x: &serde_json::Value| x["comm_s"].as_f64().unwrap();

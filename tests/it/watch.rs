@@ -13,6 +13,8 @@ use memfit::watch::state::{Phase, Prediction, Target, Tick, WatchState};
 use ratatui::Terminal;
 use ratatui::backend::TestBackend;
 
+use crate::common::scratch;
+
 const GIB: u64 = 1 << 30;
 
 fn memfit() -> Command {
@@ -29,13 +31,6 @@ fn run(c: &mut Command) -> (Output, String, String) {
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     (out, stdout, stderr)
-}
-
-fn temp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("memfit-watch-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 /// The NVML double built by build.rs, or `None` (the test then says it
@@ -100,7 +95,7 @@ fn without_nvml_the_command_runs_and_its_exit_code_is_memfits() {
 
 #[test]
 fn without_nvml_the_host_memory_is_reported_as_host_memory() {
-    let dir = temp_dir("host");
+    let dir = scratch("host");
     let timeline = dir.join("t.csv");
     let (out, _, stderr) = run(memfit().args([
         "watch",
@@ -215,7 +210,7 @@ fn ctrl_c_stops_the_command_with_sigterm() {
 /// only when there is output to keep; a headless watch writes nothing.
 #[test]
 fn the_command_output_goes_to_a_file_per_watch_in_out() {
-    let dir = temp_dir("out");
+    let dir = scratch("out");
     let (out, _, stderr) = run(memfit().current_dir(&dir).args([
         "watch",
         "--no-tui",
@@ -347,7 +342,7 @@ fn the_prediction_is_shown_beside_the_measurement() {
 fn nvml_double_peak_warning_and_timelines() {
     let Some(lib) = nvml_double() else { return };
     for ext in ["csv", "json"] {
-        let dir = temp_dir(&format!("double-{ext}"));
+        let dir = scratch(&format!("double-{ext}"));
         let timeline = dir.join(format!("timeline.{ext}"));
         let mut c = memfit();
         with_double(&mut c, lib, &dir);
@@ -425,7 +420,7 @@ fn nvml_double_peak_warning_and_timelines() {
 #[test]
 fn nvml_double_counts_the_descendants() {
     let Some(lib) = nvml_double() else { return };
-    let dir = temp_dir("double-tree");
+    let dir = scratch("double-tree");
     let procs = dir.join("procs").display().to_string();
     // The worker is a grandchild; a stranger's process is on the GPU too.
     let worker = format!(
@@ -458,7 +453,7 @@ fn nvml_double_counts_the_descendants() {
 #[test]
 fn nvml_double_json_summary() {
     let Some(lib) = nvml_double() else { return };
-    let dir = temp_dir("double-summary");
+    let dir = scratch("double-summary");
     let mut c = memfit();
     with_double(&mut c, lib, &dir);
     c.args([
@@ -500,7 +495,7 @@ fn nvml_double_json_summary() {
 #[test]
 fn nvml_double_gpus_only_until_ctrl_c() {
     let Some(lib) = nvml_double() else { return };
-    let dir = temp_dir("double-gpus");
+    let dir = scratch("double-gpus");
     std::fs::write(dir.join("procs"), "4242 1000000000\n").unwrap();
     let mut c = memfit();
     with_double(&mut c, lib, &dir);

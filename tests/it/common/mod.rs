@@ -66,12 +66,23 @@ pub fn events(
         .collect()
 }
 
-/// A fresh directory for one test's files.
+/// A fresh directory for one test's files: a new one each call, so two
+/// calls with the same name (or two tests on the harness's threads) never
+/// share one.
 pub fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("memfit-{name}-{}", std::process::id()));
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let d = std::env::temp_dir().join(format!("memfit-{name}-{}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
+}
+
+/// `text` written to `file` in a fresh [`scratch`] directory: its path.
+pub fn scratch_file(name: &str, file: &str, text: impl AsRef<[u8]>) -> PathBuf {
+    let path = scratch(name).join(file);
+    std::fs::write(&path, text).unwrap();
+    path
 }
 
 /// Runs memfit with `args`, which must be refused as bad input (exit 2)
