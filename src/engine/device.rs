@@ -257,12 +257,79 @@ impl Tiles {
     }
 }
 
+/// A device's priced seconds by what prices them: GEMMs, fused attention,
+/// norms, every other kernel, and the launch overhead all of them pay
+/// (`Roofline::seconds` is a kernel's own time plus its launches).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct KindSeconds {
+    pub gemm_s: f64,
+    pub attention_s: f64,
+    pub norm_s: f64,
+    pub other_s: f64,
+    pub launch_s: f64,
+}
+
+impl KindSeconds {
+    /// Adds a call of `kind` whose kernels take `kernel_s` of its `total_s`.
+    fn add(&mut self, kind: Kind, kernel_s: f64, total_s: f64) {
+        let slot = match kind {
+            Kind::Gemm(_) => &mut self.gemm_s,
+            Kind::FusedAttention { .. } => &mut self.attention_s,
+            Kind::Norm => &mut self.norm_s,
+            Kind::Stream => &mut self.other_s,
+        };
+        *slot += kernel_s;
+        self.launch_s += total_s - kernel_s;
+    }
+
+    fn fields(&mut self) -> [&mut f64; 5] {
+        [
+            &mut self.gemm_s,
+            &mut self.attention_s,
+            &mut self.norm_s,
+            &mut self.other_s,
+            &mut self.launch_s,
+        ]
+    }
+
+    /// Adds `times` more of what went from `a` to `b`.
+    fn repeat(&mut self, a: &KindSeconds, b: &KindSeconds, times: f64) {
+        let (mut a, mut b) = (*a, *b);
+        for (s, (a, b)) in self
+            .fields()
+            .into_iter()
+            .zip(a.fields().into_iter().zip(b.fields()))
+        {
+            *s += (*b - *a) * times;
+        }
+    }
+
+    /// Their sum.
+    pub fn total(&self) -> f64 {
+        self.gemm_s + self.attention_s + self.norm_s + self.other_s + self.launch_s
+    }
+
+    /// Each scaled by `f`.
+    pub fn scaled(mut self, f: f64) -> KindSeconds {
+        for s in self.fields() {
+            *s *= f;
+        }
+        self
+    }
+}
+
 impl Roofline {
     /// Seconds `calls` runs of `work` take: `max(FLOPs / rate, bytes /
     /// bandwidth)` plus a launch overhead each, where a GEMM's rate is
     /// derated by its tiles and waves and a fused attention kernel runs at
     /// its own rate.
     pub fn seconds(&self, work: &Work, calls: u64) -> f64 {
+        self.kernel_seconds(work) + calls as f64 * self.op_overhead_s
+    }
+
+    /// [`Roofline::seconds`] without the launch overhead: the kernels'
+    /// own time.
+    pub fn kernel_seconds(&self, work: &Work) -> f64 {
         let compute = match work.kind {
             Kind::Gemm(gemms) => {
                 let s: f64 = gemms.iter().flatten().map(|g| self.gemm_seconds(g)).sum();
@@ -282,7 +349,7 @@ impl Roofline {
             Kind::Norm => self.bytes_per_s * self.norm_share,
             _ => self.bytes_per_s,
         };
-        compute.max(work.bytes as f64 / bytes_per_s) + calls as f64 * self.op_overhead_s
+        compute.max(work.bytes as f64 / bytes_per_s)
     }
 
     /// Seconds one GEMM's arithmetic takes at its tiles' and waves' share
@@ -409,6 +476,8 @@ pub struct Meter {
     /// Seconds of `cost` on the device in each stage of the step (forward,
     /// backward, optimizer): what collectives of that stage can hide behind.
     pub stage_s: [f64; 3],
+    /// The same seconds by what prices them (`KindSeconds`).
+    pub kind_s: KindSeconds,
     /// While set, collectives are on the critical path: the next op needs
     /// their result (a tensor-parallel group's).
     pub critical: bool,
@@ -520,6 +589,7 @@ impl Meter {
             p2p_sent: 0,
             p2p_sends: 0,
             stage_s: [0.0; 3],
+            kind_s: KindSeconds::default(),
             critical: false,
             after_backward: false,
             updated_weights: false,
@@ -548,6 +618,9 @@ impl Meter {
         let optimizer = phase == Phase::Optimizer;
         if at == At::Device {
             self.stage_s[Stage::of(phase).index()] += secs;
+            if let Some(r) = self.roofline {
+                self.kind_s.add(work.kind, r.kernel_seconds(work), secs);
+            }
             self.paired_gemm(work);
         }
         if at != At::Device {
@@ -711,6 +784,7 @@ pub struct Between {
     call_stride: usize,
     roofline_s: f64,
     stage_s: [f64; 3],
+    kind_s: KindSeconds,
     offload_s: f64,
     sent: u64,
     received: u64,
@@ -747,6 +821,7 @@ impl<B: Backend> Device<B> {
             call_stride: self.meter.call_stride,
             roofline_s: self.meter.cost.roofline_s,
             stage_s: self.meter.stage_s,
+            kind_s: self.meter.kind_s,
             offload_s: self.meter.offload_s,
             sent: self.meter.sent,
             received: self.meter.received,
@@ -770,6 +845,7 @@ impl<B: Backend> Device<B> {
         for (s, (a, b)) in (self.meter.stage_s.iter_mut()).zip(a.stage_s.iter().zip(&b.stage_s)) {
             *s += (b - a) * times as f64;
         }
+        self.meter.kind_s.repeat(&a.kind_s, &b.kind_s, times as f64);
         self.meter.offload_s += (b.offload_s - a.offload_s) * times as f64;
         // Saturating: a plan's step may be 2^40 micro-batches of gigabytes.
         let more = |x: &mut u64, a: u64, b: u64| *x = x.saturating_add((b - a).saturating_mul(n));

@@ -558,6 +558,12 @@ pub struct Prediction {
     /// usable - total; negative when it does not fit.
     pub margin_bytes: i64,
     pub compute_s: f64,
+    /// `compute_s` by what prices it: GEMMs, fused attention, norms, other
+    /// kernels and launches (absent where no engine ran). For a pipeline,
+    /// the split of the stage whose micro-batches set the slot, scaled to
+    /// `compute_s`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kernel_s: Option<crate::engine::device::KindSeconds>,
     /// Communication the step waits for: what compute does not hide.
     pub comm_s: f64,
     /// Communication that runs beside compute (DDP's and FSDP's gradient
@@ -1811,6 +1817,7 @@ fn unplanned(
         usable_bytes: usable,
         margin_bytes: 0,
         compute_s: 0.0,
+        kernel_s: None,
         comm_s: 0.0,
         comm_hidden_s: 0.0,
         offload_s: 0.0,
@@ -1894,6 +1901,7 @@ impl PointPlan<'_> {
         let s = step_meta(e, self.rates, self.p.precision);
         out.offload_s = s.offload_s;
         out.compute_s = s.all_s - out.offload_s;
+        out.kernel_s = Some(s.kind_s);
         match (&self.topo, &s.calls) {
             (Some(t), Some(calls)) if !calls.is_empty() => {
                 let priced = price_collectives(t, calls, self.p);
@@ -2014,6 +2022,7 @@ impl PointPlan<'_> {
         // The slowest stage's micro-batch slot without its sends: the
         // pipeline's compute; the rest of the slot is communication.
         let mut compute_slot = 0.0f64;
+        let mut slot_kinds = crate::engine::device::KindSeconds::default();
         let mut crossed = None;
         for (s, links) in self.stage_links().into_iter().enumerate() {
             let e = Engine::new_linked(
@@ -2064,6 +2073,9 @@ impl PointPlan<'_> {
                 }
             }
             slot = slot.max((st.all_s - st.opt_s + p2p_s) / k);
+            if (st.all_s - st.opt_s) / k >= compute_slot {
+                slot_kinds = st.kind_s;
+            }
             compute_slot = compute_slot.max((st.all_s - st.opt_s) / k);
             opt_s = opt_s.max(st.opt_s);
             off_s = off_s.max(st.offload_s);
@@ -2079,6 +2091,8 @@ impl PointPlan<'_> {
         let slots = k + (stages as f64 - 1.0) / v as f64;
         out.offload_s = off_s;
         out.compute_s = slots * compute_slot + opt_s - off_s;
+        out.kernel_s = (slot_kinds.total() > 0.0)
+            .then(|| slot_kinds.scaled(out.compute_s / slot_kinds.total()));
         out.comm_s = comm_s + slots * (slot - compute_slot);
         out.comm_hidden_s = hidden_s;
         out.links = crossed;
@@ -2159,6 +2173,8 @@ struct Stepped {
     all_s: f64,
     /// Device seconds per stage (`engine::device::Stage`).
     stage_s: [f64; 3],
+    /// The same seconds by what prices them.
+    kind_s: crate::engine::device::KindSeconds,
     opt_s: f64,
     offload_s: f64,
     sent: f64,
@@ -2198,6 +2214,7 @@ fn step_meta(mut e: Engine<MetaBackend>, rates: &Rates, precision: Precision) ->
     (e.dev.meter.link_bytes, e.dev.meter.link_optimizer_bytes) = (0, 0);
     (e.dev.meter.p2p_sent, e.dev.meter.p2p_sends) = (0, 0);
     e.dev.meter.stage_s = [0.0; 3];
+    e.dev.meter.kind_s = Default::default();
     e.dev.meter.collectives = Some(Vec::new());
     let sent0 = e.dev.meter.sent;
     if let Err(oom) = e.step_from(k, || unreachable!("meta reads no data")) {
@@ -2206,6 +2223,7 @@ fn step_meta(mut e: Engine<MetaBackend>, rates: &Rates, precision: Precision) ->
     Stepped {
         all_s: e.dev.meter.cost.roofline_s,
         stage_s: e.dev.meter.stage_s,
+        kind_s: e.dev.meter.kind_s,
         opt_s: e.dev.meter.optimizer_cost.roofline_s,
         offload_s: e.dev.meter.offload_s,
         sent: (e.dev.meter.sent - sent0) as f64,

@@ -874,12 +874,34 @@ fn step_line(plan: &Plan, p: &Prediction, bullet: &str) -> String {
         ),
     };
     format!(
-        "  {bullet}step {:.3} s = compute {:.3} s ({roofline}) + communication {:.3} s waited for ({comm}; crosses {}{hidden}){offload}",
+        "  {bullet}step {:.3} s = compute {:.3} s ({roofline}{}) + communication {:.3} s waited for ({comm}; crosses {}{hidden}){offload}",
         p.step_s,
         p.compute_s,
+        kernel_shares(p),
         p.comm_s,
         links(plan, p)
     )
+}
+
+/// What the compute is spent on, in shares of it: "; of it GEMMs 72%,
+/// attention 11%, ..." (kinds under half a percent left out).
+fn kernel_shares(p: &Prediction) -> String {
+    let Some(k) = p.kernel_s.filter(|k| k.total() > 0.0) else {
+        return String::new();
+    };
+    let parts: Vec<String> = [
+        ("GEMMs", k.gemm_s),
+        ("attention", k.attention_s),
+        ("norms", k.norm_s),
+        ("other kernels", k.other_s),
+        ("launches", k.launch_s),
+    ]
+    .into_iter()
+    .map(|(what, s)| (what, 100.0 * s / k.total()))
+    .filter(|&(_, pct)| pct >= 0.5)
+    .map(|(what, pct)| format!("{what} {pct:.0}%"))
+    .collect();
+    format!("; of it {}", parts.join(", "))
 }
 
 /// How the point's fused attention is priced, where the profile says:

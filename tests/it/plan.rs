@@ -647,3 +647,40 @@ fn the_capacity_factor_axis_plans_what_run_gives() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Every planned point says what its compute is spent on (`kernel_s`):
+/// GEMMs, fused attention, norms, other kernels and launches, which add
+/// up to `compute_s`, one rank's or a pipeline's; invalid points have
+/// none. Attention's share grows with the sequence, as its FLOPs do.
+#[test]
+fn plans_split_the_compute_by_what_prices_it() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let share = |recipe: &str| -> Vec<(f64, f64)> {
+        let out = memfit(&["plan", &format!("{root}/{recipe}"), "--format", "json"]);
+        let doc = common::plan_json(&out);
+        let mut shares = Vec::new();
+        for p in doc["points"].as_array().unwrap() {
+            let Some(k) = p["kernel_s"].as_object() else {
+                assert!(p["status"] == "invalid", "{p}");
+                continue;
+            };
+            let parts: Vec<f64> = ["gemm_s", "attention_s", "norm_s", "other_s", "launch_s"]
+                .iter()
+                .map(|f| k[*f].as_f64().unwrap())
+                .collect();
+            assert!(parts.iter().all(|&s| s >= 0.0), "{k:?}");
+            let (total, compute) = (parts.iter().sum::<f64>(), p["compute_s"].as_f64().unwrap());
+            assert!((total / compute - 1.0).abs() < 1e-9, "{total} vs {compute}");
+            assert!(parts[0] > 0.0 && parts[2] > 0.0, "GEMMs and norms: {k:?}");
+            shares.push((parts[1] / total, parts[0] / total));
+        }
+        assert!(!shares.is_empty(), "{recipe}");
+        shares
+    };
+    // A pipeline (pp 2) and tensor parallelism beside it.
+    share("recipes/llama-70b-megatron.yaml");
+    let short = share("tests/reference/calibration/recipes/mpt-1b-8xh100-t512.yaml")[0];
+    let long = share("tests/reference/calibration/recipes/mpt-1b-8xh100-t65536.yaml")[0];
+    assert!(short.0 < 0.2 && short.1 > 0.6, "{short:?}");
+    assert!(long.0 > 0.8, "{long:?}");
+}
