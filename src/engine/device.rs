@@ -270,8 +270,9 @@ pub struct KindSeconds {
 }
 
 impl KindSeconds {
-    /// Adds a call of `kind` whose kernels take `kernel_s` of its `total_s`.
-    fn add(&mut self, kind: Kind, kernel_s: f64, total_s: f64) {
+    /// Adds a call of `kind` whose kernels take `kernel_s` and whose
+    /// launches `launch_s`.
+    fn add(&mut self, kind: Kind, kernel_s: f64, launch_s: f64) {
         let slot = match kind {
             Kind::Gemm(_) => &mut self.gemm_s,
             Kind::FusedAttention { .. } => &mut self.attention_s,
@@ -279,7 +280,18 @@ impl KindSeconds {
             Kind::Stream => &mut self.other_s,
         };
         *slot += kernel_s;
-        self.launch_s += total_s - kernel_s;
+        self.launch_s += launch_s;
+    }
+
+    /// The five, in the order of the fields.
+    pub fn values(&self) -> [f64; 5] {
+        [
+            self.gemm_s,
+            self.attention_s,
+            self.norm_s,
+            self.other_s,
+            self.launch_s,
+        ]
     }
 
     fn fields(&mut self) -> [&mut f64; 5] {
@@ -294,19 +306,15 @@ impl KindSeconds {
 
     /// Adds `times` more of what went from `a` to `b`.
     fn repeat(&mut self, a: &KindSeconds, b: &KindSeconds, times: f64) {
-        let (mut a, mut b) = (*a, *b);
-        for (s, (a, b)) in self
-            .fields()
-            .into_iter()
-            .zip(a.fields().into_iter().zip(b.fields()))
-        {
-            *s += (*b - *a) * times;
+        let (a, b) = (a.values(), b.values());
+        for (s, (a, b)) in self.fields().into_iter().zip(a.into_iter().zip(b)) {
+            *s += (b - a) * times;
         }
     }
 
     /// Their sum.
     pub fn total(&self) -> f64 {
-        self.gemm_s + self.attention_s + self.norm_s + self.other_s + self.launch_s
+        self.values().iter().sum()
     }
 
     /// Each scaled by `f`.
@@ -324,7 +332,12 @@ impl Roofline {
     /// derated by its tiles and waves and a fused attention kernel runs at
     /// its own rate.
     pub fn seconds(&self, work: &Work, calls: u64) -> f64 {
-        self.kernel_seconds(work) + calls as f64 * self.op_overhead_s
+        self.kernel_seconds(work) + self.launch_seconds(calls)
+    }
+
+    /// The launch overhead `calls` kernel launches pay.
+    pub fn launch_seconds(&self, calls: u64) -> f64 {
+        calls as f64 * self.op_overhead_s
     }
 
     /// [`Roofline::seconds`] without the launch overhead: the kernels'
@@ -606,8 +619,16 @@ impl Meter {
     /// per-phase seconds.
     fn charge(&mut self, work: &Work, (ns, calls): (u64, u64), at: At, phase: Phase) {
         let (op, flops, bytes) = (work.name, work.flops, work.bytes);
+        // A device op's kernel time and its launches, priced once: their
+        // sum is its seconds, and the split goes to `kind_s`.
+        let device = match at {
+            At::Device => self
+                .roofline
+                .map(|r| (r.kernel_seconds(work), r.launch_seconds(calls))),
+            _ => None,
+        };
         let secs = match at {
-            At::Device => self.roofline.map_or(0.0, |r| r.seconds(work, calls)),
+            At::Device => device.map_or(0.0, |(kernel, launch)| kernel + launch),
             At::Host => self
                 .host_roofline
                 .map_or(0.0, |h| h.cpu.seconds(work, calls)),
@@ -618,8 +639,8 @@ impl Meter {
         let optimizer = phase == Phase::Optimizer;
         if at == At::Device {
             self.stage_s[Stage::of(phase).index()] += secs;
-            if let Some(r) = self.roofline {
-                self.kind_s.add(work.kind, r.kernel_seconds(work), secs);
+            if let Some((kernel, launch)) = device {
+                self.kind_s.add(work.kind, kernel, launch);
             }
             self.paired_gemm(work);
         }

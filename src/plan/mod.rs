@@ -2072,11 +2072,11 @@ impl PointPlan<'_> {
                     crossed = union(crossed, priced.links);
                 }
             }
+            let stage_slot = (st.all_s - st.opt_s) / k;
             slot = slot.max((st.all_s - st.opt_s + p2p_s) / k);
-            if (st.all_s - st.opt_s) / k >= compute_slot {
-                slot_kinds = st.kind_s;
+            if stage_slot >= compute_slot {
+                (compute_slot, slot_kinds) = (stage_slot, st.kind_s);
             }
-            compute_slot = compute_slot.max((st.all_s - st.opt_s) / k);
             opt_s = opt_s.max(st.opt_s);
             off_s = off_s.max(st.offload_s);
             comm_s = comm_s.max(dp_s);
@@ -2581,7 +2581,7 @@ mod tests {
         };
         let w = crate::engine::ops::Work::flash_attention(s, 0);
         let r = roofline(&hw, Precision::Bf16);
-        let priced = r.seconds(&w, 1) - r.op_overhead_s;
+        let priced = r.kernel_seconds(&w);
         assert!(
             close(priced, w.flops as f64 / triton.at(2048, 128)),
             "{priced}"

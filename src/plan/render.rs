@@ -889,18 +889,12 @@ fn kernel_shares(p: &Prediction) -> String {
     let Some(k) = p.kernel_s.filter(|k| k.total() > 0.0) else {
         return String::new();
     };
-    let parts: Vec<String> = [
-        ("GEMMs", k.gemm_s),
-        ("attention", k.attention_s),
-        ("norms", k.norm_s),
-        ("other kernels", k.other_s),
-        ("launches", k.launch_s),
-    ]
-    .into_iter()
-    .map(|(what, s)| (what, 100.0 * s / k.total()))
-    .filter(|&(_, pct)| pct >= 0.5)
-    .map(|(what, pct)| format!("{what} {pct:.0}%"))
-    .collect();
+    let kinds = ["GEMMs", "attention", "norms", "other kernels", "launches"];
+    let parts: Vec<String> = (kinds.into_iter().zip(k.values()))
+        .map(|(what, s)| (what, 100.0 * s / k.total()))
+        .filter(|&(_, pct)| pct >= 0.5)
+        .map(|(what, pct)| format!("{what} {pct:.0}%"))
+        .collect();
     format!("; of it {}", parts.join(", "))
 }
 
