@@ -110,6 +110,9 @@ pub struct HardwareRecord {
     /// attention's share of the dense peak; `null` where the profile has
     /// no figure.
     pub sm_count: Option<u32>,
+    /// Large GEMMs' share of the dense peak inside a step, where the
+    /// profile was fitted for one; `null`: memfit's default.
+    pub gemm_efficiency: Option<f64>,
     pub fused_attention_efficiency: Option<f64>,
     /// Fused attention kernels' published rates, TFLOP/s by kernel, head
     /// dimension and sequence length (a plan recipe's `attention_kernel`
@@ -139,6 +142,7 @@ impl From<&HardwareProfile> for HardwareRecord {
             usd_per_hour: h.usd_per_hour,
             host_memory_bytes: h.host_memory,
             sm_count: h.sm_count,
+            gemm_efficiency: h.gemm_efficiency,
             fused_attention_efficiency: h.fused_attention_efficiency,
             attention_kernels: h.attention_kernels.clone(),
         }

@@ -115,6 +115,11 @@ pub struct HardwareProfile {
     /// wave). `None`: GEMMs are priced without tile and wave quantization.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sm_count: Option<u32>,
+    /// The share of the dense peak that large GEMMs sustain inside a
+    /// training step on this GPU, where published runs on it were fitted
+    /// for one. `None`: `plan::COMPUTE_EFFICIENCY`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gemm_efficiency: Option<f64>,
     /// The share of the dense 16-bit peak that fused (flash) attention's
     /// forward and backward reach together. `None`: the GEMMs' share.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -232,6 +237,7 @@ struct RawHardware {
     host_memory_bandwidth_gbps: Option<f64>,
     host_memory: Option<Size>,
     sm_count: Option<u32>,
+    gemm_efficiency: Option<f64>,
     fused_attention_efficiency: Option<f64>,
     #[serde(default)]
     attention_kernels: BTreeMap<AttentionKernel, KernelRates>,
@@ -541,13 +547,18 @@ pub fn parse_hardware_yaml(text: &str, location: &str) -> Result<HardwareProfile
     if let Some(sms) = raw.sm_count {
         check_count(text, location, "sm_count", sms)?;
     }
-    if let Some(f) = raw.fused_attention_efficiency
-        && !(f > 0.0 && f <= 1.0)
-    {
-        return Err(invalid(
-            "fused_attention_efficiency",
-            format!("{f} is not a share of the peak in (0, 1]"),
-        ));
+    for (key, share) in [
+        ("gemm_efficiency", raw.gemm_efficiency),
+        ("fused_attention_efficiency", raw.fused_attention_efficiency),
+    ] {
+        if let Some(f) = share
+            && !(f > 0.0 && f <= 1.0)
+        {
+            return Err(invalid(
+                key,
+                format!("{f} is not a share of the peak in (0, 1]"),
+            ));
+        }
     }
     for (&kernel, rates) in &raw.attention_kernels {
         super::attention_kernels::check(kernel, rates)
@@ -603,6 +614,7 @@ pub fn parse_hardware_yaml(text: &str, location: &str) -> Result<HardwareProfile
         host_memory_bandwidth_gbps,
         host_memory,
         sm_count: raw.sm_count,
+        gemm_efficiency: raw.gemm_efficiency,
         fused_attention_efficiency: raw.fused_attention_efficiency,
         attention_kernels: raw.attention_kernels,
         attention_kernel: AttentionKernel::default(),

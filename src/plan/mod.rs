@@ -1485,7 +1485,7 @@ pub fn plan_with(
         headroom: r.headroom,
         allow_numerics_change: r.allow_numerics_change,
         efficiency: BTreeMap::from([
-            ("compute", COMPUTE_EFFICIENCY),
+            ("compute", hw.gemm_efficiency.unwrap_or(COMPUTE_EFFICIENCY)),
             ("memory", MEMORY_EFFICIENCY),
             ("norm", NORM_EFFICIENCY),
             ("communication", COMM_EFFICIENCY),
@@ -1527,9 +1527,10 @@ pub fn roofline(hw: &HardwareProfile, precision: Precision) -> Roofline {
 
 fn profile_roofline(hw: &HardwareProfile, precision: Precision) -> Roofline {
     let tensor_cores = precision.is_16bit();
+    let gemm_share = hw.gemm_efficiency.unwrap_or(COMPUTE_EFFICIENCY);
     Roofline {
-        flops_per_s: hw.peak_flops(precision) * COMPUTE_EFFICIENCY,
-        kernel_flops_per_s: hw.peak_flops(precision) * COMPUTE_EFFICIENCY,
+        flops_per_s: hw.peak_flops(precision) * gemm_share,
+        kernel_flops_per_s: hw.peak_flops(precision) * gemm_share,
         bytes_per_s: hw.memory_bandwidth_gbps * 1e9 * MEMORY_EFFICIENCY,
         norm_share: NORM_EFFICIENCY / MEMORY_EFFICIENCY,
         op_overhead_s: OP_OVERHEAD_S,

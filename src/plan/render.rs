@@ -866,8 +866,12 @@ fn step_line(plan: &Plan, p: &Prediction, bullet: &str) -> String {
             crate::calibrate::gpu::describe(m, p.point.precision, plan.efficiency["compute"])
         }
         None => format!(
-            "roofline at {:.0}% of peak FLOP/s for large GEMMs, less for shapes that leave SMs idle, {:.0}% of memory bandwidth ({:.0}% for norms){}",
+            "roofline at {:.0}% of peak FLOP/s for large GEMMs{}, less for shapes that leave SMs idle, {:.0}% of memory bandwidth ({:.0}% for norms){}",
             plan.efficiency["compute"] * 100.0,
+            match hw.gemm_efficiency {
+                Some(_) => " (this GPU's share, fitted to published runs)",
+                None => "",
+            },
             plan.efficiency["memory"] * 100.0,
             plan.efficiency["norm"] * 100.0,
             attention_rate(hw, p),
@@ -906,7 +910,7 @@ fn attention_rate(hw: &crate::config::hardware::HardwareProfile, p: &Prediction)
     }
     match (hw.attention_rates(), hw.fused_attention_efficiency) {
         (Some(_), _) => format!(
-            ", fused attention at {}'s published rates for its head dimension and sequence length",
+            ", fused attention at {}'s rates in the hardware profile for its head dimension and sequence length",
             hw.attention_kernel
         ),
         (None, Some(f)) => format!(", fused attention at {:.0}% of peak", f * 100.0),

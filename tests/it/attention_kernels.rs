@@ -54,11 +54,11 @@ fn the_named_kernel_prices_fused_attention_and_moves_no_byte() {
         "flash-attention-triton"
     );
     assert!(
-        triton_text.contains("flash-attention-triton's published rates"),
+        triton_text.contains("flash-attention-triton's rates in the hardware profile"),
         "{triton_text}"
     );
     assert!(
-        fa2_text.contains("flash-attention-2's published rates"),
+        fa2_text.contains("flash-attention-2's rates in the hardware profile"),
         "{fa2_text}"
     );
     // A profile without rates prices the default at its share of the peak.

@@ -8,6 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
+use memfit::config::hardware::HardwareProfile;
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -36,6 +37,12 @@ struct Row {
     lower_clock: Option<LowerClock>,
     #[serde(default)]
     not_held: Option<String>,
+    /// The profile constant this row is one of the fitted rows of
+    /// (`gemm_efficiency`, or a kernel's rates in `attention_kernels`):
+    /// the constant is the best fit of its rows
+    /// (`the_fitted_constants_are_the_best_fit_of_their_rows`).
+    #[serde(default)]
+    fitted: Option<String>,
     /// The run's peak memory per GPU, where the source gives it.
     #[serde(default)]
     memory: Option<Memory>,
@@ -95,55 +102,63 @@ fn dir() -> PathBuf {
 /// Each row with memfit's tokens/s per GPU for its recipe, and its
 /// caching allocator's peaks.
 fn predicted(table: &Table) -> Vec<Predicted> {
-    table
-        .rows
-        .iter()
-        .map(|r| {
-            let path = dir().join(&r.recipe);
-            let per_gpu = |plan: memfit::plan::Plan| {
-                assert_eq!(plan.points.len(), 1, "{}: one point a recipe", r.id);
-                let p = &plan.points[0];
-                // The published run ran: a plan that says it does not fit
-                // is wrong about memory, whatever it says of time.
-                assert!(
-                    matches!(p.verdict, memfit::plan::Verdict::Fits),
-                    "{}: the published run fits, memfit says {:?} ({:.2} GiB)",
-                    r.id,
-                    p.verdict,
-                    p.total_bytes as f64 / (1u64 << 30) as f64
-                );
-                assert!(p.tokens_per_s > 0.0, "{}: {:?}", r.id, p.verdict);
-                (p.tokens_per_s / p.point.gpus as f64, p.allocator)
-            };
-            let (at_profile, allocator) =
-                per_gpu(memfit::plan::plan_file(&path).unwrap_or_else(|e| panic!("{}: {e}", r.id)));
-            let mut p = Predicted {
-                low: at_profile,
-                high: at_profile,
-                profile_tflops: 0.0,
-                allocated: allocator.map(|a| a.max_memory_allocated),
-                reserved: allocator.map(|a| a.max_memory_reserved),
-            };
-            let Some(lower) = &r.lower_clock else {
-                return p;
-            };
-            assert!(!lower.source.is_empty(), "{}: the bound's source", r.id);
-            let (at_bound, _) = per_gpu(
-                memfit::plan::plan_file_on(&path, |hw| {
-                    p.profile_tflops = hw.bf16_tflops;
-                    *hw = hw.at_tensor_rate(lower.bf16_tflops)
-                })
-                .unwrap_or_else(|e| panic!("{}: {e}", r.id)),
-            );
+    predicted_on(table.rows.iter(), &|_| {})
+}
+
+/// [`predicted`] for `rows`, with `adjust` applied to each row's hardware
+/// profile first.
+fn predicted_on<'a>(
+    rows: impl Iterator<Item = &'a Row>,
+    adjust: &dyn Fn(&mut HardwareProfile),
+) -> Vec<Predicted> {
+    rows.map(|r| {
+        let path = dir().join(&r.recipe);
+        let per_gpu = |plan: memfit::plan::Plan| {
+            assert_eq!(plan.points.len(), 1, "{}: one point a recipe", r.id);
+            let p = &plan.points[0];
+            // The published run ran: a plan that says it does not fit
+            // is wrong about memory, whatever it says of time.
             assert!(
-                at_bound < at_profile,
-                "{}: a lower clock plans slower",
-                r.id
+                matches!(p.verdict, memfit::plan::Verdict::Fits),
+                "{}: the published run fits, memfit says {:?} ({:.2} GiB)",
+                r.id,
+                p.verdict,
+                p.total_bytes as f64 / (1u64 << 30) as f64
             );
-            p.low = at_bound;
-            p
-        })
-        .collect()
+            assert!(p.tokens_per_s > 0.0, "{}: {:?}", r.id, p.verdict);
+            (p.tokens_per_s / p.point.gpus as f64, p.allocator)
+        };
+        let (at_profile, allocator) = per_gpu(
+            memfit::plan::plan_file_on(&path, adjust).unwrap_or_else(|e| panic!("{}: {e}", r.id)),
+        );
+        let mut p = Predicted {
+            low: at_profile,
+            high: at_profile,
+            profile_tflops: 0.0,
+            allocated: allocator.map(|a| a.max_memory_allocated),
+            reserved: allocator.map(|a| a.max_memory_reserved),
+        };
+        let Some(lower) = &r.lower_clock else {
+            return p;
+        };
+        assert!(!lower.source.is_empty(), "{}: the bound's source", r.id);
+        let (at_bound, _) = per_gpu(
+            memfit::plan::plan_file_on(&path, |hw| {
+                adjust(hw);
+                p.profile_tflops = hw.bf16_tflops;
+                *hw = hw.at_tensor_rate(lower.bf16_tflops)
+            })
+            .unwrap_or_else(|e| panic!("{}: {e}", r.id)),
+        );
+        assert!(
+            at_bound < at_profile,
+            "{}: a lower clock plans slower",
+            r.id
+        );
+        p.low = at_bound;
+        p
+    })
+    .collect()
 }
 
 /// memfit's figure for a row's published peak memory, GiB.
@@ -194,9 +209,10 @@ fn markdown(table: &Table, predicted: &[Predicted]) -> String {
          |---|---|---:|---:|---:|---|\n",
     );
     for (r, &p) in table.rows.iter().zip(predicted) {
-        let held = match &r.not_held {
-            None => "yes".to_string(),
-            Some(why) => format!("no: {why}"),
+        let held = match (&r.not_held, &r.fitted) {
+            (None, None) => "yes".to_string(),
+            (None, Some(fit)) => format!("yes (a row `{fit}` is fitted to)"),
+            (Some(why), _) => format!("no: {why}"),
         };
         let (memfit, error) = match &r.lower_clock {
             None => (
@@ -311,4 +327,84 @@ fn every_held_row_has_a_recipe_of_one_point_and_every_recipe_a_row() {
         .collect();
     files.sort();
     assert_eq!(listed, files, "table.yaml names every recipe once");
+}
+
+/// The profile the fitted constants belong to.
+const FITTED_GPU: &str = "h100-sxm-80gb";
+
+/// How far a fit's rows are from their published figures: the sum of the
+/// squared logs of memfit's figure over the published one (to the nearest
+/// end of a range), with `adjust` applied to their hardware.
+fn misfit(table: &Table, fit: &str, adjust: &dyn Fn(&mut HardwareProfile)) -> f64 {
+    let rows: Vec<&Row> = (table.rows.iter())
+        .filter(|r| r.fitted.as_deref() == Some(fit))
+        .collect();
+    assert!(rows.len() >= 5, "`{fit}` is fitted to {} rows", rows.len());
+    let predicted = predicted_on(rows.iter().copied(), adjust);
+    (rows.iter().zip(predicted))
+        .map(|(r, p)| (1.0 + p.error(r.tokens_per_s_per_gpu)).ln().powi(2))
+        .sum()
+}
+
+/// The two constants the H100 profile takes from this table, each the best
+/// fit of the rows marked for it, a step either side fitting them worse:
+/// its GEMMs' sustained share of the peak (`gemm_efficiency`), fitted to
+/// the H100 runs that do not run flash-attn's Triton kernel, and that
+/// kernel's H100 rates, fitted to MosaicML's MPT 1b runs from 512 to 65,536
+/// tokens. Every other row is held out of both fits.
+/// MEMFIT_PRINT_FIT=1 prints each misfit around the profile's values.
+#[test]
+fn the_fitted_constants_are_the_best_fit_of_their_rows() {
+    let text = std::fs::read_to_string(dir().join("table.yaml")).unwrap();
+    let table: Table = serde_yaml_ng::from_str(&text).unwrap();
+    let print = std::env::var_os("MEMFIT_PRINT_FIT").is_some();
+    let hw = memfit::config::hardware::load_hardware(FITTED_GPU).unwrap();
+    let share = hw
+        .gemm_efficiency
+        .expect("the H100 profile's gemm_efficiency");
+    let gemm = |s: f64| {
+        misfit(&table, "gemm_efficiency", &|hw| {
+            if hw.name == FITTED_GPU {
+                hw.gemm_efficiency = Some(s)
+            }
+        })
+    };
+    let kernel = memfit::config::attention_kernels::AttentionKernel::FlashAttentionTriton;
+    let triton = |f: f64| {
+        misfit(&table, "flash-attention-triton", &|hw| {
+            if hw.name != FITTED_GPU {
+                return;
+            }
+            let rates = hw.attention_kernels.get_mut(&kernel).expect("Triton rates");
+            for by_len in rates.values_mut() {
+                by_len.values_mut().for_each(|r| *r *= f);
+            }
+        })
+    };
+    if print {
+        for i in -6..=6 {
+            let s = share + 0.01 * i as f64;
+            eprintln!("gemm_efficiency {s:.2}: misfit {:.5}", gemm(s));
+        }
+        for i in -6..=6 {
+            let f = 1.0 + 0.025 * i as f64;
+            eprintln!("Triton rates x{f:.3}: misfit {:.5}", triton(f));
+        }
+    }
+    let at = gemm(share);
+    for s in [share - 0.01, share + 0.01] {
+        assert!(
+            at < gemm(s),
+            "gemm_efficiency {share} fits its rows no better than {s:.2} ({at:.5} vs {:.5})",
+            gemm(s)
+        );
+    }
+    let at = triton(1.0);
+    for f in [0.95, 1.05] {
+        assert!(
+            at < triton(f),
+            "the Triton kernel's rates fit their rows no better scaled by {f} ({at:.5} vs {:.5})",
+            triton(f)
+        );
+    }
 }

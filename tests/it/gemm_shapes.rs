@@ -36,14 +36,19 @@ struct Shape {
     memfit: f64,
 }
 
-fn shapes() -> Vec<Shape> {
+/// Each measured shape with memfit's rate for it, the profile's
+/// `gemm_efficiency` replaced by `share` where that is `Some`.
+fn shapes(share: Option<Option<f64>>) -> Vec<Shape> {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/reference/gemm/h100-sxm-xla.yaml"
     );
     let m: Measured = serde_yaml_ng::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     assert_eq!(m.dtype, "bf16");
-    let hw = load_hardware(&m.gpu).unwrap();
+    let mut hw = load_hardware(&m.gpu).unwrap();
+    if let Some(share) = share {
+        hw.gemm_efficiency = share;
+    }
     let r = roofline(&hw, Precision::Bf16);
     (m.rows.iter())
         .map(|&[b, m, n, k, tflops]| {
@@ -70,10 +75,14 @@ fn shapes() -> Vec<Shape> {
 /// training shape is within 15% of the measured one: the tile and wave
 /// model, which has no term for K, says most of how the rate falls with M,
 /// N and K there. Its largest miss is at K = 1,024, the shortest K kept,
-/// where memfit is faster than measured.
+/// where memfit is faster than measured. The law is held at memfit's
+/// default share of the peak (70%), near the level these kernels reach
+/// alone; the H100 profile's fitted in-step share (60%) slows every GEMM's
+/// arithmetic alike, which leaves the fixed 5 us a smaller part of a short
+/// GEMM's price: there 4,096 x 1,024 x 1,024 comes out at 1.19x.
 #[test]
 fn the_tile_model_follows_measured_h100_gemms_across_training_shapes() {
-    let shapes = shapes();
+    let shapes = shapes(Some(None));
     let largest = (shapes.iter())
         .max_by_key(|s| s.gemm.flops())
         .expect("rows");
@@ -94,17 +103,17 @@ fn the_tile_model_follows_measured_h100_gemms_across_training_shapes() {
 }
 
 /// memfit never prices a GEMM faster than the kernel runs alone, and its
-/// largest GEMM runs at 80-90% of the measured rate (85% now): XLA's
+/// largest GEMM runs at 70-80% of the measured rate (73% now): XLA's
 /// kernels reach 50-81% of the H100's 989.4 dense TFLOP/s at these shapes,
-/// the largest 80%, memfit's 70%.
-/// That is a choice, not an oversight: with the measured rates in its place,
-/// memfit's plans of every H100 run in the README's calibration table come
-/// out 1 to 13 points faster (docs/plan-sweep-check.md), so 70% stands for
-/// a GEMM inside a step, not alone.
+/// the largest 80%, memfit's H100 profile 60% (`gemm_efficiency`).
+/// That is a fit, not an oversight: 60% is the share that fits the H100
+/// runs of the README's calibration table marked for it best
+/// (calibration::the_fitted_constants_are_the_best_fit_of_their_rows), so
+/// it stands for a GEMM inside a step at the GPU's power limit, not alone.
 #[test]
 fn memfit_prices_h100_gemms_below_their_isolated_rate() {
     assert_eq!(COMPUTE_EFFICIENCY, 0.7);
-    let shapes = shapes();
+    let shapes = shapes(None);
     for s in &shapes {
         assert!(
             s.memfit <= s.measured,
@@ -118,5 +127,5 @@ fn memfit_prices_h100_gemms_below_their_isolated_rate() {
         .max_by_key(|s| s.gemm.flops())
         .expect("rows");
     let level = largest.memfit / largest.measured;
-    assert!((0.80..=0.90).contains(&level), "{level}");
+    assert!((0.70..=0.80).contains(&level), "{level}");
 }
