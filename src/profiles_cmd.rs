@@ -281,7 +281,7 @@ pub fn render_table(c: &Catalog) -> String {
         if !groups.is_empty() {
             let _ = writeln!(
                 s,
-                "attention kernels with published rates (a plan recipe's attention_kernel):"
+                "attention kernels with rates, published or fitted (a plan recipe's attention_kernel):"
             );
             for (kernels, names) in groups {
                 let _ = writeln!(s, "  {}: {kernels}", names.join(", "));
@@ -291,6 +291,25 @@ pub fn render_table(c: &Catalog) -> String {
                 "  the others: fused attention at a share of the peak (flash-attention-2 only)"
             );
         }
+        // Which profiles replace the default GEMM share with a fitted one.
+        let fitted: Vec<String> = (hw.iter())
+            .filter_map(|h| {
+                h.gemm_efficiency
+                    .map(|f| format!("{} {:.0}%", h.name, f * 100.0))
+            })
+            .collect();
+        let _ = writeln!(
+            s,
+            "large GEMMs at {:.0}% of the dense peak inside a step{}",
+            crate::plan::COMPUTE_EFFICIENCY * 100.0,
+            match fitted.is_empty() {
+                true => String::new(),
+                false => format!(
+                    ", except where a profile fits its own:\n  {} (their comments say to what)",
+                    fitted.join(", ")
+                ),
+            }
+        );
     }
     if let Some(nets) = &c.networks {
         let _ = writeln!(

@@ -877,6 +877,20 @@ mod tests {
     }
 
     #[test]
+    fn a_gemm_share_is_a_share_of_the_peak() {
+        for bad in ["1.5", "0", "-0.2"] {
+            let msg = located_error(
+                "gemm_efficiency: 0.60",
+                &format!("gemm_efficiency: {bad}"),
+                "gemm_efficiency",
+            );
+            assert!(msg.contains("not a share of the peak in (0, 1]"), "{msg}");
+        }
+        let hw = parse_hardware_yaml(h100_text(), "x.yaml").unwrap();
+        assert_eq!(hw.gemm_efficiency, Some(0.60));
+    }
+
+    #[test]
     fn bare_byte_counts_are_sizes() {
         let text = h100_text().replace("memory: 80GiB", "memory: 85899345920");
         let hw = parse_hardware_yaml(&text, "x.yaml").unwrap();
