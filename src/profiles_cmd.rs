@@ -111,7 +111,8 @@ pub struct HardwareRecord {
     /// no figure.
     pub sm_count: Option<u32>,
     /// Large GEMMs' share of the dense peak inside a step, where the
-    /// profile was fitted for one; `null`: memfit's default.
+    /// profile has one of its own (fitted; its comment says to what);
+    /// `null`: memfit's default.
     pub gemm_efficiency: Option<f64>,
     pub fused_attention_efficiency: Option<f64>,
     /// Fused attention kernels' published rates, TFLOP/s by kernel, head

@@ -116,15 +116,17 @@ pub struct HardwareProfile {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sm_count: Option<u32>,
     /// The share of the dense peak that large GEMMs sustain inside a
-    /// training step on this GPU, where published runs on it were fitted
-    /// for one. `None`: `plan::COMPUTE_EFFICIENCY`.
+    /// training step on this GPU, where the profile has one of its own
+    /// (fitted to published runs; its comment says which). `None`:
+    /// `plan::COMPUTE_EFFICIENCY`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gemm_efficiency: Option<f64>,
     /// The share of the dense 16-bit peak that fused (flash) attention's
     /// forward and backward reach together. `None`: the GEMMs' share.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fused_attention_efficiency: Option<f64>,
-    /// Fused attention kernels' published rates on this GPU, by kernel
+    /// Fused attention kernels' rates on this GPU (published, or fitted
+    /// where the profile's comment says so), by kernel
     /// ([`attention_kernels`](super::attention_kernels)); where the
     /// kernel priced has some, they replace `fused_attention_efficiency`.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
@@ -149,7 +151,7 @@ impl HardwareProfile {
         self.inter_node_oversubscription = net.oversubscription;
     }
 
-    /// Prices fused attention at `kernel`'s published rates. The default
+    /// Prices fused attention at `kernel`'s rates in the profile. The default
     /// kernel (FlashAttention-2) needs none: without them the profile's
     /// `fused_attention_efficiency` prices it. Any other kernel must have
     /// rates in this profile.
@@ -169,7 +171,7 @@ impl HardwareProfile {
         Ok(())
     }
 
-    /// The published rates fused attention is priced at, if the profile
+    /// The rates fused attention is priced at, if the profile
     /// has them for the kernel chosen.
     pub fn attention_rates(&self) -> Option<&KernelRates> {
         self.attention_kernels.get(&self.attention_kernel)

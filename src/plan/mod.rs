@@ -44,11 +44,13 @@ use crate::knobs::Knobs;
 use crate::memory::{Category, PeakBytes};
 
 /// Fraction of the dense peak FLOP/s that large training GEMMs sustain
-/// inside a step. Alone they reach more: XLA's measured H100 table
-/// (tests/reference/gemm/h100-sxm-xla.yaml) has 75-81% at 4,096 rows and
-/// more by 4,096 x 4,096; memfit takes 70%, as the README's calibration
-/// table's H100 runs would all plan faster at the isolated rates
-/// (tests/it/gemm_shapes.rs, docs/plan-sweep-check.md).
+/// inside a step, on a hardware profile without a `gemm_efficiency` of its
+/// own. It holds the README's calibration table's A100 runs; the H100
+/// profile fits its own to its runs there (60%, profiles/hardware/
+/// h100-sxm-80gb.yaml). Alone, GEMMs reach more: XLA's measured H100
+/// table (tests/reference/gemm/h100-sxm-xla.yaml) has 50-81% over training
+/// shapes, 75-81% at K = 4,096 (tests/it/gemm_shapes.rs,
+/// docs/plan-sweep-check.md).
 pub const COMPUTE_EFFICIENCY: f64 = 0.7;
 /// Fraction of the memory bandwidth that streaming kernels reach (STREAM-like
 /// copies reach 80-90% of HBM peak; PyTorch's own elementwise kernels,
@@ -130,8 +132,8 @@ pub struct PlanRecipe {
     /// (`profiles/networks/`), in place of the one the hardware profile's
     /// nodes have.
     pub network: Option<String>,
-    /// The fused-attention kernel whose published rates (the hardware
-    /// profile's `attention_kernels`) price fused attention; absent:
+    /// The fused-attention kernel whose rates (the hardware profile's
+    /// `attention_kernels`, published or fitted) price fused attention; absent:
     /// FlashAttention-2, or the profile's `fused_attention_efficiency`
     /// where it gives no rates.
     pub attention_kernel: Option<AttentionKernel>,

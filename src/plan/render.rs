@@ -869,7 +869,7 @@ fn step_line(plan: &Plan, p: &Prediction, bullet: &str) -> String {
             "roofline at {:.0}% of peak FLOP/s for large GEMMs{}, less for shapes that leave SMs idle, {:.0}% of memory bandwidth ({:.0}% for norms){}",
             plan.efficiency["compute"] * 100.0,
             match hw.gemm_efficiency {
-                Some(_) => " (this GPU's share, fitted to published runs)",
+                Some(_) => " (the profile's own share, fitted to published runs)",
                 None => "",
             },
             plan.efficiency["memory"] * 100.0,

@@ -212,7 +212,8 @@ fn markdown(table: &Table, predicted: &[Predicted]) -> String {
         let held = match (&r.not_held, &r.fitted) {
             (None, None) => "yes".to_string(),
             (None, Some(fit)) => format!("yes (a row `{fit}` is fitted to)"),
-            (Some(why), _) => format!("no: {why}"),
+            (Some(why), None) => format!("no: {why}"),
+            (Some(why), Some(fit)) => format!("no (a row `{fit}` is fitted to): {why}"),
         };
         let (memfit, error) = match &r.lower_clock {
             None => (
@@ -349,7 +350,7 @@ fn misfit(table: &Table, fit: &str, adjust: &dyn Fn(&mut HardwareProfile)) -> f6
 /// The two constants the H100 profile takes from this table, each the best
 /// fit of the rows marked for it, a step either side fitting them worse:
 /// its GEMMs' sustained share of the peak (`gemm_efficiency`), fitted to
-/// the H100 runs that do not run flash-attn's Triton kernel, and that
+/// the H100 SXM runs that do not run flash-attn's Triton kernel, and that
 /// kernel's H100 rates, fitted to MosaicML's MPT 1b runs from 512 to 65,536
 /// tokens. Every other row is held out of both fits.
 /// MEMFIT_PRINT_FIT=1 prints each misfit around the profile's values.
@@ -358,6 +359,17 @@ fn the_fitted_constants_are_the_best_fit_of_their_rows() {
     let text = std::fs::read_to_string(dir().join("table.yaml")).unwrap();
     let table: Table = serde_yaml_ng::from_str(&text).unwrap();
     let print = std::env::var_os("MEMFIT_PRINT_FIT").is_some();
+    for r in &table.rows {
+        let fit = r.fitted.as_deref();
+        assert!(
+            matches!(
+                fit,
+                None | Some("gemm_efficiency" | "flash-attention-triton")
+            ),
+            "{}: `fitted: {fit:?}` names no fitted constant",
+            r.id
+        );
+    }
     let hw = memfit::config::hardware::load_hardware(FITTED_GPU).unwrap();
     let share = hw
         .gemm_efficiency
@@ -400,7 +412,7 @@ fn the_fitted_constants_are_the_best_fit_of_their_rows() {
         );
     }
     let at = triton(1.0);
-    for f in [0.95, 1.05] {
+    for f in [0.975, 1.025] {
         assert!(
             at < triton(f),
             "the Triton kernel's rates fit their rows no better scaled by {f} ({at:.5} vs {:.5})",

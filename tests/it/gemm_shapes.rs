@@ -1,5 +1,5 @@
-//! memfit's GEMM model (a large GEMM at `COMPUTE_EFFICIENCY` of the dense
-//! peak, derated by the tiles and waves its M×N leaves idle) against the
+//! memfit's GEMM model (a large GEMM at the profile's `gemm_efficiency`
+//! of the dense peak, or `COMPUTE_EFFICIENCY` without one, derated by the tiles and waves its M×N leaves idle) against the
 //! bf16 GEMM rates XLA measured on an H100 at the shapes a training step's
 //! GEMMs have (tests/reference/gemm/h100-sxm-xla.yaml, which says how they
 //! were measured).
@@ -113,6 +113,12 @@ fn the_tile_model_follows_measured_h100_gemms_across_training_shapes() {
 #[test]
 fn memfit_prices_h100_gemms_below_their_isolated_rate() {
     assert_eq!(COMPUTE_EFFICIENCY, 0.7);
+    let h100 = load_hardware("h100-sxm-80gb").unwrap();
+    assert_eq!(
+        h100.gemm_efficiency,
+        Some(0.60),
+        "the level this test holds"
+    );
     let shapes = shapes(None);
     for s in &shapes {
         assert!(
