@@ -306,10 +306,7 @@ impl KindSeconds {
 
     /// Adds `times` more of what went from `a` to `b`.
     fn repeat(&mut self, a: &KindSeconds, b: &KindSeconds, times: f64) {
-        let (a, b) = (a.values(), b.values());
-        for (s, (a, b)) in self.fields().into_iter().zip(a.into_iter().zip(b)) {
-            *s += (b - a) * times;
-        }
+        add_repeats(self.fields(), &a.values(), &b.values(), times);
     }
 
     /// Their sum.
@@ -323,6 +320,13 @@ impl KindSeconds {
             *s *= f;
         }
         self
+    }
+}
+
+/// Adds to each of `sums` `times` more of what went from `a` to `b`.
+fn add_repeats<'a>(sums: impl IntoIterator<Item = &'a mut f64>, a: &[f64], b: &[f64], times: f64) {
+    for (s, (a, b)) in sums.into_iter().zip(a.iter().zip(b)) {
+        *s += (b - a) * times;
     }
 }
 
@@ -863,9 +867,12 @@ impl<B: Backend> Device<B> {
         debug_assert!(self.be.planning() && a.returns_to_itself(b));
         let n = times as u64;
         self.meter.cost.roofline_s += (b.roofline_s - a.roofline_s) * times as f64;
-        for (s, (a, b)) in (self.meter.stage_s.iter_mut()).zip(a.stage_s.iter().zip(&b.stage_s)) {
-            *s += (b - a) * times as f64;
-        }
+        add_repeats(
+            &mut self.meter.stage_s,
+            &a.stage_s,
+            &b.stage_s,
+            times as f64,
+        );
         self.meter.kind_s.repeat(&a.kind_s, &b.kind_s, times as f64);
         self.meter.offload_s += (b.offload_s - a.offload_s) * times as f64;
         // Saturating: a plan's step may be 2^40 micro-batches of gigabytes.

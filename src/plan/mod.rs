@@ -1487,7 +1487,7 @@ pub fn plan_with(
         headroom: r.headroom,
         allow_numerics_change: r.allow_numerics_change,
         efficiency: BTreeMap::from([
-            ("compute", hw.gemm_efficiency.unwrap_or(COMPUTE_EFFICIENCY)),
+            ("compute", gemm_share(hw)),
             ("memory", MEMORY_EFFICIENCY),
             ("norm", NORM_EFFICIENCY),
             ("communication", COMM_EFFICIENCY),
@@ -1527,12 +1527,17 @@ pub fn roofline(hw: &HardwareProfile, precision: Precision) -> Roofline {
     }
 }
 
+/// The share of `hw`'s dense peak large GEMMs sustain inside a step: its
+/// profile's own `gemm_efficiency`, else `COMPUTE_EFFICIENCY`.
+fn gemm_share(hw: &HardwareProfile) -> f64 {
+    hw.gemm_efficiency.unwrap_or(COMPUTE_EFFICIENCY)
+}
+
 fn profile_roofline(hw: &HardwareProfile, precision: Precision) -> Roofline {
     let tensor_cores = precision.is_16bit();
-    let gemm_share = hw.gemm_efficiency.unwrap_or(COMPUTE_EFFICIENCY);
     Roofline {
-        flops_per_s: hw.peak_flops(precision) * gemm_share,
-        kernel_flops_per_s: hw.peak_flops(precision) * gemm_share,
+        flops_per_s: hw.peak_flops(precision) * gemm_share(hw),
+        kernel_flops_per_s: hw.peak_flops(precision) * gemm_share(hw),
         bytes_per_s: hw.memory_bandwidth_gbps * 1e9 * MEMORY_EFFICIENCY,
         norm_share: NORM_EFFICIENCY / MEMORY_EFFICIENCY,
         op_overhead_s: OP_OVERHEAD_S,

@@ -1,8 +1,9 @@
 //! memfit's GEMM model (a large GEMM at the profile's `gemm_efficiency`
-//! of the dense peak, or `COMPUTE_EFFICIENCY` without one, derated by the tiles and waves its M×N leaves idle) against the
-//! bf16 GEMM rates XLA measured on an H100 at the shapes a training step's
-//! GEMMs have (tests/reference/gemm/h100-sxm-xla.yaml, which says how they
-//! were measured).
+//! of the dense peak, or `COMPUTE_EFFICIENCY` without one, derated by the
+//! tiles and waves its M×N leaves idle) against the bf16 GEMM rates XLA
+//! measured on an H100 at the shapes a training step's GEMMs have
+//! (tests/reference/gemm/h100-sxm-xla.yaml, which says how they were
+//! measured).
 //!
 //! Two things are held apart. The shape law: how a GEMM's rate falls from
 //! the largest one's as its sides shrink, which the tile model alone says.
@@ -36,9 +37,9 @@ struct Shape {
     memfit: f64,
 }
 
-/// Each measured shape with memfit's rate for it, the profile's
-/// `gemm_efficiency` replaced by `share` where that is `Some`.
-fn shapes(share: Option<Option<f64>>) -> Vec<Shape> {
+/// Each measured shape with memfit's rate for it: at the profile's
+/// `gemm_efficiency`, or at memfit's default share where `default_share`.
+fn shapes(default_share: bool) -> Vec<Shape> {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/reference/gemm/h100-sxm-xla.yaml"
@@ -46,8 +47,8 @@ fn shapes(share: Option<Option<f64>>) -> Vec<Shape> {
     let m: Measured = serde_yaml_ng::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     assert_eq!(m.dtype, "bf16");
     let mut hw = load_hardware(&m.gpu).unwrap();
-    if let Some(share) = share {
-        hw.gemm_efficiency = share;
+    if default_share {
+        hw.gemm_efficiency = None;
     }
     let r = roofline(&hw, Precision::Bf16);
     (m.rows.iter())
@@ -82,7 +83,7 @@ fn shapes(share: Option<Option<f64>>) -> Vec<Shape> {
 /// GEMM's price: there 4,096 x 1,024 x 1,024 comes out at 1.19x.
 #[test]
 fn the_tile_model_follows_measured_h100_gemms_across_training_shapes() {
-    let shapes = shapes(Some(None));
+    let shapes = shapes(true);
     let largest = (shapes.iter())
         .max_by_key(|s| s.gemm.flops())
         .expect("rows");
@@ -119,7 +120,7 @@ fn memfit_prices_h100_gemms_below_their_isolated_rate() {
         Some(0.60),
         "the level this test holds"
     );
-    let shapes = shapes(None);
+    let shapes = shapes(false);
     for s in &shapes {
         assert!(
             s.memfit <= s.measured,
