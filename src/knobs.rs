@@ -202,8 +202,10 @@ knobs! {
     set_to_none: bool [train],
     /// How the loss meets the head: full (every token's logits at once),
     /// chunked (torchtune's LinearCrossEntropyLoss: the sequence in
-    /// --loss-chunks parts; hf-eager) or fused-linear (Liger's fused linear
-    /// cross-entropy: no logits beyond a chunk of tokens) [default: full].
+    /// --loss-chunks parts; hf-eager), fused-linear (Liger's fused linear
+    /// cross-entropy: no logits beyond a chunk of tokens) or
+    /// megatron-unfused (Megatron-Core's default: the logits copied to fp32
+    /// and the softmax formed in unfused passes; memfit) [default: full].
     #[arg(long, value_enum)]
     loss: Loss [train],
     /// --loss chunked: the parts the sequence is split into (torchtune's

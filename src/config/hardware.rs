@@ -882,14 +882,14 @@ mod tests {
     fn a_gemm_share_is_a_share_of_the_peak() {
         for bad in ["1.5", "0", "-0.2"] {
             let msg = located_error(
-                "gemm_efficiency: 0.60",
+                "gemm_efficiency: 0.62",
                 &format!("gemm_efficiency: {bad}"),
                 "gemm_efficiency",
             );
             assert!(msg.contains("not a share of the peak in (0, 1]"), "{msg}");
         }
         let hw = parse_hardware_yaml(h100_text(), "x.yaml").unwrap();
-        assert_eq!(hw.gemm_efficiency, Some(0.60));
+        assert_eq!(hw.gemm_efficiency, Some(0.62));
     }
 
     #[test]

@@ -24,11 +24,25 @@
 //!   Liger's: `next_power_of_2(ceil(N / ceil(V / C)))` tokens, so a chunk's
 //!   logits are about the size of the head's input. The engine computes
 //!   exactly this, on every backend.
+//! - `megatron-unfused`: Megatron-Core's cross-entropy without
+//!   `--cross-entropy-loss-fusion` (`vocab_parallel_cross_entropy`,
+//!   megatron/core/tensor_parallel/cross_entropy.py @ d98e8a6, what
+//!   `compute_language_model_loss` calls unless the flag is given). The
+//!   whole logits (this rank's vocabulary columns under tensor parallelism),
+//!   then `logits.float()`: a 16-bit model's logits are copied to fp32 and
+//!   live beside the copy until the loss returns; the max, the in-place
+//!   subtraction, the in-place `exp`, the sum and the in-place division each
+//!   pass over that fp32 tensor, which is saved as the softmax; the backward
+//!   makes it the gradient in place and `.float()`'s backward casts it back
+//!   to the head's type. The engine runs the copy, its own loss kernels on
+//!   the fp32 tensor and the cast back; the passes its kernel fuses are
+//!   charged beside it ([`megatron_unfused`]).
 
 use crate::backend::{Backend, DType};
 use crate::memory::{Category, OomError};
 
 use super::device::{Device, Tensor};
+use super::framework::Unfused;
 
 type T<B> = Tensor<<B as Backend>::Buf>;
 
@@ -45,7 +59,50 @@ knob_enum! {
         /// Liger's fused linear cross-entropy: logits a chunk of tokens at a
         /// time, the head's gradients made in the forward.
         FusedLinear,
+        /// Megatron-Core's default cross-entropy (no
+        /// `--cross-entropy-loss-fusion`): the whole logits, copied to fp32,
+        /// and the softmax formed over that copy in unfused passes.
+        MegatronUnfused,
     }
+}
+
+impl Loss {
+    /// Whether the loss is computed over the whole logits at once.
+    pub fn whole_logits(self) -> bool {
+        matches!(self, Loss::Full | Loss::MegatronUnfused)
+    }
+}
+
+/// What Megatron-Core's unfused cross-entropy launches and moves beyond the
+/// kernels the engine runs for it (the fp32 copy, its own loss kernels on
+/// that copy, the cast back), over `elems` logits (tokens x this rank's
+/// vocabulary columns): `[forward, backward]`.
+///
+/// Forward (`_VocabParallelCrossEntropy.forward`): `max` reads the fp32
+/// logits (4 B an element), `-=` and `exp(out=)` read and write them (8 and
+/// 8), `sum` reads them (4) and `div_` reads and writes them (8): 32 B where
+/// the engine's forward kernel reads them once (4), so 28 B more; 19 kernels
+/// besides the cast (those five; two compares and an `|` for the target
+/// mask; `clone` and `-` of the targets; a masked fill's `nonzero` and
+/// `index_put`; `arange`; the gather and its `clone`; another masked fill's
+/// two; `log` and `-`), where the engine launches one. Backward (`backward`, `calculate_gradients`): the
+/// target's `-=` through an index (gather, subtract, scatter: rows only) and
+/// `mul_` by the incoming gradient, which reads and writes them (8 B, as the
+/// engine's one backward kernel does), with `arange`, the mask's `float` and
+/// `1 -`: 7 kernels where the engine launches one. The three all-reduces
+/// over the tensor-parallel group carry a token's worth each; the engine's
+/// vocabulary-parallel loss exchanges the same statistics its own way.
+pub(super) fn megatron_unfused(elems: usize) -> [Unfused; 2] {
+    [
+        Unfused {
+            kernels: 18,
+            bytes: 28 * elems as u64,
+        },
+        Unfused {
+            kernels: 6,
+            bytes: 0,
+        },
+    ]
 }
 
 /// torchtune's default `num_output_chunks`.
@@ -61,7 +118,7 @@ pub(crate) fn default_chunks() -> usize {
 pub fn parts(loss: Loss, chunks: usize, b: usize, t: usize, v: usize, c: usize) -> Vec<usize> {
     let n = b * t;
     match loss {
-        Loss::Full => vec![n],
+        Loss::Full | Loss::MegatronUnfused => vec![n],
         // `tensor_split(k, dim=1)`: the first `t % k` parts take one more
         // position; empty parts hold nothing.
         Loss::Chunked => {

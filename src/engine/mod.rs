@@ -529,6 +529,9 @@ struct LogitsPart<X> {
     targets: Option<X>,
     /// The framework profile's tensors saved with the log_softmax output.
     extra: Vec<X>,
+    /// What its loss's backward launches and moves beyond the engine's
+    /// kernels (Megatron's unfused loss, `loss::megatron_unfused`).
+    unfused: framework::Unfused,
 }
 
 #[cfg(test)]
@@ -1842,6 +1845,7 @@ fn full_head_backward<B: Backend>(
     let tmp = Category::Temporaries;
     let dt = lnf.dtype;
     let (mut logits, loss_extra) = (part.logits, part.extra);
+    dev.charge_unfused("megatron_cross_entropy", part.unfused);
     // hf-eager: nll_loss_backward's dense gradient, then
     // _log_softmax_backward_data's, both alive with the saved log_softmax
     // output; then the first and the saved output go and the engine's
@@ -1860,6 +1864,13 @@ fn full_head_backward<B: Backend>(
     }
     for t in loss_grads.into_iter().chain(loss_extra) {
         dev.free(t);
+    }
+    // Megatron's unfused loss: `.float()`'s backward casts the fp32
+    // gradient to the head's type, a new tensor, before the copy goes.
+    if logits.dtype != dt {
+        let mut cast = dev.alloc(logits.len, dt, tmp)?;
+        dev.convert(&mut cast, &logits);
+        dev.free(std::mem::replace(&mut logits, cast));
     }
     if hf.is_some() {
         dev.retag(&mut logits, tmp);
@@ -1983,6 +1994,7 @@ fn chunked_head_backward<B: Backend>(
             input,
             targets: tc,
             extra,
+            unfused: _,
         } = part;
         let (input, tc) = (
             input.expect("a chunk keeps its rows"),

@@ -601,7 +601,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             if let Some(x) = &mut targets {
                 dev.be.upload_u32(&mut x.buf, &batch.targets);
             }
-            if last && self.train.loss != Loss::Full {
+            if last && !self.train.loss.whole_logits() {
                 host_targets = Some(batch.targets);
             }
         }
@@ -1114,7 +1114,7 @@ impl<'e, B: Backend> Pass<'e, B> {
         };
         let targets = targets.expect("the last stage reads the targets");
         let (lnf, losses, loss) = match self.train.loss {
-            Loss::Full => self.full_loss(lnf, targets)?,
+            Loss::Full | Loss::MegatronUnfused => self.full_loss(lnf, targets)?,
             Loss::FusedLinear => self.fused_loss(lnf, host_targets.as_deref(), dloss)?,
             Loss::Chunked => self.chunked_loss(lnf, host_targets.as_deref())?,
         };
@@ -1174,6 +1174,17 @@ impl<'e, B: Backend> Pass<'e, B> {
         if let Some(cap) = self.model.final_softcap() {
             self.dev.softcap_forward(&mut logits, n * vpl, cap);
         }
+        // Megatron's unfused loss: `logits.float()`, beside the logits
+        // until the loss returns; the loss then runs over the copy.
+        let megatron = self.train.loss == Loss::MegatronUnfused;
+        let half = match megatron && self.dt != DType::F32 {
+            true => {
+                let mut up = self.dev.alloc_f32(n * vpl, act)?;
+                self.dev.convert(&mut up, &logits);
+                Some(std::mem::replace(&mut logits, up))
+            }
+            false => None,
+        };
         let mut losses = self.dev.alloc_f32(n, act)?;
         let lse = match self.tp.as_mut() {
             None => {
@@ -1192,6 +1203,11 @@ impl<'e, B: Backend> Pass<'e, B> {
         for t in hf_logits {
             self.dev.free(t);
         }
+        self.dev.free_opt(half);
+        if megatron {
+            let [fwd, _] = loss::megatron_unfused(n * vpl);
+            self.dev.charge_unfused("megatron_cross_entropy", fwd);
+        }
         let part = LogitsPart {
             start: 0,
             rows: n,
@@ -1199,6 +1215,10 @@ impl<'e, B: Backend> Pass<'e, B> {
             input: None,
             targets: None,
             extra: loss_extra,
+            unfused: match megatron {
+                true => loss::megatron_unfused(n * vpl)[1],
+                false => Default::default(),
+            },
         };
         let parts = vec![part];
         Ok((Some(lnf), losses, LossActs::Logits { parts, lse }))
@@ -1291,6 +1311,7 @@ impl<'e, B: Backend> Pass<'e, B> {
                 input: Some(input),
                 targets: Some(tc),
                 extra,
+                unfused: Default::default(),
             });
             off += r;
         }

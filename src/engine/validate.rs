@@ -326,6 +326,11 @@ fn loss(t: &TrainConfig) -> Result<()> {
     }
     match t.loss {
         Loss::Full => Ok(()),
+        Loss::MegatronUnfused if t.framework == Framework::HfEager => Err(Error::invalid_arg(
+            "--loss",
+            "megatron-unfused is Megatron-Core's cross-entropy, which transformers does not run: hf-eager's --loss full already holds what ForCausalLMLoss holds (its fp32 copy of the logits and the log_softmax output); use --framework memfit for a Megatron-LM run",
+        )),
+        Loss::MegatronUnfused => Ok(()),
         Loss::Chunked if t.framework == Framework::Memfit => Err(Error::invalid_arg(
             "--loss",
             "chunked is torchtune's cross-entropy, a PyTorch allocation profile: add --framework hf-eager (memfit's engine already keeps one logits buffer, in the 16-bit type, and turns it into its gradient in place, which chunking would not change; --loss fused-linear builds no logits at all)",

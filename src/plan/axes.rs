@@ -239,8 +239,9 @@ axes! {
     /// off.
     HpzGroup hpz_group: Option<NonZeroUsize> = None,
         grid #[serde(with = "group::list")], point #[serde(with = "group")];
-    /// How the loss meets the head: full, chunked (torchtune's, hf-eager)
-    /// and/or fused-linear (Liger's).
+    /// How the loss meets the head: full, chunked (torchtune's, hf-eager),
+    /// fused-linear (Liger's) and/or megatron-unfused (Megatron-Core's
+    /// default, memfit).
     Loss loss: Loss = Loss::Full;
     /// Mixture-of-experts capacity factors: each expert takes
     /// ceil(f x tokens x top-k / experts) rows, padded, the overflow

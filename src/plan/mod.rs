@@ -46,7 +46,7 @@ use crate::memory::{Category, PeakBytes};
 /// Fraction of the dense peak FLOP/s that large training GEMMs sustain
 /// inside a step, on a hardware profile without a `gemm_efficiency` of its
 /// own. It holds the README's calibration table's A100 runs; the H100
-/// profile fits its own to its runs there (60%, profiles/hardware/
+/// profile fits its own to its runs there (62%, profiles/hardware/
 /// h100-sxm-80gb.yaml). Alone, GEMMs reach more: XLA's measured H100
 /// table (tests/reference/gemm/h100-sxm-xla.yaml) has 50-81% over training
 /// shapes, 75-81% at K = 4,096 (tests/it/gemm_shapes.rs,

@@ -393,6 +393,12 @@ fn write_knobs(s: &mut String, r: &RunReport) {
                 "loss: fused-linear, the logits a chunk of tokens at a time (Liger's fused linear cross-entropy)"
             );
         }
+        crate::engine::Loss::MegatronUnfused => {
+            let _ = writeln!(
+                s,
+                "loss: megatron-unfused, the whole logits copied to fp32 and the softmax formed over the copy in unfused passes (Megatron-Core's vocab_parallel_cross_entropy, no --cross-entropy-loss-fusion)"
+            );
+        }
     }
     if let Some(a) = r.allocator {
         let _ = writeln!(

@@ -200,6 +200,86 @@ fn the_fused_loss_holds_no_logits() {
     );
 }
 
+/// Megatron's unfused loss computes the full loss's loss and gradients
+/// (the engine's kernels over the fp32 copy, then the cast back), in fp32,
+/// where `.float()` copies nothing, and in bf16, where it does.
+#[test]
+fn megatrons_unfused_loss_computes_the_full_losss_gradients() {
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        for precision in [Precision::Fp32, Precision::Bf16] {
+            let t = |loss| TrainConfig {
+                precision,
+                ..tc(loss, Framework::Memfit)
+            };
+            let full = grads(model, &t(Loss::Full));
+            let megatron = grads(model, &t(Loss::MegatronUnfused));
+            assert_close(&format!("{model} {precision:?}"), &full, &megatron);
+        }
+    }
+}
+
+/// What Megatron's unfused loss holds and moves beyond the full loss, per
+/// micro-batch of N tokens over a padded vocabulary Vp: in bf16 the fp32
+/// copy (4 B an element) beside the logits until the loss returns, and
+/// again beside the gradient's cast back; 52 B an element moved where the
+/// engine's fused kernels move 6 (`loss::megatron_unfused`), and 24 more
+/// launches. Meta predicts it byte for byte on cpu.
+#[test]
+fn megatrons_unfused_loss_holds_an_fp32_copy_and_pays_its_passes() {
+    let model = load_model("llama-tiny").unwrap();
+    let (n, vp) = (4 * 32, model.padded_vocab() as u64);
+    let elems = n * vp;
+    let t = |loss| TrainConfig {
+        precision: Precision::Bf16,
+        grad_accum: 2,
+        ..tc(loss, Framework::Memfit)
+    };
+    let run = |loss| {
+        let mut cpu =
+            Engine::new(model.clone(), t(loss), CpuBackend::new(2).unwrap(), None).unwrap();
+        let mut meta =
+            Engine::new(model.clone(), t(loss), MetaBackend::emulating_cpu(), None).unwrap();
+        let mut data = DataSource::synthetic(model.vocab_size, 3);
+        let batches: Vec<_> = (0..2).map(|_| data.next_batch(4, 32)).collect();
+        cpu.step(&batches).unwrap();
+        meta.step(&batches).unwrap();
+        let (c, m) = (&cpu.dev.tracker, &meta.dev.tracker);
+        assert_eq!(
+            common::events(c),
+            common::events(m),
+            "{loss:?}: timelines differ"
+        );
+        assert_eq!(
+            cpu.dev.meter.cost.bytes(),
+            meta.dev.meter.cost.bytes(),
+            "{loss:?}"
+        );
+        meta
+    };
+    let (full, megatron) = (run(Loss::Full), run(Loss::MegatronUnfused));
+    let copies = |e: &Engine<MetaBackend>| {
+        common::events(&e.dev.tracker)
+            .iter()
+            .filter(|(cat, bytes, _)| {
+                *cat == memfit::memory::Category::Activations && *bytes == 4 * elems as i64
+            })
+            .count()
+    };
+    // One fp32 copy a micro-batch, none in the full loss.
+    assert_eq!((copies(&full), copies(&megatron)), (0, 2));
+    let (f, m) = (&full.dev.meter.cost, &megatron.dev.meter.cost);
+    assert_eq!(m.bytes() - f.bytes(), 2 * 46 * elems as u128);
+    let calls =
+        |c: &memfit::engine::device::CostCounter| -> u64 { c.ops.values().map(|o| o.calls).sum() };
+    // Per micro-batch: the copy and the cast back, and the passes the
+    // engine's two kernels fuse (18 forward, 6 backward).
+    assert_eq!(calls(m) - calls(f), 2 * (2 + 18 + 6));
+    assert_eq!(
+        m.ops["megatron_cross_entropy"].bytes,
+        2 * 28 * elems as u128
+    );
+}
+
 #[test]
 fn losses_that_would_do_nothing_are_refused() {
     fn with<'a>(extra: &[&'a str]) -> Vec<&'a str> {
@@ -234,6 +314,14 @@ fn losses_that_would_do_nothing_are_refused() {
         "--loss",
     );
     assert!(err.contains("vocabulary-parallel"), "{err}");
+    let err = refused(
+        &with(&["--loss", "megatron-unfused", "--framework", "hf-eager"]),
+        "--loss",
+    );
+    assert!(
+        err.contains("Megatron-Core") && err.contains("--framework memfit"),
+        "{err}"
+    );
 }
 
 /// `loss` is a plan axis: each point plans its own, the label and the table

@@ -15,7 +15,8 @@ use memfit::config::profile::load_model;
 use memfit::data::DataSource;
 use memfit::engine::cluster::Cluster;
 use memfit::engine::cluster::{cpu_links, meta_links};
-use memfit::engine::{Checkpointing, Optimizer, Precision, Sharding, TrainConfig};
+use memfit::engine::{Checkpointing, Loss, Optimizer, Precision, Sharding, TrainConfig};
+use memfit::memory::Category;
 
 fn cpu_cluster(model: &ModelConfig, tc: &TrainConfig) -> Cluster<CpuBackend> {
     let backends = (0..tc.ranks).map(|_| CpuBackend::new(1).unwrap()).collect();
@@ -260,6 +261,76 @@ fn meta_predicts_every_tensor_parallel_rank() {
             for (i, dev) in cpu.release().into_iter().enumerate() {
                 assert_eq!(dev.tracker.live().total(), 0, "{what}: rank {i} leaked");
             }
+        }
+    }
+}
+
+/// Megatron's unfused loss over each rank's vocabulary columns: the group
+/// trains as it does with the full loss, each rank holds its columns' fp32
+/// copy, and meta predicts every rank.
+#[test]
+fn megatrons_unfused_loss_trains_each_ranks_vocabulary_columns() {
+    let model = load_model("llama-tiny").unwrap();
+    for (ranks, sharding, sequence_parallel) in
+        [(2, Sharding::None, false), (4, Sharding::Zero1, true)]
+    {
+        let tc = |loss| TrainConfig {
+            sequence_parallel,
+            seq_len: 16,
+            micro_batch: 2,
+            grad_accum: 2,
+            precision: Precision::Bf16,
+            ranks,
+            sharding,
+            tensor_parallel: 2,
+            loss,
+            ..TrainConfig::default()
+        };
+        let what = format!("N={ranks} {sharding:?} SP {sequence_parallel}");
+        let (mut full, mut cpu) = (
+            cpu_cluster(&model, &tc(Loss::Full)),
+            cpu_cluster(&model, &tc(Loss::MegatronUnfused)),
+        );
+        let mut meta = meta_cluster(&model, &tc(Loss::MegatronUnfused));
+        let (mut a, mut b) = (
+            DataSource::synthetic(model.vocab_size, 5),
+            DataSource::synthetic(model.vocab_size, 5),
+        );
+        for _ in 0..2 {
+            let want = full
+                .step_from(2, || a.next_batch(2, 16))
+                .unwrap()
+                .loss
+                .unwrap();
+            let got = cpu
+                .step_from(2, || b.next_batch(2, 16))
+                .unwrap()
+                .loss
+                .unwrap();
+            assert!(
+                (got - want).abs() < 1e-4 * want.abs(),
+                "{what}: {got} vs {want}"
+            );
+            meta.step_from(2, || unreachable!()).unwrap();
+        }
+        // Each rank's copy: its 2 x 16 tokens by half the padded vocabulary, fp32.
+        let copy = 2 * 16 * (model.padded_vocab() / 2) as u64 * 4;
+        for ((c, m), f) in cpu.ranks.iter().zip(&meta.ranks).zip(&full.ranks) {
+            let (cp, mp) = (c.dev.tracker.peak_bytes(), m.dev.tracker.peak_bytes());
+            assert_eq!(cp, mp, "{what}");
+            let more = cp.total - f.dev.tracker.peak_bytes().total;
+            assert!(
+                more <= copy,
+                "{what}: {more} more than the full loss, copy {copy}"
+            );
+            let copies = crate::common::events(&c.dev.tracker)
+                .iter()
+                .filter(|(cat, bytes, _)| *cat == Category::Activations && *bytes == copy as i64)
+                .count();
+            assert_eq!(
+                copies, 4,
+                "{what}: one copy a micro-batch, two steps of two"
+            );
         }
     }
 }
