@@ -328,6 +328,10 @@ pub struct HfRules {
     /// beside the engine's own ops, none where Liger's kernels run.
     pub unfused_block: [Unfused; 2],
     pub unfused_head: [Unfused; 2],
+    /// What PyTorch's eager cross-entropy moves and launches beyond the
+    /// engine's fused loss kernels (forward, backward): bytes per row of
+    /// the logits, launches per call ([`HfRules::loss_unfused`]).
+    unfused_loss: [Unfused; 2],
     /// What a GPU flash kernel's backward allocates for itself and frees
     /// as it returns (each element count and type), on top of the
     /// gradients it writes ([`Step::attention_backward_scratch`]).
@@ -389,8 +393,21 @@ impl HfRules {
             liger: x.liger,
             unfused_block,
             unfused_head,
+            unfused_loss: x.unfused_loss(),
             attention_backward_scratch: x.attention_backward_scratch(),
         }
+    }
+}
+
+impl HfRules {
+    /// What the eager loss over `rows` tokens' logits (the whole batch's,
+    /// or a chunk's) adds to the step beyond the engine's loss kernels:
+    /// `[forward, backward]`.
+    pub fn loss_unfused(&self, rows: usize) -> [Unfused; 2] {
+        self.unfused_loss.map(|u| Unfused {
+            kernels: u.kernels,
+            bytes: u.bytes * rows as u64,
+        })
     }
 }
 
@@ -655,6 +672,37 @@ impl<'a> Step<'a> {
             two(norm_bwd) + mlp_bwd + rope_bwd,
         ];
         (block, [norm_fwd, norm_bwd])
+    }
+
+    /// PyTorch's eager cross-entropy over a row of the logits, beyond the
+    /// engine's one fused forward and one fused backward kernel (which read
+    /// the logits once, and read and write them once): per row, bytes;
+    /// per call, launches. `ForCausalLMLoss` (transformers/loss/
+    /// loss_utils.py) and torchtune's `compute_cross_entropy` (a chunk at a
+    /// time) both call `F.cross_entropy(logits.float(), labels)`: a 16-bit
+    /// model's logits copied to fp32 (2 B read, 4 written), `log_softmax`
+    /// over a row too wide for shared memory (ATen's `cunn_SoftMaxForward`:
+    /// the row read for its max, again for its sum of exponentials and
+    /// again to write the output, 16 B), and `nll_loss`, which gathers a
+    /// row's target; the backward: `nll_loss_backward`'s zero-filled
+    /// gradient (4 B written, then a scatter), `_log_softmax_backward_data`
+    /// (the incoming gradient read for its sum and again with the output,
+    /// the result written: 16 B) and the cast back (4 read, 2 written).
+    /// Liger's fused loss runs none of it, nor does a compiled loss, whose
+    /// graph inductor fuses (`Step::compiled_loss`).
+    fn unfused_loss(&self) -> [Unfused; 2] {
+        let (train, v, d) = (self.train, self.v, self.dt.size());
+        if train.compile_loss || train.loss == super::Loss::FusedLinear {
+            return [Unfused::default(); 2];
+        }
+        let (cast, casts) = match self.sixteen {
+            true => (d + 4, 1),
+            false => (0, 0),
+        };
+        [
+            Unfused::beyond(2 + casts, v * (cast + 16), v * d),
+            Unfused::beyond(3 + casts, v * (4 + 16 + cast), v * 2 * d),
+        ]
     }
 
     /// Gemma's RMSNorm (`Gemma2RMSNorm.forward`, modeling_gemma2.py, and

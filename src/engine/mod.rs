@@ -530,7 +530,8 @@ struct LogitsPart<X> {
     /// The framework profile's tensors saved with the log_softmax output.
     extra: Vec<X>,
     /// What its loss's backward launches and moves beyond the engine's
-    /// kernels (Megatron's unfused loss, `loss::megatron_unfused`).
+    /// kernels (Megatron's unfused loss, `loss::megatron_unfused`, or
+    /// PyTorch's eager one, `HfRules::loss_unfused`).
     unfused: framework::Unfused,
 }
 
@@ -1845,7 +1846,7 @@ fn full_head_backward<B: Backend>(
     let tmp = Category::Temporaries;
     let dt = lnf.dtype;
     let (mut logits, loss_extra) = (part.logits, part.extra);
-    dev.charge_unfused("megatron_cross_entropy", part.unfused);
+    dev.charge_unfused("unfused_cross_entropy", part.unfused);
     // hf-eager: nll_loss_backward's dense gradient, then
     // _log_softmax_backward_data's, both alive with the saved log_softmax
     // output; then the first and the saved output go and the engine's
@@ -1994,8 +1995,9 @@ fn chunked_head_backward<B: Backend>(
             input,
             targets: tc,
             extra,
-            unfused: _,
+            unfused,
         } = part;
+        dev.charge_unfused("unfused_cross_entropy", unfused);
         let (input, tc) = (
             input.expect("a chunk keeps its rows"),
             tc.expect("a chunk keeps its targets"),

@@ -1204,10 +1204,14 @@ impl<'e, B: Backend> Pass<'e, B> {
             self.dev.free(t);
         }
         self.dev.free_opt(half);
-        if megatron {
-            let [fwd, _] = loss::megatron_unfused(n * vpl);
-            self.dev.charge_unfused("megatron_cross_entropy", fwd);
-        }
+        // The passes an unfused loss runs beyond the engine's kernels:
+        // Megatron's, or PyTorch's eager cross-entropy under hf-eager.
+        let [fwd, bwd] = match (megatron, self.hf) {
+            (true, _) => loss::megatron_unfused(n * vpl),
+            (false, Some(h)) => h.loss_unfused(n),
+            (false, None) => Default::default(),
+        };
+        self.dev.charge_unfused("unfused_cross_entropy", fwd);
         let part = LogitsPart {
             start: 0,
             rows: n,
@@ -1215,10 +1219,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             input: None,
             targets: None,
             extra: loss_extra,
-            unfused: match megatron {
-                true => loss::megatron_unfused(n * vpl)[1],
-                false => Default::default(),
-            },
+            unfused: bwd,
         };
         let parts = vec![part];
         Ok((Some(lnf), losses, LossActs::Logits { parts, lse }))
@@ -1300,6 +1301,8 @@ impl<'e, B: Backend> Pass<'e, B> {
             }
             let mut lc = dev.alloc_f32(r, Category::Temporaries)?;
             dev.crossentropy_forward(&mut lc, &logits, &tc, r, v, vp);
+            let [fwd, bwd] = hf.map_or(Default::default(), |h| h.loss_unfused(r));
+            dev.charge_unfused("unfused_cross_entropy", fwd);
             dev.copy_slice(&mut losses, off, &lc, 0, r, false);
             for x in live.into_iter().chain([lc]) {
                 dev.free(x);
@@ -1311,7 +1314,7 @@ impl<'e, B: Backend> Pass<'e, B> {
                 input: Some(input),
                 targets: Some(tc),
                 extra,
-                unfused: Default::default(),
+                unfused: bwd,
             });
             off += r;
         }

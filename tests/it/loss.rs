@@ -274,10 +274,43 @@ fn megatrons_unfused_loss_holds_an_fp32_copy_and_pays_its_passes() {
     // Per micro-batch: the copy and the cast back, and the passes the
     // engine's two kernels fuse (18 forward, 6 backward).
     assert_eq!(calls(m) - calls(f), 2 * (2 + 18 + 6));
-    assert_eq!(
-        m.ops["megatron_cross_entropy"].bytes,
-        2 * 28 * elems as u128
-    );
+    assert_eq!(m.ops["unfused_cross_entropy"].bytes, 2 * 28 * elems as u128);
+}
+
+/// hf-eager's eager losses pay PyTorch's passes over the logits beyond the
+/// engine's two kernels (`HfRules::loss_unfused`): per element, 12 B more
+/// forward and 12 backward in fp32; in 16 bits the fp32 copy and the cast
+/// back too, 20 and 22. Per call, one launch more forward and two more
+/// backward, and the two casts. torchtune's chunks pay them chunk by
+/// chunk; a compiled chunk and Liger's fused loss pay none.
+#[test]
+fn pytorchs_eager_cross_entropy_pays_its_passes() {
+    let model = load_model("llama-tiny").unwrap();
+    let elems = (4 * 32 * model.vocab_size) as u128;
+    let cases = [
+        (Precision::Fp32, Loss::Full, false, 24, 3),
+        (Precision::Bf16Pure, Loss::Full, false, 42, 5),
+        (Precision::Bf16, Loss::Full, false, 42, 5),
+        (Precision::Bf16Pure, Loss::Chunked, false, 42, 5 * 5),
+        (Precision::Bf16Pure, Loss::Chunked, true, 0, 0),
+        (Precision::Bf16Pure, Loss::FusedLinear, false, 0, 0),
+    ];
+    for (precision, loss, compile_loss, per_elem, calls) in cases {
+        let t = TrainConfig {
+            precision,
+            compile_loss,
+            loss_chunks: 5,
+            ..tc(loss, Framework::HfEager)
+        };
+        let mut e = Engine::new(model.clone(), t, MetaBackend::emulating_cpu(), None).unwrap();
+        e.step_from(1, || unreachable!("meta reads no batch"))
+            .unwrap();
+        let op = e.dev.meter.cost.ops.get("unfused_cross_entropy");
+        let (bytes, n) = op.map_or((0, 0), |o| (o.bytes, o.calls));
+        let what = format!("{precision:?} {loss:?} compiled {compile_loss}");
+        assert_eq!(bytes, per_elem * elems, "{what}");
+        assert_eq!(n, calls, "{what}");
+    }
 }
 
 #[test]
