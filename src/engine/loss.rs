@@ -85,11 +85,12 @@ impl Loss {
 /// besides the cast (those five; two compares and an `|` for the target
 /// mask; `clone` and `-` of the targets; a masked fill's `nonzero` and
 /// `index_put`; `arange`; the gather and its `clone`; another masked fill's
-/// two; `log` and `-`), where the engine launches one. Backward (`backward`, `calculate_gradients`): the
-/// target's `-=` through an index (gather, subtract, scatter: rows only) and
-/// `mul_` by the incoming gradient, which reads and writes them (8 B, as the
-/// engine's one backward kernel does), with `arange`, the mask's `float` and
-/// `1 -`: 7 kernels where the engine launches one. The three all-reduces
+/// two; `log` and `-`), where the engine launches one. Backward
+/// (`backward`, `calculate_gradients`): the target's `-=` through an index
+/// (gather, subtract, scatter: rows only) and `mul_` by the incoming
+/// gradient, which reads and writes them (8 B, as the engine's one backward
+/// kernel does), with `arange`, the mask's `float` and `1 -`: 7 kernels
+/// where the engine launches one. The three all-reduces
 /// over the tensor-parallel group carry a token's worth each; the engine's
 /// vocabulary-parallel loss exchanges the same statistics its own way.
 pub(super) fn megatron_unfused(elems: usize) -> [Unfused; 2] {

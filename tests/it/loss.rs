@@ -78,6 +78,20 @@ fn chunked_and_fused_losses_compute_the_full_losss_gradients() {
     }
 }
 
+/// Meta allocated what cpu did, event for event, and counted the same
+/// FLOPs and bytes.
+fn meta_is_cpu(cpu: &Engine<CpuBackend>, meta: &Engine<MetaBackend>, what: &str) {
+    let (c, m) = (&cpu.dev.tracker, &meta.dev.tracker);
+    assert_eq!(c.peak_bytes(), m.peak_bytes(), "{what}");
+    assert_eq!(
+        common::events(c),
+        common::events(m),
+        "{what}: timelines differ"
+    );
+    let (c, m) = (&cpu.dev.meter.cost, &meta.dev.meter.cost);
+    assert_eq!((c.flops(), c.bytes()), (m.flops(), m.bytes()), "{what}");
+}
+
 /// Every loss on cpu allocates what meta predicts, event for event, with
 /// accumulation, checkpointing, and PyTorch's resident or freed gradients
 /// over tied (gpt2-tiny) and untied (llama-tiny) heads; and training with
@@ -152,18 +166,7 @@ fn meta_predicts_every_loss_byte_for_byte() {
                 );
                 meta.step(&batches).unwrap();
             }
-            let (c, m) = (&cpu.dev.tracker, &meta.dev.tracker);
-            assert_eq!(c.peak_bytes(), m.peak_bytes(), "{what}");
-            assert_eq!(
-                common::events(c),
-                common::events(m),
-                "{what}: timelines differ"
-            );
-            assert_eq!(
-                cpu.dev.meter.cost.flops(),
-                meta.dev.meter.cost.flops(),
-                "{what}: FLOPs"
-            );
+            meta_is_cpu(&cpu, &meta, &what);
         }
     }
 }
@@ -243,17 +246,7 @@ fn megatrons_unfused_loss_holds_an_fp32_copy_and_pays_its_passes() {
         let batches: Vec<_> = (0..2).map(|_| data.next_batch(4, 32)).collect();
         cpu.step(&batches).unwrap();
         meta.step(&batches).unwrap();
-        let (c, m) = (&cpu.dev.tracker, &meta.dev.tracker);
-        assert_eq!(
-            common::events(c),
-            common::events(m),
-            "{loss:?}: timelines differ"
-        );
-        assert_eq!(
-            cpu.dev.meter.cost.bytes(),
-            meta.dev.meter.cost.bytes(),
-            "{loss:?}"
-        );
+        meta_is_cpu(&cpu, &meta, &format!("{loss:?}"));
         meta
     };
     let (full, megatron) = (run(Loss::Full), run(Loss::MegatronUnfused));
