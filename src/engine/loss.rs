@@ -33,8 +33,9 @@
 //!   live beside the copy until the loss returns; the max, the in-place
 //!   subtraction, the in-place `exp`, the sum and the in-place division each
 //!   pass over that fp32 tensor, which is saved as the softmax; the backward
-//!   makes it the gradient in place and `.float()`'s backward casts it back
-//!   to the head's type. The engine runs the copy, its own loss kernels on
+//!   makes it the gradient in place, and autograd casts that fp32 gradient
+//!   to the logits' type (the copy ran inside the `autograd.Function`, so
+//!   no cast node of its own) before the saved softmax goes. The engine runs the copy, its own loss kernels on
 //!   the fp32 tensor and the cast back; the passes its kernel fuses are
 //!   charged beside it ([`megatron_unfused`]).
 
@@ -85,7 +86,8 @@ impl Loss {
 /// besides the cast (those five; two compares and an `|` for the target
 /// mask; `clone` and `-` of the targets; a masked fill's `nonzero` and
 /// `index_put`; `arange`; the gather and its `clone`; another masked fill's
-/// two; `log` and `-`), where the engine launches one. Backward
+/// two; `log` and `-`), where the engine launches one (two with
+/// `vocab_parallel`: its statistics, then their combination). Backward
 /// (`backward`, `calculate_gradients`): the target's `-=` through an index
 /// (gather, subtract, scatter: rows only) and `mul_` by the incoming
 /// gradient, which reads and writes them (8 B, as the engine's one backward
@@ -93,10 +95,10 @@ impl Loss {
 /// where the engine launches one. The three all-reduces
 /// over the tensor-parallel group carry a token's worth each; the engine's
 /// vocabulary-parallel loss exchanges the same statistics its own way.
-pub(super) fn megatron_unfused(elems: usize) -> [Unfused; 2] {
+pub(super) fn megatron_unfused(elems: usize, vocab_parallel: bool) -> [Unfused; 2] {
     [
         Unfused {
-            kernels: 18,
+            kernels: 18 - u64::from(vocab_parallel),
             bytes: 28 * elems as u64,
         },
         Unfused {

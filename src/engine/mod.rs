@@ -1866,8 +1866,8 @@ fn full_head_backward<B: Backend>(
     for t in loss_grads.into_iter().chain(loss_extra) {
         dev.free(t);
     }
-    // Megatron's unfused loss: `.float()`'s backward casts the fp32
-    // gradient to the head's type, a new tensor, before the copy goes.
+    // Megatron's unfused loss: autograd casts the Function's fp32
+    // gradient to the logits' type, a new tensor, before the copy goes.
     if logits.dtype != dt {
         let mut cast = dev.alloc(logits.len, dt, tmp)?;
         dev.convert(&mut cast, &logits);

@@ -1207,7 +1207,7 @@ impl<'e, B: Backend> Pass<'e, B> {
         // The passes an unfused loss runs beyond the engine's kernels:
         // Megatron's, or PyTorch's eager cross-entropy under hf-eager.
         let [fwd, bwd] = match (megatron, self.hf) {
-            (true, _) => loss::megatron_unfused(n * vpl),
+            (true, _) => loss::megatron_unfused(n * vpl, self.tp.is_some()),
             (false, Some(h)) => h.loss_unfused(n),
             (false, None) => Default::default(),
         };

@@ -341,7 +341,7 @@ fn loss(t: &TrainConfig) -> Result<()> {
         _ if t.tensor_parallel > 1 => Err(Error::invalid_arg(
             "--loss",
             format!(
-                "{} needs the head's whole vocabulary on one rank; with --tensor-parallel the head is vocabulary-parallel and its cross-entropy already never gathers the logits (Megatron's vocab_parallel_cross_entropy): use --loss full",
+                "{} needs the head's whole vocabulary on one rank; with --tensor-parallel the head is vocabulary-parallel and its cross-entropy already never gathers the logits (Megatron's vocab_parallel_cross_entropy): use --loss full, or megatron-unfused for Megatron's unfused one",
                 name(t.loss)
             ),
         )),
