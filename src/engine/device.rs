@@ -429,6 +429,10 @@ impl CostCounter {
     pub fn bytes(&self) -> u128 {
         self.ops.values().map(|c| c.bytes).sum()
     }
+    /// Kernel launches (and transfers) over every op.
+    pub fn calls(&self) -> u64 {
+        self.ops.values().map(|c| c.calls).sum()
+    }
     fn add(
         &mut self,
         op: &'static str,

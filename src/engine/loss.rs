@@ -108,6 +108,10 @@ pub(super) fn megatron_unfused(elems: usize, vocab_parallel: bool) -> [Unfused; 
     ]
 }
 
+/// The meter's name for what an unfused loss runs beyond the engine's
+/// kernels ([`megatron_unfused`], `HfRules::loss_unfused`).
+pub const UNFUSED_OP: &str = "unfused_cross_entropy";
+
 /// torchtune's default `num_output_chunks`.
 pub const DEFAULT_CHUNKS: usize = 8;
 

@@ -1846,7 +1846,7 @@ fn full_head_backward<B: Backend>(
     let tmp = Category::Temporaries;
     let dt = lnf.dtype;
     let (mut logits, loss_extra) = (part.logits, part.extra);
-    dev.charge_unfused("unfused_cross_entropy", part.unfused);
+    dev.charge_unfused(loss::UNFUSED_OP, part.unfused);
     // hf-eager: nll_loss_backward's dense gradient, then
     // _log_softmax_backward_data's, both alive with the saved log_softmax
     // output; then the first and the saved output go and the engine's
@@ -1997,7 +1997,7 @@ fn chunked_head_backward<B: Backend>(
             extra,
             unfused,
         } = part;
-        dev.charge_unfused("unfused_cross_entropy", unfused);
+        dev.charge_unfused(loss::UNFUSED_OP, unfused);
         let (input, tc) = (
             input.expect("a chunk keeps its rows"),
             tc.expect("a chunk keeps its targets"),

@@ -1211,7 +1211,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             (false, Some(h)) => h.loss_unfused(n),
             (false, None) => Default::default(),
         };
-        self.dev.charge_unfused("unfused_cross_entropy", fwd);
+        self.dev.charge_unfused(loss::UNFUSED_OP, fwd);
         let part = LogitsPart {
             start: 0,
             rows: n,
@@ -1302,7 +1302,7 @@ impl<'e, B: Backend> Pass<'e, B> {
             let mut lc = dev.alloc_f32(r, Category::Temporaries)?;
             dev.crossentropy_forward(&mut lc, &logits, &tc, r, v, vp);
             let [fwd, bwd] = hf.map_or(Default::default(), |h| h.loss_unfused(r));
-            dev.charge_unfused("unfused_cross_entropy", fwd);
+            dev.charge_unfused(loss::UNFUSED_OP, fwd);
             dev.copy_slice(&mut losses, off, &lc, 0, r, false);
             for x in live.into_iter().chain([lc]) {
                 dev.free(x);

@@ -1535,9 +1535,10 @@ fn gemm_share(hw: &HardwareProfile) -> f64 {
 
 fn profile_roofline(hw: &HardwareProfile, precision: Precision) -> Roofline {
     let tensor_cores = precision.is_16bit();
+    let gemm_flops_per_s = hw.peak_flops(precision) * gemm_share(hw);
     Roofline {
-        flops_per_s: hw.peak_flops(precision) * gemm_share(hw),
-        kernel_flops_per_s: hw.peak_flops(precision) * gemm_share(hw),
+        flops_per_s: gemm_flops_per_s,
+        kernel_flops_per_s: gemm_flops_per_s,
         bytes_per_s: hw.memory_bandwidth_gbps * 1e9 * MEMORY_EFFICIENCY,
         norm_share: NORM_EFFICIENCY / MEMORY_EFFICIENCY,
         op_overhead_s: OP_OVERHEAD_S,

@@ -403,20 +403,30 @@ fn the_fitted_constants_are_the_best_fit_of_their_rows() {
             eprintln!("Triton rates x{f:.3}: misfit {:.5}", triton(f));
         }
     }
-    let at = gemm(share);
-    for s in [share - 0.01, share + 0.01] {
+    best_of_its_steps(
+        &format!("gemm_efficiency {share}"),
+        gemm(share),
+        [
+            (format!("{:.2}", share - 0.01), gemm(share - 0.01)),
+            (format!("{:.2}", share + 0.01), gemm(share + 0.01)),
+        ],
+    );
+    best_of_its_steps(
+        "the Triton kernel's rates",
+        triton(1.0),
+        [
+            ("scaled by 0.975".into(), triton(0.975)),
+            ("scaled by 1.025".into(), triton(1.025)),
+        ],
+    );
+}
+
+/// A fitted constant's misfit `at` beats each step's beside it.
+fn best_of_its_steps(what: &str, at: f64, steps: [(String, f64); 2]) {
+    for (step, misfit) in steps {
         assert!(
-            at < gemm(s),
-            "gemm_efficiency {share} fits its rows no better than {s:.2} ({at:.5} vs {:.5})",
-            gemm(s)
-        );
-    }
-    let at = triton(1.0);
-    for f in [0.975, 1.025] {
-        assert!(
-            at < triton(f),
-            "the Triton kernel's rates fit their rows no better scaled by {f} ({at:.5} vs {:.5})",
-            triton(f)
+            at < misfit,
+            "{what} fits its rows no better than {step} ({at:.5} vs {misfit:.5})"
         );
     }
 }

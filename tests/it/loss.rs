@@ -11,6 +11,7 @@ use memfit::backend::cpu::CpuBackend;
 use memfit::backend::meta::MetaBackend;
 use memfit::config::profile::load_model;
 use memfit::data::DataSource;
+use memfit::engine::loss::UNFUSED_OP;
 use memfit::engine::{
     Checkpointing, Engine, Framework, Loss, OptimizerImpl, Precision, TrainConfig,
 };
@@ -262,12 +263,10 @@ fn megatrons_unfused_loss_holds_an_fp32_copy_and_pays_its_passes() {
     assert_eq!((copies(&full), copies(&megatron)), (0, 2));
     let (f, m) = (&full.dev.meter.cost, &megatron.dev.meter.cost);
     assert_eq!(m.bytes() - f.bytes(), 2 * 46 * elems as u128);
-    let calls =
-        |c: &memfit::engine::device::CostCounter| -> u64 { c.ops.values().map(|o| o.calls).sum() };
     // Per micro-batch: the copy and the cast back, and the passes the
     // engine's two kernels fuse (18 forward, 6 backward).
-    assert_eq!(calls(m) - calls(f), 2 * (2 + 18 + 6));
-    assert_eq!(m.ops["unfused_cross_entropy"].bytes, 2 * 28 * elems as u128);
+    assert_eq!(m.calls() - f.calls(), 2 * (2 + 18 + 6));
+    assert_eq!(m.ops[UNFUSED_OP].bytes, 2 * 28 * elems as u128);
 }
 
 /// hf-eager's eager losses pay PyTorch's passes over the logits beyond the
@@ -298,7 +297,7 @@ fn pytorchs_eager_cross_entropy_pays_its_passes() {
         let mut e = Engine::new(model.clone(), t, MetaBackend::emulating_cpu(), None).unwrap();
         e.step_from(1, || unreachable!("meta reads no batch"))
             .unwrap();
-        let op = e.dev.meter.cost.ops.get("unfused_cross_entropy");
+        let op = e.dev.meter.cost.ops.get(UNFUSED_OP);
         let (bytes, n) = op.map_or((0, 0), |o| (o.bytes, o.calls));
         let what = format!("{precision:?} {loss:?} compiled {compile_loss}");
         assert_eq!(bytes, per_elem * elems, "{what}");

@@ -334,10 +334,8 @@ fn megatrons_unfused_loss_trains_each_ranks_vocabulary_columns() {
             // Each micro-batch: the copy and the cast back, and the passes
             // the engine's three vocabulary-parallel kernels fuse (17
             // forward, 6 backward).
-            let calls = |e: &memfit::engine::Engine<CpuBackend>| -> u64 {
-                e.dev.meter.cost.ops.values().map(|o| o.calls).sum()
-            };
-            assert_eq!(calls(c) - calls(f), 4 * (2 + 17 + 6), "{what}");
+            let (cc, fc) = (&c.dev.meter.cost, &f.dev.meter.cost);
+            assert_eq!(cc.calls() - fc.calls(), 4 * (2 + 17 + 6), "{what}");
         }
     }
 }
