@@ -102,6 +102,23 @@ fn emulated_gpu_trains_like_cpu_with_the_peaks_meta_predicts() {
         (&[][..], 1e-4),
         (&["--tensor-parallel", "2", "--precision", "bf16"][..], 2e-2),
         (&["--precision", "bf16", "--attention", "fused"][..], 2e-2),
+        // Megatron's unfused loss: the fp32 copy, the loss kernels over it
+        // and the cast back, alone and over each rank's vocabulary columns.
+        (
+            &["--precision", "bf16", "--loss", "megatron-unfused"][..],
+            2e-2,
+        ),
+        (
+            &[
+                "--tensor-parallel",
+                "2",
+                "--precision",
+                "bf16",
+                "--loss",
+                "megatron-unfused",
+            ][..],
+            2e-2,
+        ),
         (
             &[
                 "--ranks",
